@@ -1,0 +1,16 @@
+"""jattn: attention for JAX.
+
+``jattn.dot_product_attention`` is a drop-in superset of
+``jax.nn.dot_product_attention`` with index-function masks
+(:mod:`jattn.masks`), score modifiers (:mod:`jattn.scores`), dropout on the
+attention weights (:mod:`jattn.dropout`) and a choice of backward rule.
+"""
+
+from jattn import dropout as dropout
+from jattn import masks as masks
+from jattn import scores as scores
+from jattn.attention import dot_product_attention as dot_product_attention
+from jattn.masks import Mask as Mask
+from jattn.scores import ScoreFn as ScoreFn
+
+__version__ = "0.1.0"

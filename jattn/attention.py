@@ -1,0 +1,375 @@
+"""``jattn.dot_product_attention``: validate once, normalise, pick an implementation.
+
+Shape legend, used in every docstring, einsum string and shape assertion::
+
+    B  batch size
+    T  query length (target)
+    S  key/value length (source)
+    N  number of query heads
+    K  number of key/value heads (N a multiple of K: MHA, GQA, MQA)
+    H  head dimension
+    G  N // K, query heads per key/value head
+
+Data flows one way: the public call checks every argument and raises before
+anything is traced or compiled; every way of masking (``mask``,
+``is_causal``, ``local_window_size``, sequence lengths, ``segment_ids``)
+becomes one :class:`jattn.masks.Mask`, ``score_fn`` and ``logits_soft_cap``
+become one score function; then a jitted core dispatches to the
+implementation, which never re-validates.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Any, Callable
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _checks, masks, scores
+from jattn.impl import _common, xla
+
+# Implementation name -> the backward rules it supports (first is its default).
+IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
+    "xla": xla.BACKWARDS,
+    "cudnn": (),  # jax.nn's cuDNN kernel, with its own fused backward
+}
+BACKWARDS = ("autodiff", "custom_vjp")
+
+
+def dot_product_attention(
+    query: jax.typing.ArrayLike,
+    key: jax.typing.ArrayLike,
+    value: jax.typing.ArrayLike,
+    bias: jax.typing.ArrayLike | None = None,
+    mask: jax.typing.ArrayLike | masks.Mask | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.typing.ArrayLike | None = None,
+    key_value_seq_lengths: jax.typing.ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | None = None,
+    return_residual: bool = False,
+    segment_ids: Any = None,
+    score_fn: Callable | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    backward: str | None = None,
+):
+  r"""Scaled dot-product attention; a drop-in superset of ``jax.nn.dot_product_attention``.
+
+  Computes ``softmax(score_fn(scale · Q Kᵀ + bias)) V`` per head over the
+  positions the masks allow. Every argument jax.nn has keeps its meaning.
+
+  Args:
+    query: (B, T, N, H) or unbatched (T, N, H), floating dtype.
+    key: (B, S, K, H) or (S, K, H), same dtype as query; N % K == 0.
+    value: same shape and dtype as key.
+    bias: optional float array added to the scaled logits, broadcastable to
+      (B, N, T, S) (lower ranks get leading 1s). Differentiable.
+    mask: optional boolean array broadcastable to (B, N, T, S), True meaning
+      "may attend", or a :class:`jattn.masks.Mask`.
+    scale: logit scale, default ``1 / sqrt(H)``.
+    is_causal: query t attends to keys s <= t (top-left aligned, as jax.nn).
+    query_seq_lengths: int array (B,); query rows at or past the length
+      attend to nothing and return zeros.
+    key_value_seq_lengths: int array (B,); keys at or past it are masked.
+    local_window_size: int w or (left, right): t - left <= s <= t + right.
+    implementation: None (best available: ``"xla"`` for now), ``"xla"``
+      (materialised scores), or ``"cudnn"`` (jax.nn's cuDNN kernel on NVIDIA
+      GPUs, for the arguments jax.nn supports).
+    return_residual: also return the rows' log-sum-exp, shape (B, T, N) or
+      (T, N), in the query's dtype; -inf for rows that attend to nothing.
+    segment_ids: packed-sequence document ids: an int array (B, T) (or (T,)
+      unbatched) when T == S, or a pair ``(q_segment_ids, kv_segment_ids)``;
+      positions attend only within their segment.
+    score_fn: ``fn(score, batch, head, q_idx, kv_idx) -> score`` applied to
+      the scaled, biased logits (see :mod:`jattn.scores`).
+    logits_soft_cap: if set, ``cap · tanh(s / cap)`` after ``score_fn``,
+      before masking.
+    dropout_rate: dropout on the attention weights, in [0, 1), with inverted
+      scaling; the kept set is a pure function of (rng, b, n, t, s).
+    dropout_rng: a ``jax.random.key`` (or ``PRNGKey``); needed when
+      ``dropout_rate > 0``.
+    backward: how gradients are formed: ``"autodiff"`` (JAX differentiates the
+      forward pass) or ``"custom_vjp"`` (jattn's explicit rule, which stores
+      only the output and log-sum-exp). None picks the implementation's
+      default (``"autodiff"`` for ``"xla"``).
+
+  Returns:
+    The output, shaped and typed like ``query``; with ``return_residual``, the
+    pair ``(output, lse)``.
+
+  Unlike jax.nn, a query row that may attend to nothing returns zeros (jax.nn
+  returns the mean of the values) and the log-sum-exp is differentiable.
+  """
+  impl, bwd = _check_choices(implementation, backward)
+  q, k, v = _check_qkv(query, key, value)
+  unbatched = q.ndim == 3
+  q4, k4, v4 = (x[None] if unbatched else x for x in (q, k, v))
+  B, T, N, H = q4.shape
+  S = k4.shape[1]
+  scale = 1.0 / float(np.sqrt(H)) if scale is None else _checks.real("scale", scale)
+  bias4 = _check_bias(bias, (B, N, T, S))
+  for name, flag in (("is_causal", is_causal), ("return_residual", return_residual)):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(f"{name} must be a bool, got {flag!r}")
+  window = _check_window(local_window_size)
+  lengths = tuple(_check_lengths(name, x, B) for name, x in (
+      ("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths", key_value_seq_lengths)))
+  dropout_rate = _check_dropout(dropout_rate, dropout_rng)
+
+  if impl == "cudnn":
+    return _cudnn(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+                  query_seq_lengths=query_seq_lengths,
+                  key_value_seq_lengths=key_value_seq_lengths,
+                  local_window_size=window, return_residual=return_residual,
+                  unsupported={"segment_ids": segment_ids, "score_fn": score_fn,
+                               "logits_soft_cap": logits_soft_cap,
+                               "dropout_rate": dropout_rate or None})
+
+  parts = [_check_mask(mask)]
+  if is_causal:
+    parts.append(masks.causal())
+  if window is not None:
+    parts.append(masks.sliding_window(*window))
+  if any(x is not None for x in lengths):
+    parts.append(masks.lengths(*lengths))
+  if segment_ids is not None:
+    parts.append(_check_segments(segment_ids, unbatched, T, S))
+  combined = masks.all_of(*(m for m in parts if m is not None))
+  if combined is not None:
+    _check_mask_shapes(combined, B, N, T, S)
+
+  score = _check_score(score_fn, logits_soft_cap, q4.dtype, (B, N, T, S))
+
+  out, lse = _attend(q4, k4, v4, bias4, combined, score, dropout_rng if dropout_rate else None,
+                     scale=scale, dropout_rate=dropout_rate, implementation=impl, backward=bwd,
+                     return_residual=bool(return_residual))
+  if unbatched:
+    out = out[0]
+    lse = None if lse is None else lse[0]
+  return (out, lse) if return_residual else out
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "dropout_rate", "implementation", "backward", "return_residual"))
+def _attend(query, key, value, bias, mask, score_fn, dropout_rng, *, scale, dropout_rate,
+            implementation, backward, return_residual):
+  B, T, N, H = query.shape
+  _, S, K, _ = key.shape
+  dims = chex.Dimensions(B=B, T=T, S=S, N=N, K=K, H=H)
+  chex.assert_shape(query, dims["BTNH"])
+  chex.assert_shape([key, value], dims["BSKH"])
+  match implementation:
+    case "xla":
+      out, lse = xla.attention(query, key, value, bias, mask=mask, score_fn=score_fn,
+                               scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                               backward=backward)
+    case _:
+      raise ValueError(f"unknown implementation {implementation!r}")
+  chex.assert_shape(lse, dims["BTN"])
+  return out, (lse.astype(query.dtype) if return_residual else None)
+
+
+def _check_choices(implementation, backward) -> tuple[str, str | None]:
+  if implementation is None:
+    implementation = "xla"
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {sorted(IMPLEMENTATIONS)} or None, "
+                     f"got {implementation!r}")
+  supported = IMPLEMENTATIONS[implementation]
+  if backward is None:
+    return implementation, (supported[0] if supported else None)
+  if backward not in BACKWARDS:
+    raise ValueError(f"backward must be one of {list(BACKWARDS)} or None, got {backward!r}")
+  if backward not in supported:
+    rules = f"supports only {list(supported)}" if supported else "has its own fused backward; " \
+        "leave backward=None"
+    raise ValueError(f"implementation={implementation!r} does not support "
+                     f"backward={backward!r}: it {rules}")
+  return implementation, backward
+
+
+def _as_array(name: str, x) -> jax.Array:
+  if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    return x
+  if isinstance(x, (list, tuple, numbers.Number)):
+    return np.asarray(x)
+  raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+
+
+def _check_qkv(query, key, value):
+  q, k, v = (_as_array(n, x) for n, x in (("query", query), ("key", key), ("value", value)))
+  for name, x in (("query", q), ("key", k), ("value", v)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+  if not q.dtype == k.dtype == v.dtype:
+    raise TypeError(f"query, key and value must have the same dtype, got "
+                    f"query {q.dtype}, key {k.dtype} and value {v.dtype}")
+  if q.ndim not in (3, 4):
+    raise ValueError(f"query must have shape (B, T, N, H) or (T, N, H), got {q.shape}")
+  layout = "(B, S, K, H)" if q.ndim == 4 else "(S, K, H)"
+  if k.ndim != q.ndim:
+    raise ValueError(f"key must have shape {layout} to match query {q.shape}, got {k.shape}")
+  if k.shape != v.shape:
+    raise ValueError(f"key and value must have the same shape, got key {k.shape} and "
+                     f"value {v.shape}")
+  if q.shape[-1] != k.shape[-1]:
+    raise ValueError(f"query and key must have the same head dimension H, got query "
+                     f"{q.shape} and key {k.shape}")
+  if q.ndim == 4 and q.shape[0] != k.shape[0]:
+    raise ValueError(f"query and key must have the same batch size B, got query {q.shape} "
+                     f"and key {k.shape}")
+  n, kh = q.shape[-2], k.shape[-2]
+  if kh == 0 or n % kh:
+    raise ValueError(f"the number of query heads N ({n}) must be a multiple of the number "
+                     f"of key/value heads K ({kh})")
+  return q, k, v
+
+
+def _to_4d(x):
+  return x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+def _check_bias(bias, bnts):
+  if bias is None:
+    return None
+  bias = _as_array("bias", bias)
+  if not jnp.issubdtype(bias.dtype, jnp.floating):
+    hint = "; pass boolean masks as mask" if bias.dtype == np.bool_ else ""
+    raise TypeError(f"bias must have a floating dtype, got {bias.dtype}{hint}")
+  if bias.ndim > 4:
+    raise ValueError(f"bias must be broadcastable to (B, N, T, S)={bnts}, got shape {bias.shape}")
+  bias = _to_4d(bias)
+  _checks.broadcastable("bias", tuple(bias.shape), bnts, "(B, N, T, S)")
+  return bias
+
+
+def _check_mask(mask) -> masks.Mask | None:
+  if mask is None or isinstance(mask, masks.Mask):
+    return mask
+  if not hasattr(mask, "dtype") and not isinstance(mask, (list, tuple)):
+    raise TypeError(f"mask must be a boolean array or a jattn.masks.Mask, got "
+                    f"{type(mask).__name__}")
+  return masks.from_array(mask)
+
+
+def _check_mask_shapes(mask: masks.Mask, B, N, T, S) -> None:
+  try:
+    extents = mask.extents
+  except ValueError as e:
+    raise ValueError(f"mask: {e}") from None
+  names = ("batch size B", "number of heads N", "query length T", "key/value length S")
+  for name, own, want in zip(names, extents, (B, N, T, S)):
+    if own is not None and own != want:
+      raise ValueError(f"mask {mask!r} holds arrays for {name}={own}, but the inputs have "
+                       f"{name}={want}; masks must be broadcastable to (B, N, T, S)="
+                       f"{(B, N, T, S)}")
+  out = jax.eval_shape(lambda: mask.on_grid(masks.index_grid(B, N, T, S)))
+  if out.dtype != np.bool_:
+    raise TypeError(f"mask {mask!r} must evaluate to bool, got {out.dtype}")
+  if len(out.shape) != 4:
+    raise ValueError(f"mask {mask!r} must evaluate to a rank-4 array broadcastable to "
+                     f"(B, N, T, S)={(B, N, T, S)}, got shape {out.shape}")
+  _checks.broadcastable(f"mask {mask!r}", tuple(out.shape), (B, N, T, S), "(B, N, T, S)")
+
+
+def _check_window(window):
+  if window is None:
+    return None
+  if isinstance(window, numbers.Integral) and not isinstance(window, bool):
+    window = (window, window)
+  if not (isinstance(window, tuple) and len(window) == 2):
+    raise TypeError(f"local_window_size must be an int or a (left, right) tuple of ints, "
+                    f"got {window!r}")
+  return tuple(_checks.integer(f"local_window_size[{i}]", w, minimum=0)
+               for i, w in enumerate(window))
+
+
+def _check_lengths(name, lengths, B):
+  if lengths is None:
+    return None
+  lengths = _checks.int_array(name, _as_array(name, lengths), ranks=(1,), nonnegative=True)
+  if lengths.shape != (B,):
+    raise ValueError(f"{name} must have shape (B,)=({B},), got {lengths.shape}")
+  return lengths
+
+
+def _check_segments(segment_ids, unbatched: bool, T: int, S: int) -> masks.Mask:
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise ValueError(f"segment_ids must be an array or a pair (q_segment_ids, "
+                       f"kv_segment_ids), got a sequence of length {len(segment_ids)}")
+    q_ids, kv_ids = segment_ids
+  else:
+    if T != S:
+      raise ValueError(f"segment_ids as one array needs T == S, got T={T} and S={S}; "
+                       "pass (q_segment_ids, kv_segment_ids)")
+    q_ids = kv_ids = segment_ids
+  rank = 1 if unbatched else 2
+  for name, ids, length in (("q_segment_ids", q_ids, T), ("kv_segment_ids", kv_ids, S)):
+    ids = _checks.int_array(f"segment_ids ({name})", _as_array(name, ids), ranks=(rank,))
+    if ids.shape[-1] != length:
+      raise ValueError(f"segment_ids ({name}) must have length {length} along the sequence "
+                       f"axis, got shape {ids.shape}")
+  return masks.segments(q_ids, kv_ids)
+
+
+def _check_score(score_fn, soft_cap, dtype, bnts) -> scores.ScoreFn | None:
+  fns = []
+  if score_fn is not None:
+    fns.append(scores.from_fn(score_fn))
+  if soft_cap is not None:
+    try:
+      fns.append(scores.soft_cap(soft_cap))
+    except (TypeError, ValueError) as e:
+      raise type(e)(f"logits_soft_cap: {e}") from None
+  if not fns:
+    return None
+  fn = fns[0] if len(fns) == 1 else scores.compose(*fns)
+  if score_fn is not None:
+    example = jax.ShapeDtypeStruct(bnts, _common.stats_dtype(dtype))
+    out = jax.eval_shape(lambda s: score_fn(s, *masks.index_grid(*bnts)), example)
+    if tuple(out.shape) != bnts or not jnp.issubdtype(out.dtype, jnp.floating):
+      raise ValueError(f"score_fn must return a float array of the score's shape "
+                       f"(B, N, T, S)={bnts}, got {out.dtype}{tuple(out.shape)}")
+  return fn
+
+
+def _check_dropout(rate, rng) -> float:
+  rate = _checks.real("dropout_rate", rate)
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
+  if rate > 0.0:
+    if rng is None:
+      raise ValueError(f"dropout_rate={rate} needs dropout_rng, got None")
+    dtype = getattr(rng, "dtype", None)
+    is_key = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    is_raw = dtype == np.uint32 and getattr(rng, "shape", None) == (2,)
+    if not (is_key and rng.shape == ()) and not is_raw:
+      raise TypeError(f"dropout_rng must be a single jax.random.key or PRNGKey, got "
+                      f"{getattr(rng, 'dtype', type(rng).__name__)}{getattr(rng, 'shape', '')}")
+  return rate
+
+
+def _cudnn(query, key, value, bias, mask, *, unsupported, **kwargs):
+  for name, value_ in unsupported.items():
+    if value_ is not None:
+      raise ValueError(f"implementation='cudnn' does not support {name}; use "
+                       "implementation='xla'")
+  if isinstance(mask, masks.Mask):
+    if mask.rule.name != "from_array":
+      raise ValueError(f"implementation='cudnn' takes mask only as a boolean array, got "
+                       f"{mask!r}; use implementation='xla'")
+    (mask,) = mask.children
+  if jax.default_backend() != "gpu":
+    raise ValueError(f"implementation='cudnn' needs an NVIDIA GPU; the default backend is "
+                     f"{jax.default_backend()!r}")
+  return jax.nn.dot_product_attention(query, key, value, bias, mask, implementation="cudnn",
+                                      **kwargs)

@@ -1,0 +1,1 @@
+"""Attention implementations. Each takes normalised, validated arguments."""

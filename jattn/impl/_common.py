@@ -1,0 +1,116 @@
+"""Pieces every implementation shares: score tiles, the masked softmax, closures.
+
+Shape legend as in :mod:`jattn.attention`; G = N // K query heads per key/value
+head. Query head n belongs to key/value head n // G, as in jax.nn.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+# A finite stand-in for -inf as the running max of a row with nothing to attend
+# to. Finite so that no subtraction can make inf - inf; capped at float32's
+# range as in jax.nn.
+MASKED_MAX = float(-0.7 * np.finfo(np.float32).max)
+
+
+def stats_dtype(dtype) -> np.dtype:
+  """Logits, maxima and sums: float32, or float64 for float64 inputs."""
+  return np.promote_types(dtype, np.float32)
+
+
+def logits(query: jax.Array, key: jax.Array, bias: jax.Array | None, scale: float) -> jax.Array:
+  """``scale * q·k + bias`` for query (B, T, N, H) and key (B, S, K, H), as (B, N, T, S).
+
+  GQA contracts each key head with its G query heads directly, without
+  repeating K. ``bias`` broadcasts to (B, N, T, S).
+  """
+  B, T, N, H = query.shape
+  _, S, K, _ = key.shape
+  chex.assert_shape(key, (B, S, K, H))
+  dtype = stats_dtype(query.dtype)
+  s = jnp.einsum("BTKGH,BSKH->BKGTS", query.reshape(B, T, K, N // K, H), key,
+                 preferred_element_type=dtype).reshape(B, N, T, S)
+  s = s * jnp.asarray(scale, dtype)
+  if bias is not None:
+    chex.assert_rank(bias, 4)
+    s = s + bias.astype(dtype)
+  return s
+
+
+def probs_times_values(p: jax.Array, value: jax.Array) -> jax.Array:
+  """``p @ v`` for p (B, N, T, S) and value (B, S, K, H), as (B, T, N, H) in float32/64."""
+  B, N, T, S = p.shape
+  K, H = value.shape[2:]
+  out = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(value.dtype).reshape(B, K, N // K, T, S), value,
+                   preferred_element_type=stats_dtype(value.dtype))
+  return out.reshape(B, T, N, H)
+
+
+def row_max(s: jax.Array, keep: jax.Array | None) -> jax.Array:
+  """Max of each row over allowed positions, MASKED_MAX where none is allowed."""
+  return jax.lax.stop_gradient(
+      jnp.max(s, axis=-1, keepdims=True, where=keep, initial=MASKED_MAX))
+
+
+def masked_exp(s: jax.Array, m: jax.Array, keep: jax.Array | None) -> jax.Array:
+  """``exp(s - m)`` where allowed, exactly 0 elsewhere, with no inf or NaN in value or grad.
+
+  The inner ``where`` keeps masked lanes at exp(0) so their gradient is finite
+  before the outer ``where`` zeroes it.
+  """
+  if keep is None:
+    return jnp.exp(s - m)
+  return jnp.where(keep, jnp.exp(jnp.where(keep, s, m) - m), 0)
+
+
+def safe_total(l: jax.Array) -> jax.Array:
+  """Row sums with empty rows (sum 0) replaced by 1, so dividing leaves zeros."""
+  return jnp.where(l > 0, l, 1)
+
+
+def log_sum_exp(m: jax.Array, l: jax.Array) -> jax.Array:
+  """The rows' log-sum-exp from max and sum: -inf for rows that attend to nothing."""
+  return jnp.where(l > 0, m + jnp.log(safe_total(l)), -jnp.inf)
+
+
+def reduce_to_shape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Sum ``x`` over the axes where ``shape`` has size 1 (the transpose of broadcasting)."""
+  axes = tuple(i for i, (n, m) in enumerate(zip(shape, x.shape)) if n == 1 and m != 1)
+  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+def hoist(fn: Callable, *example_args) -> tuple[Callable, list[Any]]:
+  """Closure-convert ``fn`` for use inside a custom_vjp.
+
+  A custom_vjp must see every array it depends on as an explicit argument:
+  values captured in closures (a traced relative-bias table, segment ids from
+  an enclosing jit) would otherwise leak tracers or lose their gradients. This
+  traces ``fn`` at the example arguments' shapes and returns ``(converted,
+  consts)`` where ``converted(*args, *consts) == fn(*args)`` and ``consts`` are
+  all values ``fn`` closes over. Unlike ``jax.closure_convert`` it hoists
+  integer tracers too, so the rule also works under ``grad(jit(...))``.
+  """
+  closed = jax.make_jaxpr(fn)(*example_args)
+  jaxpr, consts = closed.jaxpr, list(closed.consts)
+  n_consts = len(consts)
+
+  def converted(*args):
+    flat, _ = jax.tree_util.tree_flatten(args[:len(args) - n_consts])
+    outs = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, args[len(args) - n_consts:]))(*flat)
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+  return converted, consts
+
+
+def float_or_none(cotangents, primals):
+  """Cotangents for a custom_vjp's outputs: None for integer and boolean inputs."""
+  return tuple(
+      ct if ct is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact) else None
+      for ct, x in zip(cotangents, primals))

@@ -1,0 +1,129 @@
+"""Materialised attention: every score of the (B, N, T, S) grid at once.
+
+The reference implementation, and the fastest for short sequences. Memory is
+O(B·N·T·S). Two backward rules:
+
+* ``"autodiff"``: JAX differentiates the forward computation.
+* ``"custom_vjp"``: the explicit rule. The forward pass keeps only the output
+  and the rows' log-sum-exp; the backward pass recomputes the probabilities A
+  from them and forms
+
+      dV = Aᵀ dY,   dA = dY Vᵀ,   dS = A ⊙ (dA − rowsum(A ⊙ dA) + dlse),
+      dQ = scale · dS K,   dK = scale · dSᵀ Q,   dbias = dS summed to bias's shape,
+
+  with dropout's kept weights and inverted scale applied to A in ``Aᵀ dY`` and
+  to dA, score functions differentiated through their own VJP (so learned
+  tables get gradients), and GQA gradients summed over each group by the
+  grouped einsums.
+
+Arguments arrive normalised and validated by :mod:`jattn.attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jattn import dropout as _dropout
+from jattn.impl import _common
+from jattn.masks import Mask, index_grid
+
+BACKWARDS = ("autodiff", "custom_vjp")
+
+
+def attention(query, key, value, bias, *, mask: Mask | None, score_fn: Callable | None,
+              scale: float, dropout_rate: float, dropout_rng, backward: str):
+  """Returns ``(out (B, T, N, H) in query's dtype, lse (B, T, N) in float32/64)``."""
+  B, T, N, _ = query.shape
+  S = key.shape[1]
+  grid = index_grid(B, N, T, S)
+  keep = None if mask is None else mask.on_grid(grid)
+  drop = None if dropout_rate == 0.0 else _dropout.keep_mask(dropout_rng, dropout_rate, *grid)
+
+  if backward == "autodiff":
+    modify = None if score_fn is None else (lambda s: score_fn(s, *grid))
+    out, lse = _forward(query, key, value, bias, keep, drop, modify, (), scale, dropout_rate)
+    return out, lse
+
+  assert backward == "custom_vjp", backward
+  modify, consts = None, []
+  if score_fn is not None:
+    example = jax.ShapeDtypeStruct((B, N, T, S), _common.stats_dtype(query.dtype))
+    modify, consts = _common.hoist(lambda s: score_fn(s, *index_grid(B, N, T, S)), example)
+  return _attention_vjp((scale, dropout_rate), modify, query, key, value, bias, keep, drop,
+                        tuple(consts))
+
+
+def _forward(query, key, value, bias, keep, drop, modify, consts, scale, dropout_rate):
+  """The forward pass shared by both rules: ``(out, lse)``."""
+  s = _common.logits(query, key, bias, scale)
+  if modify is not None:
+    s = modify(s, *consts)
+  m = _common.row_max(s, keep)
+  p = _common.masked_exp(s, m, keep)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  p = p / _common.safe_total(l)
+  if drop is not None:
+    p = jnp.where(drop, p / (1.0 - dropout_rate), 0)
+  out = _common.probs_times_values(p, value).astype(query.dtype)
+  lse = _common.log_sum_exp(m, l)[..., 0].transpose(0, 2, 1)  # BNT -> BTN
+  return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention_vjp(static, modify, query, key, value, bias, keep, drop, consts):
+  scale, dropout_rate = static
+  return _forward(query, key, value, bias, keep, drop, modify, consts, scale, dropout_rate)
+
+
+def _attention_fwd(static, modify, query, key, value, bias, keep, drop, consts):
+  out, lse = _attention_vjp(static, modify, query, key, value, bias, keep, drop, consts)
+  # Rows that attend to nothing get a finite lse: their probabilities are
+  # zeroed by `keep` in the backward pass whatever it is.
+  lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
+  return (out, lse), (query, key, value, bias, keep, drop, consts, out, lse_safe)
+
+
+def _attention_bwd(static, modify, residuals, cotangents):
+  scale, dropout_rate = static
+  query, key, value, bias, keep, drop, consts, out, lse = residuals
+  d_out, d_lse = cotangents
+  B, T, N, H = query.shape
+  _, S, K, _ = key.shape
+  G = N // K
+  dtype = _common.stats_dtype(query.dtype)
+
+  s = _common.logits(query, key, bias, scale)
+  if modify is not None:
+    s, modify_vjp = jax.vjp(modify, s, *consts)
+  lse = lse.transpose(0, 2, 1)[..., None]  # BTN -> BNT1
+  p = _common.masked_exp(s, lse, keep)  # A, the normalised probabilities
+  p_used = p if drop is None else jnp.where(drop, p / (1.0 - dropout_rate), 0)
+
+  d_out = d_out.astype(dtype).reshape(B, T, K, G, H)
+  d_value = jnp.einsum("BKGTS,BTKGH->BSKH", p_used.reshape(B, K, G, T, S), d_out)
+  d_p_used = jnp.einsum("BTKGH,BSKH->BKGTS", d_out, value,
+                        preferred_element_type=dtype).reshape(B, N, T, S)
+  d_p = d_p_used if drop is None else jnp.where(drop, d_p_used / (1.0 - dropout_rate), 0)
+  # rowsum(A ⊙ dA): computed from the materialised grid rather than from
+  # rowsum(out ⊙ dY), which would inherit the output's rounding.
+  row_dot = jnp.sum(p * d_p, axis=-1, keepdims=True)
+  d_s = p * (d_p - row_dot + d_lse.astype(dtype).transpose(0, 2, 1)[..., None])
+
+  d_consts = ()
+  if modify is not None:
+    d_s, *d_consts = modify_vjp(d_s)
+  d_bias = None
+  if bias is not None:
+    d_bias = _common.reduce_to_shape(d_s, bias.shape).astype(bias.dtype)
+  d_s = d_s.reshape(B, K, G, T, S) * jnp.asarray(scale, dtype)
+  d_query = jnp.einsum("BKGTS,BSKH->BTKGH", d_s, key).reshape(B, T, N, H)
+  d_key = jnp.einsum("BKGTS,BTKGH->BSKH", d_s, query.reshape(B, T, K, G, H))
+  return (d_query.astype(query.dtype), d_key.astype(key.dtype), d_value.astype(value.dtype),
+          d_bias, None, None, _common.float_or_none(d_consts, consts))
+
+
+_attention_vjp.defvjp(_attention_fwd, _attention_bwd)

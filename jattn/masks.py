@@ -1,0 +1,677 @@
+"""Masks written as functions of indices.
+
+A :class:`Mask` says which query position may attend to which key/value
+position: a function of broadcastable int arrays ``(batch, head, q_idx,
+kv_idx)`` that returns booleans, True meaning "may attend" (as in
+``jax.nn.dot_product_attention``). It is FlexAttention's ``mask_mod`` and
+splash attention's mask classes in JAX. Masks combine with ``&``, ``|`` and
+``~``, materialise to a dense boolean array, and classify (query tile,
+key/value tile) pairs as EMPTY, PARTIAL or FULL so tiled implementations can
+skip empty tiles and skip mask arithmetic on full ones.
+
+Shape legend (shared with :mod:`jattn.attention`): B batch, N query heads,
+T query length, S key/value length.
+
+A mask is a pytree: the arrays it holds (segment ids, lengths, a dense array)
+are its leaves, and its kind and settings are static, so masks can be passed
+through ``jax.jit`` and ``jax.vmap`` and rebuilding an equal mask does not
+recompile.
+
+Example::
+
+    >>> from jattn import masks
+    >>> m = masks.causal() & masks.sliding_window(2, 0)
+    >>> m.materialize(4, 4)[0, 0].astype(int)
+    Array([[1, 0, 0, 0],
+           [1, 1, 0, 0],
+           [1, 1, 1, 0],
+           [0, 1, 1, 1]], dtype=int32)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _checks
+from jattn._tree import Node
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+"""Tile classes returned by :meth:`Mask.block_view`."""
+
+Extents = tuple  # (B, N, T, S), each an int or None when the mask does not fix it.
+
+
+class _Rule(NamedTuple):
+  """What one kind of mask node computes. All functions take (params, children, ...)."""
+  name: str
+  evaluate: Callable[..., jax.Array]  # (..., b, h, q, kv) -> bool, broadcast of the indices
+  bounds: Callable[..., tuple]  # (..., tiles) -> (any_allowed, all_allowed) per tile
+  extents: Callable[..., Extents]  # (...) -> (B, N, T, S) fixed by the mask's arrays
+  describe: Callable[..., str]
+  dense: Callable[..., jax.Array] | None = None  # (..., grid) -> bool; faster than evaluate
+
+
+class _Tiles(NamedTuple):
+  """Inclusive index bounds of every query tile (axis 2) and key/value tile (axis 3)."""
+  q_lo: jax.Array  # (1, 1, nq, 1)
+  q_hi: jax.Array
+  kv_lo: jax.Array  # (1, 1, 1, nk)
+  kv_hi: jax.Array
+  block_q: int
+  block_kv: int
+  q_len: int
+  kv_len: int
+
+
+def index_grid(batch_size: int, num_heads: int, q_len: int, kv_len: int):
+  """The index arrays masks and score functions receive on a full (B, N, T, S) grid.
+
+  Returns ``(batch, head, q_idx, kv_idx)``: int32 arrays of shapes (B,1,1,1),
+  (1,N,1,1), (1,1,T,1) and (1,1,1,S) that broadcast to (B, N, T, S).
+  """
+  return (
+      jnp.arange(batch_size, dtype=jnp.int32).reshape(-1, 1, 1, 1),
+      jnp.arange(num_heads, dtype=jnp.int32).reshape(1, -1, 1, 1),
+      jnp.arange(q_len, dtype=jnp.int32).reshape(1, 1, -1, 1),
+      jnp.arange(kv_len, dtype=jnp.int32).reshape(1, 1, 1, -1),
+  )
+
+
+def _merge_extents(a: Extents, b: Extents, what: str) -> Extents:
+  names = ("batch size", "number of heads", "query length", "key/value length")
+  merged = []
+  for name, x, y in zip(names, a, b):
+    if x is not None and y is not None and x != y:
+      raise ValueError(f"cannot combine masks with different {name} in {what}: {x} and {y}")
+    merged.append(x if x is not None else y)
+  return tuple(merged)
+
+
+def _fixed(n: int) -> int | None:
+  """A dimension of size 1 broadcasts, so it fixes nothing."""
+  return None if n == 1 else n
+
+
+def _at_batch(arr: jax.Array, b) -> jax.Array:
+  """``arr[b]`` for per-batch arrays of shape (Bm, ...); Bm == 1 broadcasts."""
+  return arr[b] if arr.shape[0] > 1 else arr[0]
+
+
+def _take(arr: jax.Array, b, idx) -> jax.Array:
+  """``arr[b, idx]`` for (Bm, L) arrays, clamping out-of-range positions."""
+  if arr.shape[0] > 1:
+    return arr.at[b, idx].get(mode="clip")
+  return arr[0].at[idx].get(mode="clip")
+
+
+def _tile_reduce(x: jax.Array, axis: int, block: int, length: int, fill, reducer) -> jax.Array:
+  """Reduce ``x`` over tiles of ``block`` along ``axis``; size-1 axes stay size 1."""
+  if x.shape[axis] == 1:
+    return x
+  n_tiles = -(-length // block)
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, n_tiles * block - length)
+  if isinstance(fill, str):
+    x = jnp.pad(x, pad, mode=fill)
+  else:
+    x = jnp.pad(x, pad, constant_values=fill)
+  x = x.reshape(x.shape[:axis] + (n_tiles, block) + x.shape[axis + 1:])
+  return reducer(x, axis=axis + 1)
+
+
+def _describe_plain(name: str, keys: tuple[str, ...]):
+  def describe(params, children):
+    args = ", ".join(f"{k}={v!r}" for k, v in zip(keys, params))
+    return f"{name}({args})"
+  return describe
+
+
+def _no_extents(params, children) -> Extents:
+  return (None, None, None, None)
+
+
+# --- causal ---------------------------------------------------------------
+
+
+def _causal_eval(params, children, b, h, q, kv):
+  (offset,) = params
+  return kv <= q + offset
+
+
+def _causal_bounds(params, children, t: _Tiles):
+  (offset,) = params
+  return t.kv_lo <= t.q_hi + offset, t.kv_hi <= t.q_lo + offset
+
+
+_CAUSAL = _Rule("causal", _causal_eval, _causal_bounds, _no_extents,
+                _describe_plain("causal", ("offset",)))
+
+
+def causal(offset: int = 0) -> Mask:
+  """Query ``q`` may attend to ``kv <= q + offset``.
+
+  ``offset=0`` is ``is_causal=True`` of ``jax.nn.dot_product_attention``
+  (top-left aligned). For T new queries appended after S - T cached keys, use
+  ``offset=S - T`` (bottom-right aligned, chunked prefill and decoding).
+  """
+  return Mask(_CAUSAL, (_checks.integer("offset", offset),))
+
+
+# --- sliding window ---------------------------------------------------------
+
+
+def _window_eval(params, children, b, h, q, kv):
+  left, right = params
+  ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q), jnp.shape(kv)), bool)
+  if left is not None:
+    ok = ok & (kv >= q - left)
+  if right is not None:
+    ok = ok & (kv <= q + right)
+  return ok
+
+
+def _window_bounds(params, children, t: _Tiles):
+  left, right = params
+  d_lo, d_hi = t.kv_lo - t.q_hi, t.kv_hi - t.q_lo  # range of kv - q inside the tile
+  any_ = all_ = jnp.ones(jnp.broadcast_shapes(d_lo.shape, d_hi.shape), bool)
+  if left is not None:
+    any_, all_ = any_ & (d_hi >= -left), all_ & (d_lo >= -left)
+  if right is not None:
+    any_, all_ = any_ & (d_lo <= right), all_ & (d_hi <= right)
+  return any_, all_
+
+
+_WINDOW = _Rule("sliding_window", _window_eval, _window_bounds, _no_extents,
+                _describe_plain("sliding_window", ("left", "right")))
+
+
+def sliding_window(left: int | None, right: int | None = 0) -> Mask:
+  """Query ``q`` may attend to ``q - left <= kv <= q + right``; None is unbounded.
+
+  ``sliding_window(l, r)`` is ``local_window_size=(l, r)`` of jax.nn.
+  """
+  params = tuple(None if w is None else _checks.integer(name, w, minimum=0)
+                 for name, w in (("left", left), ("right", right)))
+  return Mask(_WINDOW, params)
+
+
+# --- chunked ---------------------------------------------------------------
+
+
+def _chunked_eval(params, children, b, h, q, kv):
+  (size,) = params
+  return q // size == kv // size
+
+
+def _chunked_bounds(params, children, t: _Tiles):
+  (size,) = params
+  q0, q1, k0, k1 = t.q_lo // size, t.q_hi // size, t.kv_lo // size, t.kv_hi // size
+  return (q0 <= k1) & (k0 <= q1), (q0 == q1) & (k0 == k1) & (q0 == k0)
+
+
+_CHUNKED = _Rule("chunked", _chunked_eval, _chunked_bounds, _no_extents,
+                 _describe_plain("chunked", ("size",)))
+
+
+def chunked(size: int) -> Mask:
+  """Positions attend within their chunk: ``q // size == kv // size`` (local blocks)."""
+  return Mask(_CHUNKED, (_checks.integer("size", size, minimum=1),))
+
+
+# --- prefix LM -------------------------------------------------------------
+
+
+def _prefix_eval(params, children, b, h, q, kv):
+  (prefix,) = children
+  return (kv < _at_batch(prefix, b)) | (kv <= q)
+
+
+def _batch_index(arr: jax.Array) -> jax.Array:
+  """Per-batch values shaped (Bm, 1, 1, 1) to broadcast against tiles."""
+  return arr.reshape(-1, 1, 1, 1)
+
+
+def _prefix_bounds(params, children, t: _Tiles):
+  (prefix,) = children
+  p = _batch_index(prefix)
+  return (t.kv_lo < p) | (t.kv_lo <= t.q_hi), (t.kv_hi < p) | (t.kv_hi <= t.q_lo)
+
+
+def _batch_extents(params, children) -> Extents:
+  sizes = {c.shape[0] for c in children if c is not None and c.shape[0] != 1}
+  return (sizes.pop() if sizes else None, None, None, None)
+
+
+_PREFIX = _Rule("prefix_lm", _prefix_eval, _prefix_bounds, _batch_extents,
+                lambda params, children: f"prefix_lm(prefix_lengths={_shape_str(children[0])})")
+
+
+def _shape_str(arr) -> str:
+  return "shape=" + str(tuple(arr.shape))
+
+
+def _per_batch(name: str, value: Any) -> jax.Array:
+  arr = _checks.int_array(name, value, ranks=(0, 1), nonnegative=True)
+  return jnp.reshape(jnp.asarray(arr), (-1,))
+
+
+def prefix_lm(prefix_lengths) -> Mask:
+  """Prefix-LM: bidirectional inside the first ``prefix_lengths[b]`` positions, causal after.
+
+  Query ``q`` may attend to ``kv < prefix_lengths[b]`` or ``kv <= q``.
+  ``prefix_lengths`` is an int or an int array of shape (B,).
+  """
+  return Mask(_PREFIX, (), (_per_batch("prefix_lengths", prefix_lengths),))
+
+
+# --- segments (document masking) ---------------------------------------------
+
+
+def _segments_eval(params, children, b, h, q, kv):
+  q_ids, kv_ids = children
+  return _take(q_ids, b, q) == _take(kv_ids, b, kv)
+
+
+def _segments_bounds(params, children, t: _Tiles):
+  q_ids, kv_ids = children
+  # Edge padding repeats the last id, so it adds no new id to the last tile.
+  q_min = _tile_reduce(q_ids, 1, t.block_q, t.q_len, "edge", jnp.min)[:, None, :, None]
+  q_max = _tile_reduce(q_ids, 1, t.block_q, t.q_len, "edge", jnp.max)[:, None, :, None]
+  kv_min = _tile_reduce(kv_ids, 1, t.block_kv, t.kv_len, "edge", jnp.min)[:, None, None, :]
+  kv_max = _tile_reduce(kv_ids, 1, t.block_kv, t.kv_len, "edge", jnp.max)[:, None, None, :]
+  any_ = (q_min <= kv_max) & (kv_min <= q_max)
+  all_ = (q_min == q_max) & (kv_min == kv_max) & (q_min == kv_min)
+  return any_, all_
+
+
+def _segments_extents(params, children) -> Extents:
+  q_ids, kv_ids = children
+  return (_batch_extents(params, children)[0], None, q_ids.shape[1], kv_ids.shape[1])
+
+
+_SEGMENTS = _Rule(
+    "segments", _segments_eval, _segments_bounds, _segments_extents,
+    lambda params, children: (f"segments(q_segment_ids {_shape_str(children[0])}, "
+                              f"kv_segment_ids {_shape_str(children[1])})"))
+
+
+def segments(q_segment_ids, kv_segment_ids=None) -> Mask:
+  """Document masking for packed sequences: attend only within the same segment id.
+
+  Args:
+    q_segment_ids: int array (B, T) or (T,).
+    kv_segment_ids: int array (B, S) or (S,); defaults to ``q_segment_ids``
+      (self-attention).
+
+  Tile classification is exact when ids are sorted along the sequence (packed
+  documents); for unsorted ids it may say PARTIAL for a tile that is empty.
+  """
+  q_ids = _checks.int_array("q_segment_ids", q_segment_ids, ranks=(1, 2))
+  kv_ids = q_ids if kv_segment_ids is None else _checks.int_array(
+      "kv_segment_ids", kv_segment_ids, ranks=(1, 2))
+  q_ids, kv_ids = (jnp.atleast_2d(jnp.asarray(x)) for x in (q_ids, kv_ids))
+  if q_ids.shape[0] != kv_ids.shape[0]:
+    raise ValueError(
+        "q_segment_ids and kv_segment_ids must have the same batch size, got "
+        f"{tuple(q_ids.shape)} and {tuple(kv_ids.shape)}")
+  return Mask(_SEGMENTS, (), (q_ids, kv_ids))
+
+
+# --- sequence lengths (padding) ---------------------------------------------
+
+
+def _lengths_eval(params, children, b, h, q, kv):
+  q_lens, kv_lens = children
+  ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q), jnp.shape(kv)), bool)
+  if q_lens is not None:
+    ok = ok & (q < _at_batch(q_lens, b))
+  if kv_lens is not None:
+    ok = ok & (kv < _at_batch(kv_lens, b))
+  return ok
+
+
+def _lengths_bounds(params, children, t: _Tiles):
+  q_lens, kv_lens = children
+  any_ = all_ = jnp.ones((1, 1, 1, 1), bool)
+  if q_lens is not None:
+    n = _batch_index(q_lens)
+    any_, all_ = any_ & (t.q_lo < n), all_ & (t.q_hi < n)
+  if kv_lens is not None:
+    n = _batch_index(kv_lens)
+    any_, all_ = any_ & (t.kv_lo < n), all_ & (t.kv_hi < n)
+  return any_, all_
+
+
+def _describe_lengths(params, children):
+  q_lens, kv_lens = children
+  parts = [f"{name} {_shape_str(x)}" for name, x in (("q_lengths", q_lens), ("kv_lengths", kv_lens))
+           if x is not None]
+  return f"lengths({', '.join(parts)})"
+
+
+_LENGTHS = _Rule("lengths", _lengths_eval, _lengths_bounds, _batch_extents, _describe_lengths)
+
+
+def lengths(q_lengths=None, kv_lengths=None) -> Mask:
+  """Padding: query ``q`` and key ``kv`` take part only below their row's length.
+
+  ``q_lengths`` and ``kv_lengths`` are ints or int arrays of shape (B,). A
+  padded query row may attend to nothing, so its output is zeros.
+  """
+  if q_lengths is None and kv_lengths is None:
+    raise ValueError("lengths needs q_lengths, kv_lengths or both, got neither")
+  children = tuple(None if x is None else _per_batch(name, x)
+                   for name, x in (("q_lengths", q_lengths), ("kv_lengths", kv_lengths)))
+  sizes = {c.shape[0] for c in children if c is not None}
+  if len(sizes - {1}) > 1:
+    raise ValueError(f"q_lengths and kv_lengths must have the same batch size, got {sorted(sizes)}")
+  return Mask(_LENGTHS, (), children)
+
+
+# --- global tokens ----------------------------------------------------------
+
+
+def _global_eval(params, children, b, h, q, kv):
+  (n,) = params
+  return (q < n) | (kv < n)
+
+
+def _global_bounds(params, children, t: _Tiles):
+  (n,) = params
+  return (t.q_lo < n) | (t.kv_lo < n), (t.q_hi < n) | (t.kv_hi < n)
+
+
+_GLOBAL = _Rule("global_tokens", _global_eval, _global_bounds, _no_extents,
+                _describe_plain("global_tokens", ("n",)))
+
+
+def global_tokens(n: int) -> Mask:
+  """The first ``n`` positions are global: they attend to all and all attend to them.
+
+  Alone it allows only pairs that touch a global token; combine with ``|``,
+  e.g. ``global_tokens(2) | sliding_window(64, 64)`` (Longformer, BigBird).
+  """
+  return Mask(_GLOBAL, (_checks.integer("n", n, minimum=0),))
+
+
+# --- strided (dilated) ------------------------------------------------------
+
+
+def _strided_eval(params, children, b, h, q, kv):
+  (stride,) = params
+  return (q - kv) % stride == 0
+
+
+def _strided_bounds(params, children, t: _Tiles):
+  (stride,) = params
+  d_lo, d_hi = t.q_lo - t.kv_hi, t.q_hi - t.kv_lo  # range of q - kv inside the tile
+  any_ = (d_hi // stride) * stride >= d_lo  # a multiple of stride lies in [d_lo, d_hi]
+  all_ = (d_lo == d_hi) & (d_lo % stride == 0)
+  if stride == 1:
+    all_ = jnp.ones_like(all_)
+  return any_, all_
+
+
+_STRIDED = _Rule("strided", _strided_eval, _strided_bounds, _no_extents,
+                 _describe_plain("strided", ("stride",)))
+
+
+def strided(stride: int) -> Mask:
+  """Attend at distances that are multiples of ``stride``: ``(q - kv) % stride == 0``.
+
+  With ``sliding_window`` this is a dilated window; with ``causal`` and a
+  local window it is the Sparse Transformer's strided pattern.
+  """
+  return Mask(_STRIDED, (_checks.integer("stride", stride, minimum=1),))
+
+
+# --- dense arrays -----------------------------------------------------------
+
+
+def _array_eval(params, children, b, h, q, kv):
+  (arr,) = children
+  index = tuple(0 if n == 1 else i for n, i in zip(arr.shape, (b, h, q, kv)))
+  if all(isinstance(i, int) for i in index):
+    return arr[index]
+  return arr.at[index].get(mode="clip")
+
+
+def _array_bounds(params, children, t: _Tiles):
+  (arr,) = children
+  any_, all_ = arr, arr
+  for axis, block, length in ((2, t.block_q, t.q_len), (3, t.block_kv, t.kv_len)):
+    any_ = _tile_reduce(any_, axis, block, length, False, jnp.any)
+    all_ = _tile_reduce(all_, axis, block, length, True, jnp.all)
+  return any_, all_
+
+
+_ARRAY = _Rule(
+    "from_array", _array_eval, _array_bounds,
+    lambda params, children: tuple(_fixed(n) for n in children[0].shape),
+    lambda params, children: f"from_array({_shape_str(children[0])})",
+    dense=lambda params, children, grid: children[0])
+
+
+def from_array(mask) -> Mask:
+  """A dense boolean array broadcastable to (B, N, T, S), as jax.nn's ``mask``.
+
+  Arrays of lower rank get leading dimensions of size 1, so (T, S) is shared
+  by every batch row and head.
+  """
+  dtype = _checks.dtype_of(mask)
+  if dtype != np.bool_:
+    raise TypeError(f"mask must be a boolean array, got dtype {dtype}; "
+                    "pass additive masks as bias")
+  arr = jnp.asarray(mask)
+  if arr.ndim > 4:
+    raise ValueError(f"mask must have rank <= 4 (broadcastable to BNTS), got shape {arr.shape}")
+  return Mask(_ARRAY, (), (arr.reshape((1,) * (4 - arr.ndim) + arr.shape),))
+
+
+# --- arbitrary functions ------------------------------------------------------
+
+
+def _fn_bounds(params, children, t: _Tiles):
+  return jnp.ones((1, 1, 1, 1), bool), jnp.zeros((1, 1, 1, 1), bool)
+
+
+_FN = _Rule(
+    "from_fn", lambda params, children, b, h, q, kv: params[0](b, h, q, kv), _fn_bounds,
+    _no_extents,
+    lambda params, children: f"from_fn({getattr(params[0], '__name__', repr(params[0]))})")
+
+
+def from_fn(fn: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]) -> Mask:
+  """A mask from ``fn(batch, head, q_idx, kv_idx) -> bool`` (FlexAttention's mask_mod).
+
+  The indices are int arrays that broadcast against each other; write ``fn``
+  with broadcasting jnp operations. Tile classification is conservative
+  (every tile PARTIAL) unless ``block_view(..., exact=True)`` is asked for.
+  """
+  if not callable(fn):
+    raise TypeError(f"from_fn needs a callable fn(batch, head, q_idx, kv_idx), got {fn!r}")
+  return Mask(_FN, (fn,))
+
+
+# --- combinators -------------------------------------------------------------
+
+
+def _and_bounds(params, children, t):
+  (a_any, a_all), (b_any, b_all) = (_bounds(c, t) for c in children)
+  return a_any & b_any, a_all & b_all  # "any" may over-approximate: stays safe (PARTIAL)
+
+
+def _or_bounds(params, children, t):
+  (a_any, a_all), (b_any, b_all) = (_bounds(c, t) for c in children)
+  return a_any | b_any, a_all | b_all  # "all" may under-approximate: stays safe
+
+
+def _not_bounds(params, children, t):
+  any_, all_ = _bounds(children[0], t)
+  return ~all_, ~any_
+
+
+def _combined_extents(params, children) -> Extents:
+  out = (None,) * 4
+  for child in children:
+    out = _merge_extents(out, child.extents, "a combined mask")
+  return out
+
+
+_AND = _Rule(
+    "and", lambda p, c, *idx: c[0](*idx) & c[1](*idx), _and_bounds, _combined_extents,
+    lambda p, c: f"({c[0]!r} & {c[1]!r})",
+    dense=lambda p, c, grid: _dense(c[0], grid) & _dense(c[1], grid))
+_OR = _Rule(
+    "or", lambda p, c, *idx: c[0](*idx) | c[1](*idx), _or_bounds, _combined_extents,
+    lambda p, c: f"({c[0]!r} | {c[1]!r})",
+    dense=lambda p, c, grid: _dense(c[0], grid) | _dense(c[1], grid))
+_NOT = _Rule(
+    "not", lambda p, c, *idx: ~c[0](*idx), _not_bounds, _combined_extents,
+    lambda p, c: f"~{c[0]!r}",
+    dense=lambda p, c, grid: ~_dense(c[0], grid))
+
+
+def _bounds(mask: Mask, tiles: _Tiles):
+  return mask.rule.bounds(mask.params, mask.children, tiles)
+
+
+def _dense(mask: Mask, grid) -> jax.Array:
+  if mask.rule.dense is not None:
+    return mask.rule.dense(mask.params, mask.children, grid)
+  return mask.rule.evaluate(mask.params, mask.children, *grid)
+
+
+def all_of(*masks: Mask) -> Mask | None:
+  """``masks[0] & masks[1] & ...``; None when there are none."""
+  out = None
+  for m in masks:
+    out = m if out is None else out & m
+  return out
+
+
+class Mask(Node):
+  """An attention mask: a function of ``(batch, head, q_idx, kv_idx)`` returning bool.
+
+  Build masks with the constructors of :mod:`jattn.masks` and combine them
+  with ``&``, ``|`` and ``~``. Calling a mask evaluates it on broadcastable
+  index arrays.
+  """
+
+  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+    return self.rule.evaluate(self.params, self.children, batch, head, q_idx, kv_idx)
+
+  def on_grid(self, grid) -> jax.Array:
+    """Evaluate on a full :func:`index_grid`, keeping dense arrays as they are.
+
+    The result has the broadcast shape of what the mask depends on (e.g.
+    (1, 1, T, S) for ``causal()``); no argument checks, for implementations.
+    """
+    return _dense(self, grid)
+
+  @property
+  def extents(self) -> Extents:
+    """(B, N, T, S) fixed by the mask's arrays; None where the mask broadcasts."""
+    return self.rule.extents(self.params, self.children)
+
+  def __and__(self, other: Mask) -> Mask:
+    if not isinstance(other, Mask):
+      return NotImplemented
+    node = Mask(_AND, (), (self, other))
+    node.extents  # raises on incompatible shapes, at construction
+    return node
+
+  def __or__(self, other: Mask) -> Mask:
+    if not isinstance(other, Mask):
+      return NotImplemented
+    node = Mask(_OR, (), (self, other))
+    node.extents
+    return node
+
+  def __invert__(self) -> Mask:
+    return Mask(_NOT, (), (self,))
+
+  def _sizes(self, batch_size, num_heads) -> tuple[int, int]:
+    own_b, own_n = self.extents[:2]
+    sizes = []
+    for name, given, own in (("batch_size", batch_size, own_b), ("num_heads", num_heads, own_n)):
+      if given is None:
+        sizes.append(own or 1)
+        continue
+      given = _checks.integer(name, given, minimum=1)
+      if own is not None and own != given:
+        raise ValueError(f"{name} is {given} but the mask holds arrays for {own}")
+      sizes.append(given)
+    return tuple(sizes)
+
+  def _check_lengths(self, q_len: int, kv_len: int) -> None:
+    _, _, own_t, own_s = self.extents
+    for name, given, own in (("q_len", q_len, own_t), ("kv_len", kv_len, own_s)):
+      if own is not None and own != given:
+        raise ValueError(f"{name} is {given} but the mask holds arrays for length {own}")
+
+  def materialize(self, q_len: int, kv_len: int, *, batch_size: int | None = None,
+                  num_heads: int | None = None) -> jax.Array:
+    """The dense boolean mask of shape (B, N, T, S).
+
+    B and N default to the sizes of the mask's own arrays (1 when it has none).
+    """
+    q_len = _checks.integer("q_len", q_len, minimum=0)
+    kv_len = _checks.integer("kv_len", kv_len, minimum=0)
+    self._check_lengths(q_len, kv_len)
+    batch_size, num_heads = self._sizes(batch_size, num_heads)
+    dense = self.on_grid(index_grid(batch_size, num_heads, q_len, kv_len))
+    return jnp.broadcast_to(dense, (batch_size, num_heads, q_len, kv_len))
+
+  def block_view(self, q_len: int, kv_len: int, *, block_q: int, block_kv: int,
+                 batch_size: int | None = None, num_heads: int | None = None,
+                 exact: bool = False):
+    """Classify every (query tile, key/value tile) pair as EMPTY, PARTIAL or FULL.
+
+    Tiles are ``block_q`` queries by ``block_kv`` keys; the last tile of each
+    axis may be shorter. Without ``exact`` the classification comes from each
+    mask's tile bounds in O(number of tiles) work: exact for every constructor
+    (``segments`` with sorted ids), conservative (PARTIAL where unsure) for
+    ``from_fn`` and for some combinations. ``exact=True`` evaluates the mask
+    densely, O(B·N·T·S) work, and is exact for every mask.
+
+    Returns:
+      int8 array of shape (B, N, ceil(T / block_q), ceil(S / block_kv)) with
+      values EMPTY, PARTIAL, FULL: a NumPy array when the mask's arrays are
+      concrete, a traced array inside jit otherwise.
+    """
+    q_len = _checks.integer("q_len", q_len, minimum=0)
+    kv_len = _checks.integer("kv_len", kv_len, minimum=0)
+    block_q = _checks.integer("block_q", block_q, minimum=1)
+    block_kv = _checks.integer("block_kv", block_kv, minimum=1)
+    self._check_lengths(q_len, kv_len)
+    batch_size, num_heads = self._sizes(batch_size, num_heads)
+    nq, nk = math.ceil(q_len / block_q), math.ceil(kv_len / block_kv)
+    with jax.ensure_compile_time_eval():
+      if exact:
+        dense = self.materialize(q_len, kv_len, batch_size=batch_size, num_heads=num_heads)
+        any_, all_ = dense, dense
+        for axis, block, length in ((2, block_q, q_len), (3, block_kv, kv_len)):
+          any_ = _tile_reduce(any_, axis, block, length, False, jnp.any)
+          all_ = _tile_reduce(all_, axis, block, length, True, jnp.all)
+      else:
+        q_lo = jnp.arange(nq, dtype=jnp.int32) * block_q
+        kv_lo = jnp.arange(nk, dtype=jnp.int32) * block_kv
+        tiles = _Tiles(
+            q_lo=q_lo.reshape(1, 1, -1, 1),
+            q_hi=jnp.minimum(q_lo + block_q, q_len).reshape(1, 1, -1, 1) - 1,
+            kv_lo=kv_lo.reshape(1, 1, 1, -1),
+            kv_hi=jnp.minimum(kv_lo + block_kv, kv_len).reshape(1, 1, 1, -1) - 1,
+            block_q=block_q, block_kv=block_kv, q_len=q_len, kv_len=kv_len)
+        any_, all_ = _bounds(self, tiles)
+      view = jnp.where(all_, FULL, jnp.where(any_, PARTIAL, EMPTY)).astype(jnp.int8)
+      view = jnp.broadcast_to(view, (batch_size, num_heads, nq, nk))
+    return np.asarray(view) if _checks.is_concrete(view) else view
+
+
+jax.tree_util.register_pytree_node_class(Mask)

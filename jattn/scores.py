@@ -1,0 +1,187 @@
+"""Score modifiers: functions ``score_fn(score, batch, head, q_idx, kv_idx) -> score``.
+
+FlexAttention's ``score_mod`` in JAX. ``score`` is the float32 (float64 under
+x64) array of scaled logits plus bias; the index arguments are int arrays that
+broadcast against it (see :func:`jattn.masks.index_grid`). A score function
+runs before masking, so it never sees masked positions as special.
+
+The built-ins return :class:`ScoreFn` objects: pytrees whose arrays (ALiBi
+slopes, a relative-position table) are leaves, so they can be learned
+parameters and gradients flow to them. Any plain callable with the same
+signature works too.
+
+Example::
+
+    >>> import jax.numpy as jnp
+    >>> from jattn import scores
+    >>> fn = scores.compose(scores.alibi(jnp.array([0.5])), scores.soft_cap(30.0))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _checks
+from jattn._tree import Node
+
+
+class _Rule(NamedTuple):
+  name: str
+  apply: Callable[..., jax.Array]  # (params, children, s, b, h, q, kv) -> s
+  describe: Callable[..., str]
+
+
+class ScoreFn(Node):
+  """A score modifier: ``fn(score, batch, head, q_idx, kv_idx) -> score``."""
+
+  def __call__(self, score, batch, head, q_idx, kv_idx) -> jax.Array:
+    return self.rule.apply(self.params, self.children, score, batch, head, q_idx, kv_idx)
+
+
+jax.tree_util.register_pytree_node_class(ScoreFn)
+
+
+_FN = _Rule("from_fn", lambda p, c, *args: p[0](*args),
+            lambda p, c: f"from_fn({getattr(p[0], '__name__', repr(p[0]))})")
+
+
+def from_fn(fn: Callable) -> ScoreFn:
+  """Wrap a plain ``fn(score, batch, head, q_idx, kv_idx)`` as a :class:`ScoreFn`."""
+  if isinstance(fn, ScoreFn):
+    return fn
+  if not callable(fn):
+    raise TypeError(f"score_fn must be callable as fn(score, batch, head, q_idx, kv_idx), got {fn!r}")
+  return ScoreFn(_FN, (fn,))
+
+
+def _compose_apply(params, children, s, *idx):
+  for fn in children:
+    s = fn(s, *idx)
+  return s
+
+
+_COMPOSE = _Rule("compose", _compose_apply,
+                 lambda p, c: "compose(" + ", ".join(map(repr, c)) + ")")
+
+
+def compose(*fns: Callable) -> ScoreFn:
+  """Apply score functions in order: ``compose(f, g)(s, ...) == g(f(s, ...), ...)``."""
+  if not fns:
+    raise ValueError("compose needs at least one score function")
+  return ScoreFn(_COMPOSE, (), tuple(from_fn(f) for f in fns))
+
+
+def _float_array(name: str, value, *, ndim: int) -> jax.Array:
+  dtype = _checks.dtype_of(value)
+  if not np.issubdtype(dtype, np.floating):
+    raise TypeError(f"{name} must have a floating dtype, got {dtype}")
+  arr = jnp.asarray(value)
+  if arr.ndim != ndim:
+    raise ValueError(f"{name} must have rank {ndim}, got shape {arr.shape}")
+  return arr
+
+
+def _alibi_apply(params, children, s, b, h, q, kv):
+  (bidirectional,) = params
+  (slopes,) = children
+  distance = (kv - q).astype(s.dtype)
+  if bidirectional:
+    distance = -jnp.abs(distance)
+  return s + slopes[h].astype(s.dtype) * distance
+
+
+_ALIBI = _Rule("alibi", _alibi_apply,
+               lambda p, c: f"alibi(slopes shape={tuple(c[0].shape)}, bidirectional={p[0]})")
+
+
+def alibi(slopes, *, bidirectional: bool = False) -> ScoreFn:
+  """ALiBi (Press et al., 2022): add ``slopes[head] * (kv_idx - q_idx)`` to the score.
+
+  For causal attention ``kv <= q``, so the bias is a penalty growing with
+  distance. ``bidirectional=True`` adds ``-slopes[head] * |q_idx - kv_idx|``.
+
+  Args:
+    slopes: float array (N,), one slope per query head (usually positive).
+  """
+  return ScoreFn(_ALIBI, (bool(bidirectional),), (_float_array("slopes", slopes, ndim=1),))
+
+
+_SOFT_CAP = _Rule("soft_cap", lambda p, c, s, *idx: p[0] * jnp.tanh(s / p[0]),
+                  lambda p, c: f"soft_cap({p[0]!r})")
+
+
+def soft_cap(cap: float) -> ScoreFn:
+  """Logit soft-capping (Gemma 2, Grok): ``cap * tanh(score / cap)``."""
+  cap = _checks.real("cap", cap)
+  if not (cap > 0 and math.isfinite(cap)):
+    raise ValueError(f"cap must be a positive finite number, got {cap}")
+  return ScoreFn(_SOFT_CAP, (cap,))
+
+
+def t5_bucket(relative_position: jax.Array, *, num_buckets: int, max_distance: int,
+              bidirectional: bool) -> jax.Array:
+  """T5's bucket of ``relative_position = kv_idx - q_idx``.
+
+  Half the buckets (all of them when not bidirectional) hold exact small
+  distances; the rest cover distances up to ``max_distance`` logarithmically,
+  and farther ones share the last bucket. When bidirectional, the upper half
+  of the buckets is for keys after the query.
+  """
+  n = relative_position
+  bucket = jnp.zeros_like(n)
+  if bidirectional:
+    num_buckets //= 2
+    bucket = jnp.where(n > 0, num_buckets, 0)
+    n = jnp.abs(n)
+  else:
+    n = jnp.maximum(-n, 0)
+  max_exact = num_buckets // 2
+  is_small = n < max_exact
+  # log of max(n, 1) keeps log(0) = -inf out of the graph; those lanes use is_small.
+  log_ratio = jnp.log(jnp.maximum(n, 1).astype(jnp.float32) / max_exact) / math.log(
+      max_distance / max_exact)
+  large = max_exact + (log_ratio * (num_buckets - max_exact)).astype(n.dtype)
+  large = jnp.minimum(large, num_buckets - 1)
+  return bucket + jnp.where(is_small, n, large)
+
+
+def _relative_apply(params, children, s, b, h, q, kv):
+  num_buckets, max_distance, bidirectional = params
+  (table,) = children
+  bucket = t5_bucket(kv - q, num_buckets=num_buckets, max_distance=max_distance,
+                     bidirectional=bidirectional)
+  return s + table[bucket, h].astype(s.dtype)
+
+
+_RELATIVE = _Rule(
+    "relative_position_bias", _relative_apply,
+    lambda p, c: (f"relative_position_bias(table shape={tuple(c[0].shape)}, num_buckets={p[0]}, "
+                  f"max_distance={p[1]}, bidirectional={p[2]})"))
+
+
+def relative_position_bias(table, *, num_buckets: int = 32, max_distance: int = 128,
+                           bidirectional: bool = True) -> ScoreFn:
+  """T5's learned relative position bias: add ``table[bucket(kv_idx - q_idx), head]``.
+
+  Args:
+    table: float array (num_buckets, N), usually a trainable parameter.
+    num_buckets, max_distance, bidirectional: T5's bucketing (see
+      :func:`t5_bucket`); T5 uses 32, 128 and True in the encoder, False in
+      the decoder.
+  """
+  num_buckets = _checks.integer("num_buckets", num_buckets, minimum=2)
+  max_distance = _checks.integer("max_distance", max_distance, minimum=1)
+  max_exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+  if max_exact < 1 or max_distance <= max_exact:
+    raise ValueError(
+        f"max_distance ({max_distance}) must exceed the exact range ({max_exact}) "
+        f"that num_buckets={num_buckets} gives")
+  table = _float_array("table", table, ndim=2)
+  if table.shape[0] != num_buckets:
+    raise ValueError(f"table must have shape (num_buckets={num_buckets}, N), got {table.shape}")
+  return ScoreFn(_RELATIVE, (num_buckets, max_distance, bool(bidirectional)), (table,))
