@@ -111,11 +111,10 @@ def dot_product_attention(
   impl, bwd = _check_choices(implementation, backward)
   q, k, v = _check_qkv(query, key, value)
   unbatched = q.ndim == 3
-  q4, k4, v4 = (x[None] if unbatched else x for x in (q, k, v))
-  B, T, N, H = q4.shape
-  S = k4.shape[1]
+  B, T, N, H = (1,) * unbatched + tuple(q.shape)
+  S = k.shape[-3]
   scale = 1.0 / float(np.sqrt(H)) if scale is None else _checks.real("scale", scale)
-  bias4 = _check_bias(bias, (B, N, T, S))
+  bias = _check_bias(bias, (B, N, T, S))
   for name, flag in (("is_causal", is_causal), ("return_residual", return_residual)):
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(f"{name} must be a bool, got {flag!r}")
@@ -146,14 +145,11 @@ def dot_product_attention(
   if combined is not None:
     _check_mask_shapes(combined, B, N, T, S)
 
-  score = _check_score(score_fn, logits_soft_cap, q4.dtype, (B, N, T, S))
+  score = _check_score(score_fn, logits_soft_cap, q.dtype, (B, N, T, S))
 
-  out, lse = _attend(q4, k4, v4, bias4, combined, score, dropout_rng if dropout_rate else None,
+  out, lse = _attend(q, k, v, bias, combined, score, dropout_rng if dropout_rate else None,
                      scale=scale, dropout_rate=dropout_rate, implementation=impl, backward=bwd,
                      return_residual=bool(return_residual))
-  if unbatched:
-    out = out[0]
-    lse = None if lse is None else lse[0]
   return (out, lse) if return_residual else out
 
 
@@ -161,6 +157,11 @@ def dot_product_attention(
     "scale", "dropout_rate", "implementation", "backward", "return_residual"))
 def _attend(query, key, value, bias, mask, score_fn, dropout_rng, *, scale, dropout_rate,
             implementation, backward, return_residual):
+  unbatched = query.ndim == 3
+  if unbatched:
+    query, key, value = query[None], key[None], value[None]
+  if bias is not None:
+    bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
   B, T, N, H = query.shape
   _, S, K, _ = key.shape
   dims = chex.Dimensions(B=B, T=T, S=S, N=N, K=K, H=H)
@@ -174,7 +175,10 @@ def _attend(query, key, value, bias, mask, score_fn, dropout_rng, *, scale, drop
     case _:
       raise ValueError(f"unknown implementation {implementation!r}")
   chex.assert_shape(lse, dims["BTN"])
-  return out, (lse.astype(query.dtype) if return_residual else None)
+  lse = lse.astype(query.dtype) if return_residual else None
+  if unbatched:
+    return out[0], None if lse is None else lse[0]
+  return out, lse
 
 
 def _check_choices(implementation, backward) -> tuple[str, str | None]:
@@ -233,10 +237,6 @@ def _check_qkv(query, key, value):
   return q, k, v
 
 
-def _to_4d(x):
-  return x.reshape((1,) * (4 - x.ndim) + x.shape)
-
-
 def _check_bias(bias, bnts):
   if bias is None:
     return None
@@ -246,8 +246,8 @@ def _check_bias(bias, bnts):
     raise TypeError(f"bias must have a floating dtype, got {bias.dtype}{hint}")
   if bias.ndim > 4:
     raise ValueError(f"bias must be broadcastable to (B, N, T, S)={bnts}, got shape {bias.shape}")
-  bias = _to_4d(bias)
-  _checks.broadcastable("bias", tuple(bias.shape), bnts, "(B, N, T, S)")
+  shape = (1,) * (4 - bias.ndim) + tuple(bias.shape)
+  _checks.broadcastable("bias", shape, bnts, "(B, N, T, S)")
   return bias
 
 

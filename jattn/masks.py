@@ -97,16 +97,35 @@ def _fixed(n: int) -> int | None:
   return None if n == 1 else n
 
 
-def _at_batch(arr: jax.Array, b) -> jax.Array:
-  """``arr[b]`` for per-batch arrays of shape (Bm, ...); Bm == 1 broadcasts."""
+# Constructors keep arrays as given and reshape where they are used, inside
+# traced code: building a mask runs no computation, so a call with bad
+# arguments fails before anything is compiled.
+
+
+def _as_rank(arr, rank: int) -> jax.Array:
+  """``arr`` with leading size-1 dimensions added up to ``rank``."""
+  arr = jnp.asarray(arr)
+  return arr.reshape((1,) * (rank - arr.ndim) + arr.shape)
+
+
+def _at_batch(arr, b) -> jax.Array:
+  """``arr[b]`` for per-batch values given as a scalar or (Bm,); Bm == 1 broadcasts."""
+  arr = jnp.reshape(arr, (-1,))
   return arr[b] if arr.shape[0] > 1 else arr[0]
 
 
-def _take(arr: jax.Array, b, idx) -> jax.Array:
-  """``arr[b, idx]`` for (Bm, L) arrays, clamping out-of-range positions."""
+def _take(arr, b, idx) -> jax.Array:
+  """``arr[b, idx]`` for ids given as (Bm, L) or (L,), clamping out-of-range positions."""
+  arr = _as_rank(arr, 2)
   if arr.shape[0] > 1:
     return arr.at[b, idx].get(mode="clip")
   return arr[0].at[idx].get(mode="clip")
+
+
+def _batch_size(arr, rank: int) -> int | None:
+  """The batch size fixed by an array whose batched form has ``rank`` dims (None: broadcasts)."""
+  shape = jnp.shape(arr)
+  return _fixed(shape[0]) if len(shape) == rank else None
 
 
 def _tile_reduce(x: jax.Array, axis: int, block: int, length: int, fill, reducer) -> jax.Array:
@@ -231,9 +250,9 @@ def _prefix_eval(params, children, b, h, q, kv):
   return (kv < _at_batch(prefix, b)) | (kv <= q)
 
 
-def _batch_index(arr: jax.Array) -> jax.Array:
+def _batch_index(arr) -> jax.Array:
   """Per-batch values shaped (Bm, 1, 1, 1) to broadcast against tiles."""
-  return arr.reshape(-1, 1, 1, 1)
+  return jnp.reshape(arr, (-1, 1, 1, 1))
 
 
 def _prefix_bounds(params, children, t: _Tiles):
@@ -243,7 +262,7 @@ def _prefix_bounds(params, children, t: _Tiles):
 
 
 def _batch_extents(params, children) -> Extents:
-  sizes = {c.shape[0] for c in children if c is not None and c.shape[0] != 1}
+  sizes = {_batch_size(c, 1) for c in children if c is not None} - {None}
   return (sizes.pop() if sizes else None, None, None, None)
 
 
@@ -252,12 +271,11 @@ _PREFIX = _Rule("prefix_lm", _prefix_eval, _prefix_bounds, _batch_extents,
 
 
 def _shape_str(arr) -> str:
-  return "shape=" + str(tuple(arr.shape))
+  return "shape=" + str(tuple(jnp.shape(arr)))
 
 
-def _per_batch(name: str, value: Any) -> jax.Array:
-  arr = _checks.int_array(name, value, ranks=(0, 1), nonnegative=True)
-  return jnp.reshape(jnp.asarray(arr), (-1,))
+def _per_batch(name: str, value: Any):
+  return _checks.int_array(name, value, ranks=(0, 1), nonnegative=True)
 
 
 def prefix_lm(prefix_lengths) -> Mask:
@@ -278,7 +296,7 @@ def _segments_eval(params, children, b, h, q, kv):
 
 
 def _segments_bounds(params, children, t: _Tiles):
-  q_ids, kv_ids = children
+  q_ids, kv_ids = (_as_rank(c, 2) for c in children)
   # Edge padding repeats the last id, so it adds no new id to the last tile.
   q_min = _tile_reduce(q_ids, 1, t.block_q, t.q_len, "edge", jnp.min)[:, None, :, None]
   q_max = _tile_reduce(q_ids, 1, t.block_q, t.q_len, "edge", jnp.max)[:, None, :, None]
@@ -291,7 +309,8 @@ def _segments_bounds(params, children, t: _Tiles):
 
 def _segments_extents(params, children) -> Extents:
   q_ids, kv_ids = children
-  return (_batch_extents(params, children)[0], None, q_ids.shape[1], kv_ids.shape[1])
+  sizes = {_batch_size(c, 2) for c in children} - {None}
+  return (sizes.pop() if sizes else None, None, jnp.shape(q_ids)[-1], jnp.shape(kv_ids)[-1])
 
 
 _SEGMENTS = _Rule(
@@ -314,8 +333,8 @@ def segments(q_segment_ids, kv_segment_ids=None) -> Mask:
   q_ids = _checks.int_array("q_segment_ids", q_segment_ids, ranks=(1, 2))
   kv_ids = q_ids if kv_segment_ids is None else _checks.int_array(
       "kv_segment_ids", kv_segment_ids, ranks=(1, 2))
-  q_ids, kv_ids = (jnp.atleast_2d(jnp.asarray(x)) for x in (q_ids, kv_ids))
-  if q_ids.shape[0] != kv_ids.shape[0]:
+  rows = lambda ids: ids.shape[0] if ids.ndim == 2 else 1
+  if len({rows(q_ids), rows(kv_ids)} - {1}) > 1:
     raise ValueError(
         "q_segment_ids and kv_segment_ids must have the same batch size, got "
         f"{tuple(q_ids.shape)} and {tuple(kv_ids.shape)}")
@@ -367,8 +386,8 @@ def lengths(q_lengths=None, kv_lengths=None) -> Mask:
     raise ValueError("lengths needs q_lengths, kv_lengths or both, got neither")
   children = tuple(None if x is None else _per_batch(name, x)
                    for name, x in (("q_lengths", q_lengths), ("kv_lengths", kv_lengths)))
-  sizes = {c.shape[0] for c in children if c is not None}
-  if len(sizes - {1}) > 1:
+  sizes = {_batch_size(c, 1) for c in children if c is not None} - {None}
+  if len(sizes) > 1:
     raise ValueError(f"q_lengths and kv_lengths must have the same batch size, got {sorted(sizes)}")
   return Mask(_LENGTHS, (), children)
 
@@ -434,7 +453,7 @@ def strided(stride: int) -> Mask:
 
 
 def _array_eval(params, children, b, h, q, kv):
-  (arr,) = children
+  arr = _as_rank(children[0], 4)
   index = tuple(0 if n == 1 else i for n, i in zip(arr.shape, (b, h, q, kv)))
   if all(isinstance(i, int) for i in index):
     return arr[index]
@@ -442,7 +461,7 @@ def _array_eval(params, children, b, h, q, kv):
 
 
 def _array_bounds(params, children, t: _Tiles):
-  (arr,) = children
+  arr = _as_rank(children[0], 4)
   any_, all_ = arr, arr
   for axis, block, length in ((2, t.block_q, t.q_len), (3, t.block_kv, t.kv_len)):
     any_ = _tile_reduce(any_, axis, block, length, False, jnp.any)
@@ -452,9 +471,10 @@ def _array_bounds(params, children, t: _Tiles):
 
 _ARRAY = _Rule(
     "from_array", _array_eval, _array_bounds,
-    lambda params, children: tuple(_fixed(n) for n in children[0].shape),
+    lambda params, children: tuple(
+        _fixed(n) for n in (1,) * (4 - len(jnp.shape(children[0]))) + jnp.shape(children[0])),
     lambda params, children: f"from_array({_shape_str(children[0])})",
-    dense=lambda params, children, grid: children[0])
+    dense=lambda params, children, grid: _as_rank(children[0], 4))
 
 
 def from_array(mask) -> Mask:
@@ -467,10 +487,10 @@ def from_array(mask) -> Mask:
   if dtype != np.bool_:
     raise TypeError(f"mask must be a boolean array, got dtype {dtype}; "
                     "pass additive masks as bias")
-  arr = jnp.asarray(mask)
+  arr = mask if hasattr(mask, "shape") else np.asarray(mask)
   if arr.ndim > 4:
     raise ValueError(f"mask must have rank <= 4 (broadcastable to BNTS), got shape {arr.shape}")
-  return Mask(_ARRAY, (), (arr.reshape((1,) * (4 - arr.ndim) + arr.shape),))
+  return Mask(_ARRAY, (), (arr,))
 
 
 # --- arbitrary functions ------------------------------------------------------

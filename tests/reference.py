@@ -1,0 +1,156 @@
+"""Independent references for the tests: NumPy float64 formulas and a plain jnp
+attention for autodiff. Nothing here imports jattn, so a bug in jattn cannot
+hide in its own reference.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TOLERANCE = {
+    np.dtype(np.float64): 1e-9,
+    np.dtype(np.float32): 2e-5,
+    np.dtype(jnp.bfloat16): 2e-2,
+    np.dtype(np.float16): 4e-3,
+}
+
+
+def assert_close(actual, expected, dtype=None, *, factor: float = 1.0, err_msg: str = ""):
+  """Elementwise close, with an absolute tolerance scaled by the expected values' size."""
+  dtype = np.dtype(dtype if dtype is not None else np.asarray(actual).dtype)
+  tol = TOLERANCE[dtype] * factor
+  actual = np.asarray(actual, np.float64)
+  expected = np.asarray(expected, np.float64)
+  assert actual.shape == expected.shape, (actual.shape, expected.shape)
+  size = max(1.0, float(np.max(np.abs(expected), initial=0.0)))
+  np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol * size, err_msg=err_msg)
+
+
+def normal(shape, dtype=np.float32, seed=0):
+  """Standard normal inputs from NumPy (jax.random would compile for every new shape)."""
+  x = np.random.default_rng(seed).standard_normal(shape)
+  return jnp.asarray(x, dtype)
+
+
+def grid(B, N, T, S):
+  """NumPy index grid (batch, head, q, kv) broadcasting to (B, N, T, S)."""
+  return (np.arange(B).reshape(-1, 1, 1, 1), np.arange(N).reshape(1, -1, 1, 1),
+          np.arange(T).reshape(1, 1, -1, 1), np.arange(S).reshape(1, 1, 1, -1))
+
+
+def attention_np(q, k, v, *, bias=None, allowed=None, scale=None, score=None, keep=None,
+                 rate=0.0):
+  """Float64 attention from the formula.
+
+  q (B, T, N, H); k, v (B, S, K, H); bias and allowed broadcast to (B, N, T, S);
+  score(s, b, h, q, kv) modifies the logits; keep is the dropout keep mask.
+  Returns (out (B, T, N, H), lse (B, T, N)); empty rows give zeros and -inf.
+  """
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  k = np.repeat(k, N // K, axis=2)
+  v = np.repeat(v, N // K, axis=2)
+  scale = 1 / np.sqrt(H) if scale is None else scale
+  s = scale * np.einsum("btnh,bsnh->bnts", q, k)
+  if bias is not None:
+    s = s + np.asarray(bias, np.float64)
+  if score is not None:
+    s = score(s, *grid(B, N, T, S))
+  allowed = np.ones(s.shape, bool) if allowed is None else np.broadcast_to(allowed, s.shape)
+  m = np.max(np.where(allowed, s, -np.inf), axis=-1, keepdims=True)
+  m = np.where(np.isfinite(m), m, 0.0)
+  p = np.where(allowed, np.exp(s - m), 0.0)
+  l = p.sum(-1, keepdims=True)
+  p = p / np.where(l > 0, l, 1.0)
+  with np.errstate(divide="ignore"):
+    lse = np.where(l > 0, np.log(l) + m, -np.inf)[..., 0].transpose(0, 2, 1)
+  if keep is not None:
+    p = np.where(keep, p / (1 - rate), 0.0)
+  out = np.einsum("bnts,bsnh->btnh", p, v)
+  return out, lse
+
+
+def attention_jnp(q, k, v, bias=None, *, allowed=None, scale=None, score=None, keep=None,
+                  rate=0.0):
+  """The same formula in plain jnp, for autodiff; returns (out, lse)."""
+  B, T, N, H = q.shape
+  K = k.shape[2]
+  k = jnp.repeat(k, N // K, axis=2)
+  v = jnp.repeat(v, N // K, axis=2)
+  scale = 1 / np.sqrt(H) if scale is None else scale
+  dtype = jnp.promote_types(q.dtype, jnp.float32)
+  s = scale * jnp.einsum("btnh,bsnh->bnts", q, k).astype(dtype)
+  if bias is not None:
+    s = s + bias
+  if score is not None:
+    s = score(s, *(jnp.asarray(i) for i in grid(B, N, T, k.shape[1])))
+  allowed = jnp.ones(s.shape, bool) if allowed is None else jnp.broadcast_to(allowed, s.shape)
+  m = jax.lax.stop_gradient(jnp.max(jnp.where(allowed, s, -1e30), axis=-1, keepdims=True))
+  p = jnp.where(allowed, jnp.exp(jnp.where(allowed, s, m) - m), 0.0)
+  l = p.sum(-1, keepdims=True)
+  safe_l = jnp.where(l > 0, l, 1.0)
+  lse = jnp.where(l > 0, jnp.log(safe_l) + m, -jnp.inf)[..., 0].transpose(0, 2, 1)
+  p = p / safe_l
+  if keep is not None:
+    p = jnp.where(keep, p / (1 - rate), 0.0)
+  return jnp.einsum("bnts,bsnh->btnh", p, v).astype(q.dtype), lse
+
+
+# Mask formulas in NumPy, one per jattn.masks constructor, written from their definitions.
+def causal_np(T, S, offset=0):
+  q, kv = np.arange(T)[:, None], np.arange(S)[None]
+  return kv <= q + offset
+
+
+def window_np(T, S, left, right):
+  q, kv = np.arange(T)[:, None], np.arange(S)[None]
+  ok = np.ones((T, S), bool)
+  if left is not None:
+    ok &= kv >= q - left
+  if right is not None:
+    ok &= kv <= q + right
+  return ok
+
+
+def chunked_np(T, S, size):
+  return (np.arange(T)[:, None] // size) == (np.arange(S)[None] // size)
+
+
+def prefix_np(T, S, prefix):  # prefix: (B,) -> (B, 1, T, S)
+  q, kv = np.arange(T)[:, None], np.arange(S)[None]
+  return np.stack([(kv < p) | (kv <= q) for p in prefix])[:, None]
+
+
+def segments_np(q_ids, kv_ids):  # (B, T), (B, S) -> (B, 1, T, S)
+  return (np.asarray(q_ids)[:, :, None] == np.asarray(kv_ids)[:, None, :])[:, None]
+
+
+def lengths_np(T, S, q_lens=None, kv_lens=None):
+  B = len(q_lens if q_lens is not None else kv_lens)
+  q_lens = [T] * B if q_lens is None else q_lens
+  kv_lens = [S] * B if kv_lens is None else kv_lens
+  q, kv = np.arange(T)[:, None], np.arange(S)[None]
+  return np.stack([(q < a) & (kv < b) for a, b in zip(q_lens, kv_lens)])[:, None]
+
+
+def global_np(T, S, n):
+  return (np.arange(T)[:, None] < n) | (np.arange(S)[None] < n)
+
+
+def strided_np(T, S, stride):
+  return (np.arange(T)[:, None] - np.arange(S)[None]) % stride == 0
+
+
+def tile_classes_np(dense, block_q, block_kv):
+  """EMPTY/PARTIAL/FULL (0/1/2) per tile of a dense (B, N, T, S) bool array, by brute force."""
+  B, N, T, S = dense.shape
+  nq, nk = -(-T // block_q), -(-S // block_kv)
+  out = np.zeros((B, N, nq, nk), np.int8)
+  for i in range(nq):
+    for j in range(nk):
+      tile = dense[:, :, i * block_q:(i + 1) * block_q, j * block_kv:(j + 1) * block_kv]
+      out[:, :, i, j] = np.where(tile.all((2, 3)), 2, np.where(tile.any((2, 3)), 1, 0))
+  return out

@@ -1,0 +1,196 @@
+"""jattn.dot_product_attention against jax.nn.dot_product_attention: values and gradients."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn import masks
+from reference import assert_close, attention_np, normal
+
+BACKWARDS = ["autodiff", "custom_vjp"]
+
+
+def _inputs(B, T, S, N, K, H, dtype, seed=0):
+  return normal((B, T, N, H), dtype, seed), normal((B, S, K, H), dtype, seed + 1), normal(
+      (B, S, K, H), dtype, seed + 2)
+
+
+def _bool_mask(shape, seed=1):
+  """A random mask whose every (b, n, t) row keeps at least its first key."""
+  m = np.random.default_rng(seed).random(shape) < 0.6
+  m[..., 0] = True
+  return jnp.asarray(m)
+
+
+# name -> (B, T, S, N, K, H, extra kwargs builder, bias shape or None)
+CASES = {
+    "mha": (2, 6, 6, 4, 4, 8, lambda B, T, S: {}, None),
+    "gqa": (2, 6, 6, 4, 2, 8, lambda B, T, S: {}, None),
+    "mqa": (1, 5, 7, 4, 1, 8, lambda B, T, S: {}, None),
+    "cross_lengths": (2, 5, 7, 2, 2, 4, lambda B, T, S: {}, None),
+    "bias_full": (2, 5, 6, 4, 2, 4, lambda B, T, S: {}, "BNTS"),
+    "bias_broadcast": (2, 5, 6, 4, 2, 4, lambda B, T, S: {}, "1N1S"),
+    "bias_2d": (2, 5, 6, 2, 2, 4, lambda B, T, S: {}, "TS"),
+    "mask": (2, 5, 6, 4, 2, 4, lambda B, T, S: {"mask": _bool_mask((B, 1, T, S))}, None),
+    "mask_per_head": (1, 5, 6, 4, 2, 4, lambda B, T, S: {"mask": _bool_mask((1, 4, T, S))},
+                      None),
+    "causal": (2, 6, 6, 4, 2, 8, lambda B, T, S: {"is_causal": True}, None),
+    "causal_cross": (1, 5, 8, 2, 1, 4, lambda B, T, S: {"is_causal": True}, None),
+    "q_lengths": (2, 6, 6, 2, 2, 4,
+                  lambda B, T, S: {"query_seq_lengths": jnp.array([3, 6], jnp.int32)}, None),
+    "kv_lengths": (2, 6, 7, 2, 2, 4,
+                   lambda B, T, S: {"key_value_seq_lengths": jnp.array([2, 7], jnp.int32)}, None),
+    "both_lengths": (2, 6, 7, 4, 2, 4, lambda B, T, S: {
+        "query_seq_lengths": jnp.array([4, 6], jnp.int32),
+        "key_value_seq_lengths": jnp.array([3, 5], jnp.int32)}, None),
+    "window_int": (1, 8, 8, 2, 2, 4, lambda B, T, S: {"local_window_size": 2}, None),
+    "window_tuple": (1, 8, 8, 2, 2, 4, lambda B, T, S: {"local_window_size": (3, 0)}, None),
+    "scale": (1, 4, 5, 2, 2, 4, lambda B, T, S: {"scale": 0.3}, None),
+    "everything": (2, 6, 6, 4, 2, 8, lambda B, T, S: {
+        "mask": _bool_mask((B, 1, T, S)), "is_causal": True, "local_window_size": (4, 0),
+        "key_value_seq_lengths": jnp.array([6, 5], jnp.int32),
+        "query_seq_lengths": jnp.array([6, 4], jnp.int32)}, "BNTS"),
+}
+
+
+def _bias(kind, B, N, T, S, dtype):
+  if kind is None:
+    return None
+  shape = {"BNTS": (B, N, T, S), "1N1S": (1, N, 1, S), "TS": (T, S)}[kind]
+  return normal(shape, dtype, 7)
+
+
+def _loss_and_grads(fn, q, k, v, bias, kwargs):
+  """Output, log-sum-exp and gradients of a fixed random projection of the output.
+
+  One jitted computation per call: jax.nn run op by op compiles every small
+  op for every new shape, which is most of a test's time.
+  """
+  cot = normal(q.shape, jnp.float32, 3)
+  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+
+  @jax.jit
+  def run(q, k, v, bias):
+    def loss(q, k, v, bias):
+      out, lse = fn(q, k, v, bias, return_residual=True, **kwargs)
+      return jnp.sum(out.astype(jnp.float32) * cot), (out, lse)
+    grads, (out, lse) = jax.grad(loss, argnums, has_aux=True)(q, k, v, bias)
+    return out, lse, grads
+
+  return run(q, k, v, bias)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_jax_nn(case, dtype):
+  B, T, S, N, K, H, extra, bias_kind = CASES[case]
+  q, k, v = _inputs(B, T, S, N, K, H, dtype)
+  bias = _bias(bias_kind, B, N, T, S, dtype)
+  kwargs = extra(B, T, S)
+  theirs = _loss_and_grads(jax.nn.dot_product_attention, q, k, v, bias, kwargs)
+  for backward in BACKWARDS:
+    ours = _loss_and_grads(functools.partial(jattn.dot_product_attention, backward=backward),
+                           q, k, v, bias, kwargs)
+    assert ours[0].dtype == dtype and ours[1].dtype == dtype
+    assert_close(ours[0], theirs[0], dtype, err_msg=f"{backward}: output")
+    # jax.nn gives rows with nothing to attend to a finite log-sum-exp; jattn says -inf.
+    lse, lse_ref = (np.asarray(x, np.float32) for x in (ours[1], theirs[1]))
+    finite = np.isfinite(lse)
+    assert_close(lse[finite], lse_ref[finite], dtype, factor=2, err_msg=f"{backward}: lse")
+    for name, a, b in zip(["dq", "dk", "dv", "dbias"], ours[2], theirs[2]):
+      assert a.dtype == b.dtype, name
+      assert_close(a, b, dtype, factor=2, err_msg=f"{backward}: {name}")
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_unbatched_layout(backward):
+  q, k, v = _inputs(1, 5, 6, 4, 2, 8, jnp.float32)
+  q, k, v = q[0], k[0], v[0]
+  bias = normal((4, 5, 6), jnp.float32, 5)
+  mask = _bool_mask((5, 6))
+  kw = dict(bias=bias, mask=mask, is_causal=True)
+  out, lse = jattn.dot_product_attention(q, k, v, return_residual=True, backward=backward, **kw)
+  ref, ref_lse = jax.jit(functools.partial(jax.nn.dot_product_attention, return_residual=True,
+                                           **kw))(q, k, v)
+  assert out.shape == (5, 4, 8) and lse.shape == (5, 4)
+  assert_close(out, ref)
+  assert_close(lse, ref_lse)
+  g = jax.grad(lambda q: jattn.dot_product_attention(q, k, v, backward=backward, **kw).sum())(q)
+  g_ref = jax.jit(jax.grad(lambda q: jax.nn.dot_product_attention(q, k, v, **kw).sum()))(q)
+  assert_close(g, g_ref)
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_vmap_matches_loop(backward):
+  q, k, v = _inputs(3, 4, 5, 2, 1, 4, jnp.float32)
+  ids = jnp.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2], [3, 3, 3, 3, 3]])
+
+  def one(q, k, v, ids):  # unbatched call inside vmap; the mask rides along as an array
+    return jattn.dot_product_attention(q, k, v, segment_ids=(ids[:4], ids),
+                                       is_causal=True, backward=backward)
+
+  got = jax.vmap(one)(q, k, v, ids)
+  want = jnp.stack([one(q[i], k[i], v[i], ids[i]) for i in range(3)])
+  assert_close(got, want)
+  g = jax.vmap(jax.grad(lambda *a: one(*a).sum(), (0, 1, 2)))(q, k, v, ids)
+  g_loop = [jax.grad(lambda *a: one(*a).sum(), (0, 1, 2))(q[i], k[i], v[i], ids[i])
+            for i in range(3)]
+  for a, b in zip(g, zip(*g_loop)):
+    assert_close(a, jnp.stack(b))
+
+
+def test_mask_object_equals_its_array():
+  q, k, v = _inputs(2, 6, 6, 2, 2, 4, jnp.float32)
+  m = masks.causal() & masks.sliding_window(2, 1)
+  dense = m.materialize(6, 6)
+  assert_close(jattn.dot_product_attention(q, k, v, mask=m),
+               jattn.dot_product_attention(q, k, v, mask=dense))
+
+
+def test_implementation_none_is_xla_and_jit_works():
+  q, k, v = _inputs(1, 4, 4, 2, 2, 4, jnp.float32)
+  f = jax.jit(lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True))
+  assert_close(f(q, k, v), jattn.dot_product_attention(q, k, v, is_causal=True,
+                                                       implementation="xla"))
+
+
+def test_zero_length_keys_give_zeros():
+  q, k, v = _inputs(1, 3, 0, 2, 2, 4, jnp.float32)
+  out, lse = jattn.dot_product_attention(q, k, v, return_residual=True)
+  np.testing.assert_array_equal(out, 0.0)
+  assert np.all(np.isneginf(lse))
+
+
+def test_segment_ids_against_numpy():
+  q, k, v = _inputs(2, 6, 6, 2, 2, 4, jnp.float32)
+  ids = np.array([[0, 0, 0, 1, 1, 2], [5, 5, 6, 6, 6, 6]])
+  out = jattn.dot_product_attention(q, k, v, segment_ids=jnp.asarray(ids))
+  allowed = (ids[:, :, None] == ids[:, None, :])[:, None]
+  assert_close(out, attention_np(q, k, v, allowed=allowed)[0])
+  # A pair of ids allows cross-attention between differently packed sequences.
+  q_ids, kv_ids = ids[:, :4], np.array([[0, 1, 1, 2, 2, 2], [6, 6, 6, 5, 5, 5]])
+  out = jattn.dot_product_attention(q[:, :4], k, v, segment_ids=(q_ids, kv_ids))
+  allowed = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
+  assert_close(out, attention_np(q[:, :4], k, v, allowed=allowed)[0])
+
+
+def test_repeated_calls_do_not_retrace(monkeypatch):
+  """The jitted core is traced once per shape, even with freshly built masks."""
+  from jattn.impl import xla
+  jax.clear_caches()
+  counted = chex.assert_max_traces(xla.attention, n=1)
+  monkeypatch.setattr(xla, "attention", counted)
+  q, k, v = _inputs(2, 4, 4, 2, 2, 4, jnp.float32)
+  for i in range(3):
+    ids = jnp.array([[0, 0, 1, 1], [0, 1, 1, 1]]) + i
+    jattn.dot_product_attention(q + i, k, v, mask=masks.causal() & masks.segments(ids),
+                                score_fn=jattn.scores.alibi(jnp.array([0.1, 0.2]) * i))
+  with pytest.raises(AssertionError, match="traced"):  # a new shape traces again
+    jattn.dot_product_attention(q[:, :3], k, v, mask=masks.causal() & masks.segments(
+        jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 4), jnp.int32)),
+        score_fn=jattn.scores.alibi(jnp.array([0.1, 0.2])))

@@ -1,0 +1,190 @@
+"""Bad input raises at the public boundary, before anything is compiled, with a clear message."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn import masks, scores
+
+B, T, S, N, K, H = 2, 5, 6, 4, 2, 8
+Q = jnp.zeros((B, T, N, H))
+KV = jnp.zeros((B, S, K, H))
+
+
+def call(**overrides):
+  args = dict(query=Q, key=KV, value=KV)
+  args.update(overrides)
+  q, k, v = args.pop("query"), args.pop("key"), args.pop("value")
+  return jattn.dot_product_attention(q, k, v, **args)
+
+
+# (id, overrides, exception, message fragment)
+BAD_INPUTS = [
+    ("query_rank", dict(query=jnp.zeros((T, N * H))), ValueError,
+     r"query must have shape \(B, T, N, H\) or \(T, N, H\), got \(5, 32\)"),
+    ("key_rank", dict(key=jnp.zeros((S, K, H)), value=jnp.zeros((S, K, H))), ValueError,
+     r"key must have shape \(B, S, K, H\)"),
+    ("kv_shapes", dict(value=jnp.zeros((B, S, K, H // 2))), ValueError,
+     r"key and value must have the same shape, got key \(2, 6, 2, 8\) and value \(2, 6, 2, 4\)"),
+    ("head_dim", dict(query=jnp.zeros((B, T, N, H + 1))), ValueError,
+     r"same head dimension H"),
+    ("batch", dict(query=jnp.zeros((B + 1, T, N, H))), ValueError, r"same batch size B"),
+    ("heads_divisible", dict(query=jnp.zeros((B, T, 3, H))), ValueError,
+     r"number of query heads N \(3\) must be a multiple of the number of key/value heads K \(2\)"),
+    ("int_inputs", dict(query=jnp.zeros((B, T, N, H), jnp.int32)), TypeError,
+     r"query must have a floating dtype, got int32"),
+    ("dtype_mismatch", dict(key=jnp.zeros((B, S, K, H), jnp.bfloat16)), TypeError,
+     r"same dtype, got query float32, key bfloat16 and value float32"),
+    ("not_array", dict(query="abc"), TypeError, r"query must be an array, got str"),
+    ("bias_shape", dict(bias=jnp.zeros((B, N, T, S + 1))), ValueError,
+     r"bias must be broadcastable to \(B, N, T, S\)=\(2, 4, 5, 6\)"),
+    ("bias_rank", dict(bias=jnp.zeros((1, B, N, T, S))), ValueError, r"bias must be broadcastable"),
+    ("bias_bool", dict(bias=jnp.zeros((T, S), bool)), TypeError,
+     r"bias must have a floating dtype, got bool; pass boolean masks as mask"),
+    ("mask_dtype", dict(mask=jnp.zeros((T, S), jnp.int32)), TypeError,
+     r"mask must be a boolean array, got dtype int32"),
+    ("mask_shape", dict(mask=jnp.ones((B, N, T + 1, S), bool)), ValueError,
+     r"query length T=6, but the inputs have query length T=5"),
+    ("mask_type", dict(mask="causal"), TypeError, r"mask must be a boolean array or a"),
+    ("mask_fn_not_bool", dict(mask=masks.from_fn(lambda b, h, q, kv: q - kv)), TypeError,
+     r"must evaluate to bool, got int32"),
+    ("segments_batch", dict(segment_ids=jnp.zeros((B + 1, T), jnp.int32),
+                            query=jnp.zeros((B, T, N, H)), key=jnp.zeros((B, T, K, H)),
+                            value=jnp.zeros((B, T, K, H))), ValueError,
+     r"batch size B=3, but the inputs have batch size B=2"),
+    ("segments_T_ne_S", dict(segment_ids=jnp.zeros((B, T), jnp.int32)), ValueError,
+     r"segment_ids as one array needs T == S, got T=5 and S=6"),
+    ("segments_dtype", dict(segment_ids=(jnp.zeros((B, T)), jnp.zeros((B, S)))), TypeError,
+     r"segment_ids \(q_segment_ids\) must have an integer dtype, got float32"),
+    ("segments_length", dict(segment_ids=(jnp.zeros((B, T), int), jnp.zeros((B, S - 1), int))),
+     ValueError, r"segment_ids \(kv_segment_ids\) must have length 6"),
+    ("q_lengths_shape", dict(query_seq_lengths=jnp.array([3], jnp.int32)), ValueError,
+     r"query_seq_lengths must have shape \(B,\)=\(2,\), got \(1,\)"),
+    ("kv_lengths_dtype", dict(key_value_seq_lengths=jnp.array([3.0, 4.0])), TypeError,
+     r"key_value_seq_lengths must have an integer dtype, got float32"),
+    ("negative_lengths", dict(key_value_seq_lengths=np.array([3, -1])), ValueError,
+     r"key_value_seq_lengths must be non-negative, got \[3, -1\]"),
+    ("negative_window", dict(local_window_size=(2, -1)), ValueError,
+     r"local_window_size\[1\] must be >= 0, got -1"),
+    ("window_type", dict(local_window_size=(1, 2, 3)), TypeError,
+     r"local_window_size must be an int or a \(left, right\) tuple"),
+    ("is_causal_type", dict(is_causal="yes"), TypeError, r"is_causal must be a bool"),
+    ("scale_type", dict(scale="big"), TypeError, r"scale must be a real number"),
+    ("dropout_rate_high", dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)), ValueError,
+     r"dropout_rate must be in \[0, 1\), got 1.0"),
+    ("dropout_rate_negative", dict(dropout_rate=-0.1), ValueError,
+     r"dropout_rate must be in \[0, 1\), got -0.1"),
+    ("dropout_no_rng", dict(dropout_rate=0.1), ValueError,
+     r"dropout_rate=0.1 needs dropout_rng, got None"),
+    ("dropout_bad_rng", dict(dropout_rate=0.1, dropout_rng=jnp.zeros(3)), TypeError,
+     r"dropout_rng must be a single jax.random.key or PRNGKey"),
+    ("unknown_implementation", dict(implementation="flash"), ValueError,
+     r"implementation must be one of \['cudnn', 'xla'\] or None, got 'flash'"),
+    ("unknown_backward", dict(backward="manual"), ValueError,
+     r"backward must be one of \['autodiff', 'custom_vjp'\] or None, got 'manual'"),
+    ("unsupported_backward", dict(implementation="cudnn", backward="custom_vjp"), ValueError,
+     r"implementation='cudnn' does not support backward='custom_vjp'"),
+    ("cudnn_score_fn", dict(implementation="cudnn", score_fn=lambda s, *i: s), ValueError,
+     r"implementation='cudnn' does not support score_fn"),
+    ("score_fn_type", dict(score_fn=3), TypeError, r"score_fn must be callable"),
+    ("score_fn_shape", dict(score_fn=lambda s, b, h, q, kv: s[0]), ValueError,
+     r"score_fn must return a float array of the score's shape \(B, N, T, S\)=\(2, 4, 5, 6\)"),
+    ("soft_cap", dict(logits_soft_cap=0.0), ValueError,
+     r"logits_soft_cap: cap must be a positive finite number, got 0.0"),
+    ("mask_object_heads", dict(mask=masks.from_array(jnp.ones((1, 3, T, S), bool))), ValueError,
+     r"number of heads N=3, but the inputs have number of heads N=4"),
+]
+
+
+@contextlib.contextmanager
+def compile_events():
+  """Collects the names of XLA compilations that happen inside the block."""
+  events = []
+  listener = lambda name, *args, **kwargs: events.append(name)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield events
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def _compiles(events):
+  return [e for e in events if "backend_compile" in e]
+
+
+@pytest.mark.parametrize("overrides, error, message",
+                         [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS])
+def test_bad_input_raises_before_compiling(overrides, error, message):
+  with compile_events() as events, pytest.raises(error, match=message):
+    call(**overrides)
+  assert not _compiles(events)
+
+
+def test_compile_events_are_seen():
+  """The check above can fail: a good call with new shapes does compile."""
+  with compile_events() as events:
+    call(query=jnp.zeros((1, 3, 2, 4)), key=jnp.zeros((1, 3, 2, 4)), value=jnp.zeros((1, 3, 2, 4)))
+  assert _compiles(events)
+
+
+def test_table_is_long_enough():
+  assert len(BAD_INPUTS) >= 20
+
+
+def test_cudnn_needs_a_gpu():
+  if jax.default_backend() == "gpu":
+    pytest.skip("has a GPU")
+  with pytest.raises(ValueError, match="implementation='cudnn' needs an NVIDIA GPU"):
+    call(implementation="cudnn")
+
+
+# (id, constructor call, exception, message fragment) for the mask and score constructors.
+BAD_CONSTRUCTORS = [
+    ("causal_offset", lambda: masks.causal(1.5), TypeError, r"offset must be an int, got 1.5"),
+    ("window_negative", lambda: masks.sliding_window(-1), ValueError, r"left must be >= 0"),
+    ("chunk_zero", lambda: masks.chunked(0), ValueError, r"size must be >= 1, got 0"),
+    ("stride_zero", lambda: masks.strided(0), ValueError, r"stride must be >= 1"),
+    ("global_negative", lambda: masks.global_tokens(-2), ValueError, r"n must be >= 0"),
+    ("prefix_negative", lambda: masks.prefix_lm(np.array([2, -1])), ValueError,
+     r"prefix_lengths must be non-negative"),
+    ("prefix_float", lambda: masks.prefix_lm(2.5), TypeError, r"prefix_lengths must be an integer"),
+    ("segments_rank", lambda: masks.segments(jnp.zeros((1, 2, 3), int)), ValueError,
+     r"q_segment_ids must have rank 1 or 2, got shape \(1, 2, 3\)"),
+    ("segments_batches", lambda: masks.segments(jnp.zeros((2, 3), int), jnp.zeros((3, 3), int)),
+     ValueError, r"same batch size"),
+    ("lengths_none", lambda: masks.lengths(), ValueError, r"needs q_lengths, kv_lengths or both"),
+    ("lengths_batches", lambda: masks.lengths(np.array([1, 2]), np.array([1, 2, 3])), ValueError,
+     r"same batch size"),
+    ("array_float", lambda: masks.from_array(np.zeros((2, 2))), TypeError,
+     r"mask must be a boolean array, got dtype float64"),
+    ("array_rank", lambda: masks.from_array(np.zeros((1, 1, 1, 2, 2), bool)), ValueError,
+     r"rank <= 4"),
+    ("fn_not_callable", lambda: masks.from_fn(3), TypeError, r"from_fn needs a callable"),
+    ("combine_conflict", lambda: masks.segments(jnp.zeros((2, 4), int)) &
+     masks.lengths(np.array([1, 2, 3])), ValueError, r"different batch size in a combined mask"),
+    ("combine_non_mask", lambda: masks.causal() & True, TypeError, r"unsupported operand"),
+    ("materialize_length", lambda: masks.segments(jnp.zeros((4,), int)).materialize(5, 4),
+     ValueError, r"q_len is 5 but the mask holds arrays for length 4"),
+    ("block_size", lambda: masks.causal().block_view(4, 4, block_q=0, block_kv=2), ValueError,
+     r"block_q must be >= 1"),
+    ("alibi_int", lambda: scores.alibi(np.array([1, 2])), TypeError,
+     r"slopes must have a floating dtype"),
+    ("alibi_rank", lambda: scores.alibi(np.ones((2, 2))), ValueError, r"slopes must have rank 1"),
+    ("soft_cap_negative", lambda: scores.soft_cap(-1.0), ValueError, r"positive finite"),
+    ("relative_table", lambda: scores.relative_position_bias(np.ones((8, 2)), num_buckets=32),
+     ValueError, r"table must have shape \(num_buckets=32, N\)"),
+    ("relative_distance", lambda: scores.relative_position_bias(
+        np.ones((32, 2)), num_buckets=32, max_distance=4), ValueError, r"max_distance \(4\)"),
+    ("compose_empty", lambda: scores.compose(), ValueError, r"at least one"),
+]
+
+
+@pytest.mark.parametrize("build, error, message", [c[1:] for c in BAD_CONSTRUCTORS],
+                         ids=[c[0] for c in BAD_CONSTRUCTORS])
+def test_bad_constructor_arguments(build, error, message):
+  with pytest.raises(error, match=message):
+    build()
