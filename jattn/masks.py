@@ -110,7 +110,7 @@ def _as_rank(arr, rank: int) -> jax.Array:
 
 def _at_batch(arr, b) -> jax.Array:
   """``arr[b]`` for per-batch values given as a scalar or (Bm,); Bm == 1 broadcasts."""
-  arr = jnp.reshape(arr, (-1,))
+  arr = jnp.asarray(arr).reshape(-1)
   return arr[b] if arr.shape[0] > 1 else arr[0]
 
 
@@ -252,7 +252,7 @@ def _prefix_eval(params, children, b, h, q, kv):
 
 def _batch_index(arr) -> jax.Array:
   """Per-batch values shaped (Bm, 1, 1, 1) to broadcast against tiles."""
-  return jnp.reshape(arr, (-1, 1, 1, 1))
+  return jnp.asarray(arr).reshape(-1, 1, 1, 1)
 
 
 def _prefix_bounds(params, children, t: _Tiles):

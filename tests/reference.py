@@ -62,7 +62,7 @@ def attention_np(q, k, v, *, bias=None, allowed=None, scale=None, score=None, ke
   allowed = np.ones(s.shape, bool) if allowed is None else np.broadcast_to(allowed, s.shape)
   m = np.max(np.where(allowed, s, -np.inf), axis=-1, keepdims=True)
   m = np.where(np.isfinite(m), m, 0.0)
-  p = np.where(allowed, np.exp(s - m), 0.0)
+  p = np.exp(np.where(allowed, s - m, -np.inf))
   l = p.sum(-1, keepdims=True)
   p = p / np.where(l > 0, l, 1.0)
   with np.errstate(divide="ignore"):

@@ -1,0 +1,98 @@
+"""jattn.dropout and dropout inside attention."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.random import threefry2x32_p
+
+import jattn
+from jattn import dropout, masks
+from reference import assert_close, attention_jnp, attention_np, normal
+
+
+def test_threefry_is_bit_identical_to_jax():
+  rng = np.random.default_rng(0)
+  words = [jnp.asarray(rng.integers(0, 2**32, size=(64,), dtype=np.uint32)) for _ in range(4)]
+  want = threefry2x32_p.bind(*words)
+  got = dropout.threefry2x32(words[:2], words[2:])
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
+def test_keep_fraction(rate):
+  keep = dropout.keep_mask(jax.random.key(1), rate, *masks.index_grid(2, 4, 128, 128))
+  assert keep.shape == (2, 4, 128, 128) and keep.dtype == jnp.bool_
+  assert abs(float(keep.mean()) - (1 - rate)) < 0.01  # 131072 draws: sd 0.0014
+
+
+def test_rate_zero_keeps_everything():
+  assert bool(dropout.keep_mask(jax.random.key(1), 0.0, *masks.index_grid(1, 2, 16, 16)).all())
+
+
+def test_mask_is_a_function_of_indices_only():
+  """A tile drawn on its own equals the same tile of the full grid."""
+  rng = jax.random.key(7)
+  full = dropout.keep_mask(rng, 0.3, *masks.index_grid(2, 3, 20, 24))
+  b, h = jnp.array(1).reshape(1, 1, 1, 1), jnp.array(2).reshape(1, 1, 1, 1)
+  q = jnp.arange(8, 16).reshape(1, 1, -1, 1)
+  kv = jnp.arange(4, 20).reshape(1, 1, 1, -1)
+  np.testing.assert_array_equal(dropout.keep_mask(rng, 0.3, b, h, q, kv)[0, 0],
+                                full[1, 2, 8:16, 4:20])
+  # The same rng as a typed key or a legacy PRNGKey draws the same mask.
+  legacy = dropout.keep_mask(jax.random.PRNGKey(7), 0.3, *masks.index_grid(2, 3, 20, 24))
+  np.testing.assert_array_equal(legacy, full)
+
+
+def test_masks_differ_across_rng_batch_and_head():
+  grid = masks.index_grid(2, 2, 32, 32)
+  a = np.asarray(dropout.keep_mask(jax.random.key(0), 0.5, *grid))
+  b = np.asarray(dropout.keep_mask(jax.random.key(1), 0.5, *grid))
+  assert 0.4 < (a != b).mean() < 0.6
+  assert 0.4 < (a[0, 0] != a[1, 0]).mean() < 0.6
+  assert 0.4 < (a[0, 0] != a[0, 1]).mean() < 0.6
+
+
+def _qkv(B=2, T=5, S=6, N=4, K=2, H=4):
+  return normal((B, T, N, H)), normal((B, S, K, H), seed=1), normal((B, S, K, H), seed=2)
+
+
+@pytest.mark.parametrize("backward", ["autodiff", "custom_vjp"])
+def test_attention_dropout_matches_reference(backward):
+  q, k, v = _qkv()
+  rng, rate = jax.random.key(3), 0.25
+  keep = dropout.keep_mask(rng, rate, *masks.index_grid(2, 4, 5, 6))
+  causal = np.tril(np.ones((5, 6), bool))
+  out, lse = jattn.dot_product_attention(q, k, v, is_causal=True, dropout_rate=rate,
+                                         dropout_rng=rng, backward=backward, return_residual=True)
+  want, want_lse = attention_np(q, k, v, allowed=causal, keep=np.asarray(keep), rate=rate)
+  assert_close(out, want)
+  assert_close(lse, want_lse)  # dropout acts after the softmax: lse is unchanged
+  grads = jax.grad(lambda *a: jnp.sum(jattn.dot_product_attention(
+      *a, is_causal=True, dropout_rate=rate, dropout_rng=rng, backward=backward) ** 2),
+                   (0, 1, 2))(q, k, v)
+  grads_ref = jax.grad(lambda *a: jnp.sum(attention_jnp(
+      *a, allowed=causal, keep=keep, rate=rate)[0] ** 2), (0, 1, 2))(q, k, v)
+  for a, b in zip(grads, grads_ref):
+    assert_close(a, b, factor=5)
+
+
+def test_dropout_is_unbiased():
+  q, k, v = _qkv(B=1, T=3, S=8, N=2, K=2)
+  rngs = jax.random.split(jax.random.key(0), 2000)
+  outs = jax.vmap(functools.partial(jattn.dot_product_attention, q, k, v, dropout_rate=0.2)
+                  )(dropout_rng=rngs)
+  mean = np.asarray(outs).mean(0)
+  np.testing.assert_allclose(mean, jattn.dot_product_attention(q, k, v), atol=0.03)
+  assert np.asarray(outs).std(0).min() > 0.01  # and it does drop something
+
+
+def test_same_rng_same_output_and_rate_zero_ignores_rng():
+  q, k, v = _qkv()
+  f = lambda rng, rate: jattn.dot_product_attention(q, k, v, dropout_rate=rate, dropout_rng=rng)
+  np.testing.assert_array_equal(f(jax.random.key(5), 0.3), f(jax.random.key(5), 0.3))
+  assert not np.array_equal(f(jax.random.key(5), 0.3), f(jax.random.key(6), 0.3))
+  np.testing.assert_array_equal(f(jax.random.key(5), 0.0), jattn.dot_product_attention(q, k, v))

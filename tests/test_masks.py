@@ -1,0 +1,259 @@
+"""jattn.masks: constructors against literal 0/1 matrices, combinators, tile classification."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jattn import masks
+from reference import (causal_np, chunked_np, global_np, lengths_np, prefix_np, segments_np,
+                       strided_np, tile_classes_np, window_np)
+
+
+def _dense(mask, T, S, **kw):
+  return np.asarray(mask.materialize(T, S, **kw)).astype(int)
+
+
+def _m(text):
+  return np.array([[int(c) for c in row] for row in text.split()])
+
+
+def test_causal_literal():
+  np.testing.assert_array_equal(_dense(masks.causal(), 4, 5)[0, 0], _m("""
+      10000
+      11000
+      11100
+      11110"""))
+  # offset S - T aligns the diagonal bottom-right, for queries appended after a cache.
+  np.testing.assert_array_equal(_dense(masks.causal(offset=2), 3, 5)[0, 0], _m("""
+      11100
+      11110
+      11111"""))
+
+
+def test_sliding_window_literal():
+  np.testing.assert_array_equal(_dense(masks.sliding_window(1, 2), 5, 5)[0, 0], _m("""
+      11100
+      11110
+      01111
+      00111
+      00011"""))
+  np.testing.assert_array_equal(_dense(masks.sliding_window(None, 0), 3, 3)[0, 0], _m("""
+      100
+      110
+      111"""))
+
+
+def test_chunked_literal():
+  np.testing.assert_array_equal(_dense(masks.chunked(2), 5, 5)[0, 0], _m("""
+      11000
+      11000
+      00110
+      00110
+      00001"""))
+
+
+def test_prefix_lm_literal():
+  dense = _dense(masks.prefix_lm(np.array([2, 0])), 4, 4)
+  np.testing.assert_array_equal(dense[0, 0], _m("""
+      1100
+      1100
+      1110
+      1111"""))
+  np.testing.assert_array_equal(dense[1, 0], _m("""
+      1000
+      1100
+      1110
+      1111"""))
+
+
+def test_segments_literal():
+  dense = _dense(masks.segments(np.array([[0, 0, 1, 1, 1]]), np.array([[0, 1, 1, 2]])), 5, 4)
+  np.testing.assert_array_equal(dense[0, 0], _m("""
+      1000
+      1000
+      0110
+      0110
+      0110"""))
+
+
+def test_lengths_literal():
+  dense = _dense(masks.lengths(np.array([2, 3]), np.array([3, 1])), 3, 4)
+  np.testing.assert_array_equal(dense[0, 0], _m("""
+      1110
+      1110
+      0000"""))
+  np.testing.assert_array_equal(dense[1, 0], _m("""
+      1000
+      1000
+      1000"""))
+
+
+def test_global_tokens_literal():
+  np.testing.assert_array_equal(_dense(masks.global_tokens(1), 4, 4)[0, 0], _m("""
+      1111
+      1000
+      1000
+      1000"""))
+
+
+def test_strided_literal():
+  np.testing.assert_array_equal(_dense(masks.strided(2), 4, 5)[0, 0], _m("""
+      10101
+      01010
+      10101
+      01010"""))
+
+
+def test_from_array_and_from_fn():
+  arr = np.array([[True, False, True], [False, False, True]])
+  np.testing.assert_array_equal(_dense(masks.from_array(arr), 2, 3)[0, 0], arr.astype(int))
+  diag = masks.from_fn(lambda b, h, q, kv: (q == kv) | (h == 1))
+  dense = _dense(diag, 3, 3, num_heads=2)
+  np.testing.assert_array_equal(dense[0, 0], np.eye(3, dtype=int))
+  np.testing.assert_array_equal(dense[0, 1], np.ones((3, 3), int))
+
+
+# Every constructor, with a NumPy formula for its dense (B, N, T, S) form. B=2, N=3.
+IDS_Q = np.array([[0, 0, 0, 1, 1, 2, 2, 2, 2], [4, 4, 5, 5, 5, 5, 6, 7, 7]])
+IDS_KV = np.array([[0, 1, 1, 1, 2, 2, 2], [4, 5, 5, 6, 6, 7, 7]])
+PER_HEAD = np.random.default_rng(0).random((1, 3, 9, 7)) < 0.5
+KINDS = {
+    "causal": (masks.causal(1), lambda T, S: causal_np(T, S, 1)),
+    "causal_negative": (masks.causal(-2), lambda T, S: causal_np(T, S, -2)),
+    "window": (masks.sliding_window(2, 1), lambda T, S: window_np(T, S, 2, 1)),
+    "window_left_only": (masks.sliding_window(3, None), lambda T, S: window_np(T, S, 3, None)),
+    "chunked": (masks.chunked(3), lambda T, S: chunked_np(T, S, 3)),
+    "prefix_lm": (masks.prefix_lm(np.array([3, 5])), lambda T, S: prefix_np(T, S, [3, 5])),
+    "segments": (masks.segments(IDS_Q, IDS_KV), lambda T, S: segments_np(IDS_Q, IDS_KV)),
+    "lengths": (masks.lengths(np.array([4, 9]), np.array([7, 2])),
+                lambda T, S: lengths_np(T, S, [4, 9], [7, 2])),
+    "kv_lengths": (masks.lengths(kv_lengths=np.array([0, 5])),
+                   lambda T, S: lengths_np(T, S, None, [0, 5])),
+    "global": (masks.global_tokens(2), lambda T, S: global_np(T, S, 2)),
+    "strided": (masks.strided(3), lambda T, S: strided_np(T, S, 3)),
+    "from_array": (masks.from_array(PER_HEAD), lambda T, S: PER_HEAD),
+    "from_fn": (masks.from_fn(lambda b, h, q, kv: (q + kv + h) % 4 != 0),
+                lambda T, S: (np.add.outer(np.arange(T), np.arange(S)) + np.arange(3)[:, None, None])
+                % 4 != 0),
+}
+T_, S_ = 9, 7
+
+
+def _expected(kind):
+  return np.broadcast_to(KINDS[kind][1](T_, S_), (2, 3, T_, S_))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_materialize_matches_formula(kind):
+  mask = KINDS[kind][0]
+  np.testing.assert_array_equal(mask.materialize(T_, S_, batch_size=2, num_heads=3),
+                                _expected(kind))
+  # Calling the mask on a grid is the same function.
+  grid = masks.index_grid(2, 3, T_, S_)
+  np.testing.assert_array_equal(np.broadcast_to(mask(*grid), (2, 3, T_, S_)), _expected(kind))
+
+
+@pytest.mark.parametrize("a, b", list(itertools.combinations(
+    ["causal", "window", "segments", "global", "strided", "from_fn", "kv_lengths"], 2)))
+def test_combinators_match_dense_logic(a, b):
+  ma, mb = KINDS[a][0], KINDS[b][0]
+  da, db = _expected(a), _expected(b)
+  for mask, want in [(ma & mb, da & db), (ma | mb, da | db), (~ma, ~da), (~(ma & mb) | mb,
+                                                                          ~(da & db) | db)]:
+    np.testing.assert_array_equal(mask.materialize(T_, S_, batch_size=2, num_heads=3), want)
+
+
+BLOCKS = [(1, 1), (2, 3), (4, 2), (3, 7), (16, 16), (5, 4)]
+
+
+@pytest.mark.parametrize("block_q, block_kv", BLOCKS)
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "from_fn"])
+def test_block_view_is_exact_for_constructors(kind, block_q, block_kv):
+  view = KINDS[kind][0].block_view(T_, S_, block_q=block_q, block_kv=block_kv, batch_size=2,
+                                   num_heads=3)
+  assert isinstance(view, np.ndarray) and view.dtype == np.int8
+  np.testing.assert_array_equal(view, tile_classes_np(_expected(kind), block_q, block_kv))
+
+
+def _assert_conservative(view, exact):
+  """PARTIAL is always safe; EMPTY and FULL must be right."""
+  claimed = view != masks.PARTIAL
+  np.testing.assert_array_equal(view[claimed], exact[claimed])
+
+
+@pytest.mark.parametrize("block_q, block_kv", BLOCKS)
+def test_block_view_combinations_and_fns_are_conservative(block_q, block_kv):
+  for mask, want in [
+      (KINDS["from_fn"][0], _expected("from_fn")),
+      (KINDS["causal"][0] & KINDS["window"][0], _expected("causal") & _expected("window")),
+      (KINDS["segments"][0] | KINDS["global"][0], _expected("segments") | _expected("global")),
+      (~KINDS["chunked"][0] & KINDS["strided"][0], ~_expected("chunked") & _expected("strided")),
+  ]:
+    kw = dict(block_q=block_q, block_kv=block_kv, batch_size=2, num_heads=3)
+    exact = tile_classes_np(want, block_q, block_kv)
+    _assert_conservative(mask.block_view(T_, S_, **kw), exact)
+    np.testing.assert_array_equal(mask.block_view(T_, S_, exact=True, **kw), exact)
+
+
+def test_block_view_from_fn_is_all_partial_unless_exact():
+  view = KINDS["from_fn"][0].block_view(8, 8, block_q=4, block_kv=4)
+  assert (view == masks.PARTIAL).all()
+
+
+def test_block_view_causal_skips_upper_triangle():
+  view = masks.causal().block_view(8, 8, block_q=2, block_kv=2)[0, 0]
+  np.testing.assert_array_equal(view, np.array([[1, 0, 0, 0], [2, 1, 0, 0], [2, 2, 1, 0],
+                                                [2, 2, 2, 1]]))
+
+
+def test_segments_unsorted_ids_are_conservative():
+  ids = np.array([[3, 0, 3, 1, 2, 0, 2, 1]])
+  mask = masks.segments(ids)
+  exact = tile_classes_np(segments_np(ids, ids), 2, 2)
+  view = mask.block_view(8, 8, block_q=2, block_kv=2)
+  _assert_conservative(view, exact)
+  assert (view != exact).any()  # min/max bounds cannot see that {3, 0} and {1, 2} are disjoint
+
+
+def test_block_view_with_traced_arrays():
+  """Inside jit, data-dependent masks classify tiles with traced arrays."""
+  @jax.jit
+  def view(lengths):
+    return masks.lengths(kv_lengths=lengths).block_view(4, 8, block_q=2, block_kv=4)
+
+  np.testing.assert_array_equal(view(jnp.array([8, 3]))[:, 0], [[[2, 2], [2, 2]],
+                                                                [[1, 0], [1, 0]]])
+
+
+def test_masks_are_pytrees():
+  mask = masks.causal(1) & masks.segments(IDS_Q, IDS_KV)
+  leaves, treedef = jax.tree_util.tree_flatten(mask)
+  assert len(leaves) == 2
+  rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
+  np.testing.assert_array_equal(rebuilt.materialize(T_, S_), mask.materialize(T_, S_))
+  # Equal settings give equal treedefs: jit does not recompile for a rebuilt mask.
+  assert jax.tree_util.tree_structure(masks.causal(1) & masks.segments(IDS_Q + 1, IDS_KV)) \
+      == treedef
+  got = jax.jit(lambda m: m.materialize(T_, S_))(mask)
+  np.testing.assert_array_equal(got, mask.materialize(T_, S_))
+
+
+def test_repr_names_the_parts():
+  mask = (masks.causal() & ~masks.chunked(4)) | masks.global_tokens(1)
+  assert repr(mask) == "((causal(offset=0) & ~chunked(size=4)) | global_tokens(n=1))"
+
+
+def test_mask_is_immutable():
+  with pytest.raises(AttributeError):
+    masks.causal().params = (3,)
+
+
+def test_extents_and_batch_defaults():
+  mask = masks.segments(IDS_Q, IDS_KV) & masks.causal()
+  assert mask.extents == (2, None, T_, S_)
+  assert mask.materialize(T_, S_).shape == (2, 1, T_, S_)
+  with pytest.raises(ValueError, match="batch_size is 3 but the mask holds arrays for 2"):
+    mask.materialize(T_, S_, batch_size=3)

@@ -1,0 +1,152 @@
+"""jattn.scores: each score function against its formula, and inside attention."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn import masks, scores
+from reference import assert_close, attention_jnp, attention_np, grid, normal
+
+B, N, T, S = 2, 3, 5, 6
+
+
+def _apply(fn, s):
+  return np.asarray(fn(jnp.asarray(s), *masks.index_grid(B, N, T, S)))
+
+
+def test_alibi_formula():
+  slopes = np.array([0.5, 0.25, 0.125], np.float32)
+  s = np.asarray(normal((B, N, T, S)))
+  b, h, q, kv = grid(B, N, T, S)
+  np.testing.assert_allclose(_apply(scores.alibi(slopes), s), s + slopes[h] * (kv - q), rtol=1e-6)
+  np.testing.assert_allclose(_apply(scores.alibi(slopes, bidirectional=True), s),
+                             s - slopes[h] * np.abs(kv - q), rtol=1e-6)
+
+
+def test_soft_cap_formula():
+  s = 40 * np.asarray(normal((B, N, T, S)))
+  got = _apply(scores.soft_cap(10.0), s)
+  np.testing.assert_allclose(got, 10.0 * np.tanh(s / 10.0), rtol=1e-6)
+  assert np.abs(got).max() <= 10.0
+
+
+def _t5_bucket_np(rp, bidirectional, num_buckets, max_distance):
+  """T5's bucketing, transcribed from the Mesh TensorFlow / Hugging Face code."""
+  ret = 0
+  n = -rp
+  if bidirectional:
+    num_buckets //= 2
+    ret += (n < 0) * num_buckets
+    n = abs(n)
+  else:
+    n = max(n, 0)
+  max_exact = num_buckets // 2
+  if n < max_exact:
+    return ret + n
+  val = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact)
+                        * (num_buckets - max_exact))
+  return ret + min(val, num_buckets - 1)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("num_buckets, max_distance", [(32, 128), (8, 20), (6, 7)])
+def test_t5_buckets(bidirectional, num_buckets, max_distance):
+  rp = np.arange(-300, 301)
+  got = scores.t5_bucket(jnp.asarray(rp), num_buckets=num_buckets, max_distance=max_distance,
+                         bidirectional=bidirectional)
+  want = [_t5_bucket_np(int(r), bidirectional, num_buckets, max_distance) for r in rp]
+  np.testing.assert_array_equal(got, want)
+
+
+def test_t5_buckets_literal():
+  # kv - q:           0   1  -1 -20  200  -200
+  got = scores.t5_bucket(jnp.array([0, 1, -1, -20, 200, -200]), num_buckets=32, max_distance=128,
+                         bidirectional=True)
+  np.testing.assert_array_equal(got, [0, 17, 1, 10, 31, 15])
+
+
+def test_relative_position_bias_formula():
+  table = np.asarray(normal((8, N)))
+  fn = scores.relative_position_bias(table, num_buckets=8, max_distance=16, bidirectional=False)
+  s = np.asarray(normal((B, N, T, S)))
+  b, h, q, kv = grid(B, N, T, S)
+  bucket = np.vectorize(lambda r: _t5_bucket_np(r, False, 8, 16))(kv - q)
+  np.testing.assert_allclose(_apply(fn, s), s + table[bucket, h], rtol=1e-6)
+
+
+def test_compose_applies_in_order():
+  add = lambda s, b, h, q, kv: s + 1.0
+  double = lambda s, b, h, q, kv: 2.0 * s
+  s = np.asarray(normal((B, N, T, S)))
+  np.testing.assert_allclose(_apply(scores.compose(add, double), s), 2 * (s + 1), rtol=1e-6)
+  np.testing.assert_allclose(_apply(scores.compose(double, add), s), 2 * s + 1, rtol=1e-6)
+  assert "alibi" in repr(scores.compose(scores.alibi(np.ones(3, np.float32)), double))
+
+
+SLOPES = np.array([0.3, 0.1, 0.05], np.float32)
+TABLE = np.asarray(normal((8, 3), seed=4))
+
+
+def _alibi_np(s, b, h, q, kv):
+  return s + SLOPES[h] * (kv - q)
+
+
+def _cap_np(s, b, h, q, kv):
+  return 2.0 * np.tanh(s / 2.0)
+
+
+@pytest.mark.parametrize("backward", ["autodiff", "custom_vjp"])
+def test_attention_with_scores_matches_numpy(backward):
+  q, k, v = normal((B, T, 3, 4)), normal((B, S, 1, 4), seed=1), normal((B, S, 1, 4), seed=2)
+  out = jattn.dot_product_attention(q, k, v, score_fn=scores.alibi(SLOPES), logits_soft_cap=2.0,
+                                    is_causal=True, backward=backward)
+  want, _ = attention_np(q, k, v, score=lambda *a: _cap_np(_alibi_np(*a), *a[1:]),
+                         allowed=np.tril(np.ones((T, S), bool)))
+  assert_close(out, want)
+
+
+@pytest.mark.parametrize("backward", ["autodiff", "custom_vjp"])
+def test_learned_score_parameters_get_gradients(backward):
+  """Gradients reach a relative-position table and ALiBi slopes, inside jit, as in training."""
+  q, k, v = normal((B, T, 3, 4)), normal((B, S, 3, 4), seed=1), normal((B, S, 3, 4), seed=2)
+
+  def loss_ours(table, slopes):
+    fn = scores.compose(scores.relative_position_bias(table, num_buckets=8, max_distance=16),
+                        scores.alibi(slopes))
+    return jnp.sum(jattn.dot_product_attention(q, k, v, score_fn=fn, backward=backward) ** 2)
+
+  def loss_ref(table, slopes):
+    def score(s, b, h, qi, kv):
+      bucket = scores.t5_bucket(kv - qi, num_buckets=8, max_distance=16, bidirectional=True)
+      return s + table[bucket, h] + slopes[h] * (kv - qi)
+    return jnp.sum(attention_jnp(q, k, v, score=score)[0] ** 2)
+
+  args = (jnp.asarray(TABLE), jnp.asarray(SLOPES))
+  got = jax.jit(jax.grad(loss_ours, (0, 1)))(*args)
+  want = jax.grad(loss_ref, (0, 1))(*args)
+  for a, b in zip(got, want):
+    assert_close(a, b, np.float32, factor=5)
+  assert np.abs(np.asarray(got[0])).sum() > 0
+
+
+@pytest.mark.parametrize("backward", ["autodiff", "custom_vjp"])
+def test_score_fn_closing_over_traced_values(backward):
+  """A plain closure over traced arrays differentiates under grad(jit(...)) and jit(grad(...))."""
+  q, k, v = normal((1, 4, 2, 4)), normal((1, 4, 2, 4), seed=1), normal((1, 4, 2, 4), seed=2)
+
+  def loss(temperature, offset):
+    fn = lambda s, b, h, qi, kv: s * temperature + jnp.where(qi >= kv + offset, 0.0, -1.0)
+    return jnp.sum(jattn.dot_product_attention(q, k, v, score_fn=fn, backward=backward) ** 2)
+
+  def loss_ref(temperature, offset):
+    fn = lambda s, b, h, qi, kv: s * temperature + jnp.where(qi >= kv + offset, 0.0, -1.0)
+    return jnp.sum(attention_jnp(q, k, v, score=fn)[0] ** 2)
+
+  t, off = jnp.float32(0.7), jnp.int32(1)
+  want = jax.grad(loss_ref)(t, off)
+  assert_close(jax.grad(jax.jit(loss))(t, off), want, factor=5)
+  assert_close(jax.jit(jax.grad(loss))(t, off), want, factor=5)
