@@ -76,11 +76,11 @@ def compose(*fns: Callable) -> ScoreFn:
   return ScoreFn(_COMPOSE, (), tuple(from_fn(f) for f in fns))
 
 
-def _float_array(name: str, value, *, ndim: int) -> jax.Array:
-  dtype = _checks.dtype_of(value)
-  if not np.issubdtype(dtype, np.floating):
-    raise TypeError(f"{name} must have a floating dtype, got {dtype}")
-  arr = jnp.asarray(value)
+def _float_array(name: str, value, *, ndim: int):
+  """A floating array of rank ``ndim``, kept as given (no copy, no cast)."""
+  arr = value if hasattr(value, "dtype") else np.asarray(value)
+  if not np.issubdtype(arr.dtype, np.floating):
+    raise TypeError(f"{name} must have a floating dtype, got {arr.dtype}")
   if arr.ndim != ndim:
     raise ValueError(f"{name} must have rank {ndim}, got shape {arr.shape}")
   return arr
@@ -92,7 +92,7 @@ def _alibi_apply(params, children, s, b, h, q, kv):
   distance = (kv - q).astype(s.dtype)
   if bidirectional:
     distance = -jnp.abs(distance)
-  return s + slopes[h].astype(s.dtype) * distance
+  return s + jnp.asarray(slopes)[h].astype(s.dtype) * distance
 
 
 _ALIBI = _Rule("alibi", _alibi_apply,
@@ -155,7 +155,7 @@ def _relative_apply(params, children, s, b, h, q, kv):
   (table,) = children
   bucket = t5_bucket(kv - q, num_buckets=num_buckets, max_distance=max_distance,
                      bidirectional=bidirectional)
-  return s + table[bucket, h].astype(s.dtype)
+  return s + jnp.asarray(table)[bucket, h].astype(s.dtype)
 
 
 _RELATIVE = _Rule(
@@ -183,5 +183,6 @@ def relative_position_bias(table, *, num_buckets: int = 32, max_distance: int = 
         f"that num_buckets={num_buckets} gives")
   table = _float_array("table", table, ndim=2)
   if table.shape[0] != num_buckets:
-    raise ValueError(f"table must have shape (num_buckets={num_buckets}, N), got {table.shape}")
+    raise ValueError(f"table must have shape (num_buckets={num_buckets}, N), got "
+                     f"{tuple(table.shape)}")
   return ScoreFn(_RELATIVE, (num_buckets, max_distance, bool(bidirectional)), (table,))

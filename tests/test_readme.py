@@ -1,0 +1,34 @@
+"""README.md stays true: its commands match CI and the Makefile, its examples run."""
+
+import contextlib
+import io
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def _blocks(language):
+  return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+
+
+def test_first_block_is_the_two_commands_and_ci_runs_the_second():
+  assert README.index("```bash") < README.index("```python")
+  demo, test = _blocks("bash")[0].strip().splitlines()
+  assert "experiments/quickstart.py" in demo and "pytest" in test
+  assert test in (ROOT / ".ci" / "run").read_text().splitlines()
+  makefile = (ROOT / "Makefile").read_text()
+  assert f"\t{demo}\n" in makefile and f"\t{test}\n" in makefile
+
+
+def test_python_examples_run():
+  namespace = {}
+  stdout = io.StringIO()
+  with contextlib.redirect_stdout(stdout):
+    for block in _blocks("python"):
+      exec(compile(block, "README.md", "exec"), namespace)
+  printed = stdout.getvalue()
+  assert "[[1 0 0 0]\n [1 1 0 0]\n [1 1 1 0]\n [0 1 1 1]]" in printed
+  assert ("key and value must have the same shape, got key (2, 16, 2, 8) and value "
+          "(2, 16, 2, 4)") in printed
