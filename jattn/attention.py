@@ -114,6 +114,8 @@ def dot_product_attention(
   B, T, N, H = (1,) * unbatched + tuple(q.shape)
   S = k.shape[-3]
   scale = 1.0 / float(np.sqrt(H)) if scale is None else _checks.real("scale", scale)
+  if not np.isfinite(scale):
+    raise ValueError(f"scale must be finite, got {scale}")
   bias = _check_bias(bias, (B, N, T, S))
   for name, flag in (("is_causal", is_causal), ("return_residual", return_residual)):
     if not isinstance(flag, (bool, np.bool_)):

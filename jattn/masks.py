@@ -143,6 +143,15 @@ def _tile_reduce(x: jax.Array, axis: int, block: int, length: int, fill, reducer
   return reducer(x, axis=axis + 1)
 
 
+def _tile_any_all(dense: jax.Array, block_q: int, block_kv: int, q_len: int, kv_len: int):
+  """Per tile of a dense (Bm, Nm, T, S) bool array (T, S may be 1): whether any, all are True."""
+  any_, all_ = dense, dense
+  for axis, block, length in ((2, block_q, q_len), (3, block_kv, kv_len)):
+    any_ = _tile_reduce(any_, axis, block, length, False, jnp.any)
+    all_ = _tile_reduce(all_, axis, block, length, True, jnp.all)
+  return any_, all_
+
+
 def _describe_plain(name: str, keys: tuple[str, ...]):
   def describe(params, children):
     args = ", ".join(f"{k}={v!r}" for k, v in zip(keys, params))
@@ -461,12 +470,7 @@ def _array_eval(params, children, b, h, q, kv):
 
 
 def _array_bounds(params, children, t: _Tiles):
-  arr = _as_rank(children[0], 4)
-  any_, all_ = arr, arr
-  for axis, block, length in ((2, t.block_q, t.q_len), (3, t.block_kv, t.kv_len)):
-    any_ = _tile_reduce(any_, axis, block, length, False, jnp.any)
-    all_ = _tile_reduce(all_, axis, block, length, True, jnp.all)
-  return any_, all_
+  return _tile_any_all(_as_rank(children[0], 4), t.block_q, t.block_kv, t.q_len, t.kv_len)
 
 
 _ARRAY = _Rule(
@@ -675,10 +679,7 @@ class Mask(Node):
     with jax.ensure_compile_time_eval():
       if exact:
         dense = self.materialize(q_len, kv_len, batch_size=batch_size, num_heads=num_heads)
-        any_, all_ = dense, dense
-        for axis, block, length in ((2, block_q, q_len), (3, block_kv, kv_len)):
-          any_ = _tile_reduce(any_, axis, block, length, False, jnp.any)
-          all_ = _tile_reduce(all_, axis, block, length, True, jnp.all)
+        any_, all_ = _tile_any_all(dense, block_q, block_kv, q_len, kv_len)
       else:
         q_lo = jnp.arange(nq, dtype=jnp.int32) * block_q
         kv_lo = jnp.arange(nk, dtype=jnp.int32) * block_kv

@@ -194,3 +194,18 @@ def test_repeated_calls_do_not_retrace(monkeypatch):
     jattn.dot_product_attention(q[:, :3], k, v, mask=masks.causal() & masks.segments(
         jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 4), jnp.int32)),
         score_fn=jattn.scores.alibi(jnp.array([0.1, 0.2])))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
+def test_cudnn_passes_through_to_jax_nn():
+  q, k, v = _inputs(2, 128, 128, 4, 2, 64, jnp.bfloat16)
+  cot = normal(q.shape, jnp.bfloat16, 3)
+
+  @functools.partial(jax.jit, static_argnames="implementation")
+  def run(q, k, v, implementation):
+    f = lambda q, k, v: jnp.sum(jattn.dot_product_attention(
+        q, k, v, is_causal=True, implementation=implementation).astype(jnp.float32) * cot)
+    return jax.value_and_grad(f, (0, 1, 2))(q, k, v)
+
+  for a, b in zip(jax.tree.leaves(run(q, k, v, "cudnn")), jax.tree.leaves(run(q, k, v, "xla"))):
+    assert_close(a, b, jnp.bfloat16, factor=2)

@@ -74,6 +74,7 @@ BAD_INPUTS = [
      r"local_window_size must be an int or a \(left, right\) tuple"),
     ("is_causal_type", dict(is_causal="yes"), TypeError, r"is_causal must be a bool"),
     ("scale_type", dict(scale="big"), TypeError, r"scale must be a real number"),
+    ("scale_inf", dict(scale=float("inf")), ValueError, r"scale must be finite, got inf"),
     ("dropout_rate_high", dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)), ValueError,
      r"dropout_rate must be in \[0, 1\), got 1.0"),
     ("dropout_rate_negative", dict(dropout_rate=-0.1), ValueError,
@@ -129,6 +130,13 @@ def test_compile_events_are_seen():
   with compile_events() as events:
     call(query=jnp.zeros((1, 3, 2, 4)), key=jnp.zeros((1, 3, 2, 4)), value=jnp.zeros((1, 3, 2, 4)))
   assert _compiles(events)
+
+
+def test_traced_settings_are_rejected():
+  with pytest.raises(TypeError, match="scale must be a concrete Python or NumPy number"):
+    jax.jit(lambda s: call(scale=s))(0.5)
+  with pytest.raises(TypeError, match="dropout_rate must be a concrete"):
+    jax.jit(lambda r: call(dropout_rate=r, dropout_rng=jax.random.key(0)))(0.5)
 
 
 def test_table_is_long_enough():
