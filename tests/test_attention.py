@@ -108,21 +108,27 @@ def test_matches_jax_nn(case, dtype):
 
 
 @pytest.mark.parametrize("backward", BACKWARDS)
-def test_unbatched_layout(backward):
-  q, k, v = _inputs(1, 5, 6, 4, 2, 8, jnp.float32)
-  q, k, v = q[0], k[0], v[0]
-  bias = normal((4, 5, 6), jnp.float32, 5)
-  mask = _bool_mask((5, 6))
-  kw = dict(bias=bias, mask=mask, is_causal=True)
-  out, lse = jattn.dot_product_attention(q, k, v, return_residual=True, backward=backward, **kw)
-  ref, ref_lse = jax.jit(functools.partial(jax.nn.dot_product_attention, return_residual=True,
-                                           **kw))(q, k, v)
-  assert out.shape == (5, 4, 8) and lse.shape == (5, 4)
-  assert_close(out, ref)
-  assert_close(lse, ref_lse)
-  g = jax.grad(lambda q: jattn.dot_product_attention(q, k, v, backward=backward, **kw).sum())(q)
-  g_ref = jax.jit(jax.grad(lambda q: jax.nn.dot_product_attention(q, k, v, **kw).sum()))(q)
-  assert_close(g, g_ref)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_unbatched_layout_and_vmap(dtype, backward):
+  """TNH inputs, alone and vmapped over a batch, as jax.nn handles them."""
+  q, k, v = _inputs(3, 5, 6, 4, 2, 8, dtype)
+  bias = normal((4, 5, 6), dtype, 5)
+  kw = dict(mask=_bool_mask((5, 6)), is_causal=True)
+  ours = functools.partial(jattn.dot_product_attention, return_residual=True,
+                           backward=backward, **kw)
+  theirs = functools.partial(jax.nn.dot_product_attention, return_residual=True, **kw)
+  for transform in (lambda f: f, jax.vmap):
+    args = (q[0], k[0], v[0]) if transform is not jax.vmap else (q, k, v)
+    f_ours = jax.jit(transform(lambda q, k, v: ours(q, k, v, bias)))
+    f_theirs = jax.jit(transform(lambda q, k, v: theirs(q, k, v, bias)))
+    (out, lse), (ref, ref_lse) = f_ours(*args), f_theirs(*args)
+    assert out.shape == args[0].shape and lse.shape == args[0].shape[:-1]
+    assert_close(out, ref, dtype)
+    assert_close(lse, ref_lse, dtype, factor=2)
+    grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)[0].astype(jnp.float32) ** 2),
+                                      (0, 1, 2)))(*args)
+    for a, b in zip(grad(f_ours), grad(f_theirs)):
+      assert_close(a, b, dtype, factor=2)
 
 
 @pytest.mark.parametrize("backward", BACKWARDS)

@@ -19,7 +19,8 @@ def problems(draw):
   N = K * G
   rng = np.random.default_rng(draw(st.integers(0, 2**16)))
   kind = draw(st.sampled_from(["none", "causal", "window", "chunked", "prefix_lm", "segments",
-                               "lengths", "global", "strided", "array", "jax_nn_args", "combo"]))
+                               "lengths", "global", "strided", "array", "fn", "jax_nn_args",
+                               "combo"]))
   mask, allowed, kwargs = None, np.ones((B, N, T, S), bool), {}
   if kind == "causal":
     offset = draw(st.integers(-3, 3))
@@ -51,6 +52,11 @@ def problems(draw):
   elif kind == "array":
     arr = rng.random((B, draw(st.sampled_from([1, N])), T, S)) < 0.6
     mask, allowed = arr, arr
+  elif kind == "fn":
+    period = draw(st.integers(2, 4))
+    mask = masks.from_fn(lambda b, h, q, kv: (q * 2 + kv + h + b) % period != 0)
+    b_, h_, q_, kv_ = ref.grid(B, N, T, S)
+    allowed = (q_ * 2 + kv_ + h_ + b_) % period != 0
   elif kind == "jax_nn_args":
     window = (draw(st.integers(0, 3)), draw(st.integers(0, 3)))
     kv_lens = rng.integers(0, S + 1, size=B).astype(np.int32)
