@@ -110,3 +110,20 @@ def test_float64_is_kept(x64):
     want, want_lse = attention_np(q, k, v, allowed=np.tril(np.ones((T, S), bool)))
     np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-12)
+
+
+@pytest.mark.parametrize("backward", ["autodiff", "custom_vjp"])
+def test_additive_minus_inf_bias_never_gives_nan(backward):
+  """Users who mask with -inf in bias get masking, and zeros for rows left with nothing."""
+  q, k, v = _qkv()
+  bias = np.zeros((1, 1, T, S), np.float32)
+  bias[..., 1:, 2:] = -np.inf  # rows 1.. see keys 0 and 1 only
+  bias[..., 3, :] = -np.inf  # row 3 sees nothing
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, jnp.asarray(bias), backward=backward)
+  out = f(q, k, v)
+  grads = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), (0, 1, 2))(q, k, v)
+  np.testing.assert_array_equal(np.asarray(out)[:, 3], 0.0)
+  allowed = np.isfinite(bias)
+  assert_close(out, attention_np(q, k, v, allowed=allowed)[0])
+  for g in grads:
+    assert np.all(np.isfinite(g))
