@@ -97,9 +97,9 @@ def dot_product_attention(
     dropout_rng: a ``jax.random.key`` (or ``PRNGKey``); needed when
       ``dropout_rate > 0``.
     backward: how gradients are formed: ``"autodiff"`` (JAX differentiates the
-      forward pass) or ``"custom_vjp"`` (jattn's explicit rule, which stores
-      only the output and log-sum-exp). None picks the implementation's
-      default (``"autodiff"`` for ``"xla"``).
+      forward pass) or ``"custom_vjp"`` (jattn's explicit rule, which keeps
+      only the inputs and the log-sum-exp and recomputes the probabilities).
+      None picks the implementation's default (``"autodiff"`` for ``"xla"``).
 
   Returns:
     The output, shaped and typed like ``query``; with ``return_residual``, the

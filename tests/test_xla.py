@@ -137,3 +137,10 @@ def test_backward_rules_agree_in_bfloat16():
   for a, b in zip(got, want):
     assert a.dtype == jnp.bfloat16
     assert_close(a, b, jnp.bfloat16, factor=2)
+
+
+def test_autodiff_rule_supports_forward_mode(x64):
+  args = _inputs(jnp.float64)
+  f = _ours(masks.causal() & masks.segments(IDS_Q, IDS_KV), "autodiff",
+            score_fn=SCORE_FNS["relative"])
+  check_grads(f, args, order=2, modes=["fwd", "rev"])

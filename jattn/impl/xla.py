@@ -4,7 +4,7 @@ The reference implementation, and the fastest for short sequences. Memory is
 O(B·N·T·S). Two backward rules:
 
 * ``"autodiff"``: JAX differentiates the forward computation.
-* ``"custom_vjp"``: the explicit rule. The forward pass keeps only the output
+* ``"custom_vjp"``: the explicit rule. The forward pass keeps only its inputs
   and the rows' log-sum-exp; the backward pass recomputes the probabilities A
   from them and forms
 
@@ -88,12 +88,12 @@ def _attention_fwd(static, modify, query, key, value, bias, keep, drop, consts):
   # Rows that attend to nothing get a finite lse: their probabilities are
   # zeroed by `keep` in the backward pass whatever it is.
   lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
-  return (out, lse), (query, key, value, bias, keep, drop, consts, out, lse_safe)
+  return (out, lse), (query, key, value, bias, keep, drop, consts, lse_safe)
 
 
 def _attention_bwd(static, modify, residuals, cotangents):
   scale, dropout_rate = static
-  query, key, value, bias, keep, drop, consts, out, lse = residuals
+  query, key, value, bias, keep, drop, consts, lse = residuals
   d_out, d_lse = cotangents
   B, T, N, H = query.shape
   _, S, K, _ = key.shape
