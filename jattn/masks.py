@@ -336,8 +336,10 @@ def segments(q_segment_ids, kv_segment_ids=None) -> Mask:
     kv_segment_ids: int array (B, S) or (S,); defaults to ``q_segment_ids``
       (self-attention).
 
-  Tile classification is exact when ids are sorted along the sequence (packed
-  documents); for unsorted ids it may say PARTIAL for a tile that is empty.
+  Tile classification compares each tile's smallest and largest id. It is
+  exact when the ids are sorted along the sequence and either consecutive
+  integers or the same array for queries and keys, as for packed documents;
+  otherwise it may say PARTIAL for a tile that is empty.
   """
   q_ids = _checks.int_array("q_segment_ids", q_segment_ids, ranks=(1, 2))
   kv_ids = q_ids if kv_segment_ids is None else _checks.int_array(
@@ -660,8 +662,8 @@ class Mask(Node):
     Tiles are ``block_q`` queries by ``block_kv`` keys; the last tile of each
     axis may be shorter. Without ``exact`` the classification comes from each
     mask's tile bounds in O(number of tiles) work: exact for every constructor
-    (``segments`` with sorted ids), conservative (PARTIAL where unsure) for
-    ``from_fn`` and for some combinations. ``exact=True`` evaluates the mask
+    (``segments`` when its ids are sorted, see there), conservative (PARTIAL
+    where unsure) for ``from_fn`` and for some combinations. ``exact=True`` evaluates the mask
     densely, O(B·N·T·S) work, and is exact for every mask.
 
     Returns:

@@ -209,6 +209,13 @@ def test_block_view_causal_skips_upper_triangle():
                                                 [2, 2, 2, 1]]))
 
 
+@pytest.mark.parametrize("block", [1, 2, 3, 5])
+def test_segments_sorted_self_attention_ids_with_gaps_are_exact(block):
+  ids = np.array([[0, 0, 2, 2, 5, 5, 5, 9, 9, 12]])
+  view = masks.segments(ids).block_view(10, 10, block_q=block, block_kv=block)
+  np.testing.assert_array_equal(view, tile_classes_np(segments_np(ids, ids), block, block))
+
+
 def test_segments_unsorted_ids_are_conservative():
   ids = np.array([[3, 0, 3, 1, 2, 0, 2, 1]])
   mask = masks.segments(ids)

@@ -90,10 +90,11 @@ def attends(m: jax.Array) -> jax.Array:
 
 
 def masked_exp(s: jax.Array, m: jax.Array, keep: jax.Array | None) -> jax.Array:
-  """``exp(s - m)`` where allowed, exactly 0 elsewhere, with no inf or NaN in value or grad.
+  """``exp(s - m)`` where allowed, exactly 0 elsewhere; no inf or NaN in value or grad.
 
-  The inner ``where`` keeps masked lanes at exp(0) so their gradient is finite
-  before the outer ``where`` zeroes it.
+  Backward passes use it with m = lse to recompute the normalised
+  probabilities. The inner ``where`` keeps masked lanes at exp(0), so a large
+  masked score cannot overflow, before the outer ``where`` zeroes them.
   """
   if keep is None:
     return jnp.exp(s - m)
@@ -144,7 +145,7 @@ def hoist(fn: Callable, *example_args) -> tuple[Callable, list[Any]]:
 
 
 def float_or_none(cotangents, primals):
-  """Cotangents for a custom_vjp's outputs: None for integer and boolean inputs."""
+  """A custom_vjp's cotangents for its inputs: None for integer and boolean ones."""
   return tuple(
       ct if ct is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact) else None
       for ct, x in zip(cotangents, primals))
