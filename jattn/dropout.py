@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn import _checks
+
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
 
@@ -60,6 +62,9 @@ def keep_mask(rng: jax.Array, rate: float, batch, head, q_idx, kv_idx) -> jax.Ar
   Returns:
     bool array of the broadcast shape of the indices.
   """
+  rate = _checks.real("rate", rate)
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"rate must be in [0, 1), got {rate}")
   seed = _seed_words(rng)
   as_u32 = lambda x: jnp.asarray(x).astype(jnp.uint32)
   key_bh = threefry2x32(seed, (as_u32(batch), as_u32(head)))

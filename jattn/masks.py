@@ -74,6 +74,10 @@ def index_grid(batch_size: int, num_heads: int, q_len: int, kv_len: int):
   Returns ``(batch, head, q_idx, kv_idx)``: int32 arrays of shapes (B,1,1,1),
   (1,N,1,1), (1,1,T,1) and (1,1,1,S) that broadcast to (B, N, T, S).
   """
+  batch_size, num_heads, q_len, kv_len = (
+      _checks.integer(name, n, minimum=0) for name, n in (
+          ("batch_size", batch_size), ("num_heads", num_heads), ("q_len", q_len),
+          ("kv_len", kv_len)))
   return (
       jnp.arange(batch_size, dtype=jnp.int32).reshape(-1, 1, 1, 1),
       jnp.arange(num_heads, dtype=jnp.int32).reshape(1, -1, 1, 1),

@@ -132,7 +132,9 @@ def t5_bucket(relative_position: jax.Array, *, num_buckets: int, max_distance: i
   and farther ones share the last bucket. When bidirectional, the upper half
   of the buckets is for keys after the query.
   """
-  n = relative_position
+  num_buckets = _checks.integer("num_buckets", num_buckets, minimum=2)
+  max_distance = _checks.integer("max_distance", max_distance, minimum=1)
+  n = jnp.asarray(relative_position)
   bucket = jnp.zeros_like(n)
   if bidirectional:
     num_buckets //= 2

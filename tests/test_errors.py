@@ -188,6 +188,12 @@ BAD_CONSTRUCTORS = [
     ("relative_distance", lambda: scores.relative_position_bias(
         np.ones((32, 2)), num_buckets=32, max_distance=4), ValueError, r"max_distance \(4\)"),
     ("compose_empty", lambda: scores.compose(), ValueError, r"at least one"),
+    ("t5_buckets", lambda: scores.t5_bucket(jnp.arange(3), num_buckets=1, max_distance=4,
+                                            bidirectional=True), ValueError,
+     r"num_buckets must be >= 2"),
+    ("grid_negative", lambda: masks.index_grid(1, 1, -1, 2), ValueError, r"q_len must be >= 0"),
+    ("dropout_rate", lambda: jattn.dropout.keep_mask(jax.random.key(0), 1.5, 0, 0, 0, 0),
+     ValueError, r"rate must be in \[0, 1\), got 1.5"),
 ]
 
 
