@@ -132,6 +132,14 @@ def _batch_size(arr, rank: int) -> int | None:
   return _fixed(shape[0]) if len(shape) == rank else None
 
 
+def _shared_batch(arrays, rank: int, names: str) -> int | None:
+  """The one batch size per-batch ``arrays`` (None entries skipped) fix; they must agree."""
+  sizes = {_batch_size(a, rank) for a in arrays if a is not None} - {None}
+  if len(sizes) > 1:
+    raise ValueError(f"{names} must have the same batch size, got {sorted(sizes)}")
+  return sizes.pop() if sizes else None
+
+
 def _tile_reduce(x: jax.Array, axis: int, block: int, length: int, fill, reducer) -> jax.Array:
   """Reduce ``x`` over tiles of ``block`` along ``axis``; size-1 axes stay size 1."""
   if x.shape[axis] == 1:
@@ -275,8 +283,7 @@ def _prefix_bounds(params, children, t: _Tiles):
 
 
 def _batch_extents(params, children) -> Extents:
-  sizes = {_batch_size(c, 1) for c in children if c is not None} - {None}
-  return (sizes.pop() if sizes else None, None, None, None)
+  return (_shared_batch(children, 1, "per-batch values"), None, None, None)
 
 
 _PREFIX = _Rule("prefix_lm", _prefix_eval, _prefix_bounds, _batch_extents,
@@ -322,8 +329,8 @@ def _segments_bounds(params, children, t: _Tiles):
 
 def _segments_extents(params, children) -> Extents:
   q_ids, kv_ids = children
-  sizes = {_batch_size(c, 2) for c in children} - {None}
-  return (sizes.pop() if sizes else None, None, jnp.shape(q_ids)[-1], jnp.shape(kv_ids)[-1])
+  return (_shared_batch(children, 2, "segment ids"), None, jnp.shape(q_ids)[-1],
+          jnp.shape(kv_ids)[-1])
 
 
 _SEGMENTS = _Rule(
@@ -348,11 +355,7 @@ def segments(q_segment_ids, kv_segment_ids=None) -> Mask:
   q_ids = _checks.int_array("q_segment_ids", q_segment_ids, ranks=(1, 2))
   kv_ids = q_ids if kv_segment_ids is None else _checks.int_array(
       "kv_segment_ids", kv_segment_ids, ranks=(1, 2))
-  rows = lambda ids: ids.shape[0] if ids.ndim == 2 else 1
-  if len({rows(q_ids), rows(kv_ids)} - {1}) > 1:
-    raise ValueError(
-        "q_segment_ids and kv_segment_ids must have the same batch size, got "
-        f"{tuple(q_ids.shape)} and {tuple(kv_ids.shape)}")
+  _shared_batch((q_ids, kv_ids), 2, "q_segment_ids and kv_segment_ids")
   return Mask(_SEGMENTS, (), (q_ids, kv_ids))
 
 
@@ -401,9 +404,7 @@ def lengths(q_lengths=None, kv_lengths=None) -> Mask:
     raise ValueError("lengths needs q_lengths, kv_lengths or both, got neither")
   children = tuple(None if x is None else _per_batch(name, x)
                    for name, x in (("q_lengths", q_lengths), ("kv_lengths", kv_lengths)))
-  sizes = {_batch_size(c, 1) for c in children if c is not None} - {None}
-  if len(sizes) > 1:
-    raise ValueError(f"q_lengths and kv_lengths must have the same batch size, got {sorted(sizes)}")
+  _shared_batch(children, 1, "q_lengths and kv_lengths")
   return Mask(_LENGTHS, (), children)
 
 
