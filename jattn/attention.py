@@ -30,14 +30,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import _checks, masks, scores
-from jattn.impl import _common, xla
+from jattn.impl import _common, blockwise, xla
 
 # Implementation name -> the backward rules it supports (first is its default).
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
     "xla": xla.BACKWARDS,
+    "blockwise": blockwise.BACKWARDS,
     "cudnn": (),  # jax.nn's cuDNN kernel, with its own fused backward
 }
 BACKWARDS = ("autodiff", "custom_vjp")
+_WHY_NOT = {
+    ("blockwise", "autodiff"): " (JAX cannot reverse-differentiate its tile loops, whose trip "
+                               "counts depend on the mask, and autodiff would store every "
+                               "tile's probabilities, O(T·S) memory)",
+}
+
+# implementation=None picks "blockwise" once the materialised (B, N, T, S)
+# float32 scores would reach this many bytes on the default backend, and
+# "xla" below it. CPU: measured crossover with experiments/bench.py (README);
+# accelerators: the materialised path is fast there until memory runs short.
+AUTO_BLOCKWISE_BYTES = {"cpu": 8 * 2**20, "gpu": 2**30, "tpu": 2**30}
 
 
 def dot_product_attention(
@@ -60,6 +72,8 @@ def dot_product_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     backward: str | None = None,
+    block_q: int | None = None,
+    block_kv: int | None = None,
 ):
   r"""Scaled dot-product attention; a drop-in superset of ``jax.nn.dot_product_attention``.
 
@@ -80,9 +94,15 @@ def dot_product_attention(
       attend to nothing and return zeros.
     key_value_seq_lengths: int array (B,); keys at or past it are masked.
     local_window_size: int w or (left, right): t - left <= s <= t + right.
-    implementation: None (best available: ``"xla"`` for now), ``"xla"``
-      (materialised scores), or ``"cudnn"`` (jax.nn's cuDNN kernel on NVIDIA
-      GPUs, for the arguments jax.nn supports).
+    implementation: None (auto: see below), ``"xla"`` (materialised scores,
+      fastest for short sequences), ``"blockwise"`` (online softmax over
+      tiles, O(B·T·N·H) memory, skips tiles the mask empties), or ``"cudnn"``
+      (jax.nn's cuDNN kernel on NVIDIA GPUs, for the arguments jax.nn
+      supports). None picks ``"blockwise"`` when ``block_q``/``block_kv`` are
+      given, ``"xla"`` when ``backward="autodiff"``, and otherwise
+      ``"blockwise"`` once the (B, N, T, S) float32 scores would take
+      ``AUTO_BLOCKWISE_BYTES[backend]`` or more (8 MiB on CPU, 1 GiB on GPU
+      and TPU), ``"xla"`` below that.
     return_residual: also return the rows' log-sum-exp, shape (B, T, N) or
       (T, N), in the query's dtype; -inf for rows that attend to nothing.
     segment_ids: packed-sequence document ids: an int array (B, T) (or (T,)
@@ -99,7 +119,10 @@ def dot_product_attention(
     backward: how gradients are formed: ``"autodiff"`` (JAX differentiates the
       forward pass) or ``"custom_vjp"`` (jattn's explicit rule, which keeps
       only the inputs and the log-sum-exp and recomputes the probabilities).
-      None picks the implementation's default (``"autodiff"`` for ``"xla"``).
+      None picks the implementation's default (``"autodiff"`` for ``"xla"``,
+      ``"custom_vjp"``, its only rule, for ``"blockwise"``).
+    block_q, block_kv: tile sizes of ``"blockwise"`` (default per backend,
+      :data:`jattn.impl.blockwise.DEFAULT_BLOCKS`); any T and S work.
 
   Returns:
     The output, shaped and typed like ``query``; with ``return_residual``, the
@@ -108,11 +131,21 @@ def dot_product_attention(
   Unlike jax.nn, a query row that may attend to nothing returns zeros (jax.nn
   returns the mean of the values) and the log-sum-exp is differentiable.
   """
-  impl, bwd = _check_choices(implementation, backward)
+  _check_choices(implementation, backward)
+  blocks = tuple(None if b is None else _checks.integer(name, b, minimum=1)
+                 for name, b in (("block_q", block_q), ("block_kv", block_kv)))
   q, k, v = _check_qkv(query, key, value)
   unbatched = q.ndim == 3
   B, T, N, H = (1,) * unbatched + tuple(q.shape)
   S = k.shape[-3]
+  if implementation is None:
+    implementation = _auto(B * N * T * S, backward, blocks)
+  impl, bwd = _check_choices(implementation, backward)
+  if impl != "blockwise" and blocks != (None, None):
+    raise ValueError(f"block_q and block_kv apply only to implementation='blockwise', got "
+                     f"implementation={impl!r}")
+  defaults = blockwise.default_blocks(jax.default_backend())
+  blocks = tuple(d if b is None else b for b, d in zip(blocks, defaults))
   scale = 1.0 / float(np.sqrt(H)) if scale is None else _checks.real("scale", scale)
   if not np.isfinite(scale):
     raise ValueError(f"scale must be finite, got {scale}")
@@ -151,14 +184,14 @@ def dot_product_attention(
 
   out, lse = _attend(q, k, v, bias, combined, score, dropout_rng if dropout_rate else None,
                      scale=scale, dropout_rate=dropout_rate, implementation=impl, backward=bwd,
-                     return_residual=bool(return_residual))
+                     return_residual=bool(return_residual), blocks=blocks)
   return (out, lse) if return_residual else out
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "dropout_rate", "implementation", "backward", "return_residual"))
+    "scale", "dropout_rate", "implementation", "backward", "return_residual", "blocks"))
 def _attend(query, key, value, bias, mask, score_fn, dropout_rng, *, scale, dropout_rate,
-            implementation, backward, return_residual):
+            implementation, backward, return_residual, blocks):
   unbatched = query.ndim == 3
   if unbatched:
     query, key, value = query[None], key[None], value[None]
@@ -174,6 +207,15 @@ def _attend(query, key, value, bias, mask, score_fn, dropout_rng, *, scale, drop
       out, lse = xla.attention(query, key, value, bias, mask=mask, score_fn=score_fn,
                                scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                                backward=backward)
+    case "blockwise" if T and S:
+      out, lse = blockwise.attention(query, key, value, bias, mask=mask, score_fn=score_fn,
+                                     scale=scale, dropout_rate=dropout_rate,
+                                     dropout_rng=dropout_rng, block_q=blocks[0],
+                                     block_kv=blocks[1])
+    case "blockwise":  # nothing to tile: an empty output, or rows with no keys
+      out, lse = xla.attention(query, key, value, bias, mask=mask, score_fn=score_fn,
+                               scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                               backward="autodiff")
     case _:
       raise ValueError(f"unknown implementation {implementation!r}")
   chex.assert_shape(lse, dims["BTN"])
@@ -183,9 +225,21 @@ def _attend(query, key, value, bias, mask, score_fn, dropout_rng, *, scale, drop
   return out, lse
 
 
-def _check_choices(implementation, backward) -> tuple[str, str | None]:
+def _auto(num_scores: int, backward: str | None, blocks) -> str:
+  """The implementation ``implementation=None`` stands for (see dot_product_attention)."""
+  if blocks != (None, None):
+    return "blockwise"
+  if backward == "autodiff":
+    return "xla"
+  limit = AUTO_BLOCKWISE_BYTES.get(jax.default_backend(), AUTO_BLOCKWISE_BYTES["gpu"])
+  return "blockwise" if 4 * num_scores >= limit else "xla"
+
+
+def _check_choices(implementation, backward) -> tuple[str | None, str | None]:
   if implementation is None:
-    implementation = "xla"
+    if backward is not None and backward not in BACKWARDS:
+      raise ValueError(f"backward must be one of {list(BACKWARDS)} or None, got {backward!r}")
+    return None, backward
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {sorted(IMPLEMENTATIONS)} or None, "
                      f"got {implementation!r}")
@@ -198,7 +252,8 @@ def _check_choices(implementation, backward) -> tuple[str, str | None]:
     rules = f"supports only {list(supported)}" if supported else "has its own fused backward; " \
         "leave backward=None"
     raise ValueError(f"implementation={implementation!r} does not support "
-                     f"backward={backward!r}: it {rules}")
+                     f"backward={backward!r}: it {rules}"
+                     f"{_WHY_NOT.get((implementation, backward), '')}")
   return implementation, backward
 
 

@@ -45,7 +45,8 @@ def threefry2x32(key: tuple[jax.Array, jax.Array], count: tuple[jax.Array, jax.A
   return x0, x1
 
 
-def _seed_words(rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+def seed_words(rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The two uint32 words :func:`keep_from_seed` hashes under, drawn from a key."""
   words = jax.random.bits(rng, (2,), jnp.uint32)
   return words[0], words[1]
 
@@ -65,7 +66,15 @@ def keep_mask(rng: jax.Array, rate: float, batch, head, q_idx, kv_idx) -> jax.Ar
   rate = _checks.real("rate", rate)
   if not 0.0 <= rate < 1.0:
     raise ValueError(f"rate must be in [0, 1), got {rate}")
-  seed = _seed_words(rng)
+  return keep_from_seed(seed_words(rng), rate, batch, head, q_idx, kv_idx)
+
+
+def keep_from_seed(seed, rate: float, batch, head, q_idx, kv_idx) -> jax.Array:
+  """:func:`keep_mask` from :func:`seed_words`, unchecked: for implementations.
+
+  A tiled implementation draws the seed once and calls this on each tile's
+  global indices.
+  """
   as_u32 = lambda x: jnp.asarray(x).astype(jnp.uint32)
   key_bh = threefry2x32(seed, (as_u32(batch), as_u32(head)))
   bits, _ = threefry2x32(key_bh, (as_u32(q_idx), as_u32(kv_idx)))

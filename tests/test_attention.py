@@ -13,6 +13,13 @@ from jattn import masks
 from reference import assert_close, attention_np, normal
 
 BACKWARDS = ["autodiff", "custom_vjp"]
+# Every (implementation, backward) rule; blockwise with tiles smaller than the
+# test shapes (and not dividing them), so several tiles and padding are exercised.
+RULES = {
+    "autodiff": dict(implementation="xla", backward="autodiff"),
+    "custom_vjp": dict(implementation="xla", backward="custom_vjp"),
+    "blockwise": dict(implementation="blockwise", block_q=2, block_kv=3),
+}
 
 
 def _inputs(B, T, S, N, K, H, dtype, seed=0):
@@ -93,8 +100,8 @@ def test_matches_jax_nn(case, dtype):
   bias = _bias(bias_kind, B, N, T, S, dtype)
   kwargs = extra(B, T, S)
   theirs = _loss_and_grads(jax.nn.dot_product_attention, q, k, v, bias, kwargs)
-  for backward in BACKWARDS:
-    ours = _loss_and_grads(functools.partial(jattn.dot_product_attention, backward=backward),
+  for backward, rule in RULES.items():
+    ours = _loss_and_grads(functools.partial(jattn.dot_product_attention, **rule),
                            q, k, v, bias, kwargs)
     assert ours[0].dtype == dtype and ours[1].dtype == dtype
     assert_close(ours[0], theirs[0], dtype, err_msg=f"{backward}: output")
@@ -107,15 +114,15 @@ def test_matches_jax_nn(case, dtype):
       assert_close(a, b, dtype, factor=2, err_msg=f"{backward}: {name}")
 
 
-@pytest.mark.parametrize("backward", BACKWARDS)
+@pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_unbatched_layout_and_vmap(dtype, backward):
+def test_unbatched_layout_and_vmap(dtype, rule):
   """TNH inputs, alone and vmapped over a batch, as jax.nn handles them."""
   q, k, v = _inputs(3, 5, 6, 4, 2, 8, dtype)
   bias = normal((4, 5, 6), dtype, 5)
   kw = dict(mask=_bool_mask((5, 6)), is_causal=True)
   ours = functools.partial(jattn.dot_product_attention, return_residual=True,
-                           backward=backward, **kw)
+                           **RULES[rule], **kw)
   theirs = functools.partial(jax.nn.dot_product_attention, return_residual=True, **kw)
   for transform in (lambda f: f, jax.vmap):
     args = (q[0], k[0], v[0]) if transform is not jax.vmap else (q, k, v)
@@ -131,14 +138,14 @@ def test_unbatched_layout_and_vmap(dtype, backward):
       assert_close(a, b, dtype, factor=2)
 
 
-@pytest.mark.parametrize("backward", BACKWARDS)
-def test_vmap_matches_loop(backward):
+@pytest.mark.parametrize("rule", list(RULES))
+def test_vmap_matches_loop(rule):
   q, k, v = _inputs(3, 4, 5, 2, 1, 4, jnp.float32)
   ids = jnp.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2], [3, 3, 3, 3, 3]])
 
   def one(q, k, v, ids):  # unbatched call inside vmap; the mask rides along as an array
     return jattn.dot_product_attention(q, k, v, segment_ids=(ids[:4], ids),
-                                       is_causal=True, backward=backward)
+                                       is_causal=True, **RULES[rule])
 
   got = jax.vmap(one)(q, k, v, ids)
   want = jnp.stack([one(q[i], k[i], v[i], ids[i]) for i in range(3)])

@@ -1,0 +1,414 @@
+"""Blockwise attention: online softmax over tiles, O(B·T·N·H) memory (FlashAttention-2).
+
+Queries are cut into tiles of ``block_q`` rows and keys/values into tiles of
+``block_kv``. The forward pass loops over query tiles; for each it loops over
+the key/value tiles the mask lets it see, keeping a running row max ``m``, a
+running sum ``l`` and an unnormalised output ``acc`` in float32:
+
+    s = scale · q kᵀ + bias,  s = score_fn(s),  m' = max(m, rowmax(s)),
+    p = exp(s − m'),  l = l·exp(m − m') + rowsum(p),  acc = acc·exp(m − m') + p v
+
+and writes ``acc / l`` and the log-sum-exp ``m + log l``. No (T, S) array is
+ever formed: the largest is one (B, N, block_q, block_kv) tile.
+
+The backward pass (the only rule: JAX cannot reverse-differentiate the
+dynamic-length loops) keeps the inputs, the float32 output and the lse. It
+loops over key/value tiles, and within each over the query tiles that see it,
+recomputing each tile's probabilities ``A = exp(s − lse)`` and forming
+
+    dV += Aᵀ dY,  dA = dY Vᵀ,  dS = A ⊙ (dA − Δ),  Δ = rowsum(dY ⊙ Y) − dlse,
+    dQ += scale · dS K,  dK += scale · dSᵀ Q,  dbias tile = dS
+
+with dropout's kept weights and inverted scale applied to A and dA, and score
+functions differentiated through their own VJP tile by tile.
+
+Tile skipping: the mask's :meth:`~jattn.masks.Mask.block_view` classifies
+every tile pair, taken over all batch rows and heads, as EMPTY, PARTIAL or
+FULL. Each query tile's row of key/value tiles is sorted into its FULL tiles,
+then its PARTIAL ones; two loops with those trip counts visit them, the first
+with no mask arithmetic at all, and EMPTY tiles are never visited. The
+backward pass does the same by columns. When the mask's arrays are traced
+(segment ids under jit) the view is computed on the fly, so the trip counts
+are data-dependent: that is why the loops are ``while`` loops.
+
+GQA: the G query heads of a key/value head are stacked into one
+(G · block_q)-row matrix, so K and V are never repeated in memory.
+
+Arguments arrive normalised and validated by :mod:`jattn.attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import dropout as _dropout
+from jattn import masks as _masks
+from jattn.impl import _common
+
+BACKWARDS = ("custom_vjp",)
+
+# Default (block_q, block_kv) per backend. CPU: a (G·block_q, block_kv) score
+# tile of all heads fits the L3 cache while its matmuls run near the machine's
+# matmul rate; measured with experiments/bench.py (see README).
+DEFAULT_BLOCKS = {"cpu": (512, 512), "gpu": (128, 128), "tpu": (512, 512)}
+
+
+def default_blocks(backend: str) -> tuple[int, int]:
+  """(block_q, block_kv) used for ``backend`` when the caller gives none."""
+  return DEFAULT_BLOCKS.get(backend, DEFAULT_BLOCKS["cpu"])
+
+
+class _Static(NamedTuple):
+  """Hashable settings of one call: the custom_vjp's non-differentiable argument."""
+  scale: float
+  dropout_rate: float
+  q_len: int  # T
+  kv_len: int  # S
+  block_q: int
+  block_kv: int
+  mask_fn: Callable | None  # (b, h, q, kv, *consts) -> bool
+  score_fn: Callable | None  # (s, b, h, q, kv, *consts) -> s
+
+
+class _Schedule(NamedTuple):
+  """Which tiles to visit: for each query tile (rows) or key/value tile (columns),
+  the other axis's tile indices with FULL tiles first, then PARTIAL, and their counts."""
+  order: jax.Array  # (n, m) int32
+  num_full: jax.Array  # (n,) int32
+  num_partial: jax.Array  # (n,) int32
+
+
+def attention(query, key, value, bias, *, mask: _masks.Mask | None, score_fn: Callable | None,
+              scale: float, dropout_rate: float, dropout_rng, block_q: int, block_kv: int):
+  """Returns ``(out (B, T, N, H) in query's dtype, lse (B, T, N) in float32/64)``."""
+  B, T, N, _ = query.shape
+  S = key.shape[1]
+  bq, bk = min(block_q, T), min(block_kv, S)
+  nq, nk = math.ceil(T / bq), math.ceil(S / bk)
+  view = _tile_classes(mask, B, N, T, S, bq, bk)
+  rows, cols = (jax.tree.map(jnp.asarray, _schedule(v)) for v in (view, view.T))
+
+  example = _tile_indices(B, N, bq, bk, 0, 0)
+  mask_fn, mask_consts = None, []
+  if mask is not None:
+    mask_fn, mask_consts = _common.hoist(lambda *idx: mask(*idx), *example)
+  modify, score_consts = None, []
+  if score_fn is not None:
+    s = jax.ShapeDtypeStruct((B, N, bq, bk), _common.stats_dtype(query.dtype))
+    modify, score_consts = _common.hoist(score_fn, s, *example)
+  seed = None
+  if dropout_rate:
+    seed = jnp.stack(_dropout.seed_words(dropout_rng))
+  static = _Static(float(scale), float(dropout_rate), T, S, bq, bk, mask_fn, modify)
+  out, lse = _attention_vjp(static, query, key, value, bias, seed, rows, cols,
+                            tuple(mask_consts), tuple(score_consts))
+  return out.astype(query.dtype), lse
+
+
+# --- the schedule -------------------------------------------------------------
+
+
+def _tile_classes(mask, B, N, T, S, bq, bk):
+  """(nq, nk) int8 tile classes for all batch rows and heads at once.
+
+  A tile is EMPTY only if it is empty for every (batch, head), FULL only if
+  full for all. Tiles that hold padding past T or S are at most PARTIAL, so
+  the padding gets masked.
+  """
+  nq, nk = math.ceil(T / bq), math.ceil(S / bk)
+  if mask is None:
+    view = np.full((nq, nk), _masks.FULL, np.int8)
+  else:
+    per_head = mask.block_view(T, S, block_q=bq, block_kv=bk, batch_size=B, num_heads=N)
+    xp = np if isinstance(per_head, np.ndarray) else jnp
+    lo = xp.min(per_head, axis=(0, 1))
+    hi = xp.max(per_head, axis=(0, 1))
+    view = xp.where(lo == _masks.FULL, _masks.FULL,
+                    xp.where(hi == _masks.EMPTY, _masks.EMPTY, _masks.PARTIAL)).astype(np.int8)
+  xp = np if isinstance(view, np.ndarray) else jnp
+  edge = xp.zeros((nq, nk), bool)
+  if T % bq:
+    edge = edge | (xp.arange(nq) == nq - 1)[:, None]
+  if S % bk:
+    edge = edge | (xp.arange(nk) == nk - 1)[None, :]
+  return xp.where(edge & (view == _masks.FULL), _masks.PARTIAL, view).astype(np.int8)
+
+
+def _schedule(view) -> _Schedule:
+  """For each row of ``view``: its column indices, FULL first, then PARTIAL, then EMPTY."""
+  xp = np if isinstance(view, np.ndarray) else jnp
+  rank = xp.where(view == _masks.FULL, 0, xp.where(view == _masks.PARTIAL, 1, 2))
+  order = xp.argsort(rank, axis=1, stable=True).astype(np.int32)
+  num_full = xp.sum(view == _masks.FULL, axis=1).astype(np.int32)
+  num_partial = xp.sum(view == _masks.PARTIAL, axis=1).astype(np.int32)
+  return _Schedule(order, num_full, num_partial)
+
+
+# --- tiles --------------------------------------------------------------------
+
+
+def _tiles(x, block: int):
+  """(B, L, K, H) -> (ceil(L / block), B, K, block, H), zero-padded along L."""
+  B, L, K, H = x.shape
+  n = math.ceil(L / block)
+  x = jnp.pad(x, ((0, 0), (0, n * block - L), (0, 0), (0, 0)))
+  return x.reshape(B, n, block, K, H).transpose(1, 0, 3, 2, 4)
+
+
+def _query_tiles(x, block: int, num_kv_heads: int):
+  """(B, T, N, H) -> (nq, B, K, G · block, H): each key/value head's G query heads stacked."""
+  tiles = _tiles(x, block)  # (nq, B, N, block, H)
+  nq, B, N, _, H = tiles.shape
+  return tiles.reshape(nq, B, num_kv_heads, (N // num_kv_heads) * block, H)
+
+
+def _untile_queries(x, num_heads: int, length: int):
+  """The inverse of :func:`_query_tiles`: (nq, B, K, G · block, H) -> (B, T, N, H)."""
+  nq, B, K, rows, H = x.shape
+  block = rows * K // num_heads
+  x = x.reshape(nq, B, num_heads, block, H).transpose(1, 0, 3, 2, 4)
+  return x.reshape(B, nq * block, num_heads, H)[:, :length]
+
+
+def _row_tiles(x, block: int):
+  """Per-row statistics (B, T, N) -> (nq, B, N, block, 1), zero-padded."""
+  B, T, N = x.shape
+  n = math.ceil(T / block)
+  x = jnp.pad(x, ((0, 0), (0, n * block - T), (0, 0)))
+  return x.reshape(B, n, block, N).transpose(1, 0, 3, 2)[..., None]
+
+
+def _tile_indices(B, N, bq, bk, qi, ki):
+  """Global (batch, head, q_idx, kv_idx) of tile (qi, ki), broadcasting to (B, N, bq, bk)."""
+  return (jnp.arange(B, dtype=jnp.int32).reshape(B, 1, 1, 1),
+          jnp.arange(N, dtype=jnp.int32).reshape(1, N, 1, 1),
+          (qi * bq + jnp.arange(bq, dtype=jnp.int32)).reshape(1, 1, bq, 1),
+          (ki * bk + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, bk))
+
+
+def _pad_bias(bias, static: _Static):
+  """Bias (Bb, Nb, Tb, Sb) with its T and S axes (where not 1) padded to whole tiles."""
+  if bias is None:
+    return None
+  pads = [(0, 0), (0, 0)]
+  for size, length, block in ((bias.shape[2], static.q_len, static.block_q),
+                              (bias.shape[3], static.kv_len, static.block_kv)):
+    pads.append((0, 0) if size == 1 else (0, math.ceil(length / block) * block - length))
+  return jnp.pad(bias, pads)
+
+
+def _bias_window(bias, static: _Static, qi, ki):
+  """Start and size of tile (qi, ki) in a padded bias, for dynamic_slice."""
+  Bb, Nb, Tb, Sb = bias.shape
+  start = (0, 0, 0 if Tb == 1 else qi * static.block_q, 0 if Sb == 1 else ki * static.block_kv)
+  size = (Bb, Nb, 1 if Tb == 1 else static.block_q, 1 if Sb == 1 else static.block_kv)
+  return tuple(jnp.asarray(x, jnp.int32) for x in start), size
+
+
+class _Tile(NamedTuple):
+  """What the forward and backward passes share for one (query tile, key/value tile)."""
+  s: jax.Array  # (B, N, bq, bk) scores after bias and score_fn, float32/64
+  keep: jax.Array | None  # mask, None on FULL tiles
+  drop: jax.Array | None  # dropout keep mask
+  score_vjp: Callable | None  # d_s -> (d_s before score_fn, *d_score_consts)
+
+
+def _tile(static: _Static, q_tile, k_tile, bias, seed, consts, qi, ki, *, masked: bool,
+          with_vjp: bool = False) -> _Tile:
+  """Scores, mask and dropout of tile (qi, ki); q_tile (B, K, G·bq, H), k_tile (B, K, bk, H)."""
+  mask_consts, score_consts = consts
+  B, K, rows, _ = q_tile.shape
+  bq, bk = static.block_q, static.block_kv
+  N = rows // bq * K
+  dtype = _common.stats_dtype(q_tile.dtype)
+  s = jnp.einsum("BKrH,BKkH->BKrk", q_tile, k_tile, preferred_element_type=dtype)
+  s = s.reshape(B, N, bq, bk) * jnp.asarray(static.scale, dtype)
+  if bias is not None:
+    start, size = _bias_window(bias, static, qi, ki)
+    s = s + jax.lax.dynamic_slice(bias, start, size).astype(dtype)
+  idx = _tile_indices(B, N, bq, bk, qi, ki)
+  score_vjp = None
+  if static.score_fn is not None:
+    if with_vjp:
+      s, score_vjp = jax.vjp(lambda s, *c: static.score_fn(s, *idx, *c), s, *score_consts)
+    else:
+      s = static.score_fn(s, *idx, *score_consts)
+  keep = None
+  if masked:
+    b, h, q, kv = idx
+    keep = (q < static.q_len) & (kv < static.kv_len)
+    if static.mask_fn is not None:
+      keep = keep & static.mask_fn(*idx, *mask_consts)
+  drop = None
+  if static.dropout_rate:
+    drop = _dropout.keep_from_seed((seed[0], seed[1]), static.dropout_rate, *idx)
+  return _Tile(s, keep, drop, score_vjp)
+
+
+def _visit(schedule: _Schedule, i, body, carry):
+  """Run ``body(j, carry, masked)`` over row ``i``'s FULL tiles, then its PARTIAL ones."""
+  n_full, n_partial = schedule.num_full[i], schedule.num_partial[i]
+  order = schedule.order[i]
+  carry = jax.lax.fori_loop(0, n_full, lambda t, c: body(order[t], c, False), carry)
+  return jax.lax.fori_loop(n_full, n_full + n_partial, lambda t, c: body(order[t], c, True),
+                           carry)
+
+
+# --- forward ------------------------------------------------------------------
+
+
+def _forward(static: _Static, query, key, value, bias, seed, rows: _Schedule, consts):
+  """``(out (B, T, N, H), lse (B, T, N))``, both float32/64."""
+  B, T, N, H = query.shape
+  K = key.shape[2]
+  G = N // K
+  bq = static.block_q
+  dtype = _common.stats_dtype(query.dtype)
+  q_tiles = _query_tiles(query, bq, K)
+  k_tiles, v_tiles = _tiles(key, static.block_kv), _tiles(value, static.block_kv)
+  bias = _pad_bias(bias, static)
+  keep_scale = None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate),
+                                                                dtype)
+
+  def query_tile(i, q_tile):
+    def body(j, carry, masked):
+      acc, m, l = carry
+      tile = _tile(static, q_tile, k_tiles[j], bias, seed, consts, i, j, masked=masked)
+      s = tile.s if tile.keep is None else jnp.where(tile.keep, tile.s, _common.MASKED_MAX)
+      m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+      p = jnp.exp(s - m_new)
+      alpha = jnp.exp(m - m_new)
+      l = l * alpha + jnp.sum(p, axis=-1, keepdims=True)
+      if tile.drop is not None:
+        p = jnp.where(tile.drop, p * keep_scale, 0)
+      pv = jnp.einsum("BKrk,BKkH->BKrH", p.astype(value.dtype).reshape(B, K, G * bq, -1),
+                      v_tiles[j], preferred_element_type=dtype)
+      acc = acc * alpha.reshape(B, K, G * bq, 1) + pv
+      return acc, m_new, l
+
+    init = (jnp.zeros((B, K, G * bq, H), dtype),
+            jnp.full((B, N, bq, 1), _common.MASKED_MAX, dtype),
+            jnp.zeros((B, N, bq, 1), dtype))
+    acc, m, l = _visit(rows, i, body, init)
+    out = acc / _common.safe_total(l).reshape(B, K, G * bq, 1)
+    out = out * _common.attends(m).reshape(B, K, G * bq, 1)
+    return out, _common.log_sum_exp(m, l)[..., 0]  # (B, K, G·bq, H), (B, N, bq)
+
+  tile_ids = jnp.arange(q_tiles.shape[0], dtype=jnp.int32)
+  out, lse = jax.lax.map(lambda x: query_tile(*x), (tile_ids, q_tiles))
+  out = _untile_queries(out, N, T)
+  lse = lse.transpose(1, 0, 3, 2).reshape(B, -1, N)[:, :T]  # (nq, B, N, bq) -> (B, T, N)
+  return out, lse
+
+
+# --- backward -----------------------------------------------------------------
+
+
+def _backward(static: _Static, residuals, d_out, d_lse):
+  query, key, value, bias, seed, cols, consts, out, lse = residuals
+  mask_consts, score_consts = consts
+  B, T, N, H = query.shape
+  _, S, K, _ = key.shape
+  G = N // K
+  bq, bk = static.block_q, static.block_kv
+  dtype = _common.stats_dtype(query.dtype)
+  keep_scale = None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate),
+                                                                dtype)
+
+  q_tiles = _query_tiles(query, bq, K)
+  k_tiles, v_tiles = _tiles(key, bk), _tiles(value, bk)
+  d_out = d_out.astype(dtype)
+  do_tiles = _query_tiles(d_out, bq, K)
+  # Δ = rowsum(dY ⊙ Y) − dlse = rowsum(A ⊙ dA) − dlse per row, in float32/64.
+  delta = _row_tiles(jnp.sum(d_out * out, axis=-1) - d_lse.astype(dtype), bq)
+  lse = _row_tiles(jnp.where(jnp.isfinite(lse), lse, 0), bq)  # empty rows: keep zeroes A
+  padded_bias = _pad_bias(bias, static)
+
+  float_consts = [c for c in score_consts if jnp.issubdtype(jnp.result_type(c), jnp.inexact)]
+
+  def kv_tile(carry, xs):
+    d_q, d_bias, d_consts = carry
+    j, k_tile, v_tile = xs
+
+    def body(i, inner, masked):
+      d_k, d_v, d_q, d_bias, d_consts = inner
+      q_tile = q_tiles[i]
+      tile = _tile(static, q_tile, k_tile, padded_bias, seed, consts, i, j, masked=masked,
+                   with_vjp=True)
+      p = _common.masked_exp(tile.s, lse[i], tile.keep)  # A, the normalised probabilities
+      p_used = p if tile.drop is None else jnp.where(tile.drop, p * keep_scale, 0)
+      do_tile = do_tiles[i]
+      d_v = d_v + jnp.einsum("BKrk,BKrH->BKkH", p_used.reshape(B, K, G * bq, bk), do_tile)
+      d_p = jnp.einsum("BKrH,BKkH->BKrk", do_tile, v_tile,
+                       preferred_element_type=dtype).reshape(B, N, bq, bk)
+      if tile.drop is not None:
+        d_p = jnp.where(tile.drop, d_p * keep_scale, 0)
+      d_s = p * (d_p - delta[i])
+      if tile.score_vjp is not None:
+        d_s, *d_c = tile.score_vjp(d_s)
+        d_c = [d for d, c in zip(d_c, score_consts)
+               if jnp.issubdtype(jnp.result_type(c), jnp.inexact)]
+        d_consts = tuple(a + b.astype(a.dtype) for a, b in zip(d_consts, d_c))
+      if d_bias is not None:
+        start, size = _bias_window(d_bias, static, i, j)
+        part = _common.reduce_to_shape(d_s, size).astype(d_bias.dtype)
+        d_bias = jax.lax.dynamic_update_slice(
+            d_bias, jax.lax.dynamic_slice(d_bias, start, size) + part, start)
+      d_s = d_s.reshape(B, K, G * bq, bk) * jnp.asarray(static.scale, dtype)
+      d_q = d_q.at[i].add(jnp.einsum("BKrk,BKkH->BKrH", d_s, k_tile.astype(dtype)))
+      d_k = d_k + jnp.einsum("BKrk,BKrH->BKkH", d_s, q_tile.astype(dtype))
+      return d_k, d_v, d_q, d_bias, d_consts
+
+    zeros = jnp.zeros((B, K, bk, H), dtype)
+    d_k, d_v, d_q, d_bias, d_consts = _visit(cols, j, body,
+                                             (zeros, zeros, d_q, d_bias, d_consts))
+    return (d_q, d_bias, d_consts), (d_k, d_v)
+
+  init = (jnp.zeros(q_tiles.shape, dtype),
+          None if bias is None else jnp.zeros(padded_bias.shape, dtype),
+          tuple(jnp.zeros(jnp.shape(c), dtype) for c in float_consts))
+  (d_q, d_bias, d_float), (d_k, d_v) = jax.lax.scan(
+      kv_tile, init, (jnp.arange(k_tiles.shape[0], dtype=jnp.int32), k_tiles, v_tiles))
+  d_query = _untile_queries(d_q, N, T).astype(query.dtype)
+  d_key = d_k.transpose(1, 0, 3, 2, 4).reshape(B, -1, K, H)[:, :S].astype(key.dtype)
+  d_value = d_v.transpose(1, 0, 3, 2, 4).reshape(B, -1, K, H)[:, :S].astype(value.dtype)
+  if bias is not None:
+    d_bias = d_bias[:, :, :bias.shape[2], :bias.shape[3]].astype(bias.dtype)
+  d_float = iter(d_float)
+  d_score = tuple(next(d_float).astype(jnp.result_type(c))
+                  if jnp.issubdtype(jnp.result_type(c), jnp.inexact) else None
+                  for c in score_consts)
+  d_mask = tuple(None for _ in mask_consts)
+  return d_query, d_key, d_value, d_bias, d_mask, d_score
+
+
+# --- the custom_vjp -----------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention_vjp(static, query, key, value, bias, seed, rows, cols, mask_consts, score_consts):
+  return _forward(static, query, key, value, bias, seed, rows, (mask_consts, score_consts))
+
+
+def _attention_fwd(static, query, key, value, bias, seed, rows, cols, mask_consts, score_consts):
+  out, lse = _forward(static, query, key, value, bias, seed, rows, (mask_consts, score_consts))
+  residuals = (query, key, value, bias, seed, cols, mask_consts, score_consts, out, lse)
+  return (out, lse), residuals
+
+
+def _attention_bwd(static, residuals, cotangents):
+  query, key, value, bias, seed, cols, mask_consts, score_consts, out, lse = residuals
+  d_out, d_lse = cotangents
+  d_query, d_key, d_value, d_bias, d_mask, d_score = _backward(
+      static, (query, key, value, bias, seed, cols, (mask_consts, score_consts), out, lse),
+      d_out, d_lse)
+  return d_query, d_key, d_value, d_bias, None, None, None, d_mask, d_score
+
+
+_attention_vjp.defvjp(_attention_fwd, _attention_bwd)
