@@ -94,20 +94,25 @@ def problems(draw):
 
   arrays = (rng.standard_normal((B, T, N, H)), rng.standard_normal((B, S, K, H)),
             rng.standard_normal((B, S, K, H)))
-  backward = draw(st.sampled_from(["autodiff", "custom_vjp"]))
-  return arrays, bias, kwargs, np.broadcast_to(allowed, (B, N, T, S)), score_np, backward
+  rule = draw(st.sampled_from(["autodiff", "custom_vjp", "blockwise"]))
+  if rule == "blockwise":  # tiles that rarely divide T and S
+    rule = dict(implementation="blockwise", block_q=draw(st.integers(1, 4)),
+                block_kv=draw(st.integers(1, 4)))
+  else:
+    rule = dict(implementation="xla", backward=rule)
+  return arrays, bias, kwargs, np.broadcast_to(allowed, (B, N, T, S)), score_np, rule
 
 
 @given(problems())
 def test_matches_float64_numpy(problem):
-  (q, k, v), bias, kwargs, allowed, score_np, backward = problem
+  (q, k, v), bias, kwargs, allowed, score_np, rule = problem
   with jax.enable_x64(True):
     args = [jnp.asarray(x, jnp.float64) for x in (q, k, v)]
     bias64 = None if bias is None else jnp.asarray(bias, jnp.float64)
     if isinstance(kwargs.get("score_fn"), jattn.ScoreFn):
       kwargs["score_fn"] = jax.tree_util.tree_map(jnp.asarray, kwargs["score_fn"])
-    out, lse = jattn.dot_product_attention(*args, bias64, return_residual=True,
-                                           backward=backward, **kwargs)
+    out, lse = jattn.dot_product_attention(*args, bias64, return_residual=True, **rule,
+                                           **kwargs)
     want, want_lse = ref.attention_np(q, k, v, bias=bias, allowed=allowed, score=score_np)
     np.testing.assert_allclose(out, want, rtol=1e-9, atol=1e-9)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
@@ -117,7 +122,10 @@ def test_matches_float64_numpy(problem):
 
 @given(problems())
 def test_custom_vjp_gradients_match_plain_autodiff(problem):
-  (q, k, v), bias, kwargs, allowed, _, _ = problem
+  """The explicit rules of both implementations against autodiff of a plain reference."""
+  (q, k, v), bias, kwargs, allowed, _, rule = problem
+  if rule["implementation"] == "xla":
+    rule = dict(implementation="xla", backward="custom_vjp")
   kwargs.pop("score_fn", None)  # score functions have their own gradient tests
   kwargs.pop("logits_soft_cap", None)
   q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
@@ -125,8 +133,7 @@ def test_custom_vjp_gradients_match_plain_autodiff(problem):
   cot = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
 
   def ours(q, k, v, bias):
-    return jnp.sum(jattn.dot_product_attention(q, k, v, bias, backward="custom_vjp",
-                                               **kwargs) * cot)
+    return jnp.sum(jattn.dot_product_attention(q, k, v, bias, **rule, **kwargs) * cot)
 
   def plain(q, k, v, bias):
     bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)

@@ -1,0 +1,290 @@
+"""Time and measure jattn's blockwise and xla paths against jax.nn.dot_product_attention.
+
+For every head dimension, sequence length T (= S) and causal setting of the
+grid, times the jitted forward pass and forward+backward (gradients of q, k,
+v) of each method on the same float32 inputs, in one run: a warm-up call,
+then the median of ``reps`` calls. Methods:
+
+    jax.nn     jax.nn.dot_product_attention (materialised, autodiff)
+    xla        jattn, implementation="xla" (materialised, autodiff)
+    blockwise  jattn, implementation="blockwise" (tiles, custom_vjp)
+    auto       jattn, implementation=None (the documented auto rule)
+
+Reports milliseconds, GFLOP/s (forward 4·B·N·T·S·H, forward+backward 3.5
+times that, both halved for causal), that rate as a percentage of a float32
+matmul's GFLOP/s measured at the start of the same run, and the speedup over
+jax.nn (jax.nn's time / the method's time). Then the peak process memory
+(VmHWM) of forward+backward for the ``memory`` grid, each case in a fresh
+subprocess so no case sees another's high-water mark. Prints markdown tables
+and writes everything as JSON under runs/.
+
+    python experiments/bench.py --config configs/bench.yaml   # README's tables
+    python experiments/bench.py --lengths 1024 2048 --causal true --methods jax.nn blockwise
+    python experiments/bench.py --quick                        # tiny smoke test (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+import jattn
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+METHODS = ("jax.nn", "xla", "blockwise", "auto")
+MATERIALISING = ("jax.nn", "xla")
+
+
+@dataclasses.dataclass
+class Config:
+  batch: int = 1
+  heads: int = 8
+  kv_heads: int = 8
+  head_dims: list = dataclasses.field(default_factory=lambda: [64])
+  lengths: list = dataclasses.field(default_factory=lambda: [1024, 4096])
+  causal: list = dataclasses.field(default_factory=lambda: [False, True])
+  methods: list = dataclasses.field(default_factory=lambda: list(METHODS))
+  reps: int = 5
+  max_materialised_bytes: int = 2**30
+  matmul_size: int = 2048
+  memory: dict = dataclasses.field(default_factory=dict)  # lengths, causal, methods
+  out_dir: str = "runs"
+
+
+QUICK = dict(heads=2, kv_heads=1, head_dims=[8], lengths=[32, 48], reps=2, matmul_size=64,
+             memory={"lengths": [64], "causal": [True], "methods": ["jax.nn", "blockwise"]})
+
+
+def attention_fn(method: str, causal: bool):
+  """(q, k, v) -> output, for one method."""
+  if method == "jax.nn":
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+  implementation = {"xla": "xla", "blockwise": "blockwise", "auto": None}[method]
+  return lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=causal,
+                                                     implementation=implementation)
+
+
+def compiled(method: str, causal: bool, mode: str):
+  attn = attention_fn(method, causal)
+  if mode == "fwd":
+    return jax.jit(attn)
+  return jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v)), (0, 1, 2)))
+
+
+def inputs(cfg: Config, T: int, H: int):
+  rng = np.random.default_rng(T + H)
+  q = rng.standard_normal((cfg.batch, T, cfg.heads, H), np.float32)
+  k, v = (rng.standard_normal((cfg.batch, T, cfg.kv_heads, H), np.float32) for _ in range(2))
+  return tuple(jnp.asarray(x) for x in (q, k, v))
+
+
+def flops(cfg: Config, T: int, H: int, causal: bool, mode: str) -> float:
+  f = 4.0 * cfg.batch * cfg.heads * T * T * H * (3.5 if mode == "fwd_bwd" else 1.0)
+  return f / 2 if causal else f
+
+
+def median_ms(fn, *args, reps: int) -> float:
+  jax.block_until_ready(fn(*args))  # compile and warm up
+  times = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times) * 1e3
+
+
+def matmul_gflops(size: int, reps: int) -> float:
+  a = jnp.asarray(np.random.default_rng(0).standard_normal((size, size), np.float32))
+  ms = median_ms(jax.jit(lambda a: a @ a), a, reps=max(reps, 5))
+  return 2.0 * size**3 / ms / 1e6
+
+
+def materialises_too_much(cfg: Config, method: str, T: int) -> bool:
+  return method in MATERIALISING and 4 * cfg.batch * cfg.heads * T * T > cfg.max_materialised_bytes
+
+
+def time_grid(cfg: Config, matmul: float) -> list[dict]:
+  rows = []
+  for H in cfg.head_dims:
+    for T in cfg.lengths:
+      q, k, v = inputs(cfg, T, H)
+      for causal in cfg.causal:
+        for method in cfg.methods:
+          row = dict(H=H, T=T, causal=causal, method=method)
+          for mode in ("fwd", "fwd_bwd"):
+            if materialises_too_much(cfg, method, T):
+              row[f"{mode}_ms"] = None
+              continue
+            ms = median_ms(compiled(method, causal, mode), q, k, v, reps=cfg.reps)
+            gflops = flops(cfg, T, H, causal, mode) / ms / 1e6
+            row.update({f"{mode}_ms": ms, f"{mode}_gflops": gflops,
+                        f"{mode}_pct_matmul": 100.0 * gflops / matmul})
+          rows.append(row)
+        base = rows[-len(cfg.methods):]
+        ref = next((r for r in base if r["method"] == "jax.nn"), None)
+        for r in base:
+          for mode in ("fwd", "fwd_bwd"):
+            ok = ref is not None and ref.get(f"{mode}_ms") and r.get(f"{mode}_ms")
+            r[f"{mode}_speedup"] = ref[f"{mode}_ms"] / r[f"{mode}_ms"] if ok else None
+  return rows
+
+
+def peak_rss_mb() -> float:
+  """This process's peak resident memory: VmHWM on Linux (ru_maxrss would include the
+  parent's peak, which Linux carries across fork and exec)."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) / 1024
+  except OSError:
+    pass
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if sys.platform != "darwin"
+                                                                 else 2**20)
+
+
+def memory_case(cfg: Config, method: str, T: int, H: int, causal: bool) -> dict:
+  """Runs in a fresh process: forward+backward once, peak RSS before and after."""
+  q, k, v = inputs(cfg, T, H)
+  jax.block_until_ready((q, k, v))
+  before = peak_rss_mb()
+  start = time.perf_counter()
+  jax.block_until_ready(compiled(method, causal, "fwd_bwd")(q, k, v))
+  seconds = time.perf_counter() - start
+  peak = peak_rss_mb()
+  return dict(method=method, T=T, H=H, causal=causal, seconds=seconds,
+              peak_mb_before=before, peak_mb=peak)
+
+
+def memory_grid(cfg: Config, config_path: str | None, quick: bool) -> list[dict]:
+  rows = []
+  mem = cfg.memory
+  for H in cfg.head_dims:
+    for T in mem.get("lengths", []):
+      for causal in mem.get("causal", [True]):
+        for method in mem.get("methods", ["blockwise"]):
+          row = dict(method=method, T=T, H=H, causal=causal)
+          if materialises_too_much(cfg, method, T):
+            rows.append({**row, "skipped": "materialised scores exceed max_materialised_bytes"})
+            continue
+          cmd = [sys.executable, __file__, "--memory-case", json.dumps(row)]
+          cmd += ["--quick"] if quick else []
+          cmd += ["--config", config_path] if config_path else []
+          proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+          if proc.returncode:
+            rows.append({**row, "failed": proc.stderr.strip().splitlines()[-1:]})
+          else:
+            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+  return rows
+
+
+def _fmt(x, spec):
+  return "—" if x is None else format(x, spec)
+
+
+def print_tables(cfg: Config, matmul: float, rows: list[dict], memory: list[dict]) -> None:
+  print(f"B={cfg.batch} N={cfg.heads} K={cfg.kv_heads} float32, {jax.devices()[0].platform}, "
+        f"median of {cfg.reps}; float32 matmul {cfg.matmul_size}³: {matmul:.1f} GFLOP/s\n")
+  print("| H | T | causal | method | fwd ms | fwd GFLOP/s | % matmul | fwd speedup "
+        "| fwd+bwd ms | fwd+bwd GFLOP/s | fwd+bwd speedup |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['H']} | {r['T']} | {r['causal']} | {r['method']} | "
+          f"{_fmt(r.get('fwd_ms'), '.1f')} | {_fmt(r.get('fwd_gflops'), '.1f')} | "
+          f"{_fmt(r.get('fwd_pct_matmul'), '.0f')} | {_fmt(r.get('fwd_speedup'), '.2f')} | "
+          f"{_fmt(r.get('fwd_bwd_ms'), '.1f')} | {_fmt(r.get('fwd_bwd_gflops'), '.1f')} | "
+          f"{_fmt(r.get('fwd_bwd_speedup'), '.2f')} |")
+  if memory:
+    print("\nforward+backward, one fresh process per case: peak process memory (VmHWM)\n")
+    print("| H | T | causal | method | seconds | peak MB before | peak MB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in memory:
+      note = r.get("skipped") or r.get("failed")
+      if note:
+        print(f"| {r['H']} | {r['T']} | {r['causal']} | {r['method']} | {note} | — | — |")
+        continue
+      print(f"| {r['H']} | {r['T']} | {r['causal']} | {r['method']} | {r['seconds']:.1f} | "
+            f"{r['peak_mb_before']:.0f} | {r['peak_mb']:.0f} |")
+
+
+def load_config(args) -> Config:
+  cfg = Config()
+  if args.config:
+    with open(args.config) as f:
+      loaded = yaml.safe_load(f) or {}
+    unknown = set(loaded) - {f.name for f in dataclasses.fields(Config)}
+    if unknown:
+      raise ValueError(f"{args.config}: unknown keys {sorted(unknown)}")
+    cfg = dataclasses.replace(cfg, **loaded)
+  if args.quick:
+    cfg = dataclasses.replace(cfg, **QUICK)
+  for name in ("lengths", "head_dims", "methods", "reps", "batch", "heads", "kv_heads",
+               "out_dir"):
+    value = getattr(args, name)
+    if value is not None:
+      setattr(cfg, name, value)
+  if args.causal is not None:
+    cfg.causal = [{"true": True, "false": False}[c] for c in args.causal]
+  if args.memory_lengths is not None:
+    cfg.memory = {**cfg.memory, "lengths": args.memory_lengths}
+  bad = set(cfg.methods) - set(METHODS)
+  if bad:
+    raise ValueError(f"unknown methods {sorted(bad)}; choose from {list(METHODS)}")
+  return cfg
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", help="a YAML file under configs/ (flags override it)")
+  parser.add_argument("--lengths", type=int, nargs="*",
+                      help="sequence lengths to time (none: only the memory cases)")
+  parser.add_argument("--head-dims", dest="head_dims", type=int, nargs="+")
+  parser.add_argument("--causal", nargs="+", choices=["true", "false"])
+  parser.add_argument("--methods", nargs="+")
+  parser.add_argument("--reps", type=int)
+  parser.add_argument("--batch", type=int)
+  parser.add_argument("--heads", type=int)
+  parser.add_argument("--kv-heads", dest="kv_heads", type=int)
+  parser.add_argument("--memory-lengths", type=int, nargs="*",
+                      help="sequence lengths for the peak-memory cases (none: skip them)")
+  parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 reps (smoke test)")
+  parser.add_argument("--out-dir", dest="out_dir", help="where the JSON goes (default runs/)")
+  parser.add_argument("--memory-case", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  cfg = load_config(args)
+
+  if args.memory_case:  # the child process of memory_grid
+    case = json.loads(args.memory_case)
+    print(json.dumps(memory_case(cfg, case["method"], case["T"], case["H"], case["causal"])))
+    return None
+
+  matmul = matmul_gflops(cfg.matmul_size, cfg.reps)
+  rows = time_grid(cfg, matmul)
+  memory = memory_grid(cfg, args.config, args.quick)
+  print_tables(cfg, matmul, rows, memory)
+  out_dir = ROOT / cfg.out_dir
+  out_dir.mkdir(parents=True, exist_ok=True)
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  path = out_dir / f"bench-{stamp}{'-quick' if args.quick else ''}.json"
+  record = dict(config=dataclasses.asdict(cfg), device=str(jax.devices()[0]),
+                jax=jax.__version__, matmul_gflops=matmul, timings=rows, memory=memory)
+  path.write_text(json.dumps(record, indent=1))
+  print(f"\nwrote {path}")
+  return record
+
+
+if __name__ == "__main__":
+  main()
