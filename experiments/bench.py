@@ -3,7 +3,8 @@
 For every head dimension, sequence length T (= S) and causal setting of the
 grid, times the jitted forward pass and forward+backward (gradients of q, k,
 v) of each method on the same float32 inputs, in one run: a warm-up call,
-then the median of ``reps`` calls. Methods:
+then the median of ``reps`` calls (more for calls of a few milliseconds,
+up to half a second's worth). Methods:
 
     jax.nn     jax.nn.dot_product_attention (materialised, autodiff)
     xla        jattn, implementation="xla" (materialised, autodiff)
@@ -96,8 +97,14 @@ def flops(cfg: Config, T: int, H: int, causal: bool, mode: str) -> float:
   return f / 2 if causal else f
 
 
-def median_ms(fn, *args, reps: int) -> float:
+def median_ms(fn, *args, reps: int, min_seconds: float = 0.5) -> float:
+  """Median of at least ``reps`` timed calls after a warm-up; short calls repeat until
+  about ``min_seconds`` have passed (up to 200 calls), as one call of a millisecond is noise."""
   jax.block_until_ready(fn(*args))  # compile and warm up
+  start = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  once = time.perf_counter() - start
+  reps = max(reps, min(200, int(min_seconds / max(once, 1e-6))))
   times = []
   for _ in range(reps):
     start = time.perf_counter()

@@ -14,9 +14,10 @@ import jattn
 from jattn import masks, scores
 from jattn.impl import blockwise
 from reference import assert_close, attention_np, normal, tile_classes_np
+from test_xla import SCORE_FNS  # the same score functions, for the same N
 
 # T and S are not multiples of the tiles, so every test also runs padded edge tiles.
-B, T, S, N, K, H = 2, 7, 9, 4, 2, 4
+B, T, S, N, K, H = 2, 7, 9, 4, 2, 4  # N as in test_xla, whose SCORE_FNS are reused
 BLOCKS = dict(block_q=3, block_kv=4)
 IDS_Q = np.array([[0, 0, 0, 1, 1, 1, 1], [2, 3, 3, 3, 4, 4, 7]])
 IDS_KV = np.array([[0, 0, 1, 1, 1, 1, 2, 2, 2], [3, 3, 3, 4, 4, 5, 5, 5, 5]])
@@ -93,8 +94,8 @@ def test_matches_xla_for_every_mask(kind):
   _assert_same(got, want, np.float32)
 
 
-@pytest.mark.parametrize("kind", list(MASKS))
-def test_against_float64_numpy(kind):
+@pytest.mark.parametrize("kind", ["none", "causal_empty_rows", "segments", "combined"])
+def test_against_float64_numpy(kind):  # every kind: test_properties, with random tiles
   q, k, v, bias = _inputs(jnp.float32)
   mask = MASKS[kind]
   allowed = None if mask is None else np.asarray(mask.materialize(T, S, batch_size=B,
@@ -121,15 +122,6 @@ def test_bias_shapes_read_and_differentiated_tile_by_tile(shape):
   mask = masks.causal(2)
   _assert_same(_value_and_grads(_attn("blockwise", mask), args),
                _value_and_grads(_attn("xla", mask), args), np.float32)
-
-
-SCORE_FNS = {
-    "alibi": scores.alibi(np.array([0.5, 0.2, 0.1, 0.05])),
-    "relative": scores.relative_position_bias(np.linspace(-1, 1, 16 * N).reshape(16, N),
-                                              num_buckets=16, max_distance=8),
-    "soft_cap": scores.soft_cap(1.5),
-    "custom": lambda s, b, h, q, kv: s * (1.0 + 0.1 * h) - 0.05 * (q - kv) ** 2,
-}
 
 
 @pytest.mark.parametrize("name", list(SCORE_FNS))
@@ -199,7 +191,7 @@ def test_bfloat16():
   _assert_same(got, want, jnp.bfloat16, factor=2)
 
 
-@pytest.mark.parametrize("blocks", [(1, 1), (2, 9), (7, 2), (64, 64), (5, 3)], ids=str)
+@pytest.mark.parametrize("blocks", [(1, 1), (7, 2), (64, 64)], ids=str)
 def test_tile_sizes(blocks):
   """Any tiles, including ones larger than T and S, give the same result."""
   args = _inputs(jnp.float32)
