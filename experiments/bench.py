@@ -253,7 +253,7 @@ def load_config(args) -> Config:
   return cfg
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", help="a YAML file under configs/ (flags override it)")
   parser.add_argument("--lengths", type=int, nargs="*",
@@ -270,7 +270,11 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 reps (smoke test)")
   parser.add_argument("--out-dir", dest="out_dir", help="where the JSON goes (default runs/)")
   parser.add_argument("--memory-case", help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
+  return parser.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
   cfg = load_config(args)
 
   if args.memory_case:  # the child process of memory_grid

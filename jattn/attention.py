@@ -131,16 +131,15 @@ def dot_product_attention(
   Unlike jax.nn, a query row that may attend to nothing returns zeros (jax.nn
   returns the mean of the values) and the log-sum-exp is differentiable.
   """
-  _check_choices(implementation, backward)
+  impl, bwd = _check_choices(implementation, backward)
   blocks = tuple(None if b is None else _checks.integer(name, b, minimum=1)
                  for name, b in (("block_q", block_q), ("block_kv", block_kv)))
   q, k, v = _check_qkv(query, key, value)
   unbatched = q.ndim == 3
   B, T, N, H = (1,) * unbatched + tuple(q.shape)
   S = k.shape[-3]
-  if implementation is None:
-    implementation = _auto(B * N * T * S, backward, blocks)
-  impl, bwd = _check_choices(implementation, backward)
+  if impl is None:
+    impl, bwd = _check_choices(_auto(B * N * T * S, backward, blocks), backward)
   if impl != "blockwise" and blocks != (None, None):
     raise ValueError(f"block_q and block_kv apply only to implementation='blockwise', got "
                      f"implementation={impl!r}")
@@ -236,6 +235,7 @@ def _auto(num_scores: int, backward: str | None, blocks) -> str:
 
 
 def _check_choices(implementation, backward) -> tuple[str | None, str | None]:
+  """(implementation, backward) checked; (None, backward) while auto is still to choose."""
   if implementation is None:
     if backward is not None and backward not in BACKWARDS:
       raise ValueError(f"backward must be one of {list(BACKWARDS)} or None, got {backward!r}")

@@ -12,7 +12,6 @@ import jattn
 from jattn import masks
 from reference import assert_close, attention_np, normal
 
-BACKWARDS = ["autodiff", "custom_vjp"]
 # Every (implementation, backward) rule; blockwise with tiles smaller than the
 # test shapes (and not dividing them), so several tiles and padding are exercised.
 RULES = {

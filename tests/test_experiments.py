@@ -1,6 +1,5 @@
 """The scripts under experiments/ keep running (smoke tests; nothing about time is asserted)."""
 
-import argparse
 import contextlib
 import importlib.util
 import io
@@ -38,11 +37,8 @@ def test_bench_quick(tmp_path):
 
 def test_bench_config_file_is_valid():
   bench = _load("bench")
-  args = argparse.Namespace(config=str(EXPERIMENTS.parent / "configs" / "bench.yaml"),
-                            quick=False, causal=None, memory_lengths=None,
-                            **{k: None for k in ("lengths", "head_dims", "methods", "reps",
-                                                 "batch", "heads", "kv_heads", "out_dir")})
-  cfg = bench.load_config(args)
+  cfg = bench.load_config(bench.parse_args(
+      ["--config", str(EXPERIMENTS.parent / "configs" / "bench.yaml")]))
   assert cfg.lengths == [128, 1024, 4096] and cfg.memory["lengths"][-1] == 65536
 
 

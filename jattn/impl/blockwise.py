@@ -330,7 +330,8 @@ def _backward(static: _Static, residuals, d_out, d_lse):
   lse = _row_tiles(jnp.where(jnp.isfinite(lse), lse, 0), bq)  # empty rows: keep zeroes A
   padded_bias = _pad_bias(bias, static)
 
-  float_consts = [c for c in score_consts if jnp.issubdtype(jnp.result_type(c), jnp.inexact)]
+  # Only float constants (a learned table, ALiBi slopes) get gradients.
+  is_float = [jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in score_consts]
 
   def kv_tile(carry, xs):
     d_q, d_bias, d_consts = carry
@@ -352,8 +353,7 @@ def _backward(static: _Static, residuals, d_out, d_lse):
       d_s = p * (d_p - delta[i])
       if tile.score_vjp is not None:
         d_s, *d_c = tile.score_vjp(d_s)
-        d_c = [d for d, c in zip(d_c, score_consts)
-               if jnp.issubdtype(jnp.result_type(c), jnp.inexact)]
+        d_c = [d for d, f in zip(d_c, is_float) if f]
         d_consts = tuple(a + b.astype(a.dtype) for a, b in zip(d_consts, d_c))
       if d_bias is not None:
         start, size = _bias_window(d_bias, static, i, j)
@@ -372,7 +372,7 @@ def _backward(static: _Static, residuals, d_out, d_lse):
 
   init = (jnp.zeros(q_tiles.shape, dtype),
           None if bias is None else jnp.zeros(padded_bias.shape, dtype),
-          tuple(jnp.zeros(jnp.shape(c), dtype) for c in float_consts))
+          tuple(jnp.zeros(jnp.shape(c), dtype) for c, f in zip(score_consts, is_float) if f))
   (d_q, d_bias, d_float), (d_k, d_v) = jax.lax.scan(
       kv_tile, init, (jnp.arange(k_tiles.shape[0], dtype=jnp.int32), k_tiles, v_tiles))
   d_query = _untile_queries(d_q, N, T).astype(query.dtype)
@@ -381,9 +381,8 @@ def _backward(static: _Static, residuals, d_out, d_lse):
   if bias is not None:
     d_bias = d_bias[:, :, :bias.shape[2], :bias.shape[3]].astype(bias.dtype)
   d_float = iter(d_float)
-  d_score = tuple(next(d_float).astype(jnp.result_type(c))
-                  if jnp.issubdtype(jnp.result_type(c), jnp.inexact) else None
-                  for c in score_consts)
+  d_score = tuple(next(d_float).astype(jnp.result_type(c)) if f else None
+                  for c, f in zip(score_consts, is_float))
   d_mask = tuple(None for _ in mask_consts)
   return d_query, d_key, d_value, d_bias, d_mask, d_score
 
