@@ -71,6 +71,7 @@ def dot_product_attention(
     logits_soft_cap: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    broadcast_dropout: bool = False,
     backward: str | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
@@ -116,6 +117,9 @@ def dot_product_attention(
       scaling; the kept set is a pure function of (rng, b, n, t, s).
     dropout_rng: a ``jax.random.key`` (or ``PRNGKey``); needed when
       ``dropout_rate > 0``.
+    broadcast_dropout: draw one dropout pattern of shape (T, S) and share it
+      across every batch row and head (Flax's ``broadcast_dropout=True``);
+      by default each (b, n) draws its own.
     backward: how gradients are formed: ``"autodiff"`` (JAX differentiates the
       forward pass) or ``"custom_vjp"`` (jattn's explicit rule, which keeps
       only the inputs and the log-sum-exp and recomputes the probabilities).
@@ -149,7 +153,8 @@ def dot_product_attention(
   if not np.isfinite(scale):
     raise ValueError(f"scale must be finite, got {scale}")
   bias = _check_bias(bias, (B, N, T, S))
-  for name, flag in (("is_causal", is_causal), ("return_residual", return_residual)):
+  for name, flag in (("is_causal", is_causal), ("return_residual", return_residual),
+                     ("broadcast_dropout", broadcast_dropout)):
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(f"{name} must be a bool, got {flag!r}")
   window = _check_window(local_window_size)
@@ -182,15 +187,17 @@ def dot_product_attention(
   score = _check_score(score_fn, logits_soft_cap, q.dtype, (B, N, T, S))
 
   out, lse = _attend(q, k, v, bias, combined, score, dropout_rng if dropout_rate else None,
-                     scale=scale, dropout_rate=dropout_rate, implementation=impl, backward=bwd,
+                     scale=scale, dropout_rate=dropout_rate,
+                     broadcast_dropout=bool(broadcast_dropout), implementation=impl, backward=bwd,
                      return_residual=bool(return_residual), blocks=blocks)
   return (out, lse) if return_residual else out
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "dropout_rate", "implementation", "backward", "return_residual", "blocks"))
+    "scale", "dropout_rate", "broadcast_dropout", "implementation", "backward",
+    "return_residual", "blocks"))
 def _attend(query, key, value, bias, mask, score_fn, dropout_rng, *, scale, dropout_rate,
-            implementation, backward, return_residual, blocks):
+            broadcast_dropout, implementation, backward, return_residual, blocks):
   unbatched = query.ndim == 3
   if unbatched:
     query, key, value = query[None], key[None], value[None]
@@ -205,16 +212,17 @@ def _attend(query, key, value, bias, mask, score_fn, dropout_rng, *, scale, drop
     case "xla":
       out, lse = xla.attention(query, key, value, bias, mask=mask, score_fn=score_fn,
                                scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                               backward=backward)
+                               broadcast_dropout=broadcast_dropout, backward=backward)
     case "blockwise" if T and S:
       out, lse = blockwise.attention(query, key, value, bias, mask=mask, score_fn=score_fn,
                                      scale=scale, dropout_rate=dropout_rate,
-                                     dropout_rng=dropout_rng, block_q=blocks[0],
+                                     dropout_rng=dropout_rng,
+                                     broadcast_dropout=broadcast_dropout, block_q=blocks[0],
                                      block_kv=blocks[1])
     case "blockwise":  # nothing to tile: an empty output, or rows with no keys
       out, lse = xla.attention(query, key, value, bias, mask=mask, score_fn=score_fn,
                                scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                               backward="autodiff")
+                               broadcast_dropout=broadcast_dropout, backward="autodiff")
     case _:
       raise ValueError(f"unknown implementation {implementation!r}")
   chex.assert_shape(lse, dims["BTN"])

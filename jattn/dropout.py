@@ -69,6 +69,12 @@ def keep_mask(rng: jax.Array, rate: float, batch, head, q_idx, kv_idx) -> jax.Ar
   return keep_from_seed(seed_words(rng), rate, batch, head, q_idx, kv_idx)
 
 
+def shared_indices(batch, head, q_idx, kv_idx):
+  """Indices for a pattern shared across batch rows and heads: batch and head set to 0."""
+  zero = jnp.zeros((1,) * jnp.ndim(batch), jnp.int32)
+  return zero, zero, q_idx, kv_idx
+
+
 def keep_from_seed(seed, rate: float, batch, head, q_idx, kv_idx) -> jax.Array:
   """:func:`keep_mask` from :func:`seed_words`, unchecked: for implementations.
 

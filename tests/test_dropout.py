@@ -96,3 +96,41 @@ def test_same_rng_same_output_and_rate_zero_ignores_rng():
   np.testing.assert_array_equal(f(jax.random.key(5), 0.3), f(jax.random.key(5), 0.3))
   assert not np.array_equal(f(jax.random.key(5), 0.3), f(jax.random.key(6), 0.3))
   np.testing.assert_array_equal(f(jax.random.key(5), 0.0), jattn.dot_product_attention(q, k, v))
+
+
+BROADCAST_RULES = {
+    "autodiff": dict(implementation="xla", backward="autodiff"),
+    "custom_vjp": dict(implementation="xla", backward="custom_vjp"),
+    "blockwise": dict(implementation="blockwise", block_q=2, block_kv=4),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(BROADCAST_RULES))
+def test_broadcast_dropout_shares_one_pattern_across_batch_and_heads(rule):
+  B, T, S, N, K = 2, 5, 6, 4, 2
+  q, k, v = _qkv()
+  rng, rate = jax.random.key(7), 0.4
+  # The pattern broadcast_dropout uses is the (b=0, h=0) one of the per-head draw.
+  keep = np.broadcast_to(np.asarray(dropout.keep_mask(rng, rate, *masks.index_grid(1, 1, T, S))),
+                         (B, N, T, S))
+  f = lambda *a: jattn.dot_product_attention(
+      *a, is_causal=True, dropout_rate=rate, dropout_rng=rng, broadcast_dropout=True,
+      **BROADCAST_RULES[rule])
+  causal = np.tril(np.ones((T, S), bool))
+  want, _ = attention_np(q, k, v, allowed=causal, keep=keep, rate=rate)
+  assert_close(f(q, k, v), want)
+  grads = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), (0, 1, 2))(q, k, v)
+  grads_ref = jax.grad(lambda *a: jnp.sum(attention_jnp(
+      *a, allowed=causal, keep=jnp.asarray(keep), rate=rate)[0] ** 2), (0, 1, 2))(q, k, v)
+  for a, b in zip(grads, grads_ref):
+    assert_close(a, b, factor=5)
+  # Without it, heads and rows draw their own patterns: the outputs differ.
+  independent = jattn.dot_product_attention(q, k, v, is_causal=True, dropout_rate=rate,
+                                            dropout_rng=rng, **BROADCAST_RULES[rule])
+  assert not np.allclose(independent, want)
+
+
+def test_broadcast_dropout_must_be_a_bool():
+  q, k, v = _qkv()
+  with pytest.raises(TypeError, match="broadcast_dropout must be a bool"):
+    jattn.dot_product_attention(q, k, v, broadcast_dropout="yes")

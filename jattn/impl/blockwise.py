@@ -68,6 +68,7 @@ class _Static(NamedTuple):
   """Hashable settings of one call: the custom_vjp's non-differentiable argument."""
   scale: float
   dropout_rate: float
+  broadcast_dropout: bool  # one (T, S) dropout pattern for every (batch, head)
   q_len: int  # T
   kv_len: int  # S
   block_q: int
@@ -85,7 +86,8 @@ class _Schedule(NamedTuple):
 
 
 def attention(query, key, value, bias, *, mask: _masks.Mask | None, score_fn: Callable | None,
-              scale: float, dropout_rate: float, dropout_rng, block_q: int, block_kv: int):
+              scale: float, dropout_rate: float, dropout_rng, broadcast_dropout: bool,
+              block_q: int, block_kv: int):
   """Returns ``(out (B, T, N, H) in query's dtype, lse (B, T, N) in float32/64)``."""
   B, T, N, _ = query.shape
   S = key.shape[1]
@@ -105,7 +107,8 @@ def attention(query, key, value, bias, *, mask: _masks.Mask | None, score_fn: Ca
   seed = None
   if dropout_rate:
     seed = jnp.stack(_dropout.seed_words(dropout_rng))
-  static = _Static(float(scale), float(dropout_rate), T, S, bq, bk, mask_fn, modify)
+  static = _Static(float(scale), float(dropout_rate), bool(broadcast_dropout), T, S, bq, bk,
+                   mask_fn, modify)
   out, lse = _attention_vjp(static, query, key, value, bias, seed, rows, cols,
                             tuple(mask_consts), tuple(score_consts))
   return out.astype(query.dtype), lse
@@ -247,7 +250,8 @@ def _tile(static: _Static, q_tile, k_tile, bias, seed, consts, qi, ki, *, masked
       keep = keep & static.mask_fn(*idx, *mask_consts)
   drop = None
   if static.dropout_rate:
-    drop = _dropout.keep_from_seed((seed[0], seed[1]), static.dropout_rate, *idx)
+    drop_idx = _dropout.shared_indices(*idx) if static.broadcast_dropout else idx
+    drop = _dropout.keep_from_seed((seed[0], seed[1]), static.dropout_rate, *drop_idx)
   return _Tile(s, keep, drop, score_vjp)
 
 

@@ -35,13 +35,17 @@ BACKWARDS = ("autodiff", "custom_vjp")
 
 
 def attention(query, key, value, bias, *, mask: Mask | None, score_fn: Callable | None,
-              scale: float, dropout_rate: float, dropout_rng, backward: str):
+              scale: float, dropout_rate: float, dropout_rng, broadcast_dropout: bool,
+              backward: str):
   """Returns ``(out (B, T, N, H) in query's dtype, lse (B, T, N) in float32/64)``."""
   B, T, N, _ = query.shape
   S = key.shape[1]
   grid = index_grid(B, N, T, S)
   keep = None if mask is None else mask.on_grid(grid)
-  drop = None if dropout_rate == 0.0 else _dropout.keep_mask(dropout_rng, dropout_rate, *grid)
+  drop = None
+  if dropout_rate:
+    idx = _dropout.shared_indices(*grid) if broadcast_dropout else grid
+    drop = _dropout.keep_mask(dropout_rng, dropout_rate, *idx)
 
   if backward == "autodiff":
     modify = None if score_fn is None else (lambda s: score_fn(s, *grid))
