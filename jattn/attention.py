@@ -149,14 +149,10 @@ def dot_product_attention(
                      f"implementation={impl!r}")
   defaults = blockwise.default_blocks(jax.default_backend())
   blocks = tuple(d if b is None else b for b, d in zip(blocks, defaults))
-  scale = 1.0 / float(np.sqrt(H)) if scale is None else _checks.real("scale", scale)
-  if not np.isfinite(scale):
-    raise ValueError(f"scale must be finite, got {scale}")
+  scale = _check_scale(scale, H)
   bias = _check_bias(bias, (B, N, T, S))
-  for name, flag in (("is_causal", is_causal), ("return_residual", return_residual),
-                     ("broadcast_dropout", broadcast_dropout)):
-    if not isinstance(flag, (bool, np.bool_)):
-      raise TypeError(f"{name} must be a bool, got {flag!r}")
+  _check_flags(is_causal=is_causal, return_residual=return_residual,
+               broadcast_dropout=broadcast_dropout)
   window = _check_window(local_window_size)
   lengths = tuple(_check_lengths(name, x, B) for name, x in (
       ("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths", key_value_seq_lengths)))
@@ -171,19 +167,8 @@ def dot_product_attention(
                                "logits_soft_cap": logits_soft_cap,
                                "dropout_rate": dropout_rate or None})
 
-  parts = [_check_mask(mask)]
-  if is_causal:
-    parts.append(masks.causal())
-  if window is not None:
-    parts.append(masks.sliding_window(*window))
-  if any(x is not None for x in lengths):
-    parts.append(masks.lengths(*lengths))
-  if segment_ids is not None:
-    parts.append(_check_segments(segment_ids, unbatched, T, S))
-  combined = masks.all_of(*(m for m in parts if m is not None))
-  if combined is not None:
-    _check_mask_shapes(combined, B, N, T, S)
-
+  combined = _combine_masks(mask, is_causal, window, lengths, segment_ids, unbatched,
+                            (B, N, T, S))
   score = _check_score(score_fn, logits_soft_cap, q.dtype, (B, N, T, S))
 
   out, lse = _attend(q, k, v, bias, combined, score, dropout_rng if dropout_rate else None,
@@ -191,6 +176,65 @@ def dot_product_attention(
                      broadcast_dropout=bool(broadcast_dropout), implementation=impl, backward=bwd,
                      return_residual=bool(return_residual), blocks=blocks)
   return (out, lse) if return_residual else out
+
+
+def attention_weights(
+    query: jax.typing.ArrayLike,
+    key: jax.typing.ArrayLike,
+    bias: jax.typing.ArrayLike | None = None,
+    mask: jax.typing.ArrayLike | masks.Mask | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.typing.ArrayLike | None = None,
+    key_value_seq_lengths: jax.typing.ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    segment_ids: Any = None,
+    score_fn: Callable | None = None,
+    logits_soft_cap: float | None = None,
+) -> jax.Array:
+  """The attention probabilities ``dot_product_attention`` applies, for inspection.
+
+  Takes the arguments of :func:`dot_product_attention` that shape the
+  probabilities (no value, no dropout) with the same meanings, and returns the
+  materialised softmax, shape (B, N, T, S) (or (N, T, S) unbatched), in the
+  query's dtype. Rows that may attend to nothing are zeros. It materialises
+  the full score matrix: use it to look at weights, not to compute attention.
+  Differentiable.
+
+  Example::
+
+    >>> import jax.numpy as jnp, jattn
+    >>> q = k = jnp.ones((1, 3, 1, 2))
+    >>> jattn.attention_weights(q, k, is_causal=True)[0, 0]
+    Array([[1.        , 0.        , 0.        ],
+           [0.5       , 0.5       , 0.        ],
+           [0.33333334, 0.33333334, 0.33333334]], dtype=float32)
+  """
+  q, k, _ = _check_qkv(query, key, key)
+  unbatched = q.ndim == 3
+  B, T, N, H = (1,) * unbatched + tuple(q.shape)
+  S = k.shape[-3]
+  scale = _check_scale(scale, H)
+  bias = _check_bias(bias, (B, N, T, S))
+  _check_flags(is_causal=is_causal)
+  lengths = tuple(_check_lengths(name, x, B) for name, x in (
+      ("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths", key_value_seq_lengths)))
+  combined = _combine_masks(mask, is_causal, _check_window(local_window_size), lengths,
+                            segment_ids, unbatched, (B, N, T, S))
+  score = _check_score(score_fn, logits_soft_cap, q.dtype, (B, N, T, S))
+  return _weights(q, k, bias, combined, score, scale=scale)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _weights(query, key, bias, mask, score_fn, *, scale):
+  unbatched = query.ndim == 3
+  if unbatched:
+    query, key = query[None], key[None]
+  if bias is not None:
+    bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+  p = xla.weights(query, key, bias, mask=mask, score_fn=score_fn, scale=scale)
+  return p[0] if unbatched else p
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -263,6 +307,37 @@ def _check_choices(implementation, backward) -> tuple[str | None, str | None]:
                      f"backward={backward!r}: it {rules}"
                      f"{_WHY_NOT.get((implementation, backward), '')}")
   return implementation, backward
+
+
+def _check_scale(scale, head_dim: int) -> float:
+  scale = 1.0 / float(np.sqrt(head_dim)) if scale is None else _checks.real("scale", scale)
+  if not np.isfinite(scale):
+    raise ValueError(f"scale must be finite, got {scale}")
+  return scale
+
+
+def _check_flags(**flags) -> None:
+  for name, flag in flags.items():
+    if not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(f"{name} must be a bool, got {flag!r}")
+
+
+def _combine_masks(mask, is_causal, window, lengths, segment_ids, unbatched, bnts):
+  """Every way of masking as one checked :class:`jattn.masks.Mask`; None when nothing masks."""
+  B, N, T, S = bnts
+  parts = [_check_mask(mask)]
+  if is_causal:
+    parts.append(masks.causal())
+  if window is not None:
+    parts.append(masks.sliding_window(*window))
+  if any(x is not None for x in lengths):
+    parts.append(masks.lengths(*lengths))
+  if segment_ids is not None:
+    parts.append(_check_segments(segment_ids, unbatched, T, S))
+  combined = masks.all_of(*(m for m in parts if m is not None))
+  if combined is not None:
+    _check_mask_shapes(combined, B, N, T, S)
+  return combined
 
 
 def _as_array(name: str, x) -> jax.Array:

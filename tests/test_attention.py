@@ -221,3 +221,63 @@ def test_cudnn_passes_through_to_jax_nn():
 
   for a, b in zip(jax.tree.leaves(run(q, k, v, "cudnn")), jax.tree.leaves(run(q, k, v, "xla"))):
     assert_close(a, b, jnp.bfloat16, factor=2)
+
+
+def _weights_np(q, k, *, bias=None, allowed=None, score=None):
+  """float64 softmax(scale·QKᵀ + bias) over allowed keys, zero rows where nothing is allowed."""
+  q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  B, T, N, H = q.shape
+  K = k.shape[2]
+  s = np.einsum("BTNH,BSNH->BNTS", q, np.repeat(k, N // K, axis=2)) / np.sqrt(H)
+  if bias is not None:
+    s = s + np.asarray(bias, np.float64)
+  if score is not None:
+    s = score(s)
+  allowed = np.ones(s.shape, bool) if allowed is None else np.broadcast_to(allowed, s.shape)
+  m = np.max(np.where(allowed, s, -np.inf), -1, keepdims=True)
+  e = np.where(allowed, np.exp(np.where(allowed, s - np.where(np.isfinite(m), m, 0.0), 0.0)), 0.0)
+  total = e.sum(-1, keepdims=True)
+  return e / np.where(total == 0, 1.0, total)
+
+
+@pytest.mark.parametrize("K", [4, 2, 1])
+def test_attention_weights_match_numpy_and_are_the_probabilities_used(K):
+  B, T, S, N, H = 2, 5, 6, 4, 8
+  q, k, v = _inputs(B, T, S, N, K, H, jnp.float32)
+  bias = normal((1, N, T, S), seed=9)
+  lengths = np.array([5, 2])
+  kw = dict(is_causal=True, key_value_seq_lengths=lengths, logits_soft_cap=2.0)
+  allowed = np.tril(np.ones((T, S), bool)) & (np.arange(S) < lengths[:, None, None, None])
+  got = jattn.attention_weights(q, k, bias, **kw)
+  want = _weights_np(q, k, bias=bias, allowed=allowed, score=lambda s: 2.0 * np.tanh(s / 2.0))
+  assert_close(got, want)
+  # The weights times V are the attention output.
+  out = jattn.dot_product_attention(q, k, v, bias, implementation="xla", **kw)
+  via_weights = jnp.einsum("BNTS,BSNH->BTNH", got, jnp.repeat(v, N // K, axis=2))
+  assert_close(out, via_weights)
+
+
+def test_attention_weights_empty_rows_unbatched_and_gradient():
+  q, k, _ = _inputs(1, 4, 4, 2, 2, 4, jnp.float32)
+  w = jattn.attention_weights(q[0], k[0], mask=masks.causal(-2))
+  assert w.shape == (2, 4, 4)
+  np.testing.assert_array_equal(w[:, :2], 0.0)  # rows 0 and 1 see nothing
+  assert_close(w, _weights_np(q, k, allowed=np.tril(np.ones((4, 4), bool), -2))[0])
+  g = jax.grad(lambda q: jnp.sum(jattn.attention_weights(q, k, is_causal=True)[..., 0] ** 2))(q)
+  causal = jnp.where(np.tril(np.ones((1, 1, 4, 4), bool)), 0.0, -1e30)
+  g_ref = jax.grad(lambda q: jnp.sum(jax.nn.softmax(
+      jnp.einsum("BTNH,BSNH->BNTS", q, k) / 2.0 + causal)[..., 0] ** 2))(q)
+  assert_close(g, g_ref, factor=5)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(key=np.zeros((2, 6, 3, 8), np.float32)), ValueError, "multiple of the number"),
+    (dict(is_causal=1), TypeError, "is_causal must be a bool"),
+    (dict(bias=np.zeros((2, 4, 5, 5), np.float32)), ValueError, "bias"),
+    (dict(scale=float("nan")), ValueError, "scale must be finite"),
+])
+def test_attention_weights_errors(kwargs, error, match):
+  args = dict(query=np.zeros((2, 5, 4, 8), np.float32), key=np.zeros((2, 6, 2, 8), np.float32))
+  args.update(kwargs)
+  with pytest.raises(error, match=match):
+    jattn.attention_weights(**args)

@@ -61,6 +61,21 @@ def attention(query, key, value, bias, *, mask: Mask | None, score_fn: Callable 
                         tuple(consts))
 
 
+def weights(query, key, bias, *, mask: Mask | None, score_fn: Callable | None,
+            scale: float) -> jax.Array:
+  """The normalised probabilities (B, N, T, S) in query's dtype; zero rows where nothing attends."""
+  B, T, N, _ = query.shape
+  S = key.shape[1]
+  grid = index_grid(B, N, T, S)
+  keep = None if mask is None else mask.on_grid(grid)
+  s = _common.logits(_common.group_heads(query, key.shape[2]), key, bias, scale)
+  if score_fn is not None:
+    s = score_fn(s, *grid)
+  p, m, l = _common.unnormalized_softmax(s, keep)
+  p = p * (_common.attends(m) / _common.safe_total(l))
+  return p.astype(query.dtype)
+
+
 def _forward(query, key, value, bias, keep, drop, modify, consts, scale, dropout_rate):
   """The forward pass shared by both rules: ``(out, lse)``."""
   s = _common.logits(_common.group_heads(query, key.shape[2]), key, bias, scale)
