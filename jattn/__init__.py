@@ -8,6 +8,7 @@ attention weights (:mod:`jattn.dropout`) and a choice of backward rule.
 
 from jattn import dropout as dropout
 from jattn import masks as masks
+from jattn import positional as positional
 from jattn import scores as scores
 from jattn.attention import attention_weights as attention_weights
 from jattn.attention import dot_product_attention as dot_product_attention
