@@ -6,6 +6,7 @@
 attention weights (:mod:`jattn.dropout`) and a choice of backward rule.
 """
 
+from jattn import decode as decode
 from jattn import dropout as dropout
 from jattn import masks as masks
 from jattn import positional as positional

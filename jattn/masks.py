@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -175,6 +176,19 @@ def _no_extents(params, children) -> Extents:
   return (None, None, None, None)
 
 
+def _batch_index(arr) -> jax.Array:
+  """Per-batch values shaped (Bm, 1, 1, 1) to broadcast against tiles."""
+  return jnp.asarray(arr).reshape(-1, 1, 1, 1)
+
+
+def _batch_extents(params, children) -> Extents:
+  return (_shared_batch(children, 1, "per-batch values"), None, None, None)
+
+
+def _shape_str(arr) -> str:
+  return "shape=" + str(tuple(jnp.shape(arr)))
+
+
 # --- causal ---------------------------------------------------------------
 
 
@@ -192,14 +206,48 @@ _CAUSAL = _Rule("causal", _causal_eval, _causal_bounds, _no_extents,
                 _describe_plain("causal", ("offset",)))
 
 
-def causal(offset: int = 0) -> Mask:
-  """Query ``q`` may attend to ``kv <= q + offset``.
+def _causal_batch_eval(params, children, b, h, q, kv):
+  (offset,) = children
+  return kv <= q + _at_batch(offset, b)
+
+
+def _causal_batch_bounds(params, children, t: _Tiles):
+  off = _batch_index(children[0])
+  return t.kv_lo <= t.q_hi + off, t.kv_hi <= t.q_lo + off
+
+
+_CAUSAL_PER_BATCH = _Rule(
+    "causal", _causal_batch_eval, _causal_batch_bounds, _batch_extents,
+    lambda params, children: f"causal(offset {_shape_str(children[0])})")
+
+
+def causal(offset: int | jax.typing.ArrayLike = 0) -> Mask:
+  """Query ``q`` of batch row ``b`` may attend to ``kv <= q + offset[b]``.
 
   ``offset=0`` is ``is_causal=True`` of ``jax.nn.dot_product_attention``
   (top-left aligned). For T new queries appended after S - T cached keys, use
   ``offset=S - T`` (bottom-right aligned, chunked prefill and decoding).
+
+  ``offset`` is a Python or NumPy int (a static setting, one per compiled
+  program) or an int array of shape () or (B,), possibly traced, for
+  per-row offsets such as the lengths of a ragged KV cache. Negative offsets
+  are allowed in both forms: the first ``-offset`` queries then see nothing.
+
+  Example::
+
+      >>> masks.causal(np.array([0, 2])).materialize(2, 3)[:, 0].astype(int)
+      Array([[[1, 0, 0],
+              [1, 1, 0]],
+      <BLANKLINE>
+             [[1, 1, 1],
+              [1, 1, 1]]], dtype=int32)
   """
-  return Mask(_CAUSAL, (_checks.integer("offset", offset),))
+  if isinstance(offset, numbers.Integral) and not isinstance(offset, (bool, np.bool_)):
+    return Mask(_CAUSAL, (int(offset),))
+  if isinstance(offset, (bool, np.bool_, float)):
+    raise TypeError(f"offset must be an int, got {offset!r} of type {type(offset).__name__}; "
+                    "per-row offsets are an integer array of shape () or (B,)")
+  return Mask(_CAUSAL_PER_BATCH, (), (_checks.int_array("offset", offset, ranks=(0, 1)),))
 
 
 # --- sliding window ---------------------------------------------------------
@@ -271,27 +319,14 @@ def _prefix_eval(params, children, b, h, q, kv):
   return (kv < _at_batch(prefix, b)) | (kv <= q)
 
 
-def _batch_index(arr) -> jax.Array:
-  """Per-batch values shaped (Bm, 1, 1, 1) to broadcast against tiles."""
-  return jnp.asarray(arr).reshape(-1, 1, 1, 1)
-
-
 def _prefix_bounds(params, children, t: _Tiles):
   (prefix,) = children
   p = _batch_index(prefix)
   return (t.kv_lo < p) | (t.kv_lo <= t.q_hi), (t.kv_hi < p) | (t.kv_hi <= t.q_lo)
 
 
-def _batch_extents(params, children) -> Extents:
-  return (_shared_batch(children, 1, "per-batch values"), None, None, None)
-
-
 _PREFIX = _Rule("prefix_lm", _prefix_eval, _prefix_bounds, _batch_extents,
                 lambda params, children: f"prefix_lm(prefix_lengths={_shape_str(children[0])})")
-
-
-def _shape_str(arr) -> str:
-  return "shape=" + str(tuple(jnp.shape(arr)))
 
 
 def _per_batch(name: str, value: Any):

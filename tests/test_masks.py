@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jattn
 from jattn import masks
-from reference import (causal_np, chunked_np, global_np, lengths_np, prefix_np, segments_np,
-                       strided_np, tile_classes_np, window_np)
+from reference import (assert_close, attention_np, causal_np, chunked_np, global_np, lengths_np,
+                       normal, prefix_np, segments_np, strided_np, tile_classes_np, window_np)
 
 
 def _dense(mask, T, S, **kw):
@@ -31,6 +32,34 @@ def test_causal_literal():
       11100
       11110
       11111"""))
+
+
+def test_causal_per_batch_offsets_literal():
+  # Row 0 of a ragged KV cache holds 1 token, row 1 holds 3: two new queries each.
+  dense = _dense(masks.causal(np.array([1, 3])), 2, 5)
+  np.testing.assert_array_equal(dense[0, 0], _m("""
+      11000
+      11100"""))
+  np.testing.assert_array_equal(dense[1, 0], _m("""
+      11110
+      11111"""))
+  # Negative offsets are allowed, as for the int form: the first queries see nothing.
+  dense = _dense(masks.causal(np.array([-1, 0])), 3, 3)
+  np.testing.assert_array_equal(dense[0, 0], _m("""
+      000
+      100
+      110"""))
+  np.testing.assert_array_equal(dense[1, 0], _m("""
+      100
+      110
+      111"""))
+
+
+def test_causal_scalar_array_offset_is_the_int_form():
+  for offset in (np.array(2), jnp.array(-1, jnp.int32)):
+    np.testing.assert_array_equal(_dense(masks.causal(offset), 3, 5),
+                                  _dense(masks.causal(int(offset)), 3, 5))
+  assert masks.causal(np.array(2)).extents == (None, None, None, None)
 
 
 def test_sliding_window_literal():
@@ -123,6 +152,8 @@ PER_HEAD = np.random.default_rng(0).random((1, 3, 9, 7)) < 0.5
 KINDS = {
     "causal": (masks.causal(1), lambda T, S: causal_np(T, S, 1)),
     "causal_negative": (masks.causal(-2), lambda T, S: causal_np(T, S, -2)),
+    "causal_per_batch": (masks.causal(np.array([-2, 3])),
+                         lambda T, S: np.stack([causal_np(T, S, -2), causal_np(T, S, 3)])[:, None]),
     "window": (masks.sliding_window(2, 1), lambda T, S: window_np(T, S, 2, 1)),
     "window_left_only": (masks.sliding_window(3, None), lambda T, S: window_np(T, S, 3, None)),
     "chunked": (masks.chunked(3), lambda T, S: chunked_np(T, S, 3)),
@@ -157,7 +188,8 @@ def test_materialize_matches_formula(kind):
 
 
 @pytest.mark.parametrize("a, b", list(itertools.combinations(
-    ["causal", "window", "segments", "global", "strided", "from_fn", "kv_lengths"], 2)))
+    ["causal", "causal_per_batch", "window", "segments", "global", "strided", "from_fn",
+     "kv_lengths"], 2)))
 def test_combinators_match_dense_logic(a, b):
   ma, mb = KINDS[a][0], KINDS[b][0]
   da, db = _expected(a), _expected(b)
@@ -233,6 +265,67 @@ def test_block_view_with_traced_arrays():
 
   np.testing.assert_array_equal(view(jnp.array([8, 3]))[:, 0], [[[2, 2], [2, 2]],
                                                                 [[1, 0], [1, 0]]])
+
+
+@pytest.mark.parametrize("block_q, block_kv", BLOCKS)
+def test_causal_per_batch_block_view_traced_matches_dense(block_q, block_kv):
+  """Traced offsets (a KV cache's lengths under jit) classify tiles exactly."""
+  offsets = np.array([[0, 4], [-3, 8], [5, -1]], np.int32)
+  view = jax.jit(lambda off: masks.causal(off).block_view(T_, S_, block_q=block_q,
+                                                          block_kv=block_kv, num_heads=3))
+  for off in offsets:
+    exact = masks.causal(off).block_view(T_, S_, block_q=block_q, block_kv=block_kv,
+                                         num_heads=3, exact=True)
+    np.testing.assert_array_equal(view(jnp.asarray(off)), exact)
+    np.testing.assert_array_equal(
+        exact, tile_classes_np(np.stack([causal_np(T_, S_, o) for o in off])[:, None]
+                               .repeat(3, axis=1), block_q, block_kv))
+
+
+@pytest.mark.parametrize("implementation, blocks", [
+    ("xla", {}), ("blockwise", dict(block_q=2, block_kv=3))])
+def test_causal_per_batch_in_attention_matches_dense_mask(implementation, blocks):
+  B, T, S, N, K, H = 2, 5, 7, 4, 2, 4
+  q, k, v = normal((B, T, N, H)), normal((B, S, K, H), seed=1), normal((B, S, K, H), seed=2)
+  offsets = np.array([2, -1], np.int32)  # row 1's first query sees nothing: zeros
+  dense = np.stack([causal_np(T, S, o) for o in offsets])[:, None]
+  want = attention_np(q, k, v, allowed=dense)
+  attend = lambda mask: jattn.dot_product_attention(
+      q, k, v, mask=mask, implementation=implementation, return_residual=True, **blocks)
+  for got in (attend(masks.causal(offsets)), attend(dense),
+              jax.jit(lambda off: attend(masks.causal(off)))(jnp.asarray(offsets))):
+    assert_close(got[0], want[0])
+    np.testing.assert_array_equal(np.isinf(got[1]), np.isinf(want[1]))
+    assert_close(np.where(np.isinf(got[1]), 0, got[1]), np.where(np.isinf(want[1]), 0, want[1]))
+  np.testing.assert_array_equal(got[0][1, 0], 0.0)
+
+
+@pytest.mark.parametrize("offset, error, match", [
+    (1.5, TypeError, r"offset must be an int, got 1.5 of type float"),
+    (True, TypeError, r"offset must be an int, got True of type bool"),
+    (np.array([1.0, 2.0]), TypeError, r"offset must have an integer dtype, got float64"),
+    (np.array([[1, 2]]), ValueError, r"offset must have rank 0 or 1, got shape \(1, 2\)"),
+    ("2", TypeError, r"offset must be an integer array, got str"),
+])
+def test_causal_offset_errors(offset, error, match):
+  with pytest.raises(error, match=match):
+    masks.causal(offset)
+
+
+def test_causal_per_batch_extents_repr_and_pytree():
+  mask = masks.causal(np.array([1, 2]))
+  assert mask.extents == (2, None, None, None)
+  assert repr(mask) == "causal(offset shape=(2,))"
+  assert repr(masks.causal(3)) == "causal(offset=3)" and masks.causal(3).children == ()
+  with pytest.raises(ValueError, match="different batch size in a combined mask: 2 and 3"):
+    mask & masks.lengths(np.array([1, 2, 3]))
+  with pytest.raises(ValueError, match="batch_size is 3 but the mask holds arrays for 2"):
+    mask.materialize(2, 4, batch_size=3)
+  leaves, treedef = jax.tree_util.tree_flatten(mask)
+  assert len(leaves) == 1
+  assert jax.tree_util.tree_structure(masks.causal(np.array([5, 0]))) == treedef
+  got = jax.jit(lambda m: m.materialize(3, 4))(mask)
+  np.testing.assert_array_equal(got, mask.materialize(3, 4))
 
 
 def test_masks_are_pytrees():
