@@ -1,0 +1,224 @@
+"""Flax NNX: a multi-head attention module built on jattn, and an ``attention_fn`` adapter.
+
+:class:`MultiHeadAttention` keeps the parameter layout of Flax's
+``nnx.MultiHeadAttention`` (submodules ``query``, ``key``, ``value``, ``out``
+and, with ``normalize_qk``, ``query_ln`` and ``key_ln``), so the parameters
+of one load into the other with ``nnx.update(ours, nnx.state(theirs,
+nnx.Param))``. On top it has GQA/MQA, RoPE, segment ids, a choice of
+implementation and backward rule, and a KV cache that takes one or many
+tokens per call (chunked prefill) with ragged rows.
+
+:func:`attention_fn` plugs jattn into Flax's own module:
+``nnx.MultiHeadAttention(..., attention_fn=jattn.nnx.attention_fn)``.
+
+Shape legend as in :mod:`jattn.attention`; F is a feature size.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jattn import _flax, positional
+from jattn import decode as _decode
+
+default_kernel_init = nnx.initializers.lecun_normal()
+
+
+class MultiHeadAttention(nnx.Module):
+  """Multi-head attention (self or cross) computed by :func:`jattn.dot_product_attention`.
+
+  Args:
+    num_heads: N, the number of query heads.
+    in_features: F of ``inputs_q``.
+    num_kv_heads: K, heads of keys and values (default N); N % K == 0 (GQA, MQA when 1).
+    qkv_features: N·H, the query width (default ``in_features``); H = qkv_features // N.
+    out_features: output width (default ``in_features``).
+    in_kv_features: F of ``inputs_kv`` (default ``in_features``).
+    use_bias: biases in the four projections.
+    dropout_rate: dropout on the attention weights.
+    broadcast_dropout: share one dropout pattern across batch rows and heads.
+    deterministic: default for the call's ``deterministic`` (dropout off when True).
+    is_causal: causal self-attention (query t sees keys s <= t).
+    rope: a :class:`jattn.positional.Rotary` applied to queries and keys, or None.
+    normalize_qk: normalise each query and key head before the product:
+      True or ``"rms"`` (RMSNorm), ``"layernorm"`` (LayerNorm without bias,
+      Flax's ``normalize_qk=True``), or False.
+    implementation, backward, block_q, block_kv: as in
+      :func:`jattn.dot_product_attention`.
+    dtype: computation dtype (default: inferred); param_dtype: parameter dtype.
+    precision, kernel_init, bias_init, out_kernel_init: of the projections.
+    rngs: ``nnx.Rngs`` for the parameters and, with dropout, a ``dropout`` stream.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jattn.nnx
+    >>> mha = jattn.nnx.MultiHeadAttention(4, 32, num_kv_heads=2, is_causal=True,
+    ...                                    rope=jattn.positional.Rotary(), rngs=nnx.Rngs(0))
+    >>> mha(jnp.ones((2, 10, 32))).shape
+    (2, 10, 32)
+  """
+
+  def __init__(self, num_heads: int, in_features: int, *, num_kv_heads: int | None = None,
+               qkv_features: int | None = None, out_features: int | None = None,
+               in_kv_features: int | None = None, use_bias: bool = True,
+               dropout_rate: float = 0.0, broadcast_dropout: bool = False,
+               deterministic: bool | None = None, is_causal: bool = False,
+               rope: positional.Rotary | None = None, normalize_qk: bool | str = False,
+               implementation: str | None = None, backward: str | None = None,
+               block_q: int | None = None, block_kv: int | None = None, dtype: Any = None,
+               param_dtype: Any = jnp.float32, precision: Any = None,
+               kernel_init: Any = default_kernel_init,
+               bias_init: Any = nnx.initializers.zeros_init(), out_kernel_init: Any = None,
+               rngs: nnx.Rngs):
+    heads = _flax.check_config(
+        num_heads=num_heads, in_features=in_features, num_kv_heads=num_kv_heads,
+        qkv_features=qkv_features, out_features=out_features, dropout_rate=dropout_rate,
+        broadcast_dropout=broadcast_dropout, deterministic=deterministic, is_causal=is_causal,
+        rope=rope, normalize_qk=normalize_qk, implementation=implementation, backward=backward,
+        block_q=block_q, block_kv=block_kv)
+    self.heads = heads
+    self.num_heads, self.num_kv_heads, self.head_dim = (
+        heads.num_heads, heads.num_kv_heads, heads.head_dim)
+    self.in_features = in_features
+    self.in_kv_features = in_features if in_kv_features is None else in_kv_features
+    self.dropout_rate = float(dropout_rate)
+    self.broadcast_dropout = bool(broadcast_dropout)
+    self.deterministic = deterministic
+    self.is_causal = bool(is_causal)
+    self.rope = rope
+    self.normalize_qk = normalize_qk
+    self.implementation, self.backward = implementation, backward
+    self.block_q, self.block_kv = block_q, block_kv
+
+    linear = functools.partial(nnx.LinearGeneral, use_bias=use_bias, dtype=dtype,
+                               param_dtype=param_dtype, precision=precision,
+                               kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
+    H = heads.head_dim
+    self.query = linear(in_features, (heads.num_heads, H))
+    self.key = linear(self.in_kv_features, (heads.num_kv_heads, H))
+    self.value = linear(self.in_kv_features, (heads.num_kv_heads, H))
+    norm = {"rms": nnx.RMSNorm, "layernorm": functools.partial(nnx.LayerNorm, use_bias=False),
+            None: None}[_flax.qk_norm_kind(normalize_qk)]
+    if norm is None:
+      self.query_ln = self.key_ln = nnx.data(None)
+    else:
+      self.query_ln = norm(H, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+      self.key_ln = norm(H, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.out = nnx.LinearGeneral(
+        (heads.num_heads, H), heads.out_features, axis=(-2, -1), use_bias=use_bias,
+        dtype=dtype, param_dtype=param_dtype, precision=precision,
+        kernel_init=out_kernel_init or kernel_init, bias_init=bias_init, rngs=rngs)
+    self.rngs = rngs.dropout.fork() if dropout_rate > 0 else None
+    self.cache_key = self.cache_value = self.cache_lengths = nnx.data(None)
+
+  def init_cache(self, batch_size: int, max_length: int, *, dtype: Any = None) -> None:
+    """Allocate an empty KV cache of ``max_length`` tokens per row for ``decode=True`` calls.
+
+    ``dtype`` is the keys' and values' dtype (default: the module's dtype, or
+    float32). Calling it again starts a new, empty cache.
+    """
+    dtype = dtype or self.query.dtype or jnp.float32
+    cache = _flax.init_cache(self.heads, batch_size, max_length, dtype)
+    self.cache_key = nnx.Cache(cache.key)
+    self.cache_value = nnx.Cache(cache.value)
+    self.cache_lengths = nnx.Cache(cache.lengths)
+
+  @property
+  def cache(self) -> _decode.KVCache | None:
+    """The KV cache as a :class:`jattn._decode.KVCache`, or None before :meth:`init_cache`."""
+    if self.cache_key is None:
+      return None
+    return _decode.KVCache(self.cache_key[...], self.cache_value[...], self.cache_lengths[...])
+
+  def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
+               mask: Any = None, segment_ids: Any = None, positions: Any = None,
+               deterministic: bool | None = None, decode: bool = False, num_new: Any = None,
+               sow_weights: bool = False, rngs: nnx.Rngs | nnx.RngStream | None = None):
+    """Attend from ``inputs_q`` to ``inputs_kv`` (default: itself).
+
+    Args:
+      inputs_q: (B, T, F) or (T, F).
+      inputs_kv: (B, S, F_kv) or (S, F_kv) for cross-attention, or None.
+      mask: boolean array broadcastable to (B, N, T, S) or a
+        :class:`jattn.masks.Mask`, combined with ``is_causal``.
+      segment_ids: packed-sequence ids, as in :func:`jattn.dot_product_attention`.
+      positions: (T,) or (B, T) token positions for RoPE (default 0..T-1).
+      deterministic: True turns dropout off (default: the constructor's).
+      decode: append the tokens to the KV cache (see :meth:`init_cache`)
+        and attend causally over everything cached, with each row's own
+        offset. Any number of tokens per call: a whole prompt, chunks of
+        one, or one token per step.
+      num_new: with ``decode``, an int array (B,): row b appends only its
+        first ``num_new[b]`` tokens (right-padded ragged prompts); the other
+        rows' outputs are zeros.
+      sow_weights: store the attention weights (B, N, T, S) as
+        ``nnx.Intermediate`` ``attention_weights``; materialises them, so it
+        needs ``implementation`` "xla" or None.
+      rngs: dropout rng (default: the stream forked at construction).
+
+    Returns:
+      (B, T, out_features) or (T, out_features).
+    """
+    cross = inputs_kv is not None
+    _flax.check_inputs(inputs_q, inputs_kv, self.in_features, self.in_kv_features)
+    cache = self.cache if decode is True else None
+    _flax.check_call(heads=self.heads, inputs_q=inputs_q, cross=cross, decode_=decode,
+                     cache=cache, positions=positions, segment_ids=segment_ids,
+                     num_new=num_new, sow_weights=sow_weights,
+                     implementation=self.implementation, rope=self.rope, mask=mask)
+    deterministic = _flax.resolve_deterministic(self.dropout_rate, deterministic,
+                                                self.deterministic)
+    dropout_rng = None
+    if not deterministic:
+      stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs or self.rngs)
+      if stream is None:
+        raise ValueError("dropout needs an rng: construct with nnx.Rngs(..., dropout=...) or "
+                         "pass rngs= to the call")
+      dropout_rng = stream()
+
+    kv_in = inputs_q if inputs_kv is None else inputs_kv
+    query, key, value = self.query(inputs_q), self.key(kv_in), self.value(kv_in)
+    if self.query_ln is not None:
+      query, key = self.query_ln(query), self.key_ln(key)
+    out, weights, new_cache = _flax.attend(
+        query, key, value, heads=self.heads, is_causal=self.is_causal, rope=self.rope,
+        positions=positions, mask=mask, segment_ids=segment_ids, cache=cache, num_new=num_new,
+        dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
+        dropout_rng=dropout_rng, broadcast_dropout=self.broadcast_dropout,
+        implementation=self.implementation, backward=self.backward, block_q=self.block_q,
+        block_kv=self.block_kv, sow_weights=bool(sow_weights))
+    if weights is not None:
+      self.sow(nnx.Intermediate, "attention_weights", weights)
+    if new_cache is not None:
+      self.cache_key[...] = new_cache.key
+      self.cache_value[...] = new_cache.value
+      self.cache_lengths[...] = new_cache.lengths
+    return self.out(out)
+
+
+def _sow(module, weights) -> None:
+  module.sow(nnx.Intermediate, "attention_weights", weights)
+
+
+def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
+                 dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
+                 dtype=None, precision=None, module=None, is_causal: bool = False, *,
+                 implementation: str | None = None, backward: str | None = None,
+                 block_q: int | None = None, block_kv: int | None = None,
+                 logits_soft_cap: float | None = None, score_fn=None):
+  return _flax.flax_attention_fn(
+      query, key, value, bias, mask, broadcast_dropout=broadcast_dropout,
+      dropout_rng=dropout_rng, dropout_rate=dropout_rate, deterministic=deterministic,
+      dtype=dtype, precision=precision, module=module, is_causal=is_causal, sow=_sow,
+      implementation=implementation, backward=backward, block_q=block_q, block_kv=block_kv,
+      logits_soft_cap=logits_soft_cap, score_fn=score_fn)
+
+
+attention_fn.__doc__ = _flax.adapter_doc("nnx.Intermediate")

@@ -1,0 +1,387 @@
+"""jattn.nnx: the attention_fn adapter and MultiHeadAttention against Flax NNX, decoding, errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jattn
+import jattn.nnx
+from jattn import positional
+from reference import assert_close, normal
+
+B, T, F = 2, 6, 16
+
+
+def _x(shape=(B, T, F), seed=0):
+  return normal(shape, np.float32, seed)
+
+
+def _flax_mha(**kw):
+  kw = dict(num_heads=4, in_features=F, decode=False, rngs=nnx.Rngs(0)) | kw
+  return nnx.MultiHeadAttention(**kw)
+
+
+def _ours_from(theirs, **kw):
+  """A jattn module with theirs' configuration and parameters."""
+  ours = jattn.nnx.MultiHeadAttention(theirs.num_heads, theirs.in_features,
+                                      num_kv_heads=theirs.num_kv_heads,
+                                      qkv_features=theirs.qkv_features,
+                                      out_features=theirs.out_features,
+                                      in_kv_features=theirs.in_kv_features, rngs=nnx.Rngs(7),
+                                      **kw)
+  nnx.update(ours, nnx.state(theirs, nnx.Param))
+  return ours
+
+
+def _with_adapter(theirs, fn=jattn.nnx.attention_fn):
+  twin = nnx.clone(theirs)
+  twin.attention_fn = fn
+  return twin
+
+
+def _padding_mask():
+  keep = np.array([[1] * T, [1] * (T - 2) + [0, 0]], bool)  # row 1 has 2 padded keys
+  return jnp.asarray(keep[:, None, None, :])
+
+
+# --- the attention_fn adapter -------------------------------------------------------
+
+ADAPTER_CASES = {
+    "self": (dict(), dict()),
+    "gqa": (dict(num_kv_heads=2), dict()),
+    "mqa": (dict(num_kv_heads=1), dict()),
+    "causal": (dict(), dict(is_causal=True)),
+    "padding_mask": (dict(), dict(mask=_padding_mask())),
+    "cross": (dict(in_kv_features=8), dict(inputs_k=_x((B, 9, 8), seed=3))),
+    "qkv_out_features": (dict(qkv_features=8, out_features=12), dict()),
+}
+
+
+@pytest.mark.parametrize("fn", ["plain", "blockwise", "custom_vjp"])
+@pytest.mark.parametrize("case", sorted(ADAPTER_CASES))
+def test_adapter_matches_flax_default(case, fn):
+  ctor, call = ADAPTER_CASES[case]
+  theirs = _flax_mha(**ctor)
+  adapter = {"plain": jattn.nnx.attention_fn,
+             "blockwise": functools.partial(jattn.nnx.attention_fn, implementation="blockwise",
+                                            block_q=2, block_kv=4),
+             "custom_vjp": functools.partial(jattn.nnx.attention_fn, implementation="xla",
+                                             backward="custom_vjp")}[fn]
+  ours = _with_adapter(theirs, adapter)
+  x = _x()
+  assert_close(ours(x, **call), theirs(x, **call))
+
+
+def test_adapter_parameter_gradients_match_flax():
+  theirs = _flax_mha(num_kv_heads=2)
+  ours = _with_adapter(theirs, functools.partial(jattn.nnx.attention_fn,
+                                                 implementation="blockwise", block_q=4,
+                                                 block_kv=4))
+  x = _x()
+  loss = lambda m: jnp.sum(m(x, is_causal=True) ** 2)
+  g_theirs = nnx.grad(loss)(theirs)
+  g_ours = nnx.grad(loss)(ours)
+  for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_theirs)):
+    assert_close(a, b, factor=5)
+
+
+def test_adapter_extra_batch_dimensions():
+  q, k, v = normal((2, 3, T, 4, 8)), normal((2, 3, 5, 2, 8), seed=1), normal((2, 3, 5, 2, 8),
+                                                                             seed=2)
+  mask = jnp.asarray(np.random.default_rng(0).random((2, 3, 1, T, 5)) < 0.7).at[..., 0].set(True)
+  want = nnx.dot_product_attention(q, k, v, mask=mask)
+  assert_close(jattn.nnx.attention_fn(q, k, v, mask=mask), want)
+
+
+def test_adapter_sows_flax_weights():
+  theirs = _flax_mha()
+  ours = _with_adapter(theirs)
+  x = _x()
+  w_theirs, w_ours = (_sown(m, x, is_causal=True) for m in (theirs, ours))
+  assert_close(w_ours, w_theirs)
+
+
+def _sown(module, *args, **kwargs):
+  """The attention weights ``module`` sows in one call, captured with nnx.capture."""
+  _, inter = nnx.capture(module, nnx.Intermediate)(*args, sow_weights=True, **kwargs)
+  (weights,) = inter["attention_weights"].get_value()
+  return weights
+
+
+def _dropout_pair(broadcast: bool):
+  kw = dict(dropout_rate=0.5, broadcast_dropout=broadcast, rngs=nnx.Rngs(0, dropout=1))
+  return _with_adapter(_flax_mha(**kw))
+
+
+def test_adapter_dropout_semantics():
+  module = _dropout_pair(broadcast=True)
+  x = jnp.broadcast_to(_x((1, T, F)), (B, T, F))  # identical batch rows
+  plain = nnx.clone(module)
+  assert_close(module(x, deterministic=True), plain(x, deterministic=True))
+  y1 = module(x, deterministic=False, rngs=nnx.Rngs(dropout=5))
+  y2 = module(x, deterministic=False, rngs=nnx.Rngs(dropout=5))
+  y3 = module(x, deterministic=False, rngs=nnx.Rngs(dropout=6))
+  np.testing.assert_array_equal(y1, y2)
+  assert not np.allclose(y1, y3)
+  assert not np.allclose(y1, module(x, deterministic=True))
+  # broadcast_dropout=True: one pattern for every batch row (and head), as Flax.
+  np.testing.assert_array_equal(y1[0], y1[1])
+  per_row = _dropout_pair(broadcast=False)(x, deterministic=False, rngs=nnx.Rngs(dropout=5))
+  assert not np.allclose(per_row[0], per_row[1])
+
+
+def test_adapter_dropout_is_unbiased():
+  q, k, v = normal((1, 3, 2, 4)), normal((1, 8, 2, 4), seed=1), normal((1, 8, 2, 4), seed=2)
+  f = jax.jit(jax.vmap(lambda rng: jattn.nnx.attention_fn(
+      q, k, v, dropout_rng=rng, dropout_rate=0.3, deterministic=False)))
+  mean = np.asarray(f(jax.random.split(jax.random.key(0), 2000))).mean(0)
+  np.testing.assert_allclose(mean, jattn.nnx.attention_fn(q, k, v), atol=0.04)
+
+
+def test_adapter_needs_rng_for_dropout():
+  q = normal((1, 3, 2, 4))
+  with pytest.raises(ValueError, match="needs dropout_rng"):
+    jattn.nnx.attention_fn(q, q, q, dropout_rate=0.1, deterministic=False)
+
+
+# --- MultiHeadAttention ---------------------------------------------------------------
+
+PARITY_CASES = {
+    "mha": dict(),
+    "gqa": dict(num_kv_heads=2),
+    "mqa": dict(num_kv_heads=1),
+    "widths": dict(qkv_features=8, out_features=12),
+    "no_bias": dict(use_bias=False),
+    "layernorm_qk": dict(normalize_qk=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PARITY_CASES))
+def test_loads_flax_parameters_and_matches(case):
+  kw = PARITY_CASES[case]
+  theirs = _flax_mha(**kw)
+  ours = _ours_from(theirs, normalize_qk="layernorm" if kw.get("normalize_qk") else False,
+                    **{k: v for k, v in kw.items() if k == "use_bias"})
+  x = _x()
+  assert_close(ours(x), theirs(x))
+  assert_close(ours(x, mask=_padding_mask()), theirs(x, mask=_padding_mask()))
+  assert jax.tree.structure(nnx.state(ours, nnx.Param)) == jax.tree.structure(
+      nnx.state(theirs, nnx.Param))
+
+
+def _reference(module, x, *, causal=True, positions=None):
+  """The module's math written out with its own parameters: project, RoPE, softmax, project."""
+  p = nnx.state(module, nnx.Param)
+  proj = lambda name: (jnp.einsum("BTF,FNH->BTNH", x, p[name]["kernel"][...])
+                       + p[name]["bias"][...][None, None])
+  q, k, v = proj("query"), proj("key"), proj("value")
+  if module.rope is not None:
+    pos = jnp.arange(x.shape[1]) if positions is None else positions
+    q, k = module.rope(q, pos), module.rope(k, pos)
+  G = q.shape[2] // k.shape[2]
+  k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+  s = jnp.einsum("BTNH,BSNH->BNTS", q, k) / np.sqrt(q.shape[-1])
+  if causal:
+    s = jnp.where(np.tril(np.ones((1, 1, x.shape[1], x.shape[1]), bool)), s, -1e30)
+  o = jnp.einsum("BNTS,BSNH->BTNH", jax.nn.softmax(s), v)
+  return jnp.einsum("BTNH,NHF->BTF", o, p["out"]["kernel"][...]) + p["out"]["bias"][...][None, None]
+
+
+@pytest.mark.parametrize("K", [4, 2, 1])
+def test_rope_gqa_matches_written_out_reference(K):
+  m = jattn.nnx.MultiHeadAttention(4, F, num_kv_heads=K, is_causal=True,
+                                   rope=positional.Rotary(base=100.0), rngs=nnx.Rngs(0))
+  x = _x()
+  assert_close(m(x), _reference(m, x), factor=5)
+  positions = jnp.asarray([[3, 4, 5, 6, 7, 8], [0, 2, 4, 6, 8, 10]])
+  assert_close(m(x, positions=positions), _reference(m, x, positions=positions), factor=5)
+
+
+RULES = {
+    "autodiff": dict(implementation="xla", backward="autodiff"),
+    "custom_vjp": dict(implementation="xla", backward="custom_vjp"),
+    "blockwise": dict(implementation="blockwise", block_q=2, block_kv=4),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_every_rule_gives_the_same_values_and_parameter_gradients(rule):
+  ref = jattn.nnx.MultiHeadAttention(4, F, num_kv_heads=2, is_causal=True,
+                                     rope=positional.Rotary(), normalize_qk=True,
+                                     rngs=nnx.Rngs(0))
+  m = jattn.nnx.MultiHeadAttention(4, F, num_kv_heads=2, is_causal=True,
+                                   rope=positional.Rotary(), normalize_qk=True,
+                                   rngs=nnx.Rngs(0), **RULES[rule])
+  x = _x()
+  ids = jnp.asarray([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+  loss = lambda m: jnp.sum(m(x, segment_ids=ids) ** 2)
+  assert_close(m(x, segment_ids=ids), ref(x, segment_ids=ids))
+  for a, b in zip(jax.tree.leaves(nnx.grad(loss)(m)), jax.tree.leaves(nnx.grad(loss)(ref))):
+    assert_close(a, b, factor=10)
+
+
+def test_segment_ids_equal_the_block_diagonal_mask():
+  m = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
+  ids = np.array([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+  mask = jnp.asarray(ids[:, None, :, None] == ids[:, None, None, :])
+  x = _x()
+  assert_close(m(x, segment_ids=jnp.asarray(ids)), m(x, mask=mask))
+
+
+def test_rms_qk_norm_changes_the_output_and_has_scales():
+  a = jattn.nnx.MultiHeadAttention(4, F, normalize_qk=True, rngs=nnx.Rngs(0))
+  b = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
+  assert isinstance(a.query_ln, nnx.RMSNorm) and a.key_ln.scale.shape == (4,)
+  x = _x()
+  assert not np.allclose(a(x), b(x))
+
+
+def test_sow_weights_and_eval_turns_dropout_off():
+  m = jattn.nnx.MultiHeadAttention(4, F, is_causal=True, dropout_rate=0.3,
+                                   rngs=nnx.Rngs(0, dropout=1))
+  x = _x()
+  with pytest.raises(ValueError, match="needs deterministic"):
+    m(x)
+  m.eval()
+  y = m(x)
+  w = _sown(m, x)
+  assert w.shape == (B, 4, T, T)
+  np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-5)
+  np.testing.assert_array_equal(np.triu(np.asarray(w)[0, 0], 1), 0.0)
+  m.train()
+  assert not np.allclose(m(x), y)
+  assert_close(m(x, deterministic=True), y)
+
+
+def test_sow_weights_needs_the_materialised_implementation():
+  m = jattn.nnx.MultiHeadAttention(4, F, implementation="blockwise", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="sow_weights needs the materialised weights"):
+    m(_x(), sow_weights=True)
+
+
+def test_unbatched_inputs():
+  m = jattn.nnx.MultiHeadAttention(4, F, is_causal=True, rope=positional.Rotary(),
+                                   rngs=nnx.Rngs(0))
+  x = _x()
+  assert_close(m(x[1]), m(x)[1])
+
+
+# --- decoding ----------------------------------------------------------------------------
+
+def _decoder(K, **kw):
+  return jattn.nnx.MultiHeadAttention(4, F, num_kv_heads=K, is_causal=True,
+                                      rope=positional.Rotary(), rngs=nnx.Rngs(0), **kw)
+
+
+@pytest.mark.parametrize("K", [4, 2, 1])
+@pytest.mark.parametrize("chunks", [(6,), (4, 1, 1), (3, 1, 2)])
+def test_prefill_and_decode_equal_full_causal_attention(K, chunks):
+  m = _decoder(K)
+  x = _x()
+  full = m(x)
+  m.init_cache(B, 10)
+  outs, start = [], 0
+  for n in chunks:
+    outs.append(m(x[:, start:start + n], decode=True))
+    start += n
+  assert_close(jnp.concatenate(outs, axis=1), full, factor=5)
+  np.testing.assert_array_equal(m.cache.lengths, [T, T])
+
+
+def test_ragged_prefill_then_decode_under_nnx_jit():
+  m = _decoder(2, implementation="blockwise", block_q=2, block_kv=4)
+  x = _x()
+  lengths = np.array([4, 2])  # prompts, right-padded to 4
+  m.init_cache(B, 8)
+  prompt = m(x[:, :4], decode=True, num_new=jnp.asarray(lengths))
+  step = nnx.jit(lambda m, tok: m(tok, decode=True))
+  # Feed each row its own next tokens: row 0 continues at 4, row 1 at 2.
+  steps = []
+  for i in range(2):
+    tok = jnp.stack([x[0, 4 + i], x[1, 2 + i]])[:, None]
+    steps.append(step(m, tok))
+  np.testing.assert_array_equal(m.cache.lengths, lengths + 2)
+  for b, n in enumerate(lengths):
+    row = x[b:b + 1, :n + 2]
+    want = _decoder(2)(row)[0]
+    got = jnp.concatenate([prompt[b, :n], steps[0][b], steps[1][b]])
+    assert_close(got, want, factor=5)
+  # Padded prompt rows attend to nothing: their output is the out projection's bias.
+  assert_close(prompt[1, 2:], jnp.broadcast_to(m.out.bias[...], (2, F)))
+
+
+def test_decode_overflow_and_missing_cache_raise():
+  m = _decoder(2)
+  with pytest.raises(ValueError, match="init_cache"):
+    m(_x(), decode=True)
+  m.init_cache(B, 5)
+  m(_x()[:, :4], decode=True)
+  with pytest.raises(ValueError, match="max_length"):
+    m(_x()[:, :2], decode=True)
+
+
+# --- errors --------------------------------------------------------------------------------
+
+CONSTRUCTOR_ERRORS = [
+    (dict(num_heads=3, num_kv_heads=2), ValueError, r"num_heads \(3\) must be a multiple"),
+    (dict(num_heads=3), ValueError, r"qkv_features \(16\) must be divisible by num_heads"),
+    (dict(num_heads=0), ValueError, "num_heads must be >= 1"),
+    (dict(qkv_features=20, num_heads=2, rope=positional.Rotary(rotary_fraction=0.5)), ValueError,
+     "rope"),
+    (dict(rope="yes"), TypeError, "rope must be a jattn.positional.Rotary"),
+    (dict(normalize_qk="batchnorm"), ValueError, "normalize_qk must be one of"),
+    (dict(implementation="flash"), ValueError, "implementation must be one of"),
+    (dict(implementation="blockwise", backward="autodiff"), ValueError, "does not support"),
+    (dict(implementation="xla", block_q=8), ValueError, "block_q and block_kv apply only"),
+    (dict(dropout_rate=1.0), ValueError, r"dropout_rate must be in \[0, 1\)"),
+    (dict(is_causal="yes"), TypeError, "is_causal must be a bool"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, match", CONSTRUCTOR_ERRORS)
+def test_constructor_errors(kwargs, error, match):
+  kwargs = dict(num_heads=4, in_features=F) | kwargs
+  with pytest.raises(error, match=match):
+    jattn.nnx.MultiHeadAttention(**kwargs, rngs=nnx.Rngs(0))
+
+
+def test_unknown_rope_scaling_is_rejected_at_construction():
+  with pytest.raises(ValueError, match="kind"):
+    positional.Rotary(scaling=positional.RopeScaling("cubic", 2.0))
+
+
+CALL_ERRORS = [
+    (dict(inputs_q=np.zeros((2, 3, 4, F), np.float32)), ValueError, r"\(B, T, F\) or \(T, F\)"),
+    (dict(inputs_q=np.zeros((2, 3, F + 1), np.float32)), ValueError, "16 features"),
+    (dict(inputs_kv=np.zeros((3, 3, F), np.float32)), ValueError, "same batch size"),
+    (dict(num_new=np.array([1, 1])), ValueError, "num_new applies only with decode=True"),
+    (dict(decode=True, inputs_kv=np.zeros((2, 3, F), np.float32)), ValueError,
+     "decode=True does not take inputs_kv"),
+    (dict(positions=np.arange(3)), ValueError, "positions are used only by rope"),
+    (dict(sow_weights=1), TypeError, "sow_weights must be a bool"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, match", CALL_ERRORS)
+def test_call_errors(kwargs, error, match):
+  m = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
+  m.init_cache(2, 8)
+  kwargs = dict(inputs_q=np.zeros((2, 3, F), np.float32)) | kwargs
+  with pytest.raises(error, match=match):
+    m(**kwargs)
+
+
+def test_positions_must_match_the_queries():
+  m = jattn.nnx.MultiHeadAttention(4, F, rope=positional.Rotary(), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="positions must have shape"):
+    m(_x(), positions=np.arange(T + 1))
+
+
+def test_rope_with_cross_attention_is_an_error():
+  m = jattn.nnx.MultiHeadAttention(4, F, rope=positional.Rotary(), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="rope applies to self-attention"):
+    m(_x(), _x(seed=1))
