@@ -15,13 +15,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks, attention, decode, masks, positional
+from jattn import _checks, attention, decode, positional
 
 NORMALIZE_QK = (False, True, "rms", "layernorm")
 
@@ -37,7 +36,7 @@ class Heads:
 
 
 def check_config(*, num_heads, in_features, num_kv_heads, qkv_features, out_features,
-                 dropout_rate, broadcast_dropout, deterministic, is_causal, rope, normalize_qk,
+                 in_kv_features=None, dropout_rate, broadcast_dropout, deterministic, is_causal, rope, normalize_qk,
                  implementation, backward, block_q, block_kv) -> Heads | None:
   """Every constructor argument of the modules, checked; raises with a clear message.
 
@@ -47,6 +46,8 @@ def check_config(*, num_heads, in_features, num_kv_heads, qkv_features, out_feat
   num_heads = _checks.integer("num_heads", num_heads, minimum=1)
   if in_features is not None:
     in_features = _checks.integer("in_features", in_features, minimum=1)
+  if in_kv_features is not None:
+    _checks.integer("in_kv_features", in_kv_features, minimum=1)
   num_kv_heads = num_heads if num_kv_heads is None else _checks.integer(
       "num_kv_heads", num_kv_heads, minimum=1)
   if num_heads % num_kv_heads:
@@ -118,8 +119,8 @@ def check_inputs(inputs_q, inputs_kv, in_features: int | None, in_kv_features: i
                      f"{inputs_q.shape} and {inputs_kv.shape}")
 
 
-def check_call(*, heads: Heads, inputs_q, cross: bool, decode_: bool, cache, positions,
-               segment_ids, num_new, sow_weights: bool, implementation, rope, mask) -> None:
+def check_call(*, inputs_q, cross: bool, decode_: bool, cache, positions, segment_ids, num_new,
+               sow_weights: bool, implementation, rope) -> None:
   """Call arguments that depend on the module's settings; raises before compiling."""
   if not isinstance(sow_weights, (bool, np.bool_)):
     raise TypeError(f"sow_weights must be a bool, got {sow_weights!r}")
@@ -294,16 +295,16 @@ def flax_attention_fn(query, key, value, bias, mask, *, broadcast_dropout, dropo
   with _precision_context(precision):
     if module is not None:
       sow(module, _unflatten(attention.attention_weights(query, key, bias, mask, **kwargs),
-                             batch_dims, head_axis=True))
+                             batch_dims))
       implementation = "xla" if implementation is None else implementation
     out = attention.dot_product_attention(
         query, key, value, bias, mask, dropout_rate=rate, dropout_rng=dropout_rng,
         broadcast_dropout=bool(broadcast_dropout), implementation=implementation,
         backward=backward, block_q=block_q, block_kv=block_kv, **kwargs)
-  return _unflatten(out, batch_dims, head_axis=False)
+  return _unflatten(out, batch_dims)
 
 
-def _unflatten(x, batch_dims, *, head_axis: bool):
+def _unflatten(x, batch_dims):
   if len(batch_dims) <= 1:
     return x
   return x.reshape(batch_dims + x.shape[1:])

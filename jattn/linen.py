@@ -123,11 +123,11 @@ class MultiHeadAttention(nn.Module):
     if init_pass and cross:
       raise ValueError("decode=True does not take inputs_kv: decoding is causal self-attention "
                        "over the cache")
-    _flax.check_call(heads=heads, inputs_q=inputs_q, cross=cross,
+    _flax.check_call(inputs_q=inputs_q, cross=cross,
                      decode_=False if init_pass else decode, cache=cache, positions=positions,
                      segment_ids=segment_ids, num_new=None if init_pass else num_new,
                      sow_weights=sow_weights, implementation=self.implementation,
-                     rope=self.rope, mask=mask)
+                     rope=self.rope)
     deterministic = _flax.resolve_deterministic(self.dropout_rate, deterministic,
                                                 self.deterministic)
     if not deterministic and dropout_rng is None:

@@ -79,7 +79,8 @@ class MultiHeadAttention(nnx.Module):
                rngs: nnx.Rngs):
     heads = _flax.check_config(
         num_heads=num_heads, in_features=in_features, num_kv_heads=num_kv_heads,
-        qkv_features=qkv_features, out_features=out_features, dropout_rate=dropout_rate,
+        qkv_features=qkv_features, out_features=out_features, in_kv_features=in_kv_features,
+        dropout_rate=dropout_rate,
         broadcast_dropout=broadcast_dropout, deterministic=deterministic, is_causal=is_causal,
         rope=rope, normalize_qk=normalize_qk, implementation=implementation, backward=backward,
         block_q=block_q, block_kv=block_kv)
@@ -169,10 +170,10 @@ class MultiHeadAttention(nnx.Module):
     cross = inputs_kv is not None
     _flax.check_inputs(inputs_q, inputs_kv, self.in_features, self.in_kv_features)
     cache = self.cache if decode is True else None
-    _flax.check_call(heads=self.heads, inputs_q=inputs_q, cross=cross, decode_=decode,
+    _flax.check_call(inputs_q=inputs_q, cross=cross, decode_=decode,
                      cache=cache, positions=positions, segment_ids=segment_ids,
                      num_new=num_new, sow_weights=sow_weights,
-                     implementation=self.implementation, rope=self.rope, mask=mask)
+                     implementation=self.implementation, rope=self.rope)
     deterministic = _flax.resolve_deterministic(self.dropout_rate, deterministic,
                                                 self.deterministic)
     dropout_rng = None
