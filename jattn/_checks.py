@@ -29,6 +29,15 @@ def shape_of(x: Any) -> tuple[int, ...]:
   return tuple(shape) if shape is not None else np.shape(x)
 
 
+def as_array(name: str, value: Any):
+  """``value`` as an array: jax/NumPy arrays as they are, lists and numbers via NumPy."""
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    return value
+  if isinstance(value, (list, tuple, numbers.Number)) and not isinstance(value, bool):
+    return np.asarray(value)
+  raise TypeError(f"{name} must be an array, got {type(value).__name__}")
+
+
 def integer(name: str, value: Any, *, minimum: int | None = None) -> int:
   """A Python (or NumPy) integer, optionally bounded below."""
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):

@@ -136,17 +136,13 @@ def dot_product_attention(
   returns the mean of the values) and the log-sum-exp is differentiable.
   """
   impl, bwd = _check_choices(implementation, backward)
-  blocks = tuple(None if b is None else _checks.integer(name, b, minimum=1)
-                 for name, b in (("block_q", block_q), ("block_kv", block_kv)))
+  blocks = _check_blocks(impl, block_q, block_kv)
   q, k, v = _check_qkv(query, key, value)
   unbatched = q.ndim == 3
   B, T, N, H = (1,) * unbatched + tuple(q.shape)
   S = k.shape[-3]
   if impl is None:
     impl, bwd = _check_choices(_auto(B * N * T * S, backward, blocks), backward)
-  if impl != "blockwise" and blocks != (None, None):
-    raise ValueError(f"block_q and block_kv apply only to implementation='blockwise', got "
-                     f"implementation={impl!r}")
   defaults = blockwise.default_blocks(jax.default_backend())
   blocks = tuple(d if b is None else b for b, d in zip(blocks, defaults))
   scale = _check_scale(scale, H)
@@ -340,16 +336,9 @@ def _combine_masks(mask, is_causal, window, lengths, segment_ids, unbatched, bnt
   return combined
 
 
-def _as_array(name: str, x) -> jax.Array:
-  if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-    return x
-  if isinstance(x, (list, tuple, numbers.Number)):
-    return np.asarray(x)
-  raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-
-
 def _check_qkv(query, key, value):
-  q, k, v = (_as_array(n, x) for n, x in (("query", query), ("key", key), ("value", value)))
+  q, k, v = (_checks.as_array(n, x)
+             for n, x in (("query", query), ("key", key), ("value", value)))
   for name, x in (("query", q), ("key", k), ("value", v)):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
@@ -380,7 +369,7 @@ def _check_qkv(query, key, value):
 def _check_bias(bias, bnts):
   if bias is None:
     return None
-  bias = _as_array("bias", bias)
+  bias = _checks.as_array("bias", bias)
   if not jnp.issubdtype(bias.dtype, jnp.floating):
     hint = "; pass boolean masks as mask" if bias.dtype == np.bool_ else ""
     raise TypeError(f"bias must have a floating dtype, got {bias.dtype}{hint}")
@@ -435,7 +424,8 @@ def _check_window(window):
 def _check_lengths(name, lengths, B):
   if lengths is None:
     return None
-  lengths = _checks.int_array(name, _as_array(name, lengths), ranks=(1,), nonnegative=True)
+  lengths = _checks.int_array(name, _checks.as_array(name, lengths), ranks=(1,),
+                              nonnegative=True)
   if lengths.shape != (B,):
     raise ValueError(f"{name} must have shape (B,)=({B},), got {lengths.shape}")
   return lengths
@@ -454,7 +444,8 @@ def _check_segments(segment_ids, unbatched: bool, T: int, S: int) -> masks.Mask:
     q_ids = kv_ids = segment_ids
   rank = 1 if unbatched else 2
   for name, ids, length in (("q_segment_ids", q_ids, T), ("kv_segment_ids", kv_ids, S)):
-    ids = _checks.int_array(f"segment_ids ({name})", _as_array(name, ids), ranks=(rank,))
+    ids = _checks.int_array(f"segment_ids ({name})", _checks.as_array(name, ids),
+                            ranks=(rank,))
     if ids.shape[-1] != length:
       raise ValueError(f"segment_ids ({name}) must have length {length} along the sequence "
                        f"axis, got shape {ids.shape}")
@@ -482,10 +473,25 @@ def _check_score(score_fn, soft_cap, dtype, bnts) -> scores.ScoreFn | None:
   return fn
 
 
-def _check_dropout(rate, rng) -> float:
+def _check_blocks(implementation, block_q, block_kv) -> tuple[int | None, int | None]:
+  """Tile sizes checked; they exist only for "blockwise" (None picks it, see _auto)."""
+  blocks = tuple(None if b is None else _checks.integer(name, b, minimum=1)
+                 for name, b in (("block_q", block_q), ("block_kv", block_kv)))
+  if implementation not in (None, "blockwise") and blocks != (None, None):
+    raise ValueError(f"block_q and block_kv apply only to implementation='blockwise', got "
+                     f"implementation={implementation!r}")
+  return blocks
+
+
+def _check_dropout_rate(rate) -> float:
   rate = _checks.real("dropout_rate", rate)
   if not 0.0 <= rate < 1.0:
     raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
+  return rate
+
+
+def _check_dropout(rate, rng) -> float:
+  rate = _check_dropout_rate(rate)
   if rate > 0.0:
     if rng is None:
       raise ValueError(f"dropout_rate={rate} needs dropout_rng, got None")

@@ -50,7 +50,6 @@ Example::
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -222,14 +221,6 @@ def _write(cache: KVCache, key: jax.Array, value: jax.Array, num_new) -> KVCache
       jnp.minimum(lengths + n.astype(jnp.int32), S).astype(cache.lengths.dtype))
 
 
-def _as_array(name: str, x) -> Any:
-  if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-    return x
-  if isinstance(x, (list, tuple, numbers.Number)):
-    return np.asarray(x)
-  raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-
-
 def _check_cache(cache) -> None:
   if not isinstance(cache, KVCache):
     raise TypeError(f"cache must be a jattn.decode.KVCache (see decode.init), got "
@@ -259,7 +250,7 @@ def _check_cache(cache) -> None:
 
 def _check_new(cache: KVCache, key, value, num_new):
   """key, value (B, t, K, H) matching the cache and num_new (B,) or None; overflow if concrete."""
-  key, value = _as_array("key", key), _as_array("value", value)
+  key, value = _checks.as_array("key", key), _checks.as_array("value", value)
   B, S, K, H = cache.key.shape
   layout = f"(B, t, K, H)=({B}, t, {K}, {H})"
   for name, x in (("key", key), ("value", value)):
@@ -279,7 +270,7 @@ def _check_new(cache: KVCache, key, value, num_new):
     if x.dtype != cache.key.dtype:
       raise TypeError(f"{name} must have the cache's dtype {cache.key.dtype}, got {x.dtype}")
   if num_new is not None:
-    num_new = _checks.int_array("num_new", _as_array("num_new", num_new), ranks=(1,))
+    num_new = _checks.int_array("num_new", _checks.as_array("num_new", num_new), ranks=(1,))
     if num_new.shape != (B,):
       raise ValueError(f"num_new must have shape (B,)=({B},), got {num_new.shape}")
     if _checks.is_concrete(num_new):
@@ -300,7 +291,7 @@ def _check_new(cache: KVCache, key, value, num_new):
 
 
 def _check_query(cache: KVCache, query, t: int):
-  query = _as_array("query", query)
+  query = _checks.as_array("query", query)
   B, _, K, H = cache.key.shape
   if query.ndim != 4 or query.shape[0] != B or query.shape[1] != t or query.shape[3] != H:
     raise ValueError(f"query must have shape (B, t, N, H)=({B}, {t}, N, {H}) to match key "

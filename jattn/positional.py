@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import Any
 
 import jax
@@ -433,23 +432,15 @@ def _compute_dtype(dtype) -> np.dtype:
   return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
-def _as_array(name: str, value):
-  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
-    return value
-  if isinstance(value, (list, tuple, numbers.Number)) and not isinstance(value, bool):
-    return np.asarray(value)
-  raise TypeError(f"{name} must be an array, got {type(value).__name__}")
-
-
 def _float_array(name: str, value):
-  arr = _as_array(name, value)
+  arr = _checks.as_array(name, value)
   if not jnp.issubdtype(arr.dtype, jnp.floating):
     raise TypeError(f"{name} must have a floating dtype, got {arr.dtype}")
   return arr
 
 
 def _positions_array(value):
-  arr = _as_array("positions", value)
+  arr = _checks.as_array("positions", value)
   if arr.dtype == np.bool_ or not (jnp.issubdtype(arr.dtype, jnp.integer)
                                    or jnp.issubdtype(arr.dtype, jnp.floating)):
     raise TypeError(f"positions must have an integer or floating dtype, got {arr.dtype}")
