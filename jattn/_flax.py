@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -53,12 +54,8 @@ def check_config(*, num_heads, in_features, num_kv_heads, qkv_features, out_feat
   if num_heads % num_kv_heads:
     raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                      f"({num_kv_heads})")
-  rate = _checks.real("dropout_rate", dropout_rate)
-  if not 0.0 <= rate < 1.0:
-    raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
-  for name, flag in (("broadcast_dropout", broadcast_dropout), ("is_causal", is_causal)):
-    if not isinstance(flag, (bool, np.bool_)):
-      raise TypeError(f"{name} must be a bool, got {flag!r}")
+  attention._check_dropout_rate(dropout_rate)
+  attention._check_flags(broadcast_dropout=broadcast_dropout, is_causal=is_causal)
   if deterministic is not None and not isinstance(deterministic, (bool, np.bool_)):
     raise TypeError(f"deterministic must be a bool or None, got {deterministic!r}")
   if rope is not None and not isinstance(rope, positional.Rotary):
@@ -67,12 +64,7 @@ def check_config(*, num_heads, in_features, num_kv_heads, qkv_features, out_feat
              for v in NORMALIZE_QK):
     raise ValueError(f"normalize_qk must be one of {list(NORMALIZE_QK)}, got {normalize_qk!r}")
   attention._check_choices(implementation, backward)
-  for name, b in (("block_q", block_q), ("block_kv", block_kv)):
-    if b is not None:
-      _checks.integer(name, b, minimum=1)
-  if (block_q is not None or block_kv is not None) and implementation not in (None, "blockwise"):
-    raise ValueError(f"block_q and block_kv apply only to implementation='blockwise', got "
-                     f"implementation={implementation!r}")
+  attention._check_blocks(implementation, block_q, block_kv)
   out_features = in_features if out_features is None else _checks.integer(
       "out_features", out_features, minimum=1)
   if qkv_features is None and in_features is None:
@@ -258,50 +250,61 @@ def _flatten_batch(x, batch_dims: tuple[int, ...], rank: int):
   return x.reshape((math.prod(batch_dims),) + x.shape[-3:])
 
 
-def flax_attention_fn(query, key, value, bias, mask, *, broadcast_dropout, dropout_rng,
-                      dropout_rate, deterministic, dtype, precision, module, is_causal, sow,
-                      implementation, backward, block_q, block_kv, logits_soft_cap, score_fn):
+def make_attention_fn(sow: Callable, collection: str, module_name: str) -> Callable:
   """Flax's ``attention_fn`` contract on top of :func:`jattn.dot_product_attention`.
 
-  ``sow(module, weights)`` stores the weights when Flax passes ``module``.
-  Layout [batch..., T, N, H]; extra batch dimensions are flattened.
+  ``sow(module, weights)`` stores the weights when Flax passes ``module``;
+  ``collection`` names where, for the docstring. Layout [batch..., T, N, H];
+  extra batch dimensions are flattened.
   """
-  arrays = [query, key, value]
-  for name, x in zip(("query", "key", "value"), arrays):
-    if not hasattr(x, "shape") or x.ndim < 3:
-      raise ValueError(f"{name} must have shape [batch..., length, heads, head_dim], got "
-                       f"{getattr(x, 'shape', type(x).__name__)}")
-  if dtype is None:
-    dtype = jnp.result_type(*arrays)
-  query, key, value = (jnp.asarray(x, dtype) for x in arrays)
-  if not query.ndim == key.ndim == value.ndim:
-    raise ValueError(f"query, key and value must have the same rank, got {query.shape}, "
-                     f"{key.shape} and {value.shape}")
-  batch_dims = query.shape[:-3]
-  rank = query.ndim
-  if len(batch_dims) > 1:
-    flat = lambda x: x.reshape((math.prod(batch_dims),) + x.shape[-3:])
-    query, key, value = flat(query), flat(key), flat(value)
-  mask = _flatten_batch(mask, batch_dims, rank)
-  bias = _flatten_batch(bias, batch_dims, rank)
-  if mask is not None and mask.dtype != np.bool_:
-    mask = mask.astype(bool)  # Flax accepts 0/1 masks of any dtype
-  rate = _checks.real("dropout_rate", dropout_rate)
-  if deterministic or rate == 0.0:
-    rate, dropout_rng = 0.0, None
-  elif dropout_rng is None:
-    raise ValueError(f"dropout_rate={rate} with deterministic=False needs dropout_rng")
-  kwargs = dict(is_causal=bool(is_causal), logits_soft_cap=logits_soft_cap, score_fn=score_fn)
-  with _precision_context(precision):
-    if module is not None:
-      sow(module, _unflatten(attention.attention_weights(query, key, bias, mask, **kwargs),
-                             batch_dims))
-      implementation = "xla" if implementation is None else implementation
-    out = attention.dot_product_attention(
-        query, key, value, bias, mask, dropout_rate=rate, dropout_rng=dropout_rng,
-        broadcast_dropout=bool(broadcast_dropout), implementation=implementation,
-        backward=backward, block_q=block_q, block_kv=block_kv, **kwargs)
-  return _unflatten(out, batch_dims)
+
+  def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
+                   dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
+                   dtype=None, precision=None, module=None, is_causal: bool = False, *,
+                   implementation: str | None = None, backward: str | None = None,
+                   block_q: int | None = None, block_kv: int | None = None,
+                   logits_soft_cap: float | None = None, score_fn: Callable | None = None):
+    arrays = [query, key, value]
+    for name, x in zip(("query", "key", "value"), arrays):
+      if not hasattr(x, "shape") or x.ndim < 3:
+        raise ValueError(f"{name} must have shape [batch..., length, heads, head_dim], got "
+                         f"{getattr(x, 'shape', type(x).__name__)}")
+    if dtype is None:
+      dtype = jnp.result_type(*arrays)
+    query, key, value = (jnp.asarray(x, dtype) for x in arrays)
+    if not query.ndim == key.ndim == value.ndim:
+      raise ValueError(f"query, key and value must have the same rank, got {query.shape}, "
+                       f"{key.shape} and {value.shape}")
+    batch_dims = query.shape[:-3]
+    rank = query.ndim
+    if len(batch_dims) > 1:
+      flat = lambda x: x.reshape((math.prod(batch_dims),) + x.shape[-3:])
+      query, key, value = flat(query), flat(key), flat(value)
+    mask = _flatten_batch(mask, batch_dims, rank)
+    bias = _flatten_batch(bias, batch_dims, rank)
+    if mask is not None and mask.dtype != np.bool_:
+      mask = mask.astype(bool)  # Flax accepts 0/1 masks of any dtype
+    rate = _checks.real("dropout_rate", dropout_rate)
+    if deterministic or rate == 0.0:
+      rate, dropout_rng = 0.0, None
+    elif dropout_rng is None:
+      raise ValueError(f"dropout_rate={rate} with deterministic=False needs dropout_rng")
+    kwargs = dict(is_causal=bool(is_causal), logits_soft_cap=logits_soft_cap, score_fn=score_fn)
+    with _precision_context(precision):
+      if module is not None:
+        sow(module, _unflatten(attention.attention_weights(query, key, bias, mask, **kwargs),
+                               batch_dims))
+        implementation = "xla" if implementation is None else implementation
+      out = attention.dot_product_attention(
+          query, key, value, bias, mask, dropout_rate=rate, dropout_rng=dropout_rng,
+          broadcast_dropout=bool(broadcast_dropout), implementation=implementation,
+          backward=backward, block_q=block_q, block_kv=block_kv, **kwargs)
+    return _unflatten(out, batch_dims)
+
+  attention_fn.__doc__ = _adapter_doc(collection)
+  attention_fn.__module__ = module_name
+  attention_fn.__qualname__ = "attention_fn"
+  return attention_fn
 
 
 def _unflatten(x, batch_dims):
@@ -310,7 +313,7 @@ def _unflatten(x, batch_dims):
   return x.reshape(batch_dims + x.shape[1:])
 
 
-def adapter_doc(collection: str) -> str:
+def _adapter_doc(collection: str) -> str:
   return f"""Drop-in ``attention_fn=`` for Flax's attention modules, computed by jattn.
 
   Accepts exactly the keyword arguments Flax passes (``mask``,

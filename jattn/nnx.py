@@ -208,18 +208,4 @@ def _sow(module, weights) -> None:
   module.sow(nnx.Intermediate, "attention_weights", weights)
 
 
-def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
-                 dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
-                 dtype=None, precision=None, module=None, is_causal: bool = False, *,
-                 implementation: str | None = None, backward: str | None = None,
-                 block_q: int | None = None, block_kv: int | None = None,
-                 logits_soft_cap: float | None = None, score_fn=None):
-  return _flax.flax_attention_fn(
-      query, key, value, bias, mask, broadcast_dropout=broadcast_dropout,
-      dropout_rng=dropout_rng, dropout_rate=dropout_rate, deterministic=deterministic,
-      dtype=dtype, precision=precision, module=module, is_causal=is_causal, sow=_sow,
-      implementation=implementation, backward=backward, block_q=block_q, block_kv=block_kv,
-      logits_soft_cap=logits_soft_cap, score_fn=score_fn)
-
-
-attention_fn.__doc__ = _flax.adapter_doc("nnx.Intermediate")
+attention_fn = _flax.make_attention_fn(_sow, "nnx.Intermediate", __name__)
