@@ -16,6 +16,15 @@ TOLERANCE = {
     np.dtype(np.float16): 4e-3,
 }
 
+# Every (implementation, backward) rule, as keyword arguments of
+# jattn.dot_product_attention; blockwise with tiles smaller than the test
+# shapes (and not dividing them), so several tiles and padding are exercised.
+RULES = {
+    "autodiff": dict(implementation="xla", backward="autodiff"),
+    "custom_vjp": dict(implementation="xla", backward="custom_vjp"),
+    "blockwise": dict(implementation="blockwise", block_q=2, block_kv=3),
+}
+
 
 def assert_close(actual, expected, dtype=None, *, factor: float = 1.0, err_msg: str = ""):
   """Elementwise close, with an absolute tolerance scaled by the expected values' size."""

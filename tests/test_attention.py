@@ -10,15 +10,7 @@ import pytest
 
 import jattn
 from jattn import masks
-from reference import assert_close, attention_np, normal
-
-# Every (implementation, backward) rule; blockwise with tiles smaller than the
-# test shapes (and not dividing them), so several tiles and padding are exercised.
-RULES = {
-    "autodiff": dict(implementation="xla", backward="autodiff"),
-    "custom_vjp": dict(implementation="xla", backward="custom_vjp"),
-    "blockwise": dict(implementation="blockwise", block_q=2, block_kv=3),
-}
+from reference import RULES, assert_close, attention_np, normal
 
 
 def _inputs(B, T, S, N, K, H, dtype, seed=0):

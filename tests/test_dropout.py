@@ -10,7 +10,7 @@ from jax.extend.random import threefry2x32_p
 
 import jattn
 from jattn import dropout, masks
-from reference import assert_close, attention_jnp, attention_np, normal
+from reference import RULES, assert_close, attention_jnp, attention_np, normal
 
 
 def test_threefry_is_bit_identical_to_jax():
@@ -98,14 +98,7 @@ def test_same_rng_same_output_and_rate_zero_ignores_rng():
   np.testing.assert_array_equal(f(jax.random.key(5), 0.0), jattn.dot_product_attention(q, k, v))
 
 
-BROADCAST_RULES = {
-    "autodiff": dict(implementation="xla", backward="autodiff"),
-    "custom_vjp": dict(implementation="xla", backward="custom_vjp"),
-    "blockwise": dict(implementation="blockwise", block_q=2, block_kv=4),
-}
-
-
-@pytest.mark.parametrize("rule", sorted(BROADCAST_RULES))
+@pytest.mark.parametrize("rule", sorted(RULES))
 def test_broadcast_dropout_shares_one_pattern_across_batch_and_heads(rule):
   B, T, S, N, K = 2, 5, 6, 4, 2
   q, k, v = _qkv()
@@ -115,7 +108,7 @@ def test_broadcast_dropout_shares_one_pattern_across_batch_and_heads(rule):
                          (B, N, T, S))
   f = lambda *a: jattn.dot_product_attention(
       *a, is_causal=True, dropout_rate=rate, dropout_rng=rng, broadcast_dropout=True,
-      **BROADCAST_RULES[rule])
+      **RULES[rule])
   causal = np.tril(np.ones((T, S), bool))
   want, _ = attention_np(q, k, v, allowed=causal, keep=keep, rate=rate)
   assert_close(f(q, k, v), want)
@@ -126,7 +119,7 @@ def test_broadcast_dropout_shares_one_pattern_across_batch_and_heads(rule):
     assert_close(a, b, factor=5)
   # Without it, heads and rows draw their own patterns: the outputs differ.
   independent = jattn.dot_product_attention(q, k, v, is_causal=True, dropout_rate=rate,
-                                            dropout_rng=rng, **BROADCAST_RULES[rule])
+                                            dropout_rng=rng, **RULES[rule])
   assert not np.allclose(independent, want)
 
 

@@ -11,7 +11,7 @@ from flax import nnx
 import jattn
 import jattn.nnx
 from jattn import positional
-from reference import assert_close, normal
+from reference import RULES, assert_close, normal
 
 B, T, F = 2, 6, 16
 
@@ -199,13 +199,6 @@ def test_rope_gqa_matches_written_out_reference(K):
   assert_close(m(x), _reference(m, x), factor=5)
   positions = jnp.asarray([[3, 4, 5, 6, 7, 8], [0, 2, 4, 6, 8, 10]])
   assert_close(m(x, positions=positions), _reference(m, x, positions=positions), factor=5)
-
-
-RULES = {
-    "autodiff": dict(implementation="xla", backward="autodiff"),
-    "custom_vjp": dict(implementation="xla", backward="custom_vjp"),
-    "blockwise": dict(implementation="blockwise", block_q=2, block_kv=4),
-}
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
