@@ -1,0 +1,1 @@
+"""Experiments built on jattn: benchmarks, demos and the toy training study."""

@@ -1,0 +1,1 @@
+"""Toy sequence-task training experiment: tasks, model, training loop."""
