@@ -31,7 +31,6 @@ import dataclasses
 import datetime
 import json
 import pathlib
-import resource
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,11 @@ import numpy as np
 import yaml
 
 import jattn
+
+try:
+  from experiments._memory import peak_rss_mb
+except ImportError:  # run as a script, python experiments/bench.py: its folder is on sys.path
+  from _memory import peak_rss_mb
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 METHODS = ("jax.nn", "xla", "blockwise", "auto")
@@ -147,20 +151,6 @@ def time_grid(cfg: Config, matmul: float) -> list[dict]:
             ok = ref is not None and ref.get(f"{mode}_ms") and r.get(f"{mode}_ms")
             r[f"{mode}_speedup"] = ref[f"{mode}_ms"] / r[f"{mode}_ms"] if ok else None
   return rows
-
-
-def peak_rss_mb() -> float:
-  """This process's peak resident memory: VmHWM on Linux (ru_maxrss would include the
-  parent's peak, which Linux carries across fork and exec)."""
-  try:
-    with open("/proc/self/status") as f:
-      for line in f:
-        if line.startswith("VmHWM:"):
-          return int(line.split()[1]) / 1024
-  except OSError:
-    pass
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if sys.platform != "darwin"
-                                                                 else 2**20)
 
 
 def memory_case(cfg: Config, method: str, T: int, H: int, causal: bool) -> dict:

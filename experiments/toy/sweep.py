@@ -25,20 +25,9 @@ import statistics
 import subprocess
 import sys
 
+from experiments._memory import peak_rss_mb
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def peak_rss_mb() -> float:
-  """This process's peak resident memory (VmHWM, Linux; ru_maxrss elsewhere)."""
-  try:
-    with open("/proc/self/status") as f:
-      for line in f:
-        if line.startswith("VmHWM:"):
-          return int(line.split()[1]) / 1024
-  except OSError:
-    pass
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (
-      1024 if sys.platform != "darwin" else 2**20)
 
 
 def run_cell(config_path: str, rule: str, seq_len: int) -> dict:
