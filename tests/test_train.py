@@ -53,10 +53,12 @@ def test_defaults_and_overrides(tmp_path):
   path = tmp_path / "mine.yaml"
   path.write_text("model: {d_model: 32}\ntask: {name: reverse}\n")
   cfg = config.load(path, ["training.steps=7", "comparison.sweep.seq_lens=[64, 128]",
-                           "optimizer.learning_rate=1", "model.num_kv_heads=2"])
+                           "optimizer.learning_rate=1", "model.num_kv_heads=2",
+                           "optimizer.weight_decay=1e-3"])
   assert cfg.name == "mine" and cfg.model.d_model == 32 and cfg.task.name == "reverse"
   assert cfg.training.steps == 7 and cfg.comparison.sweep.seq_lens == (64, 128)
   assert cfg.optimizer.learning_rate == 1.0 and isinstance(cfg.optimizer.learning_rate, float)
+  assert cfg.optimizer.weight_decay == 0.001  # PyYAML reads 1e-3 as a string
   assert cfg.model.num_kv_heads == 2 and cfg.model.num_layers == config.ModelConfig().num_layers
   assert cfg.run_dir == pathlib.Path("runs") / "mine"
 

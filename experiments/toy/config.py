@@ -80,6 +80,14 @@ def _check_fields(obj) -> None:
   for f in dataclasses.fields(obj):
     key, value, meta = f"{obj.SECTION}{f.name}", getattr(obj, f.name), f.metadata
     tp = hints[f.name]
+    if tp is float and isinstance(value, str):
+      # PyYAML reads 1e-3 (no dot in the mantissa) as a string; take it as the float it spells.
+      try:
+        value = float(value)
+      except ValueError:
+        pass
+      else:
+        object.__setattr__(obj, f.name, value)
     if dataclasses.is_dataclass(tp):
       if not isinstance(value, tp):
         raise ConfigError(f"'{key}' must be a mapping of {tp.__name__} keys, got {value!r}")
