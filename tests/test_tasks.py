@@ -13,7 +13,7 @@ SETTINGS = {  # name -> (length, num_symbols)
     "copy": (7, 10),
     "reverse": (7, 10),
     "sort": (7, 10),
-    "associative_recall": (6, 10),
+    "associative_recall": (6, 12),
     "long_range": (20, 10),
 }
 
@@ -153,7 +153,8 @@ def test_associative_recall(split):
   for row in _rows(task, split=split):
     keys, values = row[0:2 * pairs:2], row[1:2 * pairs:2]
     assert len(set(keys)) == pairs  # distinct keys
-    assert all(0 <= t < task.num_symbols for t in keys + values)
+    half = task.num_symbols // 2  # keys from the lower half, values from the upper
+    assert all(0 <= t < half for t in keys) and all(half <= t < task.num_symbols for t in values)
     assert row[2 * pairs] == task.sep
     query_key, answer = row[2 * pairs + 1], row[2 * pairs + 2]
     assert query_key in keys
@@ -163,11 +164,12 @@ def test_associative_recall(split):
   assert len(queried) > 1  # not always the same pair
 
 
-def test_associative_recall_keys_use_every_symbol():
-  """With num_symbols == P the keys are a permutation of all the symbols."""
-  task = tasks.make("associative_recall", length=5, num_symbols=5)
-  for row in _rows(task):
-    assert sorted(row[0:10:2]) == list(range(5))
+def test_associative_recall_keys_use_every_key_symbol():
+  """With num_symbols == 2P (or 2P + 1) the keys are a permutation of the lower half."""
+  for num_symbols in (10, 11):
+    task = tasks.make("associative_recall", length=5, num_symbols=num_symbols)
+    for row in _rows(task):
+      assert sorted(row[0:10:2]) == list(range(5))
 
 
 @pytest.mark.parametrize("split", tasks.SPLITS)
@@ -253,8 +255,8 @@ def test_token_names_errors(tokens, error, match):
     ("reverse", 0, 4, ValueError, "length must be >= 1"),
     ("sort", 3, 1, ValueError, "num_symbols must be >= 2"),
     ("associative_recall", 0, 4, ValueError, "length must be >= 1"),
-    ("associative_recall", 5, 4, ValueError,
-     r"num_symbols \(4\) must be >= length \(5\) for associative_recall"),
+    ("associative_recall", 5, 9, ValueError,
+     r"num_symbols \(9\) must be >= 2 \* length \(10\) for associative_recall"),
     ("associative_recall", 1, 1, ValueError, "num_symbols must be >= 2"),
     ("long_range", 7, 4, ValueError, "length must be >= 8 for task 'long_range', got 7"),
     ("long_range", 1, 4, ValueError, "length must be >= 8"),

@@ -97,8 +97,8 @@ def test_resolved_config_round_trips():
     (["model.rope_base=1"], r"'model.rope_base' must be > 1.0"),
     (["task.name=parity"], r"'task.name' must be one of \['copy', 'reverse', 'sort', "
                            r"'associative_recall', 'long_range'\]"),
-    (["task.name=associative_recall", "task.length=20", "task.num_symbols=8"],
-     r"'task': num_symbols \(8\) must be >= length \(20\)"),
+    (["task.name=associative_recall", "task.length=5", "task.num_symbols=8"],
+     r"'task': num_symbols \(8\) must be >= 2 \* length \(10\)"),
     (["task.name=long_range", "task.length=4"], r"'task': length must be >= 8"),
     (["task.num_symbols=1"], r"'task.num_symbols' must be >= 2"),
     (["optimizer.learning_rate=0"], r"'optimizer.learning_rate' must be > 0.0"),

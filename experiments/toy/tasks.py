@@ -11,9 +11,13 @@ the question) and ``MARK = num_symbols + 1`` (long_range's marker). With
 * ``"copy"`` — ``[x, SEP, x]``; the answer is the second ``x``.
 * ``"reverse"`` — ``[x, SEP, reversed(x)]``.
 * ``"sort"`` — ``[x, SEP, sorted(x)]`` (ascending).
-* ``"associative_recall"`` — ``length`` = P key–value pairs, the keys P
-  distinct symbols: ``[k1, v1, ..., kP, vP, SEP, kq, vq]``; the answer is the
-  value ``vq`` paired with the queried key ``kq``.
+* ``"associative_recall"`` — ``length`` = P key–value pairs:
+  ``[k1, v1, ..., kP, vP, SEP, kq, vq]``; the answer is the value ``vq``
+  paired with the queried key ``kq``. Keys and values come from separate
+  halves of the symbols, as in the classic formulation (letters as keys,
+  digits as values): the P keys are distinct symbols below
+  ``num_symbols // 2``, the values any symbols from ``num_symbols // 2`` up,
+  so a value never looks like a key.
 * ``"long_range"`` — ``length`` = L body symbols with one MARK at a position
   ``p < L // 4`` followed by a "needle" symbol: ``[body, SEP, needle]``; the
   answer, the needle, lies at least ``3L/4`` tokens before the SEP.
@@ -86,7 +90,8 @@ class Task:
     name: one of :data:`TASKS`.
     length: the size of the question: the number of symbols to copy, reverse
       or sort (>= 1), of key–value pairs for associative_recall (>= 1, and
-      at most ``num_symbols`` since keys are distinct), of body tokens for
+      at most ``num_symbols // 2``: the keys are distinct symbols from the
+      lower half), of body tokens for
       long_range (>= 8).
     num_symbols: content symbols are ``0 .. num_symbols - 1``; >= 2.
   """
@@ -107,9 +112,10 @@ class Task:
                        f"got {length}")
     if num_symbols < _MIN_SYMBOLS:
       raise ValueError(f"num_symbols must be >= {_MIN_SYMBOLS}, got {num_symbols}")
-    if self.name == "associative_recall" and num_symbols < length:
-      raise ValueError(f"num_symbols ({num_symbols}) must be >= length ({length}) for "
-                       f"associative_recall: the {length} keys are distinct symbols")
+    if self.name == "associative_recall" and num_symbols < 2 * length:
+      raise ValueError(f"num_symbols ({num_symbols}) must be >= 2 * length ({2 * length}) "
+                       f"for associative_recall: the {length} keys are distinct symbols "
+                       f"from the lower half")
     object.__setattr__(self, "length", length)  # normalised to Python ints: hashable
     object.__setattr__(self, "num_symbols", num_symbols)
 
@@ -226,11 +232,10 @@ def _sort(task: Task, rng: np.random.Generator, batch_size: int) -> np.ndarray:
 
 
 def _associative_recall(task: Task, rng: np.random.Generator, batch_size: int) -> np.ndarray:
-  pairs = task.length
-  everything = np.broadcast_to(np.arange(task.num_symbols, dtype=np.int32),
-                               (batch_size, task.num_symbols))
+  pairs, half = task.length, task.num_symbols // 2
+  everything = np.broadcast_to(np.arange(half, dtype=np.int32), (batch_size, half))
   keys = rng.permuted(everything, axis=1)[:, :pairs]  # a random ordered subset per row
-  values = _symbols(task, rng, (batch_size, pairs))
+  values = rng.integers(half, task.num_symbols, (batch_size, pairs), dtype=np.int32)
   q = rng.integers(0, pairs, batch_size)
   rows = np.arange(batch_size)
   context = np.stack([keys, values], axis=2).reshape(batch_size, 2 * pairs)
