@@ -2,7 +2,7 @@
 .PHONY: demo test ci
 
 demo:
-	python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/python experiments/quickstart.py
+	python3 -m venv .venv && .venv/bin/pip install -e ".[viz]" && .venv/bin/python -m experiments.train --config configs/compare_backward.yaml
 
 test:
 	python3 -m venv .venv && .venv/bin/pip install -e ".[dev]" && .venv/bin/python -m pytest

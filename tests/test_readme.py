@@ -16,7 +16,8 @@ def _blocks(language):
 def test_first_block_is_the_two_commands_and_ci_runs_the_second():
   assert README.index("```bash") < README.index("```python")
   demo, test = _blocks("bash")[0].strip().splitlines()
-  assert "experiments/quickstart.py" in demo and "pytest" in test
+  assert "-m experiments.train --config configs/compare_backward.yaml" in demo
+  assert "pytest" in test
   assert test in (ROOT / ".ci" / "run").read_text().splitlines()
   makefile = (ROOT / "Makefile").read_text()
   assert f"\t{demo}\n" in makefile and f"\t{test}\n" in makefile
