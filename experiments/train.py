@@ -72,17 +72,17 @@ def _rule_summary(records: list[dict], reference: list[float] | None, grad_diff:
   )
 
 
-def heat_maps(cfg, task, trainer: training.Trainer, run_dir: pathlib.Path) -> list[str]:
-  """Each layer's heads on the first held-out sequence, as attention_layer<i>.png."""
+def heat_maps(cfg, task, trainer: training.Trainer, sequence: jax.Array,
+              run_dir: pathlib.Path) -> list[str]:
+  """Each layer's heads on one held-out ``sequence`` (L,), as attention_layer<i>.png."""
   from jattn import viz
-  batch = task.batch(1, seed=cfg.training.seed, index=0, split="eval")
-  tokens = batch.tokens[:, :-1]
+  tokens = sequence[None, :-1]
   # The weights are materialised, so read them through an xla model holding these params.
   viewer = model_lib.build(cfg.model, task.vocab_size, "autodiff", cfg.training.seed)
   nnx.update(viewer, trainer.state.params)
   names = task.token_names(tokens[0])
   files = []
-  for layer, weights in enumerate(model_lib.attention_weights(viewer, jax.numpy.asarray(tokens))):
+  for layer, weights in enumerate(model_lib.attention_weights(viewer, tokens)):
     fig = viz.plot_attention(np.asarray(weights[0]), tokens=names,
                              titles=[f"layer {layer} head {h}" for h in range(weights.shape[1])])
     name = f"attention_layer{layer}.png"
@@ -106,7 +106,6 @@ def run(cfg: config_lib.Config, *, log=print) -> dict:
   num_params = sum(int(np.size(p)) for p in jax.tree.leaves(next(iter(trainers.values()))
                                                              .state.params))
   records: dict[str, list[dict]] = {}
-  step_bytes = {}
   with open(run_dir / "metrics.jsonl", "w") as metrics_file, \
       _progress(cfg.training.progress) as progress:
     for rule, trainer in trainers.items():
@@ -119,7 +118,6 @@ def run(cfg: config_lib.Config, *, log=print) -> dict:
       start = time.perf_counter()
       records[rule] = training.train(trainer, training.train_batches(cfg, task), held_out,
                                      eval_every=cfg.training.eval_every, on_step=on_step)
-      step_bytes[rule] = training.step_memory_bytes(trainer.compiled)
       if not cfg.training.progress:
         log(f"{rule}: {cfg.training.steps} steps in {time.perf_counter() - start:.1f} s, "
             f"exact match {records[rule][-1]['eval_exact_match']:.1%}")
@@ -129,7 +127,7 @@ def run(cfg: config_lib.Config, *, log=print) -> dict:
   for rule in trainers:
     grad_diff = (training.relative_difference(grads[rule], grads["autodiff"])
                  if "autodiff" in grads else None)
-    rules[rule] = _rule_summary(records[rule], reference, grad_diff, step_bytes[rule])
+    rules[rule] = _rule_summary(records[rule], reference, grad_diff, trainers[rule].step_bytes)
 
   files = ["config.yaml", "metrics.jsonl", "summary.json", "report.md"]
   notes = []
@@ -145,7 +143,7 @@ def run(cfg: config_lib.Config, *, log=print) -> dict:
                        run_dir / "loss_curves.png")
     files.append("loss_curves.png")
     heat_rule = cfg.comparison.heatmap_rule or cfg.comparison.rules[-1]
-    files += heat_maps(cfg, task, trainers[heat_rule], run_dir)
+    files += heat_maps(cfg, task, trainers[heat_rule], held_out[0].tokens[0], run_dir)
     notes.append(f"Heat maps: the {heat_rule} model's heads on the first held-out sequence.")
 
   sweep_rows = []

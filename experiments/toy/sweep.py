@@ -40,10 +40,10 @@ def run_cell(config_path: str, rule: str, seq_len: int) -> dict:
 
   cfg = config_lib.load(config_path)
   sweep = cfg.comparison.sweep
-  vocab = cfg.task.make().vocab_size
-  trainer = training.Trainer(cfg, cfg.task.make(), rule)
+  task = cfg.task.make()
+  trainer = training.Trainer(cfg, task, rule)
   rng = np.random.default_rng([cfg.training.seed, seq_len])
-  tokens = rng.integers(0, vocab, (sweep.batch_size, seq_len + 1), dtype=np.int32)
+  tokens = rng.integers(0, task.vocab_size, (sweep.batch_size, seq_len + 1), dtype=np.int32)
   batch = training.as_jax(tasks_lib.Batch(tokens, np.ones_like(tokens, dtype=bool)))
   step_bytes = trainer.compile(batch)
   trainer.step(batch)  # warm-up

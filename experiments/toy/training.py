@@ -62,25 +62,22 @@ class State:
   """What changes during training."""
   params: nnx.State
   opt_state: optax.OptState
-  step: int = 0
 
 
 class Trainer:
   """A model for one rule, its optimizer and its compiled step."""
 
   def __init__(self, cfg: Config, task: Task, rule: str):
-    self.cfg, self.task, self.rule = cfg, task, rule
+    self.cfg, self.rule = cfg, rule
     model = model_lib.build(cfg.model, task.vocab_size, rule, cfg.training.seed)
     self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
     self.optimizer = make_optimizer(cfg.optimizer, cfg.training.steps)
     self.state = State(params, self.optimizer.init(params))
     self._step = jax.jit(self._train_step)
-    self._eval = jax.jit(self._eval_step)
+    self._eval = jax.jit(self._loss)
     self._grads = jax.jit(jax.grad(lambda p, b: self._loss(p, b)[0]))
     self.compiled = None
-
-  def model(self, params=None) -> model_lib.Transformer:
-    return nnx.merge(self.graphdef, self.state.params if params is None else params, self.rest)
+    self.step_bytes = None  # XLA's buffer assignment for the compiled step
 
   def _loss(self, params, batch: Batch):
     logits = nnx.merge(self.graphdef, params, self.rest)(batch.tokens[:, :-1])
@@ -92,13 +89,11 @@ class Trainer:
     params = optax.apply_updates(params, updates)
     return params, opt_state, dict(loss=loss, grad_norm=optax.tree.norm(grads), **metrics)
 
-  def _eval_step(self, params, batch: Batch):
-    return self._loss(params, batch)
-
   def compile(self, batch: Batch):
     """Compiles the step for ``batch``'s shapes; returns XLA's memory figures (bytes)."""
     self.compiled = self._step.lower(self.state.params, self.state.opt_state, batch).compile()
-    return step_memory_bytes(self.compiled)
+    self.step_bytes = step_memory_bytes(self.compiled)
+    return self.step_bytes
 
   def step(self, batch: Batch) -> dict:
     """One optimizer step; returns loss, grad norm, accuracies and wall time (ms)."""
@@ -107,7 +102,7 @@ class Trainer:
     params, opt_state, metrics = step(self.state.params, self.state.opt_state, batch)
     metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
     metrics["step_ms"] = (time.perf_counter() - start) * 1e3
-    self.state = State(params, opt_state, self.state.step + 1)
+    self.state = State(params, opt_state)
     return metrics
 
   def gradients(self, batch: Batch):
