@@ -153,6 +153,21 @@ def strided_np(T, S, stride):
   return (np.arange(T)[:, None] - np.arange(S)[None]) % stride == 0
 
 
+def dilated_window_np(T, S, left, right, dilation):
+  d = np.arange(S)[None] - np.arange(T)[:, None]
+  return window_np(T, S, left, right) & (d % dilation == 0)
+
+
+def block_sparse_np(layout, block_q, block_kv, T, S):
+  """A (..., nqb, nkb) block layout expanded to (..., T, S); positions past it are masked."""
+  layout = np.asarray(layout)
+  dense = np.repeat(np.repeat(layout, block_q, axis=-2), block_kv, axis=-1)
+  out = np.zeros(layout.shape[:-2] + (T, S), bool)
+  t, s = min(T, dense.shape[-2]), min(S, dense.shape[-1])
+  out[..., :t, :s] = dense[..., :t, :s]
+  return out
+
+
 def tile_classes_np(dense, block_q, block_kv):
   """EMPTY/PARTIAL/FULL (0/1/2) per tile of a dense (B, N, T, S) bool array, by brute force."""
   B, N, T, S = dense.shape

@@ -9,8 +9,9 @@ import pytest
 
 import jattn
 from jattn import masks
-from reference import (assert_close, attention_np, causal_np, chunked_np, global_np, lengths_np,
-                       normal, prefix_np, segments_np, strided_np, tile_classes_np, window_np)
+from reference import (assert_close, attention_np, block_sparse_np, causal_np, chunked_np,
+                       dilated_window_np, global_np, lengths_np, normal, prefix_np, segments_np,
+                       strided_np, tile_classes_np, window_np)
 
 
 def _dense(mask, T, S, **kw):
@@ -136,6 +137,93 @@ def test_strided_literal():
       01010"""))
 
 
+def test_dilated_window_literal():
+  np.testing.assert_array_equal(_dense(masks.sliding_window(4, 2, dilation=2), 6, 6)[0, 0], _m("""
+      101000
+      010100
+      101010
+      010101
+      101010
+      010101"""))
+
+
+def test_longformer_literal():
+  # window 1 on each side, dilation 2 (reaching 2 away), position 0 global
+  np.testing.assert_array_equal(_dense(masks.longformer(1, dilation=2), 6, 6)[0, 0], _m("""
+      111111
+      110100
+      101010
+      110101
+      101010
+      100101"""))
+  np.testing.assert_array_equal(_dense(masks.longformer((2, 0), num_global=0), 4, 4)[0, 0], _m("""
+      1000
+      1100
+      1110
+      0111"""))
+
+
+def test_block_sparse_literal():
+  layout = np.array([[True, False], [True, True]])
+  np.testing.assert_array_equal(_dense(masks.block_sparse(layout, (2, 3)), 4, 7)[0, 0], _m("""
+      1110000
+      1110000
+      1111110
+      1111110"""))  # the 7th key is past the layout: masked
+
+
+def test_bigbird_layout_has_window_global_and_seeded_random_blocks():
+  n, w, g, r = 12, 3, 2, 2
+  layout = masks.bigbird_layout(n, num_window_blocks=w, num_global_blocks=g, num_random_blocks=r,
+                                seed=7)
+  i, j = np.arange(n)[:, None], np.arange(n)[None]
+  base = (np.abs(i - j) <= w // 2) | (i < g) | (j < g)
+  assert layout[base].all()
+  assert layout[:g].all() and layout[:, :g].all()
+  # every non-global row gets exactly r blocks beyond the window and global ones
+  np.testing.assert_array_equal((layout & ~base).sum(axis=1), [0] * g + [r] * (n - g))
+  np.testing.assert_array_equal(masks.bigbird_layout(n, seed=7, num_global_blocks=g,
+                                                     num_random_blocks=r), layout)
+  assert not np.array_equal(masks.bigbird_layout(n, seed=8, num_global_blocks=g,
+                                                 num_random_blocks=r), layout)
+  causal = masks.bigbird_layout(n, seed=3, causal=True, num_random_blocks=r)
+  assert not causal[j > i].any()
+  causal_base = (np.abs(i - j) <= 1) | (j < 1)  # the default one global block
+  np.testing.assert_array_equal((causal & ~causal_base).sum(axis=1)[4:], [r] * (n - 4))
+  # rectangular (cross attention), and more random blocks than free ones: all taken
+  assert masks.bigbird_layout(3, 5, num_random_blocks=9).all()
+
+
+def test_bigbird_mask_is_its_layout_expanded_and_causal_is_lower_triangular():
+  T, block = 21, 4  # T not a multiple of the block
+  layout = masks.bigbird_layout(6, seed=1)
+  np.testing.assert_array_equal(masks.bigbird(T, block_size=block, seed=1).materialize(T, T)[0, 0],
+                                block_sparse_np(layout, block, block, T, T))
+  causal = masks.bigbird(T, block_size=block, seed=1, causal=True).materialize(T, T)[0, 0]
+  np.testing.assert_array_equal(
+      causal, block_sparse_np(masks.bigbird_layout(6, seed=1, causal=True), block, block, T, T)
+      & causal_np(T, T))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: masks.sliding_window(2, 1, dilation=0), "dilation must be >= 1"),
+    (lambda: masks.block_sparse(np.ones((2, 2), int), 2), "layout must be a boolean array"),
+    (lambda: masks.block_sparse(np.ones(2, bool), 2), r"layout must have shape \(nqb, nkb\)"),
+    (lambda: masks.block_sparse(np.ones((2, 2), bool), (2, 0)), r"block_size\[1\] must be >= 1"),
+    (lambda: masks.block_sparse(np.ones((2, 2), bool), (1, 2, 3)), "block_size must be an int or"),
+    (lambda: masks.longformer(-1), "window must be >= 0"),
+    (lambda: masks.longformer((1, 2, 3)), "window must be an int or a pair"),
+    (lambda: masks.longformer(2, num_global=-1), "num_global must be >= 0"),
+    (lambda: masks.bigbird_layout(4, num_window_blocks=2), "num_window_blocks must be odd"),
+    (lambda: masks.bigbird_layout(0), "num_q_blocks must be >= 1"),
+    (lambda: masks.bigbird_layout(4, causal=1), "causal must be a bool"),
+    (lambda: masks.bigbird(10, block_size=0), "block_size must be >= 1"),
+])
+def test_sparse_pattern_errors(make, match):
+  with pytest.raises((ValueError, TypeError), match=match):
+    make()
+
+
 def test_from_array_and_from_fn():
   arr = np.array([[True, False, True], [False, False, True]])
   np.testing.assert_array_equal(_dense(masks.from_array(arr), 2, 3)[0, 0], arr.astype(int))
@@ -149,6 +237,7 @@ def test_from_array_and_from_fn():
 IDS_Q = np.array([[0, 0, 0, 1, 1, 2, 2, 2, 2], [4, 4, 5, 5, 5, 5, 6, 7, 7]])
 IDS_KV = np.array([[0, 1, 1, 1, 2, 2, 2], [4, 5, 5, 6, 6, 7, 7]])
 PER_HEAD = np.random.default_rng(0).random((1, 3, 9, 7)) < 0.5
+SPARSE = np.random.default_rng(1).random((3, 5, 2)) < 0.5  # per head; 2 kv blocks of 3 < S
 KINDS = {
     "causal": (masks.causal(1), lambda T, S: causal_np(T, S, 1)),
     "causal_negative": (masks.causal(-2), lambda T, S: causal_np(T, S, -2)),
@@ -166,6 +255,17 @@ KINDS = {
     "global": (masks.global_tokens(2), lambda T, S: global_np(T, S, 2)),
     "strided": (masks.strided(3), lambda T, S: strided_np(T, S, 3)),
     "from_array": (masks.from_array(PER_HEAD), lambda T, S: PER_HEAD),
+    "dilated": (masks.sliding_window(5, 3, dilation=2),
+                lambda T, S: dilated_window_np(T, S, 5, 3, 2)),
+    "dilated_unbounded": (masks.sliding_window(None, 1, dilation=3),
+                          lambda T, S: dilated_window_np(T, S, None, 1, 3)),
+    "longformer": (masks.longformer(1, num_global=1, dilation=2),
+                   lambda T, S: dilated_window_np(T, S, 2, 2, 2) | global_np(T, S, 1)),
+    "block_sparse": (masks.block_sparse(SPARSE, (2, 3)),
+                     lambda T, S: block_sparse_np(SPARSE, 2, 3, T, S)),
+    "bigbird": (masks.bigbird(9, 7, block_size=2, num_random_blocks=1, seed=4),
+                lambda T, S: block_sparse_np(masks.bigbird_layout(5, 4, num_random_blocks=1,
+                                                                  seed=4), 2, 2, T, S)),
     "from_fn": (masks.from_fn(lambda b, h, q, kv: (q + kv + h) % 4 != 0),
                 lambda T, S: (np.add.outer(np.arange(T), np.arange(S)) + np.arange(3)[:, None, None])
                 % 4 != 0),
