@@ -2,19 +2,24 @@
 
 ``jattn.dot_product_attention`` is a drop-in superset of
 ``jax.nn.dot_product_attention`` with index-function masks
-(:mod:`jattn.masks`), score modifiers (:mod:`jattn.scores`), dropout on the
-attention weights (:mod:`jattn.dropout`) and a choice of backward rule;
-:mod:`jattn.viz` draws attention weights (with the ``viz`` extra).
+(:mod:`jattn.masks`, sparse patterns included), score modifiers
+(:mod:`jattn.scores`), dropout on the attention weights (:mod:`jattn.dropout`)
+and a choice of backward rule. Around it: ``jattn.linear_attention``
+(kernelised, O(T)), :mod:`jattn.hopfield` (modern Hopfield retrieval) and
+:mod:`jattn.viz` (attention heat maps, with the ``viz`` extra).
 """
 
 from jattn import decode as decode
 from jattn import dropout as dropout
+from jattn import hopfield as hopfield
+from jattn import linear as linear
 from jattn import masks as masks
 from jattn import positional as positional
 from jattn import scores as scores
 from jattn import viz as viz  # plots; imports matplotlib only when called
 from jattn.attention import attention_weights as attention_weights
 from jattn.attention import dot_product_attention as dot_product_attention
+from jattn.linear import linear_attention as linear_attention
 from jattn.masks import Mask as Mask
 from jattn.scores import ScoreFn as ScoreFn
 

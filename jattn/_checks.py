@@ -12,6 +12,7 @@ import numbers
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -85,3 +86,54 @@ def broadcastable(name: str, shape: tuple[int, ...], target: tuple[int, ...], le
     raise ValueError(
         f"{name} must be broadcastable to {legend}={target} (each dimension 1 or equal), "
         f"got shape {shape}")
+
+
+def boolean(name: str, value: Any) -> bool:
+  """A Python (or NumPy) bool."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool, got {value!r}")
+  return bool(value)
+
+
+def prng_key(name: str, rng: Any) -> None:
+  """A single ``jax.random.key`` (shape ()) or legacy ``PRNGKey`` (uint32, shape (2,))."""
+  dtype = getattr(rng, "dtype", None)
+  is_key = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+  is_raw = dtype == np.uint32 and getattr(rng, "shape", None) == (2,)
+  if not (is_key and rng.shape == ()) and not is_raw:
+    raise TypeError(f"{name} must be a single jax.random.key or PRNGKey, got "
+                    f"{getattr(rng, 'dtype', type(rng).__name__)}{getattr(rng, 'shape', '')}")
+
+
+def qkv(query: Any, key: Any, value: Any):
+  """Query (B, T, N, H) or (T, N, H), key and value (B, S, K, H) or (S, K, H), as arrays.
+
+  One floating dtype for all three, N a multiple of K; the layout of
+  ``jax.nn.dot_product_attention``, shared by every attention function.
+  """
+  q, k, v = (as_array(n, x) for n, x in (("query", query), ("key", key), ("value", value)))
+  for name, x in (("query", q), ("key", k), ("value", v)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+  if not q.dtype == k.dtype == v.dtype:
+    raise TypeError(f"query, key and value must have the same dtype, got "
+                    f"query {q.dtype}, key {k.dtype} and value {v.dtype}")
+  if q.ndim not in (3, 4):
+    raise ValueError(f"query must have shape (B, T, N, H) or (T, N, H), got {q.shape}")
+  layout = "(B, S, K, H)" if q.ndim == 4 else "(S, K, H)"
+  if k.ndim != q.ndim:
+    raise ValueError(f"key must have shape {layout} to match query {q.shape}, got {k.shape}")
+  if k.shape != v.shape:
+    raise ValueError(f"key and value must have the same shape, got key {k.shape} and "
+                     f"value {v.shape}")
+  if q.shape[-1] != k.shape[-1]:
+    raise ValueError(f"query and key must have the same head dimension H, got query "
+                     f"{q.shape} and key {k.shape}")
+  if q.ndim == 4 and q.shape[0] != k.shape[0]:
+    raise ValueError(f"query and key must have the same batch size B, got query {q.shape} "
+                     f"and key {k.shape}")
+  n, kh = q.shape[-2], k.shape[-2]
+  if kh == 0 or n % kh:
+    raise ValueError(f"the number of query heads N ({n}) must be a multiple of the number "
+                     f"of key/value heads K ({kh})")
+  return q, k, v

@@ -137,7 +137,7 @@ def dot_product_attention(
   """
   impl, bwd = _check_choices(implementation, backward)
   blocks = _check_blocks(impl, block_q, block_kv)
-  q, k, v = _check_qkv(query, key, value)
+  q, k, v = _checks.qkv(query, key, value)
   unbatched = q.ndim == 3
   B, T, N, H = (1,) * unbatched + tuple(q.shape)
   S = k.shape[-3]
@@ -207,7 +207,7 @@ def attention_weights(
            [0.5       , 0.5       , 0.        ],
            [0.33333334, 0.33333334, 0.33333334]], dtype=float32)
   """
-  q, k, _ = _check_qkv(query, key, key)
+  q, k, _ = _checks.qkv(query, key, key)
   unbatched = q.ndim == 3
   B, T, N, H = (1,) * unbatched + tuple(q.shape)
   S = k.shape[-3]
@@ -314,8 +314,7 @@ def _check_scale(scale, head_dim: int) -> float:
 
 def _check_flags(**flags) -> None:
   for name, flag in flags.items():
-    if not isinstance(flag, (bool, np.bool_)):
-      raise TypeError(f"{name} must be a bool, got {flag!r}")
+    _checks.boolean(name, flag)
 
 
 def _combine_masks(mask, is_causal, window, lengths, segment_ids, unbatched, bnts):
@@ -334,36 +333,6 @@ def _combine_masks(mask, is_causal, window, lengths, segment_ids, unbatched, bnt
   if combined is not None:
     _check_mask_shapes(combined, B, N, T, S)
   return combined
-
-
-def _check_qkv(query, key, value):
-  q, k, v = (_checks.as_array(n, x)
-             for n, x in (("query", query), ("key", key), ("value", value)))
-  for name, x in (("query", q), ("key", k), ("value", v)):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
-  if not q.dtype == k.dtype == v.dtype:
-    raise TypeError(f"query, key and value must have the same dtype, got "
-                    f"query {q.dtype}, key {k.dtype} and value {v.dtype}")
-  if q.ndim not in (3, 4):
-    raise ValueError(f"query must have shape (B, T, N, H) or (T, N, H), got {q.shape}")
-  layout = "(B, S, K, H)" if q.ndim == 4 else "(S, K, H)"
-  if k.ndim != q.ndim:
-    raise ValueError(f"key must have shape {layout} to match query {q.shape}, got {k.shape}")
-  if k.shape != v.shape:
-    raise ValueError(f"key and value must have the same shape, got key {k.shape} and "
-                     f"value {v.shape}")
-  if q.shape[-1] != k.shape[-1]:
-    raise ValueError(f"query and key must have the same head dimension H, got query "
-                     f"{q.shape} and key {k.shape}")
-  if q.ndim == 4 and q.shape[0] != k.shape[0]:
-    raise ValueError(f"query and key must have the same batch size B, got query {q.shape} "
-                     f"and key {k.shape}")
-  n, kh = q.shape[-2], k.shape[-2]
-  if kh == 0 or n % kh:
-    raise ValueError(f"the number of query heads N ({n}) must be a multiple of the number "
-                     f"of key/value heads K ({kh})")
-  return q, k, v
 
 
 def _check_bias(bias, bnts):
@@ -495,12 +464,7 @@ def _check_dropout(rate, rng) -> float:
   if rate > 0.0:
     if rng is None:
       raise ValueError(f"dropout_rate={rate} needs dropout_rng, got None")
-    dtype = getattr(rng, "dtype", None)
-    is_key = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
-    is_raw = dtype == np.uint32 and getattr(rng, "shape", None) == (2,)
-    if not (is_key and rng.shape == ()) and not is_raw:
-      raise TypeError(f"dropout_rng must be a single jax.random.key or PRNGKey, got "
-                      f"{getattr(rng, 'dtype', type(rng).__name__)}{getattr(rng, 'shape', '')}")
+    _checks.prng_key("dropout_rng", rng)
   return rate
 
 
