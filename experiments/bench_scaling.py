@@ -1,0 +1,377 @@
+"""How time and memory grow with sequence length: full, windowed, sparse and linear attention.
+
+For each length T (= S) of the grid, on the same float32 inputs (B, T, N, H)
+in one run, compiles each method ahead of time and records
+
+- the bytes XLA allocates for one call (temporaries and outputs, from the
+  compiled program's memory analysis; inputs are the same for every method),
+  so memory is known even where a call would not fit, and
+- the median wall time of the call, where its allocation fits under
+  ``max_bytes`` and the previous length's time, scaled by the method's
+  expected growth, stays under ``max_call_seconds``.
+
+Methods (``causal`` applies to all of them):
+
+    jax.nn     jax.nn.dot_product_attention (materialised T x S scores)
+    xla        jattn.dot_product_attention, implementation="xla"
+    blockwise  jattn.dot_product_attention, implementation="blockwise"
+    window     blockwise with a sliding window of ``window`` positions each side
+    linear     jattn.linear_attention, elu+1 features (causal: chunked scan)
+
+Then it fits the slope of log(time) and log(memory) against log(T) for each
+method over the lengths >= ``fit_from`` (about 2 for full attention, about 1
+for the window and linear attention), finds the length where linear attention
+becomes faster than blockwise softmax attention (interpolated on the log-log
+curves), prints each method's time relative to jax.nn at every length where
+both ran, and draws ``scaling.png`` (log-log; needs matplotlib).
+
+A second table shows that blockwise attention costs in proportion to the tiles
+a sparse mask touches: at ``sparse.length`` it times each pattern of
+``sparse.patterns`` and prints the fraction of (query tile, key/value tile)
+pairs it visits next to its time relative to the dense blockwise call.
+
+    python experiments/bench_scaling.py --config configs/bench_scaling.yaml
+    python experiments/bench_scaling.py --lengths 1024 4096 --methods blockwise linear --no-sparse
+    python experiments/bench_scaling.py --config configs/bench_scaling.yaml --causal
+    python experiments/bench_scaling.py --quick     # tiny smoke test (CI)
+
+Writes ``runs/scaling-<time>/scaling.json`` and ``scaling.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import pathlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+import jattn
+from jattn import masks
+from jattn.impl import blockwise as _blockwise
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+METHODS = ("jax.nn", "xla", "blockwise", "window", "linear")
+GROWTH = {"jax.nn": 2, "xla": 2, "blockwise": 2, "window": 1, "linear": 1}  # time ~ T**growth
+
+
+@dataclasses.dataclass
+class Config:
+  batch: int = 1
+  heads: int = 8
+  head_dim: int = 64
+  lengths: list = dataclasses.field(default_factory=lambda: [1024, 2048, 4096, 8192])
+  methods: list = dataclasses.field(default_factory=lambda: list(METHODS))
+  causal: bool = False
+  window: int = 256
+  reps: int = 3
+  min_seconds: float = 0.5  # short calls repeat until about this long has passed
+  max_bytes: int = 8 * 2**30
+  max_call_seconds: float = 150.0
+  fit_from: int = 4096
+  sparse: dict = dataclasses.field(default_factory=dict)  # length, patterns
+  out_dir: str = "runs"
+
+
+QUICK = dict(heads=2, head_dim=8, lengths=[64, 256], reps=1, min_seconds=0.0, window=16,
+             fit_from=64, sparse={"length": 256, "block": 32,
+                                  "patterns": ["dense", "causal", "bigbird"]})
+
+
+def attention_fn(cfg: Config, method: str):
+  """(q, k, v) -> output for one method."""
+  causal = cfg.causal
+  match method:
+    case "jax.nn":
+      return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+    case "xla" | "blockwise":
+      return lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=causal,
+                                                         implementation=method)
+    case "window":
+      window = (cfg.window, 0 if causal else cfg.window)
+      return lambda q, k, v: jattn.dot_product_attention(q, k, v, local_window_size=window,
+                                                         implementation="blockwise")
+    case "linear":
+      return lambda q, k, v: jattn.linear_attention(q, k, v, feature_map="elu+1",
+                                                    is_causal=causal)
+    case _:
+      raise ValueError(f"unknown method {method!r}; choose from {list(METHODS)}")
+
+
+def inputs(cfg: Config, T: int):
+  rng = np.random.default_rng(T)
+  shape = (cfg.batch, T, cfg.heads, cfg.head_dim)
+  return tuple(jnp.asarray(rng.standard_normal(shape, np.float32)) for _ in range(3))
+
+
+def call_bytes(compiled) -> int | None:
+  """Temporaries plus outputs XLA allocates for one call (None if the backend won't say)."""
+  analysis = compiled.memory_analysis()
+  if analysis is None:
+    return None
+  return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
+
+
+def median_ms(compiled, args, reps: int, min_seconds: float) -> float:
+  """Median of ``reps`` calls of an ahead-of-time compiled function; one call when a call
+  takes over 10 s. Short calls repeat until about ``min_seconds`` have passed."""
+  times = []
+  while True:
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - start)
+    if times[0] > 10 or (len(times) >= reps and sum(times) >= min_seconds) or len(times) >= 200:
+      return statistics.median(times) * 1e3
+
+
+def measure(cfg: Config, on_row=lambda row: None) -> list[dict]:
+  rows, last = [], {}
+  for T in cfg.lengths:
+    args = inputs(cfg, T)
+    for method in cfg.methods:
+      row = dict(method=method, T=T, ms=None, mem_mb=None, skipped=None)
+      compiled = jax.jit(attention_fn(cfg, method)).lower(*args).compile()
+      nbytes = call_bytes(compiled)
+      row["mem_mb"] = None if nbytes is None else nbytes / 2**20
+      predicted = None
+      if method in last:
+        prev_T, prev_ms = last[method]
+        predicted = prev_ms / 1e3 * (T / prev_T) ** GROWTH[method]
+      if nbytes is not None and nbytes > cfg.max_bytes:
+        row["skipped"] = f"needs {nbytes / 2**30:.1f} GiB > max_bytes"
+      elif predicted is not None and predicted > cfg.max_call_seconds:
+        row["skipped"] = f"predicted {predicted:.0f} s > max_call_seconds"
+      else:
+        row["ms"] = median_ms(compiled, args, cfg.reps, cfg.min_seconds)
+        last[method] = (T, row["ms"])
+      del compiled
+      rows.append(row)
+      on_row(row)
+  return rows
+
+
+def slope(points: list[tuple[float, float]]) -> float | None:
+  """Least-squares slope of log(y) against log(x); None with fewer than two points."""
+  points = [(x, y) for x, y in points if y is not None and y > 0]
+  if len(points) < 2:
+    return None
+  x, y = (np.log([p[i] for p in points]) for i in (0, 1))
+  return float(np.polyfit(x, y, 1)[0])
+
+
+def fit(cfg: Config, rows: list[dict]) -> dict:
+  out = {}
+  for method in cfg.methods:
+    mine = [r for r in rows if r["method"] == method and r["T"] >= cfg.fit_from]
+    out[method] = dict(time_slope=slope([(r["T"], r["ms"]) for r in mine]),
+                       mem_slope=slope([(r["T"], r["mem_mb"]) for r in mine]))
+  return out
+
+
+def crossover(rows: list[dict], fast: str = "linear", slow: str = "blockwise") -> dict:
+  """The length where ``fast`` first takes less time than ``slow``, interpolated between the
+  grid's lengths on log-log axes; ``below``/``above`` when it is outside the measured range."""
+  times = {}
+  for r in rows:
+    if r["ms"] is not None and r["method"] in (fast, slow):
+      times.setdefault(r["T"], {})[r["method"]] = r["ms"]
+  both = sorted((T, t[fast], t[slow]) for T, t in times.items() if len(t) == 2)
+  if not both:
+    return dict(length=None, note=f"no length where both {fast} and {slow} ran")
+  ratios = [(T, math.log(f / s)) for T, f, s in both]  # < 0: fast is faster
+  if ratios[0][1] < 0:
+    return dict(length=None, note=f"{fast} is already faster at the shortest length, "
+                f"T={ratios[0][0]}")
+  for (t0, r0), (t1, r1) in zip(ratios, ratios[1:]):
+    if r1 < 0:
+      frac = r0 / (r0 - r1)
+      length = math.exp(math.log(t0) + frac * (math.log(t1) - math.log(t0)))
+      return dict(length=round(length), note=f"between T={t0} and T={t1}")
+  return dict(length=None, note=f"{slow} is still faster at the longest length, "
+              f"T={ratios[-1][0]}")
+
+
+# --- sparse patterns ------------------------------------------------------------------
+
+
+def sparse_mask(name: str, T: int, block: int, window: int):
+  match name:
+    case "dense":
+      return None
+    case "causal":
+      return masks.causal()
+    case "window":
+      return masks.sliding_window(window, window)
+    case "longformer":
+      return masks.longformer(window // 2, num_global=block // 4, dilation=2)
+    case "bigbird":
+      return masks.bigbird(T, block_size=block, num_global_blocks=1, num_random_blocks=2,
+                           seed=0)
+    case "strided":
+      return masks.strided(8)
+    case _:
+      raise ValueError(f"unknown sparse pattern {name!r}")
+
+
+def sparse_table(cfg: Config) -> list[dict]:
+  """Blockwise time of each pattern at one length, next to the fraction of tiles it visits."""
+  sp = cfg.sparse
+  if not sp:
+    return []
+  T = int(sp["length"])
+  block = int(sp.get("block", _blockwise.default_blocks(jax.default_backend())[0]))
+  args = inputs(cfg, T)
+  rows = []
+  for name in sp.get("patterns", ["dense"]):
+    mask = sparse_mask(name, T, block, cfg.window)
+    view = _blockwise._tile_classes(mask, cfg.batch, cfg.heads, T, T, block, block)
+    visited = float(np.mean(np.asarray(view) != masks.EMPTY))
+    fn = jax.jit(lambda q, k, v, mask=mask: jattn.dot_product_attention(
+        q, k, v, mask=mask, implementation="blockwise", block_q=block, block_kv=block))
+    ms = median_ms(fn.lower(*args).compile(), args, cfg.reps, cfg.min_seconds)
+    rows.append(dict(pattern=name, T=T, block=block, tiles_visited=visited, ms=ms))
+  dense = next((r["ms"] for r in rows if r["pattern"] == "dense"), None)
+  for r in rows:
+    r["time_vs_dense"] = None if dense is None else r["ms"] / dense
+  return rows
+
+
+# --- output -------------------------------------------------------------------------
+
+
+def _fmt(x, spec):
+  return "—" if x is None else format(x, spec)
+
+
+def print_tables(cfg: Config, rows, fits, cross, sparse) -> None:
+  kind = "causal" if cfg.causal else "non-causal"
+  print(f"\nB={cfg.batch} N={cfg.heads} H={cfg.head_dim} float32 {kind} forward, "
+        f"{jax.devices()[0].platform}; window ±{cfg.window}\n")
+  print("| T | method | ms | × jax.nn time | MB allocated | note |")
+  print("|---|---|---|---|---|---|")
+  ref = {r["T"]: r["ms"] for r in rows if r["method"] == "jax.nn"}
+  for r in rows:
+    ratio = r["ms"] / ref[r["T"]] if r["ms"] and ref.get(r["T"]) else None
+    print(f"| {r['T']} | {r['method']} | {_fmt(r['ms'], '.1f')} | {_fmt(ratio, '.3f')} "
+          f"| {_fmt(r['mem_mb'], '.1f')} | {r['skipped'] or ''} |")
+  print(f"\nlog-log slopes over T >= {cfg.fit_from}:\n")
+  print("| method | time slope | memory slope |")
+  print("|---|---|---|")
+  for method, f in fits.items():
+    print(f"| {method} | {_fmt(f['time_slope'], '.2f')} | {_fmt(f['mem_slope'], '.2f')} |")
+  print(f"\nlinear attention overtakes blockwise softmax at T ≈ {_fmt(cross['length'], 'd')} "
+        f"({cross['note']})")
+  if sparse:
+    print(f"\nblockwise with sparse masks at T={sparse[0]['T']}, tiles "
+          f"{sparse[0]['block']}x{sparse[0]['block']}:\n")
+    print("| pattern | tiles visited | ms | time / dense |")
+    print("|---|---|---|---|")
+    for r in sparse:
+      print(f"| {r['pattern']} | {r['tiles_visited']:.3f} | {r['ms']:.1f} "
+            f"| {_fmt(r['time_vs_dense'], '.3f')} |")
+
+
+def plot(cfg: Config, rows, fits, path: pathlib.Path) -> pathlib.Path | None:
+  try:
+    from matplotlib.figure import Figure
+  except ImportError:
+    print("matplotlib is not installed: no plot (pip install -e '.[viz]')")
+    return None
+  fig = Figure(figsize=(11, 4.2), layout="constrained")
+  axes = fig.subplots(1, 2)
+  for ax, key, what in ((axes[0], "ms", "forward time (ms)"),
+                        (axes[1], "mem_mb", "memory XLA allocates (MB)")):
+    for method in cfg.methods:
+      pts = [(r["T"], r[key]) for r in rows if r["method"] == method and r[key]]
+      if not pts:
+        continue
+      s = fits[method]["time_slope" if key == "ms" else "mem_slope"]
+      label = method if s is None else f"{method} (slope {s:.2f})"
+      ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length T")
+    ax.set_ylabel(what)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+  kind = "causal" if cfg.causal else "non-causal"
+  fig.suptitle(f"attention cost against length: B={cfg.batch}, N={cfg.heads}, "
+               f"H={cfg.head_dim}, {kind}, {jax.devices()[0].platform}")
+  fig.savefig(path, dpi=110)
+  return path
+
+
+def load_config(args) -> Config:
+  fields = {}
+  if args.config:
+    with open(args.config) as f:
+      fields = yaml.safe_load(f) or {}
+    unknown = set(fields) - {f.name for f in dataclasses.fields(Config)}
+    if unknown:
+      raise SystemExit(f"unknown keys in {args.config}: {sorted(unknown)}")
+  if args.quick:
+    fields.update(QUICK)
+  for name in ("lengths", "methods", "reps", "out_dir"):
+    if getattr(args, name) is not None:
+      fields[name] = getattr(args, name)
+  if args.causal:
+    fields["causal"] = True
+  if args.no_sparse:
+    fields["sparse"] = {}
+  cfg = Config(**fields)
+  bad = [m for m in cfg.methods if m not in METHODS]
+  if bad:
+    raise SystemExit(f"unknown methods {bad}; choose from {list(METHODS)}")
+  if sorted(cfg.lengths) != list(cfg.lengths) or min(cfg.lengths, default=1) < 1:
+    raise SystemExit(f"lengths must be positive and increasing, got {cfg.lengths}")
+  return cfg
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", help="a YAML file under configs/ (flags override it)")
+  parser.add_argument("--lengths", type=int, nargs="+")
+  parser.add_argument("--methods", nargs="+")
+  parser.add_argument("--reps", type=int)
+  parser.add_argument("--causal", action="store_true", help="causal attention for every method")
+  parser.add_argument("--no-sparse", dest="no_sparse", action="store_true",
+                      help="skip the sparse-mask table")
+  parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+  parser.add_argument("--out-dir", dest="out_dir", help="parent of the run folder (default runs/)")
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  cfg = load_config(args)
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  run_dir = pathlib.Path(cfg.out_dir) / f"scaling-{stamp}{'-quick' if args.quick else ''}"
+  run_dir.mkdir(parents=True, exist_ok=True)
+  rows = measure(cfg, on_row=lambda r: print(
+      f"T={r['T']:>6} {r['method']:>9}: {_fmt(r['ms'], '10.1f')} ms "
+      f"{_fmt(r['mem_mb'], '10.1f')} MB {r['skipped'] or ''}", flush=True))
+  fits = fit(cfg, rows)
+  cross = crossover(rows) if {"linear", "blockwise"} <= set(cfg.methods) else dict(
+      length=None, note="needs both linear and blockwise")
+  sparse = sparse_table(cfg)
+  print_tables(cfg, rows, fits, cross, sparse)
+  record = dict(config=dataclasses.asdict(cfg), device=str(jax.devices()[0]),
+                jax_version=jax.__version__, rows=rows, fits=fits, crossover=cross,
+                sparse=sparse)
+  png = plot(cfg, rows, fits, run_dir / "scaling.png")
+  record["plot"] = None if png is None else str(png)
+  (run_dir / "scaling.json").write_text(json.dumps(record, indent=1))
+  print(f"\nwrote {run_dir / 'scaling.json'}" + (f" and {png}" if png else ""))
+  return record
+
+
+if __name__ == "__main__":
+  main()
