@@ -13,7 +13,8 @@ from jax.test_util import check_grads
 import jattn
 from jattn import masks, scores
 from jattn.impl import blockwise
-from reference import assert_close, attention_np, normal, tile_classes_np
+from reference import (assert_close, attention_np, block_sparse_np, dilated_window_np, global_np,
+                       normal, tile_classes_np)
 from test_xla import SCORE_FNS  # the same score functions, for the same N
 
 # T and S are not multiples of the tiles, so every test also runs padded edge tiles.
@@ -108,6 +109,18 @@ def test_against_float64_numpy(kind):  # every kind: test_properties, with rando
   assert_close(out, out_np)
   np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_np))
   assert_close(_finite(lse), np.where(np.isfinite(lse_np), lse_np, 0.0))
+
+
+@pytest.mark.parametrize("kind, dense", [
+    ("longformer", dilated_window_np(T, S, 2, 2, 2) | global_np(T, S, 1)),
+    ("bigbird", block_sparse_np(masks.bigbird_layout(4, 5, num_random_blocks=1, seed=0),
+                                2, 2, T, S)),
+])
+def test_sparse_patterns_equal_their_dense_formula(kind, dense):
+  q, k, v, bias = _inputs(jnp.float32)
+  out = jattn.dot_product_attention(q, k, v, bias, mask=MASKS[kind], implementation="blockwise",
+                                    **BLOCKS)
+  assert_close(out, attention_np(q, k, v, bias=bias, allowed=dense)[0])
 
 
 @pytest.mark.parametrize("kind", [k for k in MASKS if k != "longformer"])  # its parts are here

@@ -14,7 +14,7 @@ from experiments.toy import config, model, report, sweep, tasks, training
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
-TRAIN_CONFIGS = [p for p in CONFIGS if p.name != "bench.yaml"]
+TRAIN_CONFIGS = [p for p in CONFIGS if not p.name.startswith("bench")]  # benchmark grids
 
 TINY = dict(
     model=dict(d_model=16, num_heads=2, num_layers=1, mlp_ratio=2),
