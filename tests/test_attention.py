@@ -83,8 +83,15 @@ def _loss_and_grads(fn, q, k, v, bias, kwargs):
   return run(q, k, v, bias)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("case", list(CASES))
+# Every case in float32; bfloat16 for a representative few (each case compiles four
+# programs, so all of them in both dtypes cost a minute of CI for little more coverage).
+BF16_CASES = ("gqa", "mqa", "bias_full", "mask_per_head", "causal_cross", "both_lengths",
+              "everything")
+
+
+@pytest.mark.parametrize("case, dtype", [(c, jnp.float32) for c in CASES]
+                         + [(c, jnp.bfloat16) for c in BF16_CASES],
+                         ids=[f"{c}-f32" for c in CASES] + [f"{c}-bf16" for c in BF16_CASES])
 def test_matches_jax_nn(case, dtype):
   B, T, S, N, K, H, extra, bias_kind = CASES[case]
   q, k, v = _inputs(B, T, S, N, K, H, dtype)
@@ -106,7 +113,7 @@ def test_matches_jax_nn(case, dtype):
 
 
 @pytest.mark.parametrize("rule", list(RULES))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [jnp.float32], ids=["f32"])  # bf16: test_matches_jax_nn
 def test_unbatched_layout_and_vmap(dtype, rule):
   """TNH inputs, alone and vmapped over a batch, as jax.nn handles them."""
   q, k, v = _inputs(3, 5, 6, 4, 2, 8, dtype)
