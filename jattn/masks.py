@@ -102,6 +102,11 @@ def _fixed(n: int) -> int | None:
   return None if n == 1 else n
 
 
+def _array_extents(shape) -> Extents:
+  """(B, N, T, S) fixed by an array broadcast to rank 4 (leading size-1 dims added)."""
+  return tuple(_fixed(n) for n in (1,) * (4 - len(shape)) + tuple(shape))
+
+
 # Constructors keep arrays as given and reshape where they are used, inside
 # traced code: building a mask runs no computation, so a call with bad
 # arguments fails before anything is compiled.
@@ -570,9 +575,8 @@ def _blocks_bounds(params, children, t: _Tiles):
 
 _BLOCKS = _Rule(
     "block_sparse", _blocks_eval, _blocks_bounds,
-    lambda params, children: tuple(
-        _fixed(n) for n in (1,) * (4 - len(jnp.shape(children[0])))
-        + tuple(jnp.shape(children[0])[:-2])) + (None, None),
+    # The layout's leading axes are batch and heads; its blocks fix no length.
+    lambda params, children: _array_extents(jnp.shape(children[0])[:-2] + (1, 1)),
     lambda params, children: (f"block_sparse({_shape_str(children[0])}, "
                               f"block_size={tuple(params)!r})"))
 
@@ -668,9 +672,7 @@ def bigbird_layout(num_q_blocks: int, num_kv_blocks: int | None = None, *,
   i, j = np.arange(nqb)[:, None], np.arange(nkb)[None, :]
   layout = (np.abs(i - j) <= window // 2) if window else np.zeros((nqb, nkb), bool)
   layout |= (i < n_global) | (j < n_global)
-  if not isinstance(causal, (bool, np.bool_)):
-    raise TypeError(f"causal must be a bool, got {causal!r}")
-  if causal:
+  if _checks.boolean("causal", causal):
     layout &= j <= i
   rng = np.random.default_rng(seed)
   for row in range(n_global, nqb):
@@ -724,8 +726,7 @@ def _array_bounds(params, children, t: _Tiles):
 
 _ARRAY = _Rule(
     "from_array", _array_eval, _array_bounds,
-    lambda params, children: tuple(
-        _fixed(n) for n in (1,) * (4 - len(jnp.shape(children[0]))) + jnp.shape(children[0])),
+    lambda params, children: _array_extents(jnp.shape(children[0])),
     lambda params, children: f"from_array({_shape_str(children[0])})",
     dense=lambda params, children, grid: _as_rank(children[0], 4))
 
