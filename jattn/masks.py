@@ -67,6 +67,14 @@ class _Tiles(NamedTuple):
   block_kv: int
   q_len: int
   kv_len: int
+  # Tile i covers exactly positions [i * block_q, min((i + 1) * block_q, q_len)) (and the same
+  # for kv). False inside reindex(): lo/hi are then hulls of mapped positions, and rules that
+  # reduce arrays tile by tile must answer conservatively.
+  aligned: bool = True
+
+
+_UNSURE = (np.ones((1, 1, 1, 1), bool), np.zeros((1, 1, 1, 1), bool))
+"""(any_allowed, all_allowed) that says PARTIAL for every tile: always safe."""
 
 
 def index_grid(batch_size: int, num_heads: int, q_len: int, kv_len: int):
@@ -79,12 +87,13 @@ def index_grid(batch_size: int, num_heads: int, q_len: int, kv_len: int):
       _checks.integer(name, n, minimum=0) for name, n in (
           ("batch_size", batch_size), ("num_heads", num_heads), ("q_len", q_len),
           ("kv_len", kv_len)))
-  return (
-      jnp.arange(batch_size, dtype=jnp.int32).reshape(-1, 1, 1, 1),
-      jnp.arange(num_heads, dtype=jnp.int32).reshape(1, -1, 1, 1),
-      jnp.arange(q_len, dtype=jnp.int32).reshape(1, 1, -1, 1),
-      jnp.arange(kv_len, dtype=jnp.int32).reshape(1, 1, 1, -1),
-  )
+  with jax.ensure_compile_time_eval():  # concrete even under jit (see _take)
+    return (
+        jnp.arange(batch_size, dtype=jnp.int32).reshape(-1, 1, 1, 1),
+        jnp.arange(num_heads, dtype=jnp.int32).reshape(1, -1, 1, 1),
+        jnp.arange(q_len, dtype=jnp.int32).reshape(1, 1, -1, 1),
+        jnp.arange(kv_len, dtype=jnp.int32).reshape(1, 1, 1, -1),
+    )
 
 
 def _merge_extents(a: Extents, b: Extents, what: str) -> Extents:
@@ -127,9 +136,27 @@ def _at_batch(arr, b) -> jax.Array:
 def _take(arr, b, idx) -> jax.Array:
   """``arr[b, idx]`` for ids given as (Bm, L) or (L,), clamping out-of-range positions."""
   arr = _as_rank(arr, 2)
-  if arr.shape[0] > 1:
-    return arr.at[b, idx].get(mode="clip")
-  return arr[0].at[idx].get(mode="clip")
+  if arr.shape[0] == 1:
+    return arr[0].at[idx].get(mode="clip")
+  if _is_iota(b, arr.shape[0]) and sum(n > 1 for n in jnp.shape(idx)) <= 1:
+    # Every batch row with one index vector: a take along the sequence axis
+    # keeps the batch axis a plain array axis, which sharding propagation
+    # splits across devices (a gather by (b, idx) makes it gather the ids).
+    rows = jnp.take(arr, jnp.ravel(idx), axis=1, mode="clip")
+    shape = [arr.shape[0] if n == 0 else 1 for n in range(jnp.ndim(idx))]
+    shape[next((i for i, n in enumerate(jnp.shape(idx)) if n > 1), len(shape) - 1)] = -1
+    return rows.reshape(shape)
+  return arr.at[b, idx].get(mode="clip")
+
+
+def _is_iota(b, n: int) -> bool:
+  """Whether ``b`` is the concrete batch index ``arange(n)`` along its first axis."""
+  shape = jnp.shape(b)
+  if not shape or shape[0] != n or any(d != 1 for d in shape[1:]):
+    return False
+  if not _checks.is_concrete(b):
+    return False
+  return bool(np.array_equal(np.ravel(np.asarray(b)), np.arange(n)))
 
 
 def _batch_size(arr, rank: int) -> int | None:
@@ -385,6 +412,8 @@ def _segments_eval(params, children, b, h, q, kv):
 
 
 def _segments_bounds(params, children, t: _Tiles):
+  if not t.aligned:
+    return _UNSURE
   q_ids, kv_ids = (_as_rank(c, 2) for c in children)
   # Edge padding repeats the last id, so it adds no new id to the last tile.
   q_min = _tile_reduce(q_ids, 1, t.block_q, t.q_len, "edge", jnp.min)[:, None, :, None]
@@ -721,6 +750,8 @@ def _array_eval(params, children, b, h, q, kv):
 
 
 def _array_bounds(params, children, t: _Tiles):
+  if not t.aligned and any(n > 1 for n in jnp.shape(children[0])[-2:]):
+    return _UNSURE
   return _tile_any_all(_as_rank(children[0], 4), t.block_q, t.block_kv, t.q_len, t.kv_len)
 
 
@@ -809,6 +840,101 @@ _NOT = _Rule(
     "not", lambda p, c, *idx: ~c[0](*idx), _not_bounds, _combined_extents,
     lambda p, c: f"~{c[0]!r}",
     dense=lambda p, c, grid: ~_dense(c[0], grid))
+
+
+# --- index maps ----------------------------------------------------------------
+
+
+def _reindex_eval(params, children, b, h, q, kv):
+  mask, *maps = children
+  idx = tuple(i if m is None else jnp.asarray(m).at[i].get(mode="clip")
+              for m, i in zip(maps, (b, h, q, kv)))
+  return mask(*idx)
+
+
+def _mapped_range(positions, block: int, length: int):
+  """Smallest and largest mapped position in each tile of ``block`` entries of ``positions``."""
+  lo = _tile_reduce(positions, 0, block, length, "edge", jnp.min)
+  hi = _tile_reduce(positions, 0, block, length, "edge", jnp.max)
+  return lo, hi
+
+
+def _reindex_bounds(params, children, t: _Tiles):
+  # Tiles of the new axes are bounded by the hull of the positions they map
+  # to: a superset, so the child's "any" stays an over- and its "all" an
+  # under-approximation, both safe. Contiguous maps (a shard of a sequence)
+  # keep the child's classes exact.
+  mask, batch, head, q, kv = children
+  q_lo, q_hi, kv_lo, kv_hi = t.q_lo, t.q_hi, t.kv_lo, t.kv_hi
+  aligned = t.aligned
+  if q is not None:
+    if not t.aligned:
+      return _UNSURE
+    q_lo, q_hi = (x.reshape(1, 1, -1, 1) for x in _mapped_range(q, t.block_q, t.q_len))
+    aligned = False
+  if kv is not None:
+    if not t.aligned:
+      return _UNSURE
+    kv_lo, kv_hi = (x.reshape(1, 1, 1, -1) for x in _mapped_range(kv, t.block_kv, t.kv_len))
+    aligned = False
+  mapped = t._replace(q_lo=q_lo, q_hi=q_hi, kv_lo=kv_lo, kv_hi=kv_hi, aligned=aligned)
+  out = []
+  for x in _bounds(mask, mapped):
+    x = jnp.asarray(x)
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    for axis, positions in ((0, batch), (1, head)):
+      if positions is not None and x.shape[axis] > 1:
+        x = jnp.take(x, jnp.asarray(positions), axis=axis, mode="clip")
+    out.append(x)
+  return tuple(out)
+
+
+def _reindex_extents(params, children) -> Extents:
+  mask, *maps = children
+  return tuple(own if m is None else jnp.shape(m)[0]
+               for own, m in zip(mask.extents, maps))
+
+
+def _describe_reindex(params, children):
+  mask, *maps = children
+  parts = [f"{name} {_shape_str(m)}" for name, m in zip(("batch", "head", "q", "kv"), maps)
+           if m is not None]
+  return f"reindex({mask!r}, {', '.join(parts)})"
+
+
+_REINDEX = _Rule("reindex", _reindex_eval, _reindex_bounds, _reindex_extents, _describe_reindex)
+
+
+def reindex(mask: Mask, *, batch=None, head=None, q=None, kv=None) -> Mask:
+  """``mask`` seen through index maps: the new mask at ``(b, h, i, j)`` is
+  ``mask(batch[b], head[head_i], q[i], kv[j])``.
+
+  Each map is an int array of shape (L,) giving, for every position of the
+  new axis, the position of ``mask``'s axis it stands for; None keeps the axis
+  as it is. Sequence-parallel attention uses it to evaluate a mask written in
+  global positions on one device's shard (``q = offset + arange(T_shard)``),
+  or on a permuted sequence (:mod:`jattn.parallel`'s zig-zag and striped
+  layouts). Maps may be traced.
+
+  Tile classes come from the range of positions each tile maps to, so they
+  stay exact for contiguous maps and are conservative (PARTIAL where unsure)
+  otherwise. Masks that hold arrays along T or S (``segments``,
+  ``from_array``) are evaluated correctly through a map but classify every
+  tile they touch as PARTIAL.
+
+  Example::
+
+      >>> shard = masks.reindex(masks.causal(), q=np.arange(2, 4), kv=np.arange(0, 2))
+      >>> shard.materialize(2, 2)[0, 0].astype(int)  # rows 2-3, columns 0-1 of causal()
+      Array([[1, 1],
+             [1, 1]], dtype=int32)
+  """
+  if not isinstance(mask, Mask):
+    raise TypeError(f"reindex needs a jattn.masks.Mask, got {type(mask).__name__}")
+  maps = []
+  for name, m in (("batch", batch), ("head", head), ("q", q), ("kv", kv)):
+    maps.append(None if m is None else _checks.int_array(name, m, ranks=(1,)))
+  return Mask(_REINDEX, (), (mask, *maps))
 
 
 def _bounds(mask: Mask, tiles: _Tiles):

@@ -330,6 +330,66 @@ def test_block_view_combinations_and_fns_are_conservative(block_q, block_kv):
     np.testing.assert_array_equal(mask.block_view(T_, S_, exact=True, **kw), exact)
 
 
+# Masks with arrays along T or S: correct through reindex, but their tiles are all PARTIAL.
+_HOLDS_SEQUENCE_ARRAYS = ("segments", "from_array")
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_reindex_matches_indexing_the_dense_mask(kind):
+  rng = np.random.default_rng(3)
+  full = _expected(kind)  # (2, 3, T_, S_)
+  maps = {
+      # One device's shard of a sequence, as ring attention uses it: exact tile classes.
+      "contiguous": (np.arange(3, 9), np.arange(1, 6)),
+      "permuted": (rng.permutation(T_)[:6], rng.permutation(S_)[:5]),
+  }
+  batch, head = np.array([1, 0, 1]), np.array([2, 0])
+  for name, (q, kv) in maps.items():
+    mask = masks.reindex(KINDS[kind][0], batch=batch, head=head, q=q, kv=kv)
+    want = full[batch][:, head][:, :, q][:, :, :, kv]
+    np.testing.assert_array_equal(mask.materialize(6, 5), want)
+    for block_q, block_kv in [(2, 3), (4, 4)]:
+      view = mask.block_view(6, 5, block_q=block_q, block_kv=block_kv)
+      exact = tile_classes_np(want, block_q, block_kv)
+      if name == "contiguous" and kind not in _HOLDS_SEQUENCE_ARRAYS + ("from_fn",):
+        np.testing.assert_array_equal(view, exact)
+      else:
+        _assert_conservative(view, exact)
+
+
+def test_reindex_of_a_causal_shard_skips_what_causal_skips():
+  # Shard 1 of 2 (rows 4-7) against shard 0 (columns 0-3): every tile below the diagonal.
+  mask = masks.reindex(masks.causal(), q=np.arange(4, 8), kv=np.arange(0, 4))
+  assert (mask.block_view(4, 4, block_q=2, block_kv=2) == masks.FULL).all()
+  mask = masks.reindex(masks.causal(), q=np.arange(0, 4), kv=np.arange(4, 8))
+  assert (mask.block_view(4, 4, block_q=2, block_kv=2) == masks.EMPTY).all()
+
+
+def test_reindex_with_traced_maps_and_errors():
+  @jax.jit
+  def view(offset):
+    q = offset + jnp.arange(4, dtype=jnp.int32)
+    mask = masks.reindex(masks.causal(), q=q, kv=jnp.arange(4, dtype=jnp.int32))
+    return mask.block_view(4, 4, block_q=2, block_kv=2), mask.materialize(4, 4)
+
+  tiles, dense = view(2)
+  # Rows 2-5 against columns 0-3 of causal(): only the top-right tile is cut by the diagonal.
+  np.testing.assert_array_equal(tiles[0, 0], [[masks.FULL, masks.PARTIAL],
+                                              [masks.FULL, masks.FULL]])
+  np.testing.assert_array_equal(dense[0, 0], causal_np(4, 4, 2))
+  assert repr(masks.reindex(masks.causal(), q=np.arange(3))) == \
+      "reindex(causal(offset=0), q shape=(3,))"
+  assert masks.reindex(masks.causal(), q=np.arange(3)).extents == (None, None, 3, None)
+  with pytest.raises(TypeError, match="reindex needs a jattn.masks.Mask"):
+    masks.reindex(np.ones((2, 2), bool), q=np.arange(2))
+  with pytest.raises(TypeError, match="q must have an integer dtype"):
+    masks.reindex(masks.causal(), q=np.arange(2.0))
+  with pytest.raises(ValueError, match="kv must have rank 1"):
+    masks.reindex(masks.causal(), kv=np.zeros((2, 2), int))
+  with pytest.raises(ValueError, match="q_len is 5 but the mask holds arrays for length 3"):
+    masks.reindex(masks.causal(), q=np.arange(3)).materialize(5, 5)
+
+
 def test_block_view_from_fn_is_all_partial_unless_exact():
   view = KINDS["from_fn"][0].block_view(8, 8, block_q=4, block_kv=4)
   assert (view == masks.PARTIAL).all()
