@@ -73,7 +73,7 @@ class _Static(NamedTuple):
   kv_len: int  # S
   block_q: int
   block_kv: int
-  mask_fn: Callable | None  # (b, h, q, kv, *consts) -> bool
+  mask_fn: Callable | None  # (q, kv, *consts) -> bool, for every batch row and head
   score_fn: Callable | None  # (s, b, h, q, kv, *consts) -> s
 
 
@@ -89,17 +89,47 @@ def attention(query, key, value, bias, *, mask: _masks.Mask | None, score_fn: Ca
               scale: float, dropout_rate: float, dropout_rng, broadcast_dropout: bool,
               block_q: int, block_kv: int):
   """Returns ``(out (B, T, N, H) in query's dtype, lse (B, T, N) in float32/64)``."""
+  p = plan(query, key, mask=mask, score_fn=score_fn, scale=scale, dropout_rate=dropout_rate,
+           dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, block_q=block_q,
+           block_kv=block_kv)
+  out, lse = _attention_vjp(p.static, query, key, value, bias, p.seed, p.rows, p.cols,
+                            p.mask_consts, p.score_consts)
+  return out.astype(query.dtype), lse
+
+
+class Plan(NamedTuple):
+  """Everything one call needs besides the arrays: settings, tile schedules, hoisted constants."""
+  static: _Static
+  rows: _Schedule  # per query tile: the key/value tiles to visit (forward)
+  cols: _Schedule  # per key/value tile: the query tiles to visit (backward)
+  seed: jax.Array | None  # dropout seed words
+  mask_consts: tuple
+  score_consts: tuple
+
+  @property
+  def consts(self):
+    return (self.mask_consts, self.score_consts)
+
+
+def plan(query, key, *, mask: _masks.Mask | None, score_fn: Callable | None, scale: float,
+         dropout_rate: float = 0.0, dropout_rng=None, broadcast_dropout: bool = False,
+         block_q: int, block_kv: int) -> Plan:
+  """Tile sizes, the schedules of non-empty tiles and the closure-converted mask and score
+  function for query (B, T, N, H) against key (B, S, K, H). Used by :func:`attention` and by
+  :mod:`jattn.parallel`, which plans one call per pair of shards."""
   B, T, N, _ = query.shape
   S = key.shape[1]
   bq, bk = min(block_q, T), min(block_kv, S)
-  nq, nk = math.ceil(T / bq), math.ceil(S / bk)
   view = _tile_classes(mask, B, N, T, S, bq, bk)
   rows, cols = (jax.tree.map(jnp.asarray, _schedule(v)) for v in (view, view.T))
 
   example = _tile_indices(B, N, bq, bk, 0, 0)
   mask_fn, mask_consts = None, []
   if mask is not None:
-    mask_fn, mask_consts = _common.hoist(lambda *idx: mask(*idx), *example)
+    # The batch and head indices are always the whole (concrete) ranges: closing over them
+    # lets masks index their per-row arrays along the sequence only (see masks._take).
+    b, h, q, kv = example
+    mask_fn, mask_consts = _common.hoist(lambda q, kv: mask(b, h, q, kv), q, kv)
   modify, score_consts = None, []
   if score_fn is not None:
     s = jax.ShapeDtypeStruct((B, N, bq, bk), _common.stats_dtype(query.dtype))
@@ -109,9 +139,21 @@ def attention(query, key, value, bias, *, mask: _masks.Mask | None, score_fn: Ca
     seed = jnp.stack(_dropout.seed_words(dropout_rng))
   static = _Static(float(scale), float(dropout_rate), bool(broadcast_dropout), T, S, bq, bk,
                    mask_fn, modify)
-  out, lse = _attention_vjp(static, query, key, value, bias, seed, rows, cols,
-                            tuple(mask_consts), tuple(score_consts))
-  return out.astype(query.dtype), lse
+  return Plan(static, rows, cols, seed, tuple(mask_consts), tuple(score_consts))
+
+
+def forward(p: Plan, query, key, value, bias=None):
+  """``(out (B, T, N, H), lse (B, T, N))``, both float32/64, with no custom_vjp around them."""
+  return _forward(p.static, query, key, value, bias, p.seed, p.rows, p.consts)
+
+
+def backward(p: Plan, query, key, value, out, lse, d_out, d_lse, bias=None):
+  """Float32/64 ``(d_query, d_key, d_value, d_bias)`` of :func:`forward`'s outputs given their
+  cotangents; ``out`` and ``lse`` may be those of a larger softmax that this call is one part
+  of (ring attention): the rule only needs the final rows' output and log-sum-exp."""
+  d_query, d_key, d_value, d_bias, _, _ = _backward(
+      p.static, (query, key, value, bias, p.seed, p.cols, p.consts, out, lse), d_out, d_lse)
+  return d_query, d_key, d_value, d_bias
 
 
 # --- the schedule -------------------------------------------------------------
@@ -189,8 +231,10 @@ def _row_tiles(x, block: int):
 
 def _tile_indices(B, N, bq, bk, qi, ki):
   """Global (batch, head, q_idx, kv_idx) of tile (qi, ki), broadcasting to (B, N, bq, bk)."""
-  return (jnp.arange(B, dtype=jnp.int32).reshape(B, 1, 1, 1),
-          jnp.arange(N, dtype=jnp.int32).reshape(1, N, 1, 1),
+  with jax.ensure_compile_time_eval():  # concrete batch index: masks take along sequences
+    b = jnp.arange(B, dtype=jnp.int32).reshape(B, 1, 1, 1)
+    h = jnp.arange(N, dtype=jnp.int32).reshape(1, N, 1, 1)
+  return (b, h,
           (qi * bq + jnp.arange(bq, dtype=jnp.int32)).reshape(1, 1, bq, 1),
           (ki * bk + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, bk))
 
@@ -247,7 +291,7 @@ def _tile(static: _Static, q_tile, k_tile, bias, seed, consts, qi, ki, *, masked
     b, h, q, kv = idx
     keep = (q < static.q_len) & (kv < static.kv_len)
     if static.mask_fn is not None:
-      keep = keep & static.mask_fn(*idx, *mask_consts)
+      keep = keep & static.mask_fn(q, kv, *mask_consts)
   drop = None
   if static.dropout_rate:
     drop_idx = _dropout.shared_indices(*idx) if static.broadcast_dropout else idx
@@ -315,6 +359,7 @@ def _forward(static: _Static, query, key, value, bias, seed, rows: _Schedule, co
 
 
 def _backward(static: _Static, residuals, d_out, d_lse):
+  """Gradients in float32/64 (the custom_vjp casts them to the inputs' dtypes)."""
   query, key, value, bias, seed, cols, consts, out, lse = residuals
   mask_consts, score_consts = consts
   B, T, N, H = query.shape
@@ -379,11 +424,11 @@ def _backward(static: _Static, residuals, d_out, d_lse):
           tuple(jnp.zeros(jnp.shape(c), dtype) for c, f in zip(score_consts, is_float) if f))
   (d_q, d_bias, d_float), (d_k, d_v) = jax.lax.scan(
       kv_tile, init, (jnp.arange(k_tiles.shape[0], dtype=jnp.int32), k_tiles, v_tiles))
-  d_query = _untile_queries(d_q, N, T).astype(query.dtype)
-  d_key = d_k.transpose(1, 0, 3, 2, 4).reshape(B, -1, K, H)[:, :S].astype(key.dtype)
-  d_value = d_v.transpose(1, 0, 3, 2, 4).reshape(B, -1, K, H)[:, :S].astype(value.dtype)
+  d_query = _untile_queries(d_q, N, T)
+  d_key = d_k.transpose(1, 0, 3, 2, 4).reshape(B, -1, K, H)[:, :S]
+  d_value = d_v.transpose(1, 0, 3, 2, 4).reshape(B, -1, K, H)[:, :S]
   if bias is not None:
-    d_bias = d_bias[:, :, :bias.shape[2], :bias.shape[3]].astype(bias.dtype)
+    d_bias = d_bias[:, :, :bias.shape[2], :bias.shape[3]]
   d_float = iter(d_float)
   d_score = tuple(next(d_float).astype(jnp.result_type(c)) if f else None
                   for c, f in zip(score_consts, is_float))
@@ -411,6 +456,10 @@ def _attention_bwd(static, residuals, cotangents):
   d_query, d_key, d_value, d_bias, d_mask, d_score = _backward(
       static, (query, key, value, bias, seed, cols, (mask_consts, score_consts), out, lse),
       d_out, d_lse)
+  d_query, d_key, d_value = (d.astype(x.dtype) for d, x in ((d_query, query), (d_key, key),
+                                                             (d_value, value)))
+  if bias is not None:
+    d_bias = d_bias.astype(bias.dtype)
   return d_query, d_key, d_value, d_bias, None, None, None, d_mask, d_score
 
 
