@@ -3,7 +3,8 @@
 ``jattn.dot_product_attention`` is a drop-in superset of
 ``jax.nn.dot_product_attention`` with index-function masks
 (:mod:`jattn.masks`, sparse patterns included), score modifiers
-(:mod:`jattn.scores`), dropout on the attention weights (:mod:`jattn.dropout`)
+(:mod:`jattn.scores`), dropout on the attention weights (:mod:`jattn.dropout`),
+sequence-parallel ring attention over a device mesh (:mod:`jattn.parallel`)
 and a choice of backward rule. Around it: ``jattn.linear_attention``
 (kernelised, O(T)), :mod:`jattn.hopfield` (modern Hopfield retrieval) and
 :mod:`jattn.viz` (attention heat maps, with the ``viz`` extra).
@@ -14,6 +15,7 @@ from jattn import dropout as dropout
 from jattn import hopfield as hopfield
 from jattn import linear as linear
 from jattn import masks as masks
+from jattn import parallel as parallel
 from jattn import positional as positional
 from jattn import scores as scores
 from jattn import viz as viz  # plots; imports matplotlib only when called

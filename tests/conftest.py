@@ -1,7 +1,17 @@
-"""Test configuration: strict JAX numerics and a reproducible hypothesis profile."""
+"""Test configuration: 8 simulated CPU devices, strict JAX numerics, a reproducible
+hypothesis profile."""
 
-import jax
-import pytest
+import os
+
+# Sharding tests (test_parallel.py) run on 8 simulated CPU devices. XLA reads the
+# flag when JAX starts its CPU backend, so it is set before anything imports JAX.
+# Single-device tests still run on device 0 and are no slower for it.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings
 
 # Implicit rank promotion hides shape bugs; jattn never relies on it.

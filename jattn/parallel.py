@@ -1,0 +1,439 @@
+"""Sequence-parallel (ring) attention over a ``jax.sharding.Mesh``.
+
+When one device cannot hold a sequence's activations, shard the sequence
+axis over several devices. :func:`ring_attention` keeps each device's query
+shard in place and passes the key/value shards around a ring of devices with
+``jax.lax.ppermute``; every device merges the partial results with the
+online-softmax rule, so no device ever holds more than two key/value shards::
+
+    step s, device i:  (o, lse) ← blockwise attention of Q_i against K_{i-s}, V_{i-s}
+                       lse' = logaddexp(lse_acc, lse),  out ← out·e^{lse_acc−lse'} + o·e^{lse−lse'}
+
+The backward pass rings too: each key/value shard travels with float32
+accumulators of its own dK and dV, every device adds its queries'
+contribution, and one last hop returns them to their owner. Per-device
+memory for a training step is O(B·T·N·H / P) on P devices.
+
+Everything runs on JAX's SPMD machinery (``jax.shard_map`` and collective
+permutes), so the same code runs on several GPUs or TPUs, and on many hosts
+after ``jax.distributed.initialize()``.
+
+Causal load balance: with a contiguous split, device i's queries see i + 1
+of the P key/value shards, so under causal masking the last device does
+about twice the average work and every ring step waits for it. The
+``"zigzag"`` layout gives device i sequence chunks i and 2P − 1 − i (of 2P),
+``"striped"`` gives it positions i, i + P, i + 2P, ...; both leave every
+device the same causal work. Bring inputs into a layout with :func:`permute`
+and outputs back with :func:`unpermute`; masks are always written in the
+sequence's natural positions.
+
+Shape legend as in :mod:`jattn.attention`; P is the number of devices on the
+ring axis.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jattn import _checks, attention, masks, scores
+from jattn.impl import _common, blockwise
+
+LAYOUTS = ("contiguous", "zigzag", "striped")
+
+
+# --- layouts ------------------------------------------------------------------
+
+
+def _check_layout(layout) -> str:
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
+  return layout
+
+
+def _shard_positions(layout: str, length: int, num_shards: int, shard):
+  """Natural positions (int32, shape (length // num_shards,)) of shard ``shard``'s rows.
+
+  ``shard`` may be traced (``jax.lax.axis_index``).
+  """
+  size = length // num_shards
+  r = jnp.arange(size, dtype=jnp.int32)
+  shard = jnp.asarray(shard, jnp.int32)
+  if layout == "contiguous":
+    return shard * size + r
+  if layout == "striped":
+    return r * num_shards + shard
+  half = size // 2  # zigzag: chunks `shard` and 2P - 1 - shard of 2P
+  return jnp.where(r < half, shard * half + r, (2 * num_shards - 1 - shard) * half + r - half)
+
+
+def positions(layout: str, length: int, num_shards: int) -> np.ndarray:
+  """For a sequence laid out in ``layout`` over ``num_shards`` shards: the natural
+  position of each entry, int32 of shape (length,).
+
+  ``x_laid_out = x[positions]`` along the sequence axis, which is what
+  :func:`permute` does. The ``"contiguous"`` layout is the identity.
+
+  Example::
+
+      >>> positions("zigzag", 8, 2).tolist()  # shard 0: chunks 0 and 3; shard 1: 1 and 2
+      [0, 1, 6, 7, 2, 3, 4, 5]
+      >>> positions("striped", 8, 2).tolist()
+      [0, 2, 4, 6, 1, 3, 5, 7]
+  """
+  layout = _check_layout(layout)
+  length = _checks.integer("length", length, minimum=0)
+  num_shards = _checks.integer("num_shards", num_shards, minimum=1)
+  _check_divisible("length", length, layout, num_shards)
+  with jax.ensure_compile_time_eval():
+    pos = jnp.concatenate([_shard_positions(layout, length, num_shards, i)
+                           for i in range(num_shards)]) if length else jnp.zeros(0, jnp.int32)
+  return np.asarray(pos, np.int32)
+
+
+def permute(x, layout: str, num_shards: int, *, axis: int = 1):
+  """``x`` (natural order along ``axis``) rearranged into ``layout`` for ``num_shards``
+  shards: the inputs of :func:`ring_attention` with that layout. Works on NumPy and
+  JAX arrays; for a training loop, permute token ids and position ids once in the
+  input pipeline rather than activations in every layer."""
+  x = _checks.as_array("x", x)
+  axis = _check_axis(axis, x)
+  pos = positions(layout, x.shape[axis], num_shards)
+  return x.take(pos, axis=axis) if isinstance(x, np.ndarray) else jnp.take(x, pos, axis=axis)
+
+
+def unpermute(x, layout: str, num_shards: int, *, axis: int = 1):
+  """The inverse of :func:`permute`: ``x`` laid out in ``layout`` back to natural order."""
+  x = _checks.as_array("x", x)
+  axis = _check_axis(axis, x)
+  inverse = np.argsort(positions(layout, x.shape[axis], num_shards))
+  return x.take(inverse, axis=axis) if isinstance(x, np.ndarray) else jnp.take(x, inverse,
+                                                                                axis=axis)
+
+
+def _check_axis(axis, x) -> int:
+  axis = _checks.integer("axis", axis)
+  if not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"axis {axis} is out of range for an array of shape {tuple(x.shape)}")
+  return axis % x.ndim
+
+
+def _check_divisible(name: str, length: int, layout: str, num_shards: int) -> None:
+  parts = 2 * num_shards if layout == "zigzag" else num_shards
+  if length % parts:
+    what = (f"2 x {num_shards} zig-zag chunks" if layout == "zigzag"
+            else f"{num_shards} devices")
+    raise ValueError(f"{name} must be divisible by the number of shards: {length} does not "
+                     f"split into {what} (layout={layout!r})")
+
+
+# --- ring attention -------------------------------------------------------------
+
+
+class _Ring(NamedTuple):
+  """Static settings of one ring: hashable, the custom_vjp's non-differentiable argument."""
+  axis_name: Any
+  size: int  # P
+  layout: str
+  q_len: int  # global T
+  kv_len: int  # global S
+  scale: float
+  soft_cap: float | None
+  block_q: int
+  block_kv: int
+  batch_axis: Any  # mesh axes the batch is sharded over (None: not sharded)
+  head_axis: Any
+
+
+def ring_attention(
+    query: jax.typing.ArrayLike,
+    key: jax.typing.ArrayLike,
+    value: jax.typing.ArrayLike,
+    *,
+    mesh: Mesh,
+    axis_name: str,
+    is_causal: bool = False,
+    segment_ids: Any = None,
+    mask: masks.Mask | None = None,
+    scale: float | None = None,
+    query_seq_lengths: jax.typing.ArrayLike | None = None,
+    key_value_seq_lengths: jax.typing.ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    layout: str = "contiguous",
+    batch_axis: str | tuple[str, ...] | None = None,
+    head_axis: str | tuple[str, ...] | None = None,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    return_residual: bool = False,
+):
+  """Attention with the sequence sharded over mesh axis ``axis_name`` (ring attention).
+
+  Computes what ``jattn.dot_product_attention`` computes with the same
+  arguments, with the T and S axes split over the P devices of
+  ``axis_name``: device i holds query shard i and key/value shard i, and the
+  key/value shards (with their segment ids) travel around the ring. Inside
+  each step the blockwise kernel runs, skipping tiles the mask empties. The
+  backward pass is a custom_vjp that rings as well (see the module
+  docstring). Works under ``jax.jit``; differentiable in query, key and value.
+
+  Args:
+    query: (B, T, N, H). A ``jax.Array`` sharded as
+      ``P(batch_axis, axis_name, head_axis, None)`` avoids any resharding;
+      other inputs are resharded to that.
+    key, value: (B, S, K, H), N a multiple of K (GQA without repeating K/V).
+    mesh: the ``jax.sharding.Mesh`` whose devices hold the shards.
+    axis_name: the mesh axis the sequence is split over (the ring).
+    is_causal, scale, query_seq_lengths, key_value_seq_lengths,
+      local_window_size, logits_soft_cap: as in ``jattn.dot_product_attention``,
+      in natural sequence positions whatever the layout.
+    segment_ids: packed-document ids, (B, T) when T == S or a pair
+      ``(q_segment_ids, kv_segment_ids)``, in the same order as the inputs
+      (permuted with them); sharded like the sequence, and the key/value ids
+      travel with their shard.
+    mask: a :class:`jattn.masks.Mask` in natural positions, evaluated on each
+      pair of shards through :func:`jattn.masks.reindex`. Masks of indices
+      (causal, windows, chunks, prefix-LM, strides, block-sparse layouts,
+      lengths, from_fn) classify tiles exactly; masks holding arrays along T
+      or S are correct but replicated on every device and skip no tiles, so
+      pass document ids as ``segment_ids``.
+    layout: how the inputs' sequence axis is ordered: ``"contiguous"``
+      (natural order, device i holds the i-th slice), ``"zigzag"`` or
+      ``"striped"`` (balanced causal work; see :func:`permute`). T and S must
+      be divisible by P (by 2P for zigzag).
+    batch_axis, head_axis: mesh axes (a name or a tuple of names) that the
+      batch and the heads are sharded over at the same time; each device then
+      holds a (B/Pb, T/P, N/Ph, H) block. N and K must be divisible by Ph.
+    block_q, block_kv: the blockwise tile sizes inside each ring step
+      (default per backend); any shard length works.
+    return_residual: also return the log-sum-exp, (B, T, N), sharded like
+      the output.
+
+  Returns:
+    The output (B, T, N, H) in the query's dtype, sharded like the query
+    (and the lse with ``return_residual``), in the inputs' layout.
+
+  Not supported here (use ``jattn.dot_product_attention``): ``bias``,
+  ``score_fn``, dropout.
+  """
+  q, k, v = _checks.qkv(query, key, value)
+  if q.ndim != 4:
+    raise ValueError(f"ring_attention needs batched inputs: query (B, T, N, H), got shape "
+                     f"{q.shape}")
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  ring_axes = _check_mesh_axes("axis_name", axis_name, mesh, allow_tuple=False)
+  batch_axes = _check_mesh_axes("batch_axis", batch_axis, mesh)
+  head_axes = _check_mesh_axes("head_axis", head_axis, mesh)
+  used = [a for axes in (ring_axes, batch_axes, head_axes) for a in axes]
+  if len(set(used)) != len(used):
+    raise ValueError(f"axis_name, batch_axis and head_axis must name different mesh axes, got "
+                     f"axis_name={axis_name!r}, batch_axis={batch_axis!r}, "
+                     f"head_axis={head_axis!r}")
+  layout = _check_layout(layout)
+  size = mesh.shape[axis_name]
+  _check_divisible("query length T", T, layout, size)
+  _check_divisible("key/value length S", S, layout, size)
+  for name, n, axes in (("batch size B", B, batch_axes), ("number of query heads N", N, head_axes),
+                        ("number of key/value heads K", K, head_axes)):
+    parts = math.prod(mesh.shape[a] for a in axes)
+    if n % parts:
+      raise ValueError(f"{name} ({n}) must be divisible by the {parts} devices of mesh axes "
+                       f"{axes}")
+  scale = attention._check_scale(scale, H)
+  attention._check_flags(is_causal=is_causal, return_residual=return_residual)
+  if mask is not None and not isinstance(mask, masks.Mask):
+    raise TypeError(f"ring_attention takes mask as a jattn.masks.Mask, got "
+                    f"{type(mask).__name__}; a dense (T, S) array defeats sharding the sequence")
+  window = attention._check_window(local_window_size)
+  lengths = tuple(attention._check_lengths(name, x, B) for name, x in (
+      ("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths", key_value_seq_lengths)))
+  combined = attention._combine_masks(mask, is_causal, window, lengths, None, False,
+                                      (B, N, T, S))
+  q_ids = kv_ids = None
+  if segment_ids is not None:
+    seg = attention._check_segments(segment_ids, False, T, S)
+    q_ids, kv_ids = (jnp.broadcast_to(jnp.asarray(x), (B, n)) for x, n in
+                     zip(seg.children, (T, S)))
+  soft_cap = None
+  if logits_soft_cap is not None:
+    attention._check_score(None, logits_soft_cap, q.dtype, (B, N, T, S))
+    soft_cap = float(logits_soft_cap)
+  defaults = blockwise.default_blocks(jax.default_backend())
+  blocks = tuple(d if b is None else _checks.integer(name, b, minimum=1)
+                 for name, b, d in zip(("block_q", "block_kv"), (block_q, block_kv), defaults))
+  ring = _Ring(axis_name, size, layout, T, S, scale, soft_cap, *blocks,
+               _axes_or_none(batch_axes), _axes_or_none(head_axes))
+  out, lse = _ring_call(q, k, v, q_ids, kv_ids, combined, ring=ring, mesh=mesh)
+  if return_residual:
+    return out, lse.astype(q.dtype)
+  return out
+
+
+def _check_mesh_axes(name: str, axes, mesh: Mesh, *, allow_tuple: bool = True) -> tuple:
+  if axes is None:
+    if allow_tuple:
+      return ()
+    raise TypeError(f"{name} must name a mesh axis, got None")
+  names = axes if allow_tuple and isinstance(axes, tuple) else (axes,)
+  for a in names:
+    if a not in mesh.axis_names:
+      raise ValueError(f"{name}={axes!r}: unknown mesh axis {a!r}; the mesh has axes "
+                       f"{tuple(mesh.axis_names)}")
+  return tuple(names)
+
+
+def _axes_or_none(axes: tuple):
+  if not axes:
+    return None
+  return axes[0] if len(axes) == 1 else axes
+
+
+@functools.partial(jax.jit, static_argnames=("ring", "mesh"))
+def _ring_call(query, key, value, q_ids, kv_ids, mask, *, ring: _Ring, mesh: Mesh):
+  seq = P(ring.batch_axis, ring.axis_name, ring.head_axis, None)
+  ids = P(ring.batch_axis, ring.axis_name)
+  run = jax.shard_map(
+      functools.partial(_per_device, ring), mesh=mesh,
+      in_specs=(seq, seq, seq, ids, ids, P()),
+      out_specs=(seq, P(ring.batch_axis, ring.axis_name, ring.head_axis)),
+      check_vma=False)
+  out, lse = run(query, key, value, q_ids, kv_ids, mask)
+  return out, lse
+
+
+def _per_device(ring: _Ring, query, key, value, q_ids, kv_ids, mask):
+  out, lse = _ring_vjp(ring, query, key, value, q_ids, kv_ids, mask)
+  return out.astype(query.dtype), lse
+
+
+# --- one device's part ------------------------------------------------------------
+
+
+def _maps(ring: _Ring, query):
+  """Global batch and head indices of this device's block (None where not sharded)."""
+  B, _, N, _ = query.shape
+  out = []
+  for axes, n in ((ring.batch_axis, B), (ring.head_axis, N)):
+    out.append(None if axes is None else
+               jax.lax.axis_index(axes) * n + jnp.arange(n, dtype=jnp.int32))
+  return out
+
+
+def _pair_plan(ring: _Ring, query, key, q_ids, kv_ids, mask, source) -> blockwise.Plan:
+  """The blockwise plan of this device's queries against the key/value shard of ``source``."""
+  here = jax.lax.axis_index(ring.axis_name)
+  parts = []
+  if mask is not None:
+    batch, head = _maps(ring, query)
+    parts.append(masks.reindex(
+        mask, batch=batch, head=head,
+        q=_shard_positions(ring.layout, ring.q_len, ring.size, here),
+        kv=_shard_positions(ring.layout, ring.kv_len, ring.size, source)))
+  if q_ids is not None:
+    parts.append(masks.segments(q_ids, kv_ids))
+  score = None if ring.soft_cap is None else scores.soft_cap(ring.soft_cap)
+  return blockwise.plan(query, key, mask=masks.all_of(*parts), score_fn=score,
+                        scale=ring.scale, block_q=ring.block_q, block_kv=ring.block_kv)
+
+
+def _source(ring: _Ring, step):
+  """The device whose key/value shard this device holds at ring step ``step``."""
+  return (jax.lax.axis_index(ring.axis_name) - step) % ring.size
+
+
+def _pass_on(ring: _Ring, x):
+  """Send ``x`` (a pytree) to the next device on the ring, receive the previous one's."""
+  perm = [(i, (i + 1) % ring.size) for i in range(ring.size)]
+  return jax.tree.map(lambda a: jax.lax.ppermute(a, ring.axis_name, perm), x)
+
+
+def _merge(out, lse, part_out, part_lse):
+  """Online-softmax merge of two partial results over disjoint key sets.
+
+  Rows with nothing to attend to in either part keep lse -inf and zeros, with
+  no inf - inf anywhere.
+  """
+  new = jnp.logaddexp(lse, part_lse)
+  safe = jnp.where(jnp.isfinite(new), new, 0)
+
+  def weight(x):
+    return jnp.where(jnp.isfinite(x), jnp.exp(x - safe), 0)[..., None]
+
+  return out * weight(lse) + part_out * weight(part_lse), new
+
+
+def _forward(ring: _Ring, query, key, value, q_ids, kv_ids, mask):
+  """This device's ``(out, lse)`` in float32/64 after the whole ring."""
+  def attend(step, kv):
+    k, v, ids = kv
+    plan = _pair_plan(ring, query, k, q_ids, ids, mask, _source(ring, step))
+    return blockwise.forward(plan, query, k, v)
+
+  def step(carry, s):
+    kv, out, lse = carry
+    incoming = _pass_on(ring, kv)  # independent of this step's work: may overlap it
+    out, lse = _merge(out, lse, *attend(s, kv))
+    return (incoming, out, lse), None
+
+  B, T, N, H = query.shape
+  dtype = _common.stats_dtype(query.dtype)
+  init = ((key, value, kv_ids), jnp.zeros((B, T, N, H), dtype),
+          jnp.full((B, T, N), -jnp.inf, dtype))
+  (kv, out, lse), _ = jax.lax.scan(step, init, jnp.arange(ring.size - 1))
+  return _merge(out, lse, *attend(ring.size - 1, kv))
+
+
+def _backward(ring: _Ring, residuals, d_out, d_lse):
+  query, key, value, q_ids, kv_ids, mask, out, lse = residuals
+
+  def grads(step, kv):
+    k, v, ids = kv
+    plan = _pair_plan(ring, query, k, q_ids, ids, mask, _source(ring, step))
+    d_q, d_k, d_v, _ = blockwise.backward(plan, query, k, v, out, lse, d_out, d_lse)
+    return d_q, d_k, d_v
+
+  def step(carry, s):
+    kv, d_kv, d_q = carry
+    incoming = _pass_on(ring, kv)
+    g_q, g_k, g_v = grads(s, kv)
+    # The shard's gradient accumulators travel on with it; their hop overlaps the next
+    # step's work, which only adds to them at its end.
+    d_kv = _pass_on(ring, (d_kv[0] + g_k, d_kv[1] + g_v))
+    return (incoming, d_kv, d_q + g_q), None
+
+  dtype = _common.stats_dtype(query.dtype)
+  zeros = jnp.zeros(key.shape, dtype)
+  init = ((key, value, kv_ids), (zeros, zeros), jnp.zeros(query.shape, dtype))
+  (kv, d_kv, d_q), _ = jax.lax.scan(step, init, jnp.arange(ring.size - 1))
+  g_q, g_k, g_v = grads(ring.size - 1, kv)
+  d_k, d_v = _pass_on(ring, (d_kv[0] + g_k, d_kv[1] + g_v))  # the last hop: home
+  return ((d_q + g_q).astype(query.dtype), d_k.astype(key.dtype), d_v.astype(value.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_vjp(ring, query, key, value, q_ids, kv_ids, mask):
+  return _forward(ring, query, key, value, q_ids, kv_ids, mask)
+
+
+def _ring_fwd(ring, query, key, value, q_ids, kv_ids, mask):
+  out, lse = _forward(ring, query, key, value, q_ids, kv_ids, mask)
+  return (out, lse), (query, key, value, q_ids, kv_ids, mask, out, lse)
+
+
+def _ring_bwd(ring, residuals, cotangents):
+  d_out, d_lse = cotangents
+  d_query, d_key, d_value = _backward(ring, residuals, d_out, d_lse)
+  return d_query, d_key, d_value, None, None, None  # ids and masks: integers, no cotangent
+
+
+_ring_vjp.defvjp(_ring_fwd, _ring_bwd)

@@ -1,0 +1,275 @@
+"""jattn.parallel: ring attention and sharded inputs, on 8 simulated CPU devices.
+
+tests/conftest.py sets ``--xla_force_host_platform_device_count=8`` before JAX
+starts. Every ring result is compared with the float64 NumPy formula (values
+and lse) and with autodiff of it through jnp (gradients), in natural sequence
+order, whatever layout the ring ran in.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jattn
+from jattn import masks, parallel
+from reference import (assert_close, attention_jnp, attention_np, causal_np, lengths_np,
+                       normal, segments_np, window_np)
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,
+                                reason="needs 8 devices (tests/conftest.py simulates them)")
+
+
+def _mesh(shape, names):
+  return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+
+
+RING = _mesh((8,), ("sp",))
+GRID = _mesh((2, 2, 2), ("dp", "sp", "tp"))  # batch x sequence x heads
+
+B, T, N, K, H = 2, 32, 4, 2, 8  # shards of 4 rows on 8 devices; zig-zag chunks of 2
+
+
+def _inputs(dtype=np.float64, T=T, S=T, seed=0):
+  return (normal((B, T, N, H), dtype, seed), normal((B, S, K, H), dtype, seed + 1),
+          normal((B, S, K, H), dtype, seed + 2))
+
+
+def _ring(q, k, v, *, layout, mesh=RING, **kwargs):
+  """ring_attention on natural-order arrays: permute in, run, unpermute out."""
+  size = mesh.shape["sp"]
+  q, k, v = (parallel.permute(x, layout, size) for x in (q, k, v))
+  out = parallel.ring_attention(q, k, v, mesh=mesh, axis_name="sp", layout=layout, **kwargs)
+  if isinstance(out, tuple):
+    return tuple(parallel.unpermute(x, layout, size) for x in out)
+  return parallel.unpermute(out, layout, size)
+
+
+def _check(q, k, v, allowed, *, layout, mesh=RING, ref_kwargs=None, **kwargs):
+  """Values, lse and gradients of the ring against the float64 formula."""
+  ref_kwargs = ref_kwargs or {}
+  out, lse = _ring(q, k, v, layout=layout, mesh=mesh, return_residual=True, **kwargs)
+  want, want_lse = attention_np(q, k, v, allowed=allowed, **ref_kwargs)
+  assert_close(out, want, np.float64)
+  lse, want_lse = np.asarray(lse), np.asarray(want_lse)
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(want_lse))  # -inf: empty rows
+  finite = np.isfinite(want_lse)
+  assert_close(np.where(finite, lse, 0), np.where(finite, want_lse, 0), np.float64)
+  # A cotangent on the lse as well as the output: both enter the backward rule.
+  w_out, w_lse = normal(want.shape, np.float64, 7), normal(want_lse.shape, np.float64, 8)
+
+  def loss(attend):
+    def f(q, k, v):
+      o, l = attend(q, k, v)
+      return jnp.sum(o * w_out) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0) * w_lse)
+    return f
+
+  grads = jax.grad(loss(lambda *a: _ring(*a, layout=layout, mesh=mesh, return_residual=True,
+                                         **kwargs)), argnums=(0, 1, 2))(q, k, v)
+  want_grads = jax.grad(loss(lambda *a: attention_jnp(*a, allowed=allowed, **ref_kwargs)),
+                        argnums=(0, 1, 2))(q, k, v)
+  for g, w in zip(grads, want_grads):
+    assert_close(g, w, np.float64)
+
+
+@pytest.mark.parametrize("layout", parallel.LAYOUTS)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_ring_matches_formula(x64, layout, is_causal):
+  # GQA (N=4 on K=2); tiles of 3 x 5 do not divide the 4-row shards.
+  q, k, v = _inputs()
+  allowed = causal_np(T, T) if is_causal else None
+  _check(q, k, v, allowed, layout=layout, is_causal=is_causal, block_q=3, block_kv=5)
+
+
+def test_ring_segment_ids_travel_with_their_shard(x64):
+  # Packed documents of uneven lengths, causal within each, in the zig-zag layout: the
+  # ids are permuted with the inputs and the key/value ids move around the ring.
+  q, k, v = _inputs()
+  ids = np.stack([np.repeat(np.arange(4), [5, 11, 9, 7]), np.repeat(np.arange(2), [20, 12])])
+  permuted = parallel.permute(ids, "zigzag", 8)
+  _check(q, k, v, segments_np(ids, ids) & causal_np(T, T), layout="zigzag", is_causal=True,
+         segment_ids=permuted, block_q=2, block_kv=2)
+
+
+def test_ring_masks_and_lengths_with_batch_and_head_sharding(x64):
+  # A (2, 2, 2) mesh: batch over "dp", sequence over "sp", heads over "tp". Per-batch
+  # lengths and a per-head layout must be looked up with global batch and head indices.
+  q, k, v = _inputs()
+  layout = np.random.default_rng(0).random((N, T // 4, T // 4)) < 0.6
+  mask = masks.sliding_window(9, 2) & masks.block_sparse(layout, 4)
+  q_lens, kv_lens = np.array([32, 21]), np.array([0, 27])  # row 0 attends to nothing
+  allowed = (window_np(T, T, 9, 2)[None, None]
+             & np.asarray(masks.block_sparse(layout, 4).materialize(T, T))
+             & lengths_np(T, T, q_lens, kv_lens))
+  _check(q, k, v, allowed, layout="striped", mesh=GRID, mask=mask, query_seq_lengths=q_lens,
+         key_value_seq_lengths=kv_lens, batch_axis="dp", head_axis="tp", block_q=4,
+         block_kv=4)
+
+
+def test_ring_cross_attention_soft_cap_and_scale(x64):
+  # S != T, a local window (in global positions) and logit soft-capping.
+  q, k, v = _inputs(S=16)
+  cap, scale = 2.0, 0.7
+
+  def score(s, *idx):
+    tanh = np.tanh if isinstance(s, np.ndarray) else jnp.tanh
+    return cap * tanh(s / cap)
+
+  _check(q, k, v, window_np(T, 16, 3, 3), layout="contiguous", local_window_size=3,
+         logits_soft_cap=cap, scale=scale, ref_kwargs=dict(score=score, scale=scale))
+
+
+def test_ring_check_grads(x64):
+  q, k, v = _inputs(T=16)
+  mesh = _mesh((4,), ("sp",))
+  f = jax.jit(lambda q, k, v: parallel.ring_attention(
+      q, k, v, mesh=mesh, axis_name="sp", is_causal=True, layout="zigzag", block_q=1,
+      block_kv=2))
+  jax.test_util.check_grads(f, (q, k, v), order=1, modes=["rev"])
+
+
+def test_ring_float32_fully_masked_rows_are_zero_and_finite():
+  q, k, v = _inputs(np.float32)
+  ids = np.stack([np.repeat([0, 1], 16), np.repeat([0, 1], 16)])
+  kv_ids = np.where(ids == 1, 2, ids)  # queries of segment 1 find no key
+  f = jax.jit(lambda q, k, v: parallel.ring_attention(
+      q, k, v, mesh=RING, axis_name="sp", segment_ids=(ids, kv_ids), block_q=2, block_kv=2))
+  out = f(q, k, v)
+  want, _ = attention_np(q, k, v, allowed=segments_np(ids, kv_ids))
+  assert_close(out, want, np.float32)
+  np.testing.assert_array_equal(np.asarray(out)[:, 16:], 0)
+  grads = jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2))(q, k, v)
+  assert all(np.isfinite(g).all() for g in grads)
+  np.testing.assert_array_equal(np.asarray(grads[0])[:, 16:], 0)
+
+
+def test_ring_bfloat16_and_inputs_stay_sharded():
+  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _inputs(np.float32))
+  sharding = NamedSharding(RING, P(None, "sp", None, None))
+  q, k, v = (jax.device_put(x, sharding) for x in (q, k, v))
+  f = jax.jit(lambda q, k, v: parallel.ring_attention(q, k, v, mesh=RING, axis_name="sp",
+                                                      is_causal=True))
+  out = f(q, k, v)
+  assert out.dtype == jnp.bfloat16 and out.sharding.is_equivalent_to(sharding, 4)
+  want, _ = attention_np(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
+                         allowed=causal_np(T, T))
+  assert_close(out, want, jnp.bfloat16)
+  # The step is a ring: K/V move by collective permutes and nothing is gathered.
+  step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)),
+                          argnums=(0, 1, 2)))
+  hlo = step.lower(q, k, v).compile().as_text()
+  assert "collective-permute" in hlo
+  assert not re.search(r"all-gather|all-to-all", hlo)
+  assert all(g.sharding.is_equivalent_to(sharding, 4) for g in step(q, k, v))
+
+
+def test_layout_positions_and_permutations():
+  np.testing.assert_array_equal(parallel.positions("contiguous", 6, 3), np.arange(6))
+  np.testing.assert_array_equal(parallel.positions("zigzag", 8, 2), [0, 1, 6, 7, 2, 3, 4, 5])
+  np.testing.assert_array_equal(parallel.positions("striped", 6, 3), [0, 3, 1, 4, 2, 5])
+  x = np.arange(2 * 24).reshape(2, 24)
+  for layout in parallel.LAYOUTS:
+    y = parallel.permute(x, layout, 4)
+    np.testing.assert_array_equal(y, x[:, parallel.positions(layout, 24, 4)])
+    np.testing.assert_array_equal(parallel.unpermute(y, layout, 4), x)
+    np.testing.assert_array_equal(parallel.unpermute(jnp.asarray(y), layout, 4), x)
+  # Zig-zag and striped even out causal work: every shard holds positions summing alike.
+  for layout in ("zigzag", "striped"):
+    sums = parallel.positions(layout, 64, 8).reshape(8, 8).sum(axis=1)
+    assert sums.max() - sums.min() <= (0 if layout == "zigzag" else 56)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda q, k, v: parallel.ring_attention(q, k, v, mesh=RING, axis_name="seq"),
+     ValueError, r"axis_name='seq': unknown mesh axis 'seq'; the mesh has axes \('sp',\)"),
+    (lambda q, k, v: parallel.ring_attention(q[:, :12], k[:, :12], v[:, :12], mesh=RING,
+                                             axis_name="sp"),
+     ValueError, "query length T must be divisible by the number of shards: 12 does not "
+                 "split into 8 devices"),
+    (lambda q, k, v: parallel.ring_attention(q[:, :24], k[:, :24], v[:, :24], mesh=RING,
+                                             axis_name="sp", layout="zigzag"),
+     ValueError, "24 does not split into 2 x 8 zig-zag chunks"),
+    (lambda q, k, v: parallel.ring_attention(q, k[:, :20], v[:, :20], mesh=RING,
+                                             axis_name="sp"),
+     ValueError, "key/value length S must be divisible"),
+    (lambda q, k, v: parallel.ring_attention(q, k, v, mesh=RING, axis_name="sp",
+                                             layout="spiral"),
+     ValueError, "layout must be one of"),
+    (lambda q, k, v: parallel.ring_attention(q, k, v, mesh=GRID, axis_name="sp",
+                                             batch_axis="sp"),
+     ValueError, "must name different mesh axes"),
+    (lambda q, k, v: parallel.ring_attention(q[:1], k[:1], v[:1], mesh=GRID, axis_name="sp",
+                                             batch_axis="dp"),
+     ValueError, r"batch size B \(1\) must be divisible by the 2 devices of mesh axes \('dp',\)"),
+    (lambda q, k, v: parallel.ring_attention(q, k[:, :, :1], v[:, :, :1], mesh=GRID,
+                                             axis_name="sp", head_axis="tp"),
+     ValueError, r"number of key/value heads K \(1\) must be divisible"),
+    (lambda q, k, v: parallel.ring_attention(q, k, v, mesh="mesh", axis_name="sp"),
+     TypeError, "mesh must be a jax.sharding.Mesh, got str"),
+    (lambda q, k, v: parallel.ring_attention(q, k, v, mesh=RING, axis_name="sp",
+                                             mask=np.ones((T, T), bool)),
+     TypeError, "ring_attention takes mask as a jattn.masks.Mask"),
+    (lambda q, k, v: parallel.ring_attention(q[0], k[0], v[0], mesh=RING, axis_name="sp"),
+     ValueError, r"needs batched inputs: query \(B, T, N, H\)"),
+    (lambda q, k, v: parallel.ring_attention(q, k.astype(jnp.float16), v, mesh=RING,
+                                             axis_name="sp"),
+     TypeError, "query, key and value must have the same dtype"),
+    (lambda q, k, v: parallel.ring_attention(q, k, v, mesh=RING, axis_name="sp",
+                                             segment_ids=np.zeros((B, 8), np.int32)),
+     ValueError, "segment_ids"),
+    (lambda q, k, v: parallel.ring_attention(q, k, v, mesh=RING, axis_name="sp", block_q=0),
+     ValueError, "block_q must be >= 1"),
+    (lambda q, k, v: parallel.permute(q, "zigzag", 3),
+     ValueError, "length must be divisible by the number of shards: 32 does not split into "
+                 "2 x 3 zig-zag chunks"),
+    (lambda q, k, v: parallel.permute(q, "zigzag", 2, axis=4),
+     ValueError, "axis 4 is out of range"),
+])
+def test_errors(call, error, match):
+  q, k, v = _inputs(np.float32)
+  with pytest.raises(error, match=match):
+    call(q, k, v)
+
+
+# --- jattn.dot_product_attention on batch- and head-sharded inputs ----------------
+
+COLLECTIVE = r"(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)"
+
+
+@pytest.mark.parametrize("implementation", ["xla", "blockwise"])
+def test_dot_product_attention_on_batch_and_head_sharded_inputs(implementation):
+  # Batch over 4 devices, heads over 2: attention is independent per (batch, head), so the
+  # compiled program must move no activations between devices, forward or backward.
+  mesh = _mesh((4, 2), ("data", "model"))
+  sharding = NamedSharding(mesh, P("data", None, "model", None))
+  q, k, v = (normal((4, 24, N, H), np.float32, s) for s in range(3))
+  ids = np.sort(np.random.default_rng(0).integers(0, 3, (4, 24)), axis=1)
+  q, k, v = (jax.device_put(x, sharding) for x in (q, k, v))
+  ids = jax.device_put(ids, NamedSharding(mesh, P("data", None)))
+  blocks = dict(block_q=8, block_kv=8) if implementation == "blockwise" else {}
+
+  def attend(q, k, v, ids):
+    return jattn.dot_product_attention(q, k, v, segment_ids=ids, is_causal=True,
+                                       implementation=implementation, **blocks)
+
+  def loss(q, k, v, ids):
+    return jnp.sum(attend(q, k, v, ids) ** 2)
+
+  fwd, step = jax.jit(attend), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  for fn in (fwd, step):
+    hlo = fn.lower(q, k, v, ids).compile().as_text()
+    for line in hlo.splitlines():
+      if re.search(COLLECTIVE + r"\(", line):
+        # Blockwise agrees on one tile schedule for the whole batch: an all-reduce of the
+        # (tiles x tiles) int8 tile classes. Nothing else may cross devices.
+        assert implementation == "blockwise" and re.search(r"= s8\[3,3\]\S* all-reduce", line), \
+            line
+  out = fwd(q, k, v, ids)
+  assert out.sharding.is_equivalent_to(sharding, 4)
+  want, _ = attention_np(q, k, v, allowed=segments_np(ids, ids) & causal_np(24, 24))
+  assert_close(out, want, np.float32)
+  assert all(g.sharding.is_equivalent_to(sharding, 4) for g in step(q, k, v, ids))
