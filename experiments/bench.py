@@ -39,13 +39,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
 
 import jattn
 
 try:
+  from experiments._config import config_fields
   from experiments._memory import peak_rss_mb
 except ImportError:  # run as a script, python experiments/bench.py: its folder is on sys.path
+  from _config import config_fields
   from _memory import peak_rss_mb
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -218,21 +219,10 @@ def print_tables(cfg: Config, matmul: float, rows: list[dict], memory: list[dict
 
 
 def load_config(args) -> Config:
-  cfg = Config()
-  if args.config:
-    with open(args.config) as f:
-      loaded = yaml.safe_load(f) or {}
-    unknown = set(loaded) - {f.name for f in dataclasses.fields(Config)}
-    if unknown:
-      raise ValueError(f"{args.config}: unknown keys {sorted(unknown)}")
-    cfg = dataclasses.replace(cfg, **loaded)
-  if args.quick:
-    cfg = dataclasses.replace(cfg, **QUICK)
-  for name in ("lengths", "head_dims", "methods", "reps", "batch", "heads", "kv_heads",
-               "out_dir"):
-    value = getattr(args, name)
-    if value is not None:
-      setattr(cfg, name, value)
+  flags = {name: getattr(args, name) for name in ("lengths", "head_dims", "methods", "reps",
+                                                 "batch", "heads", "kv_heads", "out_dir")}
+  cfg = Config(**config_fields(Config, args.config, quick=QUICK if args.quick else None,
+                               flags=flags))
   if args.causal is not None:
     cfg.causal = [{"true": True, "false": False}[c] for c in args.causal]
   if args.memory_lengths is not None:

@@ -52,11 +52,15 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
 
 import jattn
 from jattn import masks
 from jattn.impl import blockwise as _blockwise
+
+try:
+  from experiments._config import config_fields
+except ImportError:  # run as a script: its folder is on sys.path
+  from _config import config_fields
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 METHODS = ("jax.nn", "xla", "blockwise", "window", "linear")
@@ -310,18 +314,8 @@ def plot(cfg: Config, rows, fits, path: pathlib.Path) -> pathlib.Path | None:
 
 
 def load_config(args) -> Config:
-  fields = {}
-  if args.config:
-    with open(args.config) as f:
-      fields = yaml.safe_load(f) or {}
-    unknown = set(fields) - {f.name for f in dataclasses.fields(Config)}
-    if unknown:
-      raise SystemExit(f"unknown keys in {args.config}: {sorted(unknown)}")
-  if args.quick:
-    fields.update(QUICK)
-  for name in ("lengths", "methods", "reps", "out_dir"):
-    if getattr(args, name) is not None:
-      fields[name] = getattr(args, name)
+  flags = {name: getattr(args, name) for name in ("lengths", "methods", "reps", "out_dir")}
+  fields = config_fields(Config, args.config, quick=QUICK if args.quick else None, flags=flags)
   if args.causal:
     fields["causal"] = True
   if args.no_sparse:
