@@ -88,3 +88,72 @@ def test_bench_scaling_config_file_is_valid():
   cfg = bench.load_config(bench.parse_args(
       ["--config", str(EXPERIMENTS.parent / "configs" / "bench_scaling.yaml")]))
   assert cfg.lengths[0] == 128 and cfg.lengths[-1] == 65536 and cfg.methods == list(bench.METHODS)
+
+
+def test_bench_parallel_quick(tmp_path):
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    record = _load("bench_parallel").main(["--quick", "--out-dir", str(tmp_path)])
+  rows = record["rows"]
+  assert [r["P"] for r in rows] == [1, 2, 4]
+  assert all(r["layout"] == "contiguous" and r["ms"] > 0 and r["mb"] > 0 for r in rows)
+  # Per-device memory falls as the sequence is split over more devices.
+  mb = {r["P"]: r["mb"] for r in rows}
+  assert mb[4] < mb[2] < mb[1] and rows[0]["mb_x_P_vs_P1"] == 1.0
+  assert record["reference"]["ms"] > 0 and record["reference"]["mb"] > 0
+  layouts = {r["layout"]: r for r in record["layouts"]}
+  assert list(layouts) == ["contiguous", "zigzag", "striped"]
+  assert all(r["P"] == 4 and r["ms"] > 0 for r in layouts.values())
+  assert layouts["contiguous"]["time_vs_contiguous"] == 1.0
+  balance = {w["layout"]: w for w in record["balance"]}
+  assert balance["zigzag"]["pairs_max_over_mean"] == 1.0
+  assert balance["contiguous"]["pairs_max_over_mean"] > 1.5
+  assert "| 4 |" in out.getvalue() and "| zigzag | 1.000 | 1.000 |" in out.getvalue()
+  saved = list(tmp_path.glob("parallel-*-quick/parallel.json"))
+  assert len(saved) == 1 and str(saved[0]) == record["path"]
+  assert json.loads(saved[0].read_text())["rows"] == rows
+  # The compile-only memory table: one-device references, then the ring at every P.
+  memory = record["memory"]
+  assert [(m["method"], m["P"]) for m in memory] == [("jax.nn", 1), ("blockwise", 1),
+                                                     ("ring", 1), ("ring", 2), ("ring", 4)]
+  ring = {m["P"]: m["mb"] for m in memory if m["method"] == "ring"}
+  assert ring[4] < ring[2] < ring[1] and memory[-1]["vs_half_P"] == ring[4] / ring[2]
+
+
+def test_bench_parallel_work_balance():
+  bench = _load("bench_parallel")
+  T, P, block = 64, 4, 4
+  L = T // P
+  work = {layout: bench.work_per_device(layout, T, P, block, block)
+          for layout in bench.parallel.LAYOUTS}
+  for layout, w in work.items():
+    # Device i's exact causal work: each of its query rows at position p sees p + 1 keys.
+    pos = bench.parallel.positions(layout, T, P).reshape(P, L)
+    assert w.pairs.tolist() == (pos + 1).sum(axis=1).tolist(), layout
+    assert w.pairs.sum() == T * (T + 1) // 2
+  contiguous, zigzag, striped = work["contiguous"], work["zigzag"], work["striped"]
+  assert zigzag.pairs.min() == zigzag.pairs.max()
+  assert striped.pairs.max() / striped.pairs.mean() < 1.05
+  expected = [sum(p + 1 for p in range(i * L, (i + 1) * L)) for i in range(P)]  # 136 ... 904
+  ratio = contiguous.pairs.max() / contiguous.pairs.mean()
+  assert ratio == max(expected) / (sum(expected) / P)
+  # 904 / 520 = 1.738: near the T/P >> 1 limit (2P - 1) / P = 1.75. In whole shards (ring
+  # steps with any work: 4 on the last device, 2.5 on average) it would be 2P / (P + 1) = 1.6.
+  assert abs(ratio - (2 * P - 1) / P) < 0.02
+  # Tiles of 4: device i sees i whole shards (16 tiles each) and the triangle of its own
+  # (10 tiles); zig-zag's chunks are whole tiles, so it visits 136 / 4 = 34 on every device.
+  assert contiguous.tiles.tolist() == [16 * i + 10 for i in range(P)]
+  assert zigzag.tiles.tolist() == [34] * P
+  # Striped shards map tiles to strided positions: classified conservatively, never fewer.
+  assert striped.tiles.sum() >= zigzag.tiles.sum()
+  assert bench.work_per_device("contiguous", T, P, block, block, causal=False).pairs.tolist() \
+      == [L * T] * P
+
+
+def test_bench_parallel_config_file_is_valid():
+  bench = _load("bench_parallel")
+  cfg = bench.load_config(bench.parse_args(
+      ["--config", str(EXPERIMENTS.parent / "configs" / "bench_parallel.yaml")]))
+  assert cfg.devices == [1, 2, 4, 8] and cfg.causal and cfg.reps == 3
+  assert cfg.layouts == list(bench.parallel.LAYOUTS) and cfg.block_q is None
+  assert cfg.length % (2 * max(cfg.devices)) == 0 and cfg.memory_length == 65536

@@ -1,0 +1,431 @@
+"""Ring attention against the number of devices: memory per device, step time, causal balance.
+
+At one total length T (= S), float32 inputs (B, T, N, H) with K = N heads, for
+each device count P of ``devices`` the script builds a one-axis mesh of the
+first P devices, shards the sequence over it and compiles one training step
+ahead of time: ``jax.value_and_grad`` of sum(ring_attention(q, k, v)²) with
+respect to q, k and v (``jattn.parallel.ring_attention``, contiguous layout,
+causal per the config). It records
+
+- the bytes per device XLA allocates for the step, arguments + outputs +
+  temporaries − aliased bytes, from the compiled program's memory analysis
+  (XLA reports these per device for an SPMD program), and the temporaries
+  alone: ring attention should hold O(B·T·N·H / P) per device, so
+  per-device bytes × P / bytes at P = 1 stays near 1.0;
+- the median wall time of the step over ``reps`` calls after one warm-up.
+
+In the same run it measures the same training step of
+``jax.nn.dot_product_attention`` on one device with the same (unsharded)
+inputs, and prints every row's memory and time as a ratio against it.
+
+At the timed length a few tile-sized temporaries (B·N·block_q·block_kv floats
+each, whatever P) are a large part of each device's memory, so a second table
+compiles the same step at ``memory_length`` (64k: nothing runs, so lengths far
+past what this machine could execute are fine) and reports per-device bytes
+for jax.nn and jattn blockwise on one device and for the ring at every P, with
+each P's bytes relative to P/2's (0.5 = halving with twice the devices).
+
+Simulated CPU devices (``--xla_force_host_platform_device_count``) share the
+machine's cores, so step time does not fall with P here: it shows the ring's
+overhead, not its speed-up. Memory per device is the quantity that scales.
+
+Causal load balance, computed from the masks alone (no devices): for every
+layout at the largest P, ``work_per_device`` counts, for each device and ring
+step, the (query tile, key/value tile) pairs that the blockwise kernel visits
+(tiles not classified EMPTY by ``masks.reindex(masks.causal(), ...)``) and
+the exact allowed (query, key) pairs. The table prints max/mean across
+devices (1.0 = even), next to the measured step time of each layout at the
+largest P (inputs permuted outside the timed step) relative to contiguous.
+Zigzag pairs are exactly even, striped nearly so. Contiguous: the last device
+holds the last T/P rows, (P − 1/2)·(T/P)² pairs against a mean of
+P·(T/P)²/2, so pairs max/mean tends to (2P − 1)/P for T/P ≫ 1; counted in
+whole shards (ring steps with any work: P on the last device, (P + 1)/2 on
+average) it is 2P/(P + 1), which is what tiles as large as a shard give.
+
+    python experiments/bench_parallel.py --config configs/bench_parallel.yaml
+    python experiments/bench_parallel.py --length 2048 --devices 1 2 4 8 --layouts zigzag
+    python experiments/bench_parallel.py --quick     # tiny smoke test (CI)
+
+Writes ``runs/parallel-<time>/parallel.json``.
+"""
+
+from __future__ import annotations
+
+import os
+
+# XLA reads the flag when JAX starts its CPU backend, so it is set before JAX is imported.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from typing import NamedTuple  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+import jattn  # noqa: E402
+from jattn import masks, parallel  # noqa: E402
+from jattn.impl import blockwise as _blockwise  # noqa: E402
+
+try:
+  from experiments._config import config_fields
+except ImportError:  # run as a script: its folder is on sys.path
+  from _config import config_fields
+
+AXIS = "sp"
+
+
+@dataclasses.dataclass
+class Config:
+  batch: int = 1
+  heads: int = 8
+  head_dim: int = 64
+  length: int = 8192
+  devices: list = dataclasses.field(default_factory=lambda: [1, 2, 4, 8])
+  causal: bool = True
+  layouts: list = dataclasses.field(default_factory=lambda: list(parallel.LAYOUTS))
+  reps: int = 3
+  block_q: int | None = None  # None: the backend's blockwise default
+  block_kv: int | None = None
+  memory_length: int | None = 65536  # compile-only memory table at this T (None: skip)
+  out_dir: str = "runs"
+
+
+QUICK = dict(heads=2, head_dim=8, length=64, devices=[1, 2, 4], reps=1, block_q=8, block_kv=8,
+             memory_length=256)
+
+
+# --- causal work per device (masks only) ----------------------------------------------
+
+
+class Work(NamedTuple):
+  """Work of each device over a whole ring, shape (P,) each."""
+  tiles: np.ndarray  # visited (query, key/value) tiles, in units of a full block_q x block_kv tile
+  pairs: np.ndarray  # allowed (query, key) pairs: the exact attention work
+
+
+def work_per_device(layout: str, T: int, P: int, block_q: int, block_kv: int, *,
+                    causal: bool = True) -> Work:
+  """Per-device work of a ring over ``P`` devices with the sequence in ``layout``.
+
+  At ring step s device i holds the key/value shard of device j = (i - s) % P;
+  its kernel visits every tile of ``masks.reindex(mask, q=pos[i], kv=pos[j])``
+  not classified EMPTY (the classification is what the kernel skips on, so it
+  is conservative for non-contiguous layouts), and the exact work is the number
+  of pairs with kv position <= query position. Tiles at the end of a shard that
+  are shorter than a block count by their area.
+  """
+  L = T // P
+  pos = parallel.positions(layout, T, P).reshape(P, L)
+  bq, bk = min(block_q, L), min(block_kv, L)
+  q_sizes = np.minimum(bq, L - np.arange(0, L, bq))
+  kv_sizes = np.minimum(bk, L - np.arange(0, L, bk))
+  area = np.outer(q_sizes, kv_sizes) / (bq * bk)
+  tiles = np.zeros(P, np.float64)
+  pairs = np.zeros(P, np.int64)
+  for i in range(P):
+    for s in range(P):
+      j = (i - s) % P
+      if not causal:
+        tiles[i] += area.sum()
+        pairs[i] += L * L
+        continue
+      view = masks.reindex(masks.causal(), q=pos[i], kv=pos[j]).block_view(
+          L, L, block_q=bq, block_kv=bk)[0, 0]
+      tiles[i] += area[view != masks.EMPTY].sum()
+      pairs[i] += int(np.searchsorted(np.sort(pos[j]), pos[i], side="right").sum())
+  return Work(tiles, pairs)
+
+
+def balance(cfg: Config, P: int, blocks: tuple[int, int]) -> list[dict]:
+  """max/mean of each layout's per-device work at ``P`` devices."""
+  rows = []
+  for layout in cfg.layouts:
+    work = work_per_device(layout, cfg.length, P, *blocks, causal=cfg.causal)
+    rows.append(dict(
+        layout=layout, P=P, tiles=work.tiles.tolist(), pairs=work.pairs.tolist(),
+        tiles_max_over_mean=float(work.tiles.max() / work.tiles.mean()),
+        pairs_max_over_mean=float(work.pairs.max() / work.pairs.mean()),
+        total_tiles=float(work.tiles.sum())))
+  return rows
+
+
+# --- training steps -------------------------------------------------------------------
+
+
+def inputs(cfg: Config) -> tuple[np.ndarray, ...]:
+  """q, k, v (B, T, N, H) float32 on the host, natural order."""
+  rng = np.random.default_rng(0)
+  shape = (cfg.batch, cfg.length, cfg.heads, cfg.head_dim)
+  return tuple(rng.standard_normal(shape, np.float32) for _ in range(3))
+
+
+def ring_step(cfg: Config, mesh: Mesh, layout: str):
+  """jit(value_and_grad) of sum(ring_attention(q, k, v)²) in q, k and v."""
+  def loss(q, k, v):
+    out = parallel.ring_attention(q, k, v, mesh=mesh, axis_name=AXIS, is_causal=cfg.causal,
+                                  layout=layout, block_q=cfg.block_q, block_kv=cfg.block_kv)
+    return jnp.sum(jnp.square(out))
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def reference_step(cfg: Config):
+  """The same training step with jax.nn.dot_product_attention (materialised scores)."""
+  def loss(q, k, v):
+    return jnp.sum(jnp.square(jax.nn.dot_product_attention(q, k, v, is_causal=cfg.causal)))
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def blockwise_step(cfg: Config):
+  """The same training step with single-device jattn blockwise attention."""
+  def loss(q, k, v):
+    out = jattn.dot_product_attention(q, k, v, is_causal=cfg.causal, implementation="blockwise",
+                                      block_q=cfg.block_q, block_kv=cfg.block_kv)
+    return jnp.sum(jnp.square(out))
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def device_bytes(compiled) -> dict | None:
+  """Per-device bytes of one call: arguments + outputs + temporaries − aliases, and the
+  temporaries alone (None if the backend won't say)."""
+  m = compiled.memory_analysis()
+  if m is None:
+    return None
+  alias = int(getattr(m, "alias_size_in_bytes", 0) or 0)
+  total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - alias
+  return dict(total=int(total), temp=int(m.temp_size_in_bytes))
+
+
+def median_ms(compiled, args, reps: int) -> float:
+  """Median of ``reps`` calls after one warm-up call."""
+  jax.block_until_ready(compiled(*args))
+  times = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times) * 1e3
+
+
+def measure(step, args, reps: int) -> dict:
+  """Compile ``step`` ahead of time for ``args``; its per-device memory and median time."""
+  compiled = step.lower(*args).compile()
+  nbytes = device_bytes(compiled)
+  ms = median_ms(compiled, args, reps)
+  return dict(mb=None if nbytes is None else nbytes["total"] / 2**20,
+              temp_mb=None if nbytes is None else nbytes["temp"] / 2**20, ms=ms)
+
+
+def shard(host: tuple[np.ndarray, ...], mesh: Mesh) -> list[jax.Array]:
+  spec = NamedSharding(mesh, PartitionSpec(None, AXIS, None, None))
+  return [jax.device_put(x, spec) for x in host]
+
+
+def mesh_of(P: int) -> Mesh:
+  return Mesh(np.array(jax.devices()[:P]), (AXIS,))
+
+
+def measure_devices(cfg: Config, host, on_row=lambda row: None) -> list[dict]:
+  """One row per device count: the contiguous ring's per-device memory and step time."""
+  rows = []
+  for P in cfg.devices:
+    mesh = mesh_of(P)
+    row = dict(P=P, layout="contiguous", **measure(ring_step(cfg, mesh, "contiguous"),
+                                                   shard(host, mesh), cfg.reps))
+    rows.append(row)
+    on_row(row)
+  base = rows[0]["mb"] if rows and rows[0]["P"] == 1 else None
+  for r in rows:
+    r["mb_x_P_vs_P1"] = None if base is None or r["mb"] is None else r["mb"] * r["P"] / base
+  return rows
+
+
+def measure_layouts(cfg: Config, host, P: int, contiguous: dict,
+                    on_row=lambda row: None) -> list[dict]:
+  """Step time of each layout at ``P`` devices (inputs permuted outside the timed step); the
+  contiguous row is the one already measured for the memory table."""
+  rows = []
+  mesh = mesh_of(P)
+  for layout in cfg.layouts:
+    if layout == "contiguous":
+      row = dict(P=P, layout=layout, mb=contiguous["mb"], temp_mb=contiguous["temp_mb"],
+                 ms=contiguous["ms"])
+    else:
+      permuted = tuple(parallel.permute(x, layout, P) for x in host)
+      row = dict(P=P, layout=layout, **measure(ring_step(cfg, mesh, layout),
+                                               shard(permuted, mesh), cfg.reps))
+      on_row(row)
+    row["time_vs_contiguous"] = row["ms"] / contiguous["ms"]
+    rows.append(row)
+  return rows
+
+
+def memory_at_length(cfg: Config, T: int) -> list[dict]:
+  """Per-device bytes of the training step at length ``T``, from compilation alone (nothing
+  runs, so T can be far past what this machine could execute): the ring at every P, and on
+  one device jattn blockwise and jax.nn with the same inputs."""
+  def compiled_mb(step, mesh, spec):
+    sharding = NamedSharding(mesh, spec)
+    arg = jax.ShapeDtypeStruct((cfg.batch, T, cfg.heads, cfg.head_dim), np.float32,
+                               sharding=sharding)
+    nbytes = device_bytes(step.lower(arg, arg, arg).compile())
+    return (None, None) if nbytes is None else (nbytes["total"] / 2**20,
+                                                nbytes["temp"] / 2**20)
+
+  rows = []
+  one = mesh_of(1)
+  for name, step in (("jax.nn", reference_step(cfg)), ("blockwise", blockwise_step(cfg))):
+    mb, temp = compiled_mb(step, one, PartitionSpec())
+    rows.append(dict(method=name, P=1, mb=mb, temp_mb=temp))
+  for P in cfg.devices:
+    mb, temp = compiled_mb(ring_step(cfg, mesh_of(P), "contiguous"), mesh_of(P),
+                           PartitionSpec(None, AXIS, None, None))
+    rows.append(dict(method="ring", P=P, mb=mb, temp_mb=temp))
+  ring = {r["P"]: r for r in rows if r["method"] == "ring"}
+  for r in ring.values():
+    half = ring.get(r["P"] // 2)
+    r["vs_half_P"] = None if r["P"] == 1 or half is None or not half["mb"] or r["mb"] is None \
+        else r["mb"] / half["mb"]
+  return rows
+
+
+# --- output ---------------------------------------------------------------------------
+
+
+def _fmt(x, spec):
+  return "—" if x is None else format(x, spec)
+
+
+def _mb(x):
+  """Megabytes to four significant digits: readable for the quick run's kilobytes too."""
+  return _fmt(x, ".4g")
+
+
+def _ratio(a, b):
+  return None if a is None or not b else a / b
+
+
+def print_memory_table(cfg: Config, rows) -> None:
+  print(f"\nMemory per device at T={cfg.memory_length} from compilation alone (nothing runs), "
+        "same step and shapes otherwise:\n")
+  print("| method | P | MB per device | temp MB | × MB at P/2 |")
+  print("|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['method']} | {r['P']} | {_mb(r['mb'])} | {_mb(r['temp_mb'])} "
+          f"| {_fmt(r.get('vs_half_P'), '.3f')} |")
+
+
+def print_tables(cfg: Config, blocks, ref: dict, rows, layouts, work) -> None:
+  kind = "causal" if cfg.causal else "non-causal"
+  print(f"\nB={cfg.batch} N=K={cfg.heads} H={cfg.head_dim} T={cfg.length} float32 {kind} "
+        f"training step (value_and_grad in q, k, v), {jax.devices()[0].platform}, tiles "
+        f"{blocks[0]}x{blocks[1]}; reference: jax.nn.dot_product_attention on one device: "
+        f"{_mb(ref['mb'])} MB, {ref['ms']:.1f} ms")
+  print(f"\nThe {max(cfg.devices)} simulated devices share this machine's {os.cpu_count()} "
+        "CPU cores: step time does not fall with P here; memory per device is what scales.\n")
+  print("| P | MB per device | × P / MB at P=1 | temp MB | step ms | × jax.nn MB | × jax.nn ms |")
+  print("|---|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['P']} | {_mb(r['mb'])} | {_fmt(r['mb_x_P_vs_P1'], '.3f')} "
+          f"| {_mb(r['temp_mb'])} | {r['ms']:.1f} | {_fmt(_ratio(r['mb'], ref['mb']), '.3f')} "
+          f"| {_ratio(r['ms'], ref['ms']):.3f} |")
+  P = max(cfg.devices)
+  print(f"\ncausal work per device at P={P} (max/mean across devices, 1.0 = even; "
+        f"contiguous: pairs → (2P-1)/P = {(2 * P - 1) / P:.3f} for T/P ≫ 1, whole shards "
+        f"2P/(P+1) = {2 * P / (P + 1):.3f}) and step time per layout:\n")
+  print("| layout | tiles max/mean | pairs max/mean | total tiles | MB per device | step ms "
+        "| × contiguous ms | × jax.nn ms |")
+  print("|---|---|---|---|---|---|---|---|")
+  times = {r["layout"]: r for r in layouts}
+  for w in work:
+    t = times[w["layout"]]
+    print(f"| {w['layout']} | {w['tiles_max_over_mean']:.3f} | {w['pairs_max_over_mean']:.3f} "
+          f"| {w['total_tiles']:.0f} | {_mb(t['mb'])} | {t['ms']:.1f} "
+          f"| {t['time_vs_contiguous']:.3f} | {_ratio(t['ms'], ref['ms']):.3f} |")
+
+
+def load_config(args) -> Config:
+  flags = {name: getattr(args, name) for name in ("length", "devices", "layouts", "reps",
+                                                 "out_dir")}
+  fields = config_fields(Config, args.config, quick=QUICK if args.quick else None, flags=flags)
+  cfg = Config(**fields)
+  bad = [x for x in cfg.layouts if x not in parallel.LAYOUTS]
+  if bad:
+    raise SystemExit(f"unknown layouts {bad}; choose from {list(parallel.LAYOUTS)}")
+  if not cfg.devices or sorted(cfg.devices) != list(cfg.devices) or cfg.devices[0] < 1:
+    raise SystemExit(f"devices must be positive and increasing, got {cfg.devices}")
+  for P in cfg.devices:
+    if cfg.memory_length and cfg.memory_length % P:
+      raise SystemExit(f"memory_length {cfg.memory_length} must split into {P} parts")
+    parts = 2 * P if "zigzag" in cfg.layouts else P
+    if cfg.length % parts:
+      raise SystemExit(f"length {cfg.length} must split into {parts} equal parts for P={P}")
+  return cfg
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", help="a YAML file under configs/ (flags override it)")
+  parser.add_argument("--length", type=int, help="total sequence length T")
+  parser.add_argument("--devices", type=int, nargs="+", help="device counts P, increasing")
+  parser.add_argument("--layouts", nargs="+", help=f"from {list(parallel.LAYOUTS)}")
+  parser.add_argument("--reps", type=int)
+  parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+  parser.add_argument("--out-dir", dest="out_dir", help="parent of the run folder (default runs/)")
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  cfg = load_config(args)
+  if len(jax.devices()) < max(cfg.devices):
+    raise RuntimeError(
+        f"devices={cfg.devices} needs {max(cfg.devices)} devices but JAX sees "
+        f"{len(jax.devices())}; set XLA_FLAGS=--xla_force_host_platform_device_count="
+        f"{max(cfg.devices)} before JAX is imported (this script sets 8 unless XLA_FLAGS "
+        "already names the flag)")
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  run_dir = pathlib.Path(cfg.out_dir) / f"parallel-{stamp}{'-quick' if args.quick else ''}"
+  run_dir.mkdir(parents=True, exist_ok=True)
+  defaults = _blockwise.default_blocks(jax.default_backend())
+  blocks = (cfg.block_q or defaults[0], cfg.block_kv or defaults[1])
+  host = inputs(cfg)
+
+  def show(r):
+    print(f"P={r['P']} {r['layout']:>10}: {r['ms']:10.1f} ms {_mb(r['mb']):>10} MB per "
+          "device", flush=True)
+
+  ref = measure(reference_step(cfg), [jax.device_put(x, jax.devices()[0]) for x in host],
+                cfg.reps)
+  print(f"jax.nn on one device: {ref['ms']:10.1f} ms {_mb(ref['mb']):>10} MB", flush=True)
+  rows = measure_devices(cfg, host, on_row=show)
+  P = max(cfg.devices)
+  layouts = measure_layouts(cfg, host, P, rows[-1], on_row=show)
+  work = balance(cfg, P, blocks)
+  print_tables(cfg, blocks, ref, rows, layouts, work)
+  memory = []
+  if cfg.memory_length:
+    memory = memory_at_length(cfg, cfg.memory_length)
+    print_memory_table(cfg, memory)
+  record = dict(config=dataclasses.asdict(cfg), blocks=list(blocks),
+                device=str(jax.devices()[0]), num_devices=len(jax.devices()),
+                cpu_count=os.cpu_count(), jax_version=jax.__version__, reference=ref,
+                rows=rows, layouts=layouts, balance=work, memory=memory)
+  path = run_dir / "parallel.json"
+  path.write_text(json.dumps(record, indent=1))
+  record["path"] = str(path)
+  print(f"\nwrote {path}")
+  return record
+
+
+if __name__ == "__main__":
+  main()
