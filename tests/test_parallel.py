@@ -76,8 +76,9 @@ def _check(q, k, v, allowed, *, layout, mesh=RING, ref_kwargs=None, **kwargs):
     assert_close(g, w, np.float64)
 
 
-@pytest.mark.parametrize("layout", parallel.LAYOUTS)
-@pytest.mark.parametrize("is_causal", [False, True])
+# Without a mask the layout only permutes rows, so one non-causal case is enough.
+@pytest.mark.parametrize("layout, is_causal", [
+    ("contiguous", False), *((layout, True) for layout in parallel.LAYOUTS)])
 def test_ring_matches_formula(x64, layout, is_causal):
   # GQA (N=4 on K=2); tiles of 3 x 5 do not divide the 4-row shards.
   q, k, v = _inputs()
