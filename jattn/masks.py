@@ -865,19 +865,17 @@ def _reindex_bounds(params, children, t: _Tiles):
   # under-approximation, both safe. Contiguous maps (a shard of a sequence)
   # keep the child's classes exact.
   mask, batch, head, q, kv = children
-  q_lo, q_hi, kv_lo, kv_hi = t.q_lo, t.q_hi, t.kv_lo, t.kv_hi
-  aligned = t.aligned
+  mapped = t
+  if q is not None or kv is not None:
+    if not t.aligned:  # tiles already stand for hulls: positions per tile are unknown here
+      return _UNSURE
+    mapped = t._replace(aligned=False)
   if q is not None:
-    if not t.aligned:
-      return _UNSURE
     q_lo, q_hi = (x.reshape(1, 1, -1, 1) for x in _mapped_range(q, t.block_q, t.q_len))
-    aligned = False
+    mapped = mapped._replace(q_lo=q_lo, q_hi=q_hi)
   if kv is not None:
-    if not t.aligned:
-      return _UNSURE
     kv_lo, kv_hi = (x.reshape(1, 1, 1, -1) for x in _mapped_range(kv, t.block_kv, t.kv_len))
-    aligned = False
-  mapped = t._replace(q_lo=q_lo, q_hi=q_hi, kv_lo=kv_lo, kv_hi=kv_hi, aligned=aligned)
+    mapped = mapped._replace(kv_lo=kv_lo, kv_hi=kv_hi)
   out = []
   for x in _bounds(mask, mapped):
     x = jnp.asarray(x)
@@ -906,8 +904,8 @@ _REINDEX = _Rule("reindex", _reindex_eval, _reindex_bounds, _reindex_extents, _d
 
 
 def reindex(mask: Mask, *, batch=None, head=None, q=None, kv=None) -> Mask:
-  """``mask`` seen through index maps: the new mask at ``(b, h, i, j)`` is
-  ``mask(batch[b], head[head_i], q[i], kv[j])``.
+  """``mask`` seen through index maps: the new mask at ``(b, n, i, j)`` is
+  ``mask(batch[b], head[n], q[i], kv[j])``.
 
   Each map is an int array of shape (L,) giving, for every position of the
   new axis, the position of ``mask``'s axis it stands for; None keeps the axis

@@ -94,7 +94,7 @@ def positions(layout: str, length: int, num_shards: int) -> np.ndarray:
   _check_divisible("length", length, layout, num_shards)
   with jax.ensure_compile_time_eval():
     pos = jnp.concatenate([_shard_positions(layout, length, num_shards, i)
-                           for i in range(num_shards)]) if length else jnp.zeros(0, jnp.int32)
+                           for i in range(num_shards)])
   return np.asarray(pos, np.int32)
 
 
@@ -103,26 +103,24 @@ def permute(x, layout: str, num_shards: int, *, axis: int = 1):
   shards: the inputs of :func:`ring_attention` with that layout. Works on NumPy and
   JAX arrays; for a training loop, permute token ids and position ids once in the
   input pipeline rather than activations in every layer."""
-  x = _checks.as_array("x", x)
-  axis = _check_axis(axis, x)
-  pos = positions(layout, x.shape[axis], num_shards)
-  return x.take(pos, axis=axis) if isinstance(x, np.ndarray) else jnp.take(x, pos, axis=axis)
+  return _reorder(x, layout, num_shards, axis, inverse=False)
 
 
 def unpermute(x, layout: str, num_shards: int, *, axis: int = 1):
   """The inverse of :func:`permute`: ``x`` laid out in ``layout`` back to natural order."""
+  return _reorder(x, layout, num_shards, axis, inverse=True)
+
+
+def _reorder(x, layout: str, num_shards: int, axis, *, inverse: bool):
+  """``x`` taken along ``axis`` at the layout's positions (or their inverse); NumPy stays NumPy."""
   x = _checks.as_array("x", x)
-  axis = _check_axis(axis, x)
-  inverse = np.argsort(positions(layout, x.shape[axis], num_shards))
-  return x.take(inverse, axis=axis) if isinstance(x, np.ndarray) else jnp.take(x, inverse,
-                                                                                axis=axis)
-
-
-def _check_axis(axis, x) -> int:
   axis = _checks.integer("axis", axis)
   if not -x.ndim <= axis < x.ndim:
     raise ValueError(f"axis {axis} is out of range for an array of shape {tuple(x.shape)}")
-  return axis % x.ndim
+  index = positions(layout, x.shape[axis], num_shards)
+  if inverse:
+    index = np.argsort(index)
+  return x.take(index, axis=axis) if isinstance(x, np.ndarray) else jnp.take(x, index, axis=axis)
 
 
 def _check_divisible(name: str, length: int, layout: str, num_shards: int) -> None:
@@ -268,9 +266,9 @@ def ring_attention(
   if logits_soft_cap is not None:
     attention._check_score(None, logits_soft_cap, q.dtype, (B, N, T, S))
     soft_cap = float(logits_soft_cap)
+  blocks = attention._check_blocks("blockwise", block_q, block_kv)
   defaults = blockwise.default_blocks(jax.default_backend())
-  blocks = tuple(d if b is None else _checks.integer(name, b, minimum=1)
-                 for name, b, d in zip(("block_q", "block_kv"), (block_q, block_kv), defaults))
+  blocks = tuple(d if b is None else b for b, d in zip(blocks, defaults))
   ring = _Ring(axis_name, size, layout, T, S, scale, soft_cap, *blocks,
                _axes_or_none(batch_axes), _axes_or_none(head_axes))
   out, lse = _ring_call(q, k, v, q_ids, kv_ids, combined, ring=ring, mesh=mesh)
