@@ -52,9 +52,12 @@ def logits(query_g: jax.Array, key: jax.Array, bias: jax.Array | None, scale: fl
   S = key.shape[1]
   chex.assert_shape(key, (B, S, K, H))
   dtype = stats_dtype(query_g.dtype)
-  s = jnp.einsum("BKGTH,BSKH->BKGTS", query_g, key,
-                 preferred_element_type=dtype).reshape(B, K * G, T, S)
-  s = s * jnp.asarray(scale, dtype)
+  if query_g.dtype == dtype:  # float32/64: scaling the (T, H) queries is the cheaper product
+    query_g = query_g * jnp.asarray(scale, dtype)
+  s = jnp.einsum("BKGTH,BSKH->BKGTS", query_g, key, preferred_element_type=dtype)
+  if query_g.dtype != dtype:  # narrower inputs: scale the float32 logits, not rounded queries
+    s = s * jnp.asarray(scale, dtype)
+  s = s.reshape(B, K * G, T, S)
   if bias is not None:
     chex.assert_rank(bias, 4)
     s = s + bias.astype(dtype)
