@@ -239,6 +239,13 @@ def _tile_indices(B, N, bq, bk, qi, ki):
           (ki * bk + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, bk))
 
 
+def _scaled_queries(query, static: _Static, dtype):
+  """Query tiles for :func:`_tile`: pre-multiplied by the scale when the inputs are already in
+  the statistics dtype (float32/64), which saves a pass over every score tile; narrower inputs
+  keep their values and the float32 scores are scaled instead (see :func:`_tile`)."""
+  return query * jnp.asarray(static.scale, dtype) if query.dtype == dtype else query
+
+
 def _pad_bias(bias, static: _Static):
   """Bias (Bb, Nb, Tb, Sb) with its T and S axes (where not 1) padded to whole tiles."""
   if bias is None:
@@ -275,7 +282,9 @@ def _tile(static: _Static, q_tile, k_tile, bias, seed, consts, qi, ki, *, masked
   N = rows // bq * K
   dtype = _common.stats_dtype(q_tile.dtype)
   s = jnp.einsum("BKrH,BKkH->BKrk", q_tile, k_tile, preferred_element_type=dtype)
-  s = s.reshape(B, N, bq, bk) * jnp.asarray(static.scale, dtype)
+  if q_tile.dtype != dtype:  # not pre-scaled by _scaled_queries
+    s = s * jnp.asarray(static.scale, dtype)
+  s = s.reshape(B, N, bq, bk)
   if bias is not None:
     start, size = _bias_window(bias, static, qi, ki)
     s = s + jax.lax.dynamic_slice(bias, start, size).astype(dtype)
@@ -318,7 +327,7 @@ def _forward(static: _Static, query, key, value, bias, seed, rows: _Schedule, co
   G = N // K
   bq = static.block_q
   dtype = _common.stats_dtype(query.dtype)
-  q_tiles = _query_tiles(query, bq, K)
+  q_tiles = _query_tiles(_scaled_queries(query, static, dtype), bq, K)
   k_tiles, v_tiles = _tiles(key, static.block_kv), _tiles(value, static.block_kv)
   bias = _pad_bias(bias, static)
   keep_scale = None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate),
@@ -370,7 +379,8 @@ def _backward(static: _Static, residuals, d_out, d_lse):
   keep_scale = None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate),
                                                                 dtype)
 
-  q_tiles = _query_tiles(query, bq, K)
+  q_tiles = _query_tiles(_scaled_queries(query, static, dtype), bq, K)
+  prescaled = q_tiles.dtype == dtype
   k_tiles, v_tiles = _tiles(key, bk), _tiles(value, bk)
   d_out = d_out.astype(dtype)
   do_tiles = _query_tiles(d_out, bq, K)
@@ -394,7 +404,7 @@ def _backward(static: _Static, residuals, d_out, d_lse):
       p = _common.masked_exp(tile.s, lse[i], tile.keep)  # A, the normalised probabilities
       p_used = p if tile.drop is None else jnp.where(tile.drop, p * keep_scale, 0)
       do_tile = do_tiles[i]
-      d_v = d_v + jnp.einsum("BKrk,BKrH->BKkH", p_used.reshape(B, K, G * bq, bk), do_tile)
+      d_v = d_v + jnp.einsum("BKrk,BKrH->BKHk", p_used.reshape(B, K, G * bq, bk), do_tile)
       d_p = jnp.einsum("BKrH,BKkH->BKrk", do_tile, v_tile,
                        preferred_element_type=dtype).reshape(B, N, bq, bk)
       if tile.drop is not None:
@@ -409,12 +419,18 @@ def _backward(static: _Static, residuals, d_out, d_lse):
         part = _common.reduce_to_shape(d_s, size).astype(d_bias.dtype)
         d_bias = jax.lax.dynamic_update_slice(
             d_bias, jax.lax.dynamic_slice(d_bias, start, size) + part, start)
-      d_s = d_s.reshape(B, K, G * bq, bk) * jnp.asarray(static.scale, dtype)
+      # dQ = scale · dS K and dK = scale · dSᵀ Q: with pre-scaled queries, dK needs no
+      # product and dQ is scaled once at the end.
+      d_s = d_s.reshape(B, K, G * bq, bk)
+      if not prescaled:
+        d_s = d_s * jnp.asarray(static.scale, dtype)
       d_q = d_q.at[i].add(jnp.einsum("BKrk,BKkH->BKrH", d_s, k_tile.astype(dtype)))
-      d_k = d_k + jnp.einsum("BKrk,BKrH->BKkH", d_s, q_tile.astype(dtype))
+      d_k = d_k + jnp.einsum("BKrk,BKrH->BKHk", d_s, q_tile.astype(dtype))
       return d_k, d_v, d_q, d_bias, d_consts
 
-    zeros = jnp.zeros((B, K, bk, H), dtype)
+    # dK and dV accumulate transposed, (H, block_kv) per head: contracting the query rows
+    # into that layout ran about 1.7x faster than into (block_kv, H) with XLA's CPU dot.
+    zeros = jnp.zeros((B, K, H, bk), dtype)
     d_k, d_v, d_q, d_bias, d_consts = _visit(cols, j, body,
                                              (zeros, zeros, d_q, d_bias, d_consts))
     return (d_q, d_bias, d_consts), (d_k, d_v)
@@ -425,8 +441,10 @@ def _backward(static: _Static, residuals, d_out, d_lse):
   (d_q, d_bias, d_float), (d_k, d_v) = jax.lax.scan(
       kv_tile, init, (jnp.arange(k_tiles.shape[0], dtype=jnp.int32), k_tiles, v_tiles))
   d_query = _untile_queries(d_q, N, T)
-  d_key = d_k.transpose(1, 0, 3, 2, 4).reshape(B, -1, K, H)[:, :S]
-  d_value = d_v.transpose(1, 0, 3, 2, 4).reshape(B, -1, K, H)[:, :S]
+  if prescaled:
+    d_query = d_query * jnp.asarray(static.scale, dtype)
+  d_key = d_k.transpose(1, 0, 4, 2, 3).reshape(B, -1, K, H)[:, :S]  # (nk, B, K, H, bk)
+  d_value = d_v.transpose(1, 0, 4, 2, 3).reshape(B, -1, K, H)[:, :S]
   if bias is not None:
     d_bias = d_bias[:, :, :bias.shape[2], :bias.shape[3]]
   d_float = iter(d_float)
