@@ -2,19 +2,22 @@
 
 For every head dimension, sequence length T (= S) and causal setting of the
 grid, times the jitted forward pass and forward+backward (gradients of q, k,
-v) of each method on the same float32 inputs, in one run: a warm-up call,
-then the median of ``reps`` calls (more for calls of a few milliseconds,
-up to half a second's worth). Methods:
+v) of each method on the same float32 inputs, in one run. After a warm-up
+call, the methods of one (T, causal, pass) take turns for ``reps`` rounds,
+together with a float32 matmul, so that the machine's drift during the run
+hits all of them alike; each turn times enough calls to last about 0.1 s
+(up to 200). Methods:
 
     jax.nn     jax.nn.dot_product_attention (materialised, autodiff)
     xla        jattn, implementation="xla" (materialised, autodiff)
     blockwise  jattn, implementation="blockwise" (tiles, custom_vjp)
     auto       jattn, implementation=None (the documented auto rule)
 
-Reports milliseconds, GFLOP/s (forward 4·B·N·T·S·H, forward+backward 3.5
-times that, both halved for causal), that rate as a percentage of a float32
-matmul's GFLOP/s measured at the start of the same run, and the speedup over
-jax.nn (jax.nn's time / the method's time). Then the peak process memory
+Reports the median milliseconds, GFLOP/s (forward 4·B·N·T·S·H,
+forward+backward 3.5 times that, both halved for causal), that rate as a
+percentage of the matmul's GFLOP/s, and the speedup over jax.nn (jax.nn's
+time / the method's time); percentage and speedup are medians of the
+per-round ratios, each taken between turns of the same round. Then the peak process memory
 (VmHWM) of forward+backward for the ``memory`` grid, each case in a fresh
 subprocess so no case sees another's high-water mark. Prints markdown tables
 and writes everything as JSON under runs/.
@@ -31,7 +34,6 @@ import dataclasses
 import datetime
 import json
 import pathlib
-import statistics
 import subprocess
 import sys
 import time
@@ -102,56 +104,71 @@ def flops(cfg: Config, T: int, H: int, causal: bool, mode: str) -> float:
   return f / 2 if causal else f
 
 
-def median_ms(fn, *args, reps: int, min_seconds: float = 0.5) -> float:
-  """Median of at least ``reps`` timed calls after a warm-up; short calls repeat until
-  about ``min_seconds`` have passed (up to 200 calls), as one call of a millisecond is noise."""
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  start = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  once = time.perf_counter() - start
-  reps = max(reps, min(200, int(min_seconds / max(once, 1e-6))))
-  times = []
-  for _ in range(reps):
+def interleaved_ms(fns: dict, reps: int, min_seconds: float = 0.1) -> dict[str, np.ndarray]:
+  """Milliseconds per call of each ``name -> (fn, args)`` in each of ``reps`` rounds.
+
+  The functions take turns within every round, so that the machine's drift (this
+  CPU's speed moves by 10-20 % over minutes) reaches all of them alike and
+  per-round ratios stay meaningful. After a warm-up call, each turn repeats a
+  call until about ``min_seconds`` have passed (at most 200 calls): one call of
+  a millisecond is noise.
+  """
+  calls = {}
+  for name, (fn, args) in fns.items():
+    jax.block_until_ready(fn(*args))  # compile and warm up
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times) * 1e3
-
-
-def matmul_gflops(size: int, reps: int) -> float:
-  a = jnp.asarray(np.random.default_rng(0).standard_normal((size, size), np.float32))
-  ms = median_ms(jax.jit(lambda a: a @ a), a, reps=max(reps, 5))
-  return 2.0 * size**3 / ms / 1e6
+    once = time.perf_counter() - start
+    calls[name] = max(1, min(200, int(min_seconds / max(once, 1e-6))))
+  times = {name: [] for name in fns}
+  for _ in range(reps):
+    for name, (fn, args) in fns.items():
+      start = time.perf_counter()
+      for _ in range(calls[name]):
+        out = fn(*args)
+      jax.block_until_ready(out)
+      times[name].append((time.perf_counter() - start) / calls[name] * 1e3)
+  return {name: np.asarray(t) for name, t in times.items()}
 
 
 def materialises_too_much(cfg: Config, method: str, T: int) -> bool:
   return method in MATERIALISING and 4 * cfg.batch * cfg.heads * T * T > cfg.max_materialised_bytes
 
 
-def time_grid(cfg: Config, matmul: float) -> list[dict]:
-  rows = []
+def time_grid(cfg: Config) -> tuple[list[dict], float]:
+  """The timing rows, and the matmul's GFLOP/s over the whole run (median of its turns)."""
+  a = jnp.asarray(np.random.default_rng(0).standard_normal((cfg.matmul_size,) * 2, np.float32))
+  matmul = (jax.jit(lambda a: a @ a), (a,))
+  matmul_flops = 2.0 * cfg.matmul_size**3
+  rows, matmul_ms = [], []
   for H in cfg.head_dims:
     for T in cfg.lengths:
       q, k, v = inputs(cfg, T, H)
       for causal in cfg.causal:
-        for method in cfg.methods:
-          row = dict(H=H, T=T, causal=causal, method=method)
-          for mode in ("fwd", "fwd_bwd"):
-            if materialises_too_much(cfg, method, T):
-              row[f"{mode}_ms"] = None
+        group = [dict(H=H, T=T, causal=causal, method=m) for m in cfg.methods]
+        for mode in ("fwd", "fwd_bwd"):
+          fns = {"matmul": matmul}
+          fns.update({m: (compiled(m, causal, mode), (q, k, v)) for m in cfg.methods
+                      if not materialises_too_much(cfg, m, T)})
+          times = interleaved_ms(fns, cfg.reps)
+          matmul_ms.extend(times["matmul"])
+          ref = times.get("jax.nn")
+          for row in group:
+            ms = times.get(row["method"])
+            if ms is None:
+              row.update({f"{mode}_ms": None, f"{mode}_speedup": None})
               continue
-            ms = median_ms(compiled(method, causal, mode), q, k, v, reps=cfg.reps)
-            gflops = flops(cfg, T, H, causal, mode) / ms / 1e6
-            row.update({f"{mode}_ms": ms, f"{mode}_gflops": gflops,
-                        f"{mode}_pct_matmul": 100.0 * gflops / matmul})
-          rows.append(row)
-        base = rows[-len(cfg.methods):]
-        ref = next((r for r in base if r["method"] == "jax.nn"), None)
-        for r in base:
-          for mode in ("fwd", "fwd_bwd"):
-            ok = ref is not None and ref.get(f"{mode}_ms") and r.get(f"{mode}_ms")
-            r[f"{mode}_speedup"] = ref[f"{mode}_ms"] / r[f"{mode}_ms"] if ok else None
-  return rows
+            work = flops(cfg, T, H, causal, mode)
+            row.update({
+                f"{mode}_ms": float(np.median(ms)),
+                f"{mode}_gflops": work / float(np.median(ms)) / 1e6,
+                f"{mode}_pct_matmul": 100.0 * float(np.median(
+                    (work / ms) / (matmul_flops / times["matmul"]))),
+                f"{mode}_speedup": None if ref is None else float(np.median(ref / ms))})
+        rows.extend(group)
+  if not matmul_ms:  # no lengths to time: only the memory cases
+    return rows, None
+  return rows, matmul_flops / float(np.median(matmul_ms)) / 1e6
 
 
 def memory_case(cfg: Config, method: str, T: int, H: int, causal: bool) -> dict:
@@ -195,7 +212,8 @@ def _fmt(x, spec):
 
 def print_tables(cfg: Config, matmul: float, rows: list[dict], memory: list[dict]) -> None:
   print(f"B={cfg.batch} N={cfg.heads} K={cfg.kv_heads} float32, {jax.devices()[0].platform}, "
-        f"median of {cfg.reps}; float32 matmul {cfg.matmul_size}³: {matmul:.1f} GFLOP/s\n")
+        f"medians of {cfg.reps} interleaved rounds; float32 matmul {cfg.matmul_size}³: "
+        f"{_fmt(matmul, '.1f')} GFLOP/s\n")
   print("| H | T | causal | method | fwd ms | fwd GFLOP/s | % matmul | fwd speedup "
         "| fwd+bwd ms | fwd+bwd GFLOP/s | fwd+bwd speedup |")
   print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -262,8 +280,7 @@ def main(argv=None):
     print(json.dumps(memory_case(cfg, case["method"], case["T"], case["H"], case["causal"])))
     return None
 
-  matmul = matmul_gflops(cfg.matmul_size, cfg.reps)
-  rows = time_grid(cfg, matmul)
+  rows, matmul = time_grid(cfg)
   memory = memory_grid(cfg, args.config, args.quick)
   print_tables(cfg, matmul, rows, memory)
   out_dir = ROOT / cfg.out_dir
