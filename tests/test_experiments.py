@@ -7,6 +7,8 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 EXPERIMENTS = pathlib.Path(__file__).resolve().parent.parent / "experiments"
 
 
@@ -157,3 +159,15 @@ def test_bench_parallel_config_file_is_valid():
   assert cfg.devices == [1, 2, 4, 8] and cfg.causal and cfg.reps == 3
   assert cfg.layouts == list(bench.parallel.LAYOUTS) and cfg.block_q is None
   assert cfg.length % (2 * max(cfg.devices)) == 0 and cfg.memory_length == 65536
+
+
+def test_bench_ceiling_quick():
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    rows = _load("bench_ceiling").main(["--quick"])
+  assert [r["method"] for r in rows] == ["jax.nn", "blockwise", "matmuls only", "matmul"]
+  assert rows[0]["speedup"] == 1.0 and rows[-1]["speedup"] is None
+  assert all(r["ms"] > 0 and r["gflops"] > 0 and r["pct_matmul"] > 0 for r in rows)
+  assert "| matmuls only |" in out.getvalue()
+  with pytest.raises(SystemExit, match="positive"):
+    _load("bench_ceiling").main(["--length", "0"])
