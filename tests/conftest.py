@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 settings.register_profile(
-    "jattn", max_examples=25, deadline=None, derandomize=True, print_blob=True,
+    "jattn", max_examples=15, deadline=None, derandomize=True, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("jattn")
 
