@@ -25,6 +25,23 @@ def stats_dtype(dtype) -> np.dtype:
   return np.promote_types(dtype, np.float32)
 
 
+def scales_queries(dtype) -> bool:
+  """Whether queries of ``dtype`` are multiplied by the scale before the q·k product.
+
+  Float32/64 queries are: scaling the (T, H) queries is cheaper than scaling every
+  (T, S) score, and fuses into their layout copy. Narrower queries are not, so the
+  float32 scores are scaled instead of queries rounded after scaling.
+  """
+  return np.dtype(dtype) == stats_dtype(dtype)
+
+
+def scaled_queries(query: jax.Array, scale: float) -> jax.Array:
+  """``query`` times ``scale`` when :func:`scales_queries` says so, else ``query`` unchanged."""
+  if scales_queries(query.dtype):
+    return query * jnp.asarray(scale, query.dtype)
+  return query
+
+
 def group_heads(x: jax.Array, num_kv_heads: int) -> jax.Array:
   """(B, T, N, H) -> (B, K, G, T, H): query heads grouped by the key/value head they share.
 
@@ -52,10 +69,9 @@ def logits(query_g: jax.Array, key: jax.Array, bias: jax.Array | None, scale: fl
   S = key.shape[1]
   chex.assert_shape(key, (B, S, K, H))
   dtype = stats_dtype(query_g.dtype)
-  if query_g.dtype == dtype:  # float32/64: scaling the (T, H) queries is the cheaper product
-    query_g = query_g * jnp.asarray(scale, dtype)
-  s = jnp.einsum("BKGTH,BSKH->BKGTS", query_g, key, preferred_element_type=dtype)
-  if query_g.dtype != dtype:  # narrower inputs: scale the float32 logits, not rounded queries
+  s = jnp.einsum("BKGTH,BSKH->BKGTS", scaled_queries(query_g, scale), key,
+                 preferred_element_type=dtype)
+  if not scales_queries(query_g.dtype):
     s = s * jnp.asarray(scale, dtype)
   s = s.reshape(B, K * G, T, S)
   if bias is not None:

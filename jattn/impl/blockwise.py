@@ -239,13 +239,6 @@ def _tile_indices(B, N, bq, bk, qi, ki):
           (ki * bk + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, bk))
 
 
-def _scaled_queries(query, static: _Static, dtype):
-  """Query tiles for :func:`_tile`: pre-multiplied by the scale when the inputs are already in
-  the statistics dtype (float32/64), which saves a pass over every score tile; narrower inputs
-  keep their values and the float32 scores are scaled instead (see :func:`_tile`)."""
-  return query * jnp.asarray(static.scale, dtype) if query.dtype == dtype else query
-
-
 def _pad_bias(bias, static: _Static):
   """Bias (Bb, Nb, Tb, Sb) with its T and S axes (where not 1) padded to whole tiles."""
   if bias is None:
@@ -282,7 +275,7 @@ def _tile(static: _Static, q_tile, k_tile, bias, seed, consts, qi, ki, *, masked
   N = rows // bq * K
   dtype = _common.stats_dtype(q_tile.dtype)
   s = jnp.einsum("BKrH,BKkH->BKrk", q_tile, k_tile, preferred_element_type=dtype)
-  if q_tile.dtype != dtype:  # not pre-scaled by _scaled_queries
+  if not _common.scales_queries(q_tile.dtype):  # else the tiles come pre-scaled
     s = s * jnp.asarray(static.scale, dtype)
   s = s.reshape(B, N, bq, bk)
   if bias is not None:
@@ -327,7 +320,7 @@ def _forward(static: _Static, query, key, value, bias, seed, rows: _Schedule, co
   G = N // K
   bq = static.block_q
   dtype = _common.stats_dtype(query.dtype)
-  q_tiles = _query_tiles(_scaled_queries(query, static, dtype), bq, K)
+  q_tiles = _query_tiles(_common.scaled_queries(query, static.scale), bq, K)
   k_tiles, v_tiles = _tiles(key, static.block_kv), _tiles(value, static.block_kv)
   bias = _pad_bias(bias, static)
   keep_scale = None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate),
@@ -379,8 +372,8 @@ def _backward(static: _Static, residuals, d_out, d_lse):
   keep_scale = None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate),
                                                                 dtype)
 
-  q_tiles = _query_tiles(_scaled_queries(query, static, dtype), bq, K)
-  prescaled = q_tiles.dtype == dtype
+  q_tiles = _query_tiles(_common.scaled_queries(query, static.scale), bq, K)
+  prescaled = _common.scales_queries(query.dtype)
   k_tiles, v_tiles = _tiles(key, bk), _tiles(value, bk)
   d_out = d_out.astype(dtype)
   do_tiles = _query_tiles(d_out, bq, K)
