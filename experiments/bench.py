@@ -158,10 +158,10 @@ def time_grid(cfg: Config) -> tuple[list[dict], float]:
             if ms is None:
               row.update({f"{mode}_ms": None, f"{mode}_speedup": None})
               continue
-            work = flops(cfg, T, H, causal, mode)
+            work, median = flops(cfg, T, H, causal, mode), float(np.median(ms))
             row.update({
-                f"{mode}_ms": float(np.median(ms)),
-                f"{mode}_gflops": work / float(np.median(ms)) / 1e6,
+                f"{mode}_ms": median,
+                f"{mode}_gflops": work / median / 1e6,
                 f"{mode}_pct_matmul": 100.0 * float(np.median(
                     (work / ms) / (matmul_flops / times["matmul"]))),
                 f"{mode}_speedup": None if ref is None else float(np.median(ref / ms))})

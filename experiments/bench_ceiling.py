@@ -23,7 +23,6 @@ the softmax can only add to it.
 from __future__ import annotations
 
 import argparse
-import math
 
 import jax
 import jax.numpy as jnp
@@ -42,11 +41,9 @@ def tile_matmuls(block: int):
   """The blockwise forward's two matmuls per tile pair, with nothing between them."""
 
   def run(query, key, value):
-    B, T, N, H = query.shape
-    n = math.ceil(T / block)
-    pad = ((0, 0), (0, n * block - T), (0, 0), (0, 0))
-    tiles = lambda x: jnp.pad(x, pad).reshape(B, n, block, N, H).transpose(1, 0, 3, 2, 4)
-    q_tiles, k_tiles, v_tiles = tiles(query), tiles(key), tiles(value)
+    # The kernel's own tiling: (num_tiles, B, N, block, H), zero-padded.
+    q_tiles, k_tiles, v_tiles = (blockwise._tiles(x, block) for x in (query, key, value))
+    n = k_tiles.shape[0]
 
     def query_tile(q_tile):
       def body(j, acc):
