@@ -6,8 +6,12 @@ shard in place and passes the key/value shards around a ring of devices with
 ``jax.lax.ppermute``; every device merges the partial results with the
 online-softmax rule, so no device ever holds more than two key/value shards::
 
-    step s, device i:  (o, lse) ← blockwise attention of Q_i against K_{i-s}, V_{i-s}
-                       lse' = logaddexp(lse_acc, lse),  out ← out·e^{lse_acc−lse'} + o·e^{lse−lse'}
+    step s, device i:  (o, m, l) ← blockwise attention of Q_i against K_{i-s}, V_{i-s}
+                       m' = max(m_acc, m),  w_acc = l_acc·e^{m_acc−m'},  w = l·e^{m−m'}
+                       l' = w_acc + w,  out ← (out·w_acc + o·w) / l'
+
+(m and l are each row's max and sum, kept apart rather than as the log-sum-exp
+m + log l, which loses log l when |m| is huge; see jattn.impl.blockwise.)
 
 The backward pass rings too: each key/value shard travels with float32
 accumulators of its own dK and dV, every device adds its queries'
@@ -358,49 +362,52 @@ def _pass_on(ring: _Ring, x):
   return jax.tree.map(lambda a: jax.lax.ppermute(a, ring.axis_name, perm), x)
 
 
-def _merge(out, lse, part_out, part_lse):
-  """Online-softmax merge of two partial results over disjoint key sets.
+def _merge(a, b):
+  """Online-softmax merge of two partial results ``(out, m, l)`` over disjoint key sets.
 
-  Rows with nothing to attend to in either part keep lse -inf and zeros, with
-  no inf - inf anywhere.
+  ``out`` is each part's normalised output, m and l its rows' max and sum (m = 0,
+  l = 0 where the part has nothing to attend to). The merged rows keep m and l
+  apart, as the blockwise rule does, so a row at |m| ~ 1e9 loses nothing; rows
+  with nothing to attend to in either part stay zeros with l = 0, with no
+  inf - inf anywhere.
   """
-  new = jnp.logaddexp(lse, part_lse)
-  safe = jnp.where(jnp.isfinite(new), new, 0)
-
-  def weight(x):
-    return jnp.where(jnp.isfinite(x), jnp.exp(x - safe), 0)[..., None]
-
-  return out * weight(lse) + part_out * weight(part_lse), new
+  (out_a, m_a, l_a), (out_b, m_b, l_b) = a, b
+  live = lambda m, l: jnp.where(l > 0, m, -jnp.inf)
+  m = _common.row_max(jnp.maximum(live(m_a, l_a), live(m_b, l_b)))
+  w_a, w_b = (jnp.where(l > 0, l * jnp.exp(jnp.where(l > 0, x - m, 0)), 0)
+              for x, l in ((m_a, l_a), (m_b, l_b)))
+  l = w_a + w_b
+  out = (out_a * w_a[..., None] + out_b * w_b[..., None]) / _common.safe_total(l)[..., None]
+  return out, m, l
 
 
 def _forward(ring: _Ring, query, key, value, q_ids, kv_ids, mask):
-  """This device's ``(out, lse)`` in float32/64 after the whole ring."""
+  """This device's ``(out, m, l)`` in float32/64 after the whole ring (see blockwise.forward)."""
   def attend(step, kv):
     k, v, ids = kv
     plan = _pair_plan(ring, query, k, q_ids, ids, mask, _source(ring, step))
     return blockwise.forward(plan, query, k, v)
 
   def step(carry, s):
-    kv, out, lse = carry
+    kv, acc = carry
     incoming = _pass_on(ring, kv)  # independent of this step's work: may overlap it
-    out, lse = _merge(out, lse, *attend(s, kv))
-    return (incoming, out, lse), None
+    return (incoming, _merge(acc, attend(s, kv))), None
 
   B, T, N, H = query.shape
   dtype = _common.stats_dtype(query.dtype)
-  init = ((key, value, kv_ids), jnp.zeros((B, T, N, H), dtype),
-          jnp.full((B, T, N), -jnp.inf, dtype))
-  (kv, out, lse), _ = jax.lax.scan(step, init, jnp.arange(ring.size - 1))
-  return _merge(out, lse, *attend(ring.size - 1, kv))
+  empty = (jnp.zeros((B, T, N, H), dtype), jnp.zeros((B, T, N), dtype),
+           jnp.zeros((B, T, N), dtype))
+  (kv, acc), _ = jax.lax.scan(step, ((key, value, kv_ids), empty), jnp.arange(ring.size - 1))
+  return _merge(acc, attend(ring.size - 1, kv))
 
 
 def _backward(ring: _Ring, residuals, d_out, d_lse):
-  query, key, value, q_ids, kv_ids, mask, out, lse = residuals
+  query, key, value, q_ids, kv_ids, mask, out, m, l = residuals
 
   def grads(step, kv):
     k, v, ids = kv
     plan = _pair_plan(ring, query, k, q_ids, ids, mask, _source(ring, step))
-    d_q, d_k, d_v, _ = blockwise.backward(plan, query, k, v, out, lse, d_out, d_lse)
+    d_q, d_k, d_v, _ = blockwise.backward(plan, query, k, v, out, m, l, d_out, d_lse)
     return d_q, d_k, d_v
 
   def step(carry, s):
@@ -423,12 +430,13 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring_vjp(ring, query, key, value, q_ids, kv_ids, mask):
-  return _forward(ring, query, key, value, q_ids, kv_ids, mask)
+  out, m, l = _forward(ring, query, key, value, q_ids, kv_ids, mask)
+  return out, _common.log_sum_exp(m, l)
 
 
 def _ring_fwd(ring, query, key, value, q_ids, kv_ids, mask):
-  out, lse = _forward(ring, query, key, value, q_ids, kv_ids, mask)
-  return (out, lse), (query, key, value, q_ids, kv_ids, mask, out, lse)
+  out, m, l = _forward(ring, query, key, value, q_ids, kv_ids, mask)
+  return (out, _common.log_sum_exp(m, l)), (query, key, value, q_ids, kv_ids, mask, out, m, l)
 
 
 def _ring_bwd(ring, residuals, cotangents):

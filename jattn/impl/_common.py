@@ -14,12 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-# A finite stand-in for -inf as the running max of a row with nothing to attend
-# to. Finite so that no subtraction can make inf - inf; capped at float32's
-# range as in jax.nn.
-MASKED_MAX = float(-0.7 * np.finfo(np.float32).max)
-
-
 def stats_dtype(dtype) -> np.dtype:
   """Logits, maxima and sums: float32, or float64 for float64 inputs."""
   return np.promote_types(dtype, np.float32)
@@ -89,35 +83,69 @@ def probs_times_values(p: jax.Array, value: jax.Array) -> jax.Array:
 
 
 def unnormalized_softmax(s: jax.Array, keep: jax.Array | None):
-  """``(p, m, l)``: p = exp(s - m), row maxima m and row sums l, for the allowed positions.
+  """``(p, m, l)``: p = exp(s - m), row maxima m and row sums l, over the allowed positions.
 
-  Masked scores become MASKED_MAX, so their exp underflows to exactly 0 and no
-  -inf enters the arithmetic. A row with nothing allowed (or only -inf scores)
-  has m == MASKED_MAX (see :func:`attends`): its p and l are finite garbage
-  that the caller multiplies away. Gradients through p stay finite everywhere.
+  Every finite score takes part, however negative: a row whose bias is
+  ``finfo(float32).min`` everywhere is a uniform softmax, as in jax.nn. Masked
+  positions and scores of -inf are left out (p exactly 0). A row with nothing
+  left has l == 0, p == 0 and m == 0, so no -inf enters a subtraction and
+  nothing is NaN, in value or gradient; dividing by :func:`safe_total` then
+  gives zeros. m is a constant of the gradient (stop_gradient).
   """
   if keep is not None:
-    s = jnp.where(keep, s, MASKED_MAX)
-  m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True, initial=MASKED_MAX))
+    s = jnp.where(keep, s, -jnp.inf)
+  m = row_max(jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf))
   p = jnp.exp(s - m)
   return p, m, jnp.sum(p, axis=-1, keepdims=True)
 
 
-def attends(m: jax.Array) -> jax.Array:
-  """Whether each row attends to anything, from its max of :func:`unnormalized_softmax`."""
-  return m > MASKED_MAX
+@jax.custom_jvp
+def softmax(s: jax.Array, keep: jax.Array | None):
+  """``(y, m, l)``: the normalised probabilities y = p / l of :func:`unnormalized_softmax`, with
+  its row max m and sum l. Rows with nothing allowed are zeros.
 
-
-def masked_exp(s: jax.Array, m: jax.Array, keep: jax.Array | None) -> jax.Array:
-  """``exp(s - m)`` where allowed, exactly 0 elsewhere; no inf or NaN in value or grad.
-
-  Backward passes use it with m = lse to recompute the normalised
-  probabilities. The inner ``where`` keeps masked lanes at exp(0), so a large
-  masked score cannot overflow, before the outer ``where`` zeroes them.
+  The derivative is jax.nn.softmax's, ``ẏ = y ⊙ (ṡ − rowsum(y ⊙ ṡ))``, rather than the chain
+  rule through p and l: its transpose ``y ⊙ (g − rowsum(y ⊙ g))`` cancels exactly when a row
+  saturates (y one-hot, so rowsum(y ⊙ g) is g at the hot position), where the chain rule
+  leaves rounding noise that the scale then multiplies. ``l̇ = l · rowsum(y ⊙ ṡ)``; m is a
+  constant (its choice cancels out of y and of m + log l).
   """
+  p, m, l = unnormalized_softmax(s, keep)
+  return p / safe_total(l), m, l
+
+
+@softmax.defjvp
+def _softmax_jvp(primals, tangents):
+  s, keep = primals
+  s_dot, _ = tangents
+  y, m, l = softmax(s, keep)
+  if keep is not None:
+    s_dot = jnp.where(keep, s_dot, 0)  # masked scores may be anything, even inf
+  y_dot_s = jnp.sum(y * s_dot, axis=-1, keepdims=True)
+  return (y, m, l), (y * (s_dot - y_dot_s), jnp.zeros_like(m), l * y_dot_s)
+
+
+def row_max(m: jax.Array) -> jax.Array:
+  """A running row maximum made safe to subtract: -inf (nothing allowed yet) becomes 0."""
+  return jax.lax.stop_gradient(jnp.where(m == -jnp.inf, jnp.zeros_like(m), m))
+
+
+def normalized_exp(s: jax.Array, m: jax.Array, l: jax.Array, keep: jax.Array | None) -> jax.Array:
+  """The normalised probabilities ``exp(s - m) / l`` recomputed from a forward pass's m and l.
+
+  Backward passes use it. m and l are kept apart, as fused kernels keep them,
+  rather than folded into the log-sum-exp m + log l: at |m| around 1e9 (an
+  additive -1e9 mask on a whole row) log l is lost to rounding in that sum and
+  the recomputed row would sum to l instead of 1. Here ``s - m`` is exact for
+  scores near the maximum and ``log l`` is subtracted after it. Masked
+  positions are exactly 0; the inner ``where`` keeps them at exp(0) first, so
+  a large masked score cannot overflow and no inf or NaN reaches a gradient.
+  Rows with l == 0 (nothing allowed) give zeros.
+  """
+  log_l = jnp.log(safe_total(l))
   if keep is None:
-    return jnp.exp(s - m)
-  return jnp.where(keep, jnp.exp(jnp.where(keep, s, m) - m), 0)
+    return jnp.exp((s - m) - log_l)
+  return jnp.where(keep, jnp.exp((jnp.where(keep, s, m) - m) - log_l), 0)
 
 
 def safe_total(l: jax.Array) -> jax.Array:
@@ -131,7 +159,7 @@ def safe_total(l: jax.Array) -> jax.Array:
 
 def log_sum_exp(m: jax.Array, l: jax.Array) -> jax.Array:
   """The rows' log-sum-exp from max and sum: -inf for rows that attend to nothing."""
-  return jnp.where(attends(m) & (l > 0), m + jnp.log(safe_total(l)), -jnp.inf)
+  return jnp.where(l > 0, m + jnp.log(safe_total(l)), -jnp.inf)
 
 
 def reduce_to_shape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:

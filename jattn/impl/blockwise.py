@@ -8,13 +8,18 @@ running sum ``l`` and an unnormalised output ``acc`` in float32:
     s = scale · q kᵀ + bias,  s = score_fn(s),  m' = max(m, rowmax(s)),
     p = exp(s − m'),  l = l·exp(m − m') + rowsum(p),  acc = acc·exp(m − m') + p v
 
-and writes ``acc / l`` and the log-sum-exp ``m + log l``. No (T, S) array is
-ever formed: the largest is one (B, N, block_q, block_kv) tile.
+and writes ``acc / l`` and the log-sum-exp ``m + log l``. Masked positions and
+-inf scores count as exp(−inf) = 0 and m starts at −inf; every finite score
+takes part. No (T, S) array is ever formed: the largest is one
+(B, N, block_q, block_kv) tile.
 
 The backward pass (the only rule: JAX cannot reverse-differentiate the
-dynamic-length loops) keeps the inputs, the float32 output and the lse. It
-loops over key/value tiles, and within each over the query tiles that see it,
-recomputing each tile's probabilities ``A = exp(s − lse)`` and forming
+dynamic-length loops) keeps the inputs, the float32 output and each row's max m
+and sum l (two (B, T, N) arrays: as fused kernels do, m and l are kept apart,
+since their log-sum-exp m + log l loses log l when |m| is huge, e.g. under an
+additive −1e9 mask). It loops over key/value tiles, and within each over the
+query tiles that see it, recomputing each tile's probabilities
+``A = exp(s − m) / l`` and forming
 
     dV += Aᵀ dY,  dA = dY Vᵀ,  dS = A ⊙ (dA − Δ),  Δ = rowsum(dY ⊙ Y) − dlse,
     dQ += scale · dS K,  dK += scale · dSᵀ Q,  dbias tile = dS
@@ -143,16 +148,19 @@ def plan(query, key, *, mask: _masks.Mask | None, score_fn: Callable | None, sca
 
 
 def forward(p: Plan, query, key, value, bias=None):
-  """``(out (B, T, N, H), lse (B, T, N))``, both float32/64, with no custom_vjp around them."""
+  """``(out (B, T, N, H), m (B, T, N), l (B, T, N))``, all float32/64, with no custom_vjp
+  around them: the normalised output and each row's max and sum (m = 0 and l = 0 for rows
+  that attend to nothing); the log-sum-exp is ``_common.log_sum_exp(m, l)``."""
   return _forward(p.static, query, key, value, bias, p.seed, p.rows, p.consts)
 
 
-def backward(p: Plan, query, key, value, out, lse, d_out, d_lse, bias=None):
-  """Float32/64 ``(d_query, d_key, d_value, d_bias)`` of :func:`forward`'s outputs given their
-  cotangents; ``out`` and ``lse`` may be those of a larger softmax that this call is one part
-  of (ring attention): the rule only needs the final rows' output and log-sum-exp."""
+def backward(p: Plan, query, key, value, out, m, l, d_out, d_lse, bias=None):
+  """Float32/64 ``(d_query, d_key, d_value, d_bias)`` of :func:`forward`'s outputs given the
+  cotangents of out and the log-sum-exp; ``out``, ``m`` and ``l`` may be those of a larger
+  softmax that this call is one part of (ring attention): the rule only needs the final rows'
+  output, max and sum."""
   d_query, d_key, d_value, d_bias, _, _ = _backward(
-      p.static, (query, key, value, bias, p.seed, p.cols, p.consts, out, lse), d_out, d_lse)
+      p.static, (query, key, value, bias, p.seed, p.cols, p.consts, out, m, l), d_out, d_lse)
   return d_query, d_key, d_value, d_bias
 
 
@@ -314,7 +322,7 @@ def _visit(schedule: _Schedule, i, body, carry):
 
 
 def _forward(static: _Static, query, key, value, bias, seed, rows: _Schedule, consts):
-  """``(out (B, T, N, H), lse (B, T, N))``, both float32/64."""
+  """``(out (B, T, N, H), m (B, T, N), l (B, T, N))``, all float32/64 (see :func:`forward`)."""
   B, T, N, H = query.shape
   K = key.shape[2]
   G = N // K
@@ -330,31 +338,34 @@ def _forward(static: _Static, query, key, value, bias, seed, rows: _Schedule, co
     def body(j, carry, masked):
       acc, m, l = carry
       tile = _tile(static, q_tile, k_tiles[j], bias, seed, consts, i, j, masked=masked)
-      s = tile.s if tile.keep is None else jnp.where(tile.keep, tile.s, _common.MASKED_MAX)
-      m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
-      p = jnp.exp(s - m_new)
-      alpha = jnp.exp(m - m_new)
-      l = l * alpha + jnp.sum(p, axis=-1, keepdims=True)
+      s = tile.s if tile.keep is None else jnp.where(tile.keep, tile.s, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))  # -inf: nothing yet
+      shift = _common.row_max(m_new)
+      # Narrow values (bfloat16, float16): p is rounded to their dtype for p·v, and the row
+      # sum adds up the same rounded weights, so the output is exactly their weighted mean
+      # (a saturated row returns its value row exactly, which its gradient relies on).
+      p = jnp.exp(s - shift).astype(value.dtype)
+      alpha = jnp.exp(m - shift)
+      l = l * alpha + jnp.sum(p, axis=-1, keepdims=True, dtype=dtype)
       if tile.drop is not None:
-        p = jnp.where(tile.drop, p * keep_scale, 0)
-      pv = jnp.einsum("BKrk,BKkH->BKrH", p.astype(value.dtype).reshape(B, K, G * bq, -1),
+        p = jnp.where(tile.drop, p * keep_scale.astype(p.dtype), 0)
+      pv = jnp.einsum("BKrk,BKkH->BKrH", p.reshape(B, K, G * bq, -1),
                       v_tiles[j], preferred_element_type=dtype)
       acc = acc * alpha.reshape(B, K, G * bq, 1) + pv
       return acc, m_new, l
 
     init = (jnp.zeros((B, K, G * bq, H), dtype),
-            jnp.full((B, N, bq, 1), _common.MASKED_MAX, dtype),
+            jnp.full((B, N, bq, 1), -jnp.inf, dtype),
             jnp.zeros((B, N, bq, 1), dtype))
     acc, m, l = _visit(rows, i, body, init)
-    out = acc / _common.safe_total(l).reshape(B, K, G * bq, 1)
-    out = out * _common.attends(m).reshape(B, K, G * bq, 1)
-    return out, _common.log_sum_exp(m, l)[..., 0]  # (B, K, G·bq, H), (B, N, bq)
+    out = acc / _common.safe_total(l).reshape(B, K, G * bq, 1)  # empty rows: acc is 0
+    return out, _common.row_max(m)[..., 0], l[..., 0]  # (B, K, G·bq, H), (B, N, bq) twice
 
   tile_ids = jnp.arange(q_tiles.shape[0], dtype=jnp.int32)
-  out, lse = jax.lax.map(lambda x: query_tile(*x), (tile_ids, q_tiles))
+  out, m, l = jax.lax.map(lambda x: query_tile(*x), (tile_ids, q_tiles))
   out = _untile_queries(out, N, T)
-  lse = lse.transpose(1, 0, 3, 2).reshape(B, -1, N)[:, :T]  # (nq, B, N, bq) -> (B, T, N)
-  return out, lse
+  rows_of = lambda x: x.transpose(1, 0, 3, 2).reshape(B, -1, N)[:, :T]  # (nq, B, N, bq)
+  return out, rows_of(m), rows_of(l)
 
 
 # --- backward -----------------------------------------------------------------
@@ -362,7 +373,7 @@ def _forward(static: _Static, query, key, value, bias, seed, rows: _Schedule, co
 
 def _backward(static: _Static, residuals, d_out, d_lse):
   """Gradients in float32/64 (the custom_vjp casts them to the inputs' dtypes)."""
-  query, key, value, bias, seed, cols, consts, out, lse = residuals
+  query, key, value, bias, seed, cols, consts, out, m, l = residuals
   mask_consts, score_consts = consts
   B, T, N, H = query.shape
   _, S, K, _ = key.shape
@@ -379,7 +390,7 @@ def _backward(static: _Static, residuals, d_out, d_lse):
   do_tiles = _query_tiles(d_out, bq, K)
   # Δ = rowsum(dY ⊙ Y) − dlse = rowsum(A ⊙ dA) − dlse per row, in float32/64.
   delta = _row_tiles(jnp.sum(d_out * out, axis=-1) - d_lse.astype(dtype), bq)
-  lse = _row_tiles(jnp.where(jnp.isfinite(lse), lse, 0), bq)  # empty rows: keep zeroes A
+  m, l = _row_tiles(m, bq), _row_tiles(l, bq)
   padded_bias = _pad_bias(bias, static)
 
   # Only float constants (a learned table, ALiBi slopes) get gradients.
@@ -394,7 +405,7 @@ def _backward(static: _Static, residuals, d_out, d_lse):
       q_tile = q_tiles[i]
       tile = _tile(static, q_tile, k_tile, padded_bias, seed, consts, i, j, masked=masked,
                    with_vjp=True)
-      p = _common.masked_exp(tile.s, lse[i], tile.keep)  # A, the normalised probabilities
+      p = _common.normalized_exp(tile.s, m[i], l[i], tile.keep)  # A, normalised
       p_used = p if tile.drop is None else jnp.where(tile.drop, p * keep_scale, 0)
       do_tile = do_tiles[i]
       d_v = d_v + jnp.einsum("BKrk,BKrH->BKHk", p_used.reshape(B, K, G * bq, bk), do_tile)
@@ -452,20 +463,21 @@ def _backward(static: _Static, residuals, d_out, d_lse):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention_vjp(static, query, key, value, bias, seed, rows, cols, mask_consts, score_consts):
-  return _forward(static, query, key, value, bias, seed, rows, (mask_consts, score_consts))
+  out, m, l = _forward(static, query, key, value, bias, seed, rows, (mask_consts, score_consts))
+  return out, _common.log_sum_exp(m, l)
 
 
 def _attention_fwd(static, query, key, value, bias, seed, rows, cols, mask_consts, score_consts):
-  out, lse = _forward(static, query, key, value, bias, seed, rows, (mask_consts, score_consts))
-  residuals = (query, key, value, bias, seed, cols, mask_consts, score_consts, out, lse)
-  return (out, lse), residuals
+  out, m, l = _forward(static, query, key, value, bias, seed, rows, (mask_consts, score_consts))
+  residuals = (query, key, value, bias, seed, cols, mask_consts, score_consts, out, m, l)
+  return (out, _common.log_sum_exp(m, l)), residuals
 
 
 def _attention_bwd(static, residuals, cotangents):
-  query, key, value, bias, seed, cols, mask_consts, score_consts, out, lse = residuals
+  query, key, value, bias, seed, cols, mask_consts, score_consts, out, m, l = residuals
   d_out, d_lse = cotangents
   d_query, d_key, d_value, d_bias, d_mask, d_score = _backward(
-      static, (query, key, value, bias, seed, cols, (mask_consts, score_consts), out, lse),
+      static, (query, key, value, bias, seed, cols, (mask_consts, score_consts), out, m, l),
       d_out, d_lse)
   d_query, d_key, d_value = (d.astype(x.dtype) for d, x in ((d_query, query), (d_key, key),
                                                              (d_value, value)))

@@ -5,8 +5,10 @@ O(B·N·T·S). Two backward rules:
 
 * ``"autodiff"``: JAX differentiates the forward computation.
 * ``"custom_vjp"``: the explicit rule. The forward pass keeps only its inputs
-  and the rows' log-sum-exp; the backward pass recomputes the probabilities A
-  from them and forms
+  and each row's max m and sum l (two (B, N, T) arrays, kept apart rather than
+  as the log-sum-exp m + log l, which loses log l when |m| is huge); the
+  backward pass recomputes the probabilities A = exp(s − m) / l from them and
+  forms
 
       dV = Aᵀ dY,   dA = dY Vᵀ,   dS = A ⊙ (dA − rowsum(A ⊙ dA) + dlse),
       dQ = scale · dS K,   dK = scale · dSᵀ Q,   dbias = dS summed to bias's shape,
@@ -49,8 +51,7 @@ def attention(query, key, value, bias, *, mask: Mask | None, score_fn: Callable 
 
   if backward == "autodiff":
     modify = None if score_fn is None else (lambda s: score_fn(s, *grid))
-    out, lse = _forward(query, key, value, bias, keep, drop, modify, (), scale, dropout_rate)
-    return out, lse
+    return _forward(query, key, value, bias, keep, drop, modify, (), scale, dropout_rate)[0]
 
   assert backward == "custom_vjp", backward
   modify, consts = None, []
@@ -71,48 +72,43 @@ def weights(query, key, bias, *, mask: Mask | None, score_fn: Callable | None,
   s = _common.logits(_common.group_heads(query, key.shape[2]), key, bias, scale)
   if score_fn is not None:
     s = score_fn(s, *grid)
-  p, m, l = _common.unnormalized_softmax(s, keep)
-  p = p * (_common.attends(m) / _common.safe_total(l))
-  return p.astype(query.dtype)
+  return _common.softmax(s, keep)[0].astype(query.dtype)
 
 
 def _forward(query, key, value, bias, keep, drop, modify, consts, scale, dropout_rate):
-  """The forward pass shared by both rules: ``(out, lse)``."""
+  """The forward pass shared by both rules: ``(out, lse), (m, l)``, the rows' max and sum kept
+  (B, N, T, 1) for the custom_vjp."""
   s = _common.logits(_common.group_heads(query, key.shape[2]), key, bias, scale)
   if modify is not None:
     s = modify(s, *consts)
-  p, m, l = _common.unnormalized_softmax(s, keep)
+  # The normalised probabilities, with jax.nn.softmax's derivative (see _common.softmax), and
+  # rounded to the values' dtype only after normalising, as jax.nn does.
+  p, m, l = _common.softmax(s, keep)
   if drop is not None:
     p = jnp.where(drop, p / (1.0 - dropout_rate), 0)
-  # Normalise the (T, H) output rather than the (T, S) probabilities, then
-  # zero the rows that attend to nothing. Two separate products: folding them
-  # into one factor made XLA's CPU backward pass about 1.5x slower.
-  B, N, T, _ = s.shape
-  K = value.shape[2]
-  rows = lambda x: x.reshape(B, K, N // K, T, 1)
-  out = _common.probs_times_values(p, value) / rows(_common.safe_total(l))
-  out = _common.ungroup_heads(out * rows(_common.attends(m))).astype(query.dtype)
+  out = _common.probs_times_values(p, value)
+  out = _common.ungroup_heads(out).astype(query.dtype)
   lse = _common.log_sum_exp(m, l)[..., 0].transpose(0, 2, 1)  # BNT -> BTN
-  return out, lse
+  return (out, lse), (m, l)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention_vjp(static, modify, query, key, value, bias, keep, drop, consts):
   scale, dropout_rate = static
-  return _forward(query, key, value, bias, keep, drop, modify, consts, scale, dropout_rate)
+  return _forward(query, key, value, bias, keep, drop, modify, consts, scale, dropout_rate)[0]
 
 
 def _attention_fwd(static, modify, query, key, value, bias, keep, drop, consts):
-  out, lse = _attention_vjp(static, modify, query, key, value, bias, keep, drop, consts)
-  # Rows that attend to nothing get a finite lse: their probabilities are
-  # zeroed by `keep` in the backward pass whatever it is.
-  lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
-  return (out, lse), (query, key, value, bias, keep, drop, consts, lse_safe)
+  scale, dropout_rate = static
+  (out, lse), (m, l) = _forward(query, key, value, bias, keep, drop, modify, consts, scale,
+                                dropout_rate)
+  # The rows' max and sum, not their log-sum-exp m + log l: see _common.normalized_exp.
+  return (out, lse), (query, key, value, bias, keep, drop, consts, m, l)
 
 
 def _attention_bwd(static, modify, residuals, cotangents):
   scale, dropout_rate = static
-  query, key, value, bias, keep, drop, consts, lse = residuals
+  query, key, value, bias, keep, drop, consts, m, l = residuals
   d_out, d_lse = cotangents
   B, T, N, H = query.shape
   _, S, K, _ = key.shape
@@ -123,8 +119,7 @@ def _attention_bwd(static, modify, residuals, cotangents):
   s = _common.logits(query_g, key, bias, scale)
   if modify is not None:
     s, modify_vjp = jax.vjp(modify, s, *consts)
-  lse = lse.transpose(0, 2, 1)[..., None]  # BTN -> BNT1
-  p = _common.masked_exp(s, lse, keep)  # A, the normalised probabilities
+  p = _common.normalized_exp(s, m, l, keep)  # A, the normalised probabilities
   p_used = p if drop is None else jnp.where(drop, p / (1.0 - dropout_rate), 0)
 
   d_out = _common.group_heads(d_out.astype(dtype), K)
