@@ -18,6 +18,9 @@ of row ``b`` (absolute position ``lengths[b] + i``) attend to cache slots
 prefill, a prefill cut into chunks and one-token decode steps are the same
 call and give the same outputs as causal attention over the whole sequence.
 
+Slots past a row's length never reach the result: they are masked and read as
+zeros, so garbage there (NaN included) cannot leak into outputs or gradients.
+
 Overflow: a row cannot hold more than ``max_length`` tokens. When the lengths
 and ``num_new`` are concrete (eager calls), writing past ``max_length`` raises
 ValueError. Under ``jax.jit`` they are traced and cannot be checked: tokens
@@ -196,8 +199,14 @@ def attention(
     except ValueError as e:
       raise ValueError(f"mask: {e}") from None
   new_cache = _write(cache, key, value, num_new)
+  # Slots past a row's length hold whatever was there (uninitialised memory, a finished
+  # request's tokens, NaN): the mask excludes them, but 0 · NaN is NaN in p·v and in the
+  # gradients, so they are read as zeros.
+  slots = jnp.arange(cache.max_length)[None, :]
+  written = (slots < new_cache.lengths[:, None])[:, :, None, None]
   out = dot_product_attention(
-      query, new_cache.key, new_cache.value, bias, allowed, scale=scale,
+      query, jnp.where(written, new_cache.key, 0), jnp.where(written, new_cache.value, 0),
+      bias, allowed, scale=scale,
       query_seq_lengths=num_new, implementation=implementation,
       return_residual=return_residual, score_fn=score_fn, logits_soft_cap=logits_soft_cap,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,

@@ -284,3 +284,27 @@ ERRORS = [
 def test_errors(fn, error, match):
   with pytest.raises(error, match=match):
     fn()
+
+
+@pytest.mark.parametrize("implementation", list(IMPLS))
+def test_garbage_past_the_lengths_never_reaches_outputs_or_gradients(implementation):
+  """A cache whose unused slots hold NaN (uninitialised memory, a finished request) gives the
+  same outputs and gradients as a clean one: the slots are masked and read as zeros."""
+  N, K = 4, 2
+  q, k, v = _sequence(N, K)
+  clean = decode.init(B, S, K, H)
+  dirty = decode.KVCache(jnp.full_like(clean.key, jnp.nan), jnp.full_like(clean.value, jnp.nan),
+                         clean.lengths)
+  cot = normal((B, 5, N, H), seed=7)
+
+  def loss(q, k, v, cache):
+    out, _ = _step(q[:, :5], k[:, :5], v[:, :5], cache, implementation=implementation,
+                   **IMPLS[implementation])
+    return jnp.sum(out * cot), out
+
+  (_, want), want_g = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v, clean)
+  (_, got), got_g = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v, dirty)
+  np.testing.assert_array_equal(got, want)
+  assert_close(got, attention_np(q[:, :5], k[:, :5], v[:, :5], allowed=causal_np(5, 5))[0])
+  for g, w in zip(got_g, want_g):
+    np.testing.assert_array_equal(g, w)
