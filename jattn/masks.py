@@ -87,13 +87,21 @@ def index_grid(batch_size: int, num_heads: int, q_len: int, kv_len: int):
       _checks.integer(name, n, minimum=0) for name, n in (
           ("batch_size", batch_size), ("num_heads", num_heads), ("q_len", q_len),
           ("kv_len", kv_len)))
-  with jax.ensure_compile_time_eval():  # concrete even under jit (see _take)
-    return (
-        jnp.arange(batch_size, dtype=jnp.int32).reshape(-1, 1, 1, 1),
-        jnp.arange(num_heads, dtype=jnp.int32).reshape(1, -1, 1, 1),
-        jnp.arange(q_len, dtype=jnp.int32).reshape(1, 1, -1, 1),
-        jnp.arange(kv_len, dtype=jnp.int32).reshape(1, 1, 1, -1),
-    )
+  return tuple(_index_array(np.arange(n), axis) for axis, n in enumerate(
+      (batch_size, num_heads, q_len, kv_len)))
+
+
+def _index_array(positions: np.ndarray, axis: int) -> jax.Array:
+  """``positions`` as an int32 jax array along ``axis`` of a rank-4 grid.
+
+  Built in NumPy and transferred: concrete even under jit (see _take), and no
+  XLA program is compiled for it, so argument checks that evaluate masks on
+  index grids compile nothing.
+  """
+  shape = [1, 1, 1, 1]
+  shape[axis] = -1
+  with jax.ensure_compile_time_eval():
+    return jax.device_put(np.asarray(positions, np.int32).reshape(shape))
 
 
 def _merge_extents(a: Extents, b: Extents, what: str) -> Extents:
