@@ -434,9 +434,17 @@ def _check_score(score_fn, soft_cap, dtype, bnts) -> scores.ScoreFn | None:
     return None
   fn = fns[0] if len(fns) == 1 else scores.compose(*fns)
   if score_fn is not None:
-    example = jax.ShapeDtypeStruct(bnts, _common.stats_dtype(dtype))
-    out = jax.eval_shape(lambda s: score_fn(s, *masks.index_grid(*bnts)), example)
-    if tuple(out.shape) != bnts or not jnp.issubdtype(out.dtype, jnp.floating):
+    stats = _common.stats_dtype(dtype)
+    out = jax.eval_shape(lambda s: score_fn(s, *masks.index_grid(*bnts)),
+                         jax.ShapeDtypeStruct(bnts, stats))
+    if not isinstance(out, jax.ShapeDtypeStruct):
+      raise TypeError(f"score_fn must return one float array of the score's shape "
+                      f"(B, N, T, S)={bnts}, got {type(out).__name__} "
+                      f"{jax.tree.map(lambda x: f'{x.dtype}{tuple(x.shape)}', out)}")
+    if not jnp.issubdtype(out.dtype, jnp.floating):
+      raise TypeError(f"score_fn must return a floating array (computed in any float dtype, "
+                      f"cast back to the score's {np.dtype(stats).name}), got {out.dtype}")
+    if tuple(out.shape) != bnts:
       raise ValueError(f"score_fn must return a float array of the score's shape "
                        f"(B, N, T, S)={bnts}, got {out.dtype}{tuple(out.shape)}")
   return fn

@@ -46,12 +46,26 @@ class ScoreFn(Node):
 jax.tree_util.register_pytree_node_class(ScoreFn)
 
 
-_FN = _Rule("from_fn", lambda p, c, *args: p[0](*args),
+def _fn_apply(params, children, s, *idx):
+  # A user function may compute in a narrower dtype (float16, bfloat16): its floating
+  # result is taken back to the score's dtype (float32, float64 for float64 inputs), so
+  # every implementation and every custom_vjp sees the statistics dtype it expects.
+  out = params[0](s, *idx)
+  if hasattr(out, "dtype") and jnp.issubdtype(out.dtype, jnp.floating) and out.dtype != s.dtype:
+    out = out.astype(s.dtype)
+  return out
+
+
+_FN = _Rule("from_fn", _fn_apply,
             lambda p, c: f"from_fn({getattr(p[0], '__name__', repr(p[0]))})")
 
 
 def from_fn(fn: Callable) -> ScoreFn:
-  """Wrap a plain ``fn(score, batch, head, q_idx, kv_idx)`` as a :class:`ScoreFn`."""
+  """Wrap a plain ``fn(score, batch, head, q_idx, kv_idx)`` as a :class:`ScoreFn`.
+
+  A floating result in another dtype than ``score`` (e.g. a function that
+  computes in bfloat16) is cast back to the score's dtype.
+  """
   if isinstance(fn, ScoreFn):
     return fn
   if not callable(fn):

@@ -106,6 +106,12 @@ BAD_INPUTS = [
     ("score_fn_type", dict(score_fn=3), TypeError, r"score_fn must be callable"),
     ("score_fn_shape", dict(score_fn=lambda s, b, h, q, kv: s[0]), ValueError,
      r"score_fn must return a float array of the score's shape \(B, N, T, S\)=\(2, 4, 5, 6\)"),
+    ("score_fn_int", dict(score_fn=lambda s, b, h, q, kv: (s > 0).astype(jnp.int32)), TypeError,
+     r"score_fn must return a floating array \(computed in any float dtype, cast back to the "
+     r"score's float32\), got int32"),
+    ("score_fn_tuple", dict(score_fn=lambda s, b, h, q, kv: (s, s)), TypeError,
+     r"score_fn must return one float array of the score's shape \(B, N, T, S\)=\(2, 4, 5, 6\), "
+     r"got tuple"),
     ("soft_cap", dict(logits_soft_cap=0.0), ValueError,
      r"logits_soft_cap: cap must be a positive finite number, got 0.0"),
     ("mask_object_heads", dict(mask=masks.from_array(jnp.ones((1, 3, T, S), bool))), ValueError,

@@ -9,7 +9,7 @@ import pytest
 
 import jattn
 from jattn import masks, scores
-from reference import assert_close, attention_jnp, attention_np, grid, normal
+from reference import RULES, assert_close, attention_jnp, attention_np, grid, normal
 
 B, N, T, S = 2, 3, 5, 6
 
@@ -150,3 +150,60 @@ def test_score_fn_closing_over_traced_values(backward):
   want = jax.grad(loss_ref)(t, off)
   assert_close(jax.grad(jax.jit(loss))(t, off), want, factor=5)
   assert_close(jax.jit(jax.grad(loss))(t, off), want, factor=5)
+
+
+def _integer_inputs():
+  """Integer-valued q, k, v: with scale 0.5 every logit, and ``_narrow``'s result, is
+  exact in float16 and bfloat16, so rounding the scores loses nothing."""
+  rng = np.random.default_rng(7)
+  return tuple(jnp.asarray(rng.integers(-2, 3, shape), jnp.float32)
+               for shape in ((B, T, N, 4), (B, S, N, 4), (B, S, N, 4)))
+
+
+def _narrow_formula(s, b, h, qi, kv):
+  return 2 * s - 0.25 * abs(qi - kv)
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
+def test_score_fn_computing_in_a_narrow_dtype(rule, dtype):
+  """A score_fn returning float16/bfloat16 is computed in float32 from there on: the right
+  values, zeros and -inf for rows that attend to nothing, finite gradients (it once gave NaN
+  rows, rows of mean(v), or JAX's "unexpected JAX type" from every custom_vjp)."""
+  q, k, v = _integer_inputs()
+  lengths = jnp.array([T, 2], jnp.int32)  # row 1: queries 2.. attend to nothing
+  narrow = lambda s, b, h, qi, kv: _narrow_formula(s, b, h, qi, kv).astype(dtype)
+
+  def ours(q, k, v):
+    return jattn.dot_product_attention(q, k, v, scale=0.5, score_fn=narrow, is_causal=True,
+                                       query_seq_lengths=lengths, return_residual=True,
+                                       **RULES[rule])
+
+  allowed = np.tril(np.ones((T, S), bool)) & (np.arange(T)[:, None] < np.asarray(lengths)[
+      :, None, None, None])
+  out, lse = ours(q, k, v)
+  assert out.dtype == lse.dtype == jnp.float32
+  want_out, want_lse = attention_np(q, k, v, scale=0.5, score=_narrow_formula, allowed=allowed)
+  assert_close(out, want_out)
+  assert_close(np.where(np.isfinite(want_lse), lse, 0), np.where(np.isfinite(want_lse),
+                                                                  want_lse, 0))
+  np.testing.assert_array_equal(out[1, 2:], 0.0)
+  assert np.all(np.isneginf(lse[1, 2:])) and np.all(np.isfinite(lse[0]))
+
+  cot = normal((B, T, N, 4), seed=3)
+
+  def loss(fn):
+    def f(q, k, v):
+      out, lse = fn(q, k, v)
+      return jnp.sum(out * cot) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+    return f
+
+  def ref(q, k, v):
+    score = lambda *a: narrow(*a).astype(jnp.float32)
+    return attention_jnp(q, k, v, allowed=jnp.asarray(allowed), scale=0.5, score=score)
+
+  got = jax.grad(loss(ours), (0, 1, 2))(q, k, v)
+  want = jax.grad(loss(ref), (0, 1, 2))(q, k, v)
+  for g, w in zip(got, want):
+    assert np.all(np.isfinite(g))
+    assert_close(g, w, dtype)  # the score's cotangent is rounded to ``dtype`` in both
