@@ -433,6 +433,11 @@ def _check_score(score_fn, soft_cap, dtype, bnts) -> scores.ScoreFn | None:
   if not fns:
     return None
   fn = fns[0] if len(fns) == 1 else scores.compose(*fns)
+  heads = fn.num_heads
+  if heads is not None and heads != bnts[1]:
+    raise ValueError(f"score_fn {fn!r} has per-head parameters for {heads} query heads, but "
+                     f"the query has number of heads N={bnts[1]}; give one slope or table "
+                     f"column per query head")
   if score_fn is not None:
     stats = _common.stats_dtype(dtype)
     out = jax.eval_shape(lambda s: score_fn(s, *masks.index_grid(*bnts)),

@@ -112,6 +112,16 @@ BAD_INPUTS = [
     ("score_fn_tuple", dict(score_fn=lambda s, b, h, q, kv: (s, s)), TypeError,
      r"score_fn must return one float array of the score's shape \(B, N, T, S\)=\(2, 4, 5, 6\), "
      r"got tuple"),
+    ("alibi_too_few_slopes", dict(score_fn=scores.alibi(np.ones(1, np.float32))), ValueError,
+     r"score_fn alibi\(slopes shape=\(1,\), bidirectional=False\) has per-head parameters for "
+     r"1 query heads, but the query has number of heads N=4"),
+    ("alibi_too_many_slopes", dict(score_fn=scores.alibi(np.ones(5, np.float32)),
+                                   logits_soft_cap=30.0), ValueError,
+     r"has per-head parameters for 5 query heads, but the query has number of heads N=4"),
+    ("t5_table_one_column", dict(score_fn=scores.relative_position_bias(
+        np.ones((32, 1), np.float32))), ValueError,
+     r"score_fn relative_position_bias\(table shape=\(32, 1\).* has per-head parameters for 1 "
+     r"query heads, but the query has number of heads N=4"),
     ("soft_cap", dict(logits_soft_cap=0.0), ValueError,
      r"logits_soft_cap: cap must be a positive finite number, got 0.0"),
     ("mask_object_heads", dict(mask=masks.from_array(jnp.ones((1, 3, T, S), bool))), ValueError,
@@ -206,6 +216,10 @@ BAD_CONSTRUCTORS = [
     ("relative_distance", lambda: scores.relative_position_bias(
         np.ones((32, 2)), num_buckets=32, max_distance=4), ValueError, r"max_distance \(4\)"),
     ("compose_empty", lambda: scores.compose(), ValueError, r"at least one"),
+    ("compose_heads", lambda: scores.compose(scores.alibi(np.ones(2, np.float32)),
+                                             scores.relative_position_bias(np.ones((32, 3)))),
+     ValueError, r"compose needs score functions for the same number of heads, got "
+     r"alibi\(slopes shape=\(2,\), bidirectional=False\) for 2 and relative_position_bias"),
     ("t5_buckets", lambda: scores.t5_bucket(jnp.arange(3), num_buckets=1, max_distance=4,
                                             bidirectional=True), ValueError,
      r"num_buckets must be >= 2"),

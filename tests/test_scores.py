@@ -207,3 +207,12 @@ def test_score_fn_computing_in_a_narrow_dtype(rule, dtype):
   for g, w in zip(got, want):
     assert np.all(np.isfinite(g))
     assert_close(g, w, dtype)  # the score's cotangent is rounded to ``dtype`` in both
+
+
+def test_num_heads_of_score_functions():
+  table = np.ones((8, 3), np.float32)
+  assert scores.alibi(SLOPES).num_heads == 3
+  assert scores.relative_position_bias(table, num_buckets=8, max_distance=16).num_heads == 3
+  assert scores.soft_cap(5.0).num_heads is None
+  assert scores.from_fn(lambda s, *idx: s).num_heads is None
+  assert scores.compose(lambda s, *idx: s, scores.alibi(SLOPES), scores.soft_cap(5.0)).num_heads == 3
