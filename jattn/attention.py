@@ -386,7 +386,7 @@ def _check_window(window):
   if not (isinstance(window, tuple) and len(window) == 2):
     raise TypeError(f"local_window_size must be an int or a (left, right) tuple of ints, "
                     f"got {window!r}")
-  return tuple(_checks.integer(f"local_window_size[{i}]", w, minimum=0)
+  return tuple(_checks.integer(f"local_window_size[{i}]", w, minimum=0, int32=True)
                for i, w in enumerate(window))
 
 

@@ -234,12 +234,12 @@ def _shape_str(arr) -> str:
 
 def _causal_eval(params, children, b, h, q, kv):
   (offset,) = params
-  return kv <= q + offset
+  return kv - q <= offset  # not kv <= q + offset, which overflows int32 for large offsets
 
 
 def _causal_bounds(params, children, t: _Tiles):
   (offset,) = params
-  return t.kv_lo <= t.q_hi + offset, t.kv_hi <= t.q_lo + offset
+  return t.kv_lo - t.q_hi <= offset, t.kv_hi - t.q_lo <= offset
 
 
 _CAUSAL = _Rule("causal", _causal_eval, _causal_bounds, _no_extents,
@@ -248,12 +248,12 @@ _CAUSAL = _Rule("causal", _causal_eval, _causal_bounds, _no_extents,
 
 def _causal_batch_eval(params, children, b, h, q, kv):
   (offset,) = children
-  return kv <= q + _at_batch(offset, b)
+  return kv - q <= _at_batch(offset, b)
 
 
 def _causal_batch_bounds(params, children, t: _Tiles):
   off = _batch_index(children[0])
-  return t.kv_lo <= t.q_hi + off, t.kv_hi <= t.q_lo + off
+  return t.kv_lo - t.q_hi <= off, t.kv_hi - t.q_lo <= off
 
 
 _CAUSAL_PER_BATCH = _Rule(
@@ -283,7 +283,7 @@ def causal(offset: int | jax.typing.ArrayLike = 0) -> Mask:
               [1, 1, 1]]], dtype=int32)
   """
   if isinstance(offset, numbers.Integral) and not isinstance(offset, (bool, np.bool_)):
-    return Mask(_CAUSAL, (int(offset),))
+    return Mask(_CAUSAL, (_checks.integer("offset", offset, int32=True),))
   if isinstance(offset, (bool, np.bool_, float)):
     raise TypeError(f"offset must be an int, got {offset!r} of type {type(offset).__name__}; "
                     "per-row offsets are an integer array of shape () or (B,)")
@@ -296,10 +296,10 @@ def causal(offset: int | jax.typing.ArrayLike = 0) -> Mask:
 def _window_eval(params, children, b, h, q, kv):
   left, right = params
   ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q), jnp.shape(kv)), bool)
-  if left is not None:
-    ok = ok & (kv >= q - left)
+  if left is not None:  # kv - q, not q +- width: stays in int32 for any int32 width
+    ok = ok & (kv - q >= -left)
   if right is not None:
-    ok = ok & (kv <= q + right)
+    ok = ok & (kv - q <= right)
   return ok
 
 
@@ -349,9 +349,9 @@ def sliding_window(left: int | None, right: int | None = 0, *, dilation: int = 1
   back). Tile classes are exact, so blockwise attention visits only tiles
   that hold an allowed pair.
   """
-  params = tuple(None if w is None else _checks.integer(name, w, minimum=0)
+  params = tuple(None if w is None else _checks.integer(name, w, minimum=0, int32=True)
                  for name, w in (("left", left), ("right", right)))
-  dilation = _checks.integer("dilation", dilation, minimum=1)
+  dilation = _checks.integer("dilation", dilation, minimum=1, int32=True)
   if dilation == 1:
     return Mask(_WINDOW, params)
   return Mask(_DILATED, params + (dilation,))
@@ -377,7 +377,7 @@ _CHUNKED = _Rule("chunked", _chunked_eval, _chunked_bounds, _no_extents,
 
 def chunked(size: int) -> Mask:
   """Positions attend within their chunk: ``q // size == kv // size`` (local blocks)."""
-  return Mask(_CHUNKED, (_checks.integer("size", size, minimum=1),))
+  return Mask(_CHUNKED, (_checks.integer("size", size, minimum=1, int32=True),))
 
 
 # --- prefix LM -------------------------------------------------------------
@@ -537,7 +537,7 @@ def global_tokens(n: int) -> Mask:
   Alone it allows only pairs that touch a global token; combine with ``|``,
   e.g. ``global_tokens(2) | sliding_window(64, 64)`` (Longformer, BigBird).
   """
-  return Mask(_GLOBAL, (_checks.integer("n", n, minimum=0),))
+  return Mask(_GLOBAL, (_checks.integer("n", n, minimum=0, int32=True),))
 
 
 # --- strided (dilated) ------------------------------------------------------
@@ -568,7 +568,7 @@ def strided(stride: int) -> Mask:
   With ``sliding_window`` this is a dilated window; with ``causal`` and a
   local window it is the Sparse Transformer's strided pattern.
   """
-  return Mask(_STRIDED, (_checks.integer("stride", stride, minimum=1),))
+  return Mask(_STRIDED, (_checks.integer("stride", stride, minimum=1, int32=True),))
 
 
 # --- block-sparse layouts ----------------------------------------------------
@@ -651,10 +651,10 @@ def block_sparse(layout, block_size: int | tuple[int, int]) -> Mask:
     if len(block_size) != 2:
       raise ValueError(f"block_size must be an int or a pair (block_q, block_kv), "
                        f"got {block_size!r}")
-    sizes = tuple(_checks.integer(n, b, minimum=1)
+    sizes = tuple(_checks.integer(n, b, minimum=1, int32=True)
                   for n, b in zip(("block_size[0]", "block_size[1]"), block_size))
   else:
-    size = _checks.integer("block_size", block_size, minimum=1)
+    size = _checks.integer("block_size", block_size, minimum=1, int32=True)
     sizes = (size, size)
   return Mask(_BLOCKS, sizes, (arr,))
 
@@ -672,13 +672,14 @@ def longformer(window: int | tuple[int, int], *, num_global: int = 1,
   if isinstance(window, tuple):
     if len(window) != 2:
       raise ValueError(f"window must be an int or a pair (left, right), got {window!r}")
-    left, right = (_checks.integer(n, w, minimum=0)
+    left, right = (_checks.integer(n, w, minimum=0, int32=True)
                    for n, w in zip(("window[0]", "window[1]"), window))
   else:
-    left = right = _checks.integer("window", window, minimum=0)
-  dilation = _checks.integer("dilation", dilation, minimum=1)
+    left = right = _checks.integer("window", window, minimum=0, int32=True)
+  dilation = _checks.integer("dilation", dilation, minimum=1, int32=True)
+  _checks.integer("window times dilation", max(left, right) * dilation, int32=True)
   local = sliding_window(left * dilation, right * dilation, dilation=dilation)
-  num_global = _checks.integer("num_global", num_global, minimum=0)
+  num_global = _checks.integer("num_global", num_global, minimum=0, int32=True)
   return local | global_tokens(num_global) if num_global else local
 
 

@@ -63,6 +63,22 @@ def test_causal_scalar_array_offset_is_the_int_form():
   assert masks.causal(np.array(2)).extents == (None, None, None, None)
 
 
+def test_int32_extreme_offsets_and_widths():
+  """Offsets and widths anywhere in int32's range: q + offset would overflow int32 and wrap
+  (causal(2**31 - 1) allowed nothing past row 0)."""
+  big = 2**31 - 1
+  ones, zeros = np.ones((1, 1, 3, 4), int), np.zeros((1, 1, 3, 4), int)
+  np.testing.assert_array_equal(_dense(masks.causal(big), 3, 4), ones)
+  np.testing.assert_array_equal(_dense(masks.causal(-big - 1), 3, 4), zeros)
+  np.testing.assert_array_equal(_dense(masks.causal(np.array([big, 0], np.int32)), 3, 4)[0, 0],
+                                ones[0, 0])
+  np.testing.assert_array_equal(_dense(masks.sliding_window(big, big), 3, 4), ones)
+  np.testing.assert_array_equal(_dense(masks.sliding_window(big, big, dilation=big), 3, 4)[0, 0],
+                                np.eye(3, 4, dtype=int))
+  view = masks.causal(big).block_view(3, 4, block_q=2, block_kv=2)
+  assert np.all(view == masks.FULL)
+
+
 def test_sliding_window_literal():
   np.testing.assert_array_equal(_dense(masks.sliding_window(1, 2), 5, 5)[0, 0], _m("""
       11100
