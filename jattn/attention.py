@@ -89,7 +89,7 @@ def dot_product_attention(
       (B, N, T, S) (lower ranks get leading 1s). Differentiable.
     mask: optional boolean array broadcastable to (B, N, T, S), True meaning
       "may attend", or a :class:`jattn.masks.Mask`.
-    scale: logit scale, default ``1 / sqrt(H)``.
+    scale: logit scale, default ``1 / sqrt(H)`` (1 when H == 0: every logit is 0).
     is_causal: query t attends to keys s <= t (top-left aligned, as jax.nn).
     query_seq_lengths: int array (B,); query rows at or past the length
       attend to nothing and return zeros.
@@ -253,13 +253,13 @@ def _attend(query, key, value, bias, mask, score_fn, dropout_rng, *, scale, drop
       out, lse = xla.attention(query, key, value, bias, mask=mask, score_fn=score_fn,
                                scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                                broadcast_dropout=broadcast_dropout, backward=backward)
-    case "blockwise" if T and S:
+    case "blockwise" if B and N and T and S and H:
       out, lse = blockwise.attention(query, key, value, bias, mask=mask, score_fn=score_fn,
                                      scale=scale, dropout_rate=dropout_rate,
                                      dropout_rng=dropout_rng,
                                      broadcast_dropout=broadcast_dropout, block_q=blocks[0],
                                      block_kv=blocks[1])
-    case "blockwise":  # nothing to tile: an empty output, or rows with no keys
+    case "blockwise":  # nothing to tile: an empty output, rows with no keys, or H == 0
       out, lse = xla.attention(query, key, value, bias, mask=mask, score_fn=score_fn,
                                scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                                broadcast_dropout=broadcast_dropout, backward="autodiff")
@@ -306,7 +306,9 @@ def _check_choices(implementation, backward) -> tuple[str | None, str | None]:
 
 
 def _check_scale(scale, head_dim: int) -> float:
-  scale = 1.0 / float(np.sqrt(head_dim)) if scale is None else _checks.real("scale", scale)
+  if scale is None:  # with H == 0 every logit is an empty sum, 0, whatever the scale
+    return 1.0 / float(np.sqrt(head_dim)) if head_dim else 1.0
+  scale = _checks.real("scale", scale)
   if not np.isfinite(scale):
     raise ValueError(f"scale must be finite, got {scale}")
   return scale
