@@ -28,6 +28,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex_core
 
 from jattn import _checks, masks, scores
 from jattn.impl import _common, blockwise, xla
@@ -372,12 +373,118 @@ def _check_mask_shapes(mask: masks.Mask, B, N, T, S) -> None:
                        f"{name}={want}; masks must be broadcastable to (B, N, T, S)="
                        f"{(B, N, T, S)}")
   out = jax.eval_shape(lambda: mask.on_grid(masks.index_grid(B, N, T, S)))
+  if not isinstance(out, jax.ShapeDtypeStruct):
+    raise TypeError(f"mask {mask!r} must evaluate to one boolean array, got "
+                    f"{type(out).__name__}")
   if out.dtype != np.bool_:
     raise TypeError(f"mask {mask!r} must evaluate to bool, got {out.dtype}")
   if len(out.shape) != 4:
     raise ValueError(f"mask {mask!r} must evaluate to a rank-4 array broadcastable to "
                      f"(B, N, T, S)={(B, N, T, S)}, got shape {out.shape}")
   _checks.broadcastable(f"mask {mask!r}", tuple(out.shape), (B, N, T, S), "(B, N, T, S)")
+  for node in _user_fns(mask):
+    _check_on_tiles(f"mask {node!r}", node, (B, N, T, S), exact_shape=False)
+
+
+def _user_fns(node):
+  """The nodes of a Mask or ScoreFn tree that wrap a user's function (``from_fn``)."""
+  if node.rule.name == "from_fn":
+    yield node
+  for child in node.children:
+    if isinstance(child, (masks.Mask, scores.ScoreFn)):
+      yield from _user_fns(child)
+
+
+def _probe_grids(bnts):
+  """Positions of two small grids that overlap: a tile at an offset (batch 1, head 1, q_idx
+  in [1, 3), kv_idx in [2, 4), as far as B, N, T, S allow) and the grid from 0 to the
+  tile's end.
+
+  Tiled implementations evaluate masks and score functions on tiles like the first;
+  evaluating on both shows whether a function computes from its index arguments. The q
+  and kv offsets differ, so functions of a local kv - q are caught too.
+  """
+  tile, wide = [], []
+  for axis, (n, offset) in enumerate(zip(bnts, (1, 1, 1, 2))):
+    lo = min(offset, n - 1)
+    hi = lo + 1 if axis < 2 else min(lo + 2, n)
+    tile.append(np.arange(lo, hi))
+    wide.append(np.arange(hi))
+  return tile, wide
+
+
+def _describe_positions(positions) -> str:
+  return ", ".join(f"{name} [{p[0]}, {p[-1] + 1})" for name, p in
+                   zip(("batch", "head", "q_idx", "kv_idx"), positions))
+
+
+def _probe_args(positions, score_dtype) -> tuple[np.ndarray, ...]:
+  """(s, b, h, q, kv) for a score function, (b, h, q, kv) for a mask, on ``positions``."""
+  idx = tuple(np.asarray(p, np.int32).reshape([-1 if a == axis else 1 for a in range(4)])
+              for axis, p in enumerate(positions))
+  if score_dtype is None:
+    return idx
+  b, h, q, kv = idx  # the same score at the same (b, h, q, kv) on every grid
+  s = (0.5 * q - 0.25 * kv + 0.125 * h - 0.0625 * b).astype(score_dtype)
+  return (s,) + idx
+
+
+def _check_on_tiles(what: str, fn: Callable, bnts, *, exact_shape: bool,
+                    score_dtype=None) -> None:
+  """Evaluate a user's mask or score function on the two grids of :func:`_probe_grids`.
+
+  Raises ValueError naming ``what`` when the function fails or returns the wrong shape on
+  either grid (it broadcasts a captured (T, S) array against its inputs, say), or gives
+  other values at the same positions on the two (it reads positions from an array's
+  shape). The indices are traced, as in a tile loop. Values are compared only when the
+  function depends on no traced value and has no side effects (a debug callback). Costs
+  one trace and a few tiny eager operations.
+  """
+  if 0 in bnts:
+    return
+  contract = (f"{what} must compute from its index arguments (batch, head, q_idx, kv_idx), "
+              "which may be traced: implementations evaluate it on tiles of the "
+              "(B, N, T, S) grid (blockwise, ring attention)")
+  advice = ("Index captured arrays with the indices (table[q_idx, kv_idx]) rather than "
+            "broadcasting them against the grid.")
+  grids = _probe_grids(bnts)
+  args = [_probe_args(positions, score_dtype) for positions in grids]
+  shapes = [tuple(len(p) for p in positions) for positions in grids]
+  names = [f"{kind} {_describe_positions(p)}" for kind, p in zip(("tile", "grid"), grids)]
+  n = len(args[0])
+  try:
+    closed = jax.make_jaxpr(lambda *a: (fn(*a[:n]), fn(*a[n:])))(*args[0], *args[1])
+  except Exception:  # it ran on the whole grid: find which smaller grid it cannot take
+    for name, a in zip(names, args):
+      try:
+        jax.eval_shape(fn, *a)
+      except Exception as e:
+        raise ValueError(f"{contract}; on the {name} it raised {type(e).__name__}: {e}. "
+                         f"{advice}") from None
+    raise
+  outs = closed.out_avals  # one array per grid, or a function that returns several
+  for i, (name, shape) in enumerate(zip(names, shapes)):
+    got = tuple(outs[i].shape) if len(outs) == 2 else None
+    fits = got is not None and (got == shape if exact_shape else (
+        len(got) == 4 and all(g in (1, m) for g, m in zip(got, shape))))
+    if not fits:
+      raise ValueError(f"{contract}; on the {name} of shape {shape} it returned "
+                       f"{'shape ' + str(got) if got else 'not one array'}. {advice}")
+  if closed.effects or not all(map(_checks.is_concrete, closed.consts)):
+    return  # closes over traced values (inside jit, vmap, grad) or has side effects
+  with jax.ensure_compile_time_eval():
+    t_val, w_val = jex_core.jaxpr_as_fun(closed)(*args[0], *args[1])
+  t_val = np.broadcast_to(np.asarray(t_val), shapes[0])
+  w_val = np.broadcast_to(np.asarray(w_val), shapes[1])[tuple(
+      slice(p[0], p[-1] + 1) for p in grids[0])]
+  same = (np.array_equal(t_val, w_val) if t_val.dtype == np.bool_ else
+          np.allclose(t_val, w_val, rtol=1e-5, atol=1e-6, equal_nan=True))
+  if not same:
+    raise ValueError(f"{contract}; it gives other values at the positions "
+                     f"{_describe_positions(grids[0])} when evaluated on that tile than on "
+                     f"the grid {_describe_positions(grids[1])}. Does it read positions from "
+                     "an array's shape, as jnp.arange(x.shape[-1]) does? Use q_idx and "
+                     "kv_idx.")
 
 
 def _check_window(window):
@@ -454,6 +561,8 @@ def _check_score(score_fn, soft_cap, dtype, bnts) -> scores.ScoreFn | None:
     if tuple(out.shape) != bnts:
       raise ValueError(f"score_fn must return a float array of the score's shape "
                        f"(B, N, T, S)={bnts}, got {out.dtype}{tuple(out.shape)}")
+    if not isinstance(score_fn, scores.ScoreFn) or any(True for _ in _user_fns(score_fn)):
+      _check_on_tiles("score_fn", score_fn, bnts, exact_shape=True, score_dtype=stats)
   return fn
 
 

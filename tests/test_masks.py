@@ -533,3 +533,49 @@ def test_extents_and_batch_defaults():
   assert mask.materialize(T_, S_).shape == (2, 1, T_, S_)
   with pytest.raises(ValueError, match="batch_size is 3 but the mask holds arrays for 2"):
     mask.materialize(T_, S_, batch_size=3)
+
+
+L = 8  # with block_q = block_kv = 4, blockwise evaluates masks on 2 x 2 tiles
+TILED = {"xla": dict(implementation="xla"),
+         "blockwise": dict(implementation="blockwise", block_q=4, block_kv=4),
+         "auto": {}}
+ALLOWED_LL = np.tril(np.ones((L, L), bool)) | (np.arange(L)[None] % 3 == 0)
+
+MASK_FNS_NOT_FROM_INDICES = {
+    # A captured (T, S) array combined with the indices by broadcasting.
+    "captured_table": lambda b, h, qi, kv: jnp.asarray(ALLOWED_LL) & (qi >= 0),
+    "positions_from_shape": lambda b, h, qi, kv: jnp.arange(kv.shape[-1]).reshape(
+        1, 1, 1, -1) <= qi,
+}
+
+
+@pytest.mark.parametrize("implementation", list(TILED) + ["attention_weights"])
+@pytest.mark.parametrize("name", list(MASK_FNS_NOT_FROM_INDICES))
+def test_mask_fn_that_does_not_compute_from_its_indices_is_rejected(name, implementation):
+  q = k = v = normal((1, L, 2, 4))
+  mask = masks.causal() & masks.from_fn(MASK_FNS_NOT_FROM_INDICES[name])
+  match = (r"mask from_fn\(<lambda>\) must compute from its index arguments \(batch, head, "
+           r"q_idx, kv_idx\)")
+  with jax.numpy_rank_promotion("allow"), pytest.raises(ValueError, match=match):
+    if implementation == "attention_weights":
+      jattn.attention_weights(q, k, mask=mask)
+    else:
+      jattn.dot_product_attention(q, k, v, mask=mask, **TILED[implementation])
+
+
+@pytest.mark.parametrize("implementation", list(TILED))
+def test_mask_fns_that_compute_from_their_indices_work_everywhere(implementation):
+  q, k, v = normal((2, L, 2, 4)), normal((2, L, 2, 4), seed=1), normal((2, L, 2, 4), seed=2)
+  table = masks.from_fn(lambda b, h, qi, kv: jnp.asarray(ALLOWED_LL)[qi, kv])
+  out = jattn.dot_product_attention(q, k, v, mask=table, **TILED[implementation])
+  assert_close(out, attention_np(q, k, v, allowed=ALLOWED_LL)[0])
+
+  @jax.jit
+  def closure(offsets):  # closes over a traced array: values cannot be probed
+    fn = masks.from_fn(lambda b, h, qi, kv: kv <= qi + offsets[b])
+    return jattn.dot_product_attention(q, k, v, mask=fn, **TILED[implementation])
+
+  offsets = np.array([0, 2])
+  assert_close(closure(jnp.asarray(offsets)),
+               attention_np(q, k, v, allowed=np.stack([causal_np(L, L, o) for o in offsets])[
+                   :, None])[0])

@@ -216,3 +216,64 @@ def test_num_heads_of_score_functions():
   assert scores.soft_cap(5.0).num_heads is None
   assert scores.from_fn(lambda s, *idx: s).num_heads is None
   assert scores.compose(lambda s, *idx: s, scores.alibi(SLOPES), scores.soft_cap(5.0)).num_heads == 3
+
+
+L = 8  # with block_q = block_kv = 4, blockwise evaluates score functions on 2 x 2 tiles
+TILED = {"xla": dict(implementation="xla"),
+         "blockwise": dict(implementation="blockwise", block_q=4, block_kv=4),
+         "auto": {}}
+TABLE_LL = np.asarray(normal((L, L), seed=5))
+RELATIVE = np.asarray(normal((2 * L - 1,), seed=6))
+
+NOT_FROM_INDICES = {
+    # The captured (T, S) table of the issue; jnp broadcasts (T, S) against (B, N, T, S)
+    # without rank promotion, which tests otherwise forbid.
+    "captured_table": lambda s, b, h, qi, kv: s + jnp.asarray(TABLE_LL),
+    "positions_from_shape": lambda s, b, h, qi, kv: s - 0.1 * jnp.abs(
+        jnp.arange(s.shape[-2]).reshape(1, 1, -1, 1) - jnp.arange(s.shape[-1]).reshape(1, 1, 1, -1)),
+}
+
+
+@pytest.mark.parametrize("implementation", list(TILED) + ["attention_weights"])
+@pytest.mark.parametrize("name", list(NOT_FROM_INDICES))
+def test_score_fn_that_does_not_compute_from_its_indices_is_rejected(name, implementation):
+  """Such functions worked on the materialised path, then failed 15 frames deep (a captured
+  table) or silently differed (positions from s.shape) on tiles: now every path raises."""
+  q = k = v = normal((1, L, 2, 4))
+  fn = NOT_FROM_INDICES[name]
+  match = r"score_fn must compute from its index arguments \(batch, head, q_idx, kv_idx\)"
+  with jax.numpy_rank_promotion("allow"), pytest.raises(ValueError, match=match) as info:
+    if implementation == "attention_weights":
+      jattn.attention_weights(q, k, score_fn=fn)
+    else:
+      jattn.dot_product_attention(q, k, v, score_fn=fn, **TILED[implementation])
+  assert ("Incompatible shapes" in str(info.value)) == (name == "captured_table")
+  assert ("from an array's shape" in str(info.value)) == (name == "positions_from_shape")
+
+
+def _relative_np(s, b, h, qi, kv):
+  return s + RELATIVE[qi - kv + L - 1]
+
+
+@pytest.mark.parametrize("implementation", list(TILED))
+def test_score_fns_that_compute_from_their_indices_work_everywhere(implementation):
+  q, k, v = normal((2, L, 2, 4)), normal((2, L, 2, 4), seed=1), normal((2, L, 2, 4), seed=2)
+  relative = lambda s, b, h, qi, kv: s + jnp.asarray(RELATIVE)[qi - kv + L - 1]
+  out = jattn.dot_product_attention(q, k, v, score_fn=relative, **TILED[implementation])
+  assert_close(out, attention_np(q, k, v, score=_relative_np)[0])
+
+  slopes = np.array([0.5, 0.25], np.float32)
+  out = jattn.dot_product_attention(q, k, v, score_fn=scores.alibi(slopes), is_causal=True,
+                                    **TILED[implementation])
+  want = attention_np(q, k, v, score=lambda s, b, h, qi, kv: s + slopes[h] * (kv - qi),
+                      allowed=np.tril(np.ones((L, L), bool)))[0]
+  assert_close(out, want)
+
+  @jax.jit
+  def closure(temperature, offset):  # closes over traced arrays: values cannot be probed
+    fn = lambda s, b, h, qi, kv: s * temperature + relative(s, b, h, qi + offset, kv) - s
+    return jattn.dot_product_attention(q, k, v, score_fn=fn, **TILED[implementation])
+
+  want = attention_np(q, k, v, score=lambda s, b, h, qi, kv: 0.5 * s + RELATIVE[
+      np.clip(qi + 1 - kv + L - 1, 0, 2 * L - 2)])[0]
+  assert_close(closure(jnp.float32(0.5), jnp.int32(1)), want)
