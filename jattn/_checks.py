@@ -77,7 +77,9 @@ def real(name: str, value: Any) -> float:
     raise TypeError(
         f"{name} must be a concrete Python or NumPy number, got a traced value of shape "
         f"{shape_of(value)}; it is a static setting of the computation")
-  if shape_of(value) == () and np.issubdtype(dtype_of(value), np.number):
+  dtype = getattr(value, "dtype", None)  # NumPy scalars, 0-d arrays; complex is not real
+  if shape_of(value) == () and dtype is not None and (
+      np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating)):
     return float(np.asarray(value))
   raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}")
 

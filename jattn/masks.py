@@ -954,6 +954,15 @@ def _dense(mask: Mask, grid) -> jax.Array:
   return mask.rule.evaluate(mask.params, mask.children, *grid)
 
 
+def _check_operand(other, op: str) -> Mask:
+  if not isinstance(other, Mask):
+    what = (f"an array of shape {tuple(other.shape)} ({type(other).__name__})"
+            if hasattr(other, "shape") else f"{type(other).__name__} {other!r}")
+    raise TypeError(f"'{op}' combines a jattn.masks.Mask only with another Mask, got {what}; "
+                    "wrap a boolean array with masks.from_array(...) first")
+  return other
+
+
 def all_of(*masks: Mask) -> Mask | None:
   """``masks[0] & masks[1] & ...``; None when there are none."""
   out = None
@@ -986,19 +995,25 @@ class Mask(Node):
     """(B, N, T, S) fixed by the mask's arrays; None where the mask broadcasts."""
     return self.rule.extents(self.params, self.children)
 
+  # NumPy arrays defer to __rand__ / __ror__ rather than applying ``&`` to the Mask as an
+  # object element (which raised "unsupported operand type(s) for &: 'bool' and 'Mask'").
+  __array_ufunc__ = None
+
   def __and__(self, other: Mask) -> Mask:
-    if not isinstance(other, Mask):
-      return NotImplemented
-    node = Mask(_AND, (), (self, other))
+    node = Mask(_AND, (), (self, _check_operand(other, "&")))
     node.extents  # raises on incompatible shapes, at construction
     return node
 
   def __or__(self, other: Mask) -> Mask:
-    if not isinstance(other, Mask):
-      return NotImplemented
-    node = Mask(_OR, (), (self, other))
+    node = Mask(_OR, (), (self, _check_operand(other, "|")))
     node.extents
     return node
+
+  def __rand__(self, other) -> Mask:
+    return _check_operand(other, "&") & self
+
+  def __ror__(self, other) -> Mask:
+    return _check_operand(other, "|") | self
 
   def __invert__(self) -> Mask:
     return Mask(_NOT, (), (self,))

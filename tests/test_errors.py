@@ -89,6 +89,9 @@ BAD_INPUTS = [
     ("is_causal_type", dict(is_causal="yes"), TypeError, r"is_causal must be a bool"),
     ("scale_type", dict(scale="big"), TypeError, r"scale must be a real number"),
     ("scale_inf", dict(scale=float("inf")), ValueError, r"scale must be finite, got inf"),
+    ("scale_complex", dict(scale=1j), TypeError, r"scale must be a real number, got 1j of type complex"),
+    ("scale_numpy_complex", dict(scale=np.complex64(2)), TypeError,
+     r"scale must be a real number, got np.complex64\(2\+0j\) of type complex64"),
     ("dropout_rate_high", dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)), ValueError,
      r"dropout_rate must be in \[0, 1\), got 1.0"),
     ("dropout_rate_negative", dict(dropout_rate=-0.1), ValueError,
@@ -245,7 +248,16 @@ BAD_CONSTRUCTORS = [
     ("fn_not_callable", lambda: masks.from_fn(3), TypeError, r"from_fn needs a callable"),
     ("combine_conflict", lambda: masks.segments(jnp.zeros((2, 4), int)) &
      masks.lengths(np.array([1, 2, 3])), ValueError, r"different batch size in a combined mask"),
-    ("combine_non_mask", lambda: masks.causal() & True, TypeError, r"unsupported operand"),
+    ("combine_non_mask", lambda: masks.causal() & True, TypeError,
+     r"'&' combines a jattn.masks.Mask only with another Mask, got bool True"),
+    ("combine_jax_array", lambda: masks.causal() & jnp.ones((T, S), bool), TypeError,
+     r"'&' combines a jattn.masks.Mask only with another Mask, got an array of shape \(5, 6\) "
+     r"\(ArrayImpl\); wrap a boolean array with masks.from_array\(...\) first"),
+    ("combine_numpy_array_left", lambda: np.ones((T, S), bool) & masks.causal(), TypeError,
+     r"'&' combines a jattn.masks.Mask only with another Mask, got an array of shape \(5, 6\) "
+     r"\(ndarray\); wrap a boolean array with masks.from_array"),
+    ("combine_jax_array_left_or", lambda: jnp.ones((T, S), bool) | masks.causal(), TypeError,
+     r"'\|' combines a jattn.masks.Mask only with another Mask, got an array"),
     ("materialize_length", lambda: masks.segments(jnp.zeros((4,), int)).materialize(5, 4),
      ValueError, r"q_len is 5 but the mask holds arrays for length 4"),
     ("block_size", lambda: masks.causal().block_view(4, 4, block_q=0, block_kv=2), ValueError,
