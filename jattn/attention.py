@@ -111,7 +111,10 @@ def dot_product_attention(
       unbatched) when T == S, or a pair ``(q_segment_ids, kv_segment_ids)``;
       positions attend only within their segment.
     score_fn: ``fn(score, batch, head, q_idx, kv_idx) -> score`` applied to
-      the scaled, biased logits (see :mod:`jattn.scores`).
+      the scaled, biased logits (see :mod:`jattn.scores`). It must compute
+      from its (possibly traced) index arguments, which blockwise gives per
+      tile: checked on two small grids. A floating result in another dtype is
+      cast back to float32 (float64 for float64 inputs).
     logits_soft_cap: if set, ``cap · tanh(s / cap)`` after ``score_fn``,
       before masking.
     dropout_rate: dropout on the attention weights, in [0, 1), with inverted

@@ -804,7 +804,9 @@ def from_fn(fn: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array
   """A mask from ``fn(batch, head, q_idx, kv_idx) -> bool`` (FlexAttention's mask_mod).
 
   The indices are int arrays that broadcast against each other; write ``fn``
-  with broadcasting jnp operations. Tile classification is conservative
+  with broadcasting jnp operations, computing from the indices (index a
+  captured (T, S) array as ``table[q_idx, kv_idx]``): tiled implementations
+  evaluate it per tile, and attention checks this on two small grids. Tile classification is conservative
   (every tile PARTIAL) unless ``block_view(..., exact=True)`` is asked for.
   """
   if not callable(fn):
