@@ -39,14 +39,32 @@ def as_array(name: str, value: Any):
   raise TypeError(f"{name} must be an array, got {type(value).__name__}")
 
 
-def integer(name: str, value: Any, *, minimum: int | None = None) -> int:
-  """A Python (or NumPy) integer, optionally bounded below."""
+INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
+
+
+def integer(name: str, value: Any, *, minimum: int | None = None, int32: bool = False) -> int:
+  """A Python (or NumPy) integer, optionally bounded below.
+
+  ``int32=True`` for settings that enter int32 index arithmetic (mask offsets,
+  widths, sizes): values outside int32's range would wrap or overflow there.
+  """
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
   value = int(value)
   if minimum is not None and value < minimum:
     raise ValueError(f"{name} must be >= {minimum}, got {value}")
+  if int32:
+    _in_int32(name, value, value)
   return value
+
+
+def _in_int32(name: str, low: int, high: int) -> None:
+  if high > INT32_MAX:
+    raise ValueError(f"{name} must be at most 2**31 - 1 = {INT32_MAX} (jattn's positions and "
+                     f"ids are int32), got {high}")
+  if low < INT32_MIN:
+    raise ValueError(f"{name} must be at least -2**31 = {INT32_MIN} (jattn's positions and "
+                     f"ids are int32), got {low}")
 
 
 def real(name: str, value: Any) -> float:
@@ -59,13 +77,20 @@ def real(name: str, value: Any) -> float:
     raise TypeError(
         f"{name} must be a concrete Python or NumPy number, got a traced value of shape "
         f"{shape_of(value)}; it is a static setting of the computation")
-  if shape_of(value) == () and np.issubdtype(dtype_of(value), np.number):
+  dtype = getattr(value, "dtype", None)  # NumPy scalars, 0-d arrays; complex is not real
+  if shape_of(value) == () and dtype is not None and (
+      np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating)):
     return float(np.asarray(value))
   raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}")
 
 
 def int_array(name: str, value: Any, *, ranks: tuple[int, ...], nonnegative: bool = False):
-  """An integer array of one of ``ranks``; negative values rejected when concrete."""
+  """An integer array of one of ``ranks``; negative values rejected when concrete.
+
+  Concrete values outside int32's range are rejected too: jattn computes in
+  int32, where an int64 or uint32 length of 2**32 would silently wrap to 0.
+  (Traced values cannot be checked.)
+  """
   if not hasattr(value, "dtype") and not isinstance(value, (list, tuple, numbers.Integral)):
     raise TypeError(f"{name} must be an integer array, got {type(value).__name__}")
   arr = value if hasattr(value, "dtype") else np.asarray(value)
@@ -77,6 +102,9 @@ def int_array(name: str, value: Any, *, ranks: tuple[int, ...], nonnegative: boo
     raise ValueError(f"{name} must have rank {expected}, got shape {shape_of(arr)}")
   if nonnegative and is_concrete(arr) and np.any(np.asarray(arr) < 0):
     raise ValueError(f"{name} must be non-negative, got {np.asarray(arr).tolist()}")
+  if not np.can_cast(dtype, np.int32) and is_concrete(arr) and np.size(arr):
+    held = np.asarray(arr)
+    _in_int32(name, int(held.min()), int(held.max()))
   return arr
 
 

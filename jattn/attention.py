@@ -28,6 +28,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex_core
 
 from jattn import _checks, masks, scores
 from jattn.impl import _common, blockwise, xla
@@ -89,7 +90,7 @@ def dot_product_attention(
       (B, N, T, S) (lower ranks get leading 1s). Differentiable.
     mask: optional boolean array broadcastable to (B, N, T, S), True meaning
       "may attend", or a :class:`jattn.masks.Mask`.
-    scale: logit scale, default ``1 / sqrt(H)``.
+    scale: logit scale, default ``1 / sqrt(H)`` (1 when H == 0: every logit is 0).
     is_causal: query t attends to keys s <= t (top-left aligned, as jax.nn).
     query_seq_lengths: int array (B,); query rows at or past the length
       attend to nothing and return zeros.
@@ -110,7 +111,10 @@ def dot_product_attention(
       unbatched) when T == S, or a pair ``(q_segment_ids, kv_segment_ids)``;
       positions attend only within their segment.
     score_fn: ``fn(score, batch, head, q_idx, kv_idx) -> score`` applied to
-      the scaled, biased logits (see :mod:`jattn.scores`).
+      the scaled, biased logits (see :mod:`jattn.scores`). It must compute
+      from its (possibly traced) index arguments, which blockwise gives per
+      tile: checked on two small grids. A floating result in another dtype is
+      cast back to float32 (float64 for float64 inputs).
     logits_soft_cap: if set, ``cap · tanh(s / cap)`` after ``score_fn``,
       before masking.
     dropout_rate: dropout on the attention weights, in [0, 1), with inverted
@@ -253,13 +257,13 @@ def _attend(query, key, value, bias, mask, score_fn, dropout_rng, *, scale, drop
       out, lse = xla.attention(query, key, value, bias, mask=mask, score_fn=score_fn,
                                scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                                broadcast_dropout=broadcast_dropout, backward=backward)
-    case "blockwise" if T and S:
+    case "blockwise" if B and N and T and S and H:
       out, lse = blockwise.attention(query, key, value, bias, mask=mask, score_fn=score_fn,
                                      scale=scale, dropout_rate=dropout_rate,
                                      dropout_rng=dropout_rng,
                                      broadcast_dropout=broadcast_dropout, block_q=blocks[0],
                                      block_kv=blocks[1])
-    case "blockwise":  # nothing to tile: an empty output, or rows with no keys
+    case "blockwise":  # nothing to tile: an empty output, rows with no keys, or H == 0
       out, lse = xla.attention(query, key, value, bias, mask=mask, score_fn=score_fn,
                                scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                                broadcast_dropout=broadcast_dropout, backward="autodiff")
@@ -306,7 +310,9 @@ def _check_choices(implementation, backward) -> tuple[str | None, str | None]:
 
 
 def _check_scale(scale, head_dim: int) -> float:
-  scale = 1.0 / float(np.sqrt(head_dim)) if scale is None else _checks.real("scale", scale)
+  if scale is None:  # with H == 0 every logit is an empty sum, 0, whatever the scale
+    return 1.0 / float(np.sqrt(head_dim)) if head_dim else 1.0
+  scale = _checks.real("scale", scale)
   if not np.isfinite(scale):
     raise ValueError(f"scale must be finite, got {scale}")
   return scale
@@ -370,12 +376,118 @@ def _check_mask_shapes(mask: masks.Mask, B, N, T, S) -> None:
                        f"{name}={want}; masks must be broadcastable to (B, N, T, S)="
                        f"{(B, N, T, S)}")
   out = jax.eval_shape(lambda: mask.on_grid(masks.index_grid(B, N, T, S)))
+  if not isinstance(out, jax.ShapeDtypeStruct):
+    raise TypeError(f"mask {mask!r} must evaluate to one boolean array, got "
+                    f"{type(out).__name__}")
   if out.dtype != np.bool_:
     raise TypeError(f"mask {mask!r} must evaluate to bool, got {out.dtype}")
   if len(out.shape) != 4:
     raise ValueError(f"mask {mask!r} must evaluate to a rank-4 array broadcastable to "
                      f"(B, N, T, S)={(B, N, T, S)}, got shape {out.shape}")
   _checks.broadcastable(f"mask {mask!r}", tuple(out.shape), (B, N, T, S), "(B, N, T, S)")
+  for node in _user_fns(mask):
+    _check_on_tiles(f"mask {node!r}", node, (B, N, T, S), exact_shape=False)
+
+
+def _user_fns(node):
+  """The nodes of a Mask or ScoreFn tree that wrap a user's function (``from_fn``)."""
+  if node.rule.name == "from_fn":
+    yield node
+  for child in node.children:
+    if isinstance(child, (masks.Mask, scores.ScoreFn)):
+      yield from _user_fns(child)
+
+
+def _probe_grids(bnts):
+  """Positions of two small grids that overlap: a tile at an offset (batch 1, head 1, q_idx
+  in [1, 3), kv_idx in [2, 4), as far as B, N, T, S allow) and the grid from 0 to the
+  tile's end.
+
+  Tiled implementations evaluate masks and score functions on tiles like the first;
+  evaluating on both shows whether a function computes from its index arguments. The q
+  and kv offsets differ, so functions of a local kv - q are caught too.
+  """
+  tile, wide = [], []
+  for axis, (n, offset) in enumerate(zip(bnts, (1, 1, 1, 2))):
+    lo = min(offset, n - 1)
+    hi = lo + 1 if axis < 2 else min(lo + 2, n)
+    tile.append(np.arange(lo, hi))
+    wide.append(np.arange(hi))
+  return tile, wide
+
+
+def _describe_positions(positions) -> str:
+  return ", ".join(f"{name} [{p[0]}, {p[-1] + 1})" for name, p in
+                   zip(("batch", "head", "q_idx", "kv_idx"), positions))
+
+
+def _probe_args(positions, score_dtype) -> tuple[np.ndarray, ...]:
+  """(s, b, h, q, kv) for a score function, (b, h, q, kv) for a mask, on ``positions``."""
+  idx = tuple(np.asarray(p, np.int32).reshape([-1 if a == axis else 1 for a in range(4)])
+              for axis, p in enumerate(positions))
+  if score_dtype is None:
+    return idx
+  b, h, q, kv = idx  # the same score at the same (b, h, q, kv) on every grid
+  s = (0.5 * q - 0.25 * kv + 0.125 * h - 0.0625 * b).astype(score_dtype)
+  return (s,) + idx
+
+
+def _check_on_tiles(what: str, fn: Callable, bnts, *, exact_shape: bool,
+                    score_dtype=None) -> None:
+  """Evaluate a user's mask or score function on the two grids of :func:`_probe_grids`.
+
+  Raises ValueError naming ``what`` when the function fails or returns the wrong shape on
+  either grid (it broadcasts a captured (T, S) array against its inputs, say), or gives
+  other values at the same positions on the two (it reads positions from an array's
+  shape). The indices are traced, as in a tile loop. Values are compared only when the
+  function depends on no traced value and has no side effects (a debug callback). Costs
+  one trace and a few tiny eager operations.
+  """
+  if 0 in bnts:
+    return
+  contract = (f"{what} must compute from its index arguments (batch, head, q_idx, kv_idx), "
+              "which may be traced: implementations evaluate it on tiles of the "
+              "(B, N, T, S) grid (blockwise, ring attention)")
+  advice = ("Index captured arrays with the indices (table[q_idx, kv_idx]) rather than "
+            "broadcasting them against the grid.")
+  grids = _probe_grids(bnts)
+  args = [_probe_args(positions, score_dtype) for positions in grids]
+  shapes = [tuple(len(p) for p in positions) for positions in grids]
+  names = [f"{kind} {_describe_positions(p)}" for kind, p in zip(("tile", "grid"), grids)]
+  n = len(args[0])
+  try:
+    closed = jax.make_jaxpr(lambda *a: (fn(*a[:n]), fn(*a[n:])))(*args[0], *args[1])
+  except Exception:  # it ran on the whole grid: find which smaller grid it cannot take
+    for name, a in zip(names, args):
+      try:
+        jax.eval_shape(fn, *a)
+      except Exception as e:
+        raise ValueError(f"{contract}; on the {name} it raised {type(e).__name__}: {e}. "
+                         f"{advice}") from None
+    raise
+  outs = closed.out_avals  # one array per grid, or a function that returns several
+  for i, (name, shape) in enumerate(zip(names, shapes)):
+    got = tuple(outs[i].shape) if len(outs) == 2 else None
+    fits = got is not None and (got == shape if exact_shape else (
+        len(got) == 4 and all(g in (1, m) for g, m in zip(got, shape))))
+    if not fits:
+      raise ValueError(f"{contract}; on the {name} of shape {shape} it returned "
+                       f"{'shape ' + str(got) if got else 'not one array'}. {advice}")
+  if closed.effects or not all(map(_checks.is_concrete, closed.consts)):
+    return  # closes over traced values (inside jit, vmap, grad) or has side effects
+  with jax.ensure_compile_time_eval():
+    t_val, w_val = jex_core.jaxpr_as_fun(closed)(*args[0], *args[1])
+  t_val = np.broadcast_to(np.asarray(t_val), shapes[0])
+  w_val = np.broadcast_to(np.asarray(w_val), shapes[1])[tuple(
+      slice(p[0], p[-1] + 1) for p in grids[0])]
+  same = (np.array_equal(t_val, w_val) if t_val.dtype == np.bool_ else
+          np.allclose(t_val, w_val, rtol=1e-5, atol=1e-6, equal_nan=True))
+  if not same:
+    raise ValueError(f"{contract}; it gives other values at the positions "
+                     f"{_describe_positions(grids[0])} when evaluated on that tile than on "
+                     f"the grid {_describe_positions(grids[1])}. Does it read positions from "
+                     "an array's shape, as jnp.arange(x.shape[-1]) does? Use q_idx and "
+                     "kv_idx.")
 
 
 def _check_window(window):
@@ -386,7 +498,7 @@ def _check_window(window):
   if not (isinstance(window, tuple) and len(window) == 2):
     raise TypeError(f"local_window_size must be an int or a (left, right) tuple of ints, "
                     f"got {window!r}")
-  return tuple(_checks.integer(f"local_window_size[{i}]", w, minimum=0)
+  return tuple(_checks.integer(f"local_window_size[{i}]", w, minimum=0, int32=True)
                for i, w in enumerate(window))
 
 
@@ -433,12 +545,27 @@ def _check_score(score_fn, soft_cap, dtype, bnts) -> scores.ScoreFn | None:
   if not fns:
     return None
   fn = fns[0] if len(fns) == 1 else scores.compose(*fns)
+  heads = fn.num_heads
+  if heads is not None and heads != bnts[1]:
+    raise ValueError(f"score_fn {fn!r} has per-head parameters for {heads} query heads, but "
+                     f"the query has number of heads N={bnts[1]}; give one slope or table "
+                     f"column per query head")
   if score_fn is not None:
-    example = jax.ShapeDtypeStruct(bnts, _common.stats_dtype(dtype))
-    out = jax.eval_shape(lambda s: score_fn(s, *masks.index_grid(*bnts)), example)
-    if tuple(out.shape) != bnts or not jnp.issubdtype(out.dtype, jnp.floating):
+    stats = _common.stats_dtype(dtype)
+    out = jax.eval_shape(lambda s: score_fn(s, *masks.index_grid(*bnts)),
+                         jax.ShapeDtypeStruct(bnts, stats))
+    if not isinstance(out, jax.ShapeDtypeStruct):
+      raise TypeError(f"score_fn must return one float array of the score's shape "
+                      f"(B, N, T, S)={bnts}, got {type(out).__name__} "
+                      f"{jax.tree.map(lambda x: f'{x.dtype}{tuple(x.shape)}', out)}")
+    if not jnp.issubdtype(out.dtype, jnp.floating):
+      raise TypeError(f"score_fn must return a floating array (computed in any float dtype, "
+                      f"cast back to the score's {np.dtype(stats).name}), got {out.dtype}")
+    if tuple(out.shape) != bnts:
       raise ValueError(f"score_fn must return a float array of the score's shape "
                        f"(B, N, T, S)={bnts}, got {out.dtype}{tuple(out.shape)}")
+    if not isinstance(score_fn, scores.ScoreFn) or any(True for _ in _user_fns(score_fn)):
+      _check_on_tiles("score_fn", score_fn, bnts, exact_shape=True, score_dtype=stats)
   return fn
 
 

@@ -87,13 +87,21 @@ def index_grid(batch_size: int, num_heads: int, q_len: int, kv_len: int):
       _checks.integer(name, n, minimum=0) for name, n in (
           ("batch_size", batch_size), ("num_heads", num_heads), ("q_len", q_len),
           ("kv_len", kv_len)))
-  with jax.ensure_compile_time_eval():  # concrete even under jit (see _take)
-    return (
-        jnp.arange(batch_size, dtype=jnp.int32).reshape(-1, 1, 1, 1),
-        jnp.arange(num_heads, dtype=jnp.int32).reshape(1, -1, 1, 1),
-        jnp.arange(q_len, dtype=jnp.int32).reshape(1, 1, -1, 1),
-        jnp.arange(kv_len, dtype=jnp.int32).reshape(1, 1, 1, -1),
-    )
+  return tuple(_index_array(np.arange(n), axis) for axis, n in enumerate(
+      (batch_size, num_heads, q_len, kv_len)))
+
+
+def _index_array(positions: np.ndarray, axis: int) -> jax.Array:
+  """``positions`` as an int32 jax array along ``axis`` of a rank-4 grid.
+
+  Built in NumPy and transferred: concrete even under jit (see _take), and no
+  XLA program is compiled for it, so argument checks that evaluate masks on
+  index grids compile nothing.
+  """
+  shape = [1, 1, 1, 1]
+  shape[axis] = -1
+  with jax.ensure_compile_time_eval():
+    return jax.device_put(np.asarray(positions, np.int32).reshape(shape))
 
 
 def _merge_extents(a: Extents, b: Extents, what: str) -> Extents:
@@ -226,12 +234,12 @@ def _shape_str(arr) -> str:
 
 def _causal_eval(params, children, b, h, q, kv):
   (offset,) = params
-  return kv <= q + offset
+  return kv - q <= offset  # not kv <= q + offset, which overflows int32 for large offsets
 
 
 def _causal_bounds(params, children, t: _Tiles):
   (offset,) = params
-  return t.kv_lo <= t.q_hi + offset, t.kv_hi <= t.q_lo + offset
+  return t.kv_lo - t.q_hi <= offset, t.kv_hi - t.q_lo <= offset
 
 
 _CAUSAL = _Rule("causal", _causal_eval, _causal_bounds, _no_extents,
@@ -240,12 +248,12 @@ _CAUSAL = _Rule("causal", _causal_eval, _causal_bounds, _no_extents,
 
 def _causal_batch_eval(params, children, b, h, q, kv):
   (offset,) = children
-  return kv <= q + _at_batch(offset, b)
+  return kv - q <= _at_batch(offset, b)
 
 
 def _causal_batch_bounds(params, children, t: _Tiles):
   off = _batch_index(children[0])
-  return t.kv_lo <= t.q_hi + off, t.kv_hi <= t.q_lo + off
+  return t.kv_lo - t.q_hi <= off, t.kv_hi - t.q_lo <= off
 
 
 _CAUSAL_PER_BATCH = _Rule(
@@ -275,7 +283,7 @@ def causal(offset: int | jax.typing.ArrayLike = 0) -> Mask:
               [1, 1, 1]]], dtype=int32)
   """
   if isinstance(offset, numbers.Integral) and not isinstance(offset, (bool, np.bool_)):
-    return Mask(_CAUSAL, (int(offset),))
+    return Mask(_CAUSAL, (_checks.integer("offset", offset, int32=True),))
   if isinstance(offset, (bool, np.bool_, float)):
     raise TypeError(f"offset must be an int, got {offset!r} of type {type(offset).__name__}; "
                     "per-row offsets are an integer array of shape () or (B,)")
@@ -288,10 +296,10 @@ def causal(offset: int | jax.typing.ArrayLike = 0) -> Mask:
 def _window_eval(params, children, b, h, q, kv):
   left, right = params
   ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q), jnp.shape(kv)), bool)
-  if left is not None:
-    ok = ok & (kv >= q - left)
+  if left is not None:  # kv - q, not q +- width: stays in int32 for any int32 width
+    ok = ok & (kv - q >= -left)
   if right is not None:
-    ok = ok & (kv <= q + right)
+    ok = ok & (kv - q <= right)
   return ok
 
 
@@ -341,9 +349,9 @@ def sliding_window(left: int | None, right: int | None = 0, *, dilation: int = 1
   back). Tile classes are exact, so blockwise attention visits only tiles
   that hold an allowed pair.
   """
-  params = tuple(None if w is None else _checks.integer(name, w, minimum=0)
+  params = tuple(None if w is None else _checks.integer(name, w, minimum=0, int32=True)
                  for name, w in (("left", left), ("right", right)))
-  dilation = _checks.integer("dilation", dilation, minimum=1)
+  dilation = _checks.integer("dilation", dilation, minimum=1, int32=True)
   if dilation == 1:
     return Mask(_WINDOW, params)
   return Mask(_DILATED, params + (dilation,))
@@ -369,7 +377,7 @@ _CHUNKED = _Rule("chunked", _chunked_eval, _chunked_bounds, _no_extents,
 
 def chunked(size: int) -> Mask:
   """Positions attend within their chunk: ``q // size == kv // size`` (local blocks)."""
-  return Mask(_CHUNKED, (_checks.integer("size", size, minimum=1),))
+  return Mask(_CHUNKED, (_checks.integer("size", size, minimum=1, int32=True),))
 
 
 # --- prefix LM -------------------------------------------------------------
@@ -529,7 +537,7 @@ def global_tokens(n: int) -> Mask:
   Alone it allows only pairs that touch a global token; combine with ``|``,
   e.g. ``global_tokens(2) | sliding_window(64, 64)`` (Longformer, BigBird).
   """
-  return Mask(_GLOBAL, (_checks.integer("n", n, minimum=0),))
+  return Mask(_GLOBAL, (_checks.integer("n", n, minimum=0, int32=True),))
 
 
 # --- strided (dilated) ------------------------------------------------------
@@ -560,7 +568,7 @@ def strided(stride: int) -> Mask:
   With ``sliding_window`` this is a dilated window; with ``causal`` and a
   local window it is the Sparse Transformer's strided pattern.
   """
-  return Mask(_STRIDED, (_checks.integer("stride", stride, minimum=1),))
+  return Mask(_STRIDED, (_checks.integer("stride", stride, minimum=1, int32=True),))
 
 
 # --- block-sparse layouts ----------------------------------------------------
@@ -643,10 +651,10 @@ def block_sparse(layout, block_size: int | tuple[int, int]) -> Mask:
     if len(block_size) != 2:
       raise ValueError(f"block_size must be an int or a pair (block_q, block_kv), "
                        f"got {block_size!r}")
-    sizes = tuple(_checks.integer(n, b, minimum=1)
+    sizes = tuple(_checks.integer(n, b, minimum=1, int32=True)
                   for n, b in zip(("block_size[0]", "block_size[1]"), block_size))
   else:
-    size = _checks.integer("block_size", block_size, minimum=1)
+    size = _checks.integer("block_size", block_size, minimum=1, int32=True)
     sizes = (size, size)
   return Mask(_BLOCKS, sizes, (arr,))
 
@@ -664,13 +672,14 @@ def longformer(window: int | tuple[int, int], *, num_global: int = 1,
   if isinstance(window, tuple):
     if len(window) != 2:
       raise ValueError(f"window must be an int or a pair (left, right), got {window!r}")
-    left, right = (_checks.integer(n, w, minimum=0)
+    left, right = (_checks.integer(n, w, minimum=0, int32=True)
                    for n, w in zip(("window[0]", "window[1]"), window))
   else:
-    left = right = _checks.integer("window", window, minimum=0)
-  dilation = _checks.integer("dilation", dilation, minimum=1)
+    left = right = _checks.integer("window", window, minimum=0, int32=True)
+  dilation = _checks.integer("dilation", dilation, minimum=1, int32=True)
+  _checks.integer("window times dilation", max(left, right) * dilation, int32=True)
   local = sliding_window(left * dilation, right * dilation, dilation=dilation)
-  num_global = _checks.integer("num_global", num_global, minimum=0)
+  num_global = _checks.integer("num_global", num_global, minimum=0, int32=True)
   return local | global_tokens(num_global) if num_global else local
 
 
@@ -795,7 +804,9 @@ def from_fn(fn: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array
   """A mask from ``fn(batch, head, q_idx, kv_idx) -> bool`` (FlexAttention's mask_mod).
 
   The indices are int arrays that broadcast against each other; write ``fn``
-  with broadcasting jnp operations. Tile classification is conservative
+  with broadcasting jnp operations, computing from the indices (index a
+  captured (T, S) array as ``table[q_idx, kv_idx]``): tiled implementations
+  evaluate it per tile, and attention checks this on two small grids. Tile classification is conservative
   (every tile PARTIAL) unless ``block_view(..., exact=True)`` is asked for.
   """
   if not callable(fn):
@@ -945,6 +956,15 @@ def _dense(mask: Mask, grid) -> jax.Array:
   return mask.rule.evaluate(mask.params, mask.children, *grid)
 
 
+def _check_operand(other, op: str) -> Mask:
+  if not isinstance(other, Mask):
+    what = (f"an array of shape {tuple(other.shape)} ({type(other).__name__})"
+            if hasattr(other, "shape") else f"{type(other).__name__} {other!r}")
+    raise TypeError(f"'{op}' combines a jattn.masks.Mask only with another Mask, got {what}; "
+                    "wrap a boolean array with masks.from_array(...) first")
+  return other
+
+
 def all_of(*masks: Mask) -> Mask | None:
   """``masks[0] & masks[1] & ...``; None when there are none."""
   out = None
@@ -977,19 +997,25 @@ class Mask(Node):
     """(B, N, T, S) fixed by the mask's arrays; None where the mask broadcasts."""
     return self.rule.extents(self.params, self.children)
 
+  # NumPy arrays defer to __rand__ / __ror__ rather than applying ``&`` to the Mask as an
+  # object element (which raised "unsupported operand type(s) for &: 'bool' and 'Mask'").
+  __array_ufunc__ = None
+
   def __and__(self, other: Mask) -> Mask:
-    if not isinstance(other, Mask):
-      return NotImplemented
-    node = Mask(_AND, (), (self, other))
+    node = Mask(_AND, (), (self, _check_operand(other, "&")))
     node.extents  # raises on incompatible shapes, at construction
     return node
 
   def __or__(self, other: Mask) -> Mask:
-    if not isinstance(other, Mask):
-      return NotImplemented
-    node = Mask(_OR, (), (self, other))
+    node = Mask(_OR, (), (self, _check_operand(other, "|")))
     node.extents
     return node
+
+  def __rand__(self, other) -> Mask:
+    return _check_operand(other, "&") & self
+
+  def __ror__(self, other) -> Mask:
+    return _check_operand(other, "|") | self
 
   def __invert__(self) -> Mask:
     return Mask(_NOT, (), (self,))

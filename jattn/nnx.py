@@ -195,6 +195,13 @@ class MultiHeadAttention(nnx.Module):
     query, key, value = self.query(inputs_q), self.key(kv_in), self.value(kv_in)
     if self.query_ln is not None:
       query, key = self.query_ln(query), self.key_ln(key)
+    if cache is not None and key.dtype != cache.key.dtype:
+      name = lambda d: None if d is None else jnp.dtype(d).name
+      raise TypeError(
+          f"the KV cache holds {cache.key.dtype} keys and values (init_cache's dtype), but this "
+          f"module computes them in {key.dtype} (module dtype={name(self.query.dtype)}, "
+          f"param_dtype={name(self.query.param_dtype)}, inputs {inputs_q.dtype}); call "
+          f"init_cache(batch_size, max_length, dtype={key.dtype})")
     out, weights, new_cache = _flax.attend(
         query, key, value, heads=self.heads, is_causal=self.is_causal, rope=self.rope,
         positions=positions, mask=mask, segment_ids=segment_ids, cache=cache, num_new=num_new,

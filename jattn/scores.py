@@ -34,6 +34,8 @@ class _Rule(NamedTuple):
   name: str
   apply: Callable[..., jax.Array]  # (params, children, s, b, h, q, kv) -> s
   describe: Callable[..., str]
+  # (params, children) -> N that the node's per-head parameters are for, or None.
+  heads: Callable[..., int | None] = lambda params, children: None
 
 
 class ScoreFn(Node):
@@ -42,16 +44,37 @@ class ScoreFn(Node):
   def __call__(self, score, batch, head, q_idx, kv_idx) -> jax.Array:
     return self.rule.apply(self.params, self.children, score, batch, head, q_idx, kv_idx)
 
+  @property
+  def num_heads(self) -> int | None:
+    """N, the number of query heads its per-head parameters are for (ALiBi's slopes, a
+    relative-position table's columns); None when it has none. Attention raises unless
+    it equals the query's N: a parameter is never reused or cut to fit."""
+    return self.rule.heads(self.params, self.children)
+
 
 jax.tree_util.register_pytree_node_class(ScoreFn)
 
 
-_FN = _Rule("from_fn", lambda p, c, *args: p[0](*args),
+def _fn_apply(params, children, s, *idx):
+  # A user function may compute in a narrower dtype (float16, bfloat16): its floating
+  # result is taken back to the score's dtype (float32, float64 for float64 inputs), so
+  # every implementation and every custom_vjp sees the statistics dtype it expects.
+  out = params[0](s, *idx)
+  if hasattr(out, "dtype") and jnp.issubdtype(out.dtype, jnp.floating) and out.dtype != s.dtype:
+    out = out.astype(s.dtype)
+  return out
+
+
+_FN = _Rule("from_fn", _fn_apply,
             lambda p, c: f"from_fn({getattr(p[0], '__name__', repr(p[0]))})")
 
 
 def from_fn(fn: Callable) -> ScoreFn:
-  """Wrap a plain ``fn(score, batch, head, q_idx, kv_idx)`` as a :class:`ScoreFn`."""
+  """Wrap a plain ``fn(score, batch, head, q_idx, kv_idx)`` as a :class:`ScoreFn`.
+
+  A floating result in another dtype than ``score`` (e.g. a function that
+  computes in bfloat16) is cast back to the score's dtype.
+  """
   if isinstance(fn, ScoreFn):
     return fn
   if not callable(fn):
@@ -65,15 +88,25 @@ def _compose_apply(params, children, s, *idx):
   return s
 
 
+def _compose_heads(params, children):
+  heads = {fn.num_heads for fn in children} - {None}
+  return heads.pop() if heads else None
+
+
 _COMPOSE = _Rule("compose", _compose_apply,
-                 lambda p, c: "compose(" + ", ".join(map(repr, c)) + ")")
+                 lambda p, c: "compose(" + ", ".join(map(repr, c)) + ")", _compose_heads)
 
 
 def compose(*fns: Callable) -> ScoreFn:
   """Apply score functions in order: ``compose(f, g)(s, ...) == g(f(s, ...), ...)``."""
   if not fns:
     raise ValueError("compose needs at least one score function")
-  return ScoreFn(_COMPOSE, (), tuple(from_fn(f) for f in fns))
+  fns = tuple(from_fn(f) for f in fns)
+  sized = [fn for fn in fns if fn.num_heads is not None]
+  if len({fn.num_heads for fn in sized}) > 1:
+    raise ValueError("compose needs score functions for the same number of heads, got " +
+                     " and ".join(f"{fn!r} for {fn.num_heads}" for fn in sized))
+  return ScoreFn(_COMPOSE, (), fns)
 
 
 def _float_array(name: str, value, *, ndim: int):
@@ -96,7 +129,8 @@ def _alibi_apply(params, children, s, b, h, q, kv):
 
 
 _ALIBI = _Rule("alibi", _alibi_apply,
-               lambda p, c: f"alibi(slopes shape={tuple(c[0].shape)}, bidirectional={p[0]})")
+               lambda p, c: f"alibi(slopes shape={tuple(c[0].shape)}, bidirectional={p[0]})",
+               lambda p, c: c[0].shape[0])
 
 
 def alibi(slopes, *, bidirectional: bool = False) -> ScoreFn:
@@ -106,7 +140,8 @@ def alibi(slopes, *, bidirectional: bool = False) -> ScoreFn:
   distance. ``bidirectional=True`` adds ``-slopes[head] * |q_idx - kv_idx|``.
 
   Args:
-    slopes: float array (N,), one slope per query head (usually positive).
+    slopes: float array (N,), one slope per query head (usually positive);
+      attention raises unless N is the query's number of heads.
   """
   return ScoreFn(_ALIBI, (bool(bidirectional),), (_float_array("slopes", slopes, ndim=1),))
 
@@ -163,7 +198,8 @@ def _relative_apply(params, children, s, b, h, q, kv):
 _RELATIVE = _Rule(
     "relative_position_bias", _relative_apply,
     lambda p, c: (f"relative_position_bias(table shape={tuple(c[0].shape)}, num_buckets={p[0]}, "
-                  f"max_distance={p[1]}, bidirectional={p[2]})"))
+                  f"max_distance={p[1]}, bidirectional={p[2]})"),
+    lambda p, c: c[0].shape[1])
 
 
 def relative_position_bias(table, *, num_buckets: int = 32, max_distance: int = 128,
@@ -171,7 +207,8 @@ def relative_position_bias(table, *, num_buckets: int = 32, max_distance: int = 
   """T5's learned relative position bias: add ``table[bucket(kv_idx - q_idx), head]``.
 
   Args:
-    table: float array (num_buckets, N), usually a trainable parameter.
+    table: float array (num_buckets, N), usually a trainable parameter; attention
+      raises unless N is the query's number of heads.
     num_buckets, max_distance, bidirectional: T5's bucketing (see
       :func:`t5_bucket`); T5 uses 32, 128 and True in the encoder, False in
       the decoder.

@@ -177,6 +177,40 @@ def test_zero_length_keys_give_zeros():
   assert np.all(np.isneginf(lse))
 
 
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("empty", ["B", "N", "H"])
+def test_empty_dimensions_match_jax_nn(empty, rule):
+  """B, N or H == 0 gives jax.nn's empty outputs, and gradients of the inputs' shapes, for
+  every rule (blockwise raised ZeroDivisionError, and H == 0's default scale divided by 0)."""
+  dims = dict(B=2, T=3, S=4, N=2, K=1, H=4)
+  dims[empty] = 0
+  if empty == "N":
+    dims["K"] = 1  # N = 0 is a multiple of any K
+  B, T, S, N, K, H = (dims[c] for c in "BTSNKH")
+  q, k, v = _inputs(B, T, S, N, K, H, jnp.float32)
+  bias = normal((B, N, T, S), seed=4)
+
+  def ours(q, k, v, bias):
+    return jattn.dot_product_attention(q, k, v, bias, is_causal=True, return_residual=True,
+                                       **RULES[rule])
+
+  out, lse = ours(q, k, v, bias)
+  # (scale=1: jax.nn warns dividing by sqrt(0) for its default scale)
+  assert out.shape == jax.nn.dot_product_attention(q, k, v, scale=1.0).shape == (B, T, N, H)
+  assert lse.shape == (B, T, N)
+  if empty == "H":  # every logit is 0 + bias: lse is the log-sum-exp of the causal biases
+    allowed = np.tril(np.ones((T, S), bool))
+    assert_close(lse, attention_np(q, k, v, bias=bias, allowed=allowed, scale=1.0)[1])
+  grads = jax.grad(lambda *a: jnp.sum(ours(*a)[1]), (0, 1, 2, 3))(q, k, v, bias)
+  assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, bias.shape]
+  assert all(np.all(np.isfinite(g)) for g in grads)
+
+
+def test_attention_weights_with_empty_head_dim_are_uniform():
+  q, k, _ = _inputs(1, 2, 4, 1, 1, 0, jnp.float32)
+  np.testing.assert_allclose(jattn.attention_weights(q, k), np.full((1, 1, 2, 4), 0.25))
+
+
 def test_segment_ids_against_numpy():
   q, k, v = _inputs(2, 6, 6, 2, 2, 4, jnp.float32)
   ids = np.array([[0, 0, 0, 1, 1, 2], [5, 5, 6, 6, 6, 6]])

@@ -63,6 +63,22 @@ def test_causal_scalar_array_offset_is_the_int_form():
   assert masks.causal(np.array(2)).extents == (None, None, None, None)
 
 
+def test_int32_extreme_offsets_and_widths():
+  """Offsets and widths anywhere in int32's range: q + offset would overflow int32 and wrap
+  (causal(2**31 - 1) allowed nothing past row 0)."""
+  big = 2**31 - 1
+  ones, zeros = np.ones((1, 1, 3, 4), int), np.zeros((1, 1, 3, 4), int)
+  np.testing.assert_array_equal(_dense(masks.causal(big), 3, 4), ones)
+  np.testing.assert_array_equal(_dense(masks.causal(-big - 1), 3, 4), zeros)
+  np.testing.assert_array_equal(_dense(masks.causal(np.array([big, 0], np.int32)), 3, 4)[0, 0],
+                                ones[0, 0])
+  np.testing.assert_array_equal(_dense(masks.sliding_window(big, big), 3, 4), ones)
+  np.testing.assert_array_equal(_dense(masks.sliding_window(big, big, dilation=big), 3, 4)[0, 0],
+                                np.eye(3, 4, dtype=int))
+  view = masks.causal(big).block_view(3, 4, block_q=2, block_kv=2)
+  assert np.all(view == masks.FULL)
+
+
 def test_sliding_window_literal():
   np.testing.assert_array_equal(_dense(masks.sliding_window(1, 2), 5, 5)[0, 0], _m("""
       11100
@@ -517,3 +533,49 @@ def test_extents_and_batch_defaults():
   assert mask.materialize(T_, S_).shape == (2, 1, T_, S_)
   with pytest.raises(ValueError, match="batch_size is 3 but the mask holds arrays for 2"):
     mask.materialize(T_, S_, batch_size=3)
+
+
+L = 8  # with block_q = block_kv = 4, blockwise evaluates masks on 2 x 2 tiles
+TILED = {"xla": dict(implementation="xla"),
+         "blockwise": dict(implementation="blockwise", block_q=4, block_kv=4),
+         "auto": {}}
+ALLOWED_LL = np.tril(np.ones((L, L), bool)) | (np.arange(L)[None] % 3 == 0)
+
+MASK_FNS_NOT_FROM_INDICES = {
+    # A captured (T, S) array combined with the indices by broadcasting.
+    "captured_table": lambda b, h, qi, kv: jnp.asarray(ALLOWED_LL) & (qi >= 0),
+    "positions_from_shape": lambda b, h, qi, kv: jnp.arange(kv.shape[-1]).reshape(
+        1, 1, 1, -1) <= qi,
+}
+
+
+@pytest.mark.parametrize("implementation", list(TILED) + ["attention_weights"])
+@pytest.mark.parametrize("name", list(MASK_FNS_NOT_FROM_INDICES))
+def test_mask_fn_that_does_not_compute_from_its_indices_is_rejected(name, implementation):
+  q = k = v = normal((1, L, 2, 4))
+  mask = masks.causal() & masks.from_fn(MASK_FNS_NOT_FROM_INDICES[name])
+  match = (r"mask from_fn\(<lambda>\) must compute from its index arguments \(batch, head, "
+           r"q_idx, kv_idx\)")
+  with jax.numpy_rank_promotion("allow"), pytest.raises(ValueError, match=match):
+    if implementation == "attention_weights":
+      jattn.attention_weights(q, k, mask=mask)
+    else:
+      jattn.dot_product_attention(q, k, v, mask=mask, **TILED[implementation])
+
+
+@pytest.mark.parametrize("implementation", list(TILED))
+def test_mask_fns_that_compute_from_their_indices_work_everywhere(implementation):
+  q, k, v = normal((2, L, 2, 4)), normal((2, L, 2, 4), seed=1), normal((2, L, 2, 4), seed=2)
+  table = masks.from_fn(lambda b, h, qi, kv: jnp.asarray(ALLOWED_LL)[qi, kv])
+  out = jattn.dot_product_attention(q, k, v, mask=table, **TILED[implementation])
+  assert_close(out, attention_np(q, k, v, allowed=ALLOWED_LL)[0])
+
+  @jax.jit
+  def closure(offsets):  # closes over a traced array: values cannot be probed
+    fn = masks.from_fn(lambda b, h, qi, kv: kv <= qi + offsets[b])
+    return jattn.dot_product_attention(q, k, v, mask=fn, **TILED[implementation])
+
+  offsets = np.array([0, 2])
+  assert_close(closure(jnp.asarray(offsets)),
+               attention_np(q, k, v, allowed=np.stack([causal_np(L, L, o) for o in offsets])[
+                   :, None])[0])

@@ -356,14 +356,18 @@ CALL_ERRORS = [
      "decode=True does not take inputs_kv"),
     (dict(positions=np.arange(3)), ValueError, "positions are used only by rope"),
     (dict(sow_weights=1), TypeError, "sow_weights must be a bool"),
+    (dict(decode=True, cache_dtype=jnp.bfloat16), TypeError,
+     r"the KV cache holds bfloat16 keys and values \(init_cache's dtype\), but this module "
+     r"computes them in float32 \(module dtype=None, param_dtype=float32, inputs float32\); "
+     r"call init_cache\(batch_size, max_length, dtype=float32\)"),
 ]
 
 
 @pytest.mark.parametrize("kwargs, error, match", CALL_ERRORS)
 def test_call_errors(kwargs, error, match):
   m = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
-  m.init_cache(2, 8)
   kwargs = dict(inputs_q=np.zeros((2, 3, F), np.float32)) | kwargs
+  m.init_cache(2, 8, dtype=kwargs.pop("cache_dtype", None))
   with pytest.raises(error, match=match):
     m(**kwargs)
 

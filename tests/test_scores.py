@@ -9,7 +9,7 @@ import pytest
 
 import jattn
 from jattn import masks, scores
-from reference import assert_close, attention_jnp, attention_np, grid, normal
+from reference import RULES, assert_close, attention_jnp, attention_np, grid, normal
 
 B, N, T, S = 2, 3, 5, 6
 
@@ -150,3 +150,130 @@ def test_score_fn_closing_over_traced_values(backward):
   want = jax.grad(loss_ref)(t, off)
   assert_close(jax.grad(jax.jit(loss))(t, off), want, factor=5)
   assert_close(jax.jit(jax.grad(loss))(t, off), want, factor=5)
+
+
+def _integer_inputs():
+  """Integer-valued q, k, v: with scale 0.5 every logit, and ``_narrow``'s result, is
+  exact in float16 and bfloat16, so rounding the scores loses nothing."""
+  rng = np.random.default_rng(7)
+  return tuple(jnp.asarray(rng.integers(-2, 3, shape), jnp.float32)
+               for shape in ((B, T, N, 4), (B, S, N, 4), (B, S, N, 4)))
+
+
+def _narrow_formula(s, b, h, qi, kv):
+  return 2 * s - 0.25 * abs(qi - kv)
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
+def test_score_fn_computing_in_a_narrow_dtype(rule, dtype):
+  """A score_fn returning float16/bfloat16 is computed in float32 from there on: the right
+  values, zeros and -inf for rows that attend to nothing, finite gradients (it once gave NaN
+  rows, rows of mean(v), or JAX's "unexpected JAX type" from every custom_vjp)."""
+  q, k, v = _integer_inputs()
+  lengths = jnp.array([T, 2], jnp.int32)  # row 1: queries 2.. attend to nothing
+  narrow = lambda s, b, h, qi, kv: _narrow_formula(s, b, h, qi, kv).astype(dtype)
+
+  def ours(q, k, v):
+    return jattn.dot_product_attention(q, k, v, scale=0.5, score_fn=narrow, is_causal=True,
+                                       query_seq_lengths=lengths, return_residual=True,
+                                       **RULES[rule])
+
+  allowed = np.tril(np.ones((T, S), bool)) & (np.arange(T)[:, None] < np.asarray(lengths)[
+      :, None, None, None])
+  out, lse = ours(q, k, v)
+  assert out.dtype == lse.dtype == jnp.float32
+  want_out, want_lse = attention_np(q, k, v, scale=0.5, score=_narrow_formula, allowed=allowed)
+  assert_close(out, want_out)
+  assert_close(np.where(np.isfinite(want_lse), lse, 0), np.where(np.isfinite(want_lse),
+                                                                  want_lse, 0))
+  np.testing.assert_array_equal(out[1, 2:], 0.0)
+  assert np.all(np.isneginf(lse[1, 2:])) and np.all(np.isfinite(lse[0]))
+
+  cot = normal((B, T, N, 4), seed=3)
+
+  def loss(fn):
+    def f(q, k, v):
+      out, lse = fn(q, k, v)
+      return jnp.sum(out * cot) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+    return f
+
+  def ref(q, k, v):
+    score = lambda *a: narrow(*a).astype(jnp.float32)
+    return attention_jnp(q, k, v, allowed=jnp.asarray(allowed), scale=0.5, score=score)
+
+  got = jax.grad(loss(ours), (0, 1, 2))(q, k, v)
+  want = jax.grad(loss(ref), (0, 1, 2))(q, k, v)
+  for g, w in zip(got, want):
+    assert np.all(np.isfinite(g))
+    assert_close(g, w, dtype)  # the score's cotangent is rounded to ``dtype`` in both
+
+
+def test_num_heads_of_score_functions():
+  table = np.ones((8, 3), np.float32)
+  assert scores.alibi(SLOPES).num_heads == 3
+  assert scores.relative_position_bias(table, num_buckets=8, max_distance=16).num_heads == 3
+  assert scores.soft_cap(5.0).num_heads is None
+  assert scores.from_fn(lambda s, *idx: s).num_heads is None
+  assert scores.compose(lambda s, *idx: s, scores.alibi(SLOPES), scores.soft_cap(5.0)).num_heads == 3
+
+
+L = 8  # with block_q = block_kv = 4, blockwise evaluates score functions on 2 x 2 tiles
+TILED = {"xla": dict(implementation="xla"),
+         "blockwise": dict(implementation="blockwise", block_q=4, block_kv=4),
+         "auto": {}}
+TABLE_LL = np.asarray(normal((L, L), seed=5))
+RELATIVE = np.asarray(normal((2 * L - 1,), seed=6))
+
+NOT_FROM_INDICES = {
+    # The captured (T, S) table of the issue; jnp broadcasts (T, S) against (B, N, T, S)
+    # without rank promotion, which tests otherwise forbid.
+    "captured_table": lambda s, b, h, qi, kv: s + jnp.asarray(TABLE_LL),
+    "positions_from_shape": lambda s, b, h, qi, kv: s - 0.1 * jnp.abs(
+        jnp.arange(s.shape[-2]).reshape(1, 1, -1, 1) - jnp.arange(s.shape[-1]).reshape(1, 1, 1, -1)),
+}
+
+
+@pytest.mark.parametrize("implementation", list(TILED) + ["attention_weights"])
+@pytest.mark.parametrize("name", list(NOT_FROM_INDICES))
+def test_score_fn_that_does_not_compute_from_its_indices_is_rejected(name, implementation):
+  """Such functions worked on the materialised path, then failed 15 frames deep (a captured
+  table) or silently differed (positions from s.shape) on tiles: now every path raises."""
+  q = k = v = normal((1, L, 2, 4))
+  fn = NOT_FROM_INDICES[name]
+  match = r"score_fn must compute from its index arguments \(batch, head, q_idx, kv_idx\)"
+  with jax.numpy_rank_promotion("allow"), pytest.raises(ValueError, match=match) as info:
+    if implementation == "attention_weights":
+      jattn.attention_weights(q, k, score_fn=fn)
+    else:
+      jattn.dot_product_attention(q, k, v, score_fn=fn, **TILED[implementation])
+  assert ("Incompatible shapes" in str(info.value)) == (name == "captured_table")
+  assert ("from an array's shape" in str(info.value)) == (name == "positions_from_shape")
+
+
+def _relative_np(s, b, h, qi, kv):
+  return s + RELATIVE[qi - kv + L - 1]
+
+
+@pytest.mark.parametrize("implementation", list(TILED))
+def test_score_fns_that_compute_from_their_indices_work_everywhere(implementation):
+  q, k, v = normal((2, L, 2, 4)), normal((2, L, 2, 4), seed=1), normal((2, L, 2, 4), seed=2)
+  relative = lambda s, b, h, qi, kv: s + jnp.asarray(RELATIVE)[qi - kv + L - 1]
+  out = jattn.dot_product_attention(q, k, v, score_fn=relative, **TILED[implementation])
+  assert_close(out, attention_np(q, k, v, score=_relative_np)[0])
+
+  slopes = np.array([0.5, 0.25], np.float32)
+  out = jattn.dot_product_attention(q, k, v, score_fn=scores.alibi(slopes), is_causal=True,
+                                    **TILED[implementation])
+  want = attention_np(q, k, v, score=lambda s, b, h, qi, kv: s + slopes[h] * (kv - qi),
+                      allowed=np.tril(np.ones((L, L), bool)))[0]
+  assert_close(out, want)
+
+  @jax.jit
+  def closure(temperature, offset):  # closes over traced arrays: values cannot be probed
+    fn = lambda s, b, h, qi, kv: s * temperature + relative(s, b, h, qi + offset, kv) - s
+    return jattn.dot_product_attention(q, k, v, score_fn=fn, **TILED[implementation])
+
+  want = attention_np(q, k, v, score=lambda s, b, h, qi, kv: 0.5 * s + RELATIVE[
+      np.clip(qi + 1 - kv + L - 1, 0, 2 * L - 2)])[0]
+  assert_close(closure(jnp.float32(0.5), jnp.int32(1)), want)
