@@ -1,0 +1,569 @@
+"""Accuracy of every jattn rule against jax.nn.dot_product_attention, per dtype and case.
+
+For bfloat16, float16 and float32 inputs, every (implementation, backward)
+rule and a set of cases (biases, q = k = v, GQA with a local window, soft
+cap, score functions, dropout, saturated softmax, additive -1e9 / -1e30
+masks, scale=1e3), one ``jax.vjp`` per cell gives the output, the
+log-sum-exp (``return_residual=True``) and the gradients dq, dk, dv, dbias
+for one fixed random cotangent of the output. Each is compared, as a max
+absolute error, with a NumPy reference run on the same inputs upcast: float32
+for bfloat16 and float16 inputs, float64 for float32 inputs. The reference
+implements jattn's contract: every finite score takes part in the softmax,
+masked or -inf scores do not, rows left with nothing give zeros.
+
+The baseline is jax.nn's own error on the same low-precision inputs and
+cotangent. For what jax.nn cannot express (score functions, soft cap,
+dropout) it is :func:`jax_nn_style`: jax.nn's XLA path written out (float32
+logits, the modification, float32 softmax, probabilities cast to the input
+dtype, einsum with the values), with the feature added where jattn applies it.
+
+The target (:func:`meets_target`), for every cell and quantity::
+
+    err_rule <= 1.5 * err_jax.nn + 0.1 * ulp(largest |reference value|, input dtype)
+
+Prints a markdown table: for each (dtype, case) a row of jax.nn's absolute
+errors, then one row per rule with the ratio err_rule / err_jax.nn per
+quantity (bold where the target fails).
+
+    python -m experiments.accuracy              # every dtype, case and rule
+    python -m experiments.accuracy --quick      # a small subset (smoke test)
+    python -m experiments.accuracy --dtypes bf16 --cases mask_1e9 --json runs/acc.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jattn
+from jattn import scores
+
+# Shapes of every case: T and S are not multiples of the 16-wide tiles; N = 2K is GQA.
+B, T, S, N, K, H = 2, 40, 40, 4, 2, 16
+
+DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
+
+# Every (implementation, backward) rule, as keyword arguments of jattn.dot_product_attention.
+RULES = {
+    "xla/autodiff": dict(implementation="xla", backward="autodiff"),
+    "xla/custom_vjp": dict(implementation="xla", backward="custom_vjp"),
+    "blockwise/16x16": dict(implementation="blockwise", block_q=16, block_kv=16),
+    "blockwise/default": dict(implementation="blockwise"),
+    "default": dict(),
+}
+
+QUANTITIES = ("out", "lse", "dq", "dk", "dv", "dbias")
+
+SLOPES = np.array([0.5, 0.25, 0.125, 0.0625])  # ALiBi, one slope per query head
+DROPOUT_SEED = 7
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One row group of the table. Cases that differ only in data (``input_scale``,
+  ``mask_value``) share compiled functions."""
+  name: str
+  bias: str | None = None  # "full": (B, N, T, S) float32; "shared": (T, S) in the input dtype
+  mask_value: float | None = None  # additive mask on random positions and on whole rows
+  input_scale: float = 1.0  # q and k multiplied by it before rounding to the dtype
+  qkv_same: bool = False  # one array (B, T, N, H), N = K, passed three times
+  is_causal: bool = False
+  window: tuple[int, int] | None = None
+  soft_cap: float | None = None
+  score: str | None = None  # "alibi", or "relpos_cast": a relative-position score_fn
+                            # whose result is cast to the input dtype
+  dropout_rate: float = 0.0
+  scale: float | None = None
+
+  @property
+  def program(self) -> Case:
+    """The case without its data: cases with the same program share compiled functions."""
+    return dataclasses.replace(self, name="", mask_value=None, input_scale=1.0)
+
+  @property
+  def jax_nn_expresses(self) -> bool:
+    return self.soft_cap is None and self.score is None and not self.dropout_rate
+
+  @property
+  def quantities(self) -> tuple[str, ...]:
+    """dq stands for d(q = k = v) when one array is passed three times."""
+    qs = ("out", "lse", "dq") if self.qkv_same else ("out", "lse", "dq", "dk", "dv")
+    return qs + ("dbias",) * (self.bias is not None)
+
+
+# Seven programs per dtype (the compiles dominate the cost): cases that differ only in data
+# share one, and features that real models combine (Gemma 2: GQA, a local window and a soft
+# cap) share a case.
+CASES = {c.name: c for c in (
+    Case("bias", bias="full"),
+    Case("saturated_x10", bias="full", input_scale=10.0),
+    Case("saturated_x100", bias="full", input_scale=100.0),
+    Case("mask_1e9", bias="full", mask_value=-1e9),
+    Case("mask_1e30", bias="full", mask_value=-1e30),
+    Case("qkv_same_shared_bias", qkv_same=True, bias="shared"),
+    Case("gqa_window_soft_cap", window=(5, 2), soft_cap=4.0, input_scale=2.0),
+    Case("alibi_causal", score="alibi", is_causal=True),
+    Case("score_fn_cast", score="relpos_cast"),
+    Case("dropout", dropout_rate=0.2),
+    Case("scale_1e3", scale=1e3),
+)}
+
+QUICK = dict(dtypes=["bf16", "f32"], cases=["bias", "saturated_x10", "mask_1e9"],
+             rules=["xla/autodiff", "blockwise/16x16"])
+
+
+# --- the target ------------------------------------------------------------------------------
+
+
+def ulp(x: float, dtype) -> float:
+  """The spacing of ``dtype``'s numbers at magnitude ``x`` (its smallest normal's at 0)."""
+  info = jnp.finfo(dtype)
+  if not x > 0 or not math.isfinite(x):
+    return float(info.smallest_normal) * float(info.eps) if x == 0 else math.inf
+  return float(info.eps) * 2.0 ** max(math.floor(math.log2(x)),
+                                      math.log2(float(info.smallest_normal)))
+
+
+def meets_target(err: float, err_jax_nn: float, size: float, dtype) -> bool:
+  """The accuracy target of one quantity of one cell: at most 1.5 times jax.nn's error plus a
+  tenth of an ulp, in the input dtype, of the quantity's largest reference magnitude."""
+  return bool(err <= 1.5 * err_jax_nn + 0.1 * ulp(size, dtype))
+
+
+def max_abs_error(got, want) -> float:
+  """Max |got - want|; equal infinities count as no error and NaN as an infinite one."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert got.shape == want.shape, (got.shape, want.shape)
+  with np.errstate(invalid="ignore"):
+    diff = np.where(got == want, 0.0, np.abs(got - want))
+  return float(np.max(np.where(np.isnan(diff), np.inf, diff), initial=0.0))
+
+
+def magnitude(x) -> float:
+  """The largest finite |x| (0 when there is none)."""
+  x = np.abs(np.asarray(x, np.float64))
+  return float(np.max(x[np.isfinite(x)], initial=0.0))
+
+
+# --- inputs ----------------------------------------------------------------------------------
+
+
+def _round(x, dtype) -> jax.Array:
+  return jnp.asarray(np.asarray(x, np.float32), dtype)
+
+
+def mask_positions() -> np.ndarray:
+  """(B, N, T, S) bool: where an additive mask puts its large negative value: a quarter of
+  the positions at random and whole rows (row 3 everywhere, row 17 of batch 1, row 38 of
+  head 2, row 39 of batch 0 head 1), so some rows see only masked scores."""
+  where = np.random.default_rng(11).random((B, N, T, S)) < 0.25
+  where[:, :, 3] = True
+  where[1, :, 17] = True
+  where[:, 2, 38] = True
+  where[0, 1, 39] = True
+  return where
+
+
+@functools.cache
+def inputs(case_name: str, dtype_name: str) -> dict:
+  """The case's arrays in the input dtype (bias: see Case.bias) and the cotangent of out."""
+  case, dtype = CASES[case_name], DTYPES[dtype_name]
+  rng = np.random.default_rng(0)
+  Kv = N if case.qkv_same else K
+  q = rng.standard_normal((B, T, N, H)) * case.input_scale
+  k = rng.standard_normal((B, S, Kv, H)) * case.input_scale
+  v = rng.standard_normal((B, S, Kv, H))
+  arrays = dict(q=_round(q, dtype), k=_round(k, dtype), v=_round(v, dtype))
+  if case.qkv_same:
+    arrays["k"] = arrays["v"] = arrays["q"]
+  if case.bias == "full":
+    bias = rng.standard_normal((B, N, T, S))
+    if case.mask_value is not None:
+      bias = np.where(mask_positions(), case.mask_value, bias)
+    arrays["bias"] = jnp.asarray(bias, jnp.float32)
+  elif case.bias == "shared":
+    arrays["bias"] = _round(rng.standard_normal((T, S)), dtype)
+  else:
+    arrays["bias"] = None
+  arrays["ct"] = _round(np.random.default_rng(1).standard_normal((B, T, N, H)), dtype)
+  return arrays
+
+
+def dropout_rng() -> jax.Array:
+  return jax.random.key(DROPOUT_SEED)
+
+
+@functools.cache
+def dropout_keep(rate: float) -> np.ndarray:
+  """(B, N, T, S) bool: the weights jattn's dropout keeps, from jattn.dropout (a pure function
+  of rng and indices, documented as what every implementation applies)."""
+  grid = jattn.masks.index_grid(B, N, T, S)
+  return np.asarray(jattn.dropout.keep_mask(dropout_rng(), rate, *grid))
+
+
+def allowed_np(case: Case) -> np.ndarray:
+  """(1, 1, T, S) bool: what the case's mask mechanisms allow."""
+  q, kv = np.arange(T)[:, None], np.arange(S)[None]
+  ok = np.ones((T, S), bool)
+  if case.is_causal:
+    ok &= kv <= q
+  if case.window is not None:
+    ok &= (kv >= q - case.window[0]) & (kv <= q + case.window[1])
+  return ok[None, None]
+
+
+def _relpos_cast(dtype):
+  """A relative-position score_fn that returns the input dtype, as mixed-precision user code
+  might (one function object per dtype, so calls share compiled functions)."""
+  def fn(s, b, h, q, kv):
+    return (s - 0.125 * (h + 1) * jnp.abs(q - kv)).astype(dtype)
+  return fn
+
+
+_RELPOS_CAST = {name: _relpos_cast(dtype) for name, dtype in DTYPES.items()}
+
+
+def score_np(case: Case):
+  """(score, d score / d s) in NumPy for the case's score_fn and soft cap, or (None, None)."""
+  fns = []
+  if case.score == "alibi":
+    fns.append((lambda s, b, h, q, kv: s + SLOPES[h] * (kv - q), lambda s, *idx: 1.0))
+  elif case.score == "relpos_cast":
+    fns.append((lambda s, b, h, q, kv: s - 0.125 * (h + 1) * np.abs(q - kv),
+                lambda s, *idx: 1.0))
+  if case.soft_cap is not None:
+    c = case.soft_cap
+    fns.append((lambda s, *idx: c * np.tanh(s / c), lambda s, *idx: 1.0 - np.tanh(s / c) ** 2))
+  if not fns:
+    return None, None
+
+  def score(s, *idx):
+    for f, _ in fns:
+      s = f(s, *idx)
+    return s
+
+  def d_score(s, *idx):
+    d = 1.0
+    for f, df in fns:
+      d = d * df(s, *idx)
+      s = f(s, *idx)
+    return d
+
+  return score, d_score
+
+
+# --- the reference ---------------------------------------------------------------------------
+
+
+def attention_reference(q, k, v, bias, ct, *, scale: float, dtype, allowed=None, score=None,
+                        d_score=None, keep=None, rate: float = 0.0) -> dict:
+  """NumPy attention in ``dtype`` (float32 or float64), forward and, by hand, the backward of
+  ``sum(out * ct)``, under jattn's contract: every finite score takes part in the softmax,
+  masked (``allowed`` False) and -inf scores do not, and rows left with nothing give zeros,
+  lse -inf and zero gradients.
+
+  q, ct (B, T, N, H); k, v (B, S, K, H); bias and allowed broadcast to (B, N, T, S);
+  ``score(s, b, h, q, kv)`` modifies the logits and ``d_score`` is its derivative in s;
+  ``keep`` is dropout's keep mask. Returns out, lse (B, T, N), dq, dk, dv and dbias (bias's
+  shape), all in ``dtype``.
+  """
+  up = lambda x: None if x is None else np.asarray(np.asarray(x, np.float32), dtype)
+  q, k, v, ct, bias = (up(x) for x in (q, k, v, ct, bias))
+  Bq, Tq, Nq, Hq = q.shape
+  _, Sk, Kk, _ = k.shape
+  G = Nq // Kk
+  kr, vr = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+  scale = dtype(scale)
+  s0 = scale * np.einsum("btnh,bsnh->bnts", q, kr)
+  if bias is not None:
+    s0 = s0 + bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+  idx = (np.arange(Bq).reshape(-1, 1, 1, 1), np.arange(Nq).reshape(1, -1, 1, 1),
+         np.arange(Tq).reshape(1, 1, -1, 1), np.arange(Sk).reshape(1, 1, 1, -1))
+  s = s0 if score is None else np.asarray(score(s0, *idx), dtype)
+  use = s > -np.inf
+  if allowed is not None:
+    use = use & allowed
+  m = np.max(np.where(use, s, -np.inf), axis=-1, keepdims=True, initial=-np.inf)
+  m = np.where(np.isfinite(m), m, 0).astype(dtype)
+  e = np.where(use, np.exp(np.where(use, s, m) - m), 0).astype(dtype)
+  l = e.sum(-1, keepdims=True)
+  p = e / np.where(l > 0, l, 1)
+  lse = np.where(l > 0, np.log(np.where(l > 0, l, 1)) + m, -np.inf)[..., 0].transpose(0, 2, 1)
+  p_used = p if keep is None else np.where(keep, p / dtype(1 - rate), 0).astype(dtype)
+  out = np.einsum("bnts,bsnh->btnh", p_used, vr)
+
+  d_p_used = np.einsum("btnh,bsnh->bnts", ct, vr)
+  d_p = d_p_used if keep is None else np.where(keep, d_p_used / dtype(1 - rate), 0)
+  d_s = p * (d_p - np.sum(p * d_p, axis=-1, keepdims=True))
+  if d_score is not None:
+    d_s = d_s * np.asarray(d_score(s0, *idx), dtype)
+  group_sum = lambda x: x.reshape(Bq, Sk, Kk, G, Hq).sum(3)
+  grads = dict(
+      dq=scale * np.einsum("bnts,bsnh->btnh", d_s, kr),
+      dk=group_sum(scale * np.einsum("bnts,btnh->bsnh", d_s, q)),
+      dv=group_sum(np.einsum("bnts,btnh->bsnh", p_used, ct)))
+  if bias is not None:
+    shape = (1,) * (4 - bias.ndim) + bias.shape
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and d_s.shape[i] != 1)
+    grads["dbias"] = d_s.sum(axes, keepdims=True).reshape(bias.shape)
+  return dict(out=out, lse=lse, **grads)
+
+
+def reference(case: Case, arrays: dict, dtype) -> dict:
+  """:func:`attention_reference` of one case's arrays; for q = k = v, dq is the sum of the
+  three gradients."""
+  score, d_score = score_np(case)
+  ref = attention_reference(
+      arrays["q"], arrays["k"], arrays["v"], arrays["bias"], arrays["ct"], dtype=dtype,
+      scale=1 / np.sqrt(H) if case.scale is None else case.scale, allowed=allowed_np(case),
+      score=score, d_score=d_score, keep=dropout_keep(case.dropout_rate) if case.dropout_rate
+      else None, rate=case.dropout_rate)
+  if case.qkv_same:
+    ref["dq"] = ref.pop("dq") + ref.pop("dk") + ref.pop("dv")
+  if arrays["bias"] is None:
+    ref.pop("dbias", None)
+  return ref
+
+
+# --- jax.nn and the jax.nn-style baseline ----------------------------------------------------
+
+
+_PRESETS = {np.dtype(jnp.bfloat16): jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+            np.dtype(np.float16): jax.lax.DotAlgorithmPreset.F16_F16_F32}
+
+
+_LOGITS = "BTKGH,BSKH->BKGTS"
+
+
+@functools.cache
+def _precision(dtype, q_shape: tuple, k_shape: tuple):
+  """The precision jax.nn's logits einsum runs with: its preset for ``dtype``, unless the
+  backend rejects it for these shapes (float16 on CPU; bfloat16 dots small enough for XLA's
+  elemental emitter), when jax.nn catches the error and uses the default."""
+  preset = _PRESETS.get(np.dtype(dtype))
+  if preset is None:
+    return None
+  try:
+    jnp.einsum(_LOGITS, jnp.zeros(q_shape, dtype), jnp.zeros(k_shape, dtype), precision=preset,
+               preferred_element_type=jnp.float32).block_until_ready()
+  except Exception:  # as jax.nn's bare except
+    return None
+  return preset
+
+
+def jax_nn_style(query, key, value, bias=None, *, scale, allowed=None, score_fn=None,
+                 soft_cap=None, keep=None, dropout_rate=0.0):
+  """jax.nn's XLA attention (jax/_src/nn/functions.py, _dot_product_attention_core) with the
+  features it lacks added where jattn applies them: float32 logits from the input dtype,
+  then bias, score_fn, soft cap, masking with jax.nn's large negative number, the softmax in
+  float32, dropout on the probabilities, probabilities cast to the input dtype, einsum with
+  the values. Returns (out, lse) like jax.nn with return_residual=True."""
+  Bq, Tq, Nq, Hq = query.shape
+  _, Sk, Kk, _ = key.shape
+  G = Nq // Kk
+  logits_dtype = jnp.promote_types(query.dtype, np.float32)
+  q = query.reshape(Bq, Tq, Kk, G, Hq)
+  precision = _precision(query.dtype, q.shape, key.shape)
+  logits = jnp.einsum(_LOGITS, q, key, precision=precision,
+                      preferred_element_type=logits_dtype).reshape(Bq, Nq, Tq, Sk)
+  logits *= jnp.array(scale, dtype=logits.dtype)
+  if bias is not None:
+    bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+    logits = (logits + bias).astype(logits.dtype)
+  if score_fn is not None:
+    logits = score_fn(logits, *jattn.masks.index_grid(Bq, Nq, Tq, Sk))
+  if soft_cap is not None:
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+  if allowed is not None:
+    large_negative = jnp.asarray(-0.7 * np.finfo(np.float32).max, np.float32)
+    logits = jnp.where(jnp.asarray(allowed), logits, large_negative.astype(logits.dtype))
+  logits = logits.astype(np.float32)
+  probs = jax.nn.softmax(logits, axis=-1)
+  if keep is not None:
+    probs = jnp.where(jnp.asarray(keep), probs / (1.0 - dropout_rate), 0.0)
+  probs = probs.astype(key.dtype).reshape(Bq, Kk, G, Tq, Sk)
+  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, value).reshape(Bq, Tq, Nq, Hq)
+  lse = jax.nn.logsumexp(logits, axis=-1).astype(key.dtype).transpose(0, 2, 1)
+  return out, lse
+
+
+def _score_fn(case: Case, dtype_name: str):
+  if case.score == "alibi":
+    return scores.alibi(jnp.asarray(SLOPES, jnp.float32))
+  if case.score == "relpos_cast":
+    return _RELPOS_CAST[dtype_name]
+  return None
+
+
+def _attention(case: Case, dtype_name: str, rule: str | None):
+  """``fn(q, k, v, bias) -> (out, lse)``: jattn under ``rule``, or the baseline when None."""
+  scale = 1 / np.sqrt(H) if case.scale is None else case.scale
+  if rule is None and case.jax_nn_expresses:
+    return lambda q, k, v, bias: jax.nn.dot_product_attention(
+        q, k, v, bias, scale=scale, is_causal=case.is_causal,
+        local_window_size=case.window, return_residual=True)
+  if rule is None:
+    keep = dropout_keep(case.dropout_rate) if case.dropout_rate else None
+    return functools.partial(
+        jax_nn_style, scale=scale, score_fn=_score_fn(case, dtype_name),
+        allowed=allowed_np(case) if case.is_causal or case.window else None,
+        soft_cap=case.soft_cap, keep=keep, dropout_rate=case.dropout_rate)
+  kwargs = dict(scale=case.scale, is_causal=case.is_causal, local_window_size=case.window,
+                logits_soft_cap=case.soft_cap, score_fn=_score_fn(case, dtype_name))
+  if case.dropout_rate:
+    kwargs.update(dropout_rate=case.dropout_rate, dropout_rng=dropout_rng())
+  return lambda q, k, v, bias: jattn.dot_product_attention(
+      q, k, v, bias, return_residual=True, **RULES[rule], **kwargs)
+
+
+def _vjp(case: Case, attn, arrays: dict) -> dict:
+  """out, lse and the gradients of sum(out * ct) by one jax.vjp; lse is not differentiated."""
+  names = ["q"] if case.qkv_same else ["q", "k", "v"]
+  names += ["bias"] * (arrays["bias"] is not None)
+
+  def f(*primals):
+    a = dict(zip(names, primals))
+    if case.qkv_same:
+      a["k"] = a["v"] = a["q"]
+    return attn(a["q"], a["k"], a["v"], a.get("bias"))
+
+  out, vjp, lse = jax.vjp(f, *(arrays[n] for n in names), has_aux=True)
+  grads = vjp(arrays["ct"])
+  return dict(out=out, lse=lse, **{"d" + n: g for n, g in zip(names, grads)})
+
+
+@functools.cache
+def _baseline_vjp(program: Case, dtype_name: str):
+  """jax.nn (or the jax.nn-style baseline) as one jax.vjp, jitted and shared by the cases
+  of one program. jax.nn itself runs eagerly where its precision preset fails on the backend
+  (float16 on CPU): eagerly it falls back to the default precision, under jit it would fail."""
+  fn = functools.partial(_vjp, program, _attention(program, dtype_name, None))
+  dtype = DTYPES[dtype_name]
+  Kv = N if program.qkv_same else K
+  if program.jax_nn_expresses and _PRESETS.get(np.dtype(dtype)) is not None \
+      and _precision(dtype, (B, T, Kv, N // Kv, H), (B, S, Kv, H)) is None:
+    return fn
+  return jax.jit(fn)
+
+
+def _numpy(result: dict) -> dict:
+  return {name: np.asarray(x).astype(np.float64) for name, x in result.items()}
+
+
+@functools.cache
+def evaluate_case(case_name: str, dtype_name: str) -> dict:
+  """The reference values and jax.nn's (or the baseline's) errors of one (case, dtype)."""
+  case, dtype = CASES[case_name], DTYPES[dtype_name]
+  arrays = inputs(case_name, dtype_name)
+  ref_dtype = np.float64 if np.dtype(dtype) == np.float32 else np.float32
+  want = reference(case, arrays, ref_dtype)
+  got = _numpy(_baseline_vjp(case.program, dtype_name)(arrays))
+  return dict(want=want, jax_nn=got,
+              jax_nn_err={q: max_abs_error(got[q], want[q]) for q in case.quantities},
+              size={q: magnitude(want[q]) for q in case.quantities})
+
+
+@functools.cache
+def evaluate(case_name: str, dtype_name: str, rule: str) -> dict:
+  """One cell: per quantity, jattn's error, jax.nn's error, the reference magnitude and
+  whether the target is met."""
+  case, dtype = CASES[case_name], DTYPES[dtype_name]
+  base = evaluate_case(case_name, dtype_name)
+  arrays = inputs(case_name, dtype_name)
+  # Eager vjp: jattn's own jit caches by shapes and static arguments, so cases that differ
+  # only in data, and rules that resolve to the same implementation, compile once.
+  try:
+    got, error = _numpy(_vjp(case, _attention(case, dtype_name, rule), arrays)), None
+  except Exception as e:  # a cell that raises fails every quantity, and says why
+    got, error = None, f"{type(e).__name__}: {str(e).splitlines()[0]}"
+  cell = {}
+  for q in case.quantities:
+    err = math.inf if got is None else max_abs_error(got[q], base["want"][q])
+    cell[q] = dict(err=err, jax_nn_err=base["jax_nn_err"][q], size=base["size"][q],
+                   ok=meets_target(err, base["jax_nn_err"][q], base["size"][q], dtype),
+                   error=error)
+  return cell
+
+
+# --- the table -------------------------------------------------------------------------------
+
+
+def _ratio(entry: dict) -> str:
+  err, ref = entry["err"], entry["jax_nn_err"]
+  if math.isinf(ref):
+    text = "inf, as jax.nn" if math.isinf(err) else f"{err:.1e} vs inf"
+  elif ref > 0:
+    text = f"{err / ref:.2f}"
+  else:
+    text = "0" if err == 0 else f"{err:.1e} vs 0"
+  return text if entry["ok"] else f"**{text}**"
+
+
+def table(rows: list[dict]) -> str:
+  """Markdown: per (dtype, case), jax.nn's absolute errors, then each rule's ratio to them."""
+  lines = ["| dtype | case | rule | " + " | ".join(QUANTITIES) + " | target |",
+           "|---" * (len(QUANTITIES) + 4) + "|"]
+  seen = set()
+  for r in rows:
+    key = (r["dtype"], r["case"])
+    if key not in seen:
+      seen.add(key)
+      cells = [f"{r['cell'][q]['jax_nn_err']:.1e}" if q in r["cell"] else "—" for q in QUANTITIES]
+      lines.append(f"| {r['dtype']} | {r['case']} | jax.nn (abs err) | " + " | ".join(cells)
+                   + " | |")
+    cells = [_ratio(r["cell"][q]) if q in r["cell"] else "—" for q in QUANTITIES]
+    failed = [q for q in QUANTITIES if q in r["cell"] and not r["cell"][q]["ok"]]
+    verdict = "pass" if not failed else "FAIL " + ",".join(failed)
+    error = next(iter(r["cell"].values()))["error"]
+    if error:
+      verdict = f"FAIL: raises {error[:100]}"
+    lines.append(f"| {r['dtype']} | {r['case']} | {r['rule']} | " + " | ".join(cells)
+                 + f" | {verdict} |")
+  return "\n".join(lines)
+
+
+def run(dtypes, cases, rules) -> list[dict]:
+  return [dict(dtype=d, case=c, rule=r, cell=evaluate(c, d, r))
+          for d in dtypes for c in cases for r in rules]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES))
+  parser.add_argument("--cases", nargs="+", choices=list(CASES))
+  parser.add_argument("--rules", nargs="+", choices=list(RULES))
+  parser.add_argument("--quick", action="store_true",
+                      help=f"a small subset: {QUICK} (flags override it)")
+  parser.add_argument("--json", help="also write the rows, with absolute errors, to this file")
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+  args = parse_args(argv)
+  pick = lambda name, every: getattr(args, name) or (QUICK[name] if args.quick else list(every))
+  rows = run(pick("dtypes", DTYPES), pick("cases", CASES), pick("rules", RULES))
+  print(f"B={B} T={T} S={S} N={N} K={K} H={H}, {jax.devices()[0].platform}; "
+        "jax.nn row: max abs error against the reference (float32 for bf16/f16 inputs, "
+        "float64 for f32); rule rows: error / jax.nn's error, bold where "
+        "err > 1.5 * jax.nn's + 0.1 ulp\n")
+  print(table(rows))
+  failed = sum(not all(e["ok"] for e in r["cell"].values()) for r in rows)
+  print(f"\n{len(rows) - failed} of {len(rows)} cells meet the target")
+  if args.json:
+    path = pathlib.Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows, indent=1))
+    print(f"wrote {path}")
+  return rows
+
+
+if __name__ == "__main__":
+  main()
