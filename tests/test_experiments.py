@@ -7,6 +7,7 @@ import json
 import pathlib
 import sys
 
+import jax
 import pytest
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parent.parent / "experiments"
@@ -171,3 +172,21 @@ def test_bench_ceiling_quick():
   assert "| matmuls only |" in out.getvalue()
   with pytest.raises(SystemExit, match="positive"):
     _load("bench_ceiling").main(["--length", "0"])
+
+
+def test_bench_gpu_quick(tmp_path):
+  """The GPU benchmark's smoke test runs on any backend: every method timed in both passes,
+  jax.nn's speedup over itself 1, scratch memory read from each compiled program."""
+  from experiments import bench_gpu
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    rows = bench_gpu.main(["--quick", "--json", str(tmp_path / "rows.json")])
+  methods = {r["method"] for r in rows}
+  assert {"jax.nn", "xla", "blockwise", "auto"} <= methods
+  assert ("jax.nn/cudnn" in methods) == (jax.default_backend() == "gpu")
+  for r in rows:
+    assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["fwd_bwd_scratch_mb"] >= 0
+    if r["method"] == "jax.nn":
+      assert r["fwd_speedup"] == 1.0 and r["fwd_bwd_speedup"] == 1.0
+  assert json.loads((tmp_path / "rows.json").read_text()) == rows
+  assert "| float32 | 32 | True | blockwise |" in out.getvalue()
