@@ -123,7 +123,7 @@ def test_reference_contract_for_masked_rows():
 
 
 def test_script_quick_prints_a_table(capsys):
-  rows = acc.main(["--quick"])
+  rows = [r for r in acc.main(["--quick"]) if r["rule"] not in acc.PEERS]  # peers: on a GPU
   assert len(rows) == 2 * 3 * 2
   out = capsys.readouterr().out
   assert "| bf16 | bias | jax.nn (abs err) |" in out and "| f32 | bias | blockwise/16x16 |" in out

@@ -164,8 +164,10 @@ def test_extreme_inputs_against_jax_nn_and_float64(problem):
     # semantic ones (a wrong row, a lost mask, a NaN) do not. experiments/accuracy.py
     # holds precision to the tighter target on its cases.
     allowed = 4 * err_jax_nn + size * max(2**-17, 2 * float(jnp.finfo(q.dtype).eps))
-    if name.startswith("blockwise"):
-      allowed += _flash_delta_slack(quantity, q, k, v, ct, scale_value)
+    # Any rule's gradients round at about ε·scale·|k|·|dY|·|v| (found on a GPU: dq 5.6e-20
+    # where the truth is 4e-150 and jax.nn's cancels to it); blockwise's Δ adds 2H times that.
+    slack = _flash_delta_slack(quantity, q, k, v, ct, scale_value)
+    allowed += slack if name.startswith("blockwise") else slack / (2 * H)
     assert err <= allowed, (f"{name} {rule}: {quantity} error {err:.3g}, jax.nn's "
                             f"{err_jax_nn:.3g}, allowed {allowed:.3g} (largest |value| "
                             f"{size:.3g})")
