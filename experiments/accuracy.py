@@ -145,10 +145,16 @@ def ulp(x: float, dtype) -> float:
                                       math.log2(float(info.smallest_normal)))
 
 
+def target(err_jax_nn: float, size: float, dtype) -> float:
+  """The largest error the accuracy target allows one quantity of one cell: 1.5 times jax.nn's
+  error plus a tenth of an ulp, in the input dtype, of the quantity's largest reference
+  magnitude."""
+  return 1.5 * err_jax_nn + 0.1 * ulp(size, dtype)
+
+
 def meets_target(err: float, err_jax_nn: float, size: float, dtype) -> bool:
-  """The accuracy target of one quantity of one cell: at most 1.5 times jax.nn's error plus a
-  tenth of an ulp, in the input dtype, of the quantity's largest reference magnitude."""
-  return bool(err <= 1.5 * err_jax_nn + 0.1 * ulp(size, dtype))
+  """Whether ``err`` is within :func:`target`."""
+  return bool(err <= target(err_jax_nn, size, dtype))
 
 
 def max_abs_error(got, want) -> float:

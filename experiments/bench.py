@@ -77,19 +77,23 @@ QUICK = dict(heads=2, kv_heads=1, head_dims=[8], lengths=[32, 48], reps=2, matmu
 
 
 def attention_fn(method: str, causal: bool):
-  """(q, k, v) -> output, for one method."""
-  if method == "jax.nn":
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+  """(q, k, v) -> output, for one method (also "jax.nn/cudnn", which bench_gpu.py times)."""
+  if method in ("jax.nn", "jax.nn/cudnn"):
+    implementation = "cudnn" if method == "jax.nn/cudnn" else "xla"
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                        implementation=implementation)
   implementation = {"xla": "xla", "blockwise": "blockwise", "auto": None}[method]
   return lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=causal,
                                                      implementation=implementation)
 
 
 def compiled(method: str, causal: bool, mode: str):
+  """The jitted forward, or gradients of q, k, v (of the output's float32 sum)."""
   attn = attention_fn(method, causal)
   if mode == "fwd":
     return jax.jit(attn)
-  return jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v)), (0, 1, 2)))
+  return jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32)),
+                          (0, 1, 2)))
 
 
 def inputs(cfg: Config, T: int, H: int):

@@ -31,7 +31,7 @@ KNOWN_GAPS = {("f32", "bias", "blockwise/16x16"): ("dq",),
 def test_meets_target(dtype, case, rule, quantity):
   e = acc.evaluate(case, dtype, rule)[quantity]
   assert e["error"] is None, f"{dtype} {case} {rule}: raises {e['error']}"
-  allowed = 1.5 * e["jax_nn_err"] + 0.1 * acc.ulp(e["size"], acc.DTYPES[dtype])
+  allowed = acc.target(e["jax_nn_err"], e["size"], acc.DTYPES[dtype])
   if quantity in KNOWN_GAPS.get((dtype, case, rule), ()):
     allowed = 2.5 * e["jax_nn_err"]
   assert e["err"] <= allowed, (

@@ -99,11 +99,17 @@ def _scores(q, k, bias, scale=None):
 
 
 @st.composite
-def extreme_problems(draw):
+def settings_drawn(draw):
+  """A shape, an input dtype (float32 twice as often as bfloat16) and a seeded generator."""
   shape = draw(st.sampled_from(SHAPES))
-  B, T, S, N, K, H = shape
   dtype = draw(st.sampled_from([jnp.float32, jnp.float32, jnp.bfloat16]))
-  rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+  return shape, dtype, np.random.default_rng(draw(st.integers(0, 2**16)))
+
+
+@st.composite
+def extreme_problems(draw):
+  shape, dtype, rng = draw(settings_drawn())
+  B, T, S, N, K, H = shape
   scales = tuple(draw(st.sampled_from(MAGNITUDES)) for _ in range(3))
   q, k, v, ct = _arrays(rng, shape, dtype, scales)
   bias_shape = draw(st.sampled_from([None, (B, N, T, S), (T, S), (1, N, 1, S)]))
@@ -182,10 +188,8 @@ MECHANISMS = ["bool_mask", "causal_q_lengths", "kv_lengths", "segments", "window
 
 @st.composite
 def masked_problems(draw):
-  shape = draw(st.sampled_from(SHAPES))
+  shape, dtype, rng = draw(settings_drawn())
   B, T, S, N, K, H = shape
-  dtype = draw(st.sampled_from([jnp.float32, jnp.float32, jnp.bfloat16]))
-  rng = np.random.default_rng(draw(st.integers(0, 2**16)))
   q, k, v, ct = _arrays(rng, shape, dtype, (draw(st.sampled_from([1.0, 3.0])),) * 2 + (1.0,))
   used = draw(st.lists(st.sampled_from(MECHANISMS), min_size=1, max_size=3, unique=True))
   qi, ki = np.arange(T)[:, None], np.arange(S)[None]
