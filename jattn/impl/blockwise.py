@@ -376,8 +376,42 @@ def _forward(static: _Static, query, key, value, bias, seed, rows: _Schedule, co
 # --- backward -----------------------------------------------------------------
 
 
-def _backward(static: _Static, residuals, d_out, d_lse):
-  """Gradients in float32/64 (the custom_vjp casts them to the inputs' dtypes)."""
+def _row_dots(static: _Static, q_tiles, do_tiles, k_tiles, v_tiles, bias, seed, consts, m, l,
+              rows: _Schedule):
+  """(rowsum(A ⊙ dA), rowsum(A)) per row, each (nq, B, N, bq, 1): A recomputed from m and l,
+  dA = dY Vᵀ."""
+  B, K, rows_per_tile, H = q_tiles.shape[1:]
+  bq, bk = static.block_q, static.block_kv
+  N = rows_per_tile // bq * K
+  dtype = m.dtype
+  keep_scale = None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate),
+                                                                dtype)
+
+  def query_tile(i, q_tile, do_tile, m_i, l_i):
+    def body(j, acc, masked):
+      tile = _tile(static, q_tile, k_tiles[j], bias, seed, consts, i, j, masked=masked)
+      p = _common.normalized_exp(tile.s, m_i, l_i, tile.keep)
+      d_p = jnp.einsum("BKrH,BKkH->BKrk", do_tile, v_tiles[j],
+                       preferred_element_type=dtype).reshape(B, N, bq, bk)
+      if tile.drop is not None:
+        d_p = jnp.where(tile.drop, d_p * keep_scale, 0)
+      dot, total = acc
+      # An einsum rather than sum(p * d_p): XLA's CPU backend fused the latter's multiply and
+      # the exp into the reduction and ran the pass 6x slower.
+      return (dot + jnp.einsum("BNrk,BNrk->BNr", p, d_p)[..., None],
+              total + jnp.sum(p, axis=-1, keepdims=True))
+
+    zeros = jnp.zeros((B, N, bq, 1), dtype)
+    return _visit(rows, i, body, (zeros, zeros))
+
+  tile_ids = jnp.arange(q_tiles.shape[0], dtype=jnp.int32)
+  return jax.lax.map(lambda x: query_tile(*x), (tile_ids, q_tiles, do_tiles, m, l))
+
+
+def _backward(static: _Static, residuals, d_out, d_lse, rows: _Schedule | None = None):
+  """Gradients in float32/64 (the custom_vjp casts them to the inputs' dtypes). With the
+  query tiles' schedule ``rows``, Δ = rowsum(A ⊙ dA) takes a pass of its own over the tiles;
+  without it Δ = rowsum(dY ⊙ Y) comes from ``out`` (ring attention, whose rows span shards)."""
   query, key, value, bias, seed, cols, consts, out, m, l = residuals
   mask_consts, score_consts = consts
   B, T, N, H = query.shape
@@ -393,10 +427,26 @@ def _backward(static: _Static, residuals, d_out, d_lse):
   k_tiles, v_tiles = _tiles(key, bk), _tiles(value, bk)
   d_out = d_out.astype(dtype)
   do_tiles = _query_tiles(d_out, bq, K)
-  # Δ = rowsum(dY ⊙ Y) − dlse = rowsum(A ⊙ dA) − dlse per row, in float32/64.
-  delta = _row_tiles(jnp.sum(d_out * out, axis=-1) - d_lse.astype(dtype), bq)
   m, l = _row_tiles(m, bq), _row_tiles(l, bq)
   padded_bias = _pad_bias(bias, static)
+  if rows is None:
+    # Δ = rowsum(dY ⊙ Y) − dlse = rowsum(A ⊙ dA) − dlse per row, from the output alone.
+    delta = _row_tiles(jnp.sum(d_out * out, axis=-1) - d_lse.astype(dtype), bq)
+  else:
+    # Δ = rowsum(A ⊙ dA) summed over the very dA that dS = A ⊙ (dA − Δ) subtracts it from,
+    # by one more pass over the tiles. In a saturated row (A one-hot) dA at the hot key and
+    # Δ then cancel exactly, as they do in jax.nn's materialised softmax; rowsum(dY ⊙ Y)
+    # differs from it by rounding, an error that scale·|k| amplifies without bound in dq
+    # (found at scale 1e3: dq 1.3e3 where the true gradient is 0).
+    # The same pass sums the recomputed probabilities, and l is corrected by that sum: with
+    # narrow values the forward's l adds weights rounded to their dtype, so the recomputed
+    # row sums to 1 only within that rounding, and a row not summing to 1 leaves dS a
+    # nonzero total that scale·|k| amplifies in dq (found at scale 1e3 in bfloat16).
+    row_dot, row_sum = _row_dots(static, q_tiles, do_tiles, k_tiles, v_tiles, padded_bias,
+                                 seed, consts, m, l, rows)
+    row_sum = _common.safe_total(row_sum)
+    l = l * row_sum
+    delta = row_dot / row_sum - _row_tiles(d_lse.astype(dtype), bq)
 
   # Only float constants (a learned table, ALiBi slopes) get gradients.
   is_float = [jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in score_consts]
@@ -474,16 +524,16 @@ def _attention_vjp(static, query, key, value, bias, seed, rows, cols, mask_const
 
 def _attention_fwd(static, query, key, value, bias, seed, rows, cols, mask_consts, score_consts):
   out, m, l = _forward(static, query, key, value, bias, seed, rows, (mask_consts, score_consts))
-  residuals = (query, key, value, bias, seed, cols, mask_consts, score_consts, out, m, l)
+  residuals = (query, key, value, bias, seed, rows, cols, mask_consts, score_consts, m, l)
   return (out, _common.log_sum_exp(m, l)), residuals
 
 
 def _attention_bwd(static, residuals, cotangents):
-  query, key, value, bias, seed, cols, mask_consts, score_consts, out, m, l = residuals
+  query, key, value, bias, seed, rows, cols, mask_consts, score_consts, m, l = residuals
   d_out, d_lse = cotangents
   d_query, d_key, d_value, d_bias, d_mask, d_score = _backward(
-      static, (query, key, value, bias, seed, cols, (mask_consts, score_consts), out, m, l),
-      d_out, d_lse)
+      static, (query, key, value, bias, seed, cols, (mask_consts, score_consts), None, m, l),
+      d_out, d_lse, rows)
   d_query, d_key, d_value = (d.astype(x.dtype) for d, x in ((d_query, query), (d_key, key),
                                                              (d_value, value)))
   if bias is not None:
