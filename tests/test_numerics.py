@@ -221,17 +221,17 @@ def test_saturated_softmax_gradients_no_worse_than_jax_nn(case, dtype, rule):
 
 # Cells of test_saturated_softmax_gradients_no_worse_than_jax_nn that miss the target, and the
 # quantities that miss it. In a saturated row jax.nn's gradient cancels exactly (one-hot y, so
-# rowsum(y ⊙ g) is exactly g at the hot key) and its error is 0; blockwise takes rowsum(A ⊙ dA)
-# as rowsum(dY ⊙ Y) from the saved output (FlashAttention-2's Δ, which keeps it O(T) in memory
-# and one pass), which equals dY·v of the hot key only up to summation order; the other cells
-# recompute scores whose last bit differs from the forward's where XLA's CPU backend fuses
-# scale · x − m into one multiply-add.
+# rowsum(y ⊙ g) is exactly g at the hot key) and its error is 0. The xla rules' backward
+# recomputes (autodiff: XLA rematerialises) scores whose last bit differs from the forward's
+# where XLA's CPU backend fuses scale · x − m into one multiply-add, so the hot key's weight is
+# 1 ± ε and its gradient keeps ε · scale · |k|. Blockwise sums Δ = rowsum(A ⊙ dA) exactly as
+# jax.nn does and meets the target except in float16 at x20, where its dq is 1.8x jax.nn's
+# against this float32 reference (experiments/accuracy.py, against float64, has it within).
 SATURATION_GAPS = {
-    ("x100", "bfloat16", "blockwise"): ("dq", "dk"),
     ("x100", "float16", "custom_vjp"): ("dq", "dk"),
-    ("x100", "float16", "blockwise"): ("dq", "dk"),
+    ("x100", "float16", "blockwise"): ("dq",),
     **{("scale1e3", d, r): ("dq", "dk") for d in ("bfloat16", "float16")
-       for r in ("autodiff", "custom_vjp", "blockwise")},
+       for r in ("autodiff", "custom_vjp")},
 }
 
 

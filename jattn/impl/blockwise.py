@@ -14,14 +14,25 @@ takes part. No (T, S) array is ever formed: the largest is one
 (B, N, block_q, block_kv) tile.
 
 The backward pass (the only rule: JAX cannot reverse-differentiate the
-dynamic-length loops) keeps the inputs, the float32 output and each row's max m
-and sum l (two (B, T, N) arrays: as fused kernels do, m and l are kept apart,
-since their log-sum-exp m + log l loses log l when |m| is huge, e.g. under an
-additive −1e9 mask). It loops over key/value tiles, and within each over the
-query tiles that see it, recomputing each tile's probabilities
-``A = exp(s − m) / l`` and forming
+dynamic-length loops) keeps the inputs and each row's max m and sum l (two
+(B, T, N) float32 arrays: as fused kernels do, m and l are kept apart, since
+their log-sum-exp m + log l loses log l when |m| is huge, e.g. under an
+additive −1e9 mask). It first passes over the query tiles, recomputing each
+tile's probabilities ``A = exp(s − m) / l`` and ``dA = dY Vᵀ`` to sum
 
-    dV += Aᵀ dY,  dA = dY Vᵀ,  dS = A ⊙ (dA − Δ),  Δ = rowsum(dY ⊙ Y) − dlse,
+    Δ = rowsum(A ⊙ dA) − dlse
+
+exactly as jax.nn's materialised softmax does (with bfloat16/float16 values,
+whose rounded weights the forward's l summed, the pass also sums A and
+corrects l ← l · rowsum(A), Δ ← Δ / rowsum(A), so each recomputed row sums to
+1): FlashAttention's identity
+Δ = rowsum(dY ⊙ Y) is one pass cheaper but equals it only up to summation
+order, and in a saturated row (A one-hot) that rounding residue survives the
+cancellation dA − Δ at the hot key and is amplified by scale·|k| in dQ. Then
+it loops over key/value tiles, and within each over the query tiles that see
+it, recomputing A and dA and forming
+
+    dV += Aᵀ dY,  dS = A ⊙ (dA − Δ),
     dQ += scale · dS K,  dK += scale · dSᵀ Q,  dbias tile = dS
 
 with dropout's kept weights and inverted scale applied to A and dA, and score
@@ -163,7 +174,8 @@ def backward(p: Plan, query, key, value, out, m, l, d_out, d_lse, bias=None):
   """Float32/64 ``(d_query, d_key, d_value, d_bias)`` of :func:`forward`'s outputs given the
   cotangents of out and the log-sum-exp; ``out``, ``m`` and ``l`` may be those of a larger
   softmax that this call is one part of (ring attention): the rule only needs the final rows'
-  output, max and sum."""
+  output, max and sum. Δ here is FlashAttention's rowsum(dY ⊙ Y) from ``out``, since a row's
+  probabilities span the other parts too; :func:`attention` sums the exact rowsum(A ⊙ dA)."""
   d_query, d_key, d_value, d_bias, _, _ = _backward(
       p.static, (query, key, value, bias, p.seed, p.cols, p.consts, out, m, l), d_out, d_lse)
   return d_query, d_key, d_value, d_bias
@@ -377,9 +389,9 @@ def _forward(static: _Static, query, key, value, bias, seed, rows: _Schedule, co
 
 
 def _row_dots(static: _Static, q_tiles, do_tiles, k_tiles, v_tiles, bias, seed, consts, m, l,
-              rows: _Schedule):
-  """(rowsum(A ⊙ dA), rowsum(A)) per row, each (nq, B, N, bq, 1): A recomputed from m and l,
-  dA = dY Vᵀ."""
+              rows: _Schedule, with_sums: bool):
+  """(rowsum(A ⊙ dA), rowsum(A) if ``with_sums`` else None) per row, each (nq, B, N, bq, 1):
+  A recomputed from m and l, dA = dY Vᵀ."""
   B, K, rows_per_tile, H = q_tiles.shape[1:]
   bq, bk = static.block_q, static.block_kv
   N = rows_per_tile // bq * K
@@ -398,11 +410,11 @@ def _row_dots(static: _Static, q_tiles, do_tiles, k_tiles, v_tiles, bias, seed, 
       dot, total = acc
       # An einsum rather than sum(p * d_p): XLA's CPU backend fused the latter's multiply and
       # the exp into the reduction and ran the pass 6x slower.
-      return (dot + jnp.einsum("BNrk,BNrk->BNr", p, d_p)[..., None],
-              total + jnp.sum(p, axis=-1, keepdims=True))
+      dot = dot + jnp.einsum("BNrk,BNrk->BNr", p, d_p)[..., None]
+      return dot, None if total is None else total + jnp.sum(p, axis=-1, keepdims=True)
 
     zeros = jnp.zeros((B, N, bq, 1), dtype)
-    return _visit(rows, i, body, (zeros, zeros))
+    return _visit(rows, i, body, (zeros, zeros if with_sums else None))
 
   tile_ids = jnp.arange(q_tiles.shape[0], dtype=jnp.int32)
   return jax.lax.map(lambda x: query_tile(*x), (tile_ids, q_tiles, do_tiles, m, l))
@@ -438,15 +450,21 @@ def _backward(static: _Static, residuals, d_out, d_lse, rows: _Schedule | None =
     # Δ then cancel exactly, as they do in jax.nn's materialised softmax; rowsum(dY ⊙ Y)
     # differs from it by rounding, an error that scale·|k| amplifies without bound in dq
     # (found at scale 1e3: dq 1.3e3 where the true gradient is 0).
-    # The same pass sums the recomputed probabilities, and l is corrected by that sum: with
-    # narrow values the forward's l adds weights rounded to their dtype, so the recomputed
-    # row sums to 1 only within that rounding, and a row not summing to 1 leaves dS a
-    # nonzero total that scale·|k| amplifies in dq (found at scale 1e3 in bfloat16).
+    # With narrow values the forward's l adds weights rounded to their dtype, so the
+    # recomputed row sums to 1 only within that rounding, and a row not summing to 1 leaves
+    # dS a nonzero total that scale·|k| amplifies in dq (found at scale 1e3 in bfloat16:
+    # 35x jax.nn's error). The same pass then sums the recomputed probabilities and l is
+    # corrected by that sum. With float32 values the forward summed the very weights the
+    # backward recomputes, and the correction would only add rounding (measured: float32 dq
+    # 1.54x jax.nn's error with it, 1.23x without).
+    narrow = value.dtype != dtype
     row_dot, row_sum = _row_dots(static, q_tiles, do_tiles, k_tiles, v_tiles, padded_bias,
-                                 seed, consts, m, l, rows)
-    row_sum = _common.safe_total(row_sum)
-    l = l * row_sum
-    delta = row_dot / row_sum - _row_tiles(d_lse.astype(dtype), bq)
+                                 seed, consts, m, l, rows, with_sums=narrow)
+    if narrow:
+      row_sum = _common.safe_total(row_sum)
+      l = l * row_sum
+      row_dot = row_dot / row_sum
+    delta = row_dot - _row_tiles(d_lse.astype(dtype), bq)
 
   # Only float constants (a learned table, ALiBi slopes) get gradients.
   is_float = [jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in score_consts]
