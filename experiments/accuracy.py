@@ -18,8 +18,9 @@ cotangent. For what jax.nn cannot express (score functions, soft cap,
 dropout) it is :func:`jax_nn_style`: jax.nn's XLA path written out (float32
 logits, the modification, float32 softmax, probabilities cast to the input
 dtype, einsum with the values), with the feature added where jattn applies it.
-jax.nn's error is the largest of three evaluations, on the inputs as given and
-with the head dimension of q, k, v and the cotangent permuted in two ways
+jax.nn's error is the largest of up to five evaluations, on the inputs as given,
+with the head dimension of q, k, v and the cotangent permuted in two ways, and,
+where nothing depends on positions, with the keys permuted in two ways
 (:data:`REORDERINGS`): the same attention exactly, rounded in another order. A
 max-abs error of a few ulps moves by up to 2x with the order alone; the
 spread of jax.nn's own errors is the resolution at which "no worse than
@@ -481,32 +482,72 @@ def _numpy(result: dict) -> dict:
   return {name: np.asarray(x).astype(np.float64) for name, x in result.items()}
 
 
-# Head-dimension orders in which jax.nn is also evaluated: q and k (and v with the cotangent)
-# permuted along H give the same attention exactly, rounded in another order.
-REORDERINGS = (np.arange(H)[::-1], np.random.default_rng(5).permutation(H))
+# Orders in which jax.nn is also evaluated: the same attention exactly, rounded in another
+# order. Along the head dimension, q and k (and v with the cotangent) permuted; along the key
+# sequence, k, v and the bias's key axis permuted (the sums over keys are what a tiled rule
+# reorders), where nothing depends on positions (no causal mask, window, score function or
+# dropout); with q = k = v the one array's sequence axis, and both of the bias's.
+REORDERINGS = (("head", np.arange(H)[::-1]), ("head", np.random.default_rng(5).permutation(H)),
+               ("seq", np.arange(S)[::-1]), ("seq", np.random.default_rng(6).permutation(S)))
 _PER_HEAD_DIM = ("q", "k", "v", "ct")  # arrays whose last axis is H (bias and lse have none)
 
 
-def reordered(arrays: dict, perm: np.ndarray) -> dict:
-  """The case's arrays with the head dimension of q, k, v and the cotangent permuted."""
-  return {n: x[..., perm] if n in _PER_HEAD_DIM and x is not None else x
-          for n, x in arrays.items()}
+def applies(case: Case, reordering) -> bool:
+  """Whether ``reordering`` leaves the case's attention unchanged."""
+  axis, _ = reordering
+  return axis == "head" or not (case.is_causal or case.window or case.score
+                                or case.dropout_rate)
 
 
-def restored(result: dict, perm: np.ndarray) -> dict:
-  """Undo :func:`reordered` on a result: out, dq, dk, dv have H last; lse and dbias do not."""
-  inverse = np.argsort(perm)
-  return {n: x[..., inverse] if n in ("out", "dq", "dk", "dv") else x for n, x in result.items()}
+def reordered(case: Case, arrays: dict, reordering) -> dict:
+  """The case's arrays in another order (see :data:`REORDERINGS`)."""
+  axis, perm = reordering
+  out = dict(arrays)
+  if axis == "head":
+    for n in _PER_HEAD_DIM:
+      out[n] = arrays[n][..., perm]
+    return out
+  bias = arrays["bias"]
+  if case.qkv_same:  # T = S: the queries' sequence moves with the keys'
+    out["q"] = out["k"] = out["v"] = arrays["q"][:, perm]
+    out["ct"] = arrays["ct"][:, perm]
+    if bias is not None:
+      out["bias"] = bias[..., perm, :][..., perm]
+    return out
+  out["k"], out["v"] = arrays["k"][:, perm], arrays["v"][:, perm]
+  if bias is not None:
+    out["bias"] = bias[..., perm]
+  return out
+
+
+def restored(case: Case, result: dict, reordering) -> dict:
+  """Undo :func:`reordered` on a result (out, lse, dq, dk, dv, dbias)."""
+  axis, perm = reordering
+  inv = np.argsort(perm)
+  if axis == "head":  # out, dq, dk, dv have H last; lse and dbias have none
+    return {n: x[..., inv] if n in ("out", "dq", "dk", "dv") else x for n, x in result.items()}
+  out = dict(result)
+  if case.qkv_same:
+    for n in ("out", "lse", "dq"):
+      out[n] = result[n][:, inv]
+    if "dbias" in result:
+      out["dbias"] = result["dbias"][..., inv, :][..., inv]
+    return out
+  for n in ("dk", "dv"):
+    out[n] = result[n][:, inv]
+  if "dbias" in result:
+    out["dbias"] = result["dbias"][..., inv]
+  return out
 
 
 @functools.cache
 def evaluate_case(case_name: str, dtype_name: str) -> dict:
   """The float64 reference values and jax.nn's (or the baseline's) errors of one (case, dtype).
 
-  ``jax_nn_err`` is jax.nn's largest error over the given head-dimension order and the
-  :data:`REORDERINGS`: max-abs errors a few ulps large move by up to 2x with nothing but the
-  order of the sums (the README's numerics section shows it), so one order alone would make
-  the target a coin toss at float32 rounding level. ``jax_nn_err_as_given`` keeps the error
+  ``jax_nn_err`` is jax.nn's largest error over the given order and the
+  :data:`REORDERINGS` that apply to the case: max-abs errors a few ulps large move by up to
+  2x with nothing but the order of the sums (the README's numerics section shows it), so one
+  order alone would make the target a coin toss at float32 rounding level. ``jax_nn_err_as_given`` keeps the error
   in the given order."""
   case = CASES[case_name]
   arrays = inputs(case_name, dtype_name)
@@ -514,9 +555,10 @@ def evaluate_case(case_name: str, dtype_name: str) -> dict:
   baseline = _baseline_vjp(case.program, dtype_name)
   got = _numpy(baseline(arrays))
   errs = [{q: max_abs_error(got[q], want[q]) for q in case.quantities}]
-  for perm in REORDERINGS:
-    other = restored(_numpy(baseline(reordered(arrays, perm))), perm)
-    errs.append({q: max_abs_error(other[q], want[q]) for q in case.quantities})
+  for r in REORDERINGS:
+    if applies(case, r):
+      other = restored(case, _numpy(baseline(reordered(case, arrays, r))), r)
+      errs.append({q: max_abs_error(other[q], want[q]) for q in case.quantities})
   return dict(want=want, jax_nn=got, jax_nn_err_as_given=errs[0],
               jax_nn_err={q: max(e[q] for e in errs) for q in case.quantities},
               size={q: magnitude(want[q]) for q in case.quantities})
@@ -608,8 +650,8 @@ def main(argv=None) -> list[dict]:
   pick = lambda name, every: getattr(args, name) or (QUICK[name] if args.quick else list(every))
   rows = run(pick("dtypes", DTYPES), pick("cases", CASES), pick("rules", RULES))
   print(f"B={B} T={T} S={S} N={N} K={K} H={H}, {jax.devices()[0].platform}; "
-        "jax.nn row: its largest max-abs error against the float64 reference over three "
-        "head-dim orders; rule rows: error / jax.nn's error, bold where "
+        "jax.nn row: its largest max-abs error against the float64 reference over the "
+        "given order, two head-dim orders and (position-free cases) two key orders; rule rows: error / jax.nn's error, bold where "
         "err > 1.5 * jax.nn's + 0.1 ulp\n")
   print(table(rows))
   rules = [r for r in rows if r["rule"] not in PEERS]
