@@ -17,4 +17,5 @@ def peak_rss_mb() -> float:
   except OSError:
     pass
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (
-      1024 if sys.platform != "darwin" else 2**20)
+    1024 if sys.platform != "darwin" else 2**20
+  )

@@ -48,6 +48,7 @@ import functools
 import json
 import math
 import pathlib
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -62,12 +63,12 @@ B, T, S, N, K, H = 2, 40, 40, 4, 2, 16
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 
 # Every (implementation, backward) rule, as keyword arguments of jattn.dot_product_attention.
-RULES = {
-    "xla/autodiff": dict(implementation="xla", backward="autodiff"),
-    "xla/custom_vjp": dict(implementation="xla", backward="custom_vjp"),
-    "blockwise/16x16": dict(implementation="blockwise", block_q=16, block_kv=16),
-    "blockwise/default": dict(implementation="blockwise"),
-    "default": dict(),
+RULES: dict[str, dict[str, Any]] = {
+  "xla/autodiff": dict(implementation="xla", backward="autodiff"),
+  "xla/custom_vjp": dict(implementation="xla", backward="custom_vjp"),
+  "blockwise/16x16": dict(implementation="blockwise", block_q=16, block_kv=16),
+  "blockwise/default": dict(implementation="blockwise"),
+  "default": dict(),
 }
 
 # Peers measured beside the rules where they run (rows marked "peer", outside the target):
@@ -84,6 +85,7 @@ DROPOUT_SEED = 7
 class Case:
   """One row group of the table. Cases that differ only in data (``input_scale``,
   ``mask_value``) share compiled functions."""
+
   name: str
   bias: str | None = None  # "full": (B, N, T, S) float32; "shared": (T, S) in the input dtype
   mask_value: float | None = None  # additive mask on random positions and on whole rows
@@ -93,7 +95,7 @@ class Case:
   window: tuple[int, int] | None = None
   soft_cap: float | None = None
   score: str | None = None  # "alibi", or "relpos_cast": a relative-position score_fn
-                            # whose result is cast to the input dtype
+  # whose result is cast to the input dtype
   dropout_rate: float = 0.0
   scale: float | None = None
 
@@ -116,7 +118,9 @@ class Case:
 # Seven programs per dtype (the compiles dominate the cost): cases that differ only in data
 # share one, and features that real models combine (Gemma 2: GQA, a local window and a soft
 # cap) share a case.
-CASES = {c.name: c for c in (
+CASES = {
+  c.name: c
+  for c in (
     Case("bias", bias="full"),
     Case("saturated_x10", bias="full", input_scale=10.0),
     Case("saturated_x100", bias="full", input_scale=100.0),
@@ -128,10 +132,14 @@ CASES = {c.name: c for c in (
     Case("score_fn_cast", score="relpos_cast"),
     Case("dropout", dropout_rate=0.2),
     Case("scale_1e3", scale=1e3),
-)}
+  )
+}
 
-QUICK = dict(dtypes=["bf16", "f32"], cases=["bias", "saturated_x10", "mask_1e9"],
-             rules=["xla/autodiff", "blockwise/16x16"])
+QUICK = dict(
+  dtypes=["bf16", "f32"],
+  cases=["bias", "saturated_x10", "mask_1e9"],
+  rules=["xla/autodiff", "blockwise/16x16"],
+)
 
 
 # --- the target ------------------------------------------------------------------------------
@@ -142,8 +150,9 @@ def ulp(x: float, dtype) -> float:
   info = jnp.finfo(dtype)
   if not x > 0 or not math.isfinite(x):
     return float(info.smallest_normal) * float(info.eps) if x == 0 else math.inf
-  return float(info.eps) * 2.0 ** max(math.floor(math.log2(x)),
-                                      math.log2(float(info.smallest_normal)))
+  return float(info.eps) * 2.0 ** max(
+    math.floor(math.log2(x)), math.log2(float(info.smallest_normal))
+  )
 
 
 def target(err_jax_nn: float, size: float, dtype) -> float:
@@ -201,7 +210,7 @@ def inputs(case_name: str, dtype_name: str) -> dict:
   q = rng.standard_normal((B, T, N, H)) * case.input_scale
   k = rng.standard_normal((B, S, Kv, H)) * case.input_scale
   v = rng.standard_normal((B, S, Kv, H))
-  arrays = dict(q=_round(q, dtype), k=_round(k, dtype), v=_round(v, dtype))
+  arrays: dict = dict(q=_round(q, dtype), k=_round(k, dtype), v=_round(v, dtype))
   if case.qkv_same:
     arrays["k"] = arrays["v"] = arrays["q"]
   if case.bias == "full":
@@ -243,8 +252,10 @@ def allowed_np(case: Case) -> np.ndarray:
 def _relpos_cast(dtype):
   """A relative-position score_fn that returns the input dtype, as mixed-precision user code
   might (one function object per dtype, so calls share compiled functions)."""
+
   def fn(s, b, h, q, kv):
     return (s - 0.125 * (h + 1) * jnp.abs(q - kv)).astype(dtype)
+
   return fn
 
 
@@ -257,8 +268,7 @@ def score_np(case: Case):
   if case.score == "alibi":
     fns.append((lambda s, b, h, q, kv: s + SLOPES[h] * (kv - q), lambda s, *idx: 1.0))
   elif case.score == "relpos_cast":
-    fns.append((lambda s, b, h, q, kv: s - 0.125 * (h + 1) * np.abs(q - kv),
-                lambda s, *idx: 1.0))
+    fns.append((lambda s, b, h, q, kv: s - 0.125 * (h + 1) * np.abs(q - kv), lambda s, *idx: 1.0))
   if case.soft_cap is not None:
     c = case.soft_cap
     fns.append((lambda s, *idx: c * np.tanh(s / c), lambda s, *idx: 1.0 - np.tanh(s / c) ** 2))
@@ -283,8 +293,21 @@ def score_np(case: Case):
 # --- the reference ---------------------------------------------------------------------------
 
 
-def attention_reference(q, k, v, bias, ct, *, scale: float, dtype, allowed=None, score=None,
-                        d_score=None, keep=None, rate: float = 0.0) -> dict:
+def attention_reference(
+  q,
+  k,
+  v,
+  bias,
+  ct,
+  *,
+  scale: float,
+  dtype,
+  allowed=None,
+  score=None,
+  d_score=None,
+  keep=None,
+  rate: float = 0.0,
+) -> dict:
   """NumPy attention in ``dtype`` (float32 or float64), forward and, by hand, the backward of
   ``sum(out * ct)``, under jattn's contract: every finite score takes part in the softmax,
   masked (``allowed`` False) and -inf scores do not, and rows left with nothing give zeros,
@@ -305,8 +328,12 @@ def attention_reference(q, k, v, bias, ct, *, scale: float, dtype, allowed=None,
   s0 = scale * np.einsum("btnh,bsnh->bnts", q, kr)
   if bias is not None:
     s0 = s0 + bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
-  idx = (np.arange(Bq).reshape(-1, 1, 1, 1), np.arange(Nq).reshape(1, -1, 1, 1),
-         np.arange(Tq).reshape(1, 1, -1, 1), np.arange(Sk).reshape(1, 1, 1, -1))
+  idx = (
+    np.arange(Bq).reshape(-1, 1, 1, 1),
+    np.arange(Nq).reshape(1, -1, 1, 1),
+    np.arange(Tq).reshape(1, 1, -1, 1),
+    np.arange(Sk).reshape(1, 1, 1, -1),
+  )
   s = s0 if score is None else np.asarray(score(s0, *idx), dtype)
   use = s > -np.inf
   if allowed is not None:
@@ -327,9 +354,10 @@ def attention_reference(q, k, v, bias, ct, *, scale: float, dtype, allowed=None,
     d_s = d_s * np.asarray(d_score(s0, *idx), dtype)
   group_sum = lambda x: x.reshape(Bq, Sk, Kk, G, Hq).sum(3)
   grads = dict(
-      dq=scale * np.einsum("bnts,bsnh->btnh", d_s, kr),
-      dk=group_sum(scale * np.einsum("bnts,btnh->bsnh", d_s, q)),
-      dv=group_sum(np.einsum("bnts,btnh->bsnh", p_used, ct)))
+    dq=scale * np.einsum("bnts,bsnh->btnh", d_s, kr),
+    dk=group_sum(scale * np.einsum("bnts,btnh->bsnh", d_s, q)),
+    dv=group_sum(np.einsum("bnts,btnh->bsnh", p_used, ct)),
+  )
   if bias is not None:
     shape = (1,) * (4 - bias.ndim) + bias.shape
     axes = tuple(i for i, n in enumerate(shape) if n == 1 and d_s.shape[i] != 1)
@@ -342,10 +370,19 @@ def reference(case: Case, arrays: dict, dtype) -> dict:
   three gradients."""
   score, d_score = score_np(case)
   ref = attention_reference(
-      arrays["q"], arrays["k"], arrays["v"], arrays["bias"], arrays["ct"], dtype=dtype,
-      scale=1 / np.sqrt(H) if case.scale is None else case.scale, allowed=allowed_np(case),
-      score=score, d_score=d_score, keep=dropout_keep(case.dropout_rate) if case.dropout_rate
-      else None, rate=case.dropout_rate)
+    arrays["q"],
+    arrays["k"],
+    arrays["v"],
+    arrays["bias"],
+    arrays["ct"],
+    dtype=dtype,
+    scale=1 / np.sqrt(H) if case.scale is None else case.scale,
+    allowed=allowed_np(case),
+    score=score,
+    d_score=d_score,
+    keep=dropout_keep(case.dropout_rate) if case.dropout_rate else None,
+    rate=case.dropout_rate,
+  )
   if case.qkv_same:
     ref["dq"] = ref.pop("dq") + ref.pop("dk") + ref.pop("dv")
   if arrays["bias"] is None:
@@ -356,8 +393,10 @@ def reference(case: Case, arrays: dict, dtype) -> dict:
 # --- jax.nn and the jax.nn-style baseline ----------------------------------------------------
 
 
-_PRESETS = {np.dtype(jnp.bfloat16): jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
-            np.dtype(np.float16): jax.lax.DotAlgorithmPreset.F16_F16_F32}
+_PRESETS = {
+  np.dtype(jnp.bfloat16): jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+  np.dtype(np.float16): jax.lax.DotAlgorithmPreset.F16_F16_F32,
+}
 
 
 _LOGITS = "BTKGH,BSKH->BKGTS"
@@ -372,15 +411,31 @@ def _precision(dtype, q_shape: tuple, k_shape: tuple):
   if preset is None:
     return None
   try:
-    jnp.einsum(_LOGITS, jnp.zeros(q_shape, dtype), jnp.zeros(k_shape, dtype), precision=preset,
-               preferred_element_type=jnp.float32).block_until_ready()
+    jnp.einsum(
+      _LOGITS,
+      jnp.zeros(q_shape, dtype),
+      jnp.zeros(k_shape, dtype),
+      precision=preset,
+      preferred_element_type=jnp.float32,
+    ).block_until_ready()
   except Exception:  # as jax.nn's bare except
     return None
   return preset
 
 
-def jax_nn_style(query, key, value, bias=None, *, scale, allowed=None, score_fn=None,
-                 soft_cap=None, keep=None, dropout_rate=0.0):
+def jax_nn_style(
+  query,
+  key,
+  value,
+  bias=None,
+  *,
+  scale,
+  allowed=None,
+  score_fn=None,
+  soft_cap=None,
+  keep=None,
+  dropout_rate=0.0,
+):
   """jax.nn's XLA attention (jax/_src/nn/functions.py, _dot_product_attention_core) with the
   features it lacks added where jattn applies them: float32 logits from the input dtype,
   then bias, score_fn, soft cap, masking with jax.nn's large negative number, the softmax in
@@ -392,8 +447,9 @@ def jax_nn_style(query, key, value, bias=None, *, scale, allowed=None, score_fn=
   logits_dtype = jnp.promote_types(query.dtype, np.float32)
   q = query.reshape(Bq, Tq, Kk, G, Hq)
   precision = _precision(query.dtype, q.shape, key.shape)
-  logits = jnp.einsum(_LOGITS, q, key, precision=precision,
-                      preferred_element_type=logits_dtype).reshape(Bq, Nq, Tq, Sk)
+  logits = jnp.einsum(
+    _LOGITS, q, key, precision=precision, preferred_element_type=logits_dtype
+  ).reshape(Bq, Nq, Tq, Sk)
   logits *= jnp.array(scale, dtype=logits.dtype)
   if bias is not None:
     bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
@@ -428,24 +484,50 @@ def _attention(case: Case, dtype_name: str, rule: str | None):
   scale = 1 / np.sqrt(H) if case.scale is None else case.scale
   if rule is None and case.jax_nn_expresses:
     return lambda q, k, v, bias: jax.nn.dot_product_attention(
-        q, k, v, bias, scale=scale, is_causal=case.is_causal,
-        local_window_size=case.window, return_residual=True)
+      q,
+      k,
+      v,
+      bias,
+      scale=scale,
+      is_causal=case.is_causal,
+      local_window_size=case.window,
+      return_residual=True,
+    )
   if rule is None:
     keep = dropout_keep(case.dropout_rate) if case.dropout_rate else None
     return functools.partial(
-        jax_nn_style, scale=scale, score_fn=_score_fn(case, dtype_name),
-        allowed=allowed_np(case) if case.is_causal or case.window else None,
-        soft_cap=case.soft_cap, keep=keep, dropout_rate=case.dropout_rate)
+      jax_nn_style,
+      scale=scale,
+      score_fn=_score_fn(case, dtype_name),
+      allowed=allowed_np(case) if case.is_causal or case.window else None,
+      soft_cap=case.soft_cap,
+      keep=keep,
+      dropout_rate=case.dropout_rate,
+    )
   if rule == "jax.nn/cudnn":
     return lambda q, k, v, bias: jax.nn.dot_product_attention(
-        q, k, v, bias, scale=scale, is_causal=case.is_causal, local_window_size=case.window,
-        return_residual=True, implementation="cudnn")
-  kwargs = dict(scale=case.scale, is_causal=case.is_causal, local_window_size=case.window,
-                logits_soft_cap=case.soft_cap, score_fn=_score_fn(case, dtype_name))
+      q,
+      k,
+      v,
+      bias,
+      scale=scale,
+      is_causal=case.is_causal,
+      local_window_size=case.window,
+      return_residual=True,
+      implementation="cudnn",
+    )
+  kwargs = dict(
+    scale=case.scale,
+    is_causal=case.is_causal,
+    local_window_size=case.window,
+    logits_soft_cap=case.soft_cap,
+    score_fn=_score_fn(case, dtype_name),
+  )
   if case.dropout_rate:
     kwargs.update(dropout_rate=case.dropout_rate, dropout_rng=dropout_rng())
   return lambda q, k, v, bias: jattn.dot_product_attention(
-      q, k, v, bias, return_residual=True, **RULES[rule], **kwargs)
+    q, k, v, bias, return_residual=True, **RULES[rule], **kwargs
+  )
 
 
 def _vjp(case: Case, attn, arrays: dict) -> dict:
@@ -472,8 +554,11 @@ def _baseline_vjp(program: Case, dtype_name: str):
   fn = functools.partial(_vjp, program, _attention(program, dtype_name, None))
   dtype = DTYPES[dtype_name]
   Kv = N if program.qkv_same else K
-  if program.jax_nn_expresses and _PRESETS.get(np.dtype(dtype)) is not None \
-      and _precision(dtype, (B, T, Kv, N // Kv, H), (B, S, Kv, H)) is None:
+  if (
+    program.jax_nn_expresses
+    and _PRESETS.get(np.dtype(dtype)) is not None
+    and _precision(dtype, (B, T, Kv, N // Kv, H), (B, S, Kv, H)) is None
+  ):
     return fn
   return jax.jit(fn)
 
@@ -487,16 +572,19 @@ def _numpy(result: dict) -> dict:
 # sequence, k, v and the bias's key axis permuted (the sums over keys are what a tiled rule
 # reorders), where nothing depends on positions (no causal mask, window, score function or
 # dropout); with q = k = v the one array's sequence axis, and both of the bias's.
-REORDERINGS = (("head", np.arange(H)[::-1]), ("head", np.random.default_rng(5).permutation(H)),
-               ("seq", np.arange(S)[::-1]), ("seq", np.random.default_rng(6).permutation(S)))
+REORDERINGS = (
+  ("head", np.arange(H)[::-1]),
+  ("head", np.random.default_rng(5).permutation(H)),
+  ("seq", np.arange(S)[::-1]),
+  ("seq", np.random.default_rng(6).permutation(S)),
+)
 _PER_HEAD_DIM = ("q", "k", "v", "ct")  # arrays whose last axis is H (bias and lse have none)
 
 
 def applies(case: Case, reordering) -> bool:
   """Whether ``reordering`` leaves the case's attention unchanged."""
   axis, _ = reordering
-  return axis == "head" or not (case.is_causal or case.window or case.score
-                                or case.dropout_rate)
+  return axis == "head" or not (case.is_causal or case.window or case.score or case.dropout_rate)
 
 
 def reordered(case: Case, arrays: dict, reordering) -> dict:
@@ -547,8 +635,8 @@ def evaluate_case(case_name: str, dtype_name: str) -> dict:
   ``jax_nn_err`` is jax.nn's largest error over the given order and the
   :data:`REORDERINGS` that apply to the case: max-abs errors a few ulps large move by up to
   2x with nothing but the order of the sums (the README's numerics section shows it), so one
-  order alone would make the target a coin toss at float32 rounding level. ``jax_nn_err_as_given`` keeps the error
-  in the given order."""
+  order alone would make the target a coin toss at float32 rounding level.
+  ``jax_nn_err_as_given`` keeps the error in the given order."""
   case = CASES[case_name]
   arrays = inputs(case_name, dtype_name)
   want = reference(case, arrays, np.float64)
@@ -559,9 +647,13 @@ def evaluate_case(case_name: str, dtype_name: str) -> dict:
     if applies(case, r):
       other = restored(case, _numpy(baseline(reordered(case, arrays, r))), r)
       errs.append({q: max_abs_error(other[q], want[q]) for q in case.quantities})
-  return dict(want=want, jax_nn=got, jax_nn_err_as_given=errs[0],
-              jax_nn_err={q: max(e[q] for e in errs) for q in case.quantities},
-              size={q: magnitude(want[q]) for q in case.quantities})
+  return dict(
+    want=want,
+    jax_nn=got,
+    jax_nn_err_as_given=errs[0],
+    jax_nn_err={q: max(e[q] for e in errs) for q in case.quantities},
+    size={q: magnitude(want[q]) for q in case.quantities},
+  )
 
 
 @functools.cache
@@ -580,10 +672,14 @@ def evaluate(case_name: str, dtype_name: str, rule: str) -> dict:
   cell = {}
   for q in case.quantities:
     err = math.inf if got is None else max_abs_error(got[q], base["want"][q])
-    cell[q] = dict(err=err, jax_nn_err=base["jax_nn_err"][q],
-                   jax_nn_err_as_given=base["jax_nn_err_as_given"][q], size=base["size"][q],
-                   ok=meets_target(err, base["jax_nn_err"][q], base["size"][q], dtype),
-                   error=error)
+    cell[q] = dict(
+      err=err,
+      jax_nn_err=base["jax_nn_err"][q],
+      jax_nn_err_as_given=base["jax_nn_err_as_given"][q],
+      size=base["size"][q],
+      ok=meets_target(err, base["jax_nn_err"][q], base["size"][q], dtype),
+      error=error,
+    )
   return cell
 
 
@@ -603,16 +699,19 @@ def _ratio(entry: dict) -> str:
 
 def table(rows: list[dict]) -> str:
   """Markdown: per (dtype, case), jax.nn's absolute errors, then each rule's ratio to them."""
-  lines = ["| dtype | case | rule | " + " | ".join(QUANTITIES) + " | target |",
-           "|---" * (len(QUANTITIES) + 4) + "|"]
+  lines = [
+    "| dtype | case | rule | " + " | ".join(QUANTITIES) + " | target |",
+    "|---" * (len(QUANTITIES) + 4) + "|",
+  ]
   seen = set()
   for r in rows:
     key = (r["dtype"], r["case"])
     if key not in seen:
       seen.add(key)
       cells = [f"{r['cell'][q]['jax_nn_err']:.1e}" if q in r["cell"] else "—" for q in QUANTITIES]
-      lines.append(f"| {r['dtype']} | {r['case']} | jax.nn (abs err) | " + " | ".join(cells)
-                   + " | |")
+      lines.append(
+        f"| {r['dtype']} | {r['case']} | jax.nn (abs err) | " + " | ".join(cells) + " | |"
+      )
     cells = [_ratio(r["cell"][q]) if q in r["cell"] else "—" for q in QUANTITIES]
     failed = [q for q in QUANTITIES if q in r["cell"] and not r["cell"][q]["ok"]]
     verdict = "pass" if not failed else "FAIL " + ",".join(failed)
@@ -621,17 +720,20 @@ def table(rows: list[dict]) -> str:
       verdict = f"FAIL: raises {error[:100]}"
     if r["rule"] in PEERS:
       verdict = "peer" + (f": raises {error[:100]}" if error else "")
-    lines.append(f"| {r['dtype']} | {r['case']} | {r['rule']} | " + " | ".join(cells)
-                 + f" | {verdict} |")
+    lines.append(
+      f"| {r['dtype']} | {r['case']} | {r['rule']} | " + " | ".join(cells) + f" | {verdict} |"
+    )
   return "\n".join(lines)
 
 
 def run(dtypes, cases, rules) -> list[dict]:
   """Every (dtype, case, rule) cell, and the peers' cells where they run."""
-  return [dict(dtype=d, case=c, rule=r, cell=evaluate(c, d, r))
-          for d in dtypes for c in cases
-          for r in list(rules) + [p for p, runs in PEERS.items()
-                                  if runs(d) and CASES[c].jax_nn_expresses]]
+  return [
+    dict(dtype=d, case=c, rule=r, cell=evaluate(c, d, r))
+    for d in dtypes
+    for c in cases
+    for r in list(rules) + [p for p, runs in PEERS.items() if runs(d) and CASES[c].jax_nn_expresses]
+  ]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -639,8 +741,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES))
   parser.add_argument("--cases", nargs="+", choices=list(CASES))
   parser.add_argument("--rules", nargs="+", choices=list(RULES))
-  parser.add_argument("--quick", action="store_true",
-                      help=f"a small subset: {QUICK} (flags override it)")
+  parser.add_argument(
+    "--quick", action="store_true", help=f"a small subset: {QUICK} (flags override it)"
+  )
   parser.add_argument("--json", help="also write the rows, with absolute errors, to this file")
   return parser.parse_args(argv)
 
@@ -649,10 +752,13 @@ def main(argv=None) -> list[dict]:
   args = parse_args(argv)
   pick = lambda name, every: getattr(args, name) or (QUICK[name] if args.quick else list(every))
   rows = run(pick("dtypes", DTYPES), pick("cases", CASES), pick("rules", RULES))
-  print(f"B={B} T={T} S={S} N={N} K={K} H={H}, {jax.devices()[0].platform}; "
-        "jax.nn row: its largest max-abs error against the float64 reference over the "
-        "given order, two head-dim orders and (position-free cases) two key orders; rule rows: error / jax.nn's error, bold where "
-        "err > 1.5 * jax.nn's + 0.1 ulp\n")
+  print(
+    f"B={B} T={T} S={S} N={N} K={K} H={H}, {jax.devices()[0].platform}; "
+    "jax.nn row: its largest max-abs error against the float64 reference over the "
+    "given order, two head-dim orders and (position-free cases) two key orders; "
+    "rule rows: error / jax.nn's error, bold where "
+    "err > 1.5 * jax.nn's + 0.1 ulp\n"
+  )
   print(table(rows))
   rules = [r for r in rows if r["rule"] not in PEERS]
   failed = sum(not all(e["ok"] for e in r["cell"].values()) for r in rules)

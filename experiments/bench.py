@@ -22,9 +22,9 @@ per-round ratios, each taken between turns of the same round. Then the peak proc
 subprocess so no case sees another's high-water mark. Prints markdown tables
 and writes everything as JSON under runs/.
 
-    python experiments/bench.py --config configs/bench.yaml   # README's tables
-    python experiments/bench.py --lengths 1024 2048 --causal true --methods jax.nn blockwise
-    python experiments/bench.py --quick                        # tiny smoke test (CI)
+    python -m experiments.bench --config configs/bench.yaml   # README's tables
+    python -m experiments.bench --lengths 1024 2048 --causal true --methods jax.nn blockwise
+    python -m experiments.bench --quick                        # tiny smoke test (CI)
 """
 
 from __future__ import annotations
@@ -37,19 +37,15 @@ import pathlib
 import subprocess
 import sys
 import time
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jattn
-
-try:
-  from experiments._config import config_fields
-  from experiments._memory import peak_rss_mb
-except ImportError:  # run as a script, python experiments/bench.py: its folder is on sys.path
-  from _config import config_fields
-  from _memory import peak_rss_mb
+from experiments._config import config_fields
+from experiments._memory import peak_rss_mb
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 METHODS = ("jax.nn", "xla", "blockwise", "auto")
@@ -72,19 +68,26 @@ class Config:
   out_dir: str = "runs"
 
 
-QUICK = dict(heads=2, kv_heads=1, head_dims=[8], lengths=[32, 48], reps=2, matmul_size=64,
-             memory={"lengths": [64], "causal": [True], "methods": ["jax.nn", "blockwise"]})
+QUICK = dict(
+  heads=2,
+  kv_heads=1,
+  head_dims=[8],
+  lengths=[32, 48],
+  reps=2,
+  matmul_size=64,
+  memory={"lengths": [64], "causal": [True], "methods": ["jax.nn", "blockwise"]},
+)
 
 
 def attention_fn(method: str, causal: bool):
   """(q, k, v) -> output, for one method (also "jax.nn/cudnn", which bench_gpu.py times)."""
   if method in ("jax.nn", "jax.nn/cudnn"):
-    implementation = "cudnn" if method == "jax.nn/cudnn" else "xla"
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                                        implementation=implementation)
-  implementation = {"xla": "xla", "blockwise": "blockwise", "auto": None}[method]
-  return lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=causal,
-                                                     implementation=implementation)
+    implementation: Literal["cudnn", "xla"] = "cudnn" if method == "jax.nn/cudnn" else "xla"
+    return lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=causal, implementation=implementation
+    )
+  impl: str | None = {"xla": "xla", "blockwise": "blockwise", "auto": None}[method]
+  return lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
 
 
 def compiled(method: str, causal: bool, mode: str):
@@ -92,8 +95,7 @@ def compiled(method: str, causal: bool, mode: str):
   attn = attention_fn(method, causal)
   if mode == "fwd":
     return jax.jit(attn)
-  return jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32)),
-                          (0, 1, 2)))
+  return jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32)), (0, 1, 2)))
 
 
 def inputs(cfg: Config, T: int, H: int):
@@ -124,7 +126,7 @@ def interleaved_ms(fns: dict, reps: int, min_seconds: float = 0.1) -> dict[str, 
     jax.block_until_ready(fn(*args))
     once = time.perf_counter() - start
     calls[name] = max(1, min(200, int(min_seconds / max(once, 1e-6))))
-  times = {name: [] for name in fns}
+  times: dict[str, list[float]] = {name: [] for name in fns}
   for _ in range(reps):
     for name, (fn, args) in fns.items():
       start = time.perf_counter()
@@ -139,12 +141,13 @@ def materialises_too_much(cfg: Config, method: str, T: int) -> bool:
   return method in MATERIALISING and 4 * cfg.batch * cfg.heads * T * T > cfg.max_materialised_bytes
 
 
-def time_grid(cfg: Config) -> tuple[list[dict], float]:
+def time_grid(cfg: Config) -> tuple[list[dict], float | None]:
   """The timing rows, and the matmul's GFLOP/s over the whole run (median of its turns)."""
   a = jnp.asarray(np.random.default_rng(0).standard_normal((cfg.matmul_size,) * 2, np.float32))
   matmul = (jax.jit(lambda a: a @ a), (a,))
   matmul_flops = 2.0 * cfg.matmul_size**3
-  rows, matmul_ms = [], []
+  rows: list[dict] = []
+  matmul_ms: list[float] = []
   for H in cfg.head_dims:
     for T in cfg.lengths:
       q, k, v = inputs(cfg, T, H)
@@ -152,8 +155,13 @@ def time_grid(cfg: Config) -> tuple[list[dict], float]:
         group = [dict(H=H, T=T, causal=causal, method=m) for m in cfg.methods]
         for mode in ("fwd", "fwd_bwd"):
           fns = {"matmul": matmul}
-          fns.update({m: (compiled(m, causal, mode), (q, k, v)) for m in cfg.methods
-                      if not materialises_too_much(cfg, m, T)})
+          fns.update(
+            {
+              m: (compiled(m, causal, mode), (q, k, v))
+              for m in cfg.methods
+              if not materialises_too_much(cfg, m, T)
+            }
+          )
           times = interleaved_ms(fns, cfg.reps)
           matmul_ms.extend(times["matmul"])
           ref = times.get("jax.nn")
@@ -163,12 +171,15 @@ def time_grid(cfg: Config) -> tuple[list[dict], float]:
               row.update({f"{mode}_ms": None, f"{mode}_speedup": None})
               continue
             work, median = flops(cfg, T, H, causal, mode), float(np.median(ms))
-            row.update({
+            row.update(
+              {
                 f"{mode}_ms": median,
                 f"{mode}_gflops": work / median / 1e6,
-                f"{mode}_pct_matmul": 100.0 * float(np.median(
-                    (work / ms) / (matmul_flops / times["matmul"]))),
-                f"{mode}_speedup": None if ref is None else float(np.median(ref / ms))})
+                f"{mode}_pct_matmul": 100.0
+                * float(np.median((work / ms) / (matmul_flops / times["matmul"]))),
+                f"{mode}_speedup": None if ref is None else float(np.median(ref / ms)),
+              }
+            )
         rows.extend(group)
   if not matmul_ms:  # no lengths to time: only the memory cases
     return rows, None
@@ -184,8 +195,9 @@ def memory_case(cfg: Config, method: str, T: int, H: int, causal: bool) -> dict:
   jax.block_until_ready(compiled(method, causal, "fwd_bwd")(q, k, v))
   seconds = time.perf_counter() - start
   peak = peak_rss_mb()
-  return dict(method=method, T=T, H=H, causal=causal, seconds=seconds,
-              peak_mb_before=before, peak_mb=peak)
+  return dict(
+    method=method, T=T, H=H, causal=causal, seconds=seconds, peak_mb_before=before, peak_mb=peak
+  )
 
 
 def memory_grid(cfg: Config, config_path: str | None, quick: bool) -> list[dict]:
@@ -199,10 +211,10 @@ def memory_grid(cfg: Config, config_path: str | None, quick: bool) -> list[dict]
           if materialises_too_much(cfg, method, T):
             rows.append({**row, "skipped": "materialised scores exceed max_materialised_bytes"})
             continue
-          cmd = [sys.executable, __file__, "--memory-case", json.dumps(row)]
+          cmd = [sys.executable, "-m", "experiments.bench", "--memory-case", json.dumps(row)]
           cmd += ["--quick"] if quick else []
-          cmd += ["--config", config_path] if config_path else []
-          proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+          cmd += ["--config", str(pathlib.Path(config_path).resolve())] if config_path else []
+          proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
           if proc.returncode:
             rows.append({**row, "failed": proc.stderr.strip().splitlines()[-1:]})
           else:
@@ -215,18 +227,24 @@ def _fmt(x, spec):
 
 
 def print_tables(cfg: Config, matmul: float, rows: list[dict], memory: list[dict]) -> None:
-  print(f"B={cfg.batch} N={cfg.heads} K={cfg.kv_heads} float32, {jax.devices()[0].platform}, "
-        f"medians of {cfg.reps} interleaved rounds; float32 matmul {cfg.matmul_size}³: "
-        f"{_fmt(matmul, '.1f')} GFLOP/s\n")
-  print("| H | T | causal | method | fwd ms | fwd GFLOP/s | % matmul | fwd speedup "
-        "| fwd+bwd ms | fwd+bwd GFLOP/s | fwd+bwd speedup |")
+  print(
+    f"B={cfg.batch} N={cfg.heads} K={cfg.kv_heads} float32, {jax.devices()[0].platform}, "
+    f"medians of {cfg.reps} interleaved rounds; float32 matmul {cfg.matmul_size}³: "
+    f"{_fmt(matmul, '.1f')} GFLOP/s\n"
+  )
+  print(
+    "| H | T | causal | method | fwd ms | fwd GFLOP/s | % matmul | fwd speedup "
+    "| fwd+bwd ms | fwd+bwd GFLOP/s | fwd+bwd speedup |"
+  )
   print("|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['H']} | {r['T']} | {r['causal']} | {r['method']} | "
-          f"{_fmt(r.get('fwd_ms'), '.1f')} | {_fmt(r.get('fwd_gflops'), '.1f')} | "
-          f"{_fmt(r.get('fwd_pct_matmul'), '.0f')} | {_fmt(r.get('fwd_speedup'), '.2f')} | "
-          f"{_fmt(r.get('fwd_bwd_ms'), '.1f')} | {_fmt(r.get('fwd_bwd_gflops'), '.1f')} | "
-          f"{_fmt(r.get('fwd_bwd_speedup'), '.2f')} |")
+    print(
+      f"| {r['H']} | {r['T']} | {r['causal']} | {r['method']} | "
+      f"{_fmt(r.get('fwd_ms'), '.1f')} | {_fmt(r.get('fwd_gflops'), '.1f')} | "
+      f"{_fmt(r.get('fwd_pct_matmul'), '.0f')} | {_fmt(r.get('fwd_speedup'), '.2f')} | "
+      f"{_fmt(r.get('fwd_bwd_ms'), '.1f')} | {_fmt(r.get('fwd_bwd_gflops'), '.1f')} | "
+      f"{_fmt(r.get('fwd_bwd_speedup'), '.2f')} |"
+    )
   if memory:
     print("\nforward+backward, one fresh process per case: peak process memory (VmHWM)\n")
     print("| H | T | causal | method | seconds | peak MB before | peak MB |")
@@ -236,15 +254,20 @@ def print_tables(cfg: Config, matmul: float, rows: list[dict], memory: list[dict
       if note:
         print(f"| {r['H']} | {r['T']} | {r['causal']} | {r['method']} | {note} | — | — |")
         continue
-      print(f"| {r['H']} | {r['T']} | {r['causal']} | {r['method']} | {r['seconds']:.1f} | "
-            f"{r['peak_mb_before']:.0f} | {r['peak_mb']:.0f} |")
+      print(
+        f"| {r['H']} | {r['T']} | {r['causal']} | {r['method']} | {r['seconds']:.1f} | "
+        f"{r['peak_mb_before']:.0f} | {r['peak_mb']:.0f} |"
+      )
 
 
 def load_config(args) -> Config:
-  flags = {name: getattr(args, name) for name in ("lengths", "head_dims", "methods", "reps",
-                                                 "batch", "heads", "kv_heads", "out_dir")}
-  cfg = Config(**config_fields(Config, args.config, quick=QUICK if args.quick else None,
-                               flags=flags))
+  flags = {
+    name: getattr(args, name)
+    for name in ("lengths", "head_dims", "methods", "reps", "batch", "heads", "kv_heads", "out_dir")
+  }
+  cfg = Config(
+    **config_fields(Config, args.config, quick=QUICK if args.quick else None, flags=flags)
+  )
   if args.causal is not None:
     cfg.causal = [{"true": True, "false": False}[c] for c in args.causal]
   if args.memory_lengths is not None:
@@ -258,8 +281,9 @@ def load_config(args) -> Config:
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", help="a YAML file under configs/ (flags override it)")
-  parser.add_argument("--lengths", type=int, nargs="*",
-                      help="sequence lengths to time (none: only the memory cases)")
+  parser.add_argument(
+    "--lengths", type=int, nargs="*", help="sequence lengths to time (none: only the memory cases)"
+  )
   parser.add_argument("--head-dims", dest="head_dims", type=int, nargs="+")
   parser.add_argument("--causal", nargs="+", choices=["true", "false"])
   parser.add_argument("--methods", nargs="+")
@@ -267,8 +291,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--batch", type=int)
   parser.add_argument("--heads", type=int)
   parser.add_argument("--kv-heads", dest="kv_heads", type=int)
-  parser.add_argument("--memory-lengths", type=int, nargs="*",
-                      help="sequence lengths for the peak-memory cases (none: skip them)")
+  parser.add_argument(
+    "--memory-lengths",
+    type=int,
+    nargs="*",
+    help="sequence lengths for the peak-memory cases (none: skip them)",
+  )
   parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 reps (smoke test)")
   parser.add_argument("--out-dir", dest="out_dir", help="where the JSON goes (default runs/)")
   parser.add_argument("--memory-case", help=argparse.SUPPRESS)
@@ -291,8 +319,14 @@ def main(argv=None):
   out_dir.mkdir(parents=True, exist_ok=True)
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   path = out_dir / f"bench-{stamp}{'-quick' if args.quick else ''}.json"
-  record = dict(config=dataclasses.asdict(cfg), device=str(jax.devices()[0]),
-                jax=jax.__version__, matmul_gflops=matmul, timings=rows, memory=memory)
+  record = dict(
+    config=dataclasses.asdict(cfg),
+    device=str(jax.devices()[0]),
+    jax=jax.__version__,
+    matmul_gflops=matmul,
+    timings=rows,
+    memory=memory,
+  )
   path.write_text(json.dumps(record, indent=1))
   print(f"\nwrote {path}")
   return record

@@ -15,9 +15,9 @@ a percentage of the matmul's, and the speedup over jax.nn. "matmuls only" is
 the ceiling of any kernel written with XLA operations that keeps these tiles:
 the softmax can only add to it.
 
-    python experiments/bench_ceiling.py                 # T=4096, B=1, N=8, H=64
-    python experiments/bench_ceiling.py --length 1024 --block 256
-    python experiments/bench_ceiling.py --quick         # tiny smoke test (CI)
+    python -m experiments.bench_ceiling                 # T=4096, B=1, N=8, H=64
+    python -m experiments.bench_ceiling --length 1024 --block 256
+    python -m experiments.bench_ceiling --quick         # tiny smoke test (CI)
 """
 
 from __future__ import annotations
@@ -29,12 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
+from experiments.bench import interleaved_ms
 from jattn.impl import blockwise
-
-try:
-  from experiments.bench import interleaved_ms
-except ImportError:  # run as a script: its folder is on sys.path
-  from bench import interleaved_ms
 
 
 def tile_matmuls(block: int):
@@ -49,6 +45,7 @@ def tile_matmuls(block: int):
       def body(j, acc):
         s = jnp.einsum("BNqH,BNkH->BNqk", q_tile, k_tiles[j])
         return acc + jnp.einsum("BNqk,BNkH->BNqH", s, v_tiles[j])
+
       return jax.lax.fori_loop(0, n, body, jnp.zeros_like(q_tile))
 
     return jax.lax.map(query_tile, q_tiles)
@@ -62,16 +59,26 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--heads", type=int, default=8)
   parser.add_argument("--head-dim", dest="head_dim", type=int, default=64)
-  parser.add_argument("--block", type=int, default=None,
-                      help="tile size for both the blockwise call and the matmul loop "
-                           "(default: blockwise's CPU default)")
+  parser.add_argument(
+    "--block",
+    type=int,
+    default=None,
+    help="tile size for both the blockwise call and the matmul loop "
+    "(default: blockwise's CPU default)",
+  )
   parser.add_argument("--matmul-size", dest="matmul_size", type=int, default=2048)
   parser.add_argument("--reps", type=int, default=5)
   parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds (smoke test)")
   args = parser.parse_args(argv)
   if args.quick:
     args.length, args.heads, args.head_dim, args.block, args.matmul_size, args.reps = (
-        48, 2, 8, 16, 64, 2)
+      48,
+      2,
+      8,
+      16,
+      64,
+      2,
+    )
   block = args.block or blockwise.default_blocks("cpu")[0]
   if args.length < 1 or block < 1:
     raise SystemExit(f"--length and --block must be positive, got {args.length} and {block}")
@@ -82,30 +89,44 @@ def main(argv=None) -> list[dict]:
   q, k, v = (jnp.asarray(rng.standard_normal(shape, np.float32)) for _ in range(3))
   a = jnp.asarray(rng.standard_normal((args.matmul_size,) * 2, np.float32))
   fns = {
-      "jax.nn": (jax.jit(jax.nn.dot_product_attention), (q, k, v)),
-      "blockwise": (jax.jit(lambda q, k, v: jattn.dot_product_attention(
-          q, k, v, implementation="blockwise", block_q=block, block_kv=block)), (q, k, v)),
-      "matmuls only": (jax.jit(tile_matmuls(block)), (q, k, v)),
-      "matmul": (jax.jit(lambda a: a @ a), (a,)),
+    "jax.nn": (jax.jit(jax.nn.dot_product_attention), (q, k, v)),
+    "blockwise": (
+      jax.jit(
+        lambda q, k, v: jattn.dot_product_attention(
+          q, k, v, implementation="blockwise", block_q=block, block_kv=block
+        )
+      ),
+      (q, k, v),
+    ),
+    "matmuls only": (jax.jit(tile_matmuls(block)), (q, k, v)),
+    "matmul": (jax.jit(lambda a: a @ a), (a,)),
   }
   times = interleaved_ms(fns, args.reps)
   work = 4.0 * args.batch * args.heads * args.length**2 * args.head_dim
   rate = lambda name: (2.0 * args.matmul_size**3 if name == "matmul" else work) / times[name]
-  rows = [dict(method=name, ms=float(np.median(times[name])),
-               gflops=float(np.median(rate(name))) / 1e6,
-               pct_matmul=float(np.median(100.0 * rate(name) / rate("matmul"))),
-               speedup=None if name == "matmul" else float(np.median(times["jax.nn"] / times[name])))
-          for name in fns]
+  rows = [
+    dict(
+      method=name,
+      ms=float(np.median(times[name])),
+      gflops=float(np.median(rate(name))) / 1e6,
+      pct_matmul=float(np.median(100.0 * rate(name) / rate("matmul"))),
+      speedup=None if name == "matmul" else float(np.median(times["jax.nn"] / times[name])),
+    )
+    for name in fns
+  ]
 
-  print(f"forward, non-causal, B={args.batch} T=S={args.length} N={args.heads} "
-        f"H={args.head_dim} float32, tiles {block}x{block}, {jax.devices()[0].platform}, "
-        f"medians of {args.reps} interleaved rounds\n")
+  print(
+    f"forward, non-causal, B={args.batch} T=S={args.length} N={args.heads} "
+    f"H={args.head_dim} float32, tiles {block}x{block}, {jax.devices()[0].platform}, "
+    f"medians of {args.reps} interleaved rounds\n"
+  )
   print("| method | ms | GFLOP/s | % matmul | speedup over jax.nn |")
   print("|---|---|---|---|---|")
   for r in rows:
     speedup = "—" if r["speedup"] is None else f"{r['speedup']:.2f}"
-    print(f"| {r['method']} | {r['ms']:.1f} | {r['gflops']:.1f} | {r['pct_matmul']:.0f} | "
-          f"{speedup} |")
+    print(
+      f"| {r['method']} | {r['ms']:.1f} | {r['gflops']:.1f} | {r['pct_matmul']:.0f} | {speedup} |"
+    )
   return rows
 
 

@@ -45,8 +45,13 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--head-dim", dest="head_dim", type=int, default=128)
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--methods", nargs="+", default=list(METHODS))
-  p.add_argument("--max-scores-gb", dest="max_scores_gb", type=float, default=16.0,
-                 help="skip materialising methods whose float32 scores exceed this")
+  p.add_argument(
+    "--max-scores-gb",
+    dest="max_scores_gb",
+    type=float,
+    default=16.0,
+    help="skip materialising methods whose float32 scores exceed this",
+  )
   p.add_argument("--quick", action="store_true")
   p.add_argument("--json", help="also write the rows here")
   args = p.parse_args(argv)
@@ -55,22 +60,29 @@ def main(argv=None) -> list[dict]:
     args.dtypes = args.dtypes if jax.default_backend() == "gpu" else ["float32"]
   gpu = jax.default_backend() == "gpu"
   B, N, H = args.batch, args.heads, args.head_dim
-  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, B={B} N={N} H={H}, "
-        f"medians of {args.reps} interleaved rounds\n")
-  print("| dtype | T | causal | method | fwd ms | fwd TFLOP/s | fwd speedup | fwd scratch MB "
-        "| fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd speedup | fwd+bwd scratch MB |")
+  print(
+    f"{jax.devices()[0].device_kind}, jax {jax.__version__}, B={B} N={N} H={H}, "
+    f"medians of {args.reps} interleaved rounds\n"
+  )
+  print(
+    "| dtype | T | causal | method | fwd ms | fwd TFLOP/s | fwd speedup | fwd scratch MB "
+    "| fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd speedup | fwd+bwd scratch MB |"
+  )
   print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   rows = []
   for dtype in args.dtypes:
     for T in args.lengths:
       rng = np.random.default_rng(T)
-      q, k, v = (jnp.asarray(rng.standard_normal((B, T, N, H), np.float32), dtype)
-                 for _ in range(3))
+      q, k, v = (
+        jnp.asarray(rng.standard_normal((B, T, N, H), np.float32), dtype) for _ in range(3)
+      )
       for causal in (False, True):
-        methods = [m for m in args.methods
-                   if (m != "jax.nn/cudnn" or (gpu and dtype in ("bfloat16", "float16")))
-                   and not (m in ("jax.nn", "xla")
-                            and 4 * B * N * T * T > args.max_scores_gb * 2**30)]
+        methods = [
+          m
+          for m in args.methods
+          if (m != "jax.nn/cudnn" or (gpu and dtype in ("bfloat16", "float16")))
+          and not (m in ("jax.nn", "xla") and 4 * B * N * T * T > args.max_scores_gb * 2**30)
+        ]
         group = {m: dict(dtype=dtype, T=T, causal=causal, method=m) for m in methods}
         for mode in ("fwd", "fwd_bwd"):
           fns = {}
@@ -83,20 +95,26 @@ def main(argv=None) -> list[dict]:
             group[m][f"{mode}_scratch_mb"] = fn.memory_analysis().temp_size_in_bytes / 2**20
             fns[m] = (fn, (q, k, v))
           times = interleaved_ms(fns, args.reps)
-          work = 4.0 * B * N * T * T * H * (3.5 if mode == "fwd_bwd" else 1.0) / (2 if causal else 1)
+          work = (
+            4.0 * B * N * T * T * H * (3.5 if mode == "fwd_bwd" else 1.0) / (2 if causal else 1)
+          )
           for m, ms in times.items():
             group[m][f"{mode}_ms"] = float(np.median(ms))
             group[m][f"{mode}_tflops"] = work / float(np.median(ms)) / 1e9
             if "jax.nn" in times:
               group[m][f"{mode}_speedup"] = float(np.median(times["jax.nn"] / ms))
         for r in group.values():
-          f = lambda key, spec: format(r[key], spec) if key in r else r.get(
-              key.rsplit("_", 1)[0] + "_error", "—")
-          print(f"| {dtype} | {T} | {causal} | {r['method']} | {f('fwd_ms', '.2f')} | "
-                f"{f('fwd_tflops', '.0f')} | {f('fwd_speedup', '.2f')} | "
-                f"{f('fwd_scratch_mb', '.0f')} | {f('fwd_bwd_ms', '.2f')} | "
-                f"{f('fwd_bwd_tflops', '.0f')} | {f('fwd_bwd_speedup', '.2f')} | "
-                f"{f('fwd_bwd_scratch_mb', '.0f')} |", flush=True)
+          f = lambda key, spec: (
+            format(r[key], spec) if key in r else r.get(key.rsplit("_", 1)[0] + "_error", "—")
+          )
+          print(
+            f"| {dtype} | {T} | {causal} | {r['method']} | {f('fwd_ms', '.2f')} | "
+            f"{f('fwd_tflops', '.0f')} | {f('fwd_speedup', '.2f')} | "
+            f"{f('fwd_scratch_mb', '.0f')} | {f('fwd_bwd_ms', '.2f')} | "
+            f"{f('fwd_bwd_tflops', '.0f')} | {f('fwd_bwd_speedup', '.2f')} | "
+            f"{f('fwd_bwd_scratch_mb', '.0f')} |",
+            flush=True,
+          )
           rows.append(r)
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -42,9 +42,9 @@ P·(T/P)²/2, so pairs max/mean tends to (2P − 1)/P for T/P ≫ 1; counted in
 whole shards (ring steps with any work: P on the last device, (P + 1)/2 on
 average) it is 2P/(P + 1), which is what tiles as large as a shard give.
 
-    python experiments/bench_parallel.py --config configs/bench_parallel.yaml
-    python experiments/bench_parallel.py --length 2048 --devices 1 2 4 8 --layouts zigzag
-    python experiments/bench_parallel.py --quick     # tiny smoke test (CI)
+    python -m experiments.bench_parallel --config configs/bench_parallel.yaml
+    python -m experiments.bench_parallel --length 2048 --devices 1 2 4 8 --layouts zigzag
+    python -m experiments.bench_parallel --quick     # tiny smoke test (CI)
 
 Writes ``runs/parallel-<time>/parallel.json``.
 """
@@ -55,8 +55,9 @@ import os
 
 # XLA reads the flag when JAX starts its CPU backend, so it is set before JAX is imported.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  ).strip()
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -73,13 +74,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import jattn  # noqa: E402
+from experiments._config import config_fields
 from jattn import masks, parallel  # noqa: E402
 from jattn.impl import blockwise as _blockwise  # noqa: E402
-
-try:
-  from experiments._config import config_fields
-except ImportError:  # run as a script: its folder is on sys.path
-  from _config import config_fields
 
 AXIS = "sp"
 
@@ -100,8 +97,16 @@ class Config:
   out_dir: str = "runs"
 
 
-QUICK = dict(heads=2, head_dim=8, length=64, devices=[1, 2, 4], reps=1, block_q=8, block_kv=8,
-             memory_length=256)
+QUICK = dict(
+  heads=2,
+  head_dim=8,
+  length=64,
+  devices=[1, 2, 4],
+  reps=1,
+  block_q=8,
+  block_kv=8,
+  memory_length=256,
+)
 
 
 # --- causal work per device (masks only) ----------------------------------------------
@@ -109,12 +114,14 @@ QUICK = dict(heads=2, head_dim=8, length=64, devices=[1, 2, 4], reps=1, block_q=
 
 class Work(NamedTuple):
   """Work of each device over a whole ring, shape (P,) each."""
+
   tiles: np.ndarray  # visited (query, key/value) tiles, in units of a full block_q x block_kv tile
   pairs: np.ndarray  # allowed (query, key) pairs: the exact attention work
 
 
-def work_per_device(layout: str, T: int, P: int, block_q: int, block_kv: int, *,
-                    causal: bool = True) -> Work:
+def work_per_device(
+  layout: str, T: int, P: int, block_q: int, block_kv: int, *, causal: bool = True
+) -> Work:
   """Per-device work of a ring over ``P`` devices with the sequence in ``layout``.
 
   At ring step s device i holds the key/value shard of device j = (i - s) % P;
@@ -140,7 +147,8 @@ def work_per_device(layout: str, T: int, P: int, block_q: int, block_kv: int, *,
         pairs[i] += L * L
         continue
       view = masks.reindex(masks.causal(), q=pos[i], kv=pos[j]).block_view(
-          L, L, block_q=bq, block_kv=bk)[0, 0]
+        L, L, block_q=bq, block_kv=bk
+      )[0, 0]
       tiles[i] += area[view != masks.EMPTY].sum()
       pairs[i] += int(np.searchsorted(np.sort(pos[j]), pos[i], side="right").sum())
   return Work(tiles, pairs)
@@ -151,11 +159,17 @@ def balance(cfg: Config, P: int, blocks: tuple[int, int]) -> list[dict]:
   rows = []
   for layout in cfg.layouts:
     work = work_per_device(layout, cfg.length, P, *blocks, causal=cfg.causal)
-    rows.append(dict(
-        layout=layout, P=P, tiles=work.tiles.tolist(), pairs=work.pairs.tolist(),
+    rows.append(
+      dict(
+        layout=layout,
+        P=P,
+        tiles=work.tiles.tolist(),
+        pairs=work.pairs.tolist(),
         tiles_max_over_mean=float(work.tiles.max() / work.tiles.mean()),
         pairs_max_over_mean=float(work.pairs.max() / work.pairs.mean()),
-        total_tiles=float(work.tiles.sum())))
+        total_tiles=float(work.tiles.sum()),
+      )
+    )
   return rows
 
 
@@ -171,26 +185,48 @@ def inputs(cfg: Config) -> tuple[np.ndarray, ...]:
 
 def ring_step(cfg: Config, mesh: Mesh, layout: str):
   """jit(value_and_grad) of sum(ring_attention(q, k, v)²) in q, k and v."""
+
   def loss(q, k, v):
-    out = parallel.ring_attention(q, k, v, mesh=mesh, axis_name=AXIS, is_causal=cfg.causal,
-                                  layout=layout, block_q=cfg.block_q, block_kv=cfg.block_kv)
+    out = parallel.ring_attention(
+      q,
+      k,
+      v,
+      mesh=mesh,
+      axis_name=AXIS,
+      is_causal=cfg.causal,
+      layout=layout,
+      block_q=cfg.block_q,
+      block_kv=cfg.block_kv,
+    )
     return jnp.sum(jnp.square(out))
+
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
 def reference_step(cfg: Config):
   """The same training step with jax.nn.dot_product_attention (materialised scores)."""
+
   def loss(q, k, v):
     return jnp.sum(jnp.square(jax.nn.dot_product_attention(q, k, v, is_causal=cfg.causal)))
+
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
 def blockwise_step(cfg: Config):
   """The same training step with single-device jattn blockwise attention."""
+
   def loss(q, k, v):
-    out = jattn.dot_product_attention(q, k, v, is_causal=cfg.causal, implementation="blockwise",
-                                      block_q=cfg.block_q, block_kv=cfg.block_kv)
+    out = jattn.dot_product_attention(
+      q,
+      k,
+      v,
+      is_causal=cfg.causal,
+      implementation="blockwise",
+      block_q=cfg.block_q,
+      block_kv=cfg.block_kv,
+    )
     return jnp.sum(jnp.square(out))
+
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
@@ -221,8 +257,11 @@ def measure(step, args, reps: int) -> dict:
   compiled = step.lower(*args).compile()
   nbytes = device_bytes(compiled)
   ms = median_ms(compiled, args, reps)
-  return dict(mb=None if nbytes is None else nbytes["total"] / 2**20,
-              temp_mb=None if nbytes is None else nbytes["temp"] / 2**20, ms=ms)
+  return dict(
+    mb=None if nbytes is None else nbytes["total"] / 2**20,
+    temp_mb=None if nbytes is None else nbytes["temp"] / 2**20,
+    ms=ms,
+  )
 
 
 def shard(host: tuple[np.ndarray, ...], mesh: Mesh) -> list[jax.Array]:
@@ -239,8 +278,11 @@ def measure_devices(cfg: Config, host, on_row=lambda row: None) -> list[dict]:
   rows = []
   for P in cfg.devices:
     mesh = mesh_of(P)
-    row = dict(P=P, layout="contiguous", **measure(ring_step(cfg, mesh, "contiguous"),
-                                                   shard(host, mesh), cfg.reps))
+    row = dict(
+      P=P,
+      layout="contiguous",
+      **measure(ring_step(cfg, mesh, "contiguous"), shard(host, mesh), cfg.reps),
+    )
     rows.append(row)
     on_row(row)
   base = rows[0]["mb"] if rows and rows[0]["P"] == 1 else None
@@ -249,20 +291,23 @@ def measure_devices(cfg: Config, host, on_row=lambda row: None) -> list[dict]:
   return rows
 
 
-def measure_layouts(cfg: Config, host, P: int, contiguous: dict,
-                    on_row=lambda row: None) -> list[dict]:
+def measure_layouts(
+  cfg: Config, host, P: int, contiguous: dict, on_row=lambda row: None
+) -> list[dict]:
   """Step time of each layout at ``P`` devices (inputs permuted outside the timed step); the
   contiguous row is the one already measured for the memory table."""
   rows = []
   mesh = mesh_of(P)
   for layout in cfg.layouts:
     if layout == "contiguous":
-      row = dict(P=P, layout=layout, mb=contiguous["mb"], temp_mb=contiguous["temp_mb"],
-                 ms=contiguous["ms"])
+      row = dict(
+        P=P, layout=layout, mb=contiguous["mb"], temp_mb=contiguous["temp_mb"], ms=contiguous["ms"]
+      )
     else:
       permuted = tuple(parallel.permute(x, layout, P) for x in host)
-      row = dict(P=P, layout=layout, **measure(ring_step(cfg, mesh, layout),
-                                               shard(permuted, mesh), cfg.reps))
+      row = dict(
+        P=P, layout=layout, **measure(ring_step(cfg, mesh, layout), shard(permuted, mesh), cfg.reps)
+      )
       on_row(row)
     row["time_vs_contiguous"] = row["ms"] / contiguous["ms"]
     rows.append(row)
@@ -273,13 +318,14 @@ def memory_at_length(cfg: Config, T: int) -> list[dict]:
   """Per-device bytes of the training step at length ``T``, from compilation alone (nothing
   runs, so T can be far past what this machine could execute): the ring at every P, and on
   one device jattn blockwise and jax.nn with the same inputs."""
+
   def compiled_mb(step, mesh, spec):
     sharding = NamedSharding(mesh, spec)
-    arg = jax.ShapeDtypeStruct((cfg.batch, T, cfg.heads, cfg.head_dim), np.float32,
-                               sharding=sharding)
+    arg = jax.ShapeDtypeStruct(
+      (cfg.batch, T, cfg.heads, cfg.head_dim), np.float32, sharding=sharding
+    )
     nbytes = device_bytes(step.lower(arg, arg, arg).compile())
-    return (None, None) if nbytes is None else (nbytes["total"] / 2**20,
-                                                nbytes["temp"] / 2**20)
+    return (None, None) if nbytes is None else (nbytes["total"] / 2**20, nbytes["temp"] / 2**20)
 
   rows = []
   one = mesh_of(1)
@@ -287,14 +333,18 @@ def memory_at_length(cfg: Config, T: int) -> list[dict]:
     mb, temp = compiled_mb(step, one, PartitionSpec())
     rows.append(dict(method=name, P=1, mb=mb, temp_mb=temp))
   for P in cfg.devices:
-    mb, temp = compiled_mb(ring_step(cfg, mesh_of(P), "contiguous"), mesh_of(P),
-                           PartitionSpec(None, AXIS, None, None))
+    mb, temp = compiled_mb(
+      ring_step(cfg, mesh_of(P), "contiguous"), mesh_of(P), PartitionSpec(None, AXIS, None, None)
+    )
     rows.append(dict(method="ring", P=P, mb=mb, temp_mb=temp))
   ring = {r["P"]: r for r in rows if r["method"] == "ring"}
   for r in ring.values():
     half = ring.get(r["P"] // 2)
-    r["vs_half_P"] = None if r["P"] == 1 or half is None or not half["mb"] or r["mb"] is None \
-        else r["mb"] / half["mb"]
+    r["vs_half_P"] = (
+      None
+      if r["P"] == 1 or half is None or not half["mb"] or r["mb"] is None
+      else r["mb"] / half["mb"]
+    )
   return rows
 
 
@@ -315,47 +365,64 @@ def _ratio(a, b):
 
 
 def print_memory_table(cfg: Config, rows) -> None:
-  print(f"\nMemory per device at T={cfg.memory_length} from compilation alone (nothing runs), "
-        "same step and shapes otherwise:\n")
+  print(
+    f"\nMemory per device at T={cfg.memory_length} from compilation alone (nothing runs), "
+    "same step and shapes otherwise:\n"
+  )
   print("| method | P | MB per device | temp MB | × MB at P/2 |")
   print("|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['method']} | {r['P']} | {_mb(r['mb'])} | {_mb(r['temp_mb'])} "
-          f"| {_fmt(r.get('vs_half_P'), '.3f')} |")
+    print(
+      f"| {r['method']} | {r['P']} | {_mb(r['mb'])} | {_mb(r['temp_mb'])} "
+      f"| {_fmt(r.get('vs_half_P'), '.3f')} |"
+    )
 
 
 def print_tables(cfg: Config, blocks, ref: dict, rows, layouts, work) -> None:
   kind = "causal" if cfg.causal else "non-causal"
-  print(f"\nB={cfg.batch} N=K={cfg.heads} H={cfg.head_dim} T={cfg.length} float32 {kind} "
-        f"training step (value_and_grad in q, k, v), {jax.devices()[0].platform}, tiles "
-        f"{blocks[0]}x{blocks[1]}; reference: jax.nn.dot_product_attention on one device: "
-        f"{_mb(ref['mb'])} MB, {ref['ms']:.1f} ms")
-  print(f"\nThe {max(cfg.devices)} simulated devices share this machine's {os.cpu_count()} "
-        "CPU cores: step time does not fall with P here; memory per device is what scales.\n")
+  print(
+    f"\nB={cfg.batch} N=K={cfg.heads} H={cfg.head_dim} T={cfg.length} float32 {kind} "
+    f"training step (value_and_grad in q, k, v), {jax.devices()[0].platform}, tiles "
+    f"{blocks[0]}x{blocks[1]}; reference: jax.nn.dot_product_attention on one device: "
+    f"{_mb(ref['mb'])} MB, {ref['ms']:.1f} ms"
+  )
+  print(
+    f"\nThe {max(cfg.devices)} simulated devices share this machine's {os.cpu_count()} "
+    "CPU cores: step time does not fall with P here; memory per device is what scales.\n"
+  )
   print("| P | MB per device | × P / MB at P=1 | temp MB | step ms | × jax.nn MB | × jax.nn ms |")
   print("|---|---|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['P']} | {_mb(r['mb'])} | {_fmt(r['mb_x_P_vs_P1'], '.3f')} "
-          f"| {_mb(r['temp_mb'])} | {r['ms']:.1f} | {_fmt(_ratio(r['mb'], ref['mb']), '.3f')} "
-          f"| {_ratio(r['ms'], ref['ms']):.3f} |")
+    print(
+      f"| {r['P']} | {_mb(r['mb'])} | {_fmt(r['mb_x_P_vs_P1'], '.3f')} "
+      f"| {_mb(r['temp_mb'])} | {r['ms']:.1f} | {_fmt(_ratio(r['mb'], ref['mb']), '.3f')} "
+      f"| {_ratio(r['ms'], ref['ms']):.3f} |"
+    )
   P = max(cfg.devices)
-  print(f"\ncausal work per device at P={P} (max/mean across devices, 1.0 = even; "
-        f"contiguous: pairs → (2P-1)/P = {(2 * P - 1) / P:.3f} for T/P ≫ 1, whole shards "
-        f"2P/(P+1) = {2 * P / (P + 1):.3f}) and step time per layout:\n")
-  print("| layout | tiles max/mean | pairs max/mean | total tiles | MB per device | step ms "
-        "| × contiguous ms | × jax.nn ms |")
+  print(
+    f"\ncausal work per device at P={P} (max/mean across devices, 1.0 = even; "
+    f"contiguous: pairs → (2P-1)/P = {(2 * P - 1) / P:.3f} for T/P ≫ 1, whole shards "
+    f"2P/(P+1) = {2 * P / (P + 1):.3f}) and step time per layout:\n"
+  )
+  print(
+    "| layout | tiles max/mean | pairs max/mean | total tiles | MB per device | step ms "
+    "| × contiguous ms | × jax.nn ms |"
+  )
   print("|---|---|---|---|---|---|---|---|")
   times = {r["layout"]: r for r in layouts}
   for w in work:
     t = times[w["layout"]]
-    print(f"| {w['layout']} | {w['tiles_max_over_mean']:.3f} | {w['pairs_max_over_mean']:.3f} "
-          f"| {w['total_tiles']:.0f} | {_mb(t['mb'])} | {t['ms']:.1f} "
-          f"| {t['time_vs_contiguous']:.3f} | {_ratio(t['ms'], ref['ms']):.3f} |")
+    print(
+      f"| {w['layout']} | {w['tiles_max_over_mean']:.3f} | {w['pairs_max_over_mean']:.3f} "
+      f"| {w['total_tiles']:.0f} | {_mb(t['mb'])} | {t['ms']:.1f} "
+      f"| {t['time_vs_contiguous']:.3f} | {_ratio(t['ms'], ref['ms']):.3f} |"
+    )
 
 
 def load_config(args) -> Config:
-  flags = {name: getattr(args, name) for name in ("length", "devices", "layouts", "reps",
-                                                 "out_dir")}
+  flags = {
+    name: getattr(args, name) for name in ("length", "devices", "layouts", "reps", "out_dir")
+  }
   fields = config_fields(Config, args.config, quick=QUICK if args.quick else None, flags=flags)
   cfg = Config(**fields)
   bad = [x for x in cfg.layouts if x not in parallel.LAYOUTS]
@@ -389,10 +456,11 @@ def main(argv=None) -> dict:
   cfg = load_config(args)
   if len(jax.devices()) < max(cfg.devices):
     raise RuntimeError(
-        f"devices={cfg.devices} needs {max(cfg.devices)} devices but JAX sees "
-        f"{len(jax.devices())}; set XLA_FLAGS=--xla_force_host_platform_device_count="
-        f"{max(cfg.devices)} before JAX is imported (this script sets 8 unless XLA_FLAGS "
-        "already names the flag)")
+      f"devices={cfg.devices} needs {max(cfg.devices)} devices but JAX sees "
+      f"{len(jax.devices())}; set XLA_FLAGS=--xla_force_host_platform_device_count="
+      f"{max(cfg.devices)} before JAX is imported (this script sets 8 unless XLA_FLAGS "
+      "already names the flag)"
+    )
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   run_dir = pathlib.Path(cfg.out_dir) / f"parallel-{stamp}{'-quick' if args.quick else ''}"
   run_dir.mkdir(parents=True, exist_ok=True)
@@ -401,11 +469,12 @@ def main(argv=None) -> dict:
   host = inputs(cfg)
 
   def show(r):
-    print(f"P={r['P']} {r['layout']:>10}: {r['ms']:10.1f} ms {_mb(r['mb']):>10} MB per "
-          "device", flush=True)
+    print(
+      f"P={r['P']} {r['layout']:>10}: {r['ms']:10.1f} ms {_mb(r['mb']):>10} MB per device",
+      flush=True,
+    )
 
-  ref = measure(reference_step(cfg), [jax.device_put(x, jax.devices()[0]) for x in host],
-                cfg.reps)
+  ref = measure(reference_step(cfg), [jax.device_put(x, jax.devices()[0]) for x in host], cfg.reps)
   print(f"jax.nn on one device: {ref['ms']:10.1f} ms {_mb(ref['mb']):>10} MB", flush=True)
   rows = measure_devices(cfg, host, on_row=show)
   P = max(cfg.devices)
@@ -416,10 +485,19 @@ def main(argv=None) -> dict:
   if cfg.memory_length:
     memory = memory_at_length(cfg, cfg.memory_length)
     print_memory_table(cfg, memory)
-  record = dict(config=dataclasses.asdict(cfg), blocks=list(blocks),
-                device=str(jax.devices()[0]), num_devices=len(jax.devices()),
-                cpu_count=os.cpu_count(), jax_version=jax.__version__, reference=ref,
-                rows=rows, layouts=layouts, balance=work, memory=memory)
+  record = dict(
+    config=dataclasses.asdict(cfg),
+    blocks=list(blocks),
+    device=str(jax.devices()[0]),
+    num_devices=len(jax.devices()),
+    cpu_count=os.cpu_count(),
+    jax_version=jax.__version__,
+    reference=ref,
+    rows=rows,
+    layouts=layouts,
+    balance=work,
+    memory=memory,
+  )
   path = run_dir / "parallel.json"
   path.write_text(json.dumps(record, indent=1))
   record["path"] = str(path)

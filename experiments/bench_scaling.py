@@ -30,10 +30,10 @@ a sparse mask touches: at ``sparse.length`` it times each pattern of
 ``sparse.patterns`` and prints the fraction of (query tile, key/value tile)
 pairs it visits next to its time relative to the dense blockwise call.
 
-    python experiments/bench_scaling.py --config configs/bench_scaling.yaml
-    python experiments/bench_scaling.py --lengths 1024 4096 --methods blockwise linear --no-sparse
-    python experiments/bench_scaling.py --config configs/bench_scaling.yaml --causal
-    python experiments/bench_scaling.py --quick     # tiny smoke test (CI)
+    python -m experiments.bench_scaling --config configs/bench_scaling.yaml
+    python -m experiments.bench_scaling --lengths 1024 4096 --methods blockwise linear --no-sparse
+    python -m experiments.bench_scaling --config configs/bench_scaling.yaml --causal
+    python -m experiments.bench_scaling --quick     # tiny smoke test (CI)
 
 Writes ``runs/scaling-<time>/scaling.json`` and ``scaling.png``.
 """
@@ -54,13 +54,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
+from experiments._config import config_fields
 from jattn import masks
 from jattn.impl import blockwise as _blockwise
-
-try:
-  from experiments._config import config_fields
-except ImportError:  # run as a script: its folder is on sys.path
-  from _config import config_fields
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 METHODS = ("jax.nn", "xla", "blockwise", "window", "linear")
@@ -85,9 +81,16 @@ class Config:
   out_dir: str = "runs"
 
 
-QUICK = dict(heads=2, head_dim=8, lengths=[64, 256], reps=1, min_seconds=0.0, window=16,
-             fit_from=64, sparse={"length": 256, "block": 32,
-                                  "patterns": ["dense", "causal", "bigbird"]})
+QUICK = dict(
+  heads=2,
+  head_dim=8,
+  lengths=[64, 256],
+  reps=1,
+  min_seconds=0.0,
+  window=16,
+  fit_from=64,
+  sparse={"length": 256, "block": 32, "patterns": ["dense", "causal", "bigbird"]},
+)
 
 
 def attention_fn(cfg: Config, method: str):
@@ -97,15 +100,16 @@ def attention_fn(cfg: Config, method: str):
     case "jax.nn":
       return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
     case "xla" | "blockwise":
-      return lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=causal,
-                                                         implementation=method)
+      return lambda q, k, v: jattn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation=method
+      )
     case "window":
       window = (cfg.window, 0 if causal else cfg.window)
-      return lambda q, k, v: jattn.dot_product_attention(q, k, v, local_window_size=window,
-                                                         implementation="blockwise")
+      return lambda q, k, v: jattn.dot_product_attention(
+        q, k, v, local_window_size=window, implementation="blockwise"
+      )
     case "linear":
-      return lambda q, k, v: jattn.linear_attention(q, k, v, feature_map="elu+1",
-                                                    is_causal=causal)
+      return lambda q, k, v: jattn.linear_attention(q, k, v, feature_map="elu+1", is_causal=causal)
     case _:
       raise ValueError(f"unknown method {method!r}; choose from {list(METHODS)}")
 
@@ -137,7 +141,8 @@ def median_ms(compiled, args, reps: int, min_seconds: float) -> float:
 
 
 def measure(cfg: Config, on_row=lambda row: None) -> list[dict]:
-  rows, last = [], {}
+  rows: list[dict] = []
+  last: dict = {}
   for T in cfg.lengths:
     args = inputs(cfg, T)
     for method in cfg.methods:
@@ -175,15 +180,17 @@ def fit(cfg: Config, rows: list[dict]) -> dict:
   out = {}
   for method in cfg.methods:
     mine = [r for r in rows if r["method"] == method and r["T"] >= cfg.fit_from]
-    out[method] = dict(time_slope=slope([(r["T"], r["ms"]) for r in mine]),
-                       mem_slope=slope([(r["T"], r["mem_mb"]) for r in mine]))
+    out[method] = dict(
+      time_slope=slope([(r["T"], r["ms"]) for r in mine]),
+      mem_slope=slope([(r["T"], r["mem_mb"]) for r in mine]),
+    )
   return out
 
 
 def crossover(rows: list[dict], fast: str = "linear", slow: str = "blockwise") -> dict:
   """The length where ``fast`` first takes less time than ``slow``, interpolated between the
   grid's lengths on log-log axes; ``below``/``above`` when it is outside the measured range."""
-  times = {}
+  times: dict = {}
   for r in rows:
     if r["ms"] is not None and r["method"] in (fast, slow):
       times.setdefault(r["T"], {})[r["method"]] = r["ms"]
@@ -192,15 +199,15 @@ def crossover(rows: list[dict], fast: str = "linear", slow: str = "blockwise") -
     return dict(length=None, note=f"no length where both {fast} and {slow} ran")
   ratios = [(T, math.log(f / s)) for T, f, s in both]  # < 0: fast is faster
   if ratios[0][1] < 0:
-    return dict(length=None, note=f"{fast} is already faster at the shortest length, "
-                f"T={ratios[0][0]}")
+    return dict(
+      length=None, note=f"{fast} is already faster at the shortest length, T={ratios[0][0]}"
+    )
   for (t0, r0), (t1, r1) in zip(ratios, ratios[1:]):
     if r1 < 0:
       frac = r0 / (r0 - r1)
       length = math.exp(math.log(t0) + frac * (math.log(t1) - math.log(t0)))
       return dict(length=round(length), note=f"between T={t0} and T={t1}")
-  return dict(length=None, note=f"{slow} is still faster at the longest length, "
-              f"T={ratios[-1][0]}")
+  return dict(length=None, note=f"{slow} is still faster at the longest length, T={ratios[-1][0]}")
 
 
 # --- sparse patterns ------------------------------------------------------------------
@@ -217,8 +224,7 @@ def sparse_mask(name: str, T: int, block: int, window: int):
     case "longformer":
       return masks.longformer(window // 2, num_global=block // 4, dilation=2)
     case "bigbird":
-      return masks.bigbird(T, block_size=block, num_global_blocks=1, num_random_blocks=2,
-                           seed=0)
+      return masks.bigbird(T, block_size=block, num_global_blocks=1, num_random_blocks=2, seed=0)
     case "strided":
       return masks.strided(8)
     case _:
@@ -238,8 +244,11 @@ def sparse_table(cfg: Config) -> list[dict]:
     mask = sparse_mask(name, T, block, cfg.window)
     view = _blockwise._tile_classes(mask, cfg.batch, cfg.heads, T, T, block, block)
     visited = float(np.mean(np.asarray(view) != masks.EMPTY))
-    fn = jax.jit(lambda q, k, v, mask=mask: jattn.dot_product_attention(
-        q, k, v, mask=mask, implementation="blockwise", block_q=block, block_kv=block))
+    fn = jax.jit(
+      lambda q, k, v, mask=mask: jattn.dot_product_attention(
+        q, k, v, mask=mask, implementation="blockwise", block_q=block, block_kv=block
+      )
+    )
     ms = median_ms(fn.lower(*args).compile(), args, cfg.reps, cfg.min_seconds)
     rows.append(dict(pattern=name, T=T, block=block, tiles_visited=visited, ms=ms))
   dense = next((r["ms"] for r in rows if r["pattern"] == "dense"), None)
@@ -257,30 +266,40 @@ def _fmt(x, spec):
 
 def print_tables(cfg: Config, rows, fits, cross, sparse) -> None:
   kind = "causal" if cfg.causal else "non-causal"
-  print(f"\nB={cfg.batch} N={cfg.heads} H={cfg.head_dim} float32 {kind} forward, "
-        f"{jax.devices()[0].platform}; window ±{cfg.window}\n")
+  print(
+    f"\nB={cfg.batch} N={cfg.heads} H={cfg.head_dim} float32 {kind} forward, "
+    f"{jax.devices()[0].platform}; window ±{cfg.window}\n"
+  )
   print("| T | method | ms | × jax.nn time | MB allocated | note |")
   print("|---|---|---|---|---|---|")
   ref = {r["T"]: r["ms"] for r in rows if r["method"] == "jax.nn"}
   for r in rows:
     ratio = r["ms"] / ref[r["T"]] if r["ms"] and ref.get(r["T"]) else None
-    print(f"| {r['T']} | {r['method']} | {_fmt(r['ms'], '.1f')} | {_fmt(ratio, '.3f')} "
-          f"| {_fmt(r['mem_mb'], '.1f')} | {r['skipped'] or ''} |")
+    print(
+      f"| {r['T']} | {r['method']} | {_fmt(r['ms'], '.1f')} | {_fmt(ratio, '.3f')} "
+      f"| {_fmt(r['mem_mb'], '.1f')} | {r['skipped'] or ''} |"
+    )
   print(f"\nlog-log slopes over T >= {cfg.fit_from}:\n")
   print("| method | time slope | memory slope |")
   print("|---|---|---|")
   for method, f in fits.items():
     print(f"| {method} | {_fmt(f['time_slope'], '.2f')} | {_fmt(f['mem_slope'], '.2f')} |")
-  print(f"\nlinear attention overtakes blockwise softmax at T ≈ {_fmt(cross['length'], 'd')} "
-        f"({cross['note']})")
+  print(
+    f"\nlinear attention overtakes blockwise softmax at T ≈ {_fmt(cross['length'], 'd')} "
+    f"({cross['note']})"
+  )
   if sparse:
-    print(f"\nblockwise with sparse masks at T={sparse[0]['T']}, tiles "
-          f"{sparse[0]['block']}x{sparse[0]['block']}:\n")
+    print(
+      f"\nblockwise with sparse masks at T={sparse[0]['T']}, tiles "
+      f"{sparse[0]['block']}x{sparse[0]['block']}:\n"
+    )
     print("| pattern | tiles visited | ms | time / dense |")
     print("|---|---|---|---|")
     for r in sparse:
-      print(f"| {r['pattern']} | {r['tiles_visited']:.3f} | {r['ms']:.1f} "
-            f"| {_fmt(r['time_vs_dense'], '.3f')} |")
+      print(
+        f"| {r['pattern']} | {r['tiles_visited']:.3f} | {r['ms']:.1f} "
+        f"| {_fmt(r['time_vs_dense'], '.3f')} |"
+      )
 
 
 def plot(cfg: Config, rows, fits, path: pathlib.Path) -> pathlib.Path | None:
@@ -291,8 +310,10 @@ def plot(cfg: Config, rows, fits, path: pathlib.Path) -> pathlib.Path | None:
     return None
   fig = Figure(figsize=(11, 4.2), layout="constrained")
   axes = fig.subplots(1, 2)
-  for ax, key, what in ((axes[0], "ms", "forward time (ms)"),
-                        (axes[1], "mem_mb", "memory XLA allocates (MB)")):
+  for ax, key, what in (
+    (axes[0], "ms", "forward time (ms)"),
+    (axes[1], "mem_mb", "memory XLA allocates (MB)"),
+  ):
     for method in cfg.methods:
       pts = [(r["T"], r[key]) for r in rows if r["method"] == method and r[key]]
       if not pts:
@@ -307,8 +328,10 @@ def plot(cfg: Config, rows, fits, path: pathlib.Path) -> pathlib.Path | None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
   kind = "causal" if cfg.causal else "non-causal"
-  fig.suptitle(f"attention cost against length: B={cfg.batch}, N={cfg.heads}, "
-               f"H={cfg.head_dim}, {kind}, {jax.devices()[0].platform}")
+  fig.suptitle(
+    f"attention cost against length: B={cfg.batch}, N={cfg.heads}, "
+    f"H={cfg.head_dim}, {kind}, {jax.devices()[0].platform}"
+  )
   fig.savefig(path, dpi=110)
   return path
 
@@ -336,8 +359,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--methods", nargs="+")
   parser.add_argument("--reps", type=int)
   parser.add_argument("--causal", action="store_true", help="causal attention for every method")
-  parser.add_argument("--no-sparse", dest="no_sparse", action="store_true",
-                      help="skip the sparse-mask table")
+  parser.add_argument(
+    "--no-sparse", dest="no_sparse", action="store_true", help="skip the sparse-mask table"
+  )
   parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
   parser.add_argument("--out-dir", dest="out_dir", help="parent of the run folder (default runs/)")
   return parser.parse_args(argv)
@@ -349,17 +373,31 @@ def main(argv=None) -> dict:
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   run_dir = pathlib.Path(cfg.out_dir) / f"scaling-{stamp}{'-quick' if args.quick else ''}"
   run_dir.mkdir(parents=True, exist_ok=True)
-  rows = measure(cfg, on_row=lambda r: print(
+  rows = measure(
+    cfg,
+    on_row=lambda r: print(
       f"T={r['T']:>6} {r['method']:>9}: {_fmt(r['ms'], '10.1f')} ms "
-      f"{_fmt(r['mem_mb'], '10.1f')} MB {r['skipped'] or ''}", flush=True))
+      f"{_fmt(r['mem_mb'], '10.1f')} MB {r['skipped'] or ''}",
+      flush=True,
+    ),
+  )
   fits = fit(cfg, rows)
-  cross = crossover(rows) if {"linear", "blockwise"} <= set(cfg.methods) else dict(
-      length=None, note="needs both linear and blockwise")
+  cross = (
+    crossover(rows)
+    if {"linear", "blockwise"} <= set(cfg.methods)
+    else dict(length=None, note="needs both linear and blockwise")
+  )
   sparse = sparse_table(cfg)
   print_tables(cfg, rows, fits, cross, sparse)
-  record = dict(config=dataclasses.asdict(cfg), device=str(jax.devices()[0]),
-                jax_version=jax.__version__, rows=rows, fits=fits, crossover=cross,
-                sparse=sparse)
+  record: dict = dict(
+    config=dataclasses.asdict(cfg),
+    device=str(jax.devices()[0]),
+    jax_version=jax.__version__,
+    rows=rows,
+    fits=fits,
+    crossover=cross,
+    sparse=sparse,
+  )
   png = plot(cfg, rows, fits, run_dir / "scaling.png")
   record["plot"] = None if png is None else str(png)
   (run_dir / "scaling.json").write_text(json.dumps(record, indent=1))

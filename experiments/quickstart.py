@@ -1,5 +1,5 @@
 """jattn in one minute: drop-in parity with jax.nn, index-function masks, score functions,
-dropout, and the two backward rules. Run: python experiments/quickstart.py
+dropout, and the two backward rules. Run: python -m experiments.quickstart
 """
 
 import jax
@@ -12,8 +12,10 @@ from jattn import masks, scores
 
 def max_diff(a, b):
   """Largest difference relative to the largest magnitude, over all arrays of a pytree."""
-  return max(float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y)))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return max(
+    float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y)))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
 
 
 def main():
@@ -26,13 +28,16 @@ def main():
 
   print("1. Drop-in for jax.nn.dot_product_attention (causal GQA, float32)")
   ref = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-  ref_grads = jax.grad(loss(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True)),
-                       (0, 1, 2))(q, k, v)
+  ref_grads = jax.grad(
+    loss(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True)), (0, 1, 2)
+  )(q, k, v)
   for backward in ("autodiff", "custom_vjp"):
     attn = lambda *a: jattn.dot_product_attention(*a, is_causal=True, backward=backward)
     grads = jax.grad(loss(attn), (0, 1, 2))(q, k, v)
-    print(f"   backward={backward!r:13} relative difference to jax.nn: output "
-          f"{max_diff(attn(q, k, v), ref):.1e}, gradients {max_diff(grads, ref_grads):.1e}")
+    print(
+      f"   backward={backward!r:13} relative difference to jax.nn: output "
+      f"{max_diff(attn(q, k, v), ref):.1e}, gradients {max_diff(grads, ref_grads):.1e}"
+    )
 
   print("\n2. Masks as functions of indices: packed documents, causal, sliding window")
   doc_ids = jnp.repeat(jnp.array([[0, 1, 2, 3], [0, 0, 1, 1]]), T // 4, axis=1)  # (B, T)
@@ -40,16 +45,19 @@ def main():
   print(f"   mask = {mask!r}")
   out = jattn.dot_product_attention(q, k, v, mask=mask)
   view = mask.block_view(T, T, block_q=64, block_kv=64)
-  counts = {name: int((view == c).sum()) for name, c in
-            (("empty", masks.EMPTY), ("partial", masks.PARTIAL), ("full", masks.FULL))}
+  counts = {
+    name: int((view == c).sum())
+    for name, c in (("empty", masks.EMPTY), ("partial", masks.PARTIAL), ("full", masks.FULL))
+  }
   print(f"   64x64 tiles over both batch rows: {counts} (a tiled kernel skips the empty ones)")
   dense = jattn.dot_product_attention(q, k, v, mask=mask.materialize(T, T))
   print(f"   same as the dense boolean mask: relative difference {max_diff(out, dense):.1e}")
 
   print("\n3. Score functions: ALiBi and logit soft-capping (Gemma 2)")
   slopes = 2.0 ** (-8.0 * jnp.arange(1, N + 1) / N)
-  out = jattn.dot_product_attention(q, k, v, is_causal=True, score_fn=scores.alibi(slopes),
-                                    logits_soft_cap=30.0)
+  out = jattn.dot_product_attention(
+    q, k, v, is_causal=True, score_fn=scores.alibi(slopes), logits_soft_cap=30.0
+  )
   print(f"   output {out.shape} {out.dtype}, finite: {bool(jnp.all(jnp.isfinite(out)))}")
 
   print("\n4. Dropout on the attention weights, reproducible from (rng, b, n, t, s)")
@@ -59,11 +67,19 @@ def main():
 
   print("\n5. Rows with nothing to attend to give zeros, never NaN")
   out, lse = jattn.dot_product_attention(
-      q, k, v, key_value_seq_lengths=jnp.array([0, T], jnp.int32), return_residual=True)
-  print(f"   batch row 0 (no keys): output all zero {bool(jnp.all(out[0] == 0))}, "
-        f"lse {float(lse[0, 0, 0])}; jax.nn would return the mean of the values")
-  g = jax.grad(loss(lambda *a: jattn.dot_product_attention(
-      *a, key_value_seq_lengths=jnp.array([0, T], jnp.int32), backward="custom_vjp")))(q, k, v)
+    q, k, v, key_value_seq_lengths=jnp.array([0, T], jnp.int32), return_residual=True
+  )
+  print(
+    f"   batch row 0 (no keys): output all zero {bool(jnp.all(out[0] == 0))}, "
+    f"lse {float(lse[0, 0, 0])}; jax.nn would return the mean of the values"
+  )
+  g = jax.grad(
+    loss(
+      lambda *a: jattn.dot_product_attention(
+        *a, key_value_seq_lengths=jnp.array([0, T], jnp.int32), backward="custom_vjp"
+      )
+    )
+  )(q, k, v)
   print(f"   gradients finite: {bool(np.isfinite(np.asarray(g)).all())}")
 
 

@@ -37,45 +37,73 @@ from experiments.toy import report, sweep, training
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog="python -m experiments.train",
-                                   description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    prog="python -m experiments.train", description=__doc__.splitlines()[0]
+  )
   parser.add_argument("--config", required=True, help="a YAML file, e.g. configs/copy.yaml")
-  parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[],
-                      metavar="KEY=VALUE",
-                      help="override config keys, e.g. training.steps=100 task.length=8")
+  parser.add_argument(
+    "--set",
+    dest="overrides",
+    nargs="+",
+    action="extend",
+    default=[],
+    metavar="KEY=VALUE",
+    help="override config keys, e.g. training.steps=100 task.length=8",
+  )
   return parser.parse_args(argv)
 
 
 def _progress(enabled: bool):
-  from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                             TimeElapsedColumn, TimeRemainingColumn)
-  return Progress(TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("loss {task.fields[loss]:.3e}"),
-                  TextColumn("{task.fields[ms]:6.1f} ms/step"), TimeElapsedColumn(),
-                  TimeRemainingColumn(), disable=not enabled, transient=False)
+  from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+  )
 
-
-def _rule_summary(records: list[dict], reference: list[float] | None, grad_diff: float | None,
-                  step_bytes: int | None) -> dict:
-  losses = [r["loss"] for r in records]
-  final = records[-1]
-  return dict(
-      final_accuracy=final["eval_exact_match"],
-      final_token_accuracy=final["eval_token_accuracy"],
-      final_loss=losses[-1],
-      final_eval_loss=final["eval_loss"],
-      max_abs_loss_diff_vs_autodiff=(None if reference is None else
-                                     max(abs(a - b) for a, b in zip(losses, reference))),
-      grad_rel_diff_step0=grad_diff,
-      median_step_ms=statistics.median(r["step_ms"] for r in records),
-      peak_mem_mb=None if step_bytes is None else step_bytes / 2**20,
+  return Progress(
+    TextColumn("{task.description:<10}"),
+    BarColumn(),
+    MofNCompleteColumn(),
+    TextColumn("loss {task.fields[loss]:.3e}"),
+    TextColumn("{task.fields[ms]:6.1f} ms/step"),
+    TimeElapsedColumn(),
+    TimeRemainingColumn(),
+    disable=not enabled,
+    transient=False,
   )
 
 
-def heat_maps(cfg, task, trainer: training.Trainer, sequence: jax.Array,
-              run_dir: pathlib.Path) -> list[str]:
+def _rule_summary(
+  records: list[dict],
+  reference: list[float] | None,
+  grad_diff: float | None,
+  step_bytes: int | None,
+) -> dict:
+  losses = [r["loss"] for r in records]
+  final = records[-1]
+  return dict(
+    final_accuracy=final["eval_exact_match"],
+    final_token_accuracy=final["eval_token_accuracy"],
+    final_loss=losses[-1],
+    final_eval_loss=final["eval_loss"],
+    max_abs_loss_diff_vs_autodiff=(
+      None if reference is None else max(abs(a - b) for a, b in zip(losses, reference))
+    ),
+    grad_rel_diff_step0=grad_diff,
+    median_step_ms=statistics.median(r["step_ms"] for r in records),
+    peak_mem_mb=None if step_bytes is None else step_bytes / 2**20,
+  )
+
+
+def heat_maps(
+  cfg, task, trainer: training.Trainer, sequence: jax.Array, run_dir: pathlib.Path
+) -> list[str]:
   """Each layer's heads on one held-out ``sequence`` (L,), as attention_layer<i>.png."""
   from jattn import viz
+
   tokens = sequence[None, :-1]
   # The weights are materialised, so read them through an xla model holding these params.
   viewer = model_lib.build(cfg.model, task.vocab_size, "autodiff", cfg.training.seed)
@@ -83,8 +111,11 @@ def heat_maps(cfg, task, trainer: training.Trainer, sequence: jax.Array,
   names = task.token_names(tokens[0])
   files = []
   for layer, weights in enumerate(model_lib.attention_weights(viewer, tokens)):
-    fig = viz.plot_attention(np.asarray(weights[0]), tokens=names,
-                             titles=[f"layer {layer} head {h}" for h in range(weights.shape[1])])
+    fig = viz.plot_attention(
+      np.asarray(weights[0]),
+      tokens=names,
+      titles=[f"layer {layer} head {h}" for h in range(weights.shape[1])],
+    )
     name = f"attention_layer{layer}.png"
     fig.savefig(run_dir / name, dpi=100)
     files.append(name)
@@ -103,11 +134,14 @@ def run(cfg: config_lib.Config, *, log=print) -> dict:
 
   trainers = {rule: training.Trainer(cfg, task, rule) for rule in cfg.comparison.rules}
   grads = {rule: t.gradients(first) for rule, t in trainers.items()}
-  num_params = sum(int(np.size(p)) for p in jax.tree.leaves(next(iter(trainers.values()))
-                                                             .state.params))
+  num_params = sum(
+    int(np.size(p)) for p in jax.tree.leaves(next(iter(trainers.values())).state.params)
+  )
   records: dict[str, list[dict]] = {}
-  with open(run_dir / "metrics.jsonl", "w") as metrics_file, \
-      _progress(cfg.training.progress) as progress:
+  with (
+    open(run_dir / "metrics.jsonl", "w") as metrics_file,
+    _progress(cfg.training.progress) as progress,
+  ):
     for rule, trainer in trainers.items():
       bar = progress.add_task(rule, total=cfg.training.steps, loss=float("nan"), ms=0.0)
 
@@ -116,17 +150,25 @@ def run(cfg: config_lib.Config, *, log=print) -> dict:
         progress.update(bar, advance=1, loss=record["loss"], ms=record["step_ms"])
 
       start = time.perf_counter()
-      records[rule] = training.train(trainer, training.train_batches(cfg, task), held_out,
-                                     eval_every=cfg.training.eval_every, on_step=on_step)
+      records[rule] = training.train(
+        trainer,
+        training.train_batches(cfg, task),
+        held_out,
+        eval_every=cfg.training.eval_every,
+        on_step=on_step,
+      )
       if not cfg.training.progress:
-        log(f"{rule}: {cfg.training.steps} steps in {time.perf_counter() - start:.1f} s, "
-            f"exact match {records[rule][-1]['eval_exact_match']:.1%}")
+        log(
+          f"{rule}: {cfg.training.steps} steps in {time.perf_counter() - start:.1f} s, "
+          f"exact match {records[rule][-1]['eval_exact_match']:.1%}"
+        )
 
-  reference = ([r["loss"] for r in records["autodiff"]] if "autodiff" in records else None)
+  reference = [r["loss"] for r in records["autodiff"]] if "autodiff" in records else None
   rules = {}
   for rule in trainers:
-    grad_diff = (training.relative_difference(grads[rule], grads["autodiff"])
-                 if "autodiff" in grads else None)
+    grad_diff = (
+      training.relative_difference(grads[rule], grads["autodiff"]) if "autodiff" in grads else None
+    )
     rules[rule] = _rule_summary(records[rule], reference, grad_diff, trainers[rule].step_bytes)
 
   files = ["config.yaml", "metrics.jsonl", "summary.json", "report.md"]
@@ -135,12 +177,12 @@ def run(cfg: config_lib.Config, *, log=print) -> dict:
     import matplotlib  # noqa: F401
   except ImportError:
     have_plots = False
-    notes.append("matplotlib is not installed, so no plots were drawn: "
-                 "pip install -e \".[viz]\"")
+    notes.append('matplotlib is not installed, so no plots were drawn: pip install -e ".[viz]"')
   else:
     have_plots = True
-    report.loss_curves({r: [x["loss"] for x in recs] for r, recs in records.items()},
-                       run_dir / "loss_curves.png")
+    report.loss_curves(
+      {r: [x["loss"] for x in recs] for r, recs in records.items()}, run_dir / "loss_curves.png"
+    )
     files.append("loss_curves.png")
     heat_rule = cfg.comparison.heatmap_rule or cfg.comparison.rules[-1]
     files += heat_maps(cfg, task, trainers[heat_rule], held_out[0].tokens[0], run_dir)
@@ -148,22 +190,39 @@ def run(cfg: config_lib.Config, *, log=print) -> dict:
 
   sweep_rows = []
   if cfg.comparison.sweep.seq_lens:
-    log(f"sweep: {len(cfg.comparison.sweep.seq_lens)} lengths x {len(trainers)} rules, "
-        "one process per cell")
+    log(
+      f"sweep: {len(cfg.comparison.sweep.seq_lens)} lengths x {len(trainers)} rules, "
+      "one process per cell"
+    )
     sweep_rows = sweep.sweep(
-        config_path, cfg,
-        on_cell=lambda r: log(f"  T={r['seq_len']:>6} {r['rule']:<10} {r['status']}" + (
-            f"  {r['median_step_ms']:.0f} ms/step, step memory {r['step_mem_mb']:.0f} MB, "
-            f"peak RSS {r['peak_rss_mb']:.0f} MB" if r["status"] == "ok" else "")))
+      config_path,
+      cfg,
+      on_cell=lambda r: log(
+        f"  T={r['seq_len']:>6} {r['rule']:<10} {r['status']}"
+        + (
+          f"  {r['median_step_ms']:.0f} ms/step, step memory {r['step_mem_mb']:.0f} MB, "
+          f"peak RSS {r['peak_rss_mb']:.0f} MB"
+          if r["status"] == "ok"
+          else ""
+        )
+      ),
+    )
     if have_plots:
       report.length_sweep(sweep_rows, list(trainers), run_dir / "length_sweep.png")
       files.append("length_sweep.png")
 
   summary = dict(
-      config=config_lib.to_dict(cfg), platform=jax.devices()[0].platform,
-      task=dict(seq_len=task.seq_len, num_answer_tokens=task.num_answer_tokens,
-                vocab_size=task.vocab_size),
-      num_params=num_params, rules=rules, sweep=sweep_rows, files=files, notes=notes)
+    config=config_lib.to_dict(cfg),
+    platform=jax.devices()[0].platform,
+    task=dict(
+      seq_len=task.seq_len, num_answer_tokens=task.num_answer_tokens, vocab_size=task.vocab_size
+    ),
+    num_params=num_params,
+    rules=rules,
+    sweep=sweep_rows,
+    files=files,
+    notes=notes,
+  )
   (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
   (run_dir / "report.md").write_text(report.markdown(summary))
   return summary

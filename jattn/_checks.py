@@ -30,10 +30,13 @@ def shape_of(x: Any) -> tuple[int, ...]:
   return tuple(shape) if shape is not None else np.shape(x)
 
 
-def as_array(name: str, value: Any):
-  """``value`` as an array: jax/NumPy arrays as they are, lists and numbers via NumPy."""
-  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+def as_array(name: str, value: Any) -> jax.Array | np.ndarray:
+  """``value`` as an array: jax/NumPy arrays as they are, NumPy scalars, lists and numbers
+  via NumPy."""
+  if isinstance(value, (jax.Array, np.ndarray)):
     return value
+  if isinstance(value, np.generic):
+    return np.asarray(value)
   if isinstance(value, (list, tuple, numbers.Number)) and not isinstance(value, bool):
     return np.asarray(value)
   raise TypeError(f"{name} must be an array, got {type(value).__name__}")
@@ -60,11 +63,15 @@ def integer(name: str, value: Any, *, minimum: int | None = None, int32: bool = 
 
 def _in_int32(name: str, low: int, high: int) -> None:
   if high > INT32_MAX:
-    raise ValueError(f"{name} must be at most 2**31 - 1 = {INT32_MAX} (jattn's positions and "
-                     f"ids are int32), got {high}")
+    raise ValueError(
+      f"{name} must be at most 2**31 - 1 = {INT32_MAX} (jattn's positions and "
+      f"ids are int32), got {high}"
+    )
   if low < INT32_MIN:
-    raise ValueError(f"{name} must be at least -2**31 = {INT32_MIN} (jattn's positions and "
-                     f"ids are int32), got {low}")
+    raise ValueError(
+      f"{name} must be at least -2**31 = {INT32_MIN} (jattn's positions and "
+      f"ids are int32), got {low}"
+    )
 
 
 def real(name: str, value: Any) -> float:
@@ -75,11 +82,15 @@ def real(name: str, value: Any) -> float:
     return float(value)
   if isinstance(value, jax.core.Tracer):
     raise TypeError(
-        f"{name} must be a concrete Python or NumPy number, got a traced value of shape "
-        f"{shape_of(value)}; it is a static setting of the computation")
+      f"{name} must be a concrete Python or NumPy number, got a traced value of shape "
+      f"{shape_of(value)}; it is a static setting of the computation"
+    )
   dtype = getattr(value, "dtype", None)  # NumPy scalars, 0-d arrays; complex is not real
-  if shape_of(value) == () and dtype is not None and (
-      np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating)):
+  if (
+    shape_of(value) == ()
+    and dtype is not None
+    and (np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating))
+  ):
     return float(np.asarray(value))
   raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}")
 
@@ -112,8 +123,9 @@ def broadcastable(name: str, shape: tuple[int, ...], target: tuple[int, ...], le
   """Each dim of ``shape`` (same rank as ``target``) is 1 or equal to the target's."""
   if len(shape) != len(target) or any(s not in (1, t) for s, t in zip(shape, target)):
     raise ValueError(
-        f"{name} must be broadcastable to {legend}={target} (each dimension 1 or equal), "
-        f"got shape {shape}")
+      f"{name} must be broadcastable to {legend}={target} (each dimension 1 or equal), "
+      f"got shape {shape}"
+    )
 
 
 def boolean(name: str, value: Any) -> bool:
@@ -129,8 +141,10 @@ def prng_key(name: str, rng: Any) -> None:
   is_key = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
   is_raw = dtype == np.uint32 and getattr(rng, "shape", None) == (2,)
   if not (is_key and rng.shape == ()) and not is_raw:
-    raise TypeError(f"{name} must be a single jax.random.key or PRNGKey, got "
-                    f"{getattr(rng, 'dtype', type(rng).__name__)}{getattr(rng, 'shape', '')}")
+    raise TypeError(
+      f"{name} must be a single jax.random.key or PRNGKey, got "
+      f"{getattr(rng, 'dtype', type(rng).__name__)}{getattr(rng, 'shape', '')}"
+    )
 
 
 def qkv(query: Any, key: Any, value: Any):
@@ -144,24 +158,31 @@ def qkv(query: Any, key: Any, value: Any):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
   if not q.dtype == k.dtype == v.dtype:
-    raise TypeError(f"query, key and value must have the same dtype, got "
-                    f"query {q.dtype}, key {k.dtype} and value {v.dtype}")
+    raise TypeError(
+      f"query, key and value must have the same dtype, got "
+      f"query {q.dtype}, key {k.dtype} and value {v.dtype}"
+    )
   if q.ndim not in (3, 4):
     raise ValueError(f"query must have shape (B, T, N, H) or (T, N, H), got {q.shape}")
   layout = "(B, S, K, H)" if q.ndim == 4 else "(S, K, H)"
   if k.ndim != q.ndim:
     raise ValueError(f"key must have shape {layout} to match query {q.shape}, got {k.shape}")
   if k.shape != v.shape:
-    raise ValueError(f"key and value must have the same shape, got key {k.shape} and "
-                     f"value {v.shape}")
+    raise ValueError(
+      f"key and value must have the same shape, got key {k.shape} and value {v.shape}"
+    )
   if q.shape[-1] != k.shape[-1]:
-    raise ValueError(f"query and key must have the same head dimension H, got query "
-                     f"{q.shape} and key {k.shape}")
+    raise ValueError(
+      f"query and key must have the same head dimension H, got query {q.shape} and key {k.shape}"
+    )
   if q.ndim == 4 and q.shape[0] != k.shape[0]:
-    raise ValueError(f"query and key must have the same batch size B, got query {q.shape} "
-                     f"and key {k.shape}")
+    raise ValueError(
+      f"query and key must have the same batch size B, got query {q.shape} and key {k.shape}"
+    )
   n, kh = q.shape[-2], k.shape[-2]
   if kh == 0 or n % kh:
-    raise ValueError(f"the number of query heads N ({n}) must be a multiple of the number "
-                     f"of key/value heads K ({kh})")
+    raise ValueError(
+      f"the number of query heads N ({n}) must be a multiple of the number "
+      f"of key/value heads K ({kh})"
+    )
   return q, k, v

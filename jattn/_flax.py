@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,7 @@ NORMALIZE_QK = (False, True, "rms", "layernorm")
 @dataclasses.dataclass(frozen=True)
 class Heads:
   """Checked head layout of a multi-head attention module."""
+
   num_heads: int  # N
   num_kv_heads: int  # K
   head_dim: int  # H
@@ -36,9 +38,25 @@ class Heads:
   out_features: int
 
 
-def check_config(*, num_heads, in_features, num_kv_heads, qkv_features, out_features,
-                 in_kv_features=None, dropout_rate, broadcast_dropout, deterministic, is_causal, rope, normalize_qk,
-                 implementation, backward, block_q, block_kv) -> Heads | None:
+def check_config(
+  *,
+  num_heads,
+  in_features,
+  num_kv_heads,
+  qkv_features,
+  out_features,
+  in_kv_features=None,
+  dropout_rate,
+  broadcast_dropout,
+  deterministic,
+  is_causal,
+  rope,
+  normalize_qk,
+  implementation,
+  backward,
+  block_q,
+  block_kv,
+) -> Heads | None:
   """Every constructor argument of the modules, checked; raises with a clear message.
 
   Returns the head layout, or None when neither ``in_features`` nor
@@ -49,31 +67,33 @@ def check_config(*, num_heads, in_features, num_kv_heads, qkv_features, out_feat
     in_features = _checks.integer("in_features", in_features, minimum=1)
   if in_kv_features is not None:
     _checks.integer("in_kv_features", in_kv_features, minimum=1)
-  num_kv_heads = num_heads if num_kv_heads is None else _checks.integer(
-      "num_kv_heads", num_kv_heads, minimum=1)
+  num_kv_heads = (
+    num_heads if num_kv_heads is None else _checks.integer("num_kv_heads", num_kv_heads, minimum=1)
+  )
   if num_heads % num_kv_heads:
-    raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
-                     f"({num_kv_heads})")
+    raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
   attention._check_dropout_rate(dropout_rate)
   attention._check_flags(broadcast_dropout=broadcast_dropout, is_causal=is_causal)
   if deterministic is not None and not isinstance(deterministic, (bool, np.bool_)):
     raise TypeError(f"deterministic must be a bool or None, got {deterministic!r}")
   if rope is not None and not isinstance(rope, positional.Rotary):
     raise TypeError(f"rope must be a jattn.positional.Rotary or None, got {type(rope).__name__}")
-  if not any(normalize_qk is v or (isinstance(v, str) and normalize_qk == v)
-             for v in NORMALIZE_QK):
+  if not any(normalize_qk is v or (isinstance(v, str) and normalize_qk == v) for v in NORMALIZE_QK):
     raise ValueError(f"normalize_qk must be one of {list(NORMALIZE_QK)}, got {normalize_qk!r}")
   attention._check_choices(implementation, backward)
   attention._check_blocks(implementation, block_q, block_kv)
-  out_features = in_features if out_features is None else _checks.integer(
-      "out_features", out_features, minimum=1)
+  out_features = (
+    in_features
+    if out_features is None
+    else _checks.integer("out_features", out_features, minimum=1)
+  )
   if qkv_features is None and in_features is None:
     return None  # Linen infers the widths from the first input
-  qkv_features = _checks.integer("qkv_features", in_features if qkv_features is None
-                                 else qkv_features, minimum=1)
+  qkv_features = _checks.integer(
+    "qkv_features", in_features if qkv_features is None else qkv_features, minimum=1
+  )
   if qkv_features % num_heads:
-    raise ValueError(f"qkv_features ({qkv_features}) must be divisible by num_heads "
-                     f"({num_heads})")
+    raise ValueError(f"qkv_features ({qkv_features}) must be divisible by num_heads ({num_heads})")
   head_dim = qkv_features // num_heads
   if rope is not None:
     try:
@@ -92,8 +112,10 @@ def qk_norm_kind(normalize_qk) -> str | None:
 
 def check_inputs(inputs_q, inputs_kv, in_features: int | None, in_kv_features: int | None):
   """(B, T, F) or (T, F) inputs with the right feature sizes; raises before compiling."""
-  for name, x, want in (("inputs_q", inputs_q, in_features),
-                        ("inputs_kv", inputs_kv, in_kv_features)):
+  for name, x, want in (
+    ("inputs_q", inputs_q, in_features),
+    ("inputs_kv", inputs_kv, in_kv_features),
+  ):
     if x is None:
       continue
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -101,30 +123,49 @@ def check_inputs(inputs_q, inputs_kv, in_features: int | None, in_kv_features: i
     if x.ndim not in (2, 3):
       raise ValueError(f"{name} must have shape (B, T, F) or (T, F), got {x.shape}")
     if want is not None and x.shape[-1] != want:
-      raise ValueError(f"{name} must have {want} features in its last dimension, got shape "
-                       f"{x.shape}")
+      raise ValueError(
+        f"{name} must have {want} features in its last dimension, got shape {x.shape}"
+      )
   if inputs_kv is not None and inputs_kv.ndim != inputs_q.ndim:
-    raise ValueError(f"inputs_kv must have the rank of inputs_q {inputs_q.shape}, got "
-                     f"{inputs_kv.shape}")
+    raise ValueError(
+      f"inputs_kv must have the rank of inputs_q {inputs_q.shape}, got {inputs_kv.shape}"
+    )
   if inputs_kv is not None and inputs_q.ndim == 3 and inputs_kv.shape[0] != inputs_q.shape[0]:
-    raise ValueError(f"inputs_q and inputs_kv must have the same batch size, got "
-                     f"{inputs_q.shape} and {inputs_kv.shape}")
+    raise ValueError(
+      f"inputs_q and inputs_kv must have the same batch size, got "
+      f"{inputs_q.shape} and {inputs_kv.shape}"
+    )
 
 
-def check_call(*, inputs_q, cross: bool, decode_: bool, cache, positions, segment_ids, num_new,
-               sow_weights: bool, implementation, rope) -> None:
+def check_call(
+  *,
+  inputs_q,
+  cross: bool,
+  decode_: bool,
+  cache,
+  positions,
+  segment_ids,
+  num_new,
+  sow_weights: bool,
+  implementation,
+  rope,
+) -> None:
   """Call arguments that depend on the module's settings; raises before compiling."""
   if not isinstance(sow_weights, (bool, np.bool_)):
     raise TypeError(f"sow_weights must be a bool, got {sow_weights!r}")
   if not isinstance(decode_, (bool, np.bool_)):
     raise TypeError(f"decode must be a bool, got {decode_!r}")
   if sow_weights and implementation not in (None, "xla"):
-    raise ValueError(f"sow_weights needs the materialised weights, which "
-                     f"implementation={implementation!r} never forms; use "
-                     "implementation='xla' (or None) to inspect them")
+    raise ValueError(
+      f"sow_weights needs the materialised weights, which "
+      f"implementation={implementation!r} never forms; use "
+      "implementation='xla' (or None) to inspect them"
+    )
   if cross and rope is not None:
-    raise ValueError("rope applies to self-attention; got inputs_kv (cross-attention), whose "
-                     "keys have no positions shared with the queries")
+    raise ValueError(
+      "rope applies to self-attention; got inputs_kv (cross-attention), whose "
+      "keys have no positions shared with the queries"
+    )
   if num_new is not None and not decode_:
     raise ValueError("num_new applies only with decode=True")
   if not decode_:
@@ -133,28 +174,36 @@ def check_call(*, inputs_q, cross: bool, decode_: bool, cache, positions, segmen
     if positions is not None:
       T = inputs_q.shape[-2]
       shape = tuple(np.shape(positions))
-      if shape not in ((T,), (1, T)) and not (inputs_q.ndim == 3 and shape == (
-          inputs_q.shape[0], T)):
-        raise ValueError(f"positions must have shape (T,) or (B, T) for inputs_q "
-                         f"{inputs_q.shape}, got {shape}")
+      if shape not in ((T,), (1, T)) and not (
+        inputs_q.ndim == 3 and shape == (inputs_q.shape[0], T)
+      ):
+        raise ValueError(
+          f"positions must have shape (T,) or (B, T) for inputs_q {inputs_q.shape}, got {shape}"
+        )
     return
-  for name, given in (("inputs_kv", cross or None), ("positions", positions),
-                      ("segment_ids", segment_ids), ("sow_weights", sow_weights or None)):
+  for name, given in (
+    ("inputs_kv", cross or None),
+    ("positions", positions),
+    ("segment_ids", segment_ids),
+    ("sow_weights", sow_weights or None),
+  ):
     if given is not None:
-      raise ValueError(f"decode=True does not take {name}: decoding is causal self-attention "
-                       "over the cache, whose positions come from the cache")
+      raise ValueError(
+        f"decode=True does not take {name}: decoding is causal self-attention "
+        "over the cache, whose positions come from the cache"
+      )
   if cache is None:
-    raise ValueError("decode=True needs a KV cache: call init_cache(batch_size, max_length) "
-                     "first")
+    raise ValueError("decode=True needs a KV cache: call init_cache(batch_size, max_length) first")
   B = inputs_q.shape[0] if inputs_q.ndim == 3 else None
   if B is None:
     raise ValueError(f"decode=True needs batched inputs (B, t, F), got {inputs_q.shape}")
   if B != cache.key.shape[0]:
-    raise ValueError(f"inputs_q has batch size {B} but the cache was made for "
-                     f"{cache.key.shape[0]}")
+    raise ValueError(f"inputs_q has batch size {B} but the cache was made for {cache.key.shape[0]}")
   if inputs_q.shape[1] > cache.key.shape[1]:
-    raise ValueError(f"inputs_q has {inputs_q.shape[1]} tokens, more than the cache's "
-                     f"max_length {cache.key.shape[1]}")
+    raise ValueError(
+      f"inputs_q has {inputs_q.shape[1]} tokens, more than the cache's "
+      f"max_length {cache.key.shape[1]}"
+    )
 
 
 def resolve_deterministic(dropout_rate: float, call_value, module_value) -> bool:
@@ -163,16 +212,37 @@ def resolve_deterministic(dropout_rate: float, call_value, module_value) -> bool
     return True
   value = call_value if call_value is not None else module_value
   if value is None:
-    raise ValueError("dropout_rate > 0 needs deterministic: pass deterministic= to the call or "
-                     "the constructor (or use module.eval() / module.train())")
+    raise ValueError(
+      "dropout_rate > 0 needs deterministic: pass deterministic= to the call or "
+      "the constructor (or use module.eval() / module.train())"
+    )
   if not isinstance(value, (bool, np.bool_)):
     raise TypeError(f"deterministic must be a bool, got {value!r}")
   return bool(value)
 
 
-def attend(query, key, value, *, heads: Heads, is_causal: bool, rope, positions, mask,
-           segment_ids, cache, num_new, dropout_rate: float, dropout_rng, broadcast_dropout,
-           implementation, backward, block_q, block_kv, sow_weights: bool):
+def attend(
+  query,
+  key,
+  value,
+  *,
+  heads: Heads,
+  is_causal: bool,
+  rope,
+  positions,
+  mask,
+  segment_ids,
+  cache,
+  num_new,
+  dropout_rate: float,
+  dropout_rng,
+  broadcast_dropout,
+  implementation,
+  backward,
+  block_q,
+  block_kv,
+  sow_weights: bool,
+):
   """Attention over projected heads: RoPE, then the KV cache or plain attention.
 
   Args:
@@ -189,9 +259,20 @@ def attend(query, key, value, *, heads: Heads, is_causal: bool, rope, positions,
       pos = decode.positions(cache, query.shape[1])
       query, key = rope(query, pos), rope(key, pos)
     out, cache = decode.attention(
-        query, key, value, cache, num_new=num_new, mask=mask, dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
-        implementation=implementation, backward=backward, block_q=block_q, block_kv=block_kv)
+      query,
+      key,
+      value,
+      cache,
+      num_new=num_new,
+      mask=mask,
+      dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng,
+      broadcast_dropout=broadcast_dropout,
+      implementation=implementation,
+      backward=backward,
+      block_q=block_q,
+      block_kv=block_kv,
+    )
     return out, None, cache
   if rope is not None:
     pos = jnp.arange(query.shape[-3], dtype=jnp.int32) if positions is None else positions
@@ -202,9 +283,20 @@ def attend(query, key, value, *, heads: Heads, is_causal: bool, rope, positions,
     implementation = "xla"
     weights = attention.attention_weights(query, key, None, mask, **kwargs)
   out = attention.dot_product_attention(
-      query, key, value, None, mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-      broadcast_dropout=broadcast_dropout, implementation=implementation, backward=backward,
-      block_q=block_q, block_kv=block_kv, **kwargs)
+    query,
+    key,
+    value,
+    None,
+    mask,
+    dropout_rate=dropout_rate,
+    dropout_rng=dropout_rng,
+    broadcast_dropout=broadcast_dropout,
+    implementation=implementation,
+    backward=backward,
+    block_q=block_q,
+    block_kv=block_kv,
+    **kwargs,
+  )
   return out, weights, None
 
 
@@ -220,15 +312,18 @@ def _precision_context(precision):
     return contextlib.nullcontext()
   if isinstance(precision, (tuple, list)):
     if len(set(precision)) != 1:
-      raise ValueError(f"precision as a pair must name one precision for both operands, got "
-                       f"{precision!r}")
+      raise ValueError(
+        f"precision as a pair must name one precision for both operands, got {precision!r}"
+      )
     precision = precision[0]
   if isinstance(precision, jax.lax.Precision):
-    precision = {jax.lax.Precision.DEFAULT: "default", jax.lax.Precision.HIGH: "high",
-                 jax.lax.Precision.HIGHEST: "highest"}[precision]
+    precision = {
+      jax.lax.Precision.DEFAULT: "default",
+      jax.lax.Precision.HIGH: "high",
+      jax.lax.Precision.HIGHEST: "highest",
+    }[precision]
   if not isinstance(precision, str):
-    raise TypeError(f"precision must be None, a jax.lax.Precision or its name, got "
-                    f"{precision!r}")
+    raise TypeError(f"precision must be None, a jax.lax.Precision or its name, got {precision!r}")
   return jax.default_matmul_precision(precision)
 
 
@@ -238,8 +333,10 @@ def _flatten_batch(x, batch_dims: tuple[int, ...], rank: int):
     return None
   x = x if hasattr(x, "shape") else np.asarray(x)
   if x.ndim > rank:
-    raise ValueError(f"mask and bias must have at most {rank} dimensions ([batch..., N, T, S]), "
-                     f"got shape {x.shape}")
+    raise ValueError(
+      f"mask and bias must have at most {rank} dimensions ([batch..., N, T, S]), "
+      f"got shape {x.shape}"
+    )
   x = x.reshape((1,) * (rank - x.ndim) + tuple(x.shape))
   lead = x.shape[:-3]
   if len(batch_dims) <= 1:
@@ -258,23 +355,43 @@ def make_attention_fn(sow: Callable, collection: str, module_name: str) -> Calla
   extra batch dimensions are flattened.
   """
 
-  def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
-                   dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
-                   dtype=None, precision=None, module=None, is_causal: bool = False, *,
-                   implementation: str | None = None, backward: str | None = None,
-                   block_q: int | None = None, block_kv: int | None = None,
-                   logits_soft_cap: float | None = None, score_fn: Callable | None = None):
+  def attention_fn(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    broadcast_dropout: bool = True,
+    dropout_rng=None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype=None,
+    precision=None,
+    module=None,
+    is_causal: bool = False,
+    *,
+    implementation: str | None = None,
+    backward: str | None = None,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    logits_soft_cap: float | None = None,
+    score_fn: Callable | None = None,
+  ):
     arrays = [query, key, value]
     for name, x in zip(("query", "key", "value"), arrays):
       if not hasattr(x, "shape") or x.ndim < 3:
-        raise ValueError(f"{name} must have shape [batch..., length, heads, head_dim], got "
-                         f"{getattr(x, 'shape', type(x).__name__)}")
+        raise ValueError(
+          f"{name} must have shape [batch..., length, heads, head_dim], got "
+          f"{getattr(x, 'shape', type(x).__name__)}"
+        )
     if dtype is None:
       dtype = jnp.result_type(*arrays)
     query, key, value = (jnp.asarray(x, dtype) for x in arrays)
     if not query.ndim == key.ndim == value.ndim:
-      raise ValueError(f"query, key and value must have the same rank, got {query.shape}, "
-                       f"{key.shape} and {value.shape}")
+      raise ValueError(
+        f"query, key and value must have the same rank, got {query.shape}, "
+        f"{key.shape} and {value.shape}"
+      )
     batch_dims = query.shape[:-3]
     rank = query.ndim
     if len(batch_dims) > 1:
@@ -289,16 +406,31 @@ def make_attention_fn(sow: Callable, collection: str, module_name: str) -> Calla
       rate, dropout_rng = 0.0, None
     elif dropout_rng is None:
       raise ValueError(f"dropout_rate={rate} with deterministic=False needs dropout_rng")
-    kwargs = dict(is_causal=bool(is_causal), logits_soft_cap=logits_soft_cap, score_fn=score_fn)
+    kwargs: dict[str, Any] = dict(
+      is_causal=bool(is_causal), logits_soft_cap=logits_soft_cap, score_fn=score_fn
+    )
     with _precision_context(precision):
       if module is not None:
-        sow(module, _unflatten(attention.attention_weights(query, key, bias, mask, **kwargs),
-                               batch_dims))
+        sow(
+          module,
+          _unflatten(attention.attention_weights(query, key, bias, mask, **kwargs), batch_dims),
+        )
         implementation = "xla" if implementation is None else implementation
       out = attention.dot_product_attention(
-          query, key, value, bias, mask, dropout_rate=rate, dropout_rng=dropout_rng,
-          broadcast_dropout=bool(broadcast_dropout), implementation=implementation,
-          backward=backward, block_q=block_q, block_kv=block_kv, **kwargs)
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        dropout_rate=rate,
+        dropout_rng=dropout_rng,
+        broadcast_dropout=bool(broadcast_dropout),
+        implementation=implementation,
+        backward=backward,
+        block_q=block_q,
+        block_kv=block_kv,
+        **kwargs,
+      )
     return _unflatten(out, batch_dims)
 
   attention_fn.__doc__ = _adapter_doc(collection)

@@ -15,6 +15,9 @@ from typing import Any
 
 class Node:
   __slots__ = ("rule", "params", "children")
+  rule: Any
+  params: tuple
+  children: tuple
 
   def __init__(self, rule: Any, params: tuple = (), children: tuple = ()):
     object.__setattr__(self, "rule", rule)

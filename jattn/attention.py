@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import functools
 import numbers
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import chex
 import jax
@@ -35,15 +36,15 @@ from jattn.impl import _common, blockwise, xla
 
 # Implementation name -> the backward rules it supports (first is its default).
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
-    "xla": xla.BACKWARDS,
-    "blockwise": blockwise.BACKWARDS,
-    "cudnn": (),  # jax.nn's cuDNN kernel, with its own fused backward
+  "xla": xla.BACKWARDS,
+  "blockwise": blockwise.BACKWARDS,
+  "cudnn": (),  # jax.nn's cuDNN kernel, with its own fused backward
 }
 BACKWARDS = ("autodiff", "custom_vjp")
 _WHY_NOT = {
-    ("blockwise", "autodiff"): " (JAX cannot reverse-differentiate its tile loops, whose trip "
-                               "counts depend on the mask, and autodiff would store every "
-                               "tile's probabilities, O(T·S) memory)",
+  ("blockwise", "autodiff"): " (JAX cannot reverse-differentiate its tile loops, whose trip "
+  "counts depend on the mask, and autodiff would store every "
+  "tile's probabilities, O(T·S) memory)",
 }
 
 # implementation=None picks "blockwise" once the materialised (B, N, T, S)
@@ -54,28 +55,28 @@ AUTO_BLOCKWISE_BYTES = {"cpu": 8 * 2**20, "gpu": 2**30, "tpu": 2**30}
 
 
 def dot_product_attention(
-    query: jax.typing.ArrayLike,
-    key: jax.typing.ArrayLike,
-    value: jax.typing.ArrayLike,
-    bias: jax.typing.ArrayLike | None = None,
-    mask: jax.typing.ArrayLike | masks.Mask | None = None,
-    *,
-    scale: float | None = None,
-    is_causal: bool = False,
-    query_seq_lengths: jax.typing.ArrayLike | None = None,
-    key_value_seq_lengths: jax.typing.ArrayLike | None = None,
-    local_window_size: int | tuple[int, int] | None = None,
-    implementation: str | None = None,
-    return_residual: bool = False,
-    segment_ids: Any = None,
-    score_fn: Callable | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: jax.Array | None = None,
-    broadcast_dropout: bool = False,
-    backward: str | None = None,
-    block_q: int | None = None,
-    block_kv: int | None = None,
+  query: jax.typing.ArrayLike,
+  key: jax.typing.ArrayLike,
+  value: jax.typing.ArrayLike,
+  bias: jax.typing.ArrayLike | None = None,
+  mask: jax.typing.ArrayLike | masks.Mask | None = None,
+  *,
+  scale: float | None = None,
+  is_causal: bool = False,
+  query_seq_lengths: jax.typing.ArrayLike | None = None,
+  key_value_seq_lengths: jax.typing.ArrayLike | None = None,
+  local_window_size: int | tuple[int, int] | None = None,
+  implementation: str | None = None,
+  return_residual: bool = False,
+  segment_ids: Any = None,
+  score_fn: Callable | None = None,
+  logits_soft_cap: float | None = None,
+  dropout_rate: float = 0.0,
+  dropout_rng: jax.Array | None = None,
+  broadcast_dropout: bool = False,
+  backward: str | None = None,
+  block_q: int | None = None,
+  block_kv: int | None = None,
 ):
   r"""Scaled dot-product attention; a drop-in superset of ``jax.nn.dot_product_attention``.
 
@@ -147,51 +148,79 @@ def dot_product_attention(
   S = k.shape[-3]
   if impl is None:
     impl, bwd = _check_choices(_auto(B * N * T * S, backward, blocks), backward)
-  defaults = blockwise.default_blocks(jax.default_backend())
-  blocks = tuple(d if b is None else b for b, d in zip(blocks, defaults))
+  blocks = blockwise.resolve_blocks(*blocks)
   scale = _check_scale(scale, H)
   bias = _check_bias(bias, (B, N, T, S))
-  _check_flags(is_causal=is_causal, return_residual=return_residual,
-               broadcast_dropout=broadcast_dropout)
+  _check_flags(
+    is_causal=is_causal, return_residual=return_residual, broadcast_dropout=broadcast_dropout
+  )
   window = _check_window(local_window_size)
-  lengths = tuple(_check_lengths(name, x, B) for name, x in (
-      ("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths", key_value_seq_lengths)))
+  lengths = tuple(
+    _check_lengths(name, x, B)
+    for name, x in (
+      ("query_seq_lengths", query_seq_lengths),
+      ("key_value_seq_lengths", key_value_seq_lengths),
+    )
+  )
   dropout_rate = _check_dropout(dropout_rate, dropout_rng)
 
   if impl == "cudnn":
-    return _cudnn(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-                  query_seq_lengths=query_seq_lengths,
-                  key_value_seq_lengths=key_value_seq_lengths,
-                  local_window_size=window, return_residual=return_residual,
-                  unsupported={"segment_ids": segment_ids, "score_fn": score_fn,
-                               "logits_soft_cap": logits_soft_cap,
-                               "dropout_rate": dropout_rate or None})
+    return _cudnn(
+      query,
+      key,
+      value,
+      bias,
+      mask,
+      scale=scale,
+      is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=window,
+      return_residual=return_residual,
+      unsupported={
+        "segment_ids": segment_ids,
+        "score_fn": score_fn,
+        "logits_soft_cap": logits_soft_cap,
+        "dropout_rate": dropout_rate or None,
+      },
+    )
 
-  combined = _combine_masks(mask, is_causal, window, lengths, segment_ids, unbatched,
-                            (B, N, T, S))
+  combined = _combine_masks(mask, is_causal, window, lengths, segment_ids, unbatched, (B, N, T, S))
   score = _check_score(score_fn, logits_soft_cap, q.dtype, (B, N, T, S))
 
-  out, lse = _attend(q, k, v, bias, combined, score, dropout_rng if dropout_rate else None,
-                     scale=scale, dropout_rate=dropout_rate,
-                     broadcast_dropout=bool(broadcast_dropout), implementation=impl, backward=bwd,
-                     return_residual=bool(return_residual), blocks=blocks)
+  out, lse = _attend(
+    q,
+    k,
+    v,
+    bias,
+    combined,
+    score,
+    dropout_rng if dropout_rate else None,
+    scale=scale,
+    dropout_rate=dropout_rate,
+    broadcast_dropout=bool(broadcast_dropout),
+    implementation=impl,
+    backward=bwd,
+    return_residual=bool(return_residual),
+    blocks=blocks,
+  )
   return (out, lse) if return_residual else out
 
 
 def attention_weights(
-    query: jax.typing.ArrayLike,
-    key: jax.typing.ArrayLike,
-    bias: jax.typing.ArrayLike | None = None,
-    mask: jax.typing.ArrayLike | masks.Mask | None = None,
-    *,
-    scale: float | None = None,
-    is_causal: bool = False,
-    query_seq_lengths: jax.typing.ArrayLike | None = None,
-    key_value_seq_lengths: jax.typing.ArrayLike | None = None,
-    local_window_size: int | tuple[int, int] | None = None,
-    segment_ids: Any = None,
-    score_fn: Callable | None = None,
-    logits_soft_cap: float | None = None,
+  query: jax.typing.ArrayLike,
+  key: jax.typing.ArrayLike,
+  bias: jax.typing.ArrayLike | None = None,
+  mask: jax.typing.ArrayLike | masks.Mask | None = None,
+  *,
+  scale: float | None = None,
+  is_causal: bool = False,
+  query_seq_lengths: jax.typing.ArrayLike | None = None,
+  key_value_seq_lengths: jax.typing.ArrayLike | None = None,
+  local_window_size: int | tuple[int, int] | None = None,
+  segment_ids: Any = None,
+  score_fn: Callable | None = None,
+  logits_soft_cap: float | None = None,
 ) -> jax.Array:
   """The attention probabilities ``dot_product_attention`` applies, for inspection.
 
@@ -218,10 +247,16 @@ def attention_weights(
   scale = _check_scale(scale, H)
   bias = _check_bias(bias, (B, N, T, S))
   _check_flags(is_causal=is_causal)
-  lengths = tuple(_check_lengths(name, x, B) for name, x in (
-      ("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths", key_value_seq_lengths)))
-  combined = _combine_masks(mask, is_causal, _check_window(local_window_size), lengths,
-                            segment_ids, unbatched, (B, N, T, S))
+  lengths = tuple(
+    _check_lengths(name, x, B)
+    for name, x in (
+      ("query_seq_lengths", query_seq_lengths),
+      ("key_value_seq_lengths", key_value_seq_lengths),
+    )
+  )
+  combined = _combine_masks(
+    mask, is_causal, _check_window(local_window_size), lengths, segment_ids, unbatched, (B, N, T, S)
+  )
   score = _check_score(score_fn, logits_soft_cap, q.dtype, (B, N, T, S))
   return _weights(q, k, bias, combined, score, scale=scale)
 
@@ -237,11 +272,35 @@ def _weights(query, key, bias, mask, score_fn, *, scale):
   return p[0] if unbatched else p
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "scale", "dropout_rate", "broadcast_dropout", "implementation", "backward",
-    "return_residual", "blocks"))
-def _attend(query, key, value, bias, mask, score_fn, dropout_rng, *, scale, dropout_rate,
-            broadcast_dropout, implementation, backward, return_residual, blocks):
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "scale",
+    "dropout_rate",
+    "broadcast_dropout",
+    "implementation",
+    "backward",
+    "return_residual",
+    "blocks",
+  ),
+)
+def _attend(
+  query,
+  key,
+  value,
+  bias,
+  mask,
+  score_fn,
+  dropout_rng,
+  *,
+  scale,
+  dropout_rate,
+  broadcast_dropout,
+  implementation,
+  backward,
+  return_residual,
+  blocks,
+):
   unbatched = query.ndim == 3
   if unbatched:
     query, key, value = query[None], key[None], value[None]
@@ -254,19 +313,48 @@ def _attend(query, key, value, bias, mask, score_fn, dropout_rng, *, scale, drop
   chex.assert_shape([key, value], dims["BSKH"])
   match implementation:
     case "xla":
-      out, lse = xla.attention(query, key, value, bias, mask=mask, score_fn=score_fn,
-                               scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                               broadcast_dropout=broadcast_dropout, backward=backward)
+      out, lse = xla.attention(
+        query,
+        key,
+        value,
+        bias,
+        mask=mask,
+        score_fn=score_fn,
+        scale=scale,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+        broadcast_dropout=broadcast_dropout,
+        backward=backward,
+      )
     case "blockwise" if B and N and T and S and H:
-      out, lse = blockwise.attention(query, key, value, bias, mask=mask, score_fn=score_fn,
-                                     scale=scale, dropout_rate=dropout_rate,
-                                     dropout_rng=dropout_rng,
-                                     broadcast_dropout=broadcast_dropout, block_q=blocks[0],
-                                     block_kv=blocks[1])
+      out, lse = blockwise.attention(
+        query,
+        key,
+        value,
+        bias,
+        mask=mask,
+        score_fn=score_fn,
+        scale=scale,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+        broadcast_dropout=broadcast_dropout,
+        block_q=blocks[0],
+        block_kv=blocks[1],
+      )
     case "blockwise":  # nothing to tile: an empty output, rows with no keys, or H == 0
-      out, lse = xla.attention(query, key, value, bias, mask=mask, score_fn=score_fn,
-                               scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                               broadcast_dropout=broadcast_dropout, backward="autodiff")
+      out, lse = xla.attention(
+        query,
+        key,
+        value,
+        bias,
+        mask=mask,
+        score_fn=score_fn,
+        scale=scale,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+        broadcast_dropout=broadcast_dropout,
+        backward="autodiff",
+      )
     case _:
       raise ValueError(f"unknown implementation {implementation!r}")
   chex.assert_shape(lse, dims["BTN"])
@@ -293,19 +381,25 @@ def _check_choices(implementation, backward) -> tuple[str | None, str | None]:
       raise ValueError(f"backward must be one of {list(BACKWARDS)} or None, got {backward!r}")
     return None, backward
   if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {sorted(IMPLEMENTATIONS)} or None, "
-                     f"got {implementation!r}")
+    raise ValueError(
+      f"implementation must be one of {sorted(IMPLEMENTATIONS)} or None, got {implementation!r}"
+    )
   supported = IMPLEMENTATIONS[implementation]
   if backward is None:
     return implementation, (supported[0] if supported else None)
   if backward not in BACKWARDS:
     raise ValueError(f"backward must be one of {list(BACKWARDS)} or None, got {backward!r}")
   if backward not in supported:
-    rules = f"supports only {list(supported)}" if supported else "has its own fused backward; " \
-        "leave backward=None"
-    raise ValueError(f"implementation={implementation!r} does not support "
-                     f"backward={backward!r}: it {rules}"
-                     f"{_WHY_NOT.get((implementation, backward), '')}")
+    rules = (
+      f"supports only {list(supported)}"
+      if supported
+      else "has its own fused backward; leave backward=None"
+    )
+    raise ValueError(
+      f"implementation={implementation!r} does not support "
+      f"backward={backward!r}: it {rules}"
+      f"{_WHY_NOT.get((implementation, backward), '')}"
+    )
   return implementation, backward
 
 
@@ -359,8 +453,9 @@ def _check_mask(mask) -> masks.Mask | None:
   if mask is None or isinstance(mask, masks.Mask):
     return mask
   if not hasattr(mask, "dtype") and not isinstance(mask, (list, tuple)):
-    raise TypeError(f"mask must be a boolean array or a jattn.masks.Mask, got "
-                    f"{type(mask).__name__}")
+    raise TypeError(
+      f"mask must be a boolean array or a jattn.masks.Mask, got {type(mask).__name__}"
+    )
   return masks.from_array(mask)
 
 
@@ -372,18 +467,21 @@ def _check_mask_shapes(mask: masks.Mask, B, N, T, S) -> None:
   names = ("batch size B", "number of heads N", "query length T", "key/value length S")
   for name, own, want in zip(names, extents, (B, N, T, S)):
     if own is not None and own != want:
-      raise ValueError(f"mask {mask!r} holds arrays for {name}={own}, but the inputs have "
-                       f"{name}={want}; masks must be broadcastable to (B, N, T, S)="
-                       f"{(B, N, T, S)}")
+      raise ValueError(
+        f"mask {mask!r} holds arrays for {name}={own}, but the inputs have "
+        f"{name}={want}; masks must be broadcastable to (B, N, T, S)="
+        f"{(B, N, T, S)}"
+      )
   out = jax.eval_shape(lambda: mask.on_grid(masks.index_grid(B, N, T, S)))
   if not isinstance(out, jax.ShapeDtypeStruct):
-    raise TypeError(f"mask {mask!r} must evaluate to one boolean array, got "
-                    f"{type(out).__name__}")
+    raise TypeError(f"mask {mask!r} must evaluate to one boolean array, got {type(out).__name__}")
   if out.dtype != np.bool_:
     raise TypeError(f"mask {mask!r} must evaluate to bool, got {out.dtype}")
   if len(out.shape) != 4:
-    raise ValueError(f"mask {mask!r} must evaluate to a rank-4 array broadcastable to "
-                     f"(B, N, T, S)={(B, N, T, S)}, got shape {out.shape}")
+    raise ValueError(
+      f"mask {mask!r} must evaluate to a rank-4 array broadcastable to "
+      f"(B, N, T, S)={(B, N, T, S)}, got shape {out.shape}"
+    )
   _checks.broadcastable(f"mask {mask!r}", tuple(out.shape), (B, N, T, S), "(B, N, T, S)")
   for node in _user_fns(mask):
     _check_on_tiles(f"mask {node!r}", node, (B, N, T, S), exact_shape=False)
@@ -417,14 +515,18 @@ def _probe_grids(bnts):
 
 
 def _describe_positions(positions) -> str:
-  return ", ".join(f"{name} [{p[0]}, {p[-1] + 1})" for name, p in
-                   zip(("batch", "head", "q_idx", "kv_idx"), positions))
+  return ", ".join(
+    f"{name} [{p[0]}, {p[-1] + 1})"
+    for name, p in zip(("batch", "head", "q_idx", "kv_idx"), positions)
+  )
 
 
 def _probe_args(positions, score_dtype) -> tuple[np.ndarray, ...]:
   """(s, b, h, q, kv) for a score function, (b, h, q, kv) for a mask, on ``positions``."""
-  idx = tuple(np.asarray(p, np.int32).reshape([-1 if a == axis else 1 for a in range(4)])
-              for axis, p in enumerate(positions))
+  idx = tuple(
+    np.asarray(p, np.int32).reshape([-1 if a == axis else 1 for a in range(4)])
+    for axis, p in enumerate(positions)
+  )
   if score_dtype is None:
     return idx
   b, h, q, kv = idx  # the same score at the same (b, h, q, kv) on every grid
@@ -432,8 +534,7 @@ def _probe_args(positions, score_dtype) -> tuple[np.ndarray, ...]:
   return (s,) + idx
 
 
-def _check_on_tiles(what: str, fn: Callable, bnts, *, exact_shape: bool,
-                    score_dtype=None) -> None:
+def _check_on_tiles(what: str, fn: Callable, bnts, *, exact_shape: bool, score_dtype=None) -> None:
   """Evaluate a user's mask or score function on the two grids of :func:`_probe_grids`.
 
   Raises ValueError naming ``what`` when the function fails or returns the wrong shape on
@@ -445,11 +546,15 @@ def _check_on_tiles(what: str, fn: Callable, bnts, *, exact_shape: bool,
   """
   if 0 in bnts:
     return
-  contract = (f"{what} must compute from its index arguments (batch, head, q_idx, kv_idx), "
-              "which may be traced: implementations evaluate it on tiles of the "
-              "(B, N, T, S) grid (blockwise, ring attention)")
-  advice = ("Index captured arrays with the indices (table[q_idx, kv_idx]) rather than "
-            "broadcasting them against the grid.")
+  contract = (
+    f"{what} must compute from its index arguments (batch, head, q_idx, kv_idx), "
+    "which may be traced: implementations evaluate it on tiles of the "
+    "(B, N, T, S) grid (blockwise, ring attention)"
+  )
+  advice = (
+    "Index captured arrays with the indices (table[q_idx, kv_idx]) rather than "
+    "broadcasting them against the grid."
+  )
   grids = _probe_grids(bnts)
   args = [_probe_args(positions, score_dtype) for positions in grids]
   shapes = [tuple(len(p) for p in positions) for positions in grids]
@@ -462,32 +567,44 @@ def _check_on_tiles(what: str, fn: Callable, bnts, *, exact_shape: bool,
       try:
         jax.eval_shape(fn, *a)
       except Exception as e:
-        raise ValueError(f"{contract}; on the {name} it raised {type(e).__name__}: {e}. "
-                         f"{advice}") from None
+        raise ValueError(
+          f"{contract}; on the {name} it raised {type(e).__name__}: {e}. {advice}"
+        ) from None
     raise
   outs = closed.out_avals  # one array per grid, or a function that returns several
   for i, (name, shape) in enumerate(zip(names, shapes)):
     got = tuple(outs[i].shape) if len(outs) == 2 else None
-    fits = got is not None and (got == shape if exact_shape else (
-        len(got) == 4 and all(g in (1, m) for g, m in zip(got, shape))))
+    fits = got is not None and (
+      got == shape
+      if exact_shape
+      else (len(got) == 4 and all(g in (1, m) for g, m in zip(got, shape)))
+    )
     if not fits:
-      raise ValueError(f"{contract}; on the {name} of shape {shape} it returned "
-                       f"{'shape ' + str(got) if got else 'not one array'}. {advice}")
+      raise ValueError(
+        f"{contract}; on the {name} of shape {shape} it returned "
+        f"{'shape ' + str(got) if got else 'not one array'}. {advice}"
+      )
   if closed.effects or not all(map(_checks.is_concrete, closed.consts)):
     return  # closes over traced values (inside jit, vmap, grad) or has side effects
   with jax.ensure_compile_time_eval():
     t_val, w_val = jex_core.jaxpr_as_fun(closed)(*args[0], *args[1])
   t_val = np.broadcast_to(np.asarray(t_val), shapes[0])
-  w_val = np.broadcast_to(np.asarray(w_val), shapes[1])[tuple(
-      slice(p[0], p[-1] + 1) for p in grids[0])]
-  same = (np.array_equal(t_val, w_val) if t_val.dtype == np.bool_ else
-          np.allclose(t_val, w_val, rtol=1e-5, atol=1e-6, equal_nan=True))
+  w_val = np.broadcast_to(np.asarray(w_val), shapes[1])[
+    tuple(slice(p[0], p[-1] + 1) for p in grids[0])
+  ]
+  same = (
+    np.array_equal(t_val, w_val)
+    if t_val.dtype == np.bool_
+    else np.allclose(t_val, w_val, rtol=1e-5, atol=1e-6, equal_nan=True)
+  )
   if not same:
-    raise ValueError(f"{contract}; it gives other values at the positions "
-                     f"{_describe_positions(grids[0])} when evaluated on that tile than on "
-                     f"the grid {_describe_positions(grids[1])}. Does it read positions from "
-                     "an array's shape, as jnp.arange(x.shape[-1]) does? Use q_idx and "
-                     "kv_idx.")
+    raise ValueError(
+      f"{contract}; it gives other values at the positions "
+      f"{_describe_positions(grids[0])} when evaluated on that tile than on "
+      f"the grid {_describe_positions(grids[1])}. Does it read positions from "
+      "an array's shape, as jnp.arange(x.shape[-1]) does? Use q_idx and "
+      "kv_idx."
+    )
 
 
 def _check_window(window):
@@ -496,17 +613,19 @@ def _check_window(window):
   if isinstance(window, numbers.Integral) and not isinstance(window, bool):
     window = (window, window)
   if not (isinstance(window, tuple) and len(window) == 2):
-    raise TypeError(f"local_window_size must be an int or a (left, right) tuple of ints, "
-                    f"got {window!r}")
-  return tuple(_checks.integer(f"local_window_size[{i}]", w, minimum=0, int32=True)
-               for i, w in enumerate(window))
+    raise TypeError(
+      f"local_window_size must be an int or a (left, right) tuple of ints, got {window!r}"
+    )
+  return tuple(
+    _checks.integer(f"local_window_size[{i}]", w, minimum=0, int32=True)
+    for i, w in enumerate(window)
+  )
 
 
 def _check_lengths(name, lengths, B):
   if lengths is None:
     return None
-  lengths = _checks.int_array(name, _checks.as_array(name, lengths), ranks=(1,),
-                              nonnegative=True)
+  lengths = _checks.int_array(name, _checks.as_array(name, lengths), ranks=(1,), nonnegative=True)
   if lengths.shape != (B,):
     raise ValueError(f"{name} must have shape (B,)=({B},), got {lengths.shape}")
   return lengths
@@ -515,21 +634,26 @@ def _check_lengths(name, lengths, B):
 def _check_segments(segment_ids, unbatched: bool, T: int, S: int) -> masks.Mask:
   if isinstance(segment_ids, (tuple, list)):
     if len(segment_ids) != 2:
-      raise ValueError(f"segment_ids must be an array or a pair (q_segment_ids, "
-                       f"kv_segment_ids), got a sequence of length {len(segment_ids)}")
+      raise ValueError(
+        f"segment_ids must be an array or a pair (q_segment_ids, "
+        f"kv_segment_ids), got a sequence of length {len(segment_ids)}"
+      )
     q_ids, kv_ids = segment_ids
   else:
     if T != S:
-      raise ValueError(f"segment_ids as one array needs T == S, got T={T} and S={S}; "
-                       "pass (q_segment_ids, kv_segment_ids)")
+      raise ValueError(
+        f"segment_ids as one array needs T == S, got T={T} and S={S}; "
+        "pass (q_segment_ids, kv_segment_ids)"
+      )
     q_ids = kv_ids = segment_ids
   rank = 1 if unbatched else 2
   for name, ids, length in (("q_segment_ids", q_ids, T), ("kv_segment_ids", kv_ids, S)):
-    ids = _checks.int_array(f"segment_ids ({name})", _checks.as_array(name, ids),
-                            ranks=(rank,))
+    ids = _checks.int_array(f"segment_ids ({name})", _checks.as_array(name, ids), ranks=(rank,))
     if ids.shape[-1] != length:
-      raise ValueError(f"segment_ids ({name}) must have length {length} along the sequence "
-                       f"axis, got shape {ids.shape}")
+      raise ValueError(
+        f"segment_ids ({name}) must have length {length} along the sequence "
+        f"axis, got shape {ids.shape}"
+      )
   return masks.segments(q_ids, kv_ids)
 
 
@@ -547,23 +671,32 @@ def _check_score(score_fn, soft_cap, dtype, bnts) -> scores.ScoreFn | None:
   fn = fns[0] if len(fns) == 1 else scores.compose(*fns)
   heads = fn.num_heads
   if heads is not None and heads != bnts[1]:
-    raise ValueError(f"score_fn {fn!r} has per-head parameters for {heads} query heads, but "
-                     f"the query has number of heads N={bnts[1]}; give one slope or table "
-                     f"column per query head")
+    raise ValueError(
+      f"score_fn {fn!r} has per-head parameters for {heads} query heads, but "
+      f"the query has number of heads N={bnts[1]}; give one slope or table "
+      f"column per query head"
+    )
   if score_fn is not None:
     stats = _common.stats_dtype(dtype)
-    out = jax.eval_shape(lambda s: score_fn(s, *masks.index_grid(*bnts)),
-                         jax.ShapeDtypeStruct(bnts, stats))
+    out = jax.eval_shape(
+      lambda s: score_fn(s, *masks.index_grid(*bnts)), jax.ShapeDtypeStruct(bnts, stats)
+    )
     if not isinstance(out, jax.ShapeDtypeStruct):
-      raise TypeError(f"score_fn must return one float array of the score's shape "
-                      f"(B, N, T, S)={bnts}, got {type(out).__name__} "
-                      f"{jax.tree.map(lambda x: f'{x.dtype}{tuple(x.shape)}', out)}")
+      raise TypeError(
+        f"score_fn must return one float array of the score's shape "
+        f"(B, N, T, S)={bnts}, got {type(out).__name__} "
+        f"{jax.tree.map(lambda x: f'{x.dtype}{tuple(x.shape)}', out)}"
+      )
     if not jnp.issubdtype(out.dtype, jnp.floating):
-      raise TypeError(f"score_fn must return a floating array (computed in any float dtype, "
-                      f"cast back to the score's {np.dtype(stats).name}), got {out.dtype}")
+      raise TypeError(
+        f"score_fn must return a floating array (computed in any float dtype, "
+        f"cast back to the score's {np.dtype(stats).name}), got {out.dtype}"
+      )
     if tuple(out.shape) != bnts:
-      raise ValueError(f"score_fn must return a float array of the score's shape "
-                       f"(B, N, T, S)={bnts}, got {out.dtype}{tuple(out.shape)}")
+      raise ValueError(
+        f"score_fn must return a float array of the score's shape "
+        f"(B, N, T, S)={bnts}, got {out.dtype}{tuple(out.shape)}"
+      )
     if not isinstance(score_fn, scores.ScoreFn) or any(True for _ in _user_fns(score_fn)):
       _check_on_tiles("score_fn", score_fn, bnts, exact_shape=True, score_dtype=stats)
   return fn
@@ -571,11 +704,15 @@ def _check_score(score_fn, soft_cap, dtype, bnts) -> scores.ScoreFn | None:
 
 def _check_blocks(implementation, block_q, block_kv) -> tuple[int | None, int | None]:
   """Tile sizes checked; they exist only for "blockwise" (None picks it, see _auto)."""
-  blocks = tuple(None if b is None else _checks.integer(name, b, minimum=1)
-                 for name, b in (("block_q", block_q), ("block_kv", block_kv)))
+  blocks = (
+    None if block_q is None else _checks.integer("block_q", block_q, minimum=1),
+    None if block_kv is None else _checks.integer("block_kv", block_kv, minimum=1),
+  )
   if implementation not in (None, "blockwise") and blocks != (None, None):
-    raise ValueError(f"block_q and block_kv apply only to implementation='blockwise', got "
-                     f"implementation={implementation!r}")
+    raise ValueError(
+      f"block_q and block_kv apply only to implementation='blockwise', got "
+      f"implementation={implementation!r}"
+    )
   return blocks
 
 
@@ -598,15 +735,19 @@ def _check_dropout(rate, rng) -> float:
 def _cudnn(query, key, value, bias, mask, *, unsupported, **kwargs):
   for name, value_ in unsupported.items():
     if value_ is not None:
-      raise ValueError(f"implementation='cudnn' does not support {name}; use "
-                       "implementation='xla'")
+      raise ValueError(f"implementation='cudnn' does not support {name}; use implementation='xla'")
   if isinstance(mask, masks.Mask):
     if mask.rule.name != "from_array":
-      raise ValueError(f"implementation='cudnn' takes mask only as a boolean array, got "
-                       f"{mask!r}; use implementation='xla'")
+      raise ValueError(
+        f"implementation='cudnn' takes mask only as a boolean array, got "
+        f"{mask!r}; use implementation='xla'"
+      )
     (mask,) = mask.children
   if jax.default_backend() != "gpu":
-    raise ValueError(f"implementation='cudnn' needs an NVIDIA GPU; the default backend is "
-                     f"{jax.default_backend()!r}")
-  return jax.nn.dot_product_attention(query, key, value, bias, mask, implementation="cudnn",
-                                      **kwargs)
+    raise ValueError(
+      f"implementation='cudnn' needs an NVIDIA GPU; the default backend is "
+      f"{jax.default_backend()!r}"
+    )
+  return jax.nn.dot_product_attention(
+    query, key, value, bias, mask, implementation="cudnn", **kwargs
+  )

@@ -53,7 +53,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,7 @@ class KVCache(NamedTuple):
     value: (B, max_length, K, H), same dtype as key.
     lengths: (B,) int32, the number of tokens written to each row.
   """
+
   key: jax.Array
   value: jax.Array
   lengths: jax.Array
@@ -81,12 +83,19 @@ class KVCache(NamedTuple):
     return self.key.shape[1]
 
 
-def init(batch_size: int, max_length: int, num_kv_heads: int, head_dim: int, *,
-         dtype: Any = jnp.float32) -> KVCache:
+def init(
+  batch_size: int, max_length: int, num_kv_heads: int, head_dim: int, *, dtype: Any = jnp.float32
+) -> KVCache:
   """An empty cache: zero keys and values of shape (B, max_length, K, H), lengths 0."""
-  B, S, K, H = (_checks.integer(name, n, minimum=1) for name, n in (
-      ("batch_size", batch_size), ("max_length", max_length), ("num_kv_heads", num_kv_heads),
-      ("head_dim", head_dim)))
+  B, S, K, H = (
+    _checks.integer(name, n, minimum=1)
+    for name, n in (
+      ("batch_size", batch_size),
+      ("max_length", max_length),
+      ("num_kv_heads", num_kv_heads),
+      ("head_dim", head_dim),
+    )
+  )
   try:
     dtype = np.dtype(dtype)
   except TypeError:
@@ -109,8 +118,13 @@ def positions(cache: KVCache, num_new: int) -> jax.Array:
   return lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
 
 
-def update(cache: KVCache, key: jax.typing.ArrayLike, value: jax.typing.ArrayLike, *,
-           num_new: jax.typing.ArrayLike | None = None) -> KVCache:
+def update(
+  cache: KVCache,
+  key: jax.typing.ArrayLike,
+  value: jax.typing.ArrayLike,
+  *,
+  num_new: jax.typing.ArrayLike | None = None,
+) -> KVCache:
   """Write new keys and values after each row's last token.
 
   Args:
@@ -138,25 +152,25 @@ def update(cache: KVCache, key: jax.typing.ArrayLike, value: jax.typing.ArrayLik
 
 
 def attention(
-    query: jax.typing.ArrayLike,
-    key: jax.typing.ArrayLike,
-    value: jax.typing.ArrayLike,
-    cache: KVCache,
-    *,
-    num_new: jax.typing.ArrayLike | None = None,
-    scale: float | None = None,
-    bias: jax.typing.ArrayLike | None = None,
-    mask: jax.typing.ArrayLike | masks.Mask | None = None,
-    score_fn: Callable | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: jax.Array | None = None,
-    broadcast_dropout: bool = False,
-    implementation: str | None = None,
-    backward: str | None = None,
-    block_q: int | None = None,
-    block_kv: int | None = None,
-    return_residual: bool = False,
+  query: jax.typing.ArrayLike,
+  key: jax.typing.ArrayLike,
+  value: jax.typing.ArrayLike,
+  cache: KVCache,
+  *,
+  num_new: jax.typing.ArrayLike | None = None,
+  scale: float | None = None,
+  bias: jax.typing.ArrayLike | None = None,
+  mask: jax.typing.ArrayLike | masks.Mask | None = None,
+  score_fn: Callable | None = None,
+  logits_soft_cap: float | None = None,
+  dropout_rate: float = 0.0,
+  dropout_rng: jax.Array | None = None,
+  broadcast_dropout: bool = False,
+  implementation: str | None = None,
+  backward: str | None = None,
+  block_q: int | None = None,
+  block_kv: int | None = None,
+  return_residual: bool = False,
 ):
   """Causal attention of t new tokens over the cache, after writing their keys and values.
 
@@ -205,16 +219,30 @@ def attention(
   slots = jnp.arange(cache.max_length)[None, :]
   written = (slots < new_cache.lengths[:, None])[:, :, None, None]
   out = dot_product_attention(
-      query, jnp.where(written, new_cache.key, 0), jnp.where(written, new_cache.value, 0),
-      bias, allowed, scale=scale,
-      query_seq_lengths=num_new, implementation=implementation,
-      return_residual=return_residual, score_fn=score_fn, logits_soft_cap=logits_soft_cap,
-      dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
-      backward=backward, block_q=block_q, block_kv=block_kv)
+    query,
+    jnp.where(written, new_cache.key, 0),
+    jnp.where(written, new_cache.value, 0),
+    bias,
+    allowed,
+    scale=scale,
+    query_seq_lengths=num_new,
+    implementation=implementation,
+    return_residual=return_residual,
+    score_fn=score_fn,
+    logits_soft_cap=logits_soft_cap,
+    dropout_rate=dropout_rate,
+    dropout_rng=dropout_rng,
+    broadcast_dropout=broadcast_dropout,
+    backward=backward,
+    block_q=block_q,
+    block_kv=block_kv,
+  )
   return out, new_cache
 
 
-def _write(cache: KVCache, key: jax.Array, value: jax.Array, num_new) -> KVCache:
+def _write(
+  cache: KVCache, key: jax.Array | np.ndarray, value: jax.Array | np.ndarray, num_new
+) -> KVCache:
   """The scatter behind :func:`update`; arguments already checked."""
   B, t = key.shape[:2]
   S = cache.max_length
@@ -225,39 +253,49 @@ def _write(cache: KVCache, key: jax.Array, value: jax.Array, num_new) -> KVCache
   pos = jnp.where(i < n[:, None], pos, S)
   rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, t))
   return KVCache(
-      cache.key.at[rows, pos].set(key, mode="drop"),
-      cache.value.at[rows, pos].set(value, mode="drop"),
-      jnp.minimum(lengths + n.astype(jnp.int32), S).astype(cache.lengths.dtype))
+    cache.key.at[rows, pos].set(key, mode="drop"),
+    cache.value.at[rows, pos].set(value, mode="drop"),
+    jnp.minimum(lengths + n.astype(jnp.int32), S).astype(cache.lengths.dtype),
+  )
 
 
 def _check_cache(cache) -> None:
   if not isinstance(cache, KVCache):
-    raise TypeError(f"cache must be a jattn.decode.KVCache (see decode.init), got "
-                    f"{type(cache).__name__}")
+    raise TypeError(
+      f"cache must be a jattn.decode.KVCache (see decode.init), got {type(cache).__name__}"
+    )
   k, v, lengths = cache
   for name, x in (("cache.key", k), ("cache.value", v), ("cache.lengths", lengths)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"{name} must be an array, got {type(x).__name__}")
   if k.ndim != 4 or k.shape[1] < 1:
-    raise ValueError(f"cache.key must have shape (B, max_length, K, H) with max_length >= 1, "
-                     f"got {k.shape}")
+    raise ValueError(
+      f"cache.key must have shape (B, max_length, K, H) with max_length >= 1, got {k.shape}"
+    )
   if v.shape != k.shape:
-    raise ValueError(f"cache.key and cache.value must have the same shape, got "
-                     f"{k.shape} and {v.shape}")
+    raise ValueError(
+      f"cache.key and cache.value must have the same shape, got {k.shape} and {v.shape}"
+    )
   if v.dtype != k.dtype:
-    raise TypeError(f"cache.key and cache.value must have the same dtype, got "
-                    f"{k.dtype} and {v.dtype}")
+    raise TypeError(
+      f"cache.key and cache.value must have the same dtype, got {k.dtype} and {v.dtype}"
+    )
   if lengths.shape != (k.shape[0],) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-    raise ValueError(f"cache.lengths must be an integer array of shape (B,)=({k.shape[0]},), "
-                     f"got {lengths.dtype}{lengths.shape}")
+    raise ValueError(
+      f"cache.lengths must be an integer array of shape (B,)=({k.shape[0]},), "
+      f"got {lengths.dtype}{lengths.shape}"
+    )
   if _checks.is_concrete(lengths):
     held = np.asarray(lengths)
     if np.any((held < 0) | (held > k.shape[1])):
-      raise ValueError(f"cache.lengths must be in [0, max_length={k.shape[1]}], got "
-                       f"{held.tolist()}")
+      raise ValueError(
+        f"cache.lengths must be in [0, max_length={k.shape[1]}], got {held.tolist()}"
+      )
 
 
-def _check_new(cache: KVCache, key, value, num_new):
+def _check_new(
+  cache: KVCache, key, value, num_new
+) -> tuple[jax.Array | np.ndarray, jax.Array | np.ndarray, Any]:
   """key, value (B, t, K, H) matching the cache and num_new (B,) or None; overflow if concrete."""
   key, value = _checks.as_array("key", key), _checks.as_array("value", value)
   B, S, K, H = cache.key.shape
@@ -266,15 +304,19 @@ def _check_new(cache: KVCache, key, value, num_new):
     if x.ndim != 4:
       raise ValueError(f"{name} must have shape {layout} like the cache, got {x.shape}")
   if key.shape != value.shape:
-    raise ValueError(f"key and value must have the same shape, got key {key.shape} and "
-                     f"value {value.shape}")
+    raise ValueError(
+      f"key and value must have the same shape, got key {key.shape} and value {value.shape}"
+    )
   if (key.shape[0], key.shape[2], key.shape[3]) != (B, K, H):
-    raise ValueError(f"key and value must have shape {layout} to match the cache's "
-                     f"{cache.key.shape}, got {key.shape}")
+    raise ValueError(
+      f"key and value must have shape {layout} to match the cache's "
+      f"{cache.key.shape}, got {key.shape}"
+    )
   t = key.shape[1]
   if not 1 <= t <= S:
-    raise ValueError(f"key and value must hold 1 <= t <= max_length={S} new tokens, got "
-                     f"t={t} in shape {key.shape}")
+    raise ValueError(
+      f"key and value must hold 1 <= t <= max_length={S} new tokens, got t={t} in shape {key.shape}"
+    )
   for name, x in (("key", key), ("value", value)):
     if x.dtype != cache.key.dtype:
       raise TypeError(f"{name} must have the cache's dtype {cache.key.dtype}, got {x.dtype}")
@@ -285,17 +327,18 @@ def _check_new(cache: KVCache, key, value, num_new):
     if _checks.is_concrete(num_new):
       n = np.asarray(num_new)
       if np.any((n < 0) | (n > t)):
-        raise ValueError(f"num_new must be in [0, t={t}] (the new tokens given), got "
-                         f"{n.tolist()}")
+        raise ValueError(f"num_new must be in [0, t={t}] (the new tokens given), got {n.tolist()}")
   if _checks.is_concrete(cache.lengths) and (num_new is None or _checks.is_concrete(num_new)):
     lengths = np.asarray(cache.lengths)
     n = np.full((B,), t) if num_new is None else np.asarray(num_new)
     over = np.flatnonzero(lengths + n > S)
     if over.size:
       b = int(over[0])
-      raise ValueError(f"cache row {b} would overflow: it holds {int(lengths[b])} tokens and "
-                       f"{int(n[b])} new ones make {int(lengths[b] + n[b])} > "
-                       f"max_length={S}")
+      raise ValueError(
+        f"cache row {b} would overflow: it holds {int(lengths[b])} tokens and "
+        f"{int(n[b])} new ones make {int(lengths[b] + n[b])} > "
+        f"max_length={S}"
+      )
   return key, value, num_new
 
 
@@ -303,11 +346,15 @@ def _check_query(cache: KVCache, query, t: int):
   query = _checks.as_array("query", query)
   B, _, K, H = cache.key.shape
   if query.ndim != 4 or query.shape[0] != B or query.shape[1] != t or query.shape[3] != H:
-    raise ValueError(f"query must have shape (B, t, N, H)=({B}, {t}, N, {H}) to match key "
-                     f"(B, t, K, H) and the cache, got {query.shape}")
+    raise ValueError(
+      f"query must have shape (B, t, N, H)=({B}, {t}, N, {H}) to match key "
+      f"(B, t, K, H) and the cache, got {query.shape}"
+    )
   if query.shape[2] % K:
-    raise ValueError(f"the number of query heads N ({query.shape[2]}) must be a multiple of "
-                     f"the cache's number of key/value heads K ({K})")
+    raise ValueError(
+      f"the number of query heads N ({query.shape[2]}) must be a multiple of "
+      f"the cache's number of key/value heads K ({K})"
+    )
   if query.dtype != cache.key.dtype:
     raise TypeError(f"query must have the cache's dtype {cache.key.dtype}, got {query.dtype}")
   return query

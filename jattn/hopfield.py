@@ -57,8 +57,9 @@ from jattn import _checks
 from jattn.attention import dot_product_attention
 
 
-def retrieve(queries: jax.typing.ArrayLike, patterns: jax.typing.ArrayLike, *, beta: float,
-             steps: int = 1) -> jax.Array:
+def retrieve(
+  queries: jax.typing.ArrayLike, patterns: jax.typing.ArrayLike, *, beta: float, steps: int = 1
+) -> jax.Array:
   """Modern Hopfield retrieval: ``ξ ← softmax(β ξ Xᵀ) X``, applied ``steps`` times.
 
   Each update is one attention head with keys = values = ``patterns`` and
@@ -82,8 +83,9 @@ def retrieve(queries: jax.typing.ArrayLike, patterns: jax.typing.ArrayLike, *, b
   return _retrieve(xi, x, beta=beta, steps=steps)
 
 
-def energy(queries: jax.typing.ArrayLike, patterns: jax.typing.ArrayLike, *,
-           beta: float) -> jax.Array:
+def energy(
+  queries: jax.typing.ArrayLike, patterns: jax.typing.ArrayLike, *, beta: float
+) -> jax.Array:
   """The modern Hopfield energy of each query state.
 
   ``E(ξ) = −β⁻¹ log Σᵢ exp(β xᵢᵀξ) + ½ ξᵀξ + β⁻¹ log M + ½ maxᵢ ‖xᵢ‖²``, which
@@ -139,18 +141,25 @@ def _check_arrays(queries, patterns):
     if not jnp.issubdtype(a.dtype, jnp.floating):
       raise TypeError(f"{name} must have a floating dtype, got {a.dtype}")
   if xi.dtype != x.dtype:
-    raise TypeError(f"queries and patterns must have the same dtype, got queries {xi.dtype} "
-                    f"and patterns {x.dtype}")
+    raise TypeError(
+      f"queries and patterns must have the same dtype, got queries {xi.dtype} "
+      f"and patterns {x.dtype}"
+    )
   if x.ndim != 2:
-    raise ValueError(f"patterns must have shape (M, d), one stored pattern per row, got "
-                     f"{tuple(x.shape)}")
+    raise ValueError(
+      f"patterns must have shape (M, d), one stored pattern per row, got {tuple(x.shape)}"
+    )
   if x.shape[0] < 1:
-    raise ValueError(f"patterns must hold at least one pattern (M >= 1), got shape "
-                     f"{tuple(x.shape)}")
+    raise ValueError(
+      f"patterns must hold at least one pattern (M >= 1), got shape {tuple(x.shape)}"
+    )
   if xi.ndim < 1:
-    raise ValueError(f"queries must have shape (..., d) with at least the feature axis, got "
-                     f"{tuple(xi.shape)}")
+    raise ValueError(
+      f"queries must have shape (..., d) with at least the feature axis, got {tuple(xi.shape)}"
+    )
   if xi.shape[-1] != x.shape[-1]:
-    raise ValueError(f"queries and patterns must have the same feature size d, got queries "
-                     f"{tuple(xi.shape)} and patterns {tuple(x.shape)}")
+    raise ValueError(
+      f"queries and patterns must have the same feature size d, got queries "
+      f"{tuple(xi.shape)} and patterns {tuple(x.shape)}"
+    )
   return jnp.asarray(xi), jnp.asarray(x)

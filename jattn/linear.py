@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import chex
 import jax
@@ -80,18 +80,18 @@ FEATURE_MAPS = ("elu+1", "relu", "favor+")
 
 
 def linear_attention(
-    query: jax.typing.ArrayLike,
-    key: jax.typing.ArrayLike,
-    value: jax.typing.ArrayLike,
-    *,
-    feature_map: str | Callable[[jax.Array], jax.Array] = "elu+1",
-    is_causal: bool = False,
-    chunk_size: int = 64,
-    eps: float = 1e-6,
-    rng: jax.Array | None = None,
-    num_features: int | None = None,
-    orthogonal: bool = True,
-    scale: float | None = None,
+  query: jax.typing.ArrayLike,
+  key: jax.typing.ArrayLike,
+  value: jax.typing.ArrayLike,
+  *,
+  feature_map: str | Callable[[jax.Array], jax.Array] = "elu+1",
+  is_causal: bool = False,
+  chunk_size: int = 64,
+  eps: float = 1e-6,
+  rng: jax.Array | None = None,
+  num_features: int | None = None,
+  orthogonal: bool = True,
+  scale: float | None = None,
 ) -> jax.Array:
   """Kernelised attention in O(T) time and memory; see the module docstring.
 
@@ -136,8 +136,9 @@ def linear_attention(
   feature_map = _check_feature_map(feature_map, q, k)
   if feature_map == "favor+":
     if rng is None:
-      raise ValueError("feature_map='favor+' needs rng, a jax.random.key to draw its random "
-                       "projection, got None")
+      raise ValueError(
+        "feature_map='favor+' needs rng, a jax.random.key to draw its random projection, got None"
+      )
     _checks.prng_key("rng", rng)
     if H == 0:
       raise ValueError(f"feature_map='favor+' needs a head dimension H >= 1, got query {q.shape}")
@@ -148,22 +149,32 @@ def linear_attention(
   else:
     for name, setting in (("rng", rng), ("num_features", num_features), ("scale", scale)):
       if setting is not None:
-        raise ValueError(f"{name} applies only to feature_map='favor+', got "
-                         f"feature_map={_describe(feature_map)}")
+        raise ValueError(
+          f"{name} applies only to feature_map='favor+', got feature_map={_describe(feature_map)}"
+        )
   # Drawn outside _linear's jit: threefry is slow to compile on CPU, and this
   # compiles once per (m, H) rather than once per shape of the inputs.
-  projection = (_projection(rng, num_features, H, orthogonal) if feature_map == "favor+"
-                else None)
+  projection = _projection(rng, num_features, H, orthogonal) if feature_map == "favor+" else None
   # A callable is not made a static argument of a jit: it may be unhashable, and a
   # cached compilation would keep the arrays it held then (stale weights). It runs
   # inside the caller's jit, or op by op.
   core = _linear_jit if isinstance(feature_map, str) else _linear
-  return core(q, k, v, projection, feature_map=feature_map, is_causal=is_causal,
-              chunk_size=chunk_size if is_causal else None, eps=eps, scale=scale)
+  return core(
+    q,
+    k,
+    v,
+    projection,
+    feature_map=feature_map,
+    is_causal=is_causal,
+    chunk_size=chunk_size if is_causal else None,
+    eps=eps,
+    scale=scale,
+  )
 
 
-def random_projection(rng: jax.Array, num_features: int, head_dim: int, *,
-                      orthogonal: bool = True) -> jax.Array:
+def random_projection(
+  rng: jax.Array, num_features: int, head_dim: int, *, orthogonal: bool = True
+) -> jax.Array:
   """The FAVOR+ projection W, (num_features, head_dim) float32, rows ~ N(0, I) each.
 
   ``orthogonal=True`` (Performer's default) draws the rows in blocks of
@@ -181,8 +192,13 @@ def random_projection(rng: jax.Array, num_features: int, head_dim: int, *,
   return _projection(rng, num_features, head_dim, orthogonal)
 
 
-def favor_features(x: jax.typing.ArrayLike, projection: jax.typing.ArrayLike, *,
-                   scale: float | None = None, is_query: bool) -> jax.Array:
+def favor_features(
+  x: jax.typing.ArrayLike,
+  projection: jax.typing.ArrayLike,
+  *,
+  scale: float | None = None,
+  is_query: bool,
+) -> jax.Array:
   """FAVOR+ features ``exp(W x' - |x'|²/2 - c) / sqrt(m)`` with ``x' = sqrt(scale) · x``.
 
   Args:
@@ -204,8 +220,10 @@ def favor_features(x: jax.typing.ArrayLike, projection: jax.typing.ArrayLike, *,
     if not jnp.issubdtype(a.dtype, jnp.floating):
       raise TypeError(f"{name} must have a floating dtype, got {a.dtype}")
   if x.ndim < 1 or w.ndim != 2 or w.shape[1] != x.shape[-1]:
-    raise ValueError(f"projection must have shape (m, H) with H the last dimension of x, "
-                     f"got projection {w.shape} and x {x.shape}")
+    raise ValueError(
+      f"projection must have shape (m, H) with H the last dimension of x, "
+      f"got projection {w.shape} and x {x.shape}"
+    )
   is_query = _checks.boolean("is_query", is_query)
   if not is_query and x.ndim < 3:
     raise ValueError(f"keys x must have shape (..., S, K, H), got {x.shape}")
@@ -228,26 +246,32 @@ def _check_feature_map(feature_map, q, k):
   """The feature map name, or a callable whose outputs have been checked by shape."""
   if isinstance(feature_map, str):
     if feature_map not in FEATURE_MAPS:
-      raise ValueError(f"feature_map must be one of {list(FEATURE_MAPS)} or a callable, got "
-                       f"{feature_map!r}")
+      raise ValueError(
+        f"feature_map must be one of {list(FEATURE_MAPS)} or a callable, got {feature_map!r}"
+      )
     return feature_map
   if not callable(feature_map):
-    raise TypeError(f"feature_map must be one of {list(FEATURE_MAPS)} or a callable, got "
-                    f"{type(feature_map).__name__}")
+    raise TypeError(
+      f"feature_map must be one of {list(FEATURE_MAPS)} or a callable, got "
+      f"{type(feature_map).__name__}"
+    )
   dtype = _common.stats_dtype(q.dtype)
   features = []
   for name, x in (("query", q), ("key", k)):
     out = jax.eval_shape(feature_map, jax.ShapeDtypeStruct(x.shape, dtype))
-    if not isinstance(out, jax.ShapeDtypeStruct) or not jnp.issubdtype(out.dtype,
-                                                                       jnp.floating):
+    if not isinstance(out, jax.ShapeDtypeStruct) or not jnp.issubdtype(out.dtype, jnp.floating):
       raise TypeError(f"feature_map must return one floating array, got {out} for the {name}")
     if len(out.shape) != x.ndim or out.shape[:-1] != x.shape[:-1]:
-      raise ValueError(f"feature_map must map the {name} {x.shape} to features of shape "
-                       f"{x.shape[:-1] + ('F',)}, got {out.shape}")
+      raise ValueError(
+        f"feature_map must map the {name} {x.shape} to features of shape "
+        f"{x.shape[:-1] + ('F',)}, got {out.shape}"
+      )
     features.append(out.shape[-1])
   if features[0] != features[1]:
-    raise ValueError(f"feature_map must give query and key the same number of features F, "
-                     f"got {features[0]} and {features[1]}")
+    raise ValueError(
+      f"feature_map must give query and key the same number of features F, "
+      f"got {features[0]} and {features[1]}"
+    )
   return feature_map
 
 
@@ -258,18 +282,19 @@ def _projection(rng, m: int, H: int, orthogonal: bool) -> jax.Array:
   blocks = -(-m // H)
   # One flat draw (XLA compiles a 1-D threefry much faster than an N-D one).
   z = jax.random.normal(rng, (blocks * H * H + m * H,), jnp.float32)
-  q, r = jnp.linalg.qr(z[:blocks * H * H].reshape(blocks, H, H))
+  q, r = jnp.linalg.qr(z[: blocks * H * H].reshape(blocks, H, H))
   signs = jnp.where(jnp.diagonal(r, axis1=-2, axis2=-1) < 0, -1.0, 1.0)
   rows = jnp.swapaxes(q * signs[:, None, :], -1, -2).reshape(blocks * H, H)[:m]
-  norms = jnp.linalg.norm(z[blocks * H * H:].reshape(m, H), axis=-1)
+  norms = jnp.linalg.norm(z[blocks * H * H :].reshape(m, H), axis=-1)
   return rows * norms[:, None]
 
 
 def _favor(x, w, *, scale: float, is_query: bool) -> jax.Array:
   dtype = _common.stats_dtype(x.dtype)
   x = x.astype(dtype) * np.sqrt(scale).astype(dtype)
-  logits = (jnp.einsum("...H,FH->...F", x, w.astype(dtype))
-            - 0.5 * jnp.sum(x * x, axis=-1, keepdims=True))
+  logits = jnp.einsum("...H,FH->...F", x, w.astype(dtype)) - 0.5 * jnp.sum(
+    x * x, axis=-1, keepdims=True
+  )
   axes = (-1,) if is_query else (-3, -1)
   c = jax.lax.stop_gradient(jnp.max(logits, axis=axes, keepdims=True, initial=-np.inf))
   return jnp.exp(logits - c) / np.sqrt(w.shape[0]).astype(dtype)
@@ -297,8 +322,7 @@ def _linear(query, key, value, projection, *, feature_map, is_causal, chunk_size
   dims = chex.Dimensions(B=B, T=T, S=S, N=N, K=K, H=H)
   chex.assert_shape(query, dims["BTNH"])
   chex.assert_shape([key, value], dims["BSKH"])
-  phi = functools.partial(_features, feature_map=feature_map, projection=projection,
-                          scale=scale)
+  phi = functools.partial(_features, feature_map=feature_map, projection=projection, scale=scale)
   phi_q, phi_k = phi(query, is_query=True), phi(key, is_query=False)
   v = value.astype(phi_k.dtype)
   if is_causal:
@@ -309,8 +333,9 @@ def _linear(query, key, value, projection, *, feature_map, is_causal, chunk_size
   return out[0] if unbatched else out
 
 
-_linear_jit = jax.jit(_linear, static_argnames=(
-    "feature_map", "is_causal", "chunk_size", "eps", "scale"))
+_linear_jit = jax.jit(
+  _linear, static_argnames=("feature_map", "is_causal", "chunk_size", "eps", "scale")
+)
 
 
 def _global(phi_q, phi_k, v, *, eps: float) -> jax.Array:
@@ -350,8 +375,7 @@ def _causal(phi_q, phi_k, v, *, chunk_size: int, eps: float) -> jax.Array:
     kv, z = carry  # (B, K, F, H), (B, K, F): sums over the chunks before this one
     q, k, v = chunk  # (B, C, K, G, F), (B, C, K, F), (B, C, K, H)
     a = jnp.einsum("BCKGF,BDKF->BKGCD", q, k) * below
-    num = (jnp.einsum("BKGCD,BDKH->BCKGH", a, v)
-           + jnp.einsum("BCKGF,BKFH->BCKGH", q, kv))
+    num = jnp.einsum("BKGCD,BDKH->BCKGH", a, v) + jnp.einsum("BCKGF,BKFH->BCKGH", q, kv)
     den = jnp.sum(a, axis=-1).transpose(0, 3, 1, 2) + jnp.einsum("BCKGF,BKF->BCKG", q, z)
     carry = kv + jnp.einsum("BDKF,BDKH->BKFH", k, v), z + jnp.sum(k, axis=1)
     return carry, num / (den + eps)[..., None]

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,7 @@ Extents = tuple  # (B, N, T, S), each an int or None when the mask does not fix 
 
 class _Rule(NamedTuple):
   """What one kind of mask node computes. All functions take (params, children, ...)."""
+
   name: str
   evaluate: Callable[..., jax.Array]  # (..., b, h, q, kv) -> bool, broadcast of the indices
   bounds: Callable[..., tuple]  # (..., tiles) -> (any_allowed, all_allowed) per tile
@@ -59,6 +61,7 @@ class _Rule(NamedTuple):
 
 class _Tiles(NamedTuple):
   """Inclusive index bounds of every query tile (axis 2) and key/value tile (axis 3)."""
+
   q_lo: jax.Array  # (1, 1, nq, 1)
   q_hi: jax.Array
   kv_lo: jax.Array  # (1, 1, 1, nk)
@@ -84,11 +87,18 @@ def index_grid(batch_size: int, num_heads: int, q_len: int, kv_len: int):
   (1,N,1,1), (1,1,T,1) and (1,1,1,S) that broadcast to (B, N, T, S).
   """
   batch_size, num_heads, q_len, kv_len = (
-      _checks.integer(name, n, minimum=0) for name, n in (
-          ("batch_size", batch_size), ("num_heads", num_heads), ("q_len", q_len),
-          ("kv_len", kv_len)))
-  return tuple(_index_array(np.arange(n), axis) for axis, n in enumerate(
-      (batch_size, num_heads, q_len, kv_len)))
+    _checks.integer(name, n, minimum=0)
+    for name, n in (
+      ("batch_size", batch_size),
+      ("num_heads", num_heads),
+      ("q_len", q_len),
+      ("kv_len", kv_len),
+    )
+  )
+  return tuple(
+    _index_array(np.arange(n), axis)
+    for axis, n in enumerate((batch_size, num_heads, q_len, kv_len))
+  )
 
 
 def _index_array(positions: np.ndarray, axis: int) -> jax.Array:
@@ -175,7 +185,7 @@ def _batch_size(arr, rank: int) -> int | None:
 
 def _shared_batch(arrays, rank: int, names: str) -> int | None:
   """The one batch size per-batch ``arrays`` (None entries skipped) fix; they must agree."""
-  sizes = {_batch_size(a, rank) for a in arrays if a is not None} - {None}
+  sizes = {n for a in arrays if a is not None if (n := _batch_size(a, rank)) is not None}
   if len(sizes) > 1:
     raise ValueError(f"{names} must have the same batch size, got {sorted(sizes)}")
   return sizes.pop() if sizes else None
@@ -192,7 +202,7 @@ def _tile_reduce(x: jax.Array, axis: int, block: int, length: int, fill, reducer
     x = jnp.pad(x, pad, mode=fill)
   else:
     x = jnp.pad(x, pad, constant_values=fill)
-  x = x.reshape(x.shape[:axis] + (n_tiles, block) + x.shape[axis + 1:])
+  x = x.reshape(x.shape[:axis] + (n_tiles, block) + x.shape[axis + 1 :])
   return reducer(x, axis=axis + 1)
 
 
@@ -209,6 +219,7 @@ def _describe_plain(name: str, keys: tuple[str, ...]):
   def describe(params, children):
     args = ", ".join(f"{k}={v!r}" for k, v in zip(keys, params))
     return f"{name}({args})"
+
   return describe
 
 
@@ -242,8 +253,9 @@ def _causal_bounds(params, children, t: _Tiles):
   return t.kv_lo - t.q_hi <= offset, t.kv_hi - t.q_lo <= offset
 
 
-_CAUSAL = _Rule("causal", _causal_eval, _causal_bounds, _no_extents,
-                _describe_plain("causal", ("offset",)))
+_CAUSAL = _Rule(
+  "causal", _causal_eval, _causal_bounds, _no_extents, _describe_plain("causal", ("offset",))
+)
 
 
 def _causal_batch_eval(params, children, b, h, q, kv):
@@ -257,8 +269,12 @@ def _causal_batch_bounds(params, children, t: _Tiles):
 
 
 _CAUSAL_PER_BATCH = _Rule(
-    "causal", _causal_batch_eval, _causal_batch_bounds, _batch_extents,
-    lambda params, children: f"causal(offset {_shape_str(children[0])})")
+  "causal",
+  _causal_batch_eval,
+  _causal_batch_bounds,
+  _batch_extents,
+  lambda params, children: f"causal(offset {_shape_str(children[0])})",
+)
 
 
 def causal(offset: int | jax.typing.ArrayLike = 0) -> Mask:
@@ -285,8 +301,10 @@ def causal(offset: int | jax.typing.ArrayLike = 0) -> Mask:
   if isinstance(offset, numbers.Integral) and not isinstance(offset, (bool, np.bool_)):
     return Mask(_CAUSAL, (_checks.integer("offset", offset, int32=True),))
   if isinstance(offset, (bool, np.bool_, float)):
-    raise TypeError(f"offset must be an int, got {offset!r} of type {type(offset).__name__}; "
-                    "per-row offsets are an integer array of shape () or (B,)")
+    raise TypeError(
+      f"offset must be an int, got {offset!r} of type {type(offset).__name__}; "
+      "per-row offsets are an integer array of shape () or (B,)"
+    )
   return Mask(_CAUSAL_PER_BATCH, (), (_checks.int_array("offset", offset, ranks=(0, 1)),))
 
 
@@ -314,8 +332,13 @@ def _window_bounds(params, children, t: _Tiles):
   return any_, all_
 
 
-_WINDOW = _Rule("sliding_window", _window_eval, _window_bounds, _no_extents,
-                _describe_plain("sliding_window", ("left", "right")))
+_WINDOW = _Rule(
+  "sliding_window",
+  _window_eval,
+  _window_bounds,
+  _no_extents,
+  _describe_plain("sliding_window", ("left", "right")),
+)
 
 
 def _dilated_eval(params, children, b, h, q, kv):
@@ -336,8 +359,13 @@ def _dilated_bounds(params, children, t: _Tiles):
   return any_, inside & (d_lo == d_hi) & (d_lo % dilation == 0)
 
 
-_DILATED = _Rule("sliding_window", _dilated_eval, _dilated_bounds, _no_extents,
-                 _describe_plain("sliding_window", ("left", "right", "dilation")))
+_DILATED = _Rule(
+  "sliding_window",
+  _dilated_eval,
+  _dilated_bounds,
+  _no_extents,
+  _describe_plain("sliding_window", ("left", "right", "dilation")),
+)
 
 
 def sliding_window(left: int | None, right: int | None = 0, *, dilation: int = 1) -> Mask:
@@ -349,8 +377,10 @@ def sliding_window(left: int | None, right: int | None = 0, *, dilation: int = 1
   back). Tile classes are exact, so blockwise attention visits only tiles
   that hold an allowed pair.
   """
-  params = tuple(None if w is None else _checks.integer(name, w, minimum=0, int32=True)
-                 for name, w in (("left", left), ("right", right)))
+  params = tuple(
+    None if w is None else _checks.integer(name, w, minimum=0, int32=True)
+    for name, w in (("left", left), ("right", right))
+  )
   dilation = _checks.integer("dilation", dilation, minimum=1, int32=True)
   if dilation == 1:
     return Mask(_WINDOW, params)
@@ -371,8 +401,9 @@ def _chunked_bounds(params, children, t: _Tiles):
   return (q0 <= k1) & (k0 <= q1), (q0 == q1) & (k0 == k1) & (q0 == k0)
 
 
-_CHUNKED = _Rule("chunked", _chunked_eval, _chunked_bounds, _no_extents,
-                 _describe_plain("chunked", ("size",)))
+_CHUNKED = _Rule(
+  "chunked", _chunked_eval, _chunked_bounds, _no_extents, _describe_plain("chunked", ("size",))
+)
 
 
 def chunked(size: int) -> Mask:
@@ -394,8 +425,13 @@ def _prefix_bounds(params, children, t: _Tiles):
   return (t.kv_lo < p) | (t.kv_lo <= t.q_hi), (t.kv_hi < p) | (t.kv_hi <= t.q_lo)
 
 
-_PREFIX = _Rule("prefix_lm", _prefix_eval, _prefix_bounds, _batch_extents,
-                lambda params, children: f"prefix_lm(prefix_lengths={_shape_str(children[0])})")
+_PREFIX = _Rule(
+  "prefix_lm",
+  _prefix_eval,
+  _prefix_bounds,
+  _batch_extents,
+  lambda params, children: f"prefix_lm(prefix_lengths={_shape_str(children[0])})",
+)
 
 
 def _per_batch(name: str, value: Any):
@@ -435,14 +471,23 @@ def _segments_bounds(params, children, t: _Tiles):
 
 def _segments_extents(params, children) -> Extents:
   q_ids, kv_ids = children
-  return (_shared_batch(children, 2, "segment ids"), None, jnp.shape(q_ids)[-1],
-          jnp.shape(kv_ids)[-1])
+  return (
+    _shared_batch(children, 2, "segment ids"),
+    None,
+    jnp.shape(q_ids)[-1],
+    jnp.shape(kv_ids)[-1],
+  )
 
 
 _SEGMENTS = _Rule(
-    "segments", _segments_eval, _segments_bounds, _segments_extents,
-    lambda params, children: (f"segments(q_segment_ids {_shape_str(children[0])}, "
-                              f"kv_segment_ids {_shape_str(children[1])})"))
+  "segments",
+  _segments_eval,
+  _segments_bounds,
+  _segments_extents,
+  lambda params, children: (
+    f"segments(q_segment_ids {_shape_str(children[0])}, kv_segment_ids {_shape_str(children[1])})"
+  ),
+)
 
 
 def segments(q_segment_ids, kv_segment_ids=None) -> Mask:
@@ -459,8 +504,11 @@ def segments(q_segment_ids, kv_segment_ids=None) -> Mask:
   otherwise it may say PARTIAL for a tile that is empty.
   """
   q_ids = _checks.int_array("q_segment_ids", q_segment_ids, ranks=(1, 2))
-  kv_ids = q_ids if kv_segment_ids is None else _checks.int_array(
-      "kv_segment_ids", kv_segment_ids, ranks=(1, 2))
+  kv_ids = (
+    q_ids
+    if kv_segment_ids is None
+    else _checks.int_array("kv_segment_ids", kv_segment_ids, ranks=(1, 2))
+  )
   _shared_batch((q_ids, kv_ids), 2, "q_segment_ids and kv_segment_ids")
   return Mask(_SEGMENTS, (), (q_ids, kv_ids))
 
@@ -492,8 +540,11 @@ def _lengths_bounds(params, children, t: _Tiles):
 
 def _describe_lengths(params, children):
   q_lens, kv_lens = children
-  parts = [f"{name} {_shape_str(x)}" for name, x in (("q_lengths", q_lens), ("kv_lengths", kv_lens))
-           if x is not None]
+  parts = [
+    f"{name} {_shape_str(x)}"
+    for name, x in (("q_lengths", q_lens), ("kv_lengths", kv_lens))
+    if x is not None
+  ]
   return f"lengths({', '.join(parts)})"
 
 
@@ -508,8 +559,10 @@ def lengths(q_lengths=None, kv_lengths=None) -> Mask:
   """
   if q_lengths is None and kv_lengths is None:
     raise ValueError("lengths needs q_lengths, kv_lengths or both, got neither")
-  children = tuple(None if x is None else _per_batch(name, x)
-                   for name, x in (("q_lengths", q_lengths), ("kv_lengths", kv_lengths)))
+  children = tuple(
+    None if x is None else _per_batch(name, x)
+    for name, x in (("q_lengths", q_lengths), ("kv_lengths", kv_lengths))
+  )
   _shared_batch(children, 1, "q_lengths and kv_lengths")
   return Mask(_LENGTHS, (), children)
 
@@ -527,8 +580,13 @@ def _global_bounds(params, children, t: _Tiles):
   return (t.q_lo < n) | (t.kv_lo < n), (t.q_hi < n) | (t.kv_hi < n)
 
 
-_GLOBAL = _Rule("global_tokens", _global_eval, _global_bounds, _no_extents,
-                _describe_plain("global_tokens", ("n",)))
+_GLOBAL = _Rule(
+  "global_tokens",
+  _global_eval,
+  _global_bounds,
+  _no_extents,
+  _describe_plain("global_tokens", ("n",)),
+)
 
 
 def global_tokens(n: int) -> Mask:
@@ -558,8 +616,9 @@ def _strided_bounds(params, children, t: _Tiles):
   return any_, all_
 
 
-_STRIDED = _Rule("strided", _strided_eval, _strided_bounds, _no_extents,
-                 _describe_plain("strided", ("stride",)))
+_STRIDED = _Rule(
+  "strided", _strided_eval, _strided_bounds, _no_extents, _describe_plain("strided", ("stride",))
+)
 
 
 def strided(stride: int) -> Mask:
@@ -611,11 +670,13 @@ def _blocks_bounds(params, children, t: _Tiles):
 
 
 _BLOCKS = _Rule(
-    "block_sparse", _blocks_eval, _blocks_bounds,
-    # The layout's leading axes are batch and heads; its blocks fix no length.
-    lambda params, children: _array_extents(jnp.shape(children[0])[:-2] + (1, 1)),
-    lambda params, children: (f"block_sparse({_shape_str(children[0])}, "
-                              f"block_size={tuple(params)!r})"))
+  "block_sparse",
+  _blocks_eval,
+  _blocks_bounds,
+  # The layout's leading axes are batch and heads; its blocks fix no length.
+  lambda params, children: _array_extents(jnp.shape(children[0])[:-2] + (1, 1)),
+  lambda params, children: f"block_sparse({_shape_str(children[0])}, block_size={tuple(params)!r})",
+)
 
 
 def block_sparse(layout, block_size: int | tuple[int, int]) -> Mask:
@@ -645,22 +706,26 @@ def block_sparse(layout, block_size: int | tuple[int, int]) -> Mask:
     raise TypeError(f"layout must be a boolean array, got dtype {dtype}")
   arr = layout if hasattr(layout, "shape") else np.asarray(layout)
   if arr.ndim not in (2, 3, 4):
-    raise ValueError(f"layout must have shape (nqb, nkb), (N, nqb, nkb) or (B, N, nqb, nkb), "
-                     f"got {tuple(arr.shape)}")
+    raise ValueError(
+      f"layout must have shape (nqb, nkb), (N, nqb, nkb) or (B, N, nqb, nkb), "
+      f"got {tuple(arr.shape)}"
+    )
   if isinstance(block_size, tuple):
     if len(block_size) != 2:
-      raise ValueError(f"block_size must be an int or a pair (block_q, block_kv), "
-                       f"got {block_size!r}")
-    sizes = tuple(_checks.integer(n, b, minimum=1, int32=True)
-                  for n, b in zip(("block_size[0]", "block_size[1]"), block_size))
+      raise ValueError(
+        f"block_size must be an int or a pair (block_q, block_kv), got {block_size!r}"
+      )
+    sizes = tuple(
+      _checks.integer(n, b, minimum=1, int32=True)
+      for n, b in zip(("block_size[0]", "block_size[1]"), block_size)
+    )
   else:
     size = _checks.integer("block_size", block_size, minimum=1, int32=True)
     sizes = (size, size)
   return Mask(_BLOCKS, sizes, (arr,))
 
 
-def longformer(window: int | tuple[int, int], *, num_global: int = 1,
-               dilation: int = 1) -> Mask:
+def longformer(window: int | tuple[int, int], *, num_global: int = 1, dilation: int = 1) -> Mask:
   """Longformer's pattern (Beltagy et al. 2020): a sliding window plus global tokens.
 
   Each position attends to ``window`` positions on each side (or ``(left,
@@ -672,8 +737,10 @@ def longformer(window: int | tuple[int, int], *, num_global: int = 1,
   if isinstance(window, tuple):
     if len(window) != 2:
       raise ValueError(f"window must be an int or a pair (left, right), got {window!r}")
-    left, right = (_checks.integer(n, w, minimum=0, int32=True)
-                   for n, w in zip(("window[0]", "window[1]"), window))
+    left, right = (
+      _checks.integer(n, w, minimum=0, int32=True)
+      for n, w in zip(("window[0]", "window[1]"), window)
+    )
   else:
     left = right = _checks.integer("window", window, minimum=0, int32=True)
   dilation = _checks.integer("dilation", dilation, minimum=1, int32=True)
@@ -683,10 +750,16 @@ def longformer(window: int | tuple[int, int], *, num_global: int = 1,
   return local | global_tokens(num_global) if num_global else local
 
 
-def bigbird_layout(num_q_blocks: int, num_kv_blocks: int | None = None, *,
-                   num_window_blocks: int = 3, num_global_blocks: int = 1,
-                   num_random_blocks: int = 2, seed: int = 0,
-                   causal: bool = False) -> np.ndarray:
+def bigbird_layout(
+  num_q_blocks: int,
+  num_kv_blocks: int | None = None,
+  *,
+  num_window_blocks: int = 3,
+  num_global_blocks: int = 1,
+  num_random_blocks: int = 2,
+  seed: int = 0,
+  causal: bool = False,
+) -> np.ndarray:
   """BigBird's block layout (Zaheer et al. 2020) as a boolean (nqb, nkb) NumPy array.
 
   Query block i sees the ``num_window_blocks`` blocks centred on block i
@@ -698,12 +771,12 @@ def bigbird_layout(num_q_blocks: int, num_kv_blocks: int | None = None, *,
   keeps its random blocks under a causal mask.
   """
   nqb = _checks.integer("num_q_blocks", num_q_blocks, minimum=1)
-  nkb = nqb if num_kv_blocks is None else _checks.integer("num_kv_blocks", num_kv_blocks,
-                                                          minimum=1)
+  nkb = nqb if num_kv_blocks is None else _checks.integer("num_kv_blocks", num_kv_blocks, minimum=1)
   window = _checks.integer("num_window_blocks", num_window_blocks, minimum=0)
   if window % 2 == 0 and window:
-    raise ValueError(f"num_window_blocks must be odd (centred on the query block) or 0, "
-                     f"got {window}")
+    raise ValueError(
+      f"num_window_blocks must be odd (centred on the query block) or 0, got {window}"
+    )
   n_global = _checks.integer("num_global_blocks", num_global_blocks, minimum=0)
   n_random = _checks.integer("num_random_blocks", num_random_blocks, minimum=0)
   seed = _checks.integer("seed", seed, minimum=0)
@@ -719,9 +792,17 @@ def bigbird_layout(num_q_blocks: int, num_kv_blocks: int | None = None, *,
   return layout
 
 
-def bigbird(q_len: int, kv_len: int | None = None, *, block_size: int = 64,
-            num_window_blocks: int = 3, num_global_blocks: int = 1, num_random_blocks: int = 2,
-            seed: int = 0, causal: bool = False) -> Mask:
+def bigbird(
+  q_len: int,
+  kv_len: int | None = None,
+  *,
+  block_size: int = 64,
+  num_window_blocks: int = 3,
+  num_global_blocks: int = 1,
+  num_random_blocks: int = 2,
+  seed: int = 0,
+  causal: bool = False,
+) -> Mask:
   """BigBird's sparse pattern for ``q_len`` queries and ``kv_len`` keys/values:
   ``block_sparse(bigbird_layout(...), block_size)``; see :func:`bigbird_layout`.
 
@@ -740,9 +821,14 @@ def bigbird(q_len: int, kv_len: int | None = None, *, block_size: int = 64,
   kv_len = q_len if kv_len is None else _checks.integer("kv_len", kv_len, minimum=1)
   block_size = _checks.integer("block_size", block_size, minimum=1)
   layout = bigbird_layout(
-      math.ceil(q_len / block_size), math.ceil(kv_len / block_size),
-      num_window_blocks=num_window_blocks, num_global_blocks=num_global_blocks,
-      num_random_blocks=num_random_blocks, seed=seed, causal=causal)
+    math.ceil(q_len / block_size),
+    math.ceil(kv_len / block_size),
+    num_window_blocks=num_window_blocks,
+    num_global_blocks=num_global_blocks,
+    num_random_blocks=num_random_blocks,
+    seed=seed,
+    causal=causal,
+  )
   mask = block_sparse(layout, block_size)
   return mask & Mask(_CAUSAL, (0,)) if causal else mask  # the causal() mask
 
@@ -765,10 +851,13 @@ def _array_bounds(params, children, t: _Tiles):
 
 
 _ARRAY = _Rule(
-    "from_array", _array_eval, _array_bounds,
-    lambda params, children: _array_extents(jnp.shape(children[0])),
-    lambda params, children: f"from_array({_shape_str(children[0])})",
-    dense=lambda params, children, grid: _as_rank(children[0], 4))
+  "from_array",
+  _array_eval,
+  _array_bounds,
+  lambda params, children: _array_extents(jnp.shape(children[0])),
+  lambda params, children: f"from_array({_shape_str(children[0])})",
+  dense=lambda params, children, grid: _as_rank(children[0], 4),
+)
 
 
 def from_array(mask) -> Mask:
@@ -779,8 +868,7 @@ def from_array(mask) -> Mask:
   """
   dtype = _checks.dtype_of(mask)
   if dtype != np.bool_:
-    raise TypeError(f"mask must be a boolean array, got dtype {dtype}; "
-                    "pass additive masks as bias")
+    raise TypeError(f"mask must be a boolean array, got dtype {dtype}; pass additive masks as bias")
   arr = mask if hasattr(mask, "shape") else np.asarray(mask)
   if arr.ndim > 4:
     raise ValueError(f"mask must have rank <= 4 (broadcastable to BNTS), got shape {arr.shape}")
@@ -795,9 +883,12 @@ def _fn_bounds(params, children, t: _Tiles):
 
 
 _FN = _Rule(
-    "from_fn", lambda params, children, b, h, q, kv: params[0](b, h, q, kv), _fn_bounds,
-    _no_extents,
-    lambda params, children: f"from_fn({getattr(params[0], '__name__', repr(params[0]))})")
+  "from_fn",
+  lambda params, children, b, h, q, kv: params[0](b, h, q, kv),
+  _fn_bounds,
+  _no_extents,
+  lambda params, children: f"from_fn({getattr(params[0], '__name__', repr(params[0]))})",
+)
 
 
 def from_fn(fn: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]) -> Mask:
@@ -806,8 +897,9 @@ def from_fn(fn: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array
   The indices are int arrays that broadcast against each other; write ``fn``
   with broadcasting jnp operations, computing from the indices (index a
   captured (T, S) array as ``table[q_idx, kv_idx]``): tiled implementations
-  evaluate it per tile, and attention checks this on two small grids. Tile classification is conservative
-  (every tile PARTIAL) unless ``block_view(..., exact=True)`` is asked for.
+  evaluate it per tile, and attention checks this on two small grids. Tile
+  classification is conservative (every tile PARTIAL) unless
+  ``block_view(..., exact=True)`` is asked for.
   """
   if not callable(fn):
     raise TypeError(f"from_fn needs a callable fn(batch, head, q_idx, kv_idx), got {fn!r}")
@@ -840,17 +932,29 @@ def _combined_extents(params, children) -> Extents:
 
 
 _AND = _Rule(
-    "and", lambda p, c, *idx: c[0](*idx) & c[1](*idx), _and_bounds, _combined_extents,
-    lambda p, c: f"({c[0]!r} & {c[1]!r})",
-    dense=lambda p, c, grid: _dense(c[0], grid) & _dense(c[1], grid))
+  "and",
+  lambda p, c, *idx: c[0](*idx) & c[1](*idx),
+  _and_bounds,
+  _combined_extents,
+  lambda p, c: f"({c[0]!r} & {c[1]!r})",
+  dense=lambda p, c, grid: _dense(c[0], grid) & _dense(c[1], grid),
+)
 _OR = _Rule(
-    "or", lambda p, c, *idx: c[0](*idx) | c[1](*idx), _or_bounds, _combined_extents,
-    lambda p, c: f"({c[0]!r} | {c[1]!r})",
-    dense=lambda p, c, grid: _dense(c[0], grid) | _dense(c[1], grid))
+  "or",
+  lambda p, c, *idx: c[0](*idx) | c[1](*idx),
+  _or_bounds,
+  _combined_extents,
+  lambda p, c: f"({c[0]!r} | {c[1]!r})",
+  dense=lambda p, c, grid: _dense(c[0], grid) | _dense(c[1], grid),
+)
 _NOT = _Rule(
-    "not", lambda p, c, *idx: ~c[0](*idx), _not_bounds, _combined_extents,
-    lambda p, c: f"~{c[0]!r}",
-    dense=lambda p, c, grid: ~_dense(c[0], grid))
+  "not",
+  lambda p, c, *idx: ~c[0](*idx),
+  _not_bounds,
+  _combined_extents,
+  lambda p, c: f"~{c[0]!r}",
+  dense=lambda p, c, grid: ~_dense(c[0], grid),
+)
 
 
 # --- index maps ----------------------------------------------------------------
@@ -858,8 +962,9 @@ _NOT = _Rule(
 
 def _reindex_eval(params, children, b, h, q, kv):
   mask, *maps = children
-  idx = tuple(i if m is None else jnp.asarray(m).at[i].get(mode="clip")
-              for m, i in zip(maps, (b, h, q, kv)))
+  idx = tuple(
+    i if m is None else jnp.asarray(m).at[i].get(mode="clip") for m, i in zip(maps, (b, h, q, kv))
+  )
   return mask(*idx)
 
 
@@ -900,14 +1005,16 @@ def _reindex_bounds(params, children, t: _Tiles):
 
 def _reindex_extents(params, children) -> Extents:
   mask, *maps = children
-  return tuple(own if m is None else jnp.shape(m)[0]
-               for own, m in zip(mask.extents, maps))
+  return tuple(own if m is None else jnp.shape(m)[0] for own, m in zip(mask.extents, maps))
 
 
 def _describe_reindex(params, children):
   mask, *maps = children
-  parts = [f"{name} {_shape_str(m)}" for name, m in zip(("batch", "head", "q", "kv"), maps)
-           if m is not None]
+  parts = [
+    f"{name} {_shape_str(m)}"
+    for name, m in zip(("batch", "head", "q", "kv"), maps)
+    if m is not None
+  ]
   return f"reindex({mask!r}, {', '.join(parts)})"
 
 
@@ -958,10 +1065,15 @@ def _dense(mask: Mask, grid) -> jax.Array:
 
 def _check_operand(other, op: str) -> Mask:
   if not isinstance(other, Mask):
-    what = (f"an array of shape {tuple(other.shape)} ({type(other).__name__})"
-            if hasattr(other, "shape") else f"{type(other).__name__} {other!r}")
-    raise TypeError(f"'{op}' combines a jattn.masks.Mask only with another Mask, got {what}; "
-                    "wrap a boolean array with masks.from_array(...) first")
+    what = (
+      f"an array of shape {tuple(other.shape)} ({type(other).__name__})"
+      if hasattr(other, "shape")
+      else f"{type(other).__name__} {other!r}"
+    )
+    raise TypeError(
+      f"'{op}' combines a jattn.masks.Mask only with another Mask, got {what}; "
+      "wrap a boolean array with masks.from_array(...) first"
+    )
   return other
 
 
@@ -1003,12 +1115,12 @@ class Mask(Node):
 
   def __and__(self, other: Mask) -> Mask:
     node = Mask(_AND, (), (self, _check_operand(other, "&")))
-    node.extents  # raises on incompatible shapes, at construction
+    _ = node.extents  # raises on incompatible shapes, at construction
     return node
 
   def __or__(self, other: Mask) -> Mask:
     node = Mask(_OR, (), (self, _check_operand(other, "|")))
-    node.extents
+    _ = node.extents
     return node
 
   def __rand__(self, other) -> Mask:
@@ -1022,7 +1134,7 @@ class Mask(Node):
 
   def _sizes(self, batch_size, num_heads) -> tuple[int, int]:
     own_b, own_n = self.extents[:2]
-    sizes = []
+    sizes: list[int] = []
     for name, given, own in (("batch_size", batch_size, own_b), ("num_heads", num_heads, own_n)):
       if given is None:
         sizes.append(own or 1)
@@ -1031,7 +1143,7 @@ class Mask(Node):
       if own is not None and own != given:
         raise ValueError(f"{name} is {given} but the mask holds arrays for {own}")
       sizes.append(given)
-    return tuple(sizes)
+    return sizes[0], sizes[1]
 
   def _check_lengths(self, q_len: int, kv_len: int) -> None:
     _, _, own_t, own_s = self.extents
@@ -1039,8 +1151,9 @@ class Mask(Node):
       if own is not None and own != given:
         raise ValueError(f"{name} is {given} but the mask holds arrays for length {own}")
 
-  def materialize(self, q_len: int, kv_len: int, *, batch_size: int | None = None,
-                  num_heads: int | None = None) -> jax.Array:
+  def materialize(
+    self, q_len: int, kv_len: int, *, batch_size: int | None = None, num_heads: int | None = None
+  ) -> jax.Array:
     """The dense boolean mask of shape (B, N, T, S).
 
     B and N default to the sizes of the mask's own arrays (1 when it has none).
@@ -1052,9 +1165,17 @@ class Mask(Node):
     dense = self.on_grid(index_grid(batch_size, num_heads, q_len, kv_len))
     return jnp.broadcast_to(dense, (batch_size, num_heads, q_len, kv_len))
 
-  def block_view(self, q_len: int, kv_len: int, *, block_q: int, block_kv: int,
-                 batch_size: int | None = None, num_heads: int | None = None,
-                 exact: bool = False):
+  def block_view(
+    self,
+    q_len: int,
+    kv_len: int,
+    *,
+    block_q: int,
+    block_kv: int,
+    batch_size: int | None = None,
+    num_heads: int | None = None,
+    exact: bool = False,
+  ):
     """Classify every (query tile, key/value tile) pair as EMPTY, PARTIAL or FULL.
 
     Tiles are ``block_q`` queries by ``block_kv`` keys; the last tile of each
@@ -1084,11 +1205,15 @@ class Mask(Node):
         q_lo = jnp.arange(nq, dtype=jnp.int32) * block_q
         kv_lo = jnp.arange(nk, dtype=jnp.int32) * block_kv
         tiles = _Tiles(
-            q_lo=q_lo.reshape(1, 1, -1, 1),
-            q_hi=jnp.minimum(q_lo + block_q, q_len).reshape(1, 1, -1, 1) - 1,
-            kv_lo=kv_lo.reshape(1, 1, 1, -1),
-            kv_hi=jnp.minimum(kv_lo + block_kv, kv_len).reshape(1, 1, 1, -1) - 1,
-            block_q=block_q, block_kv=block_kv, q_len=q_len, kv_len=kv_len)
+          q_lo=q_lo.reshape(1, 1, -1, 1),
+          q_hi=jnp.minimum(q_lo + block_q, q_len).reshape(1, 1, -1, 1) - 1,
+          kv_lo=kv_lo.reshape(1, 1, 1, -1),
+          kv_hi=jnp.minimum(kv_lo + block_kv, kv_len).reshape(1, 1, 1, -1) - 1,
+          block_q=block_q,
+          block_kv=block_kv,
+          q_len=q_len,
+          kv_len=kv_len,
+        )
         any_, all_ = _bounds(self, tiles)
       view = jnp.where(all_, FULL, jnp.where(any_, PARTIAL, EMPTY)).astype(jnp.int8)
       view = jnp.broadcast_to(view, (batch_size, num_heads, nq, nk))

@@ -28,8 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
-from jattn import _checks
-from jattn import _flax, positional
+from jattn import _checks, _flax, positional
 from jattn import decode as _decode
 from jattn import hopfield as _hopfield
 
@@ -72,28 +71,66 @@ class MultiHeadAttention(nnx.Module):
     (2, 10, 32)
   """
 
-  def __init__(self, num_heads: int, in_features: int, *, num_kv_heads: int | None = None,
-               qkv_features: int | None = None, out_features: int | None = None,
-               in_kv_features: int | None = None, use_bias: bool = True,
-               dropout_rate: float = 0.0, broadcast_dropout: bool = False,
-               deterministic: bool | None = None, is_causal: bool = False,
-               rope: positional.Rotary | None = None, normalize_qk: bool | str = False,
-               implementation: str | None = None, backward: str | None = None,
-               block_q: int | None = None, block_kv: int | None = None, dtype: Any = None,
-               param_dtype: Any = jnp.float32, precision: Any = None,
-               kernel_init: Any = default_kernel_init,
-               bias_init: Any = nnx.initializers.zeros_init(), out_kernel_init: Any = None,
-               rngs: nnx.Rngs):
+  # Set in __init__ and init_cache; None until there is one (no QK norm, no cache).
+  query_ln: Any
+  key_ln: Any
+  cache_key: Any
+  cache_value: Any
+  cache_lengths: Any
+
+  def __init__(
+    self,
+    num_heads: int,
+    in_features: int,
+    *,
+    num_kv_heads: int | None = None,
+    qkv_features: int | None = None,
+    out_features: int | None = None,
+    in_kv_features: int | None = None,
+    use_bias: bool = True,
+    dropout_rate: float = 0.0,
+    broadcast_dropout: bool = False,
+    deterministic: bool | None = None,
+    is_causal: bool = False,
+    rope: positional.Rotary | None = None,
+    normalize_qk: bool | str = False,
+    implementation: str | None = None,
+    backward: str | None = None,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    precision: Any = None,
+    kernel_init: Any = default_kernel_init,
+    bias_init: Any = nnx.initializers.zeros_init(),
+    out_kernel_init: Any = None,
+    rngs: nnx.Rngs,
+  ):
     heads = _flax.check_config(
-        num_heads=num_heads, in_features=in_features, num_kv_heads=num_kv_heads,
-        qkv_features=qkv_features, out_features=out_features, in_kv_features=in_kv_features,
-        dropout_rate=dropout_rate,
-        broadcast_dropout=broadcast_dropout, deterministic=deterministic, is_causal=is_causal,
-        rope=rope, normalize_qk=normalize_qk, implementation=implementation, backward=backward,
-        block_q=block_q, block_kv=block_kv)
+      num_heads=num_heads,
+      in_features=in_features,
+      num_kv_heads=num_kv_heads,
+      qkv_features=qkv_features,
+      out_features=out_features,
+      in_kv_features=in_kv_features,
+      dropout_rate=dropout_rate,
+      broadcast_dropout=broadcast_dropout,
+      deterministic=deterministic,
+      is_causal=is_causal,
+      rope=rope,
+      normalize_qk=normalize_qk,
+      implementation=implementation,
+      backward=backward,
+      block_q=block_q,
+      block_kv=block_kv,
+    )
+    assert heads is not None  # None only without in_features, which Linen infers
     self.heads = heads
     self.num_heads, self.num_kv_heads, self.head_dim = (
-        heads.num_heads, heads.num_kv_heads, heads.head_dim)
+      heads.num_heads,
+      heads.num_kv_heads,
+      heads.head_dim,
+    )
     self.in_features = in_features
     self.in_kv_features = in_features if in_kv_features is None else in_kv_features
     self.dropout_rate = float(dropout_rate)
@@ -105,24 +142,42 @@ class MultiHeadAttention(nnx.Module):
     self.implementation, self.backward = implementation, backward
     self.block_q, self.block_kv = block_q, block_kv
 
-    linear = functools.partial(nnx.LinearGeneral, use_bias=use_bias, dtype=dtype,
-                               param_dtype=param_dtype, precision=precision,
-                               kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
+    linear = functools.partial(
+      nnx.LinearGeneral,
+      use_bias=use_bias,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      precision=precision,
+      kernel_init=kernel_init,
+      bias_init=bias_init,
+      rngs=rngs,
+    )
     H = heads.head_dim
     self.query = linear(in_features, (heads.num_heads, H))
     self.key = linear(self.in_kv_features, (heads.num_kv_heads, H))
     self.value = linear(self.in_kv_features, (heads.num_kv_heads, H))
-    norm = {"rms": nnx.RMSNorm, "layernorm": functools.partial(nnx.LayerNorm, use_bias=False),
-            None: None}[_flax.qk_norm_kind(normalize_qk)]
+    norm = {
+      "rms": nnx.RMSNorm,
+      "layernorm": functools.partial(nnx.LayerNorm, use_bias=False),
+      None: None,
+    }[_flax.qk_norm_kind(normalize_qk)]
     if norm is None:
       self.query_ln = self.key_ln = nnx.data(None)
     else:
       self.query_ln = norm(H, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
       self.key_ln = norm(H, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.out = nnx.LinearGeneral(
-        (heads.num_heads, H), heads.out_features, axis=(-2, -1), use_bias=use_bias,
-        dtype=dtype, param_dtype=param_dtype, precision=precision,
-        kernel_init=out_kernel_init or kernel_init, bias_init=bias_init, rngs=rngs)
+      (heads.num_heads, H),
+      heads.out_features,
+      axis=(-2, -1),
+      use_bias=use_bias,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      precision=precision,
+      kernel_init=out_kernel_init or kernel_init,
+      bias_init=bias_init,
+      rngs=rngs,
+    )
     self.rngs = rngs.dropout.fork() if dropout_rate > 0 else None
     self.cache_key = self.cache_value = self.cache_lengths = nnx.data(None)
 
@@ -145,10 +200,20 @@ class MultiHeadAttention(nnx.Module):
       return None
     return _decode.KVCache(self.cache_key[...], self.cache_value[...], self.cache_lengths[...])
 
-  def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
-               mask: Any = None, segment_ids: Any = None, positions: Any = None,
-               deterministic: bool | None = None, decode: bool = False, num_new: Any = None,
-               sow_weights: bool = False, rngs: nnx.Rngs | nnx.RngStream | None = None):
+  def __call__(
+    self,
+    inputs_q: jax.Array,
+    inputs_kv: jax.Array | None = None,
+    *,
+    mask: Any = None,
+    segment_ids: Any = None,
+    positions: Any = None,
+    deterministic: bool | None = None,
+    decode: bool = False,
+    num_new: Any = None,
+    sow_weights: bool = False,
+    rngs: nnx.Rngs | nnx.RngStream | None = None,
+  ):
     """Attend from ``inputs_q`` to ``inputs_kv`` (default: itself).
 
     Args:
@@ -177,18 +242,29 @@ class MultiHeadAttention(nnx.Module):
     cross = inputs_kv is not None
     _flax.check_inputs(inputs_q, inputs_kv, self.in_features, self.in_kv_features)
     cache = self.cache if decode is True else None
-    _flax.check_call(inputs_q=inputs_q, cross=cross, decode_=decode,
-                     cache=cache, positions=positions, segment_ids=segment_ids,
-                     num_new=num_new, sow_weights=sow_weights,
-                     implementation=self.implementation, rope=self.rope)
-    deterministic = _flax.resolve_deterministic(self.dropout_rate, deterministic,
-                                                self.deterministic)
+    _flax.check_call(
+      inputs_q=inputs_q,
+      cross=cross,
+      decode_=decode,
+      cache=cache,
+      positions=positions,
+      segment_ids=segment_ids,
+      num_new=num_new,
+      sow_weights=sow_weights,
+      implementation=self.implementation,
+      rope=self.rope,
+    )
+    deterministic = _flax.resolve_deterministic(
+      self.dropout_rate, deterministic, self.deterministic
+    )
     dropout_rng = None
     if not deterministic:
       stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs or self.rngs)
       if stream is None:
-        raise ValueError("dropout needs an rng: construct with nnx.Rngs(..., dropout=...) or "
-                         "pass rngs= to the call")
+        raise ValueError(
+          "dropout needs an rng: construct with nnx.Rngs(..., dropout=...) or "
+          "pass rngs= to the call"
+        )
       dropout_rng = stream()
 
     kv_in = inputs_q if inputs_kv is None else inputs_kv
@@ -198,17 +274,32 @@ class MultiHeadAttention(nnx.Module):
     if cache is not None and key.dtype != cache.key.dtype:
       name = lambda d: None if d is None else jnp.dtype(d).name
       raise TypeError(
-          f"the KV cache holds {cache.key.dtype} keys and values (init_cache's dtype), but this "
-          f"module computes them in {key.dtype} (module dtype={name(self.query.dtype)}, "
-          f"param_dtype={name(self.query.param_dtype)}, inputs {inputs_q.dtype}); call "
-          f"init_cache(batch_size, max_length, dtype={key.dtype})")
+        f"the KV cache holds {cache.key.dtype} keys and values (init_cache's dtype), but this "
+        f"module computes them in {key.dtype} (module dtype={name(self.query.dtype)}, "
+        f"param_dtype={name(self.query.param_dtype)}, inputs {inputs_q.dtype}); call "
+        f"init_cache(batch_size, max_length, dtype={key.dtype})"
+      )
     out, weights, new_cache = _flax.attend(
-        query, key, value, heads=self.heads, is_causal=self.is_causal, rope=self.rope,
-        positions=positions, mask=mask, segment_ids=segment_ids, cache=cache, num_new=num_new,
-        dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
-        dropout_rng=dropout_rng, broadcast_dropout=self.broadcast_dropout,
-        implementation=self.implementation, backward=self.backward, block_q=self.block_q,
-        block_kv=self.block_kv, sow_weights=bool(sow_weights))
+      query,
+      key,
+      value,
+      heads=self.heads,
+      is_causal=self.is_causal,
+      rope=self.rope,
+      positions=positions,
+      mask=mask,
+      segment_ids=segment_ids,
+      cache=cache,
+      num_new=num_new,
+      dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
+      dropout_rng=dropout_rng,
+      broadcast_dropout=self.broadcast_dropout,
+      implementation=self.implementation,
+      backward=self.backward,
+      block_q=self.block_q,
+      block_kv=self.block_kv,
+      sow_weights=bool(sow_weights),
+    )
     if weights is not None:
       self.sow(nnx.Intermediate, "attention_weights", weights)
     if new_cache is not None:
@@ -259,20 +350,31 @@ class HopfieldLayer(nnx.Module):
     (2, 5, 16)
   """
 
-  def __init__(self, in_features: int, num_patterns: int, *, beta: float | None = None,
-               steps: int = 1, pattern_init: Any = nnx.initializers.normal(stddev=1.0),
-               param_dtype: Any = jnp.float32, dtype: Any = None, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    in_features: int,
+    num_patterns: int,
+    *,
+    beta: float | None = None,
+    steps: int = 1,
+    pattern_init: Any = nnx.initializers.normal(stddev=1.0),
+    param_dtype: Any = jnp.float32,
+    dtype: Any = None,
+    rngs: nnx.Rngs,
+  ):
     self.in_features = _checks.integer("in_features", in_features, minimum=1)
     self.num_patterns = _checks.integer("num_patterns", num_patterns, minimum=1)
-    self.beta = (1.0 / math.sqrt(self.in_features) if beta is None
-                 else _hopfield._check_beta(beta))
+    self.beta = 1.0 / math.sqrt(self.in_features) if beta is None else _hopfield._check_beta(beta)
     self.steps = _checks.integer("steps", steps, minimum=1)
     if not callable(pattern_init):
-      raise TypeError(f"pattern_init must be an initializer (key, shape, dtype) -> array, got "
-                      f"{type(pattern_init).__name__}")
+      raise TypeError(
+        f"pattern_init must be an initializer (key, shape, dtype) -> array, got "
+        f"{type(pattern_init).__name__}"
+      )
     self.dtype, self.param_dtype = dtype, param_dtype
-    self.patterns = nnx.Param(pattern_init(rngs.params(), (self.num_patterns, self.in_features),
-                                           param_dtype))
+    self.patterns = nnx.Param(
+      pattern_init(rngs.params(), (self.num_patterns, self.in_features), param_dtype)
+    )
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
     """Retrieve from the stored patterns.
@@ -286,7 +388,9 @@ class HopfieldLayer(nnx.Module):
     if not hasattr(inputs, "shape") or not hasattr(inputs, "dtype"):
       raise TypeError(f"inputs must be an array, got {type(inputs).__name__}")
     if inputs.ndim < 1 or inputs.shape[-1] != self.in_features:
-      raise ValueError(f"inputs must have {self.in_features} features in its last dimension, "
-                       f"got shape {tuple(inputs.shape)}")
+      raise ValueError(
+        f"inputs must have {self.in_features} features in its last dimension, "
+        f"got shape {tuple(inputs.shape)}"
+      )
     inputs, patterns = nnx_dtypes.promote_dtype((inputs, self.patterns[...]), dtype=self.dtype)
     return _hopfield.retrieve(inputs, patterns, beta=self.beta, steps=self.steps)

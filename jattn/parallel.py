@@ -97,8 +97,9 @@ def positions(layout: str, length: int, num_shards: int) -> np.ndarray:
   num_shards = _checks.integer("num_shards", num_shards, minimum=1)
   _check_divisible("length", length, layout, num_shards)
   with jax.ensure_compile_time_eval():
-    pos = jnp.concatenate([_shard_positions(layout, length, num_shards, i)
-                           for i in range(num_shards)])
+    pos = jnp.concatenate(
+      [_shard_positions(layout, length, num_shards, i) for i in range(num_shards)]
+    )
   return np.asarray(pos, np.int32)
 
 
@@ -130,10 +131,11 @@ def _reorder(x, layout: str, num_shards: int, axis, *, inverse: bool):
 def _check_divisible(name: str, length: int, layout: str, num_shards: int) -> None:
   parts = 2 * num_shards if layout == "zigzag" else num_shards
   if length % parts:
-    what = (f"2 x {num_shards} zig-zag chunks" if layout == "zigzag"
-            else f"{num_shards} devices")
-    raise ValueError(f"{name} must be divisible by the number of shards: {length} does not "
-                     f"split into {what} (layout={layout!r})")
+    what = f"2 x {num_shards} zig-zag chunks" if layout == "zigzag" else f"{num_shards} devices"
+    raise ValueError(
+      f"{name} must be divisible by the number of shards: {length} does not "
+      f"split into {what} (layout={layout!r})"
+    )
 
 
 # --- ring attention -------------------------------------------------------------
@@ -141,6 +143,7 @@ def _check_divisible(name: str, length: int, layout: str, num_shards: int) -> No
 
 class _Ring(NamedTuple):
   """Static settings of one ring: hashable, the custom_vjp's non-differentiable argument."""
+
   axis_name: Any
   size: int  # P
   layout: str
@@ -155,26 +158,26 @@ class _Ring(NamedTuple):
 
 
 def ring_attention(
-    query: jax.typing.ArrayLike,
-    key: jax.typing.ArrayLike,
-    value: jax.typing.ArrayLike,
-    *,
-    mesh: Mesh,
-    axis_name: str,
-    is_causal: bool = False,
-    segment_ids: Any = None,
-    mask: masks.Mask | None = None,
-    scale: float | None = None,
-    query_seq_lengths: jax.typing.ArrayLike | None = None,
-    key_value_seq_lengths: jax.typing.ArrayLike | None = None,
-    local_window_size: int | tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    layout: str = "contiguous",
-    batch_axis: str | tuple[str, ...] | None = None,
-    head_axis: str | tuple[str, ...] | None = None,
-    block_q: int | None = None,
-    block_kv: int | None = None,
-    return_residual: bool = False,
+  query: jax.typing.ArrayLike,
+  key: jax.typing.ArrayLike,
+  value: jax.typing.ArrayLike,
+  *,
+  mesh: Mesh,
+  axis_name: str,
+  is_causal: bool = False,
+  segment_ids: Any = None,
+  mask: masks.Mask | None = None,
+  scale: float | None = None,
+  query_seq_lengths: jax.typing.ArrayLike | None = None,
+  key_value_seq_lengths: jax.typing.ArrayLike | None = None,
+  local_window_size: int | tuple[int, int] | None = None,
+  logits_soft_cap: float | None = None,
+  layout: str = "contiguous",
+  batch_axis: str | tuple[str, ...] | None = None,
+  head_axis: str | tuple[str, ...] | None = None,
+  block_q: int | None = None,
+  block_kv: int | None = None,
+  return_residual: bool = False,
 ):
   """Attention with the sequence sharded over mesh axis ``axis_name`` (ring attention).
 
@@ -227,8 +230,9 @@ def ring_attention(
   """
   q, k, v = _checks.qkv(query, key, value)
   if q.ndim != 4:
-    raise ValueError(f"ring_attention needs batched inputs: query (B, T, N, H), got shape "
-                     f"{q.shape}")
+    raise ValueError(
+      f"ring_attention needs batched inputs: query (B, T, N, H), got shape {q.shape}"
+    )
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   if not isinstance(mesh, Mesh):
@@ -238,43 +242,60 @@ def ring_attention(
   head_axes = _check_mesh_axes("head_axis", head_axis, mesh)
   used = [a for axes in (ring_axes, batch_axes, head_axes) for a in axes]
   if len(set(used)) != len(used):
-    raise ValueError(f"axis_name, batch_axis and head_axis must name different mesh axes, got "
-                     f"axis_name={axis_name!r}, batch_axis={batch_axis!r}, "
-                     f"head_axis={head_axis!r}")
+    raise ValueError(
+      f"axis_name, batch_axis and head_axis must name different mesh axes, got "
+      f"axis_name={axis_name!r}, batch_axis={batch_axis!r}, "
+      f"head_axis={head_axis!r}"
+    )
   layout = _check_layout(layout)
   size = mesh.shape[axis_name]
   _check_divisible("query length T", T, layout, size)
   _check_divisible("key/value length S", S, layout, size)
-  for name, n, axes in (("batch size B", B, batch_axes), ("number of query heads N", N, head_axes),
-                        ("number of key/value heads K", K, head_axes)):
+  for name, n, axes in (
+    ("batch size B", B, batch_axes),
+    ("number of query heads N", N, head_axes),
+    ("number of key/value heads K", K, head_axes),
+  ):
     parts = math.prod(mesh.shape[a] for a in axes)
     if n % parts:
-      raise ValueError(f"{name} ({n}) must be divisible by the {parts} devices of mesh axes "
-                       f"{axes}")
+      raise ValueError(f"{name} ({n}) must be divisible by the {parts} devices of mesh axes {axes}")
   scale = attention._check_scale(scale, H)
   attention._check_flags(is_causal=is_causal, return_residual=return_residual)
   if mask is not None and not isinstance(mask, masks.Mask):
-    raise TypeError(f"ring_attention takes mask as a jattn.masks.Mask, got "
-                    f"{type(mask).__name__}; a dense (T, S) array defeats sharding the sequence")
+    raise TypeError(
+      f"ring_attention takes mask as a jattn.masks.Mask, got "
+      f"{type(mask).__name__}; a dense (T, S) array defeats sharding the sequence"
+    )
   window = attention._check_window(local_window_size)
-  lengths = tuple(attention._check_lengths(name, x, B) for name, x in (
-      ("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths", key_value_seq_lengths)))
-  combined = attention._combine_masks(mask, is_causal, window, lengths, None, False,
-                                      (B, N, T, S))
+  lengths = tuple(
+    attention._check_lengths(name, x, B)
+    for name, x in (
+      ("query_seq_lengths", query_seq_lengths),
+      ("key_value_seq_lengths", key_value_seq_lengths),
+    )
+  )
+  combined = attention._combine_masks(mask, is_causal, window, lengths, None, False, (B, N, T, S))
   q_ids = kv_ids = None
   if segment_ids is not None:
     seg = attention._check_segments(segment_ids, False, T, S)
-    q_ids, kv_ids = (jnp.broadcast_to(jnp.asarray(x), (B, n)) for x, n in
-                     zip(seg.children, (T, S)))
+    q_ids, kv_ids = (jnp.broadcast_to(jnp.asarray(x), (B, n)) for x, n in zip(seg.children, (T, S)))
   soft_cap = None
   if logits_soft_cap is not None:
     attention._check_score(None, logits_soft_cap, q.dtype, (B, N, T, S))
     soft_cap = float(logits_soft_cap)
-  blocks = attention._check_blocks("blockwise", block_q, block_kv)
-  defaults = blockwise.default_blocks(jax.default_backend())
-  blocks = tuple(d if b is None else b for b, d in zip(blocks, defaults))
-  ring = _Ring(axis_name, size, layout, T, S, scale, soft_cap, *blocks,
-               _axes_or_none(batch_axes), _axes_or_none(head_axes))
+  blocks = blockwise.resolve_blocks(*attention._check_blocks("blockwise", block_q, block_kv))
+  ring = _Ring(
+    axis_name,
+    size,
+    layout,
+    T,
+    S,
+    scale,
+    soft_cap,
+    *blocks,
+    _axes_or_none(batch_axes),
+    _axes_or_none(head_axes),
+  )
   out, lse = _ring_call(q, k, v, q_ids, kv_ids, combined, ring=ring, mesh=mesh)
   if return_residual:
     return out, lse.astype(q.dtype)
@@ -289,8 +310,9 @@ def _check_mesh_axes(name: str, axes, mesh: Mesh, *, allow_tuple: bool = True) -
   names = axes if allow_tuple and isinstance(axes, tuple) else (axes,)
   for a in names:
     if a not in mesh.axis_names:
-      raise ValueError(f"{name}={axes!r}: unknown mesh axis {a!r}; the mesh has axes "
-                       f"{tuple(mesh.axis_names)}")
+      raise ValueError(
+        f"{name}={axes!r}: unknown mesh axis {a!r}; the mesh has axes {tuple(mesh.axis_names)}"
+      )
   return tuple(names)
 
 
@@ -305,13 +327,15 @@ def _ring_call(query, key, value, q_ids, kv_ids, mask, *, ring: _Ring, mesh: Mes
   seq = P(ring.batch_axis, ring.axis_name, ring.head_axis, None)
   ids = P(ring.batch_axis, ring.axis_name)
   run = jax.shard_map(
-      functools.partial(_per_device, ring), mesh=mesh,
-      in_specs=(seq, seq, seq, ids, ids, P()),
-      out_specs=(seq, P(ring.batch_axis, ring.axis_name, ring.head_axis)),
-      # Off: the ring's custom_vjp supplies the backward pass, so JAX never transposes
-      # these collectives (what the varying-axes types serve), and the scan carries mix
-      # device-varying shards with constant zeros, which the check would want annotated.
-      check_vma=False)
+    functools.partial(_per_device, ring),
+    mesh=mesh,
+    in_specs=(seq, seq, seq, ids, ids, P()),
+    out_specs=(seq, P(ring.batch_axis, ring.axis_name, ring.head_axis)),
+    # Off: the ring's custom_vjp supplies the backward pass, so JAX never transposes
+    # these collectives (what the varying-axes types serve), and the scan carries mix
+    # device-varying shards with constant zeros, which the check would want annotated.
+    check_vma=False,
+  )
   out, lse = run(query, key, value, q_ids, kv_ids, mask)
   return out, lse
 
@@ -329,8 +353,9 @@ def _maps(ring: _Ring, query):
   B, _, N, _ = query.shape
   out = []
   for axes, n in ((ring.batch_axis, B), (ring.head_axis, N)):
-    out.append(None if axes is None else
-               jax.lax.axis_index(axes) * n + jnp.arange(n, dtype=jnp.int32))
+    out.append(
+      None if axes is None else jax.lax.axis_index(axes) * n + jnp.arange(n, dtype=jnp.int32)
+    )
   return out
 
 
@@ -340,15 +365,27 @@ def _pair_plan(ring: _Ring, query, key, q_ids, kv_ids, mask, source) -> blockwis
   parts = []
   if mask is not None:
     batch, head = _maps(ring, query)
-    parts.append(masks.reindex(
-        mask, batch=batch, head=head,
+    parts.append(
+      masks.reindex(
+        mask,
+        batch=batch,
+        head=head,
         q=_shard_positions(ring.layout, ring.q_len, ring.size, here),
-        kv=_shard_positions(ring.layout, ring.kv_len, ring.size, source)))
+        kv=_shard_positions(ring.layout, ring.kv_len, ring.size, source),
+      )
+    )
   if q_ids is not None:
     parts.append(masks.segments(q_ids, kv_ids))
   score = None if ring.soft_cap is None else scores.soft_cap(ring.soft_cap)
-  return blockwise.plan(query, key, mask=masks.all_of(*parts), score_fn=score,
-                        scale=ring.scale, block_q=ring.block_q, block_kv=ring.block_kv)
+  return blockwise.plan(
+    query,
+    key,
+    mask=masks.all_of(*parts),
+    score_fn=score,
+    scale=ring.scale,
+    block_q=ring.block_q,
+    block_kv=ring.block_kv,
+  )
 
 
 def _source(ring: _Ring, step):
@@ -374,8 +411,10 @@ def _merge(a, b):
   (out_a, m_a, l_a), (out_b, m_b, l_b) = a, b
   live = lambda m, l: jnp.where(l > 0, m, -jnp.inf)
   m = _common.row_max(jnp.maximum(live(m_a, l_a), live(m_b, l_b)))
-  w_a, w_b = (jnp.where(l > 0, l * jnp.exp(jnp.where(l > 0, x - m, 0)), 0)
-              for x, l in ((m_a, l_a), (m_b, l_b)))
+  w_a, w_b = (
+    jnp.where(l > 0, l * jnp.exp(jnp.where(l > 0, x - m, 0)), 0)
+    for x, l in ((m_a, l_a), (m_b, l_b))
+  )
   l = w_a + w_b
   out = (out_a * w_a[..., None] + out_b * w_b[..., None]) / _common.safe_total(l)[..., None]
   return out, m, l
@@ -383,6 +422,7 @@ def _merge(a, b):
 
 def _forward(ring: _Ring, query, key, value, q_ids, kv_ids, mask):
   """This device's ``(out, m, l)`` in float32/64 after the whole ring (see blockwise.forward)."""
+
   def attend(step, kv):
     k, v, ids = kv
     plan = _pair_plan(ring, query, k, q_ids, ids, mask, _source(ring, step))
@@ -395,8 +435,7 @@ def _forward(ring: _Ring, query, key, value, q_ids, kv_ids, mask):
 
   B, T, N, H = query.shape
   dtype = _common.stats_dtype(query.dtype)
-  empty = (jnp.zeros((B, T, N, H), dtype), jnp.zeros((B, T, N), dtype),
-           jnp.zeros((B, T, N), dtype))
+  empty = (jnp.zeros((B, T, N, H), dtype), jnp.zeros((B, T, N), dtype), jnp.zeros((B, T, N), dtype))
   (kv, acc), _ = jax.lax.scan(step, ((key, value, kv_ids), empty), jnp.arange(ring.size - 1))
   return _merge(acc, attend(ring.size - 1, kv))
 

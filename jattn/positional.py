@@ -43,8 +43,13 @@ SCALING_KINDS = ("linear", "ntk", "llama3", "yarn")
 # --------------------------------------------------------------------------- sinusoids
 
 
-def sinusoidal(positions: jax.typing.ArrayLike, dim: int, *, max_timescale: float = 10_000,
-               dtype: Any = jnp.float32) -> jax.Array:
+def sinusoidal(
+  positions: jax.typing.ArrayLike,
+  dim: int,
+  *,
+  max_timescale: float = 10_000,
+  dtype: Any = jnp.float32,
+) -> jax.Array:
   """Sinusoidal position embeddings (Vaswani et al., 2017, section 3.5).
 
   With ``w_i = max_timescale ** (-2 i / dim)`` for ``i = 0 .. dim/2 - 1``, the
@@ -83,7 +88,8 @@ def sinusoidal(positions: jax.typing.ArrayLike, dim: int, *, max_timescale: floa
   inv_timescales = max_timescale ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
   positions = jnp.asarray(positions).astype(compute)
   angles = positions[..., None] * jnp.asarray(inv_timescales, compute).reshape(
-      (1,) * positions.ndim + (dim // 2,))
+    (1,) * positions.ndim + (dim // 2,)
+  )
   return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1).astype(dtype)
 
 
@@ -157,17 +163,23 @@ class RopeScaling:
         raise ValueError(f"{name} must be finite, got {value}")
       fields[name] = value
     if fields["factor"] < 1:
-      raise ValueError(f"factor must be >= 1 (the ratio by which the context grows), got "
-                       f"{fields['factor']}")
+      raise ValueError(
+        f"factor must be >= 1 (the ratio by which the context grows), got {fields['factor']}"
+      )
     fields["original_max_position"] = _checks.integer(
-        "original_max_position", self.original_max_position, minimum=1)
+      "original_max_position", self.original_max_position, minimum=1
+    )
     if not 0 < fields["low_freq_factor"] < fields["high_freq_factor"]:
-      raise ValueError(f"low_freq_factor ({fields['low_freq_factor']}) and high_freq_factor "
-                       f"({fields['high_freq_factor']}) must satisfy 0 < low_freq_factor < "
-                       f"high_freq_factor")
+      raise ValueError(
+        f"low_freq_factor ({fields['low_freq_factor']}) and high_freq_factor "
+        f"({fields['high_freq_factor']}) must satisfy 0 < low_freq_factor < "
+        f"high_freq_factor"
+      )
     if not 0 < fields["beta_slow"] < fields["beta_fast"]:
-      raise ValueError(f"beta_fast ({fields['beta_fast']}) and beta_slow ({fields['beta_slow']}) "
-                       f"must satisfy beta_fast > beta_slow > 0")
+      raise ValueError(
+        f"beta_fast ({fields['beta_fast']}) and beta_slow ({fields['beta_slow']}) "
+        f"must satisfy beta_fast > beta_slow > 0"
+      )
     if self.attention_factor is not None:
       value = _checks.real("attention_factor", self.attention_factor)
       if not (value > 0 and math.isfinite(value)):
@@ -194,7 +206,7 @@ class RopeScaling:
 def _scaled_frequencies(rotary_dim: int, base: float, scaling: RopeScaling | None) -> np.ndarray:
   """(R/2,) float64 inverse frequencies; arguments already validated."""
   exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
-  inv_freq = base ** -exponents
+  inv_freq = base**-exponents
   if scaling is None:
     return inv_freq
   factor = scaling.factor
@@ -209,12 +221,18 @@ def _scaled_frequencies(rotary_dim: int, base: float, scaling: RopeScaling | Non
       wavelen = 2 * math.pi / inv_freq
       smooth = (old / wavelen - low) / (high - low)
       medium = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-      return np.where(wavelen < old / high, inv_freq,
-                      np.where(wavelen > old / low, inv_freq / factor, medium))
+      return np.where(
+        wavelen < old / high, inv_freq, np.where(wavelen > old / low, inv_freq / factor, medium)
+      )
     case "yarn":
+
       def correction_dim(rotations):
-        return (rotary_dim * math.log(scaling.original_max_position / (rotations * 2 * math.pi))
-                / (2 * math.log(base)))
+        return (
+          rotary_dim
+          * math.log(scaling.original_max_position / (rotations * 2 * math.pi))
+          / (2 * math.log(base))
+        )
+
       low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
       if scaling.truncate:
         low, high = math.floor(low), math.ceil(high)
@@ -243,8 +261,9 @@ def _check_fraction(rotary_fraction) -> float:
 
 def _check_scaling(scaling) -> RopeScaling | None:
   if scaling is not None and not isinstance(scaling, RopeScaling):
-    raise TypeError(f"scaling must be a jattn.positional.RopeScaling or None, got "
-                    f"{type(scaling).__name__}")
+    raise TypeError(
+      f"scaling must be a jattn.positional.RopeScaling or None, got {type(scaling).__name__}"
+    )
   return scaling
 
 
@@ -252,22 +271,28 @@ def _check_rotary_dim(rotary_dim: int, scaling: RopeScaling | None, *, context: 
   if rotary_dim < 2 or rotary_dim % 2:
     raise ValueError(f"{context} gives rotary_dim={rotary_dim}; it must be even and >= 2")
   if scaling is not None and scaling.kind == "ntk" and rotary_dim == 2:
-    raise ValueError(f"scaling kind 'ntk' needs rotary_dim > 2 (its base change divides by "
-                     f"rotary_dim - 2); {context} gives rotary_dim=2")
+    raise ValueError(
+      f"scaling kind 'ntk' needs rotary_dim > 2 (its base change divides by "
+      f"rotary_dim - 2); {context} gives rotary_dim=2"
+    )
 
 
 def _rotary_dim(head_dim: int, rotary_fraction: float, scaling: RopeScaling | None) -> int:
   rotary_dim = int(head_dim * rotary_fraction)
-  _check_rotary_dim(rotary_dim, scaling, context=(
-      f"rotary_fraction ({rotary_fraction}) times the head dimension H ({head_dim})"))
+  _check_rotary_dim(
+    rotary_dim,
+    scaling,
+    context=(f"rotary_fraction ({rotary_fraction}) times the head dimension H ({head_dim})"),
+  )
   return rotary_dim
 
 
 # --------------------------------------------------------------------------- RoPE
 
 
-def rope_frequencies(rotary_dim: int, *, base: float = 10_000.0,
-                     scaling: RopeScaling | None = None) -> np.ndarray:
+def rope_frequencies(
+  rotary_dim: int, *, base: float = 10_000.0, scaling: RopeScaling | None = None
+) -> np.ndarray:
   """RoPE's inverse frequencies ``θ_i = base ** (-2i / R)``, rewritten by ``scaling``.
 
   Args:
@@ -284,8 +309,14 @@ def rope_frequencies(rotary_dim: int, *, base: float = 10_000.0,
   return _scaled_frequencies(rotary_dim, base, scaling).astype(np.float32)
 
 
-def rope(x: jax.typing.ArrayLike, positions: jax.typing.ArrayLike, *, base: float = 10_000.0,
-         rotary_fraction: float = 1.0, scaling: RopeScaling | None = None) -> jax.Array:
+def rope(
+  x: jax.typing.ArrayLike,
+  positions: jax.typing.ArrayLike,
+  *,
+  base: float = 10_000.0,
+  rotary_fraction: float = 1.0,
+  scaling: RopeScaling | None = None,
+) -> jax.Array:
   """Rotary position embeddings (Su et al., 2021) applied to queries or keys.
 
   The first ``R = int(H · rotary_fraction)`` channels rotate, the rest pass
@@ -325,19 +356,25 @@ def rope(x: jax.typing.ArrayLike, positions: jax.typing.ArrayLike, *, base: floa
   if x.ndim == 4:
     B = x.shape[0]
     if tuple(positions.shape) not in ((T,), (1, T), (B, T)):
-      raise ValueError(f"positions must have shape (T,)=({T},), (1, T)=(1, {T}) or (B, T)="
-                       f"({B}, {T}) for x of shape (B, T, N, H)={tuple(x.shape)}, got "
-                       f"{tuple(positions.shape)}")
+      raise ValueError(
+        f"positions must have shape (T,)=({T},), (1, T)=(1, {T}) or (B, T)="
+        f"({B}, {T}) for x of shape (B, T, N, H)={tuple(x.shape)}, got "
+        f"{tuple(positions.shape)}"
+      )
   elif tuple(positions.shape) != (T,):
-    raise ValueError(f"positions must have shape (T,)=({T},) for x of shape (T, N, H)="
-                     f"{tuple(x.shape)}, got {tuple(positions.shape)}")
+    raise ValueError(
+      f"positions must have shape (T,)=({T},) for x of shape (T, N, H)="
+      f"{tuple(x.shape)}, got {tuple(positions.shape)}"
+    )
   rotary_dim = _rotary_dim(H, rotary_fraction, scaling)
-  return _rotate(jnp.asarray(x), jnp.asarray(positions), rotary_dim=rotary_dim, base=base,
-                 scaling=scaling)
+  return _rotate(
+    jnp.asarray(x), jnp.asarray(positions), rotary_dim=rotary_dim, base=base, scaling=scaling
+  )
 
 
-def _rotate(x: jax.Array, positions: jax.Array, *, rotary_dim: int, base: float,
-            scaling: RopeScaling | None) -> jax.Array:
+def _rotate(
+  x: jax.Array, positions: jax.Array, *, rotary_dim: int, base: float, scaling: RopeScaling | None
+) -> jax.Array:
   """``rope`` on validated arrays: x (..., T, N, H), positions (T,) or (B', T)."""
   compute = _compute_dtype(x.dtype)
   half = rotary_dim // 2
@@ -381,8 +418,9 @@ class Rotary:
 
   def __call__(self, x: jax.typing.ArrayLike, positions: jax.typing.ArrayLike) -> jax.Array:
     """``rope(x, positions)`` with these settings; x (B, T, N, H) or (T, N, H)."""
-    return rope(x, positions, base=self.base, rotary_fraction=self.rotary_fraction,
-                scaling=self.scaling)
+    return rope(
+      x, positions, base=self.base, rotary_fraction=self.rotary_fraction, scaling=self.scaling
+    )
 
   def check_head_dim(self, head_dim: int) -> None:
     """Raise ValueError unless these settings can rotate heads of size ``head_dim``."""
@@ -420,7 +458,7 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
   slopes = 2.0 ** (-8.0 * np.arange(1, n + 1) / n)
   if n < num_heads:
     extra = 2.0 ** (-8.0 * np.arange(1, 2 * n + 1, 2) / (2 * n))
-    slopes = np.concatenate([slopes, extra[:num_heads - n]])
+    slopes = np.concatenate([slopes, extra[: num_heads - n]])
   return slopes.astype(np.float32)
 
 
@@ -432,16 +470,17 @@ def _compute_dtype(dtype) -> np.dtype:
   return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
-def _float_array(name: str, value):
+def _float_array(name: str, value) -> jax.Array | np.ndarray:
   arr = _checks.as_array(name, value)
   if not jnp.issubdtype(arr.dtype, jnp.floating):
     raise TypeError(f"{name} must have a floating dtype, got {arr.dtype}")
   return arr
 
 
-def _positions_array(value):
+def _positions_array(value) -> jax.Array | np.ndarray:
   arr = _checks.as_array("positions", value)
-  if arr.dtype == np.bool_ or not (jnp.issubdtype(arr.dtype, jnp.integer)
-                                   or jnp.issubdtype(arr.dtype, jnp.floating)):
+  if arr.dtype == np.bool_ or not (
+    jnp.issubdtype(arr.dtype, jnp.integer) or jnp.issubdtype(arr.dtype, jnp.floating)
+  ):
     raise TypeError(f"positions must have an integer or floating dtype, got {arr.dtype}")
   return arr

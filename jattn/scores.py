@@ -20,7 +20,8 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,8 +66,7 @@ def _fn_apply(params, children, s, *idx):
   return out
 
 
-_FN = _Rule("from_fn", _fn_apply,
-            lambda p, c: f"from_fn({getattr(p[0], '__name__', repr(p[0]))})")
+_FN = _Rule("from_fn", _fn_apply, lambda p, c: f"from_fn({getattr(p[0], '__name__', repr(p[0]))})")
 
 
 def from_fn(fn: Callable) -> ScoreFn:
@@ -78,7 +78,9 @@ def from_fn(fn: Callable) -> ScoreFn:
   if isinstance(fn, ScoreFn):
     return fn
   if not callable(fn):
-    raise TypeError(f"score_fn must be callable as fn(score, batch, head, q_idx, kv_idx), got {fn!r}")
+    raise TypeError(
+      f"score_fn must be callable as fn(score, batch, head, q_idx, kv_idx), got {fn!r}"
+    )
   return ScoreFn(_FN, (fn,))
 
 
@@ -93,20 +95,23 @@ def _compose_heads(params, children):
   return heads.pop() if heads else None
 
 
-_COMPOSE = _Rule("compose", _compose_apply,
-                 lambda p, c: "compose(" + ", ".join(map(repr, c)) + ")", _compose_heads)
+_COMPOSE = _Rule(
+  "compose", _compose_apply, lambda p, c: "compose(" + ", ".join(map(repr, c)) + ")", _compose_heads
+)
 
 
 def compose(*fns: Callable) -> ScoreFn:
   """Apply score functions in order: ``compose(f, g)(s, ...) == g(f(s, ...), ...)``."""
   if not fns:
     raise ValueError("compose needs at least one score function")
-  fns = tuple(from_fn(f) for f in fns)
-  sized = [fn for fn in fns if fn.num_heads is not None]
+  nodes = tuple(from_fn(f) for f in fns)
+  sized = [fn for fn in nodes if fn.num_heads is not None]
   if len({fn.num_heads for fn in sized}) > 1:
-    raise ValueError("compose needs score functions for the same number of heads, got " +
-                     " and ".join(f"{fn!r} for {fn.num_heads}" for fn in sized))
-  return ScoreFn(_COMPOSE, (), fns)
+    raise ValueError(
+      "compose needs score functions for the same number of heads, got "
+      + " and ".join(f"{fn!r} for {fn.num_heads}" for fn in sized)
+    )
+  return ScoreFn(_COMPOSE, (), nodes)
 
 
 def _float_array(name: str, value, *, ndim: int):
@@ -128,9 +133,12 @@ def _alibi_apply(params, children, s, b, h, q, kv):
   return s + jnp.asarray(slopes)[h].astype(s.dtype) * distance
 
 
-_ALIBI = _Rule("alibi", _alibi_apply,
-               lambda p, c: f"alibi(slopes shape={tuple(c[0].shape)}, bidirectional={p[0]})",
-               lambda p, c: c[0].shape[0])
+_ALIBI = _Rule(
+  "alibi",
+  _alibi_apply,
+  lambda p, c: f"alibi(slopes shape={tuple(c[0].shape)}, bidirectional={p[0]})",
+  lambda p, c: c[0].shape[0],
+)
 
 
 def alibi(slopes, *, bidirectional: bool = False) -> ScoreFn:
@@ -146,8 +154,9 @@ def alibi(slopes, *, bidirectional: bool = False) -> ScoreFn:
   return ScoreFn(_ALIBI, (bool(bidirectional),), (_float_array("slopes", slopes, ndim=1),))
 
 
-_SOFT_CAP = _Rule("soft_cap", lambda p, c, s, *idx: p[0] * jnp.tanh(s / p[0]),
-                  lambda p, c: f"soft_cap({p[0]!r})")
+_SOFT_CAP = _Rule(
+  "soft_cap", lambda p, c, s, *idx: p[0] * jnp.tanh(s / p[0]), lambda p, c: f"soft_cap({p[0]!r})"
+)
 
 
 def soft_cap(cap: float) -> ScoreFn:
@@ -158,8 +167,9 @@ def soft_cap(cap: float) -> ScoreFn:
   return ScoreFn(_SOFT_CAP, (cap,))
 
 
-def t5_bucket(relative_position: jax.Array, *, num_buckets: int, max_distance: int,
-              bidirectional: bool) -> jax.Array:
+def t5_bucket(
+  relative_position: jax.Array, *, num_buckets: int, max_distance: int, bidirectional: bool
+) -> jax.Array:
   """T5's bucket of ``relative_position = kv_idx - q_idx``.
 
   Half the buckets (all of them when not bidirectional) hold exact small
@@ -181,7 +191,8 @@ def t5_bucket(relative_position: jax.Array, *, num_buckets: int, max_distance: i
   is_small = n < max_exact
   # log of max(n, 1) keeps log(0) = -inf out of the graph; those lanes use is_small.
   log_ratio = jnp.log(jnp.maximum(n, 1).astype(jnp.float32) / max_exact) / math.log(
-      max_distance / max_exact)
+    max_distance / max_exact
+  )
   large = max_exact + (log_ratio * (num_buckets - max_exact)).astype(n.dtype)
   large = jnp.minimum(large, num_buckets - 1)
   return bucket + jnp.where(is_small, n, large)
@@ -190,20 +201,26 @@ def t5_bucket(relative_position: jax.Array, *, num_buckets: int, max_distance: i
 def _relative_apply(params, children, s, b, h, q, kv):
   num_buckets, max_distance, bidirectional = params
   (table,) = children
-  bucket = t5_bucket(kv - q, num_buckets=num_buckets, max_distance=max_distance,
-                     bidirectional=bidirectional)
+  bucket = t5_bucket(
+    kv - q, num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional
+  )
   return s + jnp.asarray(table)[bucket, h].astype(s.dtype)
 
 
 _RELATIVE = _Rule(
-    "relative_position_bias", _relative_apply,
-    lambda p, c: (f"relative_position_bias(table shape={tuple(c[0].shape)}, num_buckets={p[0]}, "
-                  f"max_distance={p[1]}, bidirectional={p[2]})"),
-    lambda p, c: c[0].shape[1])
+  "relative_position_bias",
+  _relative_apply,
+  lambda p, c: (
+    f"relative_position_bias(table shape={tuple(c[0].shape)}, num_buckets={p[0]}, "
+    f"max_distance={p[1]}, bidirectional={p[2]})"
+  ),
+  lambda p, c: c[0].shape[1],
+)
 
 
-def relative_position_bias(table, *, num_buckets: int = 32, max_distance: int = 128,
-                           bidirectional: bool = True) -> ScoreFn:
+def relative_position_bias(
+  table, *, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True
+) -> ScoreFn:
   """T5's learned relative position bias: add ``table[bucket(kv_idx - q_idx), head]``.
 
   Args:
@@ -218,10 +235,12 @@ def relative_position_bias(table, *, num_buckets: int = 32, max_distance: int = 
   max_exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
   if max_exact < 1 or max_distance <= max_exact:
     raise ValueError(
-        f"max_distance ({max_distance}) must exceed the exact range ({max_exact}) "
-        f"that num_buckets={num_buckets} gives")
+      f"max_distance ({max_distance}) must exceed the exact range ({max_exact}) "
+      f"that num_buckets={num_buckets} gives"
+    )
   table = _float_array("table", table, ndim=2)
   if table.shape[0] != num_buckets:
-    raise ValueError(f"table must have shape (num_buckets={num_buckets}, N), got "
-                     f"{tuple(table.shape)}")
+    raise ValueError(
+      f"table must have shape (num_buckets={num_buckets}, N), got {tuple(table.shape)}"
+    )
   return ScoreFn(_RELATIVE, (num_buckets, max_distance, bool(bidirectional)), (table,))

@@ -45,22 +45,22 @@ if TYPE_CHECKING:
 MAX_LABELLED = 64
 """Axes at most this long get a tick (and label) on every row or column."""
 
-_AXIS_LABEL_INCHES = 0.5   # per panel side: an axis label ("query", "key") and padding
+_AXIS_LABEL_INCHES = 0.5  # per panel side: an axis label ("query", "key") and padding
 _TITLE_INCHES = 0.35
 _COLORBAR_INCHES = 1.1
-_CHAR_EMS = 0.65           # a generous average width of one tick-label character, in ems
+_CHAR_EMS = 0.65  # a generous average width of one tick-label character, in ems
 
 
 def plot_attention(
-    weights: Any,
-    tokens: Sequence[Any] | None = None,
-    *,
-    key_tokens: Sequence[Any] | None = None,
-    titles: Sequence[Any] | None = None,
-    ax: matplotlib.axes.Axes | None = None,
-    cmap: Any = "viridis",
-    max_cols: int = 4,
-    cell_inches: float = 0.35,
+  weights: Any,
+  tokens: Sequence[Any] | None = None,
+  *,
+  key_tokens: Sequence[Any] | None = None,
+  titles: Sequence[Any] | None = None,
+  ax: matplotlib.axes.Axes | None = None,
+  cmap: Any = "viridis",
+  max_cols: int = 4,
+  cell_inches: float = 0.35,
 ) -> matplotlib.figure.Figure:
   """Heatmaps of attention probabilities, one panel per head.
 
@@ -122,16 +122,20 @@ def plot_attention(
     w = w[None]
   n, t, s = w.shape
 
-  query_labels = (None if tokens is None else
-                  _labels("tokens", tokens, t, "T, the query length (weights.shape[-2])"))
+  query_labels = (
+    None
+    if tokens is None
+    else _labels("tokens", tokens, t, "T, the query length (weights.shape[-2])")
+  )
   if key_tokens is not None:
     key_labels = _labels("key_tokens", key_tokens, s, "S, the key length (weights.shape[-1])")
   elif query_labels is not None:
     if s != t:
       raise ValueError(
-          f"tokens label both queries and keys only for self-attention (S == T), but weights "
-          f"has shape {shape} with T={t}, S={s}; pass key_tokens for "
-          f"the {s} key columns")
+        f"tokens label both queries and keys only for self-attention (S == T), but weights "
+        f"has shape {shape} with T={t}, S={s}; pass key_tokens for "
+        f"the {s} key columns"
+      )
     key_labels = query_labels
   else:
     key_labels = None
@@ -139,8 +143,9 @@ def plot_attention(
   if titles is None:
     title_list = [None] if squeeze else [f"head {i}" for i in range(n)]
   else:
-    title_list = _labels("titles", titles, n, "N, the number of heads" if not squeeze
-                         else "1 for 2-D weights")
+    title_list = _labels(
+      "titles", titles, n, "N, the number of heads" if not squeeze else "1 for 2-D weights"
+    )
 
   max_cols = _checks.integer("max_cols", max_cols, minimum=1)
   cell_inches = _checks.real("cell_inches", cell_inches)
@@ -151,8 +156,9 @@ def plot_attention(
   if ax is not None:
     if not squeeze:
       raise ValueError(
-          f"ax draws a single head, so weights must be 2-D (T, S) with ax, got shape "
-          f"{shape}; leave ax out to get one panel per head")
+        f"ax draws a single head, so weights must be 2-D (T, S) with ax, got shape "
+        f"{shape}; leave ax out to get one panel per head"
+      )
     if not isinstance(ax, matplotlib.axes.Axes):
       raise TypeError(f"ax must be a matplotlib Axes, got {type(ax).__name__}")
     fig = ax.figure
@@ -165,10 +171,13 @@ def plot_attention(
     em = fontsize / 72
     query_chars = max(map(len, query_labels)) if query_labels and t <= MAX_LABELLED else 4
     key_chars = max(map(len, key_labels)) if key_labels and s <= MAX_LABELLED else 1
-    width = ncols * (max(s * cell_inches, 1.0) + _AXIS_LABEL_INCHES + _CHAR_EMS * em *
-                     query_chars) + _COLORBAR_INCHES
-    height = nrows * (max(t * cell_inches, 1.0) + _AXIS_LABEL_INCHES + _TITLE_INCHES +
-                      _CHAR_EMS * em * key_chars)
+    width = (
+      ncols * (max(s * cell_inches, 1.0) + _AXIS_LABEL_INCHES + _CHAR_EMS * em * query_chars)
+      + _COLORBAR_INCHES
+    )
+    height = nrows * (
+      max(t * cell_inches, 1.0) + _AXIS_LABEL_INCHES + _TITLE_INCHES + _CHAR_EMS * em * key_chars
+    )
     fig = matplotlib.figure.Figure(figsize=(width, height), layout="constrained")
     grid = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for extra in grid[n:]:
@@ -177,43 +186,54 @@ def plot_attention(
 
   image = None
   for panel, head, title in zip(axes, w, title_list):
-    image = panel.imshow(head, cmap=cmap, vmin=0.0, vmax=1.0, aspect="equal",
-                         interpolation="nearest")
+    image = panel.imshow(
+      head, cmap=cmap, vmin=0.0, vmax=1.0, aspect="equal", interpolation="nearest"
+    )
     panel.set_xlabel("key")
     panel.set_ylabel("query")
     if title is not None:
       panel.set_title(title)
     if t <= MAX_LABELLED:
-      panel.set_yticks(np.arange(t),
-                       query_labels if query_labels is not None else [str(i) for i in range(t)],
-                       fontsize=fontsize)
+      panel.set_yticks(
+        np.arange(t),
+        query_labels if query_labels is not None else [str(i) for i in range(t)],
+        fontsize=fontsize,
+      )
     if s <= MAX_LABELLED:
-      panel.set_xticks(np.arange(s),
-                       key_labels if key_labels is not None else [str(i) for i in range(s)],
-                       fontsize=fontsize, rotation=90 if key_labels is not None else 0)
+      panel.set_xticks(
+        np.arange(s),
+        key_labels if key_labels is not None else [str(i) for i in range(s)],
+        fontsize=fontsize,
+        rotation=90 if key_labels is not None else 0,
+      )
+  assert image is not None  # at least one panel
   fig.colorbar(image, ax=axes, label="attention weight")
-  return fig
+  return fig  # type: ignore[return-value]  # ax.figure of a user's Axes may be a SubFigure
 
 
 def _weights_array(weights: Any) -> np.ndarray:
   """``weights`` as a finite float64 (N, T, S) or (T, S) NumPy array, or a clear error."""
   if isinstance(weights, jax.core.Tracer):
     raise TypeError(
-        f"weights must be a concrete array, got a traced value of shape "
-        f"{_checks.shape_of(weights)}; plot outside jit/vmap/grad")
+      f"weights must be a concrete array, got a traced value of shape "
+      f"{_checks.shape_of(weights)}; plot outside jit/vmap/grad"
+    )
   try:
     array = np.asarray(weights)
   except ValueError as e:  # ragged nested lists
     raise ValueError(
-        f"weights must be a rectangular array, got a ragged {type(weights).__name__}: {e}") from e
+      f"weights must be a rectangular array, got a ragged {type(weights).__name__}: {e}"
+    ) from e
   dtype = array.dtype
-  if dtype == np.bool_ or not (jnp.issubdtype(dtype, jnp.floating)
-                               or jnp.issubdtype(dtype, jnp.integer)):
+  if dtype == np.bool_ or not (
+    jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+  ):
     raise TypeError(f"weights must hold real numbers (floats or ints), got dtype {dtype}")
   if array.ndim not in (2, 3):
     raise ValueError(
-        f"weights must be 2-D (T, S) for one head or 3-D (N, T, S) for N heads, got shape "
-        f"{array.shape}")
+      f"weights must be 2-D (T, S) for one head or 3-D (N, T, S) for N heads, got shape "
+      f"{array.shape}"
+    )
   if 0 in array.shape:
     raise ValueError(f"weights must have no empty dimensions, got shape {array.shape}")
   array = array.astype(np.float64)
@@ -226,8 +246,10 @@ def _weights_array(weights: Any) -> np.ndarray:
 def _labels(name: str, labels: Any, expected: int, what: str) -> list[str]:
   """``labels`` as a list of ``expected`` strings, or a clear error."""
   if isinstance(labels, (str, bytes)):
-    raise TypeError(f"{name} must be a sequence of labels, not a single {type(labels).__name__} "
-                    f"{labels!r}; split it first, e.g. {name}=text.split()")
+    raise TypeError(
+      f"{name} must be a sequence of labels, not a single {type(labels).__name__} "
+      f"{labels!r}; split it first, e.g. {name}=text.split()"
+    )
   try:
     items = list(labels)
   except TypeError:

@@ -7,8 +7,9 @@ import os
 # flag when JAX starts its CPU backend, so it is set before anything imports JAX.
 # Single-device tests still run on device 0 and are no slower for it.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  ).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -18,8 +19,13 @@ from hypothesis import HealthCheck, settings
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 settings.register_profile(
-    "jattn", max_examples=15, deadline=None, derandomize=True, print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow])
+  "jattn",
+  max_examples=15,
+  deadline=None,
+  derandomize=True,
+  print_blob=True,
+  suppress_health_check=[HealthCheck.too_slow],
+)
 settings.load_profile("jattn")
 
 

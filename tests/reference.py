@@ -10,19 +10,19 @@ import jax.numpy as jnp
 import numpy as np
 
 TOLERANCE = {
-    np.dtype(np.float64): 1e-9,
-    np.dtype(np.float32): 2e-5,
-    np.dtype(jnp.bfloat16): 2e-2,
-    np.dtype(np.float16): 4e-3,
+  np.dtype(np.float64): 1e-9,
+  np.dtype(np.float32): 2e-5,
+  np.dtype(jnp.bfloat16): 2e-2,
+  np.dtype(np.float16): 4e-3,
 }
 
 # Every (implementation, backward) rule, as keyword arguments of
 # jattn.dot_product_attention; blockwise with tiles smaller than the test
 # shapes (and not dividing them), so several tiles and padding are exercised.
 RULES = {
-    "autodiff": dict(implementation="xla", backward="autodiff"),
-    "custom_vjp": dict(implementation="xla", backward="custom_vjp"),
-    "blockwise": dict(implementation="blockwise", block_q=2, block_kv=3),
+  "autodiff": dict(implementation="xla", backward="autodiff"),
+  "custom_vjp": dict(implementation="xla", backward="custom_vjp"),
+  "blockwise": dict(implementation="blockwise", block_q=2, block_kv=3),
 }
 
 
@@ -45,12 +45,15 @@ def normal(shape, dtype=np.float32, seed=0):
 
 def grid(B, N, T, S):
   """NumPy index grid (batch, head, q, kv) broadcasting to (B, N, T, S)."""
-  return (np.arange(B).reshape(-1, 1, 1, 1), np.arange(N).reshape(1, -1, 1, 1),
-          np.arange(T).reshape(1, 1, -1, 1), np.arange(S).reshape(1, 1, 1, -1))
+  return (
+    np.arange(B).reshape(-1, 1, 1, 1),
+    np.arange(N).reshape(1, -1, 1, 1),
+    np.arange(T).reshape(1, 1, -1, 1),
+    np.arange(S).reshape(1, 1, 1, -1),
+  )
 
 
-def attention_np(q, k, v, *, bias=None, allowed=None, scale=None, score=None, keep=None,
-                 rate=0.0):
+def attention_np(q, k, v, *, bias=None, allowed=None, scale=None, score=None, keep=None, rate=0.0):
   """Float64 attention from the formula.
 
   q (B, T, N, H); k, v (B, S, K, H); bias and allowed broadcast to (B, N, T, S);
@@ -82,8 +85,7 @@ def attention_np(q, k, v, *, bias=None, allowed=None, scale=None, score=None, ke
   return out, lse
 
 
-def attention_jnp(q, k, v, bias=None, *, allowed=None, scale=None, score=None, keep=None,
-                  rate=0.0):
+def attention_jnp(q, k, v, bias=None, *, allowed=None, scale=None, score=None, keep=None, rate=0.0):
   """The same formula in plain jnp, for autodiff; returns (out, lse)."""
   B, T, N, H = q.shape
   K = k.shape[2]
@@ -175,6 +177,6 @@ def tile_classes_np(dense, block_q, block_kv):
   out = np.zeros((B, N, nq, nk), np.int8)
   for i in range(nq):
     for j in range(nk):
-      tile = dense[:, :, i * block_q:(i + 1) * block_q, j * block_kv:(j + 1) * block_kv]
+      tile = dense[:, :, i * block_q : (i + 1) * block_q, j * block_kv : (j + 1) * block_kv]
       out[:, :, i, j] = np.where(tile.all((2, 3)), 2, np.where(tile.any((2, 3)), 1, 0))
   return out

@@ -15,8 +15,14 @@ import pytest
 
 from experiments import accuracy as acc
 
-CELLS = [(d, c, r, q) for d in acc.QUICK["dtypes"] for c in acc.QUICK["cases"]
-         for r in acc.QUICK["rules"] for q in acc.CASES[c].quantities]
+CELLS = [
+  (d, c, r, q)
+  for d in acc.QUICK["dtypes"]
+  for c in acc.QUICK["cases"]
+  for r in acc.QUICK["rules"]
+  for q in acc.CASES[c].quantities
+]
+
 
 @pytest.mark.parametrize("dtype,case,rule,quantity", CELLS)
 def test_meets_target(dtype, case, rule, quantity):
@@ -24,9 +30,10 @@ def test_meets_target(dtype, case, rule, quantity):
   assert e["error"] is None, f"{dtype} {case} {rule}: raises {e['error']}"
   allowed = acc.target(e["jax_nn_err"], e["size"], acc.DTYPES[dtype])
   assert e["err"] <= allowed, (
-      f"{dtype} {case} {rule} {quantity}: error {e['err']:.3g} vs jax.nn's {e['jax_nn_err']:.3g} "
-      f"(ratio {e['err'] / e['jax_nn_err'] if e['jax_nn_err'] else np.inf:.3g}); allowed "
-      f"{allowed:.3g} (largest |reference| {e['size']:.3g})")
+    f"{dtype} {case} {rule} {quantity}: error {e['err']:.3g} vs jax.nn's {e['jax_nn_err']:.3g} "
+    f"(ratio {e['err'] / e['jax_nn_err'] if e['jax_nn_err'] else np.inf:.3g}); allowed "
+    f"{allowed:.3g} (largest |reference| {e['size']:.3g})"
+  )
 
 
 @pytest.mark.parametrize("case", ["bias", "qkv_same_shared_bias"])
@@ -45,8 +52,10 @@ def test_reordering_is_exact_and_spreads_jax_nns_error(case):
       np.testing.assert_allclose(other[name], given[name], rtol=1e-5, atol=1e-5, err_msg=name)
   base = acc.evaluate_case(case, "f32")
   assert all(base["jax_nn_err"][q] >= base["jax_nn_err_as_given"][q] > 0 for q in base["size"])
-  assert [r[0] for r in acc.REORDERINGS if acc.applies(acc.CASES["alibi_causal"], r)] == \
-      ["head", "head"]
+  assert [r[0] for r in acc.REORDERINGS if acc.applies(acc.CASES["alibi_causal"], r)] == [
+    "head",
+    "head",
+  ]
 
 
 # --- the harness itself ----------------------------------------------------------------------
@@ -70,15 +79,18 @@ def test_jax_nn_style_baseline_is_jax_nn():
   a = acc.inputs("bias", "bf16")
   args = (a["q"], a["k"], a["v"], a["bias"])
   for causal in (False, True):
-    want = jax.jit(lambda *args: jax.nn.dot_product_attention(
-        *args, is_causal=causal, return_residual=True))(*args)
+    want = jax.jit(
+      lambda *args: jax.nn.dot_product_attention(*args, is_causal=causal, return_residual=True)
+    )(*args)
     allowed = np.tril(np.ones((acc.T, acc.S), bool))[None, None] if causal else None
-    got = jax.jit(lambda *args: acc.jax_nn_style(
-        *args, scale=1 / np.sqrt(acc.H), allowed=allowed))(*args)
+    got = jax.jit(lambda *args: acc.jax_nn_style(*args, scale=1 / np.sqrt(acc.H), allowed=allowed))(
+      *args
+    )
     for x, y in zip(got, want):
       assert x.dtype == y.dtype
-      np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
-                                 rtol=2**-7, atol=2**-9)
+      np.testing.assert_allclose(
+        np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=2**-7, atol=2**-9
+      )
 
 
 def test_reference_matches_float64_autodiff(x64):

@@ -38,12 +38,15 @@ def rules(draw, T, S):
   """Keyword arguments of one rule; blockwise tiles anywhere from 1 to one past the length."""
   name = draw(st.sampled_from(RULE_NAMES))
   return name, {
-      "xla/autodiff": dict(implementation="xla", backward="autodiff"),
-      "xla/custom_vjp": dict(implementation="xla", backward="custom_vjp"),
-      "blockwise": dict(implementation="blockwise", block_q=draw(st.integers(1, T + 1)),
-                        block_kv=draw(st.integers(1, S + 1))),
-      "blockwise/default": dict(implementation="blockwise"),
-      "default": dict(),
+    "xla/autodiff": dict(implementation="xla", backward="autodiff"),
+    "xla/custom_vjp": dict(implementation="xla", backward="custom_vjp"),
+    "blockwise": dict(
+      implementation="blockwise",
+      block_q=draw(st.integers(1, T + 1)),
+      block_kv=draw(st.integers(1, S + 1)),
+    ),
+    "blockwise/default": dict(implementation="blockwise"),
+    "default": dict(),
   }[name]
 
 
@@ -62,6 +65,7 @@ def _vjp(fn, q, k, v, bias, ct):
 def _jattn(rule, **kwargs):
   def fn(q, k, v, bias):
     return jattn.dot_product_attention(q, k, v, bias, return_residual=True, **rule, **kwargs)
+
   return fn
 
 
@@ -144,8 +148,11 @@ def _rounding_floor(quantity, q, k, v, ct, scale):
   top = lambda x: float(np.max(np.abs(np.asarray(x, np.float32))))
   B, T, N, _ = q.shape
   delta = float(jnp.finfo(jnp.float32).eps) * top(ct) * top(v)
-  return {"dq": scale * top(k) * delta, "dk": scale * top(q) * T * N * delta,
-          "dbias": B * N * T * delta}.get(quantity, 0.0)
+  return {
+    "dq": scale * top(k) * delta,
+    "dk": scale * top(q) * T * N * delta,
+    "dbias": B * N * T * delta,
+  }.get(quantity, 0.0)
 
 
 # No shrinking: every shrink step compiles anew; the failing example is printed as drawn.
@@ -157,8 +164,14 @@ def test_extreme_inputs_against_jax_nn_and_float64(problem):
   scale_value = 1 / np.sqrt(H) if scale is None else scale
   got = _vjp(_jattn(rule, scale=scale), q, k, v, bias, ct)
   _assert_no_nan(got, name)
-  base = _vjp(lambda q, k, v, b: jax.nn.dot_product_attention(
-      q, k, v, b, scale=scale, return_residual=True), q, k, v, bias, ct)
+  base = _vjp(
+    lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, b, scale=scale, return_residual=True),
+    q,
+    k,
+    v,
+    bias,
+    ct,
+  )
   want = attention_reference(q, k, v, bias, ct, scale=scale_value, dtype=np.float64)
   for quantity, ref in want.items():
     err = max_abs_error(got[quantity], ref)
@@ -169,16 +182,25 @@ def test_extreme_inputs_against_jax_nn_and_float64(problem):
     # holds precision to the tighter target on its cases.
     allowed = 4 * err_jax_nn + size * max(2**-17, 2 * float(jnp.finfo(q.dtype).eps))
     allowed += _rounding_floor(quantity, q, k, v, ct, scale_value)
-    assert err <= allowed, (f"{name} {rule}: {quantity} error {err:.3g}, jax.nn's "
-                            f"{err_jax_nn:.3g}, allowed {allowed:.3g} (largest |value| "
-                            f"{size:.3g})")
+    assert err <= allowed, (
+      f"{name} {rule}: {quantity} error {err:.3g}, jax.nn's "
+      f"{err_jax_nn:.3g}, allowed {allowed:.3g} (largest |value| "
+      f"{size:.3g})"
+    )
 
 
 # --- rows with nothing to attend to, by every mechanism ---------------------------------------
 
 
-MECHANISMS = ["bool_mask", "causal_q_lengths", "kv_lengths", "segments", "window", "inf_bias",
-              "min_bias"]
+MECHANISMS = [
+  "bool_mask",
+  "causal_q_lengths",
+  "kv_lengths",
+  "segments",
+  "window",
+  "inf_bias",
+  "min_bias",
+]
 
 
 @st.composite
@@ -235,8 +257,9 @@ def test_rows_with_nothing_to_attend_to(problem):
   where = f"{name} {rule} {used}"
   got = _vjp(_jattn(rule, **kwargs), q, k, v, bias, ct)
   _assert_no_nan(got, where)
-  want = attention_reference(q, k, v, bias, ct, scale=1 / np.sqrt(q.shape[-1]),
-                             allowed=allowed, dtype=np.float64)
+  want = attention_reference(
+    q, k, v, bias, ct, scale=1 / np.sqrt(q.shape[-1]), allowed=allowed, dtype=np.float64
+  )
   # Rows with nothing left: exactly zeros, lse -inf, no gradient to q or to their bias.
   empty = np.isneginf(want["lse"])  # (B, T, N)
   assert np.all(got["out"][empty] == 0), f"{where}: empty rows are not zeros"
@@ -258,23 +281,29 @@ def test_rows_with_nothing_to_attend_to(problem):
   # position whose score is far above its large negative; elsewhere its semantics differ.
   jax_nn = jax.nn.dot_product_attention(q, k, v, bias, jnp.asarray(allowed))
   same = np.any(allowed & (_scores(q, k, bias) > -1e37), axis=-1).transpose(0, 2, 1)
-  np.testing.assert_allclose(np.asarray(jax_nn, np.float64)[same], want["out"][same],
-                             atol=tol * max(1.0, np.max(np.abs(want["out"]), initial=0.0)),
-                             err_msg="jax.nn on rows where its semantics agree (harness check)")
-  np.testing.assert_allclose(got["out"][same], np.asarray(jax_nn, np.float64)[same],
-                             atol=tol * max(1.0, np.max(np.abs(want["out"]), initial=0.0)),
-                             err_msg=f"{where}: against jax.nn")
+  np.testing.assert_allclose(
+    np.asarray(jax_nn, np.float64)[same],
+    want["out"][same],
+    atol=tol * max(1.0, np.max(np.abs(want["out"]), initial=0.0)),
+    err_msg="jax.nn on rows where its semantics agree (harness check)",
+  )
+  np.testing.assert_allclose(
+    got["out"][same],
+    np.asarray(jax_nn, np.float64)[same],
+    atol=tol * max(1.0, np.max(np.abs(want["out"]), initial=0.0)),
+    err_msg=f"{where}: against jax.nn",
+  )
 
 
 # --- float32.min rows: every finite score takes part, continuously -----------------------------
 
 
 RULES = {
-    "xla/autodiff": dict(implementation="xla", backward="autodiff"),
-    "xla/custom_vjp": dict(implementation="xla", backward="custom_vjp"),
-    "blockwise": dict(implementation="blockwise", block_q=3, block_kv=2),
-    "blockwise/default": dict(implementation="blockwise"),
-    "default": dict(),
+  "xla/autodiff": dict(implementation="xla", backward="autodiff"),
+  "xla/custom_vjp": dict(implementation="xla", backward="custom_vjp"),
+  "blockwise": dict(implementation="blockwise", block_q=3, block_kv=2),
+  "blockwise/default": dict(implementation="blockwise"),
+  "default": dict(),
 }
 
 
@@ -295,15 +324,21 @@ def test_float32_min_bias_rows_average_the_values(rule):
   _assert_no_nan(got, rule)
   want = attention_reference(q, k, v, bias, ct, scale=0.5, dtype=np.float64)
   mean_v = np.asarray(v, np.float64).mean(1)  # (B, K, H); K = 1
-  np.testing.assert_allclose(want["out"][:, :4], np.broadcast_to(mean_v[:, None], (B, 4, N, H)),
-                             rtol=1e-12, err_msg="reference")
+  np.testing.assert_allclose(
+    want["out"][:, :4],
+    np.broadcast_to(mean_v[:, None], (B, 4, N, H)),
+    rtol=1e-12,
+    err_msg="reference",
+  )
   np.testing.assert_allclose(got["out"], want["out"], atol=1e-5, err_msg=f"{rule}: out")
   jax_nn = jax.nn.dot_product_attention(q, k, v, bias)
-  np.testing.assert_allclose(got["out"][:, :4], np.asarray(jax_nn)[:, :4], atol=1e-5,
-                             err_msg=f"{rule}: against jax.nn")
+  np.testing.assert_allclose(
+    got["out"][:, :4], np.asarray(jax_nn)[:, :4], atol=1e-5, err_msg=f"{rule}: against jax.nn"
+  )
   for quantity in ("dq", "dk", "dv", "dbias"):
-    np.testing.assert_allclose(got[quantity], want[quantity], atol=1e-5,
-                               err_msg=f"{rule}: {quantity}")
+    np.testing.assert_allclose(
+      got[quantity], want[quantity], atol=1e-5, err_msg=f"{rule}: {quantity}"
+    )
   np.testing.assert_allclose(got["lse"][:, 5], want["lse"][:, 5], rtol=1e-6)
 
 
@@ -311,8 +346,9 @@ def test_float32_min_bias_rows_average_the_values(rule):
 
 
 @pytest.mark.parametrize("rule", list(RULES))
-@pytest.mark.parametrize("shape", [(0, 4, 3, 2, 1, 4), (2, 0, 3, 2, 1, 4), (2, 4, 0, 2, 1, 4)],
-                         ids=["B=0", "T=0", "S=0"])
+@pytest.mark.parametrize(
+  "shape", [(0, 4, 3, 2, 1, 4), (2, 0, 3, 2, 1, 4), (2, 4, 0, 2, 1, 4)], ids=["B=0", "T=0", "S=0"]
+)
 def test_empty_dimensions(shape, rule):
   q, k, v, ct = _arrays(np.random.default_rng(0), shape, jnp.float32)
   B, T, S, N, K, H = shape
@@ -321,7 +357,8 @@ def test_empty_dimensions(shape, rule):
   _assert_no_nan(got, rule)
   assert got["out"].shape == (B, T, N, H) and got["lse"].shape == (B, T, N)
   assert got["dk"].shape == (B, S, K, H) and got["dbias"].shape == (1, N, T, S)
-  want = attention_reference(q, k, v, bias, ct, scale=0.5, allowed=np.tril(np.ones((T, S), bool)),
-                             dtype=np.float64)
+  want = attention_reference(
+    q, k, v, bias, ct, scale=0.5, allowed=np.tril(np.ones((T, S), bool)), dtype=np.float64
+  )
   for quantity, ref in want.items():
     assert max_abs_error(got[quantity], ref) == 0, quantity

@@ -7,15 +7,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import RULES, assert_close, attention_np, normal
 
 import jattn
 from jattn import masks
-from reference import RULES, assert_close, attention_np, normal
 
 
 def _inputs(B, T, S, N, K, H, dtype, seed=0):
-  return normal((B, T, N, H), dtype, seed), normal((B, S, K, H), dtype, seed + 1), normal(
-      (B, S, K, H), dtype, seed + 2)
+  return (
+    normal((B, T, N, H), dtype, seed),
+    normal((B, S, K, H), dtype, seed + 1),
+    normal((B, S, K, H), dtype, seed + 2),
+  )
 
 
 def _bool_mask(shape, seed=1):
@@ -27,32 +30,69 @@ def _bool_mask(shape, seed=1):
 
 # name -> (B, T, S, N, K, H, extra kwargs builder, bias shape or None)
 CASES = {
-    "mha": (2, 6, 6, 4, 4, 8, lambda B, T, S: {}, None),
-    "gqa": (2, 6, 6, 4, 2, 8, lambda B, T, S: {}, None),
-    "mqa": (1, 5, 7, 4, 1, 8, lambda B, T, S: {}, None),
-    "cross_lengths": (2, 5, 7, 2, 2, 4, lambda B, T, S: {}, None),
-    "bias_full": (2, 5, 6, 4, 2, 4, lambda B, T, S: {}, "BNTS"),
-    "bias_broadcast": (2, 5, 6, 4, 2, 4, lambda B, T, S: {}, "1N1S"),
-    "bias_2d": (2, 5, 6, 2, 2, 4, lambda B, T, S: {}, "TS"),
-    "mask": (2, 5, 6, 4, 2, 4, lambda B, T, S: {"mask": _bool_mask((B, 1, T, S))}, None),
-    "mask_per_head": (1, 5, 6, 4, 2, 4, lambda B, T, S: {"mask": _bool_mask((1, 4, T, S))},
-                      None),
-    "causal": (2, 6, 6, 4, 2, 8, lambda B, T, S: {"is_causal": True}, None),
-    "causal_cross": (1, 5, 8, 2, 1, 4, lambda B, T, S: {"is_causal": True}, None),
-    "q_lengths": (2, 6, 6, 2, 2, 4,
-                  lambda B, T, S: {"query_seq_lengths": jnp.array([3, 6], jnp.int32)}, None),
-    "kv_lengths": (2, 6, 7, 2, 2, 4,
-                   lambda B, T, S: {"key_value_seq_lengths": jnp.array([2, 7], jnp.int32)}, None),
-    "both_lengths": (2, 6, 7, 4, 2, 4, lambda B, T, S: {
-        "query_seq_lengths": jnp.array([4, 6], jnp.int32),
-        "key_value_seq_lengths": jnp.array([3, 5], jnp.int32)}, None),
-    "window_int": (1, 8, 8, 2, 2, 4, lambda B, T, S: {"local_window_size": 2}, None),
-    "window_tuple": (1, 8, 8, 2, 2, 4, lambda B, T, S: {"local_window_size": (3, 0)}, None),
-    "scale": (1, 4, 5, 2, 2, 4, lambda B, T, S: {"scale": 0.3}, None),
-    "everything": (2, 6, 6, 4, 2, 8, lambda B, T, S: {
-        "mask": _bool_mask((B, 1, T, S)), "is_causal": True, "local_window_size": (4, 0),
-        "key_value_seq_lengths": jnp.array([6, 5], jnp.int32),
-        "query_seq_lengths": jnp.array([6, 4], jnp.int32)}, "BNTS"),
+  "mha": (2, 6, 6, 4, 4, 8, lambda B, T, S: {}, None),
+  "gqa": (2, 6, 6, 4, 2, 8, lambda B, T, S: {}, None),
+  "mqa": (1, 5, 7, 4, 1, 8, lambda B, T, S: {}, None),
+  "cross_lengths": (2, 5, 7, 2, 2, 4, lambda B, T, S: {}, None),
+  "bias_full": (2, 5, 6, 4, 2, 4, lambda B, T, S: {}, "BNTS"),
+  "bias_broadcast": (2, 5, 6, 4, 2, 4, lambda B, T, S: {}, "1N1S"),
+  "bias_2d": (2, 5, 6, 2, 2, 4, lambda B, T, S: {}, "TS"),
+  "mask": (2, 5, 6, 4, 2, 4, lambda B, T, S: {"mask": _bool_mask((B, 1, T, S))}, None),
+  "mask_per_head": (1, 5, 6, 4, 2, 4, lambda B, T, S: {"mask": _bool_mask((1, 4, T, S))}, None),
+  "causal": (2, 6, 6, 4, 2, 8, lambda B, T, S: {"is_causal": True}, None),
+  "causal_cross": (1, 5, 8, 2, 1, 4, lambda B, T, S: {"is_causal": True}, None),
+  "q_lengths": (
+    2,
+    6,
+    6,
+    2,
+    2,
+    4,
+    lambda B, T, S: {"query_seq_lengths": jnp.array([3, 6], jnp.int32)},
+    None,
+  ),
+  "kv_lengths": (
+    2,
+    6,
+    7,
+    2,
+    2,
+    4,
+    lambda B, T, S: {"key_value_seq_lengths": jnp.array([2, 7], jnp.int32)},
+    None,
+  ),
+  "both_lengths": (
+    2,
+    6,
+    7,
+    4,
+    2,
+    4,
+    lambda B, T, S: {
+      "query_seq_lengths": jnp.array([4, 6], jnp.int32),
+      "key_value_seq_lengths": jnp.array([3, 5], jnp.int32),
+    },
+    None,
+  ),
+  "window_int": (1, 8, 8, 2, 2, 4, lambda B, T, S: {"local_window_size": 2}, None),
+  "window_tuple": (1, 8, 8, 2, 2, 4, lambda B, T, S: {"local_window_size": (3, 0)}, None),
+  "scale": (1, 4, 5, 2, 2, 4, lambda B, T, S: {"scale": 0.3}, None),
+  "everything": (
+    2,
+    6,
+    6,
+    4,
+    2,
+    8,
+    lambda B, T, S: {
+      "mask": _bool_mask((B, 1, T, S)),
+      "is_causal": True,
+      "local_window_size": (4, 0),
+      "key_value_seq_lengths": jnp.array([6, 5], jnp.int32),
+      "query_seq_lengths": jnp.array([6, 4], jnp.int32),
+    },
+    "BNTS",
+  ),
 }
 
 
@@ -77,6 +117,7 @@ def _loss_and_grads(fn, q, k, v, bias, kwargs):
     def loss(q, k, v, bias):
       out, lse = fn(q, k, v, bias, return_residual=True, **kwargs)
       return jnp.sum(out.astype(jnp.float32) * cot), (out, lse)
+
     grads, (out, lse) = jax.grad(loss, argnums, has_aux=True)(q, k, v, bias)
     return out, lse, grads
 
@@ -85,13 +126,22 @@ def _loss_and_grads(fn, q, k, v, bias, kwargs):
 
 # Every case in float32; bfloat16 for a representative few (each case compiles four
 # programs, so all of them in both dtypes cost a minute of CI for little more coverage).
-BF16_CASES = ("gqa", "mqa", "bias_full", "mask_per_head", "causal_cross", "both_lengths",
-              "everything")
+BF16_CASES = (
+  "gqa",
+  "mqa",
+  "bias_full",
+  "mask_per_head",
+  "causal_cross",
+  "both_lengths",
+  "everything",
+)
 
 
-@pytest.mark.parametrize("case, dtype", [(c, jnp.float32) for c in CASES]
-                         + [(c, jnp.bfloat16) for c in BF16_CASES],
-                         ids=[f"{c}-f32" for c in CASES] + [f"{c}-bf16" for c in BF16_CASES])
+@pytest.mark.parametrize(
+  "case, dtype",
+  [(c, jnp.float32) for c in CASES] + [(c, jnp.bfloat16) for c in BF16_CASES],
+  ids=[f"{c}-f32" for c in CASES] + [f"{c}-bf16" for c in BF16_CASES],
+)
 def test_matches_jax_nn(case, dtype):
   B, T, S, N, K, H, extra, bias_kind = CASES[case]
   q, k, v = _inputs(B, T, S, N, K, H, dtype)
@@ -99,8 +149,9 @@ def test_matches_jax_nn(case, dtype):
   kwargs = extra(B, T, S)
   theirs = _loss_and_grads(jax.nn.dot_product_attention, q, k, v, bias, kwargs)
   for backward, rule in RULES.items():
-    ours = _loss_and_grads(functools.partial(jattn.dot_product_attention, **rule),
-                           q, k, v, bias, kwargs)
+    ours = _loss_and_grads(
+      functools.partial(jattn.dot_product_attention, **rule), q, k, v, bias, kwargs
+    )
     assert ours[0].dtype == dtype and ours[1].dtype == dtype
     assert_close(ours[0], theirs[0], dtype, err_msg=f"{backward}: output")
     # jax.nn gives rows with nothing to attend to a finite log-sum-exp; jattn says -inf.
@@ -119,8 +170,7 @@ def test_unbatched_layout_and_vmap(dtype, rule):
   q, k, v = _inputs(3, 5, 6, 4, 2, 8, dtype)
   bias = normal((4, 5, 6), dtype, 5)
   kw = dict(mask=_bool_mask((5, 6)), is_causal=True)
-  ours = functools.partial(jattn.dot_product_attention, return_residual=True,
-                           **RULES[rule], **kw)
+  ours = functools.partial(jattn.dot_product_attention, return_residual=True, **RULES[rule], **kw)
   theirs = functools.partial(jax.nn.dot_product_attention, return_residual=True, **kw)
   for transform in (lambda f: f, jax.vmap):
     args = (q[0], k[0], v[0]) if transform is not jax.vmap else (q, k, v)
@@ -130,8 +180,9 @@ def test_unbatched_layout_and_vmap(dtype, rule):
     assert out.shape == args[0].shape and lse.shape == args[0].shape[:-1]
     assert_close(out, ref, dtype)
     assert_close(lse, ref_lse, dtype, factor=2)
-    grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)[0].astype(jnp.float32) ** 2),
-                                      (0, 1, 2)))(*args)
+    grad = lambda f: jax.jit(
+      jax.grad(lambda *a: jnp.sum(f(*a)[0].astype(jnp.float32) ** 2), (0, 1, 2))
+    )(*args)
     for a, b in zip(grad(f_ours), grad(f_theirs)):
       assert_close(a, b, dtype, factor=2)
 
@@ -142,15 +193,17 @@ def test_vmap_matches_loop(rule):
   ids = jnp.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2], [3, 3, 3, 3, 3]])
 
   def one(q, k, v, ids):  # unbatched call inside vmap; the mask rides along as an array
-    return jattn.dot_product_attention(q, k, v, segment_ids=(ids[:4], ids),
-                                       is_causal=True, **RULES[rule])
+    return jattn.dot_product_attention(
+      q, k, v, segment_ids=(ids[:4], ids), is_causal=True, **RULES[rule]
+    )
 
   got = jax.vmap(one)(q, k, v, ids)
   want = jnp.stack([one(q[i], k[i], v[i], ids[i]) for i in range(3)])
   assert_close(got, want)
   g = jax.vmap(jax.grad(lambda *a: one(*a).sum(), (0, 1, 2)))(q, k, v, ids)
-  g_loop = [jax.grad(lambda *a: one(*a).sum(), (0, 1, 2))(q[i], k[i], v[i], ids[i])
-            for i in range(3)]
+  g_loop = [
+    jax.grad(lambda *a: one(*a).sum(), (0, 1, 2))(q[i], k[i], v[i], ids[i]) for i in range(3)
+  ]
   for a, b in zip(g, zip(*g_loop)):
     assert_close(a, jnp.stack(b))
 
@@ -159,15 +212,17 @@ def test_mask_object_equals_its_array():
   q, k, v = _inputs(2, 6, 6, 2, 2, 4, jnp.float32)
   m = masks.causal() & masks.sliding_window(2, 1)
   dense = m.materialize(6, 6)
-  assert_close(jattn.dot_product_attention(q, k, v, mask=m),
-               jattn.dot_product_attention(q, k, v, mask=dense))
+  assert_close(
+    jattn.dot_product_attention(q, k, v, mask=m), jattn.dot_product_attention(q, k, v, mask=dense)
+  )
 
 
 def test_implementation_none_is_xla_and_jit_works():
   q, k, v = _inputs(1, 4, 4, 2, 2, 4, jnp.float32)
   f = jax.jit(lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True))
-  assert_close(f(q, k, v), jattn.dot_product_attention(q, k, v, is_causal=True,
-                                                       implementation="xla"))
+  assert_close(
+    f(q, k, v), jattn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+  )
 
 
 def test_zero_length_keys_give_zeros():
@@ -191,8 +246,9 @@ def test_empty_dimensions_match_jax_nn(empty, rule):
   bias = normal((B, N, T, S), seed=4)
 
   def ours(q, k, v, bias):
-    return jattn.dot_product_attention(q, k, v, bias, is_causal=True, return_residual=True,
-                                       **RULES[rule])
+    return jattn.dot_product_attention(
+      q, k, v, bias, is_causal=True, return_residual=True, **RULES[rule]
+    )
 
   out, lse = ours(q, k, v, bias)
   # (scale=1: jax.nn warns dividing by sqrt(0) for its default scale)
@@ -227,18 +283,29 @@ def test_segment_ids_against_numpy():
 def test_repeated_calls_do_not_retrace(monkeypatch):
   """The jitted core is traced once per shape, even with freshly built masks."""
   from jattn.impl import xla
+
   jax.clear_caches()
   counted = chex.assert_max_traces(xla.attention, n=1)
   monkeypatch.setattr(xla, "attention", counted)
   q, k, v = _inputs(2, 4, 4, 2, 2, 4, jnp.float32)
   for i in range(3):
     ids = jnp.array([[0, 0, 1, 1], [0, 1, 1, 1]]) + i
-    jattn.dot_product_attention(q + i, k, v, mask=masks.causal() & masks.segments(ids),
-                                score_fn=jattn.scores.alibi(jnp.array([0.1, 0.2]) * i))
+    jattn.dot_product_attention(
+      q + i,
+      k,
+      v,
+      mask=masks.causal() & masks.segments(ids),
+      score_fn=jattn.scores.alibi(jnp.array([0.1, 0.2]) * i),
+    )
   with pytest.raises(AssertionError, match="traced"):  # a new shape traces again
-    jattn.dot_product_attention(q[:, :3], k, v, mask=masks.causal() & masks.segments(
-        jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 4), jnp.int32)),
-        score_fn=jattn.scores.alibi(jnp.array([0.1, 0.2])))
+    jattn.dot_product_attention(
+      q[:, :3],
+      k,
+      v,
+      mask=masks.causal()
+      & masks.segments(jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 4), jnp.int32)),
+      score_fn=jattn.scores.alibi(jnp.array([0.1, 0.2])),
+    )
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
@@ -248,8 +315,12 @@ def test_cudnn_passes_through_to_jax_nn():
 
   @functools.partial(jax.jit, static_argnames="implementation")
   def run(q, k, v, implementation):
-    f = lambda q, k, v: jnp.sum(jattn.dot_product_attention(
-        q, k, v, is_causal=True, implementation=implementation).astype(jnp.float32) * cot)
+    f = lambda q, k, v: jnp.sum(
+      jattn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation).astype(
+        jnp.float32
+      )
+      * cot
+    )
     return jax.value_and_grad(f, (0, 1, 2))(q, k, v)
 
   for a, b in zip(jax.tree.leaves(run(q, k, v, "cudnn")), jax.tree.leaves(run(q, k, v, "xla"))):
@@ -298,17 +369,23 @@ def test_attention_weights_empty_rows_unbatched_and_gradient():
   assert_close(w, _weights_np(q, k, allowed=np.tril(np.ones((4, 4), bool), -2))[0])
   g = jax.grad(lambda q: jnp.sum(jattn.attention_weights(q, k, is_causal=True)[..., 0] ** 2))(q)
   causal = jnp.where(np.tril(np.ones((1, 1, 4, 4), bool)), 0.0, -1e30)
-  g_ref = jax.grad(lambda q: jnp.sum(jax.nn.softmax(
-      jnp.einsum("BTNH,BSNH->BNTS", q, k) / 2.0 + causal)[..., 0] ** 2))(q)
+  g_ref = jax.grad(
+    lambda q: jnp.sum(
+      jax.nn.softmax(jnp.einsum("BTNH,BSNH->BNTS", q, k) / 2.0 + causal)[..., 0] ** 2
+    )
+  )(q)
   assert_close(g, g_ref, factor=5)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
+@pytest.mark.parametrize(
+  "kwargs, error, match",
+  [
     (dict(key=np.zeros((2, 6, 3, 8), np.float32)), ValueError, "multiple of the number"),
     (dict(is_causal=1), TypeError, "is_causal must be a bool"),
     (dict(bias=np.zeros((2, 4, 5, 5), np.float32)), ValueError, "bias"),
     (dict(scale=float("nan")), ValueError, "scale must be finite"),
-])
+  ],
+)
 def test_attention_weights_errors(kwargs, error, match):
   args = dict(query=np.zeros((2, 5, 4, 8), np.float32), key=np.zeros((2, 6, 2, 8), np.float32))
   args.update(kwargs)

@@ -9,13 +9,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
+from reference import (
+  assert_close,
+  attention_np,
+  block_sparse_np,
+  dilated_window_np,
+  global_np,
+  normal,
+  tile_classes_np,
+)
+from test_xla import SCORE_FNS  # the same score functions, for the same N
 
 import jattn
 from jattn import masks, scores
 from jattn.impl import blockwise
-from reference import (assert_close, attention_np, block_sparse_np, dilated_window_np, global_np,
-                       normal, tile_classes_np)
-from test_xla import SCORE_FNS  # the same score functions, for the same N
 
 # T and S are not multiples of the tiles, so every test also runs padded edge tiles.
 B, T, S, N, K, H = 2, 7, 9, 4, 2, 4  # N as in test_xla, whose SCORE_FNS are reused
@@ -25,28 +32,32 @@ IDS_KV = np.array([[0, 0, 1, 1, 1, 1, 2, 2, 2], [3, 3, 3, 4, 4, 5, 5, 5, 5]])
 
 # Every mask kind; several leave some query rows with nothing to attend to.
 MASKS = {
-    "none": None,
-    "causal": masks.causal(),
-    "causal_empty_rows": masks.causal(-2),
-    "causal_bottom_right": masks.causal(S - T),
-    "window": masks.sliding_window(2, 1),
-    "chunked": masks.chunked(3),
-    "prefix_lm": masks.prefix_lm(np.array([4, 0])),
-    "segments": masks.segments(IDS_Q, IDS_KV),
-    "lengths_empty_rows": masks.lengths(np.array([5, 7]), np.array([0, 6])),
-    "global": masks.global_tokens(2),
-    "strided": masks.strided(3),
-    "from_array": masks.from_array(np.random.default_rng(0).random((B, 1, T, S)) < 0.5),
-    "from_fn": masks.from_fn(lambda b, h, q, kv: (q + kv + b + h) % 3 != 0),
-    "combined": (masks.causal(1) & ~masks.strided(3)) | masks.global_tokens(1),
-    "longformer": masks.longformer(1, dilation=2),
-    "bigbird": masks.bigbird(T, S, block_size=2, num_random_blocks=1, seed=0),
+  "none": None,
+  "causal": masks.causal(),
+  "causal_empty_rows": masks.causal(-2),
+  "causal_bottom_right": masks.causal(S - T),
+  "window": masks.sliding_window(2, 1),
+  "chunked": masks.chunked(3),
+  "prefix_lm": masks.prefix_lm(np.array([4, 0])),
+  "segments": masks.segments(IDS_Q, IDS_KV),
+  "lengths_empty_rows": masks.lengths(np.array([5, 7]), np.array([0, 6])),
+  "global": masks.global_tokens(2),
+  "strided": masks.strided(3),
+  "from_array": masks.from_array(np.random.default_rng(0).random((B, 1, T, S)) < 0.5),
+  "from_fn": masks.from_fn(lambda b, h, q, kv: (q + kv + b + h) % 3 != 0),
+  "combined": (masks.causal(1) & ~masks.strided(3)) | masks.global_tokens(1),
+  "longformer": masks.longformer(1, dilation=2),
+  "bigbird": masks.bigbird(T, S, block_size=2, num_random_blocks=1, seed=0),
 }
 
 
 def _inputs(dtype, bias_shape=(1, N, T, S)):
-  return (normal((B, T, N, H), dtype), normal((B, S, K, H), dtype, 1),
-          normal((B, S, K, H), dtype, 2), normal(bias_shape, dtype, 3))
+  return (
+    normal((B, T, N, H), dtype),
+    normal((B, S, K, H), dtype, 1),
+    normal((B, S, K, H), dtype, 2),
+    normal(bias_shape, dtype, 3),
+  )
 
 
 def _finite(lse):
@@ -60,9 +71,11 @@ def _attn(implementation, mask=None, **kw):
     kw = {"backward": "custom_vjp", **kw}
 
   def f(q, k, v, bias):
-    out, lse = jattn.dot_product_attention(q, k, v, bias, mask=mask, return_residual=True,
-                                           implementation=implementation, **kw)
+    out, lse = jattn.dot_product_attention(
+      q, k, v, bias, mask=mask, return_residual=True, implementation=implementation, **kw
+    )
     return out, _finite(lse)
+
   return f
 
 
@@ -75,6 +88,7 @@ def _value_and_grads(f, args, seed=11):
   def run(*args):
     loss = lambda *a: sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(f(*a), cots))
     return f(*args), jax.grad(loss, tuple(range(len(args))))(*args)
+
   return run(*args)
 
 
@@ -101,33 +115,50 @@ def test_matches_xla_for_every_mask(kind):
 def test_against_float64_numpy(kind):  # every kind: test_properties, with random tiles
   q, k, v, bias = _inputs(jnp.float32)
   mask = MASKS[kind]
-  allowed = None if mask is None else np.asarray(mask.materialize(T, S, batch_size=B,
-                                                                   num_heads=N))
-  out, lse = jattn.dot_product_attention(q, k, v, bias, mask=mask, return_residual=True,
-                                         implementation="blockwise", **BLOCKS)
+  allowed = None if mask is None else np.asarray(mask.materialize(T, S, batch_size=B, num_heads=N))
+  out, lse = jattn.dot_product_attention(
+    q, k, v, bias, mask=mask, return_residual=True, implementation="blockwise", **BLOCKS
+  )
   out_np, lse_np = attention_np(q, k, v, bias=bias, allowed=allowed)
   assert_close(out, out_np)
   np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_np))
   assert_close(_finite(lse), np.where(np.isfinite(lse_np), lse_np, 0.0))
 
 
-@pytest.mark.parametrize("kind, dense", [
+@pytest.mark.parametrize(
+  "kind, dense",
+  [
     ("longformer", dilated_window_np(T, S, 2, 2, 2) | global_np(T, S, 1)),
-    ("bigbird", block_sparse_np(masks.bigbird_layout(4, 5, num_random_blocks=1, seed=0),
-                                2, 2, T, S)),
-])
+    (
+      "bigbird",
+      block_sparse_np(masks.bigbird_layout(4, 5, num_random_blocks=1, seed=0), 2, 2, T, S),
+    ),
+  ],
+)
 def test_sparse_patterns_equal_their_dense_formula(kind, dense):
   q, k, v, bias = _inputs(jnp.float32)
-  out = jattn.dot_product_attention(q, k, v, bias, mask=MASKS[kind], implementation="blockwise",
-                                    **BLOCKS)
+  out = jattn.dot_product_attention(
+    q, k, v, bias, mask=MASKS[kind], implementation="blockwise", **BLOCKS
+  )
   assert_close(out, attention_np(q, k, v, bias=bias, allowed=dense)[0])
 
 
 # Finite differences for the masks that exercise distinct paths (empty rows, traced ids,
 # per-batch arrays, functions, combinations, block layouts); test_matches_xla_for_every_mask
 # checks every mask's gradients against the materialised custom_vjp, itself check_grads-tested.
-@pytest.mark.parametrize("kind", ["none", "causal_empty_rows", "segments", "lengths_empty_rows",
-                                  "from_array", "from_fn", "combined", "bigbird"])
+@pytest.mark.parametrize(
+  "kind",
+  [
+    "none",
+    "causal_empty_rows",
+    "segments",
+    "lengths_empty_rows",
+    "from_array",
+    "from_fn",
+    "combined",
+    "bigbird",
+  ],
+)
 def test_check_grads_float64(kind, x64):
   check_grads(_attn("blockwise", MASKS[kind]), _inputs(jnp.float64), order=1, modes=["rev"])
 
@@ -139,16 +170,22 @@ BIAS_SHAPES = [(B, N, T, S), (N, T, S), (1, 1, 1, S), (B, 1, T, 1), (T, S), (1, 
 def test_bias_shapes_read_and_differentiated_tile_by_tile(shape):
   args = _inputs(jnp.float32, shape)
   mask = masks.causal(2)
-  _assert_same(_value_and_grads(_attn("blockwise", mask), args),
-               _value_and_grads(_attn("xla", mask), args), np.float32)
+  _assert_same(
+    _value_and_grads(_attn("blockwise", mask), args),
+    _value_and_grads(_attn("xla", mask), args),
+    np.float32,
+  )
 
 
 @pytest.mark.parametrize("name", list(SCORE_FNS))
 def test_score_fns(name):
   args = _inputs(jnp.float32)
   kw = dict(mask=masks.causal(1), score_fn=SCORE_FNS[name])
-  _assert_same(_value_and_grads(_attn("blockwise", **kw), args),
-               _value_and_grads(_attn("xla", **kw), args), np.float32)
+  _assert_same(
+    _value_and_grads(_attn("blockwise", **kw), args),
+    _value_and_grads(_attn("xla", **kw), args),
+    np.float32,
+  )
 
 
 @pytest.mark.parametrize("name", list(SCORE_FNS))
@@ -156,8 +193,9 @@ def test_check_grads_float64_score_fns(name, x64):
   fn = SCORE_FNS[name]
   if isinstance(fn, jattn.ScoreFn):  # float64 parameters
     fn = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), fn)
-  check_grads(_attn("blockwise", masks.causal(), score_fn=fn), _inputs(jnp.float64), order=1,
-              modes=["rev"])
+  check_grads(
+    _attn("blockwise", masks.causal(), score_fn=fn), _inputs(jnp.float64), order=1, modes=["rev"]
+  )
 
 
 def test_learned_score_parameters_get_tile_summed_gradients():
@@ -178,15 +216,27 @@ def test_learned_score_parameters_get_tile_summed_gradients():
 def test_soft_cap_and_dropout_match_xla():
   """Dropout is regenerated tile by tile from (rng, b, h, q, kv): the same mask as xla's."""
   args = _inputs(jnp.float32)
-  kw = dict(mask=masks.sliding_window(3, 0), logits_soft_cap=2.0, dropout_rate=0.4,
-            dropout_rng=jax.random.key(5))
-  _assert_same(_value_and_grads(_attn("blockwise", **kw), args),
-               _value_and_grads(_attn("xla", **kw), args), np.float32)
+  kw = dict(
+    mask=masks.sliding_window(3, 0),
+    logits_soft_cap=2.0,
+    dropout_rate=0.4,
+    dropout_rng=jax.random.key(5),
+  )
+  _assert_same(
+    _value_and_grads(_attn("blockwise", **kw), args),
+    _value_and_grads(_attn("xla", **kw), args),
+    np.float32,
+  )
 
 
 def test_check_grads_float64_dropout_and_soft_cap(x64):
-  f = _attn("blockwise", masks.causal(), dropout_rate=0.3, dropout_rng=jax.random.key(2),
-            logits_soft_cap=3.0)
+  f = _attn(
+    "blockwise",
+    masks.causal(),
+    dropout_rate=0.3,
+    dropout_rng=jax.random.key(2),
+    logits_soft_cap=3.0,
+  )
   check_grads(f, _inputs(jnp.float64), order=1, modes=["rev"])
 
 
@@ -195,10 +245,10 @@ def test_gqa_and_mqa(heads):
   n, kh = heads
   q = normal((B, T, n, H))
   k, v = normal((B, S, kh, H), seed=1), normal((B, S, kh, H), seed=2)
-  f = lambda implementation: (lambda q, k, v: _attn(implementation, masks.causal(1))(q, k, v,
-                                                                                      None))
-  _assert_same(_value_and_grads(f("blockwise"), (q, k, v)),
-               _value_and_grads(f("xla"), (q, k, v)), np.float32)
+  f = lambda implementation: lambda q, k, v: _attn(implementation, masks.causal(1))(q, k, v, None)
+  _assert_same(
+    _value_and_grads(f("blockwise"), (q, k, v)), _value_and_grads(f("xla"), (q, k, v)), np.float32
+  )
 
 
 def test_bfloat16():
@@ -224,9 +274,15 @@ def test_traced_mask_arrays_under_jit_and_vmap():
   q, k, v, _ = _inputs(jnp.float32)
 
   def one(q, k, v, ids_q, ids_kv, implementation):
-    return jattn.dot_product_attention(q, k, v, segment_ids=(ids_q, ids_kv), is_causal=True,
-                                       implementation=implementation,
-                                       **(BLOCKS if implementation == "blockwise" else {}))
+    return jattn.dot_product_attention(
+      q,
+      k,
+      v,
+      segment_ids=(ids_q, ids_kv),
+      is_causal=True,
+      implementation=implementation,
+      **(BLOCKS if implementation == "blockwise" else {}),
+    )
 
   run = jax.jit(jax.vmap(one, (0, 0, 0, 0, 0, None)), static_argnums=5)
   assert_close(run(q, k, v, IDS_Q, IDS_KV, "blockwise"), run(q, k, v, IDS_Q, IDS_KV, "xla"))
@@ -238,8 +294,9 @@ def test_fully_masked_rows_follow_the_numerics_contract():
   f = _attn("blockwise", mask)
   with jax.debug_nans(True), jax.debug_infs(True):
     (out, _), grads = _value_and_grads(f, (q, k, v, bias))
-  out_raw, lse = jattn.dot_product_attention(q, k, v, bias, mask=mask, return_residual=True,
-                                             implementation="blockwise", **BLOCKS)
+  out_raw, lse = jattn.dot_product_attention(
+    q, k, v, bias, mask=mask, return_residual=True, implementation="blockwise", **BLOCKS
+  )
   np.testing.assert_array_equal(out[0], 0.0)
   np.testing.assert_array_equal(out[1, 4:], 0.0)  # rows past the query length
   assert np.all(np.isneginf(lse[0])) and np.all(np.isneginf(lse[1, 4:]))
@@ -253,8 +310,9 @@ def test_fully_masked_rows_follow_the_numerics_contract():
 def test_minus_inf_bias_rows_give_zeros():
   q, k, v, _ = _inputs(jnp.float32)
   bias = jnp.zeros((1, 1, T, S)).at[:, :, 2].set(-jnp.inf)
-  out, lse = jattn.dot_product_attention(q, k, v, bias, return_residual=True,
-                                         implementation="blockwise", **BLOCKS)
+  out, lse = jattn.dot_product_attention(
+    q, k, v, bias, return_residual=True, implementation="blockwise", **BLOCKS
+  )
   np.testing.assert_array_equal(out[:, 2], 0.0)
   assert np.all(np.isneginf(lse[:, 2]))
   assert np.all(np.isfinite(out))
@@ -265,25 +323,30 @@ def _visited(mask, T_, S_, bq, bk):
   seen = []
 
   def record(s, b, h, q, kv):
-    jax.debug.callback(lambda qi, ki: seen.append((int(qi), int(ki))), q[0, 0, 0, 0] // bq,
-                       kv[0, 0, 0, 0] // bk)
+    jax.debug.callback(
+      lambda qi, ki: seen.append((int(qi), int(ki))), q[0, 0, 0, 0] // bq, kv[0, 0, 0, 0] // bk
+    )
     return s
 
   q = normal((1, T_, 2, 4))
   k = normal((1, S_, 2, 4), seed=1)
-  jattn.dot_product_attention(q, k, k, mask=mask, score_fn=record, implementation="blockwise",
-                              block_q=bq, block_kv=bk).block_until_ready()
+  jattn.dot_product_attention(
+    q, k, k, mask=mask, score_fn=record, implementation="blockwise", block_q=bq, block_kv=bk
+  ).block_until_ready()
   return sorted(seen)
 
 
-@pytest.mark.parametrize("name, mask", [
+@pytest.mark.parametrize(
+  "name, mask",
+  [
     ("causal", masks.causal()),
     ("window", masks.sliding_window(4, 0)),
     ("segments", masks.segments(np.array([[0] * 8 + [1] * 8 + [2] * 8]))),
     ("chunked_or_global", masks.chunked(8) | masks.global_tokens(1)),
     ("longformer", masks.longformer(2, num_global=2, dilation=3)),
     ("bigbird", masks.bigbird(24, block_size=3, num_random_blocks=1, seed=2)),
-])
+  ],
+)
 def test_empty_tiles_are_never_computed(name, mask):
   T_, bq, bk = 24, 4, 4
   dense = np.asarray(mask.materialize(T_, T_, batch_size=1, num_heads=2))
@@ -317,6 +380,7 @@ def test_padded_edge_tiles_are_partial():
 
 def _largest_intermediate(f, *args) -> int:
   """Elements of the largest array any equation of f's jaxpr (sub-jaxprs included) makes."""
+
   def walk(jaxpr):
     biggest = 0
     for eqn in jaxpr.eqns:
@@ -325,6 +389,7 @@ def _largest_intermediate(f, *args) -> int:
       for sub in jax.extend.core.jaxprs_in_params(eqn.params):
         biggest = max(biggest, walk(sub))
     return biggest
+
   return walk(jax.make_jaxpr(f)(*args).jaxpr)
 
 
@@ -335,8 +400,9 @@ def test_training_step_memory_is_linear_in_sequence_length():
 
   def step(implementation, q):
     kw = dict(block_q=bq, block_kv=bk) if implementation == "blockwise" else {}
-    f = lambda q: jnp.sum(jattn.dot_product_attention(
-        q, q, q, is_causal=True, implementation=implementation, **kw) ** 2)
+    f = lambda q: jnp.sum(
+      jattn.dot_product_attention(q, q, q, is_causal=True, implementation=implementation, **kw) ** 2
+    )
     return jax.grad(f)(q)
 
   # The largest arrays are the (1, T, 2, 8) inputs and their gradients.

@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import assert_close, attention_jnp, attention_np, causal_np, normal
 
 import jattn
 from jattn import decode, masks, scores
-from reference import assert_close, attention_jnp, attention_np, causal_np, normal
 
 B, S, H = 2, 12, 4  # S is the cache's max_length
 L = 9  # tokens per row over a whole test: a prompt and some decode steps
@@ -25,8 +25,11 @@ def _step(query, key, value, cache, num_new=None, mask=None, bias=None, **kw):
 
 
 def _sequence(N, K, length=L, seed=0):
-  return (normal((B, length, N, H), seed=seed), normal((B, length, K, H), seed=seed + 1),
-          normal((B, length, K, H), seed=seed + 2))
+  return (
+    normal((B, length, N, H), seed=seed),
+    normal((B, length, K, H), seed=seed + 1),
+    normal((B, length, K, H), seed=seed + 2),
+  )
 
 
 def _full_causal(q, k, v, **kw):
@@ -39,8 +42,15 @@ def _run_chunks(q, k, v, chunks, implementation, **kw):
   outs, start = [], 0
   for t in chunks:
     part = slice(start, start + t)
-    out, cache = _step(q[:, part], k[:, part], v[:, part], cache, implementation=implementation,
-                       **IMPLS[implementation], **kw)
+    out, cache = _step(
+      q[:, part],
+      k[:, part],
+      v[:, part],
+      cache,
+      implementation=implementation,
+      **IMPLS[implementation],
+      **kw,
+    )
     outs.append(out)
     start += t
   return jnp.concatenate(outs, axis=1), cache
@@ -90,16 +100,17 @@ def test_ragged_rows_equal_per_row_causal_attention(implementation):
     (out, _), cache = _step(pick(q), pick(k), pick(v), cache, **kw)
     steps.append(out[:, 0])
   # A step where row 1 is idle (num_new 0): nothing written, its output is zeros.
-  (idle, _), cache = _step(q[:, 8:9], k[:, 8:9], v[:, 8:9], cache,
-                           jnp.array([1, 0], jnp.int32), **kw)
+  (idle, _), cache = _step(
+    q[:, 8:9], k[:, 8:9], v[:, 8:9], cache, jnp.array([1, 0], jnp.int32), **kw
+  )
   np.testing.assert_array_equal(cache.lengths, prompt + [4, 3])
   np.testing.assert_array_equal(idle[1], 0.0)
   for b in range(B):
     n = int(prompt[b]) + 3
-    row = lambda x: x[b:b + 1, :n]
+    row = lambda x: x[b : b + 1, :n]
     want = _full_causal(row(q), row(k), row(v))[0]
-    assert_close(pre[b, :prompt[b]], want[:prompt[b]])
-    assert_close(jnp.stack([s[b] for s in steps]), want[prompt[b]:])
+    assert_close(pre[b, : prompt[b]], want[: prompt[b]])
+    assert_close(jnp.stack([s[b] for s in steps]), want[prompt[b] :])
     np.testing.assert_array_equal(cache.key[b, :n], k[b, :n])
   assert_close(idle[0, 0], _full_causal(q[:1], k[:1], v[:1])[0, 8])
 
@@ -122,14 +133,16 @@ def test_jitted_decode_step_does_not_retrace():
   @jax.jit
   @chex.assert_max_traces(n=1)
   def step(query, key, value, cache):
-    return decode.attention(query, key, value, cache, implementation="blockwise", block_q=2,
-                            block_kv=4)
+    return decode.attention(
+      query, key, value, cache, implementation="blockwise", block_q=2, block_kv=4
+    )
 
-  _, cache = decode.attention(q[:, :5], k[:, :5], v[:, :5], decode.init(B, S, K, H),
-                              num_new=np.array([5, 3]))
+  _, cache = decode.attention(
+    q[:, :5], k[:, :5], v[:, :5], decode.init(B, S, K, H), num_new=np.array([5, 3])
+  )
   outs = []
   for i in range(5, L):
-    out, cache = step(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], cache)
+    out, cache = step(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1], cache)
     outs.append(out)
   assert isinstance(cache, decode.KVCache)
   np.testing.assert_array_equal(cache.lengths, [L, 7])
@@ -168,8 +181,18 @@ def test_position_dependent_scores_masks_and_bias_with_shifted_indices():
     lengths = cache.lengths
     shifted = lambda s, b, h, qi, kv: alibi(s, b, h, qi + lengths[b], kv)
     window = masks.from_fn(lambda b, h, qi, kv: kv >= qi + lengths[b] - w)
-    return decode.attention(q, k, v, cache, score_fn=shifted, mask=window, bias=bias,
-                            implementation="blockwise", block_q=2, block_kv=4)
+    return decode.attention(
+      q,
+      k,
+      v,
+      cache,
+      score_fn=shifted,
+      mask=window,
+      bias=bias,
+      implementation="blockwise",
+      block_q=2,
+      block_kv=4,
+    )
 
   cache, outs, start = decode.init(B, S, K, H), [], 0
   for t in (6, 3):
@@ -183,10 +206,14 @@ def test_position_dependent_scores_masks_and_bias_with_shifted_indices():
 
 
 def test_overflow_raises_when_concrete():
-  cache = decode.update(decode.init(B, 4, 1, H), *[normal((B, 3, 1, H))] * 2,
-                        num_new=np.array([1, 3]))
-  with pytest.raises(ValueError, match=r"cache row 1 would overflow: it holds 3 tokens and 2 "
-                                       r"new ones make 5 > max_length=4"):
+  cache = decode.update(
+    decode.init(B, 4, 1, H), *[normal((B, 3, 1, H))] * 2, num_new=np.array([1, 3])
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"cache row 1 would overflow: it holds 3 tokens and 2 "
+    r"new ones make 5 > max_length=4",
+  ):
     decode.update(cache, *[normal((B, 2, 1, H))] * 2)
   with pytest.raises(ValueError, match=r"cache row 1 would overflow"):
     decode.attention(normal((B, 2, 2, H)), *[normal((B, 2, 1, H))] * 2, cache)
@@ -217,66 +244,165 @@ def _q(t=2, N=4, h=H, b=B, dtype=np.float32):
 
 
 ERRORS = [
-    ("max_length", lambda: decode.init(B, 0, 2, H), ValueError, r"max_length must be >= 1, got 0"),
-    ("batch_type", lambda: decode.init(2.0, 4, 2, H), TypeError, r"batch_size must be an int"),
-    ("init_dtype", lambda: decode.init(B, 4, 2, H, dtype=jnp.int32), TypeError,
-     r"dtype must be a floating dtype, got int32"),
-    ("cache_type", lambda: decode.update(tuple(_cache()), _kv(), _kv()), TypeError,
-     r"cache must be a jattn.decode.KVCache"),
-    ("cache_lengths", lambda: decode.update(_cache()._replace(lengths=jnp.array([0, 7])),
-                                            _kv(), _kv()), ValueError,
-     r"cache.lengths must be in \[0, max_length=6\], got \[0, 7\]"),
-    ("key_rank", lambda: decode.update(_cache(), _kv()[0], _kv()[0]), ValueError,
-     r"key must have shape \(B, t, K, H\)=\(2, t, 2, 4\) like the cache, got \(2, 2, 4\)"),
-    ("key_value_shapes", lambda: decode.update(_cache(), _kv(), _kv(t=3)), ValueError,
-     r"key and value must have the same shape, got key \(2, 2, 2, 4\) and value \(2, 3, 2, 4\)"),
-    ("num_kv_heads", lambda: decode.update(_cache(), _kv(K=1), _kv(K=1)), ValueError,
-     r"to match the cache's \(2, 6, 2, 4\), got \(2, 2, 1, 4\)"),
-    ("head_dim", lambda: decode.update(_cache(), _kv(h=8), _kv(h=8)), ValueError,
-     r"to match the cache's \(2, 6, 2, 4\), got \(2, 2, 2, 8\)"),
-    ("batch", lambda: decode.update(_cache(), _kv(b=3), _kv(b=3)), ValueError,
-     r"to match the cache's \(2, 6, 2, 4\), got \(3, 2, 2, 4\)"),
-    ("no_tokens", lambda: decode.update(_cache(), _kv(t=0), _kv(t=0)), ValueError,
-     r"1 <= t <= max_length=6 new tokens, got t=0"),
-    ("too_many_tokens", lambda: decode.update(_cache(), _kv(t=7), _kv(t=7)), ValueError,
-     r"1 <= t <= max_length=6 new tokens, got t=7"),
-    ("dtype", lambda: decode.update(_cache(), _kv(dtype=jnp.bfloat16), _kv(dtype=jnp.bfloat16)),
-     TypeError, r"key must have the cache's dtype float32, got bfloat16"),
-    ("value_dtype", lambda: decode.update(_cache(), _kv(), _kv(dtype=jnp.float16)),
-     TypeError, r"value must have the cache's dtype float32, got float16"),
-    ("num_new_shape", lambda: decode.update(_cache(), _kv(), _kv(), num_new=np.array([1, 1, 1])),
-     ValueError, r"num_new must have shape \(B,\)=\(2,\), got \(3,\)"),
-    ("num_new_rank", lambda: decode.update(_cache(), _kv(), _kv(), num_new=1), ValueError,
-     r"num_new must have rank 1, got shape \(\)"),
-    ("num_new_dtype", lambda: decode.update(_cache(), _kv(), _kv(), num_new=np.array([1.0, 1.0])),
-     TypeError, r"num_new must have an integer dtype, got float64"),
-    ("num_new_above_t", lambda: decode.update(_cache(), _kv(), _kv(), num_new=np.array([3, 0])),
-     ValueError, r"num_new must be in \[0, t=2\] \(the new tokens given\), got \[3, 0\]"),
-    ("num_new_negative", lambda: decode.update(_cache(), _kv(), _kv(), num_new=np.array([1, -1])),
-     ValueError, r"num_new must be in \[0, t=2\]"),
-    ("positions_negative", lambda: decode.positions(_cache(), -1), ValueError,
-     r"num_new must be >= 0, got -1"),
-    ("query_rank", lambda: decode.attention(_q()[0], _kv(), _kv(), _cache()), ValueError,
-     r"query must have shape \(B, t, N, H\)=\(2, 2, N, 4\) to match key"),
-    ("query_t", lambda: decode.attention(_q(t=3), _kv(), _kv(), _cache()), ValueError,
-     r"query must have shape \(B, t, N, H\)=\(2, 2, N, 4\) .* got \(2, 3, 4, 4\)"),
-    ("query_heads", lambda: decode.attention(_q(N=3), _kv(), _kv(), _cache()), ValueError,
-     r"number of query heads N \(3\) must be a multiple of the cache's number of key/value "
-     r"heads K \(2\)"),
-    ("query_dtype", lambda: decode.attention(_q(dtype=jnp.float16), _kv(), _kv(), _cache()),
-     TypeError, r"query must have the cache's dtype float32, got float16"),
-    ("mask_dtype", lambda: decode.attention(_q(), _kv(), _kv(), _cache(),
-                                            mask=np.ones((2, 6), np.int32)),
-     TypeError, r"mask must be a boolean array, got dtype int32"),
-    ("mask_batch", lambda: decode.attention(_q(), _kv(), _kv(), _cache(),
-                                            mask=masks.lengths(np.array([1, 2, 3]))),
-     ValueError, r"mask: cannot combine masks with different batch size"),
-    ("mask_shape", lambda: decode.attention(_q(), _kv(), _kv(), _cache(),
-                                            mask=np.ones((2, 5), bool)),
-     ValueError, r"key/value length S=6"),
-    ("bias_shape", lambda: decode.attention(_q(), _kv(), _kv(), _cache(),
-                                            bias=np.zeros((2, 5), np.float32)),
-     ValueError, r"bias must be broadcastable to \(B, N, T, S\)=\(2, 4, 2, 6\)"),
+  ("max_length", lambda: decode.init(B, 0, 2, H), ValueError, r"max_length must be >= 1, got 0"),
+  ("batch_type", lambda: decode.init(2.0, 4, 2, H), TypeError, r"batch_size must be an int"),
+  (
+    "init_dtype",
+    lambda: decode.init(B, 4, 2, H, dtype=jnp.int32),
+    TypeError,
+    r"dtype must be a floating dtype, got int32",
+  ),
+  (
+    "cache_type",
+    lambda: decode.update(tuple(_cache()), _kv(), _kv()),
+    TypeError,
+    r"cache must be a jattn.decode.KVCache",
+  ),
+  (
+    "cache_lengths",
+    lambda: decode.update(_cache()._replace(lengths=jnp.array([0, 7])), _kv(), _kv()),
+    ValueError,
+    r"cache.lengths must be in \[0, max_length=6\], got \[0, 7\]",
+  ),
+  (
+    "key_rank",
+    lambda: decode.update(_cache(), _kv()[0], _kv()[0]),
+    ValueError,
+    r"key must have shape \(B, t, K, H\)=\(2, t, 2, 4\) like the cache, got \(2, 2, 4\)",
+  ),
+  (
+    "key_value_shapes",
+    lambda: decode.update(_cache(), _kv(), _kv(t=3)),
+    ValueError,
+    r"key and value must have the same shape, got key \(2, 2, 2, 4\) and value \(2, 3, 2, 4\)",
+  ),
+  (
+    "num_kv_heads",
+    lambda: decode.update(_cache(), _kv(K=1), _kv(K=1)),
+    ValueError,
+    r"to match the cache's \(2, 6, 2, 4\), got \(2, 2, 1, 4\)",
+  ),
+  (
+    "head_dim",
+    lambda: decode.update(_cache(), _kv(h=8), _kv(h=8)),
+    ValueError,
+    r"to match the cache's \(2, 6, 2, 4\), got \(2, 2, 2, 8\)",
+  ),
+  (
+    "batch",
+    lambda: decode.update(_cache(), _kv(b=3), _kv(b=3)),
+    ValueError,
+    r"to match the cache's \(2, 6, 2, 4\), got \(3, 2, 2, 4\)",
+  ),
+  (
+    "no_tokens",
+    lambda: decode.update(_cache(), _kv(t=0), _kv(t=0)),
+    ValueError,
+    r"1 <= t <= max_length=6 new tokens, got t=0",
+  ),
+  (
+    "too_many_tokens",
+    lambda: decode.update(_cache(), _kv(t=7), _kv(t=7)),
+    ValueError,
+    r"1 <= t <= max_length=6 new tokens, got t=7",
+  ),
+  (
+    "dtype",
+    lambda: decode.update(_cache(), _kv(dtype=jnp.bfloat16), _kv(dtype=jnp.bfloat16)),
+    TypeError,
+    r"key must have the cache's dtype float32, got bfloat16",
+  ),
+  (
+    "value_dtype",
+    lambda: decode.update(_cache(), _kv(), _kv(dtype=jnp.float16)),
+    TypeError,
+    r"value must have the cache's dtype float32, got float16",
+  ),
+  (
+    "num_new_shape",
+    lambda: decode.update(_cache(), _kv(), _kv(), num_new=np.array([1, 1, 1])),
+    ValueError,
+    r"num_new must have shape \(B,\)=\(2,\), got \(3,\)",
+  ),
+  (
+    "num_new_rank",
+    lambda: decode.update(_cache(), _kv(), _kv(), num_new=1),
+    ValueError,
+    r"num_new must have rank 1, got shape \(\)",
+  ),
+  (
+    "num_new_dtype",
+    lambda: decode.update(_cache(), _kv(), _kv(), num_new=np.array([1.0, 1.0])),
+    TypeError,
+    r"num_new must have an integer dtype, got float64",
+  ),
+  (
+    "num_new_above_t",
+    lambda: decode.update(_cache(), _kv(), _kv(), num_new=np.array([3, 0])),
+    ValueError,
+    r"num_new must be in \[0, t=2\] \(the new tokens given\), got \[3, 0\]",
+  ),
+  (
+    "num_new_negative",
+    lambda: decode.update(_cache(), _kv(), _kv(), num_new=np.array([1, -1])),
+    ValueError,
+    r"num_new must be in \[0, t=2\]",
+  ),
+  (
+    "positions_negative",
+    lambda: decode.positions(_cache(), -1),
+    ValueError,
+    r"num_new must be >= 0, got -1",
+  ),
+  (
+    "query_rank",
+    lambda: decode.attention(_q()[0], _kv(), _kv(), _cache()),
+    ValueError,
+    r"query must have shape \(B, t, N, H\)=\(2, 2, N, 4\) to match key",
+  ),
+  (
+    "query_t",
+    lambda: decode.attention(_q(t=3), _kv(), _kv(), _cache()),
+    ValueError,
+    r"query must have shape \(B, t, N, H\)=\(2, 2, N, 4\) .* got \(2, 3, 4, 4\)",
+  ),
+  (
+    "query_heads",
+    lambda: decode.attention(_q(N=3), _kv(), _kv(), _cache()),
+    ValueError,
+    r"number of query heads N \(3\) must be a multiple of the cache's number of key/value "
+    r"heads K \(2\)",
+  ),
+  (
+    "query_dtype",
+    lambda: decode.attention(_q(dtype=jnp.float16), _kv(), _kv(), _cache()),
+    TypeError,
+    r"query must have the cache's dtype float32, got float16",
+  ),
+  (
+    "mask_dtype",
+    lambda: decode.attention(_q(), _kv(), _kv(), _cache(), mask=np.ones((2, 6), np.int32)),
+    TypeError,
+    r"mask must be a boolean array, got dtype int32",
+  ),
+  (
+    "mask_batch",
+    lambda: decode.attention(_q(), _kv(), _kv(), _cache(), mask=masks.lengths(np.array([1, 2, 3]))),
+    ValueError,
+    r"mask: cannot combine masks with different batch size",
+  ),
+  (
+    "mask_shape",
+    lambda: decode.attention(_q(), _kv(), _kv(), _cache(), mask=np.ones((2, 5), bool)),
+    ValueError,
+    r"key/value length S=6",
+  ),
+  (
+    "bias_shape",
+    lambda: decode.attention(_q(), _kv(), _kv(), _cache(), bias=np.zeros((2, 5), np.float32)),
+    ValueError,
+    r"bias must be broadcastable to \(B, N, T, S\)=\(2, 4, 2, 6\)",
+  ),
 ]
 
 
@@ -293,13 +419,15 @@ def test_garbage_past_the_lengths_never_reaches_outputs_or_gradients(implementat
   N, K = 4, 2
   q, k, v = _sequence(N, K)
   clean = decode.init(B, S, K, H)
-  dirty = decode.KVCache(jnp.full_like(clean.key, jnp.nan), jnp.full_like(clean.value, jnp.nan),
-                         clean.lengths)
+  dirty = decode.KVCache(
+    jnp.full_like(clean.key, jnp.nan), jnp.full_like(clean.value, jnp.nan), clean.lengths
+  )
   cot = normal((B, 5, N, H), seed=7)
 
   def loss(q, k, v, cache):
-    out, _ = _step(q[:, :5], k[:, :5], v[:, :5], cache, implementation=implementation,
-                   **IMPLS[implementation])
+    out, _ = _step(
+      q[:, :5], k[:, :5], v[:, :5], cache, implementation=implementation, **IMPLS[implementation]
+    )
     return jnp.sum(out * cot), out
 
   (_, want), want_g = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v, clean)

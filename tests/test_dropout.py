@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend.random import threefry2x32_p
+from reference import RULES, assert_close, attention_jnp, attention_np, normal
 
 import jattn
 from jattn import dropout, masks
-from reference import RULES, assert_close, attention_jnp, attention_np, normal
 
 
 def test_threefry_is_bit_identical_to_jax():
@@ -40,8 +40,9 @@ def test_mask_is_a_function_of_indices_only():
   b, h = jnp.array(1).reshape(1, 1, 1, 1), jnp.array(2).reshape(1, 1, 1, 1)
   q = jnp.arange(8, 16).reshape(1, 1, -1, 1)
   kv = jnp.arange(4, 20).reshape(1, 1, 1, -1)
-  np.testing.assert_array_equal(dropout.keep_mask(rng, 0.3, b, h, q, kv)[0, 0],
-                                full[1, 2, 8:16, 4:20])
+  np.testing.assert_array_equal(
+    dropout.keep_mask(rng, 0.3, b, h, q, kv)[0, 0], full[1, 2, 8:16, 4:20]
+  )
   # The same rng as a typed key or a legacy PRNGKey draws the same mask.
   legacy = dropout.keep_mask(jax.random.PRNGKey(7), 0.3, *masks.index_grid(2, 3, 20, 24))
   np.testing.assert_array_equal(legacy, full)
@@ -66,16 +67,31 @@ def test_attention_dropout_matches_reference(backward):
   rng, rate = jax.random.key(3), 0.25
   keep = dropout.keep_mask(rng, rate, *masks.index_grid(2, 4, 5, 6))
   causal = np.tril(np.ones((5, 6), bool))
-  out, lse = jattn.dot_product_attention(q, k, v, is_causal=True, dropout_rate=rate,
-                                         dropout_rng=rng, backward=backward, return_residual=True)
+  out, lse = jattn.dot_product_attention(
+    q,
+    k,
+    v,
+    is_causal=True,
+    dropout_rate=rate,
+    dropout_rng=rng,
+    backward=backward,
+    return_residual=True,
+  )
   want, want_lse = attention_np(q, k, v, allowed=causal, keep=np.asarray(keep), rate=rate)
   assert_close(out, want)
   assert_close(lse, want_lse)  # dropout acts after the softmax: lse is unchanged
-  grads = jax.grad(lambda *a: jnp.sum(jattn.dot_product_attention(
-      *a, is_causal=True, dropout_rate=rate, dropout_rng=rng, backward=backward) ** 2),
-                   (0, 1, 2))(q, k, v)
-  grads_ref = jax.grad(lambda *a: jnp.sum(attention_jnp(
-      *a, allowed=causal, keep=keep, rate=rate)[0] ** 2), (0, 1, 2))(q, k, v)
+  grads = jax.grad(
+    lambda *a: jnp.sum(
+      jattn.dot_product_attention(
+        *a, is_causal=True, dropout_rate=rate, dropout_rng=rng, backward=backward
+      )
+      ** 2
+    ),
+    (0, 1, 2),
+  )(q, k, v)
+  grads_ref = jax.grad(
+    lambda *a: jnp.sum(attention_jnp(*a, allowed=causal, keep=keep, rate=rate)[0] ** 2), (0, 1, 2)
+  )(q, k, v)
   for a, b in zip(grads, grads_ref):
     assert_close(a, b, factor=5)
 
@@ -83,8 +99,9 @@ def test_attention_dropout_matches_reference(backward):
 def test_dropout_is_unbiased():
   q, k, v = _qkv(B=1, T=3, S=8, N=2, K=2)
   rngs = jax.random.split(jax.random.key(0), 2000)
-  outs = jax.vmap(functools.partial(jattn.dot_product_attention, q, k, v, dropout_rate=0.2)
-                  )(dropout_rng=rngs)
+  outs = jax.vmap(functools.partial(jattn.dot_product_attention, q, k, v, dropout_rate=0.2))(
+    dropout_rng=rngs
+  )
   mean = np.asarray(outs).mean(0)
   np.testing.assert_allclose(mean, jattn.dot_product_attention(q, k, v), atol=0.03)
   assert np.asarray(outs).std(0).min() > 0.01  # and it does drop something
@@ -100,26 +117,32 @@ def test_same_rng_same_output_and_rate_zero_ignores_rng():
 
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_broadcast_dropout_shares_one_pattern_across_batch_and_heads(rule):
-  B, T, S, N, K = 2, 5, 6, 4, 2
+  B, T, S, N = 2, 5, 6, 4
   q, k, v = _qkv()
   rng, rate = jax.random.key(7), 0.4
   # The pattern broadcast_dropout uses is the (b=0, h=0) one of the per-head draw.
-  keep = np.broadcast_to(np.asarray(dropout.keep_mask(rng, rate, *masks.index_grid(1, 1, T, S))),
-                         (B, N, T, S))
+  keep = np.broadcast_to(
+    np.asarray(dropout.keep_mask(rng, rate, *masks.index_grid(1, 1, T, S))), (B, N, T, S)
+  )
   f = lambda *a: jattn.dot_product_attention(
-      *a, is_causal=True, dropout_rate=rate, dropout_rng=rng, broadcast_dropout=True,
-      **RULES[rule])
+    *a, is_causal=True, dropout_rate=rate, dropout_rng=rng, broadcast_dropout=True, **RULES[rule]
+  )
   causal = np.tril(np.ones((T, S), bool))
   want, _ = attention_np(q, k, v, allowed=causal, keep=keep, rate=rate)
   assert_close(f(q, k, v), want)
   grads = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), (0, 1, 2))(q, k, v)
-  grads_ref = jax.grad(lambda *a: jnp.sum(attention_jnp(
-      *a, allowed=causal, keep=jnp.asarray(keep), rate=rate)[0] ** 2), (0, 1, 2))(q, k, v)
+  grads_ref = jax.grad(
+    lambda *a: jnp.sum(
+      attention_jnp(*a, allowed=causal, keep=jnp.asarray(keep), rate=rate)[0] ** 2
+    ),
+    (0, 1, 2),
+  )(q, k, v)
   for a, b in zip(grads, grads_ref):
     assert_close(a, b, factor=5)
   # Without it, heads and rows draw their own patterns: the outputs differ.
-  independent = jattn.dot_product_attention(q, k, v, is_causal=True, dropout_rate=rate,
-                                            dropout_rng=rng, **RULES[rule])
+  independent = jattn.dot_product_attention(
+    q, k, v, is_causal=True, dropout_rate=rate, dropout_rng=rng, **RULES[rule]
+  )
   assert not np.allclose(independent, want)
 
 

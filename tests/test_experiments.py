@@ -27,8 +27,9 @@ def test_bench_quick(tmp_path):
     record = _load("bench").main(["--quick", "--out-dir", str(tmp_path)])
   rows = record["timings"]
   assert len(rows) == 2 * 2 * 4  # two lengths x (full, causal) x four methods
-  assert all(r["fwd_speedup"] == 1.0 and r["fwd_bwd_speedup"] == 1.0
-             for r in rows if r["method"] == "jax.nn")
+  assert all(
+    r["fwd_speedup"] == 1.0 and r["fwd_bwd_speedup"] == 1.0 for r in rows if r["method"] == "jax.nn"
+  )
   assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["fwd_pct_matmul"] > 0 for r in rows)
   # Each memory case ran in its own process and reported a peak.
   assert [m["method"] for m in record["memory"]] == ["jax.nn", "blockwise"]
@@ -40,8 +41,9 @@ def test_bench_quick(tmp_path):
 
 def test_bench_config_file_is_valid():
   bench = _load("bench")
-  cfg = bench.load_config(bench.parse_args(
-      ["--config", str(EXPERIMENTS.parent / "configs" / "bench.yaml")]))
+  cfg = bench.load_config(
+    bench.parse_args(["--config", str(EXPERIMENTS.parent / "configs" / "bench.yaml")])
+  )
   assert cfg.lengths == [128, 1024, 4096] and cfg.memory["lengths"][-1] == 65536
 
 
@@ -76,10 +78,17 @@ def test_bench_scaling_slopes_and_crossover():
   bench = _load("bench_scaling")
   assert abs(bench.slope([(1, 3.0), (2, 12.0), (4, 48.0)]) - 2.0) < 1e-12
   assert bench.slope([(1, 3.0), (2, None)]) is None
-  rows = [dict(method=m, T=T, ms=ms) for m, T, ms in [
-      ("blockwise", 1024, 10.0), ("linear", 1024, 40.0),
-      ("blockwise", 2048, 40.0), ("linear", 2048, 80.0),
-      ("blockwise", 4096, 160.0), ("linear", 4096, 160.0 / 4)]]
+  rows = [
+    dict(method=m, T=T, ms=ms)
+    for m, T, ms in [
+      ("blockwise", 1024, 10.0),
+      ("linear", 1024, 40.0),
+      ("blockwise", 2048, 40.0),
+      ("linear", 2048, 80.0),
+      ("blockwise", 4096, 160.0),
+      ("linear", 4096, 160.0 / 4),
+    ]
+  ]
   cross = bench.crossover(rows)
   # log ratios +log 2 at 2048 and -log 4 at 4096: a third of the way, 2048 * 2^(1/3)
   assert cross["length"] == round(2048 * 2 ** (1 / 3)) and "T=2048 and T=4096" in cross["note"]
@@ -88,8 +97,9 @@ def test_bench_scaling_slopes_and_crossover():
 
 def test_bench_scaling_config_file_is_valid():
   bench = _load("bench_scaling")
-  cfg = bench.load_config(bench.parse_args(
-      ["--config", str(EXPERIMENTS.parent / "configs" / "bench_scaling.yaml")]))
+  cfg = bench.load_config(
+    bench.parse_args(["--config", str(EXPERIMENTS.parent / "configs" / "bench_scaling.yaml")])
+  )
   assert cfg.lengths[0] == 128 and cfg.lengths[-1] == 65536 and cfg.methods == list(bench.METHODS)
 
 
@@ -117,8 +127,13 @@ def test_bench_parallel_quick(tmp_path):
   assert json.loads(saved[0].read_text())["rows"] == rows
   # The compile-only memory table: one-device references, then the ring at every P.
   memory = record["memory"]
-  assert [(m["method"], m["P"]) for m in memory] == [("jax.nn", 1), ("blockwise", 1),
-                                                     ("ring", 1), ("ring", 2), ("ring", 4)]
+  assert [(m["method"], m["P"]) for m in memory] == [
+    ("jax.nn", 1),
+    ("blockwise", 1),
+    ("ring", 1),
+    ("ring", 2),
+    ("ring", 4),
+  ]
   ring = {m["P"]: m["mb"] for m in memory if m["method"] == "ring"}
   assert ring[4] < ring[2] < ring[1] and memory[-1]["vs_half_P"] == ring[4] / ring[2]
 
@@ -127,8 +142,9 @@ def test_bench_parallel_work_balance():
   bench = _load("bench_parallel")
   T, P, block = 64, 4, 4
   L = T // P
-  work = {layout: bench.work_per_device(layout, T, P, block, block)
-          for layout in bench.parallel.LAYOUTS}
+  work = {
+    layout: bench.work_per_device(layout, T, P, block, block) for layout in bench.parallel.LAYOUTS
+  }
   for layout, w in work.items():
     # Device i's exact causal work: each of its query rows at position p sees p + 1 keys.
     pos = bench.parallel.positions(layout, T, P).reshape(P, L)
@@ -149,14 +165,17 @@ def test_bench_parallel_work_balance():
   assert zigzag.tiles.tolist() == [34] * P
   # Striped shards map tiles to strided positions: classified conservatively, never fewer.
   assert striped.tiles.sum() >= zigzag.tiles.sum()
-  assert bench.work_per_device("contiguous", T, P, block, block, causal=False).pairs.tolist() \
-      == [L * T] * P
+  assert (
+    bench.work_per_device("contiguous", T, P, block, block, causal=False).pairs.tolist()
+    == [L * T] * P
+  )
 
 
 def test_bench_parallel_config_file_is_valid():
   bench = _load("bench_parallel")
-  cfg = bench.load_config(bench.parse_args(
-      ["--config", str(EXPERIMENTS.parent / "configs" / "bench_parallel.yaml")]))
+  cfg = bench.load_config(
+    bench.parse_args(["--config", str(EXPERIMENTS.parent / "configs" / "bench_parallel.yaml")])
+  )
   assert cfg.devices == [1, 2, 4, 8] and cfg.causal and cfg.reps == 3
   assert cfg.layouts == list(bench.parallel.LAYOUTS) and cfg.block_q is None
   assert cfg.length % (2 * max(cfg.devices)) == 0 and cfg.memory_length == 65536
@@ -178,6 +197,7 @@ def test_bench_gpu_quick(tmp_path):
   """The GPU benchmark's smoke test runs on any backend: every method timed in both passes,
   jax.nn's speedup over itself 1, scratch memory read from each compiled program."""
   from experiments import bench_gpu
+
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
     rows = bench_gpu.main(["--quick", "--json", str(tmp_path / "rows.json")])

@@ -11,10 +11,10 @@ import optax
 import pytest
 from flax import nnx
 from jax.test_util import check_grads
+from reference import assert_close, normal
 
 import jattn.nnx
 from jattn import hopfield
-from reference import assert_close, normal
 
 M, D = 5, 8  # stored patterns, feature size
 BETA = 0.9
@@ -36,24 +36,28 @@ def energy_np(queries, patterns, beta):
   s = beta * np.einsum("...d,md->...m", xi, x)
   m = s.max(-1)
   lse = m + np.log(np.exp(s - m[..., None]).sum(-1))
-  return (-lse / beta + 0.5 * (xi * xi).sum(-1) + np.log(len(x)) / beta
-          + 0.5 * (x * x).sum(-1).max())
+  return -lse / beta + 0.5 * (xi * xi).sum(-1) + np.log(len(x)) / beta + 0.5 * (x * x).sum(-1).max()
 
 
 def retrieve_jnp(queries, patterns, beta, steps):
   """The same update in plain jnp, for jax.grad."""
   for _ in range(steps):
-    queries = jnp.einsum("...m,md->...d", jax.nn.softmax(
-        beta * jnp.einsum("...d,md->...m", queries, patterns), axis=-1), patterns)
+    queries = jnp.einsum(
+      "...m,md->...d",
+      jax.nn.softmax(beta * jnp.einsum("...d,md->...m", queries, patterns), axis=-1),
+      patterns,
+    )
   return queries
 
 
 # --- values --------------------------------------------------------------------------------
 
+
 # Query shapes: a single (d,) query, a batch, and two leading axes (the shape the gradient
 # tests share, so its forward pass compiles once).
-@pytest.mark.parametrize("shape, steps", [((D,), 1), ((D,), 3), ((3, D), 1), ((2, 3, D), 1),
-                                          ((2, 3, D), 3)])
+@pytest.mark.parametrize(
+  "shape, steps", [((D,), 1), ((D,), 3), ((3, D), 1), ((2, 3, D), 1), ((2, 3, D), 3)]
+)
 def test_retrieve_matches_formula(shape, steps):
   q, x = normal(shape, seed=1), normal((M, D), seed=2)
   out = hopfield.retrieve(q, x, beta=BETA, steps=steps)
@@ -114,8 +118,9 @@ def test_gradients_match_plain_jnp(steps):
 
 def test_check_grads_float64(x64):
   q, x = normal((3, D), np.float64, seed=1), normal((M, D), np.float64, seed=2)
-  check_grads(lambda q, x: hopfield.retrieve(q, x, beta=0.7, steps=2), (q, x), order=1,
-              modes=["rev"])
+  check_grads(
+    lambda q, x: hopfield.retrieve(q, x, beta=0.7, steps=2), (q, x), order=1, modes=["rev"]
+  )
 
 
 # --- what β does ----------------------------------------------------------------------------
@@ -145,9 +150,14 @@ def test_large_beta_retrieves_the_nearest_pattern():
 
 def test_retrieval_error_falls_as_beta_grows():
   q, x, source = _memories()
-  errors = [float(np.linalg.norm(np.asarray(hopfield.retrieve(q, x, beta=b))
-                                 - np.asarray(x)[source], axis=1).mean())
-            for b in (0.5, 2.0, 8.0, 32.0)]
+  errors = [
+    float(
+      np.linalg.norm(
+        np.asarray(hopfield.retrieve(q, x, beta=b)) - np.asarray(x)[source], axis=1
+      ).mean()
+    )
+    for b in (0.5, 2.0, 8.0, 32.0)
+  ]
   assert all(a > b for a, b in zip(errors, errors[1:])), errors
   assert errors[0] > 0.5 and errors[-1] < 1e-4, errors
 
@@ -185,45 +195,80 @@ Q, X = np.zeros((3, D), np.float32), np.zeros((M, D), np.float32)
 
 # (id, overrides, exception, message fragment)
 BAD_INPUTS = [
-    ("queries_type", dict(queries="abc"), TypeError, r"queries must be an array, got str"),
-    ("queries_int", dict(queries=Q.astype(np.int32)), TypeError,
-     r"queries must have a floating dtype, got int32"),
-    ("patterns_int", dict(patterns=X.astype(np.int32)), TypeError,
-     r"patterns must have a floating dtype, got int32"),
-    ("dtype_mismatch", dict(patterns=jnp.zeros((M, D), jnp.bfloat16)), TypeError,
-     r"same dtype, got queries float32 and patterns bfloat16"),
-    ("patterns_rank3", dict(patterns=np.zeros((1, M, D), np.float32)), ValueError,
-     r"patterns must have shape \(M, d\), one stored pattern per row, got \(1, 5, 8\)"),
-    ("patterns_rank1", dict(patterns=np.zeros((D,), np.float32)), ValueError,
-     r"patterns must have shape \(M, d\)"),
-    ("no_patterns", dict(patterns=np.zeros((0, D), np.float32)), ValueError,
-     r"at least one pattern \(M >= 1\), got shape \(0, 8\)"),
-    ("scalar_query", dict(queries=np.float32(1.0)), ValueError,
-     r"queries must have shape \(\.\.\., d\)"),
-    ("features", dict(queries=np.zeros((3, D - 1), np.float32)), ValueError,
-     r"same feature size d, got queries \(3, 7\) and patterns \(5, 8\)"),
-    ("beta_zero", dict(beta=0.0), ValueError, r"beta must be a positive finite number, got 0.0"),
-    ("beta_negative", dict(beta=-1), ValueError, r"beta must be a positive finite number"),
-    ("beta_inf", dict(beta=float("inf")), ValueError, r"positive finite number, got inf"),
-    ("beta_nan", dict(beta=float("nan")), ValueError, r"positive finite number, got nan"),
-    ("beta_str", dict(beta="1"), TypeError, r"beta must be a real number"),
-    ("beta_bool", dict(beta=True), TypeError, r"beta must be a real number"),
-    ("steps_zero", dict(steps=0), ValueError, r"steps must be >= 1, got 0"),
-    ("steps_float", dict(steps=1.5), TypeError, r"steps must be an int, got 1.5"),
+  ("queries_type", dict(queries="abc"), TypeError, r"queries must be an array, got str"),
+  (
+    "queries_int",
+    dict(queries=Q.astype(np.int32)),
+    TypeError,
+    r"queries must have a floating dtype, got int32",
+  ),
+  (
+    "patterns_int",
+    dict(patterns=X.astype(np.int32)),
+    TypeError,
+    r"patterns must have a floating dtype, got int32",
+  ),
+  (
+    "dtype_mismatch",
+    dict(patterns=jnp.zeros((M, D), jnp.bfloat16)),
+    TypeError,
+    r"same dtype, got queries float32 and patterns bfloat16",
+  ),
+  (
+    "patterns_rank3",
+    dict(patterns=np.zeros((1, M, D), np.float32)),
+    ValueError,
+    r"patterns must have shape \(M, d\), one stored pattern per row, got \(1, 5, 8\)",
+  ),
+  (
+    "patterns_rank1",
+    dict(patterns=np.zeros((D,), np.float32)),
+    ValueError,
+    r"patterns must have shape \(M, d\)",
+  ),
+  (
+    "no_patterns",
+    dict(patterns=np.zeros((0, D), np.float32)),
+    ValueError,
+    r"at least one pattern \(M >= 1\), got shape \(0, 8\)",
+  ),
+  (
+    "scalar_query",
+    dict(queries=np.float32(1.0)),
+    ValueError,
+    r"queries must have shape \(\.\.\., d\)",
+  ),
+  (
+    "features",
+    dict(queries=np.zeros((3, D - 1), np.float32)),
+    ValueError,
+    r"same feature size d, got queries \(3, 7\) and patterns \(5, 8\)",
+  ),
+  ("beta_zero", dict(beta=0.0), ValueError, r"beta must be a positive finite number, got 0.0"),
+  ("beta_negative", dict(beta=-1), ValueError, r"beta must be a positive finite number"),
+  ("beta_inf", dict(beta=float("inf")), ValueError, r"positive finite number, got inf"),
+  ("beta_nan", dict(beta=float("nan")), ValueError, r"positive finite number, got nan"),
+  ("beta_str", dict(beta="1"), TypeError, r"beta must be a real number"),
+  ("beta_bool", dict(beta=True), TypeError, r"beta must be a real number"),
+  ("steps_zero", dict(steps=0), ValueError, r"steps must be >= 1, got 0"),
+  ("steps_float", dict(steps=1.5), TypeError, r"steps must be an int, got 1.5"),
 ]
 
 
-@pytest.mark.parametrize("overrides, error, match", [c[1:] for c in BAD_INPUTS],
-                         ids=[c[0] for c in BAD_INPUTS])
+@pytest.mark.parametrize(
+  "overrides, error, match", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS]
+)
 def test_retrieve_errors(overrides, error, match):
   args = dict(queries=Q, patterns=X, beta=1.0) | overrides
   with pytest.raises(error, match=match):
     hopfield.retrieve(args.pop("queries"), args.pop("patterns"), **args)
 
 
-@pytest.mark.parametrize("overrides, error, match", [
-    c[1:] for c in BAD_INPUTS if "steps" not in c[0]], ids=[
-    c[0] for c in BAD_INPUTS if "steps" not in c[0]])
+@pytest.mark.parametrize(
+  "overrides, error, match",
+  [c[1:] for c in BAD_INPUTS if "steps" not in c[0]],
+  ids=[c[0] for c in BAD_INPUTS if "steps" not in c[0]],
+)
 def test_energy_errors(overrides, error, match):
   args = dict(queries=Q, patterns=X, beta=1.0) | overrides
   with pytest.raises(error, match=match):
@@ -278,7 +323,8 @@ def test_layer_gradients_reach_patterns():
   x, w = normal((4, D), seed=1), normal((4, D), seed=2)
   grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x) * w)))(layer)
   want = jax.jit(jax.grad(lambda p: jnp.sum(retrieve_jnp(x, p, layer.beta, 2) * w)))(
-      layer.patterns[...])
+    layer.patterns[...]
+  )
   assert np.abs(want).max() > 1e-3
   assert_close(grads["patterns"][...], want, factor=5)
 
@@ -309,13 +355,13 @@ def test_layer_under_nnx_jit():
 
 
 CONSTRUCTOR_ERRORS = [
-    (dict(in_features=0), ValueError, r"in_features must be >= 1, got 0"),
-    (dict(num_patterns=0), ValueError, r"num_patterns must be >= 1, got 0"),
-    (dict(num_patterns=2.5), TypeError, r"num_patterns must be an int"),
-    (dict(beta=0.0), ValueError, r"beta must be a positive finite number, got 0.0"),
-    (dict(beta="big"), TypeError, r"beta must be a real number"),
-    (dict(steps=0), ValueError, r"steps must be >= 1, got 0"),
-    (dict(pattern_init="normal"), TypeError, r"pattern_init must be an initializer"),
+  (dict(in_features=0), ValueError, r"in_features must be >= 1, got 0"),
+  (dict(num_patterns=0), ValueError, r"num_patterns must be >= 1, got 0"),
+  (dict(num_patterns=2.5), TypeError, r"num_patterns must be an int"),
+  (dict(beta=0.0), ValueError, r"beta must be a positive finite number, got 0.0"),
+  (dict(beta="big"), TypeError, r"beta must be a real number"),
+  (dict(steps=0), ValueError, r"steps must be >= 1, got 0"),
+  (dict(pattern_init="normal"), TypeError, r"pattern_init must be an initializer"),
 ]
 
 
@@ -325,12 +371,18 @@ def test_layer_constructor_errors(kwargs, error, match):
     _layer(**kwargs)
 
 
-@pytest.mark.parametrize("inputs, error, match", [
-    (np.zeros((2, D + 1), np.float32), ValueError,
-     r"inputs must have 8 features in its last dimension, got shape \(2, 9\)"),
+@pytest.mark.parametrize(
+  "inputs, error, match",
+  [
+    (
+      np.zeros((2, D + 1), np.float32),
+      ValueError,
+      r"inputs must have 8 features in its last dimension, got shape \(2, 9\)",
+    ),
     (np.float32(1.0), ValueError, r"inputs must have 8 features"),
     ([[0.0] * D], TypeError, r"inputs must be an array, got list"),
-])
+  ],
+)
 def test_layer_call_errors(inputs, error, match):
   with pytest.raises(error, match=match):
     _layer()(inputs)

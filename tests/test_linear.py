@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
+from reference import assert_close, normal
 
 from jattn import linear
 from jattn.linear import linear_attention, random_projection
-from reference import assert_close, normal
 
 B, T, N, H = 2, 7, 4, 8
 RNG = jax.random.key(0)
@@ -83,7 +83,7 @@ def phi_jnp(feature_map, x, *, is_query):
     case "relu":
       return jax.nn.relu(x)
     case "favor+":
-      x = x / H ** 0.25
+      x = x / H**0.25
       logits = x @ jnp.asarray(projection_np()).T - 0.5 * jnp.sum(x * x, axis=-1, keepdims=True)
       axes = -1 if is_query else (1, 3)
       c = jax.lax.stop_gradient(jnp.max(logits, axis=axes, keepdims=True))
@@ -115,8 +115,10 @@ def inputs(K, dtype=np.float32, *, T=T, size=1.0, seed=0):
   """query (B, T, N, H) and key scaled by ``size``, value (B, T, K, H)."""
   rs = np.random.default_rng(seed)
   shapes = ((B, T, N, H), (B, T, K, H), (B, T, K, H))
-  return tuple(jnp.asarray(scale * rs.standard_normal(shape), dtype)
-               for scale, shape in zip((size, size, 1.0), shapes))
+  return tuple(
+    jnp.asarray(scale * rs.standard_normal(shape), dtype)
+    for scale, shape in zip((size, size, 1.0), shapes)
+  )
 
 
 # ------------------------------------------------------------------------------ values
@@ -145,8 +147,7 @@ def test_unbatched_under_jit_and_vmap():
   """Unbatched (T, N, H) calls, vmapped over the batch inside jit with a traced rng, equal
   the reference (favor+: its key stabiliser must use the unbatched layout's axes)."""
   q, k, v = inputs(2)
-  f = lambda q, k, v, rng: call(q, k, v, "favor+", is_causal=True, rng=rng, scale=0.3,
-                                chunk_size=4)
+  f = lambda q, k, v, rng: call(q, k, v, "favor+", is_causal=True, rng=rng, scale=0.3, chunk_size=4)
   out = jax.jit(jax.vmap(f, in_axes=(0, 0, 0, None)))(q, k, v, RNG)
   assert_close(out, linear_np(q, k, v, "favor+", causal=True, scale=0.3))
 
@@ -188,14 +189,15 @@ GRADIENT_CASES = [("favor+", False), ("elu+1", True), ("relu", True), ("favor+",
 @pytest.mark.parametrize("feature_map, causal", GRADIENT_CASES)
 def test_float64_values_and_gradients(x64, feature_map, causal):
   q, k, v = inputs(2, np.float64)
-  out, vjp = jax.vjp(functools.partial(call, feature_map=feature_map, is_causal=causal,
-                                       chunk_size=3), q, k, v)
+  out, vjp = jax.vjp(
+    functools.partial(call, feature_map=feature_map, is_causal=causal, chunk_size=3), q, k, v
+  )
   assert out.dtype == np.float64
   assert_close(out, linear_np(q, k, v, feature_map, causal=causal))
   ct = normal(out.shape, np.float64, seed=9)
-  expected = jax.jit(jax.grad(
-      lambda *a: jnp.sum(ct * linear_jnp(*a, feature_map, causal=causal)), argnums=(0, 1, 2)))(
-          q, k, v)
+  expected = jax.jit(
+    jax.grad(lambda *a: jnp.sum(ct * linear_jnp(*a, feature_map, causal=causal)), argnums=(0, 1, 2))
+  )(q, k, v)
   for name, got, want in zip("qkv", vjp(ct), expected):
     assert_close(got, want, factor=10, err_msg=f"d{name}")
 
@@ -205,8 +207,12 @@ def test_check_grads(x64, causal):
   """Against finite differences (the shapes and settings of the test above: its compiled
   backward pass is reused)."""
   q, k, v = inputs(2, np.float64)
-  check_grads(functools.partial(call, feature_map="elu+1", is_causal=causal, chunk_size=3),
-              (q, k, v), order=1, modes=["rev"])
+  check_grads(
+    functools.partial(call, feature_map="elu+1", is_causal=causal, chunk_size=3),
+    (q, k, v),
+    order=1,
+    modes=["rev"],
+  )
 
 
 def test_long_causal_with_large_logits():
@@ -214,7 +220,7 @@ def test_long_causal_with_large_logits():
   half of the FAVOR+ query rows would have every feature underflow to 0 (and so output
   zeros): no NaN or inf, and the chunked scan equals the materialised float64 formula."""
   q, k, v = inputs(2, T=200, size=10.0, seed=3)
-  x = np.asarray(q, np.float64) / H ** 0.25
+  x = np.asarray(q, np.float64) / H**0.25
   raw = np.float32(np.exp(x @ projection_np().T - 0.5 * np.sum(x * x, -1, keepdims=True)))
   assert np.mean(np.all(raw == 0, axis=-1)) > 0.25  # the case is hard
   out = call(q, k, v, "favor+", is_causal=True, chunk_size=16)
@@ -228,8 +234,9 @@ def test_relu_rows_with_zero_denominator_are_zeros(x64):
   q, k, v = inputs(2, np.float64)
   q = q.at[:, :3].set(-jnp.abs(q[:, :3]))  # queries 0..2: no positive feature
   k = k.at[:, :, 1].set(-jnp.abs(k[:, :, 1]))  # kv head 1 (query heads 2, 3): none either
-  causal, vjp = jax.vjp(functools.partial(call, feature_map="relu", is_causal=True,
-                                          chunk_size=3), q, k, v)
+  causal, vjp = jax.vjp(
+    functools.partial(call, feature_map="relu", is_causal=True, chunk_size=3), q, k, v
+  )
   for out in (np.asarray(call(q, k, v, "relu", chunk_size=3)), np.asarray(causal)):
     assert np.all(out[:, :3] == 0) and np.all(out[:, :, 2:] == 0)
     assert np.any(out[:, 3:, :2] != 0)
@@ -247,10 +254,11 @@ def test_orthogonal_projection():
   assert w.shape == (4092, H)
   unit = w / np.linalg.norm(w, axis=1, keepdims=True)
   blocks = unit[:4088].reshape(511, H, H)
-  np.testing.assert_allclose(blocks @ blocks.transpose(0, 2, 1),
-                             np.broadcast_to(np.eye(H), (511, H, H)), atol=1e-5)
+  np.testing.assert_allclose(
+    blocks @ blocks.transpose(0, 2, 1), np.broadcast_to(np.eye(H), (511, H, H)), atol=1e-5
+  )
   np.testing.assert_allclose(unit[4088:] @ unit[4088:].T, np.eye(4), atol=1e-5)
-  assert np.max(np.abs(unit[:H] @ unit[H:2 * H].T)) > 0.1  # blocks are independent
+  assert np.max(np.abs(unit[:H] @ unit[H : 2 * H].T)) > 0.1  # blocks are independent
   np.testing.assert_allclose(w.mean(0), 0, atol=0.1)
   np.testing.assert_allclose(np.cov(w.T), np.eye(H), atol=0.1)
   np.testing.assert_allclose(np.mean(unit, axis=0), 0, atol=0.05)  # directions uniform
@@ -284,63 +292,137 @@ Q, KV = jnp.zeros((B, T, N, H)), jnp.zeros((B, T, 2, H))
 
 # (id, keyword overrides, exception, message fragment)
 BAD_INPUTS = [
-    ("unknown_map", dict(feature_map="softmax"), ValueError,
-     r"feature_map must be one of \['elu\+1', 'relu', 'favor\+'\] or a callable, got 'softmax'"),
-    ("map_type", dict(feature_map=3), TypeError,
-     r"feature_map must be one of .* or a callable, got int"),
-    ("map_shape", dict(feature_map=lambda x: x.sum(-1)), ValueError,
-     r"feature_map must map the query \(2, 7, 4, 8\) to features of shape \(2, 7, 4, 'F'\), "
-     r"got \(2, 7, 4\)"),
-    ("map_dtype", dict(feature_map=lambda x: x > 0), TypeError,
-     r"feature_map must return one floating array"),
-    ("favor_no_rng", dict(feature_map="favor+"), ValueError,
-     r"feature_map='favor\+' needs rng, a jax.random.key"),
-    ("favor_bad_rng", dict(feature_map="favor+", rng=jnp.zeros(3)), TypeError,
-     r"rng must be a single jax.random.key or PRNGKey, got float32\(3,\)"),
-    ("favor_key_batch", dict(feature_map="favor+", rng=jax.random.split(RNG)), TypeError,
-     r"rng must be a single jax.random.key"),
-    ("num_features", dict(feature_map="favor+", rng=RNG, num_features=0), ValueError,
-     r"num_features must be >= 1, got 0"),
-    ("scale_negative", dict(feature_map="favor+", rng=RNG, scale=-1.0), ValueError,
-     r"scale must be a finite number >= 0 for feature_map='favor\+', got -1.0"),
-    ("scale_elu", dict(scale=0.5), ValueError,
-     r"scale applies only to feature_map='favor\+', got feature_map='elu\+1'"),
-    ("rng_relu", dict(feature_map="relu", rng=RNG), ValueError,
-     r"rng applies only to feature_map='favor\+', got feature_map='relu'"),
-    ("num_features_callable", dict(feature_map=pairs_jnp, num_features=4), ValueError,
-     r"num_features applies only to feature_map='favor\+', got feature_map=a callable"),
-    ("chunk_zero", dict(chunk_size=0), ValueError, r"chunk_size must be >= 1, got 0"),
-    ("chunk_float", dict(chunk_size=8.0), TypeError, r"chunk_size must be an int"),
-    ("eps_zero", dict(eps=0.0), ValueError, r"eps must be a positive finite number, got 0.0"),
-    ("eps_nan", dict(eps=float("nan")), ValueError, r"eps must be a positive finite number"),
-    ("causal_type", dict(is_causal=1), TypeError, r"is_causal must be a bool, got 1"),
-    ("orthogonal_type", dict(orthogonal="yes"), TypeError, r"orthogonal must be a bool"),
-    ("causal_T_ne_S", dict(is_causal=True, key=KV[:, :5], value=KV[:, :5]), ValueError,
-     r"is_causal=True needs as many queries as keys, got T=7 and S=5"),
-    ("qkv_heads", dict(query=jnp.zeros((B, T, 3, H))), ValueError,
-     r"number of query heads N \(3\) must be a multiple of the number of key/value heads K \(2\)"),
-    ("qkv_shapes", dict(value=jnp.zeros((B, T, 2, H // 2))), ValueError,
-     r"key and value must have the same shape"),
-    ("qkv_dtype", dict(query=jnp.zeros((B, T, N, H), jnp.int32)), TypeError,
-     r"query must have a floating dtype, got int32"),
+  (
+    "unknown_map",
+    dict(feature_map="softmax"),
+    ValueError,
+    r"feature_map must be one of \['elu\+1', 'relu', 'favor\+'\] or a callable, got 'softmax'",
+  ),
+  (
+    "map_type",
+    dict(feature_map=3),
+    TypeError,
+    r"feature_map must be one of .* or a callable, got int",
+  ),
+  (
+    "map_shape",
+    dict(feature_map=lambda x: x.sum(-1)),
+    ValueError,
+    r"feature_map must map the query \(2, 7, 4, 8\) to features of shape \(2, 7, 4, 'F'\), "
+    r"got \(2, 7, 4\)",
+  ),
+  (
+    "map_dtype",
+    dict(feature_map=lambda x: x > 0),
+    TypeError,
+    r"feature_map must return one floating array",
+  ),
+  (
+    "favor_no_rng",
+    dict(feature_map="favor+"),
+    ValueError,
+    r"feature_map='favor\+' needs rng, a jax.random.key",
+  ),
+  (
+    "favor_bad_rng",
+    dict(feature_map="favor+", rng=jnp.zeros(3)),
+    TypeError,
+    r"rng must be a single jax.random.key or PRNGKey, got float32\(3,\)",
+  ),
+  (
+    "favor_key_batch",
+    dict(feature_map="favor+", rng=jax.random.split(RNG)),
+    TypeError,
+    r"rng must be a single jax.random.key",
+  ),
+  (
+    "num_features",
+    dict(feature_map="favor+", rng=RNG, num_features=0),
+    ValueError,
+    r"num_features must be >= 1, got 0",
+  ),
+  (
+    "scale_negative",
+    dict(feature_map="favor+", rng=RNG, scale=-1.0),
+    ValueError,
+    r"scale must be a finite number >= 0 for feature_map='favor\+', got -1.0",
+  ),
+  (
+    "scale_elu",
+    dict(scale=0.5),
+    ValueError,
+    r"scale applies only to feature_map='favor\+', got feature_map='elu\+1'",
+  ),
+  (
+    "rng_relu",
+    dict(feature_map="relu", rng=RNG),
+    ValueError,
+    r"rng applies only to feature_map='favor\+', got feature_map='relu'",
+  ),
+  (
+    "num_features_callable",
+    dict(feature_map=pairs_jnp, num_features=4),
+    ValueError,
+    r"num_features applies only to feature_map='favor\+', got feature_map=a callable",
+  ),
+  ("chunk_zero", dict(chunk_size=0), ValueError, r"chunk_size must be >= 1, got 0"),
+  ("chunk_float", dict(chunk_size=8.0), TypeError, r"chunk_size must be an int"),
+  ("eps_zero", dict(eps=0.0), ValueError, r"eps must be a positive finite number, got 0.0"),
+  ("eps_nan", dict(eps=float("nan")), ValueError, r"eps must be a positive finite number"),
+  ("causal_type", dict(is_causal=1), TypeError, r"is_causal must be a bool, got 1"),
+  ("orthogonal_type", dict(orthogonal="yes"), TypeError, r"orthogonal must be a bool"),
+  (
+    "causal_T_ne_S",
+    dict(is_causal=True, key=KV[:, :5], value=KV[:, :5]),
+    ValueError,
+    r"is_causal=True needs as many queries as keys, got T=7 and S=5",
+  ),
+  (
+    "qkv_heads",
+    dict(query=jnp.zeros((B, T, 3, H))),
+    ValueError,
+    r"number of query heads N \(3\) must be a multiple of the number of key/value heads K \(2\)",
+  ),
+  (
+    "qkv_shapes",
+    dict(value=jnp.zeros((B, T, 2, H // 2))),
+    ValueError,
+    r"key and value must have the same shape",
+  ),
+  (
+    "qkv_dtype",
+    dict(query=jnp.zeros((B, T, N, H), jnp.int32)),
+    TypeError,
+    r"query must have a floating dtype, got int32",
+  ),
 ]
 
 
-@pytest.mark.parametrize("overrides, error, message", [case[1:] for case in BAD_INPUTS],
-                         ids=[case[0] for case in BAD_INPUTS])
+@pytest.mark.parametrize(
+  "overrides, error, message",
+  [case[1:] for case in BAD_INPUTS],
+  ids=[case[0] for case in BAD_INPUTS],
+)
 def test_bad_input_raises(overrides, error, message):
   args = dict(query=Q, key=KV, value=KV) | overrides
   with pytest.raises(error, match=message):
     linear_attention(args.pop("query"), args.pop("key"), args.pop("value"), **args)
 
 
-@pytest.mark.parametrize("call_, error, message", [
+@pytest.mark.parametrize(
+  "call_, error, message",
+  [
     (lambda: random_projection(RNG, 0, H), ValueError, r"num_features must be >= 1, got 0"),
     (lambda: random_projection(RNG, 4, 0), ValueError, r"head_dim must be >= 1, got 0"),
     (lambda: random_projection(0, 4, H), TypeError, r"rng must be a single jax.random.key"),
-    (lambda: linear.favor_features(Q, jnp.zeros((4, H + 1)), is_query=True), ValueError,
-     r"projection must have shape \(m, H\) with H the last dimension of x"),
-], ids=["num_features", "head_dim", "rng", "favor_shape"])
+    (
+      lambda: linear.favor_features(Q, jnp.zeros((4, H + 1)), is_query=True),
+      ValueError,
+      r"projection must have shape \(m, H\) with H the last dimension of x",
+    ),
+  ],
+  ids=["num_features", "head_dim", "rng", "favor_shape"],
+)
 def test_bad_helper_input_raises(call_, error, message):
   with pytest.raises(error, match=message):
     call_()

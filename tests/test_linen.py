@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
+from reference import assert_close, attention_np, causal_np, normal, segments_np
 
 import jattn.linen
 from jattn import positional
-from reference import assert_close, attention_np, causal_np, normal, segments_np
 
 B, T, S, F = 2, 6, 9, 16  # S: length of inputs_kv in cross-attention
 MHA = jattn.linen.MultiHeadAttention
@@ -85,31 +85,44 @@ def _kv_padding(q_len, kv_lens, kv_len):
   return nn.make_attention_mask(q_valid, kv_valid)
 
 
-BLOCKWISE = functools.partial(jattn.linen.attention_fn, implementation="blockwise", block_q=2,
-                              block_kv=3)
+BLOCKWISE = functools.partial(
+  jattn.linen.attention_fn, implementation="blockwise", block_q=2, block_kv=3
+)
 
 # (id, attention_fn, inputs, call kwargs)
 ADAPTER_CASES = [
-    ("self", jattn.linen.attention_fn, lambda: (_x(),), {}),
-    ("cross", jattn.linen.attention_fn, lambda: (_x(), _x((B, S, F), seed=1)), {}),
-    ("causal_mask", jattn.linen.attention_fn, lambda: (_x(),),
-     dict(mask=_causal((B, T)))),
-    ("padding_mask_cross", jattn.linen.attention_fn, lambda: (_x(), _x((B, S, F), seed=1)),
-     dict(mask=_kv_padding(T, [S, 3], S))),
-    ("batch_dims", jattn.linen.attention_fn, lambda: (_x((2, 3, T, F)),), {}),
-    ("batch_dims_mask", jattn.linen.attention_fn, lambda: (_x((2, 3, T, F)),),
-     dict(mask=_causal((2, 3, T)))),
-    ("blockwise", BLOCKWISE, lambda: (_x(),), dict(mask=_causal((B, T)))),
-    ("blockwise_cross_padding", BLOCKWISE, lambda: (_x(), _x((B, S, F), seed=1)),
-     dict(mask=_kv_padding(T, [4, S], S))),
+  ("self", jattn.linen.attention_fn, lambda: (_x(),), {}),
+  ("cross", jattn.linen.attention_fn, lambda: (_x(), _x((B, S, F), seed=1)), {}),
+  ("causal_mask", jattn.linen.attention_fn, lambda: (_x(),), dict(mask=_causal((B, T)))),
+  (
+    "padding_mask_cross",
+    jattn.linen.attention_fn,
+    lambda: (_x(), _x((B, S, F), seed=1)),
+    dict(mask=_kv_padding(T, [S, 3], S)),
+  ),
+  ("batch_dims", jattn.linen.attention_fn, lambda: (_x((2, 3, T, F)),), {}),
+  (
+    "batch_dims_mask",
+    jattn.linen.attention_fn,
+    lambda: (_x((2, 3, T, F)),),
+    dict(mask=_causal((2, 3, T))),
+  ),
+  ("blockwise", BLOCKWISE, lambda: (_x(),), dict(mask=_causal((B, T)))),
+  (
+    "blockwise_cross_padding",
+    BLOCKWISE,
+    lambda: (_x(), _x((B, S, F), seed=1)),
+    dict(mask=_kv_padding(T, [4, S], S)),
+  ),
 ]
 
 
 # --------------------------------------------------------------------------- adapter parity
 
 
-@pytest.mark.parametrize("fn, inputs, kwargs", [c[1:] for c in ADAPTER_CASES],
-                         ids=[c[0] for c in ADAPTER_CASES])
+@pytest.mark.parametrize(
+  "fn, inputs, kwargs", [c[1:] for c in ADAPTER_CASES], ids=[c[0] for c in ADAPTER_CASES]
+)
 def test_adapter_matches_flax(fn, inputs, kwargs):
   args = inputs()
   variables = _params(_flax(), *args, **kwargs)
@@ -141,8 +154,11 @@ def test_adapter_precision_matches_flax():
   x = _x()
   variables = _params(_flax(), x)
   highest = jax.lax.Precision.HIGHEST
-  assert_close(_adapted(precision=highest).apply(variables, x),
-               _flax(precision=highest).apply(variables, x), factor=0.5)
+  assert_close(
+    _adapted(precision=highest).apply(variables, x),
+    _flax(precision=highest).apply(variables, x),
+    factor=0.5,
+  )
 
 
 def test_adapter_under_flax_decode_matches_flax():
@@ -151,11 +167,13 @@ def test_adapter_under_flax_decode_matches_flax():
 
   def run(module):
     shapes = _abstract_init(module, x)
-    variables = {"params": _fill(shapes["params"]),
-                 "cache": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])}
+    variables = {
+      "params": _fill(shapes["params"]),
+      "cache": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"]),
+    }
     outs = []
     for i in range(x.shape[1]):
-      y, mutated = module.apply(variables, x[:, i:i + 1], mutable=["cache"])
+      y, mutated = module.apply(variables, x[:, i : i + 1], mutable=["cache"])
       variables = {**variables, **mutated}
       outs.append(y)
     return jnp.concatenate(outs, axis=1)
@@ -185,14 +203,21 @@ def test_adapter_deterministic_dropout_equals_no_dropout():
 def test_adapter_dropout_rng_reproducible():
   x = _x()
   variables = _params(_flax(), x)
-  run = lambda seed: np.asarray(_drop().apply(variables, x, deterministic=False,
-                                              rngs={"dropout": jax.random.key(seed)}))
+  run = lambda seed: np.asarray(
+    _drop().apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(seed)})
+  )
   np.testing.assert_array_equal(run(1), run(1))
   assert not np.allclose(run(1), run(2), atol=1e-3)
   # Flax's dropout_rng= call argument takes precedence over the 'dropout' stream.
-  direct = lambda seed, stream: np.asarray(_drop().apply(
-      variables, x, deterministic=False, dropout_rng=jax.random.key(seed),
-      rngs={"dropout": jax.random.key(stream)}))
+  direct = lambda seed, stream: np.asarray(
+    _drop().apply(
+      variables,
+      x,
+      deterministic=False,
+      dropout_rng=jax.random.key(seed),
+      rngs={"dropout": jax.random.key(stream)},
+    )
+  )
   np.testing.assert_array_equal(direct(3, 1), direct(3, 2))
   assert not np.allclose(direct(3, 1), direct(4, 1), atol=1e-3)
 
@@ -202,8 +227,9 @@ def test_adapter_broadcast_dropout_shares_pattern_across_batch(broadcast):
   x = jnp.tile(_x((1, T, F)), (3, 1, 1))  # three identical batch rows
   module = _drop(broadcast_dropout=broadcast)
   variables = _params(_flax(), x)
-  out = np.asarray(module.apply(variables, x, deterministic=False,
-                                rngs={"dropout": jax.random.key(1)}))
+  out = np.asarray(
+    module.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+  )
   same = [np.allclose(out[0], out[b], rtol=1e-6, atol=1e-6) for b in (1, 2)]
   assert same == ([True, True] if broadcast else [False, False])
 
@@ -214,9 +240,17 @@ def test_adapter_broadcast_dropout_shares_pattern_across_heads(broadcast):
   q = jnp.broadcast_to(normal((1, T, 1, 8), seed=1), (2, T, 4, 8))
   k = jnp.broadcast_to(normal((1, T, 1, 8), seed=2), (2, T, 4, 8))
   v = jnp.broadcast_to(normal((1, T, 1, 8), seed=3), (2, T, 4, 8))
-  out = np.asarray(jattn.linen.attention_fn(q, k, v, dropout_rng=jax.random.key(0),
-                                            dropout_rate=0.5, deterministic=False,
-                                            broadcast_dropout=broadcast))
+  out = np.asarray(
+    jattn.linen.attention_fn(
+      q,
+      k,
+      v,
+      dropout_rng=jax.random.key(0),
+      dropout_rate=0.5,
+      deterministic=False,
+      broadcast_dropout=broadcast,
+    )
+  )
   first = np.broadcast_to(out[:1, :, :1], out.shape)
   if broadcast:
     np.testing.assert_allclose(out, first, rtol=1e-6, atol=1e-6)
@@ -234,15 +268,17 @@ def test_adapter_dropout_needs_rng_when_called_directly():
   assert_close(jattn.linen.attention_fn(q, q, q, dropout_rate=0.5, deterministic=True), plain)
 
 
-@pytest.mark.parametrize("shape, mask", [((B, T, F), lambda: _causal((B, T))),
-                                         ((2, 3, T, F), lambda: None),
-                                         ((T, F), lambda: None)],
-                         ids=["causal", "batch_dims", "unbatched"])
+@pytest.mark.parametrize(
+  "shape, mask",
+  [((B, T, F), lambda: _causal((B, T))), ((2, 3, T, F), lambda: None), ((T, F), lambda: None)],
+  ids=["causal", "batch_dims", "unbatched"],
+)
 def test_adapter_sow_weights_match_flax(shape, mask):
   x, mask = _x(shape), mask()
   variables = _params(_flax(), x)
-  run = lambda module: module.apply(variables, x, mask=mask, sow_weights=True,
-                                    mutable=["intermediates"])
+  run = lambda module: module.apply(
+    variables, x, mask=mask, sow_weights=True, mutable=["intermediates"]
+  )
   expected, theirs = run(_flax())
   got, ours = run(_adapted())
   assert_close(got, expected, factor=0.5)
@@ -257,24 +293,39 @@ def test_adapter_sow_weights_match_flax(shape, mask):
 
 # (id, Flax kwargs, our kwargs, inputs, call kwargs)
 MHA_PARITY = [
-    ("self", {}, {}, lambda: (_x(),), {}),
-    ("cross", {}, {}, lambda: (_x(), _x((B, S, F), seed=1)), {}),
-    ("mask", {}, {}, lambda: (_x(),), dict(mask=_causal((B, T)).astype(bool))),
-    ("padding_cross", {}, {}, lambda: (_x(), _x((B, S, F), seed=1)),
-     dict(mask=_kv_padding(T, [2, S], S).astype(bool))),
-    ("unbatched", {}, {}, lambda: (_x((T, F)),), {}),
-    ("widths", dict(qkv_features=24, out_features=12), dict(qkv_features=24, out_features=12),
-     lambda: (_x(),), {}),
-    ("layernorm", dict(normalize_qk=True), dict(normalize_qk="layernorm"), lambda: (_x(),), {}),
-    ("layernorm_widths_cross", dict(normalize_qk=True, qkv_features=32, out_features=8),
-     dict(normalize_qk="layernorm", qkv_features=32, out_features=8),
-     lambda: (_x(), _x((B, S, F), seed=1)), dict(mask=_kv_padding(T, [5, 1], S).astype(bool))),
-    ("no_bias", dict(use_bias=False), dict(use_bias=False), lambda: (_x(),), {}),
+  ("self", {}, {}, lambda: (_x(),), {}),
+  ("cross", {}, {}, lambda: (_x(), _x((B, S, F), seed=1)), {}),
+  ("mask", {}, {}, lambda: (_x(),), dict(mask=_causal((B, T)).astype(bool))),
+  (
+    "padding_cross",
+    {},
+    {},
+    lambda: (_x(), _x((B, S, F), seed=1)),
+    dict(mask=_kv_padding(T, [2, S], S).astype(bool)),
+  ),
+  ("unbatched", {}, {}, lambda: (_x((T, F)),), {}),
+  (
+    "widths",
+    dict(qkv_features=24, out_features=12),
+    dict(qkv_features=24, out_features=12),
+    lambda: (_x(),),
+    {},
+  ),
+  ("layernorm", dict(normalize_qk=True), dict(normalize_qk="layernorm"), lambda: (_x(),), {}),
+  (
+    "layernorm_widths_cross",
+    dict(normalize_qk=True, qkv_features=32, out_features=8),
+    dict(normalize_qk="layernorm", qkv_features=32, out_features=8),
+    lambda: (_x(), _x((B, S, F), seed=1)),
+    dict(mask=_kv_padding(T, [5, 1], S).astype(bool)),
+  ),
+  ("no_bias", dict(use_bias=False), dict(use_bias=False), lambda: (_x(),), {}),
 ]
 
 
-@pytest.mark.parametrize("theirs_kw, ours_kw, inputs, kwargs", [c[1:] for c in MHA_PARITY],
-                         ids=[c[0] for c in MHA_PARITY])
+@pytest.mark.parametrize(
+  "theirs_kw, ours_kw, inputs, kwargs", [c[1:] for c in MHA_PARITY], ids=[c[0] for c in MHA_PARITY]
+)
 def test_mha_loads_flax_params_and_matches(theirs_kw, ours_kw, inputs, kwargs):
   args = inputs()
   theirs, ours = _flax(**theirs_kw), MHA(num_heads=4, **ours_kw)
@@ -294,8 +345,9 @@ def test_mha_param_gradients_match_flax():
   def grads(module):
     return jax.jit(jax.grad(lambda v: jnp.sum(module.apply(v, x, mask=mask) ** 2)))(variables)
 
-  _assert_trees_close(grads(MHA(num_heads=4, normalize_qk="layernorm")),
-                      grads(_flax(normalize_qk=True)), tol=4e-5)
+  _assert_trees_close(
+    grads(MHA(num_heads=4, normalize_qk="layernorm")), grads(_flax(normalize_qk=True)), tol=4e-5
+  )
 
 
 # --------------------------------------------------------------------------- MultiHeadAttention
@@ -314,7 +366,7 @@ def _project(p, x):
 
 
 def _rms(x, scale, eps=1e-6):
-  return x / np.sqrt(np.mean(x ** 2, axis=-1, keepdims=True) + eps) * scale
+  return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * scale
 
 
 def _reference(variables, x, *, allowed=None, rope=None, rms=False):
@@ -393,8 +445,9 @@ def test_mha_sow_weights():
   # Cross-attention weights are (B, N, T, S).
   xkv = _x((B, S, F), seed=1)
   cross = MHA(num_heads=4)
-  _, state = cross.apply(_params(cross, x, inputs_kv=xkv), x, xkv, sow_weights=True,
-                         mutable=["intermediates"])
+  _, state = cross.apply(
+    _params(cross, x, inputs_kv=xkv), x, xkv, sow_weights=True, mutable=["intermediates"]
+  )
   (weights,) = state["intermediates"]["attention_weights"]
   assert weights.shape == (B, 4, T, S)
   assert_close(weights.sum(-1), np.ones((B, 4, T)))
@@ -414,19 +467,21 @@ def test_mha_dropout_determinism_and_rng():
   assert_close(MHA(num_heads=4, dropout_rate=0.5, deterministic=True).apply(variables, x), plain)
   with pytest.raises(flax.errors.InvalidRngError, match="dropout"):
     module.apply(variables, x, deterministic=False)
-  run = lambda seed: np.asarray(module.apply(variables, x, deterministic=False,
-                                             rngs={"dropout": jax.random.key(seed)}))
+  run = lambda seed: np.asarray(
+    module.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(seed)})
+  )
   np.testing.assert_array_equal(run(1), run(1))
   assert not np.allclose(run(1), run(2), atol=1e-3)
   assert not np.allclose(run(1), plain, atol=1e-3)
   # the call's deterministic overrides the constructor's
   trained = MHA(num_heads=4, dropout_rate=0.5, deterministic=True)
   np.testing.assert_array_equal(
-      trained.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(1)}),
-      run(1))
+    trained.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(1)}), run(1)
+  )
   # dropout_rng= replaces the stream
-  direct = lambda seed: np.asarray(module.apply(variables, x, deterministic=False,
-                                                dropout_rng=jax.random.key(seed)))
+  direct = lambda seed: np.asarray(
+    module.apply(variables, x, deterministic=False, dropout_rng=jax.random.key(seed))
+  )
   np.testing.assert_array_equal(direct(5), direct(5))
   assert not np.allclose(direct(5), direct(6), atol=1e-3)
 
@@ -436,8 +491,9 @@ def test_mha_broadcast_dropout(broadcast):
   x = jnp.tile(_x((1, T, F)), (3, 1, 1))
   module = MHA(num_heads=4, dropout_rate=0.5, broadcast_dropout=broadcast)
   variables = _params(module, x, deterministic=True)
-  out = np.asarray(module.apply(variables, x, deterministic=False,
-                                rngs={"dropout": jax.random.key(1)}))
+  out = np.asarray(
+    module.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+  )
   same = [np.allclose(out[0], out[b], rtol=1e-6, atol=1e-6) for b in (1, 2)]
   assert same == ([True, True] if broadcast else [False, False])
 
@@ -445,8 +501,9 @@ def test_mha_broadcast_dropout(broadcast):
 def test_mha_blockwise_matches_xla():
   x = _x()
   xla = MHA(num_heads=4, num_kv_heads=2, is_causal=True, implementation="xla")
-  blockwise = MHA(num_heads=4, num_kv_heads=2, is_causal=True, implementation="blockwise",
-                  block_q=2, block_kv=4)
+  blockwise = MHA(
+    num_heads=4, num_kv_heads=2, is_causal=True, implementation="blockwise", block_q=2, block_kv=4
+  )
   variables = _params(xla, x)
   assert_close(blockwise.apply(variables, x), xla.apply(variables, x))
 
@@ -473,9 +530,10 @@ def _decode_setup(module, **kw):
   shapes = _abstract_init(module, jnp.zeros((B, MAX_LENGTH, F)), decode=True, **kw)
   K = module.num_kv_heads or module.num_heads
   assert _shapes(shapes["cache"]) == {
-      "cached_key": ((B, MAX_LENGTH, K, 4), jnp.float32),
-      "cached_value": ((B, MAX_LENGTH, K, 4), jnp.float32),
-      "cache_lengths": ((B,), jnp.int32)}
+    "cached_key": ((B, MAX_LENGTH, K, 4), jnp.float32),
+    "cached_value": ((B, MAX_LENGTH, K, 4), jnp.float32),
+    "cache_lengths": ((B,), jnp.int32),
+  }
   cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
   return {"params": _fill(shapes["params"])}, cache
 
@@ -500,8 +558,9 @@ def test_decode_init_allocates_empty_cache_and_attends_causally():
 def _decode_chunks(module, params, cache, x, chunks, **kw):
   outs, start = [], 0
   for t in chunks:
-    y, mutated = module.apply({**params, "cache": cache}, x[:, start:start + t], decode=True,
-                              mutable=["cache"], **kw)
+    y, mutated = module.apply(
+      {**params, "cache": cache}, x[:, start : start + t], decode=True, mutable=["cache"], **kw
+    )
     cache = mutated["cache"]
     outs.append(y)
     start += t
@@ -510,16 +569,17 @@ def _decode_chunks(module, params, cache, x, chunks, **kw):
 
 # (heads K, rope, token counts per call): prefill, prefill + steps, chunked prefill + steps
 DECODE_CASES = [
-    ("mha_chunked", 4, None, [3, 1, 2, 1]),
-    ("mha_rope_steps", 4, positional.Rotary(), [3, 1, 1, 1, 1]),
-    ("gqa_rope_prefill", 2, positional.Rotary(), [L]),
-    ("gqa_rope_chunked", 2, positional.Rotary(), [3, 1, 2, 1]),
-    ("mqa_rope_chunked", 1, positional.Rotary(), [3, 1, 2, 1]),
+  ("mha_chunked", 4, None, [3, 1, 2, 1]),
+  ("mha_rope_steps", 4, positional.Rotary(), [3, 1, 1, 1, 1]),
+  ("gqa_rope_prefill", 2, positional.Rotary(), [L]),
+  ("gqa_rope_chunked", 2, positional.Rotary(), [3, 1, 2, 1]),
+  ("mqa_rope_chunked", 1, positional.Rotary(), [3, 1, 2, 1]),
 ]
 
 
-@pytest.mark.parametrize("K, rope, chunks", [c[1:] for c in DECODE_CASES],
-                         ids=[c[0] for c in DECODE_CASES])
+@pytest.mark.parametrize(
+  "K, rope, chunks", [c[1:] for c in DECODE_CASES], ids=[c[0] for c in DECODE_CASES]
+)
 def test_decode_equals_full_causal(K, rope, chunks):
   x = _x((B, L, F), seed=3)
   module = _decoder(K, rope)
@@ -542,18 +602,23 @@ def test_decode_ragged_rows():
   lens, steps, t = [3, 1], 2, 3  # prompts of 3 and 1 tokens right-padded to t, then 2 steps
   full = _x((B, L, F), seed=4)  # row b's sequence: full[b, :lens[b] + steps]
   prompt = np.array(full[:, :t])
-  prompt[1, lens[1]:] = 9.0  # row 1's padding: must be ignored
+  prompt[1, lens[1] :] = 9.0  # row 1's padding: must be ignored
   module = _decoder(2)
   params, cache = _decode_setup(module)
-  y, mutated = module.apply({**params, "cache": cache}, jnp.asarray(prompt), decode=True,
-                            num_new=jnp.asarray(lens, jnp.int32), mutable=["cache"])
+  y, mutated = module.apply(
+    {**params, "cache": cache},
+    jnp.asarray(prompt),
+    decode=True,
+    num_new=jnp.asarray(lens, jnp.int32),
+    mutable=["cache"],
+  )
   cache = mutated["cache"]
   np.testing.assert_array_equal(cache["cache_lengths"], lens)
-  np.testing.assert_array_equal(cache["cached_key"][1, lens[1]:], 0.0)
-  outs = [[y[b, :lens[b]]] for b in range(B)]
+  np.testing.assert_array_equal(cache["cached_key"][1, lens[1] :], 0.0)
+  outs = [[y[b, : lens[b]]] for b in range(B)]
   # padded query rows attend to nothing: their output is the out-projection bias alone
   bias = params["params"]["out"]["bias"]
-  assert_close(y[1, lens[1]:], np.broadcast_to(bias, (t - lens[1], F)))
+  assert_close(y[1, lens[1] :], np.broadcast_to(bias, (t - lens[1], F)))
   for i in range(steps):
     token = jnp.stack([full[b, lens[b] + i] for b in range(B)])[:, None]
     y, mutated = module.apply({**params, "cache": cache}, token, decode=True, mutable=["cache"])
@@ -564,8 +629,9 @@ def test_decode_ragged_rows():
   # Causal: row b's first n outputs over the whole of full are those of its first n tokens alone.
   expected = _decoder(2, is_causal=True).apply(params, full)
   for b in range(B):
-    assert_close(jnp.concatenate(outs[b], axis=0), expected[b, :lens[b] + steps],
-                 err_msg=f"row {b}")
+    assert_close(
+      jnp.concatenate(outs[b], axis=0), expected[b, : lens[b] + steps], err_msg=f"row {b}"
+    )
 
 
 def test_decode_dropout_uses_the_dropout_stream():
@@ -581,8 +647,9 @@ def test_decode_dropout_uses_the_dropout_stream():
   with pytest.raises(ValueError, match="needs deterministic"):
     run()
   dropped = run(deterministic=False, rngs={"dropout": jax.random.key(1)})
-  np.testing.assert_array_equal(dropped, run(deterministic=False,
-                                             rngs={"dropout": jax.random.key(1)}))
+  np.testing.assert_array_equal(
+    dropped, run(deterministic=False, rngs={"dropout": jax.random.key(1)})
+  )
   assert not np.allclose(dropped, plain, atol=1e-3)
 
 
@@ -590,8 +657,9 @@ def test_decode_broadcast_dropout_shares_pattern_across_batch():
   x = jnp.tile(_x((1, 3, F), seed=3), (B, 1, 1))  # identical batch rows
   module = _decoder(2, dropout_rate=0.5, broadcast_dropout=True)
   params, cache = _decode_setup(module, deterministic=True)
-  out, _ = _decode_chunks(module, params, cache, x, [3], deterministic=False,
-                          rngs={"dropout": jax.random.key(1)})
+  out, _ = _decode_chunks(
+    module, params, cache, x, [3], deterministic=False, rngs={"dropout": jax.random.key(1)}
+  )
   np.testing.assert_allclose(out[0], out[1], rtol=1e-6, atol=1e-6)
 
 
@@ -609,7 +677,7 @@ def test_decode_jit_steps():
   got, cache = _decode_chunks(module, params, cache, x, [3])
   outs = [got]
   for i in range(3, L):
-    y, mutated = step({**params, "cache": cache}, x[:, i:i + 1])
+    y, mutated = step({**params, "cache": cache}, x[:, i : i + 1])
     cache = mutated["cache"]
     outs.append(y)
   assert_close(jnp.concatenate(outs, axis=1), _decoder(2, is_causal=True).apply(params, x))
@@ -621,8 +689,11 @@ def test_decode_overflow_raises():
   module = _decoder(2)
   params, cache = _decode_setup(module)
   _, cache = _decode_chunks(module, params, cache, x, [3, 3])
-  with pytest.raises(ValueError, match=r"cache row 0 would overflow: it holds 6 tokens and 3 "
-                                       r"new ones make 9 > max_length=8"):
+  with pytest.raises(
+    ValueError,
+    match=r"cache row 0 would overflow: it holds 6 tokens and 3 "
+    r"new ones make 9 > max_length=8",
+  ):
     _decode_chunks(module, params, cache, x[:, 6:], [3])
   with pytest.raises(ValueError, match="more than the cache's max_length 8"):
     _decode_chunks(module, params, cache, x, [MAX_LENGTH + 1])
@@ -635,80 +706,187 @@ def test_decode_overflow_raises():
 
 # (id, constructor kwargs, exception, message fragment): construction itself raises.
 BAD_CONFIG = [
-    ("kv_heads", dict(num_heads=4, num_kv_heads=3), ValueError,
-     r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
-    ("qkv_features", dict(num_heads=3, qkv_features=16), ValueError,
-     r"qkv_features \(16\) must be divisible by num_heads \(3\)"),
-    ("odd_rotary_dim", dict(num_heads=2, qkv_features=20,
-                            rope=positional.Rotary(rotary_fraction=0.5)), ValueError,
-     r"rotary_dim=5; it must be even.*head_dim = qkv_features // num_heads = 10"),
-    ("rope_type", dict(num_heads=2, rope="rotary"), TypeError,
-     r"rope must be a jattn.positional.Rotary"),
-    ("normalize_qk", dict(num_heads=2, normalize_qk="l2"), ValueError,
-     r"normalize_qk must be one of \[False, True, 'rms', 'layernorm'\], got 'l2'"),
-    ("normalize_qk_int", dict(num_heads=2, normalize_qk=1), ValueError,
-     r"normalize_qk must be one of"),
-    ("implementation", dict(num_heads=2, implementation="flash"), ValueError,
-     r"implementation must be one of \['blockwise', 'cudnn', 'xla'\] or None, got 'flash'"),
-    ("backward", dict(num_heads=2, backward="manual"), ValueError,
-     r"backward must be one of"),
-    ("block_q_xla", dict(num_heads=2, implementation="xla", block_q=2), ValueError,
-     r"block_q and block_kv apply only to implementation='blockwise'"),
-    ("dropout_high", dict(num_heads=2, dropout_rate=1.0), ValueError,
-     r"dropout_rate must be in \[0, 1\), got 1.0"),
-    ("dropout_negative", dict(num_heads=2, dropout_rate=-0.1), ValueError,
-     r"dropout_rate must be in \[0, 1\)"),
-    ("num_heads", dict(num_heads=0), ValueError, r"num_heads"),
-    ("deterministic_type", dict(num_heads=2, deterministic="yes"), TypeError,
-     r"deterministic must be a bool or None"),
-    ("out_features", dict(num_heads=2, out_features=0), ValueError, r"out_features"),
+  (
+    "kv_heads",
+    dict(num_heads=4, num_kv_heads=3),
+    ValueError,
+    r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)",
+  ),
+  (
+    "qkv_features",
+    dict(num_heads=3, qkv_features=16),
+    ValueError,
+    r"qkv_features \(16\) must be divisible by num_heads \(3\)",
+  ),
+  (
+    "odd_rotary_dim",
+    dict(num_heads=2, qkv_features=20, rope=positional.Rotary(rotary_fraction=0.5)),
+    ValueError,
+    r"rotary_dim=5; it must be even.*head_dim = qkv_features // num_heads = 10",
+  ),
+  (
+    "rope_type",
+    dict(num_heads=2, rope="rotary"),
+    TypeError,
+    r"rope must be a jattn.positional.Rotary",
+  ),
+  (
+    "normalize_qk",
+    dict(num_heads=2, normalize_qk="l2"),
+    ValueError,
+    r"normalize_qk must be one of \[False, True, 'rms', 'layernorm'\], got 'l2'",
+  ),
+  (
+    "normalize_qk_int",
+    dict(num_heads=2, normalize_qk=1),
+    ValueError,
+    r"normalize_qk must be one of",
+  ),
+  (
+    "implementation",
+    dict(num_heads=2, implementation="flash"),
+    ValueError,
+    r"implementation must be one of \['blockwise', 'cudnn', 'xla'\] or None, got 'flash'",
+  ),
+  ("backward", dict(num_heads=2, backward="manual"), ValueError, r"backward must be one of"),
+  (
+    "block_q_xla",
+    dict(num_heads=2, implementation="xla", block_q=2),
+    ValueError,
+    r"block_q and block_kv apply only to implementation='blockwise'",
+  ),
+  (
+    "dropout_high",
+    dict(num_heads=2, dropout_rate=1.0),
+    ValueError,
+    r"dropout_rate must be in \[0, 1\), got 1.0",
+  ),
+  (
+    "dropout_negative",
+    dict(num_heads=2, dropout_rate=-0.1),
+    ValueError,
+    r"dropout_rate must be in \[0, 1\)",
+  ),
+  ("num_heads", dict(num_heads=0), ValueError, r"num_heads"),
+  (
+    "deterministic_type",
+    dict(num_heads=2, deterministic="yes"),
+    TypeError,
+    r"deterministic must be a bool or None",
+  ),
+  ("out_features", dict(num_heads=2, out_features=0), ValueError, r"out_features"),
 ]
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    pytest.param(*c[1:4], id=c[0], marks=c[4:]) for c in BAD_CONFIG])
+@pytest.mark.parametrize(
+  "kwargs, error, match", [pytest.param(*c[1:4], id=c[0], marks=c[4:]) for c in BAD_CONFIG]
+)
 def test_bad_config_raises_at_construction(kwargs, error, match):
   with pytest.raises(error, match=match):
     MHA(**kwargs)
 
 
 def test_unknown_rope_scaling_kind_raises():
-  with pytest.raises(ValueError, match=r"kind must be one of \['linear', 'ntk', 'llama3', "
-                                       r"'yarn'\], got 'cubic'"):
+  with pytest.raises(
+    ValueError,
+    match=r"kind must be one of \['linear', 'ntk', 'llama3', "
+    r"'yarn'\], got 'cubic'",
+  ):
     MHA(num_heads=2, rope=positional.Rotary(scaling=positional.RopeScaling("cubic", 2.0)))
 
 
 # (id, constructor kwargs, call kwargs (inputs_q default _x()), exception, message fragment)
 BAD_CALLS = [
-    ("qkv_from_input", dict(num_heads=3), {}, ValueError,
-     r"qkv_features \(16\) must be divisible by num_heads \(3\)"),
-    ("odd_rotary_from_input", dict(num_heads=2, rope=positional.Rotary(rotary_fraction=0.625)),
-     {}, ValueError, r"rotary_dim=5"),
-    ("rank_4", dict(num_heads=2), dict(inputs_q=_x((2, 1, T, F))), ValueError,
-     r"inputs_q must have shape \(B, T, F\) or \(T, F\), got \(2, 1, 6, 16\)"),
-    ("rank_1", dict(num_heads=2), dict(inputs_q=_x((F,))), ValueError,
-     r"inputs_q must have shape \(B, T, F\) or \(T, F\)"),
-    ("kv_rank", dict(num_heads=2), dict(inputs_kv=_x((S, F))), ValueError,
-     r"inputs_kv must have the rank of inputs_q"),
-    ("kv_batch", dict(num_heads=2), dict(inputs_kv=_x((B + 1, S, F))), ValueError,
-     r"same batch size"),
-    ("rope_cross", dict(num_heads=2, rope=positional.Rotary()), dict(inputs_kv=_x((B, S, F))),
-     ValueError, r"rope applies to self-attention"),
-    ("sow_blockwise", dict(num_heads=2, implementation="blockwise"), dict(sow_weights=True),
-     ValueError, r"sow_weights needs the materialised weights"),
-    ("positions_shape", dict(num_heads=2, rope=positional.Rotary()),
-     dict(positions=jnp.arange(T + 1)), ValueError, r"positions must have shape"),
-    ("dropout_needs_deterministic", dict(num_heads=2, dropout_rate=0.1), {}, ValueError,
-     r"needs deterministic"),
-    ("num_new_without_decode", dict(num_heads=2), dict(num_new=jnp.array([1, 1])), ValueError,
-     r"num_new applies only with decode=True"),
-    ("positions_without_rope", dict(num_heads=2), dict(positions=jnp.arange(T)), ValueError,
-     r"positions are used only by rope"),
+  (
+    "qkv_from_input",
+    dict(num_heads=3),
+    {},
+    ValueError,
+    r"qkv_features \(16\) must be divisible by num_heads \(3\)",
+  ),
+  (
+    "odd_rotary_from_input",
+    dict(num_heads=2, rope=positional.Rotary(rotary_fraction=0.625)),
+    {},
+    ValueError,
+    r"rotary_dim=5",
+  ),
+  (
+    "rank_4",
+    dict(num_heads=2),
+    dict(inputs_q=_x((2, 1, T, F))),
+    ValueError,
+    r"inputs_q must have shape \(B, T, F\) or \(T, F\), got \(2, 1, 6, 16\)",
+  ),
+  (
+    "rank_1",
+    dict(num_heads=2),
+    dict(inputs_q=_x((F,))),
+    ValueError,
+    r"inputs_q must have shape \(B, T, F\) or \(T, F\)",
+  ),
+  (
+    "kv_rank",
+    dict(num_heads=2),
+    dict(inputs_kv=_x((S, F))),
+    ValueError,
+    r"inputs_kv must have the rank of inputs_q",
+  ),
+  (
+    "kv_batch",
+    dict(num_heads=2),
+    dict(inputs_kv=_x((B + 1, S, F))),
+    ValueError,
+    r"same batch size",
+  ),
+  (
+    "rope_cross",
+    dict(num_heads=2, rope=positional.Rotary()),
+    dict(inputs_kv=_x((B, S, F))),
+    ValueError,
+    r"rope applies to self-attention",
+  ),
+  (
+    "sow_blockwise",
+    dict(num_heads=2, implementation="blockwise"),
+    dict(sow_weights=True),
+    ValueError,
+    r"sow_weights needs the materialised weights",
+  ),
+  (
+    "positions_shape",
+    dict(num_heads=2, rope=positional.Rotary()),
+    dict(positions=jnp.arange(T + 1)),
+    ValueError,
+    r"positions must have shape",
+  ),
+  (
+    "dropout_needs_deterministic",
+    dict(num_heads=2, dropout_rate=0.1),
+    {},
+    ValueError,
+    r"needs deterministic",
+  ),
+  (
+    "num_new_without_decode",
+    dict(num_heads=2),
+    dict(num_new=jnp.array([1, 1])),
+    ValueError,
+    r"num_new applies only with decode=True",
+  ),
+  (
+    "positions_without_rope",
+    dict(num_heads=2),
+    dict(positions=jnp.arange(T)),
+    ValueError,
+    r"positions are used only by rope",
+  ),
 ]
 
 
-@pytest.mark.parametrize("ctor, call, error, match", [
-    pytest.param(*c[1:5], id=c[0], marks=c[5:]) for c in BAD_CALLS])
+@pytest.mark.parametrize(
+  "ctor, call, error, match", [pytest.param(*c[1:5], id=c[0], marks=c[5:]) for c in BAD_CALLS]
+)
 def test_bad_call_raises(ctor, call, error, match):
   module = MHA(**ctor)
   call = dict(call)
@@ -719,25 +897,35 @@ def test_bad_call_raises(ctor, call, error, match):
 
 # (id, call kwargs, exception, message fragment) on a module whose cache is initialised
 BAD_DECODE_CALLS = [
-    ("inputs_kv", dict(inputs_kv=_x((B, 1, F))), ValueError,
-     r"decode=True does not take inputs_kv"),
-    ("positions", dict(positions=jnp.arange(1)), ValueError,
-     r"decode=True does not take positions"),
-    ("segment_ids", dict(segment_ids=jnp.zeros((B, 1), jnp.int32)), ValueError,
-     r"decode=True does not take segment_ids"),
-    ("sow_weights", dict(sow_weights=True), ValueError, r"decode=True does not take sow_weights"),
-    ("unbatched", dict(inputs_q=_x((1, F))), ValueError, r"decode=True needs batched inputs"),
-    ("batch_size", dict(inputs_q=_x((B + 1, 1, F))), ValueError,
-     r"inputs_q has batch size 3 but the cache was made for 2"),
-    ("num_new_shape", dict(num_new=jnp.array([1, 1, 1])), ValueError,
-     r"num_new must have shape \(B,\)=\(2,\)"),
-    ("num_new_range", dict(num_new=jnp.array([2, 0])), ValueError,
-     r"num_new must be in \[0, t=1\]"),
+  ("inputs_kv", dict(inputs_kv=_x((B, 1, F))), ValueError, r"decode=True does not take inputs_kv"),
+  ("positions", dict(positions=jnp.arange(1)), ValueError, r"decode=True does not take positions"),
+  (
+    "segment_ids",
+    dict(segment_ids=jnp.zeros((B, 1), jnp.int32)),
+    ValueError,
+    r"decode=True does not take segment_ids",
+  ),
+  ("sow_weights", dict(sow_weights=True), ValueError, r"decode=True does not take sow_weights"),
+  ("unbatched", dict(inputs_q=_x((1, F))), ValueError, r"decode=True needs batched inputs"),
+  (
+    "batch_size",
+    dict(inputs_q=_x((B + 1, 1, F))),
+    ValueError,
+    r"inputs_q has batch size 3 but the cache was made for 2",
+  ),
+  (
+    "num_new_shape",
+    dict(num_new=jnp.array([1, 1, 1])),
+    ValueError,
+    r"num_new must have shape \(B,\)=\(2,\)",
+  ),
+  ("num_new_range", dict(num_new=jnp.array([2, 0])), ValueError, r"num_new must be in \[0, t=1\]"),
 ]
 
 
-@pytest.mark.parametrize("call, error, match", [c[1:] for c in BAD_DECODE_CALLS],
-                         ids=[c[0] for c in BAD_DECODE_CALLS])
+@pytest.mark.parametrize(
+  "call, error, match", [c[1:] for c in BAD_DECODE_CALLS], ids=[c[0] for c in BAD_DECODE_CALLS]
+)
 def test_bad_decode_call_raises(call, error, match):
   module = MHA(num_heads=4, num_kv_heads=2)
   params, cache = _decode_setup(module)

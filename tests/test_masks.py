@@ -6,12 +6,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import (
+  assert_close,
+  attention_np,
+  block_sparse_np,
+  causal_np,
+  chunked_np,
+  dilated_window_np,
+  global_np,
+  lengths_np,
+  normal,
+  prefix_np,
+  segments_np,
+  strided_np,
+  tile_classes_np,
+  window_np,
+)
 
 import jattn
 from jattn import masks
-from reference import (assert_close, attention_np, block_sparse_np, causal_np, chunked_np,
-                       dilated_window_np, global_np, lengths_np, normal, prefix_np, segments_np,
-                       strided_np, tile_classes_np, window_np)
 
 
 def _dense(mask, T, S, **kw):
@@ -23,43 +36,62 @@ def _m(text):
 
 
 def test_causal_literal():
-  np.testing.assert_array_equal(_dense(masks.causal(), 4, 5)[0, 0], _m("""
+  np.testing.assert_array_equal(
+    _dense(masks.causal(), 4, 5)[0, 0],
+    _m("""
       10000
       11000
       11100
-      11110"""))
+      11110"""),
+  )
   # offset S - T aligns the diagonal bottom-right, for queries appended after a cache.
-  np.testing.assert_array_equal(_dense(masks.causal(offset=2), 3, 5)[0, 0], _m("""
+  np.testing.assert_array_equal(
+    _dense(masks.causal(offset=2), 3, 5)[0, 0],
+    _m("""
       11100
       11110
-      11111"""))
+      11111"""),
+  )
 
 
 def test_causal_per_batch_offsets_literal():
   # Row 0 of a ragged KV cache holds 1 token, row 1 holds 3: two new queries each.
   dense = _dense(masks.causal(np.array([1, 3])), 2, 5)
-  np.testing.assert_array_equal(dense[0, 0], _m("""
+  np.testing.assert_array_equal(
+    dense[0, 0],
+    _m("""
       11000
-      11100"""))
-  np.testing.assert_array_equal(dense[1, 0], _m("""
+      11100"""),
+  )
+  np.testing.assert_array_equal(
+    dense[1, 0],
+    _m("""
       11110
-      11111"""))
+      11111"""),
+  )
   # Negative offsets are allowed, as for the int form: the first queries see nothing.
   dense = _dense(masks.causal(np.array([-1, 0])), 3, 3)
-  np.testing.assert_array_equal(dense[0, 0], _m("""
+  np.testing.assert_array_equal(
+    dense[0, 0],
+    _m("""
       000
       100
-      110"""))
-  np.testing.assert_array_equal(dense[1, 0], _m("""
+      110"""),
+  )
+  np.testing.assert_array_equal(
+    dense[1, 0],
+    _m("""
       100
       110
-      111"""))
+      111"""),
+  )
 
 
 def test_causal_scalar_array_offset_is_the_int_form():
   for offset in (np.array(2), jnp.array(-1, jnp.int32)):
-    np.testing.assert_array_equal(_dense(masks.causal(offset), 3, 5),
-                                  _dense(masks.causal(int(offset)), 3, 5))
+    np.testing.assert_array_equal(
+      _dense(masks.causal(offset), 3, 5), _dense(masks.causal(int(offset)), 3, 5)
+    )
   assert masks.causal(np.array(2)).extents == (None, None, None, None)
 
 
@@ -70,138 +102,185 @@ def test_int32_extreme_offsets_and_widths():
   ones, zeros = np.ones((1, 1, 3, 4), int), np.zeros((1, 1, 3, 4), int)
   np.testing.assert_array_equal(_dense(masks.causal(big), 3, 4), ones)
   np.testing.assert_array_equal(_dense(masks.causal(-big - 1), 3, 4), zeros)
-  np.testing.assert_array_equal(_dense(masks.causal(np.array([big, 0], np.int32)), 3, 4)[0, 0],
-                                ones[0, 0])
+  np.testing.assert_array_equal(
+    _dense(masks.causal(np.array([big, 0], np.int32)), 3, 4)[0, 0], ones[0, 0]
+  )
   np.testing.assert_array_equal(_dense(masks.sliding_window(big, big), 3, 4), ones)
-  np.testing.assert_array_equal(_dense(masks.sliding_window(big, big, dilation=big), 3, 4)[0, 0],
-                                np.eye(3, 4, dtype=int))
+  np.testing.assert_array_equal(
+    _dense(masks.sliding_window(big, big, dilation=big), 3, 4)[0, 0], np.eye(3, 4, dtype=int)
+  )
   view = masks.causal(big).block_view(3, 4, block_q=2, block_kv=2)
   assert np.all(view == masks.FULL)
 
 
 def test_sliding_window_literal():
-  np.testing.assert_array_equal(_dense(masks.sliding_window(1, 2), 5, 5)[0, 0], _m("""
+  np.testing.assert_array_equal(
+    _dense(masks.sliding_window(1, 2), 5, 5)[0, 0],
+    _m("""
       11100
       11110
       01111
       00111
-      00011"""))
-  np.testing.assert_array_equal(_dense(masks.sliding_window(None, 0), 3, 3)[0, 0], _m("""
+      00011"""),
+  )
+  np.testing.assert_array_equal(
+    _dense(masks.sliding_window(None, 0), 3, 3)[0, 0],
+    _m("""
       100
       110
-      111"""))
+      111"""),
+  )
 
 
 def test_chunked_literal():
-  np.testing.assert_array_equal(_dense(masks.chunked(2), 5, 5)[0, 0], _m("""
+  np.testing.assert_array_equal(
+    _dense(masks.chunked(2), 5, 5)[0, 0],
+    _m("""
       11000
       11000
       00110
       00110
-      00001"""))
+      00001"""),
+  )
 
 
 def test_prefix_lm_literal():
   dense = _dense(masks.prefix_lm(np.array([2, 0])), 4, 4)
-  np.testing.assert_array_equal(dense[0, 0], _m("""
+  np.testing.assert_array_equal(
+    dense[0, 0],
+    _m("""
       1100
       1100
       1110
-      1111"""))
-  np.testing.assert_array_equal(dense[1, 0], _m("""
+      1111"""),
+  )
+  np.testing.assert_array_equal(
+    dense[1, 0],
+    _m("""
       1000
       1100
       1110
-      1111"""))
+      1111"""),
+  )
 
 
 def test_segments_literal():
   dense = _dense(masks.segments(np.array([[0, 0, 1, 1, 1]]), np.array([[0, 1, 1, 2]])), 5, 4)
-  np.testing.assert_array_equal(dense[0, 0], _m("""
+  np.testing.assert_array_equal(
+    dense[0, 0],
+    _m("""
       1000
       1000
       0110
       0110
-      0110"""))
+      0110"""),
+  )
 
 
 def test_lengths_literal():
   dense = _dense(masks.lengths(np.array([2, 3]), np.array([3, 1])), 3, 4)
-  np.testing.assert_array_equal(dense[0, 0], _m("""
+  np.testing.assert_array_equal(
+    dense[0, 0],
+    _m("""
       1110
       1110
-      0000"""))
-  np.testing.assert_array_equal(dense[1, 0], _m("""
+      0000"""),
+  )
+  np.testing.assert_array_equal(
+    dense[1, 0],
+    _m("""
       1000
       1000
-      1000"""))
+      1000"""),
+  )
 
 
 def test_global_tokens_literal():
-  np.testing.assert_array_equal(_dense(masks.global_tokens(1), 4, 4)[0, 0], _m("""
+  np.testing.assert_array_equal(
+    _dense(masks.global_tokens(1), 4, 4)[0, 0],
+    _m("""
       1111
       1000
       1000
-      1000"""))
+      1000"""),
+  )
 
 
 def test_strided_literal():
-  np.testing.assert_array_equal(_dense(masks.strided(2), 4, 5)[0, 0], _m("""
+  np.testing.assert_array_equal(
+    _dense(masks.strided(2), 4, 5)[0, 0],
+    _m("""
       10101
       01010
       10101
-      01010"""))
+      01010"""),
+  )
 
 
 def test_dilated_window_literal():
-  np.testing.assert_array_equal(_dense(masks.sliding_window(4, 2, dilation=2), 6, 6)[0, 0], _m("""
+  np.testing.assert_array_equal(
+    _dense(masks.sliding_window(4, 2, dilation=2), 6, 6)[0, 0],
+    _m("""
       101000
       010100
       101010
       010101
       101010
-      010101"""))
+      010101"""),
+  )
 
 
 def test_longformer_literal():
   # window 1 on each side, dilation 2 (reaching 2 away), position 0 global
-  np.testing.assert_array_equal(_dense(masks.longformer(1, dilation=2), 6, 6)[0, 0], _m("""
+  np.testing.assert_array_equal(
+    _dense(masks.longformer(1, dilation=2), 6, 6)[0, 0],
+    _m("""
       111111
       110100
       101010
       110101
       101010
-      100101"""))
-  np.testing.assert_array_equal(_dense(masks.longformer((2, 0), num_global=0), 4, 4)[0, 0], _m("""
+      100101"""),
+  )
+  np.testing.assert_array_equal(
+    _dense(masks.longformer((2, 0), num_global=0), 4, 4)[0, 0],
+    _m("""
       1000
       1100
       1110
-      0111"""))
+      0111"""),
+  )
 
 
 def test_block_sparse_literal():
   layout = np.array([[True, False], [True, True]])
-  np.testing.assert_array_equal(_dense(masks.block_sparse(layout, (2, 3)), 4, 7)[0, 0], _m("""
+  np.testing.assert_array_equal(
+    _dense(masks.block_sparse(layout, (2, 3)), 4, 7)[0, 0],
+    _m("""
       1110000
       1110000
       1111110
-      1111110"""))  # the 7th key is past the layout: masked
+      1111110"""),
+  )  # the 7th key is past the layout: masked
 
 
 def test_bigbird_layout_has_window_global_and_seeded_random_blocks():
   n, w, g, r = 12, 3, 2, 2
-  layout = masks.bigbird_layout(n, num_window_blocks=w, num_global_blocks=g, num_random_blocks=r,
-                                seed=7)
+  layout = masks.bigbird_layout(
+    n, num_window_blocks=w, num_global_blocks=g, num_random_blocks=r, seed=7
+  )
   i, j = np.arange(n)[:, None], np.arange(n)[None]
   base = (np.abs(i - j) <= w // 2) | (i < g) | (j < g)
   assert layout[base].all()
   assert layout[:g].all() and layout[:, :g].all()
   # every non-global row gets exactly r blocks beyond the window and global ones
   np.testing.assert_array_equal((layout & ~base).sum(axis=1), [0] * g + [r] * (n - g))
-  np.testing.assert_array_equal(masks.bigbird_layout(n, seed=7, num_global_blocks=g,
-                                                     num_random_blocks=r), layout)
-  assert not np.array_equal(masks.bigbird_layout(n, seed=8, num_global_blocks=g,
-                                                 num_random_blocks=r), layout)
+  np.testing.assert_array_equal(
+    masks.bigbird_layout(n, seed=7, num_global_blocks=g, num_random_blocks=r), layout
+  )
+  assert not np.array_equal(
+    masks.bigbird_layout(n, seed=8, num_global_blocks=g, num_random_blocks=r), layout
+  )
   causal = masks.bigbird_layout(n, seed=3, causal=True, num_random_blocks=r)
   assert not causal[j > i].any()
   causal_base = (np.abs(i - j) <= 1) | (j < 1)  # the default one global block
@@ -213,15 +292,21 @@ def test_bigbird_layout_has_window_global_and_seeded_random_blocks():
 def test_bigbird_mask_is_its_layout_expanded_and_causal_is_lower_triangular():
   T, block = 21, 4  # T not a multiple of the block
   layout = masks.bigbird_layout(6, seed=1)
-  np.testing.assert_array_equal(masks.bigbird(T, block_size=block, seed=1).materialize(T, T)[0, 0],
-                                block_sparse_np(layout, block, block, T, T))
+  np.testing.assert_array_equal(
+    masks.bigbird(T, block_size=block, seed=1).materialize(T, T)[0, 0],
+    block_sparse_np(layout, block, block, T, T),
+  )
   causal = masks.bigbird(T, block_size=block, seed=1, causal=True).materialize(T, T)[0, 0]
   np.testing.assert_array_equal(
-      causal, block_sparse_np(masks.bigbird_layout(6, seed=1, causal=True), block, block, T, T)
-      & causal_np(T, T))
+    causal,
+    block_sparse_np(masks.bigbird_layout(6, seed=1, causal=True), block, block, T, T)
+    & causal_np(T, T),
+  )
 
 
-@pytest.mark.parametrize("make, match", [
+@pytest.mark.parametrize(
+  "make, match",
+  [
     (lambda: masks.sliding_window(2, 1, dilation=0), "dilation must be >= 1"),
     (lambda: masks.block_sparse(np.ones((2, 2), int), 2), "layout must be a boolean array"),
     (lambda: masks.block_sparse(np.ones(2, bool), 2), r"layout must have shape \(nqb, nkb\)"),
@@ -234,7 +319,8 @@ def test_bigbird_mask_is_its_layout_expanded_and_causal_is_lower_triangular():
     (lambda: masks.bigbird_layout(0), "num_q_blocks must be >= 1"),
     (lambda: masks.bigbird_layout(4, causal=1), "causal must be a bool"),
     (lambda: masks.bigbird(10, block_size=0), "block_size must be >= 1"),
-])
+  ],
+)
 def test_sparse_pattern_errors(make, match):
   with pytest.raises((ValueError, TypeError), match=match):
     make()
@@ -255,36 +341,54 @@ IDS_KV = np.array([[0, 1, 1, 1, 2, 2, 2], [4, 5, 5, 6, 6, 7, 7]])
 PER_HEAD = np.random.default_rng(0).random((1, 3, 9, 7)) < 0.5
 SPARSE = np.random.default_rng(1).random((3, 5, 2)) < 0.5  # per head; 2 kv blocks of 3 < S
 KINDS = {
-    "causal": (masks.causal(1), lambda T, S: causal_np(T, S, 1)),
-    "causal_negative": (masks.causal(-2), lambda T, S: causal_np(T, S, -2)),
-    "causal_per_batch": (masks.causal(np.array([-2, 3])),
-                         lambda T, S: np.stack([causal_np(T, S, -2), causal_np(T, S, 3)])[:, None]),
-    "window": (masks.sliding_window(2, 1), lambda T, S: window_np(T, S, 2, 1)),
-    "window_left_only": (masks.sliding_window(3, None), lambda T, S: window_np(T, S, 3, None)),
-    "chunked": (masks.chunked(3), lambda T, S: chunked_np(T, S, 3)),
-    "prefix_lm": (masks.prefix_lm(np.array([3, 5])), lambda T, S: prefix_np(T, S, [3, 5])),
-    "segments": (masks.segments(IDS_Q, IDS_KV), lambda T, S: segments_np(IDS_Q, IDS_KV)),
-    "lengths": (masks.lengths(np.array([4, 9]), np.array([7, 2])),
-                lambda T, S: lengths_np(T, S, [4, 9], [7, 2])),
-    "kv_lengths": (masks.lengths(kv_lengths=np.array([0, 5])),
-                   lambda T, S: lengths_np(T, S, None, [0, 5])),
-    "global": (masks.global_tokens(2), lambda T, S: global_np(T, S, 2)),
-    "strided": (masks.strided(3), lambda T, S: strided_np(T, S, 3)),
-    "from_array": (masks.from_array(PER_HEAD), lambda T, S: PER_HEAD),
-    "dilated": (masks.sliding_window(5, 3, dilation=2),
-                lambda T, S: dilated_window_np(T, S, 5, 3, 2)),
-    "dilated_unbounded": (masks.sliding_window(None, 1, dilation=3),
-                          lambda T, S: dilated_window_np(T, S, None, 1, 3)),
-    "longformer": (masks.longformer(1, num_global=1, dilation=2),
-                   lambda T, S: dilated_window_np(T, S, 2, 2, 2) | global_np(T, S, 1)),
-    "block_sparse": (masks.block_sparse(SPARSE, (2, 3)),
-                     lambda T, S: block_sparse_np(SPARSE, 2, 3, T, S)),
-    "bigbird": (masks.bigbird(9, 7, block_size=2, num_random_blocks=1, seed=4),
-                lambda T, S: block_sparse_np(masks.bigbird_layout(5, 4, num_random_blocks=1,
-                                                                  seed=4), 2, 2, T, S)),
-    "from_fn": (masks.from_fn(lambda b, h, q, kv: (q + kv + h) % 4 != 0),
-                lambda T, S: (np.add.outer(np.arange(T), np.arange(S)) + np.arange(3)[:, None, None])
-                % 4 != 0),
+  "causal": (masks.causal(1), lambda T, S: causal_np(T, S, 1)),
+  "causal_negative": (masks.causal(-2), lambda T, S: causal_np(T, S, -2)),
+  "causal_per_batch": (
+    masks.causal(np.array([-2, 3])),
+    lambda T, S: np.stack([causal_np(T, S, -2), causal_np(T, S, 3)])[:, None],
+  ),
+  "window": (masks.sliding_window(2, 1), lambda T, S: window_np(T, S, 2, 1)),
+  "window_left_only": (masks.sliding_window(3, None), lambda T, S: window_np(T, S, 3, None)),
+  "chunked": (masks.chunked(3), lambda T, S: chunked_np(T, S, 3)),
+  "prefix_lm": (masks.prefix_lm(np.array([3, 5])), lambda T, S: prefix_np(T, S, [3, 5])),
+  "segments": (masks.segments(IDS_Q, IDS_KV), lambda T, S: segments_np(IDS_Q, IDS_KV)),
+  "lengths": (
+    masks.lengths(np.array([4, 9]), np.array([7, 2])),
+    lambda T, S: lengths_np(T, S, [4, 9], [7, 2]),
+  ),
+  "kv_lengths": (
+    masks.lengths(kv_lengths=np.array([0, 5])),
+    lambda T, S: lengths_np(T, S, None, [0, 5]),
+  ),
+  "global": (masks.global_tokens(2), lambda T, S: global_np(T, S, 2)),
+  "strided": (masks.strided(3), lambda T, S: strided_np(T, S, 3)),
+  "from_array": (masks.from_array(PER_HEAD), lambda T, S: PER_HEAD),
+  "dilated": (
+    masks.sliding_window(5, 3, dilation=2),
+    lambda T, S: dilated_window_np(T, S, 5, 3, 2),
+  ),
+  "dilated_unbounded": (
+    masks.sliding_window(None, 1, dilation=3),
+    lambda T, S: dilated_window_np(T, S, None, 1, 3),
+  ),
+  "longformer": (
+    masks.longformer(1, num_global=1, dilation=2),
+    lambda T, S: dilated_window_np(T, S, 2, 2, 2) | global_np(T, S, 1),
+  ),
+  "block_sparse": (
+    masks.block_sparse(SPARSE, (2, 3)),
+    lambda T, S: block_sparse_np(SPARSE, 2, 3, T, S),
+  ),
+  "bigbird": (
+    masks.bigbird(9, 7, block_size=2, num_random_blocks=1, seed=4),
+    lambda T, S: block_sparse_np(
+      masks.bigbird_layout(5, 4, num_random_blocks=1, seed=4), 2, 2, T, S
+    ),
+  ),
+  "from_fn": (
+    masks.from_fn(lambda b, h, q, kv: (q + kv + h) % 4 != 0),
+    lambda T, S: (np.add.outer(np.arange(T), np.arange(S)) + np.arange(3)[:, None, None]) % 4 != 0,
+  ),
 }
 T_, S_ = 9, 7
 
@@ -296,21 +400,41 @@ def _expected(kind):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_materialize_matches_formula(kind):
   mask = KINDS[kind][0]
-  np.testing.assert_array_equal(mask.materialize(T_, S_, batch_size=2, num_heads=3),
-                                _expected(kind))
+  np.testing.assert_array_equal(
+    mask.materialize(T_, S_, batch_size=2, num_heads=3), _expected(kind)
+  )
   # Calling the mask on a grid is the same function.
   grid = masks.index_grid(2, 3, T_, S_)
   np.testing.assert_array_equal(np.broadcast_to(mask(*grid), (2, 3, T_, S_)), _expected(kind))
 
 
-@pytest.mark.parametrize("a, b", list(itertools.combinations(
-    ["causal", "causal_per_batch", "window", "segments", "global", "strided", "from_fn",
-     "kv_lengths"], 2)))
+@pytest.mark.parametrize(
+  "a, b",
+  list(
+    itertools.combinations(
+      [
+        "causal",
+        "causal_per_batch",
+        "window",
+        "segments",
+        "global",
+        "strided",
+        "from_fn",
+        "kv_lengths",
+      ],
+      2,
+    )
+  ),
+)
 def test_combinators_match_dense_logic(a, b):
   ma, mb = KINDS[a][0], KINDS[b][0]
   da, db = _expected(a), _expected(b)
-  for mask, want in [(ma & mb, da & db), (ma | mb, da | db), (~ma, ~da), (~(ma & mb) | mb,
-                                                                          ~(da & db) | db)]:
+  for mask, want in [
+    (ma & mb, da & db),
+    (ma | mb, da | db),
+    (~ma, ~da),
+    (~(ma & mb) | mb, ~(da & db) | db),
+  ]:
     np.testing.assert_array_equal(mask.materialize(T_, S_, batch_size=2, num_heads=3), want)
 
 
@@ -320,8 +444,9 @@ BLOCKS = [(1, 1), (2, 3), (4, 2), (3, 7), (16, 16), (5, 4)]
 @pytest.mark.parametrize("block_q, block_kv", BLOCKS)
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "from_fn"])
 def test_block_view_is_exact_for_constructors(kind, block_q, block_kv):
-  view = KINDS[kind][0].block_view(T_, S_, block_q=block_q, block_kv=block_kv, batch_size=2,
-                                   num_heads=3)
+  view = KINDS[kind][0].block_view(
+    T_, S_, block_q=block_q, block_kv=block_kv, batch_size=2, num_heads=3
+  )
   assert isinstance(view, np.ndarray) and view.dtype == np.int8
   np.testing.assert_array_equal(view, tile_classes_np(_expected(kind), block_q, block_kv))
 
@@ -335,10 +460,10 @@ def _assert_conservative(view, exact):
 @pytest.mark.parametrize("block_q, block_kv", BLOCKS)
 def test_block_view_combinations_and_fns_are_conservative(block_q, block_kv):
   for mask, want in [
-      (KINDS["from_fn"][0], _expected("from_fn")),
-      (KINDS["causal"][0] & KINDS["window"][0], _expected("causal") & _expected("window")),
-      (KINDS["segments"][0] | KINDS["global"][0], _expected("segments") | _expected("global")),
-      (~KINDS["chunked"][0] & KINDS["strided"][0], ~_expected("chunked") & _expected("strided")),
+    (KINDS["from_fn"][0], _expected("from_fn")),
+    (KINDS["causal"][0] & KINDS["window"][0], _expected("causal") & _expected("window")),
+    (KINDS["segments"][0] | KINDS["global"][0], _expected("segments") | _expected("global")),
+    (~KINDS["chunked"][0] & KINDS["strided"][0], ~_expected("chunked") & _expected("strided")),
   ]:
     kw = dict(block_q=block_q, block_kv=block_kv, batch_size=2, num_heads=3)
     exact = tile_classes_np(want, block_q, block_kv)
@@ -355,9 +480,9 @@ def test_reindex_matches_indexing_the_dense_mask(kind):
   rng = np.random.default_rng(3)
   full = _expected(kind)  # (2, 3, T_, S_)
   maps = {
-      # One device's shard of a sequence, as ring attention uses it: exact tile classes.
-      "contiguous": (np.arange(3, 9), np.arange(1, 6)),
-      "permuted": (rng.permutation(T_)[:6], rng.permutation(S_)[:5]),
+    # One device's shard of a sequence, as ring attention uses it: exact tile classes.
+    "contiguous": (np.arange(3, 9), np.arange(1, 6)),
+    "permuted": (rng.permutation(T_)[:6], rng.permutation(S_)[:5]),
   }
   batch, head = np.array([1, 0, 1]), np.array([2, 0])
   for name, (q, kv) in maps.items():
@@ -390,11 +515,13 @@ def test_reindex_with_traced_maps_and_errors():
 
   tiles, dense = view(2)
   # Rows 2-5 against columns 0-3 of causal(): only the top-right tile is cut by the diagonal.
-  np.testing.assert_array_equal(tiles[0, 0], [[masks.FULL, masks.PARTIAL],
-                                              [masks.FULL, masks.FULL]])
+  np.testing.assert_array_equal(
+    tiles[0, 0], [[masks.FULL, masks.PARTIAL], [masks.FULL, masks.FULL]]
+  )
   np.testing.assert_array_equal(dense[0, 0], causal_np(4, 4, 2))
-  assert repr(masks.reindex(masks.causal(), q=np.arange(3))) == \
-      "reindex(causal(offset=0), q shape=(3,))"
+  assert (
+    repr(masks.reindex(masks.causal(), q=np.arange(3))) == "reindex(causal(offset=0), q shape=(3,))"
+  )
   assert masks.reindex(masks.causal(), q=np.arange(3)).extents == (None, None, 3, None)
   with pytest.raises(TypeError, match="reindex needs a jattn.masks.Mask"):
     masks.reindex(np.ones((2, 2), bool), q=np.arange(2))
@@ -413,8 +540,9 @@ def test_block_view_from_fn_is_all_partial_unless_exact():
 
 def test_block_view_causal_skips_upper_triangle():
   view = masks.causal().block_view(8, 8, block_q=2, block_kv=2)[0, 0]
-  np.testing.assert_array_equal(view, np.array([[1, 0, 0, 0], [2, 1, 0, 0], [2, 2, 1, 0],
-                                                [2, 2, 2, 1]]))
+  np.testing.assert_array_equal(
+    view, np.array([[1, 0, 0, 0], [2, 1, 0, 0], [2, 2, 1, 0], [2, 2, 2, 1]])
+  )
 
 
 @pytest.mark.parametrize("block", [1, 2, 3, 5])
@@ -435,31 +563,39 @@ def test_segments_unsorted_ids_are_conservative():
 
 def test_block_view_with_traced_arrays():
   """Inside jit, data-dependent masks classify tiles with traced arrays."""
+
   @jax.jit
   def view(lengths):
     return masks.lengths(kv_lengths=lengths).block_view(4, 8, block_q=2, block_kv=4)
 
-  np.testing.assert_array_equal(view(jnp.array([8, 3]))[:, 0], [[[2, 2], [2, 2]],
-                                                                [[1, 0], [1, 0]]])
+  np.testing.assert_array_equal(view(jnp.array([8, 3]))[:, 0], [[[2, 2], [2, 2]], [[1, 0], [1, 0]]])
 
 
 @pytest.mark.parametrize("block_q, block_kv", BLOCKS)
 def test_causal_per_batch_block_view_traced_matches_dense(block_q, block_kv):
   """Traced offsets (a KV cache's lengths under jit) classify tiles exactly."""
   offsets = np.array([[0, 4], [-3, 8], [5, -1]], np.int32)
-  view = jax.jit(lambda off: masks.causal(off).block_view(T_, S_, block_q=block_q,
-                                                          block_kv=block_kv, num_heads=3))
+  view = jax.jit(
+    lambda off: masks.causal(off).block_view(
+      T_, S_, block_q=block_q, block_kv=block_kv, num_heads=3
+    )
+  )
   for off in offsets:
-    exact = masks.causal(off).block_view(T_, S_, block_q=block_q, block_kv=block_kv,
-                                         num_heads=3, exact=True)
+    exact = masks.causal(off).block_view(
+      T_, S_, block_q=block_q, block_kv=block_kv, num_heads=3, exact=True
+    )
     np.testing.assert_array_equal(view(jnp.asarray(off)), exact)
     np.testing.assert_array_equal(
-        exact, tile_classes_np(np.stack([causal_np(T_, S_, o) for o in off])[:, None]
-                               .repeat(3, axis=1), block_q, block_kv))
+      exact,
+      tile_classes_np(
+        np.stack([causal_np(T_, S_, o) for o in off])[:, None].repeat(3, axis=1), block_q, block_kv
+      ),
+    )
 
 
-@pytest.mark.parametrize("implementation, blocks", [
-    ("xla", {}), ("blockwise", dict(block_q=2, block_kv=3))])
+@pytest.mark.parametrize(
+  "implementation, blocks", [("xla", {}), ("blockwise", dict(block_q=2, block_kv=3))]
+)
 def test_causal_per_batch_in_attention_matches_dense_mask(implementation, blocks):
   B, T, S, N, K, H = 2, 5, 7, 4, 2, 4
   q, k, v = normal((B, T, N, H)), normal((B, S, K, H), seed=1), normal((B, S, K, H), seed=2)
@@ -467,22 +603,29 @@ def test_causal_per_batch_in_attention_matches_dense_mask(implementation, blocks
   dense = np.stack([causal_np(T, S, o) for o in offsets])[:, None]
   want = attention_np(q, k, v, allowed=dense)
   attend = lambda mask: jattn.dot_product_attention(
-      q, k, v, mask=mask, implementation=implementation, return_residual=True, **blocks)
-  for got in (attend(masks.causal(offsets)), attend(dense),
-              jax.jit(lambda off: attend(masks.causal(off)))(jnp.asarray(offsets))):
+    q, k, v, mask=mask, implementation=implementation, return_residual=True, **blocks
+  )
+  for got in (
+    attend(masks.causal(offsets)),
+    attend(dense),
+    jax.jit(lambda off: attend(masks.causal(off)))(jnp.asarray(offsets)),
+  ):
     assert_close(got[0], want[0])
     np.testing.assert_array_equal(np.isinf(got[1]), np.isinf(want[1]))
     assert_close(np.where(np.isinf(got[1]), 0, got[1]), np.where(np.isinf(want[1]), 0, want[1]))
   np.testing.assert_array_equal(got[0][1, 0], 0.0)
 
 
-@pytest.mark.parametrize("offset, error, match", [
+@pytest.mark.parametrize(
+  "offset, error, match",
+  [
     (1.5, TypeError, r"offset must be an int, got 1.5 of type float"),
     (True, TypeError, r"offset must be an int, got True of type bool"),
     (np.array([1.0, 2.0]), TypeError, r"offset must have an integer dtype, got float64"),
     (np.array([[1, 2]]), ValueError, r"offset must have rank 0 or 1, got shape \(1, 2\)"),
     ("2", TypeError, r"offset must be an integer array, got str"),
-])
+  ],
+)
 def test_causal_offset_errors(offset, error, match):
   with pytest.raises(error, match=match):
     masks.causal(offset)
@@ -511,8 +654,9 @@ def test_masks_are_pytrees():
   rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
   np.testing.assert_array_equal(rebuilt.materialize(T_, S_), mask.materialize(T_, S_))
   # Equal settings give equal treedefs: jit does not recompile for a rebuilt mask.
-  assert jax.tree_util.tree_structure(masks.causal(1) & masks.segments(IDS_Q + 1, IDS_KV)) \
-      == treedef
+  assert (
+    jax.tree_util.tree_structure(masks.causal(1) & masks.segments(IDS_Q + 1, IDS_KV)) == treedef
+  )
   got = jax.jit(lambda m: m.materialize(T_, S_))(mask)
   np.testing.assert_array_equal(got, mask.materialize(T_, S_))
 
@@ -536,16 +680,17 @@ def test_extents_and_batch_defaults():
 
 
 L = 8  # with block_q = block_kv = 4, blockwise evaluates masks on 2 x 2 tiles
-TILED = {"xla": dict(implementation="xla"),
-         "blockwise": dict(implementation="blockwise", block_q=4, block_kv=4),
-         "auto": {}}
+TILED = {
+  "xla": dict(implementation="xla"),
+  "blockwise": dict(implementation="blockwise", block_q=4, block_kv=4),
+  "auto": {},
+}
 ALLOWED_LL = np.tril(np.ones((L, L), bool)) | (np.arange(L)[None] % 3 == 0)
 
 MASK_FNS_NOT_FROM_INDICES = {
-    # A captured (T, S) array combined with the indices by broadcasting.
-    "captured_table": lambda b, h, qi, kv: jnp.asarray(ALLOWED_LL) & (qi >= 0),
-    "positions_from_shape": lambda b, h, qi, kv: jnp.arange(kv.shape[-1]).reshape(
-        1, 1, 1, -1) <= qi,
+  # A captured (T, S) array combined with the indices by broadcasting.
+  "captured_table": lambda b, h, qi, kv: jnp.asarray(ALLOWED_LL) & (qi >= 0),
+  "positions_from_shape": lambda b, h, qi, kv: jnp.arange(kv.shape[-1]).reshape(1, 1, 1, -1) <= qi,
 }
 
 
@@ -554,8 +699,10 @@ MASK_FNS_NOT_FROM_INDICES = {
 def test_mask_fn_that_does_not_compute_from_its_indices_is_rejected(name, implementation):
   q = k = v = normal((1, L, 2, 4))
   mask = masks.causal() & masks.from_fn(MASK_FNS_NOT_FROM_INDICES[name])
-  match = (r"mask from_fn\(<lambda>\) must compute from its index arguments \(batch, head, "
-           r"q_idx, kv_idx\)")
+  match = (
+    r"mask from_fn\(<lambda>\) must compute from its index arguments \(batch, head, "
+    r"q_idx, kv_idx\)"
+  )
   with jax.numpy_rank_promotion("allow"), pytest.raises(ValueError, match=match):
     if implementation == "attention_weights":
       jattn.attention_weights(q, k, mask=mask)
@@ -576,6 +723,7 @@ def test_mask_fns_that_compute_from_their_indices_work_everywhere(implementation
     return jattn.dot_product_attention(q, k, v, mask=fn, **TILED[implementation])
 
   offsets = np.array([0, 2])
-  assert_close(closure(jnp.asarray(offsets)),
-               attention_np(q, k, v, allowed=np.stack([causal_np(L, L, o) for o in offsets])[
-                   :, None])[0])
+  assert_close(
+    closure(jnp.asarray(offsets)),
+    attention_np(q, k, v, allowed=np.stack([causal_np(L, L, o) for o in offsets])[:, None])[0],
+  )

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from reference import RULES, assert_close, normal
 
 import jattn
 import jattn.nnx
 from jattn import positional
-from reference import RULES, assert_close, normal
 
 B, T, F = 2, 6, 16
 
@@ -27,12 +27,16 @@ def _flax_mha(**kw):
 
 def _ours_from(theirs, **kw):
   """A jattn module with theirs' configuration and parameters."""
-  ours = jattn.nnx.MultiHeadAttention(theirs.num_heads, theirs.in_features,
-                                      num_kv_heads=theirs.num_kv_heads,
-                                      qkv_features=theirs.qkv_features,
-                                      out_features=theirs.out_features,
-                                      in_kv_features=theirs.in_kv_features, rngs=nnx.Rngs(7),
-                                      **kw)
+  ours = jattn.nnx.MultiHeadAttention(
+    theirs.num_heads,
+    theirs.in_features,
+    num_kv_heads=theirs.num_kv_heads,
+    qkv_features=theirs.qkv_features,
+    out_features=theirs.out_features,
+    in_kv_features=theirs.in_kv_features,
+    rngs=nnx.Rngs(7),
+    **kw,
+  )
   nnx.update(ours, nnx.state(theirs, nnx.Param))
   return ours
 
@@ -51,13 +55,13 @@ def _padding_mask():
 # --- the attention_fn adapter -------------------------------------------------------
 
 ADAPTER_CASES = {
-    "self": (dict(), dict()),
-    "gqa": (dict(num_kv_heads=2), dict()),
-    "mqa": (dict(num_kv_heads=1), dict()),
-    "causal": (dict(), dict(is_causal=True)),
-    "padding_mask": (dict(), dict(mask=_padding_mask())),
-    "cross": (dict(in_kv_features=8), dict(inputs_k=_x((B, 9, 8), seed=3))),
-    "qkv_out_features": (dict(qkv_features=8, out_features=12), dict()),
+  "self": (dict(), dict()),
+  "gqa": (dict(num_kv_heads=2), dict()),
+  "mqa": (dict(num_kv_heads=1), dict()),
+  "causal": (dict(), dict(is_causal=True)),
+  "padding_mask": (dict(), dict(mask=_padding_mask())),
+  "cross": (dict(in_kv_features=8), dict(inputs_k=_x((B, 9, 8), seed=3))),
+  "qkv_out_features": (dict(qkv_features=8, out_features=12), dict()),
 }
 
 
@@ -66,11 +70,15 @@ ADAPTER_CASES = {
 def test_adapter_matches_flax_default(case, fn):
   ctor, call = ADAPTER_CASES[case]
   theirs = _flax_mha(**ctor)
-  adapter = {"plain": jattn.nnx.attention_fn,
-             "blockwise": functools.partial(jattn.nnx.attention_fn, implementation="blockwise",
-                                            block_q=2, block_kv=4),
-             "custom_vjp": functools.partial(jattn.nnx.attention_fn, implementation="xla",
-                                             backward="custom_vjp")}[fn]
+  adapter = {
+    "plain": jattn.nnx.attention_fn,
+    "blockwise": functools.partial(
+      jattn.nnx.attention_fn, implementation="blockwise", block_q=2, block_kv=4
+    ),
+    "custom_vjp": functools.partial(
+      jattn.nnx.attention_fn, implementation="xla", backward="custom_vjp"
+    ),
+  }[fn]
   ours = _with_adapter(theirs, adapter)
   x = _x()
   assert_close(ours(x, **call), theirs(x, **call))
@@ -78,9 +86,10 @@ def test_adapter_matches_flax_default(case, fn):
 
 def test_adapter_parameter_gradients_match_flax():
   theirs = _flax_mha(num_kv_heads=2)
-  ours = _with_adapter(theirs, functools.partial(jattn.nnx.attention_fn,
-                                                 implementation="blockwise", block_q=4,
-                                                 block_kv=4))
+  ours = _with_adapter(
+    theirs,
+    functools.partial(jattn.nnx.attention_fn, implementation="blockwise", block_q=4, block_kv=4),
+  )
   x = _x()
   loss = lambda m: jnp.sum(m(x, is_causal=True) ** 2)
   g_theirs = nnx.grad(loss)(theirs)
@@ -90,8 +99,11 @@ def test_adapter_parameter_gradients_match_flax():
 
 
 def test_adapter_extra_batch_dimensions():
-  q, k, v = normal((2, 3, T, 4, 8)), normal((2, 3, 5, 2, 8), seed=1), normal((2, 3, 5, 2, 8),
-                                                                             seed=2)
+  q, k, v = (
+    normal((2, 3, T, 4, 8)),
+    normal((2, 3, 5, 2, 8), seed=1),
+    normal((2, 3, 5, 2, 8), seed=2),
+  )
   mask = jnp.asarray(np.random.default_rng(0).random((2, 3, 1, T, 5)) < 0.7).at[..., 0].set(True)
   want = nnx.dot_product_attention(q, k, v, mask=mask)
   assert_close(jattn.nnx.attention_fn(q, k, v, mask=mask), want)
@@ -136,8 +148,13 @@ def test_adapter_dropout_semantics():
 
 def test_adapter_dropout_is_unbiased():
   q, k, v = normal((1, 3, 2, 4)), normal((1, 8, 2, 4), seed=1), normal((1, 8, 2, 4), seed=2)
-  f = jax.jit(jax.vmap(lambda rng: jattn.nnx.attention_fn(
-      q, k, v, dropout_rng=rng, dropout_rate=0.3, deterministic=False)))
+  f = jax.jit(
+    jax.vmap(
+      lambda rng: jattn.nnx.attention_fn(
+        q, k, v, dropout_rng=rng, dropout_rate=0.3, deterministic=False
+      )
+    )
+  )
   mean = np.asarray(f(jax.random.split(jax.random.key(0), 2000))).mean(0)
   np.testing.assert_allclose(mean, jattn.nnx.attention_fn(q, k, v), atol=0.04)
 
@@ -151,12 +168,12 @@ def test_adapter_needs_rng_for_dropout():
 # --- MultiHeadAttention ---------------------------------------------------------------
 
 PARITY_CASES = {
-    "mha": dict(),
-    "gqa": dict(num_kv_heads=2),
-    "mqa": dict(num_kv_heads=1),
-    "widths": dict(qkv_features=8, out_features=12),
-    "no_bias": dict(use_bias=False),
-    "layernorm_qk": dict(normalize_qk=True),
+  "mha": dict(),
+  "gqa": dict(num_kv_heads=2),
+  "mqa": dict(num_kv_heads=1),
+  "widths": dict(qkv_features=8, out_features=12),
+  "no_bias": dict(use_bias=False),
+  "layernorm_qk": dict(normalize_qk=True),
 }
 
 
@@ -164,20 +181,25 @@ PARITY_CASES = {
 def test_loads_flax_parameters_and_matches(case):
   kw = PARITY_CASES[case]
   theirs = _flax_mha(**kw)
-  ours = _ours_from(theirs, normalize_qk="layernorm" if kw.get("normalize_qk") else False,
-                    **{k: v for k, v in kw.items() if k == "use_bias"})
+  ours = _ours_from(
+    theirs,
+    normalize_qk="layernorm" if kw.get("normalize_qk") else False,
+    **{k: v for k, v in kw.items() if k == "use_bias"},
+  )
   x = _x()
   assert_close(ours(x), theirs(x))
   assert_close(ours(x, mask=_padding_mask()), theirs(x, mask=_padding_mask()))
   assert jax.tree.structure(nnx.state(ours, nnx.Param)) == jax.tree.structure(
-      nnx.state(theirs, nnx.Param))
+    nnx.state(theirs, nnx.Param)
+  )
 
 
 def _reference(module, x, *, causal=True, positions=None):
   """The module's math written out with its own parameters: project, RoPE, softmax, project."""
   p = nnx.state(module, nnx.Param)
-  proj = lambda name: (jnp.einsum("BTF,FNH->BTNH", x, p[name]["kernel"][...])
-                       + p[name]["bias"][...][None, None])
+  proj = lambda name: (
+    jnp.einsum("BTF,FNH->BTNH", x, p[name]["kernel"][...]) + p[name]["bias"][...][None, None]
+  )
   q, k, v = proj("query"), proj("key"), proj("value")
   if module.rope is not None:
     pos = jnp.arange(x.shape[1]) if positions is None else positions
@@ -193,8 +215,9 @@ def _reference(module, x, *, causal=True, positions=None):
 
 @pytest.mark.parametrize("K", [4, 2, 1])
 def test_rope_gqa_matches_written_out_reference(K):
-  m = jattn.nnx.MultiHeadAttention(4, F, num_kv_heads=K, is_causal=True,
-                                   rope=positional.Rotary(base=100.0), rngs=nnx.Rngs(0))
+  m = jattn.nnx.MultiHeadAttention(
+    4, F, num_kv_heads=K, is_causal=True, rope=positional.Rotary(base=100.0), rngs=nnx.Rngs(0)
+  )
   x = _x()
   assert_close(m(x), _reference(m, x), factor=5)
   positions = jnp.asarray([[3, 4, 5, 6, 7, 8], [0, 2, 4, 6, 8, 10]])
@@ -203,12 +226,25 @@ def test_rope_gqa_matches_written_out_reference(K):
 
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_every_rule_gives_the_same_values_and_parameter_gradients(rule):
-  ref = jattn.nnx.MultiHeadAttention(4, F, num_kv_heads=2, is_causal=True,
-                                     rope=positional.Rotary(), normalize_qk=True,
-                                     rngs=nnx.Rngs(0))
-  m = jattn.nnx.MultiHeadAttention(4, F, num_kv_heads=2, is_causal=True,
-                                   rope=positional.Rotary(), normalize_qk=True,
-                                   rngs=nnx.Rngs(0), **RULES[rule])
+  ref = jattn.nnx.MultiHeadAttention(
+    4,
+    F,
+    num_kv_heads=2,
+    is_causal=True,
+    rope=positional.Rotary(),
+    normalize_qk=True,
+    rngs=nnx.Rngs(0),
+  )
+  m = jattn.nnx.MultiHeadAttention(
+    4,
+    F,
+    num_kv_heads=2,
+    is_causal=True,
+    rope=positional.Rotary(),
+    normalize_qk=True,
+    rngs=nnx.Rngs(0),
+    **RULES[rule],
+  )
   x = _x()
   ids = jnp.asarray([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
   loss = lambda m: jnp.sum(m(x, segment_ids=ids) ** 2)
@@ -234,8 +270,9 @@ def test_rms_qk_norm_changes_the_output_and_has_scales():
 
 
 def test_sow_weights_and_eval_turns_dropout_off():
-  m = jattn.nnx.MultiHeadAttention(4, F, is_causal=True, dropout_rate=0.3,
-                                   rngs=nnx.Rngs(0, dropout=1))
+  m = jattn.nnx.MultiHeadAttention(
+    4, F, is_causal=True, dropout_rate=0.3, rngs=nnx.Rngs(0, dropout=1)
+  )
   x = _x()
   with pytest.raises(ValueError, match="needs deterministic"):
     m(x)
@@ -257,17 +294,18 @@ def test_sow_weights_needs_the_materialised_implementation():
 
 
 def test_unbatched_inputs():
-  m = jattn.nnx.MultiHeadAttention(4, F, is_causal=True, rope=positional.Rotary(),
-                                   rngs=nnx.Rngs(0))
+  m = jattn.nnx.MultiHeadAttention(4, F, is_causal=True, rope=positional.Rotary(), rngs=nnx.Rngs(0))
   x = _x()
   assert_close(m(x[1]), m(x)[1])
 
 
 # --- decoding ----------------------------------------------------------------------------
 
+
 def _decoder(K, **kw):
-  return jattn.nnx.MultiHeadAttention(4, F, num_kv_heads=K, is_causal=True,
-                                      rope=positional.Rotary(), rngs=nnx.Rngs(0), **kw)
+  return jattn.nnx.MultiHeadAttention(
+    4, F, num_kv_heads=K, is_causal=True, rope=positional.Rotary(), rngs=nnx.Rngs(0), **kw
+  )
 
 
 @pytest.mark.parametrize("K", [4, 2, 1])
@@ -279,7 +317,7 @@ def test_prefill_and_decode_equal_full_causal_attention(K, chunks):
   m.init_cache(B, 10)
   outs, start = [], 0
   for n in chunks:
-    outs.append(m(x[:, start:start + n], decode=True))
+    outs.append(m(x[:, start : start + n], decode=True))
     start += n
   assert_close(jnp.concatenate(outs, axis=1), full, factor=5)
   np.testing.assert_array_equal(m.cache.lengths, [T, T])
@@ -299,7 +337,7 @@ def test_ragged_prefill_then_decode_under_nnx_jit():
     steps.append(step(m, tok))
   np.testing.assert_array_equal(m.cache.lengths, lengths + 2)
   for b, n in enumerate(lengths):
-    row = x[b:b + 1, :n + 2]
+    row = x[b : b + 1, : n + 2]
     want = _decoder(2)(row)[0]
     got = jnp.concatenate([prompt[b, :n], steps[0][b], steps[1][b]])
     assert_close(got, want, factor=5)
@@ -320,18 +358,21 @@ def test_decode_overflow_and_missing_cache_raise():
 # --- errors --------------------------------------------------------------------------------
 
 CONSTRUCTOR_ERRORS = [
-    (dict(num_heads=3, num_kv_heads=2), ValueError, r"num_heads \(3\) must be a multiple"),
-    (dict(num_heads=3), ValueError, r"qkv_features \(16\) must be divisible by num_heads"),
-    (dict(num_heads=0), ValueError, "num_heads must be >= 1"),
-    (dict(qkv_features=20, num_heads=2, rope=positional.Rotary(rotary_fraction=0.5)), ValueError,
-     "rope"),
-    (dict(rope="yes"), TypeError, "rope must be a jattn.positional.Rotary"),
-    (dict(normalize_qk="batchnorm"), ValueError, "normalize_qk must be one of"),
-    (dict(implementation="flash"), ValueError, "implementation must be one of"),
-    (dict(implementation="blockwise", backward="autodiff"), ValueError, "does not support"),
-    (dict(implementation="xla", block_q=8), ValueError, "block_q and block_kv apply only"),
-    (dict(dropout_rate=1.0), ValueError, r"dropout_rate must be in \[0, 1\)"),
-    (dict(is_causal="yes"), TypeError, "is_causal must be a bool"),
+  (dict(num_heads=3, num_kv_heads=2), ValueError, r"num_heads \(3\) must be a multiple"),
+  (dict(num_heads=3), ValueError, r"qkv_features \(16\) must be divisible by num_heads"),
+  (dict(num_heads=0), ValueError, "num_heads must be >= 1"),
+  (
+    dict(qkv_features=20, num_heads=2, rope=positional.Rotary(rotary_fraction=0.5)),
+    ValueError,
+    "rope",
+  ),
+  (dict(rope="yes"), TypeError, "rope must be a jattn.positional.Rotary"),
+  (dict(normalize_qk="batchnorm"), ValueError, "normalize_qk must be one of"),
+  (dict(implementation="flash"), ValueError, "implementation must be one of"),
+  (dict(implementation="blockwise", backward="autodiff"), ValueError, "does not support"),
+  (dict(implementation="xla", block_q=8), ValueError, "block_q and block_kv apply only"),
+  (dict(dropout_rate=1.0), ValueError, r"dropout_rate must be in \[0, 1\)"),
+  (dict(is_causal="yes"), TypeError, "is_causal must be a bool"),
 ]
 
 
@@ -348,18 +389,24 @@ def test_unknown_rope_scaling_is_rejected_at_construction():
 
 
 CALL_ERRORS = [
-    (dict(inputs_q=np.zeros((2, 3, 4, F), np.float32)), ValueError, r"\(B, T, F\) or \(T, F\)"),
-    (dict(inputs_q=np.zeros((2, 3, F + 1), np.float32)), ValueError, "16 features"),
-    (dict(inputs_kv=np.zeros((3, 3, F), np.float32)), ValueError, "same batch size"),
-    (dict(num_new=np.array([1, 1])), ValueError, "num_new applies only with decode=True"),
-    (dict(decode=True, inputs_kv=np.zeros((2, 3, F), np.float32)), ValueError,
-     "decode=True does not take inputs_kv"),
-    (dict(positions=np.arange(3)), ValueError, "positions are used only by rope"),
-    (dict(sow_weights=1), TypeError, "sow_weights must be a bool"),
-    (dict(decode=True, cache_dtype=jnp.bfloat16), TypeError,
-     r"the KV cache holds bfloat16 keys and values \(init_cache's dtype\), but this module "
-     r"computes them in float32 \(module dtype=None, param_dtype=float32, inputs float32\); "
-     r"call init_cache\(batch_size, max_length, dtype=float32\)"),
+  (dict(inputs_q=np.zeros((2, 3, 4, F), np.float32)), ValueError, r"\(B, T, F\) or \(T, F\)"),
+  (dict(inputs_q=np.zeros((2, 3, F + 1), np.float32)), ValueError, "16 features"),
+  (dict(inputs_kv=np.zeros((3, 3, F), np.float32)), ValueError, "same batch size"),
+  (dict(num_new=np.array([1, 1])), ValueError, "num_new applies only with decode=True"),
+  (
+    dict(decode=True, inputs_kv=np.zeros((2, 3, F), np.float32)),
+    ValueError,
+    "decode=True does not take inputs_kv",
+  ),
+  (dict(positions=np.arange(3)), ValueError, "positions are used only by rope"),
+  (dict(sow_weights=1), TypeError, "sow_weights must be a bool"),
+  (
+    dict(decode=True, cache_dtype=jnp.bfloat16),
+    TypeError,
+    r"the KV cache holds bfloat16 keys and values \(init_cache's dtype\), but this module "
+    r"computes them in float32 \(module dtype=None, param_dtype=float32, inputs float32\); "
+    r"call init_cache\(batch_size, max_length, dtype=float32\)",
+  ),
 ]
 
 

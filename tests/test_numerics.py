@@ -4,12 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import RULES, assert_close, attention_jnp, attention_np, normal
 
 import jattn
 from jattn import masks
-from reference import RULES, assert_close, attention_jnp, attention_np, normal
 
 B, T, S, N, K, H = 2, 6, 4, 2, 1, 4
+
 
 # Masks that leave at least one query row with nothing to attend to, as (kwargs, empty rows)
 # where empty rows is a (B, T) bool array.
@@ -21,32 +22,39 @@ def _rows(*pairs):
 
 
 EMPTYING = {
-    "causal_offset": (dict(mask=masks.causal(-2)), _rows((0, 0), (0, 1), (1, 0), (1, 1))),
-    "window_past_keys": (dict(local_window_size=(0, 0)), _rows((0, 4), (0, 5), (1, 4), (1, 5))),
-    "chunked_past_keys": (dict(mask=masks.chunked(4)), _rows((0, 4), (0, 5), (1, 4), (1, 5))),
-    "strided": (dict(mask=masks.strided(5) & masks.causal()), _rows((0, 4), (1, 4))),
-    "strided_short_keys": (dict(mask=masks.strided(8)), _rows((0, 4), (0, 5), (1, 4), (1, 5))),
-    "global_zero": (dict(mask=masks.global_tokens(0)), np.ones((B, T), bool)),
-    "kv_lengths_zero": (dict(key_value_seq_lengths=jnp.array([0, 4], jnp.int32)),
-                        _rows(*[(0, t) for t in range(T)])),
-    "q_lengths": (dict(query_seq_lengths=jnp.array([6, 2], jnp.int32)),
-                  _rows(*[(1, t) for t in range(2, T)])),
-    "segments": (dict(segment_ids=(np.array([[0, 0, 1, 1, 2, 2]] * 2),
-                                   np.array([[0, 0, 1, 1], [1, 1, 1, 1]]))),
-                 _rows((0, 4), (0, 5), (1, 0), (1, 1), (1, 4), (1, 5))),
-    "array_row": (dict(mask=np.array([[True] * S] * (T - 1) + [[False] * S])),
-                  _rows((0, 5), (1, 5))),
-    "fn": (dict(mask=masks.from_fn(lambda b, h, q, kv: (q != 3) & (kv >= b))), _rows((0, 3),
-                                                                                     (1, 3))),
-    "bias_and_cap": (dict(mask=masks.causal(-5), bias=normal((1, N, T, S)) * 1e3,
-                          logits_soft_cap=5.0), _rows(*[(b, t) for b in range(B)
-                                                        for t in range(5)])),
+  "causal_offset": (dict(mask=masks.causal(-2)), _rows((0, 0), (0, 1), (1, 0), (1, 1))),
+  "window_past_keys": (dict(local_window_size=(0, 0)), _rows((0, 4), (0, 5), (1, 4), (1, 5))),
+  "chunked_past_keys": (dict(mask=masks.chunked(4)), _rows((0, 4), (0, 5), (1, 4), (1, 5))),
+  "strided": (dict(mask=masks.strided(5) & masks.causal()), _rows((0, 4), (1, 4))),
+  "strided_short_keys": (dict(mask=masks.strided(8)), _rows((0, 4), (0, 5), (1, 4), (1, 5))),
+  "global_zero": (dict(mask=masks.global_tokens(0)), np.ones((B, T), bool)),
+  "kv_lengths_zero": (
+    dict(key_value_seq_lengths=jnp.array([0, 4], jnp.int32)),
+    _rows(*[(0, t) for t in range(T)]),
+  ),
+  "q_lengths": (
+    dict(query_seq_lengths=jnp.array([6, 2], jnp.int32)),
+    _rows(*[(1, t) for t in range(2, T)]),
+  ),
+  "segments": (
+    dict(segment_ids=(np.array([[0, 0, 1, 1, 2, 2]] * 2), np.array([[0, 0, 1, 1], [1, 1, 1, 1]]))),
+    _rows((0, 4), (0, 5), (1, 0), (1, 1), (1, 4), (1, 5)),
+  ),
+  "array_row": (dict(mask=np.array([[True] * S] * (T - 1) + [[False] * S])), _rows((0, 5), (1, 5))),
+  "fn": (dict(mask=masks.from_fn(lambda b, h, q, kv: (q != 3) & (kv >= b))), _rows((0, 3), (1, 3))),
+  "bias_and_cap": (
+    dict(mask=masks.causal(-5), bias=normal((1, N, T, S)) * 1e3, logits_soft_cap=5.0),
+    _rows(*[(b, t) for b in range(B) for t in range(5)]),
+  ),
 }
 
 
 def _qkv(dtype=jnp.float32):
-  return (normal((B, T, N, H), dtype), normal((B, S, K, H), dtype, 1),
-          normal((B, S, K, H), dtype, 2))
+  return (
+    normal((B, T, N, H), dtype),
+    normal((B, S, K, H), dtype, 1),
+    normal((B, S, K, H), dtype, 2),
+  )
 
 
 @pytest.mark.parametrize("backward", ["autodiff", "custom_vjp"])
@@ -75,9 +83,15 @@ def test_empty_rows_give_zeros_and_no_nan_or_inf(kind, backward):
 def test_keys_that_no_query_sees_get_zero_gradient():
   q, k, v = _qkv()
   for backward in ("autodiff", "custom_vjp"):
-    dk, dv = jax.grad(lambda k, v: jnp.sum(jattn.dot_product_attention(
-        q, k, v, key_value_seq_lengths=jnp.array([2, 3], jnp.int32), backward=backward) ** 2),
-                      (0, 1))(k, v)
+    dk, dv = jax.grad(
+      lambda k, v: jnp.sum(
+        jattn.dot_product_attention(
+          q, k, v, key_value_seq_lengths=jnp.array([2, 3], jnp.int32), backward=backward
+        )
+        ** 2
+      ),
+      (0, 1),
+    )(k, v)
     np.testing.assert_array_equal(np.asarray(dk)[0, 2:], 0.0)
     np.testing.assert_array_equal(np.asarray(dv)[1, 3:], 0.0)
 
@@ -85,8 +99,11 @@ def test_keys_that_no_query_sees_get_zero_gradient():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 def test_low_precision_keeps_statistics_in_float32(dtype):
   """A softmax over many keys: sums of 2048 small weights would stall in 16-bit floats."""
-  q, k, v = (normal((1, 4, 2, 8), dtype), normal((1, 2048, 2, 8), dtype, 1),
-             normal((1, 2048, 2, 8), dtype, 2))
+  q, k, v = (
+    normal((1, 4, 2, 8), dtype),
+    normal((1, 2048, 2, 8), dtype, 1),
+    normal((1, 2048, 2, 8), dtype, 2),
+  )
   out, lse = jattn.dot_product_attention(q, k, v, return_residual=True)
   assert out.dtype == dtype and lse.dtype == dtype
   want, want_lse = attention_np(q, k, v)  # float64 on the same rounded inputs
@@ -104,8 +121,9 @@ def test_large_logits_do_not_overflow():
 def test_float64_is_kept(x64):
   q, k, v = _qkv(jnp.float64)
   for backward in ("autodiff", "custom_vjp"):
-    out, lse = jattn.dot_product_attention(q, k, v, is_causal=True, return_residual=True,
-                                           backward=backward)
+    out, lse = jattn.dot_product_attention(
+      q, k, v, is_causal=True, return_residual=True, backward=backward
+    )
     assert out.dtype == jnp.float64 and lse.dtype == jnp.float64
     want, want_lse = attention_np(q, k, v, allowed=np.tril(np.ones((T, S), bool)))
     np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
@@ -136,13 +154,16 @@ def _vjp(fn, args, cotangent):
 
 
 def _max_err(got, want):
-  return max(float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64))))
-             for g, w in zip(got, want))
+  return max(
+    float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64))))
+    for g, w in zip(got, want)
+  )
 
 
 @pytest.mark.parametrize("rule", list(RULES))
-@pytest.mark.parametrize("value", [-1e9, -1e30, float(np.finfo(np.float32).min)],
-                         ids=["1e9", "1e30", "f32min"])
+@pytest.mark.parametrize(
+  "value", [-1e9, -1e30, float(np.finfo(np.float32).min)], ids=["1e9", "1e30", "f32min"]
+)
 def test_huge_additive_mask_on_a_row_keeps_jax_nn_gradients(rule, value):
   """A row biased by -1e9 everywhere is still a softmax (uniform, as in jax.nn), and its
   gradients are jax.nn's: the rules recompute exp(s - m) / l from the row's max and sum kept
@@ -159,8 +180,9 @@ def test_huge_additive_mask_on_a_row_keeps_jax_nn_gradients(rule, value):
     assert np.all(np.isfinite(g))
     assert_close(g, w, factor=5)
   # The row attends uniformly, as in jax.nn and the float64 formula.
-  np.testing.assert_allclose(got[0][0, 3, 0], np.mean(np.asarray(v)[0, :, 0], axis=0),
-                             rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(
+    got[0][0, 3, 0], np.mean(np.asarray(v)[0, :, 0], axis=0), rtol=1e-6, atol=1e-6
+  )
 
 
 @pytest.mark.parametrize("rule", list(RULES))
@@ -205,10 +227,12 @@ def test_saturated_softmax_gradients_no_worse_than_jax_nn(case, dtype, rule):
   kw = dict(scale=1e3) if case == "scale1e3" else {}
   args = [normal(shape, seed=i) * mult for i in range(3)]
   ct = normal(shape, seed=3)
-  ref, slack = _low_precision_errors(lambda *a: jax.nn.dot_product_attention(*a, **kw), args,
-                                     ct, dtype)
-  got, _ = _low_precision_errors(lambda *a: jattn.dot_product_attention(*a, **kw, **RULES[rule]),
-                                 args, ct, dtype)
+  ref, slack = _low_precision_errors(
+    lambda *a: jax.nn.dot_product_attention(*a, **kw), args, ct, dtype
+  )
+  got, _ = _low_precision_errors(
+    lambda *a: jattn.dot_product_attention(*a, **kw, **RULES[rule]), args, ct, dtype
+  )
   gap = SATURATION_GAPS.get((case, np.dtype(dtype).name, rule), ())
   for name, g, r, tol in zip(("out", "dq", "dk", "dv"), got, ref, slack):
     if name in gap:
@@ -228,10 +252,13 @@ def test_saturated_softmax_gradients_no_worse_than_jax_nn(case, dtype, rule):
 # jax.nn does and meets the target except in float16 at x20, where its dq is 1.8x jax.nn's
 # against this float32 reference (experiments/accuracy.py, against float64, has it within).
 SATURATION_GAPS = {
-    ("x100", "float16", "custom_vjp"): ("dq", "dk"),
-    ("x100", "float16", "blockwise"): ("dq",),
-    **{("scale1e3", d, r): ("dq", "dk") for d in ("bfloat16", "float16")
-       for r in ("autodiff", "custom_vjp")},
+  ("x100", "float16", "custom_vjp"): ("dq", "dk"),
+  ("x100", "float16", "blockwise"): ("dq",),
+  **{
+    ("scale1e3", d, r): ("dq", "dk")
+    for d in ("bfloat16", "float16")
+    for r in ("autodiff", "custom_vjp")
+  },
 }
 
 
@@ -249,10 +276,10 @@ def test_bias_rows_are_continuous_down_to_float32_min(rule):
     np.testing.assert_allclose(out[0, 2, 0], mean_v, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(lse[0, 2, 0], value + np.log(6), rtol=1e-6)
   bias = jnp.zeros((1, 1, 6, 6)).at[0, 0, 2].set(-jnp.inf)
-  f = lambda q, k, v, b: jattn.dot_product_attention(q, k, v, b, return_residual=True,
-                                                     **RULES[rule])
-  (out, lse), grads = _vjp(f, (q, k, v, bias), (normal((1, 6, 1, 4), seed=3),
-                                                jnp.ones((1, 6, 1))))
+  f = lambda q, k, v, b: jattn.dot_product_attention(
+    q, k, v, b, return_residual=True, **RULES[rule]
+  )
+  (out, lse), grads = _vjp(f, (q, k, v, bias), (normal((1, 6, 1, 4), seed=3), jnp.ones((1, 6, 1))))
   np.testing.assert_array_equal(out[0, 2], 0.0)
   assert lse[0, 2, 0] == -np.inf
   np.testing.assert_array_equal(grads[0][0, 2], 0.0)

@@ -14,18 +14,27 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from reference import (
+  assert_close,
+  attention_jnp,
+  attention_np,
+  causal_np,
+  lengths_np,
+  normal,
+  segments_np,
+  window_np,
+)
 
 import jattn
 from jattn import masks, parallel
-from reference import (assert_close, attention_jnp, attention_np, causal_np, lengths_np,
-                       normal, segments_np, window_np)
 
-pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,
-                                reason="needs 8 devices (tests/conftest.py simulates them)")
+pytestmark = pytest.mark.skipif(
+  len(jax.devices()) < 8, reason="needs 8 devices (tests/conftest.py simulates them)"
+)
 
 
 def _mesh(shape, names):
-  return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+  return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
 
 
 RING = _mesh((8,), ("sp",))
@@ -35,8 +44,11 @@ B, T, N, K, H = 2, 32, 4, 2, 8  # shards of 4 rows on 8 devices; zig-zag chunks 
 
 
 def _inputs(dtype=np.float64, T=T, S=T, seed=0):
-  return (normal((B, T, N, H), dtype, seed), normal((B, S, K, H), dtype, seed + 1),
-          normal((B, S, K, H), dtype, seed + 2))
+  return (
+    normal((B, T, N, H), dtype, seed),
+    normal((B, S, K, H), dtype, seed + 1),
+    normal((B, S, K, H), dtype, seed + 2),
+  )
 
 
 def _ring(q, k, v, *, layout, mesh=RING, **kwargs):
@@ -66,19 +78,24 @@ def _check(q, k, v, allowed, *, layout, mesh=RING, ref_kwargs=None, **kwargs):
     def f(q, k, v):
       o, l = attend(q, k, v)
       return jnp.sum(o * w_out) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0) * w_lse)
+
     return f
 
-  grads = jax.grad(loss(lambda *a: _ring(*a, layout=layout, mesh=mesh, return_residual=True,
-                                         **kwargs)), argnums=(0, 1, 2))(q, k, v)
-  want_grads = jax.grad(loss(lambda *a: attention_jnp(*a, allowed=allowed, **ref_kwargs)),
-                        argnums=(0, 1, 2))(q, k, v)
+  grads = jax.grad(
+    loss(lambda *a: _ring(*a, layout=layout, mesh=mesh, return_residual=True, **kwargs)),
+    argnums=(0, 1, 2),
+  )(q, k, v)
+  want_grads = jax.grad(
+    loss(lambda *a: attention_jnp(*a, allowed=allowed, **ref_kwargs)), argnums=(0, 1, 2)
+  )(q, k, v)
   for g, w in zip(grads, want_grads):
     assert_close(g, w, np.float64)
 
 
 # Without a mask the layout only permutes rows, so one non-causal case is enough.
-@pytest.mark.parametrize("layout, is_causal", [
-    ("contiguous", False), *((layout, True) for layout in parallel.LAYOUTS)])
+@pytest.mark.parametrize(
+  "layout, is_causal", [("contiguous", False), *((layout, True) for layout in parallel.LAYOUTS)]
+)
 def test_ring_matches_formula(x64, layout, is_causal):
   # GQA (N=4 on K=2); tiles of 3 x 5 do not divide the 4-row shards.
   q, k, v = _inputs()
@@ -92,8 +109,17 @@ def test_ring_segment_ids_travel_with_their_shard(x64):
   q, k, v = _inputs()
   ids = np.stack([np.repeat(np.arange(4), [5, 11, 9, 7]), np.repeat(np.arange(2), [20, 12])])
   permuted = parallel.permute(ids, "zigzag", 8)
-  _check(q, k, v, segments_np(ids, ids) & causal_np(T, T), layout="zigzag", is_causal=True,
-         segment_ids=permuted, block_q=2, block_kv=2)
+  _check(
+    q,
+    k,
+    v,
+    segments_np(ids, ids) & causal_np(T, T),
+    layout="zigzag",
+    is_causal=True,
+    segment_ids=permuted,
+    block_q=2,
+    block_kv=2,
+  )
 
 
 def test_ring_masks_and_lengths_with_batch_and_head_sharding(x64):
@@ -103,12 +129,26 @@ def test_ring_masks_and_lengths_with_batch_and_head_sharding(x64):
   layout = np.random.default_rng(0).random((N, T // 4, T // 4)) < 0.6
   mask = masks.sliding_window(9, 2) & masks.block_sparse(layout, 4)
   q_lens, kv_lens = np.array([32, 21]), np.array([0, 27])  # row 0 attends to nothing
-  allowed = (window_np(T, T, 9, 2)[None, None]
-             & np.asarray(masks.block_sparse(layout, 4).materialize(T, T))
-             & lengths_np(T, T, q_lens, kv_lens))
-  _check(q, k, v, allowed, layout="striped", mesh=GRID, mask=mask, query_seq_lengths=q_lens,
-         key_value_seq_lengths=kv_lens, batch_axis="dp", head_axis="tp", block_q=4,
-         block_kv=4)
+  allowed = (
+    window_np(T, T, 9, 2)[None, None]
+    & np.asarray(masks.block_sparse(layout, 4).materialize(T, T))
+    & lengths_np(T, T, q_lens, kv_lens)
+  )
+  _check(
+    q,
+    k,
+    v,
+    allowed,
+    layout="striped",
+    mesh=GRID,
+    mask=mask,
+    query_seq_lengths=q_lens,
+    key_value_seq_lengths=kv_lens,
+    batch_axis="dp",
+    head_axis="tp",
+    block_q=4,
+    block_kv=4,
+  )
 
 
 def test_ring_cross_attention_soft_cap_and_scale(x64):
@@ -120,16 +160,27 @@ def test_ring_cross_attention_soft_cap_and_scale(x64):
     tanh = np.tanh if isinstance(s, np.ndarray) else jnp.tanh
     return cap * tanh(s / cap)
 
-  _check(q, k, v, window_np(T, 16, 3, 3), layout="contiguous", local_window_size=3,
-         logits_soft_cap=cap, scale=scale, ref_kwargs=dict(score=score, scale=scale))
+  _check(
+    q,
+    k,
+    v,
+    window_np(T, 16, 3, 3),
+    layout="contiguous",
+    local_window_size=3,
+    logits_soft_cap=cap,
+    scale=scale,
+    ref_kwargs=dict(score=score, scale=scale),
+  )
 
 
 def test_ring_check_grads(x64):
   q, k, v = _inputs(T=16)
   mesh = _mesh((4,), ("sp",))
-  f = jax.jit(lambda q, k, v: parallel.ring_attention(
-      q, k, v, mesh=mesh, axis_name="sp", is_causal=True, layout="zigzag", block_q=1,
-      block_kv=2))
+  f = jax.jit(
+    lambda q, k, v: parallel.ring_attention(
+      q, k, v, mesh=mesh, axis_name="sp", is_causal=True, layout="zigzag", block_q=1, block_kv=2
+    )
+  )
   jax.test_util.check_grads(f, (q, k, v), order=1, modes=["rev"])
 
 
@@ -137,8 +188,11 @@ def test_ring_float32_fully_masked_rows_are_zero_and_finite():
   q, k, v = _inputs(np.float32)
   ids = np.stack([np.repeat([0, 1], 16), np.repeat([0, 1], 16)])
   kv_ids = np.where(ids == 1, 2, ids)  # queries of segment 1 find no key
-  f = jax.jit(lambda q, k, v: parallel.ring_attention(
-      q, k, v, mesh=RING, axis_name="sp", segment_ids=(ids, kv_ids), block_q=2, block_kv=2))
+  f = jax.jit(
+    lambda q, k, v: parallel.ring_attention(
+      q, k, v, mesh=RING, axis_name="sp", segment_ids=(ids, kv_ids), block_q=2, block_kv=2
+    )
+  )
   out = f(q, k, v)
   want, _ = attention_np(q, k, v, allowed=segments_np(ids, kv_ids))
   assert_close(out, want, np.float32)
@@ -152,16 +206,19 @@ def test_ring_bfloat16_and_inputs_stay_sharded():
   q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _inputs(np.float32))
   sharding = NamedSharding(RING, P(None, "sp", None, None))
   q, k, v = (jax.device_put(x, sharding) for x in (q, k, v))
-  f = jax.jit(lambda q, k, v: parallel.ring_attention(q, k, v, mesh=RING, axis_name="sp",
-                                                      is_causal=True))
+  f = jax.jit(
+    lambda q, k, v: parallel.ring_attention(q, k, v, mesh=RING, axis_name="sp", is_causal=True)
+  )
   out = f(q, k, v)
   assert out.dtype == jnp.bfloat16 and out.sharding.is_equivalent_to(sharding, 4)
-  want, _ = attention_np(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
-                         allowed=causal_np(T, T))
+  want, _ = attention_np(
+    q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), allowed=causal_np(T, T)
+  )
   assert_close(out, want, jnp.bfloat16)
   # The step is a ring: K/V move by collective permutes and nothing is gathered.
-  step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)),
-                          argnums=(0, 1, 2)))
+  step = jax.jit(
+    jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+  )
   hlo = step.lower(q, k, v).compile().as_text()
   assert "collective-permute" in hlo
   assert not re.search(r"all-gather|all-to-all", hlo)
@@ -184,52 +241,106 @@ def test_layout_positions_and_permutations():
     assert sums.max() - sums.min() <= (0 if layout == "zigzag" else 56)
 
 
-@pytest.mark.parametrize("call, error, match", [
-    (lambda q, k, v: parallel.ring_attention(q, k, v, mesh=RING, axis_name="seq"),
-     ValueError, r"axis_name='seq': unknown mesh axis 'seq'; the mesh has axes \('sp',\)"),
-    (lambda q, k, v: parallel.ring_attention(q[:, :12], k[:, :12], v[:, :12], mesh=RING,
-                                             axis_name="sp"),
-     ValueError, "query length T must be divisible by the number of shards: 12 does not "
-                 "split into 8 devices"),
-    (lambda q, k, v: parallel.ring_attention(q[:, :24], k[:, :24], v[:, :24], mesh=RING,
-                                             axis_name="sp", layout="zigzag"),
-     ValueError, "24 does not split into 2 x 8 zig-zag chunks"),
-    (lambda q, k, v: parallel.ring_attention(q, k[:, :20], v[:, :20], mesh=RING,
-                                             axis_name="sp"),
-     ValueError, "key/value length S must be divisible"),
-    (lambda q, k, v: parallel.ring_attention(q, k, v, mesh=RING, axis_name="sp",
-                                             layout="spiral"),
-     ValueError, "layout must be one of"),
-    (lambda q, k, v: parallel.ring_attention(q, k, v, mesh=GRID, axis_name="sp",
-                                             batch_axis="sp"),
-     ValueError, "must name different mesh axes"),
-    (lambda q, k, v: parallel.ring_attention(q[:1], k[:1], v[:1], mesh=GRID, axis_name="sp",
-                                             batch_axis="dp"),
-     ValueError, r"batch size B \(1\) must be divisible by the 2 devices of mesh axes \('dp',\)"),
-    (lambda q, k, v: parallel.ring_attention(q, k[:, :, :1], v[:, :, :1], mesh=GRID,
-                                             axis_name="sp", head_axis="tp"),
-     ValueError, r"number of key/value heads K \(1\) must be divisible"),
-    (lambda q, k, v: parallel.ring_attention(q, k, v, mesh="mesh", axis_name="sp"),
-     TypeError, "mesh must be a jax.sharding.Mesh, got str"),
-    (lambda q, k, v: parallel.ring_attention(q, k, v, mesh=RING, axis_name="sp",
-                                             mask=np.ones((T, T), bool)),
-     TypeError, "ring_attention takes mask as a jattn.masks.Mask"),
-    (lambda q, k, v: parallel.ring_attention(q[0], k[0], v[0], mesh=RING, axis_name="sp"),
-     ValueError, r"needs batched inputs: query \(B, T, N, H\)"),
-    (lambda q, k, v: parallel.ring_attention(q, k.astype(jnp.float16), v, mesh=RING,
-                                             axis_name="sp"),
-     TypeError, "query, key and value must have the same dtype"),
-    (lambda q, k, v: parallel.ring_attention(q, k, v, mesh=RING, axis_name="sp",
-                                             segment_ids=np.zeros((B, 8), np.int32)),
-     ValueError, "segment_ids"),
-    (lambda q, k, v: parallel.ring_attention(q, k, v, mesh=RING, axis_name="sp", block_q=0),
-     ValueError, "block_q must be >= 1"),
-    (lambda q, k, v: parallel.permute(q, "zigzag", 3),
-     ValueError, "length must be divisible by the number of shards: 32 does not split into "
-                 "2 x 3 zig-zag chunks"),
-    (lambda q, k, v: parallel.permute(q, "zigzag", 2, axis=4),
-     ValueError, "axis 4 is out of range"),
-])
+@pytest.mark.parametrize(
+  "call, error, match",
+  [
+    (
+      lambda q, k, v: parallel.ring_attention(q, k, v, mesh=RING, axis_name="seq"),
+      ValueError,
+      r"axis_name='seq': unknown mesh axis 'seq'; the mesh has axes \('sp',\)",
+    ),
+    (
+      lambda q, k, v: parallel.ring_attention(
+        q[:, :12], k[:, :12], v[:, :12], mesh=RING, axis_name="sp"
+      ),
+      ValueError,
+      "query length T must be divisible by the number of shards: 12 does not split into 8 devices",
+    ),
+    (
+      lambda q, k, v: parallel.ring_attention(
+        q[:, :24], k[:, :24], v[:, :24], mesh=RING, axis_name="sp", layout="zigzag"
+      ),
+      ValueError,
+      "24 does not split into 2 x 8 zig-zag chunks",
+    ),
+    (
+      lambda q, k, v: parallel.ring_attention(q, k[:, :20], v[:, :20], mesh=RING, axis_name="sp"),
+      ValueError,
+      "key/value length S must be divisible",
+    ),
+    (
+      lambda q, k, v: parallel.ring_attention(q, k, v, mesh=RING, axis_name="sp", layout="spiral"),
+      ValueError,
+      "layout must be one of",
+    ),
+    (
+      lambda q, k, v: parallel.ring_attention(q, k, v, mesh=GRID, axis_name="sp", batch_axis="sp"),
+      ValueError,
+      "must name different mesh axes",
+    ),
+    (
+      lambda q, k, v: parallel.ring_attention(
+        q[:1], k[:1], v[:1], mesh=GRID, axis_name="sp", batch_axis="dp"
+      ),
+      ValueError,
+      r"batch size B \(1\) must be divisible by the 2 devices of mesh axes \('dp',\)",
+    ),
+    (
+      lambda q, k, v: parallel.ring_attention(
+        q, k[:, :, :1], v[:, :, :1], mesh=GRID, axis_name="sp", head_axis="tp"
+      ),
+      ValueError,
+      r"number of key/value heads K \(1\) must be divisible",
+    ),
+    (
+      lambda q, k, v: parallel.ring_attention(q, k, v, mesh="mesh", axis_name="sp"),
+      TypeError,
+      "mesh must be a jax.sharding.Mesh, got str",
+    ),
+    (
+      lambda q, k, v: parallel.ring_attention(
+        q, k, v, mesh=RING, axis_name="sp", mask=np.ones((T, T), bool)
+      ),
+      TypeError,
+      "ring_attention takes mask as a jattn.masks.Mask",
+    ),
+    (
+      lambda q, k, v: parallel.ring_attention(q[0], k[0], v[0], mesh=RING, axis_name="sp"),
+      ValueError,
+      r"needs batched inputs: query \(B, T, N, H\)",
+    ),
+    (
+      lambda q, k, v: parallel.ring_attention(
+        q, k.astype(jnp.float16), v, mesh=RING, axis_name="sp"
+      ),
+      TypeError,
+      "query, key and value must have the same dtype",
+    ),
+    (
+      lambda q, k, v: parallel.ring_attention(
+        q, k, v, mesh=RING, axis_name="sp", segment_ids=np.zeros((B, 8), np.int32)
+      ),
+      ValueError,
+      "segment_ids",
+    ),
+    (
+      lambda q, k, v: parallel.ring_attention(q, k, v, mesh=RING, axis_name="sp", block_q=0),
+      ValueError,
+      "block_q must be >= 1",
+    ),
+    (
+      lambda q, k, v: parallel.permute(q, "zigzag", 3),
+      ValueError,
+      "length must be divisible by the number of shards: 32 does not split into "
+      "2 x 3 zig-zag chunks",
+    ),
+    (
+      lambda q, k, v: parallel.permute(q, "zigzag", 2, axis=4),
+      ValueError,
+      "axis 4 is out of range",
+    ),
+  ],
+)
 def test_errors(call, error, match):
   q, k, v = _inputs(np.float32)
   with pytest.raises(error, match=match):
@@ -254,8 +365,9 @@ def test_dot_product_attention_on_batch_and_head_sharded_inputs(implementation):
   blocks = dict(block_q=8, block_kv=8) if implementation == "blockwise" else {}
 
   def attend(q, k, v, ids):
-    return jattn.dot_product_attention(q, k, v, segment_ids=ids, is_causal=True,
-                                       implementation=implementation, **blocks)
+    return jattn.dot_product_attention(
+      q, k, v, segment_ids=ids, is_causal=True, implementation=implementation, **blocks
+    )
 
   def loss(q, k, v, ids):
     return jnp.sum(attend(q, k, v, ids) ** 2)
@@ -267,8 +379,7 @@ def test_dot_product_attention_on_batch_and_head_sharded_inputs(implementation):
       if re.search(COLLECTIVE + r"\(", line):
         # Blockwise agrees on one tile schedule for the whole batch: an all-reduce of the
         # (tiles x tiles) int8 tile classes. Nothing else may cross devices.
-        assert implementation == "blockwise" and re.search(r"= s8\[3,3\]\S* all-reduce", line), \
-            line
+        assert implementation == "blockwise" and re.search(r"= s8\[3,3\]\S* all-reduce", line), line
   out = fwd(q, k, v, ids)
   assert out.sharding.is_equivalent_to(sharding, 4)
   want, _ = attention_np(q, k, v, allowed=segments_np(ids, ids) & causal_np(24, 24))

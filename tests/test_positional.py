@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from reference import assert_close, attention_np, normal
 
 import jattn
 from jattn import positional, scores
-from reference import assert_close, attention_np, normal
 
 B, T, N, H = 2, 6, 3, 8
 Scaling = positional.RopeScaling
@@ -56,8 +56,10 @@ def llama3_np(R, base, factor, low_freq_factor, high_freq_factor, old_context_le
 def yarn_np(R, base, factor, L, beta_fast, beta_slow, truncate):
   """YaRN NTK-by-parts as in jquesnelle/yarn: a ramp in the pair index between the
   pairs that turn beta_fast and beta_slow times over L positions."""
+
   def pair_index(rotations):  # solve L / (2π base^(2i/R)) = rotations for i
     return R * math.log(L / (2 * math.pi * rotations)) / (2 * math.log(base))
+
   lo, hi = pair_index(beta_fast), pair_index(beta_slow)
   if truncate:
     lo, hi = math.floor(lo), math.ceil(hi)
@@ -79,11 +81,13 @@ def scaled_np(R, base, s):
   if s.kind == "ntk":
     return inv_freq_np(R, base * s.factor ** (R / (R - 2))), 1.0
   if s.kind == "llama3":
-    return llama3_np(R, base, s.factor, s.low_freq_factor, s.high_freq_factor,
-                     s.original_max_position), 1.0
+    return llama3_np(
+      R, base, s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position
+    ), 1.0
   mscale = s.attention_factor or 0.1 * math.log(s.factor) + 1
-  return yarn_np(R, base, s.factor, s.original_max_position, s.beta_fast, s.beta_slow,
-                 s.truncate), mscale
+  return yarn_np(
+    R, base, s.factor, s.original_max_position, s.beta_fast, s.beta_slow, s.truncate
+  ), mscale
 
 
 def rope_np(x, positions, *, base=10_000.0, rotary_fraction=1.0, scaling=None):
@@ -106,26 +110,37 @@ def rope_np(x, positions, *, base=10_000.0, rotary_fraction=1.0, scaling=None):
 
 def alibi_slopes_reference(n):
   """``get_slopes`` from ofirpress/attention_with_linear_biases, transcribed."""
+
   def get_slopes_power_of_2(n):
-    start = 2 ** (-2 ** -(math.log2(n) - 3))
+    start = 2 ** (-(2 ** -(math.log2(n) - 3)))
     ratio = start
-    return [start * ratio ** i for i in range(n)]
+    return [start * ratio**i for i in range(n)]
+
   if math.log2(n).is_integer():
     return get_slopes_power_of_2(n)
   closest_power_of_2 = 2 ** math.floor(math.log2(n))
-  return (get_slopes_power_of_2(closest_power_of_2)
-          + alibi_slopes_reference(2 * closest_power_of_2)[0::2][:n - closest_power_of_2])
+  return (
+    get_slopes_power_of_2(closest_power_of_2)
+    + alibi_slopes_reference(2 * closest_power_of_2)[0::2][: n - closest_power_of_2]
+  )
 
 
 SCALINGS = [
-    None,
-    Scaling("linear", 4.0),
-    Scaling("ntk", 8.0),
-    Scaling("llama3", 8.0),  # H=8, base 1e4: every wavelength is short, pairs unchanged
-    Scaling("llama3", 4.0, original_max_position=64, low_freq_factor=1.0, high_freq_factor=8.0),
-    Scaling("yarn", 4.0, original_max_position=64),
-    Scaling("yarn", 16.0, original_max_position=256, beta_fast=8.0, beta_slow=2.0,
-            truncate=False, attention_factor=1.25),
+  None,
+  Scaling("linear", 4.0),
+  Scaling("ntk", 8.0),
+  Scaling("llama3", 8.0),  # H=8, base 1e4: every wavelength is short, pairs unchanged
+  Scaling("llama3", 4.0, original_max_position=64, low_freq_factor=1.0, high_freq_factor=8.0),
+  Scaling("yarn", 4.0, original_max_position=64),
+  Scaling(
+    "yarn",
+    16.0,
+    original_max_position=256,
+    beta_fast=8.0,
+    beta_slow=2.0,
+    truncate=False,
+    attention_factor=1.25,
+  ),
 ]
 SCALING_IDS = ["none", "linear", "ntk", "llama3_default", "llama3_bands", "yarn", "yarn_custom"]
 
@@ -178,8 +193,7 @@ def test_scaled_frequencies_match_numpy(scaling, R, base):
 
 def test_llama3_bands():
   # Llama 3.1: R=128, base 5e5, factor 8, L=8192, bands 1 and 4.
-  s = Scaling("llama3", 8.0, original_max_position=8192, low_freq_factor=1.0,
-              high_freq_factor=4.0)
+  s = Scaling("llama3", 8.0, original_max_position=8192, low_freq_factor=1.0, high_freq_factor=4.0)
   theta = inv_freq_np(128, 500_000.0)
   got = positional.rope_frequencies(128, base=500_000.0, scaling=s)
   np.testing.assert_allclose(got, llama3_np(128, 500_000.0, 8.0, 1.0, 4.0, 8192), rtol=1e-6)
@@ -194,7 +208,7 @@ def test_llama3_bands():
   got = positional.rope_frequencies(16, scaling=Scaling("llama3", 8.0))
   smooth = (8192 / (2000 * math.pi) - 1) / 3
   np.testing.assert_allclose(got[6], 1e-3 * ((1 - smooth) / 8 + smooth), rtol=1e-6)
-  np.testing.assert_allclose(got[[0, 5, 7]], [1.0, 10 ** -2.5, 10 ** -3.5 / 8], rtol=1e-6)
+  np.testing.assert_allclose(got[[0, 5, 7]], [1.0, 10**-2.5, 10**-3.5 / 8], rtol=1e-6)
 
 
 def test_ntk_divides_lowest_frequency_by_factor():
@@ -239,10 +253,10 @@ def test_factor_one_changes_nothing(kind):
 
 
 POSITIONS = {
-    "T": lambda rng: rng.integers(0, 40, (T,)),
-    "1T": lambda rng: rng.integers(0, 40, (1, T)),
-    "BT": lambda rng: rng.integers(0, 40, (B, T)),
-    "float_BT": lambda rng: rng.uniform(0, 40, (B, T)),
+  "T": lambda rng: rng.integers(0, 40, (T,)),
+  "1T": lambda rng: rng.integers(0, 40, (1, T)),
+  "BT": lambda rng: rng.integers(0, 40, (B, T)),
+  "float_BT": lambda rng: rng.uniform(0, 40, (B, T)),
 }
 
 
@@ -255,8 +269,9 @@ def test_rope_matches_numpy_float64(layout, rotary_fraction, scaling, x64):
     x, p = rng.standard_normal((T, N, H)), rng.integers(0, 40, (T,))
   else:
     x, p = rng.standard_normal((B, T, N, H)), POSITIONS[layout](rng)
-  got = positional.rope(jnp.asarray(x), jnp.asarray(p), base=100.0,
-                        rotary_fraction=rotary_fraction, scaling=scaling)
+  got = positional.rope(
+    jnp.asarray(x), jnp.asarray(p), base=100.0, rotary_fraction=rotary_fraction, scaling=scaling
+  )
   assert got.dtype == jnp.float64 and got.shape == x.shape
   want = rope_np(x, p, base=100.0, rotary_fraction=rotary_fraction, scaling=scaling)
   np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
@@ -278,35 +293,43 @@ def test_rope_literal_rotation():
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
-@given(positions=st.lists(st.integers(0, 100_000), min_size=T, max_size=T),
-       base=st.sampled_from([10.0, 10_000.0, 1e6]),
-       scaling=st.sampled_from(SCALINGS[:5]))
+@given(
+  positions=st.lists(st.integers(0, 100_000), min_size=T, max_size=T),
+  base=st.sampled_from([10.0, 10_000.0, 1e6]),
+  scaling=st.sampled_from(SCALINGS[:5]),
+)
 def test_rope_preserves_norm_of_each_vector(positions, base, scaling):
   with jax.enable_x64(True):
     x = normal((B, T, N, H), np.float64, seed=2)
     y = positional.rope(x, jnp.asarray(positions), base=base, scaling=scaling)
-    np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1),
-                               rtol=1e-12)
+    np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-12)
 
 
 def test_yarn_scales_norm_by_output_scale(x64):
   s = SCALINGS[5]
   x = normal((B, T, N, H), np.float64)
   y = positional.rope(x, jnp.arange(T), scaling=s)
-  np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1),
-                             s.output_scale * jnp.linalg.norm(x, axis=-1), rtol=1e-12)
+  np.testing.assert_allclose(
+    jnp.linalg.norm(y, axis=-1), s.output_scale * jnp.linalg.norm(x, axis=-1), rtol=1e-12
+  )
 
 
-@given(m=st.integers(0, 5000), n=st.integers(0, 5000), shift=st.integers(-5000, 5000),
-       scaling=st.sampled_from(SCALINGS), rotary_fraction=st.sampled_from([1.0, 0.75, 0.25]))
+@given(
+  m=st.integers(0, 5000),
+  n=st.integers(0, 5000),
+  shift=st.integers(-5000, 5000),
+  scaling=st.sampled_from(SCALINGS),
+  rotary_fraction=st.sampled_from([1.0, 0.75, 0.25]),
+)
 def test_rope_logits_depend_only_on_relative_position(m, n, shift, scaling, rotary_fraction):
   with jax.enable_x64(True):
     q, k = normal((1, 1, 16), np.float64, seed=3), normal((1, 1, 16), np.float64, seed=4)
     kw = dict(base=1000.0, rotary_fraction=rotary_fraction, scaling=scaling)
 
     def logit(a, b):
-      return jnp.sum(positional.rope(q, jnp.array([a]), **kw)
-                     * positional.rope(k, jnp.array([b]), **kw))
+      return jnp.sum(
+        positional.rope(q, jnp.array([a]), **kw) * positional.rope(k, jnp.array([b]), **kw)
+      )
 
     np.testing.assert_allclose(logit(m, n), logit(m + shift, n + shift), rtol=1e-9, atol=1e-9)
 
@@ -342,8 +365,10 @@ def test_jit_and_vmap():
   eager = positional.rope(x, p, rotary_fraction=0.5, scaling=SCALINGS[5])
   fn = jax.jit(lambda x, p: positional.rope(x, p, rotary_fraction=0.5, scaling=SCALINGS[5]))
   assert_close(fn(x, p), eager)
-  assert_close(jax.vmap(lambda x, p: positional.rope(x, p, rotary_fraction=0.5,
-                                                     scaling=SCALINGS[5]))(x, p), eager)
+  assert_close(
+    jax.vmap(lambda x, p: positional.rope(x, p, rotary_fraction=0.5, scaling=SCALINGS[5]))(x, p),
+    eager,
+  )
   rot = positional.Rotary(rotary_fraction=0.5, scaling=SCALINGS[5])
   assert_close(jax.jit(rot)(x, p), eager)
 
@@ -370,8 +395,9 @@ def test_rotary_object():
   assert hash(rot) == hash(positional.Rotary(base=1000.0, rotary_fraction=0.5, scaling=s))
   x = normal((B, T, N, 16))
   np.testing.assert_array_equal(
-      rot(x, jnp.arange(T)),
-      positional.rope(x, jnp.arange(T), base=1000.0, rotary_fraction=0.5, scaling=s))
+    rot(x, jnp.arange(T)),
+    positional.rope(x, jnp.arange(T), base=1000.0, rotary_fraction=0.5, scaling=s),
+  )
   rot.check_head_dim(16)
   rot.check_head_dim(4)
 
@@ -380,13 +406,26 @@ def test_rotary_object():
 
 
 def test_alibi_slopes_literals():
-  np.testing.assert_array_equal(positional.alibi_slopes(8), [2.0 ** -k for k in range(1, 9)])
+  np.testing.assert_array_equal(positional.alibi_slopes(8), [2.0**-k for k in range(1, 9)])
   np.testing.assert_array_equal(positional.alibi_slopes(1), [1 / 256])
-  np.testing.assert_array_equal(positional.alibi_slopes(6),
-                                [0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125])
+  np.testing.assert_array_equal(
+    positional.alibi_slopes(6), [0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125]
+  )
   np.testing.assert_array_equal(positional.alibi_slopes(3), [1 / 16, 1 / 256, 1 / 4])
-  twelve = [0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625, 0.0078125, 0.00390625,
-            0.7071067811865476, 0.3535533905932738, 0.1767766952966369, 0.08838834764831845]
+  twelve = [
+    0.5,
+    0.25,
+    0.125,
+    0.0625,
+    0.03125,
+    0.015625,
+    0.0078125,
+    0.00390625,
+    0.7071067811865476,
+    0.3535533905932738,
+    0.1767766952966369,
+    0.08838834764831845,
+  ]
   got = positional.alibi_slopes(12)
   assert got.dtype == np.float32 and got.shape == (12,)
   np.testing.assert_allclose(got, twelve, rtol=1e-7)
@@ -394,8 +433,9 @@ def test_alibi_slopes_literals():
 
 @pytest.mark.parametrize("num_heads", list(range(1, 41)) + [64, 96, 100])
 def test_alibi_slopes_match_reference_algorithm(num_heads):
-  np.testing.assert_allclose(positional.alibi_slopes(num_heads),
-                             alibi_slopes_reference(num_heads), rtol=1e-7)
+  np.testing.assert_allclose(
+    positional.alibi_slopes(num_heads), alibi_slopes_reference(num_heads), rtol=1e-7
+  )
 
 
 def test_alibi_slopes_feed_scores_alibi():
@@ -403,8 +443,13 @@ def test_alibi_slopes_feed_scores_alibi():
   q, k, v = normal((B, T, n, H)), normal((B, T, n, H), seed=1), normal((B, T, n, H), seed=2)
   slopes = positional.alibi_slopes(n)
   got = jattn.dot_product_attention(q, k, v, is_causal=True, score_fn=scores.alibi(slopes))
-  want, _ = attention_np(q, k, v, allowed=np.tril(np.ones((T, T), bool)),
-                         score=lambda s, b, h, i, j: s + slopes.astype(np.float64)[h] * (j - i))
+  want, _ = attention_np(
+    q,
+    k,
+    v,
+    allowed=np.tril(np.ones((T, T), bool)),
+    score=lambda s, b, h, i, j: s + slopes.astype(np.float64)[h] * (j - i),
+  )
   assert_close(got, want)
 
 
@@ -415,117 +460,319 @@ X = jnp.zeros((B, T, N, H))
 
 # (id, call, exception, message fragment)
 BAD = [
-    ("sin_dim_odd", lambda: positional.sinusoidal(jnp.arange(3), 3), ValueError,
-     r"dim must be a positive even int, got 3"),
-    ("sin_dim_zero", lambda: positional.sinusoidal(jnp.arange(3), 0), ValueError,
-     r"dim must be a positive even int, got 0"),
-    ("sin_dim_float", lambda: positional.sinusoidal(jnp.arange(3), 4.0), TypeError,
-     r"dim must be an int, got 4.0"),
-    ("sin_timescale", lambda: positional.sinusoidal(jnp.arange(3), 4, max_timescale=0),
-     ValueError, r"max_timescale must be a positive finite number, got 0"),
-    ("sin_timescale_inf", lambda: positional.sinusoidal(jnp.arange(3), 4, max_timescale=np.inf),
-     ValueError, r"max_timescale must be a positive finite number, got inf"),
-    ("sin_dtype", lambda: positional.sinusoidal(jnp.arange(3), 4, dtype=jnp.int32), TypeError,
-     r"dtype must be a floating dtype, got int32"),
-    ("sin_positions_bool", lambda: positional.sinusoidal(jnp.ones(3, bool), 4), TypeError,
-     r"positions must have an integer or floating dtype, got bool"),
-    ("sin_positions_str", lambda: positional.sinusoidal("abc", 4), TypeError,
-     r"positions must be an array, got str"),
-    ("x_int", lambda: positional.rope(jnp.zeros((B, T, N, H), jnp.int32), jnp.arange(T)),
-     TypeError, r"x must have a floating dtype, got int32"),
-    ("x_rank", lambda: positional.rope(jnp.zeros((T, N * H)), jnp.arange(T)), ValueError,
-     r"x must have shape \(B, T, N, H\) or \(T, N, H\), got \(6, 24\)"),
-    ("x_type", lambda: positional.rope("x", jnp.arange(T)), TypeError,
-     r"x must be an array, got str"),
-    ("positions_length", lambda: positional.rope(X, jnp.arange(T + 1)), ValueError,
-     r"positions must have shape \(T,\)=\(6,\), \(1, T\)=\(1, 6\) or \(B, T\)=\(2, 6\) for x "
-     r"of shape \(B, T, N, H\)=\(2, 6, 3, 8\), got \(7,\)"),
-    ("positions_batch", lambda: positional.rope(X, jnp.zeros((B + 1, T), jnp.int32)), ValueError,
-     r"or \(B, T\)=\(2, 6\) for x of shape .* got \(3, 6\)"),
-    ("positions_rank", lambda: positional.rope(X, jnp.zeros((B, T, 1), jnp.int32)), ValueError,
-     r"got \(2, 6, 1\)"),
-    ("positions_unbatched", lambda: positional.rope(X[0], jnp.zeros((1, T), jnp.int32)),
-     ValueError, r"positions must have shape \(T,\)=\(6,\) for x of shape \(T, N, H\)="
-                 r"\(6, 3, 8\), got \(1, 6\)"),
-    ("positions_bool", lambda: positional.rope(X, jnp.ones(T, bool)), TypeError,
-     r"positions must have an integer or floating dtype, got bool"),
-    ("positions_complex", lambda: positional.rope(X, jnp.ones(T, jnp.complex64)), TypeError,
-     r"positions must have an integer or floating dtype, got complex64"),
-    ("base_zero", lambda: positional.rope(X, jnp.arange(T), base=0.0), ValueError,
-     r"base must be a positive finite number, got 0.0"),
-    ("base_str", lambda: positional.rope(X, jnp.arange(T), base="1e4"), TypeError,
-     r"base must be a real number, got '1e4'"),
-    ("fraction_zero", lambda: positional.rope(X, jnp.arange(T), rotary_fraction=0.0), ValueError,
-     r"rotary_fraction must be in \(0, 1\], got 0.0"),
-    ("fraction_big", lambda: positional.rope(X, jnp.arange(T), rotary_fraction=1.5), ValueError,
-     r"rotary_fraction must be in \(0, 1\], got 1.5"),
-    ("rotary_dim_odd", lambda: positional.rope(X, jnp.arange(T), rotary_fraction=0.375),
-     ValueError, r"rotary_fraction \(0.375\) times the head dimension H \(8\) gives "
-                 r"rotary_dim=3; it must be even and >= 2"),
-    ("rotary_dim_small", lambda: positional.rope(X, jnp.arange(T), rotary_fraction=0.125),
-     ValueError, r"rotary_fraction \(0.125\) times the head dimension H \(8\) gives rotary_dim=1"),
-    ("head_dim_odd", lambda: positional.rope(jnp.zeros((T, N, 5)), jnp.arange(T)), ValueError,
-     r"head dimension H \(5\) gives rotary_dim=5; it must be even"),
-    ("ntk_rotary_dim_2", lambda: positional.rope(X, jnp.arange(T), rotary_fraction=0.25,
-                                                 scaling=Scaling("ntk", 2.0)),
-     ValueError, r"scaling kind 'ntk' needs rotary_dim > 2"),
-    ("scaling_type", lambda: positional.rope(X, jnp.arange(T), scaling={"kind": "linear"}),
-     TypeError, r"scaling must be a jattn.positional.RopeScaling or None, got dict"),
-    ("freq_dim_odd", lambda: positional.rope_frequencies(7), ValueError,
-     r"rotary_dim \(7\) gives rotary_dim=7; it must be even and >= 2"),
-    ("freq_dim_zero", lambda: positional.rope_frequencies(0), ValueError,
-     r"rotary_dim=0; it must be even and >= 2"),
-    ("freq_dim_float", lambda: positional.rope_frequencies(8.0), TypeError,
-     r"rotary_dim must be an int, got 8.0"),
-    ("freq_base", lambda: positional.rope_frequencies(8, base=-1.0), ValueError,
-     r"base must be a positive finite number, got -1.0"),
-    ("kind_unknown", lambda: Scaling("dynamic", 2.0), ValueError,
-     r"kind must be one of \['linear', 'ntk', 'llama3', 'yarn'\], got 'dynamic'"),
-    ("kind_type", lambda: Scaling(None, 2.0), TypeError, r"kind must be a str"),
-    ("factor_small", lambda: Scaling("linear", 0.5), ValueError,
-     r"factor must be >= 1 \(the ratio by which the context grows\), got 0.5"),
-    ("factor_nan", lambda: Scaling("linear", float("nan")), ValueError,
-     r"factor must be finite, got nan"),
-    ("factor_str", lambda: Scaling("linear", "2"), TypeError, r"factor must be a real number"),
-    ("original_max_zero", lambda: Scaling("llama3", 8.0, original_max_position=0), ValueError,
-     r"original_max_position must be >= 1, got 0"),
-    ("original_max_float", lambda: Scaling("llama3", 8.0, original_max_position=8192.0),
-     TypeError, r"original_max_position must be an int"),
-    ("llama3_bands", lambda: Scaling("llama3", 8.0, low_freq_factor=4.0, high_freq_factor=4.0),
-     ValueError, r"low_freq_factor \(4.0\) and high_freq_factor \(4.0\) must satisfy 0 < "
-                 r"low_freq_factor < high_freq_factor"),
-    ("llama3_low_zero", lambda: Scaling("llama3", 8.0, low_freq_factor=0.0), ValueError,
-     r"must satisfy 0 < low_freq_factor"),
-    ("yarn_betas", lambda: Scaling("yarn", 8.0, beta_fast=1.0, beta_slow=32.0), ValueError,
-     r"beta_fast \(1.0\) and beta_slow \(32.0\) must satisfy beta_fast > beta_slow > 0"),
-    ("yarn_beta_slow_zero", lambda: Scaling("yarn", 8.0, beta_slow=0.0), ValueError,
-     r"beta_fast > beta_slow > 0"),
-    ("attention_factor_zero", lambda: Scaling("yarn", 8.0, attention_factor=0.0), ValueError,
-     r"attention_factor must be a positive finite number or None, got 0.0"),
-    ("attention_factor_kind", lambda: Scaling("linear", 8.0, attention_factor=1.2), ValueError,
-     r"attention_factor applies only to kind='yarn', got kind='linear'"),
-    ("truncate_type", lambda: Scaling("yarn", 8.0, truncate="yes"), TypeError,
-     r"truncate must be a bool, got 'yes'"),
-    ("rotary_base", lambda: positional.Rotary(base=0.0), ValueError,
-     r"base must be a positive finite number, got 0.0"),
-    ("rotary_fraction", lambda: positional.Rotary(rotary_fraction=0.0), ValueError,
-     r"rotary_fraction must be in \(0, 1\], got 0.0"),
-    ("rotary_scaling", lambda: positional.Rotary(scaling="yarn"), TypeError,
-     r"scaling must be a jattn.positional.RopeScaling or None, got str"),
-    ("check_head_dim_odd", lambda: positional.Rotary(rotary_fraction=0.5).check_head_dim(6),
-     ValueError, r"rotary_fraction \(0.5\) times the head dimension H \(6\) gives rotary_dim=3"),
-    ("check_head_dim_small", lambda: positional.Rotary().check_head_dim(1), ValueError,
-     r"head dimension H \(1\) gives rotary_dim=1; it must be even and >= 2"),
-    ("check_head_dim_ntk", lambda: positional.Rotary(scaling=Scaling("ntk", 2.0)).check_head_dim(2),
-     ValueError, r"scaling kind 'ntk' needs rotary_dim > 2"),
-    ("check_head_dim_type", lambda: positional.Rotary().check_head_dim("64"), TypeError,
-     r"head_dim must be an int, got '64'"),
-    ("alibi_zero", lambda: positional.alibi_slopes(0), ValueError,
-     r"num_heads must be >= 1, got 0"),
-    ("alibi_float", lambda: positional.alibi_slopes(8.0), TypeError,
-     r"num_heads must be an int, got 8.0"),
-    ("alibi_bool", lambda: positional.alibi_slopes(True), TypeError,
-     r"num_heads must be an int, got True"),
+  (
+    "sin_dim_odd",
+    lambda: positional.sinusoidal(jnp.arange(3), 3),
+    ValueError,
+    r"dim must be a positive even int, got 3",
+  ),
+  (
+    "sin_dim_zero",
+    lambda: positional.sinusoidal(jnp.arange(3), 0),
+    ValueError,
+    r"dim must be a positive even int, got 0",
+  ),
+  (
+    "sin_dim_float",
+    lambda: positional.sinusoidal(jnp.arange(3), 4.0),
+    TypeError,
+    r"dim must be an int, got 4.0",
+  ),
+  (
+    "sin_timescale",
+    lambda: positional.sinusoidal(jnp.arange(3), 4, max_timescale=0),
+    ValueError,
+    r"max_timescale must be a positive finite number, got 0",
+  ),
+  (
+    "sin_timescale_inf",
+    lambda: positional.sinusoidal(jnp.arange(3), 4, max_timescale=np.inf),
+    ValueError,
+    r"max_timescale must be a positive finite number, got inf",
+  ),
+  (
+    "sin_dtype",
+    lambda: positional.sinusoidal(jnp.arange(3), 4, dtype=jnp.int32),
+    TypeError,
+    r"dtype must be a floating dtype, got int32",
+  ),
+  (
+    "sin_positions_bool",
+    lambda: positional.sinusoidal(jnp.ones(3, bool), 4),
+    TypeError,
+    r"positions must have an integer or floating dtype, got bool",
+  ),
+  (
+    "sin_positions_str",
+    lambda: positional.sinusoidal("abc", 4),
+    TypeError,
+    r"positions must be an array, got str",
+  ),
+  (
+    "x_int",
+    lambda: positional.rope(jnp.zeros((B, T, N, H), jnp.int32), jnp.arange(T)),
+    TypeError,
+    r"x must have a floating dtype, got int32",
+  ),
+  (
+    "x_rank",
+    lambda: positional.rope(jnp.zeros((T, N * H)), jnp.arange(T)),
+    ValueError,
+    r"x must have shape \(B, T, N, H\) or \(T, N, H\), got \(6, 24\)",
+  ),
+  (
+    "x_type",
+    lambda: positional.rope("x", jnp.arange(T)),
+    TypeError,
+    r"x must be an array, got str",
+  ),
+  (
+    "positions_length",
+    lambda: positional.rope(X, jnp.arange(T + 1)),
+    ValueError,
+    r"positions must have shape \(T,\)=\(6,\), \(1, T\)=\(1, 6\) or \(B, T\)=\(2, 6\) for x "
+    r"of shape \(B, T, N, H\)=\(2, 6, 3, 8\), got \(7,\)",
+  ),
+  (
+    "positions_batch",
+    lambda: positional.rope(X, jnp.zeros((B + 1, T), jnp.int32)),
+    ValueError,
+    r"or \(B, T\)=\(2, 6\) for x of shape .* got \(3, 6\)",
+  ),
+  (
+    "positions_rank",
+    lambda: positional.rope(X, jnp.zeros((B, T, 1), jnp.int32)),
+    ValueError,
+    r"got \(2, 6, 1\)",
+  ),
+  (
+    "positions_unbatched",
+    lambda: positional.rope(X[0], jnp.zeros((1, T), jnp.int32)),
+    ValueError,
+    r"positions must have shape \(T,\)=\(6,\) for x of shape \(T, N, H\)="
+    r"\(6, 3, 8\), got \(1, 6\)",
+  ),
+  (
+    "positions_bool",
+    lambda: positional.rope(X, jnp.ones(T, bool)),
+    TypeError,
+    r"positions must have an integer or floating dtype, got bool",
+  ),
+  (
+    "positions_complex",
+    lambda: positional.rope(X, jnp.ones(T, jnp.complex64)),
+    TypeError,
+    r"positions must have an integer or floating dtype, got complex64",
+  ),
+  (
+    "base_zero",
+    lambda: positional.rope(X, jnp.arange(T), base=0.0),
+    ValueError,
+    r"base must be a positive finite number, got 0.0",
+  ),
+  (
+    "base_str",
+    lambda: positional.rope(X, jnp.arange(T), base="1e4"),
+    TypeError,
+    r"base must be a real number, got '1e4'",
+  ),
+  (
+    "fraction_zero",
+    lambda: positional.rope(X, jnp.arange(T), rotary_fraction=0.0),
+    ValueError,
+    r"rotary_fraction must be in \(0, 1\], got 0.0",
+  ),
+  (
+    "fraction_big",
+    lambda: positional.rope(X, jnp.arange(T), rotary_fraction=1.5),
+    ValueError,
+    r"rotary_fraction must be in \(0, 1\], got 1.5",
+  ),
+  (
+    "rotary_dim_odd",
+    lambda: positional.rope(X, jnp.arange(T), rotary_fraction=0.375),
+    ValueError,
+    r"rotary_fraction \(0.375\) times the head dimension H \(8\) gives "
+    r"rotary_dim=3; it must be even and >= 2",
+  ),
+  (
+    "rotary_dim_small",
+    lambda: positional.rope(X, jnp.arange(T), rotary_fraction=0.125),
+    ValueError,
+    r"rotary_fraction \(0.125\) times the head dimension H \(8\) gives rotary_dim=1",
+  ),
+  (
+    "head_dim_odd",
+    lambda: positional.rope(jnp.zeros((T, N, 5)), jnp.arange(T)),
+    ValueError,
+    r"head dimension H \(5\) gives rotary_dim=5; it must be even",
+  ),
+  (
+    "ntk_rotary_dim_2",
+    lambda: positional.rope(X, jnp.arange(T), rotary_fraction=0.25, scaling=Scaling("ntk", 2.0)),
+    ValueError,
+    r"scaling kind 'ntk' needs rotary_dim > 2",
+  ),
+  (
+    "scaling_type",
+    lambda: positional.rope(X, jnp.arange(T), scaling={"kind": "linear"}),
+    TypeError,
+    r"scaling must be a jattn.positional.RopeScaling or None, got dict",
+  ),
+  (
+    "freq_dim_odd",
+    lambda: positional.rope_frequencies(7),
+    ValueError,
+    r"rotary_dim \(7\) gives rotary_dim=7; it must be even and >= 2",
+  ),
+  (
+    "freq_dim_zero",
+    lambda: positional.rope_frequencies(0),
+    ValueError,
+    r"rotary_dim=0; it must be even and >= 2",
+  ),
+  (
+    "freq_dim_float",
+    lambda: positional.rope_frequencies(8.0),
+    TypeError,
+    r"rotary_dim must be an int, got 8.0",
+  ),
+  (
+    "freq_base",
+    lambda: positional.rope_frequencies(8, base=-1.0),
+    ValueError,
+    r"base must be a positive finite number, got -1.0",
+  ),
+  (
+    "kind_unknown",
+    lambda: Scaling("dynamic", 2.0),
+    ValueError,
+    r"kind must be one of \['linear', 'ntk', 'llama3', 'yarn'\], got 'dynamic'",
+  ),
+  ("kind_type", lambda: Scaling(None, 2.0), TypeError, r"kind must be a str"),
+  (
+    "factor_small",
+    lambda: Scaling("linear", 0.5),
+    ValueError,
+    r"factor must be >= 1 \(the ratio by which the context grows\), got 0.5",
+  ),
+  (
+    "factor_nan",
+    lambda: Scaling("linear", float("nan")),
+    ValueError,
+    r"factor must be finite, got nan",
+  ),
+  ("factor_str", lambda: Scaling("linear", "2"), TypeError, r"factor must be a real number"),
+  (
+    "original_max_zero",
+    lambda: Scaling("llama3", 8.0, original_max_position=0),
+    ValueError,
+    r"original_max_position must be >= 1, got 0",
+  ),
+  (
+    "original_max_float",
+    lambda: Scaling("llama3", 8.0, original_max_position=8192.0),
+    TypeError,
+    r"original_max_position must be an int",
+  ),
+  (
+    "llama3_bands",
+    lambda: Scaling("llama3", 8.0, low_freq_factor=4.0, high_freq_factor=4.0),
+    ValueError,
+    r"low_freq_factor \(4.0\) and high_freq_factor \(4.0\) must satisfy 0 < "
+    r"low_freq_factor < high_freq_factor",
+  ),
+  (
+    "llama3_low_zero",
+    lambda: Scaling("llama3", 8.0, low_freq_factor=0.0),
+    ValueError,
+    r"must satisfy 0 < low_freq_factor",
+  ),
+  (
+    "yarn_betas",
+    lambda: Scaling("yarn", 8.0, beta_fast=1.0, beta_slow=32.0),
+    ValueError,
+    r"beta_fast \(1.0\) and beta_slow \(32.0\) must satisfy beta_fast > beta_slow > 0",
+  ),
+  (
+    "yarn_beta_slow_zero",
+    lambda: Scaling("yarn", 8.0, beta_slow=0.0),
+    ValueError,
+    r"beta_fast > beta_slow > 0",
+  ),
+  (
+    "attention_factor_zero",
+    lambda: Scaling("yarn", 8.0, attention_factor=0.0),
+    ValueError,
+    r"attention_factor must be a positive finite number or None, got 0.0",
+  ),
+  (
+    "attention_factor_kind",
+    lambda: Scaling("linear", 8.0, attention_factor=1.2),
+    ValueError,
+    r"attention_factor applies only to kind='yarn', got kind='linear'",
+  ),
+  (
+    "truncate_type",
+    lambda: Scaling("yarn", 8.0, truncate="yes"),
+    TypeError,
+    r"truncate must be a bool, got 'yes'",
+  ),
+  (
+    "rotary_base",
+    lambda: positional.Rotary(base=0.0),
+    ValueError,
+    r"base must be a positive finite number, got 0.0",
+  ),
+  (
+    "rotary_fraction",
+    lambda: positional.Rotary(rotary_fraction=0.0),
+    ValueError,
+    r"rotary_fraction must be in \(0, 1\], got 0.0",
+  ),
+  (
+    "rotary_scaling",
+    lambda: positional.Rotary(scaling="yarn"),
+    TypeError,
+    r"scaling must be a jattn.positional.RopeScaling or None, got str",
+  ),
+  (
+    "check_head_dim_odd",
+    lambda: positional.Rotary(rotary_fraction=0.5).check_head_dim(6),
+    ValueError,
+    r"rotary_fraction \(0.5\) times the head dimension H \(6\) gives rotary_dim=3",
+  ),
+  (
+    "check_head_dim_small",
+    lambda: positional.Rotary().check_head_dim(1),
+    ValueError,
+    r"head dimension H \(1\) gives rotary_dim=1; it must be even and >= 2",
+  ),
+  (
+    "check_head_dim_ntk",
+    lambda: positional.Rotary(scaling=Scaling("ntk", 2.0)).check_head_dim(2),
+    ValueError,
+    r"scaling kind 'ntk' needs rotary_dim > 2",
+  ),
+  (
+    "check_head_dim_type",
+    lambda: positional.Rotary().check_head_dim("64"),
+    TypeError,
+    r"head_dim must be an int, got '64'",
+  ),
+  ("alibi_zero", lambda: positional.alibi_slopes(0), ValueError, r"num_heads must be >= 1, got 0"),
+  (
+    "alibi_float",
+    lambda: positional.alibi_slopes(8.0),
+    TypeError,
+    r"num_heads must be an int, got 8.0",
+  ),
+  (
+    "alibi_bool",
+    lambda: positional.alibi_slopes(True),
+    TypeError,
+    r"num_heads must be an int, got True",
+  ),
 ]
 
 

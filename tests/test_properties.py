@@ -3,12 +3,12 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import reference as ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jattn
 from jattn import masks, scores
-import reference as ref
 
 
 @st.composite
@@ -18,9 +18,25 @@ def problems(draw):
   K, G, H = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 5))
   N = K * G
   rng = np.random.default_rng(draw(st.integers(0, 2**16)))
-  kind = draw(st.sampled_from(["none", "causal", "window", "chunked", "prefix_lm", "segments",
-                               "lengths", "global", "strided", "array", "fn", "jax_nn_args",
-                               "combo"]))
+  kind = draw(
+    st.sampled_from(
+      [
+        "none",
+        "causal",
+        "window",
+        "chunked",
+        "prefix_lm",
+        "segments",
+        "lengths",
+        "global",
+        "strided",
+        "array",
+        "fn",
+        "jax_nn_args",
+        "combo",
+      ]
+    )
+  )
   mask, allowed, kwargs = None, np.ones((B, N, T, S), bool), {}
   if kind == "causal":
     offset = draw(st.integers(-3, 3))
@@ -61,8 +77,9 @@ def problems(draw):
     window = (draw(st.integers(0, 3)), draw(st.integers(0, 3)))
     kv_lens = rng.integers(0, S + 1, size=B).astype(np.int32)
     kwargs.update(is_causal=True, local_window_size=window, key_value_seq_lengths=kv_lens)
-    allowed = (ref.causal_np(T, S) & ref.window_np(T, S, *window)
-               & ref.lengths_np(T, S, None, kv_lens))
+    allowed = (
+      ref.causal_np(T, S) & ref.window_np(T, S, *window) & ref.lengths_np(T, S, None, kv_lens)
+    )
   elif kind == "combo":
     mask = (masks.causal(1) & ~masks.chunked(2)) | masks.global_tokens(1)
     allowed = (ref.causal_np(T, S, 1) & ~ref.chunked_np(T, S, 2)) | ref.global_np(T, S, 1)
@@ -82,8 +99,9 @@ def problems(draw):
     score_np = lambda s, b, h, q, kv: s + slopes[h] * (kv - q)
   elif score_kind == "relative":
     kwargs["score_fn"] = scores.relative_position_bias(table, num_buckets=8, max_distance=10)
-    bucket = lambda r: np.asarray(scores.t5_bucket(jnp.asarray(r), num_buckets=8,
-                                                   max_distance=10, bidirectional=True))
+    bucket = lambda r: np.asarray(
+      scores.t5_bucket(jnp.asarray(r), num_buckets=8, max_distance=10, bidirectional=True)
+    )
     score_np = lambda s, b, h, q, kv: s + table[bucket(kv - q), h]
   elif score_kind == "cap":
     kwargs["logits_soft_cap"] = 1.5
@@ -92,12 +110,16 @@ def problems(draw):
     kwargs["score_fn"] = lambda s, b, h, q, kv: s - 0.1 * jnp.abs(q - kv) * (h + 1)
     score_np = lambda s, b, h, q, kv: s - 0.1 * np.abs(q - kv) * (h + 1)
 
-  arrays = (rng.standard_normal((B, T, N, H)), rng.standard_normal((B, S, K, H)),
-            rng.standard_normal((B, S, K, H)))
+  arrays = (
+    rng.standard_normal((B, T, N, H)),
+    rng.standard_normal((B, S, K, H)),
+    rng.standard_normal((B, S, K, H)),
+  )
   rule = draw(st.sampled_from(["autodiff", "custom_vjp", "blockwise"]))
   if rule == "blockwise":  # tiles that rarely divide T and S
-    rule = dict(implementation="blockwise", block_q=draw(st.integers(1, 4)),
-                block_kv=draw(st.integers(1, 4)))
+    rule = dict(
+      implementation="blockwise", block_q=draw(st.integers(1, 4)), block_kv=draw(st.integers(1, 4))
+    )
   else:
     rule = dict(implementation="xla", backward=rule)
   return arrays, bias, kwargs, np.broadcast_to(allowed, (B, N, T, S)), score_np, rule
@@ -113,8 +135,7 @@ def test_matches_float64_numpy(problem):
     bias64 = None if bias is None else jnp.asarray(bias, jnp.float64)
     if isinstance(kwargs.get("score_fn"), jattn.ScoreFn):
       kwargs["score_fn"] = jax.tree_util.tree_map(jnp.asarray, kwargs["score_fn"])
-    out, lse = jattn.dot_product_attention(*args, bias64, return_residual=True, **rule,
-                                           **kwargs)
+    out, lse = jattn.dot_product_attention(*args, bias64, return_residual=True, **rule, **kwargs)
     want, want_lse = ref.attention_np(q, k, v, bias=bias, allowed=allowed, score=score_np)
     np.testing.assert_allclose(out, want, rtol=1e-9, atol=1e-9)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))

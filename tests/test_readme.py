@@ -31,5 +31,6 @@ def test_python_examples_run():
       exec(compile(block, "README.md", "exec"), namespace)
   printed = stdout.getvalue()
   assert "[[1 0 0 0]\n [1 1 0 0]\n [1 1 1 0]\n [0 1 1 1]]" in printed
-  assert ("key and value must have the same shape, got key (2, 16, 2, 8) and value "
-          "(2, 16, 2, 4)") in printed
+  assert (
+    "key and value must have the same shape, got key (2, 16, 2, 8) and value (2, 16, 2, 4)"
+  ) in printed

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import RULES, assert_close, attention_jnp, attention_np, grid, normal
 
 import jattn
 from jattn import masks, scores
-from reference import RULES, assert_close, attention_jnp, attention_np, grid, normal
 
 B, N, T, S = 2, 3, 5, 6
 
@@ -23,8 +23,9 @@ def test_alibi_formula():
   s = np.asarray(normal((B, N, T, S)))
   b, h, q, kv = grid(B, N, T, S)
   np.testing.assert_allclose(_apply(scores.alibi(slopes), s), s + slopes[h] * (kv - q), rtol=1e-6)
-  np.testing.assert_allclose(_apply(scores.alibi(slopes, bidirectional=True), s),
-                             s - slopes[h] * np.abs(kv - q), rtol=1e-6)
+  np.testing.assert_allclose(
+    _apply(scores.alibi(slopes, bidirectional=True), s), s - slopes[h] * np.abs(kv - q), rtol=1e-6
+  )
 
 
 def test_soft_cap_formula():
@@ -47,8 +48,9 @@ def _t5_bucket_np(rp, bidirectional, num_buckets, max_distance):
   max_exact = num_buckets // 2
   if n < max_exact:
     return ret + n
-  val = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact)
-                        * (num_buckets - max_exact))
+  val = max_exact + int(
+    math.log(n / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+  )
   return ret + min(val, num_buckets - 1)
 
 
@@ -56,16 +58,18 @@ def _t5_bucket_np(rp, bidirectional, num_buckets, max_distance):
 @pytest.mark.parametrize("num_buckets, max_distance", [(32, 128), (8, 20), (6, 7)])
 def test_t5_buckets(bidirectional, num_buckets, max_distance):
   rp = np.arange(-300, 301)
-  got = scores.t5_bucket(jnp.asarray(rp), num_buckets=num_buckets, max_distance=max_distance,
-                         bidirectional=bidirectional)
+  got = scores.t5_bucket(
+    jnp.asarray(rp), num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional
+  )
   want = [_t5_bucket_np(int(r), bidirectional, num_buckets, max_distance) for r in rp]
   np.testing.assert_array_equal(got, want)
 
 
 def test_t5_buckets_literal():
   # kv - q:           0   1  -1 -20  200  -200
-  got = scores.t5_bucket(jnp.array([0, 1, -1, -20, 200, -200]), num_buckets=32, max_distance=128,
-                         bidirectional=True)
+  got = scores.t5_bucket(
+    jnp.array([0, 1, -1, -20, 200, -200]), num_buckets=32, max_distance=128, bidirectional=True
+  )
   np.testing.assert_array_equal(got, [0, 17, 1, 10, 31, 15])
 
 
@@ -102,10 +106,12 @@ def _cap_np(s, b, h, q, kv):
 @pytest.mark.parametrize("backward", ["autodiff", "custom_vjp"])
 def test_attention_with_scores_matches_numpy(backward):
   q, k, v = normal((B, T, 3, 4)), normal((B, S, 1, 4), seed=1), normal((B, S, 1, 4), seed=2)
-  out = jattn.dot_product_attention(q, k, v, score_fn=scores.alibi(SLOPES), logits_soft_cap=2.0,
-                                    is_causal=True, backward=backward)
-  want, _ = attention_np(q, k, v, score=lambda *a: _cap_np(_alibi_np(*a), *a[1:]),
-                         allowed=np.tril(np.ones((T, S), bool)))
+  out = jattn.dot_product_attention(
+    q, k, v, score_fn=scores.alibi(SLOPES), logits_soft_cap=2.0, is_causal=True, backward=backward
+  )
+  want, _ = attention_np(
+    q, k, v, score=lambda *a: _cap_np(_alibi_np(*a), *a[1:]), allowed=np.tril(np.ones((T, S), bool))
+  )
   assert_close(out, want)
 
 
@@ -115,14 +121,16 @@ def test_learned_score_parameters_get_gradients(backward):
   q, k, v = normal((B, T, 3, 4)), normal((B, S, 3, 4), seed=1), normal((B, S, 3, 4), seed=2)
 
   def loss_ours(table, slopes):
-    fn = scores.compose(scores.relative_position_bias(table, num_buckets=8, max_distance=16),
-                        scores.alibi(slopes))
+    fn = scores.compose(
+      scores.relative_position_bias(table, num_buckets=8, max_distance=16), scores.alibi(slopes)
+    )
     return jnp.sum(jattn.dot_product_attention(q, k, v, score_fn=fn, backward=backward) ** 2)
 
   def loss_ref(table, slopes):
     def score(s, b, h, qi, kv):
       bucket = scores.t5_bucket(kv - qi, num_buckets=8, max_distance=16, bidirectional=True)
       return s + table[bucket, h] + slopes[h] * (kv - qi)
+
     return jnp.sum(attention_jnp(q, k, v, score=score)[0] ** 2)
 
   args = (jnp.asarray(TABLE), jnp.asarray(SLOPES))
@@ -156,8 +164,10 @@ def _integer_inputs():
   """Integer-valued q, k, v: with scale 0.5 every logit, and ``_narrow``'s result, is
   exact in float16 and bfloat16, so rounding the scores loses nothing."""
   rng = np.random.default_rng(7)
-  return tuple(jnp.asarray(rng.integers(-2, 3, shape), jnp.float32)
-               for shape in ((B, T, N, 4), (B, S, N, 4), (B, S, N, 4)))
+  return tuple(
+    jnp.asarray(rng.integers(-2, 3, shape), jnp.float32)
+    for shape in ((B, T, N, 4), (B, S, N, 4), (B, S, N, 4))
+  )
 
 
 def _narrow_formula(s, b, h, qi, kv):
@@ -175,18 +185,28 @@ def test_score_fn_computing_in_a_narrow_dtype(rule, dtype):
   narrow = lambda s, b, h, qi, kv: _narrow_formula(s, b, h, qi, kv).astype(dtype)
 
   def ours(q, k, v):
-    return jattn.dot_product_attention(q, k, v, scale=0.5, score_fn=narrow, is_causal=True,
-                                       query_seq_lengths=lengths, return_residual=True,
-                                       **RULES[rule])
+    return jattn.dot_product_attention(
+      q,
+      k,
+      v,
+      scale=0.5,
+      score_fn=narrow,
+      is_causal=True,
+      query_seq_lengths=lengths,
+      return_residual=True,
+      **RULES[rule],
+    )
 
-  allowed = np.tril(np.ones((T, S), bool)) & (np.arange(T)[:, None] < np.asarray(lengths)[
-      :, None, None, None])
+  allowed = np.tril(np.ones((T, S), bool)) & (
+    np.arange(T)[:, None] < np.asarray(lengths)[:, None, None, None]
+  )
   out, lse = ours(q, k, v)
   assert out.dtype == lse.dtype == jnp.float32
   want_out, want_lse = attention_np(q, k, v, scale=0.5, score=_narrow_formula, allowed=allowed)
   assert_close(out, want_out)
-  assert_close(np.where(np.isfinite(want_lse), lse, 0), np.where(np.isfinite(want_lse),
-                                                                  want_lse, 0))
+  assert_close(
+    np.where(np.isfinite(want_lse), lse, 0), np.where(np.isfinite(want_lse), want_lse, 0)
+  )
   np.testing.assert_array_equal(out[1, 2:], 0.0)
   assert np.all(np.isneginf(lse[1, 2:])) and np.all(np.isfinite(lse[0]))
 
@@ -196,6 +216,7 @@ def test_score_fn_computing_in_a_narrow_dtype(rule, dtype):
     def f(q, k, v):
       out, lse = fn(q, k, v)
       return jnp.sum(out * cot) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
     return f
 
   def ref(q, k, v):
@@ -215,22 +236,31 @@ def test_num_heads_of_score_functions():
   assert scores.relative_position_bias(table, num_buckets=8, max_distance=16).num_heads == 3
   assert scores.soft_cap(5.0).num_heads is None
   assert scores.from_fn(lambda s, *idx: s).num_heads is None
-  assert scores.compose(lambda s, *idx: s, scores.alibi(SLOPES), scores.soft_cap(5.0)).num_heads == 3
+  assert (
+    scores.compose(lambda s, *idx: s, scores.alibi(SLOPES), scores.soft_cap(5.0)).num_heads == 3
+  )
 
 
 L = 8  # with block_q = block_kv = 4, blockwise evaluates score functions on 2 x 2 tiles
-TILED = {"xla": dict(implementation="xla"),
-         "blockwise": dict(implementation="blockwise", block_q=4, block_kv=4),
-         "auto": {}}
+TILED = {
+  "xla": dict(implementation="xla"),
+  "blockwise": dict(implementation="blockwise", block_q=4, block_kv=4),
+  "auto": {},
+}
 TABLE_LL = np.asarray(normal((L, L), seed=5))
 RELATIVE = np.asarray(normal((2 * L - 1,), seed=6))
 
 NOT_FROM_INDICES = {
-    # The captured (T, S) table of the issue; jnp broadcasts (T, S) against (B, N, T, S)
-    # without rank promotion, which tests otherwise forbid.
-    "captured_table": lambda s, b, h, qi, kv: s + jnp.asarray(TABLE_LL),
-    "positions_from_shape": lambda s, b, h, qi, kv: s - 0.1 * jnp.abs(
-        jnp.arange(s.shape[-2]).reshape(1, 1, -1, 1) - jnp.arange(s.shape[-1]).reshape(1, 1, 1, -1)),
+  # The captured (T, S) table of the issue; jnp broadcasts (T, S) against (B, N, T, S)
+  # without rank promotion, which tests otherwise forbid.
+  "captured_table": lambda s, b, h, qi, kv: s + jnp.asarray(TABLE_LL),
+  "positions_from_shape": lambda s, b, h, qi, kv: (
+    s
+    - 0.1
+    * jnp.abs(
+      jnp.arange(s.shape[-2]).reshape(1, 1, -1, 1) - jnp.arange(s.shape[-1]).reshape(1, 1, 1, -1)
+    )
+  ),
 }
 
 
@@ -263,10 +293,16 @@ def test_score_fns_that_compute_from_their_indices_work_everywhere(implementatio
   assert_close(out, attention_np(q, k, v, score=_relative_np)[0])
 
   slopes = np.array([0.5, 0.25], np.float32)
-  out = jattn.dot_product_attention(q, k, v, score_fn=scores.alibi(slopes), is_causal=True,
-                                    **TILED[implementation])
-  want = attention_np(q, k, v, score=lambda s, b, h, qi, kv: s + slopes[h] * (kv - qi),
-                      allowed=np.tril(np.ones((L, L), bool)))[0]
+  out = jattn.dot_product_attention(
+    q, k, v, score_fn=scores.alibi(slopes), is_causal=True, **TILED[implementation]
+  )
+  want = attention_np(
+    q,
+    k,
+    v,
+    score=lambda s, b, h, qi, kv: s + slopes[h] * (kv - qi),
+    allowed=np.tril(np.ones((L, L), bool)),
+  )[0]
   assert_close(out, want)
 
   @jax.jit
@@ -274,6 +310,10 @@ def test_score_fns_that_compute_from_their_indices_work_everywhere(implementatio
     fn = lambda s, b, h, qi, kv: s * temperature + relative(s, b, h, qi + offset, kv) - s
     return jattn.dot_product_attention(q, k, v, score_fn=fn, **TILED[implementation])
 
-  want = attention_np(q, k, v, score=lambda s, b, h, qi, kv: 0.5 * s + RELATIVE[
-      np.clip(qi + 1 - kv + L - 1, 0, 2 * L - 2)])[0]
+  want = attention_np(
+    q,
+    k,
+    v,
+    score=lambda s, b, h, qi, kv: 0.5 * s + RELATIVE[np.clip(qi + 1 - kv + L - 1, 0, 2 * L - 2)],
+  )[0]
   assert_close(closure(jnp.float32(0.5), jnp.int32(1)), want)

@@ -10,11 +10,11 @@ from experiments.toy import tasks
 
 B = 16
 SETTINGS = {  # name -> (length, num_symbols)
-    "copy": (7, 10),
-    "reverse": (7, 10),
-    "sort": (7, 10),
-    "associative_recall": (6, 12),
-    "long_range": (20, 10),
+  "copy": (7, 10),
+  "reverse": (7, 10),
+  "sort": (7, 10),
+  "associative_recall": (6, 12),
+  "long_range": (20, 10),
 }
 
 
@@ -55,13 +55,16 @@ def test_special_tokens_and_vocab(task):
   assert (task.sep, task.mark, task.vocab_size) == (s, s + 1, s + 2)
 
 
-@pytest.mark.parametrize("name, length, seq_len, num_answer", [
+@pytest.mark.parametrize(
+  "name, length, seq_len, num_answer",
+  [
     ("copy", 7, 15, 7),
     ("reverse", 7, 15, 7),
     ("sort", 7, 15, 7),
     ("associative_recall", 6, 15, 1),
     ("long_range", 20, 22, 1),
-])
+  ],
+)
 def test_seq_len_and_num_answer_tokens(name, length, seq_len, num_answer):
   task = make(name)
   assert task.length == length
@@ -99,12 +102,14 @@ def test_deterministic(task):
 
 
 def test_default_split_is_train(task):
-  np.testing.assert_array_equal(task.batch(B, seed=1, index=0).tokens,
-                                task.batch(B, seed=1, index=0, split="train").tokens)
+  np.testing.assert_array_equal(
+    task.batch(B, seed=1, index=0).tokens, task.batch(B, seed=1, index=0, split="train").tokens
+  )
 
 
-@pytest.mark.parametrize("change", [
-    dict(index=1), dict(seed=1), dict(split="eval"), dict(index=2**40), dict(seed=2**40)])
+@pytest.mark.parametrize(
+  "change", [dict(index=1), dict(seed=1), dict(split="eval"), dict(index=2**40), dict(seed=2**40)]
+)
 def test_different_streams_differ(task, change):
   base = dict(seed=0, index=0, split="train")
   a = task.batch(B, **base).tokens
@@ -133,7 +138,7 @@ def test_sequence_tasks(name, split):
   task = make(name)
   n, sep = task.length, task.sep
   for row in _rows(task, split=split):
-    x, middle, y = row[:n], row[n], row[n + 1:]
+    x, middle, y = row[:n], row[n], row[n + 1 :]
     assert middle == sep
     assert all(0 <= t < task.num_symbols for t in x + y)
     if name == "copy":
@@ -151,7 +156,7 @@ def test_associative_recall(split):
   pairs = task.length
   queried = set()
   for row in _rows(task, split=split):
-    keys, values = row[0:2 * pairs:2], row[1:2 * pairs:2]
+    keys, values = row[0 : 2 * pairs : 2], row[1 : 2 * pairs : 2]
     assert len(set(keys)) == pairs  # distinct keys
     half = task.num_symbols // 2  # keys from the lower half, values from the upper
     assert all(0 <= t < half for t in keys) and all(half <= t < task.num_symbols for t in values)
@@ -218,13 +223,16 @@ def test_token_names_of_batch(task):
   assert all(n in ("|", "*") or 0 <= int(n) < task.num_symbols for n in names)
 
 
-@pytest.mark.parametrize("tokens, error, match", [
+@pytest.mark.parametrize(
+  "tokens, error, match",
+  [
     ([[1, 2]], ValueError, "tokens must be 1-D"),
     (5, ValueError, "tokens must be 1-D"),
     ([1, 14], ValueError, r"tokens must lie in \[0, 14\)"),
     ([-1, 2], ValueError, r"tokens must lie in \[0, 14\)"),
     ([1.0, 2.0], TypeError, "tokens must be integers"),
-])
+  ],
+)
 def test_token_names_errors(tokens, error, match):
   task = tasks.make("copy", length=3, num_symbols=12)
   with pytest.raises(error, match=match):
@@ -234,9 +242,17 @@ def test_token_names_errors(tokens, error, match):
 # ----------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("name, length, num_symbols, error, match", [
-    ("copies", 3, 4, ValueError, r"name must be one of \['copy', 'reverse', 'sort', "
-                                 r"'associative_recall', 'long_range'\]"),
+@pytest.mark.parametrize(
+  "name, length, num_symbols, error, match",
+  [
+    (
+      "copies",
+      3,
+      4,
+      ValueError,
+      r"name must be one of \['copy', 'reverse', 'sort', "
+      r"'associative_recall', 'long_range'\]",
+    ),
     ("", 3, 4, ValueError, "name must be one of"),
     (None, 3, 4, TypeError, "name must be a str"),
     (0, 3, 4, TypeError, "name must be a str"),
@@ -255,13 +271,19 @@ def test_token_names_errors(tokens, error, match):
     ("reverse", 0, 4, ValueError, "length must be >= 1"),
     ("sort", 3, 1, ValueError, "num_symbols must be >= 2"),
     ("associative_recall", 0, 4, ValueError, "length must be >= 1"),
-    ("associative_recall", 5, 9, ValueError,
-     r"num_symbols \(9\) must be >= 2 \* length \(10\) for associative_recall"),
+    (
+      "associative_recall",
+      5,
+      9,
+      ValueError,
+      r"num_symbols \(9\) must be >= 2 \* length \(10\) for associative_recall",
+    ),
     ("associative_recall", 1, 1, ValueError, "num_symbols must be >= 2"),
     ("long_range", 7, 4, ValueError, "length must be >= 8 for task 'long_range', got 7"),
     ("long_range", 1, 4, ValueError, "length must be >= 8"),
     ("long_range", 8, 1, ValueError, "num_symbols must be >= 2"),
-])
+  ],
+)
 def test_task_errors(name, length, num_symbols, error, match):
   with pytest.raises(error, match=match):
     tasks.Task(name, length, num_symbols)
@@ -269,7 +291,9 @@ def test_task_errors(name, length, num_symbols, error, match):
     tasks.make(name, length=length, num_symbols=num_symbols)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
+@pytest.mark.parametrize(
+  "kwargs, error, match",
+  [
     (dict(batch_size=0), ValueError, "batch_size must be >= 1, got 0"),
     (dict(batch_size=-3), ValueError, "batch_size must be >= 1"),
     (dict(batch_size=2.0), TypeError, "batch_size must be an int"),
@@ -285,7 +309,8 @@ def test_task_errors(name, length, num_symbols, error, match):
     (dict(split="Train"), ValueError, "split must be one of"),
     (dict(split=0), ValueError, "split must be one of"),
     (dict(split=["train"]), ValueError, "split must be one of"),
-])
+  ],
+)
 def test_batch_errors(task, kwargs, error, match):
   args = {"batch_size": 4, "seed": 0, "index": 0, **kwargs}
   with pytest.raises(error, match=match):
@@ -295,4 +320,3 @@ def test_batch_errors(task, kwargs, error, match):
 def test_batch_accepts_numpy_ints(task):
   a = task.batch(np.int64(4), seed=np.uint32(2), index=np.int16(1), split="eval").tokens
   np.testing.assert_array_equal(a, task.batch(4, seed=2, index=1, split="eval").tokens)
-

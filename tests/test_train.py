@@ -17,10 +17,10 @@ CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 TRAIN_CONFIGS = [p for p in CONFIGS if not p.name.startswith("bench")]  # benchmark grids
 
 TINY = dict(
-    model=dict(d_model=16, num_heads=2, num_layers=1, mlp_ratio=2),
-    task=dict(name="copy", length=4, num_symbols=4),
-    optimizer=dict(learning_rate=1e-2, warmup_steps=2),
-    training=dict(steps=20, batch_size=16, eval_every=10, eval_samples=32, progress=False),
+  model=dict(d_model=16, num_heads=2, num_layers=1, mlp_ratio=2),
+  task=dict(name="copy", length=4, num_symbols=4),
+  optimizer=dict(learning_rate=1e-2, warmup_steps=2),
+  training=dict(steps=20, batch_size=16, eval_every=10, eval_samples=32, progress=False),
 )
 
 
@@ -52,9 +52,16 @@ def test_compare_backward_config_is_the_documented_demo():
 def test_defaults_and_overrides(tmp_path):
   path = tmp_path / "mine.yaml"
   path.write_text("model: {d_model: 32}\ntask: {name: reverse}\n")
-  cfg = config.load(path, ["training.steps=7", "comparison.sweep.seq_lens=[64, 128]",
-                           "optimizer.learning_rate=1", "model.num_kv_heads=2",
-                           "optimizer.weight_decay=1e-3"])
+  cfg = config.load(
+    path,
+    [
+      "training.steps=7",
+      "comparison.sweep.seq_lens=[64, 128]",
+      "optimizer.learning_rate=1",
+      "model.num_kv_heads=2",
+      "optimizer.weight_decay=1e-3",
+    ],
+  )
   assert cfg.name == "mine" and cfg.model.d_model == 32 and cfg.task.name == "reverse"
   assert cfg.training.steps == 7 and cfg.comparison.sweep.seq_lens == (64, 128)
   assert cfg.optimizer.learning_rate == 1.0 and isinstance(cfg.optimizer.learning_rate, float)
@@ -69,7 +76,9 @@ def test_resolved_config_round_trips():
   assert config.to_dict(cfg)["comparison"]["sweep"]["seq_lens"] == [8, 16]
 
 
-@pytest.mark.parametrize("overrides, match", [
+@pytest.mark.parametrize(
+  "overrides, match",
+  [
     # unknown keys: named, with the valid ones listed
     (["colour=red"], r"unknown key 'colour'.*valid keys of the config: name, output_dir, model"),
     (["model.width=3"], r"unknown key 'model.width'.*valid keys of model: d_model, num_heads"),
@@ -95,10 +104,15 @@ def test_resolved_config_round_trips():
     (["model.num_kv_heads=3"], r"'model.num_heads' \(4\) must be a multiple of 'model.num_kv_"),
     (["model.d_model=36"], r"head size .* = 9 must be even"),
     (["model.rope_base=1"], r"'model.rope_base' must be > 1.0"),
-    (["task.name=parity"], r"'task.name' must be one of \['copy', 'reverse', 'sort', "
-                           r"'associative_recall', 'long_range'\]"),
-    (["task.name=associative_recall", "task.length=5", "task.num_symbols=8"],
-     r"'task': num_symbols \(8\) must be >= 2 \* length \(10\)"),
+    (
+      ["task.name=parity"],
+      r"'task.name' must be one of \['copy', 'reverse', 'sort', "
+      r"'associative_recall', 'long_range'\]",
+    ),
+    (
+      ["task.name=associative_recall", "task.length=5", "task.num_symbols=8"],
+      r"'task': num_symbols \(8\) must be >= 2 \* length \(10\)",
+    ),
     (["task.name=long_range", "task.length=4"], r"'task': length must be >= 8"),
     (["task.num_symbols=1"], r"'task.num_symbols' must be >= 2"),
     (["optimizer.learning_rate=0"], r"'optimizer.learning_rate' must be > 0.0"),
@@ -108,27 +122,36 @@ def test_resolved_config_round_trips():
     (["training.steps=0"], r"'training.steps' must be >= 1"),
     (["comparison.rules=[]"], r"'comparison.rules' must be a non-empty list"),
     (["comparison.rules=[autodiff, autodiff]"], r"non-empty list of distinct rules"),
-    (["comparison.rules=[flash]"], r"'comparison.rules' must be one of \['autodiff', "
-                                   r"'custom_vjp', 'blockwise'\], got 'flash'"),
-    (["comparison.rules=[blockwise]", "comparison.heatmap_rule=autodiff"],
-     r"'comparison.heatmap_rule' \('autodiff'\) must be one of 'comparison.rules'"),
+    (
+      ["comparison.rules=[flash]"],
+      r"'comparison.rules' must be one of \['autodiff', "
+      r"'custom_vjp', 'blockwise'\], got 'flash'",
+    ),
+    (
+      ["comparison.rules=[blockwise]", "comparison.heatmap_rule=autodiff"],
+      r"'comparison.heatmap_rule' \('autodiff'\) must be one of 'comparison.rules'",
+    ),
     (["comparison.sweep.seq_lens=[64, 1]"], r"'comparison.sweep.seq_lens' must be >= 2, got 1"),
     (["comparison.sweep.seq_lens=[64, 32]"], r"'comparison.sweep.seq_lens' must be increasing"),
     (["comparison.sweep.memory_limit_mb=10"], r"'comparison.sweep.memory_limit_mb' must be >= 512"),
     (["comparison.sweep.timeout_s=0"], r"'comparison.sweep.timeout_s' must be > 0.0"),
     (["name=a/b"], r"'name' must be a plain directory name"),
-])
+  ],
+)
 def test_bad_configs_are_rejected_naming_the_key(overrides, match):
   with pytest.raises(config.ConfigError, match=match):
     config.load(None, overrides)
 
 
-@pytest.mark.parametrize("text, match", [
+@pytest.mark.parametrize(
+  "text, match",
+  [
     ("model: [1, 2]\n", r"'model' must be a mapping with keys d_model, num_heads"),
     ("- 1\n- 2\n", r"top level must be a mapping with keys name, output_dir"),
     ("model: {d_model: 64\n", r"not valid YAML"),
     ("training: {stepz: 3}\n", r"unknown key 'training.stepz'; valid keys of training: steps"),
-])
+  ],
+)
 def test_bad_files_are_rejected(tmp_path, text, match):
   path = tmp_path / "bad.yaml"
   path.write_text(text)
@@ -141,8 +164,11 @@ def test_missing_file_and_dataclass_checks():
     config.load("nope.yaml")
   with pytest.raises(config.ConfigError, match=r"'model.num_layers' must be >= 1"):
     config.ModelConfig(num_layers=0)  # the checks run for configs built in code too
-  with pytest.raises(config.ConfigError, match=r"'comparison.sweep' must be a mapping of "
-                                               r"SweepConfig keys"):
+  with pytest.raises(
+    config.ConfigError,
+    match=r"'comparison.sweep' must be a mapping of "
+    r"SweepConfig keys",
+  ):
     config.ComparisonConfig(sweep={"seq_lens": (8,)})
 
 
@@ -156,13 +182,13 @@ def test_cli_reports_config_errors(capsys):
 
 def test_every_rule_starts_from_the_same_parameters():
   cfg = tiny(model=dict(num_kv_heads=1, positions="sinusoidal"))
-  states = [nnx.state(model.build(cfg.model, 6, rule, seed=3), nnx.Param)
-            for rule in model.RULES]
+  states = [nnx.state(model.build(cfg.model, 6, rule, seed=3), nnx.Param) for rule in model.RULES]
   for other in states[1:]:
     jax.tree.map(np.testing.assert_array_equal, states[0], other)
   different = nnx.state(model.build(cfg.model, 6, "autodiff", seed=4), nnx.Param)
-  assert not np.array_equal(states[0]["embed"]["embedding"][...],
-                            different["embed"]["embedding"][...])
+  assert not np.array_equal(
+    states[0]["embed"]["embedding"][...], different["embed"]["embedding"][...]
+  )
   with pytest.raises(ValueError, match=r"unknown rule 'flash'; choose from \['autodiff'"):
     model.build(cfg.model, 6, "flash", seed=0)
 
@@ -214,7 +240,9 @@ def test_schedule_warms_up_then_decays_to_the_final_fraction():
   assert sizes[4] == pytest.approx(0.5, rel=1e-2)  # Adam's first step moves ≈ lr
   assert sizes[-1] < sizes[10] < sizes[4]  # cosine decay
   # big gradients are clipped to norm 1 before Adam (which is scale-free anyway)
-  assert jnp.isfinite(tx.update({k: v * 1e9 for k, v in grads.items()}, state, params)[0]["w"]).all()
+  assert jnp.isfinite(
+    tx.update({k: v * 1e9 for k, v in grads.items()}, state, params)[0]["w"]
+  ).all()
 
 
 # ------------------------------------------------------------------ the experiment
@@ -228,9 +256,9 @@ def tiny_run(tmp_path_factory):
   path = out / "tiny.yaml"
   cfg = tiny(output_dir=str(out), comparison=dict(sweep=dict(seq_lens=[16], steps=1)))
   import yaml
+
   path.write_text(yaml.safe_dump(config.to_dict(cfg)))
-  summary = train_cli.main(["--config", str(path), "--set", "name=tiny",
-                            "training.progress=true"])
+  summary = train_cli.main(["--config", str(path), "--set", "name=tiny", "training.progress=true"])
   return out / "tiny", summary
 
 
@@ -247,7 +275,8 @@ def test_tiny_run_losses_fall_and_rules_agree(tiny_run):
     s = summary["rules"][rule]
     assert s["final_accuracy"] == recs[-1]["eval_exact_match"]
     assert s["max_abs_loss_diff_vs_autodiff"] == pytest.approx(
-        max(abs(a["loss"] - b["loss"]) for a, b in zip(recs, by_rule["autodiff"])))
+      max(abs(a["loss"] - b["loss"]) for a, b in zip(recs, by_rule["autodiff"]))
+    )
     assert s["max_abs_loss_diff_vs_autodiff"] < 1e-4
     assert s["grad_rel_diff_step0"] < 1e-5
     assert s["median_step_ms"] > 0 and s["peak_mem_mb"] > 0
@@ -256,8 +285,15 @@ def test_tiny_run_losses_fall_and_rules_agree(tiny_run):
 
 def test_tiny_run_writes_every_file(tiny_run):
   run_dir, summary = tiny_run
-  expected = {"config.yaml", "metrics.jsonl", "summary.json", "report.md", "loss_curves.png",
-              "length_sweep.png", "attention_layer0.png"}
+  expected = {
+    "config.yaml",
+    "metrics.jsonl",
+    "summary.json",
+    "report.md",
+    "loss_curves.png",
+    "length_sweep.png",
+    "attention_layer0.png",
+  }
   assert expected == set(summary["files"])
   for name in expected:
     assert (run_dir / name).stat().st_size > 0, name
@@ -267,10 +303,16 @@ def test_tiny_run_writes_every_file(tiny_run):
   saved = json.loads((run_dir / "summary.json").read_text())
   assert set(saved["rules"]) == {"autodiff", "custom_vjp", "blockwise"}
   for fields in saved["rules"].values():
-    assert {"final_accuracy", "max_abs_loss_diff_vs_autodiff", "grad_rel_diff_step0",
-            "median_step_ms", "peak_mem_mb"} <= set(fields)
+    assert {
+      "final_accuracy",
+      "max_abs_loss_diff_vs_autodiff",
+      "grad_rel_diff_step0",
+      "median_step_ms",
+      "peak_mem_mb",
+    } <= set(fields)
   assert config.load(run_dir / "config.yaml", ["name=tiny"]) == config.load(
-      run_dir / "config.yaml")  # the resolved config reloads as is
+    run_dir / "config.yaml"
+  )  # the resolved config reloads as is
   text = (run_dir / "report.md").read_text()
   assert "| blockwise |" in text and "## Sequence-length sweep" in text
 
@@ -285,11 +327,13 @@ def test_tiny_run_sweep_measured_every_cell(tiny_run):
 
 
 def test_sweep_records_failures_instead_of_crashing(tmp_path):
-  cfg = tiny(output_dir=str(tmp_path),
-             comparison=dict(sweep=dict(seq_lens=[16, 32], timeout_s=0.001)))
+  cfg = tiny(
+    output_dir=str(tmp_path), comparison=dict(sweep=dict(seq_lens=[16, 32], timeout_s=0.001))
+  )
   rows = sweep.sweep(tmp_path / "missing.yaml", cfg)
   assert [(r["rule"], r["seq_len"]) for r in rows] == [
-      (rule, T) for T in (16, 32) for rule in model.RULES]
+    (rule, T) for T in (16, 32) for rule in model.RULES
+  ]
   assert all(r["status"] == "timed out (> 0.001 s)" for r in rows[:3])
   assert all(r["status"] == "skipped (failed at T=16)" for r in rows[3:])
   assert all(r["median_step_ms"] is None for r in rows)
@@ -298,7 +342,9 @@ def test_sweep_records_failures_instead_of_crashing(tmp_path):
 
 
 def test_sweep_names_the_failure():
-  oom = "Traceback...\njax.errors.JaxRuntimeError: INTERNAL: Out of memory allocating 3221422080 bytes."
+  oom = (
+    "Traceback...\njax.errors.JaxRuntimeError: INTERNAL: Out of memory allocating 3221422080 bytes."
+  )
   assert sweep._failure(oom) == "out of memory"
   assert sweep._failure("Traceback\nValueError: bad thing\n") == "failed: ValueError: bad thing"
   assert sweep._failure("") == "failed"

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-matplotlib = pytest.importorskip("matplotlib")
+pytest.importorskip("matplotlib")
 
 import matplotlib.figure  # noqa: E402
 
@@ -139,6 +139,7 @@ def test_jax_arrays_and_lists_work():
 
 def test_attention_weights_output_plots():
   import jattn
+
   q = jnp.asarray(np.random.default_rng(1).normal(size=(1, 3, 2, 4)), jnp.float32)
   w = jattn.attention_weights(q, q, is_causal=True)  # (B, N, T, S)
   fig = viz.plot_attention(w[0], ["a", "b", "c"])
@@ -202,7 +203,9 @@ _W3 = _probabilities(2, 3, 3)
 _NAN = np.array([[0.5, np.nan], [0.5, 0.5]])
 
 
-@pytest.mark.parametrize("args, kwargs, error, match", [
+@pytest.mark.parametrize(
+  "args, kwargs, error, match",
+  [
     ((np.ones(3),), {}, ValueError, r"weights must be 2-D .* got shape \(3,\)"),
     ((np.ones((1, 2, 2, 2)),), {}, ValueError, r"got shape \(1, 2, 2, 2\)"),
     ((np.float64(0.5),), {}, ValueError, r"got shape \(\)"),
@@ -212,16 +215,24 @@ _NAN = np.array([[0.5, np.nan], [0.5, 0.5]])
     ((np.ones((2, 2), complex),), {}, TypeError, "weights must hold real numbers.*complex"),
     ((np.ones((2, 2), bool),), {}, TypeError, "weights must hold real numbers.*bool"),
     ((np.array([["a", "b"], ["c", "d"]]),), {}, TypeError, "weights must hold real numbers"),
-    ((np.array([[0.5, None], [1, 0]], object),), {}, TypeError,
-     "weights must hold real numbers.*object"),
+    (
+      (np.array([[0.5, None], [1, 0]], object),),
+      {},
+      TypeError,
+      "weights must hold real numbers.*object",
+    ),
     ((_NAN,), {}, ValueError, "weights must be finite, got 1 NaN"),
     ((np.array([[np.inf, 0.0], [0.5, 0.5]]),), {}, ValueError, "weights must be finite"),
     ((_W2, ["a", "b"]), {}, ValueError, r"tokens must have 3 entries \(T, .*\), got 2"),
     ((_W3, "abc"), {}, TypeError, "tokens must be a sequence of labels, not a single str"),
     ((_W3, 3), {}, TypeError, "tokens must be a sequence of labels, got int"),
     ((_W2,), {"key_tokens": ["a", "b"]}, ValueError, r"key_tokens must have 3 entries \(S, "),
-    ((_probabilities(2, 3), ["a", "b"]), {}, ValueError,
-     r"self-attention \(S == T\).*T=2, S=3; pass key_tokens"),
+    (
+      (_probabilities(2, 3), ["a", "b"]),
+      {},
+      ValueError,
+      r"self-attention \(S == T\).*T=2, S=3; pass key_tokens",
+    ),
     ((_W3,), {"titles": ["one"]}, ValueError, r"titles must have 2 entries \(N, .*\), got 1"),
     ((_W2,), {"titles": ["a", "b"]}, ValueError, r"titles must have 1 entries \(1 for 2-D"),
     ((_W3,), {"max_cols": 0}, ValueError, "max_cols must be >= 1, got 0"),
@@ -230,7 +241,8 @@ _NAN = np.array([[0.5, np.nan], [0.5, 0.5]])
     ((_W3,), {"cell_inches": -0.1}, ValueError, "cell_inches must be a positive finite number"),
     ((_W3,), {"cell_inches": float("inf")}, ValueError, "cell_inches must be a positive finite"),
     ((_W3,), {"cell_inches": "big"}, TypeError, "cell_inches must be a real number"),
-])
+  ],
+)
 def test_bad_inputs_are_refused_with_a_message_naming_the_argument(args, kwargs, error, match):
   with pytest.raises(error, match=match):
     viz.plot_attention(*args, **kwargs)
@@ -239,7 +251,9 @@ def test_bad_inputs_are_refused_with_a_message_naming_the_argument(args, kwargs,
 def test_ax_is_refused_with_3d_weights_and_non_axes():
   fig = matplotlib.figure.Figure()
   ax = fig.subplots()
-  with pytest.raises(ValueError, match=r"weights must be 2-D \(T, S\) with ax, got shape \(2, 3, 3\)"):
+  with pytest.raises(
+    ValueError, match=r"weights must be 2-D \(T, S\) with ax, got shape \(2, 3, 3\)"
+  ):
     viz.plot_attention(_W3, ax=ax)
   assert not ax.images
   with pytest.raises(TypeError, match="ax must be a matplotlib Axes, got Figure"):

@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
+from reference import assert_close, attention_jnp, normal
 
 import jattn
 from jattn import masks, scores
-from reference import assert_close, attention_jnp, normal
 
 B, T, S, N, K, H = 2, 4, 5, 4, 2, 3
 IDS_Q = np.array([[0, 0, 1, 1], [2, 3, 3, 3]])
@@ -17,25 +17,29 @@ IDS_KV = np.array([[0, 1, 1, 1, 2], [3, 3, 2, 2, 5]])
 
 # Every mask kind, several of which leave some query rows with nothing to attend to.
 MASKS = {
-    "none": None,
-    "causal": masks.causal(),
-    "causal_empty_rows": masks.causal(-2),
-    "window": masks.sliding_window(1, 1),
-    "chunked": masks.chunked(2),
-    "prefix_lm": masks.prefix_lm(np.array([2, 0])),
-    "segments": masks.segments(IDS_Q, IDS_KV),
-    "lengths_empty_rows": masks.lengths(np.array([3, 4]), np.array([0, 2])),
-    "global": masks.global_tokens(1),
-    "strided": masks.strided(2),
-    "from_array": masks.from_array(np.random.default_rng(0).random((B, 1, T, S)) < 0.5),
-    "from_fn": masks.from_fn(lambda b, h, q, kv: (q + kv + b + h) % 3 != 0),
-    "combined": (masks.causal(1) & ~masks.strided(3)) | masks.global_tokens(1),
+  "none": None,
+  "causal": masks.causal(),
+  "causal_empty_rows": masks.causal(-2),
+  "window": masks.sliding_window(1, 1),
+  "chunked": masks.chunked(2),
+  "prefix_lm": masks.prefix_lm(np.array([2, 0])),
+  "segments": masks.segments(IDS_Q, IDS_KV),
+  "lengths_empty_rows": masks.lengths(np.array([3, 4]), np.array([0, 2])),
+  "global": masks.global_tokens(1),
+  "strided": masks.strided(2),
+  "from_array": masks.from_array(np.random.default_rng(0).random((B, 1, T, S)) < 0.5),
+  "from_fn": masks.from_fn(lambda b, h, q, kv: (q + kv + b + h) % 3 != 0),
+  "combined": (masks.causal(1) & ~masks.strided(3)) | masks.global_tokens(1),
 }
 
 
 def _inputs(dtype):
-  return (normal((B, T, N, H), dtype), normal((B, S, K, H), dtype, 1),
-          normal((B, S, K, H), dtype, 2), normal((1, N, T, S), dtype, 3))
+  return (
+    normal((B, T, N, H), dtype),
+    normal((B, S, K, H), dtype, 1),
+    normal((B, S, K, H), dtype, 2),
+    normal((1, N, T, S), dtype, 3),
+  )
 
 
 def _finite(lse):
@@ -44,9 +48,11 @@ def _finite(lse):
 
 def _ours(mask, backward, score_fn=None, **kw):
   def f(q, k, v, bias):
-    out, lse = jattn.dot_product_attention(q, k, v, bias, mask=mask, score_fn=score_fn,
-                                           return_residual=True, backward=backward, **kw)
+    out, lse = jattn.dot_product_attention(
+      q, k, v, bias, mask=mask, score_fn=score_fn, return_residual=True, backward=backward, **kw
+    )
     return out, _finite(lse)
+
   return f
 
 
@@ -56,6 +62,7 @@ def _plain(mask, score_fn=None):
   def f(q, k, v, bias):
     out, lse = attention_jnp(q, k, v, bias, allowed=allowed, score=score_fn)
     return out, _finite(lse)
+
   return f
 
 
@@ -85,11 +92,12 @@ def test_check_grads_float64(kind, x64):
 
 
 SCORE_FNS = {
-    "alibi": scores.alibi(np.array([0.5, 0.2, 0.1, 0.05])),
-    "relative": scores.relative_position_bias(np.linspace(-1, 1, 16 * N).reshape(16, N),
-                                              num_buckets=16, max_distance=8),
-    "soft_cap": scores.soft_cap(1.5),
-    "custom": lambda s, b, h, q, kv: s * (1.0 + 0.1 * h) - 0.05 * (q - kv) ** 2,
+  "alibi": scores.alibi(np.array([0.5, 0.2, 0.1, 0.05])),
+  "relative": scores.relative_position_bias(
+    np.linspace(-1, 1, 16 * N).reshape(16, N), num_buckets=16, max_distance=8
+  ),
+  "soft_cap": scores.soft_cap(1.5),
+  "custom": lambda s, b, h, q, kv: s * (1.0 + 0.1 * h) - 0.05 * (q - kv) ** 2,
 }
 
 
@@ -109,13 +117,17 @@ def test_check_grads_float64_score_fns(name, x64):
   fn = SCORE_FNS[name]
   if isinstance(fn, jattn.ScoreFn):  # rebuild with float64 parameters
     fn = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), fn)
-  check_grads(_ours(masks.causal(), "custom_vjp", fn), _inputs(jnp.float64), order=1,
-              modes=["rev"])
+  check_grads(_ours(masks.causal(), "custom_vjp", fn), _inputs(jnp.float64), order=1, modes=["rev"])
 
 
 def test_check_grads_float64_dropout_and_soft_cap(x64):
-  f = _ours(masks.sliding_window(2, 0), "custom_vjp", dropout_rate=0.3,
-            dropout_rng=jax.random.key(2), logits_soft_cap=3.0)
+  f = _ours(
+    masks.sliding_window(2, 0),
+    "custom_vjp",
+    dropout_rate=0.3,
+    dropout_rng=jax.random.key(2),
+    logits_soft_cap=3.0,
+  )
   check_grads(f, _inputs(jnp.float64), order=1, modes=["rev"])
 
 
@@ -123,15 +135,18 @@ def test_check_grads_float64_mqa_unbatched(x64):
   q, k, v, _ = _inputs(jnp.float64)
 
   def f(q, k, v):
-    return jattn.dot_product_attention(q[0], k[0, :, :1], v[0, :, :1], is_causal=True,
-                                       backward="custom_vjp")
+    return jattn.dot_product_attention(
+      q[0], k[0, :, :1], v[0, :, :1], is_causal=True, backward="custom_vjp"
+    )
+
   check_grads(f, (q, k, v), order=1, modes=["rev"])
 
 
 def test_backward_rules_agree_in_bfloat16():
   args = _inputs(jnp.bfloat16)
-  mask = masks.causal() & masks.segments(np.array([[0, 0, 1, 1]] * 2), np.array([[0, 0, 1, 1,
-                                                                                   1]] * 2))
+  mask = masks.causal() & masks.segments(
+    np.array([[0, 0, 1, 1]] * 2), np.array([[0, 0, 1, 1, 1]] * 2)
+  )
   got = _grads(_ours(mask, "custom_vjp"), args)
   want = _grads(_ours(mask, "autodiff"), args)
   for a, b in zip(got, want):
@@ -141,6 +156,7 @@ def test_backward_rules_agree_in_bfloat16():
 
 def test_autodiff_rule_supports_forward_mode(x64):
   args = _inputs(jnp.float64)
-  f = _ours(masks.causal() & masks.segments(IDS_Q, IDS_KV), "autodiff",
-            score_fn=SCORE_FNS["relative"])
+  f = _ours(
+    masks.causal() & masks.segments(IDS_Q, IDS_KV), "autodiff", score_fn=SCORE_FNS["relative"]
+  )
   check_grads(f, args, order=2, modes=["fwd", "rev"])

@@ -40,9 +40,16 @@ class ConfigError(ValueError):
   """A config that cannot be used; the message names the offending key."""
 
 
-def _field(default: Any = dataclasses.MISSING, *, choices: tuple | None = None,
-           minimum: float | None = None, maximum: float | None = None,
-           above: float | None = None, factory: Any = dataclasses.MISSING, doc: str = ""):
+def _field(
+  default: Any = dataclasses.MISSING,
+  *,
+  choices: tuple | None = None,
+  minimum: float | None = None,
+  maximum: float | None = None,
+  above: float | None = None,
+  factory: Any = dataclasses.MISSING,
+  doc: str = "",
+):
   """A dataclass field with its checks (choices, inclusive ``minimum``/``maximum``,
   exclusive ``above``) kept as metadata for :func:`_check_fields`."""
   meta = dict(choices=choices, minimum=minimum, maximum=maximum, above=above, doc=doc)
@@ -88,13 +95,12 @@ def _check_fields(obj) -> None:
         pass
       else:
         object.__setattr__(obj, f.name, value)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
       if not isinstance(value, tp):
         raise ConfigError(f"'{key}' must be a mapping of {tp.__name__} keys, got {value!r}")
       continue
     if not _matches(value, tp):
-      raise ConfigError(f"'{key}' must be {_type_name(tp)}, got {type(value).__name__} "
-                        f"{value!r}")
+      raise ConfigError(f"'{key}' must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
     if tp is float and isinstance(value, int):
       object.__setattr__(obj, f.name, float(value))
     items = value if isinstance(value, tuple) else (value,)
@@ -116,6 +122,7 @@ def _check_fields(obj) -> None:
 
 class _Section:
   """Runs the field checks, then the section's own cross-field checks (``_check``)."""
+
   SECTION: typing.ClassVar[str] = ""
 
   def __post_init__(self):
@@ -129,38 +136,50 @@ class _Section:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(_Section):
   """A decoder-only transformer (see :mod:`experiments.toy.model`)."""
+
   SECTION: typing.ClassVar[str] = "model."
   d_model: int = _field(64, minimum=1, doc="residual width")
   num_heads: int = _field(4, minimum=1, doc="query heads per layer")
   num_kv_heads: int | None = _field(None, minimum=1, doc="key/value heads (GQA); null = num_heads")
   num_layers: int = _field(2, minimum=1, doc="transformer blocks")
   mlp_ratio: int = _field(4, minimum=1, doc="MLP hidden width / d_model")
-  positions: str = _field("rope", choices=("rope", "sinusoidal"),
-                          doc="RoPE in every attention layer, or sinusoidal embeddings added once")
+  positions: str = _field(
+    "rope",
+    choices=("rope", "sinusoidal"),
+    doc="RoPE in every attention layer, or sinusoidal embeddings added once",
+  )
   rope_base: float = _field(10_000.0, above=1.0, doc="RoPE base wavelength")
   block_q: int | None = _field(None, minimum=1, doc="blockwise query tile (null = jattn default)")
   block_kv: int | None = _field(None, minimum=1, doc="blockwise key/value tile")
 
   def _check(self) -> None:
     if self.d_model % self.num_heads:
-      raise ConfigError(f"'model.d_model' ({self.d_model}) must be a multiple of "
-                        f"'model.num_heads' ({self.num_heads})")
+      raise ConfigError(
+        f"'model.d_model' ({self.d_model}) must be a multiple of "
+        f"'model.num_heads' ({self.num_heads})"
+      )
     if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
-      raise ConfigError(f"'model.num_heads' ({self.num_heads}) must be a multiple of "
-                        f"'model.num_kv_heads' ({self.num_kv_heads})")
+      raise ConfigError(
+        f"'model.num_heads' ({self.num_heads}) must be a multiple of "
+        f"'model.num_kv_heads' ({self.num_kv_heads})"
+      )
     head_dim = self.d_model // self.num_heads
     if head_dim % 2:
-      raise ConfigError(f"the head size 'model.d_model' / 'model.num_heads' = {head_dim} "
-                        "must be even (RoPE and sinusoidal tables pair channels)")
+      raise ConfigError(
+        f"the head size 'model.d_model' / 'model.num_heads' = {head_dim} "
+        "must be even (RoPE and sinusoidal tables pair channels)"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig(_Section):
   """Which toy task to train on (see :mod:`experiments.toy.tasks`)."""
+
   SECTION: typing.ClassVar[str] = "task."
   name: str = _field("copy", choices=tasks.TASKS)
-  length: int = _field(12, minimum=1, doc="symbols to copy/reverse/sort, key-value pairs, or "
-                                          "body tokens of long_range")
+  length: int = _field(
+    12, minimum=1, doc="symbols to copy/reverse/sort, key-value pairs, or body tokens of long_range"
+  )
   num_symbols: int = _field(16, minimum=2, doc="distinct content symbols")
 
   def _check(self) -> None:
@@ -176,11 +195,13 @@ class TaskConfig(_Section):
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig(_Section):
   """AdamW with linear warmup, cosine decay and global-norm clipping (optax)."""
+
   SECTION: typing.ClassVar[str] = "optimizer."
   learning_rate: float = _field(3e-3, above=0.0, doc="peak learning rate")
   warmup_steps: int = _field(40, minimum=0, doc="linear warmup from 0 to the peak")
-  final_lr_fraction: float = _field(0.1, minimum=0.0, maximum=1.0,
-                                    doc="cosine decays to this fraction of the peak")
+  final_lr_fraction: float = _field(
+    0.1, minimum=0.0, maximum=1.0, doc="cosine decays to this fraction of the peak"
+  )
   weight_decay: float = _field(0.01, minimum=0.0, doc="decoupled, on matrices only")
   b1: float = _field(0.9, minimum=0.0, maximum=1.0)
   b2: float = _field(0.98, minimum=0.0, maximum=1.0)
@@ -190,6 +211,7 @@ class OptimizerConfig(_Section):
 @dataclasses.dataclass(frozen=True)
 class TrainingConfig(_Section):
   """The training loop, shared by every rule."""
+
   SECTION: typing.ClassVar[str] = "training."
   steps: int = _field(400, minimum=1)
   batch_size: int = _field(32, minimum=1)
@@ -202,42 +224,52 @@ class TrainingConfig(_Section):
 @dataclasses.dataclass(frozen=True)
 class SweepConfig(_Section):
   """Step time and memory of each rule against sequence length."""
+
   SECTION: typing.ClassVar[str] = "comparison.sweep."
-  seq_lens: tuple[int, ...] = _field(factory=tuple, minimum=2,
-                                     doc="sequence lengths; empty = no sweep")
+  seq_lens: tuple[int, ...] = _field(
+    factory=tuple, minimum=2, doc="sequence lengths; empty = no sweep"
+  )
   batch_size: int = _field(1, minimum=1)
   steps: int = _field(3, minimum=1, doc="timed train steps per cell, after a warm-up step")
-  memory_limit_mb: int = _field(4096, minimum=512,
-                                doc="address-space cap of each cell's process")
+  memory_limit_mb: int = _field(4096, minimum=512, doc="address-space cap of each cell's process")
   timeout_s: float = _field(120.0, above=0.0, doc="wall-clock cap of each cell's process")
 
   def _check(self) -> None:
     if any(a >= b for a, b in zip(self.seq_lens, self.seq_lens[1:])):
-      raise ConfigError(f"'comparison.sweep.seq_lens' must be increasing (a rule that fails "
-                        f"at one length is skipped at longer ones), got {list(self.seq_lens)}")
+      raise ConfigError(
+        f"'comparison.sweep.seq_lens' must be increasing (a rule that fails "
+        f"at one length is skipped at longer ones), got {list(self.seq_lens)}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
 class ComparisonConfig(_Section):
   """Which backward rules to train, and the sequence-length sweep."""
+
   SECTION: typing.ClassVar[str] = "comparison."
   rules: tuple[str, ...] = _field(RULES, choices=RULES)
   sweep: SweepConfig = dataclasses.field(default_factory=SweepConfig)
-  heatmap_rule: str | None = _field(None, choices=RULES,
-                                    doc="whose trained heads to plot; null = the last rule")
+  heatmap_rule: str | None = _field(
+    None, choices=RULES, doc="whose trained heads to plot; null = the last rule"
+  )
 
   def _check(self) -> None:
     if not self.rules or len(set(self.rules)) != len(self.rules):
-      raise ConfigError(f"'comparison.rules' must be a non-empty list of distinct rules from "
-                        f"{list(RULES)}, got {list(self.rules)}")
+      raise ConfigError(
+        f"'comparison.rules' must be a non-empty list of distinct rules from "
+        f"{list(RULES)}, got {list(self.rules)}"
+      )
     if self.heatmap_rule is not None and self.heatmap_rule not in self.rules:
-      raise ConfigError(f"'comparison.heatmap_rule' ({self.heatmap_rule!r}) must be one of "
-                        f"'comparison.rules' {list(self.rules)}")
+      raise ConfigError(
+        f"'comparison.heatmap_rule' ({self.heatmap_rule!r}) must be one of "
+        f"'comparison.rules' {list(self.rules)}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
 class Config(_Section):
   """A whole run."""
+
   SECTION: typing.ClassVar[str] = ""
   name: str = _field("run", doc="run directory name under output_dir")
   output_dir: str = _field("runs")
@@ -264,15 +296,16 @@ def from_dict(cls, data: Any, prefix: str = ""):
   """Builds ``cls`` from nested mappings; lists become tuples. Raises ConfigError."""
   section = prefix.rstrip(".") or "the config"
   if not isinstance(data, dict):
-    raise ConfigError(f"{section!r} must be a mapping with keys {_valid_keys(cls)}, "
-                      f"got {type(data).__name__} {data!r}")
+    raise ConfigError(
+      f"{section!r} must be a mapping with keys {_valid_keys(cls)}, "
+      f"got {type(data).__name__} {data!r}"
+    )
   hints = typing.get_type_hints(cls)
   names = {f.name for f in dataclasses.fields(cls)}
   kwargs = {}
   for key, value in data.items():
     if key not in names:
-      raise ConfigError(f"unknown key '{prefix}{key}'; valid keys of {section}: "
-                        f"{_valid_keys(cls)}")
+      raise ConfigError(f"unknown key '{prefix}{key}'; valid keys of {section}: {_valid_keys(cls)}")
     tp = hints[key]
     if dataclasses.is_dataclass(tp):
       value = from_dict(tp, {} if value is None else value, f"{prefix}{key}.")
@@ -284,12 +317,14 @@ def from_dict(cls, data: Any, prefix: str = ""):
 
 def to_dict(cfg) -> dict:
   """The resolved config as plain YAML/JSON-ready data (tuples become lists)."""
+
   def plain(x):
     if isinstance(x, dict):
       return {k: plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
       return [plain(v) for v in x]
     return x
+
   return plain(dataclasses.asdict(cfg))
 
 
@@ -299,22 +334,23 @@ def _apply_override(data: dict, assignment: str) -> None:
   if not sep or not key:
     raise ConfigError(f"--set expects key=value (e.g. training.steps=100), got {assignment!r}")
   path = key.strip().split(".")
-  cls, node = Config, data
+  cls: type = Config
+  node = data
   for i, part in enumerate(path):
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    dotted = ".".join(path[:i + 1])
+    dotted = ".".join(path[: i + 1])
     if part not in fields:
       where = ".".join(path[:i]) or "the config"
-      raise ConfigError(f"unknown key '{dotted}' in --set; valid keys of {where}: "
-                        f"{_valid_keys(cls)}")
+      raise ConfigError(
+        f"unknown key '{dotted}' in --set; valid keys of {where}: {_valid_keys(cls)}"
+      )
     tp = typing.get_type_hints(cls)[part]
     if i == len(path) - 1:
       if dataclasses.is_dataclass(tp):
-        raise ConfigError(f"--set {dotted} names a section; set one of its keys: "
-                          f"{_valid_keys(tp)}")
+        raise ConfigError(f"--set {dotted} names a section; set one of its keys: {_valid_keys(tp)}")
       node[part] = yaml.safe_load(raw)
       return
-    if not dataclasses.is_dataclass(tp):
+    if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
       raise ConfigError(f"'{dotted}' is not a section and has no key '{path[i + 1]}'")
     child = node.get(part)
     if child is None:
@@ -340,8 +376,7 @@ def load(path: str | pathlib.Path | None, overrides: typing.Sequence[str] = ()) 
       raise ConfigError(f"{path}: not valid YAML: {e}") from None
     data = {} if data is None else data
     if not isinstance(data, dict):
-      raise ConfigError(f"{path}: the top level must be a mapping with keys "
-                        f"{_valid_keys(Config)}")
+      raise ConfigError(f"{path}: the top level must be a mapping with keys {_valid_keys(Config)}")
     data.setdefault("name", path.stem)
   for assignment in overrides:
     _apply_override(data, assignment)

@@ -12,6 +12,8 @@ same seed and different rules start from identical weights.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -22,9 +24,9 @@ from experiments.toy.config import ModelConfig
 
 # rule -> (implementation, backward) of jattn.dot_product_attention
 RULES = {
-    "autodiff": ("xla", "autodiff"),        # materialised scores, JAX autodiff
-    "custom_vjp": ("xla", "custom_vjp"),    # materialised scores, jattn's explicit rule
-    "blockwise": ("blockwise", "custom_vjp"),  # tiles, recompute in the backward pass
+  "autodiff": ("xla", "autodiff"),  # materialised scores, JAX autodiff
+  "custom_vjp": ("xla", "custom_vjp"),  # materialised scores, jattn's explicit rule
+  "blockwise": ("blockwise", "custom_vjp"),  # tiles, recompute in the backward pass
 }
 
 
@@ -37,9 +39,18 @@ class Block(nnx.Module):
     rope = jattn.positional.Rotary(base=cfg.rope_base) if cfg.positions == "rope" else None
     self.attention_norm = nnx.RMSNorm(d, rngs=rngs)
     self.attention = jattn.nnx.MultiHeadAttention(
-        cfg.num_heads, d, num_kv_heads=cfg.num_kv_heads, use_bias=False, is_causal=True,
-        rope=rope, implementation=implementation, backward=backward, block_q=cfg.block_q,
-        block_kv=cfg.block_kv, rngs=rngs)
+      cfg.num_heads,
+      d,
+      num_kv_heads=cfg.num_kv_heads,
+      use_bias=False,
+      is_causal=True,
+      rope=rope,
+      implementation=implementation,
+      backward=backward,
+      block_q=cfg.block_q,
+      block_kv=cfg.block_kv,
+      rngs=rngs,
+    )
     self.mlp_norm = nnx.RMSNorm(d, rngs=rngs)
     self.mlp_in = nnx.Linear(d, cfg.mlp_ratio * d, rngs=rngs)
     self.mlp_out = nnx.Linear(cfg.mlp_ratio * d, d, rngs=rngs)
@@ -64,8 +75,12 @@ class Transformer(nnx.Module):
   def __call__(self, tokens: jax.Array, *, sow_weights: bool = False) -> jax.Array:
     x = self.embed(tokens)
     if self.cfg.positions == "sinusoidal":
-      x = x + jattn.positional.sinusoidal(jnp.arange(tokens.shape[-1]), self.cfg.d_model,
-                                          dtype=x.dtype)[None]
+      x = (
+        x
+        + jattn.positional.sinusoidal(
+          jnp.arange(tokens.shape[-1]), self.cfg.d_model, dtype=x.dtype
+        )[None]
+      )
     for block in self.blocks:
       x = block(x, sow_weights=sow_weights)
     return self.head(self.final_norm(x))
@@ -82,6 +97,9 @@ def attention_weights(model: Transformer, tokens: jax.Array) -> list[jax.Array]:
   ``model`` must use a materialising rule (``autodiff`` or ``custom_vjp``);
   load other rules' parameters into such a model with ``nnx.update``.
   """
-  _, sown = nnx.capture(model, nnx.Intermediate)(tokens, sow_weights=True)
-  return [sown["blocks"][i]["attention"]["attention_weights"].get_value()[0]
-          for i in range(len(model.blocks))]
+  captured: Any = nnx.capture(model, nnx.Intermediate)  # (out, state) on call
+  _, sown = captured(tokens, sow_weights=True)
+  return [
+    sown["blocks"][i]["attention"]["attention_weights"].get_value()[0]
+    for i in range(len(model.blocks))
+  ]

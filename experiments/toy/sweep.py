@@ -48,9 +48,14 @@ def run_cell(config_path: str, rule: str, seq_len: int) -> dict:
   step_bytes = trainer.compile(batch)
   trainer.step(batch)  # warm-up
   times = [trainer.step(batch)["step_ms"] for _ in range(sweep.steps)]
-  return dict(rule=rule, seq_len=seq_len, status="ok", median_step_ms=statistics.median(times),
-              step_mem_mb=None if step_bytes is None else step_bytes / 2**20,
-              peak_rss_mb=peak_rss_mb())
+  return dict(
+    rule=rule,
+    seq_len=seq_len,
+    status="ok",
+    median_step_ms=statistics.median(times),
+    step_mem_mb=None if step_bytes is None else step_bytes / 2**20,
+    peak_rss_mb=peak_rss_mb(),
+  )
 
 
 def limit_memory(limit_mb: int) -> None:
@@ -74,20 +79,27 @@ def sweep(config_path: str | pathlib.Path, cfg, *, on_cell=lambda row: None) -> 
   ``skipped``): its cost only grows with T.
   """
   s = cfg.comparison.sweep
-  rows, failed = [], {}
+  rows: list[dict] = []
+  failed: dict = {}
   for seq_len in s.seq_lens:
     for rule in cfg.comparison.rules:
-      base = dict(rule=rule, seq_len=seq_len, median_step_ms=None, step_mem_mb=None,
-                  peak_rss_mb=None)
+      base = dict(
+        rule=rule, seq_len=seq_len, median_step_ms=None, step_mem_mb=None, peak_rss_mb=None
+      )
       if rule in failed:
         row = {**base, "status": f"skipped (failed at T={failed[rule]})"}
       else:
-        cmd = [sys.executable, "-m", "experiments.toy.sweep",
-               str(pathlib.Path(config_path).resolve()), rule,
-               str(seq_len), str(s.memory_limit_mb)]
+        cmd = [
+          sys.executable,
+          "-m",
+          "experiments.toy.sweep",
+          str(pathlib.Path(config_path).resolve()),
+          rule,
+          str(seq_len),
+          str(s.memory_limit_mb),
+        ]
         try:
-          proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                                timeout=s.timeout_s)
+          proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=s.timeout_s)
         except subprocess.TimeoutExpired:
           row = {**base, "status": f"timed out (> {s.timeout_s:g} s)"}
         else:
@@ -106,7 +118,7 @@ def sweep(config_path: str | pathlib.Path, cfg, *, on_cell=lambda row: None) -> 
 
 
 def main(argv=None) -> None:
-  config_path, rule, seq_len, limit_mb = (sys.argv[1:] if argv is None else argv)
+  config_path, rule, seq_len, limit_mb = sys.argv[1:] if argv is None else argv
   limit_memory(int(limit_mb))  # before JAX is imported (run_cell imports it)
   print(json.dumps(run_cell(config_path, rule, int(seq_len))))
 

@@ -46,6 +46,7 @@ import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 TASKS = ("copy", "reverse", "sort", "associative_recall", "long_range")
@@ -78,8 +79,8 @@ class Batch(NamedTuple):
       :attr:`Task.num_answer_tokens` positions of every row).
   """
 
-  tokens: np.ndarray
-  answer: np.ndarray
+  tokens: np.ndarray | jax.Array
+  answer: np.ndarray | jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,14 +109,17 @@ class Task:
     length = _integer("length", self.length, minimum=1)
     num_symbols = _integer("num_symbols", self.num_symbols, minimum=1)
     if length < _MIN_LENGTH[self.name]:
-      raise ValueError(f"length must be >= {_MIN_LENGTH[self.name]} for task {self.name!r}, "
-                       f"got {length}")
+      raise ValueError(
+        f"length must be >= {_MIN_LENGTH[self.name]} for task {self.name!r}, got {length}"
+      )
     if num_symbols < _MIN_SYMBOLS:
       raise ValueError(f"num_symbols must be >= {_MIN_SYMBOLS}, got {num_symbols}")
     if self.name == "associative_recall" and num_symbols < 2 * length:
-      raise ValueError(f"num_symbols ({num_symbols}) must be >= 2 * length ({2 * length}) "
-                       f"for associative_recall: the {length} keys are distinct symbols "
-                       f"from the lower half")
+      raise ValueError(
+        f"num_symbols ({num_symbols}) must be >= 2 * length ({2 * length}) "
+        f"for associative_recall: the {length} keys are distinct symbols "
+        f"from the lower half"
+      )
     object.__setattr__(self, "length", length)  # normalised to Python ints: hashable
     object.__setattr__(self, "num_symbols", num_symbols)
 
@@ -174,7 +178,7 @@ class Task:
     rng = np.random.default_rng([seed, SPLITS[split], index])
     tokens = _GENERATORS[self.name](self, rng, batch_size).astype(np.int32, copy=False)
     answer = np.zeros(tokens.shape, bool)
-    answer[:, -self.num_answer_tokens:] = True
+    answer[:, -self.num_answer_tokens :] = True
     return Batch(tokens, answer)
 
   def token_names(self, tokens: Sequence[int] | np.ndarray) -> list[str]:
@@ -192,8 +196,9 @@ class Task:
     if array.size and not np.issubdtype(array.dtype, np.integer):
       raise TypeError(f"tokens must be integers, got dtype {array.dtype}")
     if array.size and (array.min() < 0 or array.max() >= self.vocab_size):
-      raise ValueError(f"tokens must lie in [0, {self.vocab_size}), got values from "
-                       f"{array.min()} to {array.max()}")
+      raise ValueError(
+        f"tokens must lie in [0, {self.vocab_size}), got values from {array.min()} to {array.max()}"
+      )
     special = {self.sep: "|", self.mark: "*"}
     return [special.get(t, str(t)) for t in array.tolist()]
 
@@ -254,9 +259,9 @@ def _long_range(task: Task, rng: np.random.Generator, batch_size: int) -> np.nda
 
 
 _GENERATORS = {
-    "copy": _copy,
-    "reverse": _reverse,
-    "sort": _sort,
-    "associative_recall": _associative_recall,
-    "long_range": _long_range,
+  "copy": _copy,
+  "reverse": _reverse,
+  "sort": _sort,
+  "associative_recall": _associative_recall,
+  "long_range": _long_range,
 }

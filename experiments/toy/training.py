@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,14 +32,17 @@ def make_optimizer(cfg: OptimizerConfig, steps: int) -> optax.GradientTransforma
   Weight decay applies to matrices (embeddings, kernels), not to norm scales.
   """
   schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.learning_rate,
-      warmup_steps=min(cfg.warmup_steps, steps - 1) if steps > 1 else 0,
-      decay_steps=steps, end_value=cfg.learning_rate * cfg.final_lr_fraction)
+    init_value=0.0,
+    peak_value=cfg.learning_rate,
+    warmup_steps=min(cfg.warmup_steps, steps - 1) if steps > 1 else 0,
+    decay_steps=steps,
+    end_value=cfg.learning_rate * cfg.final_lr_fraction,
+  )
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
   return optax.chain(
-      optax.clip_by_global_norm(cfg.clip_norm),
-      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
-                  mask=decay_mask))
+    optax.clip_by_global_norm(cfg.clip_norm),
+    optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask),
+  )
 
 
 def loss_and_metrics(logits: jax.Array, batch: Batch) -> tuple[jax.Array, dict]:
@@ -53,13 +57,15 @@ def loss_and_metrics(logits: jax.Array, batch: Batch) -> tuple[jax.Array, dict]:
   count = jnp.maximum(weights.sum(), 1)
   loss = jnp.where(weights, losses, 0.0).sum() / count
   correct = (logits.argmax(-1) == targets) | ~weights
-  return loss, dict(token_accuracy=(correct & weights).sum() / count,
-                    exact_match=correct.all(-1).mean())
+  return loss, dict(
+    token_accuracy=(correct & weights).sum() / count, exact_match=correct.all(-1).mean()
+  )
 
 
 @dataclasses.dataclass
 class State:
   """What changes during training."""
+
   params: nnx.State
   opt_state: optax.OptState
 
@@ -70,14 +76,15 @@ class Trainer:
   def __init__(self, cfg: Config, task: Task, rule: str):
     self.cfg, self.rule = cfg, rule
     model = model_lib.build(cfg.model, task.vocab_size, rule, cfg.training.seed)
-    self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+    split: Any = nnx.split(model, nnx.Param, ...)
+    self.graphdef, params, self.rest = split
     self.optimizer = make_optimizer(cfg.optimizer, cfg.training.steps)
     self.state = State(params, self.optimizer.init(params))
     self._step = jax.jit(self._train_step)
     self._eval = jax.jit(self._loss)
     self._grads = jax.jit(jax.grad(lambda p, b: self._loss(p, b)[0]))
-    self.compiled = None
-    self.step_bytes = None  # XLA's buffer assignment for the compiled step
+    self.compiled: Any = None
+    self.step_bytes: int | None = None  # XLA's buffer assignment for the compiled step
 
   def _loss(self, params, batch: Batch):
     logits = nnx.merge(self.graphdef, params, self.rest)(batch.tokens[:, :-1])
@@ -111,7 +118,8 @@ class Trainer:
 
   def evaluate(self, batches: list[Batch]) -> dict:
     """Loss, token accuracy and exact match over held-out batches (sample-weighted)."""
-    totals, n = {}, 0
+    totals: dict[str, float] = {}
+    n = 0
     for batch in batches:
       loss, metrics = self._eval(self.state.params, batch)
       size = batch.tokens.shape[0]
@@ -131,8 +139,9 @@ def step_memory_bytes(compiled) -> int | None:
     return None
   if m is None:
     return None
-  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-             - m.alias_size_in_bytes)
+  return int(
+    m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+  )
 
 
 def train_batches(cfg: Config, task: Task) -> Iterator[Batch]:
@@ -157,14 +166,22 @@ def as_jax(batch: Batch) -> Batch:
 
 def relative_difference(tree, reference) -> float:
   """‖tree − reference‖ / ‖reference‖ over all leaves, in float64."""
-  num = sum(float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
-            for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(reference)))
+  num = sum(
+    float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
+    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(reference))
+  )
   den = sum(float(np.sum(np.asarray(b, np.float64) ** 2)) for b in jax.tree.leaves(reference))
   return float(np.sqrt(num / den)) if den else float(np.sqrt(num))
 
 
-def train(trainer: Trainer, batches: Iterator[Batch], held_out: list[Batch], *,
-          eval_every: int, on_step: Callable[[dict], None] = lambda m: None) -> list[dict]:
+def train(
+  trainer: Trainer,
+  batches: Iterator[Batch],
+  held_out: list[Batch],
+  *,
+  eval_every: int,
+  on_step: Callable[[dict], None] = lambda m: None,
+) -> list[dict]:
   """Runs the loop; every record has step, loss, grad_norm, accuracies, step_ms, and the
   held-out metrics on evaluation steps (every ``eval_every`` steps and the last)."""
   records = []

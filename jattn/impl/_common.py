@@ -6,13 +6,15 @@ head. Query head n belongs to key/value head n // G, as in jax.nn.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
+
 
 def stats_dtype(dtype) -> np.dtype:
   """Logits, maxima and sums: float32, or float64 for float64 inputs."""
@@ -63,8 +65,9 @@ def logits(query_g: jax.Array, key: jax.Array, bias: jax.Array | None, scale: fl
   S = key.shape[1]
   chex.assert_shape(key, (B, S, K, H))
   dtype = stats_dtype(query_g.dtype)
-  s = jnp.einsum("BKGTH,BSKH->BKGTS", scaled_queries(query_g, scale), key,
-                 preferred_element_type=dtype)
+  s = jnp.einsum(
+    "BKGTH,BSKH->BKGTS", scaled_queries(query_g, scale), key, preferred_element_type=dtype
+  )
   if not scales_queries(query_g.dtype):
     s = s * jnp.asarray(scale, dtype)
   s = s.reshape(B, K * G, T, S)
@@ -78,8 +81,12 @@ def probs_times_values(p: jax.Array, value: jax.Array) -> jax.Array:
   """``p @ v`` for p (B, N, T, S) and value (B, S, K, H), as (B, K, G, T, H) in float32/64."""
   B, N, T, S = p.shape
   K = value.shape[2]
-  return jnp.einsum("BKGTS,BSKH->BKGTH", p.astype(value.dtype).reshape(B, K, N // K, T, S), value,
-                    preferred_element_type=stats_dtype(value.dtype))
+  return jnp.einsum(
+    "BKGTS,BSKH->BKGTH",
+    p.astype(value.dtype).reshape(B, K, N // K, T, S),
+    value,
+    preferred_element_type=stats_dtype(value.dtype),
+  )
 
 
 def unnormalized_softmax(s: jax.Array, keep: jax.Array | None):
@@ -184,8 +191,8 @@ def hoist(fn: Callable, *example_args) -> tuple[Callable, list[Any]]:
   n_consts = len(consts)
 
   def converted(*args):
-    flat, _ = jax.tree_util.tree_flatten(args[:len(args) - n_consts])
-    outs = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, args[len(args) - n_consts:]))(*flat)
+    flat, _ = jax.tree_util.tree_flatten(args[: len(args) - n_consts])
+    outs = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, args[len(args) - n_consts :]))(*flat)
     return outs[0] if len(outs) == 1 else tuple(outs)
 
   return converted, consts
@@ -194,5 +201,6 @@ def hoist(fn: Callable, *example_args) -> tuple[Callable, list[Any]]:
 def float_or_none(cotangents, primals):
   """A custom_vjp's cotangents for its inputs: None for integer and boolean ones."""
   return tuple(
-      ct if ct is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact) else None
-      for ct, x in zip(cotangents, primals))
+    ct if ct is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact) else None
+    for ct, x in zip(cotangents, primals)
+  )

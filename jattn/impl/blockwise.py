@@ -57,7 +57,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -85,8 +86,15 @@ def default_blocks(backend: str) -> tuple[int, int]:
   return DEFAULT_BLOCKS.get(backend, DEFAULT_BLOCKS["cpu"])
 
 
+def resolve_blocks(block_q: int | None, block_kv: int | None) -> tuple[int, int]:
+  """The given tile sizes, with the running backend's defaults where they are None."""
+  default_q, default_kv = default_blocks(jax.default_backend())
+  return (default_q if block_q is None else block_q, default_kv if block_kv is None else block_kv)
+
+
 class _Static(NamedTuple):
   """Hashable settings of one call: the custom_vjp's non-differentiable argument."""
+
   scale: float
   dropout_rate: float
   broadcast_dropout: bool  # one (T, S) dropout pattern for every (batch, head)
@@ -101,25 +109,49 @@ class _Static(NamedTuple):
 class _Schedule(NamedTuple):
   """Which tiles to visit: for each query tile (rows) or key/value tile (columns),
   the other axis's tile indices with FULL tiles first, then PARTIAL, and their counts."""
+
   order: jax.Array  # (n, m) int32
   num_full: jax.Array  # (n,) int32
   num_partial: jax.Array  # (n,) int32
 
 
-def attention(query, key, value, bias, *, mask: _masks.Mask | None, score_fn: Callable | None,
-              scale: float, dropout_rate: float, dropout_rng, broadcast_dropout: bool,
-              block_q: int, block_kv: int):
+def attention(
+  query,
+  key,
+  value,
+  bias,
+  *,
+  mask: _masks.Mask | None,
+  score_fn: Callable | None,
+  scale: float,
+  dropout_rate: float,
+  dropout_rng,
+  broadcast_dropout: bool,
+  block_q: int,
+  block_kv: int,
+):
   """Returns ``(out (B, T, N, H) in query's dtype, lse (B, T, N) in float32/64)``."""
-  p = plan(query, key, mask=mask, score_fn=score_fn, scale=scale, dropout_rate=dropout_rate,
-           dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, block_q=block_q,
-           block_kv=block_kv)
-  out, lse = _attention_vjp(p.static, query, key, value, bias, p.seed, p.rows, p.cols,
-                            p.mask_consts, p.score_consts)
+  p = plan(
+    query,
+    key,
+    mask=mask,
+    score_fn=score_fn,
+    scale=scale,
+    dropout_rate=dropout_rate,
+    dropout_rng=dropout_rng,
+    broadcast_dropout=broadcast_dropout,
+    block_q=block_q,
+    block_kv=block_kv,
+  )
+  out, lse = _attention_vjp(
+    p.static, query, key, value, bias, p.seed, p.rows, p.cols, p.mask_consts, p.score_consts
+  )
   return out.astype(query.dtype), lse
 
 
 class Plan(NamedTuple):
   """Everything one call needs besides the arrays: settings, tile schedules, hoisted constants."""
+
   static: _Static
   rows: _Schedule  # per query tile: the key/value tiles to visit (forward)
   cols: _Schedule  # per key/value tile: the query tiles to visit (backward)
@@ -132,9 +164,19 @@ class Plan(NamedTuple):
     return (self.mask_consts, self.score_consts)
 
 
-def plan(query, key, *, mask: _masks.Mask | None, score_fn: Callable | None, scale: float,
-         dropout_rate: float = 0.0, dropout_rng=None, broadcast_dropout: bool = False,
-         block_q: int, block_kv: int) -> Plan:
+def plan(
+  query,
+  key,
+  *,
+  mask: _masks.Mask | None,
+  score_fn: Callable | None,
+  scale: float,
+  dropout_rate: float = 0.0,
+  dropout_rng=None,
+  broadcast_dropout: bool = False,
+  block_q: int,
+  block_kv: int,
+) -> Plan:
   """Tile sizes, the schedules of non-empty tiles and the closure-converted mask and score
   function for query (B, T, N, H) against key (B, S, K, H). Used by :func:`attention` and by
   :mod:`jattn.parallel`, which plans one call per pair of shards."""
@@ -145,21 +187,24 @@ def plan(query, key, *, mask: _masks.Mask | None, score_fn: Callable | None, sca
   rows, cols = (jax.tree.map(jnp.asarray, _schedule(v)) for v in (view, view.T))
 
   example = _tile_indices(B, N, bq, bk, 0, 0)
-  mask_fn, mask_consts = None, []
+  mask_fn: Callable | None = None
+  mask_consts: list = []
   if mask is not None:
     # The batch and head indices are always the whole (concrete) ranges: closing over them
     # lets masks index their per-row arrays along the sequence only (see masks._take).
     b, h, q, kv = example
     mask_fn, mask_consts = _common.hoist(lambda q, kv: mask(b, h, q, kv), q, kv)
-  modify, score_consts = None, []
+  modify: Callable | None = None
+  score_consts: list = []
   if score_fn is not None:
     s = jax.ShapeDtypeStruct((B, N, bq, bk), _common.stats_dtype(query.dtype))
     modify, score_consts = _common.hoist(score_fn, s, *example)
   seed = None
   if dropout_rate:
     seed = jnp.stack(_dropout.seed_words(dropout_rng))
-  static = _Static(float(scale), float(dropout_rate), bool(broadcast_dropout), T, S, bq, bk,
-                   mask_fn, modify)
+  static = _Static(
+    float(scale), float(dropout_rate), bool(broadcast_dropout), T, S, bq, bk, mask_fn, modify
+  )
   return Plan(static, rows, cols, seed, tuple(mask_consts), tuple(score_consts))
 
 
@@ -177,7 +222,8 @@ def backward(p: Plan, query, key, value, out, m, l, d_out, d_lse, bias=None):
   output, max and sum. Δ here is FlashAttention's rowsum(dY ⊙ Y) from ``out``, since a row's
   probabilities span the other parts too; :func:`attention` sums the exact rowsum(A ⊙ dA)."""
   d_query, d_key, d_value, d_bias, _, _ = _backward(
-      p.static, (query, key, value, bias, p.seed, p.cols, p.consts, out, m, l), d_out, d_lse)
+    p.static, (query, key, value, bias, p.seed, p.cols, p.consts, out, m, l), d_out, d_lse
+  )
   return d_query, d_key, d_value, d_bias
 
 
@@ -199,8 +245,9 @@ def _tile_classes(mask, B, N, T, S, bq, bk):
     xp = np if isinstance(per_head, np.ndarray) else jnp
     lo = xp.min(per_head, axis=(0, 1))
     hi = xp.max(per_head, axis=(0, 1))
-    view = xp.where(lo == _masks.FULL, _masks.FULL,
-                    xp.where(hi == _masks.EMPTY, _masks.EMPTY, _masks.PARTIAL)).astype(np.int8)
+    view = xp.where(
+      lo == _masks.FULL, _masks.FULL, xp.where(hi == _masks.EMPTY, _masks.EMPTY, _masks.PARTIAL)
+    ).astype(np.int8)
   xp = np if isinstance(view, np.ndarray) else jnp
   edge = xp.zeros((nq, nk), bool)
   if T % bq:
@@ -259,9 +306,12 @@ def _tile_indices(B, N, bq, bk, qi, ki):
   with jax.ensure_compile_time_eval():  # concrete batch index: masks take along sequences
     b = jnp.arange(B, dtype=jnp.int32).reshape(B, 1, 1, 1)
     h = jnp.arange(N, dtype=jnp.int32).reshape(1, N, 1, 1)
-  return (b, h,
-          (qi * bq + jnp.arange(bq, dtype=jnp.int32)).reshape(1, 1, bq, 1),
-          (ki * bk + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, bk))
+  return (
+    b,
+    h,
+    (qi * bq + jnp.arange(bq, dtype=jnp.int32)).reshape(1, 1, bq, 1),
+    (ki * bk + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, bk),
+  )
 
 
 def _pad_bias(bias, static: _Static):
@@ -269,8 +319,10 @@ def _pad_bias(bias, static: _Static):
   if bias is None:
     return None
   pads = [(0, 0), (0, 0)]
-  for size, length, block in ((bias.shape[2], static.q_len, static.block_q),
-                              (bias.shape[3], static.kv_len, static.block_kv)):
+  for size, length, block in (
+    (bias.shape[2], static.q_len, static.block_q),
+    (bias.shape[3], static.kv_len, static.block_kv),
+  ):
     pads.append((0, 0) if size == 1 else (0, math.ceil(length / block) * block - length))
   return jnp.pad(bias, pads)
 
@@ -285,14 +337,26 @@ def _bias_window(bias, static: _Static, qi, ki):
 
 class _Tile(NamedTuple):
   """What the forward and backward passes share for one (query tile, key/value tile)."""
+
   s: jax.Array  # (B, N, bq, bk) scores after bias and score_fn, float32/64
   keep: jax.Array | None  # mask, None on FULL tiles
   drop: jax.Array | None  # dropout keep mask
   score_vjp: Callable | None  # d_s -> (d_s before score_fn, *d_score_consts)
 
 
-def _tile(static: _Static, q_tile, k_tile, bias, seed, consts, qi, ki, *, masked: bool,
-          with_vjp: bool = False) -> _Tile:
+def _tile(
+  static: _Static,
+  q_tile,
+  k_tile,
+  bias,
+  seed,
+  consts,
+  qi,
+  ki,
+  *,
+  masked: bool,
+  with_vjp: bool = False,
+) -> _Tile:
   """Scores, mask and dropout of tile (qi, ki); q_tile (B, K, G·bq, H), k_tile (B, K, bk, H)."""
   mask_consts, score_consts = consts
   B, K, rows, _ = q_tile.shape
@@ -308,11 +372,12 @@ def _tile(static: _Static, q_tile, k_tile, bias, seed, consts, qi, ki, *, masked
     s = s + jax.lax.dynamic_slice(bias, start, size).astype(dtype)
   idx = _tile_indices(B, N, bq, bk, qi, ki)
   score_vjp = None
-  if static.score_fn is not None:
+  score_fn = static.score_fn
+  if score_fn is not None:
     if with_vjp:
-      s, score_vjp = jax.vjp(lambda s, *c: static.score_fn(s, *idx, *c), s, *score_consts)
+      s, score_vjp = jax.vjp(lambda s, *c: score_fn(s, *idx, *c), s, *score_consts)
     else:
-      s = static.score_fn(s, *idx, *score_consts)
+      s = score_fn(s, *idx, *score_consts)
   keep = None
   if masked:
     b, h, q, kv = idx
@@ -331,8 +396,7 @@ def _visit(schedule: _Schedule, i, body, carry):
   n_full, n_partial = schedule.num_full[i], schedule.num_partial[i]
   order = schedule.order[i]
   carry = jax.lax.fori_loop(0, n_full, lambda t, c: body(order[t], c, False), carry)
-  return jax.lax.fori_loop(n_full, n_full + n_partial, lambda t, c: body(order[t], c, True),
-                           carry)
+  return jax.lax.fori_loop(n_full, n_full + n_partial, lambda t, c: body(order[t], c, True), carry)
 
 
 # --- forward ------------------------------------------------------------------
@@ -348,8 +412,9 @@ def _forward(static: _Static, query, key, value, bias, seed, rows: _Schedule, co
   q_tiles = _query_tiles(_common.scaled_queries(query, static.scale), bq, K)
   k_tiles, v_tiles = _tiles(key, static.block_kv), _tiles(value, static.block_kv)
   bias = _pad_bias(bias, static)
-  keep_scale = None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate),
-                                                                dtype)
+  keep_scale = (
+    None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate), dtype)
+  )
 
   def query_tile(i, q_tile):
     def body(j, carry, masked):
@@ -366,14 +431,17 @@ def _forward(static: _Static, query, key, value, bias, seed, rows: _Schedule, co
       l = l * alpha + jnp.sum(p, axis=-1, keepdims=True, dtype=dtype)
       if tile.drop is not None:
         p = jnp.where(tile.drop, p * keep_scale.astype(p.dtype), 0)
-      pv = jnp.einsum("BKrk,BKkH->BKrH", p.reshape(B, K, G * bq, -1),
-                      v_tiles[j], preferred_element_type=dtype)
+      pv = jnp.einsum(
+        "BKrk,BKkH->BKrH", p.reshape(B, K, G * bq, -1), v_tiles[j], preferred_element_type=dtype
+      )
       acc = acc * alpha.reshape(B, K, G * bq, 1) + pv
       return acc, m_new, l
 
-    init = (jnp.zeros((B, K, G * bq, H), dtype),
-            jnp.full((B, N, bq, 1), -jnp.inf, dtype),
-            jnp.zeros((B, N, bq, 1), dtype))
+    init = (
+      jnp.zeros((B, K, G * bq, H), dtype),
+      jnp.full((B, N, bq, 1), -jnp.inf, dtype),
+      jnp.zeros((B, N, bq, 1), dtype),
+    )
     acc, m, l = _visit(rows, i, body, init)
     out = acc / _common.safe_total(l).reshape(B, K, G * bq, 1)  # empty rows: acc is 0
     return out, _common.row_max(m)[..., 0], l[..., 0]  # (B, K, G·bq, H), (B, N, bq) twice
@@ -388,23 +456,37 @@ def _forward(static: _Static, query, key, value, bias, seed, rows: _Schedule, co
 # --- backward -----------------------------------------------------------------
 
 
-def _row_dots(static: _Static, q_tiles, do_tiles, k_tiles, v_tiles, bias, seed, consts, m, l,
-              rows: _Schedule, with_sums: bool):
+def _row_dots(
+  static: _Static,
+  q_tiles,
+  do_tiles,
+  k_tiles,
+  v_tiles,
+  bias,
+  seed,
+  consts,
+  m,
+  l,
+  rows: _Schedule,
+  with_sums: bool,
+):
   """(rowsum(A ⊙ dA), rowsum(A) if ``with_sums`` else None) per row, each (nq, B, N, bq, 1):
   A recomputed from m and l, dA = dY Vᵀ."""
   B, K, rows_per_tile, H = q_tiles.shape[1:]
   bq, bk = static.block_q, static.block_kv
   N = rows_per_tile // bq * K
   dtype = m.dtype
-  keep_scale = None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate),
-                                                                dtype)
+  keep_scale = (
+    None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate), dtype)
+  )
 
   def query_tile(i, q_tile, do_tile, m_i, l_i):
     def body(j, acc, masked):
       tile = _tile(static, q_tile, k_tiles[j], bias, seed, consts, i, j, masked=masked)
       p = _common.normalized_exp(tile.s, m_i, l_i, tile.keep)
-      d_p = jnp.einsum("BKrH,BKkH->BKrk", do_tile, v_tiles[j],
-                       preferred_element_type=dtype).reshape(B, N, bq, bk)
+      d_p = jnp.einsum(
+        "BKrH,BKkH->BKrk", do_tile, v_tiles[j], preferred_element_type=dtype
+      ).reshape(B, N, bq, bk)
       if tile.drop is not None:
         d_p = jnp.where(tile.drop, d_p * keep_scale, 0)
       dot, total = acc
@@ -431,8 +513,9 @@ def _backward(static: _Static, residuals, d_out, d_lse, rows: _Schedule | None =
   G = N // K
   bq, bk = static.block_q, static.block_kv
   dtype = _common.stats_dtype(query.dtype)
-  keep_scale = None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate),
-                                                                dtype)
+  keep_scale = (
+    None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate), dtype)
+  )
 
   q_tiles = _query_tiles(_common.scaled_queries(query, static.scale), bq, K)
   prescaled = _common.scales_queries(query.dtype)
@@ -458,8 +541,20 @@ def _backward(static: _Static, residuals, d_out, d_lse, rows: _Schedule | None =
     # backward recomputes, and the correction would only add rounding (measured: float32 dq
     # 1.54x jax.nn's error with it, 1.23x without).
     narrow = value.dtype != dtype
-    row_dot, row_sum = _row_dots(static, q_tiles, do_tiles, k_tiles, v_tiles, padded_bias,
-                                 seed, consts, m, l, rows, with_sums=narrow)
+    row_dot, row_sum = _row_dots(
+      static,
+      q_tiles,
+      do_tiles,
+      k_tiles,
+      v_tiles,
+      padded_bias,
+      seed,
+      consts,
+      m,
+      l,
+      rows,
+      with_sums=narrow,
+    )
     if narrow:
       row_sum = _common.safe_total(row_sum)
       l = l * row_sum
@@ -476,14 +571,16 @@ def _backward(static: _Static, residuals, d_out, d_lse, rows: _Schedule | None =
     def body(i, inner, masked):
       d_k, d_v, d_q, d_bias, d_consts = inner
       q_tile = q_tiles[i]
-      tile = _tile(static, q_tile, k_tile, padded_bias, seed, consts, i, j, masked=masked,
-                   with_vjp=True)
+      tile = _tile(
+        static, q_tile, k_tile, padded_bias, seed, consts, i, j, masked=masked, with_vjp=True
+      )
       p = _common.normalized_exp(tile.s, m[i], l[i], tile.keep)  # A, normalised
       p_used = p if tile.drop is None else jnp.where(tile.drop, p * keep_scale, 0)
       do_tile = do_tiles[i]
       d_v = d_v + jnp.einsum("BKrk,BKrH->BKHk", p_used.reshape(B, K, G * bq, bk), do_tile)
-      d_p = jnp.einsum("BKrH,BKkH->BKrk", do_tile, v_tile,
-                       preferred_element_type=dtype).reshape(B, N, bq, bk)
+      d_p = jnp.einsum("BKrH,BKkH->BKrk", do_tile, v_tile, preferred_element_type=dtype).reshape(
+        B, N, bq, bk
+      )
       if tile.drop is not None:
         d_p = jnp.where(tile.drop, d_p * keep_scale, 0)
       d_s = p * (d_p - delta[i])
@@ -495,7 +592,8 @@ def _backward(static: _Static, residuals, d_out, d_lse, rows: _Schedule | None =
         start, size = _bias_window(d_bias, static, i, j)
         part = _common.reduce_to_shape(d_s, size).astype(d_bias.dtype)
         d_bias = jax.lax.dynamic_update_slice(
-            d_bias, jax.lax.dynamic_slice(d_bias, start, size) + part, start)
+          d_bias, jax.lax.dynamic_slice(d_bias, start, size) + part, start
+        )
       # dQ = scale · dS K and dK = scale · dSᵀ Q: with pre-scaled queries, dK needs no
       # product and dQ is scaled once at the end.
       d_s = d_s.reshape(B, K, G * bq, bk)
@@ -508,25 +606,28 @@ def _backward(static: _Static, residuals, d_out, d_lse, rows: _Schedule | None =
     # dK and dV accumulate transposed, (H, block_kv) per head: contracting the query rows
     # into that layout ran about 1.7x faster than into (block_kv, H) with XLA's CPU dot.
     zeros = jnp.zeros((B, K, H, bk), dtype)
-    d_k, d_v, d_q, d_bias, d_consts = _visit(cols, j, body,
-                                             (zeros, zeros, d_q, d_bias, d_consts))
+    d_k, d_v, d_q, d_bias, d_consts = _visit(cols, j, body, (zeros, zeros, d_q, d_bias, d_consts))
     return (d_q, d_bias, d_consts), (d_k, d_v)
 
-  init = (jnp.zeros(q_tiles.shape, dtype),
-          None if bias is None else jnp.zeros(padded_bias.shape, dtype),
-          tuple(jnp.zeros(jnp.shape(c), dtype) for c, f in zip(score_consts, is_float) if f))
+  init = (
+    jnp.zeros(q_tiles.shape, dtype),
+    None if bias is None else jnp.zeros(padded_bias.shape, dtype),
+    tuple(jnp.zeros(jnp.shape(c), dtype) for c, f in zip(score_consts, is_float) if f),
+  )
   (d_q, d_bias, d_float), (d_k, d_v) = jax.lax.scan(
-      kv_tile, init, (jnp.arange(k_tiles.shape[0], dtype=jnp.int32), k_tiles, v_tiles))
+    kv_tile, init, (jnp.arange(k_tiles.shape[0], dtype=jnp.int32), k_tiles, v_tiles)
+  )
   d_query = _untile_queries(d_q, N, T)
   if prescaled:
     d_query = d_query * jnp.asarray(static.scale, dtype)
   d_key = d_k.transpose(1, 0, 4, 2, 3).reshape(B, -1, K, H)[:, :S]  # (nk, B, K, H, bk)
   d_value = d_v.transpose(1, 0, 4, 2, 3).reshape(B, -1, K, H)[:, :S]
-  if bias is not None:
-    d_bias = d_bias[:, :, :bias.shape[2], :bias.shape[3]]
-  d_float = iter(d_float)
-  d_score = tuple(next(d_float).astype(jnp.result_type(c)) if f else None
-                  for c, f in zip(score_consts, is_float))
+  if d_bias is not None:
+    d_bias = d_bias[:, :, : bias.shape[2], : bias.shape[3]]
+  d_floats = iter(d_float)
+  d_score = tuple(
+    next(d_floats).astype(jnp.result_type(c)) if f else None for c, f in zip(score_consts, is_float)
+  )
   d_mask = tuple(None for _ in mask_consts)
   return d_query, d_key, d_value, d_bias, d_mask, d_score
 
@@ -550,10 +651,15 @@ def _attention_bwd(static, residuals, cotangents):
   query, key, value, bias, seed, rows, cols, mask_consts, score_consts, m, l = residuals
   d_out, d_lse = cotangents
   d_query, d_key, d_value, d_bias, d_mask, d_score = _backward(
-      static, (query, key, value, bias, seed, cols, (mask_consts, score_consts), None, m, l),
-      d_out, d_lse, rows)
-  d_query, d_key, d_value = (d.astype(x.dtype) for d, x in ((d_query, query), (d_key, key),
-                                                             (d_value, value)))
+    static,
+    (query, key, value, bias, seed, cols, (mask_consts, score_consts), None, m, l),
+    d_out,
+    d_lse,
+    rows,
+  )
+  d_query, d_key, d_value = (
+    d.astype(x.dtype) for d, x in ((d_query, query), (d_key, key), (d_value, value))
+  )
   if bias is not None:
     d_bias = d_bias.astype(bias.dtype)
   return d_query, d_key, d_value, d_bias, None, None, None, d_mask, d_score

@@ -24,7 +24,7 @@ Arguments arrive normalised and validated by :mod:`jattn.attention`.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +36,20 @@ from jattn.masks import Mask, index_grid
 BACKWARDS = ("autodiff", "custom_vjp")
 
 
-def attention(query, key, value, bias, *, mask: Mask | None, score_fn: Callable | None,
-              scale: float, dropout_rate: float, dropout_rng, broadcast_dropout: bool,
-              backward: str):
+def attention(
+  query,
+  key,
+  value,
+  bias,
+  *,
+  mask: Mask | None,
+  score_fn: Callable | None,
+  scale: float,
+  dropout_rate: float,
+  dropout_rng,
+  broadcast_dropout: bool,
+  backward: str,
+):
   """Returns ``(out (B, T, N, H) in query's dtype, lse (B, T, N) in float32/64)``."""
   B, T, N, _ = query.shape
   S = key.shape[1]
@@ -50,20 +61,23 @@ def attention(query, key, value, bias, *, mask: Mask | None, score_fn: Callable 
     drop = _dropout.keep_mask(dropout_rng, dropout_rate, *idx)
 
   if backward == "autodiff":
-    modify = None if score_fn is None else (lambda s: score_fn(s, *grid))
+    modify: Callable | None = None if score_fn is None else (lambda s: score_fn(s, *grid))
     return _forward(query, key, value, bias, keep, drop, modify, (), scale, dropout_rate)[0]
 
   assert backward == "custom_vjp", backward
-  modify, consts = None, []
+  modify = None
+  consts: list = []
   if score_fn is not None:
     example = jax.ShapeDtypeStruct((B, N, T, S), _common.stats_dtype(query.dtype))
     modify, consts = _common.hoist(lambda s: score_fn(s, *index_grid(B, N, T, S)), example)
-  return _attention_vjp((scale, dropout_rate), modify, query, key, value, bias, keep, drop,
-                        tuple(consts))
+  return _attention_vjp(
+    (scale, dropout_rate), modify, query, key, value, bias, keep, drop, tuple(consts)
+  )
 
 
-def weights(query, key, bias, *, mask: Mask | None, score_fn: Callable | None,
-            scale: float) -> jax.Array:
+def weights(
+  query, key, bias, *, mask: Mask | None, score_fn: Callable | None, scale: float
+) -> jax.Array:
   """The normalised probabilities (B, N, T, S) in query's dtype; zero rows where nothing attends."""
   B, T, N, _ = query.shape
   S = key.shape[1]
@@ -100,8 +114,9 @@ def _attention_vjp(static, modify, query, key, value, bias, keep, drop, consts):
 
 def _attention_fwd(static, modify, query, key, value, bias, keep, drop, consts):
   scale, dropout_rate = static
-  (out, lse), (m, l) = _forward(query, key, value, bias, keep, drop, modify, consts, scale,
-                                dropout_rate)
+  (out, lse), (m, l) = _forward(
+    query, key, value, bias, keep, drop, modify, consts, scale, dropout_rate
+  )
   # The rows' max and sum, not their log-sum-exp m + log l: see _common.normalized_exp.
   return (out, lse), (query, key, value, bias, keep, drop, consts, m, l)
 
@@ -124,8 +139,9 @@ def _attention_bwd(static, modify, residuals, cotangents):
 
   d_out = _common.group_heads(d_out.astype(dtype), K)
   d_value = jnp.einsum("BKGTS,BKGTH->BSKH", p_used.reshape(B, K, G, T, S), d_out)
-  d_p_used = jnp.einsum("BKGTH,BSKH->BKGTS", d_out, value,
-                        preferred_element_type=dtype).reshape(B, N, T, S)
+  d_p_used = jnp.einsum("BKGTH,BSKH->BKGTS", d_out, value, preferred_element_type=dtype).reshape(
+    B, N, T, S
+  )
   d_p = d_p_used if drop is None else jnp.where(drop, d_p_used / (1.0 - dropout_rate), 0)
   # rowsum(A ⊙ dA): computed from the materialised grid rather than from
   # rowsum(out ⊙ dY), which would inherit the output's rounding.
@@ -141,8 +157,15 @@ def _attention_bwd(static, modify, residuals, cotangents):
   d_s = d_s.reshape(B, K, G, T, S) * jnp.asarray(scale, dtype)
   d_query = _common.ungroup_heads(jnp.einsum("BKGTS,BSKH->BKGTH", d_s, key))
   d_key = jnp.einsum("BKGTS,BKGTH->BSKH", d_s, query_g)
-  return (d_query.astype(query.dtype), d_key.astype(key.dtype), d_value.astype(value.dtype),
-          d_bias, None, None, _common.float_or_none(d_consts, consts))
+  return (
+    d_query.astype(query.dtype),
+    d_key.astype(key.dtype),
+    d_value.astype(value.dtype),
+    d_bias,
+    None,
+    None,
+    _common.float_or_none(d_consts, consts),
+  )
 
 
 _attention_vjp.defvjp(_attention_fwd, _attention_bwd)
