@@ -95,6 +95,14 @@ def real(name: str, value: Any) -> float:
   raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}")
 
 
+def positive_real(name: str, value: Any) -> float:
+  """``value`` as a float, checked: a concrete, positive, finite real number."""
+  value = real(name, value)
+  if not (value > 0 and np.isfinite(value)):
+    raise ValueError(f"{name} must be a positive finite number, got {value}")
+  return value
+
+
 def int_array(name: str, value: Any, *, ranks: tuple[int, ...], nonnegative: bool = False):
   """An integer array of one of ``ranks``; negative values rejected when concrete.
 
@@ -186,3 +194,73 @@ def qkv(query: Any, key: Any, value: Any):
       f"of key/value heads K ({kh})"
     )
   return q, k, v
+
+
+# --- the call's scalar settings, shared by every entry point ----------------------------
+
+
+def scale(scale, head_dim: int) -> float:
+  if scale is None:  # with H == 0 every logit is an empty sum, 0, whatever the scale
+    return 1.0 / float(np.sqrt(head_dim)) if head_dim else 1.0
+  scale = real("scale", scale)
+  if not np.isfinite(scale):
+    raise ValueError(f"scale must be finite, got {scale}")
+  return scale
+
+
+def flags(**flags) -> None:
+  for name, flag in flags.items():
+    boolean(name, flag)
+
+
+def window(window):
+  if window is None:
+    return None
+  if isinstance(window, numbers.Integral) and not isinstance(window, bool):
+    window = (window, window)
+  if not (isinstance(window, tuple) and len(window) == 2):
+    raise TypeError(
+      f"local_window_size must be an int or a (left, right) tuple of ints, got {window!r}"
+    )
+  return tuple(
+    integer(f"local_window_size[{i}]", w, minimum=0, int32=True) for i, w in enumerate(window)
+  )
+
+
+def seq_lengths(name, lengths, B):
+  if lengths is None:
+    return None
+  lengths = int_array(name, as_array(name, lengths), ranks=(1,), nonnegative=True)
+  if lengths.shape != (B,):
+    raise ValueError(f"{name} must have shape (B,)=({B},), got {lengths.shape}")
+  return lengths
+
+
+def tile_sizes(implementation, block_q, block_kv) -> tuple[int | None, int | None]:
+  """Tile sizes checked; they exist only for "blockwise" (None picks it, see _select.auto)."""
+  blocks = (
+    None if block_q is None else integer("block_q", block_q, minimum=1),
+    None if block_kv is None else integer("block_kv", block_kv, minimum=1),
+  )
+  if implementation not in (None, "blockwise") and blocks != (None, None):
+    raise ValueError(
+      f"block_q and block_kv apply only to implementation='blockwise', got "
+      f"implementation={implementation!r}"
+    )
+  return blocks
+
+
+def dropout_rate(rate) -> float:
+  rate = real("dropout_rate", rate)
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
+  return rate
+
+
+def dropout(rate, rng) -> float:
+  rate = dropout_rate(rate)
+  if rate > 0.0:
+    if rng is None:
+      raise ValueError(f"dropout_rate={rate} needs dropout_rng, got None")
+    prng_key("dropout_rng", rng)
+  return rate

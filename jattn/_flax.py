@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import _checks, attention, decode, positional
+from jattn.impl import _select
 
 NORMALIZE_QK = (False, True, "rms", "layernorm")
 
@@ -72,16 +73,16 @@ def check_config(
   )
   if num_heads % num_kv_heads:
     raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-  attention._check_dropout_rate(dropout_rate)
-  attention._check_flags(broadcast_dropout=broadcast_dropout, is_causal=is_causal)
+  _checks.dropout_rate(dropout_rate)
+  _checks.flags(broadcast_dropout=broadcast_dropout, is_causal=is_causal)
   if deterministic is not None and not isinstance(deterministic, (bool, np.bool_)):
     raise TypeError(f"deterministic must be a bool or None, got {deterministic!r}")
   if rope is not None and not isinstance(rope, positional.Rotary):
     raise TypeError(f"rope must be a jattn.positional.Rotary or None, got {type(rope).__name__}")
   if not any(normalize_qk is v or (isinstance(v, str) and normalize_qk == v) for v in NORMALIZE_QK):
     raise ValueError(f"normalize_qk must be one of {list(NORMALIZE_QK)}, got {normalize_qk!r}")
-  attention._check_choices(implementation, backward)
-  attention._check_blocks(implementation, block_q, block_kv)
+  _select.check_choices(implementation, backward)
+  _checks.tile_sizes(implementation, block_q, block_kv)
   out_features = (
     in_features
     if out_features is None

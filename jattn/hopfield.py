@@ -78,7 +78,7 @@ def retrieve(
     The retrieved states, shaped and typed like ``queries``.
   """
   xi, x = _check_arrays(queries, patterns)
-  beta = _check_beta(beta)
+  beta = _checks.positive_real("beta", beta)
   steps = _checks.integer("steps", steps, minimum=1)
   return _retrieve(xi, x, beta=beta, steps=steps)
 
@@ -101,7 +101,7 @@ def energy(
     computed in float32 (float64 for float64 inputs).
   """
   xi, x = _check_arrays(queries, patterns)
-  return _energy(xi, x, beta=_check_beta(beta))
+  return _energy(xi, x, beta=_checks.positive_real("beta", beta))
 
 
 @functools.partial(jax.jit, static_argnames=("beta", "steps"))
@@ -125,14 +125,6 @@ def _energy(queries, patterns, *, beta):
   largest = jnp.max(jnp.sum(x * x, axis=-1))
   e = -lse / beta + 0.5 * jnp.sum(xi * xi, axis=-1) + math.log(M) / beta + 0.5 * largest
   return e.astype(queries.dtype)
-
-
-def _check_beta(beta) -> float:
-  """``beta`` as a float, checked: a concrete, positive, finite real number."""
-  beta = _checks.real("beta", beta)
-  if not (beta > 0 and math.isfinite(beta)):
-    raise ValueError(f"beta must be a positive finite number, got {beta}")
-  return beta
 
 
 def _check_arrays(queries, patterns):

@@ -129,9 +129,7 @@ def linear_attention(
   if is_causal and T != S:
     raise ValueError(f"is_causal=True needs as many queries as keys, got T={T} and S={S}")
   chunk_size = _checks.integer("chunk_size", chunk_size, minimum=1)
-  eps = _checks.real("eps", eps)
-  if not (np.isfinite(eps) and eps > 0):
-    raise ValueError(f"eps must be a positive finite number, got {eps}")
+  eps = _checks.positive_real("eps", eps)
   orthogonal = _checks.boolean("orthogonal", orthogonal)
   feature_map = _check_feature_map(feature_map, q, k)
   if feature_map == "favor+":

@@ -364,7 +364,9 @@ class HopfieldLayer(nnx.Module):
   ):
     self.in_features = _checks.integer("in_features", in_features, minimum=1)
     self.num_patterns = _checks.integer("num_patterns", num_patterns, minimum=1)
-    self.beta = 1.0 / math.sqrt(self.in_features) if beta is None else _hopfield._check_beta(beta)
+    self.beta = (
+      1.0 / math.sqrt(self.in_features) if beta is None else _checks.positive_real("beta", beta)
+    )
     self.steps = _checks.integer("steps", steps, minimum=1)
     if not callable(pattern_init):
       raise TypeError(

@@ -47,7 +47,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jattn import _checks, attention, masks, scores
+from jattn import _checks, _spec, masks, scores
 from jattn.impl import _common, blockwise
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -259,31 +259,31 @@ def ring_attention(
     parts = math.prod(mesh.shape[a] for a in axes)
     if n % parts:
       raise ValueError(f"{name} ({n}) must be divisible by the {parts} devices of mesh axes {axes}")
-  scale = attention._check_scale(scale, H)
-  attention._check_flags(is_causal=is_causal, return_residual=return_residual)
+  scale = _checks.scale(scale, H)
+  _checks.flags(is_causal=is_causal, return_residual=return_residual)
   if mask is not None and not isinstance(mask, masks.Mask):
     raise TypeError(
       f"ring_attention takes mask as a jattn.masks.Mask, got "
       f"{type(mask).__name__}; a dense (T, S) array defeats sharding the sequence"
     )
-  window = attention._check_window(local_window_size)
+  window = _checks.window(local_window_size)
   lengths = tuple(
-    attention._check_lengths(name, x, B)
+    _checks.seq_lengths(name, x, B)
     for name, x in (
       ("query_seq_lengths", query_seq_lengths),
       ("key_value_seq_lengths", key_value_seq_lengths),
     )
   )
-  combined = attention._combine_masks(mask, is_causal, window, lengths, None, False, (B, N, T, S))
+  combined = _spec.combined_mask(mask, is_causal, window, lengths, None, False, (B, N, T, S))
   q_ids = kv_ids = None
   if segment_ids is not None:
-    seg = attention._check_segments(segment_ids, False, T, S)
+    seg = _spec.segments(segment_ids, False, T, S)
     q_ids, kv_ids = (jnp.broadcast_to(jnp.asarray(x), (B, n)) for x, n in zip(seg.children, (T, S)))
   soft_cap = None
   if logits_soft_cap is not None:
-    attention._check_score(None, logits_soft_cap, q.dtype, (B, N, T, S))
+    _spec.score_function(None, logits_soft_cap, q.dtype, (B, N, T, S))
     soft_cap = float(logits_soft_cap)
-  blocks = blockwise.resolve_blocks(*attention._check_blocks("blockwise", block_q, block_kv))
+  blocks = blockwise.resolve_blocks(*_checks.tile_sizes("blockwise", block_q, block_kv))
   ring = _Ring(
     axis_name,
     size,

@@ -75,9 +75,7 @@ def sinusoidal(
   dim = _checks.integer("dim", dim)
   if dim <= 0 or dim % 2:
     raise ValueError(f"dim must be a positive even int, got {dim}")
-  max_timescale = _checks.real("max_timescale", max_timescale)
-  if not (max_timescale > 0 and math.isfinite(max_timescale)):
-    raise ValueError(f"max_timescale must be a positive finite number, got {max_timescale}")
+  max_timescale = _checks.positive_real("max_timescale", max_timescale)
   try:
     dtype = jax.dtypes.canonicalize_dtype(dtype)
   except TypeError:
@@ -246,10 +244,7 @@ def _scaled_frequencies(rotary_dim: int, base: float, scaling: RopeScaling | Non
 
 
 def _check_base(base) -> float:
-  base = _checks.real("base", base)
-  if not (base > 0 and math.isfinite(base)):
-    raise ValueError(f"base must be a positive finite number, got {base}")
-  return base
+  return _checks.positive_real("base", base)
 
 
 def _check_fraction(rotary_fraction) -> float:

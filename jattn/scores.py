@@ -161,9 +161,7 @@ _SOFT_CAP = _Rule(
 
 def soft_cap(cap: float) -> ScoreFn:
   """Logit soft-capping (Gemma 2, Grok): ``cap * tanh(score / cap)``."""
-  cap = _checks.real("cap", cap)
-  if not (cap > 0 and math.isfinite(cap)):
-    raise ValueError(f"cap must be a positive finite number, got {cap}")
+  cap = _checks.positive_real("cap", cap)
   return ScoreFn(_SOFT_CAP, (cap,))
 
 

@@ -28,7 +28,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -148,9 +147,7 @@ def plot_attention(
     )
 
   max_cols = _checks.integer("max_cols", max_cols, minimum=1)
-  cell_inches = _checks.real("cell_inches", cell_inches)
-  if not (cell_inches > 0 and math.isfinite(cell_inches)):
-    raise ValueError(f"cell_inches must be a positive finite number, got {cell_inches}")
+  cell_inches = _checks.positive_real("cell_inches", cell_inches)
 
   fontsize = max(4.0, min(10.0, 0.6 * cell_inches * 72))  # tick labels: at most one per cell
   if ax is not None:
