@@ -5,8 +5,10 @@ grid, times the jitted forward pass and forward+backward (gradients of q, k,
 v) of each method on the same float32 inputs, in one run. After a warm-up
 call, the methods of one (T, causal, pass) take turns for ``reps`` rounds,
 together with a float32 matmul, so that the machine's drift during the run
-hits all of them alike; each turn times enough calls to last about 0.1 s
-(up to 200). Methods:
+hits all of them alike; each turn is an untimed call and then a block of
+back-to-back calls lasting about 0.1 s (3 to 200), whose median counts, and
+the order of turns rotates from round to round (experiments/_timing.py).
+Methods:
 
     jax.nn     jax.nn.dot_product_attention (materialised, autodiff)
     xla        jattn, implementation="xla" (materialised, autodiff)
@@ -44,8 +46,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
+from experiments import _timing
 from experiments._config import config_fields
 from experiments._memory import peak_rss_mb
+from experiments._timing import fmt
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 METHODS = ("jax.nn", "xla", "blockwise", "auto")
@@ -110,33 +114,6 @@ def flops(cfg: Config, T: int, H: int, causal: bool, mode: str) -> float:
   return f / 2 if causal else f
 
 
-def interleaved_ms(fns: dict, reps: int, min_seconds: float = 0.1) -> dict[str, np.ndarray]:
-  """Milliseconds per call of each ``name -> (fn, args)`` in each of ``reps`` rounds.
-
-  The functions take turns within every round, so that the machine's drift (this
-  CPU's speed moves by 10-20 % over minutes) reaches all of them alike and
-  per-round ratios stay meaningful. After a warm-up call, each turn repeats a
-  call until about ``min_seconds`` have passed (at most 200 calls): one call of
-  a millisecond is noise.
-  """
-  calls = {}
-  for name, (fn, args) in fns.items():
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    once = time.perf_counter() - start
-    calls[name] = max(1, min(200, int(min_seconds / max(once, 1e-6))))
-  times: dict[str, list[float]] = {name: [] for name in fns}
-  for _ in range(reps):
-    for name, (fn, args) in fns.items():
-      start = time.perf_counter()
-      for _ in range(calls[name]):
-        out = fn(*args)
-      jax.block_until_ready(out)
-      times[name].append((time.perf_counter() - start) / calls[name] * 1e3)
-  return {name: np.asarray(t) for name, t in times.items()}
-
-
 def materialises_too_much(cfg: Config, method: str, T: int) -> bool:
   return method in MATERIALISING and 4 * cfg.batch * cfg.heads * T * T > cfg.max_materialised_bytes
 
@@ -162,7 +139,7 @@ def time_grid(cfg: Config) -> tuple[list[dict], float | None]:
               if not materialises_too_much(cfg, m, T)
             }
           )
-          times = interleaved_ms(fns, cfg.reps)
+          times = _timing.rounds_ms(fns, cfg.reps)
           matmul_ms.extend(times["matmul"])
           ref = times.get("jax.nn")
           for row in group:
@@ -177,7 +154,7 @@ def time_grid(cfg: Config) -> tuple[list[dict], float | None]:
                 f"{mode}_gflops": work / median / 1e6,
                 f"{mode}_pct_matmul": 100.0
                 * float(np.median((work / ms) / (matmul_flops / times["matmul"]))),
-                f"{mode}_speedup": None if ref is None else float(np.median(ref / ms)),
+                f"{mode}_speedup": None if ref is None else _timing.median_ratio(ref, ms),
               }
             )
         rows.extend(group)
@@ -222,15 +199,11 @@ def memory_grid(cfg: Config, config_path: str | None, quick: bool) -> list[dict]
   return rows
 
 
-def _fmt(x, spec):
-  return "—" if x is None else format(x, spec)
-
-
 def print_tables(cfg: Config, matmul: float, rows: list[dict], memory: list[dict]) -> None:
   print(
     f"B={cfg.batch} N={cfg.heads} K={cfg.kv_heads} float32, {jax.devices()[0].platform}, "
     f"medians of {cfg.reps} interleaved rounds; float32 matmul {cfg.matmul_size}³: "
-    f"{_fmt(matmul, '.1f')} GFLOP/s\n"
+    f"{fmt(matmul, '.1f')} GFLOP/s\n"
   )
   print(
     "| H | T | causal | method | fwd ms | fwd GFLOP/s | % matmul | fwd speedup "
@@ -240,10 +213,10 @@ def print_tables(cfg: Config, matmul: float, rows: list[dict], memory: list[dict
   for r in rows:
     print(
       f"| {r['H']} | {r['T']} | {r['causal']} | {r['method']} | "
-      f"{_fmt(r.get('fwd_ms'), '.1f')} | {_fmt(r.get('fwd_gflops'), '.1f')} | "
-      f"{_fmt(r.get('fwd_pct_matmul'), '.0f')} | {_fmt(r.get('fwd_speedup'), '.2f')} | "
-      f"{_fmt(r.get('fwd_bwd_ms'), '.1f')} | {_fmt(r.get('fwd_bwd_gflops'), '.1f')} | "
-      f"{_fmt(r.get('fwd_bwd_speedup'), '.2f')} |"
+      f"{fmt(r.get('fwd_ms'), '.1f')} | {fmt(r.get('fwd_gflops'), '.1f')} | "
+      f"{fmt(r.get('fwd_pct_matmul'), '.0f')} | {fmt(r.get('fwd_speedup'), '.2f')} | "
+      f"{fmt(r.get('fwd_bwd_ms'), '.1f')} | {fmt(r.get('fwd_bwd_gflops'), '.1f')} | "
+      f"{fmt(r.get('fwd_bwd_speedup'), '.2f')} |"
     )
   if memory:
     print("\nforward+backward, one fresh process per case: peak process memory (VmHWM)\n")

@@ -1,7 +1,7 @@
 """What bounds the blockwise forward pass on this CPU: its matmuls without the softmax.
 
 Times, on the same float32 inputs and in interleaved rounds (see
-bench.interleaved_ms), the non-causal forward pass of
+experiments._timing.rounds_ms), the non-causal forward pass of
 
     jax.nn        jax.nn.dot_product_attention
     blockwise     jattn, implementation="blockwise"
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
-from experiments.bench import interleaved_ms
+from experiments import _timing
 from jattn.impl import blockwise
 
 
@@ -101,7 +101,7 @@ def main(argv=None) -> list[dict]:
     "matmuls only": (jax.jit(tile_matmuls(block)), (q, k, v)),
     "matmul": (jax.jit(lambda a: a @ a), (a,)),
   }
-  times = interleaved_ms(fns, args.reps)
+  times = _timing.rounds_ms(fns, args.reps)
   work = 4.0 * args.batch * args.heads * args.length**2 * args.head_dim
   rate = lambda name: (2.0 * args.matmul_size**3 if name == "matmul" else work) / times[name]
   rows = [
@@ -110,7 +110,7 @@ def main(argv=None) -> list[dict]:
       ms=float(np.median(times[name])),
       gflops=float(np.median(rate(name))) / 1e6,
       pct_matmul=float(np.median(100.0 * rate(name) / rate("matmul"))),
-      speedup=None if name == "matmul" else float(np.median(times["jax.nn"] / times[name])),
+      speedup=None if name == "matmul" else _timing.median_ratio(times["jax.nn"], times[name]),
     )
     for name in fns
   ]

@@ -2,7 +2,7 @@
 
 For each dtype, sequence length T (= S) and causal setting, times the jitted
 forward pass and forward+backward (gradients of q, k, v) of each method on the
-same inputs, the methods taking turns in every round (``bench.interleaved_ms``),
+same inputs, the methods taking turns in every round (``experiments._timing.rounds_ms``),
 and reports the median milliseconds, TFLOP/s (forward 4·B·N·T·S·H,
 forward+backward 3.5 times that, halved when causal) and the speedup over
 jax.nn's XLA path (median of per-round ratios). Also the scratch memory XLA
@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench import compiled, interleaved_ms
+from experiments import _timing
+from experiments.bench import compiled
 
 METHODS = ("jax.nn", "jax.nn/cudnn", "xla", "blockwise", "auto")
 
@@ -94,7 +95,7 @@ def main(argv=None) -> list[dict]:
               continue
             group[m][f"{mode}_scratch_mb"] = fn.memory_analysis().temp_size_in_bytes / 2**20
             fns[m] = (fn, (q, k, v))
-          times = interleaved_ms(fns, args.reps)
+          times = _timing.rounds_ms(fns, args.reps)
           work = (
             4.0 * B * N * T * T * H * (3.5 if mode == "fwd_bwd" else 1.0) / (2 if causal else 1)
           )
@@ -102,7 +103,7 @@ def main(argv=None) -> list[dict]:
             group[m][f"{mode}_ms"] = float(np.median(ms))
             group[m][f"{mode}_tflops"] = work / float(np.median(ms)) / 1e9
             if "jax.nn" in times:
-              group[m][f"{mode}_speedup"] = float(np.median(times["jax.nn"] / ms))
+              group[m][f"{mode}_speedup"] = _timing.median_ratio(times["jax.nn"], ms)
         for r in group.values():
           f = lambda key, spec: (
             format(r[key], spec) if key in r else r.get(key.rsplit("_", 1)[0] + "_error", "—")

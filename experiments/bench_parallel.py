@@ -64,8 +64,6 @@ import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 from typing import NamedTuple  # noqa: E402
 
 import jax  # noqa: E402
@@ -74,7 +72,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import jattn  # noqa: E402
+from experiments import _timing
 from experiments._config import config_fields
+from experiments._timing import fmt
 from jattn import masks, parallel  # noqa: E402
 from jattn.impl import blockwise as _blockwise  # noqa: E402
 
@@ -241,22 +241,11 @@ def device_bytes(compiled) -> dict | None:
   return dict(total=int(total), temp=int(m.temp_size_in_bytes))
 
 
-def median_ms(compiled, args, reps: int) -> float:
-  """Median of ``reps`` calls after one warm-up call."""
-  jax.block_until_ready(compiled(*args))
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times) * 1e3
-
-
 def measure(step, args, reps: int) -> dict:
   """Compile ``step`` ahead of time for ``args``; its per-device memory and median time."""
   compiled = step.lower(*args).compile()
   nbytes = device_bytes(compiled)
-  ms = median_ms(compiled, args, reps)
+  ms = _timing.block_ms(compiled, args, reps)
   return dict(
     mb=None if nbytes is None else nbytes["total"] / 2**20,
     temp_mb=None if nbytes is None else nbytes["temp"] / 2**20,
@@ -351,13 +340,9 @@ def memory_at_length(cfg: Config, T: int) -> list[dict]:
 # --- output ---------------------------------------------------------------------------
 
 
-def _fmt(x, spec):
-  return "—" if x is None else format(x, spec)
-
-
 def _mb(x):
   """Megabytes to four significant digits: readable for the quick run's kilobytes too."""
-  return _fmt(x, ".4g")
+  return fmt(x, ".4g")
 
 
 def _ratio(a, b):
@@ -374,7 +359,7 @@ def print_memory_table(cfg: Config, rows) -> None:
   for r in rows:
     print(
       f"| {r['method']} | {r['P']} | {_mb(r['mb'])} | {_mb(r['temp_mb'])} "
-      f"| {_fmt(r.get('vs_half_P'), '.3f')} |"
+      f"| {fmt(r.get('vs_half_P'), '.3f')} |"
     )
 
 
@@ -394,8 +379,8 @@ def print_tables(cfg: Config, blocks, ref: dict, rows, layouts, work) -> None:
   print("|---|---|---|---|---|---|---|")
   for r in rows:
     print(
-      f"| {r['P']} | {_mb(r['mb'])} | {_fmt(r['mb_x_P_vs_P1'], '.3f')} "
-      f"| {_mb(r['temp_mb'])} | {r['ms']:.1f} | {_fmt(_ratio(r['mb'], ref['mb']), '.3f')} "
+      f"| {r['P']} | {_mb(r['mb'])} | {fmt(r['mb_x_P_vs_P1'], '.3f')} "
+      f"| {_mb(r['temp_mb'])} | {r['ms']:.1f} | {fmt(_ratio(r['mb'], ref['mb']), '.3f')} "
       f"| {_ratio(r['ms'], ref['ms']):.3f} |"
     )
   P = max(cfg.devices)

@@ -55,6 +55,7 @@ import numpy as np
 
 import jattn
 from experiments._config import config_fields
+from experiments._timing import fmt
 from jattn import masks
 from jattn.impl import blockwise as _blockwise
 
@@ -260,10 +261,6 @@ def sparse_table(cfg: Config) -> list[dict]:
 # --- output -------------------------------------------------------------------------
 
 
-def _fmt(x, spec):
-  return "—" if x is None else format(x, spec)
-
-
 def print_tables(cfg: Config, rows, fits, cross, sparse) -> None:
   kind = "causal" if cfg.causal else "non-causal"
   print(
@@ -276,16 +273,16 @@ def print_tables(cfg: Config, rows, fits, cross, sparse) -> None:
   for r in rows:
     ratio = r["ms"] / ref[r["T"]] if r["ms"] and ref.get(r["T"]) else None
     print(
-      f"| {r['T']} | {r['method']} | {_fmt(r['ms'], '.1f')} | {_fmt(ratio, '.3f')} "
-      f"| {_fmt(r['mem_mb'], '.1f')} | {r['skipped'] or ''} |"
+      f"| {r['T']} | {r['method']} | {fmt(r['ms'], '.1f')} | {fmt(ratio, '.3f')} "
+      f"| {fmt(r['mem_mb'], '.1f')} | {r['skipped'] or ''} |"
     )
   print(f"\nlog-log slopes over T >= {cfg.fit_from}:\n")
   print("| method | time slope | memory slope |")
   print("|---|---|---|")
   for method, f in fits.items():
-    print(f"| {method} | {_fmt(f['time_slope'], '.2f')} | {_fmt(f['mem_slope'], '.2f')} |")
+    print(f"| {method} | {fmt(f['time_slope'], '.2f')} | {fmt(f['mem_slope'], '.2f')} |")
   print(
-    f"\nlinear attention overtakes blockwise softmax at T ≈ {_fmt(cross['length'], 'd')} "
+    f"\nlinear attention overtakes blockwise softmax at T ≈ {fmt(cross['length'], 'd')} "
     f"({cross['note']})"
   )
   if sparse:
@@ -298,7 +295,7 @@ def print_tables(cfg: Config, rows, fits, cross, sparse) -> None:
     for r in sparse:
       print(
         f"| {r['pattern']} | {r['tiles_visited']:.3f} | {r['ms']:.1f} "
-        f"| {_fmt(r['time_vs_dense'], '.3f')} |"
+        f"| {fmt(r['time_vs_dense'], '.3f')} |"
       )
 
 
@@ -376,8 +373,8 @@ def main(argv=None) -> dict:
   rows = measure(
     cfg,
     on_row=lambda r: print(
-      f"T={r['T']:>6} {r['method']:>9}: {_fmt(r['ms'], '10.1f')} ms "
-      f"{_fmt(r['mem_mb'], '10.1f')} MB {r['skipped'] or ''}",
+      f"T={r['T']:>6} {r['method']:>9}: {fmt(r['ms'], '10.1f')} ms "
+      f"{fmt(r['mem_mb'], '10.1f')} MB {r['skipped'] or ''}",
       flush=True,
     ),
   )

@@ -7,12 +7,9 @@ says so and the numbers are still written. Figures are built with
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
-
-def _fmt(x, spec: str) -> str:
-  return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+from experiments._timing import fmt
 
 
 def rules_table(rules: dict) -> str:
@@ -23,10 +20,10 @@ def rules_table(rules: dict) -> str:
   ]
   for name, r in rules.items():
     lines.append(
-      f"| {name} | {_fmt(r['final_accuracy'], '.1%')} | {_fmt(r['final_loss'], '.2e')} | "
-      f"{_fmt(r['max_abs_loss_diff_vs_autodiff'], '.1e')} | "
-      f"{_fmt(r['grad_rel_diff_step0'], '.1e')} | {_fmt(r['median_step_ms'], '.1f')} | "
-      f"{_fmt(r['peak_mem_mb'], '.1f')} |"
+      f"| {name} | {fmt(r['final_accuracy'], '.1%')} | {fmt(r['final_loss'], '.2e')} | "
+      f"{fmt(r['max_abs_loss_diff_vs_autodiff'], '.1e')} | "
+      f"{fmt(r['grad_rel_diff_step0'], '.1e')} | {fmt(r['median_step_ms'], '.1f')} | "
+      f"{fmt(r['peak_mem_mb'], '.1f')} |"
     )
   return "\n".join(lines)
 
@@ -45,7 +42,7 @@ def sweep_table(rows: Sequence[dict], rules: Sequence[str]) -> str:
         cells.append(row["status"])
       else:
         cells.append(
-          f"{row['median_step_ms']:.0f} ms, {_fmt(row['step_mem_mb'], '.0f')} MB "
+          f"{row['median_step_ms']:.0f} ms, {fmt(row['step_mem_mb'], '.0f')} MB "
           f"(RSS {row['peak_rss_mb']:.0f} MB)"
         )
     lines.append(f"| {T} | " + " | ".join(cells) + " |")
