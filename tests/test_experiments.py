@@ -4,6 +4,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import math
 import pathlib
 import sys
 
@@ -191,6 +192,19 @@ def test_bench_ceiling_quick():
   assert "| matmuls only |" in out.getvalue()
   with pytest.raises(SystemExit, match="positive"):
     _load("bench_ceiling").main(["--length", "0"])
+
+
+def test_bench_delta_quick():
+  """Both Δ rules run as custom_vjps on the same inputs, give the same gradients up to
+  rounding, and each gets a time and a ratio."""
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    rows = _load("bench_delta").main(["--quick"])
+  assert [(r["T"], r["causal"]) for r in rows] == [(64, False), (64, True)]
+  for r in rows:
+    assert r["exact_ms"] > 0 and r["flash_ms"] > 0 and math.isfinite(r["ratio"])
+    assert r["max_grad_diff"] < 1e-4, r
+  assert "| exact / flash |" in out.getvalue()
 
 
 def test_bench_gpu_quick(tmp_path):
