@@ -391,6 +391,21 @@ def _tile(
   return _Tile(s, keep, drop, score_vjp)
 
 
+def _keep_scale(static: _Static, dtype):
+  """Inverted dropout's scale 1 / (1 − rate) for kept weights, None without dropout."""
+  return None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate), dtype)
+
+
+def _d_probs(tile: _Tile, do_tile, v_tile, keep_scale, dtype):
+  """dA = dY Vᵀ of one tile, (B, N, bq, bk), with dropout's kept weights and scale applied.
+  The Δ pass and the gradient pass both take it from here, so Δ = rowsum(A ⊙ dA) sums the
+  very dA that dS = A ⊙ (dA − Δ) subtracts it from."""
+  B, N, bq, bk = tile.s.shape
+  d_p = jnp.einsum("BKrH,BKkH->BKrk", do_tile, v_tile, preferred_element_type=dtype)
+  d_p = d_p.reshape(B, N, bq, bk)
+  return d_p if tile.drop is None else jnp.where(tile.drop, d_p * keep_scale, 0)
+
+
 def _visit(schedule: _Schedule, i, body, carry):
   """Run ``body(j, carry, masked)`` over row ``i``'s FULL tiles, then its PARTIAL ones."""
   n_full, n_partial = schedule.num_full[i], schedule.num_partial[i]
@@ -412,9 +427,7 @@ def _forward(static: _Static, query, key, value, bias, seed, rows: _Schedule, co
   q_tiles = _query_tiles(_common.scaled_queries(query, static.scale), bq, K)
   k_tiles, v_tiles = _tiles(key, static.block_kv), _tiles(value, static.block_kv)
   bias = _pad_bias(bias, static)
-  keep_scale = (
-    None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate), dtype)
-  )
+  keep_scale = _keep_scale(static, dtype)
 
   def query_tile(i, q_tile):
     def body(j, carry, masked):
@@ -473,22 +486,16 @@ def _row_dots(
   """(rowsum(A ⊙ dA), rowsum(A) if ``with_sums`` else None) per row, each (nq, B, N, bq, 1):
   A recomputed from m and l, dA = dY Vᵀ."""
   B, K, rows_per_tile, H = q_tiles.shape[1:]
-  bq, bk = static.block_q, static.block_kv
+  bq = static.block_q
   N = rows_per_tile // bq * K
   dtype = m.dtype
-  keep_scale = (
-    None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate), dtype)
-  )
+  keep_scale = _keep_scale(static, dtype)
 
   def query_tile(i, q_tile, do_tile, m_i, l_i):
     def body(j, acc, masked):
       tile = _tile(static, q_tile, k_tiles[j], bias, seed, consts, i, j, masked=masked)
       p = _common.normalized_exp(tile.s, m_i, l_i, tile.keep)
-      d_p = jnp.einsum(
-        "BKrH,BKkH->BKrk", do_tile, v_tiles[j], preferred_element_type=dtype
-      ).reshape(B, N, bq, bk)
-      if tile.drop is not None:
-        d_p = jnp.where(tile.drop, d_p * keep_scale, 0)
+      d_p = _d_probs(tile, do_tile, v_tiles[j], keep_scale, dtype)
       dot, total = acc
       # An einsum rather than sum(p * d_p): XLA's CPU backend fused the latter's multiply and
       # the exp into the reduction and ran the pass 6x slower.
@@ -513,9 +520,7 @@ def _backward(static: _Static, residuals, d_out, d_lse, rows: _Schedule | None =
   G = N // K
   bq, bk = static.block_q, static.block_kv
   dtype = _common.stats_dtype(query.dtype)
-  keep_scale = (
-    None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate), dtype)
-  )
+  keep_scale = _keep_scale(static, dtype)
 
   q_tiles = _query_tiles(_common.scaled_queries(query, static.scale), bq, K)
   prescaled = _common.scales_queries(query.dtype)
@@ -578,11 +583,7 @@ def _backward(static: _Static, residuals, d_out, d_lse, rows: _Schedule | None =
       p_used = p if tile.drop is None else jnp.where(tile.drop, p * keep_scale, 0)
       do_tile = do_tiles[i]
       d_v = d_v + jnp.einsum("BKrk,BKrH->BKHk", p_used.reshape(B, K, G * bq, bk), do_tile)
-      d_p = jnp.einsum("BKrH,BKkH->BKrk", do_tile, v_tile, preferred_element_type=dtype).reshape(
-        B, N, bq, bk
-      )
-      if tile.drop is not None:
-        d_p = jnp.where(tile.drop, d_p * keep_scale, 0)
+      d_p = _d_probs(tile, do_tile, v_tile, keep_scale, dtype)
       d_s = p * (d_p - delta[i])
       if tile.score_vjp is not None:
         d_s, *d_c = tile.score_vjp(d_s)
