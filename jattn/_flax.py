@@ -235,14 +235,8 @@ def attend(
   segment_ids,
   cache,
   num_new,
-  dropout_rate: float,
-  dropout_rng,
-  broadcast_dropout,
-  implementation,
-  backward,
-  block_q,
-  block_kv,
   sow_weights: bool,
+  **options,
 ):
   """Attention over projected heads: RoPE, then the KV cache or plain attention.
 
@@ -250,6 +244,8 @@ def attend(
     query: (B, T, N, H) or (T, N, H), after the projection (and q/k norm).
     key, value: (B, S, K, H) or (S, K, H).
     cache: a :class:`jattn.decode.KVCache` to decode with, or None.
+    options: the module's keywords of :func:`jattn.dot_product_attention` (dropout,
+      implementation, backward, tiles), passed on as they are.
 
   Returns:
     ``(out, weights, new_cache)``: out like query; weights (B, N, T, S) when
@@ -259,21 +255,7 @@ def attend(
     if rope is not None:
       pos = decode.positions(cache, query.shape[1])
       query, key = rope(query, pos), rope(key, pos)
-    out, cache = decode.attention(
-      query,
-      key,
-      value,
-      cache,
-      num_new=num_new,
-      mask=mask,
-      dropout_rate=dropout_rate,
-      dropout_rng=dropout_rng,
-      broadcast_dropout=broadcast_dropout,
-      implementation=implementation,
-      backward=backward,
-      block_q=block_q,
-      block_kv=block_kv,
-    )
+    out, cache = decode.attention(query, key, value, cache, num_new=num_new, mask=mask, **options)
     return out, None, cache
   if rope is not None:
     pos = jnp.arange(query.shape[-3], dtype=jnp.int32) if positions is None else positions
@@ -281,23 +263,9 @@ def attend(
   kwargs = dict(is_causal=bool(is_causal), segment_ids=segment_ids)
   weights = None
   if sow_weights:
-    implementation = "xla"
+    options["implementation"] = "xla"
     weights = attention.attention_weights(query, key, None, mask, **kwargs)
-  out = attention.dot_product_attention(
-    query,
-    key,
-    value,
-    None,
-    mask,
-    dropout_rate=dropout_rate,
-    dropout_rng=dropout_rng,
-    broadcast_dropout=broadcast_dropout,
-    implementation=implementation,
-    backward=backward,
-    block_q=block_q,
-    block_kv=block_kv,
-    **kwargs,
-  )
+  out = attention.dot_product_attention(query, key, value, None, mask, **kwargs, **options)
   return out, weights, None
 
 

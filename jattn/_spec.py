@@ -1,17 +1,31 @@
-"""Validation of what a call masks and scores with, shared by every entry point.
+"""The call spec: one validated description of an attention call, and its one validator.
 
-:func:`combined_mask` turns every way of masking (``mask``, ``is_causal``, a window,
-sequence lengths, segment ids) into one checked :class:`jattn.masks.Mask`;
+:func:`build` checks every argument of a call at the public boundary and returns the
+normalised query, key and value with a :class:`CallSpec`: the legend sizes, the one
+combined :class:`jattn.masks.Mask`, the one score function, the bias, dropout, the
+scale, the tiles, the chosen implementation and backward rule. Every entry point
+(:func:`jattn.dot_product_attention`, :func:`jattn.attention_weights`,
+:func:`jattn.parallel.ring_attention`, and through the first :mod:`jattn.decode` and
+the Flax modules) builds one, and the implementations read their settings from it;
+nothing downstream re-validates. Adding a keyword touches :func:`build`,
+:class:`CallSpec` and the implementations that use it.
+
+Pieces of :func:`build`: :func:`combined_mask` turns every way of masking (``mask``,
+``is_causal``, a window, sequence lengths, segment ids) into one checked Mask;
 :func:`score_function` turns ``score_fn`` and ``logits_soft_cap`` into one checked
 :class:`jattn.scores.ScoreFn`; :func:`checked_bias` checks the bias. User functions
 (``masks.from_fn``, a plain ``score_fn``) are probed on small grids, since tiled
 implementations evaluate them tile by tile. Scalar settings are checked in
-:mod:`jattn._checks`.
+:mod:`jattn._checks`, the implementation and backward names in
+:mod:`jattn.impl._select`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +33,141 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jattn import _checks, masks, scores
-from jattn.impl import _common
+from jattn.impl import _common, _select
+from jattn.impl import blockwise as _blockwise
+
+
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["bias", "mask", "score_fn", "dropout_rng"],
+  meta_fields=[
+    "B",
+    "T",
+    "S",
+    "N",
+    "K",
+    "H",
+    "unbatched",
+    "scale",
+    "dropout_rate",
+    "broadcast_dropout",
+    "implementation",
+    "backward",
+    "block_q",
+    "block_kv",
+    "return_residual",
+  ],
+)
+@dataclasses.dataclass(frozen=True)
+class CallSpec:
+  """One validated attention call: everything but the query, key and value.
+
+  A pytree: its arrays (the bias, the mask's and score function's arrays, the
+  dropout key) are leaves and its settings are static, so a jitted function that
+  takes a spec compiles once per set of settings and shapes.
+  """
+
+  B: int  # batch size (1 for unbatched inputs)
+  T: int  # query length
+  S: int  # key/value length
+  N: int  # query heads
+  K: int  # key/value heads
+  H: int  # head dimension
+  unbatched: bool  # inputs came as (T, N, H): the core adds and drops the batch axis
+  bias: Any  # None, or a float array broadcastable to (B, N, T, S); rank 4 in the core
+  mask: masks.Mask | None  # every way of masking, combined
+  score_fn: scores.ScoreFn | None  # score_fn, then the soft cap
+  dropout_rng: Any  # a PRNG key when dropout_rate > 0, else None
+  scale: float
+  dropout_rate: float
+  broadcast_dropout: bool
+  implementation: str  # a key of jattn.impl._select.IMPLEMENTATIONS
+  backward: str | None  # one of its backward rules (None for "cudnn")
+  block_q: int  # blockwise tiles (the backend's defaults unless given)
+  block_kv: int
+  return_residual: bool
+
+  @property
+  def bnts(self) -> tuple[int, int, int, int]:
+    return (self.B, self.N, self.T, self.S)
+
+
+def build(
+  query,
+  key,
+  value,
+  bias=None,
+  mask=None,
+  *,
+  scale=None,
+  is_causal=False,
+  query_seq_lengths=None,
+  key_value_seq_lengths=None,
+  local_window_size=None,
+  implementation=None,
+  return_residual=False,
+  segment_ids=None,
+  score_fn=None,
+  logits_soft_cap=None,
+  dropout_rate=0.0,
+  dropout_rng=None,
+  broadcast_dropout=False,
+  backward=None,
+  block_q=None,
+  block_kv=None,
+):
+  """Every argument of a call checked, with the meanings of
+  :func:`jattn.dot_product_attention`; raises before anything is traced.
+
+  ``value=None`` describes a call that forms only the weights
+  (:func:`jattn.attention_weights`). Returns ``(query, key, value, spec)``, the arrays as
+  jax or NumPy arrays of one dtype.
+  """
+  impl, bwd = _select.check_choices(implementation, backward)
+  blocks = _checks.tile_sizes(impl, block_q, block_kv)
+  q, k, v = _checks.qkv(query, key, key if value is None else value)
+  unbatched = q.ndim == 3
+  B, T, N, H = (1,) * unbatched + tuple(q.shape)
+  S, K = k.shape[-3], k.shape[-2]
+  if impl is None:
+    impl, bwd = _select.auto(B * N * T * S, bwd, blocks)
+  scale = _checks.scale(scale, H)
+  bias = checked_bias(bias, (B, N, T, S))
+  _checks.flags(
+    is_causal=is_causal, return_residual=return_residual, broadcast_dropout=broadcast_dropout
+  )
+  window = _checks.window(local_window_size)
+  lengths = tuple(
+    _checks.seq_lengths(name, x, B)
+    for name, x in (
+      ("query_seq_lengths", query_seq_lengths),
+      ("key_value_seq_lengths", key_value_seq_lengths),
+    )
+  )
+  dropout_rate = _checks.dropout(dropout_rate, dropout_rng)
+  block_q, block_kv = _blockwise.resolve_blocks(*blocks)
+  spec = CallSpec(
+    B=B,
+    T=T,
+    S=S,
+    N=N,
+    K=K,
+    H=H,
+    unbatched=unbatched,
+    bias=bias,
+    mask=combined_mask(mask, is_causal, window, lengths, segment_ids, unbatched, (B, N, T, S)),
+    score_fn=score_function(score_fn, logits_soft_cap, q.dtype, (B, N, T, S)),
+    dropout_rng=dropout_rng if dropout_rate else None,
+    scale=scale,
+    dropout_rate=dropout_rate,
+    broadcast_dropout=bool(broadcast_dropout),
+    implementation=impl,
+    backward=bwd,
+    block_q=block_q,
+    block_kv=block_kv,
+    return_residual=bool(return_residual),
+  )
+  return q, k, (None if value is None else v), spec
 
 
 def combined_mask(mask, is_causal, window, lengths, segment_ids, unbatched, bnts):

@@ -10,17 +10,19 @@ Shape legend, used in every docstring, einsum string and shape assertion::
     H  head dimension
     G  N // K, query heads per key/value head
 
-Data flows one way: the public call checks every argument and raises before
-anything is traced or compiled; every way of masking (``mask``,
-``is_causal``, ``local_window_size``, sequence lengths, ``segment_ids``)
-becomes one :class:`jattn.masks.Mask`, ``score_fn`` and ``logits_soft_cap``
-become one score function; then a jitted core dispatches to the
-implementation, which never re-validates.
+Data flows one way: the public call hands every argument to
+:func:`jattn._spec.build`, which checks them and raises before anything is traced
+or compiled, and returns a :class:`jattn._spec.CallSpec`: every way of masking
+(``mask``, ``is_causal``, ``local_window_size``, sequence lengths,
+``segment_ids``) as one :class:`jattn.masks.Mask`, ``score_fn`` and
+``logits_soft_cap`` as one score function, the chosen implementation and rule.
+A jitted core then passes the spec to the implementation, which never
+re-validates.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +30,7 @@ import chex
 import jax
 
 from jattn import _checks, _spec, masks
-from jattn.impl import _select, blockwise, xla
+from jattn.impl import blockwise, xla
 from jattn.impl._select import AUTO_BLOCKWISE_BYTES, BACKWARDS, IMPLEMENTATIONS  # noqa: F401
 
 
@@ -118,72 +120,49 @@ def dot_product_attention(
   Unlike jax.nn, a query row that may attend to nothing returns zeros (jax.nn
   returns the mean of the values) and the log-sum-exp is differentiable.
   """
-  impl, bwd = _select.check_choices(implementation, backward)
-  blocks = _checks.tile_sizes(impl, block_q, block_kv)
-  q, k, v = _checks.qkv(query, key, value)
-  unbatched = q.ndim == 3
-  B, T, N, H = (1,) * unbatched + tuple(q.shape)
-  S = k.shape[-3]
-  if impl is None:
-    impl, bwd = _select.check_choices(_select.auto(B * N * T * S, backward, blocks), backward)
-  blocks = blockwise.resolve_blocks(*blocks)
-  scale = _checks.scale(scale, H)
-  bias = _spec.checked_bias(bias, (B, N, T, S))
-  _checks.flags(
-    is_causal=is_causal, return_residual=return_residual, broadcast_dropout=broadcast_dropout
+  q, k, v, spec = _spec.build(
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    scale=scale,
+    is_causal=is_causal,
+    query_seq_lengths=query_seq_lengths,
+    key_value_seq_lengths=key_value_seq_lengths,
+    local_window_size=local_window_size,
+    implementation=implementation,
+    return_residual=return_residual,
+    segment_ids=segment_ids,
+    score_fn=score_fn,
+    logits_soft_cap=logits_soft_cap,
+    dropout_rate=dropout_rate,
+    dropout_rng=dropout_rng,
+    broadcast_dropout=broadcast_dropout,
+    backward=backward,
+    block_q=block_q,
+    block_kv=block_kv,
   )
-  window = _checks.window(local_window_size)
-  lengths = tuple(
-    _checks.seq_lengths(name, x, B)
-    for name, x in (
-      ("query_seq_lengths", query_seq_lengths),
-      ("key_value_seq_lengths", key_value_seq_lengths),
-    )
-  )
-  dropout_rate = _checks.dropout(dropout_rate, dropout_rng)
-
-  if impl == "cudnn":
+  if spec.implementation == "cudnn":
+    # jax.nn's kernel takes its own masking arguments, which pass through as given (checked).
     return _cudnn(
       query,
       key,
       value,
-      bias,
+      spec,
       mask,
-      scale=scale,
       is_causal=is_causal,
       query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
-      local_window_size=window,
-      return_residual=return_residual,
+      local_window_size=_checks.window(local_window_size),
       unsupported={
         "segment_ids": segment_ids,
         "score_fn": score_fn,
         "logits_soft_cap": logits_soft_cap,
-        "dropout_rate": dropout_rate or None,
+        "dropout_rate": spec.dropout_rate or None,
       },
     )
-
-  combined = _spec.combined_mask(
-    mask, is_causal, window, lengths, segment_ids, unbatched, (B, N, T, S)
-  )
-  score = _spec.score_function(score_fn, logits_soft_cap, q.dtype, (B, N, T, S))
-
-  out, lse = _attend(
-    q,
-    k,
-    v,
-    bias,
-    combined,
-    score,
-    dropout_rng if dropout_rate else None,
-    scale=scale,
-    dropout_rate=dropout_rate,
-    broadcast_dropout=bool(broadcast_dropout),
-    implementation=impl,
-    backward=bwd,
-    return_residual=bool(return_residual),
-    blocks=blocks,
-  )
+  out, lse = _attend(q, k, v, spec)
   return (out, lse) if return_residual else out
 
 
@@ -220,137 +199,67 @@ def attention_weights(
            [0.5       , 0.5       , 0.        ],
            [0.33333334, 0.33333334, 0.33333334]], dtype=float32)
   """
-  q, k, _ = _checks.qkv(query, key, key)
-  unbatched = q.ndim == 3
-  B, T, N, H = (1,) * unbatched + tuple(q.shape)
-  S = k.shape[-3]
-  scale = _checks.scale(scale, H)
-  bias = _spec.checked_bias(bias, (B, N, T, S))
-  _checks.flags(is_causal=is_causal)
-  lengths = tuple(
-    _checks.seq_lengths(name, x, B)
-    for name, x in (
-      ("query_seq_lengths", query_seq_lengths),
-      ("key_value_seq_lengths", key_value_seq_lengths),
-    )
-  )
-  combined = _spec.combined_mask(
+  q, k, _, spec = _spec.build(
+    query,
+    key,
+    None,
+    bias,
     mask,
-    is_causal,
-    _checks.window(local_window_size),
-    lengths,
-    segment_ids,
-    unbatched,
-    (B, N, T, S),
+    scale=scale,
+    is_causal=is_causal,
+    query_seq_lengths=query_seq_lengths,
+    key_value_seq_lengths=key_value_seq_lengths,
+    local_window_size=local_window_size,
+    implementation="xla",
+    segment_ids=segment_ids,
+    score_fn=score_fn,
+    logits_soft_cap=logits_soft_cap,
   )
-  score = _spec.score_function(score_fn, logits_soft_cap, q.dtype, (B, N, T, S))
-  return _weights(q, k, bias, combined, score, scale=scale)
+  return _weights(q, k, spec)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def _weights(query, key, bias, mask, score_fn, *, scale):
-  unbatched = query.ndim == 3
-  if unbatched:
+def _rank4(spec: _spec.CallSpec) -> _spec.CallSpec:
+  """The spec with its bias as a rank-4 array (leading 1s), as the implementations take it."""
+  bias = spec.bias
+  if bias is not None:
+    bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+  return dataclasses.replace(spec, bias=bias)
+
+
+@jax.jit
+def _weights(query, key, spec: _spec.CallSpec):
+  if spec.unbatched:
     query, key = query[None], key[None]
-  if bias is not None:
-    bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
-  p = xla.weights(query, key, bias, mask=mask, score_fn=score_fn, scale=scale)
-  return p[0] if unbatched else p
+  p = xla.weights(query, key, _rank4(spec))
+  return p[0] if spec.unbatched else p
 
 
-@functools.partial(
-  jax.jit,
-  static_argnames=(
-    "scale",
-    "dropout_rate",
-    "broadcast_dropout",
-    "implementation",
-    "backward",
-    "return_residual",
-    "blocks",
-  ),
-)
-def _attend(
-  query,
-  key,
-  value,
-  bias,
-  mask,
-  score_fn,
-  dropout_rng,
-  *,
-  scale,
-  dropout_rate,
-  broadcast_dropout,
-  implementation,
-  backward,
-  return_residual,
-  blocks,
-):
-  unbatched = query.ndim == 3
-  if unbatched:
+@jax.jit
+def _attend(query, key, value, spec: _spec.CallSpec):
+  """The jitted core: one compiled program per spec's settings and the arrays' shapes."""
+  if spec.unbatched:
     query, key, value = query[None], key[None], value[None]
-  if bias is not None:
-    bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
-  B, T, N, H = query.shape
-  _, S, K, _ = key.shape
-  dims = chex.Dimensions(B=B, T=T, S=S, N=N, K=K, H=H)
+  spec = _rank4(spec)
+  dims = chex.Dimensions(B=spec.B, T=spec.T, S=spec.S, N=spec.N, K=spec.K, H=spec.H)
   chex.assert_shape(query, dims["BTNH"])
   chex.assert_shape([key, value], dims["BSKH"])
-  match implementation:
+  match spec.implementation:
     case "xla":
-      out, lse = xla.attention(
-        query,
-        key,
-        value,
-        bias,
-        mask=mask,
-        score_fn=score_fn,
-        scale=scale,
-        dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng,
-        broadcast_dropout=broadcast_dropout,
-        backward=backward,
-      )
-    case "blockwise" if B and N and T and S and H:
-      out, lse = blockwise.attention(
-        query,
-        key,
-        value,
-        bias,
-        mask=mask,
-        score_fn=score_fn,
-        scale=scale,
-        dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng,
-        broadcast_dropout=broadcast_dropout,
-        block_q=blocks[0],
-        block_kv=blocks[1],
-      )
+      out, lse = xla.attention(query, key, value, spec)
+    case "blockwise" if all(spec.bnts) and spec.H:
+      out, lse = blockwise.attention(query, key, value, spec)
     case "blockwise":  # nothing to tile: an empty output, rows with no keys, or H == 0
-      out, lse = xla.attention(
-        query,
-        key,
-        value,
-        bias,
-        mask=mask,
-        score_fn=score_fn,
-        scale=scale,
-        dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng,
-        broadcast_dropout=broadcast_dropout,
-        backward="autodiff",
-      )
+      out, lse = xla.attention(query, key, value, dataclasses.replace(spec, backward="autodiff"))
     case _:
-      raise ValueError(f"unknown implementation {implementation!r}")
+      raise ValueError(f"unknown implementation {spec.implementation!r}")
   chex.assert_shape(lse, dims["BTN"])
-  lse = lse.astype(query.dtype) if return_residual else None
-  if unbatched:
+  lse = lse.astype(query.dtype) if spec.return_residual else None
+  if spec.unbatched:
     return out[0], None if lse is None else lse[0]
   return out, lse
 
 
-def _cudnn(query, key, value, bias, mask, *, unsupported, **kwargs):
+def _cudnn(query, key, value, spec: _spec.CallSpec, mask, *, unsupported, **kwargs):
   for name, value_ in unsupported.items():
     if value_ is not None:
       raise ValueError(f"implementation='cudnn' does not support {name}; use implementation='xla'")
@@ -366,6 +275,7 @@ def _cudnn(query, key, value, bias, mask, *, unsupported, **kwargs):
       f"implementation='cudnn' needs an NVIDIA GPU; the default backend is "
       f"{jax.default_backend()!r}"
     )
+  kwargs.update(scale=spec.scale, return_residual=spec.return_residual)
   return jax.nn.dot_product_attention(
-    query, key, value, bias, mask, implementation="cudnn", **kwargs
+    query, key, value, spec.bias, mask, implementation="cudnn", **kwargs
   )

@@ -228,13 +228,34 @@ def ring_attention(
   Not supported here (use ``jattn.dot_product_attention``): ``bias``,
   ``score_fn``, dropout.
   """
-  q, k, v = _checks.qkv(query, key, value)
-  if q.ndim != 4:
+  if mask is not None and not isinstance(mask, masks.Mask):
+    raise TypeError(
+      f"ring_attention takes mask as a jattn.masks.Mask, got "
+      f"{type(mask).__name__}; a dense (T, S) array defeats sharding the sequence"
+    )
+  # Segment ids travel with their shards rather than as a Mask: checked separately below.
+  q, k, v, spec = _spec.build(
+    query,
+    key,
+    value,
+    None,
+    mask,
+    scale=scale,
+    is_causal=is_causal,
+    query_seq_lengths=query_seq_lengths,
+    key_value_seq_lengths=key_value_seq_lengths,
+    local_window_size=local_window_size,
+    implementation="blockwise",
+    return_residual=return_residual,
+    logits_soft_cap=logits_soft_cap,
+    block_q=block_q,
+    block_kv=block_kv,
+  )
+  if spec.unbatched:
     raise ValueError(
       f"ring_attention needs batched inputs: query (B, T, N, H), got shape {q.shape}"
     )
-  B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
+  B, T, N, S, K = spec.B, spec.T, spec.N, spec.S, spec.K
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   ring_axes = _check_mesh_axes("axis_name", axis_name, mesh, allow_tuple=False)
@@ -259,44 +280,25 @@ def ring_attention(
     parts = math.prod(mesh.shape[a] for a in axes)
     if n % parts:
       raise ValueError(f"{name} ({n}) must be divisible by the {parts} devices of mesh axes {axes}")
-  scale = _checks.scale(scale, H)
-  _checks.flags(is_causal=is_causal, return_residual=return_residual)
-  if mask is not None and not isinstance(mask, masks.Mask):
-    raise TypeError(
-      f"ring_attention takes mask as a jattn.masks.Mask, got "
-      f"{type(mask).__name__}; a dense (T, S) array defeats sharding the sequence"
-    )
-  window = _checks.window(local_window_size)
-  lengths = tuple(
-    _checks.seq_lengths(name, x, B)
-    for name, x in (
-      ("query_seq_lengths", query_seq_lengths),
-      ("key_value_seq_lengths", key_value_seq_lengths),
-    )
-  )
-  combined = _spec.combined_mask(mask, is_causal, window, lengths, None, False, (B, N, T, S))
   q_ids = kv_ids = None
   if segment_ids is not None:
     seg = _spec.segments(segment_ids, False, T, S)
     q_ids, kv_ids = (jnp.broadcast_to(jnp.asarray(x), (B, n)) for x, n in zip(seg.children, (T, S)))
-  soft_cap = None
-  if logits_soft_cap is not None:
-    _spec.score_function(None, logits_soft_cap, q.dtype, (B, N, T, S))
-    soft_cap = float(logits_soft_cap)
-  blocks = blockwise.resolve_blocks(*_checks.tile_sizes("blockwise", block_q, block_kv))
+  soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
+  blocks = (spec.block_q, spec.block_kv)
   ring = _Ring(
     axis_name,
     size,
     layout,
     T,
     S,
-    scale,
+    spec.scale,
     soft_cap,
     *blocks,
     _axes_or_none(batch_axes),
     _axes_or_none(head_axes),
   )
-  out, lse = _ring_call(q, k, v, q_ids, kv_ids, combined, ring=ring, mesh=mesh)
+  out, lse = _ring_call(q, k, v, q_ids, kv_ids, spec.mask, ring=ring, mesh=mesh)
   if return_residual:
     return out, lse.astype(q.dtype)
   return out

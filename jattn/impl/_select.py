@@ -33,14 +33,19 @@ _WHY_NOT = {
 AUTO_BLOCKWISE_BYTES = {"cpu": 8 * 2**20, "gpu": 2**30, "tpu": 2**30}
 
 
-def auto(num_scores: int, backward: str | None, blocks) -> str:
-  """The implementation ``implementation=None`` stands for (see dot_product_attention)."""
-  if blocks != (None, None):
-    return "blockwise"
+def auto(num_scores: int, backward: str | None, blocks) -> tuple[str, str]:
+  """The (implementation, backward rule) ``implementation=None`` stands for, given a checked
+  ``backward`` (see dot_product_attention)."""
+  if blocks != (None, None):  # tiles ask for blockwise, which must support the rule
+    _, rule = check_choices("blockwise", backward)
+    assert rule is not None
+    return "blockwise", rule
   if backward == "autodiff":
-    return "xla"
-  limit = AUTO_BLOCKWISE_BYTES.get(jax.default_backend(), AUTO_BLOCKWISE_BYTES["gpu"])
-  return "blockwise" if 4 * num_scores >= limit else "xla"
+    impl = "xla"
+  else:
+    limit = AUTO_BLOCKWISE_BYTES.get(jax.default_backend(), AUTO_BLOCKWISE_BYTES["gpu"])
+    impl = "blockwise" if 4 * num_scores >= limit else "xla"
+  return impl, IMPLEMENTATIONS[impl][0] if backward is None else backward
 
 
 def check_choices(implementation, backward) -> tuple[str | None, str | None]:

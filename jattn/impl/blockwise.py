@@ -50,7 +50,7 @@ are data-dependent: that is why the loops are ``while`` loops.
 GQA: the G query heads of a key/value head are stacked into one
 (G · block_q)-row matrix, so K and V are never repeated in memory.
 
-Arguments arrive normalised and validated by :mod:`jattn.attention`.
+Arguments arrive normalised and validated, as a :class:`jattn._spec.CallSpec`.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +67,9 @@ import numpy as np
 from jattn import dropout as _dropout
 from jattn import masks as _masks
 from jattn.impl import _common
+
+if TYPE_CHECKING:
+  from jattn._spec import CallSpec
 
 BACKWARDS = ("custom_vjp",)
 
@@ -115,36 +118,25 @@ class _Schedule(NamedTuple):
   num_partial: jax.Array  # (n,) int32
 
 
-def attention(
-  query,
-  key,
-  value,
-  bias,
-  *,
-  mask: _masks.Mask | None,
-  score_fn: Callable | None,
-  scale: float,
-  dropout_rate: float,
-  dropout_rng,
-  broadcast_dropout: bool,
-  block_q: int,
-  block_kv: int,
-):
-  """Returns ``(out (B, T, N, H) in query's dtype, lse (B, T, N) in float32/64)``."""
+def attention(query, key, value, spec: CallSpec):
+  """Returns ``(out (B, T, N, H) in query's dtype, lse (B, T, N) in float32/64)``.
+
+  Reads the bias (rank 4), mask, score function, scale, dropout and tiles from ``spec``.
+  """
   p = plan(
     query,
     key,
-    mask=mask,
-    score_fn=score_fn,
-    scale=scale,
-    dropout_rate=dropout_rate,
-    dropout_rng=dropout_rng,
-    broadcast_dropout=broadcast_dropout,
-    block_q=block_q,
-    block_kv=block_kv,
+    mask=spec.mask,
+    score_fn=spec.score_fn,
+    scale=spec.scale,
+    dropout_rate=spec.dropout_rate,
+    dropout_rng=spec.dropout_rng,
+    broadcast_dropout=spec.broadcast_dropout,
+    block_q=spec.block_q,
+    block_kv=spec.block_kv,
   )
   out, lse = _attention_vjp(
-    p.static, query, key, value, bias, p.seed, p.rows, p.cols, p.mask_consts, p.score_consts
+    p.static, query, key, value, spec.bias, p.seed, p.rows, p.cols, p.mask_consts, p.score_consts
   )
   return out.astype(query.dtype), lse
 

@@ -18,53 +18,49 @@ O(B·N·T·S). Two backward rules:
   tables get gradients), and GQA gradients summed over each group by the
   grouped einsums.
 
-Arguments arrive normalised and validated by :mod:`jattn.attention`.
+Arguments arrive normalised and validated, as a :class:`jattn._spec.CallSpec`.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
 from jattn import dropout as _dropout
 from jattn.impl import _common
-from jattn.masks import Mask, index_grid
+from jattn.masks import index_grid
+
+if TYPE_CHECKING:
+  from jattn._spec import CallSpec
 
 BACKWARDS = ("autodiff", "custom_vjp")
 
 
-def attention(
-  query,
-  key,
-  value,
-  bias,
-  *,
-  mask: Mask | None,
-  score_fn: Callable | None,
-  scale: float,
-  dropout_rate: float,
-  dropout_rng,
-  broadcast_dropout: bool,
-  backward: str,
-):
-  """Returns ``(out (B, T, N, H) in query's dtype, lse (B, T, N) in float32/64)``."""
+def attention(query, key, value, spec: CallSpec):
+  """Returns ``(out (B, T, N, H) in query's dtype, lse (B, T, N) in float32/64)``.
+
+  Reads the bias (rank 4), mask, score function, scale, dropout and backward rule from
+  ``spec``.
+  """
   B, T, N, _ = query.shape
   S = key.shape[1]
+  bias, score_fn, scale, dropout_rate = spec.bias, spec.score_fn, spec.scale, spec.dropout_rate
   grid = index_grid(B, N, T, S)
-  keep = None if mask is None else mask.on_grid(grid)
+  keep = None if spec.mask is None else spec.mask.on_grid(grid)
   drop = None
   if dropout_rate:
-    idx = _dropout.shared_indices(*grid) if broadcast_dropout else grid
-    drop = _dropout.keep_mask(dropout_rng, dropout_rate, *idx)
+    idx = _dropout.shared_indices(*grid) if spec.broadcast_dropout else grid
+    drop = _dropout.keep_mask(spec.dropout_rng, dropout_rate, *idx)
 
-  if backward == "autodiff":
+  if spec.backward == "autodiff":
     modify: Callable | None = None if score_fn is None else (lambda s: score_fn(s, *grid))
     return _forward(query, key, value, bias, keep, drop, modify, (), scale, dropout_rate)[0]
 
-  assert backward == "custom_vjp", backward
+  assert spec.backward == "custom_vjp", spec.backward
   modify = None
   consts: list = []
   if score_fn is not None:
@@ -75,17 +71,15 @@ def attention(
   )
 
 
-def weights(
-  query, key, bias, *, mask: Mask | None, score_fn: Callable | None, scale: float
-) -> jax.Array:
+def weights(query, key, spec: CallSpec) -> jax.Array:
   """The normalised probabilities (B, N, T, S) in query's dtype; zero rows where nothing attends."""
   B, T, N, _ = query.shape
   S = key.shape[1]
   grid = index_grid(B, N, T, S)
-  keep = None if mask is None else mask.on_grid(grid)
-  s = _common.logits(_common.group_heads(query, key.shape[2]), key, bias, scale)
-  if score_fn is not None:
-    s = score_fn(s, *grid)
+  keep = None if spec.mask is None else spec.mask.on_grid(grid)
+  s = _common.logits(_common.group_heads(query, key.shape[2]), key, spec.bias, spec.scale)
+  if spec.score_fn is not None:
+    s = spec.score_fn(s, *grid)
   return _common.softmax(s, keep)[0].astype(query.dtype)
 
 
