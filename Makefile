@@ -1,11 +1,14 @@
-# The two commands at the top of README.md.
-.PHONY: demo test ci
+# The two commands at the top of README.md, the documentation build, and CI.
+.PHONY: demo test docs ci
 
 demo:
 	python3 -m venv .venv && .venv/bin/pip install -e ".[viz]" && .venv/bin/python -m experiments.train --config configs/compare_backward.yaml
 
 test:
 	python3 -m venv .venv && .venv/bin/pip install -e ".[dev]" && .venv/bin/python -m pytest
+
+docs:
+	.venv/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
 
 ci:
 	.ci/run

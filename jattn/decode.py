@@ -187,10 +187,11 @@ def attention(
       have its B, K, H and dtype.
     num_new: None or int array (B,): as in :func:`update`; query rows at or
       past ``num_new[b]`` are padding and return zeros.
-    scale, score_fn, logits_soft_cap, dropout_rate, dropout_rng,
-      broadcast_dropout, implementation, backward, block_q, block_kv, return_residual: as in
-      :func:`jattn.dot_product_attention`. ``score_fn`` sees ``q_idx`` within
-      the chunk and ``kv_idx`` as the cache slot (see the module docstring).
+    scale, score_fn, logits_soft_cap, dropout_rate, dropout_rng: as in
+      :func:`jattn.dot_product_attention`, and so are broadcast_dropout,
+      implementation, backward, block_q, block_kv and return_residual.
+      ``score_fn`` sees ``q_idx`` within the chunk and ``kv_idx`` as the
+      cache slot (see the module docstring).
       ``"cudnn"`` is not available: the cache mask is an index mask.
     bias: float array broadcastable to (B, N, t, max_length), added to the logits.
     mask: a :class:`jattn.masks.Mask` or boolean array broadcastable to

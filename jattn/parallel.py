@@ -11,7 +11,7 @@ online-softmax rule, so no device ever holds more than two key/value shards::
                        l' = w_acc + w,  out ← (out·w_acc + o·w) / l'
 
 (m and l are each row's max and sum, kept apart rather than as the log-sum-exp
-m + log l, which loses log l when |m| is huge; see jattn.impl.blockwise.)
+m + log l, which loses log l when ``|m|`` is huge; see jattn.impl.blockwise.)
 
 The backward pass rings too: each key/value shard travels with float32
 accumulators of its own dK and dV, every device adds its queries'
@@ -196,9 +196,9 @@ def ring_attention(
     key, value: (B, S, K, H), N a multiple of K (GQA without repeating K/V).
     mesh: the ``jax.sharding.Mesh`` whose devices hold the shards.
     axis_name: the mesh axis the sequence is split over (the ring).
-    is_causal, scale, query_seq_lengths, key_value_seq_lengths,
-      local_window_size, logits_soft_cap: as in ``jattn.dot_product_attention``,
-      in natural sequence positions whatever the layout.
+    is_causal, scale, query_seq_lengths, key_value_seq_lengths: as in
+      ``jattn.dot_product_attention``, and so are local_window_size and
+      logits_soft_cap, in natural sequence positions whatever the layout.
     segment_ids: packed-document ids, (B, T) when T == S or a pair
       ``(q_segment_ids, kv_segment_ids)``, in the same order as the inputs
       (permuted with them); sharded like the sequence, and the key/value ids

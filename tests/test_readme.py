@@ -1,4 +1,5 @@
-"""README.md stays true: its commands match CI and the Makefile, its examples run."""
+"""README.md stays true: its commands match CI and the Makefile, its examples run, its links
+lead somewhere, and it stays a short guide (the rest lives in docs/, see test_docs.py)."""
 
 import contextlib
 import io
@@ -34,3 +35,12 @@ def test_python_examples_run():
   assert (
     "key and value must have the same shape, got key (2, 16, 2, 8) and value (2, 16, 2, 4)"
   ) in printed
+
+
+def test_links_to_files_resolve():
+  for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", README):
+    assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
+
+
+def test_is_a_short_guide():
+  assert len(README.splitlines()) <= 400

@@ -1,0 +1,97 @@
+"""Sphinx configuration: MyST pages, API reference from docstrings, benchmark tables from runs.
+
+Build:  sphinx-build -W --keep-going -b html docs docs/_build/html
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pathlib
+import sys
+
+DOCS = pathlib.Path(__file__).resolve().parent
+ROOT = DOCS.parent
+sys.path.insert(0, str(ROOT))  # jattn and experiments, installed or not
+
+from experiments import docs_tables  # noqa: E402
+
+project = "jattn"
+author = "the jattn authors"
+copyright = "the jattn authors"
+release = version = importlib.import_module("jattn").__version__
+
+extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
+source_suffix = {".md": "markdown"}
+root_doc = "index"
+# Run records (JSON, plots) and the tables written from them are data, not pages.
+exclude_patterns = ["_build", "_generated", *docs_tables.RECORD_DIRS]
+
+myst_enable_extensions = ["dollarmath"]
+myst_heading_anchors = 3  # [text](page.md#a-heading) links, as on GitHub
+
+autodoc_member_order = "bysource"
+autodoc_typehints = "signature"
+autodoc_default_options = {"members": True, "show-inheritance": False}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_ivar = True  # "Attributes:" as a field list: NamedTuple fields are not described twice
+
+html_theme = "furo"
+html_title = f"jattn {release}"
+
+# Modules whose members are documented with ``automodule``. A module (or package,
+# such as jattn.masks split into submodules) documents the public functions and
+# classes it defines or re-exports from its own private submodules; an explicit
+# ``__all__`` wins.
+API_MODULES = (
+  "jattn.masks",
+  "jattn.scores",
+  "jattn.decode",
+  "jattn.parallel",
+  "jattn.linen",
+  "jattn.nnx",
+  "jattn.linear",
+  "jattn.hopfield",
+  "jattn.positional",
+  "jattn.dropout",
+  "jattn.viz",
+)
+
+
+def _public_members(module) -> list[str]:
+  """Names of the public functions and classes a module defines or re-exports from its
+  own submodules, in source order (file by file)."""
+  found = []
+  for name, obj in vars(module).items():
+    home = getattr(obj, "__module__", None) or ""
+    if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)):
+      continue
+    if home == module.__name__ or home.startswith(module.__name__ + "."):
+      try:
+        line = inspect.getsourcelines(obj)[1]
+      except (OSError, TypeError):
+        line = 0
+      found.append((home, line, name))
+  return [name for _, _, name in sorted(found)]
+
+
+def _set_module_members() -> None:
+  for name in API_MODULES:
+    module = importlib.import_module(name)
+    if not hasattr(module, "__all__"):
+      module.__all__ = _public_members(module)
+
+
+def _skip_namedtuple_fields(app, what, name, obj, skip, options):
+  """NamedTuple fields document themselves as "Alias for field number i"; the class's
+  Attributes section says what they hold."""
+  if (getattr(obj, "__doc__", None) or "").startswith("Alias for field number"):
+    return True
+  return None
+
+
+def setup(app):
+  _set_module_members()
+  app.connect("autodoc-skip-member", _skip_namedtuple_fields)
+  docs_tables.write_tables(DOCS, DOCS / "_generated")

@@ -1,0 +1,450 @@
+"""The documentation's result tables, written from the run records committed under docs/.
+
+Benchmarks write JSON under runs/ (git-ignored). A run the documentation shows is
+copied, unchanged, into a folder of docs/ (``--collect`` does that) and
+committed; this script turns those records into Markdown tables under
+docs/_generated/, which the pages include. Nothing in a table is typed by hand,
+and a record that is absent gives a note saying how to make it instead of a
+table. ``docs/conf.py`` runs it on every Sphinx build.
+
+    python -m experiments.docs_tables             # docs/_generated/*.md from docs/<kind>/
+    python -m experiments.docs_tables --collect   # first copy the newest full runs from runs/
+
+What each folder of docs/ holds; ``COMMANDS`` below names the command whose run it records:
+
+    docs/bench/             bench-<time>.json: the newest run with timings, the newest with memory
+    docs/accuracy/          accuracy_<backend>.json (from experiments.accuracy --json)
+    docs/scaling/           scaling.json and scaling.png
+    docs/parallel/          parallel.json
+    docs/gpu/               bench_gpu_<device>.json (from experiments.bench_gpu --json)
+    docs/compare_backward/  summary.json and the demo's plots
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+from collections.abc import Callable
+
+from experiments._timing import fmt
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+RECORD_DIRS = ("bench", "accuracy", "scaling", "parallel", "gpu", "compare_backward")
+COMMANDS = {
+  "bench": "python -m experiments.bench --config configs/bench.yaml",
+  "bench_memory": "python -m experiments.bench --lengths --memory-lengths 4096 16384",
+  "accuracy": "python -m experiments.accuracy --json runs/accuracy_cpu.json",
+  "scaling": "python -m experiments.bench_scaling --config configs/bench_scaling.yaml",
+  "parallel": "python -m experiments.bench_parallel --config configs/bench_parallel.yaml",
+  "gpu": "python -m experiments.bench_gpu --json runs/bench_gpu_<device>.json",
+  "compare_backward": "python -m experiments.train --config configs/compare_backward.yaml",
+}
+DEMO_PLOTS = ("loss_curves.png", "length_sweep.png", "attention_layer1.png")
+
+
+# --- reading the records --------------------------------------------------------------------
+
+
+def _full_runs(paths) -> list[pathlib.Path]:
+  """Run records sorted by name (their time stamps), smoke-test (``-quick``) runs left out."""
+  return sorted(p for p in paths if "-quick" not in str(p))
+
+
+def _load(path: pathlib.Path):
+  return json.loads(path.read_text())
+
+
+def _source(path: pathlib.Path, docs: pathlib.Path) -> str:
+  return f"`docs/{path.relative_to(docs).as_posix()}`"
+
+
+def _absent(what: str, kind: str) -> str:
+  return (
+    f"*No run recorded: {what} is not in the repository.* Make it with "
+    f"`{COMMANDS[kind]}`, then `python -m experiments.docs_tables --collect`.\n"
+  )
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(row) + " |" for row in rows]
+  return "\n".join(lines) + "\n"
+
+
+# --- one renderer per benchmark -------------------------------------------------------------
+
+
+def bench_timings(docs: pathlib.Path) -> str:
+  records = [(p, _load(p)) for p in _full_runs((docs / "bench").glob("bench-*.json"))]
+  records = [(p, r) for p, r in records if r["timings"]]
+  if not records:
+    return _absent("a `bench-*.json` with timings in `docs/bench/`", "bench")
+  path, r = records[-1]
+  c = r["config"]
+  head = (
+    f"From {_source(path, docs)}: {r['device']}, jax {r['jax']}, B={c['batch']}, "
+    f"N={c['heads']}, K={c['kv_heads']}, float32, medians of {c['reps']} interleaved rounds; "
+    f"the float32 {c['matmul_size']}³ matmul ran at {fmt(r['matmul_gflops'], '.0f')} GFLOP/s.\n\n"
+  )
+  rows = [
+    [
+      str(t["H"]),
+      str(t["T"]),
+      "yes" if t["causal"] else "no",
+      t["method"],
+      fmt(t.get("fwd_ms"), ".1f"),
+      fmt(t.get("fwd_gflops"), ".1f"),
+      fmt(t.get("fwd_pct_matmul"), ".0f"),
+      fmt(t.get("fwd_speedup"), ".2f"),
+      fmt(t.get("fwd_bwd_ms"), ".1f"),
+      fmt(t.get("fwd_bwd_gflops"), ".1f"),
+      fmt(t.get("fwd_bwd_speedup"), ".2f"),
+    ]
+    for t in r["timings"]
+  ]
+  header = ["H", "T", "causal", "method", "fwd ms", "fwd GFLOP/s", "% matmul", "fwd speedup"]
+  header += ["fwd+bwd ms", "fwd+bwd GFLOP/s", "fwd+bwd speedup"]
+  return head + _table(header, rows)
+
+
+def bench_memory(docs: pathlib.Path) -> str:
+  records = [(p, _load(p)) for p in _full_runs((docs / "bench").glob("bench-*.json"))]
+  records = [(p, r) for p, r in records if r["memory"]]
+  if not records:
+    return _absent("a `bench-*.json` with memory cases in `docs/bench/`", "bench_memory")
+  path, r = records[-1]
+  head = (
+    f"From {_source(path, docs)}: {r['device']}, jax {r['jax']}; forward+backward, each case "
+    "in a fresh process; peak resident memory (VmHWM), and before the call (Python, JAX "
+    "and the inputs).\n\n"
+  )
+  rows = []
+  for m in r["memory"]:
+    note = m.get("skipped") or m.get("failed")
+    cells = [str(m["T"]), "yes" if m["causal"] else "no", m["method"]]
+    if note:
+      rows.append(cells + [note, "—", "—"])
+    else:
+      rows.append(
+        cells + [f"{m['seconds']:.1f}", f"{m['peak_mb_before']:.0f}", f"{m['peak_mb']:.0f}"]
+      )
+  return head + _table(["T", "causal", "method", "seconds", "MB before", "peak MB"], rows)
+
+
+def _scaling_record(docs: pathlib.Path):
+  path = docs / "scaling" / "scaling.json"
+  return (path, _load(path)) if path.exists() else (path, None)
+
+
+def scaling(docs: pathlib.Path) -> str:
+  path, r = _scaling_record(docs)
+  if r is None:
+    return _absent("`docs/scaling/scaling.json`", "scaling")
+  c = r["config"]
+  methods = list(c["methods"])
+  lengths = sorted({row["T"] for row in r["rows"]})
+  cell = {(row["method"], row["T"]): row for row in r["rows"]}
+  ref = {row["T"]: row["ms"] for row in r["rows"] if row["method"] == "jax.nn"}
+
+  def time_cell(method, T):
+    row = cell.get((method, T))
+    if row is None:
+      return "—"
+    if row["ms"] is None:
+      return "not run"
+    ratio = f" ({row['ms'] / ref[T]:.3f})" if ref.get(T) and method != "jax.nn" else ""
+    return f"{row['ms']:,.1f}{ratio}"
+
+  def mem_cell(method, T):
+    row = cell.get((method, T))
+    return "—" if row is None else fmt(row["mem_mb"], ",.1f")
+
+  kind = "causal" if c["causal"] else "non-causal"
+  out = [
+    f"From {_source(path, docs)}: {r['device']}, jax {r['jax_version']}, B={c['batch']}, "
+    f"N={c['heads']}, H={c['head_dim']}, float32 {kind} forward; `window` is a sliding "
+    f"window of ±{c['window']} positions on the blockwise path, `linear` is "
+    "`jattn.linear_attention` (elu+1). Calls that would allocate more than "
+    f"{c['max_bytes'] / 2**30:.0f} GiB are not run.\n",
+    "Milliseconds per call (in brackets: × jax.nn's time):\n",
+    _table(["T", *methods], [[f"{T:,}", *(time_cell(m, T) for m in methods)] for T in lengths]),
+    "Megabytes XLA allocates for the call (temporaries and outputs, from the compiled "
+    "program, so known where the call was not run):\n",
+    _table(["T", *methods], [[f"{T:,}", *(mem_cell(m, T) for m in methods)] for T in lengths]),
+    f"Log-log slopes over T ≥ {c['fit_from']:,}:\n",
+    _table(
+      ["method", "time slope", "memory slope"],
+      [[m, fmt(f["time_slope"], ".2f"), fmt(f["mem_slope"], ".2f")] for m, f in r["fits"].items()],
+    ),
+  ]
+  cross = r.get("crossover") or {}
+  if cross.get("length"):
+    out.append(f"Linear attention overtakes blockwise softmax at T ≈ {cross['length']:,}.\n")
+  elif cross.get("note"):
+    out.append(f"Where linear attention overtakes blockwise softmax: {cross['note']}.\n")
+  return "\n".join(out)
+
+
+def sparse(docs: pathlib.Path) -> str:
+  path, r = _scaling_record(docs)
+  if r is None or not r.get("sparse"):
+    return _absent("a sparse-mask table in `docs/scaling/scaling.json`", "scaling")
+  from experiments.bench_scaling import sparse_mask  # the masks the run was timed with
+
+  first = r["sparse"][0]
+  head = (
+    f"From {_source(path, docs)}: blockwise forward at T={first['T']:,}, tiles "
+    f"{first['block']} × {first['block']}; each pattern's mask is built by `sparse_mask` in "
+    "`experiments/bench_scaling.py`.\n\n"
+  )
+  rows = []
+  for s in r["sparse"]:
+    mask = sparse_mask(s["pattern"], s["T"], s["block"], r["config"]["window"])
+    rows.append(
+      [
+        s["pattern"],
+        "none" if mask is None else f"`{mask!r}`".replace("|", "\\|"),
+        f"{s['tiles_visited']:.3f}",
+        f"{s['ms']:,.0f}",
+        fmt(s["time_vs_dense"], ".3f"),
+      ]
+    )
+  return head + _table(["pattern", "mask", "tiles visited", "ms", "time / dense"], rows)
+
+
+def parallel(docs: pathlib.Path) -> str:
+  path = docs / "parallel" / "parallel.json"
+  if not path.exists():
+    return _absent("`docs/parallel/parallel.json`", "parallel")
+  r = _load(path)
+  c = r["config"]
+  ref = r["reference"]
+  mb = lambda x: fmt(x, ",.4g")
+  ratio = lambda a, b: None if a is None or not b else a / b
+  out = [
+    f"From {_source(path, docs)}: {r['num_devices']} {r['device'].split(':')[0]} devices "
+    f"sharing {r['cpu_count']} cores, jax {r['jax_version']}; B={c['batch']}, "
+    f"N=K={c['heads']}, H={c['head_dim']}, T={c['length']:,}, float32, "
+    f"{'causal ' if c['causal'] else ''}training step (value_and_grad in q, k, v), tiles "
+    f"{r['blocks'][0]} × {r['blocks'][1]}. jax.nn on one device: {mb(ref['mb'])} MB, "
+    f"{ref['ms']:,.1f} ms.\n",
+    "Memory per device and step time against the number of devices P (contiguous layout):\n",
+    _table(
+      ["P", "MB per device", "× P / MB at P=1", "step ms", "× jax.nn ms"],
+      [
+        [
+          str(row["P"]),
+          mb(row["mb"]),
+          fmt(row["mb_x_P_vs_P1"], ".3f"),
+          f"{row['ms']:,.1f}",
+          fmt(ratio(row["ms"], ref["ms"]), ".3f"),
+        ]
+        for row in r["rows"]
+      ],
+    ),
+  ]
+  times = {row["layout"]: row for row in r["layouts"]}
+  P = r["balance"][0]["P"] if r["balance"] else None
+  out += [
+    f"Causal work per device at P={P} (max/mean across devices, 1.0 = even) and step time "
+    "per layout:\n",
+    _table(
+      ["layout", "tiles max/mean", "pairs max/mean", "tiles visited", "step ms", "× contiguous"],
+      [
+        [
+          w["layout"],
+          f"{w['tiles_max_over_mean']:.3f}",
+          f"{w['pairs_max_over_mean']:.3f}",
+          f"{w['total_tiles']:.0f}",
+          f"{times[w['layout']]['ms']:,.1f}",
+          f"{times[w['layout']]['time_vs_contiguous']:.3f}",
+        ]
+        for w in r["balance"]
+      ],
+    ),
+  ]
+  if r["memory"]:
+    out += [
+      f"Memory per device at T={c['memory_length']:,} from compilation alone (nothing runs):\n",
+      _table(
+        ["method", "P", "MB per device", "× MB at P/2"],
+        [
+          [m["method"], str(m["P"]), mb(m["mb"]), fmt(m.get("vs_half_P"), ".3f")]
+          for m in r["memory"]
+        ],
+      ),
+    ]
+  return "\n".join(out)
+
+
+def gpu(docs: pathlib.Path) -> str:
+  paths = _full_runs((docs / "gpu").glob("*.json"))
+  if not paths:
+    return _absent("a `bench_gpu` record in `docs/gpu/`", "gpu")
+  out = []
+  for path in paths:
+    rows = _load(path)
+
+    def f(row, key, spec):
+      if key in row:
+        return format(row[key], spec)
+      return row.get(key.rsplit("_", 1)[0] + "_error", "—")
+
+    out += [
+      f"From {_source(path, docs)}; speedup = jax.nn's time / the method's; scratch = XLA's "
+      "planned temporary memory:\n",
+      _table(
+        ["dtype", "T", "causal", "method", "fwd ms", "fwd+bwd ms", "fwd+bwd speedup"]
+        + ["fwd+bwd scratch MB"],
+        [
+          [
+            row["dtype"],
+            f"{row['T']:,}",
+            "yes" if row["causal"] else "no",
+            row["method"],
+            f(row, "fwd_ms", ".2f"),
+            f(row, "fwd_bwd_ms", ".2f"),
+            f(row, "fwd_bwd_speedup", ".2f"),
+            f(row, "fwd_bwd_scratch_mb", ",.0f"),
+          ]
+          for row in rows
+        ],
+      ),
+    ]
+  return "\n".join(out)
+
+
+def accuracy(docs: pathlib.Path) -> str:
+  paths = _full_runs((docs / "accuracy").glob("*.json"))
+  if not paths:
+    return _absent("an accuracy record in `docs/accuracy/`", "accuracy")
+  from experiments import accuracy as harness  # jax and jattn: only when there is a record
+
+  out = []
+  for path in paths:
+    rows = _load(path)
+    cells = [r for r in rows if r["rule"] not in harness.PEERS]
+    ok = [r for r in cells if all(e["ok"] for e in r["cell"].values())]
+    out += [
+      f"From {_source(path, docs)}: **{len(ok)} of {len(cells)} cells meet the target**. "
+      "A jax.nn row gives its absolute errors; each rule row gives the rule's error divided "
+      "by jax.nn's, in bold where it misses the target.\n",
+      harness.table(rows) + "\n",
+    ]
+  return "\n".join(out)
+
+
+def demo(docs: pathlib.Path) -> str:
+  path = docs / "compare_backward" / "summary.json"
+  if not path.exists():
+    return _absent("`docs/compare_backward/summary.json`", "compare_backward")
+  from experiments.toy import report
+
+  s = _load(path)
+  c = s["config"]
+  t, tr, sw = c["task"], c["training"], c["comparison"]["sweep"]
+  return "\n".join(
+    [
+      f"From {_source(path, docs)}: task `{t['name']}` (sequences of {s['task']['seq_len']} "
+      f"tokens, {s['task']['num_answer_tokens']} of them answers), {s['num_params']:,} "
+      f"parameters, {tr['steps']} steps of batch {tr['batch_size']}, exact match on "
+      f"{tr['eval_samples']} held-out sequences, platform {s['platform']}.\n",
+      report.rules_table(s["rules"]) + "\n",
+      f"The length sweep: batch {sw['batch_size']}, median of {sw['steps']} train steps, "
+      f"each cell a fresh process capped at {sw['memory_limit_mb']:,} MB of address space; "
+      "a cell reads step time, XLA's buffer assignment for the step, and the process's "
+      "peak resident memory (RSS).\n",
+      report.sweep_table(s["sweep"], list(s["rules"])) + "\n",
+    ]
+  )
+
+
+TABLES: dict[str, Callable[[pathlib.Path], str]] = {
+  "bench": bench_timings,
+  "bench_memory": bench_memory,
+  "scaling": scaling,
+  "sparse": sparse,
+  "parallel": parallel,
+  "gpu": gpu,
+  "accuracy": accuracy,
+  "demo": demo,
+}
+
+
+def write_tables(docs: pathlib.Path = DOCS, out: pathlib.Path | None = None) -> list[pathlib.Path]:
+  """Write ``<name>.md`` under ``out`` (default docs/_generated) for every table."""
+  out = out or docs / "_generated"
+  out.mkdir(parents=True, exist_ok=True)
+  written = []
+  for name, render in TABLES.items():
+    path = out / f"{name}.md"
+    text = "<!-- Written by python -m experiments.docs_tables; do not edit. -->\n\n" + render(docs)
+    if not path.exists() or path.read_text() != text:  # unchanged files keep Sphinx's cache
+      path.write_text(text)
+    written.append(path)
+  return written
+
+
+# --- collecting runs ------------------------------------------------------------------------
+
+
+def collect(runs: pathlib.Path, docs: pathlib.Path = DOCS) -> list[pathlib.Path]:
+  """Copy the newest full run of each benchmark from ``runs`` into its folder of docs/."""
+  copied: list[pathlib.Path] = []
+
+  def copy(src: pathlib.Path, folder: str) -> None:
+    dest = docs / folder / src.name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dest)
+    if dest not in copied:
+      copied.append(dest)
+
+  def newest(pattern: str) -> pathlib.Path | None:
+    found = _full_runs(runs.glob(pattern))
+    return found[-1] if found else None
+
+  bench = _full_runs(runs.glob("bench-*.json"))
+  for part in ("timings", "memory"):  # the newest run of each table: they may differ
+    with_part = [p for p in bench if _load(p)[part]]
+    if with_part:
+      copy(with_part[-1], "bench")
+  for p in _full_runs(runs.glob("accuracy*.json")):
+    copy(p, "accuracy")
+  for p in _full_runs(runs.glob("bench_gpu*.json")):
+    copy(p, "gpu")
+  if (scaling_run := newest("scaling-*/scaling.json")) is not None:
+    copy(scaling_run, "scaling")
+    if (scaling_run.parent / "scaling.png").exists():
+      copy(scaling_run.parent / "scaling.png", "scaling")
+  if (parallel_run := newest("parallel-*/parallel.json")) is not None:
+    copy(parallel_run, "parallel")
+  demo_run = runs / "compare_backward"
+  if (demo_run / "summary.json").exists():
+    for name in ("summary.json", *DEMO_PLOTS):
+      if (demo_run / name).exists():
+        copy(demo_run / name, "compare_backward")
+  return copied
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument(
+    "--collect",
+    nargs="?",
+    const=str(ROOT / "runs"),
+    metavar="RUNS",
+    help="first copy the newest full run of each benchmark from RUNS (default runs/) into docs/",
+  )
+  args = parser.parse_args(argv)
+  if args.collect:
+    for path in collect(pathlib.Path(args.collect)):
+      print(f"copied {path.relative_to(ROOT)}")
+  for path in write_tables():
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+  main()

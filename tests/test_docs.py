@@ -1,0 +1,75 @@
+"""The documentation stays true: every page's examples run and print what the page says,
+and the result tables can be written from the committed run records (or say they are absent)."""
+
+import contextlib
+import io
+import pathlib
+import re
+
+import pytest
+
+from experiments import docs_tables
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = sorted(p for p in DOCS.glob("*.md") if "```python" in p.read_text())
+
+# What a page's examples print, as the page shows it in comments.
+PRINTED = {
+  "attention.md": ["(2, 4, 16, 16) True", "ValueError key and value must have the same shape"],
+  "backward.md": ["implementation='blockwise' does not support backward='autodiff'"],
+  "decoding.md": ["[5 3]", "[8 6]"],
+  "flax.md": ["(2, 10, 32)", "(2, 12, 64) (2, 8, 12, 12)", "[9 7]", "True"],
+  "linear.md": ["(1, 128, 4, 16) favor+ mean |error|", "[0 1 2 3]", "(4, 64)"],
+  "masks.md": [
+    "[[1 0 0 0]\n [1 1 0 0]\n [1 1 1 0]\n [0 1 1 1]]",
+    "(2, 16, 4, 64) [1.         0.31622776 0.1        0.03162277]",
+    "[0.25       0.0625     0.015625   0.00390625 0.5        0.125     ]",
+    "[[0.    0.    1.    1.   ]\n [0.841 0.01  0.54  1.   ]]",
+  ],
+  "parallel.md": ["True"],
+}
+
+
+def _blocks(text, language="python"):
+  return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_page_examples_run(page):
+  namespace = {}
+  stdout = io.StringIO()
+  with contextlib.redirect_stdout(stdout):
+    for block in _blocks(page.read_text()):
+      exec(compile(block, str(page.relative_to(ROOT)), "exec"), namespace)
+  for text in PRINTED.get(page.name, []):
+    assert text in stdout.getvalue(), f"{page.name} no longer prints {text!r}"
+
+
+def test_every_page_with_examples_is_checked():
+  assert {p.name for p in PAGES} >= set(PRINTED)
+
+
+def test_tables_from_the_committed_records(tmp_path):
+  written = docs_tables.write_tables(DOCS, tmp_path)
+  assert {p.stem for p in written} == set(docs_tables.TABLES)
+  text = {p.stem: p.read_text() for p in written}
+  for name in ("bench", "bench_memory", "scaling", "sparse", "accuracy", "demo"):
+    assert "No run recorded" not in text[name] and "\n|---|" in text[name], name
+  assert "165 of 165 cells meet the target" in text["accuracy"]
+
+
+def test_absent_records_are_named_with_the_command_that_makes_them(tmp_path):
+  for path in docs_tables.write_tables(tmp_path / "empty", tmp_path / "out"):
+    assert "No run recorded" in path.read_text() and "python -m experiments." in path.read_text()
+
+
+def test_collect_copies_the_newest_full_runs(tmp_path):
+  runs, docs = tmp_path / "runs", tmp_path / "docs"
+  runs.mkdir()
+  record = '{"timings": [1], "memory": []}'
+  for name in ("bench-20260101-000000.json", "bench-20260102-000000.json"):
+    (runs / name).write_text(record)
+  (runs / "bench-20260103-000000-quick.json").write_text(record)
+  copied = docs_tables.collect(runs, docs)
+  assert [p.name for p in copied] == ["bench-20260102-000000.json"]
