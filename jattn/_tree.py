@@ -1,4 +1,4 @@
-"""A small immutable pytree node shared by masks and score functions.
+"""A small immutable pytree node for score functions (masks are dataclasses, see jattn.masks).
 
 A node is a static ``rule`` (module-level functions that say what the node
 computes), static ``params`` (hashable settings such as a window size) and

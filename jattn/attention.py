@@ -264,7 +264,7 @@ def _cudnn(query, key, value, spec: _spec.CallSpec, mask, *, unsupported, **kwar
     if value_ is not None:
       raise ValueError(f"implementation='cudnn' does not support {name}; use implementation='xla'")
   if isinstance(mask, masks.Mask):
-    if mask.rule.name != "from_array":
+    if not isinstance(mask, masks.kinds.FromArray):
       raise ValueError(
         f"implementation='cudnn' takes mask only as a boolean array, got "
         f"{mask!r}; use implementation='xla'"

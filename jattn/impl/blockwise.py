@@ -183,7 +183,7 @@ def plan(
   mask_consts: list = []
   if mask is not None:
     # The batch and head indices are always the whole (concrete) ranges: closing over them
-    # lets masks index their per-row arrays along the sequence only (see masks._take).
+    # lets masks index their per-row arrays along the sequence only (see masks._indexing.take).
     b, h, q, kv = example
     mask_fn, mask_consts = _common.hoist(lambda q, kv: mask(b, h, q, kv), q, kv)
   modify: Callable | None = None

@@ -1,0 +1,119 @@
+"""How masks read the arrays they hold, and the extents those arrays fix.
+
+Constructors keep arrays as given and reshape them where they are read, inside
+traced code: building a mask runs no computation, so a call with bad
+arguments fails before anything is compiled.
+
+Per-row values (a causal offset, a prefix or a padding length) are given as
+a scalar or (B,); ids along a sequence (segment ids) as (L,) or (B, L); a size
+1 axis broadcasts. A mask's *extents* are the (B, N, T, S) its arrays fix,
+None where it broadcasts; combining masks checks that they agree.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _checks
+
+Extents = tuple  # (B, N, T, S), each an int or None when the mask does not fix it.
+
+NO_EXTENTS: Extents = (None, None, None, None)
+
+
+def index_array(positions: np.ndarray, axis: int) -> jax.Array:
+  """``positions`` as an int32 jax array along ``axis`` of a rank-4 grid.
+
+  Built in NumPy and transferred: concrete even under jit (see :func:`take`),
+  and no XLA program is compiled for it, so argument checks that evaluate
+  masks on index grids compile nothing.
+  """
+  shape = [1, 1, 1, 1]
+  shape[axis] = -1
+  with jax.ensure_compile_time_eval():
+    return jax.device_put(np.asarray(positions, np.int32).reshape(shape))
+
+
+def merge_extents(a: Extents, b: Extents, what: str) -> Extents:
+  """The extents two masks fix together; raises where both fix a size and differ."""
+  names = ("batch size", "number of heads", "query length", "key/value length")
+  merged = []
+  for name, x, y in zip(names, a, b):
+    if x is not None and y is not None and x != y:
+      raise ValueError(f"cannot combine masks with different {name} in {what}: {x} and {y}")
+    merged.append(x if x is not None else y)
+  return tuple(merged)
+
+
+def fixed(n: int) -> int | None:
+  """A dimension of size 1 broadcasts, so it fixes nothing."""
+  return None if n == 1 else n
+
+
+def array_extents(shape) -> Extents:
+  """(B, N, T, S) fixed by an array broadcast to rank 4 (leading size-1 dims added)."""
+  return tuple(fixed(n) for n in (1,) * (4 - len(shape)) + tuple(shape))
+
+
+def batch_size(arr, rank: int) -> int | None:
+  """The batch size fixed by an array whose batched form has ``rank`` dims (None: broadcasts)."""
+  shape = jnp.shape(arr)
+  return fixed(shape[0]) if len(shape) == rank else None
+
+
+def shared_batch(arrays, rank: int, names: str) -> int | None:
+  """The one batch size per-batch ``arrays`` (None entries skipped) fix; they must agree."""
+  sizes = {n for a in arrays if a is not None if (n := batch_size(a, rank)) is not None}
+  if len(sizes) > 1:
+    raise ValueError(f"{names} must have the same batch size, got {sorted(sizes)}")
+  return sizes.pop() if sizes else None
+
+
+def as_rank(arr, rank: int) -> jax.Array:
+  """``arr`` with leading size-1 dimensions added up to ``rank``."""
+  arr = jnp.asarray(arr)
+  return arr.reshape((1,) * (rank - arr.ndim) + arr.shape)
+
+
+def at_batch(arr, b) -> jax.Array:
+  """``arr[b]`` for per-batch values given as a scalar or (Bm,); Bm == 1 broadcasts."""
+  arr = jnp.asarray(arr).reshape(-1)
+  return arr[b] if arr.shape[0] > 1 else arr[0]
+
+
+def batch_index(arr) -> jax.Array:
+  """Per-batch values shaped (Bm, 1, 1, 1) to broadcast against tiles."""
+  return jnp.asarray(arr).reshape(-1, 1, 1, 1)
+
+
+def take(arr, b, idx) -> jax.Array:
+  """``arr[b, idx]`` for ids given as (Bm, L) or (L,), clamping out-of-range positions."""
+  arr = as_rank(arr, 2)
+  if arr.shape[0] == 1:
+    return arr[0].at[idx].get(mode="clip")
+  if _is_iota(b, arr.shape[0]) and sum(n > 1 for n in jnp.shape(idx)) <= 1:
+    # Every batch row with one index vector: a take along the sequence axis
+    # keeps the batch axis a plain array axis, which sharding propagation
+    # splits across devices (a gather by (b, idx) makes it gather the ids).
+    rows = jnp.take(arr, jnp.ravel(idx), axis=1, mode="clip")
+    shape = [arr.shape[0] if n == 0 else 1 for n in range(jnp.ndim(idx))]
+    shape[next((i for i, n in enumerate(jnp.shape(idx)) if n > 1), len(shape) - 1)] = -1
+    return rows.reshape(shape)
+  return arr.at[b, idx].get(mode="clip")
+
+
+def _is_iota(b, n: int) -> bool:
+  """Whether ``b`` is the concrete batch index ``arange(n)`` along its first axis."""
+  shape = jnp.shape(b)
+  if not shape or shape[0] != n or any(d != 1 for d in shape[1:]):
+    return False
+  if not _checks.is_concrete(b):
+    return False
+  return bool(np.array_equal(np.ravel(np.asarray(b)), np.arange(n)))
+
+
+def shape_str(arr) -> str:
+  """``shape=(...)``, how reprs name an array a mask holds."""
+  return "shape=" + str(tuple(jnp.shape(arr)))

@@ -1,0 +1,123 @@
+"""A mask seen through index maps (:func:`reindex`), for sequence-parallel attention.
+
+Ring attention (:mod:`jattn.parallel`) evaluates a mask written in global
+positions on one device's shard of the sequence, possibly permuted (zig-zag,
+striped): each axis of the new mask maps to positions of the original one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jattn import _checks
+from jattn.masks import _indexing as ix
+from jattn.masks._core import Mask
+from jattn.masks._indexing import Extents
+from jattn.masks.tiles import UNSURE, Bounds, Tiles, tile_reduce
+
+
+def _mapped_range(positions, block: int, length: int):
+  """Smallest and largest mapped position in each tile of ``block`` entries of ``positions``."""
+  lo = tile_reduce(positions, 0, block, length, "edge", jnp.min)
+  hi = tile_reduce(positions, 0, block, length, "edge", jnp.max)
+  return lo, hi
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, eq=False)
+class Reindex(Mask):
+  """``mask(batch[b], head[n], q[i], kv[j])`` at ``(b, n, i, j)``; a None map is the identity."""
+
+  mask: Mask
+  batch: Any
+  head: Any
+  q: Any
+  kv: Any
+
+  @property
+  def _maps(self) -> tuple:
+    return self.batch, self.head, self.q, self.kv
+
+  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+    idx = tuple(
+      i if m is None else jnp.asarray(m).at[i].get(mode="clip")
+      for m, i in zip(self._maps, (batch, head, q_idx, kv_idx))
+    )
+    return self.mask(*idx)
+
+  def tile_bounds(self, t: Tiles) -> Bounds:
+    # Tiles of the new axes are bounded by the hull of the positions they map
+    # to: a superset, so the mask's "any" stays an over- and its "all" an
+    # under-approximation, both safe. Contiguous maps (a shard of a sequence)
+    # keep the mask's classes exact.
+    mapped = t
+    if self.q is not None or self.kv is not None:
+      if not t.aligned:  # tiles already stand for hulls: positions per tile are unknown here
+        return UNSURE
+      mapped = t._replace(aligned=False)
+    if self.q is not None:
+      q_lo, q_hi = (x.reshape(1, 1, -1, 1) for x in _mapped_range(self.q, t.block_q, t.q_len))
+      mapped = mapped._replace(q_lo=q_lo, q_hi=q_hi)
+    if self.kv is not None:
+      kv_lo, kv_hi = (x.reshape(1, 1, 1, -1) for x in _mapped_range(self.kv, t.block_kv, t.kv_len))
+      mapped = mapped._replace(kv_lo=kv_lo, kv_hi=kv_hi)
+    out = []
+    for x in self.mask.tile_bounds(mapped):
+      x = jnp.asarray(x)
+      x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+      for axis, positions in ((0, self.batch), (1, self.head)):
+        if positions is not None and x.shape[axis] > 1:
+          x = jnp.take(x, jnp.asarray(positions), axis=axis, mode="clip")
+      out.append(x)
+    return out[0], out[1]
+
+  @property
+  def extents(self) -> Extents:
+    return tuple(
+      own if m is None else jnp.shape(m)[0] for own, m in zip(self.mask.extents, self._maps)
+    )
+
+  def __repr__(self) -> str:
+    parts = [
+      f"{name} {ix.shape_str(m)}"
+      for name, m in zip(("batch", "head", "q", "kv"), self._maps)
+      if m is not None
+    ]
+    return f"reindex({self.mask!r}, {', '.join(parts)})"
+
+
+def reindex(mask: Mask, *, batch=None, head=None, q=None, kv=None) -> Mask:
+  """``mask`` seen through index maps: the new mask at ``(b, n, i, j)`` is
+  ``mask(batch[b], head[n], q[i], kv[j])``.
+
+  Each map is an int array of shape (L,) giving, for every position of the
+  new axis, the position of ``mask``'s axis it stands for; None keeps the axis
+  as it is. Sequence-parallel attention uses it to evaluate a mask written in
+  global positions on one device's shard (``q = offset + arange(T_shard)``),
+  or on a permuted sequence (:mod:`jattn.parallel`'s zig-zag and striped
+  layouts). Maps may be traced.
+
+  Tile classes come from the range of positions each tile maps to, so they
+  stay exact for contiguous maps and are conservative (PARTIAL where unsure)
+  otherwise. Masks that hold arrays along T or S (``segments``,
+  ``from_array``) are evaluated correctly through a map but classify every
+  tile they touch as PARTIAL.
+
+  Example::
+
+      >>> shard = masks.reindex(masks.causal(), q=np.arange(2, 4), kv=np.arange(0, 2))
+      >>> shard.materialize(2, 2)[0, 0].astype(int)  # rows 2-3, columns 0-1 of causal()
+      Array([[1, 1],
+             [1, 1]], dtype=int32)
+  """
+  if not isinstance(mask, Mask):
+    raise TypeError(f"reindex needs a jattn.masks.Mask, got {type(mask).__name__}")
+  maps = [
+    None if m is None else _checks.int_array(name, m, ranks=(1,))
+    for name, m in (("batch", batch), ("head", head), ("q", q), ("kv", kv))
+  ]
+  return Reindex(mask, *maps)
