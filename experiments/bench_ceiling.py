@@ -30,7 +30,7 @@ import numpy as np
 
 import jattn
 from experiments import _timing
-from jattn.impl import blockwise
+from jattn.impl import _tiling, blockwise
 
 
 def tile_matmuls(block: int):
@@ -38,7 +38,7 @@ def tile_matmuls(block: int):
 
   def run(query, key, value):
     # The kernel's own tiling: (num_tiles, B, N, block, H), zero-padded.
-    q_tiles, k_tiles, v_tiles = (blockwise._tiles(x, block) for x in (query, key, value))
+    q_tiles, k_tiles, v_tiles = (_tiling.seq_tiles(x, block) for x in (query, key, value))
     n = k_tiles.shape[0]
 
     def query_tile(q_tile):

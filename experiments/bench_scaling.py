@@ -57,6 +57,7 @@ import jattn
 from experiments._config import config_fields
 from experiments._timing import fmt
 from jattn import masks
+from jattn.impl import _tiling
 from jattn.impl import blockwise as _blockwise
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -243,7 +244,7 @@ def sparse_table(cfg: Config) -> list[dict]:
   rows = []
   for name in sp.get("patterns", ["dense"]):
     mask = sparse_mask(name, T, block, cfg.window)
-    view = _blockwise._tile_classes(mask, cfg.batch, cfg.heads, T, T, block, block)
+    view = _tiling.tile_classes(mask, cfg.batch, cfg.heads, T, T, block, block)
     visited = float(np.mean(np.asarray(view) != masks.EMPTY))
     fn = jax.jit(
       lambda q, k, v, mask=mask: jattn.dot_product_attention(

@@ -22,7 +22,7 @@ from test_xla import SCORE_FNS  # the same score functions, for the same N
 
 import jattn
 from jattn import masks, scores
-from jattn.impl import blockwise
+from jattn.impl import _tiling, blockwise
 
 # T and S are not multiples of the tiles, so every test also runs padded edge tiles.
 B, T, S, N, K, H = 2, 7, 9, 4, 2, 4  # N as in test_xla, whose SCORE_FNS are reused
@@ -364,7 +364,7 @@ def test_causal_visits_about_half_the_tiles_and_a_window_grows_linearly():
 
 def test_schedule_puts_full_tiles_first_and_skips_empty():
   view = np.array([[1, 0, 2, 2], [0, 0, 0, 0], [2, 1, 1, 0]], np.int8)
-  sched = blockwise._schedule(view)
+  sched = _tiling.schedule(view)
   np.testing.assert_array_equal(sched.num_full, [2, 0, 1])
   np.testing.assert_array_equal(sched.num_partial, [1, 0, 2])
   np.testing.assert_array_equal(sched.order[0, :3], [2, 3, 0])
@@ -372,9 +372,9 @@ def test_schedule_puts_full_tiles_first_and_skips_empty():
 
 
 def test_padded_edge_tiles_are_partial():
-  view = blockwise._tile_classes(None, 1, 1, 7, 9, 3, 4)
+  view = _tiling.tile_classes(None, 1, 1, 7, 9, 3, 4)
   np.testing.assert_array_equal(view, [[2, 2, 1], [2, 2, 1], [1, 1, 1]])
-  view = blockwise._tile_classes(masks.causal(), 1, 1, 8, 8, 4, 4)
+  view = _tiling.tile_classes(masks.causal(), 1, 1, 8, 8, 4, 4)
   np.testing.assert_array_equal(view, [[1, 0], [2, 1]])
 
 

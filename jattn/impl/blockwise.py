@@ -56,17 +56,15 @@ Arguments arrive normalised and validated, as a :class:`jattn._spec.CallSpec`.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jattn import dropout as _dropout
 from jattn import masks as _masks
-from jattn.impl import _common
+from jattn.impl import _common, _tiling
 
 if TYPE_CHECKING:
   from jattn._spec import CallSpec
@@ -95,29 +93,6 @@ def resolve_blocks(block_q: int | None, block_kv: int | None) -> tuple[int, int]
   return (default_q if block_q is None else block_q, default_kv if block_kv is None else block_kv)
 
 
-class _Static(NamedTuple):
-  """Hashable settings of one call: the custom_vjp's non-differentiable argument."""
-
-  scale: float
-  dropout_rate: float
-  broadcast_dropout: bool  # one (T, S) dropout pattern for every (batch, head)
-  q_len: int  # T
-  kv_len: int  # S
-  block_q: int
-  block_kv: int
-  mask_fn: Callable | None  # (q, kv, *consts) -> bool, for every batch row and head
-  score_fn: Callable | None  # (s, b, h, q, kv, *consts) -> s
-
-
-class _Schedule(NamedTuple):
-  """Which tiles to visit: for each query tile (rows) or key/value tile (columns),
-  the other axis's tile indices with FULL tiles first, then PARTIAL, and their counts."""
-
-  order: jax.Array  # (n, m) int32
-  num_full: jax.Array  # (n,) int32
-  num_partial: jax.Array  # (n,) int32
-
-
 def attention(query, key, value, spec: CallSpec):
   """Returns ``(out (B, T, N, H) in query's dtype, lse (B, T, N) in float32/64)``.
 
@@ -144,9 +119,9 @@ def attention(query, key, value, spec: CallSpec):
 class Plan(NamedTuple):
   """Everything one call needs besides the arrays: settings, tile schedules, hoisted constants."""
 
-  static: _Static
-  rows: _Schedule  # per query tile: the key/value tiles to visit (forward)
-  cols: _Schedule  # per key/value tile: the query tiles to visit (backward)
+  static: _tiling.Static
+  rows: _tiling.Schedule  # per query tile: the key/value tiles to visit (forward)
+  cols: _tiling.Schedule  # per key/value tile: the query tiles to visit (backward)
   seed: jax.Array | None  # dropout seed words
   mask_consts: tuple
   score_consts: tuple
@@ -175,10 +150,10 @@ def plan(
   B, T, N, _ = query.shape
   S = key.shape[1]
   bq, bk = min(block_q, T), min(block_kv, S)
-  view = _tile_classes(mask, B, N, T, S, bq, bk)
-  rows, cols = (jax.tree.map(jnp.asarray, _schedule(v)) for v in (view, view.T))
+  view = _tiling.tile_classes(mask, B, N, T, S, bq, bk)
+  rows, cols = (jax.tree.map(jnp.asarray, _tiling.schedule(v)) for v in (view, view.T))
 
-  example = _tile_indices(B, N, bq, bk, 0, 0)
+  example = _tiling.tile_indices(B, N, bq, bk, 0, 0)
   mask_fn: Callable | None = None
   mask_consts: list = []
   if mask is not None:
@@ -194,7 +169,7 @@ def plan(
   seed = None
   if dropout_rate:
     seed = jnp.stack(_dropout.seed_words(dropout_rng))
-  static = _Static(
+  static = _tiling.Static(
     float(scale), float(dropout_rate), bool(broadcast_dropout), T, S, bq, bk, mask_fn, modify
   )
   return Plan(static, rows, cols, seed, tuple(mask_consts), tuple(score_consts))
@@ -219,212 +194,28 @@ def backward(p: Plan, query, key, value, out, m, l, d_out, d_lse, bias=None):
   return d_query, d_key, d_value, d_bias
 
 
-# --- the schedule -------------------------------------------------------------
-
-
-def _tile_classes(mask, B, N, T, S, bq, bk):
-  """(nq, nk) int8 tile classes for all batch rows and heads at once.
-
-  A tile is EMPTY only if it is empty for every (batch, head), FULL only if
-  full for all. Tiles that hold padding past T or S are at most PARTIAL, so
-  the padding gets masked.
-  """
-  nq, nk = math.ceil(T / bq), math.ceil(S / bk)
-  if mask is None:
-    view = np.full((nq, nk), _masks.FULL, np.int8)
-  else:
-    per_head = mask.block_view(T, S, block_q=bq, block_kv=bk, batch_size=B, num_heads=N)
-    xp = np if isinstance(per_head, np.ndarray) else jnp
-    lo = xp.min(per_head, axis=(0, 1))
-    hi = xp.max(per_head, axis=(0, 1))
-    view = xp.where(
-      lo == _masks.FULL, _masks.FULL, xp.where(hi == _masks.EMPTY, _masks.EMPTY, _masks.PARTIAL)
-    ).astype(np.int8)
-  xp = np if isinstance(view, np.ndarray) else jnp
-  edge = xp.zeros((nq, nk), bool)
-  if T % bq:
-    edge = edge | (xp.arange(nq) == nq - 1)[:, None]
-  if S % bk:
-    edge = edge | (xp.arange(nk) == nk - 1)[None, :]
-  return xp.where(edge & (view == _masks.FULL), _masks.PARTIAL, view).astype(np.int8)
-
-
-def _schedule(view) -> _Schedule:
-  """For each row of ``view``: its column indices, FULL first, then PARTIAL, then EMPTY."""
-  xp = np if isinstance(view, np.ndarray) else jnp
-  rank = xp.where(view == _masks.FULL, 0, xp.where(view == _masks.PARTIAL, 1, 2))
-  order = xp.argsort(rank, axis=1, stable=True).astype(np.int32)
-  num_full = xp.sum(view == _masks.FULL, axis=1).astype(np.int32)
-  num_partial = xp.sum(view == _masks.PARTIAL, axis=1).astype(np.int32)
-  return _Schedule(order, num_full, num_partial)
-
-
-# --- tiles --------------------------------------------------------------------
-
-
-def _tiles(x, block: int):
-  """(B, L, K, H) -> (ceil(L / block), B, K, block, H), zero-padded along L."""
-  B, L, K, H = x.shape
-  n = math.ceil(L / block)
-  x = jnp.pad(x, ((0, 0), (0, n * block - L), (0, 0), (0, 0)))
-  return x.reshape(B, n, block, K, H).transpose(1, 0, 3, 2, 4)
-
-
-def _query_tiles(x, block: int, num_kv_heads: int):
-  """(B, T, N, H) -> (nq, B, K, G · block, H): each key/value head's G query heads stacked."""
-  tiles = _tiles(x, block)  # (nq, B, N, block, H)
-  nq, B, N, _, H = tiles.shape
-  return tiles.reshape(nq, B, num_kv_heads, (N // num_kv_heads) * block, H)
-
-
-def _untile_queries(x, num_heads: int, length: int):
-  """The inverse of :func:`_query_tiles`: (nq, B, K, G · block, H) -> (B, T, N, H)."""
-  nq, B, K, rows, H = x.shape
-  block = rows * K // num_heads
-  x = x.reshape(nq, B, num_heads, block, H).transpose(1, 0, 3, 2, 4)
-  return x.reshape(B, nq * block, num_heads, H)[:, :length]
-
-
-def _row_tiles(x, block: int):
-  """Per-row statistics (B, T, N) -> (nq, B, N, block, 1), zero-padded."""
-  B, T, N = x.shape
-  n = math.ceil(T / block)
-  x = jnp.pad(x, ((0, 0), (0, n * block - T), (0, 0)))
-  return x.reshape(B, n, block, N).transpose(1, 0, 3, 2)[..., None]
-
-
-def _tile_indices(B, N, bq, bk, qi, ki):
-  """Global (batch, head, q_idx, kv_idx) of tile (qi, ki), broadcasting to (B, N, bq, bk)."""
-  with jax.ensure_compile_time_eval():  # concrete batch index: masks take along sequences
-    b = jnp.arange(B, dtype=jnp.int32).reshape(B, 1, 1, 1)
-    h = jnp.arange(N, dtype=jnp.int32).reshape(1, N, 1, 1)
-  return (
-    b,
-    h,
-    (qi * bq + jnp.arange(bq, dtype=jnp.int32)).reshape(1, 1, bq, 1),
-    (ki * bk + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, bk),
-  )
-
-
-def _pad_bias(bias, static: _Static):
-  """Bias (Bb, Nb, Tb, Sb) with its T and S axes (where not 1) padded to whole tiles."""
-  if bias is None:
-    return None
-  pads = [(0, 0), (0, 0)]
-  for size, length, block in (
-    (bias.shape[2], static.q_len, static.block_q),
-    (bias.shape[3], static.kv_len, static.block_kv),
-  ):
-    pads.append((0, 0) if size == 1 else (0, math.ceil(length / block) * block - length))
-  return jnp.pad(bias, pads)
-
-
-def _bias_window(bias, static: _Static, qi, ki):
-  """Start and size of tile (qi, ki) in a padded bias, for dynamic_slice."""
-  Bb, Nb, Tb, Sb = bias.shape
-  start = (0, 0, 0 if Tb == 1 else qi * static.block_q, 0 if Sb == 1 else ki * static.block_kv)
-  size = (Bb, Nb, 1 if Tb == 1 else static.block_q, 1 if Sb == 1 else static.block_kv)
-  return tuple(jnp.asarray(x, jnp.int32) for x in start), size
-
-
-class _Tile(NamedTuple):
-  """What the forward and backward passes share for one (query tile, key/value tile)."""
-
-  s: jax.Array  # (B, N, bq, bk) scores after bias and score_fn, float32/64
-  keep: jax.Array | None  # mask, None on FULL tiles
-  drop: jax.Array | None  # dropout keep mask
-  score_vjp: Callable | None  # d_s -> (d_s before score_fn, *d_score_consts)
-
-
-def _tile(
-  static: _Static,
-  q_tile,
-  k_tile,
-  bias,
-  seed,
-  consts,
-  qi,
-  ki,
-  *,
-  masked: bool,
-  with_vjp: bool = False,
-) -> _Tile:
-  """Scores, mask and dropout of tile (qi, ki); q_tile (B, K, G·bq, H), k_tile (B, K, bk, H)."""
-  mask_consts, score_consts = consts
-  B, K, rows, _ = q_tile.shape
-  bq, bk = static.block_q, static.block_kv
-  N = rows // bq * K
-  dtype = _common.stats_dtype(q_tile.dtype)
-  s = jnp.einsum("BKrH,BKkH->BKrk", q_tile, k_tile, preferred_element_type=dtype)
-  if not _common.scales_queries(q_tile.dtype):  # else the tiles come pre-scaled
-    s = s * jnp.asarray(static.scale, dtype)
-  s = s.reshape(B, N, bq, bk)
-  if bias is not None:
-    start, size = _bias_window(bias, static, qi, ki)
-    s = s + jax.lax.dynamic_slice(bias, start, size).astype(dtype)
-  idx = _tile_indices(B, N, bq, bk, qi, ki)
-  score_vjp = None
-  score_fn = static.score_fn
-  if score_fn is not None:
-    if with_vjp:
-      s, score_vjp = jax.vjp(lambda s, *c: score_fn(s, *idx, *c), s, *score_consts)
-    else:
-      s = score_fn(s, *idx, *score_consts)
-  keep = None
-  if masked:
-    b, h, q, kv = idx
-    keep = (q < static.q_len) & (kv < static.kv_len)
-    if static.mask_fn is not None:
-      keep = keep & static.mask_fn(q, kv, *mask_consts)
-  drop = None
-  if static.dropout_rate:
-    drop_idx = _dropout.shared_indices(*idx) if static.broadcast_dropout else idx
-    drop = _dropout.keep_from_seed((seed[0], seed[1]), static.dropout_rate, *drop_idx)
-  return _Tile(s, keep, drop, score_vjp)
-
-
-def _keep_scale(static: _Static, dtype):
-  """Inverted dropout's scale 1 / (1 − rate) for kept weights, None without dropout."""
-  return None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate), dtype)
-
-
-def _d_probs(tile: _Tile, do_tile, v_tile, keep_scale, dtype):
-  """dA = dY Vᵀ of one tile, (B, N, bq, bk), with dropout's kept weights and scale applied.
-  The Δ pass and the gradient pass both take it from here, so Δ = rowsum(A ⊙ dA) sums the
-  very dA that dS = A ⊙ (dA − Δ) subtracts it from."""
-  B, N, bq, bk = tile.s.shape
-  d_p = jnp.einsum("BKrH,BKkH->BKrk", do_tile, v_tile, preferred_element_type=dtype)
-  d_p = d_p.reshape(B, N, bq, bk)
-  return d_p if tile.drop is None else jnp.where(tile.drop, d_p * keep_scale, 0)
-
-
-def _visit(schedule: _Schedule, i, body, carry):
-  """Run ``body(j, carry, masked)`` over row ``i``'s FULL tiles, then its PARTIAL ones."""
-  n_full, n_partial = schedule.num_full[i], schedule.num_partial[i]
-  order = schedule.order[i]
-  carry = jax.lax.fori_loop(0, n_full, lambda t, c: body(order[t], c, False), carry)
-  return jax.lax.fori_loop(n_full, n_full + n_partial, lambda t, c: body(order[t], c, True), carry)
-
-
 # --- forward ------------------------------------------------------------------
 
 
-def _forward(static: _Static, query, key, value, bias, seed, rows: _Schedule, consts):
+def _forward(static: _tiling.Static, query, key, value, bias, seed, rows: _tiling.Schedule, consts):
   """``(out (B, T, N, H), m (B, T, N), l (B, T, N))``, all float32/64 (see :func:`forward`)."""
   B, T, N, H = query.shape
   K = key.shape[2]
   G = N // K
   bq = static.block_q
   dtype = _common.stats_dtype(query.dtype)
-  q_tiles = _query_tiles(_common.scaled_queries(query, static.scale), bq, K)
-  k_tiles, v_tiles = _tiles(key, static.block_kv), _tiles(value, static.block_kv)
-  bias = _pad_bias(bias, static)
-  keep_scale = _keep_scale(static, dtype)
+  q_tiles = _tiling.query_tiles(_common.scaled_queries(query, static.scale), bq, K)
+  k_tiles, v_tiles = (
+    _tiling.seq_tiles(key, static.block_kv),
+    _tiling.seq_tiles(value, static.block_kv),
+  )
+  bias = _tiling.pad_bias(bias, static)
+  keep_scale = _tiling.keep_scale(static, dtype)
 
   def query_tile(i, q_tile):
     def body(j, carry, masked):
       acc, m, l = carry
-      tile = _tile(static, q_tile, k_tiles[j], bias, seed, consts, i, j, masked=masked)
+      tile = _tiling.tile(static, q_tile, k_tiles[j], bias, seed, consts, i, j, masked=masked)
       s = tile.s if tile.keep is None else jnp.where(tile.keep, tile.s, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))  # -inf: nothing yet
       shift = _common.row_max(m_new)
@@ -447,13 +238,13 @@ def _forward(static: _Static, query, key, value, bias, seed, rows: _Schedule, co
       jnp.full((B, N, bq, 1), -jnp.inf, dtype),
       jnp.zeros((B, N, bq, 1), dtype),
     )
-    acc, m, l = _visit(rows, i, body, init)
+    acc, m, l = _tiling.visit(rows, i, body, init)
     out = acc / _common.safe_total(l).reshape(B, K, G * bq, 1)  # empty rows: acc is 0
     return out, _common.row_max(m)[..., 0], l[..., 0]  # (B, K, G·bq, H), (B, N, bq) twice
 
   tile_ids = jnp.arange(q_tiles.shape[0], dtype=jnp.int32)
   out, m, l = jax.lax.map(lambda x: query_tile(*x), (tile_ids, q_tiles))
-  out = _untile_queries(out, N, T)
+  out = _tiling.untile_queries(out, N, T)
   rows_of = lambda x: x.transpose(1, 0, 3, 2).reshape(B, -1, N)[:, :T]  # (nq, B, N, bq)
   return out, rows_of(m), rows_of(l)
 
@@ -462,7 +253,7 @@ def _forward(static: _Static, query, key, value, bias, seed, rows: _Schedule, co
 
 
 def _row_dots(
-  static: _Static,
+  static: _tiling.Static,
   q_tiles,
   do_tiles,
   k_tiles,
@@ -472,7 +263,7 @@ def _row_dots(
   consts,
   m,
   l,
-  rows: _Schedule,
+  rows: _tiling.Schedule,
   with_sums: bool,
 ):
   """(rowsum(A ⊙ dA), rowsum(A) if ``with_sums`` else None) per row, each (nq, B, N, bq, 1):
@@ -481,13 +272,13 @@ def _row_dots(
   bq = static.block_q
   N = rows_per_tile // bq * K
   dtype = m.dtype
-  keep_scale = _keep_scale(static, dtype)
+  keep_scale = _tiling.keep_scale(static, dtype)
 
   def query_tile(i, q_tile, do_tile, m_i, l_i):
     def body(j, acc, masked):
-      tile = _tile(static, q_tile, k_tiles[j], bias, seed, consts, i, j, masked=masked)
+      tile = _tiling.tile(static, q_tile, k_tiles[j], bias, seed, consts, i, j, masked=masked)
       p = _common.normalized_exp(tile.s, m_i, l_i, tile.keep)
-      d_p = _d_probs(tile, do_tile, v_tiles[j], keep_scale, dtype)
+      d_p = _tiling.d_probs(tile, do_tile, v_tiles[j], keep_scale, dtype)
       dot, total = acc
       # An einsum rather than sum(p * d_p): XLA's CPU backend fused the latter's multiply and
       # the exp into the reduction and ran the pass 6x slower.
@@ -495,13 +286,15 @@ def _row_dots(
       return dot, None if total is None else total + jnp.sum(p, axis=-1, keepdims=True)
 
     zeros = jnp.zeros((B, N, bq, 1), dtype)
-    return _visit(rows, i, body, (zeros, zeros if with_sums else None))
+    return _tiling.visit(rows, i, body, (zeros, zeros if with_sums else None))
 
   tile_ids = jnp.arange(q_tiles.shape[0], dtype=jnp.int32)
   return jax.lax.map(lambda x: query_tile(*x), (tile_ids, q_tiles, do_tiles, m, l))
 
 
-def _backward(static: _Static, residuals, d_out, d_lse, rows: _Schedule | None = None):
+def _backward(
+  static: _tiling.Static, residuals, d_out, d_lse, rows: _tiling.Schedule | None = None
+):
   """Gradients in float32/64 (the custom_vjp casts them to the inputs' dtypes). With the
   query tiles' schedule ``rows``, Δ = rowsum(A ⊙ dA) takes a pass of its own over the tiles;
   without it Δ = rowsum(dY ⊙ Y) comes from ``out`` (ring attention, whose rows span shards)."""
@@ -512,18 +305,18 @@ def _backward(static: _Static, residuals, d_out, d_lse, rows: _Schedule | None =
   G = N // K
   bq, bk = static.block_q, static.block_kv
   dtype = _common.stats_dtype(query.dtype)
-  keep_scale = _keep_scale(static, dtype)
+  keep_scale = _tiling.keep_scale(static, dtype)
 
-  q_tiles = _query_tiles(_common.scaled_queries(query, static.scale), bq, K)
+  q_tiles = _tiling.query_tiles(_common.scaled_queries(query, static.scale), bq, K)
   prescaled = _common.scales_queries(query.dtype)
-  k_tiles, v_tiles = _tiles(key, bk), _tiles(value, bk)
+  k_tiles, v_tiles = _tiling.seq_tiles(key, bk), _tiling.seq_tiles(value, bk)
   d_out = d_out.astype(dtype)
-  do_tiles = _query_tiles(d_out, bq, K)
-  m, l = _row_tiles(m, bq), _row_tiles(l, bq)
-  padded_bias = _pad_bias(bias, static)
+  do_tiles = _tiling.query_tiles(d_out, bq, K)
+  m, l = _tiling.row_tiles(m, bq), _tiling.row_tiles(l, bq)
+  padded_bias = _tiling.pad_bias(bias, static)
   if rows is None:
     # Δ = rowsum(dY ⊙ Y) − dlse = rowsum(A ⊙ dA) − dlse per row, from the output alone.
-    delta = _row_tiles(jnp.sum(d_out * out, axis=-1) - d_lse.astype(dtype), bq)
+    delta = _tiling.row_tiles(jnp.sum(d_out * out, axis=-1) - d_lse.astype(dtype), bq)
   else:
     # Δ = rowsum(A ⊙ dA) summed over the very dA that dS = A ⊙ (dA − Δ) subtracts it from,
     # by one more pass over the tiles. In a saturated row (A one-hot) dA at the hot key and
@@ -556,7 +349,7 @@ def _backward(static: _Static, residuals, d_out, d_lse, rows: _Schedule | None =
       row_sum = _common.safe_total(row_sum)
       l = l * row_sum
       row_dot = row_dot / row_sum
-    delta = row_dot - _row_tiles(d_lse.astype(dtype), bq)
+    delta = row_dot - _tiling.row_tiles(d_lse.astype(dtype), bq)
 
   # Only float constants (a learned table, ALiBi slopes) get gradients.
   is_float = [jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in score_consts]
@@ -568,21 +361,21 @@ def _backward(static: _Static, residuals, d_out, d_lse, rows: _Schedule | None =
     def body(i, inner, masked):
       d_k, d_v, d_q, d_bias, d_consts = inner
       q_tile = q_tiles[i]
-      tile = _tile(
+      tile = _tiling.tile(
         static, q_tile, k_tile, padded_bias, seed, consts, i, j, masked=masked, with_vjp=True
       )
       p = _common.normalized_exp(tile.s, m[i], l[i], tile.keep)  # A, normalised
       p_used = p if tile.drop is None else jnp.where(tile.drop, p * keep_scale, 0)
       do_tile = do_tiles[i]
       d_v = d_v + jnp.einsum("BKrk,BKrH->BKHk", p_used.reshape(B, K, G * bq, bk), do_tile)
-      d_p = _d_probs(tile, do_tile, v_tile, keep_scale, dtype)
+      d_p = _tiling.d_probs(tile, do_tile, v_tile, keep_scale, dtype)
       d_s = p * (d_p - delta[i])
       if tile.score_vjp is not None:
         d_s, *d_c = tile.score_vjp(d_s)
         d_c = [d for d, f in zip(d_c, is_float) if f]
         d_consts = tuple(a + b.astype(a.dtype) for a, b in zip(d_consts, d_c))
       if d_bias is not None:
-        start, size = _bias_window(d_bias, static, i, j)
+        start, size = _tiling.bias_window(d_bias, static, i, j)
         part = _common.reduce_to_shape(d_s, size).astype(d_bias.dtype)
         d_bias = jax.lax.dynamic_update_slice(
           d_bias, jax.lax.dynamic_slice(d_bias, start, size) + part, start
@@ -599,7 +392,9 @@ def _backward(static: _Static, residuals, d_out, d_lse, rows: _Schedule | None =
     # dK and dV accumulate transposed, (H, block_kv) per head: contracting the query rows
     # into that layout ran about 1.7x faster than into (block_kv, H) with XLA's CPU dot.
     zeros = jnp.zeros((B, K, H, bk), dtype)
-    d_k, d_v, d_q, d_bias, d_consts = _visit(cols, j, body, (zeros, zeros, d_q, d_bias, d_consts))
+    d_k, d_v, d_q, d_bias, d_consts = _tiling.visit(
+      cols, j, body, (zeros, zeros, d_q, d_bias, d_consts)
+    )
     return (d_q, d_bias, d_consts), (d_k, d_v)
 
   init = (
@@ -610,7 +405,7 @@ def _backward(static: _Static, residuals, d_out, d_lse, rows: _Schedule | None =
   (d_q, d_bias, d_float), (d_k, d_v) = jax.lax.scan(
     kv_tile, init, (jnp.arange(k_tiles.shape[0], dtype=jnp.int32), k_tiles, v_tiles)
   )
-  d_query = _untile_queries(d_q, N, T)
+  d_query = _tiling.untile_queries(d_q, N, T)
   if prescaled:
     d_query = d_query * jnp.asarray(static.scale, dtype)
   d_key = d_k.transpose(1, 0, 4, 2, 3).reshape(B, -1, K, H)[:, :S]  # (nk, B, K, H, bk)
