@@ -64,6 +64,7 @@ import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
+import sys  # noqa: E402
 from typing import NamedTuple  # noqa: E402
 
 import jax  # noqa: E402
@@ -72,29 +73,48 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import jattn  # noqa: E402
-from experiments import _timing
-from experiments._config import config_fields
-from experiments._timing import fmt
+from experiments import _config, _timing  # noqa: E402
+from experiments._config import ConfigError, Section, field  # noqa: E402
+from experiments._timing import fmt  # noqa: E402
 from jattn import masks, parallel  # noqa: E402
 from jattn.impl import blockwise as _blockwise  # noqa: E402
 
 AXIS = "sp"
 
 
-@dataclasses.dataclass
-class Config:
-  batch: int = 1
-  heads: int = 8
-  head_dim: int = 64
-  length: int = 8192
-  devices: list = dataclasses.field(default_factory=lambda: [1, 2, 4, 8])
-  causal: bool = True
-  layouts: list = dataclasses.field(default_factory=lambda: list(parallel.LAYOUTS))
-  reps: int = 3
-  block_q: int | None = None  # None: the backend's blockwise default
-  block_kv: int | None = None
-  memory_length: int | None = 65536  # compile-only memory table at this T (None: skip)
-  out_dir: str = "runs"
+@dataclasses.dataclass(frozen=True)
+class Config(Section):
+  """The ring's device counts and layouts at one length, and the compile-only memory table."""
+
+  batch: int = field(1, minimum=1)
+  heads: int = field(8, minimum=1)
+  head_dim: int = field(64, minimum=1)
+  length: int = field(8192, minimum=1, doc="total sequence length T, split over the devices")
+  devices: list[int] = field(factory=lambda: [1, 2, 4, 8], minimum=1, doc="P, increasing")
+  causal: bool = field(True)
+  layouts: list[str] = field(
+    factory=lambda: list(parallel.LAYOUTS), choices=parallel.LAYOUTS, doc="timed at the largest P"
+  )
+  reps: int = field(3, minimum=1, doc="median of this many calls after one warm-up call")
+  block_q: int | None = field(None, minimum=1, doc="null: the backend's blockwise default")
+  block_kv: int | None = field(None, minimum=1)
+  memory_length: int | None = field(
+    65536, minimum=1, doc="the compile-only memory table at this T (null: skip it)"
+  )
+  out_dir: str = field("runs")
+
+  def check(self) -> None:
+    if not self.devices or any(a >= b for a, b in zip(self.devices, self.devices[1:])):
+      raise ConfigError(f"'devices' must be a non-empty increasing list, got {self.devices}")
+    for P in self.devices:
+      if self.memory_length and self.memory_length % P:
+        raise ConfigError(f"'memory_length' ({self.memory_length}) must split into {P} parts")
+      parts = 2 * P if "zigzag" in self.layouts else P
+      if self.length % parts:
+        raise ConfigError(
+          f"'length' ({self.length}) must split into {parts} equal parts for P={P}"
+          + (" (zigzag: two chunks per device)" if parts != P else "")
+        )
 
 
 QUICK = dict(
@@ -405,23 +425,15 @@ def print_tables(cfg: Config, blocks, ref: dict, rows, layouts, work) -> None:
 
 
 def load_config(args) -> Config:
-  flags = {
-    name: getattr(args, name) for name in ("length", "devices", "layouts", "reps", "out_dir")
-  }
-  fields = config_fields(Config, args.config, quick=QUICK if args.quick else None, flags=flags)
-  cfg = Config(**fields)
-  bad = [x for x in cfg.layouts if x not in parallel.LAYOUTS]
-  if bad:
-    raise SystemExit(f"unknown layouts {bad}; choose from {list(parallel.LAYOUTS)}")
-  if not cfg.devices or sorted(cfg.devices) != list(cfg.devices) or cfg.devices[0] < 1:
-    raise SystemExit(f"devices must be positive and increasing, got {cfg.devices}")
-  for P in cfg.devices:
-    if cfg.memory_length and cfg.memory_length % P:
-      raise SystemExit(f"memory_length {cfg.memory_length} must split into {P} parts")
-    parts = 2 * P if "zigzag" in cfg.layouts else P
-    if cfg.length % parts:
-      raise SystemExit(f"length {cfg.length} must split into {parts} equal parts for P={P}")
-  return cfg
+  """configs/…yaml (``--config``), the ``--quick`` settings, then the flags given."""
+  flags = dict(
+    length=args.length,
+    devices=args.devices,
+    layouts=args.layouts,
+    reps=args.reps,
+    out_dir=args.out_dir,
+  )
+  return _config.load(Config, args.config, quick=QUICK if args.quick else None, flags=flags)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -438,7 +450,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  cfg = load_config(args)
+  try:
+    cfg = load_config(args)
+  except ConfigError as e:
+    sys.exit(f"python -m experiments.bench_parallel: error: {e}")
   if len(jax.devices()) < max(cfg.devices):
     raise RuntimeError(
       f"devices={cfg.devices} needs {max(cfg.devices)} devices but JAX sees "
@@ -471,7 +486,7 @@ def main(argv=None) -> dict:
     memory = memory_at_length(cfg, cfg.memory_length)
     print_memory_table(cfg, memory)
   record = dict(
-    config=dataclasses.asdict(cfg),
+    config=_config.to_dict(cfg),
     blocks=list(blocks),
     device=str(jax.devices()[0]),
     num_devices=len(jax.devices()),

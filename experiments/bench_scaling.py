@@ -47,14 +47,18 @@ import json
 import math
 import pathlib
 import statistics
+import sys
 import time
+import typing
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jattn
-from experiments._config import config_fields
+from experiments import _config
+from experiments._config import ConfigError, Section, field
 from experiments._timing import fmt
 from jattn import masks
 from jattn.impl import blockwise as _blockwise
@@ -62,24 +66,45 @@ from jattn.impl import blockwise as _blockwise
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 METHODS = ("jax.nn", "xla", "blockwise", "window", "linear")
 GROWTH = {"jax.nn": 2, "xla": 2, "blockwise": 2, "window": 1, "linear": 1}  # time ~ T**growth
+PATTERNS = ("dense", "causal", "window", "longformer", "bigbird", "strided")
 
 
-@dataclasses.dataclass
-class Config:
-  batch: int = 1
-  heads: int = 8
-  head_dim: int = 64
-  lengths: list = dataclasses.field(default_factory=lambda: [1024, 2048, 4096, 8192])
-  methods: list = dataclasses.field(default_factory=lambda: list(METHODS))
-  causal: bool = False
-  window: int = 256
-  reps: int = 3
-  min_seconds: float = 0.5  # short calls repeat until about this long has passed
-  max_bytes: int = 8 * 2**30
-  max_call_seconds: float = 150.0
-  fit_from: int = 4096
-  sparse: dict = dataclasses.field(default_factory=dict)  # length, patterns
-  out_dir: str = "runs"
+@dataclasses.dataclass(frozen=True)
+class SparseConfig(Section):
+  """The blockwise path with sparse masks at one length."""
+
+  SECTION: typing.ClassVar[str] = "sparse."
+  length: int = field(16384, minimum=1)
+  block: int | None = field(None, minimum=1, doc="square tiles; null = the backend's default")
+  patterns: list[str] = field(factory=list, choices=PATTERNS, doc="empty = no sparse table")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(Section):
+  """The length grid, its methods and limits, and the sparse-mask table."""
+
+  batch: int = field(1, minimum=1)
+  heads: int = field(8, minimum=1)
+  head_dim: int = field(64, minimum=1)
+  lengths: list[int] = field(factory=lambda: [1024, 2048, 4096, 8192], minimum=1)
+  methods: list[str] = field(factory=lambda: list(METHODS), choices=METHODS)
+  causal: bool = field(False, doc="causal attention for every method")
+  window: int = field(256, minimum=1, doc="the sliding window: positions on each side")
+  reps: int = field(3, minimum=1, doc="median of at least this many calls")
+  min_seconds: float = field(
+    0.5, minimum=0.0, doc="short calls repeat until about this long has passed"
+  )
+  max_bytes: int = field(8 * 2**30, minimum=0, doc="no call where XLA would allocate more")
+  max_call_seconds: float = field(
+    150.0, above=0.0, doc="no call where the previous length's time predicts more"
+  )
+  fit_from: int = field(4096, minimum=1, doc="slopes over T >= this")
+  sparse: SparseConfig = dataclasses.field(default_factory=SparseConfig)
+  out_dir: str = field("runs")
+
+  def check(self) -> None:
+    if any(a >= b for a, b in zip(self.lengths, self.lengths[1:])):
+      raise ConfigError(f"'lengths' must be increasing, got {self.lengths}")
 
 
 QUICK = dict(
@@ -235,13 +260,13 @@ def sparse_mask(name: str, T: int, block: int, window: int):
 def sparse_table(cfg: Config) -> list[dict]:
   """Blockwise time of each pattern at one length, next to the fraction of tiles it visits."""
   sp = cfg.sparse
-  if not sp:
+  if not sp.patterns:
     return []
-  T = int(sp["length"])
-  block = int(sp.get("block", _blockwise.default_blocks(jax.default_backend())[0]))
+  T = sp.length
+  block = sp.block or _blockwise.default_blocks(jax.default_backend())[0]
   args = inputs(cfg, T)
-  rows = []
-  for name in sp.get("patterns", ["dense"]):
+  rows: list[dict[str, Any]] = []
+  for name in sp.patterns:
     mask = sparse_mask(name, T, block, cfg.window)
     view = _blockwise._tile_classes(mask, cfg.batch, cfg.heads, T, T, block, block)
     visited = float(np.mean(np.asarray(view) != masks.EMPTY))
@@ -334,19 +359,16 @@ def plot(cfg: Config, rows, fits, path: pathlib.Path) -> pathlib.Path | None:
 
 
 def load_config(args) -> Config:
-  flags = {name: getattr(args, name) for name in ("lengths", "methods", "reps", "out_dir")}
-  fields = config_fields(Config, args.config, quick=QUICK if args.quick else None, flags=flags)
-  if args.causal:
-    fields["causal"] = True
-  if args.no_sparse:
-    fields["sparse"] = {}
-  cfg = Config(**fields)
-  bad = [m for m in cfg.methods if m not in METHODS]
-  if bad:
-    raise SystemExit(f"unknown methods {bad}; choose from {list(METHODS)}")
-  if sorted(cfg.lengths) != list(cfg.lengths) or min(cfg.lengths, default=1) < 1:
-    raise SystemExit(f"lengths must be positive and increasing, got {cfg.lengths}")
-  return cfg
+  """configs/…yaml (``--config``), the ``--quick`` settings, then the flags given."""
+  flags = dict(
+    lengths=args.lengths,
+    methods=args.methods,
+    reps=args.reps,
+    out_dir=args.out_dir,
+    causal=True if args.causal else None,
+    **{"sparse.patterns": [] if args.no_sparse else None},
+  )
+  return _config.load(Config, args.config, quick=QUICK if args.quick else None, flags=flags)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -366,7 +388,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  cfg = load_config(args)
+  try:
+    cfg = load_config(args)
+  except ConfigError as e:
+    sys.exit(f"python -m experiments.bench_scaling: error: {e}")
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   run_dir = pathlib.Path(cfg.out_dir) / f"scaling-{stamp}{'-quick' if args.quick else ''}"
   run_dir.mkdir(parents=True, exist_ok=True)
@@ -387,7 +412,7 @@ def main(argv=None) -> dict:
   sparse = sparse_table(cfg)
   print_tables(cfg, rows, fits, cross, sparse)
   record: dict = dict(
-    config=dataclasses.asdict(cfg),
+    config=_config.to_dict(cfg),
     device=str(jax.devices()[0]),
     jax_version=jax.__version__,
     rows=rows,
