@@ -6,9 +6,13 @@ in one run, compiles each method ahead of time and records
 - the bytes XLA allocates for one call (temporaries and outputs, from the
   compiled program's memory analysis; inputs are the same for every method),
   so memory is known even where a call would not fit, and
-- the median wall time of the call, where its allocation fits under
+- the median milliseconds per call (``ms``), where its allocation fits under
   ``max_bytes`` and the previous length's time, scaled by the method's
-  expected growth, stays under ``max_call_seconds``.
+  expected growth, stays under ``max_call_seconds``: after a warm-up call and
+  one timed call, the median of a block of back-to-back calls (at least
+  ``reps``, lasting about ``min_seconds``) after an untimed one, as every
+  benchmark here times (``experiments/_timing.py``); a call slower than
+  ``once_seconds`` is timed once, after its warm-up call (``calls`` says which).
 
 Methods (``causal`` applies to all of them):
 
@@ -46,9 +50,7 @@ import datetime
 import json
 import math
 import pathlib
-import statistics
 import sys
-import time
 import typing
 from typing import Any
 
@@ -57,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
-from experiments import _config
+from experiments import _config, _timing
 from experiments._config import ConfigError, Section, field
 from experiments._timing import fmt
 from jattn import masks
@@ -90,13 +92,14 @@ class Config(Section):
   methods: list[str] = field(factory=lambda: list(METHODS), choices=METHODS)
   causal: bool = field(False, doc="causal attention for every method")
   window: int = field(256, minimum=1, doc="the sliding window: positions on each side")
-  reps: int = field(3, minimum=1, doc="median of at least this many calls")
-  min_seconds: float = field(
-    0.5, minimum=0.0, doc="short calls repeat until about this long has passed"
-  )
+  reps: int = field(3, minimum=1, doc="at least this many timed calls per block")
+  min_seconds: float = field(0.5, minimum=0.0, doc="short calls repeat until a block lasts this")
   max_bytes: int = field(8 * 2**30, minimum=0, doc="no call where XLA would allocate more")
   max_call_seconds: float = field(
     150.0, above=0.0, doc="no call where the previous length's time predicts more"
+  )
+  once_seconds: float = field(
+    10.0, above=0.0, doc="a call slower than this is timed once, after its warm-up call"
   )
   fit_from: int = field(4096, minimum=1, doc="slopes over T >= this")
   sparse: SparseConfig = dataclasses.field(default_factory=SparseConfig)
@@ -154,16 +157,17 @@ def call_bytes(compiled) -> int | None:
   return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
 
 
-def median_ms(compiled, args, reps: int, min_seconds: float) -> float:
-  """Median of ``reps`` calls of an ahead-of-time compiled function; one call when a call
-  takes over 10 s. Short calls repeat until about ``min_seconds`` have passed."""
-  times = []
-  while True:
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - start)
-    if times[0] > 10 or (len(times) >= reps and sum(times) >= min_seconds) or len(times) >= 200:
-      return statistics.median(times) * 1e3
+def call_ms(compiled, args, cfg: Config) -> tuple[float, int]:
+  """Median milliseconds per call of an ahead-of-time compiled function, and how many calls
+  that median is of: one warm-up call and one timed call (``_timing.block_ms``) size a block
+  of back-to-back calls (at least ``reps``, enough to last about ``min_seconds``, at most 200)
+  whose median ``_timing.block_ms`` takes after its own untimed call. A call slower than
+  ``once_seconds`` is not repeated: its time is the one timed call."""
+  once = _timing.block_ms(compiled, args, 1)
+  if once > cfg.once_seconds * 1e3:
+    return once, 1
+  calls = max(cfg.reps, min(200, int(cfg.min_seconds * 1e3 / once)))
+  return _timing.block_ms(compiled, args, calls), calls
 
 
 def measure(cfg: Config, on_row=lambda row: None) -> list[dict]:
@@ -172,7 +176,7 @@ def measure(cfg: Config, on_row=lambda row: None) -> list[dict]:
   for T in cfg.lengths:
     args = inputs(cfg, T)
     for method in cfg.methods:
-      row = dict(method=method, T=T, ms=None, mem_mb=None, skipped=None)
+      row = dict(method=method, T=T, ms=None, calls=0, mem_mb=None, skipped=None)
       compiled = jax.jit(attention_fn(cfg, method)).lower(*args).compile()
       nbytes = call_bytes(compiled)
       row["mem_mb"] = None if nbytes is None else nbytes / 2**20
@@ -185,7 +189,7 @@ def measure(cfg: Config, on_row=lambda row: None) -> list[dict]:
       elif predicted is not None and predicted > cfg.max_call_seconds:
         row["skipped"] = f"predicted {predicted:.0f} s > max_call_seconds"
       else:
-        row["ms"] = median_ms(compiled, args, cfg.reps, cfg.min_seconds)
+        row["ms"], row["calls"] = call_ms(compiled, args, cfg)
         last[method] = (T, row["ms"])
       del compiled
       rows.append(row)
@@ -275,8 +279,8 @@ def sparse_table(cfg: Config) -> list[dict]:
         q, k, v, mask=mask, implementation="blockwise", block_q=block, block_kv=block
       )
     )
-    ms = median_ms(fn.lower(*args).compile(), args, cfg.reps, cfg.min_seconds)
-    rows.append(dict(pattern=name, T=T, block=block, tiles_visited=visited, ms=ms))
+    ms, calls = call_ms(fn.lower(*args).compile(), args, cfg)
+    rows.append(dict(pattern=name, T=T, block=block, tiles_visited=visited, ms=ms, calls=calls))
   dense = next((r["ms"] for r in rows if r["pattern"] == "dense"), None)
   for r in rows:
     r["time_vs_dense"] = None if dense is None else r["ms"] / dense

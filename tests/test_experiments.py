@@ -7,6 +7,7 @@ import json
 import math
 import pathlib
 import sys
+import time
 
 import jax
 import pytest
@@ -62,6 +63,7 @@ def test_bench_scaling_quick(tmp_path):
   rows = record["rows"]
   assert len(rows) == 2 * 5  # two lengths x five methods, every one timed
   assert all(r["ms"] > 0 and r["mem_mb"] > 0 and r["skipped"] is None for r in rows)
+  assert all(r["calls"] >= 1 for r in rows)  # the quick run's reps=1
   # XLA's allocations are exact: materialised scores grow as T^2, linear attention as T.
   fits = record["fits"]
   assert 1.8 < fits["jax.nn"]["mem_slope"] < 2.1 and 1.8 < fits["xla"]["mem_slope"] < 2.1
@@ -94,6 +96,20 @@ def test_bench_scaling_slopes_and_crossover():
   # log ratios +log 2 at 2048 and -log 4 at 4096: a third of the way, 2048 * 2^(1/3)
   assert cross["length"] == round(2048 * 2 ** (1 / 3)) and "T=2048 and T=4096" in cross["note"]
   assert bench.crossover(rows[:2])["length"] is None
+
+
+def test_bench_scaling_times_blocks_and_slow_calls_once():
+  """ms is a block median from _timing.block_ms: at least reps calls after the warm-up and
+  untimed calls, or the one timed call after the warm-up when a call is slower than
+  once_seconds."""
+  bench = _load("bench_scaling")
+  calls = []
+  fn = lambda: calls.append(time.sleep(0.01))
+  ms, timed = bench.call_ms(fn, (), bench.Config(reps=4, min_seconds=0.0))
+  assert timed == 4 and len(calls) == 1 + 1 + 1 + 4 and ms >= 10
+  calls.clear()
+  ms, timed = bench.call_ms(fn, (), bench.Config(once_seconds=0.001))
+  assert timed == 1 and len(calls) == 2 and ms >= 10
 
 
 def test_bench_scaling_config_file_is_valid():
