@@ -22,7 +22,8 @@ time / the method's time); percentage and speedup are medians of the
 per-round ratios, each taken between turns of the same round. Then the peak process memory
 (VmHWM) of forward+backward for the ``memory`` grid, each case in a fresh
 subprocess so no case sees another's high-water mark. Prints markdown tables
-and writes everything as JSON under runs/.
+and writes everything as JSON under runs/. Memory is in MiB (2**20 bytes), in the
+tables and in the JSON's ``*_mb`` fields alike.
 
     python -m experiments.bench --config configs/bench.yaml   # README's tables
     python -m experiments.bench --lengths 1024 2048 --causal true --methods jax.nn blockwise
@@ -241,7 +242,7 @@ def print_tables(cfg: Config, matmul: float, rows: list[dict], memory: list[dict
     )
   if memory:
     print("\nforward+backward, one fresh process per case: peak process memory (VmHWM)\n")
-    print("| H | T | causal | method | seconds | peak MB before | peak MB |")
+    print("| H | T | causal | method | seconds | peak MiB before | peak MiB |")
     print("|---|---|---|---|---|---|---|")
     for r in memory:
       note = r.get("skipped") or r.get("failed")
@@ -273,7 +274,9 @@ def load_config(args) -> Config:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    prog="python -m experiments.bench", description=__doc__.splitlines()[0]
+  )
   parser.add_argument("--config", help="a YAML file under configs/ (flags override it)")
   parser.add_argument(
     "--lengths", type=int, nargs="*", help="sequence lengths to time (none: only the memory cases)"

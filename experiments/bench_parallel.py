@@ -46,7 +46,8 @@ average) it is 2P/(P + 1), which is what tiles as large as a shard give.
     python -m experiments.bench_parallel --length 2048 --devices 1 2 4 8 --layouts zigzag
     python -m experiments.bench_parallel --quick     # tiny smoke test (CI)
 
-Writes ``runs/parallel-<time>/parallel.json``.
+Writes ``runs/parallel-<time>/parallel.json``. Memory is in MiB (2**20 bytes), in
+the tables and in the JSON's ``mb`` and ``temp_mb`` alike.
 """
 
 from __future__ import annotations
@@ -361,7 +362,7 @@ def memory_at_length(cfg: Config, T: int) -> list[dict]:
 
 
 def _mb(x):
-  """Megabytes to four significant digits: readable for the quick run's kilobytes too."""
+  """MiB (2**20 bytes) to four significant digits: readable for the quick run's kilobytes too."""
   return fmt(x, ".4g")
 
 
@@ -374,7 +375,7 @@ def print_memory_table(cfg: Config, rows) -> None:
     f"\nMemory per device at T={cfg.memory_length} from compilation alone (nothing runs), "
     "same step and shapes otherwise:\n"
   )
-  print("| method | P | MB per device | temp MB | × MB at P/2 |")
+  print("| method | P | MiB per device | temp MiB | × MiB at P/2 |")
   print("|---|---|---|---|---|")
   for r in rows:
     print(
@@ -389,13 +390,15 @@ def print_tables(cfg: Config, blocks, ref: dict, rows, layouts, work) -> None:
     f"\nB={cfg.batch} N=K={cfg.heads} H={cfg.head_dim} T={cfg.length} float32 {kind} "
     f"training step (value_and_grad in q, k, v), {jax.devices()[0].platform}, tiles "
     f"{blocks[0]}x{blocks[1]}; reference: jax.nn.dot_product_attention on one device: "
-    f"{_mb(ref['mb'])} MB, {ref['ms']:.1f} ms"
+    f"{_mb(ref['mb'])} MiB, {ref['ms']:.1f} ms"
   )
   print(
     f"\nThe {max(cfg.devices)} simulated devices share this machine's {os.cpu_count()} "
     "CPU cores: step time does not fall with P here; memory per device is what scales.\n"
   )
-  print("| P | MB per device | × P / MB at P=1 | temp MB | step ms | × jax.nn MB | × jax.nn ms |")
+  print(
+    "| P | MiB per device | × P / MiB at P=1 | temp MiB | step ms | × jax.nn MiB | × jax.nn ms |"
+  )
   print("|---|---|---|---|---|---|---|")
   for r in rows:
     print(
@@ -410,7 +413,7 @@ def print_tables(cfg: Config, blocks, ref: dict, rows, layouts, work) -> None:
     f"2P/(P+1) = {2 * P / (P + 1):.3f}) and step time per layout:\n"
   )
   print(
-    "| layout | tiles max/mean | pairs max/mean | total tiles | MB per device | step ms "
+    "| layout | tiles max/mean | pairs max/mean | total tiles | MiB per device | step ms "
     "| × contiguous ms | × jax.nn ms |"
   )
   print("|---|---|---|---|---|---|---|---|")
@@ -437,7 +440,9 @@ def load_config(args) -> Config:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    prog="python -m experiments.bench_parallel", description=__doc__.splitlines()[0]
+  )
   parser.add_argument("--config", help="a YAML file under configs/ (flags override it)")
   parser.add_argument("--length", type=int, help="total sequence length T")
   parser.add_argument("--devices", type=int, nargs="+", help="device counts P, increasing")
@@ -470,12 +475,12 @@ def main(argv=None) -> dict:
 
   def show(r):
     print(
-      f"P={r['P']} {r['layout']:>10}: {r['ms']:10.1f} ms {_mb(r['mb']):>10} MB per device",
+      f"P={r['P']} {r['layout']:>10}: {r['ms']:10.1f} ms {_mb(r['mb']):>10} MiB per device",
       flush=True,
     )
 
   ref = measure(reference_step(cfg), [jax.device_put(x, jax.devices()[0]) for x in host], cfg.reps)
-  print(f"jax.nn on one device: {ref['ms']:10.1f} ms {_mb(ref['mb']):>10} MB", flush=True)
+  print(f"jax.nn on one device: {ref['ms']:10.1f} ms {_mb(ref['mb']):>10} MiB", flush=True)
   rows = measure_devices(cfg, host, on_row=show)
   P = max(cfg.devices)
   layouts = measure_layouts(cfg, host, P, rows[-1], on_row=show)

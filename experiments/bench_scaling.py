@@ -39,7 +39,8 @@ pairs it visits next to its time relative to the dense blockwise call.
     python -m experiments.bench_scaling --config configs/bench_scaling.yaml --causal
     python -m experiments.bench_scaling --quick     # tiny smoke test (CI)
 
-Writes ``runs/scaling-<time>/scaling.json`` and ``scaling.png``.
+Writes ``runs/scaling-<time>/scaling.json`` and ``scaling.png``. Memory is in MiB
+(2**20 bytes), in the tables and in the JSON's ``mem_mb`` alike.
 """
 
 from __future__ import annotations
@@ -296,7 +297,7 @@ def print_tables(cfg: Config, rows, fits, cross, sparse) -> None:
     f"\nB={cfg.batch} N={cfg.heads} H={cfg.head_dim} float32 {kind} forward, "
     f"{jax.devices()[0].platform}; window ±{cfg.window}\n"
   )
-  print("| T | method | ms | × jax.nn time | MB allocated | note |")
+  print("| T | method | ms | × jax.nn time | MiB allocated | note |")
   print("|---|---|---|---|---|---|")
   ref = {r["T"]: r["ms"] for r in rows if r["method"] == "jax.nn"}
   for r in rows:
@@ -338,7 +339,7 @@ def plot(cfg: Config, rows, fits, path: pathlib.Path) -> pathlib.Path | None:
   axes = fig.subplots(1, 2)
   for ax, key, what in (
     (axes[0], "ms", "forward time (ms)"),
-    (axes[1], "mem_mb", "memory XLA allocates (MB)"),
+    (axes[1], "mem_mb", "memory XLA allocates (MiB)"),
   ):
     for method in cfg.methods:
       pts = [(r["T"], r[key]) for r in rows if r["method"] == method and r[key]]
@@ -376,7 +377,9 @@ def load_config(args) -> Config:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    prog="python -m experiments.bench_scaling", description=__doc__.splitlines()[0]
+  )
   parser.add_argument("--config", help="a YAML file under configs/ (flags override it)")
   parser.add_argument("--lengths", type=int, nargs="+")
   parser.add_argument("--methods", nargs="+")
@@ -403,7 +406,7 @@ def main(argv=None) -> dict:
     cfg,
     on_row=lambda r: print(
       f"T={r['T']:>6} {r['method']:>9}: {fmt(r['ms'], '10.1f')} ms "
-      f"{fmt(r['mem_mb'], '10.1f')} MB {r['skipped'] or ''}",
+      f"{fmt(r['mem_mb'], '10.1f')} MiB {r['skipped'] or ''}",
       flush=True,
     ),
   )

@@ -136,7 +136,9 @@ class SweepConfig(Section):
   )
   batch_size: int = field(1, minimum=1)
   steps: int = field(3, minimum=1, doc="timed train steps per cell, after a warm-up step")
-  memory_limit_mb: int = field(4096, minimum=512, doc="address-space cap of each cell's process")
+  memory_limit_mb: int = field(
+    4096, minimum=512, doc="address-space cap of each cell's process, MiB"
+  )
   timeout_s: float = field(120.0, above=0.0, doc="wall-clock cap of each cell's process")
 
   def check(self) -> None:
