@@ -1,13 +1,17 @@
 """The toy training experiment: configs, model, training step, the three-rule run and its files."""
 
+import contextlib
 import json
+import os
 import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from experiments import train as train_cli
 from experiments.toy import config, model, report, sweep, tasks, training
@@ -248,17 +252,53 @@ def test_schedule_warms_up_then_decays_to_the_final_fraction():
 # ------------------------------------------------------------------ the experiment
 
 
+@contextlib.contextmanager
+def compilation_cache(path: pathlib.Path):
+  """JAX's persistent compilation cache in ``path`` for this process and the processes it
+  starts, every program written to it; the settings before are restored after."""
+  settings = {
+    "jax_compilation_cache_dir": str(path),
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+  }
+  saved = {name: getattr(jax.config, name) for name in settings}
+  saved_env = {name.upper(): os.environ.get(name.upper()) for name in settings}
+  try:
+    for name, value in settings.items():
+      jax.config.update(name, value)
+      os.environ[name.upper()] = str(value)
+    jax_cache.reset_cache()  # re-read the settings at the next compile
+    yield
+  finally:
+    for name, value in saved.items():
+      jax.config.update(name, value)
+    for name, value in saved_env.items():
+      if value is None:
+        os.environ.pop(name, None)
+      else:
+        os.environ[name] = value
+    jax_cache.reset_cache()
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
   """One tiny three-rule run through the CLI, with a one-length sweep (shared by the tests
-  below: compiling three rules, and a process per sweep cell, are the expensive parts)."""
+  below: compiling three rules, and a process per sweep cell, are the expensive parts).
+
+  The sweep's cells step the run's own shapes (its batch size, and T = the task's length
+  less one, as the model sees it), and the run keeps a compilation cache: each cell's
+  process loads the train step its rule compiled in the run instead of compiling it
+  again, and still builds, steps and measures its model on its own."""
   out = tmp_path_factory.mktemp("runs")
   path = out / "tiny.yaml"
-  cfg = tiny(output_dir=str(out), comparison=dict(sweep=dict(seq_lens=[16], steps=1)))
-  import yaml
-
+  T = tiny().task.make().seq_len - 1
+  sweep_cfg = dict(seq_lens=[T], batch_size=TINY["training"]["batch_size"], steps=1)
+  cfg = tiny(output_dir=str(out), comparison=dict(sweep=sweep_cfg))
   path.write_text(yaml.safe_dump(config.to_dict(cfg)))
-  summary = train_cli.main(["--config", str(path), "--set", "name=tiny", "training.progress=true"])
+  with compilation_cache(out / "xla-cache"):
+    summary = train_cli.main(
+      ["--config", str(path), "--set", "name=tiny", "training.progress=true"]
+    )
   return out / "tiny", summary
 
 
@@ -320,7 +360,8 @@ def test_tiny_run_writes_every_file(tiny_run):
 def test_tiny_run_sweep_measured_every_cell(tiny_run):
   _, summary = tiny_run
   cells = {(r["rule"], r["seq_len"]): r for r in summary["sweep"]}
-  assert set(cells) == {(rule, 16) for rule in model.RULES}
+  T = summary["task"]["seq_len"] - 1
+  assert set(cells) == {(rule, T) for rule in model.RULES}
   for r in cells.values():
     assert r["status"] == "ok", r
     assert r["median_step_ms"] > 0 and r["peak_rss_mb"] > 0 and r["step_mem_mb"] > 0
