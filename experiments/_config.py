@@ -12,6 +12,10 @@ is a frozen dataclass deriving from :class:`Section`:
   YAML file (``model: {d_model: 64}``), named by its ``SECTION`` prefix;
 - ``check()`` holds the rules across fields.
 
+YAML lists load as the field's type says: ``tuple[...]`` (the training config:
+hashable, immutable) or ``list[...]`` (the benchmarks' grids, which their tests
+and JSON records compare with lists; frozen as fields, not to be mutated).
+
 Every check runs in ``__post_init__``, so a config built in code is checked
 like one read from a file. :func:`load` reads the YAML, applies a script's
 ``quick`` settings, its command-line flags and ``--set key=value`` overrides,

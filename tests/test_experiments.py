@@ -46,6 +46,39 @@ def test_bench_config_file_is_valid():
   assert cfg.lengths == [128, 1024, 4096] and cfg.memory["lengths"][-1] == 65536
 
 
+def test_bench_configs_name_bad_keys_and_values(tmp_path):
+  """The benchmarks' configs go through experiments/_config.py like the training config:
+  unknown keys (in sections too), choices and cross-field rules stop the CLI naming the key;
+  quick settings merge into sections, dotted flags reach into them."""
+  bench, scaling, parallel = (_load(n) for n in ("bench", "bench_scaling", "bench_parallel"))
+  path = tmp_path / "bad.yaml"
+  for text, match in [
+    ("lenghts: [64]\n", r"bench: error: unknown key 'lenghts'; valid keys of the config: batch"),
+    ("memory: {method: [xla]}\n", r"unknown key 'memory.method'; valid keys of memory: lengths"),
+    ("reps: 0\n", r"'reps' must be >= 1, got 0"),
+    ("heads: 3\nkv_heads: 2\n", r"'heads' \(3\) must be a multiple of 'kv_heads' \(2\)"),
+  ]:
+    path.write_text(text)
+    with pytest.raises(SystemExit, match=match):
+      bench.main(["--config", str(path)])
+  with pytest.raises(SystemExit, match=r"'methods' must be one of \['jax.nn', 'xla', 'blockwise'"):
+    bench.main(["--methods", "flash"])
+  cfg = bench.load_config(
+    bench.parse_args(["--quick", "--memory-lengths", "128", "--causal", "false"])
+  )
+  assert cfg.memory.lengths == [128] and cfg.memory.methods == ["jax.nn", "blockwise"]
+  assert cfg.causal == [False] and cfg.heads == bench.QUICK["heads"]
+  assert bench._config.from_dict(bench.Config, bench._config.to_dict(cfg)) == cfg  # the child's
+  with pytest.raises(SystemExit, match=r"bench_scaling: error: 'lengths' must be increasing"):
+    scaling.main(["--lengths", "64", "32"])
+  path.write_text("sparse: {patterns: [dense, diagonal]}\n")
+  with pytest.raises(SystemExit, match=r"'sparse.patterns' must be one of \['dense', 'causal'"):
+    scaling.main(["--config", str(path)])
+  assert scaling.load_config(scaling.parse_args(["--quick", "--no-sparse"])).sparse.patterns == []
+  with pytest.raises(SystemExit, match=r"'length' \(100\) must split into 8 equal parts for P=4"):
+    parallel.main(["--length", "100"])
+
+
 def test_quickstart_runs():
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
