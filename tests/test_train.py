@@ -201,10 +201,11 @@ def test_every_rule_starts_from_the_same_parameters():
 def test_model_is_causal_and_its_weights_are_probabilities(positions):
   cfg = tiny(model=dict(positions=positions, num_layers=2))
   m = model.build(cfg.model, 6, "autodiff", seed=0)
+  forward = nnx.jit(lambda m, tokens: m(tokens))  # one program, not one per operation
   tokens = jnp.array([[0, 1, 2, 3, 4, 5, 0, 1]])
-  logits = m(tokens)
+  logits = forward(m, tokens)
   assert logits.shape == (1, 8, 6)
-  changed = m(tokens.at[0, 5].set(0))  # a later token cannot change earlier predictions
+  changed = forward(m, tokens.at[0, 5].set(0))  # a later token cannot change earlier predictions
   np.testing.assert_allclose(changed[0, :5], logits[0, :5], atol=1e-6)
   assert not np.allclose(changed[0, 5:], logits[0, 5:])
   weights = model.attention_weights(m, tokens)
@@ -221,7 +222,7 @@ def test_loss_and_metrics_on_a_literal_example():
   logits = jnp.full((2, 3, 3), -10.0)
   # row 0 predicts 1, 2, 0 (all right); row 1 predicts 0, 1, 1 (last answer wrong)
   logits = logits.at[0, [0, 1, 2], [1, 2, 0]].set(10.0).at[1, [0, 1, 2], [0, 1, 1]].set(10.0)
-  loss, metrics = training.loss_and_metrics(logits, tasks.Batch(tokens, answer))
+  loss, metrics = jax.jit(training.loss_and_metrics)(logits, tasks.Batch(tokens, answer))
   assert float(metrics["exact_match"]) == 0.5
   assert float(metrics["token_accuracy"]) == 0.75
   # three confident right answers (≈0 loss) and one wrong by a margin of 20 (≈20)
@@ -233,20 +234,19 @@ def test_loss_and_metrics_on_a_literal_example():
 def test_schedule_warms_up_then_decays_to_the_final_fraction():
   cfg = config.OptimizerConfig(learning_rate=0.5, warmup_steps=4, final_lr_fraction=0.2)
   tx = training.make_optimizer(cfg, steps=20)
+  update = jax.jit(tx.update)  # one program, not one per operation
   params = {"w": jnp.ones((2, 2)), "scale": jnp.ones((2,))}
   state = tx.init(params)
   grads = {"w": jnp.full((2, 2), 1e-3), "scale": jnp.full((2,), 1e-3)}
   sizes = []
   for _ in range(20):
-    updates, state = tx.update(grads, state, params)
+    updates, state = update(grads, state, params)
     sizes.append(float(jnp.abs(updates["scale"][0])))  # no weight decay on vectors
   assert sizes[0] == 0.0  # warmup starts at 0
   assert sizes[4] == pytest.approx(0.5, rel=1e-2)  # Adam's first step moves ≈ lr
   assert sizes[-1] < sizes[10] < sizes[4]  # cosine decay
   # big gradients are clipped to norm 1 before Adam (which is scale-free anyway)
-  assert jnp.isfinite(
-    tx.update({k: v * 1e9 for k, v in grads.items()}, state, params)[0]["w"]
-  ).all()
+  assert jnp.isfinite(update({k: v * 1e9 for k, v in grads.items()}, state, params)[0]["w"]).all()
 
 
 # ------------------------------------------------------------------ the experiment
