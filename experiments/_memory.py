@@ -7,8 +7,9 @@ import sys
 
 
 def peak_rss_mb() -> float:
-  """This process's peak resident memory in MB: VmHWM on Linux (ru_maxrss would include
-  the parent's peak, which Linux carries across fork and exec), ru_maxrss elsewhere."""
+  """This process's peak resident memory in MiB (2**20 bytes): VmHWM on Linux (ru_maxrss
+  would include the parent's peak, which Linux carries across fork and exec), ru_maxrss
+  elsewhere."""
   try:
     with open("/proc/self/status") as f:
       for line in f:

@@ -737,7 +737,9 @@ def run(dtypes, cases, rules) -> list[dict]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    prog="python -m experiments.accuracy", description=__doc__.splitlines()[0]
+  )
   parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES))
   parser.add_argument("--cases", nargs="+", choices=list(CASES))
   parser.add_argument("--rules", nargs="+", choices=list(RULES))

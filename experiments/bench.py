@@ -22,7 +22,8 @@ time / the method's time); percentage and speedup are medians of the
 per-round ratios, each taken between turns of the same round. Then the peak process memory
 (VmHWM) of forward+backward for the ``memory`` grid, each case in a fresh
 subprocess so no case sees another's high-water mark. Prints markdown tables
-and writes everything as JSON under runs/.
+and writes everything as JSON under runs/. Memory is in MiB (2**20 bytes), in the
+tables and in the JSON's ``*_mb`` fields alike.
 
     python -m experiments.bench --config configs/bench.yaml   # README's tables
     python -m experiments.bench --lengths 1024 2048 --causal true --methods jax.nn blockwise
@@ -34,20 +35,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import pathlib
 import subprocess
 import sys
 import time
-from typing import Literal
+import typing
+from collections.abc import Callable
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jattn
-from experiments import _timing
-from experiments._config import config_fields
+from experiments import _config, _timing
+from experiments._config import ConfigError, Section, field
 from experiments._memory import peak_rss_mb
 from experiments._timing import fmt
 
@@ -56,25 +60,45 @@ METHODS = ("jax.nn", "xla", "blockwise", "auto")
 MATERIALISING = ("jax.nn", "xla")
 
 
-@dataclasses.dataclass
-class Config:
-  batch: int = 1
-  heads: int = 8
-  kv_heads: int = 8
-  head_dims: list = dataclasses.field(default_factory=lambda: [64])
-  lengths: list = dataclasses.field(default_factory=lambda: [1024, 4096])
-  causal: list = dataclasses.field(default_factory=lambda: [False, True])
-  methods: list = dataclasses.field(default_factory=lambda: list(METHODS))
-  reps: int = 5
-  max_materialised_bytes: int = 2**30
-  matmul_size: int = 2048
-  memory: dict = dataclasses.field(default_factory=dict)  # lengths, causal, methods
-  out_dir: str = "runs"
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig(Section):
+  """The peak-memory cases: forward+backward, each in a fresh process."""
+
+  SECTION: typing.ClassVar[str] = "memory."
+  lengths: list[int] = field(factory=list, minimum=1, doc="sequence lengths; empty = none")
+  causal: list[bool] = field(factory=lambda: [True])
+  methods: list[str] = field(factory=lambda: ["blockwise"], choices=METHODS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(Section):
+  """The timing grid (every head dim x length x causal x method) and the memory cases."""
+
+  batch: int = field(1, minimum=1)
+  heads: int = field(8, minimum=1)
+  kv_heads: int = field(8, minimum=1)
+  head_dims: list[int] = field(factory=lambda: [64], minimum=1)
+  lengths: list[int] = field(factory=lambda: [1024, 4096], minimum=1, doc="empty = none timed")
+  causal: list[bool] = field(factory=lambda: [False, True])
+  methods: list[str] = field(factory=lambda: list(METHODS), choices=METHODS)
+  reps: int = field(5, minimum=1, doc="interleaved rounds; each method's block median per round")
+  max_materialised_bytes: int = field(
+    2**30, minimum=0, doc="skip jax.nn and xla where their float32 scores exceed this"
+  )
+  matmul_size: int = field(2048, minimum=1, doc="the reference float32 matmul, size^3")
+  memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
+  out_dir: str = field("runs")
+
+  def check(self) -> None:
+    if self.heads % self.kv_heads:
+      raise ConfigError(
+        f"'heads' ({self.heads}) must be a multiple of 'kv_heads' ({self.kv_heads})"
+      )
 
 
 QUICK = dict(
   heads=2,
-  kv_heads=1,
+  kv_heads=2,  # bench_gpu.py --quick's shapes at T=32: a test process compiles them once
   head_dims=[8],
   lengths=[32, 48],
   reps=2,
@@ -94,8 +118,10 @@ def attention_fn(method: str, causal: bool):
   return lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
 
 
+@functools.cache
 def compiled(method: str, causal: bool, mode: str):
-  """The jitted forward, or gradients of q, k, v (of the output's float32 sum)."""
+  """The jitted forward, or gradients of q, k, v (of the output's float32 sum); one per
+  process, so a call for shapes it has already compiled (bench_gpu.py's, say) reuses them."""
   attn = attention_fn(method, causal)
   if mode == "fwd":
     return jax.jit(attn)
@@ -129,9 +155,9 @@ def time_grid(cfg: Config) -> tuple[list[dict], float | None]:
     for T in cfg.lengths:
       q, k, v = inputs(cfg, T, H)
       for causal in cfg.causal:
-        group = [dict(H=H, T=T, causal=causal, method=m) for m in cfg.methods]
+        group: list[dict[str, Any]] = [dict(H=H, T=T, causal=causal, method=m) for m in cfg.methods]
         for mode in ("fwd", "fwd_bwd"):
-          fns = {"matmul": matmul}
+          fns: dict[str, tuple[Callable, tuple]] = {"matmul": matmul}
           fns.update(
             {
               m: (compiled(m, causal, mode), (q, k, v))
@@ -177,20 +203,19 @@ def memory_case(cfg: Config, method: str, T: int, H: int, causal: bool) -> dict:
   )
 
 
-def memory_grid(cfg: Config, config_path: str | None, quick: bool) -> list[dict]:
+def memory_grid(cfg: Config) -> list[dict]:
+  """The ``memory`` cases, each in a child process given the resolved config."""
   rows = []
-  mem = cfg.memory
   for H in cfg.head_dims:
-    for T in mem.get("lengths", []):
-      for causal in mem.get("causal", [True]):
-        for method in mem.get("methods", ["blockwise"]):
+    for T in cfg.memory.lengths:
+      for causal in cfg.memory.causal:
+        for method in cfg.memory.methods:
           row = dict(method=method, T=T, H=H, causal=causal)
           if materialises_too_much(cfg, method, T):
             rows.append({**row, "skipped": "materialised scores exceed max_materialised_bytes"})
             continue
-          cmd = [sys.executable, "-m", "experiments.bench", "--memory-case", json.dumps(row)]
-          cmd += ["--quick"] if quick else []
-          cmd += ["--config", str(pathlib.Path(config_path).resolve())] if config_path else []
+          case = json.dumps(dict(case=row, config=_config.to_dict(cfg)))
+          cmd = [sys.executable, "-m", "experiments.bench", "--memory-case", case]
           proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
           if proc.returncode:
             rows.append({**row, "failed": proc.stderr.strip().splitlines()[-1:]})
@@ -220,7 +245,7 @@ def print_tables(cfg: Config, matmul: float, rows: list[dict], memory: list[dict
     )
   if memory:
     print("\nforward+backward, one fresh process per case: peak process memory (VmHWM)\n")
-    print("| H | T | causal | method | seconds | peak MB before | peak MB |")
+    print("| H | T | causal | method | seconds | peak MiB before | peak MiB |")
     print("|---|---|---|---|---|---|---|")
     for r in memory:
       note = r.get("skipped") or r.get("failed")
@@ -234,25 +259,27 @@ def print_tables(cfg: Config, matmul: float, rows: list[dict], memory: list[dict
 
 
 def load_config(args) -> Config:
-  flags = {
-    name: getattr(args, name)
-    for name in ("lengths", "head_dims", "methods", "reps", "batch", "heads", "kv_heads", "out_dir")
-  }
-  cfg = Config(
-    **config_fields(Config, args.config, quick=QUICK if args.quick else None, flags=flags)
+  """configs/…yaml (``--config``), the ``--quick`` settings, then the flags given."""
+  causal = None if args.causal is None else [c == "true" for c in args.causal]
+  flags = dict(
+    lengths=args.lengths,
+    head_dims=args.head_dims,
+    causal=causal,
+    methods=args.methods,
+    reps=args.reps,
+    batch=args.batch,
+    heads=args.heads,
+    kv_heads=args.kv_heads,
+    out_dir=args.out_dir,
+    **{"memory.lengths": args.memory_lengths},
   )
-  if args.causal is not None:
-    cfg.causal = [{"true": True, "false": False}[c] for c in args.causal]
-  if args.memory_lengths is not None:
-    cfg.memory = {**cfg.memory, "lengths": args.memory_lengths}
-  bad = set(cfg.methods) - set(METHODS)
-  if bad:
-    raise ValueError(f"unknown methods {sorted(bad)}; choose from {list(METHODS)}")
-  return cfg
+  return _config.load(Config, args.config, quick=QUICK if args.quick else None, flags=flags)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    prog="python -m experiments.bench", description=__doc__.splitlines()[0]
+  )
   parser.add_argument("--config", help="a YAML file under configs/ (flags override it)")
   parser.add_argument(
     "--lengths", type=int, nargs="*", help="sequence lengths to time (none: only the memory cases)"
@@ -278,22 +305,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None):
   args = parse_args(argv)
-  cfg = load_config(args)
-
   if args.memory_case:  # the child process of memory_grid
-    case = json.loads(args.memory_case)
+    given = json.loads(args.memory_case)
+    case, cfg = given["case"], _config.from_dict(Config, given["config"])
     print(json.dumps(memory_case(cfg, case["method"], case["T"], case["H"], case["causal"])))
     return None
+  try:
+    cfg = load_config(args)
+  except ConfigError as e:
+    sys.exit(f"python -m experiments.bench: error: {e}")
 
   rows, matmul = time_grid(cfg)
-  memory = memory_grid(cfg, args.config, args.quick)
+  memory = memory_grid(cfg)
   print_tables(cfg, matmul, rows, memory)
   out_dir = ROOT / cfg.out_dir
   out_dir.mkdir(parents=True, exist_ok=True)
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   path = out_dir / f"bench-{stamp}{'-quick' if args.quick else ''}.json"
   record = dict(
-    config=dataclasses.asdict(cfg),
+    config=_config.to_dict(cfg),
     device=str(jax.devices()[0]),
     jax=jax.__version__,
     matmul_gflops=matmul,

@@ -54,7 +54,9 @@ def tile_matmuls(block: int):
 
 
 def main(argv=None) -> list[dict]:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    prog="python -m experiments.bench_ceiling", description=__doc__.splitlines()[0]
+  )
   parser.add_argument("--length", type=int, default=4096, help="T = S")
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--heads", type=int, default=8)

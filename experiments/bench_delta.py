@@ -110,7 +110,9 @@ def run(lengths, causals, *, batch, heads, head_dim, block, rounds) -> list[dict
 
 
 def main(argv=None) -> list[dict]:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    prog="python -m experiments.bench_delta", description=__doc__.splitlines()[0]
+  )
   parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
   parser.add_argument("--causal", nargs="+", choices=["true", "false"], default=["false", "true"])
   parser.add_argument("--batch", type=int, default=1)

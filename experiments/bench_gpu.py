@@ -8,7 +8,7 @@ forward+backward 3.5 times that, halved when causal) and the speedup over
 jax.nn's XLA path (median of per-round ratios). Also the scratch memory XLA
 plans for each compiled program (``memory_analysis().temp_size_in_bytes``),
 which on a GPU is the activation memory the method needs beyond its inputs and
-outputs. Methods:
+outputs, in MiB (2**20 bytes; the rows' ``*_scratch_mb``). Methods:
 
     jax.nn        jax.nn.dot_product_attention(implementation="xla")
     jax.nn/cudnn  jax.nn.dot_product_attention(implementation="cudnn") (bf16/f16 only)
@@ -32,13 +32,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import _timing
+from experiments._timing import fmt
 from experiments.bench import compiled
 
 METHODS = ("jax.nn", "jax.nn/cudnn", "xla", "blockwise", "auto")
 
 
 def main(argv=None) -> list[dict]:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(
+    prog="python -m experiments.bench_gpu", description=__doc__.splitlines()[0]
+  )
   p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
   p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
   p.add_argument("--batch", type=int, default=1)
@@ -47,11 +50,11 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--methods", nargs="+", default=list(METHODS))
   p.add_argument(
-    "--max-scores-gb",
-    dest="max_scores_gb",
+    "--max-scores-gib",
+    dest="max_scores_gib",
     type=float,
     default=16.0,
-    help="skip materialising methods whose float32 scores exceed this",
+    help="skip materialising methods whose float32 scores exceed this many GiB (2**30 bytes)",
   )
   p.add_argument("--quick", action="store_true")
   p.add_argument("--json", help="also write the rows here")
@@ -66,8 +69,8 @@ def main(argv=None) -> list[dict]:
     f"medians of {args.reps} interleaved rounds\n"
   )
   print(
-    "| dtype | T | causal | method | fwd ms | fwd TFLOP/s | fwd speedup | fwd scratch MB "
-    "| fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd speedup | fwd+bwd scratch MB |"
+    "| dtype | T | causal | method | fwd ms | fwd TFLOP/s | fwd speedup | fwd scratch MiB "
+    "| fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd speedup | fwd+bwd scratch MiB |"
   )
   print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   rows = []
@@ -82,7 +85,7 @@ def main(argv=None) -> list[dict]:
           m
           for m in args.methods
           if (m != "jax.nn/cudnn" or (gpu and dtype in ("bfloat16", "float16")))
-          and not (m in ("jax.nn", "xla") and 4 * B * N * T * T > args.max_scores_gb * 2**30)
+          and not (m in ("jax.nn", "xla") and 4 * B * N * T * T > args.max_scores_gib * 2**30)
         ]
         group = {m: dict(dtype=dtype, T=T, causal=causal, method=m) for m in methods}
         for mode in ("fwd", "fwd_bwd"):
@@ -105,8 +108,8 @@ def main(argv=None) -> list[dict]:
             if "jax.nn" in times:
               group[m][f"{mode}_speedup"] = _timing.median_ratio(times["jax.nn"], ms)
         for r in group.values():
-          f = lambda key, spec: (
-            format(r[key], spec) if key in r else r.get(key.rsplit("_", 1)[0] + "_error", "—")
+          f = lambda key, spec: (  # a missing cell shows why: its pass's error, if any
+            fmt(r[key], spec) if key in r else r.get(key.rsplit("_", 1)[0] + "_error", "—")
           )
           print(
             f"| {dtype} | {T} | {causal} | {r['method']} | {f('fwd_ms', '.2f')} | "

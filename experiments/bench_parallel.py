@@ -46,7 +46,8 @@ average) it is 2P/(P + 1), which is what tiles as large as a shard give.
     python -m experiments.bench_parallel --length 2048 --devices 1 2 4 8 --layouts zigzag
     python -m experiments.bench_parallel --quick     # tiny smoke test (CI)
 
-Writes ``runs/parallel-<time>/parallel.json``.
+Writes ``runs/parallel-<time>/parallel.json``. Memory is in MiB (2**20 bytes), in
+the tables and in the JSON's ``mb`` and ``temp_mb`` alike.
 """
 
 from __future__ import annotations
@@ -62,8 +63,10 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
+import sys  # noqa: E402
 from typing import NamedTuple  # noqa: E402
 
 import jax  # noqa: E402
@@ -72,29 +75,48 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import jattn  # noqa: E402
-from experiments import _timing
-from experiments._config import config_fields
-from experiments._timing import fmt
+from experiments import _config, _timing  # noqa: E402
+from experiments._config import ConfigError, Section, field  # noqa: E402
+from experiments._timing import fmt  # noqa: E402
 from jattn import masks, parallel  # noqa: E402
 from jattn.impl import blockwise as _blockwise  # noqa: E402
 
 AXIS = "sp"
 
 
-@dataclasses.dataclass
-class Config:
-  batch: int = 1
-  heads: int = 8
-  head_dim: int = 64
-  length: int = 8192
-  devices: list = dataclasses.field(default_factory=lambda: [1, 2, 4, 8])
-  causal: bool = True
-  layouts: list = dataclasses.field(default_factory=lambda: list(parallel.LAYOUTS))
-  reps: int = 3
-  block_q: int | None = None  # None: the backend's blockwise default
-  block_kv: int | None = None
-  memory_length: int | None = 65536  # compile-only memory table at this T (None: skip)
-  out_dir: str = "runs"
+@dataclasses.dataclass(frozen=True)
+class Config(Section):
+  """The ring's device counts and layouts at one length, and the compile-only memory table."""
+
+  batch: int = field(1, minimum=1)
+  heads: int = field(8, minimum=1)
+  head_dim: int = field(64, minimum=1)
+  length: int = field(8192, minimum=1, doc="total sequence length T, split over the devices")
+  devices: list[int] = field(factory=lambda: [1, 2, 4, 8], minimum=1, doc="P, increasing")
+  causal: bool = field(True)
+  layouts: list[str] = field(
+    factory=lambda: list(parallel.LAYOUTS), choices=parallel.LAYOUTS, doc="timed at the largest P"
+  )
+  reps: int = field(3, minimum=1, doc="median of this many calls after one warm-up call")
+  block_q: int | None = field(None, minimum=1, doc="null: the backend's blockwise default")
+  block_kv: int | None = field(None, minimum=1)
+  memory_length: int | None = field(
+    65536, minimum=1, doc="the compile-only memory table at this T (null: skip it)"
+  )
+  out_dir: str = field("runs")
+
+  def check(self) -> None:
+    if not self.devices or any(a >= b for a, b in zip(self.devices, self.devices[1:])):
+      raise ConfigError(f"'devices' must be a non-empty increasing list, got {self.devices}")
+    for P in self.devices:
+      if self.memory_length and self.memory_length % P:
+        raise ConfigError(f"'memory_length' ({self.memory_length}) must split into {P} parts")
+      parts = 2 * P if "zigzag" in self.layouts else P
+      if self.length % parts:
+        raise ConfigError(
+          f"'length' ({self.length}) must split into {parts} equal parts for P={P}"
+          + (" (zigzag: two chunks per device)" if parts != P else "")
+        )
 
 
 QUICK = dict(
@@ -105,7 +127,7 @@ QUICK = dict(
   reps=1,
   block_q=8,
   block_kv=8,
-  memory_length=256,
+  memory_length=64,  # the timed length: the memory table gets the timed programs from the cache
 )
 
 
@@ -185,48 +207,55 @@ def inputs(cfg: Config) -> tuple[np.ndarray, ...]:
 
 def ring_step(cfg: Config, mesh: Mesh, layout: str):
   """jit(value_and_grad) of sum(ring_attention(q, k, v)²) in q, k and v."""
-
-  def loss(q, k, v):
-    out = parallel.ring_attention(
-      q,
-      k,
-      v,
-      mesh=mesh,
-      axis_name=AXIS,
-      is_causal=cfg.causal,
-      layout=layout,
-      block_q=cfg.block_q,
-      block_kv=cfg.block_kv,
-    )
-    return jnp.sum(jnp.square(out))
-
-  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  return _step("ring", cfg.causal, cfg.block_q, cfg.block_kv, mesh, layout)
 
 
 def reference_step(cfg: Config):
   """The same training step with jax.nn.dot_product_attention (materialised scores)."""
-
-  def loss(q, k, v):
-    return jnp.sum(jnp.square(jax.nn.dot_product_attention(q, k, v, is_causal=cfg.causal)))
-
-  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  return _step("jax.nn", cfg.causal)
 
 
 def blockwise_step(cfg: Config):
   """The same training step with single-device jattn blockwise attention."""
+  return _step("blockwise", cfg.causal, cfg.block_q, cfg.block_kv)
 
-  def loss(q, k, v):
-    out = jattn.dot_product_attention(
-      q,
-      k,
-      v,
-      is_causal=cfg.causal,
-      implementation="blockwise",
-      block_q=cfg.block_q,
-      block_kv=cfg.block_kv,
-    )
-    return jnp.sum(jnp.square(out))
 
+@functools.cache
+def _step(
+  method: str,
+  causal: bool,
+  block_q: int | None = None,
+  block_kv: int | None = None,
+  mesh: Mesh | None = None,
+  layout: str = "contiguous",
+):
+  """The jitted step, built once per settings: a table that compiles a step for shapes and
+  shardings another table already compiled it for gets XLA's program from JAX's cache."""
+
+  def attend(q, k, v):
+    match method:
+      case "jax.nn":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+      case "blockwise":
+        return jattn.dot_product_attention(
+          q, k, v, is_causal=causal, implementation="blockwise", block_q=block_q, block_kv=block_kv
+        )
+      case "ring":
+        return parallel.ring_attention(
+          q,
+          k,
+          v,
+          mesh=mesh,
+          axis_name=AXIS,
+          is_causal=causal,
+          layout=layout,
+          block_q=block_q,
+          block_kv=block_kv,
+        )
+      case _:
+        raise ValueError(f"unknown method {method!r}")
+
+  loss = lambda q, k, v: jnp.sum(jnp.square(attend(q, k, v)))
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
@@ -341,7 +370,7 @@ def memory_at_length(cfg: Config, T: int) -> list[dict]:
 
 
 def _mb(x):
-  """Megabytes to four significant digits: readable for the quick run's kilobytes too."""
+  """MiB (2**20 bytes) to four significant digits: readable for the quick run's kilobytes too."""
   return fmt(x, ".4g")
 
 
@@ -354,7 +383,7 @@ def print_memory_table(cfg: Config, rows) -> None:
     f"\nMemory per device at T={cfg.memory_length} from compilation alone (nothing runs), "
     "same step and shapes otherwise:\n"
   )
-  print("| method | P | MB per device | temp MB | × MB at P/2 |")
+  print("| method | P | MiB per device | temp MiB | × MiB at P/2 |")
   print("|---|---|---|---|---|")
   for r in rows:
     print(
@@ -369,13 +398,15 @@ def print_tables(cfg: Config, blocks, ref: dict, rows, layouts, work) -> None:
     f"\nB={cfg.batch} N=K={cfg.heads} H={cfg.head_dim} T={cfg.length} float32 {kind} "
     f"training step (value_and_grad in q, k, v), {jax.devices()[0].platform}, tiles "
     f"{blocks[0]}x{blocks[1]}; reference: jax.nn.dot_product_attention on one device: "
-    f"{_mb(ref['mb'])} MB, {ref['ms']:.1f} ms"
+    f"{_mb(ref['mb'])} MiB, {ref['ms']:.1f} ms"
   )
   print(
     f"\nThe {max(cfg.devices)} simulated devices share this machine's {os.cpu_count()} "
     "CPU cores: step time does not fall with P here; memory per device is what scales.\n"
   )
-  print("| P | MB per device | × P / MB at P=1 | temp MB | step ms | × jax.nn MB | × jax.nn ms |")
+  print(
+    "| P | MiB per device | × P / MiB at P=1 | temp MiB | step ms | × jax.nn MiB | × jax.nn ms |"
+  )
   print("|---|---|---|---|---|---|---|")
   for r in rows:
     print(
@@ -390,7 +421,7 @@ def print_tables(cfg: Config, blocks, ref: dict, rows, layouts, work) -> None:
     f"2P/(P+1) = {2 * P / (P + 1):.3f}) and step time per layout:\n"
   )
   print(
-    "| layout | tiles max/mean | pairs max/mean | total tiles | MB per device | step ms "
+    "| layout | tiles max/mean | pairs max/mean | total tiles | MiB per device | step ms "
     "| × contiguous ms | × jax.nn ms |"
   )
   print("|---|---|---|---|---|---|---|---|")
@@ -405,27 +436,21 @@ def print_tables(cfg: Config, blocks, ref: dict, rows, layouts, work) -> None:
 
 
 def load_config(args) -> Config:
-  flags = {
-    name: getattr(args, name) for name in ("length", "devices", "layouts", "reps", "out_dir")
-  }
-  fields = config_fields(Config, args.config, quick=QUICK if args.quick else None, flags=flags)
-  cfg = Config(**fields)
-  bad = [x for x in cfg.layouts if x not in parallel.LAYOUTS]
-  if bad:
-    raise SystemExit(f"unknown layouts {bad}; choose from {list(parallel.LAYOUTS)}")
-  if not cfg.devices or sorted(cfg.devices) != list(cfg.devices) or cfg.devices[0] < 1:
-    raise SystemExit(f"devices must be positive and increasing, got {cfg.devices}")
-  for P in cfg.devices:
-    if cfg.memory_length and cfg.memory_length % P:
-      raise SystemExit(f"memory_length {cfg.memory_length} must split into {P} parts")
-    parts = 2 * P if "zigzag" in cfg.layouts else P
-    if cfg.length % parts:
-      raise SystemExit(f"length {cfg.length} must split into {parts} equal parts for P={P}")
-  return cfg
+  """configs/…yaml (``--config``), the ``--quick`` settings, then the flags given."""
+  flags = dict(
+    length=args.length,
+    devices=args.devices,
+    layouts=args.layouts,
+    reps=args.reps,
+    out_dir=args.out_dir,
+  )
+  return _config.load(Config, args.config, quick=QUICK if args.quick else None, flags=flags)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    prog="python -m experiments.bench_parallel", description=__doc__.splitlines()[0]
+  )
   parser.add_argument("--config", help="a YAML file under configs/ (flags override it)")
   parser.add_argument("--length", type=int, help="total sequence length T")
   parser.add_argument("--devices", type=int, nargs="+", help="device counts P, increasing")
@@ -438,7 +463,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  cfg = load_config(args)
+  try:
+    cfg = load_config(args)
+  except ConfigError as e:
+    sys.exit(f"python -m experiments.bench_parallel: error: {e}")
   if len(jax.devices()) < max(cfg.devices):
     raise RuntimeError(
       f"devices={cfg.devices} needs {max(cfg.devices)} devices but JAX sees "
@@ -455,12 +483,13 @@ def main(argv=None) -> dict:
 
   def show(r):
     print(
-      f"P={r['P']} {r['layout']:>10}: {r['ms']:10.1f} ms {_mb(r['mb']):>10} MB per device",
+      f"P={r['P']} {r['layout']:>10}: {r['ms']:10.1f} ms {_mb(r['mb']):>10} MiB per device",
       flush=True,
     )
 
-  ref = measure(reference_step(cfg), [jax.device_put(x, jax.devices()[0]) for x in host], cfg.reps)
-  print(f"jax.nn on one device: {ref['ms']:10.1f} ms {_mb(ref['mb']):>10} MB", flush=True)
+  one = NamedSharding(mesh_of(1), PartitionSpec())  # as the memory table places them
+  ref = measure(reference_step(cfg), [jax.device_put(x, one) for x in host], cfg.reps)
+  print(f"jax.nn on one device: {ref['ms']:10.1f} ms {_mb(ref['mb']):>10} MiB", flush=True)
   rows = measure_devices(cfg, host, on_row=show)
   P = max(cfg.devices)
   layouts = measure_layouts(cfg, host, P, rows[-1], on_row=show)
@@ -471,7 +500,7 @@ def main(argv=None) -> dict:
     memory = memory_at_length(cfg, cfg.memory_length)
     print_memory_table(cfg, memory)
   record = dict(
-    config=dataclasses.asdict(cfg),
+    config=_config.to_dict(cfg),
     blocks=list(blocks),
     device=str(jax.devices()[0]),
     num_devices=len(jax.devices()),

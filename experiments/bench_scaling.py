@@ -6,9 +6,13 @@ in one run, compiles each method ahead of time and records
 - the bytes XLA allocates for one call (temporaries and outputs, from the
   compiled program's memory analysis; inputs are the same for every method),
   so memory is known even where a call would not fit, and
-- the median wall time of the call, where its allocation fits under
+- the median milliseconds per call (``ms``), where its allocation fits under
   ``max_bytes`` and the previous length's time, scaled by the method's
-  expected growth, stays under ``max_call_seconds``.
+  expected growth, stays under ``max_call_seconds``: after a warm-up call and
+  one timed call, the median of a block of back-to-back calls (at least
+  ``reps``, lasting about ``min_seconds``) after an untimed one, as every
+  benchmark here times (``experiments/_timing.py``); a call slower than
+  ``once_seconds`` is timed once, after its warm-up call (``calls`` says which).
 
 Methods (``causal`` applies to all of them):
 
@@ -35,7 +39,8 @@ pairs it visits next to its time relative to the dense blockwise call.
     python -m experiments.bench_scaling --config configs/bench_scaling.yaml --causal
     python -m experiments.bench_scaling --quick     # tiny smoke test (CI)
 
-Writes ``runs/scaling-<time>/scaling.json`` and ``scaling.png``.
+Writes ``runs/scaling-<time>/scaling.json`` and ``scaling.png``. Memory is in MiB
+(2**20 bytes), in the tables and in the JSON's ``mem_mb`` alike.
 """
 
 from __future__ import annotations
@@ -46,15 +51,17 @@ import datetime
 import json
 import math
 import pathlib
-import statistics
-import time
+import sys
+import typing
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jattn
-from experiments._config import config_fields
+from experiments import _config, _timing
+from experiments._config import ConfigError, Section, field
 from experiments._timing import fmt
 from jattn import masks
 from jattn.impl import _tiling
@@ -63,24 +70,46 @@ from jattn.impl import blockwise as _blockwise
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 METHODS = ("jax.nn", "xla", "blockwise", "window", "linear")
 GROWTH = {"jax.nn": 2, "xla": 2, "blockwise": 2, "window": 1, "linear": 1}  # time ~ T**growth
+PATTERNS = ("dense", "causal", "window", "longformer", "bigbird", "strided")
 
 
-@dataclasses.dataclass
-class Config:
-  batch: int = 1
-  heads: int = 8
-  head_dim: int = 64
-  lengths: list = dataclasses.field(default_factory=lambda: [1024, 2048, 4096, 8192])
-  methods: list = dataclasses.field(default_factory=lambda: list(METHODS))
-  causal: bool = False
-  window: int = 256
-  reps: int = 3
-  min_seconds: float = 0.5  # short calls repeat until about this long has passed
-  max_bytes: int = 8 * 2**30
-  max_call_seconds: float = 150.0
-  fit_from: int = 4096
-  sparse: dict = dataclasses.field(default_factory=dict)  # length, patterns
-  out_dir: str = "runs"
+@dataclasses.dataclass(frozen=True)
+class SparseConfig(Section):
+  """The blockwise path with sparse masks at one length."""
+
+  SECTION: typing.ClassVar[str] = "sparse."
+  length: int = field(16384, minimum=1)
+  block: int | None = field(None, minimum=1, doc="square tiles; null = the backend's default")
+  patterns: list[str] = field(factory=list, choices=PATTERNS, doc="empty = no sparse table")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(Section):
+  """The length grid, its methods and limits, and the sparse-mask table."""
+
+  batch: int = field(1, minimum=1)
+  heads: int = field(8, minimum=1)
+  head_dim: int = field(64, minimum=1)
+  lengths: list[int] = field(factory=lambda: [1024, 2048, 4096, 8192], minimum=1)
+  methods: list[str] = field(factory=lambda: list(METHODS), choices=METHODS)
+  causal: bool = field(False, doc="causal attention for every method")
+  window: int = field(256, minimum=1, doc="the sliding window: positions on each side")
+  reps: int = field(3, minimum=1, doc="at least this many timed calls per block")
+  min_seconds: float = field(0.5, minimum=0.0, doc="short calls repeat until a block lasts this")
+  max_bytes: int = field(8 * 2**30, minimum=0, doc="no call where XLA would allocate more")
+  max_call_seconds: float = field(
+    150.0, above=0.0, doc="no call where the previous length's time predicts more"
+  )
+  once_seconds: float = field(
+    10.0, above=0.0, doc="a call slower than this is timed once, after its warm-up call"
+  )
+  fit_from: int = field(4096, minimum=1, doc="slopes over T >= this")
+  sparse: SparseConfig = dataclasses.field(default_factory=SparseConfig)
+  out_dir: str = field("runs")
+
+  def check(self) -> None:
+    if any(a >= b for a, b in zip(self.lengths, self.lengths[1:])):
+      raise ConfigError(f"'lengths' must be increasing, got {self.lengths}")
 
 
 QUICK = dict(
@@ -130,16 +159,17 @@ def call_bytes(compiled) -> int | None:
   return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
 
 
-def median_ms(compiled, args, reps: int, min_seconds: float) -> float:
-  """Median of ``reps`` calls of an ahead-of-time compiled function; one call when a call
-  takes over 10 s. Short calls repeat until about ``min_seconds`` have passed."""
-  times = []
-  while True:
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - start)
-    if times[0] > 10 or (len(times) >= reps and sum(times) >= min_seconds) or len(times) >= 200:
-      return statistics.median(times) * 1e3
+def call_ms(compiled, args, cfg: Config) -> tuple[float, int]:
+  """Median milliseconds per call of an ahead-of-time compiled function, and how many calls
+  that median is of: one warm-up call and one timed call (``_timing.block_ms``) size a block
+  of back-to-back calls (at least ``reps``, enough to last about ``min_seconds``, at most 200)
+  whose median ``_timing.block_ms`` takes after its own untimed call. A call slower than
+  ``once_seconds`` is not repeated: its time is the one timed call."""
+  once = _timing.block_ms(compiled, args, 1)
+  if once > cfg.once_seconds * 1e3:
+    return once, 1
+  calls = max(cfg.reps, min(200, int(cfg.min_seconds * 1e3 / once)))
+  return _timing.block_ms(compiled, args, calls), calls
 
 
 def measure(cfg: Config, on_row=lambda row: None) -> list[dict]:
@@ -148,7 +178,7 @@ def measure(cfg: Config, on_row=lambda row: None) -> list[dict]:
   for T in cfg.lengths:
     args = inputs(cfg, T)
     for method in cfg.methods:
-      row = dict(method=method, T=T, ms=None, mem_mb=None, skipped=None)
+      row = dict(method=method, T=T, ms=None, calls=0, mem_mb=None, skipped=None)
       compiled = jax.jit(attention_fn(cfg, method)).lower(*args).compile()
       nbytes = call_bytes(compiled)
       row["mem_mb"] = None if nbytes is None else nbytes / 2**20
@@ -161,7 +191,7 @@ def measure(cfg: Config, on_row=lambda row: None) -> list[dict]:
       elif predicted is not None and predicted > cfg.max_call_seconds:
         row["skipped"] = f"predicted {predicted:.0f} s > max_call_seconds"
       else:
-        row["ms"] = median_ms(compiled, args, cfg.reps, cfg.min_seconds)
+        row["ms"], row["calls"] = call_ms(compiled, args, cfg)
         last[method] = (T, row["ms"])
       del compiled
       rows.append(row)
@@ -236,13 +266,13 @@ def sparse_mask(name: str, T: int, block: int, window: int):
 def sparse_table(cfg: Config) -> list[dict]:
   """Blockwise time of each pattern at one length, next to the fraction of tiles it visits."""
   sp = cfg.sparse
-  if not sp:
+  if not sp.patterns:
     return []
-  T = int(sp["length"])
-  block = int(sp.get("block", _blockwise.default_blocks(jax.default_backend())[0]))
+  T = sp.length
+  block = sp.block or _blockwise.default_blocks(jax.default_backend())[0]
   args = inputs(cfg, T)
-  rows = []
-  for name in sp.get("patterns", ["dense"]):
+  rows: list[dict[str, Any]] = []
+  for name in sp.patterns:
     mask = sparse_mask(name, T, block, cfg.window)
     view = _tiling.tile_classes(mask, cfg.batch, cfg.heads, T, T, block, block)
     visited = float(np.mean(np.asarray(view) != masks.EMPTY))
@@ -251,8 +281,8 @@ def sparse_table(cfg: Config) -> list[dict]:
         q, k, v, mask=mask, implementation="blockwise", block_q=block, block_kv=block
       )
     )
-    ms = median_ms(fn.lower(*args).compile(), args, cfg.reps, cfg.min_seconds)
-    rows.append(dict(pattern=name, T=T, block=block, tiles_visited=visited, ms=ms))
+    ms, calls = call_ms(fn.lower(*args).compile(), args, cfg)
+    rows.append(dict(pattern=name, T=T, block=block, tiles_visited=visited, ms=ms, calls=calls))
   dense = next((r["ms"] for r in rows if r["pattern"] == "dense"), None)
   for r in rows:
     r["time_vs_dense"] = None if dense is None else r["ms"] / dense
@@ -268,7 +298,7 @@ def print_tables(cfg: Config, rows, fits, cross, sparse) -> None:
     f"\nB={cfg.batch} N={cfg.heads} H={cfg.head_dim} float32 {kind} forward, "
     f"{jax.devices()[0].platform}; window ±{cfg.window}\n"
   )
-  print("| T | method | ms | × jax.nn time | MB allocated | note |")
+  print("| T | method | ms | × jax.nn time | MiB allocated | note |")
   print("|---|---|---|---|---|---|")
   ref = {r["T"]: r["ms"] for r in rows if r["method"] == "jax.nn"}
   for r in rows:
@@ -310,7 +340,7 @@ def plot(cfg: Config, rows, fits, path: pathlib.Path) -> pathlib.Path | None:
   axes = fig.subplots(1, 2)
   for ax, key, what in (
     (axes[0], "ms", "forward time (ms)"),
-    (axes[1], "mem_mb", "memory XLA allocates (MB)"),
+    (axes[1], "mem_mb", "memory XLA allocates (MiB)"),
   ):
     for method in cfg.methods:
       pts = [(r["T"], r[key]) for r in rows if r["method"] == method and r[key]]
@@ -335,23 +365,22 @@ def plot(cfg: Config, rows, fits, path: pathlib.Path) -> pathlib.Path | None:
 
 
 def load_config(args) -> Config:
-  flags = {name: getattr(args, name) for name in ("lengths", "methods", "reps", "out_dir")}
-  fields = config_fields(Config, args.config, quick=QUICK if args.quick else None, flags=flags)
-  if args.causal:
-    fields["causal"] = True
-  if args.no_sparse:
-    fields["sparse"] = {}
-  cfg = Config(**fields)
-  bad = [m for m in cfg.methods if m not in METHODS]
-  if bad:
-    raise SystemExit(f"unknown methods {bad}; choose from {list(METHODS)}")
-  if sorted(cfg.lengths) != list(cfg.lengths) or min(cfg.lengths, default=1) < 1:
-    raise SystemExit(f"lengths must be positive and increasing, got {cfg.lengths}")
-  return cfg
+  """configs/…yaml (``--config``), the ``--quick`` settings, then the flags given."""
+  flags = dict(
+    lengths=args.lengths,
+    methods=args.methods,
+    reps=args.reps,
+    out_dir=args.out_dir,
+    causal=True if args.causal else None,
+    **{"sparse.patterns": [] if args.no_sparse else None},
+  )
+  return _config.load(Config, args.config, quick=QUICK if args.quick else None, flags=flags)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    prog="python -m experiments.bench_scaling", description=__doc__.splitlines()[0]
+  )
   parser.add_argument("--config", help="a YAML file under configs/ (flags override it)")
   parser.add_argument("--lengths", type=int, nargs="+")
   parser.add_argument("--methods", nargs="+")
@@ -367,7 +396,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  cfg = load_config(args)
+  try:
+    cfg = load_config(args)
+  except ConfigError as e:
+    sys.exit(f"python -m experiments.bench_scaling: error: {e}")
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   run_dir = pathlib.Path(cfg.out_dir) / f"scaling-{stamp}{'-quick' if args.quick else ''}"
   run_dir.mkdir(parents=True, exist_ok=True)
@@ -375,7 +407,7 @@ def main(argv=None) -> dict:
     cfg,
     on_row=lambda r: print(
       f"T={r['T']:>6} {r['method']:>9}: {fmt(r['ms'], '10.1f')} ms "
-      f"{fmt(r['mem_mb'], '10.1f')} MB {r['skipped'] or ''}",
+      f"{fmt(r['mem_mb'], '10.1f')} MiB {r['skipped'] or ''}",
       flush=True,
     ),
   )
@@ -388,7 +420,7 @@ def main(argv=None) -> dict:
   sparse = sparse_table(cfg)
   print_tables(cfg, rows, fits, cross, sparse)
   record: dict = dict(
-    config=dataclasses.asdict(cfg),
+    config=_config.to_dict(cfg),
     device=str(jax.devices()[0]),
     jax_version=jax.__version__,
     rows=rows,

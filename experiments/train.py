@@ -14,7 +14,8 @@ Writes under ``output_dir/name/``: ``config.yaml`` (the resolved config),
 ``metrics.jsonl`` (one line per rule and step), ``summary.json``,
 ``report.md``, ``loss_curves.png``, ``length_sweep.png`` and
 ``attention_layer<i>.png`` (heat maps of the trained heads on a held-out
-sample). A progress bar shows step, loss and speed.
+sample). A progress bar shows step, loss and speed. Memory is in MiB (2**20
+bytes), in the tables and in the ``*_mb`` fields alike.
 """
 
 from __future__ import annotations
@@ -200,8 +201,8 @@ def run(cfg: config_lib.Config, *, log=print) -> dict:
       on_cell=lambda r: log(
         f"  T={r['seq_len']:>6} {r['rule']:<10} {r['status']}"
         + (
-          f"  {r['median_step_ms']:.0f} ms/step, step memory {r['step_mem_mb']:.0f} MB, "
-          f"peak RSS {r['peak_rss_mb']:.0f} MB"
+          f"  {r['median_step_ms']:.0f} ms/step, step memory {r['step_mem_mb']:.0f} MiB, "
+          f"peak RSS {r['peak_rss_mb']:.0f} MiB"
           if r["status"] == "ok"
           else ""
         )

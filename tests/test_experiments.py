@@ -1,12 +1,12 @@
 """The scripts under experiments/ keep running (smoke tests; nothing about time is asserted)."""
 
 import contextlib
-import importlib.util
+import importlib
 import io
 import json
 import math
 import pathlib
-import sys
+import time
 
 import jax
 import pytest
@@ -15,11 +15,9 @@ EXPERIMENTS = pathlib.Path(__file__).resolve().parent.parent / "experiments"
 
 
 def _load(name):
-  spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[name] = module  # dataclasses look their module up there
-  spec.loader.exec_module(module)
-  return module
+  """``experiments.<name>``, imported as ``python -m experiments.<name>`` runs it: the tests
+  share one module, and the programs it has compiled."""
+  return importlib.import_module(f"experiments.{name}")
 
 
 def test_bench_quick(tmp_path):
@@ -48,6 +46,39 @@ def test_bench_config_file_is_valid():
   assert cfg.lengths == [128, 1024, 4096] and cfg.memory["lengths"][-1] == 65536
 
 
+def test_bench_configs_name_bad_keys_and_values(tmp_path):
+  """The benchmarks' configs go through experiments/_config.py like the training config:
+  unknown keys (in sections too), choices and cross-field rules stop the CLI naming the key;
+  quick settings merge into sections, dotted flags reach into them."""
+  bench, scaling, parallel = (_load(n) for n in ("bench", "bench_scaling", "bench_parallel"))
+  path = tmp_path / "bad.yaml"
+  for text, match in [
+    ("lenghts: [64]\n", r"bench: error: unknown key 'lenghts'; valid keys of the config: batch"),
+    ("memory: {method: [xla]}\n", r"unknown key 'memory.method'; valid keys of memory: lengths"),
+    ("reps: 0\n", r"'reps' must be >= 1, got 0"),
+    ("heads: 3\nkv_heads: 2\n", r"'heads' \(3\) must be a multiple of 'kv_heads' \(2\)"),
+  ]:
+    path.write_text(text)
+    with pytest.raises(SystemExit, match=match):
+      bench.main(["--config", str(path)])
+  with pytest.raises(SystemExit, match=r"'methods' must be one of \['jax.nn', 'xla', 'blockwise'"):
+    bench.main(["--methods", "flash"])
+  cfg = bench.load_config(
+    bench.parse_args(["--quick", "--memory-lengths", "128", "--causal", "false"])
+  )
+  assert cfg.memory.lengths == [128] and cfg.memory.methods == ["jax.nn", "blockwise"]
+  assert cfg.causal == [False] and cfg.heads == bench.QUICK["heads"]
+  assert bench._config.from_dict(bench.Config, bench._config.to_dict(cfg)) == cfg  # the child's
+  with pytest.raises(SystemExit, match=r"bench_scaling: error: 'lengths' must be increasing"):
+    scaling.main(["--lengths", "64", "32"])
+  path.write_text("sparse: {patterns: [dense, diagonal]}\n")
+  with pytest.raises(SystemExit, match=r"'sparse.patterns' must be one of \['dense', 'causal'"):
+    scaling.main(["--config", str(path)])
+  assert scaling.load_config(scaling.parse_args(["--quick", "--no-sparse"])).sparse.patterns == []
+  with pytest.raises(SystemExit, match=r"'length' \(100\) must split into 8 equal parts for P=4"):
+    parallel.main(["--length", "100"])
+
+
 def test_quickstart_runs():
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
@@ -62,6 +93,7 @@ def test_bench_scaling_quick(tmp_path):
   rows = record["rows"]
   assert len(rows) == 2 * 5  # two lengths x five methods, every one timed
   assert all(r["ms"] > 0 and r["mem_mb"] > 0 and r["skipped"] is None for r in rows)
+  assert all(r["calls"] >= 1 for r in rows)  # the quick run's reps=1
   # XLA's allocations are exact: materialised scores grow as T^2, linear attention as T.
   fits = record["fits"]
   assert 1.8 < fits["jax.nn"]["mem_slope"] < 2.1 and 1.8 < fits["xla"]["mem_slope"] < 2.1
@@ -94,6 +126,20 @@ def test_bench_scaling_slopes_and_crossover():
   # log ratios +log 2 at 2048 and -log 4 at 4096: a third of the way, 2048 * 2^(1/3)
   assert cross["length"] == round(2048 * 2 ** (1 / 3)) and "T=2048 and T=4096" in cross["note"]
   assert bench.crossover(rows[:2])["length"] is None
+
+
+def test_bench_scaling_times_blocks_and_slow_calls_once():
+  """ms is a block median from _timing.block_ms: at least reps calls after the warm-up and
+  untimed calls, or the one timed call after the warm-up when a call is slower than
+  once_seconds."""
+  bench = _load("bench_scaling")
+  calls = []
+  fn = lambda: calls.append(time.sleep(0.01))
+  ms, timed = bench.call_ms(fn, (), bench.Config(reps=4, min_seconds=0.0))
+  assert timed == 4 and len(calls) == 1 + 1 + 1 + 4 and ms >= 10
+  calls.clear()
+  ms, timed = bench.call_ms(fn, (), bench.Config(once_seconds=0.001))
+  assert timed == 1 and len(calls) == 2 and ms >= 10
 
 
 def test_bench_scaling_config_file_is_valid():

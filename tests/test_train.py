@@ -1,13 +1,17 @@
 """The toy training experiment: configs, model, training step, the three-rule run and its files."""
 
+import contextlib
 import json
+import os
 import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from experiments import train as train_cli
 from experiments.toy import config, model, report, sweep, tasks, training
@@ -197,10 +201,11 @@ def test_every_rule_starts_from_the_same_parameters():
 def test_model_is_causal_and_its_weights_are_probabilities(positions):
   cfg = tiny(model=dict(positions=positions, num_layers=2))
   m = model.build(cfg.model, 6, "autodiff", seed=0)
+  forward = nnx.jit(lambda m, tokens: m(tokens))  # one program, not one per operation
   tokens = jnp.array([[0, 1, 2, 3, 4, 5, 0, 1]])
-  logits = m(tokens)
+  logits = forward(m, tokens)
   assert logits.shape == (1, 8, 6)
-  changed = m(tokens.at[0, 5].set(0))  # a later token cannot change earlier predictions
+  changed = forward(m, tokens.at[0, 5].set(0))  # a later token cannot change earlier predictions
   np.testing.assert_allclose(changed[0, :5], logits[0, :5], atol=1e-6)
   assert not np.allclose(changed[0, 5:], logits[0, 5:])
   weights = model.attention_weights(m, tokens)
@@ -217,7 +222,7 @@ def test_loss_and_metrics_on_a_literal_example():
   logits = jnp.full((2, 3, 3), -10.0)
   # row 0 predicts 1, 2, 0 (all right); row 1 predicts 0, 1, 1 (last answer wrong)
   logits = logits.at[0, [0, 1, 2], [1, 2, 0]].set(10.0).at[1, [0, 1, 2], [0, 1, 1]].set(10.0)
-  loss, metrics = training.loss_and_metrics(logits, tasks.Batch(tokens, answer))
+  loss, metrics = jax.jit(training.loss_and_metrics)(logits, tasks.Batch(tokens, answer))
   assert float(metrics["exact_match"]) == 0.5
   assert float(metrics["token_accuracy"]) == 0.75
   # three confident right answers (≈0 loss) and one wrong by a margin of 20 (≈20)
@@ -229,36 +234,71 @@ def test_loss_and_metrics_on_a_literal_example():
 def test_schedule_warms_up_then_decays_to_the_final_fraction():
   cfg = config.OptimizerConfig(learning_rate=0.5, warmup_steps=4, final_lr_fraction=0.2)
   tx = training.make_optimizer(cfg, steps=20)
+  update = jax.jit(tx.update)  # one program, not one per operation
   params = {"w": jnp.ones((2, 2)), "scale": jnp.ones((2,))}
   state = tx.init(params)
   grads = {"w": jnp.full((2, 2), 1e-3), "scale": jnp.full((2,), 1e-3)}
   sizes = []
   for _ in range(20):
-    updates, state = tx.update(grads, state, params)
+    updates, state = update(grads, state, params)
     sizes.append(float(jnp.abs(updates["scale"][0])))  # no weight decay on vectors
   assert sizes[0] == 0.0  # warmup starts at 0
   assert sizes[4] == pytest.approx(0.5, rel=1e-2)  # Adam's first step moves ≈ lr
   assert sizes[-1] < sizes[10] < sizes[4]  # cosine decay
   # big gradients are clipped to norm 1 before Adam (which is scale-free anyway)
-  assert jnp.isfinite(
-    tx.update({k: v * 1e9 for k, v in grads.items()}, state, params)[0]["w"]
-  ).all()
+  assert jnp.isfinite(update({k: v * 1e9 for k, v in grads.items()}, state, params)[0]["w"]).all()
 
 
 # ------------------------------------------------------------------ the experiment
 
 
+@contextlib.contextmanager
+def compilation_cache(path: pathlib.Path):
+  """JAX's persistent compilation cache in ``path`` for this process and the processes it
+  starts, every program written to it; the settings before are restored after."""
+  settings = {
+    "jax_compilation_cache_dir": str(path),
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+  }
+  saved = {name: getattr(jax.config, name) for name in settings}
+  saved_env = {name.upper(): os.environ.get(name.upper()) for name in settings}
+  try:
+    for name, value in settings.items():
+      jax.config.update(name, value)
+      os.environ[name.upper()] = str(value)
+    jax_cache.reset_cache()  # re-read the settings at the next compile
+    yield
+  finally:
+    for name, value in saved.items():
+      jax.config.update(name, value)
+    for name, value in saved_env.items():
+      if value is None:
+        os.environ.pop(name, None)
+      else:
+        os.environ[name] = value
+    jax_cache.reset_cache()
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
   """One tiny three-rule run through the CLI, with a one-length sweep (shared by the tests
-  below: compiling three rules, and a process per sweep cell, are the expensive parts)."""
+  below: compiling three rules, and a process per sweep cell, are the expensive parts).
+
+  The sweep's cells step the run's own shapes (its batch size, and T = the task's length
+  less one, as the model sees it), and the run keeps a compilation cache: each cell's
+  process loads the train step its rule compiled in the run instead of compiling it
+  again, and still builds, steps and measures its model on its own."""
   out = tmp_path_factory.mktemp("runs")
   path = out / "tiny.yaml"
-  cfg = tiny(output_dir=str(out), comparison=dict(sweep=dict(seq_lens=[16], steps=1)))
-  import yaml
-
+  T = tiny().task.make().seq_len - 1
+  sweep_cfg = dict(seq_lens=[T], batch_size=TINY["training"]["batch_size"], steps=1)
+  cfg = tiny(output_dir=str(out), comparison=dict(sweep=sweep_cfg))
   path.write_text(yaml.safe_dump(config.to_dict(cfg)))
-  summary = train_cli.main(["--config", str(path), "--set", "name=tiny", "training.progress=true"])
+  with compilation_cache(out / "xla-cache"):
+    summary = train_cli.main(
+      ["--config", str(path), "--set", "name=tiny", "training.progress=true"]
+    )
   return out / "tiny", summary
 
 
@@ -320,7 +360,8 @@ def test_tiny_run_writes_every_file(tiny_run):
 def test_tiny_run_sweep_measured_every_cell(tiny_run):
   _, summary = tiny_run
   cells = {(r["rule"], r["seq_len"]): r for r in summary["sweep"]}
-  assert set(cells) == {(rule, 16) for rule in model.RULES}
+  T = summary["task"]["seq_len"] - 1
+  assert set(cells) == {(rule, T) for rule in model.RULES}
   for r in cells.values():
     assert r["status"] == "ok", r
     assert r["median_step_ms"] > 0 and r["peak_rss_mb"] > 0 and r["step_mem_mb"] > 0

@@ -91,11 +91,13 @@ def build(cfg: ModelConfig, vocab_size: int, rule: str, seed: int) -> Transforme
   return Transformer(cfg, vocab_size, rule, rngs=nnx.Rngs(params=seed))
 
 
+@nnx.jit
 def attention_weights(model: Transformer, tokens: jax.Array) -> list[jax.Array]:
   """Each layer's attention probabilities (B, N, T, T) on ``tokens``, in layer order.
 
   ``model`` must use a materialising rule (``autodiff`` or ``custom_vjp``);
-  load other rules' parameters into such a model with ``nnx.update``.
+  load other rules' parameters into such a model with ``nnx.update``. Compiled as one
+  program (run op by op, each operation would compile on its own).
   """
   captured: Any = nnx.capture(model, nnx.Intermediate)  # (out, state) on call
   _, sown = captured(tokens, sow_weights=True)

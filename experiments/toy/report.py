@@ -15,7 +15,7 @@ from experiments._timing import fmt
 def rules_table(rules: dict) -> str:
   lines = [
     "| rule | final exact match | final loss | max \\|Δloss\\| vs autodiff "
-    "| grad rel. diff (step 0) | median step ms | step memory MB |",
+    "| grad rel. diff (step 0) | median step ms | step memory MiB |",
     "|---|---|---|---|---|---|---|",
   ]
   for name, r in rules.items():
@@ -29,7 +29,7 @@ def rules_table(rules: dict) -> str:
 
 
 def sweep_table(rows: Sequence[dict], rules: Sequence[str]) -> str:
-  """One row per length, one column per rule: 'ms / MB (peak RSS MB)' or the failure."""
+  """One row per length, one column per rule: 'ms / MiB (peak RSS MiB)' or the failure."""
   lengths = sorted({r["seq_len"] for r in rows})
   lines = ["| T | " + " | ".join(rules) + " |", "|---|" + "---|" * len(rules)]
   for T in lengths:
@@ -42,8 +42,8 @@ def sweep_table(rows: Sequence[dict], rules: Sequence[str]) -> str:
         cells.append(row["status"])
       else:
         cells.append(
-          f"{row['median_step_ms']:.0f} ms, {fmt(row['step_mem_mb'], '.0f')} MB "
-          f"(RSS {row['peak_rss_mb']:.0f} MB)"
+          f"{row['median_step_ms']:.0f} ms, {fmt(row['step_mem_mb'], '.0f')} MiB "
+          f"(RSS {row['peak_rss_mb']:.0f} MiB)"
         )
     lines.append(f"| {T} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
@@ -77,7 +77,7 @@ def markdown(summary: dict) -> str:
       "## Sequence-length sweep",
       "",
       f"Median of {s['steps']} train steps at batch {s['batch_size']} on random tokens, "
-      f"each cell in a fresh process capped at {s['memory_limit_mb']} MB of address "
+      f"each cell in a fresh process capped at {s['memory_limit_mb']} MiB of address "
       f"space and {s['timeout_s']:g} s.",
       "",
       sweep_table(summary["sweep"], list(summary["rules"])),
@@ -159,7 +159,7 @@ def length_sweep(rows: Sequence[dict], rules: Sequence[str], path) -> None:
     xscale="log",
     yscale="log",
     xlabel="sequence length T",
-    ylabel="XLA step memory (MB)",
+    ylabel="XLA step memory (MiB)",
     title="step memory",
   )
   for ax in (time_ax, mem_ax):

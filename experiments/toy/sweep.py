@@ -13,7 +13,7 @@ loss on every position: it measures cost, not learning. It reports the median
 step time, XLA's buffer assignment for the step (arguments + outputs +
 temporaries) and the process's peak resident memory (VmHWM).
 
-    python -m experiments.toy.sweep RUN_DIR/config.yaml RULE T LIMIT_MB   # one cell, prints JSON
+    python -m experiments.toy.sweep RUN_DIR/config.yaml RULE T LIMIT_MIB   # one cell, prints JSON
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def sweep(config_path: str | pathlib.Path, cfg, *, on_cell=lambda row: None) -> 
           else:
             reason = _failure(proc.stderr)
             if reason == "out of memory":
-              reason += f" (cap {s.memory_limit_mb} MB)"
+              reason += f" (cap {s.memory_limit_mb} MiB)"
             row = {**base, "status": reason}
         if row["status"] != "ok":
           failed[rule] = seq_len
