@@ -131,7 +131,7 @@ def bench_memory(docs: pathlib.Path) -> str:
       rows.append(
         cells + [f"{m['seconds']:.1f}", f"{m['peak_mb_before']:.0f}", f"{m['peak_mb']:.0f}"]
       )
-  return head + _table(["T", "causal", "method", "seconds", "MB before", "peak MB"], rows)
+  return head + _table(["T", "causal", "method", "seconds", "MiB before", "peak MiB"], rows)
 
 
 def _scaling_record(docs: pathlib.Path):
@@ -229,11 +229,11 @@ def parallel(docs: pathlib.Path) -> str:
     f"sharing {r['cpu_count']} cores, jax {r['jax_version']}; B={c['batch']}, "
     f"N=K={c['heads']}, H={c['head_dim']}, T={c['length']:,}, float32, "
     f"{'causal ' if c['causal'] else ''}training step (value_and_grad in q, k, v), tiles "
-    f"{r['blocks'][0]} × {r['blocks'][1]}. jax.nn on one device: {mb(ref['mb'])} MB, "
+    f"{r['blocks'][0]} × {r['blocks'][1]}. jax.nn on one device: {mb(ref['mb'])} MiB, "
     f"{ref['ms']:,.1f} ms.\n",
     "Memory per device and step time against the number of devices P (contiguous layout):\n",
     _table(
-      ["P", "MB per device", "× P / MB at P=1", "step ms", "× jax.nn ms"],
+      ["P", "MiB per device", "× P / MiB at P=1", "step ms", "× jax.nn ms"],
       [
         [
           str(row["P"]),
@@ -270,7 +270,7 @@ def parallel(docs: pathlib.Path) -> str:
     out += [
       f"Memory per device at T={c['memory_length']:,} from compilation alone (nothing runs):\n",
       _table(
-        ["method", "P", "MB per device", "× MB at P/2"],
+        ["method", "P", "MiB per device", "× MiB at P/2"],
         [
           [m["method"], str(m["P"]), mb(m["mb"]), fmt(m.get("vs_half_P"), ".3f")]
           for m in r["memory"]
@@ -298,7 +298,7 @@ def gpu(docs: pathlib.Path) -> str:
       "planned temporary memory:\n",
       _table(
         ["dtype", "T", "causal", "method", "fwd ms", "fwd+bwd ms", "fwd+bwd speedup"]
-        + ["fwd+bwd scratch MB"],
+        + ["fwd+bwd scratch MiB"],
         [
           [
             row["dtype"],
@@ -354,7 +354,7 @@ def demo(docs: pathlib.Path) -> str:
       f"{tr['eval_samples']} held-out sequences, platform {s['platform']}.\n",
       report.rules_table(s["rules"]) + "\n",
       f"The length sweep: batch {sw['batch_size']}, median of {sw['steps']} train steps, "
-      f"each cell a fresh process capped at {sw['memory_limit_mb']:,} MB of address space; "
+      f"each cell a fresh process capped at {sw['memory_limit_mb']:,} MiB of address space; "
       "a cell reads step time, XLA's buffer assignment for the step, and the process's "
       "peak resident memory (RSS).\n",
       report.sweep_table(s["sweep"], list(s["rules"])) + "\n",
