@@ -11,13 +11,22 @@ import os
 # most of it in LLVM's optimisation passes. Turning those down (the HLO passes, which fuse
 # and schedule the program and decide its buffers, still run) cut test_blockwise.py from
 # 175 s to 127 s and four numerics-heavy files by a third, every test still passing.
+# XLA:CPU's newer MLIR fusion emitters take twice as long to compile as the classic LLVM IR
+# emitters (the same HLO fusions, code generated another way), and splitting each program's
+# LLVM module for parallel compilation only adds work on a small machine: without either,
+# a blockwise forward and backward compiles in half the time.
 # Set JATTN_TEST_OPTIMIZE=1 to test the code as users compile it.
 _TEST_FLAGS = {
   "xla_force_host_platform_device_count": "8",
   **(
     {}
     if os.environ.get("JATTN_TEST_OPTIMIZE") == "1"
-    else {"xla_backend_optimization_level": "0", "xla_llvm_disable_expensive_passes": "true"}
+    else {
+      "xla_backend_optimization_level": "0",
+      "xla_llvm_disable_expensive_passes": "true",
+      "xla_cpu_use_fusion_emitters": "false",
+      "xla_cpu_parallel_codegen_split_count": "1",
+    }
   ),
 }
 for _name, _value in _TEST_FLAGS.items():

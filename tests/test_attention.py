@@ -28,40 +28,24 @@ def _bool_mask(shape, seed=1):
   return jnp.asarray(m)
 
 
-# name -> (B, T, S, N, K, H, extra kwargs builder, bias shape or None)
+# name -> (B, T, S, N, K, H, extra kwargs builder, bias shape or None). Every argument of
+# jax.nn's, and every form of each (head grouping, T == S or not, bias and mask shapes,
+# which lengths, window forms), is in some case, several together as in a real call.
 CASES = {
   "mha": (2, 6, 6, 4, 4, 8, lambda B, T, S: {}, None),
-  "gqa": (2, 6, 6, 4, 2, 8, lambda B, T, S: {}, None),
-  "mqa": (1, 5, 7, 4, 1, 8, lambda B, T, S: {}, None),
-  "cross_lengths": (2, 5, 7, 2, 2, 4, lambda B, T, S: {}, None),
-  "bias_full": (2, 5, 6, 4, 2, 4, lambda B, T, S: {}, "BNTS"),
-  "bias_broadcast": (2, 5, 6, 4, 2, 4, lambda B, T, S: {}, "1N1S"),
-  "bias_2d": (2, 5, 6, 2, 2, 4, lambda B, T, S: {}, "TS"),
-  "mask": (2, 5, 6, 4, 2, 4, lambda B, T, S: {"mask": _bool_mask((B, 1, T, S))}, None),
-  "mask_per_head": (1, 5, 6, 4, 2, 4, lambda B, T, S: {"mask": _bool_mask((1, 4, T, S))}, None),
-  "causal": (2, 6, 6, 4, 2, 8, lambda B, T, S: {"is_causal": True}, None),
-  "causal_cross": (1, 5, 8, 2, 1, 4, lambda B, T, S: {"is_causal": True}, None),
-  "q_lengths": (
+  "gqa_bias_mask": (2, 5, 6, 4, 2, 4, lambda B, T, S: {"mask": _bool_mask((B, 1, T, S))}, "BNTS"),
+  "mqa_causal_cross": (1, 5, 8, 4, 1, 4, lambda B, T, S: {"is_causal": True}, "1N1S"),
+  "q_lengths_window": (
     2,
     6,
     6,
     2,
     2,
     4,
-    lambda B, T, S: {"query_seq_lengths": jnp.array([3, 6], jnp.int32)},
-    None,
+    lambda B, T, S: {"query_seq_lengths": jnp.array([3, 6], jnp.int32), "local_window_size": 2},
+    "TS",
   ),
-  "kv_lengths": (
-    2,
-    6,
-    7,
-    2,
-    2,
-    4,
-    lambda B, T, S: {"key_value_seq_lengths": jnp.array([2, 7], jnp.int32)},
-    None,
-  ),
-  "both_lengths": (
+  "kv_lengths_window": (
     2,
     6,
     7,
@@ -69,14 +53,27 @@ CASES = {
     2,
     4,
     lambda B, T, S: {
-      "query_seq_lengths": jnp.array([4, 6], jnp.int32),
-      "key_value_seq_lengths": jnp.array([3, 5], jnp.int32),
+      "key_value_seq_lengths": jnp.array([5, 7], jnp.int32),
+      "local_window_size": (3, 0),
     },
     None,
   ),
-  "window_int": (1, 8, 8, 2, 2, 4, lambda B, T, S: {"local_window_size": 2}, None),
-  "window_tuple": (1, 8, 8, 2, 2, 4, lambda B, T, S: {"local_window_size": (3, 0)}, None),
-  "scale": (1, 4, 5, 2, 2, 4, lambda B, T, S: {"scale": 0.3}, None),
+  "both_lengths_causal_head_mask_scale": (
+    2,
+    6,
+    7,
+    4,
+    2,
+    8,
+    lambda B, T, S: {
+      "query_seq_lengths": jnp.array([4, 6], jnp.int32),
+      "key_value_seq_lengths": jnp.array([3, 5], jnp.int32),
+      "is_causal": True,
+      "mask": _bool_mask((1, 4, T, S)),
+      "scale": 0.3,
+    },
+    None,
+  ),
   "everything": (
     2,
     6,
@@ -124,15 +121,12 @@ def _loss_and_grads(fn, q, k, v, bias, kwargs):
   return run(q, k, v, bias)
 
 
-# Every case in float32; bfloat16 for a representative few (each case compiles four
-# programs, so all of them in both dtypes cost a minute of CI for little more coverage).
+# Every case in float32; bfloat16 for those with GQA or MQA, a bias or a mask (each case
+# compiles four programs, so all of them in both dtypes cost CI time for little coverage).
 BF16_CASES = (
-  "gqa",
-  "mqa",
-  "bias_full",
-  "mask_per_head",
-  "causal_cross",
-  "both_lengths",
+  "gqa_bias_mask",
+  "mqa_causal_cross",
+  "both_lengths_causal_head_mask_scale",
   "everything",
 )
 
@@ -163,28 +157,41 @@ def test_matches_jax_nn(case, dtype):
       assert_close(a, b, dtype, factor=2, err_msg=f"{backward}: {name}")
 
 
+def _unbatched_case(attention, rule, vmapped):
+  """(out, lse) and the gradients of sum(out²) for TNH inputs, alone or vmapped over a batch
+  of 3, in one program."""
+  q, k, v = _inputs(3, 5, 6, 4, 2, 8, jnp.float32)
+  bias = normal((4, 5, 6), jnp.float32, 5)
+  f = functools.partial(
+    attention, bias=bias, mask=_bool_mask((5, 6)), is_causal=True, return_residual=True, **rule
+  )
+  f = jax.vmap(f) if vmapped else f
+
+  def loss(q, k, v):
+    out, lse = f(q, k, v)
+    return jnp.sum(out.astype(jnp.float32) ** 2), (out, lse)
+
+  args = (q, k, v) if vmapped else (q[0], k[0], v[0])
+  (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(*args)
+  return args, out, lse, grads
+
+
+@functools.cache
+def _unbatched_jax_nn(vmapped):
+  return _unbatched_case(jax.nn.dot_product_attention, {}, vmapped)
+
+
 @pytest.mark.parametrize("rule", list(RULES))
-@pytest.mark.parametrize("dtype", [jnp.float32], ids=["f32"])  # bf16: test_matches_jax_nn
-def test_unbatched_layout_and_vmap(dtype, rule):
+@pytest.mark.parametrize("vmapped", [False, True], ids=["unbatched", "vmapped"])
+def test_unbatched_layout_and_vmap(vmapped, rule):  # bf16: test_matches_jax_nn
   """TNH inputs, alone and vmapped over a batch, as jax.nn handles them."""
-  q, k, v = _inputs(3, 5, 6, 4, 2, 8, dtype)
-  bias = normal((4, 5, 6), dtype, 5)
-  kw = dict(mask=_bool_mask((5, 6)), is_causal=True)
-  ours = functools.partial(jattn.dot_product_attention, return_residual=True, **RULES[rule], **kw)
-  theirs = functools.partial(jax.nn.dot_product_attention, return_residual=True, **kw)
-  for transform in (lambda f: f, jax.vmap):
-    args = (q[0], k[0], v[0]) if transform is not jax.vmap else (q, k, v)
-    f_ours = jax.jit(transform(lambda q, k, v: ours(q, k, v, bias)))
-    f_theirs = jax.jit(transform(lambda q, k, v: theirs(q, k, v, bias)))
-    (out, lse), (ref, ref_lse) = f_ours(*args), f_theirs(*args)
-    assert out.shape == args[0].shape and lse.shape == args[0].shape[:-1]
-    assert_close(out, ref, dtype)
-    assert_close(lse, ref_lse, dtype, factor=2)
-    grad = lambda f: jax.jit(
-      jax.grad(lambda *a: jnp.sum(f(*a)[0].astype(jnp.float32) ** 2), (0, 1, 2))
-    )(*args)
-    for a, b in zip(grad(f_ours), grad(f_theirs)):
-      assert_close(a, b, dtype, factor=2)
+  args, out, lse, grads = _unbatched_case(jattn.dot_product_attention, RULES[rule], vmapped)
+  _, ref, ref_lse, ref_grads = _unbatched_jax_nn(vmapped)
+  assert out.shape == args[0].shape and lse.shape == args[0].shape[:-1]
+  assert_close(out, ref)
+  assert_close(lse, ref_lse, factor=2)
+  for a, b in zip(grads, ref_grads):
+    assert_close(a, b, factor=2)
 
 
 @pytest.mark.parametrize("rule", list(RULES))
@@ -197,13 +204,12 @@ def test_vmap_matches_loop(rule):
       q, k, v, segment_ids=(ids[:4], ids), is_causal=True, **RULES[rule]
     )
 
-  got = jax.vmap(one)(q, k, v, ids)
-  want = jnp.stack([one(q[i], k[i], v[i], ids[i]) for i in range(3)])
+  grad = jax.grad(lambda *a: one(*a).sum(), (0, 1, 2))
+  got = jax.jit(jax.vmap(one))(q, k, v, ids)
+  want = jnp.stack([jax.jit(one)(q[i], k[i], v[i], ids[i]) for i in range(3)])
   assert_close(got, want)
-  g = jax.vmap(jax.grad(lambda *a: one(*a).sum(), (0, 1, 2)))(q, k, v, ids)
-  g_loop = [
-    jax.grad(lambda *a: one(*a).sum(), (0, 1, 2))(q[i], k[i], v[i], ids[i]) for i in range(3)
-  ]
+  g = jax.jit(jax.vmap(grad))(q, k, v, ids)
+  g_loop = [jax.jit(grad)(q[i], k[i], v[i], ids[i]) for i in range(3)]
   for a, b in zip(g, zip(*g_loop)):
     assert_close(a, jnp.stack(b))
 
@@ -367,11 +373,15 @@ def test_attention_weights_empty_rows_unbatched_and_gradient():
   assert w.shape == (2, 4, 4)
   np.testing.assert_array_equal(w[:, :2], 0.0)  # rows 0 and 1 see nothing
   assert_close(w, _weights_np(q, k, allowed=np.tril(np.ones((4, 4), bool), -2))[0])
-  g = jax.grad(lambda q: jnp.sum(jattn.attention_weights(q, k, is_causal=True)[..., 0] ** 2))(q)
+  g = jax.jit(
+    jax.grad(lambda q: jnp.sum(jattn.attention_weights(q, k, is_causal=True)[..., 0] ** 2))
+  )(q)
   causal = jnp.where(np.tril(np.ones((1, 1, 4, 4), bool)), 0.0, -1e30)
-  g_ref = jax.grad(
-    lambda q: jnp.sum(
-      jax.nn.softmax(jnp.einsum("BTNH,BSNH->BNTS", q, k) / 2.0 + causal)[..., 0] ** 2
+  g_ref = jax.jit(  # one program, not one per operation
+    jax.grad(
+      lambda q: jnp.sum(
+        jax.nn.softmax(jnp.einsum("BTNH,BSNH->BNTS", q, k) / 2.0 + causal)[..., 0] ** 2
+      )
     )
   )(q)
   assert_close(g, g_ref, factor=5)

@@ -11,7 +11,7 @@ import pytest
 from jax.test_util import check_grads
 from reference import (
   assert_close,
-  attention_np,
+  attention_jnp,
   block_sparse_np,
   dilated_window_np,
   global_np,
@@ -21,7 +21,7 @@ from reference import (
 from test_xla import SCORE_FNS  # the same score functions, for the same N
 
 import jattn
-from jattn import masks, scores
+from jattn import dropout, masks, scores
 from jattn.impl import _tiling, blockwise
 
 # T and S are not multiples of the tiles, so every test also runs padded edge tiles.
@@ -103,99 +103,120 @@ def _assert_same(got, want, dtype, factor=5):
     assert_close(a, b, dtype, factor=factor, err_msg=name)
 
 
-@pytest.mark.parametrize("kind", list(MASKS))
-def test_matches_xla_for_every_mask(kind):
-  args = _inputs(jnp.float32)
-  got = _value_and_grads(_attn("blockwise", MASKS[kind]), args)
-  want = _value_and_grads(_attn("xla", MASKS[kind]), args)
-  _assert_same(got, want, np.float32)
-
-
-@pytest.mark.parametrize("kind", ["none", "causal_empty_rows", "segments", "combined"])
-def test_against_float64_numpy(kind):  # every kind: test_properties, with random tiles
-  q, k, v, bias = _inputs(jnp.float32)
-  mask = MASKS[kind]
-  allowed = None if mask is None else np.asarray(mask.materialize(T, S, batch_size=B, num_heads=N))
-  out, lse = jattn.dot_product_attention(
-    q, k, v, bias, mask=mask, return_residual=True, implementation="blockwise", **BLOCKS
-  )
-  out_np, lse_np = attention_np(q, k, v, bias=bias, allowed=allowed)
-  assert_close(out, out_np)
-  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_np))
-  assert_close(_finite(lse), np.where(np.isfinite(lse_np), lse_np, 0.0))
-
-
-@pytest.mark.parametrize(
-  "kind, dense",
-  [
-    ("longformer", dilated_window_np(T, S, 2, 2, 2) | global_np(T, S, 1)),
-    (
-      "bigbird",
-      block_sparse_np(masks.bigbird_layout(4, 5, num_random_blocks=1, seed=0), 2, 2, T, S),
-    ),
-  ],
-)
-def test_sparse_patterns_equal_their_dense_formula(kind, dense):
-  q, k, v, bias = _inputs(jnp.float32)
-  out = jattn.dot_product_attention(
-    q, k, v, bias, mask=MASKS[kind], implementation="blockwise", **BLOCKS
-  )
-  assert_close(out, attention_np(q, k, v, bias=bias, allowed=dense)[0])
-
-
-# Finite differences for the masks that exercise distinct paths (empty rows, traced ids,
-# per-batch arrays, functions, combinations, block layouts); test_matches_xla_for_every_mask
-# checks every mask's gradients against the materialised custom_vjp, itself check_grads-tested.
-@pytest.mark.parametrize(
-  "kind",
-  [
-    "none",
-    "causal_empty_rows",
-    "segments",
-    "lengths_empty_rows",
-    "from_array",
-    "from_fn",
-    "combined",
-    "bigbird",
-  ],
-)
-def test_check_grads_float64(kind, x64):
-  check_grads(_attn("blockwise", MASKS[kind]), _inputs(jnp.float64), order=1, modes=["rev"])
-
-
+# Every mask kind once, each with a bias shape, a score function, a head grouping, tiles, a
+# dtype and dropout, spread so that every value of each of those appears two or more times
+# (each was a test of its own, with one mask): each case compiles one blockwise forward and
+# backward, checked against the float64 formula's values and autodiff gradients.
 BIAS_SHAPES = [(B, N, T, S), (N, T, S), (1, 1, 1, S), (B, 1, T, 1), (T, S), (1, N, 1, 1)]
+BNTS, NTS, S1, BT1, TS, N11 = BIAS_SHAPES
+F32, F64 = np.float32, np.float64
+# kind: (bias shape, score function, K, (block_q, block_kv), dtype, dropout)
+SWEEP = {
+  "none": (BNTS, None, 2, (3, 4), F64, False),
+  "causal": (None, "alibi", 4, (1, 1), F32, False),
+  "causal_empty_rows": (NTS, "relative", 2, (3, 4), F64, True),
+  "causal_bottom_right": (S1, "soft_cap", 1, (7, 2), F32, False),
+  "window": (BT1, "custom", 2, (64, 64), F64, False),
+  "chunked": (TS, None, 4, (3, 4), F32, True),
+  "prefix_lm": (N11, "alibi", 1, (3, 4), F64, False),
+  "segments": (None, "relative", 2, (7, 2), F32, False),
+  "lengths_empty_rows": (BNTS, "soft_cap", 4, (3, 4), F64, True),
+  "global": (NTS, "custom", 1, (1, 1), F32, False),
+  "strided": (S1, None, 2, (64, 64), F32, False),
+  "from_array": (BT1, "alibi", 2, (3, 4), F64, False),
+  "from_fn": (TS, "relative", 4, (3, 4), F32, True),
+  "combined": (N11, "soft_cap", 2, (3, 4), F64, False),
+  "longformer": (None, "custom", 2, (3, 4), F32, False),
+  "bigbird": (BNTS, None, 1, (3, 4), F64, False),
+}
+# The sparse patterns' reference masks come from their dense formulas, not materialize.
+DENSE = {
+  "longformer": dilated_window_np(T, S, 2, 2, 2) | global_np(T, S, 1),
+  "bigbird": block_sparse_np(masks.bigbird_layout(4, 5, num_random_blocks=1, seed=0), 2, 2, T, S),
+}
+RATE, DROPOUT_RNG = 0.3, jax.random.key(5)
 
 
-@pytest.mark.parametrize("shape", BIAS_SHAPES, ids=str)
-def test_bias_shapes_read_and_differentiated_tile_by_tile(shape):
-  args = _inputs(jnp.float32, shape)
-  mask = masks.causal(2)
-  _assert_same(
-    _value_and_grads(_attn("blockwise", mask), args),
-    _value_and_grads(_attn("xla", mask), args),
-    np.float32,
-  )
+@functools.cache
+def _keep():
+  """The dropout keep mask of (DROPOUT_RNG, RATE) on the (B, N, T, S) grid."""
+  grid = masks.index_grid(B, N, T, S)
+  return np.asarray(jax.jit(dropout.keep_mask, static_argnums=1)(DROPOUT_RNG, RATE, *grid))
 
 
-@pytest.mark.parametrize("name", list(SCORE_FNS))
-def test_score_fns(name):
-  args = _inputs(jnp.float32)
-  kw = dict(mask=masks.causal(1), score_fn=SCORE_FNS[name])
-  _assert_same(
-    _value_and_grads(_attn("blockwise", **kw), args),
-    _value_and_grads(_attn("xla", **kw), args),
-    np.float32,
-  )
+def _score(name, dtype):
+  fn = SCORE_FNS.get(name)
+  if isinstance(fn, jattn.ScoreFn):  # parameters in the case's dtype
+    fn = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), fn)
+  return fn
 
 
-@pytest.mark.parametrize("name", list(SCORE_FNS))
-def test_check_grads_float64_score_fns(name, x64):
-  fn = SCORE_FNS[name]
-  if isinstance(fn, jattn.ScoreFn):  # float64 parameters
-    fn = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), fn)
-  check_grads(
-    _attn("blockwise", masks.causal(), score_fn=fn), _inputs(jnp.float64), order=1, modes=["rev"]
-  )
+def test_sweep_covers_every_mask_and_setting():
+  assert set(SWEEP) == set(MASKS)
+  for axis, values in enumerate(
+    [BIAS_SHAPES + [None], [*SCORE_FNS, None], [4, 2, 1], [(3, 4), (1, 1), (7, 2), (64, 64)]]
+  ):
+    for value in values:
+      assert sum(case[axis] == value for case in SWEEP.values()) >= 2, (axis, value)
+
+
+@pytest.mark.parametrize("kind", list(SWEEP))
+def test_every_mask_against_float64_formula(kind):
+  bias_shape, score, kh, blocks, dtype, drop = SWEEP[kind]
+  mask = MASKS[kind]
+  rng = np.random.default_rng(list(SWEEP).index(kind))
+  arrays = [rng.standard_normal(s) for s in [(B, T, N, H), (B, S, kh, H), (B, S, kh, H)]]
+  bias = None if bias_shape is None else rng.standard_normal(bias_shape)
+  cots = [rng.standard_normal((B, T, N, H)), rng.standard_normal((B, T, N))]
+  if kind in DENSE:
+    allowed = DENSE[kind]
+  elif mask is not None:  # one compiled program, not one per operation
+    allowed = np.asarray(jax.jit(lambda m: m.materialize(T, S, batch_size=B, num_heads=N))(mask))
+  else:
+    allowed = np.ones((T, S), bool)
+
+  def run(f, args, cots):  # f's outputs and the gradients of a projection of them
+    loss = lambda *a: sum(jnp.sum(o * c) for o, c in zip(f(*a), cots))
+    return jax.jit(lambda *a: (f(*a), jax.grad(loss, tuple(range(len(a))))(*a)))(*args)
+
+  with jax.enable_x64(dtype == F64):
+    args = [jnp.asarray(x, dtype) for x in arrays + ([] if bias is None else [bias])]
+    keep = _keep() if drop else None
+    kw = dict(dropout_rate=RATE, dropout_rng=DROPOUT_RNG) if drop else {}
+
+    def ours(q, k, v, b=None):
+      out, lse = jattn.dot_product_attention(
+        q, k, v, b, mask=mask, score_fn=_score(score, dtype), return_residual=True,
+        implementation="blockwise", block_q=blocks[0], block_kv=blocks[1], **kw,
+      )  # fmt: skip
+      return out, _finite(lse)
+
+    (out, lse), grads = run(ours, args, [jnp.asarray(c, dtype) for c in cots])
+  with jax.enable_x64(True):
+
+    def formula(q, k, v, b=None):
+      b = None if b is None else b.reshape((1,) * (4 - b.ndim) + b.shape)
+      out, lse = attention_jnp(
+        q, k, v, b, allowed=allowed, score=_score(score, F64), keep=keep, rate=RATE
+      )
+      return out, _finite(lse)
+
+    args64 = [jnp.asarray(np.asarray(x), F64) for x in args]
+    (want, want_lse), want_grads = run(formula, args64, [jnp.asarray(c) for c in cots])
+  assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+  np.testing.assert_array_equal(np.asarray(lse) == 0, np.asarray(want_lse) == 0)  # empty rows
+  assert_close(out, want, dtype, factor=5, err_msg="out")
+  assert_close(lse, want_lse, dtype, factor=5, err_msg="lse")
+  for name, a, b in zip(["dq", "dk", "dv", "dbias"], grads, want_grads):
+    assert_close(a, b, dtype, factor=5, err_msg=name)
+
+
+# Finite differences (the formula above checks every mask's gradients) on empty rows, a
+# combined mask, a learned score function, a bias and partial tiles.
+def test_check_grads_float64(x64):
+  fn = _score("relative", F64)
+  mask = MASKS["lengths_empty_rows"] & MASKS["combined"]
+  check_grads(_attn("blockwise", mask, score_fn=fn), _inputs(jnp.float64), order=1, modes=["rev"])
 
 
 def test_learned_score_parameters_get_tile_summed_gradients():
@@ -207,26 +228,10 @@ def test_learned_score_parameters_get_tile_summed_gradients():
     fn = scores.relative_position_bias(table, num_buckets=16, max_distance=8)
     return jnp.sum(_attn(implementation, masks.causal(), score_fn=fn)(q, k, v, bias)[0] ** 2)
 
-  for argnum in (0, 1):
-    got = jax.jit(jax.grad(functools.partial(loss, "blockwise"), argnum))(table, q)
-    want = jax.jit(jax.grad(functools.partial(loss, "xla"), argnum))(table, q)
-    assert_close(got, want, factor=5)
-
-
-def test_soft_cap_and_dropout_match_xla():
-  """Dropout is regenerated tile by tile from (rng, b, h, q, kv): the same mask as xla's."""
-  args = _inputs(jnp.float32)
-  kw = dict(
-    mask=masks.sliding_window(3, 0),
-    logits_soft_cap=2.0,
-    dropout_rate=0.4,
-    dropout_rng=jax.random.key(5),
-  )
-  _assert_same(
-    _value_and_grads(_attn("blockwise", **kw), args),
-    _value_and_grads(_attn("xla", **kw), args),
-    np.float32,
-  )
+  got = jax.jit(jax.grad(functools.partial(loss, "blockwise"), (0, 1)))(table, q)
+  want = jax.jit(jax.grad(functools.partial(loss, "xla"), (0, 1)))(table, q)
+  for a, b in zip(got, want):
+    assert_close(a, b, factor=5)
 
 
 def test_check_grads_float64_dropout_and_soft_cap(x64):
@@ -240,17 +245,6 @@ def test_check_grads_float64_dropout_and_soft_cap(x64):
   check_grads(f, _inputs(jnp.float64), order=1, modes=["rev"])
 
 
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
-def test_gqa_and_mqa(heads):
-  n, kh = heads
-  q = normal((B, T, n, H))
-  k, v = normal((B, S, kh, H), seed=1), normal((B, S, kh, H), seed=2)
-  f = lambda implementation: lambda q, k, v: _attn(implementation, masks.causal(1))(q, k, v, None)
-  _assert_same(
-    _value_and_grads(f("blockwise"), (q, k, v)), _value_and_grads(f("xla"), (q, k, v)), np.float32
-  )
-
-
 def test_bfloat16():
   args = _inputs(jnp.bfloat16)
   mask = masks.causal() & masks.segments(IDS_Q, IDS_KV)
@@ -258,15 +252,6 @@ def test_bfloat16():
   want = _value_and_grads(_attn("xla", mask), args)
   assert got[0][0].dtype == jnp.bfloat16
   _assert_same(got, want, jnp.bfloat16, factor=2)
-
-
-@pytest.mark.parametrize("blocks", [(1, 1), (7, 2), (64, 64)], ids=str)
-def test_tile_sizes(blocks):
-  """Any tiles, including ones larger than T and S, give the same result."""
-  args = _inputs(jnp.float32)
-  mask = masks.causal() | masks.global_tokens(1)
-  got = _value_and_grads(_attn("blockwise", mask, block_q=blocks[0], block_kv=blocks[1]), args)
-  _assert_same(got, _value_and_grads(_attn("xla", mask), args), np.float32)
 
 
 def test_traced_mask_arrays_under_jit_and_vmap():
@@ -336,30 +321,28 @@ def _visited(mask, T_, S_, bq, bk):
   return sorted(seen)
 
 
+# (name, mask, T = S, tiles visited or None): with 4 x 4 tiles, causal visits about half the
+# tiles and a window the diagonal and the one tile left of it, 2 per row at any length.
 @pytest.mark.parametrize(
-  "name, mask",
+  "name, mask, length, count",
   [
-    ("causal", masks.causal()),
-    ("window", masks.sliding_window(4, 0)),
-    ("segments", masks.segments(np.array([[0] * 8 + [1] * 8 + [2] * 8]))),
-    ("chunked_or_global", masks.chunked(8) | masks.global_tokens(1)),
-    ("longformer", masks.longformer(2, num_global=2, dilation=3)),
-    ("bigbird", masks.bigbird(24, block_size=3, num_random_blocks=1, seed=2)),
+    ("causal", masks.causal(), 32, 8 * 9 // 2),
+    ("window", masks.sliding_window(3, 0), 24, 2 * 6 - 1),
+    ("window_longer", masks.sliding_window(3, 0), 64, 2 * 16 - 1),
+    ("segments", masks.segments(np.array([[0] * 8 + [1] * 8 + [2] * 8])), 24, None),
+    ("chunked_or_global", masks.chunked(8) | masks.global_tokens(1), 24, None),
+    ("longformer", masks.longformer(2, num_global=2, dilation=3), 24, None),
+    ("bigbird", masks.bigbird(24, block_size=3, num_random_blocks=1, seed=2), 24, None),
   ],
 )
-def test_empty_tiles_are_never_computed(name, mask):
-  T_, bq, bk = 24, 4, 4
-  dense = np.asarray(mask.materialize(T_, T_, batch_size=1, num_heads=2))
+def test_empty_tiles_are_never_computed(name, mask, length, count):
+  bq = bk = 4
+  dense = np.asarray(mask.materialize(length, length, batch_size=1, num_heads=2))
   classes = tile_classes_np(dense, bq, bk).max(axis=(0, 1))
   want = sorted(zip(*np.nonzero(classes)))
-  assert _visited(mask, T_, T_, bq, bk) == [(int(i), int(j)) for i, j in want]
-
-
-def test_causal_visits_about_half_the_tiles_and_a_window_grows_linearly():
-  assert len(_visited(masks.causal(), 32, 32, 4, 4)) == 8 * 9 // 2
-  for length in (32, 64):
-    n = len(_visited(masks.sliding_window(3, 0), length, length, 4, 4))
-    assert n == 2 * (length // 4) - 1  # the diagonal and the one tile left of it
+  visited = _visited(mask, length, length, bq, bk)
+  assert visited == [(int(i), int(j)) for i, j in want]
+  assert count is None or len(visited) == count
 
 
 def test_schedule_puts_full_tiles_first_and_skips_empty():

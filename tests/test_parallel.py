@@ -6,6 +6,7 @@ and lse) and with autodiff of it through jnp (gradients), in natural sequence
 order, whatever layout the ring ran in.
 """
 
+import functools
 import re
 
 import jax
@@ -62,32 +63,31 @@ def _ring(q, k, v, *, layout, mesh=RING, **kwargs):
 
 
 def _check(q, k, v, allowed, *, layout, mesh=RING, ref_kwargs=None, **kwargs):
-  """Values, lse and gradients of the ring against the float64 formula."""
-  ref_kwargs = ref_kwargs or {}
-  out, lse = _ring(q, k, v, layout=layout, mesh=mesh, return_residual=True, **kwargs)
-  want, want_lse = attention_np(q, k, v, allowed=allowed, **ref_kwargs)
+  """Values, lse and gradients of the ring against the float64 formula.
+
+  The ring's values and gradients come from one jitted program, the formula's gradients from
+  another (eagerly, each would compile its forward twice and every reference operation)."""
+  want, want_lse = attention_np(q, k, v, allowed=allowed, **ref_kwargs or {})
+  # A cotangent on the lse as well as the output: both enter the backward rule.
+  w_out, w_lse = normal(want.shape, np.float64, 7), normal(want_lse.shape, np.float64, 8)
+
+  def run(attend):
+    def loss(q, k, v):
+      o, l = attend(q, k, v)
+      return jnp.sum(o * w_out) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0) * w_lse), (o, l)
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+    return out, grads
+
+  (out, lse), grads = run(
+    lambda *a: _ring(*a, layout=layout, mesh=mesh, return_residual=True, **kwargs)
+  )
   assert_close(out, want, np.float64)
   lse, want_lse = np.asarray(lse), np.asarray(want_lse)
   np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(want_lse))  # -inf: empty rows
   finite = np.isfinite(want_lse)
   assert_close(np.where(finite, lse, 0), np.where(finite, want_lse, 0), np.float64)
-  # A cotangent on the lse as well as the output: both enter the backward rule.
-  w_out, w_lse = normal(want.shape, np.float64, 7), normal(want_lse.shape, np.float64, 8)
-
-  def loss(attend):
-    def f(q, k, v):
-      o, l = attend(q, k, v)
-      return jnp.sum(o * w_out) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0) * w_lse)
-
-    return f
-
-  grads = jax.grad(
-    loss(lambda *a: _ring(*a, layout=layout, mesh=mesh, return_residual=True, **kwargs)),
-    argnums=(0, 1, 2),
-  )(q, k, v)
-  want_grads = jax.grad(
-    loss(lambda *a: attention_jnp(*a, allowed=allowed, **ref_kwargs)), argnums=(0, 1, 2)
-  )(q, k, v)
+  _, want_grads = run(lambda *a: attention_jnp(*a, allowed=allowed, **ref_kwargs or {}))
   for g, w in zip(grads, want_grads):
     assert_close(g, w, np.float64)
 
@@ -188,16 +188,19 @@ def test_ring_float32_fully_masked_rows_are_zero_and_finite():
   q, k, v = _inputs(np.float32)
   ids = np.stack([np.repeat([0, 1], 16), np.repeat([0, 1], 16)])
   kv_ids = np.where(ids == 1, 2, ids)  # queries of segment 1 find no key
-  f = jax.jit(
-    lambda q, k, v: parallel.ring_attention(
-      q, k, v, mesh=RING, axis_name="sp", segment_ids=(ids, kv_ids), block_q=2, block_kv=2
-    )
+  f = functools.partial(
+    parallel.ring_attention,
+    mesh=RING,
+    axis_name="sp",
+    segment_ids=(ids, kv_ids),
+    block_q=2,
+    block_kv=2,
   )
-  out = f(q, k, v)
+  out = f(q, k, v)  # called eagerly here; under jit in the other tests
   want, _ = attention_np(q, k, v, allowed=segments_np(ids, kv_ids))
   assert_close(out, want, np.float32)
   np.testing.assert_array_equal(np.asarray(out)[:, 16:], 0)
-  grads = jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2))(q, k, v)
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2)))(q, k, v)
   assert all(np.isfinite(g).all() for g in grads)
   np.testing.assert_array_equal(np.asarray(grads[0])[:, 16:], 0)
 
@@ -219,7 +222,8 @@ def test_ring_bfloat16_and_inputs_stay_sharded():
   step = jax.jit(
     jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
   )
-  hlo = step.lower(q, k, v).compile().as_text()
+  step = step.lower(q, k, v).compile()  # compiled once, inspected and run
+  hlo = step.as_text()
   assert "collective-permute" in hlo
   assert not re.search(r"all-gather|all-to-all", hlo)
   assert all(g.sharding.is_equivalent_to(sharding, 4) for g in step(q, k, v))
@@ -372,9 +376,12 @@ def test_dot_product_attention_on_batch_and_head_sharded_inputs(implementation):
   def loss(q, k, v, ids):
     return jnp.sum(attend(q, k, v, ids) ** 2)
 
-  fwd, step = jax.jit(attend), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  # Compiled once each, inspected and run.
+  fwd, step = (
+    jax.jit(fn).lower(q, k, v, ids).compile() for fn in (attend, jax.grad(loss, argnums=(0, 1, 2)))
+  )
   for fn in (fwd, step):
-    hlo = fn.lower(q, k, v, ids).compile().as_text()
+    hlo = fn.as_text()
     for line in hlo.splitlines():
       if re.search(COLLECTIVE + r"\(", line):
         # Blockwise agrees on one tile schedule for the whole batch: an all-reduce of the
