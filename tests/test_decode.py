@@ -56,25 +56,18 @@ def _run_chunks(q, k, v, chunks, implementation, **kw):
   return jnp.concatenate(outs, axis=1), cache
 
 
+# A prefill, a step, a chunk after it and consecutive steps, for every head grouping.
 @pytest.mark.parametrize("implementation", list(IMPLS))
 @pytest.mark.parametrize("N, K", [(2, 2), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
-def test_prefill_then_decode_steps_equal_full_causal(N, K, implementation):
+def test_prefill_chunks_and_decode_steps_equal_full_causal(N, K, implementation):
   q, k, v = _sequence(N, K)
-  got, cache = _run_chunks(q, k, v, [6, 1, 1, 1], implementation)
+  got, cache = _run_chunks(q, k, v, [3, 1, 2, 1, 1, 1], implementation)
   assert_close(got, _full_causal(q, k, v))
   assert_close(got, attention_np(q, k, v, allowed=causal_np(L, L))[0])
   np.testing.assert_array_equal(cache.lengths, [L, L])
   np.testing.assert_array_equal(cache.key[:, :L], k)
   np.testing.assert_array_equal(cache.value[:, :L], v)
   np.testing.assert_array_equal(cache.key[:, L:], 0.0)
-
-
-@pytest.mark.parametrize("implementation", list(IMPLS))
-def test_chunked_prefill_equals_full_causal(implementation):
-  q, k, v = _sequence(4, 2)
-  got, cache = _run_chunks(q, k, v, [3, 1, 2, 1, 1, 1], implementation)
-  assert_close(got, _full_causal(q, k, v))
-  np.testing.assert_array_equal(cache.lengths, [L, L])
 
 
 @pytest.mark.parametrize("implementation", list(IMPLS))

@@ -22,15 +22,19 @@ def test_threefry_is_bit_identical_to_jax():
     np.testing.assert_array_equal(a, b)
 
 
+# One grid for the statistical tests: keep_mask's operations compile once for its shape.
+GRID = masks.index_grid(2, 4, 128, 128)
+
+
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
 def test_keep_fraction(rate):
-  keep = dropout.keep_mask(jax.random.key(1), rate, *masks.index_grid(2, 4, 128, 128))
+  keep = dropout.keep_mask(jax.random.key(1), rate, *GRID)
   assert keep.shape == (2, 4, 128, 128) and keep.dtype == jnp.bool_
   assert abs(float(keep.mean()) - (1 - rate)) < 0.01  # 131072 draws: sd 0.0014
 
 
 def test_rate_zero_keeps_everything():
-  assert bool(dropout.keep_mask(jax.random.key(1), 0.0, *masks.index_grid(1, 2, 16, 16)).all())
+  assert bool(dropout.keep_mask(jax.random.key(1), 0.0, *GRID).all())
 
 
 def test_mask_is_a_function_of_indices_only():
@@ -49,9 +53,8 @@ def test_mask_is_a_function_of_indices_only():
 
 
 def test_masks_differ_across_rng_batch_and_head():
-  grid = masks.index_grid(2, 2, 32, 32)
-  a = np.asarray(dropout.keep_mask(jax.random.key(0), 0.5, *grid))
-  b = np.asarray(dropout.keep_mask(jax.random.key(1), 0.5, *grid))
+  a = np.asarray(dropout.keep_mask(jax.random.key(0), 0.5, *GRID))
+  b = np.asarray(dropout.keep_mask(jax.random.key(1), 0.5, *GRID))
   assert 0.4 < (a != b).mean() < 0.6
   assert 0.4 < (a[0, 0] != a[1, 0]).mean() < 0.6
   assert 0.4 < (a[0, 0] != a[0, 1]).mean() < 0.6
@@ -89,8 +92,11 @@ def test_attention_dropout_matches_reference(backward):
     ),
     (0, 1, 2),
   )(q, k, v)
-  grads_ref = jax.grad(
-    lambda *a: jnp.sum(attention_jnp(*a, allowed=causal, keep=keep, rate=rate)[0] ** 2), (0, 1, 2)
+  grads_ref = jax.jit(  # one program, not one per operation
+    jax.grad(
+      lambda *a: jnp.sum(attention_jnp(*a, allowed=causal, keep=keep, rate=rate)[0] ** 2),
+      (0, 1, 2),
+    )
   )(q, k, v)
   for a, b in zip(grads, grads_ref):
     assert_close(a, b, factor=5)
@@ -131,11 +137,13 @@ def test_broadcast_dropout_shares_one_pattern_across_batch_and_heads(rule):
   want, _ = attention_np(q, k, v, allowed=causal, keep=keep, rate=rate)
   assert_close(f(q, k, v), want)
   grads = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), (0, 1, 2))(q, k, v)
-  grads_ref = jax.grad(
-    lambda *a: jnp.sum(
-      attention_jnp(*a, allowed=causal, keep=jnp.asarray(keep), rate=rate)[0] ** 2
-    ),
-    (0, 1, 2),
+  grads_ref = jax.jit(  # one program, not one per operation
+    jax.grad(
+      lambda *a: jnp.sum(
+        attention_jnp(*a, allowed=causal, keep=jnp.asarray(keep), rate=rate)[0] ** 2
+      ),
+      (0, 1, 2),
+    )
   )(q, k, v)
   for a, b in zip(grads, grads_ref):
     assert_close(a, b, factor=5)

@@ -1,5 +1,7 @@
 """The numerics contract: empty rows give zeros (never NaN), statistics in float32/float64."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,6 +162,17 @@ def _max_err(got, want):
   )
 
 
+@functools.cache
+def _huge_mask_jax_nn(value):
+  """Inputs with row 3 biased by ``value``, a cotangent, and jax.nn's outputs and gradients
+  (the same for every rule)."""
+  q, k, v = (normal((1, 8, 1, 4), seed=i) for i in range(3))
+  bias = jnp.zeros((1, 1, 8, 8)).at[0, 0, 3].set(value)
+  ct = normal((1, 8, 1, 4), seed=3)
+  args = (q, k, v, bias)
+  return args, ct, _vjp(jax.nn.dot_product_attention, args, ct)
+
+
 @pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize(
   "value", [-1e9, -1e30, float(np.finfo(np.float32).min)], ids=["1e9", "1e30", "f32min"]
@@ -169,11 +182,8 @@ def test_huge_additive_mask_on_a_row_keeps_jax_nn_gradients(rule, value):
   gradients are jax.nn's: the rules recompute exp(s - m) / l from the row's max and sum kept
   apart, not from m + log l, where log l vanishes next to |m| ~ 1e9. Down to float32.min the
   row is a softmax like any other: no threshold turns it into an empty row."""
-  q, k, v = (normal((1, 8, 1, 4), seed=i) for i in range(3))
-  bias = jnp.zeros((1, 1, 8, 8)).at[0, 0, 3].set(value)
-  ct = normal((1, 8, 1, 4), seed=3)
-  args = (q, k, v, bias)
-  want = _vjp(jax.nn.dot_product_attention, args, ct)
+  args, ct, want = _huge_mask_jax_nn(value)
+  q, k, v, bias = args
   got = _vjp(lambda *a: jattn.dot_product_attention(*a, **RULES[rule]), args, ct)
   assert_close(got[0], want[0])
   for g, w in zip(got[1], want[1]):
@@ -190,7 +200,8 @@ def test_huge_additive_mask_in_float64(rule, x64):
   q, k, v = (normal((1, 8, 1, 4), np.float64, seed=i) for i in range(3))
   bias = jnp.zeros((1, 1, 8, 8), jnp.float64).at[0, 0, 3].set(-1e30).at[0, 0, 5, :4].set(-1e9)
   ct = normal((1, 8, 1, 4), np.float64, seed=3)
-  want = _vjp(lambda *a: attention_jnp(*a)[0], (q, k, v, bias), ct)
+  # The formula's outputs and gradients, as one program (op by op it compiles ~60)
+  want = jax.jit(lambda *a: _vjp(lambda *a: attention_jnp(*a)[0], a, ct))(q, k, v, bias)
   got = _vjp(lambda *a: jattn.dot_product_attention(*a, **RULES[rule]), (q, k, v, bias), ct)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-12, atol=1e-12)
   for g, w in zip(got[1], want[1]):
@@ -212,6 +223,24 @@ def _low_precision_errors(fn, args, ct, dtype):
   return errors, slack
 
 
+def _saturated_inputs(case, dtype):
+  """(q, k, v), the output cotangent and keyword arguments of a saturated case."""
+  shape = (2, 12, 2, 16)
+  mult = {"x10": 10.0, "x100": 100.0, "scale1e3": 1.0}[case]
+  if dtype == jnp.float16 and case == "x100":
+    mult = 20.0  # float16 overflows q·k at 100
+  kw = dict(scale=1e3) if case == "scale1e3" else {}
+  return [normal(shape, seed=i) * mult for i in range(3)], normal(shape, seed=3), kw
+
+
+@functools.cache
+def _saturated_jax_nn(case, dtype_name):
+  """jax.nn's errors and the slack in a saturated case (the same for every rule)."""
+  dtype = jnp.dtype(dtype_name)
+  args, ct, kw = _saturated_inputs(case, dtype)
+  return _low_precision_errors(lambda *a: jax.nn.dot_product_attention(*a, **kw), args, ct, dtype)
+
+
 @pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("case", ["x10", "x100", "scale1e3"])
@@ -220,16 +249,8 @@ def test_saturated_softmax_gradients_no_worse_than_jax_nn(case, dtype, rule):
   accurate as jax.nn's. The default rule once rounded the unnormalised probabilities, whose
   cotangent then stopped cancelling against the row sum's: dq errors of 1.9 where the true
   |dq| is below 1e-9; the custom_vjp rules once lost log l at scale=1e3."""
-  shape = (2, 12, 2, 16)
-  mult = {"x10": 10.0, "x100": 100.0, "scale1e3": 1.0}[case]
-  if dtype == jnp.float16 and case == "x100":
-    mult = 20.0  # float16 overflows q·k at 100
-  kw = dict(scale=1e3) if case == "scale1e3" else {}
-  args = [normal(shape, seed=i) * mult for i in range(3)]
-  ct = normal(shape, seed=3)
-  ref, slack = _low_precision_errors(
-    lambda *a: jax.nn.dot_product_attention(*a, **kw), args, ct, dtype
-  )
+  args, ct, kw = _saturated_inputs(case, dtype)
+  ref, slack = _saturated_jax_nn(case, np.dtype(dtype).name)
   got, _ = _low_precision_errors(
     lambda *a: jattn.dot_product_attention(*a, **kw, **RULES[rule]), args, ct, dtype
   )

@@ -1,5 +1,5 @@
-"""The materialised implementation's explicit custom_vjp against autodiff of a plain reference,
-and jax.test_util.check_grads on float64 inputs for every mask kind."""
+"""The materialised implementation's explicit custom_vjp and autodiff rules against autodiff
+of a plain reference in float64 for every mask kind, and jax.test_util.check_grads."""
 
 import jax
 import jax.numpy as jnp
@@ -74,17 +74,41 @@ def _grads(f, args, seed=11):
   return jax.jit(jax.grad(loss, (0, 1, 2, 3)))(*args)
 
 
-@pytest.mark.parametrize("kind", list(MASKS))
-def test_custom_vjp_matches_autodiff_of_plain_reference(kind):
-  args = _inputs(jnp.float32)
-  got = _grads(_ours(MASKS[kind], "custom_vjp"), args)
-  want = _grads(_plain(MASKS[kind]), args)
-  for name, a, b in zip(["dq", "dk", "dv", "dbias"], got, want):
-    assert_close(a, b, np.float32, factor=5, err_msg=name)
-    assert np.all(np.isfinite(a)), name
+def _both_rules_and_formula(mask, score_fn=None):
+  """Outputs (out, lse) and gradients of both rules and of the plain formula, on float64
+  inputs, from one program (x64 must be on)."""
+  args = _inputs(jnp.float64)
+  fns = [_ours(mask, "custom_vjp", score_fn), _ours(mask, "autodiff", score_fn)]
+  fns.append(_plain(mask, score_fn))
+  out = jax.eval_shape(fns[0], *args)
+  cots = [normal(o.shape, o.dtype, 11 + i) for i, o in enumerate(out)]
+
+  def value_and_grads(f, *a):
+    loss = lambda *a: sum(jnp.sum(o * c) for o, c in zip(f(*a), cots))
+    return f(*a), jax.grad(loss, (0, 1, 2, 3))(*a)
+
+  return jax.jit(lambda *a: [value_and_grads(f, *a) for f in fns])(*args)
+
+
+def _assert_rules_match_formula(results):
+  *rules, (want, want_grads) = results
+  for rule, (got, grads) in zip(["custom_vjp", "autodiff"], rules):
+    for name, a, b in zip(["out", "lse"], got, want):
+      assert_close(a, b, np.float64, err_msg=f"{rule}: {name}")
+    for name, a, b in zip(["dq", "dk", "dv", "dbias"], grads, want_grads):
+      assert_close(a, b, np.float64, factor=5, err_msg=f"{rule}: {name}")
+      assert np.all(np.isfinite(a)), name
 
 
 @pytest.mark.parametrize("kind", list(MASKS))
+def test_both_rules_match_autodiff_of_plain_reference(kind, x64):
+  """Values, lse and gradients (of q, k, v and bias, under cotangents on out and lse) of the
+  explicit custom_vjp and of autodiff through jattn, against the plain formula in float64:
+  to 1e-9, which is what check_grads (below, for the masks with empty rows) checks too."""
+  _assert_rules_match_formula(_both_rules_and_formula(MASKS[kind]))
+
+
+@pytest.mark.parametrize("kind", ["none", "causal_empty_rows", "lengths_empty_rows", "combined"])
 def test_check_grads_float64(kind, x64):
   args = _inputs(jnp.float64)
   for backward in ("custom_vjp", "autodiff"):
@@ -101,22 +125,19 @@ SCORE_FNS = {
 }
 
 
-@pytest.mark.parametrize("name", list(SCORE_FNS))
-def test_custom_vjp_with_score_fns(name):
-  fn = SCORE_FNS[name]
-  args = _inputs(jnp.float32)
-  mask = masks.causal(1)
-  got = _grads(_ours(mask, "custom_vjp", fn), args)
-  want = _grads(_plain(mask, fn), args)
-  for a, b in zip(got, want):
-    assert_close(a, b, np.float32, factor=5)
-
-
-@pytest.mark.parametrize("name", list(SCORE_FNS))
-def test_check_grads_float64_score_fns(name, x64):
-  fn = SCORE_FNS[name]
+def _float64(fn):
   if isinstance(fn, jattn.ScoreFn):  # rebuild with float64 parameters
     fn = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), fn)
+  return fn
+
+
+@pytest.mark.parametrize("name", list(SCORE_FNS))
+def test_both_rules_with_score_fns(name, x64):
+  _assert_rules_match_formula(_both_rules_and_formula(masks.causal(1), _float64(SCORE_FNS[name])))
+
+
+def test_check_grads_float64_learned_score_fn(x64):
+  fn = _float64(SCORE_FNS["relative"])
   check_grads(_ours(masks.causal(), "custom_vjp", fn), _inputs(jnp.float64), order=1, modes=["rev"])
 
 
