@@ -56,3 +56,38 @@ def x64():
   """Run a test with 64-bit types enabled."""
   with jax.enable_x64(True):
     yield
+
+
+# pytest-xdist's --dist loadfile hands each worker one test file at a time, in the order of
+# the collection; by default it first sorts the files by their number of tests, which sent
+# the files with a few long tests (experiments, README examples, a training run) last and
+# left one worker running them alone at the end. Files go out slowest first instead (their
+# serial time on a 2-core machine, most to least; unlisted files after), so the last files
+# are short and both workers finish together (pyproject.toml passes --no-loadscope-reorder).
+_SLOWEST_FIRST = (
+  "test_masks.py",
+  "test_blockwise.py",
+  "test_experiments.py",
+  "test_train.py",
+  "test_numerics.py",
+  "test_attention.py",
+  "test_parallel.py",
+  "test_linen.py",
+  "test_nnx.py",
+  "test_adversarial.py",
+  "test_xla.py",
+  "test_decode.py",
+  "test_properties.py",
+  "test_readme.py",
+  "test_scores.py",
+  "test_positional.py",
+  "test_dropout.py",
+  "test_linear.py",
+  "test_hopfield.py",
+  "test_accuracy.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(_SLOWEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept

@@ -14,6 +14,8 @@ Shapes come from a few fixed choices so that compiled functions are reused acros
 examples (jattn's jit caches by shape and static arguments).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,8 +52,7 @@ def rules(draw, T, S):
   }[name]
 
 
-def _vjp(fn, q, k, v, bias, ct):
-  """out, lse and the gradients of sum(out * ct) (dbias too when there is a bias)."""
+def _vjp_arrays(fn, q, k, v, bias, ct):
   primals = (q, k, v) + ((bias,) if bias is not None else ())
   f = lambda q, k, v, *b: fn(q, k, v, b[0] if b else None)
   out, vjp, lse = jax.vjp(f, *primals, has_aux=True)
@@ -59,7 +60,26 @@ def _vjp(fn, q, k, v, bias, ct):
   result = dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
   if bias is not None:
     result["dbias"] = grads[3]
+  return result
+
+
+def _numpy(result):
   return {n: np.asarray(np.asarray(x, np.float32), np.float64) for n, x in result.items()}
+
+
+def _vjp(fn, q, k, v, bias, ct):
+  """out, lse and the gradients of sum(out * ct) (dbias too when there is a bias)."""
+  return _numpy(_vjp_arrays(fn, q, k, v, bias, ct))
+
+
+@functools.partial(jax.jit, static_argnames="scale")
+def _jax_nn_vjp(q, k, v, bias, ct, scale):
+  """``_vjp`` of jax.nn, jitted (as experiments/accuracy.py's baseline) and cached by shapes,
+  dtypes and scale across examples; eagerly each new combination compiled ~60 operations."""
+  fn = lambda q, k, v, b: jax.nn.dot_product_attention(
+    q, k, v, b, scale=scale, return_residual=True
+  )
+  return _vjp_arrays(fn, q, k, v, bias, ct)
 
 
 def _jattn(rule, **kwargs):
@@ -164,14 +184,7 @@ def test_extreme_inputs_against_jax_nn_and_float64(problem):
   scale_value = 1 / np.sqrt(H) if scale is None else scale
   got = _vjp(_jattn(rule, scale=scale), q, k, v, bias, ct)
   _assert_no_nan(got, name)
-  base = _vjp(
-    lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, b, scale=scale, return_residual=True),
-    q,
-    k,
-    v,
-    bias,
-    ct,
-  )
+  base = _numpy(_jax_nn_vjp(q, k, v, bias, ct, scale))
   want = attention_reference(q, k, v, bias, ct, scale=scale_value, dtype=np.float64)
   for quantity, ref in want.items():
     err = max_abs_error(got[quantity], ref)
@@ -250,6 +263,9 @@ def masked_problems(draw):
   return (q, k, v, bias, ct), allowed, kwargs, used, name, rule
 
 
+_jax_nn_masked = jax.jit(jax.nn.dot_product_attention)  # one program per shape and dtype
+
+
 @settings(max_examples=15, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(masked_problems())
 def test_rows_with_nothing_to_attend_to(problem):
@@ -279,7 +295,7 @@ def test_rows_with_nothing_to_attend_to(problem):
     assert err <= tol * size, f"{where}: {quantity} error {err:.3g} (largest |value| {size:.3g})"
   # jax.nn, given the same positions as a boolean mask, agrees on rows that attend to some
   # position whose score is far above its large negative; elsewhere its semantics differ.
-  jax_nn = jax.nn.dot_product_attention(q, k, v, bias, jnp.asarray(allowed))
+  jax_nn = _jax_nn_masked(q, k, v, bias, jnp.asarray(allowed))
   same = np.any(allowed & (_scores(q, k, bias) > -1e37), axis=-1).transpose(0, 2, 1)
   np.testing.assert_allclose(
     np.asarray(jax_nn, np.float64)[same],

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
+from pairwise import pairwise
 from reference import assert_close, normal
 
 from jattn import linear
@@ -124,9 +125,18 @@ def inputs(K, dtype=np.float32, *, T=T, size=1.0, seed=0):
 # ------------------------------------------------------------------------------ values
 
 
-@pytest.mark.parametrize("K", [2, 4], ids=["gqa", "mha"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("feature_map", MAPS)
+# Every pair of a feature map, causal or not, and GQA or MHA.
+REFERENCE_CASES = pairwise({"feature_map": MAPS, "causal": [False, True], "K": [2, 4]})
+
+
+@pytest.mark.parametrize(
+  "feature_map, causal, K",
+  [tuple(c.values()) for c in REFERENCE_CASES],
+  ids=[
+    f"{c['feature_map']}-{'causal' if c['causal'] else 'full'}-{'gqa' if c['K'] == 2 else 'mha'}"
+    for c in REFERENCE_CASES
+  ],
+)
 def test_matches_reference(feature_map, causal, K):
   q, k, v = inputs(K)
   out = call(q, k, v, feature_map, is_causal=causal, chunk_size=3)  # 3 does not divide T=7

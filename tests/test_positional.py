@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pairwise import pairwise
 from reference import assert_close, attention_np, normal
 
 import jattn
@@ -260,9 +261,22 @@ POSITIONS = {
 }
 
 
-@pytest.mark.parametrize("scaling", SCALINGS, ids=SCALING_IDS)
-@pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
-@pytest.mark.parametrize("layout", list(POSITIONS) + ["unbatched"])
+# Every pair of a positions layout, a rotary fraction and a scaling (the fraction sets the
+# rotary dimension the scaled frequencies are computed for; the layout only broadcasts).
+ROPE_CASES = pairwise(
+  {
+    "layout": list(POSITIONS) + ["unbatched"],
+    "rotary_fraction": [1.0, 0.5],
+    "scaling": list(zip(SCALING_IDS, SCALINGS)),
+  }
+)
+
+
+@pytest.mark.parametrize(
+  "layout, rotary_fraction, scaling",
+  [(c["layout"], c["rotary_fraction"], c["scaling"][1]) for c in ROPE_CASES],
+  ids=[f"{c['layout']}-{c['rotary_fraction']}-{c['scaling'][0]}" for c in ROPE_CASES],
+)
 def test_rope_matches_numpy_float64(layout, rotary_fraction, scaling, x64):
   rng = np.random.default_rng(1)
   if layout == "unbatched":
