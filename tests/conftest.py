@@ -69,6 +69,7 @@ _SLOWEST_FIRST = (
   "test_blockwise.py",
   "test_experiments.py",
   "test_train.py",
+  "test_docs.py",
   "test_numerics.py",
   "test_attention.py",
   "test_parallel.py",
