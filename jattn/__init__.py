@@ -18,9 +18,11 @@ from jattn import masks as masks
 from jattn import parallel as parallel
 from jattn import positional as positional
 from jattn import scores as scores
+from jattn import testing as testing
 from jattn import viz as viz  # plots; imports matplotlib only when called
 from jattn.attention import attention_weights as attention_weights
 from jattn.attention import dot_product_attention as dot_product_attention
+from jattn.attention import explain as explain
 from jattn.linear import linear_attention as linear_attention
 from jattn.masks import Mask as Mask
 from jattn.scores import ScoreFn as ScoreFn

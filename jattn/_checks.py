@@ -237,14 +237,15 @@ def seq_lengths(name, lengths, B):
 
 
 def tile_sizes(implementation, block_q, block_kv) -> tuple[int | None, int | None]:
-  """Tile sizes checked; they exist only for "blockwise" (None picks it, see _select.auto)."""
+  """Tile sizes checked; they exist only for the tiled implementations, "blockwise" and
+  "splash" (with implementation=None they exclude the others, see _select.choose)."""
   blocks = (
     None if block_q is None else integer("block_q", block_q, minimum=1),
     None if block_kv is None else integer("block_kv", block_kv, minimum=1),
   )
-  if implementation not in (None, "blockwise") and blocks != (None, None):
+  if implementation not in (None, "blockwise", "splash") and blocks != (None, None):
     raise ValueError(
-      f"block_q and block_kv apply only to implementation='blockwise', got "
+      f"block_q and block_kv apply only to implementation='blockwise' or 'splash', got "
       f"implementation={implementation!r}"
     )
   return blocks

@@ -32,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from jattn import _checks, masks, scores
+from jattn import _checks, masks, scores, testing
 from jattn.impl import _common, _select
 from jattn.impl import blockwise as _blockwise
+from jattn.impl import splash as _splash
 
 
 @functools.partial(
@@ -56,6 +57,8 @@ from jattn.impl import blockwise as _blockwise
     "block_q",
     "block_kv",
     "return_residual",
+    "interpret",
+    "static_mask",
   ],
 )
 @dataclasses.dataclass(frozen=True)
@@ -81,11 +84,13 @@ class CallSpec:
   scale: float
   dropout_rate: float
   broadcast_dropout: bool
-  implementation: str  # a key of jattn.impl._select.IMPLEMENTATIONS
-  backward: str | None  # one of its backward rules (None for "cudnn")
-  block_q: int  # blockwise tiles (the backend's defaults unless given)
+  implementation: str  # a key of jattn.impl._select.TABLE
+  backward: str | None  # one of its backward rules (None for fused kernels: cudnn, splash)
+  block_q: int  # tiles of blockwise or splash (their defaults unless given)
   block_kv: int
   return_residual: bool
+  interpret: bool = False  # Pallas kernels in interpret mode (jattn.testing.interpret_kernels)
+  static_mask: Any = None  # splash: the conjuncts it tabulates, static (mask keeps the rest)
 
   @property
   def bnts(self) -> tuple[int, int, int, int]:
@@ -115,13 +120,17 @@ def build(
   backward=None,
   block_q=None,
   block_kv=None,
+  backend=None,
+  explain=False,
 ):
   """Every argument of a call checked, with the meanings of
   :func:`jattn.dot_product_attention`; raises before anything is traced.
 
   ``value=None`` describes a call that forms only the weights
   (:func:`jattn.attention_weights`). Returns ``(query, key, value, spec)``, the arrays as
-  jax or NumPy arrays of one dtype.
+  jax or NumPy arrays of one dtype; the implementation is chosen for ``backend`` (default:
+  JAX's default backend) by :func:`jattn.impl._select.choose`. With ``explain=True``,
+  returns that :class:`jattn.impl._select.Choice` instead.
   """
   impl, bwd = _select.check_choices(implementation, backward)
   blocks = _checks.tile_sizes(impl, block_q, block_kv)
@@ -129,8 +138,6 @@ def build(
   unbatched = q.ndim == 3
   B, T, N, H = (1,) * unbatched + tuple(q.shape)
   S, K = k.shape[-3], k.shape[-2]
-  if impl is None:
-    impl, bwd = _select.auto(B * N * T * S, bwd, blocks)
   scale = _checks.scale(scale, H)
   bias = checked_bias(bias, (B, N, T, S))
   _checks.flags(
@@ -145,7 +152,6 @@ def build(
     )
   )
   dropout_rate = _checks.dropout(dropout_rate, dropout_rng)
-  block_q, block_kv = _blockwise.resolve_blocks(*blocks)
   spec = CallSpec(
     B=B,
     T=T,
@@ -161,12 +167,36 @@ def build(
     scale=scale,
     dropout_rate=dropout_rate,
     broadcast_dropout=bool(broadcast_dropout),
-    implementation=impl,
+    implementation="",  # chosen below, from the checked settings
     backward=bwd,
+    block_q=blocks[0],  # type: ignore[arg-type]  # None until resolved below
+    block_kv=blocks[1],  # type: ignore[arg-type]
+    return_residual=bool(return_residual),
+    interpret=testing.interpreting(),
+  )
+  call = _select.Call(
+    spec=spec,
+    dtype=np.dtype(q.dtype),
+    backend=backend or _select.default_backend(),
+    backward_named=backward is not None,
+    blocks_named=blocks != (None, None),
+  )
+  choice = _select.choose(call, impl, bwd, interpret=spec.interpret, detail=explain)
+  if choice.implementation == "splash":
+    block_q, block_kv = _splash.resolve_blocks(*blocks, T, S)
+    static_mask, rest = _splash.split(spec.mask)
+    spec = dataclasses.replace(spec, mask=rest, static_mask=static_mask)
+  else:
+    block_q, block_kv = _blockwise.resolve_blocks(*blocks)
+  spec = dataclasses.replace(
+    spec,
+    implementation=choice.implementation,
+    backward=choice.backward,
     block_q=block_q,
     block_kv=block_kv,
-    return_residual=bool(return_residual),
   )
+  if explain:
+    return choice
   return q, k, (None if value is None else v), spec
 
 

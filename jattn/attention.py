@@ -23,15 +23,23 @@ re-validates.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import chex
 import jax
 
-from jattn import _checks, _spec, masks
-from jattn.impl import blockwise, xla
-from jattn.impl._select import AUTO_BLOCKWISE_BYTES, BACKWARDS, IMPLEMENTATIONS  # noqa: F401
+from jattn import _spec, masks
+from jattn.impl import blockwise, cudnn, splash, xla
+from jattn.impl._select import (  # noqa: F401  # public names of the table
+  AUTO_BLOCKWISE_BYTES,
+  BACKENDS,
+  BACKWARDS,
+  IMPLEMENTATIONS,
+  TABLE,
+  Choice,
+)
 
 
 def dot_product_attention(
@@ -79,13 +87,18 @@ def dot_product_attention(
     local_window_size: int w or (left, right): t - left <= s <= t + right.
     implementation: None (auto: see below), ``"xla"`` (materialised scores,
       fastest for short sequences), ``"blockwise"`` (online softmax over
-      tiles, O(B·T·N·H) memory, skips tiles the mask empties), or ``"cudnn"``
-      (jax.nn's cuDNN kernel on NVIDIA GPUs, for the arguments jax.nn
-      supports). None picks ``"blockwise"`` when ``block_q``/``block_kv`` are
-      given, ``"xla"`` when ``backward="autodiff"``, and otherwise
-      ``"blockwise"`` once the (B, N, T, S) float32 scores would take
-      ``AUTO_BLOCKWISE_BYTES[backend]`` or more (8 MiB on CPU, 1 GiB on GPU
-      and TPU), ``"xla"`` below that.
+      tiles, O(B·T·N·H) memory, skips tiles the mask empties), ``"splash"``
+      (JAX's splash attention Pallas kernel on TPU, for the masks it expresses)
+      or ``"cudnn"`` (jax.nn's cuDNN kernel on NVIDIA GPUs, for the arguments
+      jax.nn supports, with jax.nn's semantics). None picks, on the running
+      backend, its fused kernel (splash on TPU, cuDNN on GPU) when that
+      expresses the call exactly and no ``backward`` rule is named; otherwise
+      ``"blockwise"`` when ``block_q``/``block_kv`` are given, ``"xla"`` when
+      ``backward="autodiff"``, and otherwise ``"blockwise"`` once the
+      (B, N, T, S) float32 scores would take ``AUTO_BLOCKWISE_BYTES[backend]``
+      or more (8 MiB on CPU, 1 GiB on GPU and TPU), ``"xla"`` below that.
+      :func:`jattn.explain` shows the choice and why. An implementation that
+      cannot express the call raises, naming the feature.
     return_residual: also return the rows' log-sum-exp, shape (B, T, N) or
       (T, N), in the query's dtype; -inf for rows that attend to nothing.
     segment_ids: packed-sequence document ids: an int array (B, T) (or (T,)
@@ -109,9 +122,12 @@ def dot_product_attention(
       forward pass) or ``"custom_vjp"`` (jattn's explicit rule, which keeps
       only the inputs and the log-sum-exp and recomputes the probabilities).
       None picks the implementation's default (``"autodiff"`` for ``"xla"``,
-      ``"custom_vjp"``, its only rule, for ``"blockwise"``).
+      ``"custom_vjp"``, its only rule, for ``"blockwise"``); ``"splash"`` and
+      ``"cudnn"`` have their own fused backward and take None.
     block_q, block_kv: tile sizes of ``"blockwise"`` (default per backend,
-      :data:`jattn.impl.blockwise.DEFAULT_BLOCKS`); any T and S work.
+      :data:`jattn.impl.blockwise.DEFAULT_BLOCKS`; any T and S work) or of
+      ``"splash"`` (multiples of 128, default 512 capped to the lengths
+      rounded up to 128; lengths that are not whole tiles are padded).
 
   Returns:
     The output, shaped and typed like ``query``; with ``return_residual``, the
@@ -143,25 +159,6 @@ def dot_product_attention(
     block_q=block_q,
     block_kv=block_kv,
   )
-  if spec.implementation == "cudnn":
-    # jax.nn's kernel takes its own masking arguments, which pass through as given (checked).
-    return _cudnn(
-      query,
-      key,
-      value,
-      spec,
-      mask,
-      is_causal=is_causal,
-      query_seq_lengths=query_seq_lengths,
-      key_value_seq_lengths=key_value_seq_lengths,
-      local_window_size=_checks.window(local_window_size),
-      unsupported={
-        "segment_ids": segment_ids,
-        "score_fn": score_fn,
-        "logits_soft_cap": logits_soft_cap,
-        "dropout_rate": spec.dropout_rate or None,
-      },
-    )
   out, lse = _attend(q, k, v, spec)
   return (out, lse) if return_residual else out
 
@@ -218,6 +215,54 @@ def attention_weights(
   return _weights(q, k, spec)
 
 
+def explain(
+  query,
+  key,
+  value,
+  bias=None,
+  mask=None,
+  *,
+  backend: str | None = None,
+  **kwargs,
+) -> Choice:
+  """Which implementation :func:`dot_product_attention` runs for these arguments, and why.
+
+  Takes the arguments of :func:`dot_product_attention` (arrays or
+  ``jax.ShapeDtypeStruct`` values for query, key, value and bias; masks, segment ids
+  and lengths as they would be passed) and checks them the same way, so a bad
+  call raises the same error. ``backend`` (``"cpu"``, ``"gpu"`` or ``"tpu"``;
+  default: JAX's default backend) names where the call would run, so a laptop
+  shows what a TPU pod would run. Nothing is computed.
+
+  Returns a :class:`jattn.impl._select.Choice`: ``.implementation``,
+  ``.backward`` (the rule; None for the fused kernels' own), ``.reason`` and
+  ``.rejected`` (every other implementation, and why not).
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp, jattn
+    >>> q = jax.ShapeDtypeStruct((8, 4096, 16, 128), jnp.bfloat16)
+    >>> jattn.explain(q, q, q, is_causal=True, backend="tpu").implementation
+    'splash'
+    >>> jattn.explain(q, q, q, is_causal=True, backend="cpu").implementation
+    'blockwise'
+  """
+  if backend is not None and backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {list(BACKENDS)} or None, got {backend!r}")
+  allowed = list(inspect.signature(dot_product_attention).parameters)[5:]
+  for name in kwargs:
+    if name not in allowed:
+      raise TypeError(f"explain() got an unexpected keyword argument {name!r}")
+  choices = []
+
+  def trace(q, k, v, b):
+    choices.append(_spec.build(q, k, v, b, mask, backend=backend, explain=True, **kwargs))
+    return ()
+
+  jax.eval_shape(trace, query, key, value, bias)
+  return choices[0]
+
+
 def _rank4(spec: _spec.CallSpec) -> _spec.CallSpec:
   """The spec with its bias as a rank-4 array (leading 1s), as the implementations take it."""
   bias = spec.bias
@@ -250,6 +295,12 @@ def _attend(query, key, value, spec: _spec.CallSpec):
       out, lse = blockwise.attention(query, key, value, spec)
     case "blockwise":  # nothing to tile: an empty output, rows with no keys, or H == 0
       out, lse = xla.attention(query, key, value, dataclasses.replace(spec, backward="autodiff"))
+    case "splash" if all(spec.bnts) and spec.H:
+      out, lse = splash.attention(query, key, value, spec)
+    case "splash":  # nothing for the kernel to do; same contract
+      out, lse = xla.attention(query, key, value, dataclasses.replace(spec, backward="autodiff"))
+    case "cudnn":
+      out, lse = cudnn.attention(query, key, value, spec)
     case _:
       raise ValueError(f"unknown implementation {spec.implementation!r}")
   chex.assert_shape(lse, dims["BTN"])
@@ -257,25 +308,3 @@ def _attend(query, key, value, spec: _spec.CallSpec):
   if spec.unbatched:
     return out[0], None if lse is None else lse[0]
   return out, lse
-
-
-def _cudnn(query, key, value, spec: _spec.CallSpec, mask, *, unsupported, **kwargs):
-  for name, value_ in unsupported.items():
-    if value_ is not None:
-      raise ValueError(f"implementation='cudnn' does not support {name}; use implementation='xla'")
-  if isinstance(mask, masks.Mask):
-    if not isinstance(mask, masks.kinds.FromArray):
-      raise ValueError(
-        f"implementation='cudnn' takes mask only as a boolean array, got "
-        f"{mask!r}; use implementation='xla'"
-      )
-    (mask,) = mask.children
-  if jax.default_backend() != "gpu":
-    raise ValueError(
-      f"implementation='cudnn' needs an NVIDIA GPU; the default backend is "
-      f"{jax.default_backend()!r}"
-    )
-  kwargs.update(scale=spec.scale, return_residual=spec.return_residual)
-  return jax.nn.dot_product_attention(
-    query, key, value, spec.bias, mask, implementation="cudnn", **kwargs
-  )

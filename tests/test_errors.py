@@ -229,7 +229,7 @@ BAD_INPUTS = [
     "unknown_implementation",
     dict(implementation="flash"),
     ValueError,
-    r"implementation must be one of \['blockwise', 'cudnn', 'xla'\] or None, got 'flash'",
+    r"implementation must be one of \['blockwise', 'cudnn', 'splash', 'xla'\] or None, got 'flash'",
   ),
   (
     "unknown_backward",
@@ -254,7 +254,8 @@ BAD_INPUTS = [
     "blocks_with_xla",
     dict(implementation="xla", block_q=64),
     ValueError,
-    r"block_q and block_kv apply only to implementation='blockwise', got implementation='xla'",
+    r"block_q and block_kv apply only to implementation='blockwise' or 'splash', got "
+    r"implementation='xla'",
   ),
   (
     "blocks_with_autodiff",
@@ -382,11 +383,15 @@ def test_table_is_long_enough():
   assert len(BAD_INPUTS) >= 20
 
 
-def test_cudnn_needs_a_gpu():
-  if jax.default_backend() == "gpu":
-    pytest.skip("has a GPU")
-  with pytest.raises(ValueError, match="implementation='cudnn' needs an NVIDIA GPU"):
-    call(implementation="cudnn")
+def test_fused_kernels_need_their_device():
+  bf16 = dict(query=Q.astype(jnp.bfloat16), key=KV.astype(jnp.bfloat16))
+  bf16["value"] = bf16["key"]
+  if jax.default_backend() != "gpu":
+    with pytest.raises(ValueError, match="implementation='cudnn' needs an NVIDIA GPU"):
+      call(implementation="cudnn", **bf16)
+  if jax.default_backend() != "tpu":
+    with pytest.raises(ValueError, match=r"implementation='splash' needs a TPU.*interpret_kernels"):
+      call(implementation="splash", **bf16)
 
 
 # (id, constructor call, exception, message fragment) for the mask and score constructors.

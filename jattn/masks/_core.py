@@ -208,6 +208,15 @@ def all_of(*masks: Mask) -> Mask | None:
   return out
 
 
+def conjuncts(mask: Mask | None) -> list[Mask]:
+  """The masks ``mask`` is the ``&`` of, in order (kernels map each onto their own form)."""
+  if mask is None:
+    return []
+  if isinstance(mask, And):
+    return conjuncts(mask.a) + conjuncts(mask.b)
+  return [mask]
+
+
 def _combined_extents(*masks: Mask) -> Extents:
   out = _indexing.NO_EXTENTS
   for mask in masks:

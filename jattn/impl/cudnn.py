@@ -1,0 +1,117 @@
+"""``implementation="cudnn"``: jax.nn's cuDNN flash-attention kernel, from a jattn call spec.
+
+``jax.nn.dot_product_attention(implementation="cudnn")`` runs NVIDIA's fused kernel (with
+its fused backward) for bfloat16/float16 inputs. It takes jax.nn's masking arguments, so
+:func:`arguments` translates the spec's one combined mask back into them: ``causal()`` into
+``is_causal``, a window into ``local_window_size``, :func:`jattn.masks.lengths` into the
+sequence lengths, dense arrays into ``mask``. Anything else has no cuDNN form
+(:func:`reason`).
+
+Where its semantics differ from jattn's contract, read from jax's
+``_src/cudnn/fused_attention_stablehlo.py``: a boolean mask becomes an additive bias of a
+large negative number, so a row the mask empties returns the mean of the values (jattn:
+zeros); its backward drops the log-sum-exp's cotangent (here the returned log-sum-exp is
+``stop_gradient``-ed, so that is visible rather than silently wrong). ``implementation=None``
+therefore routes to cuDNN only calls where neither can matter (:func:`auto_reason`): no
+bias, no mask array, no lengths, causal or a left window only with T == S (every row keeps
+its diagonal), no ``return_residual``, head dim a multiple of 8 up to 128.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jattn.masks import _core, kinds
+
+BACKWARDS: tuple[str, ...] = ()  # cuDNN's own fused backward
+
+
+def _translate(spec):
+  """(jax.nn masking keywords, None) or (None, why not)."""
+  out: dict = dict(is_causal=False, local_window_size=None, mask=None)
+  arrays, windows = [], []
+  for part in _core.conjuncts(spec.mask):
+    if isinstance(part, kinds.Causal) and part.offset == 0:
+      out["is_causal"] = True
+    elif isinstance(part, kinds.SlidingWindow) and part.dilation == 1:
+      windows.append(part)
+    elif isinstance(part, kinds.Lengths) and "lengths" not in out:
+      out["lengths"] = part
+    elif isinstance(part, kinds.FromArray):
+      arrays.append(part.array)
+    elif isinstance(part, kinds.Segments):
+      return None, "segment_ids (jax.nn's cuDNN call takes none)"
+    else:
+      return None, f"mask {part!r} has no cuDNN form"
+  if len(windows) > 1:
+    return None, "more than one sliding window"
+  if windows:
+    (w,) = windows
+    right = w.right if not out["is_causal"] else (0 if w.right is None or w.right >= 0 else -1)
+    if right != 0:
+      return None, f"mask {w!r}: cuDNN's window is left-only, (pos - left, pos]"
+    if w.left is None:
+      out["is_causal"] = True
+    else:
+      out["local_window_size"] = (w.left, 0)
+  if arrays:
+    mask = arrays[0]
+    for a in arrays[1:]:
+      mask = jnp.logical_and(mask, a)
+    out["mask"] = mask
+  return out, None
+
+
+def reason(spec) -> str | None:
+  """Why jax.nn's cuDNN call cannot express ``spec``; None when it can."""
+  if spec.H % 8 or spec.H > 256:
+    return f"head dim H={spec.H} (cuDNN takes multiples of 8 up to 256)"
+  return _translate(spec)[1]
+
+
+def auto_reason(spec) -> str | None:
+  """Why ``implementation=None`` does not route an expressible ``spec`` to cuDNN."""
+  if spec.H > 128:
+    return f"head dim H={spec.H} > 128 needs a Hopper GPU or later"
+  if spec.bias is not None:
+    return "bias (cuDNN's bias gradient has shape limits; not routed automatically)"
+  if spec.return_residual:
+    return "return_residual (cuDNN's backward drops the log-sum-exp's cotangent)"
+  keywords, _ = _translate(spec)
+  assert keywords is not None
+  if keywords["mask"] is not None or "lengths" in keywords:
+    return "a mask array or lengths can empty rows, which cuDNN fills with the values' mean"
+  if (keywords["is_causal"] or keywords["local_window_size"]) and spec.T != spec.S:
+    return f"causal or windowed with T={spec.T} != S={spec.S}"
+  return None
+
+
+def attention(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
+  """``(out (B, T, N, H), lse (B, T, N))`` from jax.nn's cuDNN kernel; lse is not
+  differentiable (zeros unless ``spec.return_residual``)."""
+  keywords, _ = _translate(spec)
+  assert keywords is not None
+  lengths = keywords.pop("lengths", None)
+  if lengths is not None:
+    B, T, S = spec.B, spec.T, spec.S
+    keywords["query_seq_lengths"] = jnp.broadcast_to(
+      jnp.asarray(T if lengths.q_lengths is None else lengths.q_lengths, jnp.int32), (B,)
+    )
+    keywords["key_value_seq_lengths"] = jnp.broadcast_to(
+      jnp.asarray(S if lengths.kv_lengths is None else lengths.kv_lengths, jnp.int32), (B,)
+    )
+  result = jax.nn.dot_product_attention(
+    query,
+    key,
+    value,
+    spec.bias,
+    scale=spec.scale,
+    implementation="cudnn",
+    return_residual=spec.return_residual,
+    **keywords,
+  )
+  if spec.return_residual:
+    out, lse = result
+    return out, jax.lax.stop_gradient(lse.astype(jnp.float32))
+  return result, jnp.zeros((spec.B, spec.T, spec.N), jnp.float32)
