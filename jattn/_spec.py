@@ -177,7 +177,7 @@ def build(
   call = _select.Call(
     spec=spec,
     dtype=np.dtype(q.dtype),
-    backend=backend or _select.default_backend(),
+    backend=backend or testing.target_backend() or _select.default_backend(),
     backward_named=backward is not None,
     blocks_named=blocks != (None, None),
   )

@@ -294,7 +294,8 @@ def _segment_ids(dynamic, B: int, T: int, S: int, Tp: int, Sp: int):
     valid = jnp.broadcast_to(jnp.arange(padded) < n, (B, padded))
     limit = None if lengths is None else (lengths.q_lengths, lengths.kv_lengths)[axis]
     if limit is not None:
-      valid = valid & (jnp.arange(padded) < jnp.broadcast_to(jnp.asarray(limit), (B,))[:, None])
+      limit = jnp.broadcast_to(jnp.asarray(limit), (B,))[:, None]
+      valid = valid & (jnp.arange(padded)[None, :] < limit)
     ok.append(valid)
   low = jnp.minimum(ids[0].min(), ids[1].min())
   return jnp.where(ok[0], ids[0], low - 1), jnp.where(ok[1], ids[1], low - 2)
