@@ -191,3 +191,38 @@ def test_cudnn_arguments_translate_back_to_jax_nn(monkeypatch):
     out, lse = jattn.dot_product_attention(q, k, v, implementation="cudnn", return_residual=True)
     _, want = jattn.dot_product_attention(q, k, v, implementation="xla", return_residual=True)
     np.testing.assert_allclose(np.float32(lse), np.float32(want), atol=2e-2)
+
+
+def test_the_docs_routing_table_is_what_explain_says():
+  """docs/implementations.md's table of typical calls, cell by cell."""
+  import pathlib
+
+  from jattn import scores
+
+  text = (pathlib.Path(__file__).parents[1] / "docs" / "implementations.md").read_text()
+  start = text.index("| call (B=2, T=S=1024, N=8, H=128) | CPU | GPU | TPU |")
+  rows = [line for line in text[start:].splitlines()[2:] if line.startswith("|")]
+  rows = rows[: next((i for i, r in enumerate(rows) if not r.startswith("| `")), len(rows))]
+  assert len(rows) >= 12
+  env = dict(
+    np=np,
+    masks=masks,
+    scores=scores,
+    ids=IDS,
+    bias=np.zeros((1024, 1024), np.float32),
+    slopes=np.linspace(0.1, 1, 8),
+    fn=lambda b, h, q, k: q >= k,
+    float32=jnp.float32,
+    float16=jnp.float16,
+  )
+  for row in rows:
+    call, *cells = (c.strip() for c in row.strip("|").split("|"))
+    kw = eval(f"dict({call.strip('`')})", env)
+    dtype, length = kw.pop("dtype", jnp.bfloat16), 1024
+    if "T" in kw:
+      length = kw.pop("T")
+      kw.pop("S")
+    q = jax.ShapeDtypeStruct((2, length, 8, 128), dtype)
+    for backend, want in zip(("cpu", "gpu", "tpu"), cells):
+      got = jattn.explain(q, q, q, backend=backend, **kw)
+      assert got.implementation == want, (call, backend, str(got))

@@ -99,7 +99,7 @@ TABLE: dict[str, Implementation] = {
     backwards=cudnn.BACKWARDS,
     masks=(
       "jax.nn's: a boolean array, causal (offset 0), a left window, lengths; auto routes "
-      "only causal/windows with T == S and no lengths (no row is empty)"
+      "only bfloat16 calls with no mask, or causal/left windows with T == S (no empty rows)"
     ),
     dtypes=("bfloat16", "float16"),
     score_fn="cuDNN has no score function",
@@ -224,7 +224,7 @@ def choose(
     return Choice(implementation, backward, "named by the caller", rejected, call.backend)
   fused = FUSED.get(call.backend)
   if fused is not None and (reason := why_not(fused, call)) is None:
-    if not (fused == "cudnn" and (why := cudnn.auto_reason(call.spec))):
+    if not (fused == "cudnn" and (why := cudnn.auto_reason(call.spec, call.dtype))):
       return Choice(
         fused,
         None,
