@@ -108,13 +108,16 @@ QUICK = dict(
 
 
 def attention_fn(method: str, causal: bool):
-  """(q, k, v) -> output, for one method (also "jax.nn/cudnn", which bench_gpu.py times)."""
+  """(q, k, v) -> output, for one method (also "jax.nn/cudnn" and "splash", which
+  bench_gpu.py times on a GPU or TPU)."""
   if method in ("jax.nn", "jax.nn/cudnn"):
     implementation: Literal["cudnn", "xla"] = "cudnn" if method == "jax.nn/cudnn" else "xla"
     return lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=causal, implementation=implementation
     )
-  impl: str | None = {"xla": "xla", "blockwise": "blockwise", "auto": None}[method]
+  impl: str | None = {"xla": "xla", "blockwise": "blockwise", "splash": "splash", "auto": None}[
+    method
+  ]
   return lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
 
 
