@@ -36,6 +36,11 @@ def test_bench_quick(tmp_path):
   assert "| 8 | 48 | True | blockwise |" in out.getvalue()
   saved = list(tmp_path.glob("bench-*-quick.json"))
   assert len(saved) == 1 and json.loads(saved[0].read_text())["timings"] == rows
+  # On an accelerator (not with --quick) it points at bench_gpu.py; on a CPU it says nothing.
+  bench = _load("bench")
+  assert "python -m experiments.bench_gpu" in bench.accelerator_note("gpu", quick=False)
+  assert bench.accelerator_note("tpu", quick=True) is None
+  assert bench.accelerator_note("cpu", quick=False) is None
 
 
 def test_bench_config_file_is_valid():
