@@ -28,6 +28,8 @@ tables and in the JSON's ``*_mb`` fields alike.
     python -m experiments.bench --config configs/bench.yaml   # README's tables
     python -m experiments.bench --lengths 1024 2048 --causal true --methods jax.nn blockwise
     python -m experiments.bench --quick                        # tiny smoke test (CI)
+
+On a GPU or TPU, ``python -m experiments.bench_gpu`` is the benchmark to run.
 """
 
 from __future__ import annotations
@@ -108,13 +110,16 @@ QUICK = dict(
 
 
 def attention_fn(method: str, causal: bool):
-  """(q, k, v) -> output, for one method (also "jax.nn/cudnn", which bench_gpu.py times)."""
+  """(q, k, v) -> output, for one method (also "jax.nn/cudnn" and "splash", which
+  bench_gpu.py times on a GPU or TPU)."""
   if method in ("jax.nn", "jax.nn/cudnn"):
     implementation: Literal["cudnn", "xla"] = "cudnn" if method == "jax.nn/cudnn" else "xla"
     return lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=causal, implementation=implementation
     )
-  impl: str | None = {"xla": "xla", "blockwise": "blockwise", "auto": None}[method]
+  impl: str | None = {"xla": "xla", "blockwise": "blockwise", "splash": "splash", "auto": None}[
+    method
+  ]
   return lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
 
 
@@ -303,6 +308,16 @@ def parse_args(argv=None) -> argparse.Namespace:
   return parser.parse_args(argv)
 
 
+def accelerator_note(backend: str, quick: bool) -> str | None:
+  """The line that points a GPU or TPU user at bench_gpu.py (not for --quick)."""
+  if backend == "cpu" or quick:
+    return None
+  return (
+    f"On a {backend.upper()}, run `python -m experiments.bench_gpu` for the accelerator table "
+    "(cuDNN or splash, bf16 and f32, TFLOP/s and % of peak); this one is sized for a CPU."
+  )
+
+
 def main(argv=None):
   args = parse_args(argv)
   if args.memory_case:  # the child process of memory_grid
@@ -314,6 +329,8 @@ def main(argv=None):
     cfg = load_config(args)
   except ConfigError as e:
     sys.exit(f"python -m experiments.bench: error: {e}")
+  if note := accelerator_note(jax.default_backend(), args.quick):
+    print(note + "\n")
 
   rows, matmul = time_grid(cfg)
   memory = memory_grid(cfg)

@@ -36,6 +36,11 @@ def test_bench_quick(tmp_path):
   assert "| 8 | 48 | True | blockwise |" in out.getvalue()
   saved = list(tmp_path.glob("bench-*-quick.json"))
   assert len(saved) == 1 and json.loads(saved[0].read_text())["timings"] == rows
+  # On an accelerator (not with --quick) it points at bench_gpu.py; on a CPU it says nothing.
+  bench = _load("bench")
+  assert "python -m experiments.bench_gpu" in bench.accelerator_note("gpu", quick=False)
+  assert bench.accelerator_note("tpu", quick=True) is None
+  assert bench.accelerator_note("cpu", quick=False) is None
 
 
 def test_bench_config_file_is_valid():
@@ -254,19 +259,46 @@ def test_bench_delta_quick():
 
 
 def test_bench_gpu_quick(tmp_path):
-  """The GPU benchmark's smoke test runs on any backend: every method timed in both passes,
-  jax.nn's speedup over itself 1, scratch memory read from each compiled program."""
+  """The accelerator benchmark's smoke test runs on any backend: every method the backend
+  runs timed in both passes for full, causal and packed documents, jax.nn's speedup over
+  itself 1, scratch memory read from each compiled program, % of peak where the device is
+  known, and what auto runs (jattn.explain) recorded in every row."""
   from experiments import bench_gpu
 
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
     rows = bench_gpu.main(["--quick", "--json", str(tmp_path / "rows.json")])
+  backend = jax.default_backend()
   methods = {r["method"] for r in rows}
   assert {"jax.nn", "xla", "blockwise", "auto"} <= methods
-  assert ("jax.nn/cudnn" in methods) == (jax.default_backend() == "gpu")
+  assert ("jax.nn/cudnn" in methods) == (backend == "gpu")
+  assert ("splash" in methods) == (backend == "tpu")
+  assert {r["mask"] for r in rows} == {"full", "causal", "packed"}
+  peak = bench_gpu.peak_tflops(jax.devices()[0].device_kind, "float32")
   for r in rows:
     assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["fwd_bwd_scratch_mb"] >= 0
+    assert r["causal"] == (r["mask"] != "full")
     if r["method"] == "jax.nn":
       assert r["fwd_speedup"] == 1.0 and r["fwd_bwd_speedup"] == 1.0
+    assert "fwd_pct_peak" in r and "fwd_bwd_pct_peak" in r
+    if r["dtype"] == "float32":
+      assert (r["fwd_bwd_pct_peak"] is None) == (peak is None)
+    assert r["auto_runs"]["implementation"] in ("xla", "blockwise", "splash", "cudnn")
+    assert r["auto_runs"]["reason"]
+    if r["mask"] == "packed":  # the quick run's 3 documents per row, lengths summing to T
+      assert [len(d) for d in r["doc_lengths"]] == [3] and sum(r["doc_lengths"][0]) == r["T"]
   assert json.loads((tmp_path / "rows.json").read_text()) == rows
-  assert "| float32 | 32 | True | blockwise |" in out.getvalue()
+  text = out.getvalue()
+  assert "| float32 | 32 | causal | blockwise |" in text
+  assert "| float32 | 32 | packed | auto |" in text
+  assert f"- float32, T=32, packed: {rows[-1]['auto_runs']['implementation']} (" in text
+  if backend == "cpu":
+    assert "note: skipping jax.nn/cudnn: it runs on GPU only" in text and "% peak" not in text
+  # The peak table: first match wins, unknown devices get None.
+  assert bench_gpu.peak_tflops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4
+  assert bench_gpu.peak_tflops("NVIDIA H200", "float32") == 494.7
+  assert bench_gpu.peak_tflops("NVIDIA A100-SXM4-40GB", "float32") == 156.0
+  assert bench_gpu.peak_tflops("TPU v5 lite", "bfloat16") == 197.0
+  assert bench_gpu.peak_tflops("TPU v5", "bfloat16") == 459.0
+  assert bench_gpu.peak_tflops("TPU v4 lite", "bfloat16") is None
+  assert bench_gpu.peak_tflops("cpu", "float32") is None
