@@ -236,6 +236,20 @@ def seq_lengths(name, lengths, B):
   return lengths
 
 
+def sinks(sinks, N: int):
+  """Per-head sink logits: a floating array of shape (N,); None stays None."""
+  if sinks is None:
+    return None
+  sinks = as_array("sinks", sinks)
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise TypeError(f"sinks must have a floating dtype, got {sinks.dtype}")
+  if sinks.shape != (N,):
+    raise ValueError(
+      f"sinks must have shape (N,)=({N},), one logit per query head, got {sinks.shape}"
+    )
+  return sinks
+
+
 def tile_sizes(implementation, block_q, block_kv) -> tuple[int | None, int | None]:
   """Tile sizes checked; they exist only for the tiled implementations, "blockwise" and
   "splash" (with implementation=None they exclude the others, see _select.choose)."""

@@ -236,6 +236,7 @@ def attend(
   cache,
   num_new,
   sow_weights: bool,
+  sinks=None,
   **options,
 ):
   """Attention over projected heads: RoPE, then the KV cache or plain attention.
@@ -244,6 +245,7 @@ def attend(
     query: (B, T, N, H) or (T, N, H), after the projection (and q/k norm).
     key, value: (B, S, K, H) or (S, K, H).
     cache: a :class:`jattn.decode.KVCache` to decode with, or None.
+    sinks: the module's per-head sink logits (N,), or None.
     options: the module's keywords of :func:`jattn.dot_product_attention` (dropout,
       implementation, backward, tiles), passed on as they are.
 
@@ -255,12 +257,14 @@ def attend(
     if rope is not None:
       pos = decode.positions(cache, query.shape[1])
       query, key = rope(query, pos), rope(key, pos)
-    out, cache = decode.attention(query, key, value, cache, num_new=num_new, mask=mask, **options)
+    out, cache = decode.attention(
+      query, key, value, cache, num_new=num_new, mask=mask, sinks=sinks, **options
+    )
     return out, None, cache
   if rope is not None:
     pos = jnp.arange(query.shape[-3], dtype=jnp.int32) if positions is None else positions
     query, key = rope(query, pos), rope(key, pos)
-  kwargs = dict(is_causal=bool(is_causal), segment_ids=segment_ids)
+  kwargs = dict(is_causal=bool(is_causal), segment_ids=segment_ids, sinks=sinks)
   weights = None
   if sow_weights:
     options["implementation"] = "xla"
@@ -345,6 +349,7 @@ def make_attention_fn(sow: Callable, collection: str, module_name: str) -> Calla
     block_kv: int | None = None,
     logits_soft_cap: float | None = None,
     score_fn: Callable | None = None,
+    sinks=None,
   ):
     arrays = [query, key, value]
     for name, x in zip(("query", "key", "value"), arrays):
@@ -376,7 +381,7 @@ def make_attention_fn(sow: Callable, collection: str, module_name: str) -> Calla
     elif dropout_rng is None:
       raise ValueError(f"dropout_rate={rate} with deterministic=False needs dropout_rng")
     kwargs: dict[str, Any] = dict(
-      is_causal=bool(is_causal), logits_soft_cap=logits_soft_cap, score_fn=score_fn
+      is_causal=bool(is_causal), logits_soft_cap=logits_soft_cap, score_fn=score_fn, sinks=sinks
     )
     with _precision_context(precision):
       if module is not None:
@@ -422,7 +427,7 @@ def _adapter_doc(collection: str) -> str:
   ``dtype``, ``precision``, ``module``, ``is_causal``) with Flax's meanings,
   plus jattn's own settings, bound with ``functools.partial``:
   ``implementation``, ``backward``, ``block_q``, ``block_kv``,
-  ``logits_soft_cap``, ``score_fn``.
+  ``logits_soft_cap``, ``score_fn``, ``sinks`` (per-head sink logits (N,)).
 
   Differences from Flax's default: a query row whose mask allows nothing
   returns zeros (Flax returns the mean of the values); dropout draws its

@@ -40,7 +40,7 @@ from jattn.impl import splash as _splash
 
 @functools.partial(
   jax.tree_util.register_dataclass,
-  data_fields=["bias", "mask", "score_fn", "dropout_rng"],
+  data_fields=["bias", "mask", "score_fn", "dropout_rng", "sinks"],
   meta_fields=[
     "B",
     "T",
@@ -90,6 +90,7 @@ class CallSpec:
   block_kv: int
   return_residual: bool
   interpret: bool = False  # Pallas kernels in interpret mode (jattn.testing.interpret_kernels)
+  sinks: Any = None  # None, or per-head sink logits (N,), a floating array
   static_mask: Any = None  # splash: the conjuncts it tabulates, static (mask keeps the rest)
 
   @property
@@ -120,6 +121,7 @@ def build(
   backward=None,
   block_q=None,
   block_kv=None,
+  sinks=None,
   backend=None,
   explain=False,
 ):
@@ -152,6 +154,7 @@ def build(
     )
   )
   dropout_rate = _checks.dropout(dropout_rate, dropout_rng)
+  sinks = _checks.sinks(sinks, N)
   spec = CallSpec(
     B=B,
     T=T,
@@ -173,6 +176,7 @@ def build(
     block_kv=blocks[1],  # type: ignore[arg-type]
     return_residual=bool(return_residual),
     interpret=testing.interpreting(),
+    sinks=sinks,
   )
   call = _select.Call(
     spec=spec,

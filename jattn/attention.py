@@ -31,7 +31,7 @@ import chex
 import jax
 
 from jattn import _spec, masks
-from jattn.impl import blockwise, cudnn, splash, xla
+from jattn.impl import _common, blockwise, cudnn, splash, xla
 from jattn.impl._select import (  # noqa: F401  # public names of the table
   AUTO_BLOCKWISE_BYTES,
   BACKENDS,
@@ -65,6 +65,7 @@ def dot_product_attention(
   backward: str | None = None,
   block_q: int | None = None,
   block_kv: int | None = None,
+  sinks: jax.typing.ArrayLike | None = None,
 ):
   r"""Scaled dot-product attention; a drop-in superset of ``jax.nn.dot_product_attention``.
 
@@ -128,6 +129,12 @@ def dot_product_attention(
       :data:`jattn.impl.blockwise.DEFAULT_BLOCKS`; any T and S work) or of
       ``"splash"`` (multiples of 128, default 512 capped to the lengths
       rounded up to 128; lengths that are not whole tiles are padded).
+    sinks: optional per-head logits, a float array (N,), differentiable
+      (attention sinks, as in gpt-oss and StreamingLLM): each row's softmax
+      gets one more logit ``sinks[n]`` with no value, so
+      ``out = Σ_j exp(s_j) v_j / (Σ_j exp(s_j) + exp(sinks[n]))`` and the
+      log-sum-exp includes it. A row the mask empties returns zeros and its
+      log-sum-exp is the sink.
 
   Returns:
     The output, shaped and typed like ``query``; with ``return_residual``, the
@@ -158,6 +165,7 @@ def dot_product_attention(
     backward=backward,
     block_q=block_q,
     block_kv=block_kv,
+    sinks=sinks,
   )
   out, lse = _attend(q, k, v, spec)
   return (out, lse) if return_residual else out
@@ -177,13 +185,15 @@ def attention_weights(
   segment_ids: Any = None,
   score_fn: Callable | None = None,
   logits_soft_cap: float | None = None,
+  sinks: jax.typing.ArrayLike | None = None,
 ) -> jax.Array:
   """The attention probabilities ``dot_product_attention`` applies, for inspection.
 
   Takes the arguments of :func:`dot_product_attention` that shape the
   probabilities (no value, no dropout) with the same meanings, and returns the
   materialised softmax, shape (B, N, T, S) (or (N, T, S) unbatched), in the
-  query's dtype. Rows that may attend to nothing are zeros. It materialises
+  query's dtype. Rows that may attend to nothing are zeros; with ``sinks`` the
+  sink's share is left out, so rows sum to less than 1. It materialises
   the full score matrix: use it to look at weights, not to compute attention.
   Differentiable.
 
@@ -211,6 +221,7 @@ def attention_weights(
     segment_ids=segment_ids,
     score_fn=score_fn,
     logits_soft_cap=logits_soft_cap,
+    sinks=sinks,
   )
   return _weights(q, k, spec)
 
@@ -288,6 +299,7 @@ def _attend(query, key, value, spec: _spec.CallSpec):
   dims = chex.Dimensions(B=spec.B, T=spec.T, S=spec.S, N=spec.N, K=spec.K, H=spec.H)
   chex.assert_shape(query, dims["BTNH"])
   chex.assert_shape([key, value], dims["BSKH"])
+  sinks_done = False  # splash's kernel takes the sinks itself
   match spec.implementation:
     case "xla":
       out, lse = xla.attention(query, key, value, spec)
@@ -297,12 +309,15 @@ def _attend(query, key, value, spec: _spec.CallSpec):
       out, lse = xla.attention(query, key, value, dataclasses.replace(spec, backward="autodiff"))
     case "splash" if all(spec.bnts) and spec.H:
       out, lse = splash.attention(query, key, value, spec)
+      sinks_done = True
     case "splash":  # nothing for the kernel to do; same contract
       out, lse = xla.attention(query, key, value, dataclasses.replace(spec, backward="autodiff"))
     case "cudnn":
       out, lse = cudnn.attention(query, key, value, spec)
     case _:
       raise ValueError(f"unknown implementation {spec.implementation!r}")
+  if spec.sinks is not None and not sinks_done:
+    out, lse = _common.add_sinks(out, lse, spec.sinks, _common.stats_dtype(query.dtype))
   chex.assert_shape(lse, dims["BTN"])
   lse = lse.astype(query.dtype) if spec.return_residual else None
   if spec.unbatched:

@@ -171,6 +171,7 @@ def attention(
   block_q: int | None = None,
   block_kv: int | None = None,
   return_residual: bool = False,
+  sinks: jax.typing.ArrayLike | None = None,
 ):
   """Causal attention of t new tokens over the cache, after writing their keys and values.
 
@@ -189,7 +190,8 @@ def attention(
       past ``num_new[b]`` are padding and return zeros.
     scale, score_fn, logits_soft_cap, dropout_rate, dropout_rng: as in
       :func:`jattn.dot_product_attention`, and so are broadcast_dropout,
-      implementation, backward, block_q, block_kv and return_residual.
+      implementation, backward, block_q, block_kv, return_residual and
+      sinks (per-head sink logits (N,)).
       ``score_fn`` sees ``q_idx`` within the chunk and ``kv_idx`` as the
       cache slot (see the module docstring).
       ``"cudnn"`` is not available: the cache mask is an index mask.
@@ -237,6 +239,7 @@ def attention(
     backward=backward,
     block_q=block_q,
     block_kv=block_kv,
+    sinks=sinks,
   )
   return out, new_cache
 

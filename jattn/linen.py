@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jattn import _flax, positional
+from jattn import _checks, _flax, positional
 from jattn import decode as _decode
 
 default_kernel_init = nn.initializers.lecun_normal()
@@ -61,6 +61,8 @@ class MultiHeadAttention(nn.Module):
   backward: str | None = None
   block_q: int | None = None
   block_kv: int | None = None
+  sinks: bool = False
+  sinks_init: Any = nn.initializers.zeros_init()
   dtype: Any = None
   param_dtype: Any = jnp.float32
   precision: Any = None
@@ -175,11 +177,15 @@ class MultiHeadAttention(nn.Module):
     )
     if not deterministic and dropout_rng is None:
       dropout_rng = self.make_rng("dropout")
+    sinks = None
+    if _checks.boolean("sinks", self.sinks):
+      sinks = self.param("sinks", self.sinks_init, (heads.num_heads,), self.param_dtype)
     out, weights, new_cache = _flax.attend(
       query,
       key,
       value,
       heads=heads,
+      sinks=sinks,
       is_causal=self.is_causal or (decode is True and cache is None),
       rope=self.rope,
       positions=positions,

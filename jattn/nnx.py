@@ -56,6 +56,10 @@ class MultiHeadAttention(nnx.Module):
       Flax's ``normalize_qk=True``), or False.
     implementation, backward, block_q, block_kv: as in
       :func:`jattn.dot_product_attention`.
+    sinks: learn one sink logit per query head (``self.sinks``, shape
+      (num_heads,)), passed as ``sinks`` to the attention call: each head may
+      put weight on "nothing" (gpt-oss, StreamingLLM). ``sinks_init``
+      initialises it (zeros by default).
     dtype: computation dtype (default: inferred); param_dtype: parameter dtype.
     precision, kernel_init, bias_init, out_kernel_init: of the projections.
     rngs: ``nnx.Rngs`` for the parameters and, with dropout, a ``dropout`` stream.
@@ -98,6 +102,8 @@ class MultiHeadAttention(nnx.Module):
     backward: str | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
+    sinks: bool = False,
+    sinks_init: Any = nnx.initializers.zeros_init(),
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
     precision: Any = None,
@@ -156,6 +162,11 @@ class MultiHeadAttention(nnx.Module):
     self.query = linear(in_features, (heads.num_heads, H))
     self.key = linear(self.in_kv_features, (heads.num_kv_heads, H))
     self.value = linear(self.in_kv_features, (heads.num_kv_heads, H))
+    self.sinks = (
+      nnx.Param(sinks_init(rngs.params(), (heads.num_heads,), param_dtype))
+      if _checks.boolean("sinks", sinks)
+      else nnx.data(None)
+    )
     norm = {
       "rms": nnx.RMSNorm,
       "layernorm": functools.partial(nnx.LayerNorm, use_bias=False),
@@ -298,6 +309,7 @@ class MultiHeadAttention(nnx.Module):
       backward=self.backward,
       block_q=self.block_q,
       block_kv=self.block_kv,
+      sinks=None if self.sinks is None else self.sinks[...],
       sow_weights=bool(sow_weights),
     )
     if weights is not None:

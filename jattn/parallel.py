@@ -178,6 +178,7 @@ def ring_attention(
   block_q: int | None = None,
   block_kv: int | None = None,
   return_residual: bool = False,
+  sinks: jax.typing.ArrayLike | None = None,
 ):
   """Attention with the sequence sharded over mesh axis ``axis_name`` (ring attention).
 
@@ -220,6 +221,8 @@ def ring_attention(
       (default per backend); any shard length works.
     return_residual: also return the log-sum-exp, (B, T, N), sharded like
       the output.
+    sinks: per-head sink logits (N,), as in :func:`jattn.dot_product_attention`;
+      applied once the ring has combined every shard's keys.
 
   Returns:
     The output (B, T, N, H) in the query's dtype, sharded like the query
@@ -250,6 +253,7 @@ def ring_attention(
     logits_soft_cap=logits_soft_cap,
     block_q=block_q,
     block_kv=block_kv,
+    sinks=sinks,
   )
   if spec.unbatched:
     raise ValueError(
@@ -299,6 +303,8 @@ def ring_attention(
     _axes_or_none(head_axes),
   )
   out, lse = _ring_call(q, k, v, q_ids, kv_ids, spec.mask, ring=ring, mesh=mesh)
+  if spec.sinks is not None:
+    out, lse = _common.add_sinks(out, lse, spec.sinks, lse.dtype)
   if return_residual:
     return out, lse.astype(q.dtype)
   return out

@@ -169,6 +169,23 @@ def log_sum_exp(m: jax.Array, l: jax.Array) -> jax.Array:
   return jnp.where(l > 0, m + jnp.log(safe_total(l)), -jnp.inf)
 
 
+def add_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array, dtype) -> tuple:
+  """``(out, lse)`` of attention over the keys, (B, T, N, H) and (B, T, N), turned into
+  attention with one more logit per head, ``sinks`` (N,), that has no value:
+
+      lse' = log(exp(lse) + exp(sink)),   out' = out · exp(lse - lse').
+
+  Rows with nothing to attend to (lse = -inf) get out' = 0 and lse' = sink. Exact up to
+  rounding in ``dtype`` (the statistics dtype); differentiable in all three through the
+  implementation's log-sum-exp. out' is returned in out's dtype.
+  """
+  lse = lse.astype(dtype)
+  sink = jnp.broadcast_to(sinks.astype(dtype), lse.shape)
+  keep = jax.nn.sigmoid(lse - sink)  # exp(lse - lse'), 0 for an empty row
+  new_out = (out.astype(dtype) * keep[..., None]).astype(out.dtype)
+  return new_out, jnp.logaddexp(lse, sink)
+
+
 def reduce_to_shape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """Sum ``x`` over the axes where ``shape`` has size 1 (the transpose of broadcasting)."""
   axes = tuple(i for i, (n, m) in enumerate(zip(shape, x.shape)) if n == 1 and m != 1)

@@ -48,6 +48,7 @@ class Implementation:
   soft_cap: str | None = None
   dropout: str | None = None
   residual: str | None = None  # return_residual with a differentiable log-sum-exp
+  sinks: str | None = None
   tiles: bool = False  # takes block_q / block_kv
   check: Callable[[Call], str | None] | None = None  # masks, head dims, lengths, tiles
 
@@ -105,6 +106,7 @@ TABLE: dict[str, Implementation] = {
     score_fn="cuDNN has no score function",
     soft_cap="cuDNN has no soft cap",
     dropout="jax.nn's cuDNN call has no dropout",
+    sinks="jax.nn's cuDNN call has no sinks",
     check=lambda call: cudnn.reason(call.spec),
   ),
 }
@@ -186,6 +188,7 @@ def why_not(name: str, call: Call, *, interpret: bool = False) -> str | None:
     (row.soft_cap, s.score_fn is not None, "logits_soft_cap"),
     (row.dropout, s.dropout_rate > 0, "dropout_rate > 0"),
     (row.residual, s.return_residual, "return_residual"),
+    (row.sinks, s.sinks is not None, "sinks"),
   )
   for reason, used, feature in features:
     if reason is not None and used:

@@ -347,12 +347,16 @@ def attention(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
   if K == 1:
     k, v = k[:, 0], v[:, 0]
 
-  def run(save_residuals, q, k, v, ids):
-    # The kernel (its mask tables are arrays) and the sinks are made where they are used:
-    # a custom_vjp's backward is traced apart from its forward and may not close over
-    # the forward's values.
+  # The user's sinks, or the one that keeps empty rows at zero; never below _SINK, so an
+  # empty row's weight goes to the sink rather than to the kernel's masked logits.
+  sinks = jnp.full((N,), _SINK, jnp.float32)
+  if spec.sinks is not None:
+    sinks = jnp.maximum(spec.sinks.astype(jnp.float32), _SINK)
+
+  def run(save_residuals, q, k, v, ids, sinks):
+    # The kernel (its mask tables are arrays) is made where it is used: a custom_vjp's
+    # backward is traced apart from its forward and may not close over the forward's values.
     kernel = make(mask, save_residuals=save_residuals, **settings)
-    sinks = jnp.full((N,), _SINK, jnp.float32)
 
     def one(q, k, v, ids):
       segment_ids = None if ids is None else kernel_lib.SegmentIds(*ids)
@@ -361,41 +365,47 @@ def attention(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
     return jax.vmap(one)(q, k, v, ids)
 
   if spec.return_residual:
-    out, lse = _with_lse(functools.partial(run, False), functools.partial(run, True), q, k, v, ids)
+    run_plain, run_residual = functools.partial(run, False), functools.partial(run, True)
+    out, lse = _with_lse(run_plain, run_residual, q, k, v, ids, sinks)
   else:
-    out, lse = run(False, q, k, v, ids), None
+    out, lse = run(False, q, k, v, ids, sinks), None
   out = out[:, :, :T].transpose(0, 2, 1, 3)
   if lse is None:
     lse = jnp.zeros((B, T, N), jnp.float32)  # not returned (return_residual=False)
   else:
     lse = lse[:, :, :T].transpose(0, 2, 1)
-    lse = jnp.where(lse < _EMPTY_BELOW, -jnp.inf, lse)
+    lse = jnp.where(lse < _EMPTY_BELOW, -jnp.inf, lse)  # no sink (or a sink of about -inf)
   return out, lse
 
 
-def _with_lse(run, run_residual, q, k, v, ids):
-  """``run_residual(q, k, v, ids) -> (out, (lse,))`` made differentiable in both outputs."""
+def _with_lse(run, run_residual, q, k, v, ids, sinks):
+  """``run_residual(q, k, v, ids, sinks) -> (out, (lse,))`` made differentiable in both
+  outputs."""
 
   @jax.custom_vjp
-  def f(q, k, v, ids):
-    out, (lse,) = run_residual(q, k, v, ids)
+  def f(q, k, v, ids, sinks):
+    out, (lse,) = run_residual(q, k, v, ids, sinks)
     return out, lse
 
-  def fwd(q, k, v, ids):
-    return f(q, k, v, ids), (q, k, v, ids)
+  def fwd(q, k, v, ids, sinks):
+    out, lse = f(q, k, v, ids, sinks)
+    return (out, lse), (q, k, v, ids, sinks, lse)
 
   def bwd(res, cotangents):
-    q, k, v, ids = res
+    q, k, v, ids, sinks, lse = res
     d_out, d_lse = cotangents
-    _, vjp = jax.vjp(lambda q, k, v: run(q, k, v, ids), q, k, v)
-    dq, dk, dv = vjp(d_out)
-    # lse_i = log sum_j exp(q_i . k_j): d/dq_i = sum_j p_ij k_j (attention with the keys as
-    # values), d/dk_j = sum_i p_ij q_i d_lse_i (that attention's value-gradient).
-    d_lse = d_lse.astype(jnp.float32)[..., None]
-    k_as_v, vjp_v = jax.vjp(lambda kv: run(q, k, kv, ids), k)
-    dq = dq + (d_lse * k_as_v.astype(jnp.float32)).astype(dq.dtype)
-    (dk_lse,) = vjp_v((d_lse * q.astype(jnp.float32)).astype(q.dtype))
-    return dq, dk + dk_lse, dv, None
+    _, vjp = jax.vjp(lambda q, k, v, sinks: run(q, k, v, ids, sinks), q, k, v, sinks)
+    dq, dk, dv, d_sinks = vjp(d_out)
+    # lse_i = log(sum_j exp(q_i . k_j) + exp(sink)): d/dq_i = sum_j p_ij k_j (attention with
+    # the keys as values), d/dk_j = sum_i p_ij q_i d_lse_i (that attention's value-gradient),
+    # d/dsink = exp(sink - lse_i).
+    d_lse = d_lse.astype(jnp.float32)
+    k_as_v, vjp_v = jax.vjp(lambda kv: run(q, k, kv, ids, sinks), k)
+    dq = dq + (d_lse[..., None] * k_as_v.astype(jnp.float32)).astype(dq.dtype)
+    (dk_lse,) = vjp_v((d_lse[..., None] * q.astype(jnp.float32)).astype(q.dtype))
+    p_sink = jnp.exp(sinks[None, :, None] - lse.astype(jnp.float32))  # (B, N, Tp)
+    d_sinks = d_sinks + (d_lse * p_sink).sum(axis=(0, 2))
+    return dq, dk + dk_lse, dv, None, d_sinks
 
   f.defvjp(fwd, bwd)
-  return f(q, k, v, ids)
+  return f(q, k, v, ids, sinks)

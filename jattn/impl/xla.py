@@ -80,7 +80,11 @@ def weights(query, key, spec: CallSpec) -> jax.Array:
   s = _common.logits(_common.group_heads(query, key.shape[2]), key, spec.bias, spec.scale)
   if spec.score_fn is not None:
     s = spec.score_fn(s, *grid)
-  return _common.softmax(s, keep)[0].astype(query.dtype)
+  p, m, l = _common.softmax(s, keep)
+  if spec.sinks is not None:  # each row's share of the keys; the sink's share is left out
+    lse = _common.log_sum_exp(m, l)
+    p = p * jax.nn.sigmoid(lse - spec.sinks.astype(lse.dtype)[None, :, None, None])
+  return p.astype(query.dtype)
 
 
 def _forward(query, key, value, bias, keep, drop, modify, consts, scale, dropout_rate):
