@@ -156,7 +156,8 @@ def prng_key(name: str, rng: Any) -> None:
 
 
 def qkv(query: Any, key: Any, value: Any):
-  """Query (B, T, N, H) or (T, N, H), key and value (B, S, K, H) or (S, K, H), as arrays.
+  """Query (B, T, N, H) or (T, N, H), key (B, S, K, H) or (S, K, H), value (B, S, K, Hv) or
+  (S, K, Hv) with a head dimension of its own, as arrays.
 
   One floating dtype for all three, N a multiple of K; the layout of
   ``jax.nn.dot_product_attention``, shared by every attention function.
@@ -175,9 +176,10 @@ def qkv(query: Any, key: Any, value: Any):
   layout = "(B, S, K, H)" if q.ndim == 4 else "(S, K, H)"
   if k.ndim != q.ndim:
     raise ValueError(f"key must have shape {layout} to match query {q.shape}, got {k.shape}")
-  if k.shape != v.shape:
+  if v.ndim != k.ndim or k.shape[:-1] != v.shape[:-1]:
     raise ValueError(
-      f"key and value must have the same shape, got key {k.shape} and value {v.shape}"
+      f"key and value must have the same shape but for the head dimension, got key "
+      f"{k.shape} and value {v.shape}"
     )
   if q.shape[-1] != k.shape[-1]:
     raise ValueError(

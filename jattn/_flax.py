@@ -37,6 +37,11 @@ class Heads:
   head_dim: int  # H
   qkv_features: int  # N·H
   out_features: int
+  value_head_dim: int = 0  # Hv (set to H when not given)
+
+  def __post_init__(self):
+    if not self.value_head_dim:
+      object.__setattr__(self, "value_head_dim", self.head_dim)
 
 
 def check_config(
@@ -57,6 +62,7 @@ def check_config(
   backward,
   block_q,
   block_kv,
+  value_head_dim=None,
 ) -> Heads | None:
   """Every constructor argument of the modules, checked; raises with a clear message.
 
@@ -83,6 +89,8 @@ def check_config(
     raise ValueError(f"normalize_qk must be one of {list(NORMALIZE_QK)}, got {normalize_qk!r}")
   _select.check_choices(implementation, backward)
   _checks.tile_sizes(implementation, block_q, block_kv)
+  if value_head_dim is not None:
+    value_head_dim = _checks.integer("value_head_dim", value_head_dim, minimum=1)
   out_features = (
     in_features
     if out_features is None
@@ -101,7 +109,7 @@ def check_config(
       rope.check_head_dim(head_dim)
     except ValueError as e:
       raise ValueError(f"rope: {e} (head_dim = qkv_features // num_heads = {head_dim})") from None
-  return Heads(num_heads, num_kv_heads, head_dim, qkv_features, out_features)
+  return Heads(num_heads, num_kv_heads, head_dim, qkv_features, out_features, value_head_dim or 0)
 
 
 def qk_norm_kind(normalize_qk) -> str | None:
@@ -274,7 +282,14 @@ def attend(
 
 
 def init_cache(heads: Heads, batch_size: int, max_length: int, dtype) -> decode.KVCache:
-  return decode.init(batch_size, max_length, heads.num_kv_heads, heads.head_dim, dtype=dtype)
+  return decode.init(
+    batch_size,
+    max_length,
+    heads.num_kv_heads,
+    heads.head_dim,
+    dtype=dtype,
+    value_head_dim=heads.value_head_dim,
+  )
 
 
 # --- attention_fn adapters ------------------------------------------------------

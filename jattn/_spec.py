@@ -48,6 +48,7 @@ from jattn.impl import splash as _splash
     "N",
     "K",
     "H",
+    "Hv",
     "unbatched",
     "scale",
     "dropout_rate",
@@ -75,7 +76,8 @@ class CallSpec:
   S: int  # key/value length
   N: int  # query heads
   K: int  # key/value heads
-  H: int  # head dimension
+  H: int  # head dimension of query and key
+  Hv: int  # head dimension of value and output (H unless value says otherwise)
   unbatched: bool  # inputs came as (T, N, H): the core adds and drops the batch axis
   bias: Any  # None, or a float array broadcastable to (B, N, T, S); rank 4 in the core
   mask: masks.Mask | None  # every way of masking, combined
@@ -162,6 +164,7 @@ def build(
     N=N,
     K=K,
     H=H,
+    Hv=H if value is None else v.shape[-1],
     unbatched=unbatched,
     bias=bias,
     mask=combined_mask(mask, is_causal, window, lengths, segment_ids, unbatched, (B, N, T, S)),

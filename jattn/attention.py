@@ -296,9 +296,10 @@ def _attend(query, key, value, spec: _spec.CallSpec):
   if spec.unbatched:
     query, key, value = query[None], key[None], value[None]
   spec = _rank4(spec)
-  dims = chex.Dimensions(B=spec.B, T=spec.T, S=spec.S, N=spec.N, K=spec.K, H=spec.H)
+  dims = chex.Dimensions(B=spec.B, T=spec.T, S=spec.S, N=spec.N, K=spec.K, H=spec.H, V=spec.Hv)
   chex.assert_shape(query, dims["BTNH"])
-  chex.assert_shape([key, value], dims["BSKH"])
+  chex.assert_shape(key, dims["BSKH"])
+  chex.assert_shape(value, dims["BSKV"])
   sinks_done = False  # splash's kernel takes the sinks itself
   match spec.implementation:
     case "xla":

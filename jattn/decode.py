@@ -69,7 +69,8 @@ class KVCache(NamedTuple):
 
   Attributes:
     key: (B, max_length, K, H); slots at or past ``lengths[b]`` are unused.
-    value: (B, max_length, K, H), same dtype as key.
+    value: (B, max_length, K, Hv), same dtype as key; Hv is H unless the cache
+      was made with ``value_head_dim``.
     lengths: (B,) int32, the number of tokens written to each row.
   """
 
@@ -84,9 +85,16 @@ class KVCache(NamedTuple):
 
 
 def init(
-  batch_size: int, max_length: int, num_kv_heads: int, head_dim: int, *, dtype: Any = jnp.float32
+  batch_size: int,
+  max_length: int,
+  num_kv_heads: int,
+  head_dim: int,
+  *,
+  dtype: Any = jnp.float32,
+  value_head_dim: int | None = None,
 ) -> KVCache:
-  """An empty cache: zero keys and values of shape (B, max_length, K, H), lengths 0."""
+  """An empty cache: zero keys (B, max_length, K, H) and values (B, max_length, K, Hv),
+  lengths 0; Hv is ``value_head_dim``, default ``head_dim``."""
   B, S, K, H = (
     _checks.integer(name, n, minimum=1)
     for name, n in (
@@ -96,14 +104,16 @@ def init(
       ("head_dim", head_dim),
     )
   )
+  Hv = H if value_head_dim is None else _checks.integer("value_head_dim", value_head_dim, minimum=1)
   try:
     dtype = np.dtype(dtype)
   except TypeError:
     raise TypeError(f"dtype must be a floating dtype, got {dtype!r}") from None
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(f"dtype must be a floating dtype, got {dtype}")
-  zeros = jnp.zeros((B, S, K, H), dtype)
-  return KVCache(zeros, zeros, jnp.zeros((B,), jnp.int32))
+  return KVCache(
+    jnp.zeros((B, S, K, H), dtype), jnp.zeros((B, S, K, Hv), dtype), jnp.zeros((B,), jnp.int32)
+  )
 
 
 def positions(cache: KVCache, num_new: int) -> jax.Array:
@@ -276,9 +286,10 @@ def _check_cache(cache) -> None:
     raise ValueError(
       f"cache.key must have shape (B, max_length, K, H) with max_length >= 1, got {k.shape}"
     )
-  if v.shape != k.shape:
+  if v.ndim != 4 or v.shape[:3] != k.shape[:3]:
     raise ValueError(
-      f"cache.key and cache.value must have the same shape, got {k.shape} and {v.shape}"
+      f"cache.key and cache.value must have the same shape but for the head dimension, got "
+      f"{k.shape} and {v.shape}"
     )
   if v.dtype != k.dtype:
     raise TypeError(
@@ -307,14 +318,21 @@ def _check_new(
   for name, x in (("key", key), ("value", value)):
     if x.ndim != 4:
       raise ValueError(f"{name} must have shape {layout} like the cache, got {x.shape}")
-  if key.shape != value.shape:
+  if key.shape[:3] != value.shape[:3]:
     raise ValueError(
-      f"key and value must have the same shape, got key {key.shape} and value {value.shape}"
+      f"key and value must have the same shape but for the head dimension, got key "
+      f"{key.shape} and value {value.shape}"
     )
   if (key.shape[0], key.shape[2], key.shape[3]) != (B, K, H):
     raise ValueError(
       f"key and value must have shape {layout} to match the cache's "
       f"{cache.key.shape}, got {key.shape}"
+    )
+  Hv = cache.value.shape[3]
+  if value.shape[3] != Hv:
+    raise ValueError(
+      f"value must have shape (B, t, K, Hv)=({B}, t, {K}, {Hv}) to match the cache's "
+      f"{cache.value.shape}, got {value.shape}"
     )
   t = key.shape[1]
   if not 1 <= t <= S:

@@ -123,6 +123,11 @@ def linear_attention(
     The output, shaped and typed like ``query``.
   """
   q, k, v = _checks.qkv(query, key, value)
+  if k.shape != v.shape:
+    raise ValueError(
+      f"key and value must have the same shape for linear_attention, got key {k.shape} "
+      f"and value {v.shape}"
+    )
   H = q.shape[-1]
   T, S = q.shape[-3], k.shape[-3]
   is_causal = _checks.boolean("is_causal", is_causal)

@@ -63,6 +63,7 @@ class MultiHeadAttention(nn.Module):
   block_kv: int | None = None
   sinks: bool = False
   sinks_init: Any = nn.initializers.zeros_init()
+  value_head_dim: int | None = None
   dtype: Any = None
   param_dtype: Any = jnp.float32
   precision: Any = None
@@ -91,6 +92,7 @@ class MultiHeadAttention(nn.Module):
       backward=self.backward,
       block_q=self.block_q,
       block_kv=self.block_kv,
+      value_head_dim=self.value_head_dim,
     )
 
   @nn.compact
@@ -126,7 +128,7 @@ class MultiHeadAttention(nn.Module):
     )
     query = dense(features=(N, H), name="query")(inputs_q)
     key = dense(features=(K, H), name="key")(kv_in)
-    value = dense(features=(K, H), name="value")(kv_in)
+    value = dense(features=(K, heads.value_head_dim), name="value")(kv_in)
     norm = {
       "rms": nn.RMSNorm,
       "layernorm": functools.partial(nn.LayerNorm, use_bias=False),

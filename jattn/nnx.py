@@ -60,6 +60,9 @@ class MultiHeadAttention(nnx.Module):
       (num_heads,)), passed as ``sinks`` to the attention call: each head may
       put weight on "nothing" (gpt-oss, StreamingLLM). ``sinks_init``
       initialises it (zeros by default).
+    value_head_dim: the value projection's width per head, Hv (default: the
+      query/key head dim, qkv_features // num_heads); the output projection
+      reads num_heads · Hv features (MLA-style heads).
     dtype: computation dtype (default: inferred); param_dtype: parameter dtype.
     precision, kernel_init, bias_init, out_kernel_init: of the projections.
     rngs: ``nnx.Rngs`` for the parameters and, with dropout, a ``dropout`` stream.
@@ -104,6 +107,7 @@ class MultiHeadAttention(nnx.Module):
     block_kv: int | None = None,
     sinks: bool = False,
     sinks_init: Any = nnx.initializers.zeros_init(),
+    value_head_dim: int | None = None,
     dtype: Any = None,
     param_dtype: Any = jnp.float32,
     precision: Any = None,
@@ -129,6 +133,7 @@ class MultiHeadAttention(nnx.Module):
       backward=backward,
       block_q=block_q,
       block_kv=block_kv,
+      value_head_dim=value_head_dim,
     )
     assert heads is not None  # None only without in_features, which Linen infers
     self.heads = heads
@@ -161,7 +166,7 @@ class MultiHeadAttention(nnx.Module):
     H = heads.head_dim
     self.query = linear(in_features, (heads.num_heads, H))
     self.key = linear(self.in_kv_features, (heads.num_kv_heads, H))
-    self.value = linear(self.in_kv_features, (heads.num_kv_heads, H))
+    self.value = linear(self.in_kv_features, (heads.num_kv_heads, heads.value_head_dim))
     self.sinks = (
       nnx.Param(sinks_init(rngs.params(), (heads.num_heads,), param_dtype))
       if _checks.boolean("sinks", sinks)
@@ -178,7 +183,7 @@ class MultiHeadAttention(nnx.Module):
       self.query_ln = norm(H, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
       self.key_ln = norm(H, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.out = nnx.LinearGeneral(
-      (heads.num_heads, H),
+      (heads.num_heads, heads.value_head_dim),
       heads.out_features,
       axis=(-2, -1),
       use_bias=use_bias,

@@ -441,9 +441,11 @@ def _forward(ring: _Ring, query, key, value, q_ids, kv_ids, mask):
     incoming = _pass_on(ring, kv)  # independent of this step's work: may overlap it
     return (incoming, _merge(acc, attend(s, kv))), None
 
-  B, T, N, H = query.shape
+  B, T, N, _ = query.shape
+  Hv = value.shape[-1]
   dtype = _common.stats_dtype(query.dtype)
-  empty = (jnp.zeros((B, T, N, H), dtype), jnp.zeros((B, T, N), dtype), jnp.zeros((B, T, N), dtype))
+  rows = jnp.zeros((B, T, N), dtype)
+  empty = (jnp.zeros((B, T, N, Hv), dtype), rows, rows)
   (kv, acc), _ = jax.lax.scan(step, ((key, value, kv_ids), empty), jnp.arange(ring.size - 1))
   return _merge(acc, attend(ring.size - 1, kv))
 
@@ -467,8 +469,11 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
     return (incoming, d_kv, d_q + g_q), None
 
   dtype = _common.stats_dtype(query.dtype)
-  zeros = jnp.zeros(key.shape, dtype)
-  init = ((key, value, kv_ids), (zeros, zeros), jnp.zeros(query.shape, dtype))
+  init = (
+    (key, value, kv_ids),
+    (jnp.zeros(key.shape, dtype), jnp.zeros(value.shape, dtype)),
+    jnp.zeros(query.shape, dtype),
+  )
   (kv, d_kv, d_q), _ = jax.lax.scan(step, init, jnp.arange(ring.size - 1))
   g_q, g_k, g_v = grads(ring.size - 1, kv)
   d_k, d_v = _pass_on(ring, (d_kv[0] + g_k, d_kv[1] + g_v))  # the last hop: home

@@ -267,7 +267,8 @@ ERRORS = [
     "key_value_shapes",
     lambda: decode.update(_cache(), _kv(), _kv(t=3)),
     ValueError,
-    r"key and value must have the same shape, got key \(2, 2, 2, 4\) and value \(2, 3, 2, 4\)",
+    r"key and value must have the same shape but for the head dimension, got key "
+    r"\(2, 2, 2, 4\) and value \(2, 3, 2, 4\)",
   ),
   (
     "num_kv_heads",

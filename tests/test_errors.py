@@ -38,9 +38,10 @@ BAD_INPUTS = [
   ),
   (
     "kv_shapes",
-    dict(value=jnp.zeros((B, S, K, H // 2))),
+    dict(value=jnp.zeros((B, S + 1, K, H // 2))),
     ValueError,
-    r"key and value must have the same shape, got key \(2, 6, 2, 8\) and value \(2, 6, 2, 4\)",
+    r"key and value must have the same shape but for the head dimension, got key "
+    r"\(2, 6, 2, 8\) and value \(2, 7, 2, 4\)",
   ),
   ("head_dim", dict(query=jnp.zeros((B, T, N, H + 1))), ValueError, r"same head dimension H"),
   ("batch", dict(query=jnp.zeros((B + 1, T, N, H))), ValueError, r"same batch size B"),

@@ -33,7 +33,8 @@ def test_python_examples_run():
   printed = stdout.getvalue()
   assert "[[1 0 0 0]\n [1 1 0 0]\n [1 1 1 0]\n [0 1 1 1]]" in printed
   assert (
-    "key and value must have the same shape, got key (2, 16, 2, 8) and value (2, 16, 2, 4)"
+    "key and value must have the same shape but for the head dimension, got key (2, 16, 2, 8) "
+    "and value (2, 12, 2, 8)"
   ) in printed
 
 

@@ -234,7 +234,7 @@ def _forward(static: _tiling.Static, query, key, value, bias, seed, rows: _tilin
       return acc, m_new, l
 
     init = (
-      jnp.zeros((B, K, G * bq, H), dtype),
+      jnp.zeros((B, K, G * bq, value.shape[-1]), dtype),
       jnp.full((B, N, bq, 1), -jnp.inf, dtype),
       jnp.zeros((B, N, bq, 1), dtype),
     )
@@ -302,6 +302,7 @@ def _backward(
   mask_consts, score_consts = consts
   B, T, N, H = query.shape
   _, S, K, _ = key.shape
+  Hv = value.shape[-1]
   G = N // K
   bq, bk = static.block_q, static.block_kv
   dtype = _common.stats_dtype(query.dtype)
@@ -391,9 +392,10 @@ def _backward(
 
     # dK and dV accumulate transposed, (H, block_kv) per head: contracting the query rows
     # into that layout ran about 1.7x faster than into (block_kv, H) with XLA's CPU dot.
-    zeros = jnp.zeros((B, K, H, bk), dtype)
+    zeros_k = jnp.zeros((B, K, H, bk), dtype)
+    zeros_v = jnp.zeros((B, K, Hv, bk), dtype)
     d_k, d_v, d_q, d_bias, d_consts = _tiling.visit(
-      cols, j, body, (zeros, zeros, d_q, d_bias, d_consts)
+      cols, j, body, (zeros_k, zeros_v, d_q, d_bias, d_consts)
     )
     return (d_q, d_bias, d_consts), (d_k, d_v)
 
@@ -409,7 +411,7 @@ def _backward(
   if prescaled:
     d_query = d_query * jnp.asarray(static.scale, dtype)
   d_key = d_k.transpose(1, 0, 4, 2, 3).reshape(B, -1, K, H)[:, :S]  # (nk, B, K, H, bk)
-  d_value = d_v.transpose(1, 0, 4, 2, 3).reshape(B, -1, K, H)[:, :S]
+  d_value = d_v.transpose(1, 0, 4, 2, 3).reshape(B, -1, K, Hv)[:, :S]
   if d_bias is not None:
     d_bias = d_bias[:, :, : bias.shape[2], : bias.shape[3]]
   d_floats = iter(d_float)

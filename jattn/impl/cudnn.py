@@ -68,6 +68,8 @@ def reason(spec) -> str | None:
   """Why jax.nn's cuDNN call cannot express ``spec``; None when it can."""
   if spec.H % 8 or spec.H > 256:
     return f"head dim H={spec.H} (cuDNN takes multiples of 8 up to 256)"
+  if spec.Hv != spec.H:
+    return f"value head dim {spec.Hv} != H={spec.H} (jax.nn's call takes value shaped like key)"
   return _translate(spec)[1]
 
 

@@ -1,7 +1,9 @@
-"""Attention sinks: one extra logit per head with no value, in every rule and entry point.
+"""Attention sinks (one extra logit per head with no value) and a value head dim of its own
+(value (B, S, K, Hv), output (B, T, N, Hv)), in every rule and entry point.
 
 The reference is the float64 NumPy formula below: out = Σ_j e^{s_j} v_j / (Σ_j e^{s_j} +
-e^{sink}), lse = log(Σ_j e^{s_j} + e^{sink}), over the positions the mask allows.
+e^{sink}), lse = log(Σ_j e^{s_j} + e^{sink}), over the positions the mask allows (no sink:
+e^{sink} = 0).
 """
 
 from __future__ import annotations
@@ -27,33 +29,46 @@ MASK[3] = False  # a row with nothing to attend to: out 0, lse = sink
 
 
 def formula(q, k, v, sinks, mask, scale=None):
-  """float64 NumPy: (out (B, T, N, H), lse (B, T, N)), GQA by repeating key/value heads."""
+  """float64 NumPy: (out (B, T, N, Hv), lse (B, T, N)), GQA by repeating key/value heads;
+  sinks None: no sink."""
   N, K = q.shape[2], k.shape[2]
   k, v = np.repeat(k, N // K, axis=2), np.repeat(v, N // K, axis=2)
   scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
   s = np.einsum("btnh,bsnh->bnts", q, k) * scale
   e = np.where(mask, np.exp(s - s.max()), 0.0)  # a common shift: exact, overflow-safe
-  sink = np.exp(np.asarray(sinks)[None, :, None] - s.max())
+  sink = 0.0 if sinks is None else np.exp(np.asarray(sinks)[None, :, None] - s.max())
   den = e.sum(-1) + sink
-  out = np.einsum("bnts,bsnh->btnh", e / den[..., None], v)
-  return out, (np.log(den) + s.max()).transpose(0, 2, 1)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    out = np.nan_to_num(np.einsum("bnts,bsnh->btnh", e / den[..., None], v))
+    return out, (np.log(den) + s.max()).transpose(0, 2, 1)
 
 
-def _inputs(N, K, dtype=np.float64):
+def _inputs(N, K, Hv=H, dtype=np.float64):
   q = RNG.normal(size=(B, T, N, H)).astype(dtype)
   k = RNG.normal(size=(B, S, K, H)).astype(dtype)
-  v = RNG.normal(size=(B, S, K, H)).astype(dtype)
+  v = RNG.normal(size=(B, S, K, Hv)).astype(dtype)
   return q, k, v
 
 
 RULES = [("xla", "autodiff"), ("xla", "custom_vjp"), ("blockwise", "custom_vjp")]
 
 
-@pytest.mark.parametrize("N, K", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+HEADS = [  # (N, K, Hv, with sinks): value head dims and sinks, with and without each other
+  (4, 4, H, True),
+  (4, 2, 5, True),
+  (4, 2, 5, False),
+]
+
+
+@pytest.mark.parametrize(
+  "N, K, Hv, with_sinks", HEADS, ids=["mha-sinks", "gqa-hv5-sinks", "gqa-hv5-no-sinks"]
+)
 @pytest.mark.parametrize("implementation, backward", RULES, ids=["-".join(r) for r in RULES])
-def test_every_rule_matches_the_formula_with_gradients(x64, N, K, implementation, backward):
-  q, k, v = _inputs(N, K)
-  sinks = SINKS[:N]
+def test_every_rule_matches_the_formula_with_gradients(
+  x64, N, K, Hv, with_sinks, implementation, backward
+):
+  q, k, v = _inputs(N, K, Hv)
+  sinks = SINKS[:N] if with_sinks else None
   tiles = dict(block_q=4, block_kv=4) if implementation == "blockwise" else {}
 
   def run(q, k, v, sinks):
@@ -69,38 +84,54 @@ def test_every_rule_matches_the_formula_with_gradients(x64, N, K, implementation
       **tiles,
     )
 
-  out, lse = run(*map(jnp.asarray, (q, k, v, sinks)))
+  out, lse = run(*(None if x is None else jnp.asarray(x) for x in (q, k, v, sinks)))
   want_out, want_lse = formula(q, k, v, sinks, MASK)
+  assert out.shape == (B, T, N, Hv)
   np.testing.assert_allclose(out, want_out, atol=1e-12)
   np.testing.assert_allclose(lse, want_lse, atol=1e-12)
   np.testing.assert_array_equal(np.asarray(out)[:, 3], 0.0)
-  np.testing.assert_allclose(np.asarray(lse)[:, 3], np.broadcast_to(sinks, (B, N)), atol=1e-12)
+  empty_lse = -np.inf if sinks is None else np.broadcast_to(sinks, (B, N))
+  np.testing.assert_allclose(np.asarray(lse)[:, 3], empty_lse, atol=1e-12)
 
   def plain(q, k, v, sinks):  # the formula in jnp, for autodiff
     G = N // K
     kk, vv = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
     s = jnp.einsum("btnh,bsnh->bnts", q, kk) / np.sqrt(H)
     s = jnp.where(MASK, s, -jnp.inf)
-    full = jnp.concatenate(
-      [s, jnp.broadcast_to(sinks[None, :, None, None], s.shape[:3] + (1,))], -1
-    )
-    lse = jax.nn.logsumexp(full, axis=-1)
-    p = jnp.exp(s - lse[..., None])
+    if sinks is not None:
+      sink = jnp.broadcast_to(sinks[None, :, None, None], s.shape[:3] + (1,))
+      s = jnp.concatenate([s, sink], -1)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]  # empty rows: all -inf, p = 0
+    p = jnp.exp(s - safe)[..., :S]
     return jnp.einsum("bnts,bsnh->btnh", p, vv), lse.transpose(0, 2, 1)
 
   w_out = jnp.asarray(RNG.normal(size=out.shape))
-  w_lse = jnp.asarray(RNG.normal(size=lse.shape))
+  w_lse = jnp.asarray(np.where(np.isfinite(want_lse), RNG.normal(size=lse.shape), 0.0))
 
   def loss(fn):
-    return lambda *a: (fn(*a)[0] * w_out).sum() + (fn(*a)[1] * w_lse).sum()
+    def f(*a):
+      out, lse = fn(*a)
+      return (out * w_out).sum() + (jnp.where(w_lse != 0, lse, 0.0) * w_lse).sum()
 
-  args = tuple(map(jnp.asarray, (q, k, v, sinks)))
-  got = jax.grad(loss(run), argnums=(0, 1, 2, 3))(*args)
-  want = jax.grad(loss(plain), argnums=(0, 1, 2, 3))(*args)
+    return f
+
+  args = tuple(jnp.asarray(x) for x in (q, k, v, sinks) if x is not None)
+  if sinks is None:
+    run_, plain_ = (
+      (lambda f: lambda q, k, v: f(q, k, v, None))(run),
+      (lambda f: lambda q, k, v: f(q, k, v, None))(plain),
+    )
+  else:
+    run_, plain_ = run, plain
+  argnums = tuple(range(len(args)))
+  got = jax.grad(loss(run_), argnums=argnums)(*args)
+  want = jax.grad(loss(plain_), argnums=argnums)(*args)
   for name, g, w in zip(["q", "k", "v", "sinks"], got, want):
+    assert np.isfinite(np.asarray(g)).all() and np.isfinite(np.asarray(w)).all(), name
     np.testing.assert_allclose(g, w, atol=1e-10, err_msg=f"d{name}")
   if backward == "custom_vjp":
-    jax.test_util.check_grads(loss(run), args, order=1, modes=["rev"])
+    jax.test_util.check_grads(loss(run_), args, order=1, modes=["rev"])
 
 
 def test_weights_leave_out_the_sinks_share(x64):
@@ -113,7 +144,7 @@ def test_weights_leave_out_the_sinks_share(x64):
 
 
 def test_splash_takes_the_sinks_itself():
-  q, k, v = (jnp.asarray(x, jnp.float32) for x in _inputs(4, 2))
+  q, k, v = (jnp.asarray(x, jnp.float32) for x in _inputs(4, 2, Hv=24))
   q, k, v = (jnp.tile(x, (1, 12, 1, 1)) for x in (q, k, v))  # T = S = 144: padded to 256
   sinks = jnp.asarray(SINKS, jnp.float32)
   kw = dict(is_causal=True, query_seq_lengths=jnp.array([100, 0]), return_residual=True)
@@ -135,8 +166,8 @@ def test_splash_takes_the_sinks_itself():
     np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"d{name}")
 
 
-def test_ring_attention_and_decode_take_sinks():
-  q, k, v = (jnp.asarray(x, jnp.float32) for x in _inputs(4, 2))
+def test_ring_attention_and_decode_take_sinks_and_value_head_dims():
+  q, k, v = (jnp.asarray(x, jnp.float32) for x in _inputs(4, 2, Hv=5))
   sinks = jnp.asarray(SINKS, jnp.float32)
   want = jattn.dot_product_attention(q, k, v, is_causal=True, sinks=sinks)
   mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
@@ -145,7 +176,9 @@ def test_ring_attention_and_decode_take_sinks():
   )
   np.testing.assert_allclose(got, want, atol=2e-6)
 
-  cache = decode.init(B, S, 2, H, dtype=jnp.float32)
+  assert got.shape == (B, T, 4, 5)
+  cache = decode.init(B, S, 2, H, dtype=jnp.float32, value_head_dim=5)
+  assert cache.value.shape == (B, S, 2, 5)
   first, cache = decode.attention(q[:, :8], k[:, :8], v[:, :8], cache, sinks=sinks)
   rest, cache = decode.attention(q[:, 8:], k[:, 8:], v[:, 8:], cache, sinks=sinks)
   np.testing.assert_allclose(jnp.concatenate([first, rest], 1), want, atol=2e-6)
@@ -155,14 +188,55 @@ def test_ring_attention_and_decode_take_sinks():
   "kw, error, match",
   [
     (dict(sinks=np.zeros(3)), ValueError, r"sinks must have shape \(N,\)=\(4,\)"),
+    (
+      dict(value=np.zeros((B, S + 1, 2, 5))),
+      ValueError,
+      r"key and value must have the same shape but for the head dimension, got key "
+      r"\(2, 12, 2, 8\) and value \(2, 13, 2, 5\)",
+    ),
+    (
+      dict(value=np.zeros((B, S, 2, 5)), implementation="cudnn"),
+      ValueError,
+      r"does not support value head dim 5 != H=8",
+    ),
     (dict(sinks=np.zeros(4, np.int32)), TypeError, "sinks must have a floating dtype"),
     (dict(sinks=np.zeros(4), implementation="cudnn"), ValueError, "does not support sinks"),
   ],
 )
-def test_bad_sinks_raise_naming_them(kw, error, match):
+def test_bad_sinks_and_value_shapes_raise_naming_them(kw, error, match):
   q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _inputs(4, 2))
+  v = jnp.asarray(kw.pop("value", v), jnp.bfloat16)
   with pytest.raises(error, match=match):
     jattn.dot_product_attention(q, k, v, **kw)
+
+
+def test_decode_and_modules_check_value_head_dims():
+  cache = decode.init(B, S, 2, H, value_head_dim=5)
+  k = jnp.zeros((B, 1, 2, H))
+  with pytest.raises(ValueError, match=r"value must have shape \(B, t, K, Hv\)=\(2, t, 2, 5\)"):
+    decode.update(cache, k, jnp.zeros((B, 1, 2, H)))
+  with pytest.raises(ValueError, match="value_head_dim must be >= 1"):
+    decode.init(B, S, 2, H, value_head_dim=0)
+  with pytest.raises(ValueError, match="value_head_dim must be >= 1"):
+    jattn.nnx.MultiHeadAttention(2, 8, value_head_dim=0, rngs=nnx.Rngs(0))
+
+
+def test_modules_with_a_value_head_dim_of_their_own():
+  """MLA-style heads: query/key width 4 per head, value width 3; decoding with the cache
+  equals the full causal call; the Linen twin has the same parameter shapes."""
+  x = jnp.asarray(RNG.normal(size=(2, 6, 8)), jnp.float32)
+  model = jattn.nnx.MultiHeadAttention(2, 8, value_head_dim=3, is_causal=True, rngs=nnx.Rngs(0))
+  assert model.value.kernel[...].shape == (8, 2, 3)
+  assert model.out.kernel[...].shape == (2, 3, 8)
+  full = model(x)
+  model.init_cache(2, 6)
+  steps = jnp.concatenate([model(x[:, :4], decode=True), model(x[:, 4:], decode=True)], 1)
+  np.testing.assert_allclose(steps, full, atol=1e-6)
+  linen = jattn.linen.MultiHeadAttention(2, value_head_dim=3, is_causal=True)
+  params = linen.init(jax.random.key(0), x)["params"]
+  assert params["value"]["kernel"].shape == (8, 2, 3)
+  assert params["out"]["kernel"].shape == (2, 3, 8)
+  assert linen.apply({"params": params}, x).shape == x.shape
 
 
 def test_modules_learn_sinks():
