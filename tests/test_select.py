@@ -214,6 +214,7 @@ def test_the_docs_routing_table_is_what_explain_says():
     fn=lambda b, h, q, k: q >= k,
     float32=jnp.float32,
     float16=jnp.float16,
+    sinks=np.zeros(8, np.float32),
   )
   for row in rows:
     call, *cells = (c.strip() for c in row.strip("|").split("|"))

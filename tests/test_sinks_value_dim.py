@@ -8,6 +8,8 @@ e^{sink} = 0).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -177,6 +179,23 @@ def test_ring_attention_and_decode_take_sinks_and_value_head_dims():
   np.testing.assert_allclose(got, want, atol=2e-6)
 
   assert got.shape == (B, T, 4, 5)
+
+  def ring_loss(q, k, v, sinks):
+    out = jattn.parallel.ring_attention(
+      q, k, v, mesh=mesh, axis_name="sp", is_causal=True, sinks=sinks
+    )
+    return (out * jnp.cos(out)).sum()
+
+  def plain_loss(q, k, v, sinks):
+    out = jattn.dot_product_attention(q, k, v, is_causal=True, sinks=sinks)
+    return (out * jnp.cos(out)).sum()
+
+  for name, a, b in zip(
+    "qkvs",
+    jax.grad(ring_loss, argnums=(0, 1, 2, 3))(q, k, v, sinks),
+    jax.grad(plain_loss, argnums=(0, 1, 2, 3))(q, k, v, sinks),
+  ):
+    np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"d{name}")
   cache = decode.init(B, S, 2, H, dtype=jnp.float32, value_head_dim=5)
   assert cache.value.shape == (B, S, 2, 5)
   first, cache = decode.attention(q[:, :8], k[:, :8], v[:, :8], cache, sinks=sinks)
@@ -257,6 +276,13 @@ def test_modules_learn_sinks():
   losses = [float(step(model, opt)) for _ in range(30)]
   assert losses[-1] < losses[0]
   assert np.abs(np.asarray(model.sinks[...])).min() > 1e-2
+
+  # The Flax adapter takes sinks bound with functools.partial.
+  fn = functools.partial(jattn.nnx.attention_fn, sinks=jnp.array([2.0, -1.0]))
+  qkv = jnp.asarray(RNG.normal(size=(3, 2, 6, 2, 4)), jnp.float32)
+  np.testing.assert_allclose(
+    fn(*qkv), jattn.dot_product_attention(*qkv, sinks=jnp.array([2.0, -1.0])), atol=1e-6
+  )
 
   linen = jattn.linen.MultiHeadAttention(2, sinks=True, is_causal=True)
   params = linen.init(jax.random.key(0), x)["params"]
