@@ -290,3 +290,22 @@ def test_modules_learn_sinks():
   params = {**params, "sinks": jnp.array([3.0, -3.0])}
   plain = {**params, "sinks": jnp.array([-1e30, -1e30])}  # a sink of ~-inf: no sink
   assert not np.allclose(linen.apply({"params": params}, x), linen.apply({"params": plain}, x))
+
+
+def test_bfloat16_with_sinks_no_worse_than_jax_nn_without():
+  """bfloat16 errors against a float32 evaluation: with sinks, no worse than jax.nn's own
+  error on the same inputs without them (jax.nn has no sinks)."""
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 64, 4, 32)), jnp.bfloat16) for _ in range(3))
+  sinks = jnp.asarray(rng.normal(size=(4,)) + 1.0, jnp.float32)
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  peer = jnp.abs(
+    f32(jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    - jax.nn.dot_product_attention(f32(q), f32(k), f32(v), is_causal=True)
+  ).max()
+  ref = jattn.dot_product_attention(f32(q), f32(k), f32(v), is_causal=True, sinks=sinks)
+  for implementation in ("xla", "blockwise"):
+    got = jattn.dot_product_attention(
+      q, k, v, is_causal=True, sinks=sinks, implementation=implementation
+    )
+    assert jnp.abs(f32(got) - ref).max() <= 1.25 * peer, implementation
