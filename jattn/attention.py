@@ -319,6 +319,7 @@ def _attend(query, key, value, spec: _spec.CallSpec):
       raise ValueError(f"unknown implementation {spec.implementation!r}")
   if spec.sinks is not None and not sinks_done:
     out, lse = _common.add_sinks(out, lse, spec.sinks, _common.stats_dtype(query.dtype))
+    out = out.astype(query.dtype)  # xla and blockwise kept it in float32/64 for this
   chex.assert_shape(lse, dims["BTN"])
   lse = lse.astype(query.dtype) if spec.return_residual else None
   if spec.unbatched:

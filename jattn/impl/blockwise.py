@@ -113,7 +113,8 @@ def attention(query, key, value, spec: CallSpec):
   out, lse = _attention_vjp(
     p.static, query, key, value, spec.bias, p.seed, p.rows, p.cols, p.mask_consts, p.score_consts
   )
-  return out.astype(query.dtype), lse
+  # With sinks to add (jattn.attention), out stays in the statistics dtype until then.
+  return (out if spec.sinks is not None else out.astype(query.dtype)), lse
 
 
 class Plan(NamedTuple):

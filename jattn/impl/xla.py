@@ -56,9 +56,12 @@ def attention(query, key, value, spec: CallSpec):
     idx = _dropout.shared_indices(*grid) if spec.broadcast_dropout else grid
     drop = _dropout.keep_mask(spec.dropout_rng, dropout_rate, *idx)
 
+  # With sinks to add (jattn.attention), out stays in the statistics dtype until then.
+  out_dtype = query.dtype if spec.sinks is None else _common.stats_dtype(query.dtype)
+  static = (scale, dropout_rate, out_dtype)
   if spec.backward == "autodiff":
     modify: Callable | None = None if score_fn is None else (lambda s: score_fn(s, *grid))
-    return _forward(query, key, value, bias, keep, drop, modify, (), scale, dropout_rate)[0]
+    return _forward(query, key, value, bias, keep, drop, modify, (), static)[0]
 
   assert spec.backward == "custom_vjp", spec.backward
   modify = None
@@ -66,9 +69,7 @@ def attention(query, key, value, spec: CallSpec):
   if score_fn is not None:
     example = jax.ShapeDtypeStruct((B, N, T, S), _common.stats_dtype(query.dtype))
     modify, consts = _common.hoist(lambda s: score_fn(s, *index_grid(B, N, T, S)), example)
-  return _attention_vjp(
-    (scale, dropout_rate), modify, query, key, value, bias, keep, drop, tuple(consts)
-  )
+  return _attention_vjp(static, modify, query, key, value, bias, keep, drop, tuple(consts))
 
 
 def weights(query, key, spec: CallSpec) -> jax.Array:
@@ -87,9 +88,10 @@ def weights(query, key, spec: CallSpec) -> jax.Array:
   return p.astype(query.dtype)
 
 
-def _forward(query, key, value, bias, keep, drop, modify, consts, scale, dropout_rate):
+def _forward(query, key, value, bias, keep, drop, modify, consts, static):
   """The forward pass shared by both rules: ``(out, lse), (m, l)``, the rows' max and sum kept
-  (B, N, T, 1) for the custom_vjp."""
+  (B, N, T, 1) for the custom_vjp; ``static`` is (scale, dropout_rate, out's dtype)."""
+  scale, dropout_rate, out_dtype = static
   s = _common.logits(_common.group_heads(query, key.shape[2]), key, bias, scale)
   if modify is not None:
     s = modify(s, *consts)
@@ -99,28 +101,24 @@ def _forward(query, key, value, bias, keep, drop, modify, consts, scale, dropout
   if drop is not None:
     p = jnp.where(drop, p / (1.0 - dropout_rate), 0)
   out = _common.probs_times_values(p, value)
-  out = _common.ungroup_heads(out).astype(query.dtype)
+  out = _common.ungroup_heads(out).astype(out_dtype)
   lse = _common.log_sum_exp(m, l)[..., 0].transpose(0, 2, 1)  # BNT -> BTN
   return (out, lse), (m, l)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention_vjp(static, modify, query, key, value, bias, keep, drop, consts):
-  scale, dropout_rate = static
-  return _forward(query, key, value, bias, keep, drop, modify, consts, scale, dropout_rate)[0]
+  return _forward(query, key, value, bias, keep, drop, modify, consts, static)[0]
 
 
 def _attention_fwd(static, modify, query, key, value, bias, keep, drop, consts):
-  scale, dropout_rate = static
-  (out, lse), (m, l) = _forward(
-    query, key, value, bias, keep, drop, modify, consts, scale, dropout_rate
-  )
+  (out, lse), (m, l) = _forward(query, key, value, bias, keep, drop, modify, consts, static)
   # The rows' max and sum, not their log-sum-exp m + log l: see _common.normalized_exp.
   return (out, lse), (query, key, value, bias, keep, drop, consts, m, l)
 
 
 def _attention_bwd(static, modify, residuals, cotangents):
-  scale, dropout_rate = static
+  scale, dropout_rate, _ = static
   query, key, value, bias, keep, drop, consts, m, l = residuals
   d_out, d_lse = cotangents
   B, T, N, H = query.shape
