@@ -132,7 +132,7 @@ def test_every_rule_matches_the_formula_with_gradients(
   for name, g, w in zip(["q", "k", "v", "sinks"], got, want):
     assert np.isfinite(np.asarray(g)).all() and np.isfinite(np.asarray(w)).all(), name
     np.testing.assert_allclose(g, w, atol=1e-10, err_msg=f"d{name}")
-  if backward == "custom_vjp":
+  if backward == "custom_vjp" and Hv != H and with_sinks:  # once per rule: sinks and Hv
     jax.test_util.check_grads(loss(run_), args, order=1, modes=["rev"])
 
 
