@@ -189,6 +189,8 @@ def build(
     blocks_named=blocks != (None, None),
   )
   choice = _select.choose(call, impl, bwd, interpret=spec.interpret, detail=explain)
+  if explain:
+    return choice
   if choice.implementation == "splash":
     block_q, block_kv = _splash.resolve_blocks(*blocks, T, S)
     static_mask, rest = _splash.split(spec.mask)
@@ -202,8 +204,6 @@ def build(
     block_q=block_q,
     block_kv=block_kv,
   )
-  if explain:
-    return choice
   return q, k, (None if value is None else v), spec
 
 

@@ -306,12 +306,10 @@ def _attend(query, key, value, spec: _spec.CallSpec):
       out, lse = xla.attention(query, key, value, spec)
     case "blockwise" if all(spec.bnts) and spec.H:
       out, lse = blockwise.attention(query, key, value, spec)
-    case "blockwise":  # nothing to tile: an empty output, rows with no keys, or H == 0
-      out, lse = xla.attention(query, key, value, dataclasses.replace(spec, backward="autodiff"))
     case "splash" if all(spec.bnts) and spec.H:
       out, lse = splash.attention(query, key, value, spec)
       sinks_done = True
-    case "splash":  # nothing for the kernel to do; same contract
+    case "blockwise" | "splash":  # nothing to tile: an empty output, no keys, or H == 0
       out, lse = xla.attention(query, key, value, dataclasses.replace(spec, backward="autodiff"))
     case "cudnn":
       out, lse = cudnn.attention(query, key, value, spec)

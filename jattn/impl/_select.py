@@ -175,8 +175,9 @@ def check_choices(implementation, backward) -> tuple[str | None, str | None]:
   return implementation, backward
 
 
-def why_not(name: str, call: Call, *, interpret: bool = False) -> str | None:
-  """Why implementation ``name`` cannot run ``call`` exactly; None when it can."""
+def why_not(name: str, call: Call, *, interpret: bool = False, device: bool = True) -> str | None:
+  """Why implementation ``name`` cannot run ``call`` exactly; None when it can. ``device``:
+  also whether it runs on ``call.backend`` (see :func:`runs_on`)."""
   row, s = TABLE[name], call.spec
   if call.backward_named and not row.backwards:
     return f"backward= names a jattn rule, and {name} has its own fused backward"
@@ -197,10 +198,15 @@ def why_not(name: str, call: Call, *, interpret: bool = False) -> str | None:
     return reason
   if row.dtypes is not None and call.dtype.name not in row.dtypes:
     return f"dtype {call.dtype.name} (it takes {', '.join(row.dtypes)})"
-  if call.backend not in row.runs_on and not (name == "splash" and interpret):
+  if device and not runs_on(name, call.backend, interpret=interpret):
     where = " or ".join(row.runs_on)
     return f"it runs on {where.upper()}, and the backend is {call.backend!r}"
   return None
+
+
+def runs_on(name: str, backend: str, *, interpret: bool = False) -> bool:
+  """Whether implementation ``name`` runs on ``backend`` (splash anywhere when interpreted)."""
+  return backend in TABLE[name].runs_on or (name == "splash" and interpret)
 
 
 def _has_score_fn(fn) -> bool:
@@ -218,11 +224,11 @@ def choose(
     return _reasons(call, chosen) if detail else {}
 
   if implementation is not None:
-    reason = why_not(implementation, call, interpret=interpret)
+    reason = why_not(implementation, call, device=False)
     if reason is not None:
-      if reason.startswith("it runs on"):
-        raise ValueError(_no_device(implementation, call.backend))
       raise ValueError(f"implementation={implementation!r} does not support {reason}")
+    if not runs_on(implementation, call.backend, interpret=interpret):
+      raise ValueError(_no_device(implementation, call.backend))
     rejected = _rejected(implementation)
     return Choice(implementation, backward, "named by the caller", rejected, call.backend)
   fused = FUSED.get(call.backend)
