@@ -315,11 +315,25 @@ def _attend(query, key, value, spec: _spec.CallSpec):
       out, lse = cudnn.attention(query, key, value, spec)
     case _:
       raise ValueError(f"unknown implementation {spec.implementation!r}")
-  if spec.sinks is not None and not sinks_done:
-    out, lse = _common.add_sinks(out, lse, spec.sinks, _common.stats_dtype(query.dtype))
-    out = out.astype(query.dtype)  # xla and blockwise kept it in float32/64 for this
   chex.assert_shape(lse, dims["BTN"])
-  lse = lse.astype(query.dtype) if spec.return_residual else None
+  out, lse = _finish(out, lse, spec, query.dtype, sinks_done)
   if spec.unbatched:
     return out[0], None if lse is None else lse[0]
   return out, lse
+
+
+@jax.jit
+def _attend_cache(query, tiles, spec: _spec.CallSpec):
+  """The jitted core over a KV cache (:mod:`jattn.decode`): blockwise attention reading
+  ``tiles``, a :class:`jattn.impl._kv.CacheTiles`, one tile at a time."""
+  spec = _rank4(spec)
+  out, lse = blockwise.attention_over_cache(query, tiles, spec)
+  return _finish(out, lse, spec, query.dtype, False)
+
+
+def _finish(out, lse, spec: _spec.CallSpec, dtype, sinks_done: bool):
+  """The sinks (unless the kernel took them), the output in ``dtype``, the lse if asked."""
+  if spec.sinks is not None and not sinks_done:
+    out, lse = _common.add_sinks(out, lse, spec.sinks, _common.stats_dtype(dtype))
+    out = out.astype(dtype)  # xla and blockwise kept it in float32/64 for this
+  return out, (lse.astype(dtype) if spec.return_residual else None)

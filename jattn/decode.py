@@ -39,6 +39,32 @@ sliding windows) must shift the query index by the row's old length::
 Positional encodings of the new keys and queries are the caller's: use
 :func:`positions` for their absolute positions (e.g. for RoPE).
 
+Paged caches (:func:`init_paged`, a :class:`PagedKVCache`) hold the same rows in a
+pool of fixed-size pages instead of one ``(B, max_length)`` slab: each row's page
+table names its pages in order, :func:`update` and :func:`attention` take pages
+from the pool as rows grow, and :func:`release` gives a finished row's pages back,
+so requests of different lengths join and leave a running batch without copying.
+Every function here takes either kind of cache, with the same semantics.
+Attention over a paged cache runs blockwise, with a key/value tile of
+``block_kv`` slots made of whole pages: a tile's pages are gathered only when the
+schedule visits it, and tiles past every row's length are never visited, so a
+step's work and memory grow with the pages in use, not with
+``max_pages_per_seq``.
+
+Running out of pages: when the lengths, ``num_new``, page table and pool are
+concrete, a write that needs more pages than are free raises ValueError. Under
+``jax.jit`` rows get pages in batch order, free pages in ascending order; a row
+that finds the pool empty keeps the tokens its pages hold and drops the rest, its
+length capped as at overflow. Check ``cache.free.sum()`` or ``cache.lengths`` on
+the host between steps.
+
+Quantized caches: ``dtype=jnp.int8`` or ``jnp.float8_e4m3fn`` in :func:`init` or
+:func:`init_paged` stores keys and values quantized on write, with one float32
+scale per (token, key/value head) (:mod:`jattn._quant`), and attention
+dequantizes them tile by tile. Queries, keys and values are then any one floating
+dtype, and the output has the query's. A quantized cache is for inference:
+gradients reach the query, not the keys and values stored in it.
+
 Example::
 
     >>> import jax.numpy as jnp
@@ -49,6 +75,13 @@ Example::
     >>> out, cache = decode.attention(q[:, :1], kv[:, :1], kv[:, :1], cache)  # one step
     >>> cache.lengths
     Array([6, 6], dtype=int32)
+    >>> paged = decode.init_paged(8, 4, 2, 4, 2, 8)  # 8 pages of 4 slots, 4 pages a row
+    >>> out, paged = decode.attention(q, kv, kv, paged)  # 5 tokens: 2 pages a row
+    >>> paged.page_table
+    Array([[ 0,  1, -1, -1],
+           [ 2,  3, -1, -1]], dtype=int32)
+    >>> decode.release(paged, jnp.array([True, False])).free.sum()  # row 0's pages back
+    Array(6, dtype=int32)
 """
 
 from __future__ import annotations
@@ -60,8 +93,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks, masks
+from jattn import _checks, _paging, _quant, _spec, masks
+from jattn import attention as _attention
 from jattn.attention import dot_product_attention
+from jattn.impl import _kv
+from jattn.impl import blockwise as _blockwise
 
 
 class KVCache(NamedTuple):
@@ -72,16 +108,67 @@ class KVCache(NamedTuple):
     value: (B, max_length, K, Hv), same dtype as key; Hv is H unless the cache
       was made with ``value_head_dim``.
     lengths: (B,) int32, the number of tokens written to each row.
+    key_scale, value_scale: None, or float32 (B, max_length, K) for a quantized
+      cache (key and value int8 or float8_e4m3fn): slot s of head k holds
+      ``key[b, s, k] * key_scale[b, s, k]``.
   """
 
   key: jax.Array
   value: jax.Array
   lengths: jax.Array
+  key_scale: jax.Array | None = None
+  value_scale: jax.Array | None = None
 
   @property
   def max_length(self) -> int:
     """How many tokens each row can hold."""
     return self.key.shape[1]
+
+
+class PagedKVCache(NamedTuple):
+  """Keys and values in a pool of pages, a page table per row; a pytree of fixed shape.
+
+  Slot s of row b (its s-th token) lives in page ``page_table[b, s // page_size]``
+  at offset ``s % page_size``. A row's pages are a prefix of its table row,
+  enough for ``lengths[b]`` tokens; ``-1`` marks no page.
+
+  Attributes:
+    key_pages: (num_pages, page_size, K, H).
+    value_pages: (num_pages, page_size, K, Hv), same dtype as key_pages.
+    page_table: (B, max_pages_per_seq) int32, page ids or -1.
+    lengths: (B,) int32, the number of tokens written to each row.
+    free: (num_pages,) bool, the pages no row holds.
+    key_scale, value_scale: None, or float32 (num_pages, page_size, K) for a
+      quantized cache, as in :class:`KVCache`.
+  """
+
+  key_pages: jax.Array
+  value_pages: jax.Array
+  page_table: jax.Array
+  lengths: jax.Array
+  free: jax.Array
+  key_scale: jax.Array | None = None
+  value_scale: jax.Array | None = None
+
+  @property
+  def page_size(self) -> int:
+    return self.key_pages.shape[1]
+
+  @property
+  def num_pages(self) -> int:
+    return self.key_pages.shape[0]
+
+  @property
+  def max_pages_per_seq(self) -> int:
+    return self.page_table.shape[1]
+
+  @property
+  def max_length(self) -> int:
+    """How many tokens each row can hold: max_pages_per_seq · page_size."""
+    return self.page_table.shape[1] * self.key_pages.shape[1]
+
+
+Cache = KVCache | PagedKVCache
 
 
 def init(
@@ -94,7 +181,8 @@ def init(
   value_head_dim: int | None = None,
 ) -> KVCache:
   """An empty cache: zero keys (B, max_length, K, H) and values (B, max_length, K, Hv),
-  lengths 0; Hv is ``value_head_dim``, default ``head_dim``."""
+  lengths 0; Hv is ``value_head_dim``, default ``head_dim``. ``dtype`` is a floating
+  dtype, or ``jnp.int8`` / ``jnp.float8_e4m3fn`` for a quantized cache (with scales)."""
   B, S, K, H = (
     _checks.integer(name, n, minimum=1)
     for name, n in (
@@ -105,18 +193,96 @@ def init(
     )
   )
   Hv = H if value_head_dim is None else _checks.integer("value_head_dim", value_head_dim, minimum=1)
-  try:
-    dtype = np.dtype(dtype)
-  except TypeError:
-    raise TypeError(f"dtype must be a floating dtype, got {dtype!r}") from None
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(f"dtype must be a floating dtype, got {dtype}")
+  dtype = _storage_dtype(dtype)
+  scales: tuple[Any, Any] = (None, None)
+  if _quant.is_quantized(dtype):
+    scales = (jnp.zeros((B, S, K), _quant.SCALE_DTYPE), jnp.zeros((B, S, K), _quant.SCALE_DTYPE))
   return KVCache(
-    jnp.zeros((B, S, K, H), dtype), jnp.zeros((B, S, K, Hv), dtype), jnp.zeros((B,), jnp.int32)
+    jnp.zeros((B, S, K, H), dtype),
+    jnp.zeros((B, S, K, Hv), dtype),
+    jnp.zeros((B,), jnp.int32),
+    *scales,
   )
 
 
-def positions(cache: KVCache, num_new: int) -> jax.Array:
+def init_paged(
+  num_pages: int,
+  page_size: int,
+  batch_size: int,
+  max_pages_per_seq: int,
+  num_kv_heads: int,
+  head_dim: int,
+  *,
+  dtype: Any = jnp.float32,
+  value_head_dim: int | None = None,
+) -> PagedKVCache:
+  """An empty paged cache: ``num_pages`` pages of ``page_size`` slots, all free, and
+  ``batch_size`` rows of up to ``max_pages_per_seq`` pages (max_length =
+  max_pages_per_seq · page_size tokens), lengths 0.
+
+  ``dtype`` as in :func:`init`. ``page_size`` is also the unit of attention's
+  key/value tiles (``block_kv``, default the largest multiple of ``page_size`` up to
+  blockwise's default tile), so pages of 64–512 slots keep the tile loop short on a
+  CPU; ``num_pages`` may be smaller than ``batch_size · max_pages_per_seq``: rows take
+  pages as they grow.
+  """
+  P, ps, B, M, K, H = (
+    _checks.integer(name, n, minimum=1)
+    for name, n in (
+      ("num_pages", num_pages),
+      ("page_size", page_size),
+      ("batch_size", batch_size),
+      ("max_pages_per_seq", max_pages_per_seq),
+      ("num_kv_heads", num_kv_heads),
+      ("head_dim", head_dim),
+    )
+  )
+  Hv = H if value_head_dim is None else _checks.integer("value_head_dim", value_head_dim, minimum=1)
+  dtype = _storage_dtype(dtype)
+  scales: tuple[Any, Any] = (None, None)
+  if _quant.is_quantized(dtype):
+    scales = (jnp.zeros((P, ps, K), _quant.SCALE_DTYPE), jnp.zeros((P, ps, K), _quant.SCALE_DTYPE))
+  return PagedKVCache(
+    jnp.zeros((P, ps, K, H), dtype),
+    jnp.zeros((P, ps, K, Hv), dtype),
+    jnp.full((B, M), -1, jnp.int32),
+    jnp.zeros((B,), jnp.int32),
+    jnp.ones((P,), bool),
+    *scales,
+  )
+
+
+def _storage_dtype(dtype) -> np.dtype:
+  try:
+    dtype = np.dtype(dtype)
+  except TypeError:
+    raise TypeError(
+      f"dtype must be a floating dtype, int8 or float8_e4m3fn, got {dtype!r}"
+    ) from None
+  if not (jnp.issubdtype(dtype, jnp.floating) or _quant.is_quantized(dtype)):
+    raise TypeError(f"dtype must be a floating dtype, int8 or float8_e4m3fn, got {dtype}")
+  return dtype
+
+
+def release(cache: Cache, rows: jax.typing.ArrayLike) -> Cache:
+  """The cache with the rows where ``rows`` (a boolean array (B,)) is True emptied:
+  their lengths 0 and, for a paged cache, their pages back in the pool. Released
+  rows restart empty (a new request); the others are unchanged. Runs under jit."""
+  _check_cache(cache)
+  rows = _checks.as_array("rows", rows)
+  B = cache.lengths.shape[0]
+  if rows.dtype != np.bool_ or rows.shape != (B,):
+    raise ValueError(
+      f"rows must be a boolean array of shape (B,)=({B},), got {rows.dtype}{rows.shape}"
+    )
+  lengths = jnp.where(rows, 0, cache.lengths).astype(cache.lengths.dtype)
+  if isinstance(cache, KVCache):
+    return cache._replace(lengths=lengths)
+  table, free = _paging.release(cache.page_table, cache.free, jnp.asarray(rows))
+  return cache._replace(page_table=table, free=free, lengths=lengths)
+
+
+def positions(cache: Cache, num_new: int) -> jax.Array:
   """Absolute positions (B, num_new) int32 of the next ``num_new`` tokens of each row.
 
   ``positions[b, i] = cache.lengths[b] + i``: what RoPE or learned position
@@ -129,18 +295,19 @@ def positions(cache: KVCache, num_new: int) -> jax.Array:
 
 
 def update(
-  cache: KVCache,
+  cache: Cache,
   key: jax.typing.ArrayLike,
   value: jax.typing.ArrayLike,
   *,
   num_new: jax.typing.ArrayLike | None = None,
-) -> KVCache:
+) -> Cache:
   """Write new keys and values after each row's last token.
 
   Args:
-    cache: the cache to extend (not modified).
-    key: (B, t, K, H) keys of the t new tokens, the cache's dtype, 1 <= t <= max_length.
-    value: (B, t, K, H) their values.
+    cache: the :class:`KVCache` or :class:`PagedKVCache` to extend (not modified).
+    key: (B, t, K, H) keys of the t new tokens, the cache's dtype (any floating
+      dtype for a quantized cache), 1 <= t <= max_length.
+    value: (B, t, K, Hv) their values, key's dtype.
     num_new: None (all t tokens of every row are real) or an int array (B,)
       with ``0 <= num_new[b] <= t``: row b writes only its first
       ``num_new[b]`` tokens (right-padded ragged prompts). Traced values are
@@ -151,10 +318,11 @@ def update(
     lengths[b] + num_new[b] - 1`` and ``lengths[b] += num_new[b]``.
 
   Raises ValueError when the lengths and num_new are concrete and a row would
-  exceed ``max_length``. When they are traced (inside jit) this cannot be
-  checked: tokens past ``max_length`` are dropped and the row's length
-  saturates at ``max_length`` (check ``cache.lengths`` on the host, or use
-  ``jax.experimental.checkify``).
+  exceed ``max_length``, or, for a paged cache, when the rows need more new pages
+  than the pool has free. When they are traced (inside jit) this cannot be
+  checked: tokens past ``max_length``, or past the pages a row could get, are
+  dropped and the row's length saturates there (check ``cache.lengths`` on the
+  host, or use ``jax.experimental.checkify``).
   """
   _check_cache(cache)
   key, value, num_new = _check_new(cache, key, value, num_new)
@@ -165,7 +333,7 @@ def attention(
   query: jax.typing.ArrayLike,
   key: jax.typing.ArrayLike,
   value: jax.typing.ArrayLike,
-  cache: KVCache,
+  cache: Cache,
   *,
   num_new: jax.typing.ArrayLike | None = None,
   scale: float | None = None,
@@ -193,9 +361,10 @@ def attention(
   Args:
     query: (B, t, N, H), already position-encoded; N a multiple of K.
     key: (B, t, K, H), the new tokens' keys, already position-encoded.
-    value: (B, t, K, H).
-    cache: the :class:`KVCache` before this call; query, key and value must
-      have its B, K, H and dtype.
+    value: (B, t, K, Hv).
+    cache: the :class:`KVCache` or :class:`PagedKVCache` before this call; query,
+      key and value must have its B, K, H and dtype (any one floating dtype for
+      a quantized cache).
     num_new: None or int array (B,): as in :func:`update`; query rows at or
       past ``num_new[b]`` are padding and return zeros.
     scale, score_fn, logits_soft_cap, dropout_rate, dropout_rng: as in
@@ -204,19 +373,22 @@ def attention(
       sinks (per-head sink logits (N,)).
       ``score_fn`` sees ``q_idx`` within the chunk and ``kv_idx`` as the
       cache slot (see the module docstring).
-      ``"cudnn"`` is not available: the cache mask is an index mask.
+      ``"cudnn"`` is not available: the cache mask is an index mask. A paged
+      or quantized cache is read by blockwise alone (implementation None or
+      ``"blockwise"``), and a paged cache's ``block_kv`` is a multiple of its
+      page size.
     bias: float array broadcastable to (B, N, t, max_length), added to the logits.
     mask: a :class:`jattn.masks.Mask` or boolean array broadcastable to
       (B, N, t, max_length), combined with the causal cache mask by ``&``.
       Index-based masks see the same indices as ``score_fn``.
 
   Returns:
-    ``(out, new_cache)`` with out (B, t, N, H) in the query's dtype, or
+    ``(out, new_cache)`` with out (B, t, N, Hv) in the query's dtype, or
     ``((out, lse), new_cache)`` with ``return_residual``, lse (B, t, N).
   """
   _check_cache(cache)
   key, value, num_new = _check_new(cache, key, value, num_new)
-  query = _check_query(cache, query, key.shape[1])
+  query = _check_query(cache, query, key)
   allowed = masks.causal(cache.lengths)
   if mask is not None:
     if not isinstance(mask, masks.Mask):
@@ -226,17 +398,7 @@ def attention(
     except ValueError as e:
       raise ValueError(f"mask: {e}") from None
   new_cache = _write(cache, key, value, num_new)
-  # Slots past a row's length hold whatever was there (uninitialised memory, a finished
-  # request's tokens, NaN): the mask excludes them, but 0 · NaN is NaN in p·v and in the
-  # gradients, so they are read as zeros.
-  slots = jnp.arange(cache.max_length)[None, :]
-  written = (slots < new_cache.lengths[:, None])[:, :, None, None]
-  out = dot_product_attention(
-    query,
-    jnp.where(written, new_cache.key, 0),
-    jnp.where(written, new_cache.value, 0),
-    bias,
-    allowed,
+  options: dict[str, Any] = dict(
     scale=scale,
     query_seq_lengths=num_new,
     implementation=implementation,
@@ -251,69 +413,217 @@ def attention(
     block_kv=block_kv,
     sinks=sinks,
   )
-  return out, new_cache
+  if isinstance(new_cache, KVCache) and new_cache.key_scale is None:
+    # Slots past a row's length hold whatever was there (uninitialised memory, a finished
+    # request's tokens, NaN): the mask excludes them, but 0 · NaN is NaN in p·v and in the
+    # gradients, so they are read as zeros.
+    slots = jnp.arange(cache.max_length)[None, :]
+    written = (slots < new_cache.lengths[:, None])[:, :, None, None]
+    out = dot_product_attention(
+      query,
+      jnp.where(written, new_cache.key, 0),
+      jnp.where(written, new_cache.value, 0),
+      bias,
+      allowed,
+      **options,
+    )
+    return out, new_cache
+  return _over_tiles(query, new_cache, bias, allowed, options), new_cache
 
 
-def _write(
-  cache: KVCache, key: jax.Array | np.ndarray, value: jax.Array | np.ndarray, num_new
-) -> KVCache:
+def _over_tiles(query, cache: Cache, bias, mask, options):
+  """Blockwise attention reading a paged or quantized cache tile by tile (CacheTiles)."""
+  kind = "paged" if isinstance(cache, PagedKVCache) else "quantized"
+  implementation = options["implementation"]
+  if implementation not in (None, "blockwise"):
+    raise ValueError(
+      f"implementation={implementation!r} cannot read a {kind} cache: attention over one "
+      "runs blockwise, reading it tile by tile (implementation=None or 'blockwise')"
+    )
+  B, S, K, H, Hv = _dims(cache)
+  block_kv = options["block_kv"]
+  if isinstance(cache, PagedKVCache):
+    ps = cache.page_size
+    if block_kv is None:
+      default = _blockwise.resolve_blocks(None, None)[1]
+      block_kv = ps * max(1, default // ps)
+    elif _checks.integer("block_kv", block_kv, minimum=1) % ps:
+      raise ValueError(
+        f"block_kv must be a multiple of the cache's page_size={ps} (a tile is whole "
+        f"pages), got {block_kv}"
+      )
+  # Shapes only (zero-stride NumPy views): the spec is built and checked as for any call.
+  shape_of = lambda h: np.broadcast_to(np.zeros((), query.dtype), (B, S, K, h))
+  _, _, _, spec = _spec.build(
+    query,
+    shape_of(H),
+    shape_of(Hv),
+    bias,
+    mask,
+    **dict(options, implementation="blockwise", block_kv=block_kv),
+  )
+  stores = (cache.key_pages, cache.value_pages) if isinstance(cache, PagedKVCache) else cache[:2]
+  tiles = _kv.CacheTiles(
+    key=stores[0],
+    value=stores[1],
+    key_scale=cache.key_scale,
+    value_scale=cache.value_scale,
+    page_table=cache.page_table if isinstance(cache, PagedKVCache) else None,
+    lengths=cache.lengths,
+    dtype=np.dtype(query.dtype),
+    block=min(spec.block_kv, S),  # as blockwise.plan caps it
+  )
+  out, lse = _attention._attend_cache(query, tiles, spec)
+  return (out, lse) if spec.return_residual else out
+
+
+def _dims(cache: Cache) -> tuple[int, int, int, int, int]:
+  """(B, max_length, K, H, Hv) of a checked cache."""
+  if isinstance(cache, KVCache):
+    B, S, K, H = cache.key.shape
+  else:
+    B = cache.page_table.shape[0]
+    S = cache.max_length
+    _, _, K, H = cache.key_pages.shape
+  return B, S, K, H, (cache.value if isinstance(cache, KVCache) else cache.value_pages).shape[3]
+
+
+def _storage(cache: Cache) -> np.dtype:
+  return np.dtype((cache.key if isinstance(cache, KVCache) else cache.key_pages).dtype)
+
+
+def _write(cache: Cache, key, value, num_new) -> Cache:
   """The scatter behind :func:`update`; arguments already checked."""
   B, t = key.shape[:2]
   S = cache.max_length
   i = jnp.arange(t, dtype=jnp.int32)[None, :]
   n = jnp.full((B,), t, jnp.int32) if num_new is None else jnp.clip(num_new, 0, t)
   lengths = cache.lengths.astype(jnp.int32)
-  pos = lengths[:, None] + i  # (B, t); S and beyond are dropped by the scatter
-  pos = jnp.where(i < n[:, None], pos, S)
-  rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, t))
-  return KVCache(
-    cache.key.at[rows, pos].set(key, mode="drop"),
-    cache.value.at[rows, pos].set(value, mode="drop"),
-    jnp.minimum(lengths + n.astype(jnp.int32), S).astype(cache.lengths.dtype),
+  new_lengths = jnp.minimum(lengths + n.astype(jnp.int32), S)
+  if isinstance(cache, PagedKVCache):
+    table, free, capacity = _paging.allocate(
+      cache.page_table, cache.free, new_lengths, cache.page_size
+    )
+    new_lengths = jnp.minimum(new_lengths, capacity)
+  pos = lengths[:, None] + i  # (B, t)
+  kept = pos < new_lengths[:, None]  # the first n[b] tokens, as far as the row has room
+  stored: tuple[Any, Any] = (key, value)
+  scales: tuple[Any, Any] = (None, None)
+  if _quant.is_quantized(_storage(cache)):
+    # Gradients do not flow into a quantized cache (see the module docstring).
+    (k_q, k_s), (v_q, v_s) = (
+      _quant.quantize(jax.lax.stop_gradient(x), _storage(cache)) for x in stored
+    )
+    stored, scales = (k_q, v_q), (k_s, v_s)
+
+  def put(store, x) -> Any:
+    return None if x is None else store.at[at].set(x, mode="drop")
+
+  if isinstance(cache, KVCache):
+    rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, t))
+    at = (rows, jnp.where(kept, pos, S))  # S and beyond are dropped by the scatter
+    return KVCache(
+      put(cache.key, stored[0]),
+      put(cache.value, stored[1]),
+      new_lengths.astype(cache.lengths.dtype),
+      put(cache.key_scale, scales[0]),
+      put(cache.value_scale, scales[1]),
+    )
+  ps = cache.page_size
+  page = jnp.take_along_axis(table, jnp.clip(pos // ps, 0, cache.max_pages_per_seq - 1), axis=1)
+  at = (jnp.where(kept, page, cache.num_pages), pos % ps)
+  return PagedKVCache(
+    put(cache.key_pages, stored[0]),
+    put(cache.value_pages, stored[1]),
+    table,
+    new_lengths.astype(cache.lengths.dtype),
+    free,
+    put(cache.key_scale, scales[0]),
+    put(cache.value_scale, scales[1]),
   )
 
 
 def _check_cache(cache) -> None:
-  if not isinstance(cache, KVCache):
+  if not isinstance(cache, (KVCache, PagedKVCache)):
     raise TypeError(
-      f"cache must be a jattn.decode.KVCache (see decode.init), got {type(cache).__name__}"
+      "cache must be a jattn.decode.KVCache or PagedKVCache (see decode.init and "
+      f"decode.init_paged), got {type(cache).__name__}"
     )
-  k, v, lengths = cache
-  for name, x in (("cache.key", k), ("cache.value", v), ("cache.lengths", lengths)):
+  paged = isinstance(cache, PagedKVCache)
+  k_name, v_name = (
+    ("cache.key_pages", "cache.value_pages") if paged else ("cache.key", "cache.value")
+  )
+  for name, x in zip(cache._fields, cache):
+    if x is None and name in ("key_scale", "value_scale"):
+      continue
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-      raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-  if k.ndim != 4 or k.shape[1] < 1:
+      raise TypeError(f"cache.{name} must be an array, got {type(x).__name__}")
+  k, v = cache[0], cache[1]
+  if paged:
+    if k.ndim != 4:
+      raise ValueError(f"{k_name} must have shape (num_pages, page_size, K, H), got {k.shape}")
+  elif k.ndim != 4 or k.shape[1] < 1:
     raise ValueError(
       f"cache.key must have shape (B, max_length, K, H) with max_length >= 1, got {k.shape}"
     )
   if v.ndim != 4 or v.shape[:3] != k.shape[:3]:
     raise ValueError(
-      f"cache.key and cache.value must have the same shape but for the head dimension, got "
+      f"{k_name} and {v_name} must have the same shape but for the head dimension, got "
       f"{k.shape} and {v.shape}"
     )
   if v.dtype != k.dtype:
-    raise TypeError(
-      f"cache.key and cache.value must have the same dtype, got {k.dtype} and {v.dtype}"
-    )
-  if lengths.shape != (k.shape[0],) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise TypeError(f"{k_name} and {v_name} must have the same dtype, got {k.dtype} and {v.dtype}")
+  lengths = cache.lengths
+  B = cache.page_table.shape[0] if isinstance(cache, PagedKVCache) else k.shape[0]
+  if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise ValueError(
-      f"cache.lengths must be an integer array of shape (B,)=({k.shape[0]},), "
+      f"cache.lengths must be an integer array of shape (B,)=({B},), "
       f"got {lengths.dtype}{lengths.shape}"
     )
+  quantized = _quant.is_quantized(k.dtype)
+  scale_shape = k.shape[:3]
+  for name, x in (("cache.key_scale", cache.key_scale), ("cache.value_scale", cache.value_scale)):
+    if quantized and (x is None or x.shape != scale_shape or x.dtype != _quant.SCALE_DTYPE):
+      got = "None" if x is None else f"{x.dtype}{x.shape}"
+      raise ValueError(
+        f"{name} must be a float32 array of shape {scale_shape} for a {k.dtype} cache, got {got}"
+      )
+    if not quantized and x is not None:
+      raise ValueError(f"{name} must be None for a {k.dtype} cache (scales are for int8/float8)")
+  if isinstance(cache, PagedKVCache):
+    table, free = cache.page_table, cache.free
+    if table.ndim != 2 or table.shape[1] < 1 or not jnp.issubdtype(table.dtype, jnp.integer):
+      raise ValueError(
+        f"cache.page_table must be an integer array of shape (B, max_pages_per_seq), got "
+        f"{table.dtype}{table.shape}"
+      )
+    if free.shape != (k.shape[0],) or free.dtype != np.bool_:
+      raise ValueError(
+        f"cache.free must be a boolean array of shape (num_pages,)=({k.shape[0]},), got "
+        f"{free.dtype}{free.shape}"
+      )
+    if _checks.is_concrete(table):
+      ids = np.asarray(table)
+      if np.any((ids < -1) | (ids >= k.shape[0])):
+        raise ValueError(
+          f"cache.page_table must hold page ids in [0, num_pages={k.shape[0]}) or -1, got "
+          f"{ids.min()} .. {ids.max()}"
+        )
+  S = cache.max_length
   if _checks.is_concrete(lengths):
     held = np.asarray(lengths)
-    if np.any((held < 0) | (held > k.shape[1])):
-      raise ValueError(
-        f"cache.lengths must be in [0, max_length={k.shape[1]}], got {held.tolist()}"
-      )
+    if np.any((held < 0) | (held > S)):
+      raise ValueError(f"cache.lengths must be in [0, max_length={S}], got {held.tolist()}")
 
 
 def _check_new(
-  cache: KVCache, key, value, num_new
+  cache: Cache, key, value, num_new
 ) -> tuple[jax.Array | np.ndarray, jax.Array | np.ndarray, Any]:
-  """key, value (B, t, K, H) matching the cache and num_new (B,) or None; overflow if concrete."""
+  """key, value (B, t, K, H) matching the cache and num_new (B,) or None; overflow and
+  running out of pages if concrete."""
   key, value = _checks.as_array("key", key), _checks.as_array("value", value)
-  B, S, K, H = cache.key.shape
+  B, S, K, H, Hv = _dims(cache)
+  shape = cache.key.shape if isinstance(cache, KVCache) else (B, S, K, H)
   layout = f"(B, t, K, H)=({B}, t, {K}, {H})"
   for name, x in (("key", key), ("value", value)):
     if x.ndim != 4:
@@ -325,23 +635,22 @@ def _check_new(
     )
   if (key.shape[0], key.shape[2], key.shape[3]) != (B, K, H):
     raise ValueError(
-      f"key and value must have shape {layout} to match the cache's "
-      f"{cache.key.shape}, got {key.shape}"
+      f"key and value must have shape {layout} to match the cache's (B, max_length, K, H)="
+      f"{shape}, got {key.shape}"
     )
-  Hv = cache.value.shape[3]
   if value.shape[3] != Hv:
     raise ValueError(
       f"value must have shape (B, t, K, Hv)=({B}, t, {K}, {Hv}) to match the cache's "
-      f"{cache.value.shape}, got {value.shape}"
+      f"value head dimension Hv={Hv}, got {value.shape}"
     )
   t = key.shape[1]
   if not 1 <= t <= S:
     raise ValueError(
       f"key and value must hold 1 <= t <= max_length={S} new tokens, got t={t} in shape {key.shape}"
     )
-  for name, x in (("key", key), ("value", value)):
-    if x.dtype != cache.key.dtype:
-      raise TypeError(f"{name} must have the cache's dtype {cache.key.dtype}, got {x.dtype}")
+  _check_dtype(cache, "key", key)
+  if value.dtype != key.dtype:
+    raise TypeError(f"value must have key's dtype {key.dtype}, got {value.dtype}")
   if num_new is not None:
     num_new = _checks.int_array("num_new", _checks.as_array("num_new", num_new), ranks=(1,))
     if num_new.shape != (B,):
@@ -361,12 +670,35 @@ def _check_new(
         f"{int(n[b])} new ones make {int(lengths[b] + n[b])} > "
         f"max_length={S}"
       )
+    if (
+      isinstance(cache, PagedKVCache)
+      and _checks.is_concrete(cache.page_table)
+      and _checks.is_concrete(cache.free)
+    ):
+      needed = _paging.pages_needed(cache.page_table, lengths + n, cache.page_size)
+      free = int(np.sum(np.asarray(cache.free)))
+      if needed.sum() > free:
+        raise ValueError(
+          f"the paged cache is out of pages: the new tokens need {int(needed.sum())} more "
+          f"pages (per row {needed.tolist()}) and {free} of num_pages={cache.num_pages} are "
+          "free; release finished rows (decode.release) or make the pool larger"
+        )
   return key, value, num_new
 
 
-def _check_query(cache: KVCache, query, t: int):
+def _check_dtype(cache: Cache, name: str, x) -> None:
+  storage = _storage(cache)
+  if _quant.is_quantized(storage):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must have a floating dtype (the cache quantizes it), got {x.dtype}")
+  elif x.dtype != storage:
+    raise TypeError(f"{name} must have the cache's dtype {storage}, got {x.dtype}")
+
+
+def _check_query(cache: Cache, query, key):
   query = _checks.as_array("query", query)
-  B, _, K, H = cache.key.shape
+  B, _, K, H, _ = _dims(cache)
+  t = key.shape[1]
   if query.ndim != 4 or query.shape[0] != B or query.shape[1] != t or query.shape[3] != H:
     raise ValueError(
       f"query must have shape (B, t, N, H)=({B}, {t}, N, {H}) to match key "
@@ -377,6 +709,7 @@ def _check_query(cache: KVCache, query, t: int):
       f"the number of query heads N ({query.shape[2]}) must be a multiple of "
       f"the cache's number of key/value heads K ({K})"
     )
-  if query.dtype != cache.key.dtype:
-    raise TypeError(f"query must have the cache's dtype {cache.key.dtype}, got {query.dtype}")
+  _check_dtype(cache, "query", query)
+  if query.dtype != key.dtype:
+    raise TypeError(f"query must have key's dtype {key.dtype}, got {query.dtype}")
   return query

@@ -387,7 +387,7 @@ def _pair_plan(ring: _Ring, query, key, q_ids, kv_ids, mask, source) -> blockwis
   score = None if ring.soft_cap is None else scores.soft_cap(ring.soft_cap)
   return blockwise.plan(
     query,
-    key,
+    key.shape[1],
     mask=masks.all_of(*parts),
     score_fn=score,
     scale=ring.scale,

@@ -243,7 +243,7 @@ ERRORS = [
     "init_dtype",
     lambda: decode.init(B, 4, 2, H, dtype=jnp.int32),
     TypeError,
-    r"dtype must be a floating dtype, got int32",
+    r"dtype must be a floating dtype, int8 or float8_e4m3fn, got int32",
   ),
   (
     "cache_type",
@@ -274,19 +274,19 @@ ERRORS = [
     "num_kv_heads",
     lambda: decode.update(_cache(), _kv(K=1), _kv(K=1)),
     ValueError,
-    r"to match the cache's \(2, 6, 2, 4\), got \(2, 2, 1, 4\)",
+    r"to match the cache's \(B, max_length, K, H\)=\(2, 6, 2, 4\), got \(2, 2, 1, 4\)",
   ),
   (
     "head_dim",
     lambda: decode.update(_cache(), _kv(h=8), _kv(h=8)),
     ValueError,
-    r"to match the cache's \(2, 6, 2, 4\), got \(2, 2, 2, 8\)",
+    r"to match the cache's \(B, max_length, K, H\)=\(2, 6, 2, 4\), got \(2, 2, 2, 8\)",
   ),
   (
     "batch",
     lambda: decode.update(_cache(), _kv(b=3), _kv(b=3)),
     ValueError,
-    r"to match the cache's \(2, 6, 2, 4\), got \(3, 2, 2, 4\)",
+    r"to match the cache's \(B, max_length, K, H\)=\(2, 6, 2, 4\), got \(3, 2, 2, 4\)",
   ),
   (
     "no_tokens",
@@ -310,7 +310,7 @@ ERRORS = [
     "value_dtype",
     lambda: decode.update(_cache(), _kv(), _kv(dtype=jnp.float16)),
     TypeError,
-    r"value must have the cache's dtype float32, got float16",
+    r"value must have key.s dtype float32, got float16",
   ),
   (
     "num_new_shape",

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 
 from jattn import dropout as _dropout
 from jattn import masks as _masks
-from jattn.impl import _common, _tiling
+from jattn.impl import _common, _kv, _tiling
 
 if TYPE_CHECKING:
   from jattn._spec import CallSpec
@@ -98,9 +98,20 @@ def attention(query, key, value, spec: CallSpec):
 
   Reads the bias (rank 4), mask, score function, scale, dropout and tiles from ``spec``.
   """
+  return _attention(query, (key, value), key.shape[1], spec)
+
+
+def attention_over_cache(query, tiles: _kv.CacheTiles, spec: CallSpec):
+  """:func:`attention` with keys and values read from a KV cache tile by tile
+  (``spec.block_kv == tiles.block``): a tile is gathered, dequantized and masked only
+  when the schedule visits it, so a call's memory grows with the tiles in use."""
+  return _attention(query, tiles, tiles.kv_len, spec)
+
+
+def _attention(query, kv, kv_len: int, spec: CallSpec):
   p = plan(
     query,
-    key,
+    kv_len,
     mask=spec.mask,
     score_fn=spec.score_fn,
     scale=spec.scale,
@@ -111,7 +122,7 @@ def attention(query, key, value, spec: CallSpec):
     block_kv=spec.block_kv,
   )
   out, lse = _attention_vjp(
-    p.static, query, key, value, spec.bias, p.seed, p.rows, p.cols, p.mask_consts, p.score_consts
+    p.static, query, kv, spec.bias, p.seed, p.rows, p.cols, p.mask_consts, p.score_consts
   )
   # With sinks to add (jattn.attention), out stays in the statistics dtype until then.
   return (out if spec.sinks is not None else out.astype(query.dtype)), lse
@@ -134,7 +145,7 @@ class Plan(NamedTuple):
 
 def plan(
   query,
-  key,
+  kv_len: int,
   *,
   mask: _masks.Mask | None,
   score_fn: Callable | None,
@@ -146,10 +157,10 @@ def plan(
   block_kv: int,
 ) -> Plan:
   """Tile sizes, the schedules of non-empty tiles and the closure-converted mask and score
-  function for query (B, T, N, H) against key (B, S, K, H). Used by :func:`attention` and by
-  :mod:`jattn.parallel`, which plans one call per pair of shards."""
+  function for query (B, T, N, H) against ``kv_len`` = S keys. Used by :func:`attention` and
+  by :mod:`jattn.parallel`, which plans one call per pair of shards."""
   B, T, N, _ = query.shape
-  S = key.shape[1]
+  S = kv_len
   bq, bk = min(block_q, T), min(block_kv, S)
   view = _tiling.tile_classes(mask, B, N, T, S, bq, bk)
   rows, cols = (jax.tree.map(jnp.asarray, _tiling.schedule(v)) for v in (view, view.T))
@@ -180,7 +191,7 @@ def forward(p: Plan, query, key, value, bias=None):
   """``(out (B, T, N, H), m (B, T, N), l (B, T, N))``, all float32/64, with no custom_vjp
   around them: the normalised output and each row's max and sum (m = 0 and l = 0 for rows
   that attend to nothing); the log-sum-exp is ``_common.log_sum_exp(m, l)``."""
-  return _forward(p.static, query, key, value, bias, p.seed, p.rows, p.consts)
+  return _forward(p.static, query, (key, value), bias, p.seed, p.rows, p.consts)
 
 
 def backward(p: Plan, query, key, value, out, m, l, d_out, d_lse, bias=None):
@@ -189,53 +200,57 @@ def backward(p: Plan, query, key, value, out, m, l, d_out, d_lse, bias=None):
   softmax that this call is one part of (ring attention): the rule only needs the final rows'
   output, max and sum. Δ here is FlashAttention's rowsum(dY ⊙ Y) from ``out``, since a row's
   probabilities span the other parts too; :func:`attention` sums the exact rowsum(A ⊙ dA)."""
-  d_query, d_key, d_value, d_bias, _, _ = _backward(
-    p.static, (query, key, value, bias, p.seed, p.cols, p.consts, out, m, l), d_out, d_lse
+  d_query, d_kv, d_bias, _, _ = _backward(
+    p.static, (query, (key, value), bias, p.seed, p.cols, p.consts, out, m, l), d_out, d_lse
   )
+  d_key, d_value = d_kv
   return d_query, d_key, d_value, d_bias
 
 
 # --- forward ------------------------------------------------------------------
 
 
-def _forward(static: _tiling.Static, query, key, value, bias, seed, rows: _tiling.Schedule, consts):
-  """``(out (B, T, N, H), m (B, T, N), l (B, T, N))``, all float32/64 (see :func:`forward`)."""
+def _forward(static: _tiling.Static, query, kv, bias, seed, rows: _tiling.Schedule, consts):
+  """``(out (B, T, N, Hv), m (B, T, N), l (B, T, N))``, all float32/64 (see :func:`forward`);
+  ``kv`` is a (key, value) pair or a :class:`jattn.impl._kv.CacheTiles`."""
   B, T, N, H = query.shape
-  K = key.shape[2]
+  tiles = _kv.source(kv, static.block_kv)
+  K, Hv, v_dtype = _kv.heads(kv)
   G = N // K
   bq = static.block_q
   dtype = _common.stats_dtype(query.dtype)
   q_tiles = _tiling.query_tiles(_common.scaled_queries(query, static.scale), bq, K)
-  k_tiles, v_tiles = (
-    _tiling.seq_tiles(key, static.block_kv),
-    _tiling.seq_tiles(value, static.block_kv),
-  )
   bias = _tiling.pad_bias(bias, static)
   keep_scale = _tiling.keep_scale(static, dtype)
 
   def query_tile(i, q_tile):
     def body(j, carry, masked):
       acc, m, l = carry
-      tile = _tiling.tile(static, q_tile, k_tiles[j], bias, seed, consts, i, j, masked=masked)
+      tile = _tiling.tile(
+        static, q_tile, tiles.key_tile(j), bias, seed, consts, i, j, masked=masked
+      )
       s = tile.s if tile.keep is None else jnp.where(tile.keep, tile.s, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))  # -inf: nothing yet
       shift = _common.row_max(m_new)
       # Narrow values (bfloat16, float16): p is rounded to their dtype for p·v, and the row
       # sum adds up the same rounded weights, so the output is exactly their weighted mean
       # (a saturated row returns its value row exactly, which its gradient relies on).
-      p = jnp.exp(s - shift).astype(value.dtype)
+      p = jnp.exp(s - shift).astype(v_dtype)
       alpha = jnp.exp(m - shift)
       l = l * alpha + jnp.sum(p, axis=-1, keepdims=True, dtype=dtype)
       if tile.drop is not None:
         p = jnp.where(tile.drop, p * keep_scale.astype(p.dtype), 0)
       pv = jnp.einsum(
-        "BKrk,BKkH->BKrH", p.reshape(B, K, G * bq, -1), v_tiles[j], preferred_element_type=dtype
+        "BKrk,BKkH->BKrH",
+        p.reshape(B, K, G * bq, -1),
+        tiles.value_tile(j),
+        preferred_element_type=dtype,
       )
       acc = acc * alpha.reshape(B, K, G * bq, 1) + pv
       return acc, m_new, l
 
     init = (
-      jnp.zeros((B, K, G * bq, value.shape[-1]), dtype),
+      jnp.zeros((B, K, G * bq, Hv), dtype),
       jnp.full((B, N, bq, 1), -jnp.inf, dtype),
       jnp.zeros((B, N, bq, 1), dtype),
     )
@@ -257,8 +272,7 @@ def _row_dots(
   static: _tiling.Static,
   q_tiles,
   do_tiles,
-  k_tiles,
-  v_tiles,
+  tiles,
   bias,
   seed,
   consts,
@@ -277,9 +291,11 @@ def _row_dots(
 
   def query_tile(i, q_tile, do_tile, m_i, l_i):
     def body(j, acc, masked):
-      tile = _tiling.tile(static, q_tile, k_tiles[j], bias, seed, consts, i, j, masked=masked)
+      tile = _tiling.tile(
+        static, q_tile, tiles.key_tile(j), bias, seed, consts, i, j, masked=masked
+      )
       p = _common.normalized_exp(tile.s, m_i, l_i, tile.keep)
-      d_p = _tiling.d_probs(tile, do_tile, v_tiles[j], keep_scale, dtype)
+      d_p = _tiling.d_probs(tile, do_tile, tiles.value_tile(j), keep_scale, dtype)
       dot, total = acc
       # An einsum rather than sum(p * d_p): XLA's CPU backend fused the latter's multiply and
       # the exp into the reduction and ran the pass 6x slower.
@@ -299,11 +315,10 @@ def _backward(
   """Gradients in float32/64 (the custom_vjp casts them to the inputs' dtypes). With the
   query tiles' schedule ``rows``, Δ = rowsum(A ⊙ dA) takes a pass of its own over the tiles;
   without it Δ = rowsum(dY ⊙ Y) comes from ``out`` (ring attention, whose rows span shards)."""
-  query, key, value, bias, seed, cols, consts, out, m, l = residuals
+  query, kv, bias, seed, cols, consts, out, m, l = residuals
   mask_consts, score_consts = consts
   B, T, N, H = query.shape
-  _, S, K, _ = key.shape
-  Hv = value.shape[-1]
+  K, Hv, v_dtype = _kv.heads(kv)
   G = N // K
   bq, bk = static.block_q, static.block_kv
   dtype = _common.stats_dtype(query.dtype)
@@ -311,7 +326,7 @@ def _backward(
 
   q_tiles = _tiling.query_tiles(_common.scaled_queries(query, static.scale), bq, K)
   prescaled = _common.scales_queries(query.dtype)
-  k_tiles, v_tiles = _tiling.seq_tiles(key, bk), _tiling.seq_tiles(value, bk)
+  tiles = _kv.source(kv, bk)
   d_out = d_out.astype(dtype)
   do_tiles = _tiling.query_tiles(d_out, bq, K)
   m, l = _tiling.row_tiles(m, bq), _tiling.row_tiles(l, bq)
@@ -332,13 +347,12 @@ def _backward(
     # corrected by that sum. With float32 values the forward summed the very weights the
     # backward recomputes, and the correction would only add rounding (measured: float32 dq
     # 1.54x jax.nn's error with it, 1.23x without).
-    narrow = value.dtype != dtype
+    narrow = v_dtype != dtype
     row_dot, row_sum = _row_dots(
       static,
       q_tiles,
       do_tiles,
-      k_tiles,
-      v_tiles,
+      tiles,
       padded_bias,
       seed,
       consts,
@@ -358,7 +372,8 @@ def _backward(
 
   def kv_tile(carry, xs):
     d_q, d_bias, d_consts = carry
-    j, k_tile, v_tile = xs
+    j = xs
+    k_tile, v_tile = tiles.key_tile(j), tiles.value_tile(j)
 
     def body(i, inner, masked):
       d_k, d_v, d_q, d_bias, d_consts = inner
@@ -406,13 +421,12 @@ def _backward(
     tuple(jnp.zeros(jnp.shape(c), dtype) for c, f in zip(score_consts, is_float) if f),
   )
   (d_q, d_bias, d_float), (d_k, d_v) = jax.lax.scan(
-    kv_tile, init, (jnp.arange(k_tiles.shape[0], dtype=jnp.int32), k_tiles, v_tiles)
+    kv_tile, init, jnp.arange(tiles.num_tiles, dtype=jnp.int32)
   )
   d_query = _tiling.untile_queries(d_q, N, T)
   if prescaled:
     d_query = d_query * jnp.asarray(static.scale, dtype)
-  d_key = d_k.transpose(1, 0, 4, 2, 3).reshape(B, -1, K, H)[:, :S]  # (nk, B, K, H, bk)
-  d_value = d_v.transpose(1, 0, 4, 2, 3).reshape(B, -1, K, Hv)[:, :S]
+  d_kv = tiles.cotangent(d_k, d_v)  # from (nk, B, K, H, bk) and (nk, B, K, Hv, bk)
   if d_bias is not None:
     d_bias = d_bias[:, :, : bias.shape[2], : bias.shape[3]]
   d_floats = iter(d_float)
@@ -420,40 +434,40 @@ def _backward(
     next(d_floats).astype(jnp.result_type(c)) if f else None for c, f in zip(score_consts, is_float)
   )
   d_mask = tuple(None for _ in mask_consts)
-  return d_query, d_key, d_value, d_bias, d_mask, d_score
+  return d_query, d_kv, d_bias, d_mask, d_score
 
 
 # --- the custom_vjp -----------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention_vjp(static, query, key, value, bias, seed, rows, cols, mask_consts, score_consts):
-  out, m, l = _forward(static, query, key, value, bias, seed, rows, (mask_consts, score_consts))
+def _attention_vjp(static, query, kv, bias, seed, rows, cols, mask_consts, score_consts):
+  out, m, l = _forward(static, query, kv, bias, seed, rows, (mask_consts, score_consts))
   return out, _common.log_sum_exp(m, l)
 
 
-def _attention_fwd(static, query, key, value, bias, seed, rows, cols, mask_consts, score_consts):
-  out, m, l = _forward(static, query, key, value, bias, seed, rows, (mask_consts, score_consts))
-  residuals = (query, key, value, bias, seed, rows, cols, mask_consts, score_consts, m, l)
+def _attention_fwd(static, query, kv, bias, seed, rows, cols, mask_consts, score_consts):
+  out, m, l = _forward(static, query, kv, bias, seed, rows, (mask_consts, score_consts))
+  residuals = (query, kv, bias, seed, rows, cols, mask_consts, score_consts, m, l)
   return (out, _common.log_sum_exp(m, l)), residuals
 
 
 def _attention_bwd(static, residuals, cotangents):
-  query, key, value, bias, seed, rows, cols, mask_consts, score_consts, m, l = residuals
+  query, kv, bias, seed, rows, cols, mask_consts, score_consts, m, l = residuals
   d_out, d_lse = cotangents
-  d_query, d_key, d_value, d_bias, d_mask, d_score = _backward(
+  d_query, d_kv, d_bias, d_mask, d_score = _backward(
     static,
-    (query, key, value, bias, seed, cols, (mask_consts, score_consts), None, m, l),
+    (query, kv, bias, seed, cols, (mask_consts, score_consts), None, m, l),
     d_out,
     d_lse,
     rows,
   )
-  d_query, d_key, d_value = (
-    d.astype(x.dtype) for d, x in ((d_query, query), (d_key, key), (d_value, value))
-  )
+  d_query = d_query.astype(query.dtype)
+  if isinstance(kv, tuple):
+    d_kv = tuple(d.astype(x.dtype) for d, x in zip(d_kv, kv))
   if bias is not None:
     d_bias = d_bias.astype(bias.dtype)
-  return d_query, d_key, d_value, d_bias, None, None, None, d_mask, d_score
+  return d_query, d_kv, d_bias, None, None, None, d_mask, d_score
 
 
 _attention_vjp.defvjp(_attention_fwd, _attention_bwd)

@@ -1,0 +1,180 @@
+"""Where blockwise's key/value tiles come from: arrays, or a KV cache read tile by tile.
+
+The blockwise loops (:mod:`jattn.impl.blockwise`) ask for key/value tile ``j`` as
+``tiles.key_tile(j)`` and ``tiles.value_tile(j)``, each (B, K, block_kv, H), and hand the
+per-tile gradients back to ``tiles.cotangent``. Two sources:
+
+* :class:`Stacked`: key and value arrays (B, S, K, H), cut into tiles up front.
+* :class:`CacheTiles`: the keys and values a :mod:`jattn.decode` cache holds, read
+  only when a tile is visited. The cache is either dense, (B, S, K, H) per row, or
+  paged, (P, page_size, K, H) pages with a page table (B, M) naming each row's
+  pages in order; its storage may be quantized (:mod:`jattn._quant`), with one
+  float32 scale per (token, head). Tile ``j`` of row ``b`` covers the row's slots
+  ``[j · block, (j + 1) · block)``: for a paged cache, ``block // page_size`` of
+  its pages, gathered and dequantized for that tile alone. Slots at or past the
+  row's length read as zeros, so stale pages (a finished request's tokens, NaN)
+  never reach a product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _quant
+from jattn.impl import _tiling
+
+
+class Stacked(NamedTuple):
+  """Key and value arrays cut into tiles up front: (n, B, K, block, H) each."""
+
+  k_tiles: jax.Array
+  v_tiles: jax.Array
+  kv_len: int
+
+  @property
+  def num_tiles(self) -> int:
+    return self.k_tiles.shape[0]
+
+  def key_tile(self, j):
+    return self.k_tiles[j]
+
+  def value_tile(self, j):
+    return self.v_tiles[j]
+
+  def cotangent(self, d_k, d_v):
+    """(d_key, d_value) (B, S, K, H) from per-tile gradients (n, B, K, H, block)."""
+    return tuple(
+      d.transpose(1, 0, 4, 2, 3).reshape(d.shape[1], -1, d.shape[2], d.shape[3])[:, : self.kv_len]
+      for d in (d_k, d_v)
+    )
+
+
+def stacked(key, value, block: int) -> Stacked:
+  return Stacked(_tiling.seq_tiles(key, block), _tiling.seq_tiles(value, block), key.shape[1])
+
+
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["key", "value", "key_scale", "value_scale", "page_table", "lengths"],
+  meta_fields=["dtype", "block"],
+)
+@dataclasses.dataclass(frozen=True)
+class CacheTiles:
+  """A dense or paged KV cache as a source of tiles (see the module docstring)."""
+
+  key: Any  # (B, S, K, H) dense, or (P, page_size, K, H) pages; float or quantized
+  value: Any  # the same with Hv
+  key_scale: Any  # None, or float32 (B, S, K) / (P, page_size, K) for quantized storage
+  value_scale: Any
+  page_table: Any  # None (dense), or int32 (B, M): row b's pages in order, -1 where none
+  lengths: Any  # int32 (B,): slots of each row that hold tokens
+  dtype: Any  # what tiles are read as: the query's dtype
+  block: int  # slots per tile; a multiple of page_size for a paged cache
+
+  @property
+  def paged(self) -> bool:
+    return self.page_table is not None
+
+  @property
+  def kv_len(self) -> int:
+    """Slots per row: S, or M · page_size."""
+    if self.paged:
+      return self.page_table.shape[1] * self.key.shape[1]
+    return self.key.shape[1]
+
+  @property
+  def num_tiles(self) -> int:
+    return math.ceil(self.kv_len / self.block)
+
+  @property
+  def shape(self) -> tuple[int, int, int, int, int]:
+    """(B, S, K, H, Hv) of the rows this cache holds."""
+    B = self.lengths.shape[0]
+    return (B, self.kv_len, self.key.shape[2], self.key.shape[3], self.value.shape[3])
+
+  def _slots(self, j):
+    return j * self.block + jnp.arange(self.block, dtype=jnp.int32)
+
+  def _pages(self, j):
+    """(B, block // page_size) page ids of tile j, -1 where the row has none."""
+    per_tile = self.block // self.key.shape[1]
+    table = self.page_table
+    pad = self.num_tiles * per_tile - table.shape[1]
+    if pad:
+      table = jnp.pad(table, ((0, 0), (0, pad)), constant_values=-1)
+    return jax.lax.dynamic_slice_in_dim(table, j * per_tile, per_tile, axis=1)
+
+  def _read(self, store, scale, j):
+    """Tile j of ``store`` as (B, K, block, h) in ``dtype``, zero past each row's length."""
+    slots = self._slots(j)
+    if self.paged:
+      pages = jnp.maximum(self._pages(j), 0)  # -1: past the row's length, zeroed below
+      B, per_tile = pages.shape
+      x = store[pages].reshape(B, self.block, *store.shape[2:])
+      if scale is not None:
+        scale = scale[pages].reshape(B, self.block, scale.shape[2])
+    else:
+      x = jnp.take(store, slots, axis=1, mode="fill", fill_value=0)
+      if scale is not None:
+        scale = jnp.take(scale, slots, axis=1, mode="fill", fill_value=0)
+    x = x.astype(self.dtype) if scale is None else _quant.dequantize(x, scale, self.dtype)
+    written = slots[None, :] < self.lengths[:, None]
+    x = jnp.where(written[:, :, None, None], x, jnp.zeros((), self.dtype))
+    return x.transpose(0, 2, 1, 3)
+
+  def key_tile(self, j):
+    return self._read(self.key, self.key_scale, j)
+
+  def value_tile(self, j):
+    return self._read(self.value, self.value_scale, j)
+
+  def cotangent(self, d_k, d_v) -> CacheTiles:
+    """The cache's cotangent from per-tile gradients (n, B, K, h, block): scattered back
+    into the rows or pages for float storage; none for quantized storage (rounding has no
+    useful derivative), the scales, the page table and the lengths."""
+
+    def back(store, d):
+      if _quant.is_quantized(store.dtype):
+        return None
+      n, B, K, h, block = d.shape
+      d = d.transpose(1, 0, 4, 2, 3).reshape(B, n * block, K, h)  # (B, slots, K, h)
+      if not self.paged:
+        return d[:, : self.kv_len].astype(store.dtype)
+      page_size = store.shape[1]
+      pages = jnp.concatenate([self._pages(j) for j in range(n)], axis=1)  # (B, n·per_tile)
+      pages = jnp.where(pages < 0, store.shape[0], pages)  # dropped by the scatter
+      d = d.reshape(B, -1, page_size, K, h)
+      return jnp.zeros(store.shape, d.dtype).at[pages].add(d, mode="drop").astype(store.dtype)
+
+    return dataclasses.replace(
+      self,
+      key=back(self.key, d_k),
+      value=back(self.value, d_v),
+      key_scale=None,
+      value_scale=None,
+      page_table=None,
+      lengths=None,
+    )
+
+
+def source(kv, block: int):
+  """The tile source of blockwise's ``kv`` argument: a (key, value) pair or CacheTiles."""
+  if isinstance(kv, CacheTiles):
+    return kv
+  key, value = kv
+  return stacked(key, value, block)
+
+
+def heads(kv) -> tuple[int, int, Any]:
+  """(K, Hv, the dtype value tiles are read as) of blockwise's ``kv`` argument."""
+  if isinstance(kv, CacheTiles):
+    return kv.key.shape[2], kv.value.shape[3], np.dtype(kv.dtype)
+  key, value = kv
+  return key.shape[2], value.shape[3], value.dtype
