@@ -517,7 +517,7 @@ def _write(cache: Cache, key, value, num_new) -> Cache:
     stored, scales = (k_q, v_q), (k_s, v_s)
 
   def put(store, x) -> Any:
-    return None if x is None else store.at[at].set(x, mode="drop")
+    return None if x is None else jnp.asarray(store).at[at].set(x, mode="drop")
 
   if isinstance(cache, KVCache):
     rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, t))

@@ -74,6 +74,7 @@ _SLOWEST_FIRST = (
   "test_attention.py",
   "test_splash.py",
   "test_parallel.py",
+  "test_paged.py",
   "test_linen.py",
   "test_nnx.py",
   "test_adversarial.py",
