@@ -21,6 +21,12 @@ call and give the same outputs as causal attention over the whole sequence.
 Slots past a row's length never reach the result: they are masked and read as
 zeros, so garbage there (NaN included) cannot leak into outputs or gradients.
 
+By default attention runs blockwise and reads the cache a key/value tile at a
+time, visiting only the tiles some row has reached: a step costs what the rows
+hold, not ``max_length``, and the cache is never copied. ``implementation="xla"``
+(or ``backward="autodiff"``) instead materialises the scores over the whole
+``max_length``, reading a zeroed copy of a contiguous cache.
+
 Overflow: a row cannot hold more than ``max_length`` tokens. When the lengths
 and ``num_new`` are concrete (eager calls), writing past ``max_length`` raises
 ValueError. Under ``jax.jit`` they are traced and cannot be checked: tokens
@@ -373,10 +379,13 @@ def attention(
       sinks (per-head sink logits (N,)).
       ``score_fn`` sees ``q_idx`` within the chunk and ``kv_idx`` as the
       cache slot (see the module docstring).
-      ``"cudnn"`` is not available: the cache mask is an index mask. A paged
-      or quantized cache is read by blockwise alone (implementation None or
-      ``"blockwise"``), and a paged cache's ``block_kv`` is a multiple of its
-      page size.
+      ``"cudnn"`` is not available: the cache mask is an index mask. By
+      default (and with ``"blockwise"``) attention runs blockwise and reads
+      the cache tile by tile, visiting only tiles some row has reached, with
+      no copy of the cache; ``implementation="xla"`` or
+      ``backward="autodiff"`` materialise a float contiguous cache's keys and
+      values instead. A paged or quantized cache is read tile by tile only,
+      and a paged cache's ``block_kv`` is a multiple of its page size.
     bias: float array broadcastable to (B, N, t, max_length), added to the logits.
     mask: a :class:`jattn.masks.Mask` or boolean array broadcastable to
       (B, N, t, max_length), combined with the causal cache mask by ``&``.
@@ -413,7 +422,8 @@ def attention(
     block_kv=block_kv,
     sinks=sinks,
   )
-  if isinstance(new_cache, KVCache) and new_cache.key_scale is None:
+  materialised = implementation not in (None, "blockwise") or backward == "autodiff"
+  if isinstance(new_cache, KVCache) and new_cache.key_scale is None and materialised:
     # Slots past a row's length hold whatever was there (uninitialised memory, a finished
     # request's tokens, NaN): the mask excludes them, but 0 · NaN is NaN in p·v and in the
     # gradients, so they are read as zeros.
@@ -432,7 +442,7 @@ def attention(
 
 
 def _over_tiles(query, cache: Cache, bias, mask, options):
-  """Blockwise attention reading a paged or quantized cache tile by tile (CacheTiles)."""
+  """Blockwise attention reading the cache tile by tile (a CacheTiles source)."""
   kind = "paged" if isinstance(cache, PagedKVCache) else "quantized"
   implementation = options["implementation"]
   if implementation not in (None, "blockwise"):

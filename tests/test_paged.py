@@ -294,8 +294,9 @@ def test_quantized_caches_attend_close_to_the_float_cache(dtype, rel_rms):
   q, k, v = _sequence(N, K)
   want = attention_np(q, k, v, allowed=causal_np(L, L))[0]
   rms = lambda x: float(np.sqrt(np.mean(np.square(x))))
-  for cache in (decode.init(B, 12, K, H, dtype=dtype), _paged(K, dtype=dtype)):
-    got, cache = _run(q, k, v, cache, (6, 3), block_kv=4)
+  # 12 slots in tiles of 8 (the last tile runs past the rows), and pages in tiles of 2.
+  for cache, block in ((decode.init(B, 12, K, H, dtype=dtype), 8), (_paged(K, dtype=dtype), 4)):
+    got, cache = _run(q, k, v, cache, (6, 3), block_kv=block)
     assert got.dtype == np.float32 and cache.lengths.tolist() == [L, L]
     assert rms(np.asarray(got) - want) < rel_rms * rms(want)
   got, _ = _run(*(x.astype(jnp.bfloat16) for x in (q, k, v)), _paged(K, dtype=dtype), (9,))

@@ -120,10 +120,14 @@ class CacheTiles:
       x = store[pages].reshape(B, self.block, *store.shape[2:])
       if scale is not None:
         scale = scale[pages].reshape(B, self.block, scale.shape[2])
-    else:
-      x = jnp.take(store, slots, axis=1, mode="fill", fill_value=0)
+    elif self.kv_len % self.block == 0:
+      x = jax.lax.dynamic_slice_in_dim(store, j * self.block, self.block, axis=1)
       if scale is not None:
-        scale = jnp.take(scale, slots, axis=1, mode="fill", fill_value=0)
+        scale = jax.lax.dynamic_slice_in_dim(scale, j * self.block, self.block, axis=1)
+    else:  # the last tile runs past the rows: those slots are past every length, zeroed
+      x = jnp.take(store, slots, axis=1, mode="clip")
+      if scale is not None:
+        scale = jnp.take(scale, slots, axis=1, mode="clip")
     x = x.astype(self.dtype) if scale is None else _quant.dequantize(x, scale, self.dtype)
     written = slots[None, :] < self.lengths[:, None]
     x = jnp.where(written[:, :, None, None], x, jnp.zeros((), self.dtype))
