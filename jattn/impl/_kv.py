@@ -102,14 +102,16 @@ class CacheTiles:
   def _slots(self, j):
     return j * self.block + jnp.arange(self.block, dtype=jnp.int32)
 
+  def _table(self):
+    """The page table padded with -1 to whole tiles: (B, num_tiles · block // page_size)."""
+    table = self.page_table
+    pad = self.num_tiles * (self.block // self.key.shape[1]) - table.shape[1]
+    return jnp.pad(table, ((0, 0), (0, pad)), constant_values=-1) if pad else table
+
   def _pages(self, j):
     """(B, block // page_size) page ids of tile j, -1 where the row has none."""
     per_tile = self.block // self.key.shape[1]
-    table = self.page_table
-    pad = self.num_tiles * per_tile - table.shape[1]
-    if pad:
-      table = jnp.pad(table, ((0, 0), (0, pad)), constant_values=-1)
-    return jax.lax.dynamic_slice_in_dim(table, j * per_tile, per_tile, axis=1)
+    return jax.lax.dynamic_slice_in_dim(self._table(), j * per_tile, per_tile, axis=1)
 
   def _read(self, store, scale, j):
     """Tile j of ``store`` as (B, K, block, h) in ``dtype``, zero past each row's length."""
@@ -152,7 +154,7 @@ class CacheTiles:
       if not self.paged:
         return d[:, : self.kv_len].astype(store.dtype)
       page_size = store.shape[1]
-      pages = jnp.concatenate([self._pages(j) for j in range(n)], axis=1)  # (B, n·per_tile)
+      pages = self._table()  # (B, n · block // page_size)
       pages = jnp.where(pages < 0, store.shape[0], pages)  # dropped by the scatter
       d = d.reshape(B, -1, page_size, K, h)
       return jnp.zeros(store.shape, d.dtype).at[pages].add(d, mode="drop").astype(store.dtype)
