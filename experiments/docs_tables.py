@@ -12,7 +12,8 @@ table. ``docs/conf.py`` runs it on every Sphinx build.
 
 What each folder of docs/ holds; ``COMMANDS`` below names the command whose run it records:
 
-    docs/bench/             bench-<time>.json: the newest run with timings, the newest with memory
+    docs/bench/             bench-<time>.json: the newest run with timings, the newest with memory;
+                            bench_decode-<time>.json: the newest decoding run
     docs/accuracy/          accuracy_<backend>.json (from experiments.accuracy --json)
     docs/scaling/           scaling.json and scaling.png
     docs/parallel/          parallel.json
@@ -36,6 +37,7 @@ RECORD_DIRS = ("bench", "accuracy", "scaling", "parallel", "gpu", "compare_backw
 COMMANDS = {
   "bench": "python -m experiments.bench --config configs/bench.yaml",
   "bench_memory": "python -m experiments.bench --lengths --memory-lengths 4096 16384",
+  "decode": "python -m experiments.bench_decode --config configs/bench_decode.yaml",
   "accuracy": "python -m experiments.accuracy --json runs/accuracy_cpu.json",
   "scaling": "python -m experiments.bench_scaling --config configs/bench_scaling.yaml",
   "parallel": "python -m experiments.bench_parallel --config configs/bench_parallel.yaml",
@@ -132,6 +134,92 @@ def bench_memory(docs: pathlib.Path) -> str:
         cells + [f"{m['seconds']:.1f}", f"{m['peak_mb_before']:.0f}", f"{m['peak_mb']:.0f}"]
       )
   return head + _table(["T", "causal", "method", "seconds", "MiB before", "peak MiB"], rows)
+
+
+def decode(docs: pathlib.Path) -> str:
+  paths = _full_runs((docs / "bench").glob("bench_decode-*.json"))
+  if not paths:
+    return _absent("a `bench_decode-*.json` in `docs/bench/`", "decode")
+  path, r = paths[-1], _load(paths[-1])
+  c = r["config"]
+  out = [
+    f"From {_source(path, docs)} (`{r['command']}`): {r['device']} ({r['machine']}), jax "
+    f"{r['jax']}; N={c['heads']}, K={c['kv_heads']}, H={c['head_dim']}, float32 queries, "
+    f"pages of {c['page_size']} slots, contiguous caches of context + {c['headroom']} slots.\n"
+  ]
+  if r["steps"]:
+    out += [
+      "One jitted decode step (cache donated), medians of "
+      f"{c['reps']} interleaved rounds; × jax.nn = jax.nn's time / the method's (median of "
+      "per-round ratios); bytes per token held = the bytes the cache reserves (contiguous) or "
+      "the bytes of its pages in use (paged) / the tokens it holds:\n",
+      _table(
+        ["B", "context", "method", "ms", "tokens/s", "× jax.nn", "cache MiB", "bytes/token"]
+        + ["storage bytes/token"],
+        [
+          [
+            str(t["B"]),
+            f"{t['context']:,}",
+            t["method"],
+            f"{t['ms']:.3f}",
+            f"{t['tokens_per_s']:,.0f}",
+            fmt(t["vs_jax_nn"], ".2f"),
+            f"{t['cache_mb']:,.1f}",
+            f"{t['bytes_per_token']:,.0f}",
+            f"{t['storage_bytes_per_token']:,}",
+          ]
+          for t in r["steps"]
+        ],
+      ),
+    ]
+  if r["quant"]:
+    out += [
+      "One decode step with quantized pages against the float32 contiguous cache "
+      "(relative RMS error = ‖o − o_ref‖ / ‖o_ref‖ of the output):\n",
+      _table(
+        ["B", "context", "cache", "max abs error", "relative RMS error", "output RMS"],
+        [
+          [
+            str(q["B"]),
+            f"{q['context']:,}",
+            q["method"],
+            f"{q['max_abs_error']:.2e}",
+            f"{q['rel_rms_error']:.2e}",
+            f"{q['ref_rms']:.3g}",
+          ]
+          for q in r["quant"]
+        ],
+      ),
+    ]
+  if (s := r["serve"]) is not None:
+    v = c["serve"]
+    out += [
+      f"Continuous batching: {s['requests']} requests (prompts {v['prompt'][0]}–"
+      f"{v['prompt'][1]} tokens, outputs {v['output'][0]}–{v['output'][1]}, seed "
+      f"{v['seed']}) on {v['batch']} slots of up to {v['max_length']:,} tokens over a float32 "
+      f"paged pool, prompts written in chunks of {v['prefill_chunk']}:\n",
+      _table(
+        ["quantity", "value"],
+        [
+          [
+            "generated tokens (prompt tokens)",
+            f"{s['generated_tokens']:,} ({s['prompt_tokens']:,})",
+          ],
+          ["seconds", f"{s['seconds']:.1f}"],
+          ["generated tokens/s", f"{s['generated_per_s']:,.0f}"],
+          ["all tokens/s (prompt + generated)", f"{s['tokens_per_s']:,.0f}"],
+          ["prefill / decode calls", f"{s['prefill_calls']} / {s['decode_calls']}"],
+          ["peak pages in use / pool", f"{s['peak_pages']} / {s['pool_pages']}"],
+          [
+            "page allocations (of a page a finished request released)",
+            f"{s['page_allocations']:,} ({s['pages_reused']:,})",
+          ],
+          ["pool MiB (peak in use)", f"{s['pool_mb']:,.1f} ({s['peak_mb']:,.1f})"],
+          ["contiguous cache MiB (slots × max_length)", f"{s['contiguous_mb']:,.1f}"],
+        ],
+      ),
+    ]
+  return "\n".join(out)
 
 
 def _scaling_record(docs: pathlib.Path):
@@ -373,6 +461,7 @@ def demo(docs: pathlib.Path) -> str:
 TABLES: dict[str, Callable[[pathlib.Path], str]] = {
   "bench": bench_timings,
   "bench_memory": bench_memory,
+  "decode": decode,
   "scaling": scaling,
   "sparse": sparse,
   "parallel": parallel,
@@ -419,6 +508,8 @@ def collect(runs: pathlib.Path, docs: pathlib.Path = DOCS) -> list[pathlib.Path]
     with_part = [p for p in bench if _load(p)[part]]
     if with_part:
       copy(with_part[-1], "bench")
+  if (decode_run := newest("bench_decode-*.json")) is not None:
+    copy(decode_run, "bench")
   for p in _full_runs(runs.glob("accuracy*.json")):
     copy(p, "accuracy")
   for p in _full_runs(runs.glob("bench_gpu*.json")):

@@ -84,6 +84,88 @@ def test_bench_configs_name_bad_keys_and_values(tmp_path):
     parallel.main(["--length", "100"])
 
 
+def test_bench_decode_quick(tmp_path):
+  """Every method times a step of the one (B, context) cell; bytes per token follow from the
+  shapes; quantized pages err by about their rounding; the serving loop generates every
+  requested token, reuses released pages, ends with an empty pool and traces each call once;
+  the record renders as the docs' tables."""
+  bench = _load("bench_decode")
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    record = bench.main(["--quick", "--out-dir", str(tmp_path)])
+  assert [(r["B"], r["context"], r["method"]) for r in record["steps"]] == [
+    (2, 40, m) for m in bench.METHODS
+  ]
+  for r in record["steps"]:
+    assert r["ms"] > 0 and math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0
+    assert math.isfinite(r["vs_jax_nn"]) and r["vs_jax_nn"] > 0
+  rows = {r["method"]: r for r in record["steps"]}
+  assert rows["jax.nn"]["vs_jax_nn"] == 1.0
+  # K=2, H=16: 2 * 2 * 16 float32 = 256 bytes a token; int8 80 with its four float32 scales.
+  assert [rows[m]["storage_bytes_per_token"] for m in bench.METHODS] == [256, 256, 256, 80]
+  # Contiguous caches reserve 40 + 16 slots for 40 tokens; paged ones hold 3 pages of 16
+  # (41 tokens after the step's write) a row.
+  assert rows["contiguous"]["bytes_per_token"] == rows["jax.nn"]["bytes_per_token"] == 256 * 56 / 40
+  assert rows["paged"]["pages_in_use"] == rows["paged-int8"]["pages_in_use"] == 2 * 3
+  assert rows["paged"]["bytes_per_token"] == 256 * 48 / 40
+  assert rows["paged-int8"]["bytes_per_token"] == 80 * 48 / 40
+  errors = {q["method"]: q for q in record["quant"]}
+  assert list(errors) == ["paged", "paged-int8", "paged-float8"]
+  assert errors["paged"]["rel_rms_error"] < 1e-5
+  assert 0 < errors["paged-int8"]["rel_rms_error"] < errors["paged-float8"]["rel_rms_error"] < 0.1
+  s = record["serve"]
+  prompts, outputs = bench.requests(bench.load_config(bench.parse_args(["--quick"])).serve)
+  assert s["generated_tokens"] == outputs.sum() and s["prompt_tokens"] == prompts.sum()
+  assert s["generated_per_s"] > 0 and s["seconds"] > 0
+  assert 0 < s["peak_pages"] <= s["pool_pages"] == 6 and s["free_pages_at_end"] == 6
+  assert s["lengths_at_end"] == [0, 0, 0] and 0 < s["pages_reused"] < s["page_allocations"]
+  assert s["traces"] == {"t=16": 1, "t=1": 1}
+  assert s["contiguous_mb"] > s["pool_mb"]
+  text = out.getvalue()
+  assert "paged-int8" in text and "peak pages in use / pool" in text
+  saved = list(tmp_path.glob("bench_decode-*-quick.json"))
+  assert len(saved) == 1 and json.loads(saved[0].read_text()) == record
+  # --collect copies a full run's record (not a -quick one) into docs/bench/, and the docs'
+  # renderer makes its tables.
+  from experiments import docs_tables
+
+  assert docs_tables.collect(tmp_path, tmp_path / "docs") == []
+  saved[0].rename(tmp_path / "bench_decode-20260101-000000.json")
+  copied = docs_tables.collect(tmp_path, tmp_path / "docs")
+  assert [p.relative_to(tmp_path).as_posix() for p in copied] == [
+    "docs/bench/bench_decode-20260101-000000.json"
+  ]
+  table = docs_tables.decode(tmp_path / "docs")
+  assert "| 2 | 40 | paged-int8 |" in table and "| peak pages in use / pool | " in table
+
+
+def test_bench_decode_config(tmp_path):
+  bench = _load("bench_decode")
+  cfg = bench.load_config(
+    bench.parse_args(["--config", str(EXPERIMENTS.parent / "configs" / "bench_decode.yaml")])
+  )
+  assert cfg == bench.Config()  # the file spells out the defaults
+  assert cfg.batches == [1, 16] and cfg.contexts == [1024, 8192, 32768]
+  assert (cfg.heads, cfg.kv_heads, cfg.head_dim) == (8, 2, 128)
+  path = tmp_path / "bad.yaml"
+  for text, match in [
+    ("serve: {prompts: [1, 2]}\n", r"unknown key 'serve.prompts'; valid keys of serve: batch"),
+    ("serve: {prompt: [9, 3]}\n", r"'serve.prompt' must be \[min, max\] with min <= max"),
+    ("serve: {max_length: 100}\n", r"'serve.max_length' \(100\) must hold the longest request"),
+    ("quant: {dtypes: [int4]}\n", r"'quant.dtypes' must be one of \['int8', 'float8_e4m3fn'\]"),
+    ("heads: 3\n", r"'heads' \(3\) must be a multiple of 'kv_heads' \(2\)"),
+  ]:
+    path.write_text(text)
+    with pytest.raises(SystemExit, match=r"bench_decode: error: " + match):
+      bench.main(["--config", str(path)])
+  with pytest.raises(SystemExit, match=r"'methods' must be one of \['jax.nn', 'contiguous'"):
+    bench.main(["--methods", "flash"])
+  with pytest.raises(SystemExit, match=r"'serve.pool_fraction' must be > 0"):
+    bench.main(["--set", "serve.pool_fraction=0"])
+  cfg = bench.load_config(bench.parse_args(["--quick", "--contexts", "--requests", "0"]))
+  assert cfg.contexts == [] and cfg.serve.requests == 0 and cfg.serve.batch == 3
+
+
 def test_quickstart_runs():
   out = io.StringIO()
   with contextlib.redirect_stdout(out):

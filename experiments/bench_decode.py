@@ -1,0 +1,633 @@
+"""Decode-step throughput, quantization error and continuous batching over jattn.decode's caches.
+
+Three parts, one run, one model shape (default N=8 query heads, K=2 key/value heads,
+H=128, float32 queries; keys and values are seeded Gaussian noise: there is no model,
+only the attention and cache work of a serving loop):
+
+1. **Decode step.** For each batch B and context of the grid, every cache is filled to
+   ``context`` tokens (``decode.update`` in chunks) and one jitted one-token step is
+   timed: ``decode.attention`` with the cache as its argument, returning the new cache.
+
+       jax.nn       the usual baseline: the new token scattered into a materialised
+                    (B, max_length, K, H) cache, then jax.nn.dot_product_attention of q
+                    against all of it with ``key_value_seq_lengths``
+       contiguous   decode.init(B, max_length, ...) float32
+       paged        decode.init_paged(...) float32, pages of ``page_size`` slots
+       paged-int8   the same pages stored as int8, one float32 scale per token and head
+
+   max_length = context + ``headroom``; the paged pool holds exactly the pages of B rows
+   of max_length. Every step donates its cache (``donate_argnums``), so the write is in
+   place and no step copies the cache, and rewinds the lengths it advanced, so every
+   call writes slot ``context`` and attends over context + 1 tokens: the same work on
+   every call. The methods of one cell take turns in rounds (experiments/_timing.py:
+   an untimed call, then a block of back-to-back calls lasting about ``min_seconds``,
+   its median counts; the order rotates). Reports tokens/s (B / step time), the speed
+   against jax.nn (jax.nn's time / the method's, median of per-round ratios), and cache
+   bytes per token held: reserved bytes / tokens for the contiguous caches, bytes of
+   the pages in use / tokens for the paged ones, and each format's storage bytes per
+   token (int8 including its float32 scales).
+
+2. **Quantization error.** One decode step over the same keys, values and query with
+   float32 pages, int8 pages and float8_e4m3fn pages, against the float32 contiguous
+   cache: max |error| and relative RMS error (‖o − o_ref‖ / ‖o_ref‖) of the output.
+
+3. **Continuous batching.** ``requests`` requests of seeded random prompt and output
+   lengths served by ``batch`` slots over one float32 paged cache whose pool holds
+   ``pool_fraction`` of batch × max_length. Each iteration admits waiting requests
+   (first come, first served) into free slots while the pool has pages for a request's
+   whole prompt + output, writes one prompt chunk of up to ``prefill_chunk`` tokens for
+   every row still prefilling (``decode.attention`` with ``num_new``), decodes one token
+   for every generating row, and releases finished rows (``decode.release``). Each of
+   the three jitted functions has fixed shapes and is traced once (``num_new`` = 0
+   masks the rows it does not serve). Reports generated tokens/s, peak pages in use
+   against the pool, how many page allocations reused a page a finished request had
+   released, and the bytes a contiguous cache for the same slots would need.
+
+    python -m experiments.bench_decode --config configs/bench_decode.yaml
+    python -m experiments.bench_decode --batches 1 --contexts 1024 8192 --reps 3
+    python -m experiments.bench_decode --quick          # tiny smoke test (the tests run it)
+
+Prints tables and writes a JSON record under runs/ (``--out-dir``);
+``python -m experiments.docs_tables --collect`` copies the newest into docs/bench/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import os
+import pathlib
+import platform
+import sys
+import time
+import typing
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from experiments import _config, _timing
+from experiments._config import ConfigError, Section, field
+from experiments._timing import fmt
+from jattn import decode
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+METHODS = ("jax.nn", "contiguous", "paged", "paged-int8")
+QUANT_DTYPES = ("int8", "float8_e4m3fn")
+DTYPES = {"float32": jnp.float32, "int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig(Section):
+  """Part 2: one decode step's output error of quantized pages against float32."""
+
+  SECTION: typing.ClassVar[str] = "quant."
+  batch: int = field(4, minimum=1)
+  contexts: list[int] = field(factory=lambda: [1024, 8192], minimum=1, doc="empty = skip")
+  dtypes: list[str] = field(factory=lambda: list(QUANT_DTYPES), choices=QUANT_DTYPES)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig(Section):
+  """Part 3: a seeded stream of requests served by a fixed batch of slots."""
+
+  SECTION: typing.ClassVar[str] = "serve."
+  batch: int = field(16, minimum=1, doc="slots; 0 requests = skip")
+  requests: int = field(64, minimum=0)
+  prompt: list[int] = field(factory=lambda: [128, 2048], minimum=1, doc="[min, max] tokens")
+  output: list[int] = field(factory=lambda: [32, 512], minimum=1, doc="[min, max] tokens")
+  max_length: int = field(4096, minimum=1, doc="tokens a row may hold: the page table's size")
+  pool_fraction: float = field(0.5, above=0, maximum=1, doc="pool pages / (batch x max pages)")
+  prefill_chunk: int = field(256, minimum=1)
+  seed: int = field(0, minimum=0)
+
+  def check(self) -> None:
+    for key in ("prompt", "output"):
+      pair = getattr(self, key)
+      if len(pair) != 2 or pair[0] > pair[1]:
+        raise ConfigError(f"'serve.{key}' must be [min, max] with min <= max, got {pair}")
+    if self.prompt[1] + self.output[1] > self.max_length:
+      raise ConfigError(
+        f"'serve.max_length' ({self.max_length}) must hold the longest request: "
+        f"prompt {self.prompt[1]} + output {self.output[1]}"
+      )
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(Section):
+  """The decode-step grid (batches x contexts x methods), then parts 2 and 3."""
+
+  heads: int = field(8, minimum=1)
+  kv_heads: int = field(2, minimum=1)
+  head_dim: int = field(128, minimum=1)
+  batches: list[int] = field(factory=lambda: [1, 16], minimum=1)
+  contexts: list[int] = field(factory=lambda: [1024, 8192, 32768], minimum=1, doc="empty = none")
+  methods: list[str] = field(factory=lambda: list(METHODS), choices=METHODS)
+  page_size: int = field(128, minimum=1, doc="slots per page; attention tiles are whole pages")
+  headroom: int = field(256, minimum=1, doc="contiguous max_length = context + headroom")
+  fill_chunk: int = field(2048, minimum=1, doc="tokens per decode.update when filling")
+  reps: int = field(5, minimum=1, doc="interleaved rounds; each method's block median per round")
+  min_seconds: float = field(0.1, above=0, doc="each block of calls lasts about this long")
+  quant: QuantConfig = dataclasses.field(default_factory=QuantConfig)
+  serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
+  out_dir: str = field("runs")
+
+  def check(self) -> None:
+    if self.heads % self.kv_heads:
+      raise ConfigError(
+        f"'heads' ({self.heads}) must be a multiple of 'kv_heads' ({self.kv_heads})"
+      )
+
+
+QUICK = dict(
+  heads=4,
+  kv_heads=2,
+  head_dim=16,
+  batches=[2],
+  contexts=[40],
+  page_size=16,
+  headroom=16,
+  fill_chunk=64,
+  reps=2,
+  min_seconds=0.01,
+  quant={"batch": 2, "contexts": [40]},
+  serve={
+    "batch": 3,
+    "requests": 8,
+    "prompt": [5, 40],
+    "output": [2, 12],
+    "max_length": 64,
+    "prefill_chunk": 16,
+  },
+)
+
+
+# --- caches and steps --------------------------------------------------------------------
+
+
+def storage_bytes_per_token(cfg: Config, dtype: str) -> int:
+  """Bytes one token takes in a cache of ``dtype``: K keys and values of H, plus a float32
+  scale per key and value head when quantized."""
+  size = np.dtype(DTYPES[dtype]).itemsize
+  scales = 2 * cfg.kv_heads * 4 if dtype in QUANT_DTYPES else 0
+  return 2 * cfg.kv_heads * cfg.head_dim * size + scales
+
+
+def nbytes(tree) -> int:
+  return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def new_tokens(seed, B: int, t: int, cfg: Config, *, query: bool = True):
+  """Seeded Gaussian float32 query (B, t, N, H) (None unless ``query``), key and value
+  (B, t, K, H) on the device. NumPy draws them: jax.random would add a compilation per
+  shape, which the smoke test cannot afford."""
+  rng = np.random.default_rng(seed)
+  draw = lambda n: jnp.asarray(rng.standard_normal((B, t, n, cfg.head_dim), np.float32))
+  q = draw(cfg.heads) if query else None
+  return q, draw(cfg.kv_heads), draw(cfg.kv_heads)
+
+
+def chunks(cfg: Config, B: int, context: int) -> list[tuple]:
+  """The tokens every cache of a (B, context) cell is filled with: (key, value, n) chunks
+  of ``fill_chunk`` slots (the last one holding n <= fill_chunk real tokens), seeded."""
+  chunk = min(cfg.fill_chunk, context)
+  out = []
+  for i in range(math.ceil(context / chunk)):
+    _, k, v = new_tokens((B, context, i), B, chunk, cfg, query=False)
+    out.append((k, v, jnp.full((B,), min(chunk, context - i * chunk), jnp.int32)))
+  return out
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write(cache, k, v, n):
+  return decode.update(cache, k, v, num_new=n)
+
+
+def fill(cache, tokens: list[tuple]):
+  """The cache (donated) with ``tokens`` (from :func:`chunks`) written."""
+  for k, v, n in tokens:
+    cache = _write(cache, k, v, n)
+  return cache
+
+
+@functools.partial(jax.jit, donate_argnums=3)
+def cache_step(q, k, v, cache):
+  """One decode step; the lengths are rewound so the next call repeats the same work."""
+  out, new = decode.attention(q, k, v, cache)
+  return out, new._replace(lengths=cache.lengths)
+
+
+@functools.partial(jax.jit, donate_argnums=(3, 4))
+def jax_nn_step(q, k, v, keys, values, lengths):
+  """The baseline: scatter the new token at ``lengths``, attend over the whole
+  materialised cache up to ``lengths + 1``; lengths not advanced (as cache_step)."""
+  rows = jnp.arange(q.shape[0])
+  keys = keys.at[rows, lengths].set(k[:, 0])
+  values = values.at[rows, lengths].set(v[:, 0])
+  out = jax.nn.dot_product_attention(q, keys, values, key_value_seq_lengths=lengths + 1)
+  return out, keys, values
+
+
+class Stepper:
+  """A zero-argument callable for _timing: one step, its donated state threaded through."""
+
+  def __init__(self, step: Callable, inputs: tuple, state: tuple):
+    self.step, self.inputs, self.state = step, inputs, state
+
+  def __call__(self):
+    out, *state = self.step(*self.inputs, *self.state)
+    self.state = (*state, *self.state[len(state) :])
+    return out
+
+
+def make_cache(cfg: Config, method: str, B: int, context: int):
+  """An empty cache for ``method`` holding B rows of context + headroom tokens."""
+  S = context + cfg.headroom
+  K, H = cfg.kv_heads, cfg.head_dim
+  if method in ("jax.nn", "contiguous"):
+    return decode.init(B, S, K, H)
+  dtype = {"paged": "float32", "paged-int8": "int8", "paged-float8": "float8_e4m3fn"}[method]
+  M = math.ceil(S / cfg.page_size)
+  return decode.init_paged(B * M, cfg.page_size, B, M, K, H, dtype=DTYPES[dtype])
+
+
+def stepper(cfg: Config, method: str, B: int, context: int, inputs: tuple, tokens) -> Stepper:
+  cache = fill(make_cache(cfg, method, B, context), tokens)
+  if method == "jax.nn":
+    return Stepper(jax_nn_step, inputs, (cache.key, cache.value, cache.lengths))
+  return Stepper(cache_step, inputs, (cache,))
+
+
+def cache_row(cfg: Config, method: str, B: int, context: int, s: Stepper) -> dict:
+  """Bytes the method's cache holds or reserves, per token held."""
+  held = B * context
+  if method == "jax.nn":
+    reserved = nbytes(s.state[:2])
+    return dict(cache_mb=reserved / 2**20, bytes_per_token=reserved / held, pages_in_use=None)
+  cache = s.state[0]
+  if isinstance(cache, decode.PagedKVCache):
+    in_use = int(cache.num_pages - np.sum(np.asarray(cache.free)))
+    page_bytes = nbytes((cache.key_pages, cache.value_pages, cache.key_scale, cache.value_scale))
+    used = in_use * page_bytes / cache.num_pages
+    return dict(cache_mb=used / 2**20, bytes_per_token=used / held, pages_in_use=in_use)
+  reserved = nbytes((cache.key, cache.value))
+  return dict(cache_mb=reserved / 2**20, bytes_per_token=reserved / held, pages_in_use=None)
+
+
+def time_grid(cfg: Config) -> list[dict]:
+  rows = []
+  storage = {
+    "jax.nn": "float32",
+    "contiguous": "float32",
+    "paged": "float32",
+    "paged-int8": "int8",
+  }
+  for B in cfg.batches:
+    for context in cfg.contexts:
+      inputs, tokens = new_tokens((B, context), B, 1, cfg), chunks(cfg, B, context)
+      steppers = {m: stepper(cfg, m, B, context, inputs, tokens) for m in cfg.methods}
+      del tokens
+      times = _timing.rounds_ms(
+        {m: (s, ()) for m, s in steppers.items()}, cfg.reps, cfg.min_seconds
+      )
+      ref = times.get("jax.nn")
+      for m, s in steppers.items():
+        ms = float(np.median(times[m]))
+        rows.append(
+          dict(
+            B=B,
+            context=context,
+            method=m,
+            storage=storage[m],
+            ms=ms,
+            tokens_per_s=B / ms * 1e3,
+            vs_jax_nn=None if ref is None else _timing.median_ratio(ref, times[m]),
+            storage_bytes_per_token=storage_bytes_per_token(cfg, storage[m]),
+            **cache_row(cfg, m, B, context, s),
+          )
+        )
+      del steppers, times  # free this cell's caches before the next is filled
+  return rows
+
+
+# --- quantization error ------------------------------------------------------------------
+
+
+def quant_errors(cfg: Config) -> list[dict]:
+  rows = []
+  B = cfg.quant.batch
+  for context in cfg.quant.contexts:
+    inputs, tokens = new_tokens((B, context), B, 1, cfg), chunks(cfg, B, context)
+    outs = {}
+    methods = ["contiguous", "paged"] + [
+      {"int8": "paged-int8", "float8_e4m3fn": "paged-float8"}[d] for d in cfg.quant.dtypes
+    ]
+    for m in methods:
+      cache = fill(make_cache(cfg, m, B, context), tokens)
+      outs[m] = np.asarray(cache_step(*inputs, cache)[0], np.float64)
+      del cache
+    ref = outs.pop("contiguous")
+    for m, out in outs.items():
+      err = out - ref
+      rows.append(
+        dict(
+          B=B,
+          context=context,
+          method=m,
+          max_abs_error=float(np.max(np.abs(err))),
+          rel_rms_error=float(np.sqrt(np.mean(err**2) / np.mean(ref**2))),
+          ref_rms=float(np.sqrt(np.mean(ref**2))),
+        )
+      )
+  return rows
+
+
+# --- continuous batching -----------------------------------------------------------------
+
+TRACES: collections.Counter = collections.Counter()
+
+
+@functools.partial(jax.jit, donate_argnums=3)
+def serve_step(q, k, v, cache, num_new, release):
+  """Rows write num_new[b] of the t tokens and attend; then the rows where ``release`` is
+  True are released. Returns (out, the page table before the release, the cache)."""
+  TRACES[f"t={q.shape[1]}"] += 1  # runs once per trace: the loop must not retrace
+  out, cache = decode.attention(q, k, v, cache, num_new=num_new)
+  return out, cache.page_table, decode.release(cache, release)
+
+
+@dataclasses.dataclass
+class Slot:
+  request: int
+  prompt_left: int
+  output_left: int
+  pages: int
+
+
+def requests(s: ServeConfig) -> tuple[np.ndarray, np.ndarray]:
+  """Seeded prompt and output lengths of the stream, uniform in their [min, max]."""
+  rng = np.random.default_rng(s.seed)
+  prompts = rng.integers(s.prompt[0], s.prompt[1] + 1, s.requests)
+  outputs = rng.integers(s.output[0], s.output[1] + 1, s.requests)
+  return prompts, outputs
+
+
+def serve(cfg: Config) -> dict | None:
+  """The continuous-batching run (part 3); None when there are no requests."""
+  s = cfg.serve
+  if s.requests == 0:
+    return None
+  prompts, outputs = requests(s)
+  ps, B = cfg.page_size, s.batch
+  M = math.ceil(s.max_length / ps)
+  need = [math.ceil((p + o) / ps) for p, o in zip(prompts, outputs)]
+  P = max(max(need), round(s.pool_fraction * B * M))
+  empty = lambda: decode.init_paged(P, ps, B, M, cfg.kv_heads, cfg.head_dim)
+  # No model: every call reads the same seeded tokens (what attention costs does not
+  # depend on them). Prefill calls take prefill_chunk tokens a row, decode calls one.
+  prefill_tokens = new_tokens(s.seed, B, s.prefill_chunk, cfg)
+  decode_tokens = tuple(x[:, :1] for x in prefill_tokens)
+  nobody = jnp.zeros((B,), bool)
+
+  def call(tokens, num_new, release, cache):
+    out, table, cache = serve_step(*tokens, cache, jnp.asarray(num_new, jnp.int32), release)
+    jax.block_until_ready(out)  # a server samples the next tokens from it
+    return np.asarray(table), cache
+
+  # Compile both calls on a throwaway cache of the same shapes (not timed).
+  scratch = call(prefill_tokens, np.ones(B), nobody, empty())[1]
+  del scratch
+  call(decode_tokens, np.ones(B), nobody, empty())
+
+  cache = empty()
+  jax.block_until_ready(cache)
+  queue = collections.deque(range(s.requests))
+  slots: list[Slot | None] = [None] * B
+  reserved = generated = prefill_calls = decode_calls = iterations = 0
+  peak = allocations = reused = 0
+  ever_held: set[int] = set()
+  table = np.full((B, M), -1)
+  start = time.perf_counter()
+  while queue or any(slots):
+    iterations += 1
+    # Admit first come, first served while the pool has pages for a whole request.
+    for b in range(B):
+      if slots[b] is None and queue and need[queue[0]] <= P - reserved:
+        r = queue.popleft()
+        slots[b] = Slot(r, int(prompts[r]), int(outputs[r]), need[r])
+        reserved += need[r]
+    writes = []  # (page table after the call's writes, rows it released)
+    chunk = [min(x.prompt_left, s.prefill_chunk) if x else 0 for x in slots]
+    if any(chunk):
+      after, cache = call(prefill_tokens, chunk, nobody, cache)
+      writes.append((after, np.zeros(B, bool)))
+      prefill_calls += 1
+      for x, n in zip(slots, chunk):
+        if x:
+          x.prompt_left -= n
+    step = [int(x is not None and x.prompt_left == 0 and x.output_left > 0) for x in slots]
+    if any(step):
+      done = np.array(
+        [n == 1 and x is not None and x.output_left == 1 for x, n in zip(slots, step)]
+      )
+      after, cache = call(decode_tokens, step, jnp.asarray(done), cache)
+      writes.append((after, done))
+      decode_calls += 1
+      generated += sum(step)
+      for b, n in enumerate(step):
+        if n:
+          slots[b].output_left -= 1  # type: ignore[union-attr]
+          if done[b]:
+            reserved -= slots[b].pages  # type: ignore[union-attr]
+            slots[b] = None
+    for after, released in writes:
+      fresh = after[(table < 0) & (after >= 0)]
+      allocations += fresh.size
+      reused += sum(int(p) in ever_held for p in fresh)
+      ever_held.update(int(p) for p in fresh)
+      peak = max(peak, int(np.sum(after >= 0)))
+      table = np.where(released[:, None], -1, after)
+  seconds = time.perf_counter() - start
+  per_token = storage_bytes_per_token(cfg, "float32")
+  return dict(
+    requests=s.requests,
+    prompt_tokens=int(prompts.sum()),
+    generated_tokens=generated,
+    seconds=seconds,
+    generated_per_s=generated / seconds,
+    tokens_per_s=(int(prompts.sum()) + generated) / seconds,
+    iterations=iterations,
+    prefill_calls=prefill_calls,
+    decode_calls=decode_calls,
+    pool_pages=P,
+    peak_pages=peak,
+    page_allocations=allocations,
+    pages_reused=reused,
+    distinct_pages=len(ever_held),
+    free_pages_at_end=int(np.sum(np.asarray(cache.free))),
+    lengths_at_end=np.asarray(cache.lengths).tolist(),
+    pool_mb=P * ps * per_token / 2**20,
+    peak_mb=peak * ps * per_token / 2**20,
+    contiguous_mb=B * s.max_length * per_token / 2**20,
+    traces=dict(TRACES),
+  )
+
+
+# --- output ------------------------------------------------------------------------------
+
+
+def shape_line(cfg: Config) -> str:
+  return (
+    f"N={cfg.heads} K={cfg.kv_heads} H={cfg.head_dim} float32 queries, page_size="
+    f"{cfg.page_size}, max_length = context + {cfg.headroom}, {jax.devices()[0].platform}, "
+    f"medians of {cfg.reps} interleaved rounds"
+  )
+
+
+def print_tables(cfg: Config, record: dict) -> None:
+  console = Console(width=140)
+  if record["steps"]:
+    t = Table(title=f"Decode step: {shape_line(cfg)}")
+    for col in ("B", "context", "method", "ms", "tokens/s", "× jax.nn speed", "cache MiB"):
+      t.add_column(col, justify="right")
+    t.add_column("bytes/token held", justify="right")
+    t.add_column("storage bytes/token", justify="right")
+    for r in record["steps"]:
+      t.add_row(
+        str(r["B"]),
+        f"{r['context']:,}",
+        r["method"],
+        f"{r['ms']:.3f}",
+        f"{r['tokens_per_s']:,.0f}",
+        fmt(r["vs_jax_nn"], ".2f"),
+        f"{r['cache_mb']:,.1f}",
+        f"{r['bytes_per_token']:,.0f}",
+        f"{r['storage_bytes_per_token']:,}",
+      )
+    console.print(t)
+  if record["quant"]:
+    t = Table(title="One decode step against the float32 contiguous cache")
+    for col in ("B", "context", "cache", "max |error|", "relative RMS error", "output RMS"):
+      t.add_column(col, justify="right")
+    for r in record["quant"]:
+      t.add_row(
+        str(r["B"]),
+        f"{r['context']:,}",
+        r["method"],
+        f"{r['max_abs_error']:.2e}",
+        f"{r['rel_rms_error']:.2e}",
+        f"{r['ref_rms']:.3g}",
+      )
+    console.print(t)
+  if (s := record["serve"]) is not None:
+    c = cfg.serve
+    t = Table(
+      title=(
+        f"Continuous batching: {s['requests']} requests (prompts {c.prompt[0]}–{c.prompt[1]}, "
+        f"outputs {c.output[0]}–{c.output[1]} tokens) on {c.batch} slots of max_length "
+        f"{c.max_length}, prefill chunks of {c.prefill_chunk}"
+      )
+    )
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    for name, value in [
+      ("generated tokens", f"{s['generated_tokens']:,}"),
+      ("prompt tokens", f"{s['prompt_tokens']:,}"),
+      ("seconds", f"{s['seconds']:.2f}"),
+      ("generated tokens/s", f"{s['generated_per_s']:,.0f}"),
+      ("all tokens/s (prompt + generated)", f"{s['tokens_per_s']:,.0f}"),
+      (
+        "iterations (prefill / decode calls)",
+        f"{s['iterations']} ({s['prefill_calls']} / {s['decode_calls']})",
+      ),
+      ("peak pages in use / pool", f"{s['peak_pages']} / {s['pool_pages']}"),
+      (
+        "page allocations (reusing a released page)",
+        f"{s['page_allocations']} ({s['pages_reused']})",
+      ),
+      ("pool MiB (peak in use)", f"{s['pool_mb']:,.1f} ({s['peak_mb']:,.1f})"),
+      ("contiguous cache MiB, batch × max_length", f"{s['contiguous_mb']:,.1f}"),
+    ]:
+      t.add_row(name, value)
+    console.print(t)
+
+
+def load_config(args) -> Config:
+  """configs/…yaml (``--config``), the ``--quick`` settings, then the flags given."""
+  flags = dict(
+    batches=args.batches,
+    contexts=args.contexts,
+    methods=args.methods,
+    reps=args.reps,
+    page_size=args.page_size,
+    out_dir=args.out_dir,
+    **{"quant.contexts": args.quant_contexts, "serve.requests": args.requests},
+  )
+  return _config.load(
+    Config,
+    args.config,
+    quick=QUICK if args.quick else None,
+    flags=flags,
+    overrides=args.set or (),
+  )
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+    prog="python -m experiments.bench_decode", description=__doc__.splitlines()[0]
+  )
+  parser.add_argument("--config", help="a YAML file under configs/ (flags override it)")
+  parser.add_argument("--batches", type=int, nargs="+")
+  parser.add_argument("--contexts", type=int, nargs="*", help="none: skip the decode-step grid")
+  parser.add_argument("--methods", nargs="+")
+  parser.add_argument("--reps", type=int)
+  parser.add_argument("--page-size", dest="page_size", type=int)
+  parser.add_argument(
+    "--quant-contexts", dest="quant_contexts", type=int, nargs="*", help="none: skip part 2"
+  )
+  parser.add_argument("--requests", type=int, help="0: skip the continuous-batching run")
+  parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="e.g. serve.batch=8")
+  parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 reps (smoke test)")
+  parser.add_argument("--out-dir", dest="out_dir", help="where the JSON goes (default runs/)")
+  return parser.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  try:
+    cfg = load_config(args)
+  except ConfigError as e:
+    sys.exit(f"python -m experiments.bench_decode: error: {e}")
+  start = time.perf_counter()
+  record = dict(
+    command="python -m experiments.bench_decode "
+    + " ".join(sys.argv[1:] if argv is None else argv),
+    config=_config.to_dict(cfg),
+    device=str(jax.devices()[0]),
+    machine=f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+    jax=jax.__version__,
+    steps=time_grid(cfg),
+    quant=quant_errors(cfg),
+    serve=serve(cfg),
+  )
+  record["seconds"] = time.perf_counter() - start
+  print_tables(cfg, record)
+  out_dir = ROOT / cfg.out_dir
+  out_dir.mkdir(parents=True, exist_ok=True)
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  path = out_dir / f"bench_decode-{stamp}{'-quick' if args.quick else ''}.json"
+  path.write_text(json.dumps(record, indent=1))
+  print(f"\nwrote {path} ({record['seconds']:.0f} s)")
+  return record
+
+
+if __name__ == "__main__":
+  main()
