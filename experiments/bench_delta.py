@@ -39,7 +39,7 @@ def flash_attention(block: int, causal: bool):
   def plan_for(q, k):
     return blockwise.plan(
       q,
-      k,
+      k.shape[1],
       mask=masks.causal() if causal else None,
       score_fn=None,
       scale=1 / np.sqrt(q.shape[-1]),
