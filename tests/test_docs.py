@@ -19,7 +19,14 @@ PRINTED = {
   "attention.md": ["(2, 4, 16, 16) True", "ValueError key and value must have the same shape"],
   "backward.md": ["implementation='blockwise' does not support backward='autodiff'"],
   "decoding.md": ["[5 3]", "[8 6]"],
-  "flax.md": ["(2, 10, 32)", "(2, 12, 64) (2, 8, 12, 12)", "[9 7]", "True"],
+  "flax.md": [
+    "(2, 10, 32)",
+    "(2, 12, 64) (2, 8, 12, 12)",
+    "[9 7]",
+    "True",
+    "[[ 0  1 -1 -1]\n [ 2  3 -1 -1]]",
+    "[3 7] 3",
+  ],
   "linear.md": ["(1, 128, 4, 16) favor+ mean |error|", "[0 1 2 3]", "(4, 64)"],
   "masks.md": [
     "[[1 0 0 0]\n [1 1 0 0]\n [1 1 1 0]\n [0 1 1 1]]",
