@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn import _quant
+
 
 def is_concrete(x: Any) -> bool:
   """True when ``x`` holds known values (not a tracer inside jit/vmap/grad)."""
@@ -281,3 +283,17 @@ def dropout(rate, rng) -> float:
       raise ValueError(f"dropout_rate={rate} needs dropout_rng, got None")
     prng_key("dropout_rng", rng)
   return rate
+
+
+def storage_dtype(name: str, dtype: Any) -> np.dtype:
+  """A KV cache's storage dtype: floating, or int8 / float8_e4m3fn (quantized)."""
+  try:
+    checked = np.dtype(dtype)
+  except TypeError:
+    checked = None
+  if checked is None or not (jnp.issubdtype(checked, jnp.floating) or _quant.is_quantized(checked)):
+    raise TypeError(
+      f"{name} must be a floating dtype, int8 or float8_e4m3fn, got "
+      f"{dtype if checked is None else checked}"
+    )
+  return checked

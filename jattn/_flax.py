@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks, attention, decode, positional
+from jattn import _checks, _quant, attention, decode, positional
 from jattn.impl import _select
 
 NORMALIZE_QK = (False, True, "rms", "layernorm")
@@ -206,12 +206,13 @@ def check_call(
   B = inputs_q.shape[0] if inputs_q.ndim == 3 else None
   if B is None:
     raise ValueError(f"decode=True needs batched inputs (B, t, F), got {inputs_q.shape}")
-  if B != cache.key.shape[0]:
-    raise ValueError(f"inputs_q has batch size {B} but the cache was made for {cache.key.shape[0]}")
-  if inputs_q.shape[1] > cache.key.shape[1]:
+  rows = cache.lengths.shape[0]
+  if B != rows:
+    raise ValueError(f"inputs_q has batch size {B} but the cache was made for {rows}")
+  if inputs_q.shape[1] > cache.max_length:
     raise ValueError(
       f"inputs_q has {inputs_q.shape[1]} tokens, more than the cache's "
-      f"max_length {cache.key.shape[1]}"
+      f"max_length {cache.max_length}"
     )
 
 
@@ -252,7 +253,8 @@ def attend(
   Args:
     query: (B, T, N, H) or (T, N, H), after the projection (and q/k norm).
     key, value: (B, S, K, H) or (S, K, H).
-    cache: a :class:`jattn.decode.KVCache` to decode with, or None.
+    cache: a :class:`jattn.decode.KVCache` or :class:`jattn.decode.PagedKVCache` to
+      decode with, or None.
     sinks: the module's per-head sink logits (N,), or None.
     options: the module's keywords of :func:`jattn.dot_product_attention` (dropout,
       implementation, backward, tiles), passed on as they are.
@@ -281,15 +283,112 @@ def attend(
   return out, weights, None
 
 
-def init_cache(heads: Heads, batch_size: int, max_length: int, dtype) -> decode.KVCache:
-  return decode.init(
+# --- KV caches ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOptions:
+  """Checked cache settings: storage dtype (None: the keys' dtype), paging."""
+
+  dtype: np.dtype | None = None
+  page_size: int | None = None
+  num_pages: int | None = None
+
+
+def check_cache_options(
+  *, dtype_name: str, dtype, page_size, num_pages, implementation, block_kv
+) -> CacheOptions:
+  """The cache settings of ``init_cache`` (NNX) or the module's fields (Linen), checked.
+
+  A paged or quantized cache is read by blockwise attention alone, in tiles of whole
+  pages, so the module's ``implementation`` and ``block_kv`` must allow that.
+  """
+  dtype = None if dtype is None else _checks.storage_dtype(dtype_name, dtype)
+  if page_size is not None:
+    page_size = _checks.integer("page_size", page_size, minimum=1, int32=True)
+  if num_pages is not None:
+    num_pages = _checks.integer("num_pages", num_pages, minimum=1, int32=True)
+    if page_size is None:
+      raise ValueError(
+        f"num_pages applies only to a paged cache: give page_size too, got num_pages={num_pages}"
+      )
+  kind = " and ".join(
+    k
+    for k, on in (
+      (f"paged (page_size={page_size})", page_size is not None),
+      (f"quantized ({dtype_name}={dtype})", dtype is not None and _quant.is_quantized(dtype)),
+    )
+    if on
+  )
+  if kind and implementation not in (None, "blockwise"):
+    raise ValueError(
+      f"a {kind} cache is read by blockwise attention alone, but this module has "
+      f"implementation={implementation!r}; use implementation=None or 'blockwise'"
+    )
+  if page_size is not None and block_kv is not None and block_kv % page_size:
+    raise ValueError(
+      f"block_kv must be a multiple of page_size={page_size} (a paged cache is read in "
+      f"tiles of whole pages), got block_kv={block_kv}"
+    )
+  return CacheOptions(dtype, page_size, num_pages)
+
+
+def init_cache(
+  heads: Heads, batch_size: int, max_length: int, dtype, options: CacheOptions = CacheOptions()
+) -> decode.Cache:
+  """An empty cache for ``heads``: contiguous, or paged when ``options.page_size`` is set.
+
+  ``dtype`` is used when ``options.dtype`` is None. A paged cache gives each row
+  ``ceil(max_length / page_size)`` pages (its max_length rounded up to whole pages) from a
+  pool of ``num_pages`` pages, by default enough for every row to fill.
+  """
+  batch_size = _checks.integer("batch_size", batch_size, minimum=1)
+  max_length = _checks.integer("max_length", max_length, minimum=1)
+  dtype = options.dtype if options.dtype is not None else dtype
+  layout = dict(dtype=dtype, value_head_dim=heads.value_head_dim)
+  if options.page_size is None:
+    return decode.init(batch_size, max_length, heads.num_kv_heads, heads.head_dim, **layout)
+  pages_per_row = -(-max_length // options.page_size)
+  return decode.init_paged(
+    batch_size * pages_per_row if options.num_pages is None else options.num_pages,
+    options.page_size,
     batch_size,
-    max_length,
+    pages_per_row,
     heads.num_kv_heads,
     heads.head_dim,
-    dtype=dtype,
-    value_head_dim=heads.value_head_dim,
+    **layout,
   )
+
+
+def storage_dtype(cache: decode.Cache) -> np.dtype:
+  return np.dtype(cache[0].dtype)  # key or key_pages
+
+
+def cache_accepts(cache: decode.Cache, dtype) -> bool:
+  """Whether keys of ``dtype`` can be written to ``cache``: its own dtype, or any floating
+  dtype for a quantized cache."""
+  storage = storage_dtype(cache)
+  return dtype == storage or (_quant.is_quantized(storage) and jnp.issubdtype(dtype, jnp.floating))
+
+
+def cache_from(get: Callable[[str], Any]) -> decode.Cache | None:
+  """The cache whose fields ``get(field)`` returns (None for absent ones), or None when
+  there is none: the modules keep one variable per field of the cache."""
+  if get("key_pages") is not None:
+    return decode.PagedKVCache(*(get(f) for f in decode.PagedKVCache._fields))
+  if get("key") is not None:
+    return decode.KVCache(*(get(f) for f in decode.KVCache._fields))
+  return None
+
+
+CACHE_FIELDS = tuple(dict.fromkeys(decode.KVCache._fields + decode.PagedKVCache._fields))
+
+
+def release(cache: decode.Cache | None, rows) -> decode.Cache:
+  """:func:`jattn.decode.release` for a module's cache, which must exist."""
+  if cache is None:
+    raise ValueError("there is no KV cache to release rows of: call init_cache first")
+  return decode.release(cache, rows)
 
 
 # --- attention_fn adapters ------------------------------------------------------

@@ -4,7 +4,9 @@
 and the parameter names of Flax's ``linen.MultiHeadDotProductAttention``
 (``query``, ``key``, ``value``, ``out``, and ``query_ln``/``key_ln``), so
 the parameters of one load into the other unchanged. Decoding keeps the keys,
-values and per-row lengths in the ``cache`` collection.
+values and per-row lengths in the ``cache`` collection: contiguous, or paged
+(``page_size``) and/or quantized (``cache_dtype`` int8 or float8_e4m3fn);
+:func:`release_cache` empties finished rows of a model's whole cache collection.
 
 :func:`attention_fn` plugs jattn into Flax's own module:
 ``nn.MultiHeadDotProductAttention(..., attention_fn=jattn.linen.attention_fn)``.
@@ -15,6 +17,7 @@ Shape legend as in :mod:`jattn.attention`; F is a feature size.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -44,6 +47,16 @@ class MultiHeadAttention(nn.Module):
       y, mutated = model.apply({"params": variables["params"], "cache": cache},
                                prompt, decode=True, mutable=["cache"])
       cache = mutated["cache"]
+
+  The fields ``cache_dtype``, ``page_size`` and ``num_pages`` shape that cache as the
+  arguments of :meth:`jattn.nnx.MultiHeadAttention.init_cache` do (``cache_dtype``
+  None: the keys' dtype): ``page_size`` set gives a paged cache whose rows hold
+  ``max_length`` rounded up to whole pages, from a pool of ``num_pages`` pages
+  (default: enough for every row to fill). Variables of the collection, one per array
+  of the :mod:`jattn.decode` cache: ``cached_key``, ``cached_value`` (contiguous) or
+  ``cached_key_pages``, ``cached_value_pages``, ``page_table``, ``free_pages``
+  (paged); ``cache_lengths``; ``cached_key_scale``, ``cached_value_scale``
+  (quantized).
   """
 
   num_heads: int
@@ -70,10 +83,24 @@ class MultiHeadAttention(nn.Module):
   kernel_init: Any = default_kernel_init
   bias_init: Any = nn.initializers.zeros_init()
   out_kernel_init: Any = None
+  cache_dtype: Any = None
+  page_size: int | None = None
+  num_pages: int | None = None
 
   def __post_init__(self):
     self._config(None)
+    self._cache_options()
     super().__post_init__()
+
+  def _cache_options(self) -> _flax.CacheOptions:
+    return _flax.check_cache_options(
+      dtype_name="cache_dtype",
+      dtype=self.cache_dtype,
+      page_size=self.page_size,
+      num_pages=self.num_pages,
+      implementation=self.implementation,
+      block_kv=self.block_kv,
+    )
 
   def _config(self, in_features):
     return _flax.check_config(
@@ -138,23 +165,26 @@ class MultiHeadAttention(nn.Module):
       query = norm(dtype=self.dtype, param_dtype=self.param_dtype, name="query_ln")(query)
       key = norm(dtype=self.dtype, param_dtype=self.param_dtype, name="key_ln")(key)
 
-    cache, cache_vars = None, None
+    cache: _decode.Cache | None = None
+    cache_vars: dict[str, Any] = {}  # the cache collection's variables, by cache field
     if decode is True:
-      initialised = self.has_variable("cache", "cached_key")
       if inputs_q.ndim != 3:
         raise ValueError(f"decode=True needs batched inputs (B, t, F), got {inputs_q.shape}")
-      B, T = inputs_q.shape[:2]
-      empty = _flax.init_cache(heads, B, T, key.dtype)
-      cache_vars = tuple(
-        self.variable("cache", name, lambda x=x: x)
-        for name, x in (
-          ("cached_key", empty.key),
-          ("cached_value", empty.value),
-          ("cache_lengths", empty.lengths),
-        )
-      )
-      if initialised:
-        cache = _decode.KVCache(*(v.value for v in cache_vars))
+      if self.has_variable("cache", CACHE_NAMES["lengths"]):
+        cache_vars = {
+          field: self.variable("cache", name)
+          for field, name in CACHE_NAMES.items()
+          if self.has_variable("cache", name)
+        }
+        cache = _flax.cache_from(lambda f: cache_vars[f].value if f in cache_vars else None)
+      else:
+        B, T = inputs_q.shape[:2]
+        empty = _flax.init_cache(heads, B, T, key.dtype, self._cache_options())
+        cache_vars = {
+          field: self.variable("cache", CACHE_NAMES[field], lambda x=x: x)
+          for field, x in empty._asdict().items()
+          if x is not None
+        }
     # The init pass (decode=True, no cache yet) allocates the cache and attends
     # causally, like Flax; it checks what a non-decode call checks.
     init_pass = decode is True and cache is None
@@ -174,6 +204,14 @@ class MultiHeadAttention(nn.Module):
       implementation=self.implementation,
       rope=self.rope,
     )
+    if cache is not None and not _flax.cache_accepts(cache, key.dtype):
+      name = lambda d: None if d is None else jnp.dtype(d).name
+      raise TypeError(
+        f"the KV cache holds {_flax.storage_dtype(cache)} keys and values, but this module "
+        f"computes them in {key.dtype} (dtype={name(self.dtype)}, "
+        f"param_dtype={name(self.param_dtype)}, inputs {inputs_q.dtype}); set "
+        f"cache_dtype={key.dtype} (or None: the keys' dtype at the init pass)"
+      )
     deterministic = _flax.resolve_deterministic(
       self.dropout_rate, deterministic, self.deterministic
     )
@@ -207,9 +245,10 @@ class MultiHeadAttention(nn.Module):
     if weights is not None:
       self.sow("intermediates", "attention_weights", weights)
     if new_cache is not None:
-      assert cache_vars is not None  # a new cache comes only from decode=True
-      for var, x in zip(cache_vars, new_cache):
-        var.value = x
+      assert cache_vars  # a new cache comes only from decode=True
+      for field, x in new_cache._asdict().items():
+        if x is not None:
+          cache_vars[field].value = x
     return nn.DenseGeneral(
       features=heads.out_features,
       axis=(-2, -1),
@@ -221,6 +260,49 @@ class MultiHeadAttention(nn.Module):
       precision=self.precision,
       name="out",
     )(out)
+
+
+# The ``cache`` collection's variable for each field of a jattn.decode cache.
+CACHE_NAMES = {
+  "key": "cached_key",
+  "value": "cached_value",
+  "key_pages": "cached_key_pages",
+  "value_pages": "cached_value_pages",
+  "page_table": "page_table",
+  "lengths": "cache_lengths",
+  "free": "free_pages",
+  "key_scale": "cached_key_scale",
+  "value_scale": "cached_value_scale",
+}
+assert set(CACHE_NAMES) == set(_flax.CACHE_FIELDS)
+
+
+def release_cache(cache: Mapping[str, Any], rows: jax.typing.ArrayLike) -> dict[str, Any]:
+  """A model's ``cache`` collection with rows emptied in every jattn attention cache.
+
+  For continuous batching: the rows where ``rows`` (bool (B,)) is True restart at
+  length 0, so the next ``decode=True`` apply writes a new request there (pass
+  ``num_new`` with 0 for rows that should not advance), and in a paged cache their
+  pages go back to the pool. Other rows are unchanged. ``cache`` is
+  ``variables["cache"]`` of the whole model, nested by submodule; each
+  :class:`MultiHeadAttention`'s cache in it is released with
+  :func:`jattn.decode.release`, anything else is returned as it is. Pure, and runs
+  under ``jax.jit``::
+
+      cache = jattn.linen.release_cache(cache, finished)
+  """
+  if not isinstance(cache, Mapping):
+    raise TypeError(f"cache must be a cache collection (a mapping), got {type(cache).__name__}")
+  if CACHE_NAMES["lengths"] in cache:
+    names = {field: name for field, name in CACHE_NAMES.items() if name in cache}
+    held = _flax.cache_from(lambda f: cache[names[f]] if f in names else None)
+    if held is not None:
+      released = _decode.release(held, rows)
+      return dict(cache) | {names[f]: x for f, x in released._asdict().items() if x is not None}
+  return {
+    name: release_cache(sub, rows) if isinstance(sub, Mapping) else sub
+    for name, sub in cache.items()
+  }
 
 
 def _sow(module, weights) -> None:

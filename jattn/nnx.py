@@ -6,7 +6,9 @@ and, with ``normalize_qk``, ``query_ln`` and ``key_ln``), so the parameters
 of one load into the other with ``nnx.update(ours, nnx.state(theirs,
 nnx.Param))``. On top it has GQA/MQA, RoPE, segment ids, a choice of
 implementation and backward rule, and a KV cache that takes one or many
-tokens per call (chunked prefill) with ragged rows.
+tokens per call (chunked prefill) with ragged rows: contiguous or paged, float
+or quantized to int8/float8 (:meth:`MultiHeadAttention.init_cache`), with
+finished rows released for new requests (:meth:`MultiHeadAttention.release_cache`).
 
 :func:`attention_fn` plugs jattn into Flax's own module:
 ``nnx.MultiHeadAttention(..., attention_fn=jattn.nnx.attention_fn)``.
@@ -78,12 +80,9 @@ class MultiHeadAttention(nnx.Module):
     (2, 10, 32)
   """
 
-  # Set in __init__ and init_cache; None until there is one (no QK norm, no cache).
+  # Set in __init__; None until there is one (no QK norm).
   query_ln: Any
   key_ln: Any
-  cache_key: Any
-  cache_value: Any
-  cache_lengths: Any
 
   def __init__(
     self,
@@ -195,26 +194,87 @@ class MultiHeadAttention(nnx.Module):
       rngs=rngs,
     )
     self.rngs = rngs.dropout.fork() if dropout_rate > 0 else None
-    self.cache_key = self.cache_value = self.cache_lengths = nnx.data(None)
+    self._set_cache(None)
 
-  def init_cache(self, batch_size: int, max_length: int, *, dtype: Any = None) -> None:
+  def init_cache(
+    self,
+    batch_size: int,
+    max_length: int,
+    *,
+    dtype: Any = None,
+    page_size: int | None = None,
+    num_pages: int | None = None,
+  ) -> None:
     """Allocate an empty KV cache of ``max_length`` tokens per row for ``decode=True`` calls.
 
-    ``dtype`` is the keys' and values' dtype (default: the module's dtype, or
-    float32). Calling it again starts a new, empty cache.
+    Calling it again starts a new, empty cache.
+
+    Args:
+      batch_size: B, the rows decoded together.
+      max_length: the most tokens a row holds.
+      dtype: the stored keys' and values' dtype (default: the module's dtype, or
+        float32); ``jnp.int8`` or ``jnp.float8_e4m3fn`` quantizes them on write, with
+        a float32 scale per token and head (inference only: no gradients reach the
+        cache), and the module may compute in any floating dtype.
+      page_size: None for a contiguous cache (:func:`jattn.decode.init`), or the
+        slots per page of a paged one (:func:`jattn.decode.init_paged`): each row gets
+        ``ceil(max_length / page_size)`` pages (its max_length rounded up to whole
+        pages), taken from a shared pool as it grows.
+      num_pages: the pool's size, with ``page_size`` (default: enough for every row to
+        fill, ``batch_size * ceil(max_length / page_size)``); a smaller pool is the point
+        of paging when rows finish at different lengths: see :meth:`release_cache`.
+
+    A paged or quantized cache is read by blockwise attention alone, so the module's
+    ``implementation`` must be None or ``"blockwise"`` (and ``block_kv`` a multiple of
+    ``page_size``). The cache's arrays are ``nnx.Cache`` variables named after its
+    fields (``cache_key``, ``cache_lengths``, ``cache_page_table``, ``cache_free``,
+    ``cache_key_scale``, ...); :attr:`cache` gives them back as one cache.
     """
-    dtype = dtype or self.query.dtype or jnp.float32
-    cache = _flax.init_cache(self.heads, batch_size, max_length, dtype)
-    self.cache_key = nnx.Cache(cache.key)
-    self.cache_value = nnx.Cache(cache.value)
-    self.cache_lengths = nnx.Cache(cache.lengths)
+    options = _flax.check_cache_options(
+      dtype_name="dtype",
+      dtype=dtype,
+      page_size=page_size,
+      num_pages=num_pages,
+      implementation=self.implementation,
+      block_kv=self.block_kv,
+    )
+    default = jnp.float32 if self.query.dtype is None else self.query.dtype
+    self._set_cache(_flax.init_cache(self.heads, batch_size, max_length, default, options))
+
+  def _set_cache(self, cache: _decode.Cache | None) -> None:
+    """One ``nnx.Cache`` per array of ``cache`` (``cache_key``, ``cache_lengths``,
+    ``cache_page_table``, ...), None for the fields it lacks."""
+    held = {} if cache is None else cache._asdict()
+    for field in _flax.CACHE_FIELDS:
+      x = held.get(field)
+      setattr(self, f"cache_{field}", nnx.data(None) if x is None else nnx.Cache(x))
+
+  def _write_cache(self, cache: _decode.Cache) -> None:
+    """Store a cache of the held one's kind and shapes into its variables."""
+    for field, x in cache._asdict().items():
+      if x is not None:
+        getattr(self, f"cache_{field}")[...] = x
 
   @property
-  def cache(self) -> _decode.KVCache | None:
-    """The KV cache as a :class:`jattn._decode.KVCache`, or None before :meth:`init_cache`."""
-    if self.cache_key is None:
-      return None
-    return _decode.KVCache(self.cache_key[...], self.cache_value[...], self.cache_lengths[...])
+  def cache(self) -> _decode.Cache | None:
+    """The KV cache, a :class:`jattn.decode.KVCache` or :class:`jattn.decode.PagedKVCache`,
+    or None before :meth:`init_cache`."""
+
+    def get(field):
+      var = getattr(self, f"cache_{field}")
+      return None if var is None else var[...]
+
+    return _flax.cache_from(get)
+
+  def release_cache(self, rows: jax.typing.ArrayLike) -> None:
+    """Empty the cache rows where ``rows`` (bool (B,)) is True, for continuous batching.
+
+    A released row restarts at length 0 (the next ``decode=True`` call writes a new
+    request there; pass ``num_new`` with 0 for rows that should not advance) and, in a
+    paged cache, its pages go back to the pool. Other rows are unchanged. Works under
+    ``nnx.jit``; see :func:`jattn.decode.release`.
+    """
+    self._write_cache(_flax.release(self.cache, rows))
 
   def __call__(
     self,
@@ -287,10 +347,11 @@ class MultiHeadAttention(nnx.Module):
     query, key, value = self.query(inputs_q), self.key(kv_in), self.value(kv_in)
     if self.query_ln is not None:
       query, key = self.query_ln(query), self.key_ln(key)
-    if cache is not None and key.dtype != cache.key.dtype:
+    if cache is not None and not _flax.cache_accepts(cache, key.dtype):
       name = lambda d: None if d is None else jnp.dtype(d).name
       raise TypeError(
-        f"the KV cache holds {cache.key.dtype} keys and values (init_cache's dtype), but this "
+        f"the KV cache holds {_flax.storage_dtype(cache)} keys and values (init_cache's "
+        "dtype), but this "
         f"module computes them in {key.dtype} (module dtype={name(self.query.dtype)}, "
         f"param_dtype={name(self.query.param_dtype)}, inputs {inputs_q.dtype}); call "
         f"init_cache(batch_size, max_length, dtype={key.dtype})"
@@ -320,9 +381,7 @@ class MultiHeadAttention(nnx.Module):
     if weights is not None:
       self.sow(nnx.Intermediate, "attention_weights", weights)
     if new_cache is not None:
-      self.cache_key[...] = new_cache.key
-      self.cache_value[...] = new_cache.value
-      self.cache_lengths[...] = new_cache.lengths
+      self._write_cache(new_cache)
     return self.out(out)
 
 

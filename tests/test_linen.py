@@ -705,6 +705,150 @@ def test_decode_overflow_raises():
   np.testing.assert_array_equal(cache["cache_lengths"], [8, 8])
 
 
+# --------------------------------------------------------------- paged and quantized caches
+
+PAGED = dict(page_size=2, num_pages=6)  # 4 pages a row (max_length 7 -> 8), 6 in the pool
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _step(module, variables, x, num_new):
+  """One decode call; a program per (module, chunk length), shared by the tests below."""
+  return module.apply(variables, x, decode=True, num_new=num_new, mutable=["cache"])
+
+
+def _empty_cache(module, params, max_length=7):
+  """The cache the init pass (decode=True) allocates, run with given params (no jax.random).
+  A paged cache must come from there: its free_pages start True and its page_table -1."""
+  _, mutated = module.apply(params, jnp.zeros((B, max_length, F)), decode=True, mutable=["cache"])
+  return mutated["cache"]
+
+
+def _steps(module, params, cache, x, chunks=(4, 1, 1), num_new=None):
+  """Feed x's tokens in calls of ``chunks`` tokens; outputs concatenated, final cache."""
+  outs, start = [], 0
+  for n in chunks:
+    n_new = jnp.full((B,), n, jnp.int32) if num_new is None else num_new
+    y, mutated = _step(module, {**params, "cache": cache}, x[:, start : start + n], n_new)
+    cache = mutated["cache"]
+    outs.append(y)
+    start += n
+  return jnp.concatenate(outs, axis=1), cache
+
+
+def test_paged_cache_decodes_like_contiguous_and_full_causal():
+  x = _x(seed=3)  # (B, T, F), T = 6
+  contiguous, paged = _decoder(2), _decoder(2, **PAGED)
+  params = _params(contiguous, x)
+  cache = _empty_cache(paged, params)
+  assert _shapes(cache) == {
+    "cached_key_pages": ((6, 2, 2, 4), jnp.float32),
+    "cached_value_pages": ((6, 2, 2, 4), jnp.float32),
+    "page_table": ((B, 4), jnp.int32),
+    "free_pages": ((6,), jnp.bool_),
+    "cache_lengths": ((B,), jnp.int32),
+  }
+  np.testing.assert_array_equal(cache["page_table"], -1)
+  np.testing.assert_array_equal(cache["free_pages"], True)
+  got, cache = _steps(paged, params, cache, x)
+  want, _ = _steps(contiguous, params, _empty_cache(contiguous, params), x)
+  assert_close(got, want)
+  assert_close(got, _decoder(2, is_causal=True).apply(params, x))
+  np.testing.assert_array_equal(cache["cache_lengths"], [T, T])
+  np.testing.assert_array_equal(cache["free_pages"], False)  # 3 pages a row: all 6 used
+
+
+def test_int8_paged_cache_is_close_to_the_float_cache():
+  x = _x(seed=3)
+  module = _decoder(2, cache_dtype=jnp.int8, page_size=2)
+  params = _params(module, x)
+  cache = _empty_cache(module, params)
+  assert _shapes(cache)["cached_key_pages"] == ((8, 2, 2, 4), jnp.int8)  # pool: every row full
+  assert _shapes(cache)["cached_key_scale"] == ((8, 2, 2), jnp.float32)
+  got, cache = _steps(module, params, cache, x)
+  exact, _ = _steps(_decoder(2), params, _empty_cache(_decoder(2), params), x)
+  # Each stored element is off by at most half an int8 step, 1/254 of its (token, head)
+  # vector's largest element: so the cache holds, checked from the formula,
+  _, k, v = _project(_np_params(params), x)
+  k = np.asarray(positional.Rotary()(jnp.asarray(k, jnp.float32), jnp.arange(T)))
+  pages = np.asarray(cache["page_table"])[:, :3].reshape(-1)  # 3 pages a row, in order
+  for name, want in (("key", k), ("value", v)):
+    stored = np.asarray(cache[f"cached_{name}_pages"], np.float64)[pages]
+    stored = stored * np.asarray(cache[f"cached_{name}_scale"])[pages][..., None]
+    bound = np.abs(want).max(-1, keepdims=True) / 254 * (1 + 1e-5)
+    assert np.all(np.abs(stored.reshape(want.shape) - want) <= bound), name
+  # ... and the outputs: logits and values carry that 0.4% into the output, which the
+  # projections mix; 2% of the output's size bounds it with room. Not zero: it did round.
+  error = float(jnp.abs(got - exact).max()) / float(jnp.abs(exact).max())
+  assert 1e-4 < error < 0.02, error
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_released_rows_restart_like_a_fresh_cache(paged):
+  x, z = _x(seed=3), _x(seed=5)  # row 0 serves x[0], then a new request z[0]; row 1 x[1]
+  module = _decoder(2, **(PAGED if paged else {}))
+  params = _params(module, x)
+  empty = _empty_cache(module, params)
+  _, cache = _steps(module, params, empty, x, (4, 1))
+  cache = jattn.linen.release_cache(cache, jnp.asarray([True, False]))
+  np.testing.assert_array_equal(cache["cache_lengths"], [0, 5])
+  if paged:
+    np.testing.assert_array_equal(np.sum(cache["free_pages"]), 3)
+    np.testing.assert_array_equal(cache["page_table"][0], -1)
+  # Row 0 prefills 4 tokens of z, row 1 appends its 6th token (padded to 4); then row 0 alone.
+  prompt = jnp.stack([z[0, :4], jnp.pad(x[1, 5:6], ((0, 3), (0, 0)))])
+
+  def serve(cache, row_1):
+    first, cache = _steps(module, params, cache, prompt, (4,), jnp.asarray([4, row_1]))
+    second, cache = _steps(module, params, cache, z[:, 4:5], (1,), jnp.asarray([1, 0]))
+    return first, second, cache
+
+  first, second, cache = serve(cache, 1)
+  np.testing.assert_array_equal(cache["cache_lengths"], [5, 6])
+  fresh_first, fresh_second, _ = serve(empty, 0)
+  assert_close(first[0], fresh_first[0])
+  assert_close(second[0], fresh_second[0])
+  full = _decoder(2, is_causal=True)
+  assert_close(jnp.concatenate([first[0], second[0]]), full.apply(params, z)[0, :5])
+  assert_close(first[1, 0], full.apply(params, x)[1, 5])
+
+
+def test_a_float_cache_of_another_dtype_is_an_error():
+  module = _decoder(2, cache_dtype=jnp.bfloat16)  # the module computes in float32
+  params = _params(module, _x())
+  cache = _empty_cache(module, params)
+  assert _shapes(cache)["cached_key"] == ((B, 7, 2, 4), jnp.bfloat16)
+  with pytest.raises(
+    TypeError,
+    match=r"the KV cache holds bfloat16 keys and values, but this module computes them in "
+    r"float32 \(dtype=None, param_dtype=float32, inputs float32\); set cache_dtype=float32",
+  ):
+    module.apply({**params, "cache": cache}, _x((B, 1, F)), decode=True, mutable=["cache"])
+
+
+def test_release_cache_walks_a_models_cache_collection():
+  contiguous = jattn.decode.init(B, 4, 1, 2)._replace(lengths=jnp.asarray([3, 2]))
+  paged = jattn.decode.init_paged(4, 2, B, 2, 1, 2, dtype=jnp.int8)
+  paged = jattn.decode.update(paged, jnp.ones((B, 3, 1, 2)), jnp.ones((B, 3, 1, 2)))
+  names = jattn.linen.CACHE_NAMES
+  as_vars = lambda c: {names[f]: a for f, a in c._asdict().items() if a is not None}
+  flax_own = {"cached_key": jnp.ones(3), "cache_index": jnp.asarray(3)}  # not jattn's: kept
+  tree = {"block_0": {"attn": as_vars(contiguous)}, "block_1": {"attn": as_vars(paged)}}
+  tree["block_1"]["flax_attn"] = flax_own
+  rows = jnp.asarray([True, False])
+  release = jattn.linen.release_cache
+  for out in (release(tree, rows), jax.jit(release)(tree, rows)):
+    want = {
+      "block_0": {"attn": as_vars(jattn.decode.release(contiguous, rows))},
+      "block_1": {"attn": as_vars(jattn.decode.release(paged, rows)), "flax_attn": flax_own},
+    }
+    assert jax.tree.structure(out) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(out["block_1"]["attn"]["free_pages"], [True, True, False, False])
+  with pytest.raises(TypeError, match="cache must be a cache collection"):
+    jattn.linen.release_cache([tree], rows)
+
+
 # --------------------------------------------------------------------------- errors
 
 # (id, constructor kwargs, exception, message fragment): construction itself raises.
@@ -778,6 +922,46 @@ BAD_CONFIG = [
     r"deterministic must be a bool or None",
   ),
   ("out_features", dict(num_heads=2, out_features=0), ValueError, r"out_features"),
+  ("page_size", dict(num_heads=2, page_size=0), ValueError, r"page_size must be >= 1, got 0"),
+  ("page_size_type", dict(num_heads=2, page_size="4"), TypeError, r"page_size must be an int"),
+  (
+    "num_pages",
+    dict(num_heads=2, page_size=4, num_pages=0),
+    ValueError,
+    r"num_pages must be >= 1, got 0",
+  ),
+  (
+    "num_pages_unpaged",
+    dict(num_heads=2, num_pages=8),
+    ValueError,
+    r"num_pages applies only to a paged cache: give page_size too, got num_pages=8",
+  ),
+  (
+    "cache_dtype",
+    dict(num_heads=2, cache_dtype=jnp.int32),
+    TypeError,
+    r"cache_dtype must be a floating dtype, int8 or float8_e4m3fn, got int32",
+  ),
+  (
+    "paged_xla",
+    dict(num_heads=2, page_size=4, implementation="xla"),
+    ValueError,
+    r"a paged \(page_size=4\) cache is read by blockwise attention alone, but this module has "
+    r"implementation='xla'",
+  ),
+  (
+    "quantized_splash",
+    dict(num_heads=2, cache_dtype=jnp.float8_e4m3fn, implementation="splash"),
+    ValueError,
+    r"a quantized \(cache_dtype=float8_e4m3fn\) cache is read by blockwise attention alone",
+  ),
+  (
+    "page_tiles",
+    dict(num_heads=2, page_size=4, block_kv=6),
+    ValueError,
+    r"block_kv must be a multiple of page_size=4 \(a paged cache is read in tiles of whole "
+    r"pages\), got block_kv=6",
+  ),
 ]
 
 

@@ -205,8 +205,10 @@ def test_loads_flax_parameters_and_matches(case):
   )
 
 
-def _reference(module, x, *, causal=True, positions=None):
-  """The module's math written out with its own parameters: project, RoPE, softmax, project."""
+def _reference(module, x, *, causal=True, positions=None, stored=lambda a: a):
+  """The module's math written out with its own parameters: project, RoPE, softmax, project.
+
+  ``stored`` maps the (rotated) keys and the values to what a cache gives back."""
   p = nnx.state(module, nnx.Param)
   proj = lambda name: (
     jnp.einsum("BTF,FNH->BTNH", x, p[name]["kernel"][...]) + p[name]["bias"][...][None, None]
@@ -215,6 +217,7 @@ def _reference(module, x, *, causal=True, positions=None):
   if module.rope is not None:
     pos = jnp.arange(x.shape[1]) if positions is None else positions
     q, k = module.rope(q, pos), module.rope(k, pos)
+  k, v = stored(k), stored(v)
   G = q.shape[2] // k.shape[2]
   k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
   s = jnp.einsum("BTNH,BSNH->BNTS", q, k) / np.sqrt(q.shape[-1])
@@ -367,6 +370,142 @@ def test_decode_overflow_and_missing_cache_raise():
   m(_x()[:, :4], decode=True)
   with pytest.raises(ValueError, match="max_length"):
     m(_x()[:, :2], decode=True)
+
+
+# --- paged and quantized caches -------------------------------------------------------------
+
+# One jitted decode step for every test below: a program per (chunk length, cache layout),
+# shared across tests. num_new is always given, so release-and-reuse needs no other program.
+_STEP = nnx.jit(lambda m, x, num_new: m(x, decode=True, num_new=jnp.asarray(num_new)))
+PAGED = dict(page_size=2, num_pages=6)  # 4 pages a row (max_length 7 -> 8), 6 in the pool
+
+
+def _decode_steps(m, x, chunks=(4, 1, 1)):
+  """Feed every row x's tokens in calls of ``chunks`` tokens; outputs concatenated."""
+  outs, start = [], 0
+  for n in chunks:
+    outs.append(_STEP(m, x[:, start : start + n], np.full(B, n)))
+    start += n
+  return jnp.concatenate(outs, axis=1)
+
+
+def test_paged_cache_decodes_like_contiguous_and_full_causal():
+  m = _decoder(2)  # GQA, RoPE
+  x = _x()
+  full = m(x)
+  m.init_cache(B, 7)
+  contiguous = _decode_steps(m, x)
+  m.init_cache(B, 7, **PAGED)
+  cache = m.cache
+  assert isinstance(cache, jattn.decode.PagedKVCache)
+  assert (cache.key_pages.shape, cache.page_table.shape) == ((6, 2, 2, 4), (B, 4))
+  paged = _decode_steps(m, x)
+  assert_close(paged, contiguous)
+  assert_close(paged, full, factor=5)
+  np.testing.assert_array_equal(m.cache.lengths, [T, T])
+  np.testing.assert_array_equal(m.cache.free, False)  # 3 pages a row: the pool is used up
+  assert sorted(np.asarray(m.cache.page_table)[:, :3].ravel()) == list(range(6))
+
+
+def _int8_roundtrip(a):
+  """What an int8 cache gives back, from the formula: per (token, head) absmax scale."""
+  a = np.asarray(a, np.float64)
+  scale = np.abs(a).max(-1, keepdims=True) / 127
+  return jnp.asarray(np.round(a / np.where(scale > 0, scale, 1)) * scale, jnp.float32)
+
+
+def test_int8_cache_is_close_to_the_float_cache():
+  m = _decoder(2)
+  x = _x()
+  m.init_cache(B, 7)
+  exact = _decode_steps(m, x)
+  m.init_cache(B, 7, dtype=jnp.int8)  # the module computes in float32, the cache holds int8
+  assert m.cache.key.dtype == jnp.int8 and m.cache.key_scale.shape == (B, 7, 2)
+  got = _decode_steps(m, x)
+  # Against the module's math on int8-rounded keys and values: equal up to float32 rounding.
+  assert_close(got, _reference(m, x, stored=_int8_roundtrip), factor=5)
+  # Against the float cache: each stored element is off by at most half a step, 1/254 of its
+  # vector's largest element (0.4%); logits and values carry that error into the output, which
+  # the projections mix, so 2% of the output's size bounds it with room. It is not zero: the
+  # cache did round.
+  error = float(jnp.abs(got - exact).max()) / float(jnp.abs(exact).max())
+  assert 1e-4 < error < 0.02, error
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_released_rows_restart_like_a_fresh_cache(paged):
+  m = _decoder(2)
+  x, z = _x(), _x(seed=5)  # row 0 serves x[0], then a new request z[0]; row 1 serves x[1]
+  kw = PAGED if paged else {}
+  m.init_cache(B, 7, **kw)
+  _decode_steps(m, x, (4, 1))
+  if paged:  # 3 pages a row hold 6 tokens: the pool has none for a 7th
+    with pytest.raises(ValueError, match="out of pages"):
+      m(x[:, :2], decode=True)
+  m.release_cache(jnp.asarray([True, False]))
+  np.testing.assert_array_equal(m.cache.lengths, [0, 5])
+  if paged:
+    np.testing.assert_array_equal(np.asarray(m.cache.free).sum(), 3)
+    np.testing.assert_array_equal(np.asarray(m.cache.page_table)[0], -1)
+  # Row 0 prefills 4 tokens of z, row 1 appends its 6th token (padded to 4); then a step of
+  # row 0 alone.
+  prompt = jnp.stack([z[0, :4], jnp.pad(x[1, 5:6], ((0, 3), (0, 0)))])
+  reused = [_STEP(m, prompt, [4, 1]), _STEP(m, z[:, 4:5], [1, 0])]
+  np.testing.assert_array_equal(m.cache.lengths, [5, 6])
+  m.init_cache(B, 7, **kw)
+  fresh = [_STEP(m, prompt, [4, 0]), _STEP(m, z[:, 4:5], [1, 0])]
+  for a, b in zip(reused, fresh):
+    assert_close(a[0], b[0])
+  full_z, full_x = m(z), m(x)
+  assert_close(jnp.concatenate([reused[0][0], reused[1][0]]), full_z[0, :5], factor=5)
+  assert_close(reused[0][1, 0], full_x[1, 5], factor=5)
+
+
+INIT_CACHE_ERRORS = [
+  (dict(page_size=0), ValueError, "page_size must be >= 1, got 0"),
+  (dict(page_size=2.0), TypeError, "page_size must be an int"),
+  (dict(page_size=2, num_pages=0), ValueError, "num_pages must be >= 1, got 0"),
+  (dict(num_pages=4), ValueError, "num_pages applies only to a paged cache: give page_size"),
+  (
+    dict(dtype=jnp.int32),
+    TypeError,
+    "dtype must be a floating dtype, int8 or float8_e4m3fn, got int32",
+  ),
+  (dict(dtype="nope"), TypeError, "dtype must be a floating dtype"),
+  (dict(batch_size=0), ValueError, "batch_size must be >= 1, got 0"),
+  (dict(max_length=2.5), TypeError, "max_length must be an int"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, match", INIT_CACHE_ERRORS)
+def test_init_cache_errors(kwargs, error, match):
+  m = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
+  kwargs = dict(batch_size=2, max_length=8) | kwargs
+  with pytest.raises(error, match=match):
+    m.init_cache(**kwargs)
+  assert m.cache is None
+
+
+def test_paged_and_quantized_caches_need_blockwise_whole_page_tiles():
+  xla = jattn.nnx.MultiHeadAttention(4, F, implementation="xla", rngs=nnx.Rngs(0))
+  for kw, kind in ((dict(page_size=4), "paged"), (dict(dtype=jnp.int8), "quantized")):
+    with pytest.raises(ValueError, match=f"a {kind} .* cache is read by blockwise attention"):
+      xla.init_cache(2, 8, **kw)
+  xla.init_cache(2, 8, dtype=jnp.float32)  # contiguous float: any implementation
+  tiles = jattn.nnx.MultiHeadAttention(4, F, block_kv=6, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="block_kv must be a multiple of page_size=4"):
+    tiles.init_cache(2, 8, page_size=4)
+  tiles.init_cache(2, 8, page_size=3)
+  assert tiles.cache.num_pages == 2 * 3  # the default pool: every row can fill
+
+
+def test_release_cache_errors():
+  m = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="no KV cache to release rows of: call init_cache"):
+    m.release_cache(jnp.asarray([True, False]))
+  m.init_cache(2, 8, page_size=4)
+  with pytest.raises(ValueError, match=r"rows must be a boolean array of shape \(B,\)=\(2,\)"):
+    m.release_cache(jnp.asarray([1, 0]))
 
 
 # --- errors --------------------------------------------------------------------------------
