@@ -199,7 +199,7 @@ def init(
     )
   )
   Hv = H if value_head_dim is None else _checks.integer("value_head_dim", value_head_dim, minimum=1)
-  dtype = _storage_dtype(dtype)
+  dtype = _checks.storage_dtype("dtype", dtype)
   scales: tuple[Any, Any] = (None, None)
   if _quant.is_quantized(dtype):
     scales = (jnp.zeros((B, S, K), _quant.SCALE_DTYPE), jnp.zeros((B, S, K), _quant.SCALE_DTYPE))
@@ -244,7 +244,7 @@ def init_paged(
     )
   )
   Hv = H if value_head_dim is None else _checks.integer("value_head_dim", value_head_dim, minimum=1)
-  dtype = _storage_dtype(dtype)
+  dtype = _checks.storage_dtype("dtype", dtype)
   scales: tuple[Any, Any] = (None, None)
   if _quant.is_quantized(dtype):
     scales = (jnp.zeros((P, ps, K), _quant.SCALE_DTYPE), jnp.zeros((P, ps, K), _quant.SCALE_DTYPE))
@@ -256,18 +256,6 @@ def init_paged(
     jnp.ones((P,), bool),
     *scales,
   )
-
-
-def _storage_dtype(dtype) -> np.dtype:
-  try:
-    dtype = np.dtype(dtype)
-  except TypeError:
-    raise TypeError(
-      f"dtype must be a floating dtype, int8 or float8_e4m3fn, got {dtype!r}"
-    ) from None
-  if not (jnp.issubdtype(dtype, jnp.floating) or _quant.is_quantized(dtype)):
-    raise TypeError(f"dtype must be a floating dtype, int8 or float8_e4m3fn, got {dtype}")
-  return dtype
 
 
 def release(cache: Cache, rows: jax.typing.ArrayLike) -> Cache:
@@ -691,7 +679,8 @@ def _check_new(
         raise ValueError(
           f"the paged cache is out of pages: the new tokens need {int(needed.sum())} more "
           f"pages (per row {needed.tolist()}) and {free} of num_pages={cache.num_pages} are "
-          "free; release finished rows (decode.release) or make the pool larger"
+          "free; release finished rows (decode.release, or the Flax modules' release_cache) "
+          "or make the pool larger"
         )
   return key, value, num_new
 

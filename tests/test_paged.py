@@ -145,7 +145,8 @@ def test_running_out_of_pages_raises_when_concrete():
   with pytest.raises(
     ValueError,
     match=r"the paged cache is out of pages: the new tokens need 2 more pages \(per row "
-    r"\[1, 1\]\) and 0 of num_pages=4 are free; release finished rows \(decode.release\)",
+    r"\[1, 1\]\) and 0 of num_pages=4 are free; release finished rows \(decode.release, or "
+    r"the Flax modules' release_cache\)",
   ):
     decode.update(cache, k[:, :2], k[:, :2])
   # Filling the rows' last pages needs no new page.
