@@ -1,8 +1,9 @@
 """Time and measure jattn's blockwise and xla paths against jax.nn.dot_product_attention.
 
 For every head dimension, sequence length T (= S) and causal setting of the
-grid, times the jitted forward pass and forward+backward (gradients of q, k,
-v) of each method on the same float32 inputs, in one run. After a warm-up
+grid, and every dtype (float32, bfloat16), times the jitted forward pass and
+forward+backward (gradients of q, k, v) of each method on the same inputs, in
+one run. After a warm-up
 call, the methods of one (T, causal, pass) take turns for ``reps`` rounds,
 together with a float32 matmul, so that the machine's drift during the run
 hits all of them alike; each turn is an untimed call and then a block of
@@ -14,11 +15,16 @@ Methods:
     xla        jattn, implementation="xla" (materialised, autodiff)
     blockwise  jattn, implementation="blockwise" (tiles, custom_vjp)
     auto       jattn, implementation=None (the documented auto rule)
+    torch      PyTorch's torch.nn.functional.scaled_dot_product_attention (its fused
+               CPU flash kernel), on (B, N, T, H) copies of the same inputs, with
+               torch.set_num_threads = the cores JAX uses; only when torch is
+               importable (pip install -e ".[bench]"), else its rows say so
 
 Reports the median milliseconds, GFLOP/s (forward 4·B·N·T·S·H,
 forward+backward 3.5 times that, both halved for causal), that rate as a
 percentage of the matmul's GFLOP/s, and the speedup over jax.nn (jax.nn's
-time / the method's time); percentage and speedup are medians of the
+time / the method's time), and with torch in the run the speed over torch
+(torch's time / the method's); percentage and speeds are medians of the
 per-round ratios, each taken between turns of the same round. Then the peak process memory
 (VmHWM) of forward+backward for the ``memory`` grid, each case in a fresh
 subprocess so no case sees another's high-water mark. Prints markdown tables
@@ -39,6 +45,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -58,8 +65,9 @@ from experiments._memory import peak_rss_mb
 from experiments._timing import fmt
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-METHODS = ("jax.nn", "xla", "blockwise", "auto")
+METHODS = ("jax.nn", "xla", "blockwise", "auto", "torch")
 MATERIALISING = ("jax.nn", "xla")
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +88,12 @@ class Config(Section):
   heads: int = field(8, minimum=1)
   kv_heads: int = field(8, minimum=1)
   head_dims: list[int] = field(factory=lambda: [64], minimum=1)
+  dtypes: list[str] = field(factory=lambda: ["float32"], choices=DTYPES)
   lengths: list[int] = field(factory=lambda: [1024, 4096], minimum=1, doc="empty = none timed")
   causal: list[bool] = field(factory=lambda: [False, True])
-  methods: list[str] = field(factory=lambda: list(METHODS), choices=METHODS)
+  methods: list[str] = field(
+    factory=lambda: ["jax.nn", "xla", "blockwise", "auto"], choices=METHODS
+  )
   reps: int = field(5, minimum=1, doc="interleaved rounds; each method's block median per round")
   max_materialised_bytes: int = field(
     2**30, minimum=0, doc="skip jax.nn and xla where their float32 scores exceed this"
@@ -90,6 +101,7 @@ class Config(Section):
   matmul_size: int = field(2048, minimum=1, doc="the reference float32 matmul, size^3")
   memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
   out_dir: str = field("runs")
+  record: str = field("bench", doc="the JSON record's file name prefix (runs/<record>-<time>.json)")
 
   def check(self) -> None:
     if self.heads % self.kv_heads:
@@ -133,11 +145,53 @@ def compiled(method: str, causal: bool, mode: str):
   return jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32)), (0, 1, 2)))
 
 
-def inputs(cfg: Config, T: int, H: int):
+def torch_or_none():
+  """The torch module when it is importable, else None (torch is the optional bench extra)."""
+  try:
+    import torch
+  except ImportError:
+    return None
+  return torch
+
+
+def torch_fn(causal: bool, mode: str, q, k, v):
+  """PyTorch's SDPA as ``(fn, args)`` for the timing rounds: (B, N, T, H) torch copies of the
+  jax inputs made once here, ``torch.set_num_threads`` = the CPU cores JAX runs on."""
+  torch = torch_or_none()
+  assert torch is not None
+  torch.set_num_threads(_cpu_cores())
+  dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[str(q.dtype)]
+  qt, kt, vt = (
+    torch.from_numpy(np.asarray(x, np.float32)).to(dtype).transpose(1, 2).contiguous()
+    for x in (q, k, v)
+  )
+  gqa = dict(enable_gqa=True) if qt.shape[1] != kt.shape[1] else {}
+  sdpa = torch.nn.functional.scaled_dot_product_attention
+  if mode == "fwd":
+
+    def fwd(q, k, v):
+      with torch.no_grad():
+        return sdpa(q, k, v, is_causal=causal, **gqa)
+
+    return fwd, (qt, kt, vt)
+  leaves = tuple(x.detach().requires_grad_() for x in (qt, kt, vt))
+
+  def fwd_bwd(q, k, v):
+    out = sdpa(q, k, v, is_causal=causal, **gqa)
+    return torch.autograd.grad(out.float().sum(), (q, k, v))
+
+  return fwd_bwd, leaves
+
+
+def _cpu_cores() -> int:
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def inputs(cfg: Config, T: int, H: int, dtype: str = "float32"):
   rng = np.random.default_rng(T + H)
   q = rng.standard_normal((cfg.batch, T, cfg.heads, H), np.float32)
   k, v = (rng.standard_normal((cfg.batch, T, cfg.kv_heads, H), np.float32) for _ in range(2))
-  return tuple(jnp.asarray(x) for x in (q, k, v))
+  return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
 
 
 def flops(cfg: Config, T: int, H: int, causal: bool, mode: str) -> float:
@@ -156,39 +210,47 @@ def time_grid(cfg: Config) -> tuple[list[dict], float | None]:
   matmul_flops = 2.0 * cfg.matmul_size**3
   rows: list[dict] = []
   matmul_ms: list[float] = []
-  for H in cfg.head_dims:
-    for T in cfg.lengths:
-      q, k, v = inputs(cfg, T, H)
-      for causal in cfg.causal:
-        group: list[dict[str, Any]] = [dict(H=H, T=T, causal=causal, method=m) for m in cfg.methods]
-        for mode in ("fwd", "fwd_bwd"):
-          fns: dict[str, tuple[Callable, tuple]] = {"matmul": matmul}
-          fns.update(
-            {
-              m: (compiled(m, causal, mode), (q, k, v))
-              for m in cfg.methods
-              if not materialises_too_much(cfg, m, T)
-            }
-          )
-          times = _timing.rounds_ms(fns, cfg.reps)
-          matmul_ms.extend(times["matmul"])
-          ref = times.get("jax.nn")
-          for row in group:
-            ms = times.get(row["method"])
-            if ms is None:
-              row.update({f"{mode}_ms": None, f"{mode}_speedup": None})
-              continue
-            work, median = flops(cfg, T, H, causal, mode), float(np.median(ms))
-            row.update(
-              {
-                f"{mode}_ms": median,
-                f"{mode}_gflops": work / median / 1e6,
-                f"{mode}_pct_matmul": 100.0
-                * float(np.median((work / ms) / (matmul_flops / times["matmul"]))),
-                f"{mode}_speedup": None if ref is None else _timing.median_ratio(ref, ms),
-              }
-            )
-        rows.extend(group)
+  have_torch = torch_or_none() is not None
+  for dtype in cfg.dtypes:
+    for H in cfg.head_dims:
+      for T in cfg.lengths:
+        q, k, v = inputs(cfg, T, H, dtype)
+        for causal in cfg.causal:
+          group: list[dict[str, Any]] = [
+            dict(dtype=dtype, H=H, T=T, causal=causal, method=m) for m in cfg.methods
+          ]
+          for mode in ("fwd", "fwd_bwd"):
+            fns: dict[str, tuple[Callable, tuple]] = {"matmul": matmul}
+            for m in cfg.methods:
+              if m == "torch":
+                if have_torch:
+                  fns[m] = torch_fn(causal, mode, q, k, v)
+              elif not materialises_too_much(cfg, m, T):
+                fns[m] = (compiled(m, causal, mode), (q, k, v))
+            times = _timing.rounds_ms(fns, cfg.reps)
+            matmul_ms.extend(times["matmul"])
+            ref, torch_ms = times.get("jax.nn"), times.get("torch")
+            for row in group:
+              ms = times.get(row["method"])
+              if ms is None:
+                row.update({f"{mode}_ms": None, f"{mode}_speedup": None})
+                if row["method"] == "torch" and not have_torch:
+                  row["note"] = "torch not installed (pip install -e '.[bench]')"
+                continue
+              work, median = flops(cfg, T, H, causal, mode), float(np.median(ms))
+              row.update(
+                {
+                  f"{mode}_ms": median,
+                  f"{mode}_gflops": work / median / 1e6,
+                  f"{mode}_pct_matmul": 100.0
+                  * float(np.median((work / ms) / (matmul_flops / times["matmul"]))),
+                  f"{mode}_speedup": None if ref is None else _timing.median_ratio(ref, ms),
+                  f"{mode}_vs_torch": None
+                  if torch_ms is None
+                  else _timing.median_ratio(torch_ms, ms),
+                }
+              )
+          rows.extend(group)
   if not matmul_ms:  # no lengths to time: only the memory cases
     return rows, None
   return rows, matmul_flops / float(np.median(matmul_ms)) / 1e6
@@ -231,23 +293,29 @@ def memory_grid(cfg: Config) -> list[dict]:
 
 def print_tables(cfg: Config, matmul: float, rows: list[dict], memory: list[dict]) -> None:
   print(
-    f"B={cfg.batch} N={cfg.heads} K={cfg.kv_heads} float32, {jax.devices()[0].platform}, "
+    f"B={cfg.batch} N={cfg.heads} K={cfg.kv_heads} {'/'.join(cfg.dtypes)}, "
+    f"{jax.devices()[0].platform}, "
     f"medians of {cfg.reps} interleaved rounds; float32 matmul {cfg.matmul_size}³: "
     f"{fmt(matmul, '.1f')} GFLOP/s\n"
   )
+  torch = "torch" in cfg.methods
+  extra = " | fwd × torch | fwd+bwd × torch" if torch else ""
   print(
-    "| H | T | causal | method | fwd ms | fwd GFLOP/s | % matmul | fwd speedup "
-    "| fwd+bwd ms | fwd+bwd GFLOP/s | fwd+bwd speedup |"
+    "| dtype | H | T | causal | method | fwd ms | fwd GFLOP/s | % matmul | fwd speedup "
+    f"| fwd+bwd ms | fwd+bwd GFLOP/s | fwd+bwd speedup{extra} |"
   )
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---" * (12 + 2 * torch) + "|")
   for r in rows:
-    print(
-      f"| {r['H']} | {r['T']} | {r['causal']} | {r['method']} | "
+    cells = (
+      f"| {r.get('dtype', 'float32')} | {r['H']} | {r['T']} | {r['causal']} | {r['method']} | "
       f"{fmt(r.get('fwd_ms'), '.1f')} | {fmt(r.get('fwd_gflops'), '.1f')} | "
       f"{fmt(r.get('fwd_pct_matmul'), '.0f')} | {fmt(r.get('fwd_speedup'), '.2f')} | "
       f"{fmt(r.get('fwd_bwd_ms'), '.1f')} | {fmt(r.get('fwd_bwd_gflops'), '.1f')} | "
       f"{fmt(r.get('fwd_bwd_speedup'), '.2f')} |"
     )
+    if torch:
+      cells += f" {fmt(r.get('fwd_vs_torch'), '.2f')} | {fmt(r.get('fwd_bwd_vs_torch'), '.2f')} |"
+    print(cells)
   if memory:
     print("\nforward+backward, one fresh process per case: peak process memory (VmHWM)\n")
     print("| H | T | causal | method | seconds | peak MiB before | peak MiB |")
@@ -269,6 +337,7 @@ def load_config(args) -> Config:
   flags = dict(
     lengths=args.lengths,
     head_dims=args.head_dims,
+    dtypes=args.dtypes,
     causal=causal,
     methods=args.methods,
     reps=args.reps,
@@ -290,6 +359,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     "--lengths", type=int, nargs="*", help="sequence lengths to time (none: only the memory cases)"
   )
   parser.add_argument("--head-dims", dest="head_dims", type=int, nargs="+")
+  parser.add_argument("--dtypes", nargs="+", help="float32 and/or bfloat16")
   parser.add_argument("--causal", nargs="+", choices=["true", "false"])
   parser.add_argument("--methods", nargs="+")
   parser.add_argument("--reps", type=int)
@@ -338,8 +408,9 @@ def main(argv=None):
   out_dir = ROOT / cfg.out_dir
   out_dir.mkdir(parents=True, exist_ok=True)
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  path = out_dir / f"bench-{stamp}{'-quick' if args.quick else ''}.json"
+  path = out_dir / f"{cfg.record}-{stamp}{'-quick' if args.quick else ''}.json"
   record = dict(
+    command="python -m experiments.bench " + " ".join(sys.argv[1:] if argv is None else argv),
     config=_config.to_dict(cfg),
     device=str(jax.devices()[0]),
     jax=jax.__version__,

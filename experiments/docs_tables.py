@@ -13,7 +13,8 @@ table. ``docs/conf.py`` runs it on every Sphinx build.
 What each folder of docs/ holds; ``COMMANDS`` below names the command whose run it records:
 
     docs/bench/             bench-<time>.json: the newest run with timings, the newest with memory;
-                            bench_decode-<time>.json: the newest decoding run
+                            bench_decode-<time>.json: the newest decoding run;
+                            bench_torch-<time>.json: the newest run against PyTorch's SDPA
     docs/accuracy/          accuracy_<backend>.json (from experiments.accuracy --json)
     docs/scaling/           scaling.json and scaling.png
     docs/parallel/          parallel.json
@@ -38,6 +39,7 @@ COMMANDS = {
   "bench": "python -m experiments.bench --config configs/bench.yaml",
   "bench_memory": "python -m experiments.bench --lengths --memory-lengths 4096 16384",
   "decode": "python -m experiments.bench_decode --config configs/bench_decode.yaml",
+  "vs_torch": "python -m experiments.bench --config configs/bench_torch.yaml",
   "accuracy": "python -m experiments.accuracy --json runs/accuracy_cpu.json",
   "scaling": "python -m experiments.bench_scaling --config configs/bench_scaling.yaml",
   "parallel": "python -m experiments.bench_parallel --config configs/bench_parallel.yaml",
@@ -134,6 +136,69 @@ def bench_memory(docs: pathlib.Path) -> str:
         cells + [f"{m['seconds']:.1f}", f"{m['peak_mb_before']:.0f}", f"{m['peak_mb']:.0f}"]
       )
   return head + _table(["T", "causal", "method", "seconds", "MiB before", "peak MiB"], rows)
+
+
+# jattn's targets against PyTorch on a CPU (issue [cpu-speed]).
+TORCH_TARGET, SMALL_T_LIMIT, CAUSAL_LIMIT = 1.2, 1.1, 1.15
+
+
+def vs_torch(docs: pathlib.Path) -> str:
+  """jattn (implementation=None) against torch SDPA cell by cell, and the three targets."""
+  paths = _full_runs((docs / "bench").glob("bench_torch-*.json"))
+  if not paths:
+    return _absent("a `bench_torch-*.json` in `docs/bench/`", "vs_torch")
+  path, r = paths[-1], _load(paths[-1])
+  c = r["config"]
+  rows = {(t["dtype"], t["H"], t["T"], t["causal"], t["method"]): t for t in r["timings"]}
+  out = [
+    f"From {_source(path, docs)} (`{r.get('command', COMMANDS['vs_torch'])}`): {r['device']}, "
+    f"jax {r['jax']}, B={c['batch']}, N={c['heads']}, K={c['kv_heads']}, medians of "
+    f"{c['reps']} interleaved rounds. × torch = torch's time / jattn's (median of per-round "
+    f"ratios; > 1: jattn faster); the target is ≥ {TORCH_TARGET} in every cell.\n"
+  ]
+  cells, misses = [], 0
+  for (dtype, H, T, causal, method), a in rows.items():
+    if method != "auto" or T < 1024 or (dtype, H, T, causal, "torch") not in rows:
+      continue  # the targets are for T >= 1024; shorter sequences are compared with jax.nn
+    t = rows[(dtype, H, T, causal, "torch")]
+    ratios = [a.get("fwd_vs_torch"), a.get("fwd_bwd_vs_torch")]
+    met = all(x is not None and x >= TORCH_TARGET for x in ratios)
+    misses += not met
+    cells.append(
+      [dtype, str(H), str(T), "yes" if causal else "no"]
+      + [fmt(a.get("fwd_ms"), ".2f"), fmt(t.get("fwd_ms"), ".2f"), fmt(ratios[0], ".2f")]
+      + [fmt(a.get("fwd_bwd_ms"), ".2f"), fmt(t.get("fwd_bwd_ms"), ".2f"), fmt(ratios[1], ".2f")]
+      + ["yes" if met else "**no**"]
+    )
+  header = ["dtype", "H", "T", "causal", "jattn fwd ms", "torch fwd ms", "fwd × torch"]
+  header += ["jattn fwd+bwd ms", "torch fwd+bwd ms", "fwd+bwd × torch", "≥ 1.2×"]
+  out += [_table(header, cells), f"{misses} of {len(cells)} cells miss the target.\n"]
+  small = [
+    [dtype, str(H), str(T), "yes" if causal else "no"]
+    + [fmt(a.get("fwd_speedup"), ".2f"), fmt(a.get("fwd_bwd_speedup"), ".2f")]
+    for (dtype, H, T, causal, method), a in rows.items()
+    if method == "auto" and T <= 128
+  ]
+  if small:
+    out += [
+      f"Short sequences: jattn's speed over jax.nn (the target: jattn's time at most "
+      f"{SMALL_T_LIMIT}× jax.nn's, a speed ≥ {1 / SMALL_T_LIMIT:.2f}):\n",
+      _table(["dtype", "H", "T", "causal", "fwd × jax.nn", "fwd+bwd × jax.nn"], small),
+    ]
+  halves = []
+  for (dtype, H, T, causal, method), a in rows.items():
+    full = rows.get((dtype, H, T, False, "auto"))
+    if method == "auto" and causal and T >= 4096 and full and a.get("fwd_ms") and full["fwd_ms"]:
+      ratio = a["fwd_ms"] / (full["fwd_ms"] / 2)
+      halves.append(
+        [dtype, str(H), str(T), f"{ratio:.2f}", "yes" if ratio <= CAUSAL_LIMIT else "**no**"]
+      )
+  if halves:
+    out += [
+      f"The causal forward against half the full forward (target ≤ {CAUSAL_LIMIT}):\n",
+      _table(["dtype", "H", "T", "causal ms / (full ms / 2)", "met"], halves),
+    ]
+  return "\n".join(out)
 
 
 def decode(docs: pathlib.Path) -> str:
@@ -462,6 +527,7 @@ TABLES: dict[str, Callable[[pathlib.Path], str]] = {
   "bench": bench_timings,
   "bench_memory": bench_memory,
   "decode": decode,
+  "vs_torch": vs_torch,
   "scaling": scaling,
   "sparse": sparse,
   "parallel": parallel,
@@ -508,8 +574,9 @@ def collect(runs: pathlib.Path, docs: pathlib.Path = DOCS) -> list[pathlib.Path]
     with_part = [p for p in bench if _load(p)[part]]
     if with_part:
       copy(with_part[-1], "bench")
-  if (decode_run := newest("bench_decode-*.json")) is not None:
-    copy(decode_run, "bench")
+  for prefix in ("bench_decode", "bench_torch"):
+    if (run := newest(f"{prefix}-*.json")) is not None:
+      copy(run, "bench")
   for p in _full_runs(runs.glob("accuracy*.json")):
     copy(p, "accuracy")
   for p in _full_runs(runs.glob("bench_gpu*.json")):

@@ -33,7 +33,7 @@ def test_bench_quick(tmp_path):
   # Each memory case ran in its own process and reported a peak.
   assert [m["method"] for m in record["memory"]] == ["jax.nn", "blockwise"]
   assert all(m["peak_mb"] >= m["peak_mb_before"] > 0 for m in record["memory"])
-  assert "| 8 | 48 | True | blockwise |" in out.getvalue()
+  assert "| float32 | 8 | 48 | True | blockwise |" in out.getvalue()
   saved = list(tmp_path.glob("bench-*-quick.json"))
   assert len(saved) == 1 and json.loads(saved[0].read_text())["timings"] == rows
   # On an accelerator (not with --quick) it points at bench_gpu.py; on a CPU it says nothing.
@@ -41,6 +41,20 @@ def test_bench_quick(tmp_path):
   assert "python -m experiments.bench_gpu" in bench.accelerator_note("gpu", quick=False)
   assert bench.accelerator_note("tpu", quick=True) is None
   assert bench.accelerator_note("cpu", quick=False) is None
+
+
+def test_bench_names_torch_rows_it_cannot_time(tmp_path, monkeypatch):
+  """torch is an optional extra: without it the torch rows say how to install it."""
+  bench = _load("bench")
+  monkeypatch.setattr(bench, "torch_or_none", lambda: None)
+  with contextlib.redirect_stdout(io.StringIO()):
+    record = bench.main(
+      ["--quick", "--lengths", "32", "--causal", "true", "--methods", "jax.nn", "torch"]
+      + ["--memory-lengths", "--out-dir", str(tmp_path)]
+    )
+  jnn, torch = record["timings"]
+  assert torch["method"] == "torch" and torch["fwd_ms"] is None and "[bench]" in torch["note"]
+  assert jnn["fwd_ms"] > 0 and jnn["fwd_vs_torch"] is None and jnn["dtype"] == "float32"
 
 
 def test_bench_config_file_is_valid():
