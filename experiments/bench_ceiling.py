@@ -9,11 +9,14 @@ experiments._timing.rounds_ms), the non-causal forward pass of
                   tile and key/value tile, s = q kᵀ then acc += s v, at the
                   same tile sizes and layouts as the blockwise kernel
     matmul        one float32 matmul of size³, the machine's reference rate
+    torch         PyTorch's fused CPU attention (scaled_dot_product_attention), when torch
+                  is importable (the bench extra): the peer the cpu-speed targets name
 
 and prints each one's GFLOP/s (4·B·N·T²·H for the attention rows), that rate as
 a percentage of the matmul's, and the speedup over jax.nn. "matmuls only" is
 the ceiling of any kernel written with XLA operations that keeps these tiles:
-the softmax can only add to it.
+the softmax can only add to it. A torch row faster than "matmuls only" means no
+kernel of XLA operations with these tiles can catch PyTorch's.
 
     python -m experiments.bench_ceiling                 # T=4096, B=1, N=8, H=64
     python -m experiments.bench_ceiling --length 1024 --block 256
@@ -29,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
-from experiments import _timing
+from experiments import _timing, bench
 from jattn.impl import _tiling, blockwise
 
 
@@ -103,6 +106,8 @@ def main(argv=None) -> list[dict]:
     "matmuls only": (jax.jit(tile_matmuls(block)), (q, k, v)),
     "matmul": (jax.jit(lambda a: a @ a), (a,)),
   }
+  if bench.torch_or_none() is not None:
+    fns["torch"] = bench.torch_fn(False, "fwd", q, k, v)
   times = _timing.rounds_ms(fns, args.reps)
   work = 4.0 * args.batch * args.heads * args.length**2 * args.head_dim
   rate = lambda name: (2.0 * args.matmul_size**3 if name == "matmul" else work) / times[name]

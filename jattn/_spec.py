@@ -60,6 +60,7 @@ from jattn.impl import splash as _splash
     "return_residual",
     "interpret",
     "static_mask",
+    "compute_dtype",
   ],
 )
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,7 @@ class CallSpec:
   interpret: bool = False  # Pallas kernels in interpret mode (jattn.testing.interpret_kernels)
   sinks: Any = None  # None, or per-head sink logits (N,), a floating array
   static_mask: Any = None  # splash: the conjuncts it tabulates, static (mask keeps the rest)
+  compute_dtype: Any = None  # xla and blockwise compute in it (_common.compute_dtype)
 
   @property
   def bnts(self) -> tuple[int, int, int, int]:
@@ -203,6 +205,7 @@ def build(
     backward=choice.backward,
     block_q=block_q,
     block_kv=block_kv,
+    compute_dtype=_common.compute_dtype(q.dtype, call.backend),
   )
   return q, k, (None if value is None else v), spec
 

@@ -62,11 +62,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jattn import dropout as _dropout
 from jattn import masks as _masks
-from jattn import testing
 from jattn.impl import _common, _kv, _tiling
 
 if TYPE_CHECKING:
@@ -111,28 +109,9 @@ def attention_over_cache(query, tiles: _kv.CacheTiles, spec: CallSpec):
   return _attention(query, tiles, tiles.kv_len, spec)
 
 
-def compute_dtype(dtype) -> np.dtype:
-  """The dtype the tiles are computed in for inputs of ``dtype``: float32 for bfloat16 and
-  float16 on a CPU, else ``dtype`` itself.
-
-  XLA's CPU dots have no fast path for narrow floats on this project's CPUs: a bfloat16
-  forward ran 1.43-1.48x slower than the same inputs cast to float32 up front, and
-  forward+backward 1.07-1.09x slower (T=1024, N=8, H=64 and 128; experiments/bench.py
-  with configs/bench_torch.yaml, docs/benchmarks.md). The float32 tiles are also the more
-  accurate: the output and gradients are rounded to the inputs' dtype once, at the end.
-  On a GPU or TPU (or routed as one by :func:`jattn.testing.lowering_for`) the tiles stay
-  narrow, with their float32 statistics.
-  """
-  dtype = np.dtype(dtype)
-  backend = testing.target_backend() or jax.default_backend()
-  if backend == "cpu" and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
-    return np.dtype(np.float32)
-  return dtype
-
-
 def _attention(query, kv, kv_len: int, spec: CallSpec):
   dtype = query.dtype
-  wide = compute_dtype(dtype)
+  wide = spec.compute_dtype or dtype
   if wide != dtype:  # autodiff casts the gradients back through these casts
     query = query.astype(wide)
     if isinstance(kv, _kv.CacheTiles):

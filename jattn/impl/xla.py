@@ -58,6 +58,9 @@ def attention(query, key, value, spec: CallSpec):
 
   # With sinks to add (jattn.attention), out stays in the statistics dtype until then.
   out_dtype = query.dtype if spec.sinks is None else _common.stats_dtype(query.dtype)
+  wide = spec.compute_dtype or query.dtype
+  if wide != query.dtype:  # a CPU: narrow inputs computed in float32, rounded once at the end
+    query, key, value = (x.astype(wide) for x in (query, key, value))
   static = (scale, dropout_rate, out_dtype)
   if spec.backward == "autodiff":
     modify: Callable | None = None if score_fn is None else (lambda s: score_fn(s, *grid))
