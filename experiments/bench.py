@@ -162,7 +162,7 @@ def torch_fn(causal: bool, mode: str, q, k, v):
   torch.set_num_threads(_cpu_cores())
   dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[str(q.dtype)]
   qt, kt, vt = (
-    torch.from_numpy(np.asarray(x, np.float32)).to(dtype).transpose(1, 2).contiguous()
+    torch.from_numpy(np.array(x, np.float32)).to(dtype).transpose(1, 2).contiguous()
     for x in (q, k, v)
   )
   gqa = dict(enable_gqa=True) if qt.shape[1] != kt.shape[1] else {}

@@ -198,6 +198,20 @@ def vs_torch(docs: pathlib.Path) -> str:
       f"The causal forward against half the full forward (target ≤ {CAUSAL_LIMIT}):\n",
       _table(["dtype", "H", "T", "causal ms / (full ms / 2)", "met"], halves),
     ]
+  if r["memory"]:
+    out += [
+      "Peak process memory (VmHWM) of float32 forward+backward, each case in a fresh process "
+      "(targets: at most 1.5 GB at T = 16,384 causal; T = 65,536 completes):\n",
+      _table(
+        ["H", "T", "causal", "method", "seconds", "peak MiB"],
+        [
+          [str(m["H"]), f"{m['T']:,}", "yes" if m["causal"] else "no", m["method"]]
+          + [f"{m['seconds']:.1f}", f"{m['peak_mb']:.0f}"]
+          for m in r["memory"]
+          if "peak_mb" in m
+        ],
+      ),
+    ]
   return "\n".join(out)
 
 
