@@ -48,12 +48,20 @@ class Stacked(NamedTuple):
   def value_tile(self, j):
     return self.v_tiles[j]
 
+  @property
+  def heads(self) -> tuple[int, int, Any]:
+    """(K, Hv, the dtype value tiles are read as)."""
+    return self.k_tiles.shape[2], self.v_tiles.shape[-1], self.v_tiles.dtype
+
   def cotangent(self, d_k, d_v):
     """(d_key, d_value) (B, S, K, H) from per-tile gradients (n, B, K, H, block)."""
-    return tuple(
-      d.transpose(1, 0, 4, 2, 3).reshape(d.shape[1], -1, d.shape[2], d.shape[3])[:, : self.kv_len]
-      for d in (d_k, d_v)
-    )
+    return tuple(untile(d)[:, : self.kv_len] for d in (d_k, d_v))
+
+
+def untile(d):
+  """Per-tile gradients (n, B, K, h, block) as per-slot ones (B, n · block, K, h)."""
+  n, B, K, h, block = d.shape
+  return d.transpose(1, 0, 4, 2, 3).reshape(B, n * block, K, h)
 
 
 def stacked(key, value, block: int) -> Stacked:
@@ -94,10 +102,9 @@ class CacheTiles:
     return math.ceil(self.kv_len / self.block)
 
   @property
-  def shape(self) -> tuple[int, int, int, int, int]:
-    """(B, S, K, H, Hv) of the rows this cache holds."""
-    B = self.lengths.shape[0]
-    return (B, self.kv_len, self.key.shape[2], self.key.shape[3], self.value.shape[3])
+  def heads(self) -> tuple[int, int, Any]:
+    """(K, Hv, the dtype value tiles are read as)."""
+    return self.key.shape[2], self.value.shape[3], np.dtype(self.dtype)
 
   def _slots(self, j):
     return j * self.block + jnp.arange(self.block, dtype=jnp.int32)
@@ -149,14 +156,12 @@ class CacheTiles:
     def back(store, d):
       if _quant.is_quantized(store.dtype):
         return None
-      n, B, K, h, block = d.shape
-      d = d.transpose(1, 0, 4, 2, 3).reshape(B, n * block, K, h)  # (B, slots, K, h)
+      d = untile(d)  # (B, slots, K, h)
       if not self.paged:
         return d[:, : self.kv_len].astype(store.dtype)
-      page_size = store.shape[1]
       pages = self._table()  # (B, n · block // page_size)
       pages = jnp.where(pages < 0, store.shape[0], pages)  # dropped by the scatter
-      d = d.reshape(B, -1, page_size, K, h)
+      d = d.reshape(*pages.shape, *store.shape[1:])
       return jnp.zeros(store.shape, d.dtype).at[pages].add(d, mode="drop").astype(store.dtype)
 
     return dataclasses.replace(
@@ -176,11 +181,3 @@ def source(kv, block: int):
     return kv
   key, value = kv
   return stacked(key, value, block)
-
-
-def heads(kv) -> tuple[int, int, Any]:
-  """(K, Hv, the dtype value tiles are read as) of blockwise's ``kv`` argument."""
-  if isinstance(kv, CacheTiles):
-    return kv.key.shape[2], kv.value.shape[3], np.dtype(kv.dtype)
-  key, value = kv
-  return key.shape[2], value.shape[3], value.dtype

@@ -224,7 +224,7 @@ def _forward(static: _tiling.Static, query, kv, bias, seed, rows: _tiling.Schedu
   ``kv`` is a (key, value) pair or a :class:`jattn.impl._kv.CacheTiles`."""
   B, T, N, H = query.shape
   tiles = _kv.source(kv, static.block_kv)
-  K, Hv, v_dtype = _kv.heads(kv)
+  K, Hv, v_dtype = tiles.heads
   G = N // K
   bq = static.block_q
   dtype = _common.stats_dtype(query.dtype)
@@ -327,15 +327,15 @@ def _backward(
   query, kv, bias, seed, cols, consts, out, m, l = residuals
   mask_consts, score_consts = consts
   B, T, N, H = query.shape
-  K, Hv, v_dtype = _kv.heads(kv)
-  G = N // K
   bq, bk = static.block_q, static.block_kv
+  tiles = _kv.source(kv, bk)
+  K, Hv, v_dtype = tiles.heads
+  G = N // K
   dtype = _common.stats_dtype(query.dtype)
   keep_scale = _tiling.keep_scale(static, dtype)
 
   q_tiles = _tiling.query_tiles(_common.scaled_queries(query, static.scale), bq, K)
   prescaled = _common.scales_queries(query.dtype)
-  tiles = _kv.source(kv, bk)
   d_out = d_out.astype(dtype)
   do_tiles = _tiling.query_tiles(d_out, bq, K)
   m, l = _tiling.row_tiles(m, bq), _tiling.row_tiles(l, bq)
