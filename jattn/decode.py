@@ -189,26 +189,11 @@ def init(
   """An empty cache: zero keys (B, max_length, K, H) and values (B, max_length, K, Hv),
   lengths 0; Hv is ``value_head_dim``, default ``head_dim``. ``dtype`` is a floating
   dtype, or ``jnp.int8`` / ``jnp.float8_e4m3fn`` for a quantized cache (with scales)."""
-  B, S, K, H = (
-    _checks.integer(name, n, minimum=1)
-    for name, n in (
-      ("batch_size", batch_size),
-      ("max_length", max_length),
-      ("num_kv_heads", num_kv_heads),
-      ("head_dim", head_dim),
-    )
+  B, S = _sizes(batch_size=batch_size, max_length=max_length)
+  key, value, key_scale, value_scale = _stores(
+    (B, S), num_kv_heads, head_dim, value_head_dim, dtype
   )
-  Hv = H if value_head_dim is None else _checks.integer("value_head_dim", value_head_dim, minimum=1)
-  dtype = _checks.storage_dtype("dtype", dtype)
-  scales: tuple[Any, Any] = (None, None)
-  if _quant.is_quantized(dtype):
-    scales = (jnp.zeros((B, S, K), _quant.SCALE_DTYPE), jnp.zeros((B, S, K), _quant.SCALE_DTYPE))
-  return KVCache(
-    jnp.zeros((B, S, K, H), dtype),
-    jnp.zeros((B, S, K, Hv), dtype),
-    jnp.zeros((B,), jnp.int32),
-    *scales,
-  )
+  return KVCache(key, value, jnp.zeros((B,), jnp.int32), key_scale, value_scale)
 
 
 def init_paged(
@@ -232,30 +217,42 @@ def init_paged(
   CPU; ``num_pages`` may be smaller than ``batch_size · max_pages_per_seq``: rows take
   pages as they grow.
   """
-  P, ps, B, M, K, H = (
-    _checks.integer(name, n, minimum=1)
-    for name, n in (
-      ("num_pages", num_pages),
-      ("page_size", page_size),
-      ("batch_size", batch_size),
-      ("max_pages_per_seq", max_pages_per_seq),
-      ("num_kv_heads", num_kv_heads),
-      ("head_dim", head_dim),
-    )
+  P, ps, B, M = _sizes(
+    num_pages=num_pages,
+    page_size=page_size,
+    batch_size=batch_size,
+    max_pages_per_seq=max_pages_per_seq,
   )
-  Hv = H if value_head_dim is None else _checks.integer("value_head_dim", value_head_dim, minimum=1)
-  dtype = _checks.storage_dtype("dtype", dtype)
-  scales: tuple[Any, Any] = (None, None)
-  if _quant.is_quantized(dtype):
-    scales = (jnp.zeros((P, ps, K), _quant.SCALE_DTYPE), jnp.zeros((P, ps, K), _quant.SCALE_DTYPE))
+  key, value, key_scale, value_scale = _stores(
+    (P, ps), num_kv_heads, head_dim, value_head_dim, dtype
+  )
   return PagedKVCache(
-    jnp.zeros((P, ps, K, H), dtype),
-    jnp.zeros((P, ps, K, Hv), dtype),
+    key,
+    value,
     jnp.full((B, M), -1, jnp.int32),
     jnp.zeros((B,), jnp.int32),
     jnp.ones((P,), bool),
-    *scales,
+    key_scale,
+    value_scale,
   )
+
+
+def _sizes(**sizes: int) -> tuple[int, ...]:
+  """The given sizes, each checked to be an int >= 1 (errors name it)."""
+  return tuple(_checks.integer(name, n, minimum=1) for name, n in sizes.items())
+
+
+def _stores(lead: tuple[int, int], num_kv_heads, head_dim, value_head_dim, dtype):
+  """Zero keys (*lead, K, H) and values (*lead, K, Hv) in the checked storage ``dtype``, and
+  zero float32 scales (*lead, K) each when it is quantized (else None):
+  ``(key, value, key_scale, value_scale)``."""
+  K, H = _sizes(num_kv_heads=num_kv_heads, head_dim=head_dim)
+  Hv = H if value_head_dim is None else _sizes(value_head_dim=value_head_dim)[0]
+  dtype = _checks.storage_dtype("dtype", dtype)
+  scales: tuple[Any, ...] = (None, None)
+  if _quant.is_quantized(dtype):  # two arrays, not one shared: a step may donate the cache
+    scales = tuple(jnp.zeros((*lead, K), _quant.SCALE_DTYPE) for _ in range(2))
+  return (jnp.zeros((*lead, K, H), dtype), jnp.zeros((*lead, K, Hv), dtype), *scales)
 
 
 def release(cache: Cache, rows: jax.typing.ArrayLike) -> Cache:
