@@ -492,72 +492,90 @@ def shape_line(cfg: Config) -> str:
   )
 
 
+def step_table(steps: list[dict]) -> tuple[list[str], list[list[str]]]:
+  """(header, rows) of the decode-step cells, for the printed table and the docs alike."""
+  header = ["B", "context", "method", "ms", "tokens/s", "× jax.nn", "cache MiB"]
+  header += ["bytes/token held", "storage bytes/token"]
+  rows = [
+    [
+      str(r["B"]),
+      f"{r['context']:,}",
+      r["method"],
+      f"{r['ms']:.3f}",
+      f"{r['tokens_per_s']:,.0f}",
+      fmt(r["vs_jax_nn"], ".2f"),
+      f"{r['cache_mb']:,.1f}",
+      f"{r['bytes_per_token']:,.0f}",
+      f"{r['storage_bytes_per_token']:,}",
+    ]
+    for r in steps
+  ]
+  return header, rows
+
+
+def quant_table(quant: list[dict]) -> tuple[list[str], list[list[str]]]:
+  """(header, rows) of the quantization errors."""
+  header = ["B", "context", "cache", "max abs error", "relative RMS error", "output RMS"]
+  rows = [
+    [
+      str(r["B"]),
+      f"{r['context']:,}",
+      r["method"],
+      f"{r['max_abs_error']:.2e}",
+      f"{r['rel_rms_error']:.2e}",
+      f"{r['ref_rms']:.3g}",
+    ]
+    for r in quant
+  ]
+  return header, rows
+
+
+def serve_table(s: dict) -> tuple[list[str], list[list[str]]]:
+  """(header, rows) of the continuous-batching run."""
+  rows = [
+    ["generated tokens (prompt tokens)", f"{s['generated_tokens']:,} ({s['prompt_tokens']:,})"],
+    ["seconds", f"{s['seconds']:.1f}"],
+    ["generated tokens/s", f"{s['generated_per_s']:,.0f}"],
+    ["all tokens/s (prompt + generated)", f"{s['tokens_per_s']:,.0f}"],
+    [
+      "iterations (prefill / decode calls)",
+      f"{s['iterations']} ({s['prefill_calls']} / {s['decode_calls']})",
+    ],
+    ["peak pages in use / pool", f"{s['peak_pages']} / {s['pool_pages']}"],
+    [
+      "page allocations (of a page a finished request released)",
+      f"{s['page_allocations']:,} ({s['pages_reused']:,})",
+    ],
+    ["pool MiB (peak in use)", f"{s['pool_mb']:,.1f} ({s['peak_mb']:,.1f})"],
+    ["contiguous cache MiB (slots × max_length)", f"{s['contiguous_mb']:,.1f}"],
+  ]
+  return ["quantity", "value"], rows
+
+
 def print_tables(cfg: Config, record: dict) -> None:
   console = Console(width=140)
+
+  def show(title: str, table: tuple[list[str], list[list[str]]], first_left: bool = False):
+    header, rows = table
+    t = Table(title=title)
+    for i, col in enumerate(header):
+      t.add_column(col, justify="left" if first_left and i == 0 else "right")
+    for row in rows:
+      t.add_row(*row)
+    console.print(t)
+
   if record["steps"]:
-    t = Table(title=f"Decode step: {shape_line(cfg)}")
-    for col in ("B", "context", "method", "ms", "tokens/s", "× jax.nn speed", "cache MiB"):
-      t.add_column(col, justify="right")
-    t.add_column("bytes/token held", justify="right")
-    t.add_column("storage bytes/token", justify="right")
-    for r in record["steps"]:
-      t.add_row(
-        str(r["B"]),
-        f"{r['context']:,}",
-        r["method"],
-        f"{r['ms']:.3f}",
-        f"{r['tokens_per_s']:,.0f}",
-        fmt(r["vs_jax_nn"], ".2f"),
-        f"{r['cache_mb']:,.1f}",
-        f"{r['bytes_per_token']:,.0f}",
-        f"{r['storage_bytes_per_token']:,}",
-      )
-    console.print(t)
+    show(f"Decode step: {shape_line(cfg)}", step_table(record["steps"]))
   if record["quant"]:
-    t = Table(title="One decode step against the float32 contiguous cache")
-    for col in ("B", "context", "cache", "max |error|", "relative RMS error", "output RMS"):
-      t.add_column(col, justify="right")
-    for r in record["quant"]:
-      t.add_row(
-        str(r["B"]),
-        f"{r['context']:,}",
-        r["method"],
-        f"{r['max_abs_error']:.2e}",
-        f"{r['rel_rms_error']:.2e}",
-        f"{r['ref_rms']:.3g}",
-      )
-    console.print(t)
+    show("One decode step against the float32 contiguous cache", quant_table(record["quant"]))
   if (s := record["serve"]) is not None:
     c = cfg.serve
-    t = Table(
-      title=(
-        f"Continuous batching: {s['requests']} requests (prompts {c.prompt[0]}–{c.prompt[1]}, "
-        f"outputs {c.output[0]}–{c.output[1]} tokens) on {c.batch} slots of max_length "
-        f"{c.max_length}, prefill chunks of {c.prefill_chunk}"
-      )
+    title = (
+      f"Continuous batching: {s['requests']} requests (prompts {c.prompt[0]}–{c.prompt[1]}, "
+      f"outputs {c.output[0]}–{c.output[1]} tokens) on {c.batch} slots of max_length "
+      f"{c.max_length}, prefill chunks of {c.prefill_chunk}"
     )
-    t.add_column("quantity")
-    t.add_column("value", justify="right")
-    for name, value in [
-      ("generated tokens", f"{s['generated_tokens']:,}"),
-      ("prompt tokens", f"{s['prompt_tokens']:,}"),
-      ("seconds", f"{s['seconds']:.2f}"),
-      ("generated tokens/s", f"{s['generated_per_s']:,.0f}"),
-      ("all tokens/s (prompt + generated)", f"{s['tokens_per_s']:,.0f}"),
-      (
-        "iterations (prefill / decode calls)",
-        f"{s['iterations']} ({s['prefill_calls']} / {s['decode_calls']})",
-      ),
-      ("peak pages in use / pool", f"{s['peak_pages']} / {s['pool_pages']}"),
-      (
-        "page allocations (reusing a released page)",
-        f"{s['page_allocations']} ({s['pages_reused']})",
-      ),
-      ("pool MiB (peak in use)", f"{s['pool_mb']:,.1f} ({s['peak_mb']:,.1f})"),
-      ("contiguous cache MiB, batch × max_length", f"{s['contiguous_mb']:,.1f}"),
-    ]:
-      t.add_row(name, value)
-    console.print(t)
+    show(title, serve_table(s), first_left=True)
 
 
 def load_config(args) -> Config:

@@ -216,6 +216,8 @@ def vs_torch(docs: pathlib.Path) -> str:
 
 
 def decode(docs: pathlib.Path) -> str:
+  from experiments import bench_decode  # its cells, shared with the printed tables
+
   paths = _full_runs((docs / "bench").glob("bench_decode-*.json"))
   if not paths:
     return _absent("a `bench_decode-*.json` in `docs/bench/`", "decode")
@@ -232,43 +234,13 @@ def decode(docs: pathlib.Path) -> str:
       f"{c['reps']} interleaved rounds; × jax.nn = jax.nn's time / the method's (median of "
       "per-round ratios); bytes per token held = the bytes the cache reserves (contiguous) or "
       "the bytes of its pages in use (paged) / the tokens it holds:\n",
-      _table(
-        ["B", "context", "method", "ms", "tokens/s", "× jax.nn", "cache MiB", "bytes/token"]
-        + ["storage bytes/token"],
-        [
-          [
-            str(t["B"]),
-            f"{t['context']:,}",
-            t["method"],
-            f"{t['ms']:.3f}",
-            f"{t['tokens_per_s']:,.0f}",
-            fmt(t["vs_jax_nn"], ".2f"),
-            f"{t['cache_mb']:,.1f}",
-            f"{t['bytes_per_token']:,.0f}",
-            f"{t['storage_bytes_per_token']:,}",
-          ]
-          for t in r["steps"]
-        ],
-      ),
+      _table(*bench_decode.step_table(r["steps"])),
     ]
   if r["quant"]:
     out += [
       "One decode step with quantized pages against the float32 contiguous cache "
       "(relative RMS error = ‖o − o_ref‖ / ‖o_ref‖ of the output):\n",
-      _table(
-        ["B", "context", "cache", "max abs error", "relative RMS error", "output RMS"],
-        [
-          [
-            str(q["B"]),
-            f"{q['context']:,}",
-            q["method"],
-            f"{q['max_abs_error']:.2e}",
-            f"{q['rel_rms_error']:.2e}",
-            f"{q['ref_rms']:.3g}",
-          ]
-          for q in r["quant"]
-        ],
-      ),
+      _table(*bench_decode.quant_table(r["quant"])),
     ]
   if (s := r["serve"]) is not None:
     v = c["serve"]
@@ -277,26 +249,7 @@ def decode(docs: pathlib.Path) -> str:
       f"{v['prompt'][1]} tokens, outputs {v['output'][0]}–{v['output'][1]}, seed "
       f"{v['seed']}) on {v['batch']} slots of up to {v['max_length']:,} tokens over a float32 "
       f"paged pool, prompts written in chunks of {v['prefill_chunk']}:\n",
-      _table(
-        ["quantity", "value"],
-        [
-          [
-            "generated tokens (prompt tokens)",
-            f"{s['generated_tokens']:,} ({s['prompt_tokens']:,})",
-          ],
-          ["seconds", f"{s['seconds']:.1f}"],
-          ["generated tokens/s", f"{s['generated_per_s']:,.0f}"],
-          ["all tokens/s (prompt + generated)", f"{s['tokens_per_s']:,.0f}"],
-          ["prefill / decode calls", f"{s['prefill_calls']} / {s['decode_calls']}"],
-          ["peak pages in use / pool", f"{s['peak_pages']} / {s['pool_pages']}"],
-          [
-            "page allocations (of a page a finished request released)",
-            f"{s['page_allocations']:,} ({s['pages_reused']:,})",
-          ],
-          ["pool MiB (peak in use)", f"{s['pool_mb']:,.1f} ({s['peak_mb']:,.1f})"],
-          ["contiguous cache MiB (slots × max_length)", f"{s['contiguous_mb']:,.1f}"],
-        ],
-      ),
+      _table(*bench_decode.serve_table(s)),
     ]
   return "\n".join(out)
 
