@@ -360,14 +360,10 @@ def init_cache(
   )
 
 
-def storage_dtype(cache: decode.Cache) -> np.dtype:
-  return np.dtype(cache[0].dtype)  # key or key_pages
-
-
 def cache_accepts(cache: decode.Cache, dtype) -> bool:
   """Whether keys of ``dtype`` can be written to ``cache``: its own dtype, or any floating
   dtype for a quantized cache."""
-  storage = storage_dtype(cache)
+  storage = cache.dtype
   return dtype == storage or (_quant.is_quantized(storage) and jnp.issubdtype(dtype, jnp.floating))
 
 

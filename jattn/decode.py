@@ -130,6 +130,11 @@ class KVCache(NamedTuple):
     """How many tokens each row can hold."""
     return self.key.shape[1]
 
+  @property
+  def dtype(self) -> np.dtype:
+    """The storage dtype of keys and values: a float, or int8 / float8_e4m3fn (quantized)."""
+    return np.dtype(self.key.dtype)
+
 
 class PagedKVCache(NamedTuple):
   """Keys and values in a pool of pages, a page table per row; a pytree of fixed shape.
@@ -172,6 +177,11 @@ class PagedKVCache(NamedTuple):
   def max_length(self) -> int:
     """How many tokens each row can hold: max_pages_per_seq · page_size."""
     return self.page_table.shape[1] * self.key_pages.shape[1]
+
+  @property
+  def dtype(self) -> np.dtype:
+    """The storage dtype of keys and values, as in :class:`KVCache`."""
+    return np.dtype(self.key_pages.dtype)
 
 
 Cache = KVCache | PagedKVCache
@@ -483,10 +493,6 @@ def _dims(cache: Cache) -> tuple[int, int, int, int, int]:
   return B, S, K, H, (cache.value if isinstance(cache, KVCache) else cache.value_pages).shape[3]
 
 
-def _storage(cache: Cache) -> np.dtype:
-  return np.dtype((cache.key if isinstance(cache, KVCache) else cache.key_pages).dtype)
-
-
 def _write(cache: Cache, key, value, num_new) -> Cache:
   """The scatter behind :func:`update`; arguments already checked."""
   B, t = key.shape[:2]
@@ -504,10 +510,10 @@ def _write(cache: Cache, key, value, num_new) -> Cache:
   kept = pos < new_lengths[:, None]  # the first n[b] tokens, as far as the row has room
   stored: tuple[Any, Any] = (key, value)
   scales: tuple[Any, Any] = (None, None)
-  if _quant.is_quantized(_storage(cache)):
+  if _quant.is_quantized(cache.dtype):
     # Gradients do not flow into a quantized cache (see the module docstring).
     (k_q, k_s), (v_q, v_s) = (
-      _quant.quantize(jax.lax.stop_gradient(x), _storage(cache)) for x in stored
+      _quant.quantize(jax.lax.stop_gradient(x), cache.dtype) for x in stored
     )
     stored, scales = (k_q, v_q), (k_s, v_s)
 
@@ -683,7 +689,7 @@ def _check_new(
 
 
 def _check_dtype(cache: Cache, name: str, x) -> None:
-  storage = _storage(cache)
+  storage = cache.dtype
   if _quant.is_quantized(storage):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"{name} must have a floating dtype (the cache quantizes it), got {x.dtype}")

@@ -207,7 +207,7 @@ class MultiHeadAttention(nn.Module):
     if cache is not None and not _flax.cache_accepts(cache, key.dtype):
       name = lambda d: None if d is None else jnp.dtype(d).name
       raise TypeError(
-        f"the KV cache holds {_flax.storage_dtype(cache)} keys and values, but this module "
+        f"the KV cache holds {cache.dtype} keys and values, but this module "
         f"computes them in {key.dtype} (dtype={name(self.dtype)}, "
         f"param_dtype={name(self.param_dtype)}, inputs {inputs_q.dtype}); set "
         f"cache_dtype={key.dtype} (or None: the keys' dtype at the init pass)"

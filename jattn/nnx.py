@@ -350,7 +350,7 @@ class MultiHeadAttention(nnx.Module):
     if cache is not None and not _flax.cache_accepts(cache, key.dtype):
       name = lambda d: None if d is None else jnp.dtype(d).name
       raise TypeError(
-        f"the KV cache holds {_flax.storage_dtype(cache)} keys and values (init_cache's "
+        f"the KV cache holds {cache.dtype} keys and values (init_cache's "
         "dtype), but this "
         f"module computes them in {key.dtype} (module dtype={name(self.query.dtype)}, "
         f"param_dtype={name(self.query.param_dtype)}, inputs {inputs_q.dtype}); call "
