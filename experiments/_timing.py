@@ -34,24 +34,28 @@ def block_ms(fn: Callable, args, calls: int) -> float:
   return statistics.median(times) * 1e3
 
 
-def calls_for(fn: Callable, args, min_seconds: float, most: int = 200) -> int:
-  """How many calls make a block last about ``min_seconds`` (at least 3, at most ``most``),
-  from one warm-up call (which also compiles) and one timed call."""
+def calls_for(fn: Callable, args, min_seconds: float, most: int = 200, least: int = 3) -> int:
+  """How many calls make a block last about ``min_seconds`` (at least ``least``, at most
+  ``most``), from one warm-up call (which also compiles) and one timed call."""
   jax.block_until_ready(fn(*args))
   start = time.perf_counter()
   jax.block_until_ready(fn(*args))
   once = time.perf_counter() - start
-  return max(3, min(most, int(min_seconds / max(once, 1e-6))))
+  return max(least, min(most, int(min_seconds / max(once, 1e-6))))
 
 
 def rounds_ms(
-  fns: Mapping[str, tuple[Callable, tuple]], rounds: int, min_seconds: float = 0.1
+  fns: Mapping[str, tuple[Callable, tuple]],
+  rounds: int,
+  min_seconds: float = 0.1,
+  min_calls: int = 3,
 ) -> dict[str, np.ndarray]:
   """Per method ``name -> (fn, args)``, its block median (ms per call) in each of ``rounds``
-  rounds. In round r the methods take their turns starting from the (r mod n)-th, so each
-  follows every other equally often."""
+  rounds; a block has at least ``min_calls`` calls (1 suits calls of seconds, whose noise is
+  small against their length). In round r the methods take their turns starting from the
+  (r mod n)-th, so each follows every other equally often."""
   names = list(fns)
-  calls = {name: calls_for(*fns[name], min_seconds) for name in names}
+  calls = {name: calls_for(*fns[name], min_seconds, least=min_calls) for name in names}
   times: dict[str, list[float]] = {name: [] for name in names}
   for r in range(rounds):
     for name in names[r % len(names) :] + names[: r % len(names)]:

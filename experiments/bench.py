@@ -4,8 +4,8 @@ For every head dimension, sequence length T (= S) and causal setting of the
 grid, and every dtype (float32, bfloat16), times the jitted forward pass and
 forward+backward (gradients of q, k, v) of each method on the same inputs, in
 one run. After a warm-up
-call, the methods of one (T, causal, pass) take turns for ``reps`` rounds,
-together with a float32 matmul, so that the machine's drift during the run
+call, the methods of one (T, pass), full and causal, take turns for ``reps``
+rounds, together with a float32 matmul, so that the machine's drift during the run
 hits all of them alike; each turn is an untimed call and then a block of
 back-to-back calls lasting about 0.1 s (3 to 200), whose median counts, and
 the order of turns rotates from round to round (experiments/_timing.py).
@@ -95,6 +95,9 @@ class Config(Section):
     factory=lambda: ["jax.nn", "xla", "blockwise", "auto"], choices=METHODS
   )
   reps: int = field(5, minimum=1, doc="interleaved rounds; each method's block median per round")
+  min_calls: int = field(
+    3, minimum=1, doc="fewest timed calls in a block (1 suits calls of seconds, T = 16384)"
+  )
   max_materialised_bytes: int = field(
     2**30, minimum=0, doc="skip jax.nn and xla where their float32 scores exceed this"
   )
@@ -215,42 +218,48 @@ def time_grid(cfg: Config) -> tuple[list[dict], float | None]:
     for H in cfg.head_dims:
       for T in cfg.lengths:
         q, k, v = inputs(cfg, T, H, dtype)
-        for causal in cfg.causal:
-          group: list[dict[str, Any]] = [
-            dict(dtype=dtype, H=H, T=T, causal=causal, method=m) for m in cfg.methods
-          ]
-          for mode in ("fwd", "fwd_bwd"):
-            fns: dict[str, tuple[Callable, tuple]] = {"matmul": matmul}
-            for m in cfg.methods:
-              if m == "torch":
-                if have_torch:
-                  fns[m] = torch_fn(causal, mode, q, k, v)
-              elif not materialises_too_much(cfg, m, T):
-                fns[m] = (compiled(m, causal, mode), (q, k, v))
-            times = _timing.rounds_ms(fns, cfg.reps)
-            matmul_ms.extend(times["matmul"])
-            ref, torch_ms = times.get("jax.nn"), times.get("torch")
-            for row in group:
-              ms = times.get(row["method"])
-              if ms is None:
-                row.update({f"{mode}_ms": None, f"{mode}_speedup": None})
-                if row["method"] == "torch" and not have_torch:
-                  row["note"] = "torch not installed (pip install -e '.[bench]')"
-                continue
-              work, median = flops(cfg, T, H, causal, mode), float(np.median(ms))
-              row.update(
-                {
-                  f"{mode}_ms": median,
-                  f"{mode}_gflops": work / median / 1e6,
-                  f"{mode}_pct_matmul": 100.0
-                  * float(np.median((work / ms) / (matmul_flops / times["matmul"]))),
-                  f"{mode}_speedup": None if ref is None else _timing.median_ratio(ref, ms),
-                  f"{mode}_vs_torch": None
-                  if torch_ms is None
-                  else _timing.median_ratio(torch_ms, ms),
-                }
-              )
-          rows.extend(group)
+        # Full and causal calls share their rounds, so that the causal call's time over the
+        # full one's (the causal target) is a ratio within each round as well.
+        group: dict[tuple[bool, str], dict[str, Any]] = {
+          (c, m): dict(dtype=dtype, H=H, T=T, causal=c, method=m)
+          for c in cfg.causal
+          for m in cfg.methods
+        }
+        for mode in ("fwd", "fwd_bwd"):
+          fns: dict[str, tuple[Callable, tuple]] = {"matmul": matmul}
+          for causal, m in group:
+            if m == "torch":
+              if have_torch:
+                fns[f"{m} {causal}"] = torch_fn(causal, mode, q, k, v)
+            elif not materialises_too_much(cfg, m, T):
+              fns[f"{m} {causal}"] = (compiled(m, causal, mode), (q, k, v))
+          times = _timing.rounds_ms(fns, cfg.reps, min_calls=cfg.min_calls)
+          matmul_ms.extend(times["matmul"])
+          for (causal, m), row in group.items():
+            ms = times.get(f"{m} {causal}")
+            if ms is None:
+              row.update({f"{mode}_ms": None, f"{mode}_speedup": None})
+              if m == "torch" and not have_torch:
+                row["note"] = "torch not installed (pip install -e '.[bench]')"
+              continue
+            ref, torch_ms = times.get(f"jax.nn {causal}"), times.get(f"torch {causal}")
+            full_ms = times.get(f"{m} False") if causal else None
+            work, median = flops(cfg, T, H, causal, mode), float(np.median(ms))
+            row.update(
+              {
+                f"{mode}_ms": median,
+                f"{mode}_gflops": work / median / 1e6,
+                f"{mode}_pct_matmul": 100.0
+                * float(np.median((work / ms) / (matmul_flops / times["matmul"]))),
+                f"{mode}_speedup": None if ref is None else _timing.median_ratio(ref, ms),
+                f"{mode}_vs_torch": None
+                if torch_ms is None
+                else _timing.median_ratio(torch_ms, ms),
+                # causal time / full time, per round; the causal target is 2x this ≤ 1.15
+                f"{mode}_vs_full": None if full_ms is None else _timing.median_ratio(ms, full_ms),
+              }
+            )
+        rows.extend(group.values())
   if not matmul_ms:  # no lengths to time: only the memory cases
     return rows, None
   return rows, matmul_flops / float(np.median(matmul_ms)) / 1e6
