@@ -14,7 +14,9 @@ What each folder of docs/ holds; ``COMMANDS`` below names the command whose run 
 
     docs/bench/             bench-<time>.json: the newest run with timings, the newest with memory;
                             bench_decode-<time>.json: the newest decoding run;
-                            bench_torch-<time>.json: the newest run against PyTorch's SDPA
+                            bench_torch-<time>.json: the newest run against PyTorch's SDPA;
+                            bench_torch_long-<time>.json: its T = 16,384 cells;
+                            bench_tiles-<time>.json: the newest tile-size sweep
     docs/accuracy/          accuracy_<backend>.json (from experiments.accuracy --json)
     docs/scaling/           scaling.json and scaling.png
     docs/parallel/          parallel.json
@@ -40,6 +42,8 @@ COMMANDS = {
   "bench_memory": "python -m experiments.bench --lengths --memory-lengths 4096 16384",
   "decode": "python -m experiments.bench_decode --config configs/bench_decode.yaml",
   "vs_torch": "python -m experiments.bench --config configs/bench_torch.yaml",
+  "vs_torch_long": "python -m experiments.bench --config configs/bench_torch_long.yaml",
+  "tiles": "python -m experiments.bench_tiles --lengths 1024 4096",
   "accuracy": "python -m experiments.accuracy --json runs/accuracy_cpu.json",
   "scaling": "python -m experiments.bench_scaling --config configs/bench_scaling.yaml",
   "parallel": "python -m experiments.bench_parallel --config configs/bench_parallel.yaml",
@@ -143,19 +147,31 @@ TORCH_TARGET, SMALL_T_LIMIT, CAUSAL_LIMIT = 1.2, 1.1, 1.15
 
 
 def vs_torch(docs: pathlib.Path) -> str:
-  """jattn (implementation=None) against torch SDPA cell by cell, and the three targets."""
+  """jattn (implementation=None) against torch SDPA cell by cell, and the three targets: from
+  the newest ``bench_torch`` run, with the T = 16,384 cells of the newest ``bench_torch_long``
+  run (seconds a call, so fewer rounds) where there is one."""
   paths = _full_runs((docs / "bench").glob("bench_torch-*.json"))
   if not paths:
     return _absent("a `bench_torch-*.json` in `docs/bench/`", "vs_torch")
-  path, r = paths[-1], _load(paths[-1])
-  c = r["config"]
-  rows = {(t["dtype"], t["H"], t["T"], t["causal"], t["method"]): t for t in r["timings"]}
-  out = [
-    f"From {_source(path, docs)} (`{r.get('command', COMMANDS['vs_torch'])}`): {r['device']}, "
-    f"jax {r['jax']}, B={c['batch']}, N={c['heads']}, K={c['kv_heads']}, medians of "
-    f"{c['reps']} interleaved rounds. × torch = torch's time / jattn's (median of per-round "
-    f"ratios; > 1: jattn faster); the target is ≥ {TORCH_TARGET} in every cell.\n"
-  ]
+  runs = [(paths[-1], "vs_torch")]
+  if longs := _full_runs((docs / "bench").glob("bench_torch_long-*.json")):
+    runs.append((longs[-1], "vs_torch_long"))
+  rows: dict[tuple, dict] = {}
+  out = []
+  for path, kind in runs:
+    r = _load(path)
+    c = r["config"]
+    rows |= {(t["dtype"], t["H"], t["T"], t["causal"], t["method"]): t for t in r["timings"]}
+    out.append(
+      f"From {_source(path, docs)} (`{r.get('command', COMMANDS[kind])}`): {r['device']}, "
+      f"jax {r['jax']}, B={c['batch']}, N={c['heads']}, K={c['kv_heads']}, "
+      f"T = {', '.join(f'{T:,}' for T in c['lengths'])}, medians of {c['reps']} interleaved "
+      f"rounds of blocks of at least {c.get('min_calls', 3)} calls.\n"
+    )
+  out.append(
+    f"× torch = torch's time / jattn's (median of per-round ratios; > 1: jattn faster); the "
+    f"target is ≥ {TORCH_TARGET} in every cell.\n"
+  )
   cells, misses = [], 0
   for (dtype, H, T, causal, method), a in rows.items():
     if method != "auto" or T < 1024 or (dtype, H, T, causal, "torch") not in rows:
@@ -189,7 +205,8 @@ def vs_torch(docs: pathlib.Path) -> str:
   for (dtype, H, T, causal, method), a in rows.items():
     full = rows.get((dtype, H, T, False, "auto"))
     if method == "auto" and causal and T >= 4096 and full and a.get("fwd_ms") and full["fwd_ms"]:
-      ratio = a["fwd_ms"] / (full["fwd_ms"] / 2)
+      # Runs that time full and causal in the same rounds record the per-round ratio.
+      ratio = 2 * a["fwd_vs_full"] if a.get("fwd_vs_full") else a["fwd_ms"] / (full["fwd_ms"] / 2)
       halves.append(
         [dtype, str(H), str(T), f"{ratio:.2f}", "yes" if ratio <= CAUSAL_LIMIT else "**no**"]
       )
@@ -213,6 +230,44 @@ def vs_torch(docs: pathlib.Path) -> str:
       ),
     ]
   return "\n".join(out)
+
+
+def tiles(docs: pathlib.Path) -> str:
+  """The tile-size sweep: every (block_q, block_kv) per (T, mask, pass), against the default."""
+  paths = _full_runs((docs / "bench").glob("bench_tiles-*.json"))
+  if not paths:
+    return _absent("a `bench_tiles-*.json` in `docs/bench/`", "tiles")
+  path, r = paths[-1], _load(paths[-1])
+  a = r["args"]
+  cells: dict[tuple, list[dict]] = {}
+  for row in r["rows"]:
+    cells.setdefault((row["T"], row["causal"], row["mode"]), []).append(row)
+  sizes = list(dict.fromkeys((row["block_q"], row["block_kv"]) for row in r["rows"]))
+  header = ["T", "causal", "pass", "default ms"] + [f"{q}×{k}" for q, k in sizes]
+  table = []
+  for (T, causal, mode), group in cells.items():
+    by = {(row["block_q"], row["block_kv"]): row for row in group}
+    best = max(group, key=lambda row: row["vs_default"])
+    default = next(row for row in group if row["default"])
+    table.append(
+      [f"{T:,}", "yes" if causal else "no", mode.replace("_", "+"), f"{default['ms']:.1f}"]
+      + [
+        "—"
+        if (row := by.get(size)) is None
+        else (f"**{row['vs_default']:.2f}**" if row is best else f"{row['vs_default']:.2f}")
+        for size in sizes
+      ]
+    )
+  return "\n".join(
+    [
+      f"From {_source(path, docs)} (`{r['meta']['command']}`): B={a['batch']}, "
+      f"N={a['heads']}, H={a['head_dim']}, {a['dtype']}, medians of {a['reps']} interleaved "
+      "rounds. Each cell is the default tiles' time over that pair's (median of per-round "
+      "ratios; > 1: faster than the default), the best of each row in bold; tiles larger "
+      "than T are clipped to T, so some pairs repeat at short lengths.\n",
+      _table(header, table),
+    ]
+  )
 
 
 def decode(docs: pathlib.Path) -> str:
@@ -495,6 +550,7 @@ TABLES: dict[str, Callable[[pathlib.Path], str]] = {
   "bench_memory": bench_memory,
   "decode": decode,
   "vs_torch": vs_torch,
+  "tiles": tiles,
   "scaling": scaling,
   "sparse": sparse,
   "parallel": parallel,
@@ -541,7 +597,7 @@ def collect(runs: pathlib.Path, docs: pathlib.Path = DOCS) -> list[pathlib.Path]
     with_part = [p for p in bench if _load(p)[part]]
     if with_part:
       copy(with_part[-1], "bench")
-  for prefix in ("bench_decode", "bench_torch"):
+  for prefix in ("bench_decode", "bench_torch", "bench_torch_long", "bench_tiles"):
     if (run := newest(f"{prefix}-*.json")) is not None:
       copy(run, "bench")
   for p in _full_runs(runs.glob("accuracy*.json")):

@@ -339,8 +339,70 @@ def test_bench_ceiling_quick(monkeypatch):
   assert rows[0]["speedup"] == 1.0 and rows[-1]["speedup"] is None
   assert all(r["ms"] > 0 and r["gflops"] > 0 and r["pct_matmul"] > 0 for r in rows)
   assert "| matmuls only |" in out.getvalue()
+  with contextlib.redirect_stdout(out):
+    rows = _load("bench_ceiling").main(["--quick", "--pass", "fwd_bwd"])
+  assert [r["method"] for r in rows] == [
+    "jax.nn",
+    "blockwise",
+    "matmuls only",
+    "matmuls, 7",
+    "matmuls, q outside",
+    "matmul",
+  ]
+  assert all(r["ms"] > 0 and r["gflops"] > 0 for r in rows)
+  assert "forward+backward, non-causal" in out.getvalue()
   with pytest.raises(SystemExit, match="positive"):
     _load("bench_ceiling").main(["--length", "0"])
+
+
+def test_bench_tiles_quick():
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    rows = _load("bench_tiles").main(["--quick"])
+  # One length x (full, causal) x (fwd, fwd+bwd) x three tile pairs, the default among them.
+  assert len(rows) == 2 * 2 * 3
+  assert {(r["block_q"], r["block_kv"]) for r in rows} == {(16, 16), (16, 32), (32, 16)}
+  assert all(r["vs_default"] == 1.0 for r in rows if r["default"])
+  assert all(r["ms"] > 0 and r["vs_default"] > 0 for r in rows)
+  assert "| 48 | True | fwd_bwd | 16x16 (default) |" in out.getvalue()
+  assert _load("bench_tiles").parse_tiles("1024X256") == (1024, 256)
+  for bad in ("512", "0x64", "ax4"):
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
+      _load("bench_tiles").main(["--tiles", bad])
+    assert "--tiles" in err.getvalue()
+
+
+def test_vs_torch_table_adds_the_long_run_and_the_per_round_causal_ratio(tmp_path):
+  """docs_tables.vs_torch reads the newest bench_torch run and the newest bench_torch_long
+  run's T = 16,384 cells; the causal target reads each run's per-round causal/full ratio."""
+  from experiments import docs_tables
+
+  def record(T, reps, vs_full):
+    timings = []
+    for causal in (False, True):
+      for method, ms in (("auto", 10.0), ("torch", 5.0)):
+        timings.append(
+          dict(dtype="float32", H=64, T=T, causal=causal, method=method)
+          | dict(fwd_ms=ms / (1 + causal), fwd_bwd_ms=3 * ms, fwd_vs_torch=0.5)
+          | dict(fwd_bwd_vs_torch=0.5 if T < 16384 else 1.25)
+          | dict(fwd_vs_full=vs_full if causal else None)
+        )
+    config = dict(batch=1, heads=8, kv_heads=8, lengths=[T], reps=reps, min_calls=1)
+    return dict(command="cmd", config=config, device="cpu:0", jax="0", timings=timings, memory=[])
+
+  bench = tmp_path / "bench"
+  bench.mkdir()
+  (bench / "bench_torch-20260101-000000.json").write_text(json.dumps(record(4096, 3, 0.55)))
+  text = docs_tables.vs_torch(tmp_path)
+  assert "16,384" not in text and "| float32 | 64 | 4096 | 1.10 | yes |" in text
+  (bench / "bench_torch_long-20260101-000000.json").write_text(json.dumps(record(16384, 2, 0.6)))
+  text = docs_tables.vs_torch(tmp_path)
+  assert "bench_torch_long-20260101-000000.json" in text and "medians of 2 interleaved" in text
+  assert "| float32 | 64 | 16384 | yes | 5.00 | 2.50 | 0.50 | 30.00 | 15.00 | 1.25 | **no** |" in (
+    text
+  )
+  assert "| float32 | 64 | 16384 | 1.20 | **no** |" in text
+  assert "4 of 4 cells miss the target." in text
 
 
 def test_bench_delta_quick():
