@@ -6,6 +6,10 @@ experiments._timing.rounds_ms), the non-causal forward pass, or with
 
     jax.nn        jax.nn.dot_product_attention
     blockwise     jattn, implementation="blockwise"
+    blockwise, masked
+                  the same with a mask that keeps every position but, made with
+                  masks.from_fn, leaves every tile PARTIAL: the cost of a masked tile's
+                  mask arithmetic (a causal mask's diagonal tiles pay it)
     matmuls only  the same tile loops with the softmax taken out, at the same tile
                   sizes and layouts as the blockwise kernel. Forward: for every query
                   tile and key/value tile, s = q kᵀ then acc += s v. Forward+backward:
@@ -47,6 +51,8 @@ import numpy as np
 import jattn
 from experiments import _timing, bench
 from jattn.impl import _tiling, blockwise
+
+KEEP_ALL = jattn.masks.from_fn(lambda b, h, q, kv: kv >= 0)
 
 
 def tile_matmuls(block: int):
@@ -182,6 +188,11 @@ def main(argv=None) -> list[dict]:
     "jax.nn": jax.nn.dot_product_attention,
     "blockwise": lambda q, k, v: jattn.dot_product_attention(
       q, k, v, implementation="blockwise", block_q=block, block_kv=block
+    ),
+    # Every position kept, but a from_fn mask's tiles are all PARTIAL: the same work plus
+    # the mask arithmetic of a masked tile (what a causal mask's diagonal tiles pay).
+    "blockwise, masked": lambda q, k, v: jattn.dot_product_attention(
+      q, k, v, mask=KEEP_ALL, implementation="blockwise", block_q=block, block_kv=block
     ),
   }
   fns: dict[str, tuple[Callable, tuple]]

@@ -335,7 +335,13 @@ def test_bench_ceiling_quick(monkeypatch):
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
     rows = _load("bench_ceiling").main(["--quick"])
-  assert [r["method"] for r in rows] == ["jax.nn", "blockwise", "matmuls only", "matmul"]
+  assert [r["method"] for r in rows] == [
+    "jax.nn",
+    "blockwise",
+    "blockwise, masked",
+    "matmuls only",
+    "matmul",
+  ]
   assert rows[0]["speedup"] == 1.0 and rows[-1]["speedup"] is None
   assert all(r["ms"] > 0 and r["gflops"] > 0 and r["pct_matmul"] > 0 for r in rows)
   assert "| matmuls only |" in out.getvalue()
@@ -344,6 +350,7 @@ def test_bench_ceiling_quick(monkeypatch):
   assert [r["method"] for r in rows] == [
     "jax.nn",
     "blockwise",
+    "blockwise, masked",
     "matmuls only",
     "matmuls, 7",
     "matmuls, q outside",
