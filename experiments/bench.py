@@ -138,14 +138,19 @@ def attention_fn(method: str, causal: bool):
   return lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
 
 
-@functools.cache
-def compiled(method: str, causal: bool, mode: str):
-  """The jitted forward, or gradients of q, k, v (of the output's float32 sum); one per
-  process, so a call for shapes it has already compiled (bench_gpu.py's, say) reuses them."""
-  attn = attention_fn(method, causal)
+def jitted(attn: Callable, mode: str):
+  """``attn(q, k, v)`` jitted: its forward (``mode="fwd"``), or (``"fwd_bwd"``) the gradients
+  of q, k, v of its output's float32 sum, as every CPU benchmark here times them."""
   if mode == "fwd":
     return jax.jit(attn)
   return jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32)), (0, 1, 2)))
+
+
+@functools.cache
+def compiled(method: str, causal: bool, mode: str):
+  """:func:`jitted` for one method; one per process, so a call for shapes it has already
+  compiled (bench_gpu.py's, say) reuses them."""
+  return jitted(attention_fn(method, causal), mode)
 
 
 def torch_or_none():

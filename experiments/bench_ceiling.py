@@ -195,13 +195,12 @@ def main(argv=None) -> list[dict]:
       q, k, v, mask=KEEP_ALL, implementation="blockwise", block_q=block, block_kv=block
     ),
   }
-  fns: dict[str, tuple[Callable, tuple]]
+  fns: dict[str, tuple[Callable, tuple]] = {
+    name: (bench.jitted(f, args.mode), (q, k, v)) for name, f in attend.items()
+  }
   if args.mode == "fwd":
-    fns = {name: (jax.jit(f), (q, k, v)) for name, f in attend.items()}
     fns["matmuls only"] = (jax.jit(tile_matmuls(block)), (q, k, v))
   else:  # gradients of q, k, v of the output's sum, as experiments/bench.py times them
-    grad = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), (0, 1, 2)))
-    fns = {name: (grad(f), (q, k, v)) for name, f in attend.items()}
     ones = jnp.ones_like(q)
     fns["matmuls only"] = (jax.jit(tile_matmuls_grad(block)), (q, k, v, ones))
     fns["matmuls, 7"] = (jax.jit(tile_matmuls_grad(block, delta_pass=False)), (q, k, v, ones))

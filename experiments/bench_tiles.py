@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
-from experiments import _timing
+from experiments import _timing, bench
 from jattn.impl import blockwise
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -57,9 +57,7 @@ def attention_fn(causal: bool, mode: str, block_q: int, block_kv: int):
       q, k, v, is_causal=causal, implementation="blockwise", block_q=block_q, block_kv=block_kv
     )
 
-  if mode == "fwd":
-    return jax.jit(attn)
-  return jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32)), (0, 1, 2)))
+  return bench.jitted(attn, mode)
 
 
 def main(argv=None) -> list[dict]:
@@ -101,21 +99,23 @@ def main(argv=None) -> list[dict]:
       for mode in args.modes:
         fns = {name(t): (attention_fn(causal, mode, *t), (q, k, v)) for t in distinct}
         times = _timing.rounds_ms(fns, args.reps)
-        for t in distinct:
-          rows.append(
-            dict(
-              dtype=args.dtype,
-              H=args.head_dim,
-              T=T,
-              causal=causal,
-              mode=mode,
-              block_q=t[0],
-              block_kv=t[1],
-              default=t == base,
-              ms=float(np.median(times[name(t)])),
-              vs_default=_timing.median_ratio(times[name(base)], times[name(t)]),
-            )
+        cell = [
+          dict(
+            dtype=args.dtype,
+            H=args.head_dim,
+            T=T,
+            causal=causal,
+            mode=mode,
+            block_q=t[0],
+            block_kv=t[1],
+            default=t == base,
+            ms=float(np.median(times[name(t)])),
+            vs_default=_timing.median_ratio(times[name(base)], times[name(t)]),
           )
+          for t in distinct
+        ]
+        fastest = max(cell, key=lambda r: r["vs_default"])
+        rows += [dict(r, best=r is fastest) for r in cell]
 
   print(
     f"blockwise, B={args.batch} N={args.heads} H={args.head_dim} {args.dtype}, "
@@ -125,12 +125,10 @@ def main(argv=None) -> list[dict]:
   print("| T | causal | pass | tiles | ms | × default | best |")
   print("|---|---|---|---|---|---|---|")
   for r in rows:
-    cell = [x for x in rows if (x["T"], x["causal"], x["mode"]) == (r["T"], r["causal"], r["mode"])]
-    best = max(cell, key=lambda x: x["vs_default"]) is r
     print(
       f"| {r['T']} | {r['causal']} | {r['mode']} | {r['block_q']}x{r['block_kv']}"
       f"{' (default)' if r['default'] else ''} | {r['ms']:.1f} | {r['vs_default']:.2f} | "
-      f"{'**best**' if best else ''} |"
+      f"{'**best**' if r['best'] else ''} |"
     )
   if not args.quick:
     out = ROOT / args.out_dir
