@@ -61,6 +61,12 @@ def _full_runs(paths) -> list[pathlib.Path]:
   return sorted(p for p in paths if "-quick" not in str(p))
 
 
+def _newest(folder: pathlib.Path, pattern: str) -> pathlib.Path | None:
+  """The newest full run record in ``folder`` whose name matches ``pattern``, or None."""
+  found = _full_runs(folder.glob(pattern))
+  return found[-1] if found else None
+
+
 def _load(path: pathlib.Path):
   return json.loads(path.read_text())
 
@@ -150,12 +156,12 @@ def vs_torch(docs: pathlib.Path) -> str:
   """jattn (implementation=None) against torch SDPA cell by cell, and the three targets: from
   the newest ``bench_torch`` run, with the T = 16,384 cells of the newest ``bench_torch_long``
   run (seconds a call, so fewer rounds) where there is one."""
-  paths = _full_runs((docs / "bench").glob("bench_torch-*.json"))
-  if not paths:
+  newest = _newest(docs / "bench", "bench_torch-*.json")
+  if newest is None:
     return _absent("a `bench_torch-*.json` in `docs/bench/`", "vs_torch")
-  runs = [(paths[-1], "vs_torch")]
-  if longs := _full_runs((docs / "bench").glob("bench_torch_long-*.json")):
-    runs.append((longs[-1], "vs_torch_long"))
+  runs = [(newest, "vs_torch")]
+  if (long := _newest(docs / "bench", "bench_torch_long-*.json")) is not None:
+    runs.append((long, "vs_torch_long"))
   rows: dict[tuple, dict] = {}
   out = []
   for path, kind in runs:
@@ -234,10 +240,10 @@ def vs_torch(docs: pathlib.Path) -> str:
 
 def tiles(docs: pathlib.Path) -> str:
   """The tile-size sweep: every (block_q, block_kv) per (T, mask, pass), against the default."""
-  paths = _full_runs((docs / "bench").glob("bench_tiles-*.json"))
-  if not paths:
+  path = _newest(docs / "bench", "bench_tiles-*.json")
+  if path is None:
     return _absent("a `bench_tiles-*.json` in `docs/bench/`", "tiles")
-  path, r = paths[-1], _load(paths[-1])
+  r = _load(path)
   a = r["args"]
   cells: dict[tuple, list[dict]] = {}
   for row in r["rows"]:
@@ -273,10 +279,10 @@ def tiles(docs: pathlib.Path) -> str:
 def decode(docs: pathlib.Path) -> str:
   from experiments import bench_decode  # its cells, shared with the printed tables
 
-  paths = _full_runs((docs / "bench").glob("bench_decode-*.json"))
-  if not paths:
+  path = _newest(docs / "bench", "bench_decode-*.json")
+  if path is None:
     return _absent("a `bench_decode-*.json` in `docs/bench/`", "decode")
-  path, r = paths[-1], _load(paths[-1])
+  r = _load(path)
   c = r["config"]
   out = [
     f"From {_source(path, docs)} (`{r['command']}`): {r['device']} ({r['machine']}), jax "
@@ -588,27 +594,23 @@ def collect(runs: pathlib.Path, docs: pathlib.Path = DOCS) -> list[pathlib.Path]
     if dest not in copied:
       copied.append(dest)
 
-  def newest(pattern: str) -> pathlib.Path | None:
-    found = _full_runs(runs.glob(pattern))
-    return found[-1] if found else None
-
   bench = _full_runs(runs.glob("bench-*.json"))
   for part in ("timings", "memory"):  # the newest run of each table: they may differ
     with_part = [p for p in bench if _load(p)[part]]
     if with_part:
       copy(with_part[-1], "bench")
   for prefix in ("bench_decode", "bench_torch", "bench_torch_long", "bench_tiles"):
-    if (run := newest(f"{prefix}-*.json")) is not None:
+    if (run := _newest(runs, f"{prefix}-*.json")) is not None:
       copy(run, "bench")
   for p in _full_runs(runs.glob("accuracy*.json")):
     copy(p, "accuracy")
   for p in _full_runs(runs.glob("bench_gpu*.json")):
     copy(p, "gpu")
-  if (scaling_run := newest("scaling-*/scaling.json")) is not None:
+  if (scaling_run := _newest(runs, "scaling-*/scaling.json")) is not None:
     copy(scaling_run, "scaling")
     if (scaling_run.parent / "scaling.png").exists():
       copy(scaling_run.parent / "scaling.png", "scaling")
-  if (parallel_run := newest("parallel-*/parallel.json")) is not None:
+  if (parallel_run := _newest(runs, "parallel-*/parallel.json")) is not None:
     copy(parallel_run, "parallel")
   demo_run = runs / "compare_backward"
   if (demo_run / "summary.json").exists():
