@@ -72,6 +72,7 @@ def x64():
 _SLOWEST_FIRST = (
   "test_masks.py",
   "test_blockwise.py",
+  "test_distributed.py",
   "test_experiments.py",
   "test_train.py",
   "test_docs.py",
