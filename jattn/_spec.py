@@ -40,7 +40,7 @@ from jattn.impl import splash as _splash
 
 @functools.partial(
   jax.tree_util.register_dataclass,
-  data_fields=["bias", "mask", "score_fn", "dropout_rng", "sinks"],
+  data_fields=["bias", "mask", "score_fn", "dropout_rng", "sinks", "routes"],
   meta_fields=[
     "B",
     "T",
@@ -61,6 +61,7 @@ from jattn.impl import splash as _splash
     "interpret",
     "static_mask",
     "compute_dtype",
+    "route_platforms",
   ],
 )
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +97,10 @@ class CallSpec:
   sinks: Any = None  # None, or per-head sink logits (N,), a floating array
   static_mask: Any = None  # splash: the conjuncts it tabulates, static (mask keeps the rest)
   compute_dtype: Any = None  # xla and blockwise compute in it (_common.compute_dtype)
+  # Where the program is lowered for one of these platforms, the spec beside it runs there
+  # instead (implementation=None's fused kernels: splash for "tpu", cuDNN for "cuda").
+  route_platforms: tuple[str, ...] = ()
+  routes: tuple[Any, ...] = ()  # CallSpecs, one per route platform
 
   @property
   def bnts(self) -> tuple[int, int, int, int]:
@@ -183,31 +188,52 @@ def build(
     interpret=testing.interpreting(),
     sinks=sinks,
   )
+  target = backend or testing.target_backend()
   call = _select.Call(
     spec=spec,
     dtype=np.dtype(q.dtype),
-    backend=backend or testing.target_backend() or _select.default_backend(),
+    backend=target or _select.default_backend(),
     backward_named=backward is not None,
     blocks_named=blocks != (None, None),
   )
   choice = _select.choose(call, impl, bwd, interpret=spec.interpret, detail=explain)
+  # implementation=None follows the platform the program is lowered for (unless a backend is
+  # named): the fused kernels in their platforms' branches, the portable choice elsewhere.
+  routes = {}
+  if impl is None and target is None:
+    routes = _select.routes(call, bwd, traceable_gpu=call.backend == "gpu")
   if explain:
-    return choice
+    here = _select.PLATFORMS[call.backend]
+    elsewhere = {p: c.implementation for p, c in routes.items() if p not in here}
+    return dataclasses.replace(choice, elsewhere=elsewhere)
+  if routes:
+    choice = _select.choose(call, impl, bwd, fused=False)
+  spec = _for_choice(spec, choice, blocks, q.dtype, call.backend)
+  if routes:
+    specs = tuple(_for_choice(spec, c, blocks, q.dtype, c.backend) for c in routes.values())
+    spec = dataclasses.replace(spec, route_platforms=tuple(routes), routes=specs)
+  return q, k, (None if value is None else v), spec
+
+
+def _for_choice(
+  spec: CallSpec, choice: _select.Choice, blocks: tuple[int | None, int | None], dtype, backend: str
+) -> CallSpec:
+  """``spec`` completed for ``choice`` on ``backend``: tiles, splash's mask split, the
+  compute dtype."""
   if choice.implementation == "splash":
-    block_q, block_kv = _splash.resolve_blocks(*blocks, T, S)
+    block_q, block_kv = _splash.resolve_blocks(blocks[0], blocks[1], spec.T, spec.S)
     static_mask, rest = _splash.split(spec.mask)
     spec = dataclasses.replace(spec, mask=rest, static_mask=static_mask)
   else:
-    block_q, block_kv = _blockwise.resolve_blocks(*blocks)
-  spec = dataclasses.replace(
+    block_q, block_kv = _blockwise.resolve_blocks(blocks[0], blocks[1], backend)
+  return dataclasses.replace(
     spec,
     implementation=choice.implementation,
     backward=choice.backward,
     block_q=block_q,
     block_kv=block_kv,
-    compute_dtype=_common.compute_dtype(q.dtype, call.backend),
+    compute_dtype=_common.compute_dtype(dtype, backend),
   )
-  return q, k, (None if value is None else v), spec
 
 
 def combined_mask(mask, is_causal, window, lengths, segment_ids, unbatched, bnts):

@@ -30,7 +30,7 @@ from typing import Any
 import chex
 import jax
 
-from jattn import _spec, masks
+from jattn import _compat, _spec, masks
 from jattn.impl import _common, blockwise, cudnn, splash, xla
 from jattn.impl._select import (  # noqa: F401  # public names of the table
   AUTO_BLOCKWISE_BYTES,
@@ -292,10 +292,40 @@ def _weights(query, key, spec: _spec.CallSpec):
 
 @jax.jit
 def _attend(query, key, value, spec: _spec.CallSpec):
-  """The jitted core: one compiled program per spec's settings and the arrays' shapes."""
+  """The jitted core: one compiled program per spec's settings and the arrays' shapes.
+
+  With routes (``implementation=None`` where a fused kernel expresses the call), the
+  program branches on the platform it is lowered for: each route's platform runs its own
+  spec (its fused kernel, lowered for that platform alone), every other platform the spec's
+  portable implementation."""
   if spec.unbatched:
     query, key, value = query[None], key[None], value[None]
   spec = _rank4(spec)
+  if spec.routes:
+    routes = tuple(_rank4(r) for r in spec.routes)
+    portable = dataclasses.replace(spec, routes=(), route_platforms=())
+    branches = {
+      platform: _compat.only_on(platform, lambda q, k, v, *specs, i=i: _run(q, k, v, specs[i]))
+      for i, platform in enumerate(spec.route_platforms)
+    }
+    out, lse = jax.lax.platform_dependent(
+      query,
+      key,
+      value,
+      *routes,
+      portable,
+      default=lambda q, k, v, *specs: _run(q, k, v, specs[-1]),
+      **branches,
+    )
+  else:
+    out, lse = _run(query, key, value, spec)
+  if spec.unbatched:
+    return out[0], None if lse is None else lse[0]
+  return out, lse
+
+
+def _run(query, key, value, spec: _spec.CallSpec):
+  """One implementation on rank-4 inputs: ``(out, lse or None)`` as returned to the caller."""
   dims = chex.Dimensions(B=spec.B, T=spec.T, S=spec.S, N=spec.N, K=spec.K, H=spec.H, V=spec.Hv)
   chex.assert_shape(query, dims["BTNH"])
   chex.assert_shape(key, dims["BSKH"])
@@ -316,10 +346,7 @@ def _attend(query, key, value, spec: _spec.CallSpec):
     case _:
       raise ValueError(f"unknown implementation {spec.implementation!r}")
   chex.assert_shape(lse, dims["BTN"])
-  out, lse = _finish(out, lse, spec, query.dtype, sinks_done)
-  if spec.unbatched:
-    return out[0], None if lse is None else lse[0]
-  return out, lse
+  return _finish(out, lse, spec, query.dtype, sinks_done)
 
 
 @jax.jit

@@ -13,11 +13,15 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 
-_INTERPRET: contextvars.ContextVar[bool] = contextvars.ContextVar("jattn_interpret", default=False)
-_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("jattn_backend", default=None)
+import jax
+
+# JAX "user contexts": their values are part of every jit cache key (the user's own jitted
+# functions included), so a function traced inside one of the blocks below is traced again
+# outside it, and the reverse: a setting cannot leak through a cached program.
+_INTERPRET = jax.make_user_context(False)
+_BACKEND = jax.make_user_context(None)
 
 
 @contextlib.contextmanager
@@ -25,20 +29,18 @@ def interpret_kernels() -> Iterator[None]:
   """Run Pallas kernels (``implementation="splash"``) in Pallas interpret mode.
 
   Inside the block, calls that name a Pallas kernel run it through Pallas's interpreter on
-  any backend: exact but slow, for small shapes in tests. Calls traced inside the block
-  compile separately from calls traced outside it. ``implementation=None`` still picks by
-  the real backend.
+  any backend: exact but slow, for small shapes in tests. The setting is part of every jit
+  cache key, so any jitted function (yours included) traced inside the block compiles
+  separately from the same function traced outside it. ``implementation=None`` still picks
+  by the real backend.
   """
-  token = _INTERPRET.set(True)
-  try:
+  with _INTERPRET(True):
     yield
-  finally:
-    _INTERPRET.reset(token)
 
 
 def interpreting() -> bool:
   """True inside :func:`interpret_kernels`."""
-  return _INTERPRET.get()
+  return bool(_INTERPRET.value)
 
 
 @contextlib.contextmanager
@@ -52,17 +54,19 @@ def lowering_for(backend: str) -> Iterator[None]:
 
   ``implementation=None`` then picks what it would pick there (splash on TPU), and an
   explicit ``implementation="splash"`` is accepted; the program can be lowered, not run,
-  unless it is run on that platform.
+  unless it is run on that platform. Like :func:`interpret_kernels`, the setting is part of
+  every jit cache key.
+
+  Routing already follows the platform a program is lowered for
+  (``.lower(lowering_platforms=...)``, ``jax.export``), so ``implementation=None`` needs no
+  block; it remains for explicit fused kernels and for pinning one platform's choice.
   """
   if backend not in ("cpu", "gpu", "tpu"):
     raise ValueError(f"backend must be one of ['cpu', 'gpu', 'tpu'], got {backend!r}")
-  token = _BACKEND.set(backend)
-  try:
+  with _BACKEND(backend):
     yield
-  finally:
-    _BACKEND.reset(token)
 
 
 def target_backend() -> str | None:
   """The backend named by :func:`lowering_for`, or None."""
-  return _BACKEND.get()
+  return _BACKEND.value

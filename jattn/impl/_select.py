@@ -138,11 +138,14 @@ class Choice:
   reason: str
   rejected: dict[str, str]  # every other implementation -> why not
   backend: str = ""
+  # Where the program is lowered for another platform: that platform -> what runs there.
+  elsewhere: dict[str, str] = dataclasses.field(default_factory=dict)
 
   def __str__(self) -> str:
     rule = self.backward or "its own fused backward"
     lines = [f"{self.implementation} ({rule}) on {self.backend.upper()}: {self.reason}"]
     lines += [f"  not {name}: {why}" for name, why in self.rejected.items()]
+    lines += [f"  lowered for {p}: {what}" for p, what in self.elsewhere.items()]
     return "\n".join(lines)
 
 
@@ -215,10 +218,17 @@ def _has_score_fn(fn) -> bool:
 
 
 def choose(
-  call: Call, implementation: str | None, backward: str | None, *, interpret=False, detail=False
+  call: Call,
+  implementation: str | None,
+  backward: str | None,
+  *,
+  interpret=False,
+  detail=False,
+  fused=True,
 ) -> Choice:
   """The :class:`Choice` for a checked call; raises when an explicit implementation cannot
-  express it (naming the feature). ``detail``: fill in ``rejected`` (for explain)."""
+  express it (naming the feature). ``detail``: fill in ``rejected`` (for explain).
+  ``fused=False``: leave the backend's fused kernel out (the portable choice)."""
 
   def _rejected(chosen: str) -> dict[str, str]:
     return _reasons(call, chosen) if detail else {}
@@ -231,7 +241,7 @@ def choose(
       raise ValueError(_no_device(implementation, call.backend))
     rejected = _rejected(implementation)
     return Choice(implementation, backward, "named by the caller", rejected, call.backend)
-  fused = FUSED.get(call.backend)
+  fused = FUSED.get(call.backend) if fused else None
   if fused is not None and (reason := why_not(fused, call)) is None:
     if not (fused == "cudnn" and (why := cudnn.auto_reason(call.spec, call.dtype))):
       return Choice(
@@ -260,6 +270,29 @@ def choose(
     why = f"{why}; {fused} does not: {reason}"
   rule = check_choices(impl, backward)[1]
   return Choice(impl, rule, why, _rejected(impl), call.backend)
+
+
+# The platform names of jax.lax.platform_dependent and of lowering, per backend.
+PLATFORMS = {"cpu": ("cpu",), "gpu": ("cuda", "rocm"), "tpu": ("tpu",)}
+
+
+def routes(call: Call, backward: str | None, *, traceable_gpu: bool) -> dict[str, Choice]:
+  """``implementation=None``'s fused kernels per lowering platform, beside the portable
+  choice (``choose(..., fused=False)``) that every other platform runs.
+
+  A program follows the platform it is lowered for: splash where it is lowered for a TPU,
+  cuDNN where it is lowered for CUDA; ``traceable_gpu``: whether cuDNN can be traced here
+  (it needs cuDNN on the tracing host, so a CPU host's programs take the portable choice on
+  GPUs).
+  """
+  out = {}
+  for backend, fused in FUSED.items():
+    if fused is None or (backend == "gpu" and not traceable_gpu):
+      continue
+    choice = choose(dataclasses.replace(call, backend=backend), None, backward)
+    if choice.implementation == fused:
+      out[PLATFORMS[backend][0]] = choice
+  return out
 
 
 def _reasons(call: Call, chosen: str) -> dict[str, str]:

@@ -88,9 +88,12 @@ def default_blocks(backend: str) -> tuple[int, int]:
   return DEFAULT_BLOCKS.get(backend, DEFAULT_BLOCKS["cpu"])
 
 
-def resolve_blocks(block_q: int | None, block_kv: int | None) -> tuple[int, int]:
-  """The given tile sizes, with the running backend's defaults where they are None."""
-  default_q, default_kv = default_blocks(jax.default_backend())
+def resolve_blocks(
+  block_q: int | None, block_kv: int | None, backend: str | None = None
+) -> tuple[int, int]:
+  """The given tile sizes, with ``backend``'s defaults (the running one's by default) where
+  they are None."""
+  default_q, default_kv = default_blocks(backend or jax.default_backend())
   return (default_q if block_q is None else block_q, default_kv if block_kv is None else block_kv)
 
 
