@@ -8,6 +8,7 @@ Everything version-dependent lives here, so the rest of the package calls one sp
   newest, a ``platform_dependent`` branch is lowered for each platform of the program, and
   a Pallas TPU kernel cannot be lowered for a CPU; this lowers the branch with a
   single-platform module context, which reaches into ``jax._src`` (``ModuleContext``).
+* :func:`no_mesh`: a block where eager computations see no mesh (inside ``shard_map``).
 * :func:`explicit_sharding`: the ``NamedSharding`` a traced array carries in JAX's
   Explicit sharding mode (sharding in types), or None.
 """
@@ -116,3 +117,9 @@ def explicit_sharding(x) -> jax.sharding.NamedSharding | None:
   if not any(t == explicit for t in mesh.axis_types):
     return None
   return sharding
+
+
+def no_mesh():
+  """A block in which computations see no mesh: for evaluating NumPy-valued constants
+  (splash's mask tables) eagerly while a ``shard_map`` body is being traced."""
+  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))

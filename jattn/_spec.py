@@ -33,7 +33,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jattn import _checks, masks, scores, testing
-from jattn.impl import _common, _select
+from jattn.impl import _common, _select, _sharded
 from jattn.impl import blockwise as _blockwise
 from jattn.impl import splash as _splash
 
@@ -195,6 +195,7 @@ def build(
     backend=target or _select.default_backend(),
     backward_named=backward is not None,
     blocks_named=blocks != (None, None),
+    sequence_sharded=_sharded.sequence_axes(q, k) or (),
   )
   choice = _select.choose(call, impl, bwd, interpret=spec.interpret, detail=explain)
   # implementation=None follows the platform the program is lowered for (unless a backend is

@@ -31,7 +31,7 @@ import chex
 import jax
 
 from jattn import _compat, _spec, masks
-from jattn.impl import _common, blockwise, cudnn, splash, xla
+from jattn.impl import _common, _sharded, blockwise, cudnn, splash, xla
 from jattn.impl._select import (  # noqa: F401  # public names of the table
   AUTO_BLOCKWISE_BYTES,
   BACKENDS,
@@ -337,12 +337,13 @@ def _run(query, key, value, spec: _spec.CallSpec):
     case "blockwise" if all(spec.bnts) and spec.H:
       out, lse = blockwise.attention(query, key, value, spec)
     case "splash" if all(spec.bnts) and spec.H:
-      out, lse = splash.attention(query, key, value, spec)
+      whole = splash.varies_by_head(spec)
+      out, lse = _sharded.per_shard(splash.attention, query, key, value, spec, heads_whole=whole)
       sinks_done = True
     case "blockwise" | "splash":  # nothing to tile: an empty output, no keys, or H == 0
       out, lse = xla.attention(query, key, value, dataclasses.replace(spec, backward="autodiff"))
     case "cudnn":
-      out, lse = cudnn.attention(query, key, value, spec)
+      out, lse = _sharded.per_shard(cudnn.attention, query, key, value, spec)
     case _:
       raise ValueError(f"unknown implementation {spec.implementation!r}")
   chex.assert_shape(lse, dims["BTN"])

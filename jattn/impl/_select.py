@@ -33,6 +33,7 @@ class Call:
   backend: str
   backward_named: bool  # the caller gave backward=
   blocks_named: bool  # the caller gave block_q= or block_kv=
+  sequence_sharded: tuple = ()  # mesh axes sharding T or S (Explicit sharding mode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Implementation:
   residual: str | None = None  # return_residual with a differentiable log-sum-exp
   sinks: str | None = None
   tiles: bool = False  # takes block_q / block_kv
+  fused: bool = False  # one kernel per device: needs whole sequences there
   check: Callable[[Call], str | None] | None = None  # masks, head dims, lengths, tiles
 
 
@@ -93,6 +95,7 @@ TABLE: dict[str, Implementation] = {
     score_fn="splash has no score function (logits_soft_cap it has)",
     dropout="splash has no dropout",
     tiles=True,
+    fused=True,
     check=_splash_check,
   ),
   "cudnn": Implementation(
@@ -107,6 +110,7 @@ TABLE: dict[str, Implementation] = {
     soft_cap="cuDNN has no soft cap",
     dropout="jax.nn's cuDNN call has no dropout",
     sinks="jax.nn's cuDNN call has no sinks",
+    fused=True,
     check=lambda call: cudnn.reason(call.spec),
   ),
 }
@@ -197,6 +201,12 @@ def why_not(name: str, call: Call, *, interpret: bool = False, device: bool = Tr
   for reason, used, feature in features:
     if reason is not None and used:
       return f"{feature}: {reason}"
+  if row.fused and call.sequence_sharded:
+    return (
+      f"the sequence axis is sharded over mesh axes {call.sequence_sharded} (a fused kernel "
+      "needs each device's sequences whole: shard the batch and heads, or use "
+      "jattn.parallel.ring_attention)"
+    )
   if row.check is not None and (reason := row.check(call)):
     return reason
   if row.dtypes is not None and call.dtype.name not in row.dtypes:

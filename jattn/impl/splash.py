@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn import _compat
 from jattn.masks import _core, kinds, layouts
 
 LANES = 128  # splash's block sizes must be multiples of the TPU's lane count
@@ -216,7 +217,7 @@ def _tabulated_class():
         np.minimum(rows, self.T - 1).astype(np.int32).reshape(1, 1, -1, 1),
         np.minimum(cols, self.S - 1).astype(np.int32).reshape(1, 1, 1, -1),
       )
-      with jax.ensure_compile_time_eval():
+      with jax.ensure_compile_time_eval(), _compat.no_mesh():
         allowed = np.ones((len(rows), len(cols)), bool)
         for part in self.parts:
           allowed &= np.broadcast_to(np.asarray(part(*index))[0, 0], allowed.shape)
@@ -256,6 +257,12 @@ def _native(parts, shape):
     if causal.offset == 0:
       return mask_lib.ChunkedCausalMask(shape, chunk.size)
   return None
+
+
+def varies_by_head(spec) -> bool:
+  """Whether the tabulated masks differ between heads (a device then needs every head)."""
+  parts = () if spec.static_mask is None else spec.static_mask.parts
+  return any(part.extents[1] is not None for part in parts)
 
 
 def _splash_mask(static, N: int, T: int, S: int, shape):

@@ -1,0 +1,132 @@
+"""Fused kernels on batch- and head-sharded inputs in JAX's Explicit sharding mode.
+
+On a (data=4, model=2) mesh of simulated CPU devices with q/k/v sharded
+``P("data", None, "model", None)``: splash (in Pallas interpret mode) runs each device's
+share, its values, log-sum-exp and gradients equal the unsharded xla path's, outputs and
+gradients keep the inputs' sharding, and the compiled program moves no q/k/v between
+devices. Lowered for TPU from this CPU, the program holds the kernel. A sharded sequence
+axis is refused by the fused kernels, naming ring attention.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jattn
+from jattn import masks, testing
+
+pytestmark = pytest.mark.skipif(
+  len(jax.devices()) < 8, reason="needs 8 devices (tests/conftest.py simulates them)"
+)
+
+B, T, N, K, H = 4, 128, 4, 2, 64
+MESH = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+BTNH = P("data", None, "model", None)
+GATHER = re.compile(r"(all-gather|all-to-all|collective-permute)\(")
+
+
+def _inputs(k_heads=K, dtype=jnp.float32):
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.normal(size=(B, T, N, H)), dtype)
+  k = jnp.asarray(rng.normal(size=(B, T, k_heads, H)), dtype)
+  v = jnp.asarray(rng.normal(size=(B, T, k_heads, H)), dtype)
+  ids = jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), axis=1), jnp.int32)
+  sinks = jnp.asarray(rng.normal(size=(N,)), jnp.float32)
+  return q, k, v, ids, sinks
+
+
+def _loss_and_grads(implementation, q, k, v, ids, sinks, **kwargs):
+  def loss(q, k, v, sinks):
+    out, lse = jattn.dot_product_attention(
+      q,
+      k,
+      v,
+      segment_ids=ids,
+      sinks=sinks,
+      return_residual=True,
+      implementation=implementation,
+      **kwargs,
+    )
+    return jnp.sum(out**2) + jnp.sum(jnp.sin(lse)), (out, lse)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+
+
+@pytest.mark.parametrize("k_heads", [K, 1], ids=["gqa", "mqa"])
+def test_splash_runs_each_devices_share(k_heads):
+  q, k, v, ids, sinks = _inputs(k_heads)
+  want_fn = _loss_and_grads("xla", q, k, v, ids, sinks, is_causal=True)
+  (_, (want, want_lse)), want_grads = want_fn(q, k, v, sinks)
+  kv_spec = BTNH if k_heads > 1 else P("data", None, None, None)
+  with jax.set_mesh(MESH), testing.interpret_kernels():
+    qs = jax.device_put(q, NamedSharding(MESH, BTNH))
+    ks, vs = (jax.device_put(x, NamedSharding(MESH, kv_spec)) for x in (k, v))
+    ids_s = jax.device_put(ids, NamedSharding(MESH, P("data", None)))
+    sinks_s = jax.device_put(sinks, NamedSharding(MESH, P("model")))
+    fn = _loss_and_grads("splash", qs, ks, vs, ids_s, sinks_s, is_causal=True)
+    hlo = fn.lower(qs, ks, vs, sinks_s).compile().as_text()
+    (_, (out, lse)), grads = fn(qs, ks, vs, sinks_s)
+  assert not [line for line in hlo.splitlines() if GATHER.search(line)]
+  assert out.sharding.spec == BTNH and lse.sharding.spec == P("data", None, "model")
+  np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=2e-5)
+  assert grads[0].sharding.spec == BTNH and grads[1].sharding.spec == kv_spec
+  for got, w in zip(grads, want_grads):
+    np.testing.assert_allclose(got, w, atol=1e-4, rtol=1e-4)
+
+
+def test_per_head_masks_split_only_the_batch():
+  # A per-head mask: every device needs every head's table, so heads are gathered, the
+  # batch stays split, and the values are right.
+  q, k, v, _, _ = _inputs()
+  full = np.ones((T, T), bool)
+  per_head = np.stack([np.tril(full), np.triu(full), np.tril(full, -3), full])
+  mask = masks.from_array(per_head[None])
+  want = jattn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+  with jax.set_mesh(MESH), testing.interpret_kernels():
+    qs, ks, vs = (jax.device_put(x, NamedSharding(MESH, BTNH)) for x in (q, k, v))
+    out = jax.jit(
+      lambda q, k, v: jattn.dot_product_attention(q, k, v, mask=mask, implementation="splash")
+    )(qs, ks, vs)
+  np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_default_call_lowers_to_the_kernel_for_tpu_on_sharded_inputs():
+  # The issue's case: bf16, causal, batch over data and heads over model, lowered for TPU.
+  q, k, v, _, _ = _inputs(dtype=jnp.bfloat16)
+
+  def loss(q, k, v):
+    return jnp.sum(jattn.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32))
+
+  with jax.set_mesh(MESH):
+    qs, ks, vs = (jax.device_put(x, NamedSharding(MESH, BTNH)) for x in (q, k, v))
+    for fn, kernels in ((loss, 1), (jax.grad(loss, argnums=(0, 1, 2)), 3)):
+      text = jax.jit(fn).trace(qs, ks, vs).lower(lowering_platforms=("tpu",)).as_text()
+      assert text.count("tpu_custom_call") == kernels
+
+
+def test_a_sharded_sequence_is_refused_by_the_kernels_naming_ring_attention():
+  q, k, v, _, _ = _inputs()
+  seq = P("data", "model", None, None)
+  with jax.set_mesh(MESH):
+    qs, ks, vs = (jax.device_put(x, NamedSharding(MESH, seq)) for x in (q, k, v))
+
+    def splash(q, k, v):
+      return jattn.dot_product_attention(q, k, v, is_causal=True, implementation="splash")
+
+    with testing.interpret_kernels(), pytest.raises(ValueError, match="ring_attention"):
+      jax.jit(splash)(qs, ks, vs)
+
+    def explain(q, k, v):
+      choice = jattn.explain(q, k, v, is_causal=True, backend="tpu")
+      assert choice.implementation != "splash" and "ring_attention" in choice.rejected["splash"]
+      return q
+
+    jax.jit(explain)(qs, ks, vs)
