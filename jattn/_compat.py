@@ -8,6 +8,9 @@ Everything version-dependent lives here, so the rest of the package calls one sp
   newest, a ``platform_dependent`` branch is lowered for each platform of the program, and
   a Pallas TPU kernel cannot be lowered for a CPU; this lowers the branch with a
   single-platform module context, which reaches into ``jax._src`` (``ModuleContext``).
+* :func:`without_consts`: a function's trace with its constants as leading arguments
+  (``custom_partitioning`` takes no function that closes over constants), from
+  ``jax._src``'s ``convert_constvars_jaxpr``.
 * :func:`no_mesh`: a block where eager computations see no mesh (inside ``shard_map``).
 * :func:`explicit_sharding`: the ``NamedSharding`` a traced array carries in JAX's
   Explicit sharding mode (sharding in types), or None.
@@ -123,3 +126,14 @@ def no_mesh():
   """A block in which computations see no mesh: for evaluating NumPy-valued constants
   (splash's mask tables) eagerly while a ``shard_map`` body is being traced."""
   return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+
+
+def without_consts(fn: Callable, *args) -> tuple[Callable, list]:
+  """``(g, consts)`` with ``g(*consts, *args) == tuple(fn(*args))`` and no constant inside
+  ``g``'s trace; ``fn`` takes and returns flat arrays (traced once, at ``args``' shapes)."""
+  from jax._src.interpreters import partial_eval as pe
+
+  closed = jax.make_jaxpr(fn)(*args)
+  opened = jex_core.ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), ())
+  run = jex_core.jaxpr_as_fun(opened)
+  return (lambda *a: tuple(run(*a))), list(closed.consts)

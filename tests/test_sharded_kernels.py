@@ -1,15 +1,18 @@
-"""Fused kernels on batch- and head-sharded inputs in JAX's Explicit sharding mode.
+"""Fused kernels on batch- and head-sharded inputs, in both of JAX's sharding modes.
 
 On a (data=4, model=2) mesh of simulated CPU devices with q/k/v sharded
-``P("data", None, "model", None)``: splash (in Pallas interpret mode) runs each device's
-share, its values, log-sum-exp and gradients equal the unsharded xla path's, outputs and
-gradients keep the inputs' sharding, and the compiled program moves no q/k/v between
-devices. Lowered for TPU from this CPU, the program holds the kernel. A sharded sequence
-axis is refused by the fused kernels, naming ring attention.
+``P("data", None, "model", None)``, in Explicit mode (``jax.set_mesh``, sharding in types)
+and in Auto mode (NamedSharding inputs under jit): splash (in Pallas interpret mode) runs
+each device's share, its values, log-sum-exp and gradients equal the unsharded xla path's,
+outputs and gradients keep the inputs' sharding, and the compiled program moves no q/k/v
+between devices. Lowered for TPU from this CPU, the program holds the kernel (Explicit) or
+its partitioning rule (Auto). A sharded sequence axis is refused by the fused kernels in
+Explicit mode, naming ring attention.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import jax
@@ -28,6 +31,7 @@ pytestmark = pytest.mark.skipif(
 
 B, T, N, K, H = 4, 128, 4, 2, 64
 MESH = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+AUTO = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 BTNH = P("data", None, "model", None)
 GATHER = re.compile(r"(all-gather|all-to-all|collective-permute)\(")
 
@@ -40,6 +44,10 @@ def _inputs(k_heads=K, dtype=jnp.float32):
   ids = jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), axis=1), jnp.int32)
   sinks = jnp.asarray(rng.normal(size=(N,)), jnp.float32)
   return q, k, v, ids, sinks
+
+
+def _sharded_as(x, mesh, spec) -> bool:
+  return x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim)
 
 
 def _loss_and_grads(implementation, q, k, v, ids, sinks, **kwargs):
@@ -59,25 +67,29 @@ def _loss_and_grads(implementation, q, k, v, ids, sinks, **kwargs):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
 
 
-@pytest.mark.parametrize("k_heads", [K, 1], ids=["gqa", "mqa"])
-def test_splash_runs_each_devices_share(k_heads):
+@pytest.mark.parametrize(
+  "mode, k_heads", [("explicit", K), ("explicit", 1), ("auto", K), ("auto", 1)]
+)
+def test_splash_runs_each_devices_share(mode, k_heads):
   q, k, v, ids, sinks = _inputs(k_heads)
   want_fn = _loss_and_grads("xla", q, k, v, ids, sinks, is_causal=True)
   (_, (want, want_lse)), want_grads = want_fn(q, k, v, sinks)
   kv_spec = BTNH if k_heads > 1 else P("data", None, None, None)
-  with jax.set_mesh(MESH), testing.interpret_kernels():
-    qs = jax.device_put(q, NamedSharding(MESH, BTNH))
-    ks, vs = (jax.device_put(x, NamedSharding(MESH, kv_spec)) for x in (k, v))
-    ids_s = jax.device_put(ids, NamedSharding(MESH, P("data", None)))
-    sinks_s = jax.device_put(sinks, NamedSharding(MESH, P("model")))
-    fn = _loss_and_grads("splash", qs, ks, vs, ids_s, sinks_s, is_causal=True)
-    hlo = fn.lower(qs, ks, vs, sinks_s).compile().as_text()
-    (_, (out, lse)), grads = fn(qs, ks, vs, sinks_s)
+  mesh = MESH if mode == "explicit" else AUTO
+  with jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext():
+    qs = jax.device_put(q, NamedSharding(mesh, BTNH))
+    ks, vs = (jax.device_put(x, NamedSharding(mesh, kv_spec)) for x in (k, v))
+    ids_s = jax.device_put(ids, NamedSharding(mesh, P("data", None)))
+    sinks_s = jax.device_put(sinks, NamedSharding(mesh, P("model")))
+    with testing.interpret_kernels():
+      fn = _loss_and_grads("splash", qs, ks, vs, ids_s, sinks_s, is_causal=True)
+      hlo = fn.lower(qs, ks, vs, sinks_s).compile().as_text()
+      (_, (out, lse)), grads = fn(qs, ks, vs, sinks_s)
   assert not [line for line in hlo.splitlines() if GATHER.search(line)]
-  assert out.sharding.spec == BTNH and lse.sharding.spec == P("data", None, "model")
+  assert _sharded_as(out, mesh, BTNH) and _sharded_as(lse, mesh, P("data", None, "model"))
   np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
   np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=2e-5)
-  assert grads[0].sharding.spec == BTNH and grads[1].sharding.spec == kv_spec
+  assert _sharded_as(grads[0], mesh, BTNH) and _sharded_as(grads[1], mesh, kv_spec)
   for got, w in zip(grads, want_grads):
     np.testing.assert_allclose(got, w, atol=1e-4, rtol=1e-4)
 
@@ -98,18 +110,23 @@ def test_per_head_masks_split_only_the_batch():
   np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
 
 
-def test_default_call_lowers_to_the_kernel_for_tpu_on_sharded_inputs():
+def test_default_call_lowers_for_tpu_on_sharded_inputs():
   # The issue's case: bf16, causal, batch over data and heads over model, lowered for TPU.
+  # Explicit mode: the kernels are in the program, in a shard_map. Auto mode: XLA's
+  # partitioner calls the rule (CustomSPMDPartitioning) when it compiles the program.
   q, k, v, _, _ = _inputs(dtype=jnp.bfloat16)
 
   def loss(q, k, v):
     return jnp.sum(jattn.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32))
 
-  with jax.set_mesh(MESH):
-    qs, ks, vs = (jax.device_put(x, NamedSharding(MESH, BTNH)) for x in (q, k, v))
-    for fn, kernels in ((loss, 1), (jax.grad(loss, argnums=(0, 1, 2)), 3)):
-      text = jax.jit(fn).trace(qs, ks, vs).lower(lowering_platforms=("tpu",)).as_text()
-      assert text.count("tpu_custom_call") == kernels
+  for mesh, marker in ((MESH, "tpu_custom_call"), (AUTO, "CustomSPMDPartitioning")):
+    with jax.set_mesh(mesh) if mesh is MESH else contextlib.nullcontext():
+      qs, ks, vs = (jax.device_put(x, NamedSharding(mesh, BTNH)) for x in (q, k, v))
+      for fn, kernels in ((loss, 1), (jax.grad(loss, argnums=(0, 1, 2)), 3)):
+        text = jax.jit(fn).trace(qs, ks, vs).lower(lowering_platforms=("tpu",)).as_text()
+        # Auto: a rule for the forward, and for the backward one more (which runs the
+        # forward again): 1 and 2 calls.
+        assert text.count(marker) == (kernels if mesh is MESH else (kernels + 1) // 2)
 
 
 def test_a_sharded_sequence_is_refused_by_the_kernels_naming_ring_attention():

@@ -1,11 +1,18 @@
 """Fused kernels on batch- and head-sharded inputs: each device runs the kernel on its share.
 
-XLA cannot partition a Pallas or cuDNN kernel. Where the inputs carry their sharding in
-their types (JAX's Explicit sharding mode: ``jax.sharding.AxisType.Explicit`` axes and
-``jax.set_mesh``), :func:`per_shard` wraps the kernel in ``jax.shard_map`` over the mesh
-axes that shard the batch and the heads, so every device attends over its own rows and
-heads and nothing is gathered. Attention is independent per (batch row, head), so the
-per-device results are the global result's shards.
+XLA cannot partition a Pallas or cuDNN kernel. Attention is independent per (batch row,
+head), so each device can run the kernel on its own rows and heads and the results are the
+global result's shards. :func:`per_shard` arranges that in both of JAX's sharding modes:
+
+* Explicit mode (``jax.sharding.AxisType.Explicit`` axes, ``jax.set_mesh``): the inputs
+  carry their sharding in their types, and the kernel is wrapped in ``jax.shard_map`` over
+  the mesh axes that shard the batch and the heads.
+* Auto mode (``NamedSharding`` inputs under ``jit``): the sharding is known only when XLA
+  partitions the program, so the kernel's forward and backward are each given a
+  partitioning rule (``jax.experimental.custom_partitioning``, as jax's own cuDNN attention
+  has) that hands each device its batch rows and heads. Its backward runs the kernel's
+  forward again on each device (the rule sees arrays, not the kernel's residuals). cuDNN
+  needs none: jax.nn's call has its own rule.
 
 Key/value heads follow the query heads: GQA groups stay whole on a device when the mesh
 axes that shard N also shard K (K == 1 keeps its one head on every device). Per-head
@@ -21,6 +28,9 @@ import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jattn import _compat
@@ -47,21 +57,24 @@ def sequence_axes(query, key) -> tuple | None:
   return axes or None
 
 
-def per_shard(attend: Callable, query, key, value, spec, *, heads_whole: bool = False):
+def per_shard(
+  attend: Callable, query, key, value, spec, *, heads_whole: bool = False, auto: bool = True
+):
   """``attend(query, key, value, spec) -> (out, lse)`` run on each device's share.
 
   ``query`` (B, T, N, H), ``key`` and ``value`` (B, S, K, H|Hv), ``spec`` a rank-4
-  :class:`jattn._spec.CallSpec`. Without Explicit sharding on ``query`` this is ``attend``
-  itself. ``heads_whole``: the kernel cannot take a share of the heads (its masks differ
-  per head), so only the batch is split.
+  :class:`jattn._spec.CallSpec`. ``heads_whole``: the kernel cannot take a share of the
+  heads (its masks differ per head), so only the batch is split. ``auto``: give the kernel
+  a partitioning rule for Auto mode (with one device, ``attend`` runs as it is).
   """
   sharding = _compat.explicit_sharding(query)
   if sharding is None:
+    if auto and jax.device_count() > 1:
+      return _partitioned(attend, query, key, value, spec, heads_whole)
     return attend(query, key, value, spec)
   mesh = sharding.mesh
   b, _, n, _ = _dims(query)
-  if heads_whole or spec.N % _size(mesh, n) or (spec.K > 1 and spec.K % _size(mesh, n)):
-    n = None
+  n = _head_axes(mesh, n, spec, heads_whole)
   if b is None and n is None:
     return attend(query, key, value, spec)
   kn = n if spec.K > 1 else None
@@ -75,6 +88,9 @@ def per_shard(attend: Callable, query, key, value, spec, *, heads_whole: bool = 
     K=spec.K // _size(mesh, kn),
   )
   spec_specs = _spec_partition(spec, b, n)
+  leaves, treedef = jax.tree.flatten(spec)
+  parts = jax.tree.leaves(spec_specs, is_leaf=lambda x: isinstance(x, P))
+  spec = jax.tree.unflatten(treedef, [_reshard(x, p) for x, p in zip(leaves, parts)])
   out_spec = (P(b, None, n, None), P(b, None, n))
   run = jax.shard_map(
     lambda q, k, v, s: attend(q, k, v, dataclasses.replace(s, B=local.B, N=local.N, K=local.K)),
@@ -88,8 +104,17 @@ def per_shard(attend: Callable, query, key, value, spec, *, heads_whole: bool = 
   return run(query, key, value, spec)
 
 
+def _head_axes(mesh, n, spec, heads_whole: bool):
+  """``n`` (the mesh axes sharding the query heads) if the kernel can take that share."""
+  size = _size(mesh, n)
+  if heads_whole or spec.N % size or (spec.K > 1 and spec.K % size):
+    return None
+  return n
+
+
 def _reshard(x, spec: P):
-  return x if _dims(x) == tuple(spec) else jax.sharding.reshard(x, spec)
+  want = tuple(spec) + (None,) * (x.ndim - len(spec))
+  return x if _dims(x) == want else jax.sharding.reshard(x, spec)
 
 
 def _spec_partition(spec, b, n):
@@ -119,3 +144,178 @@ def _spec_partition(spec, b, n):
     sinks=None if spec.sinks is None else P(n),
     routes=(),
   )
+
+
+# --- Auto mode: a partitioning rule -----------------------------------------------------
+
+# What each argument and result of the partitioned kernel is, by its leading axes:
+# q (B, T, N, H); kv (B, S, K, H); rows (B, ...): batch-indexed mask arrays; row_heads
+# (B, N): the sinks, one row per batch row; lse (B, T, N); other: replicated.
+_FACTORS = {
+  "q": ("b", "t", "n", "h"),
+  "k": ("b", "s", "k", "h"),
+  "v": ("b", "s", "k", "hv"),
+  "out": ("b", "t", "n", "hv"),
+  "lse": ("b", "t", "n"),
+  "row_heads": ("b", "n"),
+}
+
+
+def _partitioned(attend: Callable, query, key, value, spec, heads_whole: bool):
+  """Auto mode: the kernel's forward and backward under a partitioning rule, each device
+  running them on its batch rows and heads (see the module docstring)."""
+  B, N, K = spec.B, spec.N, spec.K
+  if spec.sinks is not None:  # one row per batch row: each device's gradient is its rows'
+    spec = dataclasses.replace(spec, sinks=jnp.broadcast_to(spec.sinks, (B, N)))
+  leaves, treedef = jax.tree.flatten(spec)
+  roles = jax.tree.leaves(_roles(spec))
+  floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+  def local(q, k, v, *leaves):
+    s = jax.tree.unflatten(treedef, leaves)
+    return attend(q, k, v, dataclasses.replace(s, B=q.shape[0], N=q.shape[2], K=k.shape[2]))
+
+  def local_grads(q, k, v, *rest):
+    leaves, cotangents = rest[: len(roles)], rest[len(roles) :]
+
+    def differentiable(q, k, v, *float_leaves):
+      full = list(leaves)
+      for i, x in zip(floats, float_leaves):
+        full[i] = x
+      return local(q, k, v, *full)
+
+    _, vjp = jax.vjp(differentiable, q, k, v, *(leaves[i] for i in floats))
+    return vjp(tuple(cotangents))
+
+  rules = (N, K, heads_whole)
+  forward = _rule(local, ("q", "k", "v", *roles), ("out", "lse"), rules)
+  backward = _rule(
+    local_grads,
+    ("q", "k", "v", *roles, "out", "lse"),
+    ("q", "k", "v", *(roles[i] for i in floats)),
+    rules,
+  )
+
+  @jax.custom_vjp
+  def run(q, k, v, leaves):
+    return forward(q, k, v, *leaves)
+
+  def run_fwd(q, k, v, leaves):
+    return forward(q, k, v, *leaves), (q, k, v, leaves)
+
+  def run_bwd(residuals, cotangents):
+    q, k, v, leaves = residuals
+    dq, dk, dv, *d_floats = backward(q, k, v, *leaves, *cotangents)
+    d_leaves: list = [None] * len(leaves)
+    for i, d in zip(floats, d_floats):
+      d_leaves[i] = d
+    return dq, dk, dv, d_leaves
+
+  run.defvjp(run_fwd, run_bwd)
+  out, lse = run(query, key, value, leaves)
+  return out, lse
+
+
+def _roles(spec):
+  """The spec with each array replaced by its role in :data:`_FACTORS` (or "rows", "other")."""
+
+  def mask_leaf(x):
+    return "rows" if x.ndim and x.shape[0] == spec.B and spec.B > 1 else "other"
+
+  return dataclasses.replace(
+    spec,
+    bias=None if spec.bias is None else "other",
+    mask=None if spec.mask is None else jax.tree.map(mask_leaf, spec.mask),
+    score_fn=None if spec.score_fn is None else jax.tree.map(lambda x: "other", spec.score_fn),
+    dropout_rng=None if spec.dropout_rng is None else "other",
+    sinks=None if spec.sinks is None else "row_heads",
+    routes=(),
+  )
+
+
+def _rule(fn: Callable, roles_in: tuple, roles_out: tuple, rules: tuple) -> Callable:
+  """``fn`` (flat arrays in and out) under custom_partitioning: batch rows over the query's
+  batch axes, heads over its head axes (where the kernel can take them), everything else
+  whole on each device. Constants ``fn`` closes over (a kernel's mask tables) travel as
+  leading arguments, whole on each device."""
+  N, K, heads_whole = rules
+
+  def call(*args):
+    traced, consts = _compat.without_consts(fn, *args)
+    roles = ("other",) * len(consts) + roles_in
+    wrapped = custom_partitioning(traced)
+    lower = lambda *a: fn(*a[len(consts) :])  # noqa: E731  # local shapes: traced anew
+    _define(wrapped, lower, roles, roles_out, N, K, heads_whole)
+    return wrapped(*consts, *args)
+
+  return call
+
+
+def _define(wrapped, lower, roles_in, roles_out, N, K, heads_whole):
+  """The partitioning rule of :func:`_rule`."""
+
+  def specs(mesh, query_sharding, roles):
+    spec = getattr(query_sharding, "spec", ())
+    spec = tuple(spec) + (None,) * (4 - len(spec))
+    b = spec[0]
+    n = _head_axes(mesh, spec[2], _Heads(N, K), heads_whole)
+    kn = n if K > 1 else None
+    by_role = {
+      "q": P(b, None, n, None),
+      "out": P(b, None, n, None),
+      "k": P(b, None, kn, None),
+      "v": P(b, None, kn, None),
+      "lse": P(b, None, n),
+      "rows": P(b),
+      "row_heads": P(b, n),
+      "other": P(),
+    }
+    return tuple(NamedSharding(mesh, by_role[r]) for r in roles)
+
+  def infer(mesh, arg_shapes, result_shape):
+    del result_shape
+    return specs(mesh, arg_shapes[roles_in.index("q")].sharding, roles_out)
+
+  first = roles_in.index("q")  # the query follows the hoisted constants
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    sharding = arg_shapes[first].sharding
+    spec = tuple(getattr(sharding, "spec", ())) + (None,) * 4
+    n = _head_axes(mesh, spec[2], _Heads(N, K), heads_whole)
+    run = lower
+    if K == 1 and n is not None and ("k" in roles_out or "v" in roles_out):
+      # The one key/value head is whole on every device, and each device's gradient for it
+      # sums over its own query heads only: add up the devices' shares.
+      def run(*args):
+        outs = lower(*args)
+        return tuple(
+          jax.lax.psum(x, n) if role in ("k", "v") else x for x, role in zip(outs, roles_out)
+        )
+
+    return mesh, run, specs(mesh, sharding, roles_out), specs(mesh, sharding, roles_in)
+
+  def mapping(role, i, shape):
+    names = _FACTORS.get(role) or (("b",) if role == "rows" else ())
+    rest = tuple(f"{role[0]}{i}x{d}" for d in range(len(names), len(shape)))
+    return ArrayMapping(*names[: len(shape)], *rest)
+
+  def sharding_rule(mesh, value_types, result_types):
+    del mesh
+    ins = tuple(mapping(r, i, t.shape) for i, (r, t) in enumerate(zip(roles_in, value_types)))
+    outs = tuple(
+      mapping(r, i + len(ins), t.shape) for i, (r, t) in enumerate(zip(roles_out, result_types))
+    )
+    return SdyShardingRule(ins, outs)
+
+  wrapped.def_partition(
+    partition=partition, infer_sharding_from_operands=infer, sharding_rule=sharding_rule
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Heads:
+  """The head counts :func:`_head_axes` reads from a spec."""
+
+  N: int
+  K: int

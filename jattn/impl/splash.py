@@ -356,20 +356,22 @@ def attention(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
 
   # The user's sinks, or the one that keeps empty rows at zero; never below _SINK, so an
   # empty row's weight goes to the sink rather than to the kernel's masked logits.
-  sinks = jnp.full((N,), _SINK, jnp.float32)
+  # One row of sinks per batch row ((N,) or (B, N) given): the kernel runs per batch row.
+  sinks = jnp.full((B, N), _SINK, jnp.float32)
   if spec.sinks is not None:
-    sinks = jnp.maximum(spec.sinks.astype(jnp.float32), _SINK)
+    given = jnp.broadcast_to(spec.sinks.astype(jnp.float32), (B, N))
+    sinks = jnp.maximum(given, _SINK)
 
   def run(save_residuals, q, k, v, ids, sinks):
     # The kernel (its mask tables are arrays) is made where it is used: a custom_vjp's
     # backward is traced apart from its forward and may not close over the forward's values.
     kernel = make(mask, save_residuals=save_residuals, **settings)
 
-    def one(q, k, v, ids):
+    def one(q, k, v, ids, sinks):
       segment_ids = None if ids is None else kernel_lib.SegmentIds(*ids)
       return kernel(q, k, v, segment_ids, sinks=sinks)
 
-    return jax.vmap(one)(q, k, v, ids)
+    return jax.vmap(one)(q, k, v, ids, sinks)
 
   if spec.return_residual:
     run_plain, run_residual = functools.partial(run, False), functools.partial(run, True)
@@ -410,8 +412,8 @@ def _with_lse(run, run_residual, q, k, v, ids, sinks):
     k_as_v, vjp_v = jax.vjp(lambda kv: run(q, k, kv, ids, sinks), k)
     dq = dq + (d_lse[..., None] * k_as_v.astype(jnp.float32)).astype(dq.dtype)
     (dk_lse,) = vjp_v((d_lse[..., None] * q.astype(jnp.float32)).astype(q.dtype))
-    p_sink = jnp.exp(sinks[None, :, None] - lse.astype(jnp.float32))  # (B, N, Tp)
-    d_sinks = d_sinks + (d_lse * p_sink).sum(axis=(0, 2))
+    p_sink = jnp.exp(sinks[:, :, None] - lse.astype(jnp.float32))  # (B, N, Tp)
+    d_sinks = d_sinks + (d_lse * p_sink).sum(axis=2)
     return dq, dk + dk_lse, dv, None, d_sinks
 
   f.defvjp(fwd, bwd)
