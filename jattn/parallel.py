@@ -47,7 +47,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jattn import _checks, _spec, masks, scores
+from jattn import _checks, _ring_splash, _spec, masks, scores, testing
 from jattn.impl import _common, blockwise
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -155,6 +155,7 @@ class _Ring(NamedTuple):
   block_kv: int
   batch_axis: Any  # mesh axes the batch is sharded over (None: not sharded)
   head_axis: Any
+  pairs: Any = None  # _ring_splash.Pairs: each shard pair through splash (None: blockwise)
 
 
 def ring_attention(
@@ -179,6 +180,7 @@ def ring_attention(
   block_kv: int | None = None,
   return_residual: bool = False,
   sinks: jax.typing.ArrayLike | None = None,
+  implementation: str | None = None,
 ):
   """Attention with the sequence sharded over mesh axis ``axis_name`` (ring attention).
 
@@ -223,6 +225,11 @@ def ring_attention(
       the output.
     sinks: per-head sink logits (N,), as in :func:`jattn.dot_product_attention`;
       applied once the ring has combined every shard's keys.
+    implementation: what runs each (query shard, key/value shard) pair: ``"blockwise"``
+      (any backend), ``"splash"`` (splash's fused TPU kernel per pair, the pair's mask
+      tabulated when the call is traced; masks the same for every batch row and head,
+      segment ids, a soft cap; float32 or bfloat16), or None: splash on a TPU where it
+      expresses the call, blockwise otherwise.
 
   Returns:
     The output (B, T, N, H) in the query's dtype, sharded like the query
@@ -301,6 +308,7 @@ def ring_attention(
     *blocks,
     _axes_or_none(batch_axes),
     _axes_or_none(head_axes),
+    _pairs(implementation, spec, q.dtype, layout, size, blocks_named=(block_q, block_kv)),
   )
   out, lse = _ring_call(q, k, v, q_ids, kv_ids, spec.mask, ring=ring, mesh=mesh)
   if spec.sinks is not None:
@@ -308,6 +316,41 @@ def ring_attention(
   if return_residual:
     return out, lse.astype(q.dtype)
   return out
+
+
+def _pairs(implementation, spec, dtype, layout: str, size: int, *, blocks_named):
+  """The splash kernels of each shard pair (:mod:`jattn._ring_splash`), or None (blockwise)."""
+  if implementation not in (None, "blockwise", "splash"):
+    raise ValueError(
+      f"implementation must be one of ['blockwise', 'splash'] or None, got {implementation!r}"
+    )
+  if implementation == "blockwise":
+    return None
+  why = _ring_splash.reason(spec.mask)
+  if why is None and np.dtype(dtype).name not in ("float32", "bfloat16"):
+    why = f"dtype {np.dtype(dtype).name} (it takes float32, bfloat16)"
+  if why is None and blocks_named != (None, None):
+    why = "block_q and block_kv are blockwise's tiles"
+  interpret = testing.interpreting()
+  if implementation is None:
+    on_tpu = (testing.target_backend() or jax.default_backend()) == "tpu"
+    if why is not None or not on_tpu:
+      return None
+  elif why is not None:
+    raise ValueError(f"ring_attention(implementation='splash') does not support {why}")
+  elif not interpret and (testing.target_backend() or jax.default_backend()) != "tpu":
+    raise ValueError(
+      "ring_attention(implementation='splash') needs a TPU (jattn.testing.interpret_kernels() "
+      "runs it in Pallas interpret mode, for tests)"
+    )
+  return _ring_splash.plan(
+    spec.mask,
+    layout=layout,
+    size=size,
+    q_len=spec.T,
+    kv_len=spec.S,
+    positions=_shard_positions,
+  )
 
 
 def _check_mesh_axes(name: str, axes, mesh: Mesh, *, allow_tuple: bool = True) -> tuple:
@@ -433,6 +476,21 @@ def _forward(ring: _Ring, query, key, value, q_ids, kv_ids, mask):
 
   def attend(step, kv):
     k, v, ids = kv
+    if ring.pairs is not None:
+      here = jax.lax.axis_index(ring.axis_name)
+      pair = _ring_splash.attend(
+        ring.pairs,
+        here,
+        _source(ring, step),
+        query,
+        k,
+        v,
+        q_ids,
+        ids,
+        scale=ring.scale,
+        soft_cap=ring.soft_cap,
+      )
+      return _ring_splash.as_partial(*pair)
     plan = _pair_plan(ring, query, k, q_ids, ids, mask, _source(ring, step))
     return blockwise.forward(plan, query, k, v)
 
@@ -453,8 +511,28 @@ def _forward(ring: _Ring, query, key, value, q_ids, kv_ids, mask):
 def _backward(ring: _Ring, residuals, d_out, d_lse):
   query, key, value, q_ids, kv_ids, mask, out, m, l = residuals
 
+  lse = _common.log_sum_exp(m, l)
+
   def grads(step, kv):
     k, v, ids = kv
+    if ring.pairs is not None:
+      here = jax.lax.axis_index(ring.axis_name)
+      return _ring_splash.grads(
+        ring.pairs,
+        here,
+        _source(ring, step),
+        query,
+        k,
+        v,
+        q_ids,
+        ids,
+        out,
+        lse,
+        d_out,
+        d_lse,
+        scale=ring.scale,
+        soft_cap=ring.soft_cap,
+      )
     plan = _pair_plan(ring, query, k, q_ids, ids, mask, _source(ring, step))
     d_q, d_k, d_v, _ = blockwise.backward(plan, query, k, v, out, m, l, d_out, d_lse)
     return d_q, d_k, d_v

@@ -392,3 +392,66 @@ def test_dot_product_attention_on_batch_and_head_sharded_inputs(implementation):
   want, _ = attention_np(q, k, v, allowed=segments_np(ids, ids) & causal_np(24, 24))
   assert_close(out, want, np.float32)
   assert all(g.sharding.is_equivalent_to(sharding, 4) for g in step(q, k, v, ids))
+
+
+# --- ring attention with splash per shard pair ---------------------------------------
+
+
+def test_ring_runs_splash_per_shard_pair():
+  # Two devices, zig-zag, causal packed documents, MQA: every pair's mask is tabulated and
+  # runs splash (interpreted); values, lse and gradients as the unsharded xla path.
+  mesh = _mesh((2,), ("sp",))
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.normal(size=(2, 256, 2, 64)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(2, 256, 1, 64)), jnp.float32) for _ in range(2))
+  ids = jnp.asarray(np.repeat([[0] * 100 + [1] * 156], 2, 0), jnp.int32)
+  w = jnp.asarray(rng.normal(size=(2, 256, 2, 64)), jnp.float32)
+
+  def loss(attend, q, k, v):
+    out, lse = attend(q, k, v)
+    return jnp.sum(out * w) + jnp.sum(jnp.sin(lse)), (out, lse)
+
+  def ring(q, k, v):
+    perm = lambda x: parallel.permute(x, "zigzag", 2)
+    out, lse = parallel.ring_attention(
+      *map(perm, (q, k, v)),
+      mesh=mesh,
+      axis_name="sp",
+      is_causal=True,
+      segment_ids=perm(ids),
+      layout="zigzag",
+      implementation="splash",
+      return_residual=True,
+    )
+    return parallel.unpermute(out, "zigzag", 2), parallel.unpermute(lse, "zigzag", 2)
+
+  def plain(q, k, v):
+    return jattn.dot_product_attention(
+      q, k, v, is_causal=True, segment_ids=ids, implementation="xla", return_residual=True
+    )
+
+  grad = lambda f: jax.jit(jax.value_and_grad(lambda *a: loss(f, *a), (0, 1, 2), has_aux=True))
+  (_, want), want_grads = grad(plain)(q, k, v)
+  with jattn.testing.interpret_kernels():
+    (_, got), got_grads = grad(ring)(q, k, v)
+  for a, b in zip((*got, *got_grads), (*want, *want_grads)):
+    np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+
+
+def test_ring_lowers_splash_for_tpu_and_refuses_what_it_cannot():
+  mesh = _mesh((4,), ("sp",))
+  q = jnp.zeros((1, 512, 2, 128), jnp.bfloat16)
+
+  def ring(q, **kw):
+    return parallel.ring_attention(q, q, q, mesh=mesh, axis_name="sp", is_causal=True, **kw)
+
+  with jattn.testing.lowering_for("tpu"):  # None picks splash there: causal pairs
+    text = jax.jit(ring).trace(q).lower(lowering_platforms=("tpu",)).as_text()
+  assert "tpu_custom_call" in text
+  assert "tpu_custom_call" not in jax.jit(ring).trace(q).lower().as_text()  # CPU: blockwise
+  with pytest.raises(ValueError, match="needs a TPU"):
+    ring(q, implementation="splash")
+  with pytest.raises(ValueError, match="does not support lengths"):
+    ring(q, implementation="splash", query_seq_lengths=jnp.array([3]))
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    ring(q, implementation="xla")

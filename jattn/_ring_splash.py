@@ -1,0 +1,164 @@
+"""Ring attention's shard pairs through splash: one fused kernel per (query shard, key shard).
+
+Ring attention (:mod:`jattn.parallel`) attends each device's query shard to every key/value
+shard in turn. On a TPU each such pair can run splash's fused kernel instead of blockwise
+loops. Splash takes its masks as static tables, while a pair's mask depends on which shards
+meet (device i's queries against device j's keys). So the mask is tabulated for every pair
+(i, j) of the ring when the call is traced, identical tables share one kernel, pairs whose
+table is empty run nothing, and each ring step picks its pair's kernel with ``lax.switch``
+on the device and step indices. Segment ids travel as splash segment ids; the soft cap is
+the kernel's own.
+
+A pair's result is its normalised output and log-sum-exp; the ring merges them with the
+online-softmax rule. Its backward, given the merged output ``O`` and log-sum-exp ``L``,
+differentiates each pair through the kernel: with weights ``w = exp(lse_p - L)``, the
+pair's output receives ``w · dO`` and its log-sum-exp ``w · (dO · (O_p - O) + dL)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import masks, scores, testing
+from jattn.impl import splash
+from jattn.masks import _core, kinds
+
+
+@dataclasses.dataclass(frozen=True)
+class Pairs:
+  """Static: which kernel each (query shard, key shard) pair of a ring runs."""
+
+  table: tuple[tuple[int, ...], ...]  # [i][j]: index into tables, or -1 (nothing to attend)
+  tables: tuple[Any, ...]  # splash.StaticMask per distinct pair mask (None: every position)
+  block_q: int
+  block_kv: int
+  interpret: bool
+  key: str = ""  # digest of the tables, for hashing
+
+  def __hash__(self) -> int:
+    return hash((self.table, self.key, self.block_q, self.block_kv, self.interpret))
+
+
+def reason(mask) -> str | None:
+  """Why a ring's mask cannot go through splash per pair; None when it can."""
+  for part in _core.conjuncts(mask):
+    if isinstance(part, kinds.Lengths):
+      return "lengths (pass them as segment ids to ring attention with splash)"
+    if part.extents[0] is not None or part.extents[1] is not None:
+      return f"mask {part!r} varies over batch rows or heads"
+    if why := splash.mask_reason(part):
+      return why
+  return None
+
+
+def plan(mask, *, layout: str, size: int, q_len: int, kv_len: int, positions) -> Pairs:
+  """Tabulate ``mask`` (checked by :func:`reason`) for every pair of ``size`` shards."""
+  t, s = q_len // size, kv_len // size
+  dense: dict[bytes, int] = {}
+  tables: list = []
+  table = []
+  with jax.ensure_compile_time_eval():  # ring_attention may be traced inside jit
+    q_pos = [np.asarray(positions(layout, q_len, size, i)) for i in range(size)]
+    kv_pos = [np.asarray(positions(layout, kv_len, size, j)) for j in range(size)]
+  for i in range(size):
+    row = []
+    for j in range(size):
+      allowed = np.ones((t, s), bool)
+      if mask is not None:
+        with jax.ensure_compile_time_eval():
+          grid = masks.index_grid(1, 1, t, s)
+          got = masks.reindex(mask, q=q_pos[i], kv=kv_pos[j]).on_grid(grid)
+        allowed = np.broadcast_to(np.asarray(got)[0, 0], (t, s)).copy()
+      if not allowed.any():
+        row.append(-1)
+        continue
+      digest = allowed.tobytes() if not allowed.all() else b"all"
+      if digest not in dense:
+        dense[digest] = len(tables)
+        tables.append(None if digest == b"all" else splash.StaticMask([masks.from_array(allowed)]))
+      row.append(dense[digest])
+    table.append(tuple(row))
+  bq, bkv = splash.resolve_blocks(None, None, t, s)
+  key = hashlib.sha1(repr([hash(x) for x in tables]).encode()).hexdigest()
+  return Pairs(tuple(table), tuple(tables), bq, bkv, testing.interpreting(), key)
+
+
+def _spec(pairs: Pairs, table, query, key, q_ids, kv_ids, scale, soft_cap):
+  from jattn._spec import CallSpec  # the spec's home imports this module's callers
+
+  B, T, N, H = query.shape
+  S, K = key.shape[1], key.shape[2]
+  return CallSpec(
+    B=B,
+    T=T,
+    S=S,
+    N=N,
+    K=K,
+    H=H,
+    Hv=H,
+    unbatched=False,
+    bias=None,
+    mask=None if q_ids is None else masks.segments(q_ids, kv_ids),
+    score_fn=None if soft_cap is None else scores.soft_cap(soft_cap),
+    dropout_rng=None,
+    scale=scale,
+    dropout_rate=0.0,
+    broadcast_dropout=False,
+    implementation="splash",
+    backward=None,
+    block_q=pairs.block_q,
+    block_kv=pairs.block_kv,
+    return_residual=True,
+    interpret=pairs.interpret,
+    static_mask=table,
+  )
+
+
+def attend(pairs: Pairs, here, source, query, key, value, q_ids, kv_ids, *, scale, soft_cap):
+  """``(out, lse)`` of this device's queries against the key shard of ``source`` (float32
+  out; lse -inf where a row has nothing to attend to)."""
+  B, T, N, _ = query.shape
+  Hv = value.shape[-1]
+
+  def empty(q, k, v, q_ids, kv_ids):
+    return jnp.zeros((B, T, N, Hv), jnp.float32), jnp.full((B, T, N), -jnp.inf, jnp.float32)
+
+  def kernel(table):
+    def run(q, k, v, q_ids, kv_ids):
+      spec = _spec(pairs, table, q, k, q_ids, kv_ids, scale, soft_cap)
+      out, lse = splash.attention(q, k, v, spec)
+      return out.astype(jnp.float32), lse
+
+    return run
+
+  branches = [kernel(t) for t in pairs.tables] + [empty]
+  index = jnp.asarray(np.asarray(pairs.table, np.int32))[here, source]
+  index = jnp.where(index < 0, len(pairs.tables), index)
+  return jax.lax.switch(index, branches, query, key, value, q_ids, kv_ids)
+
+
+def as_partial(out, lse):
+  """A pair's ``(out, lse)`` as the ring's ``(out, m, l)`` (m = 0, l = 0 where empty)."""
+  live = jnp.isfinite(lse)
+  return out, jnp.where(live, lse, 0.0), live.astype(lse.dtype)
+
+
+def grads(pairs, here, source, query, key, value, q_ids, kv_ids, out, lse, d_out, d_lse, **kw):
+  """The pair's (dq, dk, dv) given the ring's merged ``out`` and ``lse`` and their
+  cotangents (see the module docstring)."""
+
+  def pair(q, k, v):
+    return attend(pairs, here, source, q, k, v, q_ids, kv_ids, **kw)
+
+  (o_p, lse_p), vjp = jax.vjp(pair, query, key, value)
+  w = jnp.where(jnp.isfinite(lse_p), jnp.exp(lse_p - jnp.where(jnp.isfinite(lse), lse, 0)), 0)
+  d_out = d_out.astype(jnp.float32)
+  d_o_p = w[..., None] * d_out
+  d_lse_p = w * (jnp.sum(d_out * (o_p - out.astype(jnp.float32)), axis=-1) + d_lse)
+  return vjp((d_o_p, d_lse_p.astype(lse_p.dtype)))
