@@ -147,3 +147,37 @@ def test_a_sharded_sequence_is_refused_by_the_kernels_naming_ring_attention():
       return q
 
     jax.jit(explain)(qs, ks, vs)
+
+
+def test_the_shard_map_wrapper_keeps_any_kernels_values():
+  # cuDNN cannot be traced without cuDNN; it goes through the same per_shard wrapper as
+  # splash in Explicit mode. Here the wrapper runs jattn's xla path as the per-device
+  # kernel, with a rank-4 bias broadcast over the batch and sinks: values, gradients and
+  # shardings as the unwrapped call.
+  from jattn import _spec
+  from jattn.attention import _rank4
+  from jattn.impl import _sharded, xla
+
+  q, k, v, ids, sinks = _inputs()
+  bias = jnp.asarray(np.random.default_rng(5).normal(size=(1, N, T, T)), jnp.float32)
+
+  def run(q, k, v, bias, wrap):
+    q, k, v, spec = _spec.build(q, k, v, bias, None, is_causal=True, implementation="xla")
+    spec = _rank4(spec)
+    if wrap:
+      return _sharded.per_shard(xla.attention, q, k, v, spec, auto=False)[0]
+    return xla.attention(q, k, v, spec)[0]
+
+  def loss(q, k, v, bias, wrap):
+    return jnp.sum(run(q, k, v, bias, wrap) ** 2)
+
+  want = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias, False)
+  with jax.set_mesh(MESH):
+    qs, ks, vs = (jax.device_put(x, NamedSharding(MESH, BTNH)) for x in (q, k, v))
+    bs = jax.device_put(bias, NamedSharding(MESH, P(None, "model", None, None)))
+    out = jax.jit(run, static_argnums=4)(qs, ks, vs, bs, True)
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)), static_argnums=4)(qs, ks, vs, bs, True)
+  assert _sharded_as(out, MESH, BTNH)
+  np.testing.assert_allclose(out, run(q, k, v, bias, False), atol=1e-5, rtol=1e-5)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
