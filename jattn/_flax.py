@@ -216,6 +216,28 @@ def check_call(
     )
 
 
+def check_sharding(name: str, sharding, shape: str) -> None:
+  """An ``out_sharding`` of a projection whose output has ``shape`` (letters, e.g.
+  ``"(B, T, F)"``): None, a PartitionSpec or a NamedSharding of at most one entry per
+  dimension."""
+  if sharding is None:
+    return
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    spec = sharding.spec
+  elif isinstance(sharding, jax.sharding.PartitionSpec):
+    spec = sharding
+  else:
+    raise TypeError(
+      f"{name} must be None, a jax.sharding.PartitionSpec or a NamedSharding, "
+      f"got {type(sharding).__name__}"
+    )
+  rank = shape.count(",") + 1
+  if len(spec) > rank:
+    raise ValueError(
+      f"{name} must have at most {rank} entries, one per dimension of {shape}, got {spec}"
+    )
+
+
 def resolve_deterministic(dropout_rate: float, call_value, module_value) -> bool:
   """Flax's rule: the call's flag, else the module's; required only when dropout is on."""
   if not dropout_rate:

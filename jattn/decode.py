@@ -71,6 +71,14 @@ dequantizes them tile by tile. Queries, keys and values are then any one floatin
 dtype, and the output has the query's. A quantized cache is for inference:
 gradients reach the query, not the keys and values stored in it.
 
+Sharding: under ``jax.set_mesh`` with Explicit axes, queries, keys and values sharded
+over the batch and the heads (say ``P("data", None, "model", None)``) give outputs of
+that sharding, and a contiguous cache takes the sharding of the keys and values written
+into it (a cache placed with ``jax.device_put`` keeps its own): each device holds and
+reads its own rows and heads, and a step moves nothing between devices. A paged cache's
+pool is shared by every row, so its heads are sharded but its pages are not, and each
+write gathers the new tokens over the batch.
+
 Example::
 
     >>> import jax.numpy as jnp
@@ -102,7 +110,7 @@ import numpy as np
 from jattn import _checks, _paging, _quant, _spec, masks
 from jattn import attention as _attention
 from jattn.attention import dot_product_attention
-from jattn.impl import _kv
+from jattn.impl import _common, _kv
 from jattn.impl import blockwise as _blockwise
 
 
@@ -468,13 +476,19 @@ def _over_tiles(query, cache: Cache, bias, mask, options):
     **dict(options, implementation="blockwise", block_kv=block_kv),
   )
   stores = (cache.key_pages, cache.value_pages) if isinstance(cache, PagedKVCache) else cache[:2]
+  # Explicit mode: the page table and lengths take the query's batch sharding, so that each
+  # device gathers the pages of its own rows from the (unsharded) pool.
+  rows = _common.sharding_spec(query)[:1]
+  page_table = None
+  if isinstance(cache, PagedKVCache):
+    page_table = _common.reshard(cache.page_table, (*rows, None), mesh_of=query)
   tiles = _kv.CacheTiles(
     key=stores[0],
     value=stores[1],
     key_scale=cache.key_scale,
     value_scale=cache.value_scale,
-    page_table=cache.page_table if isinstance(cache, PagedKVCache) else None,
-    lengths=cache.lengths,
+    page_table=page_table,
+    lengths=_common.reshard(cache.lengths, rows, mesh_of=query),
     dtype=np.dtype(query.dtype),
     block=min(spec.block_kv, S),  # as blockwise.plan caps it
   )
@@ -517,22 +531,50 @@ def _write(cache: Cache, key, value, num_new) -> Cache:
     )
     stored, scales = (k_q, v_q), (k_s, v_s)
 
-  def put(store, x) -> Any:
-    return None if x is None else jnp.asarray(store).at[at].set(x, mode="drop")
-
   if isinstance(cache, KVCache):
-    rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, t))
-    at = (rows, jnp.where(kept, pos, S))  # S and beyond are dropped by the scatter
+    # Row by row (a scatter batched over B): each row writes only its own slots, so a
+    # batch sharded in Explicit mode stays sharded. A cache whose type names mesh axes
+    # keeps them (the new tokens are resharded to it); one that names none (as init makes
+    # it) takes the sharding of the keys and values written into it.
+    slots = jnp.where(kept, pos, S)  # S and beyond are dropped by the scatter
+    put_row = jax.vmap(lambda store, at, x: store.at[at].set(x, mode="drop"))
+
+    def put_rows(store, x) -> Any:
+      if x is None:
+        return None
+      store = jnp.asarray(store)
+      src = store if any(_common.sharding_spec(store)) else x
+      spec = _common.sharding_spec(src)
+      spec = (spec[0], None, *spec[2:])  # slots are written along the sequence
+      store, x, at = (
+        _common.reshard(a, s, mesh_of=src)
+        for a, s in ((store, spec), (x, spec), (slots, spec[:1] + (None,)))
+      )
+      return put_row(store, at, x)
+
     return KVCache(
-      put(cache.key, stored[0]),
-      put(cache.value, stored[1]),
+      put_rows(cache.key, stored[0]),
+      put_rows(cache.value, stored[1]),
       new_lengths.astype(cache.lengths.dtype),
-      put(cache.key_scale, scales[0]),
-      put(cache.value_scale, scales[1]),
+      put_rows(cache.key_scale, scales[0]),
+      put_rows(cache.value_scale, scales[1]),
     )
   ps = cache.page_size
   page = jnp.take_along_axis(table, jnp.clip(pos // ps, 0, cache.max_pages_per_seq - 1), axis=1)
   at = (jnp.where(kept, page, cache.num_pages), pos % ps)
+
+  def put(store, x) -> Any:
+    if x is None:
+      return None
+    # Every row writes into the one pool of pages, so the new tokens are gathered over a
+    # batch sharded in Explicit mode; heads keep the pool's sharding, else take the keys'.
+    store = jnp.asarray(store)
+    src = store if _common.sharding_spec(store)[2] else x
+    spec = (None, None, _common.sharding_spec(src)[2], *(None,) * (x.ndim - 3))
+    store, x = (_common.reshard(a, spec, mesh_of=src) for a in (store, x))
+    pages, slots = (_common.reshard(i, (None, None), mesh_of=src) for i in at)
+    return store.at[pages, slots].set(x, mode="drop")
+
   return PagedKVCache(
     put(cache.key_pages, stored[0]),
     put(cache.value_pages, stored[1]),

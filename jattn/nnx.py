@@ -289,6 +289,8 @@ class MultiHeadAttention(nnx.Module):
     num_new: Any = None,
     sow_weights: bool = False,
     rngs: nnx.Rngs | nnx.RngStream | None = None,
+    out_sharding: Any = None,
+    qkv_sharding: Any = None,
   ):
     """Attend from ``inputs_q`` to ``inputs_kv`` (default: itself).
 
@@ -311,12 +313,22 @@ class MultiHeadAttention(nnx.Module):
         ``nnx.Intermediate`` ``attention_weights``; materialises them, so it
         needs ``implementation`` "xla" or None.
       rngs: dropout rng (default: the stream forked at construction).
+      out_sharding: the sharding of the output, passed to the output projection's
+        ``out_sharding`` (as in Flax's ``nnx.MultiHeadAttention``): a PartitionSpec or
+        NamedSharding of the (B, T, out_features) output, for meshes with Explicit
+        axes (``jax.set_mesh``). None: what JAX infers from the inputs.
+      qkv_sharding: the same for the query, key and value projections' outputs,
+        (B, T, N, H), (B, S, K, H) and (B, S, K, Hv): one spec for all three, e.g.
+        ``P("data", None, "model", None)`` for heads sharded over ``"model"``.
 
     Returns:
       (B, T, out_features) or (T, out_features).
     """
     cross = inputs_kv is not None
     _flax.check_inputs(inputs_q, inputs_kv, self.in_features, self.in_kv_features)
+    batch = "B, " if inputs_q.ndim == 3 else ""
+    _flax.check_sharding("qkv_sharding", qkv_sharding, f"({batch}T, N, H)")
+    _flax.check_sharding("out_sharding", out_sharding, f"({batch}T, F)")
     cache = self.cache if decode is True else None
     _flax.check_call(
       inputs_q=inputs_q,
@@ -344,7 +356,10 @@ class MultiHeadAttention(nnx.Module):
       dropout_rng = stream()
 
     kv_in = inputs_q if inputs_kv is None else inputs_kv
-    query, key, value = self.query(inputs_q), self.key(kv_in), self.value(kv_in)
+    query, key, value = (
+      proj(x, out_sharding=qkv_sharding)
+      for proj, x in ((self.query, inputs_q), (self.key, kv_in), (self.value, kv_in))
+    )
     if self.query_ln is not None:
       query, key = self.query_ln(query), self.key_ln(key)
     if cache is not None and not _flax.cache_accepts(cache, key.dtype):
@@ -382,7 +397,7 @@ class MultiHeadAttention(nnx.Module):
       self.sow(nnx.Intermediate, "attention_weights", weights)
     if new_cache is not None:
       self._write_cache(new_cache)
-    return self.out(out)
+    return self.out(out, out_sharding=out_sharding)
 
 
 def _sow(module, weights) -> None:

@@ -81,6 +81,7 @@ _SLOWEST_FIRST = (
   "test_splash.py",
   "test_parallel.py",
   "test_paged.py",
+  "test_sharding_explicit.py",
   "test_linen.py",
   "test_nnx.py",
   "test_adversarial.py",

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from jattn import _compat
+
 
 def stats_dtype(dtype) -> np.dtype:
   """Logits, maxima and sums: float32, or float64 for float64 inputs."""
@@ -136,6 +138,14 @@ def softmax(s: jax.Array, keep: jax.Array | None):
   saturates (y one-hot, so rowsum(y ⊙ g) is g at the hot position), where the chain rule
   leaves rounding noise that the scale then multiplies. ``l̇ = l · rowsum(y ⊙ ṡ)``; m is a
   constant (its choice cancels out of y and of m + log l).
+
+  ẏ is then projected once more, ``ẏ − y · rowsum(ẏ)`` (the same ẏ in exact arithmetic, where
+  rowsum(ẏ) is 0), so that the transpose first centres the cotangent, ``g' = g − rowsum(y ⊙ g)``,
+  and then forms ``y ⊙ (g' − rowsum(y ⊙ g'))``. In a nearly saturated row (y at the hot key
+  1 − δ, δ small but not 0) the one-pass form gets its δ·|g|-sized result by cancelling rounded
+  terms of size |g|: noise of an ulp of |g|, rounded as XLA happens to fuse the products and
+  sums (with or without a multiply-add), that the scale and |k| then multiply into dq and dk.
+  g' is small at the hot key, so the second pass has nothing large left to cancel.
   """
   p, m, l = unnormalized_softmax(s, keep)
   return p / safe_total(l), m, l
@@ -149,7 +159,52 @@ def _softmax_jvp(primals, tangents):
   if keep is not None:
     s_dot = jnp.where(keep, s_dot, 0)  # masked scores may be anything, even inf
   y_dot_s = jnp.sum(y * s_dot, axis=-1, keepdims=True)
-  return (y, m, l), (y * (s_dot - y_dot_s), jnp.zeros_like(m), l * y_dot_s)
+  y_dot = y * (s_dot - y_dot_s)
+  y_dot = y_dot - y * jnp.sum(y_dot, axis=-1, keepdims=True)  # transposed: g centred first
+  return (y, m, l), (y_dot, jnp.zeros_like(m), l * y_dot_s)
+
+
+def sharding_spec(x) -> tuple:
+  """The mesh axes each dimension of ``x`` is sharded over in its type (Explicit mode): one
+  entry per dimension, None where it is not sharded. All None in Auto mode and without a
+  mesh, where types carry no sharding."""
+  sharding = _compat.explicit_sharding(x)
+  spec = () if sharding is None else tuple(sharding.spec)
+  return spec + (None,) * (jnp.ndim(x) - len(spec))
+
+
+def sharded_as(spec, *, mesh_of) -> jax.sharding.NamedSharding:
+  """A NamedSharding of ``spec`` over the mesh of ``mesh_of``'s type, which names mesh axes
+  (Explicit mode): the mesh that ``out_sharding=`` and reshard need outside ``jax.set_mesh``
+  too."""
+  sharding = _compat.explicit_sharding(mesh_of)
+  assert sharding is not None, "mesh_of must be sharded over Explicit mesh axes"
+  return sharding.update(spec=jax.sharding.PartitionSpec(*spec))
+
+
+def reshard(x, spec, *, mesh_of) -> jax.Array:
+  """``x`` sharded in its type as ``spec`` says (one entry per dimension), over the mesh of
+  ``mesh_of``'s type; ``x`` unchanged where that is already so, and where neither names a
+  mesh axis (Auto mode, no mesh)."""
+  spec = tuple(spec)
+  if spec == sharding_spec(x):
+    return x
+  return jax.sharding.reshard(x, sharded_as(spec, mesh_of=mesh_of))
+
+
+def full(shape, fill_value, dtype, *, like: jax.Array, axes) -> jax.Array:
+  """``jnp.full(shape, fill_value, dtype)`` sharded as ``like`` is along ``axes``: one of
+  like's axes per dimension of ``shape``, or None for a dimension that is not sharded.
+
+  A loop's initial carry must have the sharding in types of what its body returns, and in
+  Explicit mode plain jnp.full is replicated. Where ``like``'s type names no mesh axis
+  (Auto mode, no mesh) this is plain jnp.full.
+  """
+  spec = sharding_spec(like)
+  parts = tuple(None if a is None else spec[a] for a in axes)
+  if not any(parts):
+    return jnp.full(shape, fill_value, dtype)
+  return jnp.full(shape, fill_value, dtype, out_sharding=sharded_as(parts, mesh_of=like))
 
 
 def row_max(m: jax.Array) -> jax.Array:

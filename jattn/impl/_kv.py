@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import _quant
-from jattn.impl import _tiling
+from jattn.impl import _common, _tiling
 
 
 class Stacked(NamedTuple):
@@ -126,9 +126,9 @@ class CacheTiles:
     if self.paged:
       pages = jnp.maximum(self._pages(j), 0)  # -1: past the row's length, zeroed below
       B, per_tile = pages.shape
-      x = store[pages].reshape(B, self.block, *store.shape[2:])
+      x = _gather_pages(store, pages).reshape(B, self.block, *store.shape[2:])
       if scale is not None:
-        scale = scale[pages].reshape(B, self.block, scale.shape[2])
+        scale = _gather_pages(scale, pages).reshape(B, self.block, scale.shape[2])
     elif self.kv_len % self.block == 0:
       x = jax.lax.dynamic_slice_in_dim(store, j * self.block, self.block, axis=1)
       if scale is not None:
@@ -173,6 +173,19 @@ class CacheTiles:
       page_table=None,
       lengths=None,
     )
+
+
+def _gather_pages(store, pages):
+  """``store[pages]``: pages (B, n) of a pool (P, page_size, ...) as (B, n, page_size, ...).
+
+  In Explicit mode the result is sharded as the page ids' rows and the pool's trailing
+  dimensions (heads) are, which JAX's gather cannot infer on its own; each device gathers
+  its own rows' pages from its share of the pool's heads."""
+  spec = (*_common.sharding_spec(pages), *_common.sharding_spec(store)[1:])
+  if not any(spec):
+    return store[pages]
+  src = pages if any(_common.sharding_spec(pages)) else store
+  return store.at[pages].get(out_sharding=_common.sharded_as(spec, mesh_of=src))
 
 
 def source(kv, block: int):

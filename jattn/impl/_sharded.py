@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jattn import _compat
+from jattn.impl import _common
 
 
 def _size(mesh, axes) -> int:
@@ -43,10 +44,7 @@ def _size(mesh, axes) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
-def _dims(x) -> tuple:
-  sharding = _compat.explicit_sharding(x)
-  spec = () if sharding is None else tuple(sharding.spec)
-  return spec + (None,) * (x.ndim - len(spec))
+_dims = _common.sharding_spec  # the mesh axes of each dimension (Explicit mode), else Nones
 
 
 def sequence_axes(query, key) -> tuple | None:

@@ -101,19 +101,35 @@ def seq_tiles(x, block: int):
   return x.reshape(B, n, block, K, H).transpose(1, 0, 3, 2, 4)
 
 
+def stack_heads(x, num_kv_heads: int):
+  """(..., N, block, X) -> (..., K, G · block, X): each key/value head's G query heads stacked
+  into one matrix.
+
+  Written as a split and a merge, two reshapes that JAX carries a sharding in types through
+  (Explicit mode: heads sharded over a mesh axis end up on K, or on G where K is too small).
+  """
+  *lead, N, block, X = x.shape
+  G = N // num_kv_heads
+  return x.reshape(*lead, num_kv_heads, G, block, X).reshape(*lead, num_kv_heads, G * block, X)
+
+
+def unstack_heads(x, num_heads: int):
+  """The inverse of :func:`stack_heads`: (..., K, G · block, X) -> (..., N, block, X)."""
+  *lead, K, rows, X = x.shape
+  G = num_heads // K
+  return x.reshape(*lead, K, G, rows // G, X).reshape(*lead, num_heads, rows // G, X)
+
+
 def query_tiles(x, block: int, num_kv_heads: int):
   """(B, T, N, H) -> (nq, B, K, G · block, H): each key/value head's G query heads stacked."""
-  tiles = seq_tiles(x, block)  # (nq, B, N, block, H)
-  nq, B, N, _, H = tiles.shape
-  return tiles.reshape(nq, B, num_kv_heads, (N // num_kv_heads) * block, H)
+  return stack_heads(seq_tiles(x, block), num_kv_heads)  # from (nq, B, N, block, H)
 
 
 def untile_queries(x, num_heads: int, length: int):
   """The inverse of :func:`query_tiles`: (nq, B, K, G · block, H) -> (B, T, N, H)."""
-  nq, B, K, rows, H = x.shape
-  block = rows * K // num_heads
-  x = x.reshape(nq, B, num_heads, block, H).transpose(1, 0, 3, 2, 4)
-  return x.reshape(B, nq * block, num_heads, H)[:, :length]
+  x = unstack_heads(x, num_heads).transpose(1, 0, 3, 2, 4)  # (B, nq, block, N, H)
+  B, nq, block, N, H = x.shape
+  return x.reshape(B, nq * block, N, H)[:, :length]
 
 
 def row_tiles(x, block: int):
@@ -189,7 +205,7 @@ def tile(
   s = jnp.einsum("BKrH,BKkH->BKrk", q_tile, k_tile, preferred_element_type=dtype)
   if not _common.scales_queries(q_tile.dtype):  # else the tiles come pre-scaled
     s = s * jnp.asarray(static.scale, dtype)
-  s = s.reshape(B, N, bq, bk)
+  s = unstack_heads(s, N)  # (B, N, bq, bk)
   if bias is not None:
     start, size = bias_window(bias, static, qi, ki)
     s = s + jax.lax.dynamic_slice(bias, start, size).astype(dtype)
@@ -223,9 +239,8 @@ def d_probs(tile: Tile, do_tile, v_tile, keep_scale, dtype):
   """dA = dY Vᵀ of one tile, (B, N, bq, bk), with dropout's kept weights and scale applied.
   The Δ pass and the gradient pass both take it from here, so Δ = rowsum(A ⊙ dA) sums the
   very dA that dS = A ⊙ (dA − Δ) subtracts it from."""
-  B, N, bq, bk = tile.s.shape
   d_p = jnp.einsum("BKrH,BKkH->BKrk", do_tile, v_tile, preferred_element_type=dtype)
-  d_p = d_p.reshape(B, N, bq, bk)
+  d_p = unstack_heads(d_p, tile.s.shape[1])
   return d_p if tile.drop is None else jnp.where(tile.drop, d_p * keep_scale, 0)
 
 

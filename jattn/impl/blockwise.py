@@ -254,20 +254,22 @@ def _forward(static: _tiling.Static, query, kv, bias, seed, rows: _tiling.Schedu
         p = jnp.where(tile.drop, p * keep_scale.astype(p.dtype), 0)
       pv = jnp.einsum(
         "BKrk,BKkH->BKrH",
-        p.reshape(B, K, G * bq, -1),
+        _tiling.stack_heads(p, K),
         tiles.value_tile(j),
         preferred_element_type=dtype,
       )
-      acc = acc * alpha.reshape(B, K, G * bq, 1) + pv
+      acc = acc * _tiling.stack_heads(alpha, K) + pv
       return acc, m_new, l
 
+    # Sharded as the query tiles (acc) and the query's batch and heads (m, l) are.
+    rows_like = dict(like=query, axes=(0, 2, None, None))
     init = (
-      jnp.zeros((B, K, G * bq, Hv), dtype),
-      jnp.full((B, N, bq, 1), -jnp.inf, dtype),
-      jnp.zeros((B, N, bq, 1), dtype),
+      _common.full((B, K, G * bq, Hv), 0, dtype, like=q_tile, axes=(0, 1, 2, None)),
+      _common.full((B, N, bq, 1), -jnp.inf, dtype, **rows_like),
+      _common.full((B, N, bq, 1), 0, dtype, **rows_like),
     )
     acc, m, l = _tiling.visit(rows, i, body, init)
-    out = acc / _common.safe_total(l).reshape(B, K, G * bq, 1)  # empty rows: acc is 0
+    out = acc / _tiling.stack_heads(_common.safe_total(l), K)  # empty rows: acc is 0
     return out, _common.row_max(m)[..., 0], l[..., 0]  # (B, K, G·bq, H), (B, N, bq) twice
 
   tile_ids = jnp.arange(q_tiles.shape[0], dtype=jnp.int32)
@@ -295,9 +297,6 @@ def _row_dots(
 ):
   """(rowsum(A ⊙ dA), rowsum(A) if ``with_sums`` else None) per row, each (nq, B, N, bq, 1):
   A recomputed from m and l, dA = dY Vᵀ."""
-  B, K, rows_per_tile, H = q_tiles.shape[1:]
-  bq = static.block_q
-  N = rows_per_tile // bq * K
   dtype = m.dtype
   keep_scale = _tiling.keep_scale(static, dtype)
 
@@ -314,7 +313,7 @@ def _row_dots(
       dot = dot + jnp.einsum("BNrk,BNrk->BNr", p, d_p)[..., None]
       return dot, None if total is None else total + jnp.sum(p, axis=-1, keepdims=True)
 
-    zeros = jnp.zeros((B, N, bq, 1), dtype)
+    zeros = jnp.zeros_like(m_i)  # (B, N, bq, 1)
     return _tiling.visit(rows, i, body, (zeros, zeros if with_sums else None))
 
   tile_ids = jnp.arange(q_tiles.shape[0], dtype=jnp.int32)
@@ -333,7 +332,6 @@ def _backward(
   bq, bk = static.block_q, static.block_kv
   tiles = _kv.source(kv, bk)
   K, Hv, v_dtype = tiles.heads
-  G = N // K
   dtype = _common.stats_dtype(query.dtype)
   keep_scale = _tiling.keep_scale(static, dtype)
 
@@ -396,7 +394,7 @@ def _backward(
       p = _common.normalized_exp(tile.s, m[i], l[i], tile.keep)  # A, normalised
       p_used = p if tile.drop is None else jnp.where(tile.drop, p * keep_scale, 0)
       do_tile = do_tiles[i]
-      d_v = d_v + jnp.einsum("BKrk,BKrH->BKHk", p_used.reshape(B, K, G * bq, bk), do_tile)
+      d_v = d_v + jnp.einsum("BKrk,BKrH->BKHk", _tiling.stack_heads(p_used, K), do_tile)
       d_p = _tiling.d_probs(tile, do_tile, v_tile, keep_scale, dtype)
       d_s = p * (d_p - delta[i])
       if tile.score_vjp is not None:
@@ -411,7 +409,7 @@ def _backward(
         )
       # dQ = scale · dS K and dK = scale · dSᵀ Q: with pre-scaled queries, dK needs no
       # product and dQ is scaled once at the end.
-      d_s = d_s.reshape(B, K, G * bq, bk)
+      d_s = _tiling.stack_heads(d_s, K)
       if not prescaled:
         d_s = d_s * jnp.asarray(static.scale, dtype)
       d_q = d_q.at[i].add(jnp.einsum("BKrk,BKkH->BKrH", d_s, k_tile.astype(dtype)))
@@ -420,17 +418,18 @@ def _backward(
 
     # dK and dV accumulate transposed, (H, block_kv) per head: contracting the query rows
     # into that layout ran about 1.7x faster than into (block_kv, H) with XLA's CPU dot.
-    zeros_k = jnp.zeros((B, K, H, bk), dtype)
-    zeros_v = jnp.zeros((B, K, Hv, bk), dtype)
+    kv_like = dict(like=k_tile, axes=(0, 1, None, None))
+    zeros_k = _common.full((B, K, H, bk), 0, dtype, **kv_like)
+    zeros_v = _common.full((B, K, Hv, bk), 0, dtype, **kv_like)
     d_k, d_v, d_q, d_bias, d_consts = _tiling.visit(
       cols, j, body, (zeros_k, zeros_v, d_q, d_bias, d_consts)
     )
     return (d_q, d_bias, d_consts), (d_k, d_v)
 
   init = (
-    jnp.zeros(q_tiles.shape, dtype),
-    None if bias is None else jnp.zeros(padded_bias.shape, dtype),
-    tuple(jnp.zeros(jnp.shape(c), dtype) for c, f in zip(score_consts, is_float) if f),
+    jnp.zeros_like(q_tiles, dtype),
+    None if bias is None else jnp.zeros_like(padded_bias, dtype),
+    tuple(jnp.zeros_like(c, dtype) for c, f in zip(score_consts, is_float) if f),
   )
   (d_q, d_bias, d_float), (d_k, d_v) = jax.lax.scan(
     kv_tile, init, jnp.arange(tiles.num_tiles, dtype=jnp.int32)

@@ -80,7 +80,13 @@ def as_rank(arr, rank: int) -> jax.Array:
 def at_batch(arr, b) -> jax.Array:
   """``arr[b]`` for per-batch values given as a scalar or (Bm,); Bm == 1 broadcasts."""
   arr = jnp.asarray(arr).reshape(-1)
-  return arr[b] if arr.shape[0] > 1 else arr[0]
+  if arr.shape[0] == 1:
+    return arr[0]
+  if _is_iota(b, arr.shape[0]):
+    # Every batch row in order: a reshape, not a gather by b, so a batch sharded in Explicit
+    # mode stays sharded (a gather's sharding is ambiguous there).
+    return arr.reshape(jnp.shape(b))
+  return arr[b]
 
 
 def batch_index(arr) -> jax.Array:

@@ -64,16 +64,20 @@ UNSURE: Bounds = (np.ones((1, 1, 1, 1), bool), np.zeros((1, 1, 1, 1), bool))
 def tile_reduce(x: jax.Array, axis: int, block: int, length: int, fill, reducer) -> jax.Array:
   """Reduce ``x`` over tiles of ``block`` along ``axis``; size-1 axes stay size 1.
 
-  ``fill`` pads the last tile: a constant, or a ``jnp.pad`` mode such as ``"edge"``.
+  ``fill`` pads the last tile: a constant, or ``"edge"`` (the last entry repeated).
   """
   if x.shape[axis] == 1:
     return x
   n_tiles = -(-length // block)
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, n_tiles * block - length)
-  if isinstance(fill, str):
-    x = jnp.pad(x, pad, mode=fill)
-  else:
+  extra = n_tiles * block - length
+  if extra and fill == "edge":
+    # Along ``axis`` only: jnp.pad's "edge" mode slices every axis, which a batch axis
+    # sharded in Explicit mode cannot take.
+    last = jax.lax.slice_in_dim(x, length - 1, length, axis=axis)
+    x = jnp.concatenate([x, jnp.repeat(last, extra, axis=axis)], axis=axis)
+  elif extra:
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, extra)
     x = jnp.pad(x, pad, constant_values=fill)
   x = x.reshape(x.shape[:axis] + (n_tiles, block) + x.shape[axis + 1 :])
   return reducer(x, axis=axis + 1)
