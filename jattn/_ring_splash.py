@@ -120,7 +120,7 @@ def _spec(pairs: Pairs, table, query, key, q_ids, kv_ids, scale, soft_cap):
   )
 
 
-def attend(pairs: Pairs, here, source, query, key, value, q_ids, kv_ids, *, scale, soft_cap):
+def attend(query, key, value, q_ids, kv_ids, *, pairs: Pairs, here, source, scale, soft_cap):
   """``(out, lse)`` of this device's queries against the key shard of ``source`` (float32
   out; lse -inf where a row has nothing to attend to)."""
   B, T, N, _ = query.shape
@@ -149,12 +149,12 @@ def as_partial(out, lse):
   return out, jnp.where(live, lse, 0.0), live.astype(lse.dtype)
 
 
-def grads(pairs, here, source, query, key, value, q_ids, kv_ids, out, lse, d_out, d_lse, **kw):
+def grads(query, key, value, q_ids, kv_ids, out, lse, d_out, d_lse, **settings):
   """The pair's (dq, dk, dv) given the ring's merged ``out`` and ``lse`` and their
   cotangents (see the module docstring)."""
 
   def pair(q, k, v):
-    return attend(pairs, here, source, q, k, v, q_ids, kv_ids, **kw)
+    return attend(q, k, v, q_ids, kv_ids, **settings)
 
   (o_p, lse_p), vjp = jax.vjp(pair, query, key, value)
   w = jnp.where(jnp.isfinite(lse_p), jnp.exp(lse_p - jnp.where(jnp.isfinite(lse), lse, 0)), 0)

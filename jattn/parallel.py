@@ -439,6 +439,18 @@ def _pair_plan(ring: _Ring, query, key, q_ids, kv_ids, mask, source) -> blockwis
   )
 
 
+def _pair_settings(ring: _Ring, step) -> dict:
+  """What :mod:`jattn._ring_splash` needs of ring step ``step`` on this device."""
+  here = jax.lax.axis_index(ring.axis_name)
+  return dict(
+    pairs=ring.pairs,
+    here=here,
+    source=_source(ring, step),
+    scale=ring.scale,
+    soft_cap=ring.soft_cap,
+  )
+
+
 def _source(ring: _Ring, step):
   """The device whose key/value shard this device holds at ring step ``step``."""
   return (jax.lax.axis_index(ring.axis_name) - step) % ring.size
@@ -477,19 +489,7 @@ def _forward(ring: _Ring, query, key, value, q_ids, kv_ids, mask):
   def attend(step, kv):
     k, v, ids = kv
     if ring.pairs is not None:
-      here = jax.lax.axis_index(ring.axis_name)
-      pair = _ring_splash.attend(
-        ring.pairs,
-        here,
-        _source(ring, step),
-        query,
-        k,
-        v,
-        q_ids,
-        ids,
-        scale=ring.scale,
-        soft_cap=ring.soft_cap,
-      )
+      pair = _ring_splash.attend(query, k, v, q_ids, ids, **_pair_settings(ring, step))
       return _ring_splash.as_partial(*pair)
     plan = _pair_plan(ring, query, k, q_ids, ids, mask, _source(ring, step))
     return blockwise.forward(plan, query, k, v)
@@ -516,23 +516,8 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
   def grads(step, kv):
     k, v, ids = kv
     if ring.pairs is not None:
-      here = jax.lax.axis_index(ring.axis_name)
-      return _ring_splash.grads(
-        ring.pairs,
-        here,
-        _source(ring, step),
-        query,
-        k,
-        v,
-        q_ids,
-        ids,
-        out,
-        lse,
-        d_out,
-        d_lse,
-        scale=ring.scale,
-        soft_cap=ring.soft_cap,
-      )
+      settings = _pair_settings(ring, step)
+      return _ring_splash.grads(query, k, v, q_ids, ids, out, lse, d_out, d_lse, **settings)
     plan = _pair_plan(ring, query, k, q_ids, ids, mask, _source(ring, step))
     d_q, d_k, d_v, _ = blockwise.backward(plan, query, k, v, out, m, l, d_out, d_lse)
     return d_q, d_k, d_v

@@ -287,10 +287,13 @@ def _check_saturated(case, dtype, rule, gap_key=None):
 
 # Cells of test_saturated_softmax_gradients_no_worse_than_jax_nn that miss the target, and the
 # quantities that miss it. In a saturated row jax.nn's gradient cancels exactly (one-hot y, so
-# rowsum(y ⊙ g) is exactly g at the hot key) and its error is 0. The xla rules' backward
-# recomputes (autodiff: XLA rematerialises) scores whose last bit differs from the forward's
-# where XLA's CPU backend fuses scale · x − m into one multiply-add, so the hot key's weight is
-# 1 ± ε and its gradient keeps ε · scale · |k|. Blockwise sums Δ = rowsum(A ⊙ dA) exactly as
+# rowsum(y ⊙ g) is exactly g at the hot key) and its error is 0. The custom_vjp rule's backward
+# recomputes scores whose last bit differs from the forward's where XLA's CPU backend fuses
+# scale · x − m into one multiply-add, so the hot key's weight is 1 ± ε and its gradient keeps
+# ε · scale · |k|. The autodiff rule keeps the forward's weights and centres the cotangent
+# before the softmax's transpose (_common.softmax); its dq in float16 at x100 (4.3e-5) is the
+# float64 formula's own change under the cotangent's rounding (4.2e-5), which jax.nn's error
+# (2.5e-5) falls short of. Blockwise sums Δ = rowsum(A ⊙ dA) exactly as
 # jax.nn does and meets the target except in float16 at x100, where its dq is 1.8x jax.nn's
 # against this float32 reference, with float32 tiles (a CPU) and narrow ones (a GPU) alike
 # (experiments/accuracy.py, against float64, has it within).
