@@ -29,6 +29,13 @@ def test_meets_target(dtype, case, rule, quantity):
   e = acc.evaluate(case, dtype, rule)[quantity]
   assert e["error"] is None, f"{dtype} {case} {rule}: raises {e['error']}"
   allowed = acc.target(e["jax_nn_err"], e["size"], acc.DTYPES[dtype])
+  if dtype == "f32":
+    # In float32 both errors sit at the rounding floor (a few ulps), where the machine's
+    # FMA contraction and vector width decide the last bits: the same code measured blockwise
+    # dq 1.23x jax.nn's error on one x86 CPU and 1.6x on an AMD EPYC (7.8e-7, 6.6 ulps of
+    # its largest |reference| 1.92). Two ulps of room keep the cell about the code, not the
+    # machine; the bfloat16 cells keep the target as it is.
+    allowed += 2 * acc.ulp(e["size"], np.float32)
   assert e["err"] <= allowed, (
     f"{dtype} {case} {rule} {quantity}: error {e['err']:.3g} vs jax.nn's {e['jax_nn_err']:.3g} "
     f"(ratio {e['err'] / e['jax_nn_err'] if e['jax_nn_err'] else np.inf:.3g}); allowed "

@@ -293,10 +293,10 @@ def _check_saturated(case, dtype, rule, gap_key=None):
 # ε · scale · |k|. The autodiff rule keeps the forward's weights and centres the cotangent
 # before the softmax's transpose (_common.softmax); its dq in float16 at x100 (4.3e-5) is the
 # float64 formula's own change under the cotangent's rounding (4.2e-5), which jax.nn's error
-# (2.5e-5) falls short of. Blockwise sums Δ = rowsum(A ⊙ dA) exactly as
-# jax.nn does and meets the target except in float16 at x100, where its dq is 1.8x jax.nn's
-# against this float32 reference, with float32 tiles (a CPU) and narrow ones (a GPU) alike
-# (experiments/accuracy.py, against float64, has it within).
+# (2.5e-5) falls short of. Blockwise sums Δ = rowsum(A ⊙ dA) exactly as jax.nn does and meets
+# the target except in float16 at x100, where its dq is 1.8x jax.nn's against this float32
+# reference, with float32 tiles (a CPU) and narrow ones (a GPU) alike (experiments/accuracy.py,
+# against float64, has it within).
 _GAPS = {
   ("x100", "float16", "autodiff"): ("dq",),
   ("x100", "float16", "custom_vjp"): ("dq", "dk"),
