@@ -98,11 +98,15 @@ def test_bfloat16_error_no_worse_than_the_materialised_paths(cap):
   """bfloat16 inputs, errors against a float32 evaluation of the same (rounded) inputs:
   splash's no worse than jax.nn's. jax.nn has no soft cap; there the peer is jattn's xla
   path, which keeps the capped logits' gradient in float32, while splash rounds it to
-  bfloat16 before the dq and dk matmuls (as flash kernels do): its dq error runs up to
-  about 1.6 times xla's (computing in bfloat16, as on a TPU), so the bound there is 2
-  times. H = 64 makes the scale a power of two; splash takes the query pre-scaled, in
-  bfloat16, and with other scales (H = 32) that rounding made its dv error 1.6 times
-  jax.nn's here (see docs/implementations.md)."""
+  bfloat16 before the dq and dk matmuls (as flash kernels do): its dk error is 2.3 times
+  xla's (computing in bfloat16, as on a TPU; 0.0129 against 0.0055), so the bound there is
+  2.5 times. It was 2 times while xla's autodiff rule formed the softmax's transpose in one
+  pass, whose rounding noise (0.0059 here) the bound had been measured against (passing by
+  a hair: 0.01286 against 0.01288); since xla centres the cotangent first
+  (_common.softmax) it is the more accurate peer, and splash's own error is unchanged.
+  H = 64 makes the scale a power of two; splash takes the query pre-scaled, in bfloat16,
+  and with other scales (H = 32) that rounding made its dv error 1.6 times jax.nn's here
+  (see docs/implementations.md)."""
   q, k, v = (x.astype(jnp.bfloat16) for x in _inputs())
   kw = dict(is_causal=True, logits_soft_cap=cap)
 
@@ -130,7 +134,7 @@ def test_bfloat16_error_no_worse_than_the_materialised_paths(cap):
     theirs = run(peer, q, k, v)
   for name, g, t, r in zip(["out", "dq", "dk", "dv"], got, theirs, ref):
     err, peer_err = np.abs(g - r).max(), np.abs(t - r).max()
-    assert err <= (1.25 if cap is None else 2.0) * peer_err + 1e-3, (name, err, peer_err)
+    assert err <= (1.25 if cap is None else 2.5) * peer_err + 1e-3, (name, err, peer_err)
 
 
 def test_splash_lowers_to_the_tpu_kernel_from_a_cpu():
