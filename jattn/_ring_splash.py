@@ -18,7 +18,6 @@ pair's output receives ``w · dO`` and its log-sum-exp ``w · (dO · (O_p - O) +
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Any
 
 import jax
@@ -39,10 +38,6 @@ class Pairs:
   block_q: int
   block_kv: int
   interpret: bool
-  key: str = ""  # digest of the tables, for hashing
-
-  def __hash__(self) -> int:
-    return hash((self.table, self.key, self.block_q, self.block_kv, self.interpret))
 
 
 def reason(mask) -> str | None:
@@ -85,8 +80,7 @@ def plan(mask, *, layout: str, size: int, q_len: int, kv_len: int, positions) ->
       row.append(dense[digest])
     table.append(tuple(row))
   bq, bkv = splash.resolve_blocks(None, None, t, s)
-  key = hashlib.sha1(repr([hash(x) for x in tables]).encode()).hexdigest()
-  return Pairs(tuple(table), tuple(tables), bq, bkv, testing.interpreting(), key)
+  return Pairs(tuple(table), tuple(tables), bq, bkv, testing.interpreting())
 
 
 def _spec(pairs: Pairs, table, query, key, q_ids, kv_ids, scale, soft_cap):

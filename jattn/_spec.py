@@ -197,18 +197,18 @@ def build(
     blocks_named=blocks != (None, None),
     sequence_sharded=_sharded.sequence_axes(q, k) or (),
   )
-  choice = _select.choose(call, impl, bwd, interpret=spec.interpret, detail=explain)
   # implementation=None follows the platform the program is lowered for (unless a backend is
-  # named): the fused kernels in their platforms' branches, the portable choice elsewhere.
+  # named): the fused kernels in their platforms' branches, the portable choice elsewhere
+  # (explain reports what runs on the backend itself, fused kernel included).
   routes = {}
   if impl is None and target is None:
     routes = _select.routes(call, bwd, traceable_gpu=call.backend == "gpu")
+  fused = explain or not routes
+  choice = _select.choose(call, impl, bwd, interpret=spec.interpret, detail=explain, fused=fused)
   if explain:
     here = _select.PLATFORMS[call.backend]
     elsewhere = {p: c.implementation for p, c in routes.items() if p not in here}
     return dataclasses.replace(choice, elsewhere=elsewhere)
-  if routes:
-    choice = _select.choose(call, impl, bwd, fused=False)
   spec = _for_choice(spec, choice, blocks, q.dtype, call.backend)
   if routes:
     specs = tuple(_for_choice(spec, c, blocks, q.dtype, c.backend) for c in routes.values())

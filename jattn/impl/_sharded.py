@@ -72,7 +72,7 @@ def per_shard(
     return attend(query, key, value, spec)
   mesh = sharding.mesh
   b, _, n, _ = _dims(query)
-  n = _head_axes(mesh, n, spec, heads_whole)
+  n = _head_axes(mesh, n, spec.N, spec.K, heads_whole)
   if b is None and n is None:
     return attend(query, key, value, spec)
   kn = n if spec.K > 1 else None
@@ -102,10 +102,11 @@ def per_shard(
   return run(query, key, value, spec)
 
 
-def _head_axes(mesh, n, spec, heads_whole: bool):
-  """``n`` (the mesh axes sharding the query heads) if the kernel can take that share."""
+def _head_axes(mesh, n, N: int, K: int, heads_whole: bool):
+  """``n`` (the mesh axes sharding the N query heads; K key/value heads) if the kernel can
+  take that share, else None."""
   size = _size(mesh, n)
-  if heads_whole or spec.N % size or (spec.K > 1 and spec.K % size):
+  if heads_whole or N % size or (K > 1 and K % size):
     return None
   return n
 
@@ -252,11 +253,13 @@ def _rule(fn: Callable, roles_in: tuple, roles_out: tuple, rules: tuple) -> Call
 def _define(wrapped, lower, roles_in, roles_out, N, K, heads_whole):
   """The partitioning rule of :func:`_rule`."""
 
+  def axes(mesh, query_sharding):
+    """(batch axes, head axes) of the query's sharding that the kernel takes."""
+    spec = tuple(getattr(query_sharding, "spec", ())) + (None,) * 4
+    return spec[0], _head_axes(mesh, spec[2], N, K, heads_whole)
+
   def specs(mesh, query_sharding, roles):
-    spec = getattr(query_sharding, "spec", ())
-    spec = tuple(spec) + (None,) * (4 - len(spec))
-    b = spec[0]
-    n = _head_axes(mesh, spec[2], _Heads(N, K), heads_whole)
+    b, n = axes(mesh, query_sharding)
     kn = n if K > 1 else None
     by_role = {
       "q": P(b, None, n, None),
@@ -270,17 +273,16 @@ def _define(wrapped, lower, roles_in, roles_out, N, K, heads_whole):
     }
     return tuple(NamedSharding(mesh, by_role[r]) for r in roles)
 
+  first = roles_in.index("q")  # the query follows the hoisted constants
+
   def infer(mesh, arg_shapes, result_shape):
     del result_shape
-    return specs(mesh, arg_shapes[roles_in.index("q")].sharding, roles_out)
-
-  first = roles_in.index("q")  # the query follows the hoisted constants
+    return specs(mesh, arg_shapes[first].sharding, roles_out)
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
     sharding = arg_shapes[first].sharding
-    spec = tuple(getattr(sharding, "spec", ())) + (None,) * 4
-    n = _head_axes(mesh, spec[2], _Heads(N, K), heads_whole)
+    _, n = axes(mesh, sharding)
     run = lower
     if K == 1 and n is not None and ("k" in roles_out or "v" in roles_out):
       # The one key/value head is whole on every device, and each device's gradient for it
@@ -309,11 +311,3 @@ def _define(wrapped, lower, roles_in, roles_out, N, K, heads_whole):
   wrapped.def_partition(
     partition=partition, infer_sharding_from_operands=infer, sharding_rule=sharding_rule
   )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Heads:
-  """The head counts :func:`_head_axes` reads from a spec."""
-
-  N: int
-  K: int
