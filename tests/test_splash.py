@@ -50,6 +50,13 @@ CASES = {
   "array_and_strided": dict(mask=masks.strided(3) | masks.from_array(np.eye(T, S, dtype=bool))),
   "per_head_array": dict(mask=PER_HEAD),
   "global_not": dict(mask=masks.global_tokens(4) & ~masks.causal(offset=-60)),
+  # ids at both ends of int32, with padding and lengths: nothing may wrap into a real id
+  "extreme_ids_and_lengths": dict(
+    segment_ids=jnp.asarray(
+      [[-(2**31)] * 50 + [2**31 - 2] * 86, [2**31 - 1] * 70 + [-(2**31) + 1] * 66], jnp.int32
+    ),
+    key_value_seq_lengths=jnp.array([130, 100]),
+  ),
   "docs_and_lengths": dict(
     segment_ids=_docs(),
     is_causal=True,

@@ -284,8 +284,8 @@ def _splash_mask(static, N: int, T: int, S: int, shape):
 
 def _segment_ids(dynamic, B: int, T: int, S: int, Tp: int, Sp: int):
   """(q ids (B, Tp), kv ids (B, Sp)) int32 carrying segments, lengths and padding; None when
-  nothing needs them. A position that may not take part gets an id below every real one
-  (one lower for queries, two lower for keys), so it matches nothing, not even another."""
+  nothing needs them. Real ids are renumbered 0, 1, ... (:func:`_dense`); a position that
+  may not take part gets -1 (queries) or -2 (keys), so it matches nothing, not even another."""
   segments = next((p for p in dynamic if isinstance(p, kinds.Segments)), None)
   lengths = next((p for p in dynamic if isinstance(p, kinds.Lengths)), None)
   if segments is None and lengths is None and (Tp, Sp) == (T, S):
@@ -304,8 +304,24 @@ def _segment_ids(dynamic, B: int, T: int, S: int, Tp: int, Sp: int):
       limit = jnp.broadcast_to(jnp.asarray(limit), (B,))[:, None]
       valid = valid & (jnp.arange(padded)[None, :] < limit)
     ok.append(valid)
-  low = jnp.minimum(ids[0].min(), ids[1].min())
-  return jnp.where(ok[0], ids[0], low - 1), jnp.where(ok[1], ids[1], low - 2)
+  q_ids, kv_ids = _dense(ids[0], ids[1])
+  return jnp.where(ok[0], q_ids, -1), jnp.where(ok[1], kv_ids, -2)
+
+
+def _dense(q_ids, kv_ids):
+  """The ids renumbered per batch row as ranks 0, 1, ... among that row's distinct ids.
+
+  Only equality reaches the kernel, and ranks keep it while leaving every negative id
+  free: any int32 id works, including ids at int32's ends, where ``min(ids) - 1`` would
+  wrap onto a real one."""
+  both = jnp.concatenate([q_ids, kv_ids], axis=1)
+  order = jnp.argsort(both, axis=1)
+  ordered = jnp.take_along_axis(both, order, axis=1)
+  new = jnp.concatenate([ordered[:, :1] != ordered[:, :1], ordered[:, 1:] != ordered[:, :-1]], 1)
+  rank = jnp.cumsum(new, axis=1, dtype=jnp.int32)
+  rows = jnp.arange(both.shape[0])[:, None]
+  dense = jnp.zeros_like(rank).at[rows, order].set(rank)
+  return dense[:, : q_ids.shape[1]], dense[:, q_ids.shape[1] :]
 
 
 def soft_cap_of(score_fn) -> float | None:
