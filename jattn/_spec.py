@@ -150,7 +150,7 @@ def build(
   B, T, N, H = (1,) * unbatched + tuple(q.shape)
   S, K = k.shape[-3], k.shape[-2]
   scale = _checks.scale(scale, H)
-  bias = checked_bias(bias, (B, N, T, S))
+  bias = checked_bias(bias, (B, N, T, S), q.dtype)
   _checks.flags(
     is_causal=is_causal, return_residual=return_residual, broadcast_dropout=broadcast_dropout
   )
@@ -255,14 +255,18 @@ def combined_mask(mask, is_causal, window, lengths, segment_ids, unbatched, bnts
   return combined
 
 
-def checked_bias(bias, bnts):
-  """``bias`` checked: a floating array broadcastable to (B, N, T, S); None stays None."""
+def checked_bias(bias, bnts, query_dtype):
+  """``bias`` checked: a floating or integer array broadcastable to (B, N, T, S), an integer
+  one cast to the logits' dtype (``promote_types(query_dtype, float32)``, as jax.nn adds it
+  to its logits); None stays None. A boolean bias is refused: it would add 1 where True."""
   if bias is None:
     return None
   bias = _checks.as_array("bias", bias)
+  if jnp.issubdtype(bias.dtype, jnp.integer):
+    bias = bias.astype(jnp.promote_types(query_dtype, np.float32))
   if not jnp.issubdtype(bias.dtype, jnp.floating):
     hint = "; pass boolean masks as mask" if bias.dtype == np.bool_ else ""
-    raise TypeError(f"bias must have a floating dtype, got {bias.dtype}{hint}")
+    raise TypeError(f"bias must have a floating or integer dtype, got {bias.dtype}{hint}")
   if bias.ndim > 4:
     raise ValueError(f"bias must be broadcastable to (B, N, T, S)={bnts}, got shape {bias.shape}")
   shape = (1,) * (4 - bias.ndim) + tuple(bias.shape)

@@ -77,7 +77,8 @@ def dot_product_attention(
     key: (B, S, K, H) or (S, K, H), same dtype as query; N % K == 0.
     value: same shape and dtype as key.
     bias: optional float array added to the scaled logits, broadcastable to
-      (B, N, T, S) (lower ranks get leading 1s). Differentiable.
+      (B, N, T, S) (lower ranks get leading 1s). Differentiable. An integer bias is
+      cast to the logits' dtype first, as jax.nn adds it; a boolean one is refused.
     mask: optional boolean array broadcastable to (B, N, T, S), True meaning
       "may attend", or a :class:`jattn.masks.Mask`.
     scale: logit scale, default ``1 / sqrt(H)`` (1 when H == 0: every logit is 0).

@@ -403,3 +403,26 @@ def test_attention_weights_errors(kwargs, error, match):
   args.update(kwargs)
   with pytest.raises(error, match=match):
     jattn.attention_weights(**args)
+
+
+@pytest.mark.parametrize("rule", [*RULES, "default"])
+@pytest.mark.parametrize(
+  "dtype, bias_dtype", [(jnp.float32, jnp.int32), (jnp.bfloat16, jnp.uint8)], ids=["i32", "u8"]
+)
+def test_integer_bias_is_promoted_as_jax_nn_promotes_it(rule, dtype, bias_dtype):
+  """jax.nn adds an integer bias to its float32 logits (int + float32 is float32); so does
+  jattn, with the same values and gradients as the bias cast to float32 by hand."""
+  q, k, v = (normal((2, 5, 2, 4), dtype, seed) for seed in (0, 1, 2))
+  bias = jnp.asarray(np.random.default_rng(3).integers(-3, 4, (2, 1, 5, 5)) % 7, bias_dtype)
+  kw = RULES.get(rule, {})
+  got = jattn.dot_product_attention(q, k, v, bias, **kw)
+  want = jax.nn.dot_product_attention(q, k, v, bias)
+  assert got.dtype == want.dtype
+  np.testing.assert_array_equal(
+    got, jattn.dot_product_attention(q, k, v, bias.astype(jnp.float32), **kw)
+  )
+  assert_close(got, want, dtype)
+  grad = lambda b: jax.grad(
+    lambda q: jattn.dot_product_attention(q, k, v, b, **kw).astype(jnp.float32).sum()
+  )(q)
+  np.testing.assert_array_equal(grad(bias), grad(bias.astype(jnp.float32)))

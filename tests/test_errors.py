@@ -75,7 +75,7 @@ BAD_INPUTS = [
     "bias_bool",
     dict(bias=jnp.zeros((T, S), bool)),
     TypeError,
-    r"bias must have a floating dtype, got bool; pass boolean masks as mask",
+    r"bias must have a floating or integer dtype, got bool; pass boolean masks as mask",
   ),
   (
     "mask_dtype",
