@@ -362,7 +362,8 @@ def init_cache(
 
   ``dtype`` is used when ``options.dtype`` is None. A paged cache gives each row
   ``ceil(max_length / page_size)`` pages (its max_length rounded up to whole pages) from a
-  pool of ``num_pages`` pages, by default enough for every row to fill.
+  pool of ``num_pages`` pages, by default enough for every row to fill; masks sized to
+  ``max_length`` still fit it (:func:`jattn.decode.attention` pads them to whole pages).
   """
   batch_size = _checks.integer("batch_size", batch_size, minimum=1)
   max_length = _checks.integer("max_length", max_length, minimum=1)

@@ -30,7 +30,8 @@ hold, not ``max_length``, and the cache is never copied. ``implementation="xla"`
 Overflow: a row cannot hold more than ``max_length`` tokens. When the lengths
 and ``num_new`` are concrete (eager calls), writing past ``max_length`` raises
 ValueError. Under ``jax.jit`` they are traced and cannot be checked: tokens
-past ``max_length`` are dropped and the lengths saturate at ``max_length``.
+past ``max_length`` are dropped and the lengths saturate at ``max_length``; the
+dropped tokens' queries return zeros (and get zero gradients), like padded rows.
 Check ``cache.lengths`` on the host between steps, or wrap the step with
 ``jax.experimental.checkify``, if a request may run that long.
 
@@ -55,13 +56,17 @@ Attention over a paged cache runs blockwise, with a key/value tile of
 ``block_kv`` slots made of whole pages: a tile's pages are gathered only when the
 schedule visits it, and tiles past every row's length are never visited, so a
 step's work and memory grow with the pages in use, not with
-``max_pages_per_seq``.
+``max_pages_per_seq``. A mask or bias array given to :func:`attention` may be sized
+to a max_length that rounds up to the rows' pages (say 10 slots for rows of 3 pages
+of 4): it is padded to the rows' length, the slots past it masked, so the same mask
+fits a contiguous cache of that max_length and a paged one.
 
 Running out of pages: when the lengths, ``num_new``, page table and pool are
 concrete, a write that needs more pages than are free raises ValueError. Under
 ``jax.jit`` rows get pages in batch order, free pages in ascending order; a row
 that finds the pool empty keeps the tokens its pages hold and drops the rest, its
-length capped as at overflow. Check ``cache.free.sum()`` or ``cache.lengths`` on
+length capped as at overflow; the dropped tokens' queries return zeros, like padded
+rows. Check ``cache.free.sum()`` or ``cache.lengths`` on
 the host between steps.
 
 Quantized caches: ``dtype=jnp.int8`` or ``jnp.float8_e4m3fn`` in :func:`init` or
@@ -375,7 +380,9 @@ def attention(
       key and value must have its B, K, H and dtype (any one floating dtype for
       a quantized cache).
     num_new: None or int array (B,): as in :func:`update`; query rows at or
-      past ``num_new[b]`` are padding and return zeros.
+      past ``num_new[b]`` are padding and return zeros, and so do the rows of
+      tokens dropped under jit (overflow, or a pool out of pages; see the
+      module docstring).
     scale, score_fn, logits_soft_cap, dropout_rate, dropout_rng: as in
       :func:`jattn.dot_product_attention`, and so are broadcast_dropout,
       implementation, backward, block_q, block_kv, return_residual and
@@ -387,12 +394,16 @@ def attention(
       the cache tile by tile, visiting only tiles some row has reached, with
       no copy of the cache; ``implementation="xla"`` or
       ``backward="autodiff"`` materialise a float contiguous cache's keys and
-      values instead. A paged or quantized cache is read tile by tile only,
+      values instead. A paged or quantized cache is read tile by tile only
+      (so ``backward="autodiff"``, which has no rule for that, is refused),
       and a paged cache's ``block_kv`` is a multiple of its page size.
     bias: float array broadcastable to (B, N, t, max_length), added to the logits.
     mask: a :class:`jattn.masks.Mask` or boolean array broadcastable to
       (B, N, t, max_length), combined with the causal cache mask by ``&``.
-      Index-based masks see the same indices as ``score_fn``.
+      Index-based masks see the same indices as ``score_fn``. With a paged cache, a
+      mask or bias array may also be sized to fewer slots that reach into the rows'
+      last page (the max_length asked for, before it was rounded up to whole
+      pages): it is padded, and the slots past it are masked.
 
   Returns:
     ``(out, new_cache)`` with out (B, t, N, Hv) in the query's dtype, or
@@ -402,6 +413,9 @@ def attention(
   key, value, num_new = _check_new(cache, key, value, num_new)
   query = _check_query(cache, query, key)
   allowed = masks.causal(cache.lengths)
+  mask, bias, requested = _fit_to_pages(cache, mask, bias)
+  if requested is not None:
+    allowed = allowed & masks.lengths(kv_lengths=requested)
   if mask is not None:
     if not isinstance(mask, masks.Mask):
       mask = masks.from_array(mask)
@@ -412,7 +426,7 @@ def attention(
   new_cache = _write(cache, key, value, num_new)
   options: dict[str, Any] = dict(
     scale=scale,
-    query_seq_lengths=num_new,
+    query_seq_lengths=_kept(cache, new_cache, key.shape[1], num_new),
     implementation=implementation,
     return_residual=return_residual,
     score_fn=score_fn,
@@ -444,14 +458,63 @@ def attention(
   return _over_tiles(query, new_cache, bias, allowed, options), new_cache
 
 
+def _fit_to_pages(cache: Cache, mask, bias) -> tuple[Any, Any, int | None]:
+  """``(mask, bias, requested)``: for a paged cache, a mask or bias array whose key axis is
+  shorter than the rows but reaches into their last page (a max_length asked for, rounded
+  up to whole pages as the Flax modules' ``init_cache`` does) padded to the rows' length,
+  mask with False and bias with 0; ``requested`` is the shortest such key axis, past which
+  slots are masked, or None when nothing was padded (then mask and bias are unchanged)."""
+  if not isinstance(cache, PagedKVCache):
+    return mask, bias, None
+  S = cache.max_length
+  lowest = max(S - cache.page_size + 1, 2)  # a key axis of 1 broadcasts
+
+  def fit(name, x, pad_value):
+    if x is None or (isinstance(x, masks.Mask) and not isinstance(x, masks.kinds.FromArray)):
+      return x, None
+    wrapped = isinstance(x, masks.kinds.FromArray)
+    arr = x.array if wrapped else _checks.as_array(name, x)
+    if arr.ndim == 0 or not lowest <= arr.shape[-1] < S:
+      return x, None
+    xp = np if isinstance(arr, np.ndarray) else jnp
+    widths = [(0, 0)] * (arr.ndim - 1) + [(0, S - arr.shape[-1])]
+    arr = xp.pad(arr, widths, constant_values=pad_value)
+    return (masks.from_array(arr) if wrapped else arr), arr.shape[-1] - widths[-1][1]
+
+  mask, mask_length = fit("mask", mask, False)
+  bias, bias_length = fit("bias", bias, 0)
+  lengths = [n for n in (mask_length, bias_length) if n is not None]
+  return mask, bias, min(lengths) if lengths else None
+
+
+def _kept(cache: Cache, new_cache: Cache, t: int, num_new) -> jax.Array | None:
+  """(B,) how many of the t new tokens each row's cache took, the query rows that attend
+  (the rest return zeros, like padding), or None when all t of every row were kept.
+
+  Under jit a row may keep fewer than ``num_new`` (overflow past max_length, or a pool that
+  ran out of pages); a query whose token was dropped would otherwise see the slots it
+  should have been written to (unwritten, read as zeros) or, at overflow, the whole row."""
+  kept = new_cache.lengths.astype(jnp.int32) - cache.lengths.astype(jnp.int32)
+  if num_new is None and _checks.is_concrete(kept) and np.all(np.asarray(kept) == t):
+    return None
+  return kept
+
+
 def _over_tiles(query, cache: Cache, bias, mask, options):
   """Blockwise attention reading the cache tile by tile (a CacheTiles source)."""
   kind = "paged" if isinstance(cache, PagedKVCache) else "quantized"
+  if _quant.is_quantized(cache.dtype):
+    kind = f"{kind} ({np.dtype(cache.dtype).name})" if kind == "quantized" else kind
   implementation = options["implementation"]
   if implementation not in (None, "blockwise"):
     raise ValueError(
       f"implementation={implementation!r} cannot read a {kind} cache: attention over one "
       "runs blockwise, reading it tile by tile (implementation=None or 'blockwise')"
+    )
+  if options["backward"] == "autodiff":
+    raise ValueError(
+      f"backward='autodiff' cannot read a {kind} cache: attention over one runs blockwise, "
+      "reading it tile by tile, and has no autodiff rule (backward=None or 'custom_vjp')"
     )
   B, S, K, H, Hv = _dims(cache)
   block_kv = options["block_kv"]

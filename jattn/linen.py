@@ -52,11 +52,12 @@ class MultiHeadAttention(nn.Module):
   arguments of :meth:`jattn.nnx.MultiHeadAttention.init_cache` do (``cache_dtype``
   None: the keys' dtype): ``page_size`` set gives a paged cache whose rows hold
   ``max_length`` rounded up to whole pages, from a pool of ``num_pages`` pages
-  (default: enough for every row to fill). Variables of the collection, one per array
-  of the :mod:`jattn.decode` cache: ``cached_key``, ``cached_value`` (contiguous) or
-  ``cached_key_pages``, ``cached_value_pages``, ``page_table``, ``free_pages``
-  (paged); ``cache_lengths``; ``cached_key_scale``, ``cached_value_scale``
-  (quantized).
+  (default: enough for every row to fill); a ``mask`` sized to ``max_length`` fits it
+  as it fits a contiguous cache (the slots past it stay masked). Variables of the
+  collection, one per array of the :mod:`jattn.decode` cache: ``cached_key``,
+  ``cached_value`` (contiguous) or ``cached_key_pages``, ``cached_value_pages``,
+  ``page_table``, ``free_pages`` (paged); ``cache_lengths``; ``cached_key_scale``,
+  ``cached_value_scale`` (quantized).
   """
 
   num_heads: int

@@ -219,7 +219,9 @@ class MultiHeadAttention(nnx.Module):
       page_size: None for a contiguous cache (:func:`jattn.decode.init`), or the
         slots per page of a paged one (:func:`jattn.decode.init_paged`): each row gets
         ``ceil(max_length / page_size)`` pages (its max_length rounded up to whole
-        pages), taken from a shared pool as it grows.
+        pages), taken from a shared pool as it grows. A ``mask`` of ``decode=True``
+        calls sized to ``max_length`` fits either cache (the slots past it stay
+        masked).
       num_pages: the pool's size, with ``page_size`` (default: enough for every row to
         fill, ``batch_size * ceil(max_length / page_size)``); a smaller pool is the point
         of paging when rows finish at different lengths: see :meth:`release_cache`.

@@ -224,6 +224,59 @@ def test_overflow_under_jit_drops_tokens_and_saturates_lengths():
   np.testing.assert_array_equal(cache.value, cache.key)
 
 
+# Every way attention reads a contiguous cache: (options, storage dtype).
+READS = {
+  "xla": (dict(implementation="xla"), jnp.float32),
+  "blockwise": (IMPLS["blockwise"], jnp.float32),
+  "autodiff": (dict(backward="autodiff"), jnp.float32),
+  "int8": (IMPLS["blockwise"], jnp.int8),
+}
+
+
+@pytest.mark.parametrize("built", ["outside_jit", "inside_jit"])
+@pytest.mark.parametrize("read", list(READS))
+def test_overflow_under_jit_dropped_tokens_queries_return_zeros(read, built):
+  """A query whose token overflowed max_length under jit returns zeros, like a padded row,
+  and has zero gradient; the rest equal the same steps on a cache with room for everything,
+  given only the tokens that were kept."""
+  N, K, t = 4, 2, 3
+  options, dtype = READS[read]
+  q, k, v = _sequence(N, K, length=5 + t)
+  prompt = np.array([3, 5])  # a cache of 6 slots: row 0 keeps all 3 new tokens, row 1 one
+  kept = np.array([3, 1])
+  cot = normal((B, t, N, H), seed=7)
+  new = lambda x: x[:, 5:]
+
+  def prefill(max_length):
+    cache = decode.init(B, max_length, K, H, dtype=dtype)
+    return decode.update(cache, k[:, :5], v[:, :5], num_new=prompt)
+
+  def loss(step_q, step_k, step_v, cache, num_new):
+    if cache is None:  # built inside jit
+      cache = prefill(6)
+    out, cache = decode.attention(step_q, step_k, step_v, cache, num_new=num_new, **options)
+    return jnp.sum(out * cot), (out, cache.lengths)
+
+  wrt = (0, 1, 2) if dtype == jnp.float32 else (0,)  # a quantized cache takes no gradient
+  grad = jax.value_and_grad(loss, wrt, has_aux=True)
+  (_, (got, lengths)), got_g = jax.jit(grad)(
+    new(q), new(k), new(v), None if built == "inside_jit" else prefill(6), None
+  )
+  np.testing.assert_array_equal(lengths, [6, 6])
+  (_, (want, _)), want_g = grad(new(q), new(k), new(v), prefill(12), kept)
+  np.testing.assert_array_equal(got[1, 1:], 0.0)  # dropped: zeros, like padded rows
+  assert_close(got, want)
+  for g, w in zip(got_g, want_g):
+    np.testing.assert_array_equal(g[1, 1:], 0.0)
+    assert_close(g, w, factor=5)
+  if dtype == jnp.float32:  # and the kept rows are causal attention over the kept tokens
+    for b in range(B):
+      n = prompt[b] + kept[b]
+      seq = lambda x: jnp.concatenate([x[b : b + 1, : prompt[b]], x[b : b + 1, 5 : 5 + kept[b]]], 1)
+      ref = attention_np(seq(q), seq(k), seq(v), allowed=causal_np(n, n))[0][0, prompt[b] :]
+      assert_close(got[b, : kept[b]], ref)
+
+
 def _cache(**kw):
   return decode.init(B, 6, 2, H, **kw)
 

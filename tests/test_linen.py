@@ -757,6 +757,38 @@ def test_paged_cache_decodes_like_contiguous_and_full_causal():
   np.testing.assert_array_equal(cache["free_pages"], False)  # 3 pages a row: all 6 used
 
 
+@pytest.mark.parametrize("chunks", [(4, 1, 1), (6,)], ids=["steps", "prefill"])
+def test_a_mask_of_the_requested_max_length_fits_either_cache(chunks):
+  """The init pass on (B, 7, F) with page_size=2 rounds rows up to 8 slots, but a mask sized
+  to the 7 asked for works as with a contiguous cache: the same outputs, and the formula's."""
+  x = _x(seed=3)  # (B, T, F), T = 6
+  rng = np.random.default_rng(0)
+  mask = (rng.random((B, 1, 7, 7)) < 0.6) | np.eye(7, dtype=bool)  # keeps each own token
+  outs = {}
+  for name, module in (("contiguous", _decoder(2)), ("paged", _decoder(2, **PAGED))):
+    params = _params(module, x)
+    cache, got, start = _empty_cache(module, params), [], 0
+    for n in chunks:
+      y, mutated = module.apply(
+        {**params, "cache": cache},
+        x[:, start : start + n],
+        decode=True,
+        mask=mask[:, :, start : start + n],
+        mutable=["cache"],
+      )
+      cache = mutated["cache"]
+      got.append(y)
+      start += n
+    outs[name] = jnp.concatenate(got, axis=1)
+  assert cache["page_table"].shape == (B, 4)  # 8 slots a row
+  assert_close(outs["paged"], outs["contiguous"])
+  allowed = causal_np(T, T) & mask[:, :, :T, :T]
+  want = _reference(params, x, allowed=allowed, rope=positional.Rotary())
+  assert_close(outs["paged"], want)
+  unmasked = _reference(params, x, allowed=causal_np(T, T), rope=positional.Rotary())
+  assert np.abs(want - unmasked).max() > 0.1  # the mask does mask
+
+
 def test_int8_paged_cache_is_close_to_the_float_cache():
   x = _x(seed=3)
   module = _decoder(2, cache_dtype=jnp.int8, page_size=2)

@@ -205,10 +205,11 @@ def test_loads_flax_parameters_and_matches(case):
   )
 
 
-def _reference(module, x, *, causal=True, positions=None, stored=lambda a: a):
+def _reference(module, x, *, causal=True, positions=None, stored=lambda a: a, mask=None):
   """The module's math written out with its own parameters: project, RoPE, softmax, project.
 
-  ``stored`` maps the (rotated) keys and the values to what a cache gives back."""
+  ``stored`` maps the (rotated) keys and the values to what a cache gives back; ``mask``
+  (B, 1, T, T) restricts the (causal) attention further."""
   p = nnx.state(module, nnx.Param)
   proj = lambda name: (
     jnp.einsum("BTF,FNH->BTNH", x, p[name]["kernel"][...]) + p[name]["bias"][...][None, None]
@@ -223,6 +224,8 @@ def _reference(module, x, *, causal=True, positions=None, stored=lambda a: a):
   s = jnp.einsum("BTNH,BSNH->BNTS", q, k) / np.sqrt(q.shape[-1])
   if causal:
     s = jnp.where(np.tril(np.ones((1, 1, x.shape[1], x.shape[1]), bool)), s, -1e30)
+  if mask is not None:
+    s = jnp.where(mask, s, -1e30)
   o = jnp.einsum("BNTS,BSNH->BTNH", jax.nn.softmax(s), v)
   return jnp.einsum("BTNH,NHF->BTF", o, p["out"]["kernel"][...]) + p["out"]["bias"][...][None, None]
 
@@ -405,6 +408,37 @@ def test_paged_cache_decodes_like_contiguous_and_full_causal():
   np.testing.assert_array_equal(m.cache.lengths, [T, T])
   np.testing.assert_array_equal(m.cache.free, False)  # 3 pages a row: the pool is used up
   assert sorted(np.asarray(m.cache.page_table)[:, :3].ravel()) == list(range(6))
+
+
+def _decoding_mask(max_length, seed=0):
+  """(B, 1, max_length, max_length) bool: a random pattern over the keys that keeps each
+  query's own token (no row fully masked)."""
+  rng = np.random.default_rng(seed)
+  mask = rng.random((B, 1, max_length, max_length)) < 0.6
+  return mask | np.eye(max_length, dtype=bool)
+
+
+@pytest.mark.parametrize("chunks", [(4, 1, 1), (6,)], ids=["steps", "prefill"])
+def test_a_mask_of_the_requested_max_length_fits_either_cache(chunks):
+  """init_cache(B, 7, page_size=2) rounds rows up to 8 slots, but a mask sized to the 7 asked
+  for works as with a contiguous cache: the same outputs, which equal the module's math."""
+  m = _decoder(2)
+  x = _x()
+  mask = _decoding_mask(7)
+  outs = {}
+  for name, kw in (("contiguous", {}), ("paged", PAGED)):
+    m.init_cache(B, 7, **kw)
+    got, start = [], 0
+    for n in chunks:
+      got.append(m(x[:, start : start + n], decode=True, mask=mask[:, :, start : start + n]))
+      start += n
+    outs[name] = jnp.concatenate(got, axis=1)
+  assert m.cache.max_length == 8
+  assert_close(outs["paged"], outs["contiguous"])
+  want = _reference(m, x, mask=mask[:, :, :T, :T])
+  assert_close(outs["paged"], want, factor=5)
+  assert_close(m(x, mask=mask[:, :, :T, :T]), want, factor=5)  # the mask does mask
+  assert float(jnp.abs(want - _reference(m, x)).max()) > 0.1
 
 
 def _int8_roundtrip(a):

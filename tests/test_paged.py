@@ -174,6 +174,41 @@ def test_running_out_of_pages_under_jit_serves_rows_in_batch_order():
   np.testing.assert_array_equal(_rows(cache, cache.key_pages)[0, :3], k[0, 6:9])
 
 
+@pytest.mark.parametrize("built", ["outside_jit", "inside_jit"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8], ids=["float32", "int8"])
+def test_running_out_of_pages_under_jit_dropped_tokens_queries_return_zeros(dtype, built):
+  """A query whose token found no page returns zeros, like a padded row, and has zero
+  gradient (not attention over the kept keys plus the unwritten slot as a phantom key of
+  logit 0); the rest equal attention on a pool big enough, given only the kept tokens."""
+  N, K, t = 4, 2, 4
+  q, k, v = _sequence(N, K, length=t)
+  num_new = np.array([4, 3])  # row 1: 3 real tokens, 1 padding
+  kept = np.array([4, 2])  # a pool of 3 pages: row 0 takes 2, row 1 the last one
+  cot = normal((B, t, N, H), seed=7)
+
+  def loss(q, k, v, cache, num_new):
+    if cache is None:  # built inside jit
+      cache = _paged(K, pool=3, dtype=dtype)
+    out, cache = decode.attention(q, k, v, cache, num_new=num_new, block_q=2, block_kv=4)
+    return jnp.sum(out * cot), (out, cache.lengths)
+
+  wrt = (0, 1, 2) if dtype == jnp.float32 else (0,)  # a quantized cache takes no gradient
+  grad = jax.value_and_grad(loss, wrt, has_aux=True)
+  cache = None if built == "inside_jit" else _paged(K, pool=3, dtype=dtype)
+  (_, (got, lengths)), got_g = jax.jit(grad)(q, k, v, cache, jnp.asarray(num_new))
+  np.testing.assert_array_equal(lengths, kept)
+  (_, (want, _)), want_g = grad(q, k, v, _paged(K, dtype=dtype), kept)
+  np.testing.assert_array_equal(got[1, 2:], 0.0)  # dropped and padded rows alike
+  assert_close(got, want)
+  for g, w in zip(got_g, want_g):
+    np.testing.assert_array_equal(g[1, 2:], 0.0)
+    assert_close(g, w, factor=5)
+  if dtype == jnp.float32:  # the kept rows are causal attention over the kept tokens
+    assert_close(
+      got[1, :2], attention_np(q[1:, :2], k[1:, :2], v[1:, :2], allowed=causal_np(2, 2))[0][0]
+    )
+
+
 def test_gradients_match_autodiff_and_check_grads():
   """Through the page writes and blockwise's custom_vjp, whose cotangent for the pages is
   scattered back through the page table."""
@@ -239,6 +274,42 @@ def test_scores_masks_bias_and_sinks_on_a_paged_cache():
     q, k, v, bias=bias, is_causal=True, score_fn=alibi, local_window_size=(w, 0), sinks=sinks
   )
   assert_close(jnp.concatenate(outs, axis=1), want)
+
+
+@pytest.mark.parametrize("given", ["mask", "bias", "both"])
+def test_a_mask_or_bias_of_a_max_length_rounded_up_to_pages_fits(given):
+  """Rows of 3 pages of 4 slots hold 12 tokens, but a mask or bias sized to 10 slots (the
+  max_length a Flax module's init_cache(B, 10, page_size=4) asks for) fits: it is padded,
+  slots 10 and 11 masked, and the outputs equal a contiguous cache of max_length 10."""
+  N, K, R = 4, 2, 10
+  q, k, v = _sequence(N, K, length=11)
+  rng = np.random.default_rng(0)
+  mask = (rng.random((B, 1, 11, R)) < 0.6) | np.eye(11, R, dtype=bool)  # keeps each own token
+  bias = normal((B, N, 11, R), seed=5)
+  kw = lambda rows: {
+    name: x[:, :, rows] for name, x in (("mask", mask), ("bias", bias)) if given in (name, "both")
+  }
+  paged = decode.init_paged(6, 4, B, 3, K, H)
+  # Chunks of a 9-token sequence: as a contiguous cache of max_length 10.
+  outs = {}
+  for name, cache in (("paged", paged), ("contiguous", decode.init(B, R, K, H))):
+    got, start = [], 0
+    for t in (5, 1, 3):
+      part = slice(start, start + t)
+      out, cache = _step(q[:, part], k[:, part], v[:, part], cache, **kw(part), block_kv=4)
+      got.append(out)
+      start += t
+    outs[name] = jnp.concatenate(got, axis=1)
+  assert_close(outs["paged"], outs["contiguous"])
+  # 11 tokens in the paged rows: no query sees slot 10, its own included.
+  out, _ = _step(q, k, v, paged, **kw(slice(None)), block_kv=4)
+  allowed = causal_np(11, 11) & (np.arange(11) < R)  # keys: the 11 tokens in slots 0..10
+  padded = {name: np.pad(x, [(0, 0)] * 3 + [(0, 1)]) for name, x in kw(slice(None)).items()}
+  if "mask" in padded:
+    allowed = allowed & padded["mask"]
+  want = attention_np(q, k, v, allowed=allowed, bias=padded.get("bias"))[0]
+  assert_close(out, want)
+  assert_close(outs["paged"], want[:, :9])
 
 
 def test_work_grows_with_the_pages_in_use_not_the_table():
@@ -386,7 +457,22 @@ ERRORS = [
       *_sequence(4, 2, length=1), decode.init(B, 4, 2, H, dtype=jnp.int8), implementation="xla"
     ),
     ValueError,
-    r"implementation='xla' cannot read a quantized cache",
+    r"implementation='xla' cannot read a quantized \(int8\) cache",
+  ),
+  (
+    "autodiff_quantized",
+    lambda: decode.attention(
+      *_sequence(4, 2, length=1), decode.init(B, 4, 2, H, dtype=jnp.int8), backward="autodiff"
+    ),
+    ValueError,
+    r"backward='autodiff' cannot read a quantized \(int8\) cache: attention over one runs "
+    r"blockwise, reading it tile by tile, and has no autodiff rule",
+  ),
+  (
+    "autodiff_paged",
+    lambda: decode.attention(*_sequence(4, 2, length=1), _good(), backward="autodiff"),
+    ValueError,
+    r"backward='autodiff' cannot read a paged cache: .* \(backward=None or 'custom_vjp'\)",
   ),
   (
     "block_kv",
