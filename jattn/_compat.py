@@ -4,7 +4,8 @@ Everything version-dependent lives here, so the rest of the package calls one sp
 
 * :func:`only_on`: a function whose body is lowered for one platform only, so a fused
   kernel inside one branch of ``jax.lax.platform_dependent`` survives a multi-platform
-  lowering (``jax.export(..., platforms=["cpu", "tpu"])``). In every release up to the
+  lowering (``jax.export(..., platforms=["cpu", "tpu"])``) and a second derivative taken
+  where another branch runs. In every release up to the
   newest, a ``platform_dependent`` branch is lowered for each platform of the program, and
   a Pallas TPU kernel cannot be lowered for a CPU; this lowers the branch with a
   single-platform module context, which reaches into ``jax._src`` (``ModuleContext``).
@@ -24,7 +25,7 @@ from typing import Any
 
 import jax
 from jax.extend import core as jex_core
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 
 JAX_VERSION: tuple[int, ...] = tuple(int(x) for x in jax.__version__.split(".")[:3])
 
@@ -34,17 +35,18 @@ _only_on_p = jex_core.Primitive("jattn_only_on")
 _only_on_p.multiple_results = True
 
 
-def _only_on_abstract(*args, jaxpr, platform):
-  del args, platform
+def _only_on_abstract(*args, jaxpr, platform, refusal):
+  del args, platform, refusal
   return [v.aval for v in jaxpr.jaxpr.outvars]
 
 
-def _only_on_impl(*args, jaxpr, platform):
-  del platform
+def _only_on_impl(*args, jaxpr, platform, refusal):
+  del platform, refusal
   return jex_core.jaxpr_as_fun(jaxpr)(*args)
 
 
-def _only_on_lowering(ctx, *args, jaxpr, platform):
+def _only_on_lowering(ctx, *args, jaxpr, platform, refusal):
+  del refusal
   module = ctx.module_context
   if len(module.platforms) > 1 and platform in module.platforms:
     # This body runs only where the program runs on `platform` (it sits in that platform's
@@ -54,14 +56,27 @@ def _only_on_lowering(ctx, *args, jaxpr, platform):
   return fn(ctx, *args)
 
 
-def _only_on_batch(args, dims, *, jaxpr, platform):
+def _only_on_batch(args, dims, *, jaxpr, platform, refusal):
   fn = jex_core.jaxpr_as_fun(jaxpr)
-  moved = [
-    x if d is batching.not_mapped else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)
-  ]
-  axes = [None if d is batching.not_mapped else 0 for d in dims]
-  batched = jax.make_jaxpr(jax.vmap(lambda *a: fn(*a), in_axes=axes))(*moved)
-  return _only_on_p.bind(*moved, jaxpr=batched, platform=platform), [0] * len(batched.out_avals)
+  moved = [x if d is None else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
+  axes = [None if d is None else 0 for d in dims]
+  try:
+    batched = jax.make_jaxpr(jax.vmap(lambda *a: fn(*a), in_axes=axes))(*moved)
+  except NotImplementedError:
+    # A body with no batching rule (a fused kernel's custom_partitioning): one call per
+    # element of the mapped axis.
+    def one_by_one(*a):
+      mapped = [x for x, ax in zip(a, axes) if ax is not None]
+
+      def call(xs):
+        it = iter(xs)
+        return fn(*(next(it) if ax is not None else x for x, ax in zip(a, axes)))
+
+      return jax.lax.map(call, mapped)
+
+    batched = jax.make_jaxpr(one_by_one)(*moved)
+  outs = _only_on_p.bind(*moved, jaxpr=batched, platform=platform, refusal=refusal)
+  return outs, [0] * len(batched.out_avals)
 
 
 _only_on_p.def_abstract_eval(_only_on_abstract)
@@ -70,34 +85,111 @@ mlir.register_lowering(_only_on_p, _only_on_lowering)
 batching.primitive_batchers[_only_on_p] = _only_on_batch
 
 
-def _bind(platform: str, fn: Callable, *args) -> Any:
+# --- derivatives a branch cannot take, refused when that branch is lowered --------------
+#
+# A second derivative of a call with a fused branch differentiates that branch's forward
+# and backward too (a platform_dependent differentiates every branch), though on the CPU it
+# never runs. As JAX defers a custom_vjp's missing forward mode to evaluation, the branch's
+# higher derivatives are placeholders that raise only if lowered, i.e. on the platform
+# whose kernel cannot take them; the other platforms' branches differentiate as usual.
+
+_refused_p = jex_core.Primitive("jattn_refused_derivative")
+_refused_p.multiple_results = True
+
+
+def _refused_abstract(*args, out_avals, message):
+  del args, message
+  return list(out_avals)
+
+
+def _refused_raise(*args, out_avals, message):
+  raise ValueError(message)
+
+
+def _refused_lowering(ctx, *args, out_avals, message):
+  raise ValueError(message)
+
+
+def _refused_batch(args, dims, *, out_avals, message):
+  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+  moved = [x if d is None else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
+  avals = tuple(a.update(shape=(size, *a.shape)) for a in out_avals)
+  return _refused_p.bind(*moved, out_avals=avals, message=message), [0] * len(avals)
+
+
+def _tangents_refused(inputs, avals, message) -> list:
+  """Placeholders for the tangents (or cotangents) of ``avals``: symbolic zeros where the
+  dtype carries none (integers), refusals elsewhere."""
+  wanted = [a for a in avals if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)]
+  outs = iter(_refused_p.bind(*inputs, out_avals=tuple(wanted), message=message))
+  return [
+    next(outs) if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) else ad.Zero(a.to_tangent_aval())
+    for a in avals
+  ]
+
+
+def _refused_jvp(primals, tangents, *, out_avals, message):
+  outs = _refused_p.bind(*primals, out_avals=out_avals, message=message)
+  given = [t for t in tangents if type(t) is not ad.Zero]
+  return outs, _tangents_refused([*primals, *given], out_avals, message)
+
+
+def _refused_transpose(cts, *args, out_avals, message):
+  known = [x for x in args if not ad.is_undefined_primal(x)]
+  given = [c for c in cts if type(c) is not ad.Zero]
+  undefined = [x.aval for x in args if ad.is_undefined_primal(x)]
+  refused = iter(_tangents_refused([*known, *given], undefined, message))
+  return [next(refused) if ad.is_undefined_primal(x) else None for x in args]
+
+
+_refused_p.def_abstract_eval(_refused_abstract)
+_refused_p.def_impl(_refused_raise)
+mlir.register_lowering(_refused_p, _refused_lowering)
+batching.primitive_batchers[_refused_p] = _refused_batch
+ad.primitive_jvps[_refused_p] = _refused_jvp
+ad.primitive_transposes[_refused_p] = _refused_transpose
+
+
+def _only_on_jvp(primals, tangents, *, jaxpr, platform, refusal):
+  outs = _only_on_p.bind(*primals, jaxpr=jaxpr, platform=platform, refusal=refusal)
+  given = [t for t in tangents if type(t) is not ad.Zero]
+  avals = [v.aval for v in jaxpr.jaxpr.outvars]
+  return outs, _tangents_refused([*primals, *given], avals, refusal)
+
+
+ad.primitive_jvps[_only_on_p] = _only_on_jvp
+
+
+def _bind(platform: str, refusal: str, fn: Callable, *args) -> Any:
   flat, tree = jax.tree.flatten(args)
   jaxpr, shape = jax.make_jaxpr(lambda *x: fn(*jax.tree.unflatten(tree, x)), return_shape=True)(
     *flat
   )
-  outs = _only_on_p.bind(*flat, jaxpr=jaxpr, platform=platform)
+  outs = _only_on_p.bind(*flat, jaxpr=jaxpr, platform=platform, refusal=refusal)
   return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
 
-def only_on(platform: str, fn: Callable) -> Callable:
+def only_on(platform: str, fn: Callable, refusal: str) -> Callable:
   """``fn`` (arrays in, arrays out, reverse-differentiable) lowered for ``platform`` alone.
 
   ``platform`` is a lowering platform name (``"tpu"``, ``"cuda"``, ``"rocm"``, ``"cpu"``).
   Meant for the body of that platform's branch of ``jax.lax.platform_dependent``: in a
   program lowered for several platforms, the branch is lowered as if the program were for
   ``platform`` only. Gradients come from ``fn``'s own (a ``custom_vjp`` whose forward and
-  backward are each lowered the same way); forward-mode differentiation is not supported.
+  backward are each lowered the same way). Any other derivative (forward mode, a second
+  derivative) traces, so the other platforms' branches can take it, and raises
+  ``ValueError(refusal)`` where this branch is lowered.
   """
 
   @jax.custom_vjp
   def run(*args):
-    return _bind(platform, fn, *args)
+    return _bind(platform, refusal, fn, *args)
 
   def fwd(*args):
-    return _bind(platform, lambda *a: jax.vjp(fn, *a), *args)
+    return _bind(platform, refusal, lambda *a: jax.vjp(fn, *a), *args)
 
   def bwd(vjp, cotangent):
-    return _bind(platform, lambda vjp, ct: vjp(ct), vjp, cotangent)
+    return _bind(platform, refusal, lambda vjp, ct: vjp(ct), vjp, cotangent)
 
   run.defvjp(fwd, bwd)
   return functools.wraps(fn)(run)

@@ -31,7 +31,7 @@ import chex
 import jax
 
 from jattn import _compat, _spec, masks
-from jattn.impl import _common, _sharded, blockwise, cudnn, splash, xla
+from jattn.impl import _common, _orders, _sharded, blockwise, cudnn, splash, xla
 from jattn.impl._select import (  # noqa: F401  # public names of the table
   AUTO_BLOCKWISE_BYTES,
   BACKENDS,
@@ -306,8 +306,14 @@ def _attend(query, key, value, spec: _spec.CallSpec):
     routes = tuple(_rank4(r) for r in spec.routes)
     portable = dataclasses.replace(spec, routes=(), route_platforms=())
     branches = {
-      platform: _compat.only_on(platform, lambda q, k, v, *specs, i=i: _run(q, k, v, specs[i]))
-      for i, platform in enumerate(spec.route_platforms)
+      platform: _compat.only_on(
+        platform,
+        lambda q, k, v, *specs, i=i: _run(q, k, v, specs[i]),
+        f"implementation={route.implementation!r}, the kernel chosen for {platform!r}, gives "
+        f"first-order gradients only, through its own backward pass. For higher-order "
+        f"derivatives, {_orders.WAY_OUT}",
+      )
+      for i, (platform, route) in enumerate(zip(spec.route_platforms, routes))
     }
     out, lse = jax.lax.platform_dependent(
       query,

@@ -48,7 +48,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jattn import _checks, _ring_splash, _spec, masks, scores, testing
-from jattn.impl import _common, blockwise
+from jattn.impl import _common, _orders, blockwise
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 
@@ -556,7 +556,15 @@ def _ring_fwd(ring, query, key, value, q_ids, kv_ids, mask):
 
 def _ring_bwd(ring, residuals, cotangents):
   d_out, d_lse = cotangents
-  d_query, d_key, d_value = _backward(ring, residuals, d_out, d_lse)
+  pairs = "blockwise" if ring.pairs is None else "splash"
+  backward = _orders.first_order(
+    functools.partial(_backward, ring),
+    f"ring_attention(implementation={pairs!r})",
+    _orders.TILE_LOOPS if ring.pairs is None else _orders.FUSED,
+    forward=ring.pairs is None,  # blockwise's tile loops take JVPs, Pallas kernels do not
+    way_out="gather the sequence and call dot_product_attention(implementation='xla')",
+  )
+  d_query, d_key, d_value = backward(residuals, d_out, d_lse)
   return d_query, d_key, d_value, None, None, None  # ids and masks: integers, no cotangent
 
 

@@ -17,7 +17,10 @@ PAGES = sorted(p for p in DOCS.glob("*.md") if "```python" in p.read_text())
 # What a page's examples print, as the page shows it in comments.
 PRINTED = {
   "attention.md": ["(2, 4, 16, 16) True", "ValueError key and value must have the same shape"],
-  "backward.md": ["implementation='blockwise' does not support backward='autodiff'"],
+  "backward.md": [
+    "implementation='blockwise' does not support backward='autodiff'",
+    "implementation='blockwise' gives first-order gradients (and forward-over-reverse",
+  ],
   "decoding.md": [
     "[5 3]",
     "[8 6]",

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jattn import _compat
-from jattn.impl import _common
+from jattn.impl import _common, _orders
 
 
 def _size(mesh, axes) -> int:
@@ -195,16 +195,20 @@ def _partitioned(attend: Callable, query, key, value, spec, heads_whole: bool):
     rules,
   )
 
+  who = f"implementation={spec.implementation!r}"
+  only_forward = _orders.no_derivatives(forward, who, _orders.FUSED)
+  only_backward = _orders.first_order(backward, who, _orders.FUSED, forward=False)
+
   @jax.custom_vjp
   def run(q, k, v, leaves):
     return forward(q, k, v, *leaves)
 
   def run_fwd(q, k, v, leaves):
-    return forward(q, k, v, *leaves), (q, k, v, leaves)
+    return only_forward(q, k, v, *leaves), (q, k, v, leaves)
 
   def run_bwd(residuals, cotangents):
     q, k, v, leaves = residuals
-    dq, dk, dv, *d_floats = backward(q, k, v, *leaves, *cotangents)
+    dq, dk, dv, *d_floats = only_backward(q, k, v, *leaves, *cotangents)
     d_leaves: list = [None] * len(leaves)
     for i, d in zip(floats, d_floats):
       d_leaves[i] = d

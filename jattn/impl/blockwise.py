@@ -65,7 +65,7 @@ import jax.numpy as jnp
 
 from jattn import dropout as _dropout
 from jattn import masks as _masks
-from jattn.impl import _common, _kv, _tiling
+from jattn.impl import _common, _kv, _orders, _tiling
 
 if TYPE_CHECKING:
   from jattn._spec import CallSpec
@@ -248,7 +248,10 @@ def _forward(static: _tiling.Static, query, kv, bias, seed, rows: _tiling.Schedu
       # sum adds up the same rounded weights, so the output is exactly their weighted mean
       # (a saturated row returns its value row exactly, which its gradient relies on).
       p = jnp.exp(s - shift).astype(v_dtype)
-      alpha = jnp.exp(m - shift)
+      # m is a constant of the derivative, as the shift is (both stop_gradient), so l and acc
+      # differentiate as sums over one fixed shift: forward mode through this loop (jvp of
+      # the backward pass, jax.hessian) is exact over any number of key/value tiles.
+      alpha = jnp.exp(jax.lax.stop_gradient(m) - shift)
       l = l * alpha + jnp.sum(p, axis=-1, keepdims=True, dtype=dtype)
       if tile.drop is not None:
         p = jnp.where(tile.drop, p * keep_scale.astype(p.dtype), 0)
@@ -466,8 +469,13 @@ def _attention_fwd(static, query, kv, bias, seed, rows, cols, mask_consts, score
 def _attention_bwd(static, residuals, cotangents):
   query, kv, bias, seed, rows, cols, mask_consts, score_consts, m, l = residuals
   d_out, d_lse = cotangents
-  d_query, d_kv, d_bias, d_mask, d_score = _backward(
-    static,
+  backward = _orders.first_order(
+    functools.partial(_backward, static),
+    "implementation='blockwise'",
+    _orders.TILE_LOOPS,
+    forward=True,
+  )
+  d_query, d_kv, d_bias, d_mask, d_score = backward(
     (query, kv, bias, seed, cols, (mask_consts, score_consts), None, m, l),
     d_out,
     d_lse,

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import _compat
+from jattn.impl import _orders
 from jattn.masks import _core, kinds, layouts
 
 LANES = 128  # splash's block sizes must be multiples of the TPU's lane count
@@ -393,7 +394,8 @@ def attention(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
     run_plain, run_residual = functools.partial(run, False), functools.partial(run, True)
     out, lse = _with_lse(run_plain, run_residual, q, k, v, ids, sinks)
   else:
-    out, lse = run(False, q, k, v, ids, sinks), None
+    plain = _orders.reverse_once(functools.partial(run, False), _WHO, _orders.FUSED)
+    out, lse = plain(q, k, v, ids, sinks), None
   out = out[:, :, :T].transpose(0, 2, 1, 3)
   if lse is None:
     lse = jnp.zeros((B, T, N), jnp.float32)  # not returned (return_residual=False)
@@ -401,6 +403,9 @@ def attention(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
     lse = lse[:, :, :T].transpose(0, 2, 1)
     lse = jnp.where(lse < _EMPTY_BELOW, -jnp.inf, lse)  # no sink (or a sink of about -inf)
   return out, lse
+
+
+_WHO = "implementation='splash'"
 
 
 def _with_lse(run, run_residual, q, k, v, ids, sinks):
@@ -417,6 +422,9 @@ def _with_lse(run, run_residual, q, k, v, ids, sinks):
     return (out, lse), (q, k, v, ids, sinks, lse)
 
   def bwd(res, cotangents):
+    return _orders.first_order(grads, _WHO, _orders.FUSED, forward=False)(res, cotangents)
+
+  def grads(res, cotangents):
     q, k, v, ids, sinks, lse = res
     d_out, d_lse = cotangents
     _, vjp = jax.vjp(lambda q, k, v, sinks: run(q, k, v, ids, sinks), q, k, v, sinks)

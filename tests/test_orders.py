@@ -1,0 +1,151 @@
+"""Derivatives of every order: what each rule supports works, the rest raises jattn's error.
+
+docs/backward.md has the table: implementation="xla" differentiates to any order; blockwise
+(and ring attention over blockwise pairs) takes first-order gradients and forward-over-reverse
+ones (jax.hessian); splash takes first-order gradients. A default call whose fused branch
+(splash on a TPU) cannot take a second derivative still takes it where it runs elsewhere.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jattn
+
+B, T, N, H = 1, 8, 2, 4
+
+
+def _q(shape=(B, T, N, H), dtype=jnp.float32, seed=0):
+  return jnp.asarray(np.random.default_rng(seed).normal(size=shape), dtype)
+
+
+def _attention(**kw):
+  return lambda q: jattn.dot_product_attention(q, q * 0.5, jnp.cos(q), is_causal=True, **kw)
+
+
+def _grad_of_grad(fn):
+  """The gradient of |∇ sum(fn(q) · w)|²: a reverse pass over a reverse pass."""
+  first = lambda q: jax.grad(
+    lambda q: (fn(q) * jnp.sin(jnp.arange(q.size)).reshape(q.shape)).sum()
+  )(q)
+  return jax.grad(lambda q: (first(q) ** 2).sum())
+
+
+def _hessian_vector(fn, q, t):
+  """Forward over reverse: the Hessian of sum(fn(q)²) times t."""
+  return jax.jvp(jax.grad(lambda q: (fn(q) ** 2).sum()), (q,), (t,))[1]
+
+
+XLA_AUTODIFF = dict(implementation="xla", backward="autodiff")
+
+
+@pytest.mark.parametrize("backward", ["autodiff", "custom_vjp"])
+def test_xla_second_order_gradients_match_finite_differences_in_float64(backward):
+  with jax.enable_x64():
+    q = _q(dtype=jnp.float64)
+    fn = lambda q: (_attention(implementation="xla", backward=backward)(q) ** 2).sum()
+    jax.test_util.check_grads(fn, (q,), order=2, modes=["rev"], eps=1e-4)
+
+
+@pytest.mark.parametrize(
+  "kw", [dict(implementation="xla", backward="custom_vjp"), dict()], ids=["custom_vjp", "default"]
+)
+def test_grad_of_grad_equals_autodiff_of_the_plain_path(kw):
+  """The default call (splash in its TPU branch, xla here) and xla's custom_vjp differentiate
+  twice to what autodiff of the materialised path gives."""
+  q = _q()
+  want = _grad_of_grad(_attention(**XLA_AUTODIFF))(q)
+  np.testing.assert_allclose(_grad_of_grad(_attention(**kw))(q), want, rtol=1e-5, atol=1e-5)
+  jitted = jax.jit(_grad_of_grad(_attention(**kw)))(q)
+  np.testing.assert_allclose(jitted, want, rtol=1e-5, atol=1e-5)
+
+
+def test_default_call_batches_and_takes_forward_modes_through_its_routes():
+  q = _q((2, B, T, N, H))
+  out = jax.vmap(_attention())(q)
+  np.testing.assert_allclose(out, jax.vmap(_attention(**XLA_AUTODIFF))(q), atol=1e-6)
+  hvp = _hessian_vector(_attention(), q[0], q[1])
+  np.testing.assert_allclose(
+    hvp, _hessian_vector(_attention(**XLA_AUTODIFF), q[0], q[1]), rtol=1e-5, atol=1e-5
+  )
+
+
+@pytest.mark.parametrize("block", [(8, 8), (3, 2)])
+def test_blockwise_forward_over_reverse_matches_autodiff(block):
+  """blockwise's tile loops take JVPs: jax.hessian and jacfwd(grad) work."""
+  q, t = _q(), _q(seed=1)
+  kw = dict(implementation="blockwise", block_q=block[0], block_kv=block[1])
+  np.testing.assert_allclose(
+    _hessian_vector(_attention(**kw), q, t),
+    _hessian_vector(_attention(**XLA_AUTODIFF), q, t),
+    rtol=1e-5,
+    atol=1e-5,
+  )
+  small = _q((1, 3, 1, 2))
+  hess = jax.hessian(lambda q: _attention(**kw)(q).sum())(small)
+  want = jax.hessian(lambda q: _attention(**XLA_AUTODIFF)(q).sum())(small)
+  np.testing.assert_allclose(hess, want, rtol=1e-5, atol=1e-5)
+
+
+def _raises_naming(fn, *args, who, way_out="implementation='xla'"):
+  with pytest.raises(ValueError, match="first-order gradients") as info:
+    fn(*args)
+  assert who in str(info.value) and way_out in str(info.value), str(info.value)
+
+
+def test_blockwise_grad_of_grad_raises_naming_the_rule_and_the_way_out():
+  """The default picks blockwise on long sequences; its second reverse pass used to fail with
+  JAX's message about while loops with dynamic bounds."""
+  long = _q((1, 2048, 1, 4))  # float32 scores of 16 MiB: over the CPU's 8 MiB
+  assert jattn.explain(long, long, long, is_causal=True).implementation == "blockwise"
+  for kw in (dict(), dict(implementation="blockwise")):
+    _raises_naming(_grad_of_grad(_attention(**kw)), long, who="implementation='blockwise'")
+    _raises_naming(jax.jit(_grad_of_grad(_attention(**kw))), long, who="'blockwise'")
+  # The way out named by the message works.
+  out = _grad_of_grad(_attention(implementation="xla"))(long)
+  assert np.isfinite(np.asarray(out)).all()
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_splash_second_derivatives_raise_naming_splash(residual):
+  q = _q((1, 128, 2, 128))
+
+  def fn(q):
+    kw = dict(implementation="splash", return_residual=residual)
+    got = jattn.dot_product_attention(q, q * 0.5, jnp.cos(q), is_causal=True, **kw)
+    return got[0] + got[1][..., None] if residual else got
+
+  with jattn.testing.interpret_kernels():
+    _raises_naming(_grad_of_grad(fn), q, who="implementation='splash'")
+    if not residual:  # forward over reverse (with lse: JAX's own "jvp of a custom_vjp")
+      _raises_naming(_hessian_vector, fn, q, q, who="implementation='splash'")
+
+
+def test_a_default_call_lowered_for_tpu_refuses_a_second_derivative_there():
+  """The TPU branch's second derivative traces (the CPU branch takes it) and raises only
+  where splash would run: when the program is lowered for TPU."""
+  q = _q((1, 128, 2, 128))
+  fn = jax.jit(_grad_of_grad(_attention()))
+  with pytest.raises(ValueError, match="implementation='splash', the kernel chosen for 'tpu'"):
+    fn.trace(q).lower(lowering_platforms=("tpu",))
+  first = jax.jit(jax.grad(lambda q: _attention()(q).sum())).trace(q)
+  assert "tpu_custom_call" in first.lower(lowering_platforms=("tpu",)).as_text()
+
+
+def test_ring_attention_second_derivatives():
+  mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
+  q, t = _q((1, 16, 2, 4)), _q((1, 16, 2, 4), seed=1)
+  ring = lambda q: jattn.parallel.ring_attention(
+    q, q * 0.5, jnp.cos(q), mesh=mesh, axis_name="sp", is_causal=True
+  )
+  np.testing.assert_allclose(
+    _hessian_vector(ring, q, t),
+    _hessian_vector(_attention(**XLA_AUTODIFF), q, t),
+    rtol=1e-5,
+    atol=1e-5,
+  )
+  _raises_naming(
+    _grad_of_grad(ring), q, who="ring_attention(implementation='blockwise')", way_out="'xla'"
+  )
