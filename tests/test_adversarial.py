@@ -205,6 +205,14 @@ def test_extreme_inputs_against_jax_nn_and_float64(problem):
 # --- rows with nothing to attend to, by every mechanism ---------------------------------------
 
 
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+# Four segment ids; the last is one no key has.
+ID_PALETTES = [
+  (0, 1, 2, 7),
+  (INT32_MIN, INT32_MAX, INT32_MAX - 1, INT32_MIN + 1),
+  (INT32_MAX, -5, INT32_MIN, 0),
+]
+
 MECHANISMS = [
   "bool_mask",
   "causal_q_lengths",
@@ -241,8 +249,12 @@ def masked_problems(draw):
     allowed &= ki < kv_lens[:, None, None, None]
   if "segments" in used:
     q_ids = rng.integers(0, 3, size=(B, T))
-    q_ids[rng.random((B, T)) < 0.3] = 7  # an id no key has: those rows see nothing
+    q_ids[rng.random((B, T)) < 0.3] = 3  # an id no key has: those rows see nothing
     kv_ids = rng.integers(0, 3, size=(B, S))
+    # Any int32 id is legal: small ones, and ones at int32's ends, where an id one below the
+    # smallest (a padding id) would wrap onto a real one.
+    palette = np.asarray(draw(st.sampled_from(ID_PALETTES)), np.int64)
+    q_ids, kv_ids = palette[q_ids], palette[kv_ids]
     kwargs["segment_ids"] = (jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32))
     allowed &= (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
   if "window" in used:
@@ -378,3 +390,181 @@ def test_empty_dimensions(shape, rule):
   )
   for quantity, ref in want.items():
     assert max_abs_error(got[quantity], ref) == 0, quantity
+
+
+# --- segment ids anywhere in int32, every implementation -------------------------------------
+
+
+def _ring(**kw):
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("ring",))
+
+  def fn(q, k, v, bias, segment_ids, **rest):
+    assert bias is None
+    return jattn.parallel.ring_attention(
+      q, k, v, mesh=mesh, axis_name="ring", segment_ids=segment_ids, **kw, **rest
+    )
+
+  return fn
+
+
+EVERY_IMPLEMENTATION = {
+  **{name: functools.partial(jattn.dot_product_attention, **rule) for name, rule in RULES.items()},
+  "splash": functools.partial(jattn.dot_product_attention, implementation="splash"),
+  "ring/blockwise": _ring(implementation="blockwise"),
+  "ring/splash": _ring(implementation="splash"),
+}
+
+
+@pytest.mark.parametrize("name", list(EVERY_IMPLEMENTATION))
+def test_segment_ids_at_both_ends_of_int32_every_implementation(name):
+  """Ids are only compared, so any int32 id must work; a padding id below the smallest one
+  (splash pads to whole blocks) once wrapped onto a real id at int32's minimum."""
+  B, T, S, N, K, H = 2, 12, 12, 2, 1, 8
+  q, k, v, ct = _arrays(np.random.default_rng(5), (B, T, S, N, K, H), jnp.float32)
+  ids = np.array([[INT32_MIN] * 5 + [INT32_MAX - 1] * 7, [INT32_MAX] * 6 + [INT32_MIN + 1] * 6])
+  segment_ids = jnp.asarray(ids, jnp.int32)
+  kw = dict(segment_ids=segment_ids, is_causal=True)
+  if not name.startswith("ring"):
+    kw["key_value_seq_lengths"] = jnp.array([10, 7])  # lengths join the ids in splash
+  fn = lambda q, k, v, bias: EVERY_IMPLEMENTATION[name](q, k, v, bias, return_residual=True, **kw)
+  with jattn.testing.interpret_kernels():
+    got = _vjp(fn, q, k, v, None, ct)
+  allowed = (ids[:, :, None] == ids[:, None, :]) & np.tril(np.ones((T, S), bool))
+  if "key_value_seq_lengths" in kw:
+    allowed &= np.arange(S) < np.array([10, 7])[:, None, None]
+  want = attention_reference(
+    q, k, v, None, ct, scale=1 / np.sqrt(H), allowed=allowed[:, None], dtype=np.float64
+  )
+  _assert_no_nan(got, name)
+  for quantity, ref in want.items():
+    if quantity == "dbias":
+      continue
+    size = max(1.0, float(np.max(np.abs(ref[np.isfinite(ref)]), initial=0.0)))
+    err = max_abs_error(got[quantity], ref)
+    assert err <= 2e-5 * size, f"{name}: {quantity} error {err:.3g}"
+
+
+# --- caches that run out under jit: dropped tokens' queries return zeros ----------------------
+
+
+@st.composite
+def short_caches(draw):
+  """A prompt batch written into a cache too small for it under jit: a page pool with fewer
+  pages than the prompts need, or rows shorter than the prompts; the cache built inside or
+  outside the jitted step, float32 or int8."""
+  B, t, N, K, H = 2, 6, 2, 1, 4
+  num_new = np.array([draw(st.integers(1, t)) for _ in range(B)])
+  paged = draw(st.booleans())
+  page_size = draw(st.sampled_from([1, 2, 4]))
+  if paged:
+    need = -(-num_new // page_size)  # pages per row
+    pool = draw(st.integers(0, int(need.sum()) - 1)) if need.sum() > 0 else 0
+    pool = max(pool, 1)
+    got = np.minimum(need, np.maximum(pool - np.concatenate([[0], np.cumsum(need)[:-1]]), 0))
+    kept = np.minimum(num_new, got * page_size)  # pages in batch order, ascending
+    make = lambda: jattn.decode.init_paged(
+      pool, page_size, B, -(-t // page_size), K, H, dtype=dtype
+    )
+    pre = 0
+  else:  # rows already holding `pre` tokens, so the prompts overflow max_length
+    max_length = draw(st.integers(t, t + 3))
+    pre = draw(st.integers(1, max_length))
+    kept = np.minimum(num_new, max_length - pre)
+    make = lambda: jattn.decode.init(B, max_length, K, H, dtype=dtype)
+  dtype = draw(st.sampled_from([jnp.float32, jnp.int8]))
+  inside = draw(st.booleans())
+  seed = draw(st.integers(0, 2**16))
+  return (B, t, N, K, H), pre, num_new, kept, make, inside, dtype, seed
+
+
+@settings(max_examples=12, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(short_caches())
+def test_tokens_dropped_under_jit_return_zeros(problem):
+  (B, t, N, K, H), pre, num_new, kept, make, inside, dtype, seed = problem
+  rng = np.random.default_rng(seed)
+  q, k, v, ct = (
+    jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    for shape in ((B, t, N, H), (B, pre + t, K, H), (B, pre + t, K, H), (B, t, N, H))
+  )
+
+  def step(q, k, v, cache, num_new):
+    cache = make() if cache is None else cache
+    if pre:  # earlier tokens, written eagerly or inside the step
+      cache = jattn.decode.update(cache, k[:, :pre], v[:, :pre])
+    out, cache = jattn.decode.attention(q, k[:, pre:], v[:, pre:], cache, num_new=num_new)
+    return jnp.sum(out * ct), (out, cache.lengths)
+
+  cache = None if inside else make()
+  (_, (out, lengths)), dq = jax.jit(jax.value_and_grad(step, has_aux=True))(
+    q, k, v, cache, jnp.asarray(num_new)
+  )
+  where = (
+    f"{pre} held, kept {kept.tolist()} of {num_new.tolist()}, {np.dtype(dtype).name}, "
+    f"inside={inside}"
+  )
+  np.testing.assert_array_equal(lengths, pre + kept, err_msg=where)
+  for b in range(B):
+    n = int(kept[b])
+    assert not np.asarray(out[b, n:]).any(), f"{where}: dropped rows are not zeros"
+    assert not np.asarray(dq[b, n:]).any(), f"{where}: dropped rows have a gradient"
+    if n == 0:
+      continue
+    want = attention_reference(
+      q[b : b + 1, :n],
+      k[b : b + 1, : pre + n],
+      v[b : b + 1, : pre + n],
+      None,
+      ct[b : b + 1, :n],
+      scale=1 / np.sqrt(H),
+      allowed=np.tril(np.ones((n, pre + n), bool), k=pre),
+      dtype=np.float64,
+    )
+    tol = 2e-5 if dtype == jnp.float32 else 5e-2  # int8 rounds keys and values
+    for got, ref in ((out[b, :n], want["out"][0]), (dq[b, :n], want["dq"][0])):
+      err = max_abs_error(np.asarray(got, np.float64), ref)
+      assert err <= tol * max(1.0, np.max(np.abs(ref))), f"{where}: error {err:.3g}"
+
+
+# --- derivatives of every order, every rule --------------------------------------------------
+
+
+@settings(max_examples=10, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(
+  st.sampled_from(SHAPES),
+  st.sampled_from(["grad_of_grad", "hessian_vector"]),
+  st.sampled_from(RULE_NAMES + ["splash"]),
+  st.integers(0, 2**16),
+)
+def test_second_derivatives_match_autodiff_or_name_the_rule(shape, order, name, seed):
+  """Each rule either gives autodiff's second derivative or raises jattn's ValueError naming
+  itself and the way out (docs/backward.md's table), never JAX's message about its internals."""
+  B, T, S, N, K, H = shape
+  q, k, v, ct = _arrays(np.random.default_rng(seed), shape, jnp.float32)
+  rule = dict(implementation="splash") if name == "splash" else RULES[name]
+
+  def f(rule):
+    loss = lambda q: jnp.sum(jattn.dot_product_attention(q, k, v, is_causal=True, **rule) * ct)
+    if order == "grad_of_grad":
+      return jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) ** 2))
+    return lambda q: jax.jvp(jax.grad(lambda q: loss(q) ** 2), (q,), (ct,))[1]
+
+  want = f(dict(implementation="xla", backward="autodiff"))(q)
+  supported = {
+    "grad_of_grad": ("xla/autodiff", "xla/custom_vjp", "default"),  # default: xla at this size
+    "hessian_vector": (
+      "xla/autodiff",
+      "xla/custom_vjp",
+      "default",
+      "blockwise",
+      "blockwise/default",
+    ),
+  }[order]
+  with jattn.testing.interpret_kernels():
+    if name not in supported:
+      with pytest.raises(ValueError, match=r"gives first-order gradients.*implementation='xla'"):
+        f(rule)(q)
+      return
+    got = f(rule)(q)
+  size = max(1.0, float(np.max(np.abs(np.asarray(want)))))
+  err = max_abs_error(np.asarray(got, np.float64), np.asarray(want, np.float64))
+  assert err <= 1e-4 * size, f"{name} {order}: error {err:.3g} (largest |value| {size:.3g})"
