@@ -8,6 +8,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import SCORE_FN_HEADS, SCORE_FNS, mask_kinds, score_fn_in
 from jax.test_util import check_grads
 from reference import (
   assert_close,
@@ -18,34 +19,33 @@ from reference import (
   normal,
   tile_classes_np,
 )
-from test_xla import SCORE_FNS  # the same score functions, for the same N
 
 import jattn
 from jattn import dropout, masks, scores
 from jattn.impl import _tiling, blockwise
 
 # T and S are not multiples of the tiles, so every test also runs padded edge tiles.
-B, T, S, N, K, H = 2, 7, 9, 4, 2, 4  # N as in test_xla, whose SCORE_FNS are reused
+B, T, S, N, K, H = 2, 7, 9, SCORE_FN_HEADS, 2, 4
 BLOCKS = dict(block_q=3, block_kv=4)
 IDS_Q = np.array([[0, 0, 0, 1, 1, 1, 1], [2, 3, 3, 3, 4, 4, 7]])
 IDS_KV = np.array([[0, 0, 1, 1, 1, 1, 2, 2, 2], [3, 3, 3, 4, 4, 5, 5, 5, 5]])
 
-# Every mask kind; several leave some query rows with nothing to attend to.
+# Every mask kind, several of which leave some query rows with nothing to attend to, and
+# the sparse patterns.
 MASKS = {
-  "none": None,
-  "causal": masks.causal(),
-  "causal_empty_rows": masks.causal(-2),
+  **mask_kinds(
+    B,
+    T,
+    S,
+    ids=(IDS_Q, IDS_KV),
+    window=(2, 1),
+    chunk=3,
+    prefix=[4, 0],
+    lengths=([5, 7], [0, 6]),
+    num_global=2,
+    stride=3,
+  ),
   "causal_bottom_right": masks.causal(S - T),
-  "window": masks.sliding_window(2, 1),
-  "chunked": masks.chunked(3),
-  "prefix_lm": masks.prefix_lm(np.array([4, 0])),
-  "segments": masks.segments(IDS_Q, IDS_KV),
-  "lengths_empty_rows": masks.lengths(np.array([5, 7]), np.array([0, 6])),
-  "global": masks.global_tokens(2),
-  "strided": masks.strided(3),
-  "from_array": masks.from_array(np.random.default_rng(0).random((B, 1, T, S)) < 0.5),
-  "from_fn": masks.from_fn(lambda b, h, q, kv: (q + kv + b + h) % 3 != 0),
-  "combined": (masks.causal(1) & ~masks.strided(3)) | masks.global_tokens(1),
   "longformer": masks.longformer(1, dilation=2),
   "bigbird": masks.bigbird(T, S, block_size=2, num_random_blocks=1, seed=0),
 }
@@ -145,10 +145,8 @@ def _keep():
 
 
 def _score(name, dtype):
-  fn = SCORE_FNS.get(name)
-  if isinstance(fn, jattn.ScoreFn):  # parameters in the case's dtype
-    fn = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), fn)
-  return fn
+  """The score function called name (or None), its parameters in the case's dtype."""
+  return score_fn_in(SCORE_FNS.get(name), dtype)
 
 
 def test_sweep_covers_every_mask_and_setting():

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import TILED, TILED_LENGTH
 from reference import (
   assert_close,
   attention_np,
@@ -679,12 +680,7 @@ def test_extents_and_batch_defaults():
     mask.materialize(T_, S_, batch_size=3)
 
 
-L = 8  # with block_q = block_kv = 4, blockwise evaluates masks on 2 x 2 tiles
-TILED = {
-  "xla": dict(implementation="xla"),
-  "blockwise": dict(implementation="blockwise", block_q=4, block_kv=4),
-  "auto": {},
-}
+L = TILED_LENGTH  # TILED's blockwise evaluates masks on 2 x 2 tiles of 4 x 4
 ALLOWED_LL = np.tril(np.ones((L, L), bool)) | (np.arange(L)[None] % 3 == 0)
 
 MASK_FNS_NOT_FROM_INDICES = {

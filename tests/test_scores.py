@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import TILED, TILED_LENGTH
 from reference import RULES, assert_close, attention_jnp, attention_np, grid, normal
 
 import jattn
@@ -241,12 +242,7 @@ def test_num_heads_of_score_functions():
   )
 
 
-L = 8  # with block_q = block_kv = 4, blockwise evaluates score functions on 2 x 2 tiles
-TILED = {
-  "xla": dict(implementation="xla"),
-  "blockwise": dict(implementation="blockwise", block_q=4, block_kv=4),
-  "auto": {},
-}
+L = TILED_LENGTH  # TILED's blockwise evaluates score functions on 2 x 2 tiles of 4 x 4
 TABLE_LL = np.asarray(normal((L, L), seed=5))
 RELATIVE = np.asarray(normal((2 * L - 1,), seed=6))
 

@@ -5,32 +5,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import SCORE_FN_HEADS, SCORE_FNS, mask_kinds, score_fn_in
 from jax.test_util import check_grads
 from reference import assert_close, attention_jnp, normal
 
 import jattn
-from jattn import masks, scores
+from jattn import masks
 
-B, T, S, N, K, H = 2, 4, 5, 4, 2, 3
+B, T, S, N, K, H = 2, 4, 5, SCORE_FN_HEADS, 2, 3
 IDS_Q = np.array([[0, 0, 1, 1], [2, 3, 3, 3]])
 IDS_KV = np.array([[0, 1, 1, 1, 2], [3, 3, 2, 2, 5]])
 
 # Every mask kind, several of which leave some query rows with nothing to attend to.
-MASKS = {
-  "none": None,
-  "causal": masks.causal(),
-  "causal_empty_rows": masks.causal(-2),
-  "window": masks.sliding_window(1, 1),
-  "chunked": masks.chunked(2),
-  "prefix_lm": masks.prefix_lm(np.array([2, 0])),
-  "segments": masks.segments(IDS_Q, IDS_KV),
-  "lengths_empty_rows": masks.lengths(np.array([3, 4]), np.array([0, 2])),
-  "global": masks.global_tokens(1),
-  "strided": masks.strided(2),
-  "from_array": masks.from_array(np.random.default_rng(0).random((B, 1, T, S)) < 0.5),
-  "from_fn": masks.from_fn(lambda b, h, q, kv: (q + kv + b + h) % 3 != 0),
-  "combined": (masks.causal(1) & ~masks.strided(3)) | masks.global_tokens(1),
-}
+MASKS = mask_kinds(
+  B,
+  T,
+  S,
+  ids=(IDS_Q, IDS_KV),
+  window=(1, 1),
+  chunk=2,
+  prefix=[2, 0],
+  lengths=([3, 4], [0, 2]),
+  num_global=1,
+  stride=2,
+)
 
 
 def _inputs(dtype):
@@ -115,29 +113,14 @@ def test_check_grads_float64(kind, x64):
     check_grads(_ours(MASKS[kind], backward), args, order=1, modes=["rev"])
 
 
-SCORE_FNS = {
-  "alibi": scores.alibi(np.array([0.5, 0.2, 0.1, 0.05])),
-  "relative": scores.relative_position_bias(
-    np.linspace(-1, 1, 16 * N).reshape(16, N), num_buckets=16, max_distance=8
-  ),
-  "soft_cap": scores.soft_cap(1.5),
-  "custom": lambda s, b, h, q, kv: s * (1.0 + 0.1 * h) - 0.05 * (q - kv) ** 2,
-}
-
-
-def _float64(fn):
-  if isinstance(fn, jattn.ScoreFn):  # rebuild with float64 parameters
-    fn = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), fn)
-  return fn
-
-
 @pytest.mark.parametrize("name", list(SCORE_FNS))
 def test_both_rules_with_score_fns(name, x64):
-  _assert_rules_match_formula(_both_rules_and_formula(masks.causal(1), _float64(SCORE_FNS[name])))
+  fn = score_fn_in(SCORE_FNS[name], jnp.float64)
+  _assert_rules_match_formula(_both_rules_and_formula(masks.causal(1), fn))
 
 
 def test_check_grads_float64_learned_score_fn(x64):
-  fn = _float64(SCORE_FNS["relative"])
+  fn = score_fn_in(SCORE_FNS["relative"], jnp.float64)
   check_grads(_ours(masks.causal(), "custom_vjp", fn), _inputs(jnp.float64), order=1, modes=["rev"])
 
 
