@@ -10,120 +10,23 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pairwise import pairwise
-from reference import assert_close, attention_np, normal
+from reference import (
+  alibi_slopes_np,
+  assert_close,
+  attention_np,
+  inv_freq_np,
+  llama3_np,
+  normal,
+  rope_np,
+  scaled_np,
+  sinusoidal_np,
+)
 
 import jattn
 from jattn import positional, scores
 
 B, T, N, H = 2, 6, 3, 8
 Scaling = positional.RopeScaling
-
-
-# ----------------------------------------------------------------- independent references
-# Written from the published formulas, in loops, without calling jattn's helpers.
-
-
-def sinusoidal_np(p, dim, max_timescale=10_000.0):
-  p = np.asarray(p, np.float64)
-  out = np.zeros(p.shape + (dim,))
-  for i in range(dim // 2):
-    angle = p / max_timescale ** (2 * i / dim)
-    out[..., i] = np.sin(angle)
-    out[..., dim // 2 + i] = np.cos(angle)
-  return out
-
-
-def inv_freq_np(R, base):
-  return np.array([1.0 / base ** (2 * i / R) for i in range(R // 2)])
-
-
-def llama3_np(R, base, factor, low_freq_factor, high_freq_factor, old_context_len):
-  """Meta's ``apply_scaling`` (llama-models, Llama 3.1), transcribed."""
-  low_freq_wavelen = old_context_len / low_freq_factor
-  high_freq_wavelen = old_context_len / high_freq_factor
-  new = []
-  for freq in inv_freq_np(R, base):
-    wavelen = 2 * math.pi / freq
-    if wavelen < high_freq_wavelen:
-      new.append(freq)
-    elif wavelen > low_freq_wavelen:
-      new.append(freq / factor)
-    else:
-      smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-      new.append((1 - smooth) * freq / factor + smooth * freq)
-  return np.array(new)
-
-
-def yarn_np(R, base, factor, L, beta_fast, beta_slow, truncate):
-  """YaRN NTK-by-parts as in jquesnelle/yarn: a ramp in the pair index between the
-  pairs that turn beta_fast and beta_slow times over L positions."""
-
-  def pair_index(rotations):  # solve L / (2π base^(2i/R)) = rotations for i
-    return R * math.log(L / (2 * math.pi * rotations)) / (2 * math.log(base))
-
-  lo, hi = pair_index(beta_fast), pair_index(beta_slow)
-  if truncate:
-    lo, hi = math.floor(lo), math.ceil(hi)
-  lo, hi = max(lo, 0), min(hi, R - 1)
-  width = (hi - lo) or 0.001
-  out = []
-  for i, theta in enumerate(inv_freq_np(R, base)):
-    gamma = min(max((i - lo) / width, 0.0), 1.0)  # 0: keep, 1: interpolate
-    out.append((1 - gamma) * theta + gamma * theta / factor)
-  return np.array(out)
-
-
-def scaled_np(R, base, s):
-  """(inverse frequencies, output scale) of RopeScaling ``s`` (None: plain RoPE)."""
-  if s is None:
-    return inv_freq_np(R, base), 1.0
-  if s.kind == "linear":
-    return inv_freq_np(R, base) / s.factor, 1.0
-  if s.kind == "ntk":
-    return inv_freq_np(R, base * s.factor ** (R / (R - 2))), 1.0
-  if s.kind == "llama3":
-    return llama3_np(
-      R, base, s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position
-    ), 1.0
-  mscale = s.attention_factor or 0.1 * math.log(s.factor) + 1
-  return yarn_np(
-    R, base, s.factor, s.original_max_position, s.beta_fast, s.beta_slow, s.truncate
-  ), mscale
-
-
-def rope_np(x, positions, *, base=10_000.0, rotary_fraction=1.0, scaling=None):
-  """Rotate-half RoPE in float64: pair (i, i + R/2) turns by position · θ_i."""
-  x = np.asarray(x, np.float64)
-  unbatched = x.ndim == 3
-  x = x[None] if unbatched else x
-  pos = np.broadcast_to(np.asarray(positions, np.float64), x.shape[:2])
-  R = int(x.shape[-1] * rotary_fraction)
-  theta, mscale = scaled_np(R, base, scaling)
-  y = x.copy()
-  for i in range(R // 2):
-    c = np.cos(pos * theta[i])[..., None]  # (B, T, 1) against (B, T, N)
-    s = np.sin(pos * theta[i])[..., None]
-    a, b = x[..., i], x[..., i + R // 2]
-    y[..., i] = mscale * (a * c - b * s)
-    y[..., i + R // 2] = mscale * (b * c + a * s)
-  return y[0] if unbatched else y
-
-
-def alibi_slopes_reference(n):
-  """``get_slopes`` from ofirpress/attention_with_linear_biases, transcribed."""
-
-  def get_slopes_power_of_2(n):
-    start = 2 ** (-(2 ** -(math.log2(n) - 3)))
-    ratio = start
-    return [start * ratio**i for i in range(n)]
-
-  if math.log2(n).is_integer():
-    return get_slopes_power_of_2(n)
-  closest_power_of_2 = 2 ** math.floor(math.log2(n))
-  return (
-    get_slopes_power_of_2(closest_power_of_2)
-    + alibi_slopes_reference(2 * closest_power_of_2)[0::2][: n - closest_power_of_2]
-  )
 
 
 SCALINGS = [
@@ -448,7 +351,7 @@ def test_alibi_slopes_literals():
 @pytest.mark.parametrize("num_heads", list(range(1, 41)) + [64, 96, 100])
 def test_alibi_slopes_match_reference_algorithm(num_heads):
   np.testing.assert_allclose(
-    positional.alibi_slopes(num_heads), alibi_slopes_reference(num_heads), rtol=1e-7
+    positional.alibi_slopes(num_heads), alibi_slopes_np(num_heads), rtol=1e-7
   )
 
 
