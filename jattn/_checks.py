@@ -255,15 +255,19 @@ def sinks(sinks, N: int):
 
 
 def tile_sizes(implementation, block_q, block_kv) -> tuple[int | None, int | None]:
-  """Tile sizes checked; they exist only for the tiled implementations, "blockwise" and
-  "splash" (with implementation=None they exclude the others, see _select.choose)."""
+  """Tile sizes checked; they exist only for the tiled implementations (the table's tiles
+  column; with implementation=None they exclude the others, see _select.choose)."""
+  # Imported here, not at the top: the table's modules import jattn.masks, which imports this.
+  from jattn.impl._select import TILED as tiled
+
   blocks = (
     None if block_q is None else integer("block_q", block_q, minimum=1),
     None if block_kv is None else integer("block_kv", block_kv, minimum=1),
   )
-  if implementation not in (None, "blockwise", "splash") and blocks != (None, None):
+  if implementation is not None and implementation not in tiled and blocks != (None, None):
+    names = " or ".join(repr(n) for n in tiled)
     raise ValueError(
-      f"block_q and block_kv apply only to implementation='blockwise' or 'splash', got "
+      f"block_q and block_kv apply only to implementation={names}, got "
       f"implementation={implementation!r}"
     )
   return blocks

@@ -34,8 +34,6 @@ from jax.extend import core as jex_core
 
 from jattn import _checks, masks, scores, testing
 from jattn.impl import _common, _select, _sharded
-from jattn.impl import blockwise as _blockwise
-from jattn.impl import splash as _splash
 
 
 @functools.partial(
@@ -90,8 +88,8 @@ class CallSpec:
   broadcast_dropout: bool
   implementation: str  # a key of jattn.impl._select.TABLE
   backward: str | None  # one of its backward rules (None for fused kernels: cudnn, splash)
-  block_q: int  # tiles of blockwise or splash (their defaults unless given)
-  block_kv: int
+  block_q: int | None  # tiles of blockwise or splash (their defaults unless given); else None
+  block_kv: int | None
   return_residual: bool
   interpret: bool = False  # Pallas kernels in interpret mode (jattn.testing.interpret_kernels)
   sinks: Any = None  # None, or per-head sink logits (N,), a floating array
@@ -219,20 +217,13 @@ def build(
 def _for_choice(
   spec: CallSpec, choice: _select.Choice, blocks: tuple[int | None, int | None], dtype, backend: str
 ) -> CallSpec:
-  """``spec`` completed for ``choice`` on ``backend``: tiles, splash's mask split, the
-  compute dtype."""
-  if choice.implementation == "splash":
-    block_q, block_kv = _splash.resolve_blocks(blocks[0], blocks[1], spec.T, spec.S)
-    static_mask, rest = _splash.split(spec.mask)
-    spec = dataclasses.replace(spec, mask=rest, static_mask=static_mask)
-  else:
-    block_q, block_kv = _blockwise.resolve_blocks(blocks[0], blocks[1], backend)
+  """``spec`` completed for ``choice`` on ``backend`` by its row's ``prepare`` (tiles,
+  splash's mask split), with the compute dtype."""
+  spec = _select.TABLE[choice.implementation].prepare(spec, blocks, backend)
   return dataclasses.replace(
     spec,
     implementation=choice.implementation,
     backward=choice.backward,
-    block_q=block_q,
-    block_kv=block_kv,
     compute_dtype=_common.compute_dtype(dtype, backend),
   )
 

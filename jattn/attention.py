@@ -31,7 +31,7 @@ import chex
 import jax
 
 from jattn import _compat, _spec, masks
-from jattn.impl import _common, _orders, _sharded, blockwise, cudnn, splash, xla
+from jattn.impl import _common, _orders, blockwise, xla
 from jattn.impl._select import (  # noqa: F401  # public names of the table
   AUTO_BLOCKWISE_BYTES,
   BACKENDS,
@@ -337,24 +337,10 @@ def _run(query, key, value, spec: _spec.CallSpec):
   chex.assert_shape(query, dims["BTNH"])
   chex.assert_shape(key, dims["BSKH"])
   chex.assert_shape(value, dims["BSKV"])
-  sinks_done = False  # splash's kernel takes the sinks itself
-  match spec.implementation:
-    case "xla":
-      out, lse = xla.attention(query, key, value, spec)
-    case "blockwise" if all(spec.bnts) and spec.H:
-      out, lse = blockwise.attention(query, key, value, spec)
-    case "splash" if all(spec.bnts) and spec.H:
-      whole = splash.varies_by_head(spec)
-      out, lse = _sharded.per_shard(splash.attention, query, key, value, spec, heads_whole=whole)
-      sinks_done = True
-    case "blockwise" | "splash":  # nothing to tile: an empty output, no keys, or H == 0
-      out, lse = xla.attention(query, key, value, dataclasses.replace(spec, backward="autodiff"))
-    case "cudnn":
-      out, lse = _sharded.per_shard(cudnn.attention, query, key, value, spec)
-    case _:
-      raise ValueError(f"unknown implementation {spec.implementation!r}")
+  row = TABLE[spec.implementation]
+  out, lse = row.run(query, key, value, spec)
   chex.assert_shape(lse, dims["BTN"])
-  return _finish(out, lse, spec, query.dtype, sinks_done)
+  return _finish(out, lse, spec, query.dtype, row.takes_sinks)
 
 
 @jax.jit

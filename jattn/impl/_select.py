@@ -13,124 +13,33 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import jax
-import numpy as np
 
 from jattn.impl import blockwise, cudnn, splash, xla
+from jattn.impl._base import BACKENDS, BACKWARDS, Call, Implementation
 
-BACKWARDS = ("autodiff", "custom_vjp")
-BACKENDS = ("cpu", "gpu", "tpu")
+__all__ = ["BACKENDS", "BACKWARDS", "Call", "Implementation", "TABLE", "Choice", "choose"]
 
-
-@dataclasses.dataclass(frozen=True)
-class Call:
-  """What the table looks at: the checked spec's settings, and what the caller named."""
-
-  spec: Any  # a jattn._spec.CallSpec, before its implementation is chosen
-  dtype: np.dtype
-  backend: str
-  backward_named: bool  # the caller gave backward=
-  blocks_named: bool  # the caller gave block_q= or block_kv=
-  sequence_sharded: tuple = ()  # mesh axes sharding T or S (Explicit sharding mode)
-
-
-@dataclasses.dataclass(frozen=True)
-class Implementation:
-  """One row of the table. ``None`` in a feature column means "expresses it"."""
-
-  runs_on: tuple[str, ...]
-  backwards: tuple[str, ...]  # jattn rules it supports, default first; () = its own fused one
-  masks: str  # what it expresses, for the docs and explain
-  dtypes: tuple[str, ...] | None = None  # None: any floating dtype
-  bias: str | None = None  # why not, or None
-  score_fn: str | None = None
-  soft_cap: str | None = None
-  dropout: str | None = None
-  residual: str | None = None  # return_residual with a differentiable log-sum-exp
-  sinks: str | None = None
-  tiles: bool = False  # takes block_q / block_kv
-  fused: bool = False  # one kernel per device: needs whole sequences there
-  check: Callable[[Call], str | None] | None = None  # masks, head dims, lengths, tiles
-
-
-def _splash_check(call: Call) -> str | None:
-  s = call.spec
-  if reason := splash.mask_reason(s.mask):
-    return reason
-  if s.return_residual and s.score_fn is not None:
-    return (
-      "return_residual with logits_soft_cap (the log-sum-exp's gradient through the cap "
-      "needs the capped logits, which the kernel does not return)"
-    )
-  if call.blocks_named:
-    bq, bkv = splash.resolve_blocks(s.block_q, s.block_kv, s.T, s.S)
-    return splash.blocks_reason(bq, bkv)
-  return None
-
-
+# One row per implementation, each declared in its own module (see jattn.impl._base).
 TABLE: dict[str, Implementation] = {
-  "xla": Implementation(
-    runs_on=BACKENDS,
-    backwards=xla.BACKWARDS,
-    masks="every mask",
-  ),
-  "blockwise": Implementation(
-    runs_on=BACKENDS,
-    backwards=blockwise.BACKWARDS,
-    masks="every mask (skips the tiles it empties)",
-    tiles=True,
-  ),
-  "splash": Implementation(
-    runs_on=("tpu",),
-    backwards=splash.BACKWARDS,
-    masks=(
-      "masks the same for every batch row with known values (causal with any offset, "
-      "windows, chunks, arrays, per-head arrays, global tokens, strides, block-sparse "
-      "layouts, and their & | ~), segment ids, lengths"
-    ),
-    dtypes=("float32", "bfloat16"),
-    bias="splash adds no bias",
-    score_fn="splash has no score function (logits_soft_cap it has)",
-    dropout="splash has no dropout",
-    tiles=True,
-    fused=True,
-    check=_splash_check,
-  ),
-  "cudnn": Implementation(
-    runs_on=("gpu",),
-    backwards=cudnn.BACKWARDS,
-    masks=(
-      "jax.nn's: a boolean array, causal (offset 0), a left window, lengths; auto routes "
-      "only bfloat16 calls with no mask, or causal/left windows with T == S (no empty rows)"
-    ),
-    dtypes=("bfloat16", "float16"),
-    score_fn="cuDNN has no score function",
-    soft_cap="cuDNN has no soft cap",
-    dropout="jax.nn's cuDNN call has no dropout",
-    sinks="jax.nn's cuDNN call has no sinks",
-    fused=True,
-    check=lambda call: cudnn.reason(call.spec),
-  ),
+  m.IMPLEMENTATION.name: m.IMPLEMENTATION for m in (xla, blockwise, splash, cudnn)
 }
 
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {name: row.backwards for name, row in TABLE.items()}
+TILED = tuple(name for name, row in TABLE.items() if row.tiles)
 
 # implementation=None, per backend: the fused kernel to try first, if any.
-FUSED = {"cpu": None, "gpu": "cudnn", "tpu": "splash"}
+FUSED: dict[str, str | None] = {
+  backend: next((n for n, row in TABLE.items() if row.fused and backend in row.runs_on), None)
+  for backend in BACKENDS
+}
 
 # Without a fused kernel, implementation=None picks "blockwise" once the materialised
 # (B, N, T, S) float32 scores would reach this many bytes, and "xla" below it. CPU: the
 # crossover measured with experiments/bench.py; accelerators: the materialised path is fast
 # there until memory runs short.
 AUTO_BLOCKWISE_BYTES = {"cpu": 8 * 2**20, "gpu": 2**30, "tpu": 2**30}
-
-_WHY_NOT = {
-  ("blockwise", "autodiff"): " (JAX cannot reverse-differentiate its tile loops, whose trip "
-  "counts depend on the mask, and autodiff would store every "
-  "tile's probabilities, O(T·S) memory)",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,54 +86,21 @@ def check_choices(implementation, backward) -> tuple[str | None, str | None]:
     raise ValueError(
       f"implementation={implementation!r} does not support "
       f"backward={backward!r}: it {rules}"
-      f"{_WHY_NOT.get((implementation, backward), '')}"
+      f"{TABLE[implementation].backward_note(backward)}"
     )
   return implementation, backward
 
 
 def why_not(name: str, call: Call, *, interpret: bool = False, device: bool = True) -> str | None:
-  """Why implementation ``name`` cannot run ``call`` exactly; None when it can. ``device``:
-  also whether it runs on ``call.backend`` (see :func:`runs_on`)."""
-  row, s = TABLE[name], call.spec
-  if call.backward_named and not row.backwards:
-    return f"backward= names a jattn rule, and {name} has its own fused backward"
-  if call.blocks_named and not row.tiles:
-    return f"block_q and block_kv apply to tiled implementations, and {name} has none"
-  features = (
-    (row.bias, s.bias is not None, "bias"),
-    (row.score_fn, _has_score_fn(s.score_fn), "score_fn"),
-    (row.soft_cap, s.score_fn is not None, "logits_soft_cap"),
-    (row.dropout, s.dropout_rate > 0, "dropout_rate > 0"),
-    (row.residual, s.return_residual, "return_residual"),
-    (row.sinks, s.sinks is not None, "sinks"),
-  )
-  for reason, used, feature in features:
-    if reason is not None and used:
-      return f"{feature}: {reason}"
-  if row.fused and call.sequence_sharded:
-    return (
-      f"the sequence axis is sharded over mesh axes {call.sequence_sharded} (a fused kernel "
-      "needs each device's sequences whole: shard the batch and heads, or use "
-      "jattn.parallel.ring_attention)"
-    )
-  if row.check is not None and (reason := row.check(call)):
-    return reason
-  if row.dtypes is not None and call.dtype.name not in row.dtypes:
-    return f"dtype {call.dtype.name} (it takes {', '.join(row.dtypes)})"
-  if device and not runs_on(name, call.backend, interpret=interpret):
-    where = " or ".join(row.runs_on)
-    return f"it runs on {where.upper()}, and the backend is {call.backend!r}"
-  return None
+  """Why implementation ``name`` cannot run ``call`` exactly; None when it can (its row's
+  :meth:`~jattn.impl._base.Implementation.why_not`)."""
+  return TABLE[name].why_not(call, interpret=interpret, device=device)
 
 
-def runs_on(name: str, backend: str, *, interpret: bool = False) -> bool:
-  """Whether implementation ``name`` runs on ``backend`` (splash anywhere when interpreted)."""
-  return backend in TABLE[name].runs_on or (name == "splash" and interpret)
-
-
-def _has_score_fn(fn) -> bool:
-  """A score function other than exactly ``logits_soft_cap``."""
-  return fn is not None and fn.rule.name != "soft_cap"
+def _nothing_to_tile(name: str, call: Call) -> bool:
+  """A tiled implementation given an empty output, no keys or H == 0: xla runs it."""
+  s = call.spec
+  return TABLE[name].tiles and not (all(s.bnts) and s.H)
 
 
 def choose(
@@ -244,16 +120,22 @@ def choose(
     return _reasons(call, chosen) if detail else {}
 
   if implementation is not None:
-    reason = why_not(implementation, call, device=False)
+    row = TABLE[implementation]
+    reason = row.why_not(call, device=False)
     if reason is not None:
       raise ValueError(f"implementation={implementation!r} does not support {reason}")
-    if not runs_on(implementation, call.backend, interpret=interpret):
+    if not row.runs_on_backend(call.backend, interpret=interpret):
       raise ValueError(_no_device(implementation, call.backend))
+    if _nothing_to_tile(implementation, call):
+      return _empty(call, f"{implementation} named by the caller", _rejected)
     rejected = _rejected(implementation)
     return Choice(implementation, backward, "named by the caller", rejected, call.backend)
   fused = FUSED.get(call.backend) if fused else None
   if fused is not None and (reason := why_not(fused, call)) is None:
-    if not (fused == "cudnn" and (why := cudnn.auto_reason(call.spec, call.dtype))):
+    auto_check = TABLE[fused].auto_check
+    if not (auto_check is not None and (why := auto_check(call))):
+      if _nothing_to_tile(fused, call):
+        return _empty(call, f"{fused} is the fused kernel for {call.backend.upper()}", _rejected)
       return Choice(
         fused,
         None,
@@ -278,8 +160,17 @@ def choose(
     )
   if fused is not None:
     why = f"{why}; {fused} does not: {reason}"
+  if _nothing_to_tile(impl, call):
+    return _empty(call, why, _rejected)
   rule = check_choices(impl, backward)[1]
   return Choice(impl, rule, why, _rejected(impl), call.backend)
+
+
+def _empty(call: Call, why: str, rejected: Callable[[str], dict[str, str]]) -> Choice:
+  """The choice for a call with nothing to tile (an empty output, no keys, or H == 0): the
+  materialised path, differentiated by autodiff, gives its zeros and empty gradients."""
+  why = f"{why}, but there is nothing to tile (B, N, T, S or H is 0)"
+  return Choice("xla", "autodiff", why, rejected("xla"), call.backend)
 
 
 # The platform names of jax.lax.platform_dependent and of lowering, per backend.

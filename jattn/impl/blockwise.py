@@ -65,7 +65,7 @@ import jax.numpy as jnp
 
 from jattn import dropout as _dropout
 from jattn import masks as _masks
-from jattn.impl import _common, _kv, _orders, _tiling
+from jattn.impl import _base, _common, _kv, _orders, _tiling
 
 if TYPE_CHECKING:
   from jattn._spec import CallSpec
@@ -130,8 +130,8 @@ def _attention(query, kv, kv_len: int, spec: CallSpec):
     dropout_rate=spec.dropout_rate,
     dropout_rng=spec.dropout_rng,
     broadcast_dropout=spec.broadcast_dropout,
-    block_q=spec.block_q,
-    block_kv=spec.block_kv,
+    block_q=spec.block_q,  # type: ignore[arg-type]  # set by prepare (IMPLEMENTATION)
+    block_kv=spec.block_kv,  # type: ignore[arg-type]
   )
   out, lse = _attention_vjp(
     p.static, query, kv, spec.bias, p.seed, p.rows, p.cols, p.mask_consts, p.score_consts
@@ -490,3 +490,26 @@ def _attention_bwd(static, residuals, cotangents):
 
 
 _attention_vjp.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _prepare(spec: CallSpec, blocks: tuple[int | None, int | None], backend: str) -> CallSpec:
+  block_q, block_kv = resolve_blocks(blocks[0], blocks[1], backend)
+  return dataclasses.replace(spec, block_q=block_q, block_kv=block_kv)
+
+
+IMPLEMENTATION = _base.Implementation(
+  name="blockwise",
+  runs_on=_base.BACKENDS,
+  backwards=BACKWARDS,
+  masks="every mask (skips the tiles it empties)",
+  run=attention,
+  prepare=_prepare,
+  tiles=True,
+  backward_notes=(
+    (
+      "autodiff",
+      " (JAX cannot reverse-differentiate its tile loops, whose trip counts depend on the "
+      "mask, and autodiff would store every tile's probabilities, O(T·S) memory)",
+    ),
+  ),
+)

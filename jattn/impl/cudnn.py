@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jattn.impl import _base, _sharded
 from jattn.masks import _core, kinds
 
 BACKWARDS: tuple[str, ...] = ()  # cuDNN's own fused backward
@@ -123,3 +124,27 @@ def attention(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
     out, lse = result
     return out, jax.lax.stop_gradient(lse.astype(jnp.float32))
   return result, jnp.zeros((spec.B, spec.T, spec.N), jnp.float32)
+
+
+def _run(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
+  return _sharded.per_shard(attention, query, key, value, spec)
+
+
+IMPLEMENTATION = _base.Implementation(
+  name="cudnn",
+  runs_on=("gpu",),
+  backwards=BACKWARDS,
+  masks=(
+    "jax.nn's: a boolean array, causal (offset 0), a left window, lengths; auto routes "
+    "only bfloat16 calls with no mask, or causal/left windows with T == S (no empty rows)"
+  ),
+  run=_run,
+  dtypes=("bfloat16", "float16"),
+  score_fn="cuDNN has no score function",
+  soft_cap="cuDNN has no soft cap",
+  dropout="jax.nn's cuDNN call has no dropout",
+  sinks="jax.nn's cuDNN call has no sinks",
+  fused=True,
+  check=lambda call: reason(call.spec),
+  auto_check=lambda call: auto_reason(call.spec, call.dtype),
+)

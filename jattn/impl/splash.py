@@ -38,6 +38,7 @@ table (:mod:`jattn.impl._select`) asks it. Nothing here validates arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from typing import Any
@@ -47,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import _compat
-from jattn.impl import _orders
+from jattn.impl import _base, _orders, _sharded
 from jattn.masks import _core, kinds, layouts
 
 LANES = 128  # splash's block sizes must be multiples of the TPU's lane count
@@ -442,3 +443,57 @@ def _with_lse(run, run_residual, q, k, v, ids, sinks):
 
   f.defvjp(fwd, bwd)
   return f(q, k, v, ids, sinks)
+
+
+# --- the table's row ---------------------------------------------------------------
+
+
+def _check(call: _base.Call) -> str | None:
+  s = call.spec
+  if reason := mask_reason(s.mask):
+    return reason
+  if s.return_residual and s.score_fn is not None:
+    return (
+      "return_residual with logits_soft_cap (the log-sum-exp's gradient through the cap "
+      "needs the capped logits, which the kernel does not return)"
+    )
+  if call.blocks_named:
+    return blocks_reason(*resolve_blocks(s.block_q, s.block_kv, s.T, s.S))
+  return None
+
+
+def _prepare(spec, blocks: tuple[int | None, int | None], backend: str):
+  del backend  # splash's tiles depend on the lengths alone
+  block_q, block_kv = resolve_blocks(blocks[0], blocks[1], spec.T, spec.S)
+  static_mask, rest = split(spec.mask)
+  return dataclasses.replace(
+    spec, mask=rest, static_mask=static_mask, block_q=block_q, block_kv=block_kv
+  )
+
+
+def _run(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
+  whole = varies_by_head(spec)
+  return _sharded.per_shard(attention, query, key, value, spec, heads_whole=whole)
+
+
+IMPLEMENTATION = _base.Implementation(
+  name="splash",
+  runs_on=("tpu",),
+  backwards=BACKWARDS,
+  masks=(
+    "masks the same for every batch row with known values (causal with any offset, "
+    "windows, chunks, arrays, per-head arrays, global tokens, strides, block-sparse "
+    "layouts, and their & | ~), segment ids, lengths"
+  ),
+  run=_run,
+  prepare=_prepare,
+  dtypes=("float32", "bfloat16"),
+  bias="splash adds no bias",
+  score_fn="splash has no score function (logits_soft_cap it has)",
+  dropout="splash has no dropout",
+  tiles=True,
+  fused=True,
+  takes_sinks=True,
+  interpretable=True,
+  check=_check,
+)

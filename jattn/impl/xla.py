@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn import dropout as _dropout
-from jattn.impl import _common
+from jattn.impl import _base, _common
 from jattn.masks import index_grid
 
 if TYPE_CHECKING:
@@ -168,3 +168,12 @@ def _attention_bwd(static, modify, residuals, cotangents):
 
 
 _attention_vjp.defvjp(_attention_fwd, _attention_bwd)
+
+
+IMPLEMENTATION = _base.Implementation(
+  name="xla",
+  runs_on=_base.BACKENDS,
+  backwards=BACKWARDS,
+  masks="every mask",
+  run=attention,
+)

@@ -1,0 +1,112 @@
+"""What an implementation is: one row of the selection table, declared in its own module.
+
+Each implementation module (``xla``, ``blockwise``, ``splash``, ``cudnn``) ends with
+``IMPLEMENTATION = Implementation(...)``: where it runs, which backward rules it has, the
+features it cannot express (a reason each), and three answers:
+
+* :meth:`Implementation.why_not` ``(call)``: every reason it cannot run a checked
+  :class:`Call` exactly, the backend included, or None;
+* :meth:`Implementation.prepare` ``(spec, blocks, backend)``: the spec completed for it on
+  that backend (tile sizes, splash's mask split);
+* :meth:`Implementation.run` ``(q, k, v, spec)``: ``(out, lse)`` on rank-4 inputs.
+
+:mod:`jattn.impl._select` collects the rows into the table and owns every choice and
+fallback; adding an implementation is one module plus one entry there (docs/layout.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+BACKWARDS = ("autodiff", "custom_vjp")  # the jattn rules, by name
+BACKENDS = ("cpu", "gpu", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """What the table looks at: the checked spec's settings, and what the caller named."""
+
+  spec: Any  # a jattn._spec.CallSpec, before its implementation is chosen
+  dtype: np.dtype
+  backend: str
+  backward_named: bool  # the caller gave backward=
+  blocks_named: bool  # the caller gave block_q= or block_kv=
+  sequence_sharded: tuple = ()  # mesh axes sharding T or S (Explicit sharding mode)
+
+
+def _keep(spec: Any, blocks: tuple[int | None, int | None], backend: str) -> Any:
+  del blocks, backend
+  return spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  """One row of the table. ``None`` in a feature column means "expresses it"."""
+
+  name: str
+  runs_on: tuple[str, ...]
+  backwards: tuple[str, ...]  # jattn rules it supports, default first; () = its own fused one
+  masks: str  # what it expresses, for the docs and explain
+  run: Callable[..., tuple[Any, Any]]  # (q, k, v, spec) -> (out, lse), rank-4 inputs
+  prepare: Callable[[Any, tuple[int | None, int | None], str], Any] = _keep
+  dtypes: tuple[str, ...] | None = None  # None: any floating dtype
+  bias: str | None = None  # why not, or None
+  score_fn: str | None = None
+  soft_cap: str | None = None
+  dropout: str | None = None
+  residual: str | None = None  # return_residual with a differentiable log-sum-exp
+  sinks: str | None = None
+  tiles: bool = False  # takes block_q / block_kv, and needs something to tile
+  fused: bool = False  # one kernel per device: needs whole sequences there
+  takes_sinks: bool = False  # its kernel adds the sinks itself
+  interpretable: bool = False  # runs anywhere in Pallas interpret mode
+  check: Callable[[Call], str | None] | None = None  # masks, head dims, lengths, tiles
+  # Why implementation=None does not pick it where it could run the call (None: it does).
+  auto_check: Callable[[Call], str | None] | None = None
+  # Appended to the error for a backward rule it lacks: why it lacks it.
+  backward_notes: tuple[tuple[str, str], ...] = ()
+
+  def why_not(self, call: Call, *, interpret: bool = False, device: bool = True) -> str | None:
+    """Why it cannot run ``call`` exactly; None when it can. ``device``: also whether it
+    runs on ``call.backend`` (see :meth:`runs_on_backend`)."""
+    s = call.spec
+    if call.backward_named and not self.backwards:
+      return f"backward= names a jattn rule, and {self.name} has its own fused backward"
+    if call.blocks_named and not self.tiles:
+      return f"block_q and block_kv apply to tiled implementations, and {self.name} has none"
+    features = (
+      (self.bias, s.bias is not None, "bias"),
+      (self.score_fn, s.score_fn is not None and s.score_fn.rule.name != "soft_cap", "score_fn"),
+      (self.soft_cap, s.score_fn is not None, "logits_soft_cap"),
+      (self.dropout, s.dropout_rate > 0, "dropout_rate > 0"),
+      (self.residual, s.return_residual, "return_residual"),
+      (self.sinks, s.sinks is not None, "sinks"),
+    )
+    for reason, used, feature in features:
+      if reason is not None and used:
+        return f"{feature}: {reason}"
+    if self.fused and call.sequence_sharded:
+      return (
+        f"the sequence axis is sharded over mesh axes {call.sequence_sharded} (a fused kernel "
+        "needs each device's sequences whole: shard the batch and heads, or use "
+        "jattn.parallel.ring_attention)"
+      )
+    if self.check is not None and (reason := self.check(call)):
+      return reason
+    if self.dtypes is not None and call.dtype.name not in self.dtypes:
+      return f"dtype {call.dtype.name} (it takes {', '.join(self.dtypes)})"
+    if device and not self.runs_on_backend(call.backend, interpret=interpret):
+      where = " or ".join(self.runs_on)
+      return f"it runs on {where.upper()}, and the backend is {call.backend!r}"
+    return None
+
+  def runs_on_backend(self, backend: str, *, interpret: bool = False) -> bool:
+    """Whether it runs on ``backend`` (a Pallas kernel anywhere when interpreted)."""
+    return backend in self.runs_on or (self.interpretable and interpret)
+
+  def backward_note(self, backward: str) -> str:
+    return dict(self.backward_notes).get(backward, "")
