@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jattn import _checks, _flax, positional
+from jattn import _checks, _flax_adapter, _flax_cache, _flax_call, _flax_config, positional
 from jattn import decode as _decode
 
 default_kernel_init = nn.initializers.lecun_normal()
@@ -93,8 +93,8 @@ class MultiHeadAttention(nn.Module):
     self._cache_options()
     super().__post_init__()
 
-  def _cache_options(self) -> _flax.CacheOptions:
-    return _flax.check_cache_options(
+  def _cache_options(self) -> _flax_cache.CacheOptions:
+    return _flax_cache.check_cache_options(
       dtype_name="cache_dtype",
       dtype=self.cache_dtype,
       page_size=self.page_size,
@@ -104,7 +104,7 @@ class MultiHeadAttention(nn.Module):
     )
 
   def _config(self, in_features):
-    return _flax.check_config(
+    return _flax_config.check_config(
       num_heads=self.num_heads,
       in_features=in_features,
       num_kv_heads=self.num_kv_heads,
@@ -139,7 +139,7 @@ class MultiHeadAttention(nn.Module):
     dropout_rng: jax.Array | None = None,
   ):
     """As :meth:`jattn.nnx.MultiHeadAttention.__call__`; weights are sown into ``intermediates``."""
-    _flax.check_inputs(inputs_q, inputs_kv, None, None)
+    _flax_call.check_inputs(inputs_q, inputs_kv, None, None)
     heads = self._config(inputs_q.shape[-1])
     cross = inputs_kv is not None
     kv_in = inputs_q if inputs_kv is None else inputs_kv
@@ -161,7 +161,7 @@ class MultiHeadAttention(nn.Module):
       "rms": nn.RMSNorm,
       "layernorm": functools.partial(nn.LayerNorm, use_bias=False),
       None: None,
-    }[_flax.qk_norm_kind(self.normalize_qk)]
+    }[_flax_config.qk_norm_kind(self.normalize_qk)]
     if norm is not None:
       query = norm(dtype=self.dtype, param_dtype=self.param_dtype, name="query_ln")(query)
       key = norm(dtype=self.dtype, param_dtype=self.param_dtype, name="key_ln")(key)
@@ -177,10 +177,10 @@ class MultiHeadAttention(nn.Module):
           for field, name in CACHE_NAMES.items()
           if self.has_variable("cache", name)
         }
-        cache = _flax.cache_from(lambda f: cache_vars[f].value if f in cache_vars else None)
+        cache = _flax_cache.cache_from(lambda f: cache_vars[f].value if f in cache_vars else None)
       else:
         B, T = inputs_q.shape[:2]
-        empty = _flax.init_cache(heads, B, T, key.dtype, self._cache_options())
+        empty = _flax_cache.init_cache(heads, B, T, key.dtype, self._cache_options())
         cache_vars = {
           field: self.variable("cache", CACHE_NAMES[field], lambda x=x: x)
           for field, x in empty._asdict().items()
@@ -193,7 +193,7 @@ class MultiHeadAttention(nn.Module):
       raise ValueError(
         "decode=True does not take inputs_kv: decoding is causal self-attention over the cache"
       )
-    _flax.check_call(
+    _flax_call.check_call(
       inputs_q=inputs_q,
       cross=cross,
       decode_=False if init_pass else decode,
@@ -205,15 +205,16 @@ class MultiHeadAttention(nn.Module):
       implementation=self.implementation,
       rope=self.rope,
     )
-    if cache is not None and not _flax.cache_accepts(cache, key.dtype):
-      name = lambda d: None if d is None else jnp.dtype(d).name
-      raise TypeError(
-        f"the KV cache holds {cache.dtype} keys and values, but this module "
-        f"computes them in {key.dtype} (dtype={name(self.dtype)}, "
-        f"param_dtype={name(self.param_dtype)}, inputs {inputs_q.dtype}); set "
-        f"cache_dtype={key.dtype} (or None: the keys' dtype at the init pass)"
-      )
-    deterministic = _flax.resolve_deterministic(
+    name = _flax_cache.dtype_name
+    _flax_cache.check_dtype(
+      cache,
+      key.dtype,
+      origin="",
+      settings=f"dtype={name(self.dtype)}, param_dtype={name(self.param_dtype)}, "
+      f"inputs {inputs_q.dtype}",
+      remedy="set cache_dtype={dtype} (or None: the keys' dtype at the init pass)",
+    )
+    deterministic = _flax_call.resolve_deterministic(
       self.dropout_rate, deterministic, self.deterministic
     )
     if not deterministic and dropout_rng is None:
@@ -221,7 +222,7 @@ class MultiHeadAttention(nn.Module):
     sinks = None
     if _checks.boolean("sinks", self.sinks):
       sinks = self.param("sinks", self.sinks_init, (heads.num_heads,), self.param_dtype)
-    out, weights, new_cache = _flax.attend(
+    out, weights, new_cache = _flax_call.attend(
       query,
       key,
       value,
@@ -275,7 +276,7 @@ CACHE_NAMES = {
   "key_scale": "cached_key_scale",
   "value_scale": "cached_value_scale",
 }
-assert set(CACHE_NAMES) == set(_flax.CACHE_FIELDS)
+assert set(CACHE_NAMES) == set(_flax_cache.CACHE_FIELDS)
 
 
 def release_cache(cache: Mapping[str, Any], rows: jax.typing.ArrayLike) -> dict[str, Any]:
@@ -296,7 +297,7 @@ def release_cache(cache: Mapping[str, Any], rows: jax.typing.ArrayLike) -> dict[
     raise TypeError(f"cache must be a cache collection (a mapping), got {type(cache).__name__}")
   if CACHE_NAMES["lengths"] in cache:
     names = {field: name for field, name in CACHE_NAMES.items() if name in cache}
-    held = _flax.cache_from(lambda f: cache[names[f]] if f in names else None)
+    held = _flax_cache.cache_from(lambda f: cache[names[f]] if f in names else None)
     if held is not None:
       released = _decode.release(held, rows)
       return dict(cache) | {names[f]: x for f, x in released._asdict().items() if x is not None}
@@ -310,4 +311,4 @@ def _sow(module, weights) -> None:
   module.sow("intermediates", "attention_weights", weights)
 
 
-attention_fn = _flax.make_attention_fn(_sow, "the 'intermediates' collection", __name__)
+attention_fn = _flax_adapter.make_attention_fn(_sow, "the 'intermediates' collection", __name__)

@@ -22,17 +22,17 @@ Shape legend as in :mod:`jattn.attention`; F is a feature size.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx.nn import dtypes as nnx_dtypes
 
-from jattn import _checks, _flax, positional
+from jattn import _checks, _flax_adapter, _flax_cache, _flax_call, _flax_config, positional
 from jattn import decode as _decode
-from jattn import hopfield as _hopfield
+from jattn._nnx_hopfield import HopfieldLayer as HopfieldLayer
+
+__all__ = ["MultiHeadAttention", "attention_fn", "HopfieldLayer"]
 
 default_kernel_init = nnx.initializers.lecun_normal()
 
@@ -115,7 +115,7 @@ class MultiHeadAttention(nnx.Module):
     out_kernel_init: Any = None,
     rngs: nnx.Rngs,
   ):
-    heads = _flax.check_config(
+    heads = _flax_config.check_config(
       num_heads=num_heads,
       in_features=in_features,
       num_kv_heads=num_kv_heads,
@@ -175,7 +175,7 @@ class MultiHeadAttention(nnx.Module):
       "rms": nnx.RMSNorm,
       "layernorm": functools.partial(nnx.LayerNorm, use_bias=False),
       None: None,
-    }[_flax.qk_norm_kind(normalize_qk)]
+    }[_flax_config.qk_norm_kind(normalize_qk)]
     if norm is None:
       self.query_ln = self.key_ln = nnx.data(None)
     else:
@@ -232,7 +232,7 @@ class MultiHeadAttention(nnx.Module):
     fields (``cache_key``, ``cache_lengths``, ``cache_page_table``, ``cache_free``,
     ``cache_key_scale``, ...); :attr:`cache` gives them back as one cache.
     """
-    options = _flax.check_cache_options(
+    options = _flax_cache.check_cache_options(
       dtype_name="dtype",
       dtype=dtype,
       page_size=page_size,
@@ -241,13 +241,13 @@ class MultiHeadAttention(nnx.Module):
       block_kv=self.block_kv,
     )
     default = jnp.float32 if self.query.dtype is None else self.query.dtype
-    self._set_cache(_flax.init_cache(self.heads, batch_size, max_length, default, options))
+    self._set_cache(_flax_cache.init_cache(self.heads, batch_size, max_length, default, options))
 
   def _set_cache(self, cache: _decode.Cache | None) -> None:
     """One ``nnx.Cache`` per array of ``cache`` (``cache_key``, ``cache_lengths``,
     ``cache_page_table``, ...), None for the fields it lacks."""
     held = {} if cache is None else cache._asdict()
-    for field in _flax.CACHE_FIELDS:
+    for field in _flax_cache.CACHE_FIELDS:
       x = held.get(field)
       setattr(self, f"cache_{field}", nnx.data(None) if x is None else nnx.Cache(x))
 
@@ -266,7 +266,7 @@ class MultiHeadAttention(nnx.Module):
       var = getattr(self, f"cache_{field}")
       return None if var is None else var[...]
 
-    return _flax.cache_from(get)
+    return _flax_cache.cache_from(get)
 
   def release_cache(self, rows: jax.typing.ArrayLike) -> None:
     """Empty the cache rows where ``rows`` (bool (B,)) is True, for continuous batching.
@@ -276,7 +276,7 @@ class MultiHeadAttention(nnx.Module):
     paged cache, its pages go back to the pool. Other rows are unchanged. Works under
     ``nnx.jit``; see :func:`jattn.decode.release`.
     """
-    self._write_cache(_flax.release(self.cache, rows))
+    self._write_cache(_flax_cache.release(self.cache, rows))
 
   def __call__(
     self,
@@ -327,12 +327,12 @@ class MultiHeadAttention(nnx.Module):
       (B, T, out_features) or (T, out_features).
     """
     cross = inputs_kv is not None
-    _flax.check_inputs(inputs_q, inputs_kv, self.in_features, self.in_kv_features)
+    _flax_call.check_inputs(inputs_q, inputs_kv, self.in_features, self.in_kv_features)
     batch = "B, " if inputs_q.ndim == 3 else ""
-    _flax.check_sharding("qkv_sharding", qkv_sharding, f"({batch}T, N, H)")
-    _flax.check_sharding("out_sharding", out_sharding, f"({batch}T, F)")
+    _flax_call.check_sharding("qkv_sharding", qkv_sharding, f"({batch}T, N, H)")
+    _flax_call.check_sharding("out_sharding", out_sharding, f"({batch}T, F)")
     cache = self.cache if decode is True else None
-    _flax.check_call(
+    _flax_call.check_call(
       inputs_q=inputs_q,
       cross=cross,
       decode_=decode,
@@ -344,7 +344,7 @@ class MultiHeadAttention(nnx.Module):
       implementation=self.implementation,
       rope=self.rope,
     )
-    deterministic = _flax.resolve_deterministic(
+    deterministic = _flax_call.resolve_deterministic(
       self.dropout_rate, deterministic, self.deterministic
     )
     dropout_rng = None
@@ -364,16 +364,16 @@ class MultiHeadAttention(nnx.Module):
     )
     if self.query_ln is not None:
       query, key = self.query_ln(query), self.key_ln(key)
-    if cache is not None and not _flax.cache_accepts(cache, key.dtype):
-      name = lambda d: None if d is None else jnp.dtype(d).name
-      raise TypeError(
-        f"the KV cache holds {cache.dtype} keys and values (init_cache's "
-        "dtype), but this "
-        f"module computes them in {key.dtype} (module dtype={name(self.query.dtype)}, "
-        f"param_dtype={name(self.query.param_dtype)}, inputs {inputs_q.dtype}); call "
-        f"init_cache(batch_size, max_length, dtype={key.dtype})"
-      )
-    out, weights, new_cache = _flax.attend(
+    name = _flax_cache.dtype_name
+    _flax_cache.check_dtype(
+      cache,
+      key.dtype,
+      origin=" (init_cache's dtype)",
+      settings=f"module dtype={name(self.query.dtype)}, "
+      f"param_dtype={name(self.query.param_dtype)}, inputs {inputs_q.dtype}",
+      remedy="call init_cache(batch_size, max_length, dtype={dtype})",
+    )
+    out, weights, new_cache = _flax_call.attend(
       query,
       key,
       value,
@@ -406,86 +406,4 @@ def _sow(module, weights) -> None:
   module.sow(nnx.Intermediate, "attention_weights", weights)
 
 
-attention_fn = _flax.make_attention_fn(_sow, "nnx.Intermediate", __name__)
-
-
-class HopfieldLayer(nnx.Module):
-  """Modern Hopfield retrieval from learnable stored patterns (Ramsauer et al., 2020).
-
-  Each input is a state ξ that is updated ``steps`` times by
-  ``ξ ← softmax(β ξ Xᵀ) X`` against the layer's stored patterns X
-  (``self.patterns``, an ``nnx.Param`` of shape (num_patterns, in_features)):
-  :func:`jattn.hopfield.retrieve`, one attention head with keys = values = X.
-  Training moves the patterns; the output is always a convex combination of
-  them.
-
-  Args:
-    in_features: d, the feature size of inputs, patterns and outputs.
-    num_patterns: M, the number of stored patterns.
-    beta: inverse temperature, a positive finite number (default
-      ``1 / sqrt(in_features)``, attention's usual scale).
-    steps: updates per call, an int >= 1.
-    pattern_init: initializer ``(key, shape, dtype) -> array`` of the patterns
-      (default: standard normal).
-    param_dtype: dtype of the patterns; dtype: computation dtype (default:
-      inputs and patterns promoted together, as Flax's layers do).
-    rngs: ``nnx.Rngs`` with a ``params`` stream.
-
-  Example::
-
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import jattn.nnx
-    >>> layer = jattn.nnx.HopfieldLayer(16, 32, beta=0.5, rngs=nnx.Rngs(0))
-    >>> layer.patterns.shape
-    (32, 16)
-    >>> layer(jnp.ones((2, 5, 16))).shape
-    (2, 5, 16)
-  """
-
-  def __init__(
-    self,
-    in_features: int,
-    num_patterns: int,
-    *,
-    beta: float | None = None,
-    steps: int = 1,
-    pattern_init: Any = nnx.initializers.normal(stddev=1.0),
-    param_dtype: Any = jnp.float32,
-    dtype: Any = None,
-    rngs: nnx.Rngs,
-  ):
-    self.in_features = _checks.integer("in_features", in_features, minimum=1)
-    self.num_patterns = _checks.integer("num_patterns", num_patterns, minimum=1)
-    self.beta = (
-      1.0 / math.sqrt(self.in_features) if beta is None else _checks.positive_real("beta", beta)
-    )
-    self.steps = _checks.integer("steps", steps, minimum=1)
-    if not callable(pattern_init):
-      raise TypeError(
-        f"pattern_init must be an initializer (key, shape, dtype) -> array, got "
-        f"{type(pattern_init).__name__}"
-      )
-    self.dtype, self.param_dtype = dtype, param_dtype
-    self.patterns = nnx.Param(
-      pattern_init(rngs.params(), (self.num_patterns, self.in_features), param_dtype)
-    )
-
-  def __call__(self, inputs: jax.Array) -> jax.Array:
-    """Retrieve from the stored patterns.
-
-    Args:
-      inputs: (..., in_features), any number of leading axes.
-
-    Returns:
-      (..., in_features), in the computation dtype.
-    """
-    if not hasattr(inputs, "shape") or not hasattr(inputs, "dtype"):
-      raise TypeError(f"inputs must be an array, got {type(inputs).__name__}")
-    if inputs.ndim < 1 or inputs.shape[-1] != self.in_features:
-      raise ValueError(
-        f"inputs must have {self.in_features} features in its last dimension, "
-        f"got shape {tuple(inputs.shape)}"
-      )
-    inputs, patterns = nnx_dtypes.promote_dtype((inputs, self.patterns[...]), dtype=self.dtype)
-    return _hopfield.retrieve(inputs, patterns, beta=self.beta, steps=self.steps)
+attention_fn = _flax_adapter.make_attention_fn(_sow, "nnx.Intermediate", __name__)

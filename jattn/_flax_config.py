@@ -1,0 +1,107 @@
+"""The Flax modules' constructor settings, checked: head layout, q/k norm, dropout, routing.
+
+:mod:`jattn.nnx` and :mod:`jattn.linen` raise these at construction (Linen: at the first
+call for what depends on the input width). Shape legend as in :mod:`jattn.attention`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jattn import _checks, positional
+from jattn.impl import _select
+
+NORMALIZE_QK = (False, True, "rms", "layernorm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Heads:
+  """Checked head layout of a multi-head attention module."""
+
+  num_heads: int  # N
+  num_kv_heads: int  # K
+  head_dim: int  # H
+  qkv_features: int  # N·H
+  out_features: int
+  value_head_dim: int = 0  # Hv (set to H when not given)
+
+  def __post_init__(self):
+    if not self.value_head_dim:
+      object.__setattr__(self, "value_head_dim", self.head_dim)
+
+
+def check_config(
+  *,
+  num_heads,
+  in_features,
+  num_kv_heads,
+  qkv_features,
+  out_features,
+  in_kv_features=None,
+  dropout_rate,
+  broadcast_dropout,
+  deterministic,
+  is_causal,
+  rope,
+  normalize_qk,
+  implementation,
+  backward,
+  block_q,
+  block_kv,
+  value_head_dim=None,
+) -> Heads | None:
+  """Every constructor argument of the modules, checked; raises with a clear message.
+
+  Returns the head layout, or None when neither ``in_features`` nor
+  ``qkv_features`` is known yet (Linen, before the first call).
+  """
+  num_heads = _checks.integer("num_heads", num_heads, minimum=1)
+  if in_features is not None:
+    in_features = _checks.integer("in_features", in_features, minimum=1)
+  if in_kv_features is not None:
+    _checks.integer("in_kv_features", in_kv_features, minimum=1)
+  num_kv_heads = (
+    num_heads if num_kv_heads is None else _checks.integer("num_kv_heads", num_kv_heads, minimum=1)
+  )
+  if num_heads % num_kv_heads:
+    raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+  _checks.dropout_rate(dropout_rate)
+  _checks.flags(broadcast_dropout=broadcast_dropout, is_causal=is_causal)
+  if deterministic is not None and not isinstance(deterministic, (bool, np.bool_)):
+    raise TypeError(f"deterministic must be a bool or None, got {deterministic!r}")
+  if rope is not None and not isinstance(rope, positional.Rotary):
+    raise TypeError(f"rope must be a jattn.positional.Rotary or None, got {type(rope).__name__}")
+  if not any(normalize_qk is v or (isinstance(v, str) and normalize_qk == v) for v in NORMALIZE_QK):
+    raise ValueError(f"normalize_qk must be one of {list(NORMALIZE_QK)}, got {normalize_qk!r}")
+  _select.check_choices(implementation, backward)
+  _checks.tile_sizes(implementation, block_q, block_kv)
+  if value_head_dim is not None:
+    value_head_dim = _checks.integer("value_head_dim", value_head_dim, minimum=1)
+  out_features = (
+    in_features
+    if out_features is None
+    else _checks.integer("out_features", out_features, minimum=1)
+  )
+  if qkv_features is None and in_features is None:
+    return None  # Linen infers the widths from the first input
+  qkv_features = _checks.integer(
+    "qkv_features", in_features if qkv_features is None else qkv_features, minimum=1
+  )
+  if qkv_features % num_heads:
+    raise ValueError(f"qkv_features ({qkv_features}) must be divisible by num_heads ({num_heads})")
+  head_dim = qkv_features // num_heads
+  if rope is not None:
+    try:
+      rope.check_head_dim(head_dim)
+    except ValueError as e:
+      raise ValueError(f"rope: {e} (head_dim = qkv_features // num_heads = {head_dim})") from None
+  return Heads(num_heads, num_kv_heads, head_dim, qkv_features, out_features, value_head_dim or 0)
+
+
+def qk_norm_kind(normalize_qk) -> str | None:
+  """None, "rms" or "layernorm" for a checked ``normalize_qk``."""
+  if normalize_qk is False:
+    return None
+  return "rms" if normalize_qk is True else normalize_qk
