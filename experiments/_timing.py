@@ -44,6 +44,21 @@ def calls_for(fn: Callable, args, min_seconds: float, most: int = 200, least: in
   return max(least, min(most, int(min_seconds / max(once, 1e-6))))
 
 
+def sized_block_ms(
+  fn: Callable, args, *, min_calls: int, min_seconds: float, once_seconds: float = math.inf
+) -> tuple[float, int]:
+  """One method alone: the median milliseconds per call of a block of back-to-back calls,
+  and how many calls that is. One warm-up call and one timed call (:func:`block_ms`) size
+  the block (at least ``min_calls``, enough to last about ``min_seconds``, at most 200),
+  whose median :func:`block_ms` takes after its own untimed call. A call slower than
+  ``once_seconds`` is not repeated: its time is the one timed call."""
+  once = block_ms(fn, args, 1)
+  if once > once_seconds * 1e3:
+    return once, 1
+  calls = max(min_calls, min(200, int(min_seconds * 1e3 / once)))
+  return block_ms(fn, args, calls), calls
+
+
 def rounds_ms(
   fns: Mapping[str, tuple[Callable, tuple]],
   rounds: int,

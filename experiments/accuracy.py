@@ -45,9 +45,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
-import pathlib
 from typing import Any
 
 import jax
@@ -55,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
+from experiments import _cli
 from jattn import scores
 
 # Shapes of every case: T and S are not multiples of the 16-wide tiles; N = 2K is GQA.
@@ -737,15 +736,11 @@ def run(dtypes, cases, rules) -> list[dict]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(
-    prog="python -m experiments.accuracy", description=__doc__.splitlines()[0]
-  )
+  quick = f"a small subset: {QUICK} (flags override it)"
+  parser = _cli.parser("accuracy", __doc__, config=False, quick=quick, out_dir=None)
   parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES))
   parser.add_argument("--cases", nargs="+", choices=list(CASES))
   parser.add_argument("--rules", nargs="+", choices=list(RULES))
-  parser.add_argument(
-    "--quick", action="store_true", help=f"a small subset: {QUICK} (flags override it)"
-  )
   parser.add_argument("--json", help="also write the rows, with absolute errors, to this file")
   return parser.parse_args(argv)
 
@@ -766,10 +761,7 @@ def main(argv=None) -> list[dict]:
   failed = sum(not all(e["ok"] for e in r["cell"].values()) for r in rules)
   print(f"\n{len(rules) - failed} of {len(rules)} cells meet the target")
   if args.json:
-    path = pathlib.Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rows, indent=1))
-    print(f"wrote {path}")
+    _cli.write_record(args.json, rows)
   return rows
 
 

@@ -42,11 +42,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import time
@@ -59,12 +57,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
-from experiments import _config, _timing
+from experiments import _cli, _config, _timing
 from experiments._config import ConfigError, Section, field
 from experiments._memory import peak_rss_mb
 from experiments._timing import fmt
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 METHODS = ("jax.nn", "xla", "blockwise", "auto", "torch")
 MATERIALISING = ("jax.nn", "xla")
 DTYPES = ("float32", "bfloat16")
@@ -297,7 +294,7 @@ def memory_grid(cfg: Config) -> list[dict]:
             continue
           case = json.dumps(dict(case=row, config=_config.to_dict(cfg)))
           cmd = [sys.executable, "-m", "experiments.bench", "--memory-case", case]
-          proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
+          proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=_cli.ROOT)
           if proc.returncode:
             rows.append({**row, "failed": proc.stderr.strip().splitlines()[-1:]})
           else:
@@ -348,27 +345,13 @@ def print_tables(cfg: Config, matmul: float, rows: list[dict], memory: list[dict
 def load_config(args) -> Config:
   """configs/…yaml (``--config``), the ``--quick`` settings, then the flags given."""
   causal = None if args.causal is None else [c == "true" for c in args.causal]
-  flags = dict(
-    lengths=args.lengths,
-    head_dims=args.head_dims,
-    dtypes=args.dtypes,
-    causal=causal,
-    methods=args.methods,
-    reps=args.reps,
-    batch=args.batch,
-    heads=args.heads,
-    kv_heads=args.kv_heads,
-    out_dir=args.out_dir,
-    **{"memory.lengths": args.memory_lengths},
+  return _cli.load_config(
+    Config, args, QUICK, causal=causal, **{"memory.lengths": args.memory_lengths}
   )
-  return _config.load(Config, args.config, quick=QUICK if args.quick else None, flags=flags)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(
-    prog="python -m experiments.bench", description=__doc__.splitlines()[0]
-  )
-  parser.add_argument("--config", help="a YAML file under configs/ (flags override it)")
+  parser = _cli.parser("bench", __doc__, quick="tiny shapes, 2 reps (smoke test)")
   parser.add_argument(
     "--lengths", type=int, nargs="*", help="sequence lengths to time (none: only the memory cases)"
   )
@@ -386,8 +369,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     nargs="*",
     help="sequence lengths for the peak-memory cases (none: skip them)",
   )
-  parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 reps (smoke test)")
-  parser.add_argument("--out-dir", dest="out_dir", help="where the JSON goes (default runs/)")
   parser.add_argument("--memory-case", help=argparse.SUPPRESS)
   return parser.parse_args(argv)
 
@@ -409,31 +390,21 @@ def main(argv=None):
     case, cfg = given["case"], _config.from_dict(Config, given["config"])
     print(json.dumps(memory_case(cfg, case["method"], case["T"], case["H"], case["causal"])))
     return None
-  try:
-    cfg = load_config(args)
-  except ConfigError as e:
-    sys.exit(f"python -m experiments.bench: error: {e}")
+  cfg = _cli.config_or_exit("bench", load_config, args)
   if note := accelerator_note(jax.default_backend(), args.quick):
     print(note + "\n")
 
   rows, matmul = time_grid(cfg)
   memory = memory_grid(cfg)
   print_tables(cfg, matmul, rows, memory)
-  out_dir = ROOT / cfg.out_dir
-  out_dir.mkdir(parents=True, exist_ok=True)
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  path = out_dir / f"{cfg.record}-{stamp}{'-quick' if args.quick else ''}.json"
   record = dict(
-    command="python -m experiments.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+    **_cli.facts("bench", argv),
     config=_config.to_dict(cfg),
-    device=str(jax.devices()[0]),
-    jax=jax.__version__,
     matmul_gflops=matmul,
     timings=rows,
     memory=memory,
   )
-  path.write_text(json.dumps(record, indent=1))
-  print(f"\nwrote {path}")
+  _cli.write_record(_cli.record_path(cfg.out_dir, cfg.record, args.quick), record)
   return record
 
 

@@ -41,7 +41,6 @@ catch PyTorch's.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 
 import jax
@@ -49,10 +48,19 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
-from experiments import _timing, bench
-from jattn.impl import _tiling, blockwise
+from experiments import _cli, _timing, bench
+from jattn.impl import blockwise  # internal: its default tile size
 
 KEEP_ALL = jattn.masks.from_fn(lambda b, h, q, kv: kv >= 0)
+
+
+def seq_tiles(x, block: int):
+  """(B, L, N, H) -> (ceil(L / block), B, N, block, H), zero-padded along L: the blockwise
+  kernel's tiles of a sequence (as ``jattn.impl._tiling.seq_tiles``)."""
+  B, L, N, H = x.shape
+  n = -(-L // block)
+  x = jnp.pad(x, ((0, 0), (0, n * block - L), (0, 0), (0, 0)))
+  return x.reshape(B, n, block, N, H).transpose(1, 0, 3, 2, 4)
 
 
 def tile_matmuls(block: int):
@@ -60,7 +68,7 @@ def tile_matmuls(block: int):
 
   def run(query, key, value):
     # The kernel's own tiling: (num_tiles, B, N, block, H), zero-padded.
-    q_tiles, k_tiles, v_tiles = (_tiling.seq_tiles(x, block) for x in (query, key, value))
+    q_tiles, k_tiles, v_tiles = (seq_tiles(x, block) for x in (query, key, value))
     n = k_tiles.shape[0]
 
     def query_tile(q_tile):
@@ -86,9 +94,7 @@ def tile_matmuls_grad(block: int, delta_pass: bool = True, kv_outside: bool = Tr
 
   def run(query, key, value, d_out):
     out = forward(query, key, value)
-    q_tiles, k_tiles, v_tiles, do_tiles = (
-      _tiling.seq_tiles(x, block) for x in (query, key, value, d_out)
-    )
+    q_tiles, k_tiles, v_tiles, do_tiles = (seq_tiles(x, block) for x in (query, key, value, d_out))
     n = k_tiles.shape[0]
     delta = jnp.sum(out * do_tiles, axis=-1, keepdims=True)
     if delta_pass:
@@ -145,8 +151,8 @@ def tile_matmuls_grad(block: int, delta_pass: bool = True, kv_outside: bool = Tr
 
 
 def main(argv=None) -> list[dict]:
-  parser = argparse.ArgumentParser(
-    prog="python -m experiments.bench_ceiling", description=__doc__.splitlines()[0]
+  parser = _cli.parser(
+    "bench_ceiling", __doc__, config=False, quick="tiny shapes, 2 rounds (smoke test)", out_dir=None
   )
   parser.add_argument("--length", type=int, default=4096, help="T = S")
   parser.add_argument("--batch", type=int, default=1)
@@ -164,7 +170,6 @@ def main(argv=None) -> list[dict]:
   parser.add_argument(
     "--pass", dest="mode", choices=("fwd", "fwd_bwd"), default="fwd", help="what to time"
   )
-  parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds (smoke test)")
   args = parser.parse_args(argv)
   if args.quick:
     args.length, args.heads, args.head_dim, args.block, args.matmul_size, args.reps = (

@@ -56,14 +56,8 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import datetime
 import functools
-import json
 import math
-import os
-import pathlib
-import platform
-import sys
 import time
 import typing
 from collections.abc import Callable
@@ -74,12 +68,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from experiments import _config, _timing
+from experiments import _cli, _config, _timing
 from experiments._config import ConfigError, Section, field
 from experiments._timing import fmt
 from jattn import decode
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 METHODS = ("jax.nn", "contiguous", "paged", "paged-int8")
 QUANT_DTYPES = ("int8", "float8_e4m3fn")
 DTYPES = {"float32": jnp.float32, "int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn}
@@ -579,30 +572,17 @@ def print_tables(cfg: Config, record: dict) -> None:
 
 
 def load_config(args) -> Config:
-  """configs/…yaml (``--config``), the ``--quick`` settings, then the flags given."""
-  flags = dict(
-    batches=args.batches,
-    contexts=args.contexts,
-    methods=args.methods,
-    reps=args.reps,
-    page_size=args.page_size,
-    out_dir=args.out_dir,
-    **{"quant.contexts": args.quant_contexts, "serve.requests": args.requests},
-  )
-  return _config.load(
+  """configs/…yaml (``--config``), the ``--quick`` settings, the flags given, then ``--set``."""
+  return _cli.load_config(
     Config,
-    args.config,
-    quick=QUICK if args.quick else None,
-    flags=flags,
-    overrides=args.set or (),
+    args,
+    QUICK,
+    **{"quant.contexts": args.quant_contexts, "serve.requests": args.requests},
   )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(
-    prog="python -m experiments.bench_decode", description=__doc__.splitlines()[0]
-  )
-  parser.add_argument("--config", help="a YAML file under configs/ (flags override it)")
+  parser = _cli.parser("bench_decode", __doc__, quick="tiny shapes, 2 reps (smoke test)")
   parser.add_argument("--batches", type=int, nargs="+")
   parser.add_argument("--contexts", type=int, nargs="*", help="none: skip the decode-step grid")
   parser.add_argument("--methods", nargs="+")
@@ -613,37 +593,24 @@ def parse_args(argv=None) -> argparse.Namespace:
   )
   parser.add_argument("--requests", type=int, help="0: skip the continuous-batching run")
   parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="e.g. serve.batch=8")
-  parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 reps (smoke test)")
-  parser.add_argument("--out-dir", dest="out_dir", help="where the JSON goes (default runs/)")
   return parser.parse_args(argv)
 
 
 def main(argv=None):
   args = parse_args(argv)
-  try:
-    cfg = load_config(args)
-  except ConfigError as e:
-    sys.exit(f"python -m experiments.bench_decode: error: {e}")
+  cfg = _cli.config_or_exit("bench_decode", load_config, args)
   start = time.perf_counter()
   record = dict(
-    command="python -m experiments.bench_decode "
-    + " ".join(sys.argv[1:] if argv is None else argv),
+    **_cli.facts("bench_decode", argv),
     config=_config.to_dict(cfg),
-    device=str(jax.devices()[0]),
-    machine=f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-    jax=jax.__version__,
     steps=time_grid(cfg),
     quant=quant_errors(cfg),
     serve=serve(cfg),
   )
   record["seconds"] = time.perf_counter() - start
   print_tables(cfg, record)
-  out_dir = ROOT / cfg.out_dir
-  out_dir.mkdir(parents=True, exist_ok=True)
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  path = out_dir / f"bench_decode-{stamp}{'-quick' if args.quick else ''}.json"
-  path.write_text(json.dumps(record, indent=1))
-  print(f"\nwrote {path} ({record['seconds']:.0f} s)")
+  path = _cli.record_path(cfg.out_dir, "bench_decode", args.quick)
+  _cli.write_record(path, record, f" ({record['seconds']:.0f} s)")
   return record
 
 

@@ -20,7 +20,6 @@ gradients (rounding only).
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import jax
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
-from experiments import _timing
+from experiments import _cli, _timing
 from jattn import masks
 from jattn.impl import blockwise
 
@@ -110,8 +109,8 @@ def run(lengths, causals, *, batch, heads, head_dim, block, rounds) -> list[dict
 
 
 def main(argv=None) -> list[dict]:
-  parser = argparse.ArgumentParser(
-    prog="python -m experiments.bench_delta", description=__doc__.splitlines()[0]
+  parser = _cli.parser(
+    "bench_delta", __doc__, config=False, quick="tiny shapes, 2 rounds (smoke test)", out_dir=None
   )
   parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
   parser.add_argument("--causal", nargs="+", choices=["true", "false"], default=["false", "true"])
@@ -120,7 +119,6 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--head-dim", dest="head_dim", type=int, default=64)
   parser.add_argument("--block", type=int, default=512)
   parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds (smoke test)")
   args = parser.parse_args(argv)
   if args.quick:
     args.lengths, args.heads, args.head_dim, args.block, args.rounds = [64], 2, 8, 16, 2

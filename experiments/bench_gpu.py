@@ -44,10 +44,7 @@ unknown device gets no percentage (None, no column).
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import pathlib
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -56,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
-from experiments import _timing
+from experiments import _cli, _timing
 from experiments._timing import fmt
 from experiments.bench import compiled
 
@@ -188,8 +185,8 @@ def cell(row: dict, key: str, spec: str) -> str:
 
 
 def main(argv=None) -> list[dict]:
-  p = argparse.ArgumentParser(
-    prog="python -m experiments.bench_gpu", description=__doc__.splitlines()[0]
+  p = _cli.parser(
+    "bench_gpu", __doc__, config=False, quick="tiny shapes, any backend (smoke test)", out_dir=None
   )
   p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
   p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
@@ -207,7 +204,6 @@ def main(argv=None) -> list[dict]:
     default=16.0,
     help="skip materialising methods whose float32 scores exceed this many GiB (2**30 bytes)",
   )
-  p.add_argument("--quick", action="store_true")
   p.add_argument("--json", help="also write the rows here")
   args = p.parse_args(argv)
   backend, kind = jax.default_backend(), jax.devices()[0].device_kind
@@ -303,7 +299,7 @@ def main(argv=None) -> list[dict]:
     rule = a["backward"] or "its own fused backward"
     print(f"- {dtype}, T={T}, {mask}: {a['implementation']} ({rule}): {a['reason']}")
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+    _cli.write_record(args.json, rows)
   return rows
 
 

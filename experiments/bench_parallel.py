@@ -62,11 +62,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import datetime  # noqa: E402
 import functools  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import sys  # noqa: E402
 from typing import NamedTuple  # noqa: E402
 
 import jax  # noqa: E402
@@ -75,11 +71,11 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import jattn  # noqa: E402
-from experiments import _config, _timing  # noqa: E402
+from experiments import _cli, _config, _timing  # noqa: E402
 from experiments._config import ConfigError, Section, field  # noqa: E402
 from experiments._timing import fmt  # noqa: E402
 from jattn import masks, parallel  # noqa: E402
-from jattn.impl import blockwise as _blockwise  # noqa: E402
+from jattn.impl import blockwise as _blockwise  # noqa: E402  (internal: default tile sizes)
 
 AXIS = "sp"
 
@@ -437,36 +433,23 @@ def print_tables(cfg: Config, blocks, ref: dict, rows, layouts, work) -> None:
 
 def load_config(args) -> Config:
   """configs/…yaml (``--config``), the ``--quick`` settings, then the flags given."""
-  flags = dict(
-    length=args.length,
-    devices=args.devices,
-    layouts=args.layouts,
-    reps=args.reps,
-    out_dir=args.out_dir,
-  )
-  return _config.load(Config, args.config, quick=QUICK if args.quick else None, flags=flags)
+  return _cli.load_config(Config, args, QUICK)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(
-    prog="python -m experiments.bench_parallel", description=__doc__.splitlines()[0]
+  parser = _cli.parser(
+    "bench_parallel", __doc__, out_dir="parent of the run folder (default runs/)"
   )
-  parser.add_argument("--config", help="a YAML file under configs/ (flags override it)")
   parser.add_argument("--length", type=int, help="total sequence length T")
   parser.add_argument("--devices", type=int, nargs="+", help="device counts P, increasing")
   parser.add_argument("--layouts", nargs="+", help=f"from {list(parallel.LAYOUTS)}")
   parser.add_argument("--reps", type=int)
-  parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
-  parser.add_argument("--out-dir", dest="out_dir", help="parent of the run folder (default runs/)")
   return parser.parse_args(argv)
 
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  try:
-    cfg = load_config(args)
-  except ConfigError as e:
-    sys.exit(f"python -m experiments.bench_parallel: error: {e}")
+  cfg = _cli.config_or_exit("bench_parallel", load_config, args)
   if len(jax.devices()) < max(cfg.devices):
     raise RuntimeError(
       f"devices={cfg.devices} needs {max(cfg.devices)} devices but JAX sees "
@@ -474,9 +457,7 @@ def main(argv=None) -> dict:
       f"{max(cfg.devices)} before JAX is imported (this script sets 8 unless XLA_FLAGS "
       "already names the flag)"
     )
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  run_dir = pathlib.Path(cfg.out_dir) / f"parallel-{stamp}{'-quick' if args.quick else ''}"
-  run_dir.mkdir(parents=True, exist_ok=True)
+  path = _cli.record_path(cfg.out_dir, "parallel", args.quick, "parallel.json")
   defaults = _blockwise.default_blocks(jax.default_backend())
   blocks = (cfg.block_q or defaults[0], cfg.block_kv or defaults[1])
   host = inputs(cfg)
@@ -500,22 +481,19 @@ def main(argv=None) -> dict:
     memory = memory_at_length(cfg, cfg.memory_length)
     print_memory_table(cfg, memory)
   record = dict(
+    **_cli.facts("bench_parallel", argv),
     config=_config.to_dict(cfg),
     blocks=list(blocks),
-    device=str(jax.devices()[0]),
     num_devices=len(jax.devices()),
     cpu_count=os.cpu_count(),
-    jax_version=jax.__version__,
     reference=ref,
     rows=rows,
     layouts=layouts,
     balance=work,
     memory=memory,
   )
-  path = run_dir / "parallel.json"
-  path.write_text(json.dumps(record, indent=1))
+  _cli.write_record(path, record)
   record["path"] = str(path)
-  print(f"\nwrote {path}")
   return record
 
 

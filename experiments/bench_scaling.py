@@ -47,11 +47,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import math
 import pathlib
-import sys
 import typing
 from typing import Any
 
@@ -60,14 +57,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
-from experiments import _config, _timing
+from experiments import _cli, _config, _timing
 from experiments._config import ConfigError, Section, field
 from experiments._timing import fmt
 from jattn import masks
-from jattn.impl import _tiling
-from jattn.impl import blockwise as _blockwise
+from jattn.impl import blockwise as _blockwise  # internal: its default tile size
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 METHODS = ("jax.nn", "xla", "blockwise", "window", "linear")
 GROWTH = {"jax.nn": 2, "xla": 2, "blockwise": 2, "window": 1, "linear": 1}  # time ~ T**growth
 PATTERNS = ("dense", "causal", "window", "longformer", "bigbird", "strided")
@@ -161,15 +156,11 @@ def call_bytes(compiled) -> int | None:
 
 def call_ms(compiled, args, cfg: Config) -> tuple[float, int]:
   """Median milliseconds per call of an ahead-of-time compiled function, and how many calls
-  that median is of: one warm-up call and one timed call (``_timing.block_ms``) size a block
-  of back-to-back calls (at least ``reps``, enough to last about ``min_seconds``, at most 200)
-  whose median ``_timing.block_ms`` takes after its own untimed call. A call slower than
-  ``once_seconds`` is not repeated: its time is the one timed call."""
-  once = _timing.block_ms(compiled, args, 1)
-  if once > cfg.once_seconds * 1e3:
-    return once, 1
-  calls = max(cfg.reps, min(200, int(cfg.min_seconds * 1e3 / once)))
-  return _timing.block_ms(compiled, args, calls), calls
+  that median is of (``_timing.sized_block_ms``: at least ``reps`` calls lasting about
+  ``min_seconds``; a call slower than ``once_seconds`` timed once)."""
+  return _timing.sized_block_ms(
+    compiled, args, min_calls=cfg.reps, min_seconds=cfg.min_seconds, once_seconds=cfg.once_seconds
+  )
 
 
 def measure(cfg: Config, on_row=lambda row: None) -> list[dict]:
@@ -263,6 +254,17 @@ def sparse_mask(name: str, T: int, block: int, window: int):
       raise ValueError(f"unknown sparse pattern {name!r}")
 
 
+def tiles_visited(mask, cfg: Config, T: int, block: int) -> float:
+  """The fraction of (query tile, key/value tile) pairs the blockwise kernel visits: those
+  not EMPTY for some batch row and head (``Mask.block_view``)."""
+  if mask is None:
+    return 1.0
+  view = mask.block_view(
+    T, T, block_q=block, block_kv=block, batch_size=cfg.batch, num_heads=cfg.heads
+  )
+  return float(np.mean(np.any(np.asarray(view) != masks.EMPTY, axis=(0, 1))))
+
+
 def sparse_table(cfg: Config) -> list[dict]:
   """Blockwise time of each pattern at one length, next to the fraction of tiles it visits."""
   sp = cfg.sparse
@@ -274,8 +276,7 @@ def sparse_table(cfg: Config) -> list[dict]:
   rows: list[dict[str, Any]] = []
   for name in sp.patterns:
     mask = sparse_mask(name, T, block, cfg.window)
-    view = _tiling.tile_classes(mask, cfg.batch, cfg.heads, T, T, block, block)
-    visited = float(np.mean(np.asarray(view) != masks.EMPTY))
+    visited = tiles_visited(mask, cfg, T, block)
     fn = jax.jit(
       lambda q, k, v, mask=mask: jattn.dot_product_attention(
         q, k, v, mask=mask, implementation="blockwise", block_q=block, block_kv=block
@@ -366,43 +367,29 @@ def plot(cfg: Config, rows, fits, path: pathlib.Path) -> pathlib.Path | None:
 
 def load_config(args) -> Config:
   """configs/…yaml (``--config``), the ``--quick`` settings, then the flags given."""
-  flags = dict(
-    lengths=args.lengths,
-    methods=args.methods,
-    reps=args.reps,
-    out_dir=args.out_dir,
-    causal=True if args.causal else None,
-    **{"sparse.patterns": [] if args.no_sparse else None},
+  return _cli.load_config(
+    Config, args, QUICK, **{"sparse.patterns": [] if args.no_sparse else None}
   )
-  return _config.load(Config, args.config, quick=QUICK if args.quick else None, flags=flags)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(
-    prog="python -m experiments.bench_scaling", description=__doc__.splitlines()[0]
-  )
-  parser.add_argument("--config", help="a YAML file under configs/ (flags override it)")
+  parser = _cli.parser("bench_scaling", __doc__, out_dir="parent of the run folder (default runs/)")
   parser.add_argument("--lengths", type=int, nargs="+")
   parser.add_argument("--methods", nargs="+")
   parser.add_argument("--reps", type=int)
-  parser.add_argument("--causal", action="store_true", help="causal attention for every method")
+  parser.add_argument(
+    "--causal", action="store_true", default=None, help="causal attention for every method"
+  )
   parser.add_argument(
     "--no-sparse", dest="no_sparse", action="store_true", help="skip the sparse-mask table"
   )
-  parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
-  parser.add_argument("--out-dir", dest="out_dir", help="parent of the run folder (default runs/)")
   return parser.parse_args(argv)
 
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  try:
-    cfg = load_config(args)
-  except ConfigError as e:
-    sys.exit(f"python -m experiments.bench_scaling: error: {e}")
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  run_dir = pathlib.Path(cfg.out_dir) / f"scaling-{stamp}{'-quick' if args.quick else ''}"
-  run_dir.mkdir(parents=True, exist_ok=True)
+  cfg = _cli.config_or_exit("bench_scaling", load_config, args)
+  path = _cli.record_path(cfg.out_dir, "scaling", args.quick, "scaling.json")
   rows = measure(
     cfg,
     on_row=lambda r: print(
@@ -419,19 +406,17 @@ def main(argv=None) -> dict:
   )
   sparse = sparse_table(cfg)
   print_tables(cfg, rows, fits, cross, sparse)
+  png = plot(cfg, rows, fits, path.parent / "scaling.png")
   record: dict = dict(
+    **_cli.facts("bench_scaling", argv),
     config=_config.to_dict(cfg),
-    device=str(jax.devices()[0]),
-    jax_version=jax.__version__,
     rows=rows,
     fits=fits,
     crossover=cross,
     sparse=sparse,
+    plot=None if png is None else str(png),
   )
-  png = plot(cfg, rows, fits, run_dir / "scaling.png")
-  record["plot"] = None if png is None else str(png)
-  (run_dir / "scaling.json").write_text(json.dumps(record, indent=1))
-  print(f"\nwrote {run_dir / 'scaling.json'}" + (f" and {png}" if png else ""))
+  _cli.write_record(path, record, f" and {png}" if png else "")
   return record
 
 

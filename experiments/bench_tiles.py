@@ -19,20 +19,15 @@ DEFAULT_BLOCKS and the "Tile sizes" section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jattn
-from experiments import _timing, bench
-from jattn.impl import blockwise
+from experiments import _cli, _timing, bench
+from jattn.impl import blockwise  # internal: its default tile size
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 TILES = ("256x256", "256x512", "512x256", "512x512", "512x1024", "1024x512", "1024x1024")
 
 
@@ -61,8 +56,13 @@ def attention_fn(causal: bool, mode: str, block_q: int, block_kv: int):
 
 
 def main(argv=None) -> list[dict]:
-  parser = argparse.ArgumentParser(
-    prog="python -m experiments.bench_tiles", description=__doc__.splitlines()[0]
+  parser = _cli.parser(
+    "bench_tiles",
+    __doc__,
+    config=False,
+    quick="tiny shapes, 2 rounds (smoke test)",
+    out_dir="where the JSON goes (default runs/; not written with --quick)",
+    out_dir_default="runs",
   )
   parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096], help="T = S")
   parser.add_argument("--causal", choices=("false", "true"), nargs="+", default=["false", "true"])
@@ -73,8 +73,6 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--head-dim", dest="head_dim", type=int, default=64)
   parser.add_argument("--tiles", type=parse_tiles, nargs="+", default=None, help="QxK pairs")
   parser.add_argument("--reps", type=int, default=3, help="interleaved rounds")
-  parser.add_argument("--out-dir", dest="out_dir", default="runs")
-  parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds (smoke test)")
   args = parser.parse_args(argv)
   default = blockwise.default_blocks("cpu")
   tiles = args.tiles or [parse_tiles(t) for t in TILES]
@@ -131,14 +129,9 @@ def main(argv=None) -> list[dict]:
       f"{'**best**' if r['best'] else ''} |"
     )
   if not args.quick:
-    out = ROOT / args.out_dir
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = out / f"bench_tiles-{stamp}.json"
-    given = sys.argv[1:] if argv is None else argv
-    meta = dict(command=" ".join(["python -m experiments.bench_tiles", *given]))
-    path.write_text(json.dumps(dict(meta=meta, args=vars(args) | {"tiles": tiles}, rows=rows)))
-    print(f"\nwrote {path.relative_to(ROOT)}")
+    meta = _cli.facts("bench_tiles", argv)
+    record = dict(meta=meta, args=vars(args) | {"tiles": tiles}, rows=rows)
+    _cli.write_record(_cli.record_path(args.out_dir, "bench_tiles", quick=False), record)
   return rows
 
 

@@ -26,15 +26,15 @@ What each folder of docs/ holds; ``COMMANDS`` below names the command whose run 
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import shutil
 from collections.abc import Callable
 
+from experiments import _cli
 from experiments._timing import fmt
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = _cli.ROOT
 DOCS = ROOT / "docs"
 RECORD_DIRS = ("bench", "accuracy", "scaling", "parallel", "gpu", "compare_backward")
 COMMANDS = {
@@ -69,6 +69,12 @@ def _newest(folder: pathlib.Path, pattern: str) -> pathlib.Path | None:
 
 def _load(path: pathlib.Path):
   return json.loads(path.read_text())
+
+
+def _jax(record: dict) -> str:
+  """jax's version in a record: ``jax`` (experiments/_cli.facts), ``jax_version`` in the
+  scaling and parallel records written before those records took the shared facts."""
+  return record.get("jax") or record["jax_version"]
 
 
 def _source(path: pathlib.Path, docs: pathlib.Path) -> str:
@@ -345,7 +351,7 @@ def scaling(docs: pathlib.Path) -> str:
 
   kind = "causal" if c["causal"] else "non-causal"
   out = [
-    f"From {_source(path, docs)}: {r['device']}, jax {r['jax_version']}, B={c['batch']}, "
+    f"From {_source(path, docs)}: {r['device']}, jax {_jax(r)}, B={c['batch']}, "
     f"N={c['heads']}, H={c['head_dim']}, float32 {kind} forward; `window` is a sliding "
     f"window of ±{c['window']} positions on the blockwise path, `linear` is "
     "`jattn.linear_attention` (elu+1). Calls that would allocate more than "
@@ -407,7 +413,7 @@ def parallel(docs: pathlib.Path) -> str:
   ratio = lambda a, b: None if a is None or not b else a / b
   out = [
     f"From {_source(path, docs)}: {r['num_devices']} {r['device'].split(':')[0]} devices "
-    f"sharing {r['cpu_count']} cores, jax {r['jax_version']}; B={c['batch']}, "
+    f"sharing {r['cpu_count']} cores, jax {_jax(r)}; B={c['batch']}, "
     f"N=K={c['heads']}, H={c['head_dim']}, T={c['length']:,}, float32, "
     f"{'causal ' if c['causal'] else ''}training step (value_and_grad in q, k, v), tiles "
     f"{r['blocks'][0]} × {r['blocks'][1]}. jax.nn on one device: {mb(ref['mb'])} MiB, "
@@ -621,7 +627,7 @@ def collect(runs: pathlib.Path, docs: pathlib.Path = DOCS) -> list[pathlib.Path]
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = _cli.parser("docs_tables", __doc__, config=False, quick=None, out_dir=None)
   parser.add_argument(
     "--collect",
     nargs="?",

@@ -24,7 +24,6 @@ import argparse
 import json
 import pathlib
 import statistics
-import sys
 import time
 
 import jax
@@ -32,15 +31,14 @@ import numpy as np
 import yaml
 from flax import nnx
 
+from experiments import _cli
 from experiments.toy import config as config_lib
 from experiments.toy import model as model_lib
 from experiments.toy import report, sweep, training
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(
-    prog="python -m experiments.train", description=__doc__.splitlines()[0]
-  )
+  parser = _cli.parser("train", __doc__, config=False, quick=None, out_dir=None)
   parser.add_argument("--config", required=True, help="a YAML file, e.g. configs/copy.yaml")
   parser.add_argument(
     "--set",
@@ -231,10 +229,7 @@ def run(cfg: config_lib.Config, *, log=print) -> dict:
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  try:
-    cfg = config_lib.load(args.config, args.overrides)
-  except config_lib.ConfigError as e:
-    sys.exit(f"python -m experiments.train: error: {e}")
+  cfg = _cli.config_or_exit("train", lambda a: config_lib.load(a.config, a.overrides), args)
   summary = run(cfg)
   print()
   print(report.rules_table(summary["rules"]))
