@@ -20,11 +20,34 @@ from jattn import positional as positional
 from jattn import scores as scores
 from jattn import testing as testing
 from jattn import viz as viz  # plots; imports matplotlib only when called
+from jattn._options import Options as Options
 from jattn.attention import attention_weights as attention_weights
 from jattn.attention import dot_product_attention as dot_product_attention
 from jattn.attention import explain as explain
+from jattn.impl._select import Choice as Choice
 from jattn.linear import linear_attention as linear_attention
 from jattn.masks import Mask as Mask
 from jattn.scores import ScoreFn as ScoreFn
+
+__all__ = [
+  "dot_product_attention",
+  "attention_weights",
+  "explain",
+  "Choice",
+  "Options",
+  "linear_attention",
+  "Mask",
+  "ScoreFn",
+  "decode",
+  "dropout",
+  "hopfield",
+  "linear",
+  "masks",
+  "parallel",
+  "positional",
+  "scores",
+  "testing",
+  "viz",
+]
 
 __version__ = "0.1.0"

@@ -33,6 +33,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jattn import _checks, masks, scores, testing
+from jattn._options import Options
 from jattn.impl import _common, _select, _sharded
 
 
@@ -129,6 +130,7 @@ def build(
   block_q=None,
   block_kv=None,
   sinks=None,
+  options=None,
   backend=None,
   explain=False,
 ):
@@ -139,10 +141,14 @@ def build(
   (:func:`jattn.attention_weights`). Returns ``(query, key, value, spec)``, the arrays as
   jax or NumPy arrays of one dtype; the implementation is chosen for ``backend`` (default:
   JAX's default backend) by :func:`jattn.impl._select.choose`. With ``explain=True``,
-  returns that :class:`jattn.impl._select.Choice` instead.
+  returns that :class:`jattn.impl._select.Choice` instead. ``implementation``,
+  ``backward``, ``block_q`` and ``block_kv`` come one by one or as ``options``.
   """
-  impl, bwd = _select.check_choices(implementation, backward)
-  blocks = _checks.tile_sizes(impl, block_q, block_kv)
+  options = Options.of(
+    options, implementation=implementation, backward=backward, block_q=block_q, block_kv=block_kv
+  )
+  impl, bwd = _select.check_choices(options.implementation, options.backward)
+  blocks = (options.block_q, options.block_kv)
   q, k, v = _checks.qkv(query, key, key if value is None else value)
   unbatched = q.ndim == 3
   B, T, N, H = (1,) * unbatched + tuple(q.shape)
@@ -191,7 +197,7 @@ def build(
     spec=spec,
     dtype=np.dtype(q.dtype),
     backend=target or _select.default_backend(),
-    backward_named=backward is not None,
+    backward_named=options.backward is not None,
     blocks_named=blocks != (None, None),
     sequence_sharded=_sharded.sequence_axes(q, k) or (),
   )

@@ -31,6 +31,7 @@ import chex
 import jax
 
 from jattn import _compat, _spec, masks
+from jattn._options import Options
 from jattn.impl import _common, _orders, blockwise, xla
 from jattn.impl._select import (  # noqa: F401  # public names of the table
   AUTO_BLOCKWISE_BYTES,
@@ -66,6 +67,7 @@ def dot_product_attention(
   block_q: int | None = None,
   block_kv: int | None = None,
   sinks: jax.typing.ArrayLike | None = None,
+  options: Options | None = None,
 ):
   r"""Scaled dot-product attention; a drop-in superset of ``jax.nn.dot_product_attention``.
 
@@ -136,6 +138,8 @@ def dot_product_attention(
       ``out = Σ_j exp(s_j) v_j / (Σ_j exp(s_j) + exp(sinks[n]))`` and the
       log-sum-exp includes it. A row the mask empties returns zeros and its
       log-sum-exp is the sink.
+    options: a :class:`jattn.Options` holding ``implementation``, ``backward``,
+      ``block_q`` and ``block_kv`` as one value (give each in one place only).
 
   Returns:
     The output, shaped and typed like ``query``; with ``return_residual``, the
@@ -155,7 +159,6 @@ def dot_product_attention(
     query_seq_lengths=query_seq_lengths,
     key_value_seq_lengths=key_value_seq_lengths,
     local_window_size=local_window_size,
-    implementation=implementation,
     return_residual=return_residual,
     segment_ids=segment_ids,
     score_fn=score_fn,
@@ -163,10 +166,10 @@ def dot_product_attention(
     dropout_rate=dropout_rate,
     dropout_rng=dropout_rng,
     broadcast_dropout=broadcast_dropout,
-    backward=backward,
-    block_q=block_q,
-    block_kv=block_kv,
     sinks=sinks,
+    options=Options.of(
+      options, implementation=implementation, backward=backward, block_q=block_q, block_kv=block_kv
+    ),
   )
   out, lse = _attend(q, k, v, spec)
   return (out, lse) if return_residual else out
@@ -246,7 +249,7 @@ def explain(
   default: JAX's default backend) names where the call would run, so a laptop
   shows what a TPU pod would run. Nothing is computed.
 
-  Returns a :class:`jattn.impl._select.Choice`: ``.implementation``,
+  Returns a :class:`jattn.Choice`: ``.implementation``,
   ``.backward`` (the rule; None for the fused kernels' own), ``.reason`` and
   ``.rejected`` (every other implementation, and why not).
 

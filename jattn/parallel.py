@@ -37,6 +37,7 @@ ring axis.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, NamedTuple
@@ -48,7 +49,15 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jattn import _checks, _ring_splash, _spec, masks, scores, testing
+from jattn._options import Options
 from jattn.impl import _common, _orders, blockwise
+
+__all__ = [
+  "positions",
+  "permute",
+  "unpermute",
+  "ring_attention",
+]
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 
@@ -181,6 +190,7 @@ def ring_attention(
   return_residual: bool = False,
   sinks: jax.typing.ArrayLike | None = None,
   implementation: str | None = None,
+  options: Options | None = None,
 ):
   """Attention with the sequence sharded over mesh axis ``axis_name`` (ring attention).
 
@@ -230,6 +240,8 @@ def ring_attention(
       tabulated when the call is traced; masks the same for every batch row and head,
       segment ids, a soft cap; float32 or bfloat16), or None: splash on a TPU where it
       expresses the call, blockwise otherwise.
+    options: a :class:`jattn.Options` holding ``implementation``, ``block_q`` and
+      ``block_kv`` as one value (its ``backward`` must be None).
 
   Returns:
     The output (B, T, N, H) in the query's dtype, sharded like the query
@@ -243,6 +255,14 @@ def ring_attention(
       f"ring_attention takes mask as a jattn.masks.Mask, got "
       f"{type(mask).__name__}; a dense (T, S) array defeats sharding the sequence"
     )
+  _check_pairs(implementation)  # before Options, which would list every implementation
+  options = Options.of(options, implementation=implementation, block_q=block_q, block_kv=block_kv)
+  _check_pairs(options.implementation)
+  if options.backward is not None:
+    raise ValueError(
+      f"options.backward must be None: ring attention has its own backward rule, got "
+      f"{options.backward!r}"
+    )
   # Segment ids travel with their shards rather than as a Mask: checked separately below.
   q, k, v, spec = _spec.build(
     query,
@@ -255,12 +275,10 @@ def ring_attention(
     query_seq_lengths=query_seq_lengths,
     key_value_seq_lengths=key_value_seq_lengths,
     local_window_size=local_window_size,
-    implementation="blockwise",
     return_residual=return_residual,
     logits_soft_cap=logits_soft_cap,
-    block_q=block_q,
-    block_kv=block_kv,
     sinks=sinks,
+    options=dataclasses.replace(options, implementation="blockwise"),
   )
   if spec.unbatched:
     raise ValueError(
@@ -308,7 +326,14 @@ def ring_attention(
     *blocks,
     _axes_or_none(batch_axes),
     _axes_or_none(head_axes),
-    _pairs(implementation, spec, q.dtype, layout, size, blocks_named=(block_q, block_kv)),
+    _pairs(
+      options.implementation,
+      spec,
+      q.dtype,
+      layout,
+      size,
+      blocks_named=(options.block_q, options.block_kv),
+    ),
   )
   out, lse = _ring_call(q, k, v, q_ids, kv_ids, spec.mask, ring=ring, mesh=mesh)
   if spec.sinks is not None:
@@ -318,12 +343,15 @@ def ring_attention(
   return out
 
 
-def _pairs(implementation, spec, dtype, layout: str, size: int, *, blocks_named):
-  """The splash kernels of each shard pair (:mod:`jattn._ring_splash`), or None (blockwise)."""
+def _check_pairs(implementation) -> None:
   if implementation not in (None, "blockwise", "splash"):
     raise ValueError(
       f"implementation must be one of ['blockwise', 'splash'] or None, got {implementation!r}"
     )
+
+
+def _pairs(implementation, spec, dtype, layout: str, size: int, *, blocks_named):
+  """The splash kernels of each shard pair (:mod:`jattn._ring_splash`), or None (blockwise)."""
   if implementation == "blockwise":
     return None
   why = _ring_splash.reason(spec.mask)

@@ -1,0 +1,93 @@
+"""jattn.Options: how a call runs, as one hashable value every front end takes whole."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from reference import normal
+
+import jattn
+
+FIELDS = dict(implementation="blockwise", backward="custom_vjp", block_q=4, block_kv=8)
+
+
+def _qkv(T=16):
+  return tuple(normal((2, T, 2, 8), jnp.float32, seed) for seed in range(3))
+
+
+def test_options_are_frozen_hashable_and_a_static_argument():
+  a, b = jattn.Options(**FIELDS), jattn.Options(**FIELDS)
+  assert a == b and hash(a) == hash(b) and a != jattn.Options()
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    a.block_q = 2  # type: ignore[misc]
+  q, k, v = _qkv()
+  f = jax.jit(
+    lambda q, options: jattn.dot_product_attention(q, k, v, options=options), static_argnums=1
+  )
+  np.testing.assert_array_equal(f(q, a), f(q, b))
+
+
+def test_options_give_what_the_same_keywords_give():
+  q, k, v = _qkv()
+  kw = dict(is_causal=True, return_residual=True)
+  by_keywords = jattn.dot_product_attention(q, k, v, **kw, **FIELDS)
+  by_options = jattn.dot_product_attention(q, k, v, **kw, options=jattn.Options(**FIELDS))
+  for x, y in zip(by_keywords, by_options):
+    np.testing.assert_array_equal(x, y)
+  grads = [
+    jax.grad(lambda q: jattn.dot_product_attention(q, k, v, **extra).sum())(q)
+    for extra in (FIELDS, dict(options=jattn.Options(**FIELDS)))
+  ]
+  np.testing.assert_array_equal(*grads)
+  assert jattn.explain(q, k, v, options=jattn.Options(**FIELDS)) == jattn.explain(q, k, v, **FIELDS)
+
+
+def test_ring_attention_takes_options():
+  mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
+  q, k, v = _qkv()
+  ring = lambda **kw: jattn.parallel.ring_attention(
+    q, k, v, mesh=mesh, axis_name="sp", is_causal=True, **kw
+  )
+  got = ring(options=jattn.Options(implementation="blockwise", block_q=4, block_kv=4))
+  np.testing.assert_array_equal(got, ring(implementation="blockwise", block_q=4, block_kv=4))
+  with pytest.raises(ValueError, match="options.backward must be None: ring attention has its own"):
+    ring(options=jattn.Options(backward="custom_vjp"))
+  with pytest.raises(ValueError, match=r"implementation must be one of \['blockwise', 'splash'\]"):
+    ring(options=jattn.Options(implementation="xla"))
+
+
+@pytest.mark.parametrize(
+  "make, error, match",
+  [
+    (lambda: jattn.Options(implementation="fast"), ValueError, "implementation must be one of"),
+    (lambda: jattn.Options(backward="manual"), ValueError, "backward must be one of"),
+    (
+      lambda: jattn.Options(implementation="blockwise", backward="autodiff"),
+      ValueError,
+      "implementation='blockwise' does not support backward='autodiff'",
+    ),
+    (lambda: jattn.Options(block_q=0), ValueError, "block_q must be >= 1, got 0"),
+    (
+      lambda: jattn.Options(implementation="xla", block_kv=4),
+      ValueError,
+      "block_q and block_kv apply only to implementation='blockwise' or 'splash'",
+    ),
+    (
+      lambda: jattn.dot_product_attention(*_qkv(), block_q=4, options=jattn.Options(block_q=8)),
+      ValueError,
+      r"block_q given both as a keyword and in options=Options\(",
+    ),
+    (
+      lambda: jattn.dot_product_attention(*_qkv(), options={"implementation": "xla"}),
+      TypeError,
+      "options must be a jattn.Options or None, got dict",
+    ),
+  ],
+  ids=["implementation", "backward", "pair", "block_q", "tiles_for_xla", "twice", "type"],
+)
+def test_bad_options_raise_naming_the_field(make, error, match):
+  with pytest.raises(error, match=match):
+    make()
