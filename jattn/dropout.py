@@ -19,6 +19,14 @@ import numpy as np
 
 from jattn import _checks
 
+__all__ = [
+  "threefry2x32",
+  "seed_words",
+  "keep_mask",
+  "shared_indices",
+  "keep_from_seed",
+]
+
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
 

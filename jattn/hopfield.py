@@ -56,6 +56,11 @@ import jax.numpy as jnp
 from jattn import _checks
 from jattn.attention import dot_product_attention
 
+__all__ = [
+  "retrieve",
+  "energy",
+]
+
 
 def retrieve(
   queries: jax.typing.ArrayLike, patterns: jax.typing.ArrayLike, *, beta: float, steps: int = 1

@@ -76,6 +76,12 @@ import numpy as np
 from jattn import _checks
 from jattn.impl import _common
 
+__all__ = [
+  "linear_attention",
+  "random_projection",
+  "favor_features",
+]
+
 FEATURE_MAPS = ("elu+1", "relu", "favor+")
 
 

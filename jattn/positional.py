@@ -36,6 +36,15 @@ import numpy as np
 
 from jattn import _checks
 
+__all__ = [
+  "sinusoidal",
+  "RopeScaling",
+  "rope_frequencies",
+  "rope",
+  "Rotary",
+  "alibi_slopes",
+]
+
 SCALING_KINDS = ("linear", "ntk", "llama3", "yarn")
 """The values :attr:`RopeScaling.kind` accepts."""
 

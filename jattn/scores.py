@@ -30,6 +30,16 @@ import numpy as np
 from jattn import _checks
 from jattn._tree import Node
 
+__all__ = [
+  "ScoreFn",
+  "from_fn",
+  "compose",
+  "alibi",
+  "soft_cap",
+  "t5_bucket",
+  "relative_position_bias",
+]
+
 
 class _Rule(NamedTuple):
   name: str

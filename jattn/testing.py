@@ -17,6 +17,13 @@ from collections.abc import Iterator
 
 import jax
 
+__all__ = [
+  "interpret_kernels",
+  "interpreting",
+  "lowering_for",
+  "target_backend",
+]
+
 # JAX "user contexts": their values are part of every jit cache key (the user's own jitted
 # functions included), so a function traced inside one of the blocks below is traced again
 # outside it, and the reverse: a setting cannot leak through a cached program.

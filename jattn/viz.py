@@ -37,6 +37,10 @@ import numpy as np
 
 from jattn import _checks
 
+__all__ = [
+  "plot_attention",
+]
+
 if TYPE_CHECKING:
   import matplotlib.axes
   import matplotlib.figure

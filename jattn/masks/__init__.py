@@ -69,3 +69,24 @@ from jattn.masks.layouts import longformer as longformer
 from jattn.masks.tiles import EMPTY as EMPTY
 from jattn.masks.tiles import FULL as FULL
 from jattn.masks.tiles import PARTIAL as PARTIAL
+
+__all__ = [
+  "index_grid",
+  "Mask",
+  "all_of",
+  "reindex",
+  "causal",
+  "sliding_window",
+  "chunked",
+  "prefix_lm",
+  "segments",
+  "lengths",
+  "global_tokens",
+  "strided",
+  "from_array",
+  "from_fn",
+  "block_sparse",
+  "longformer",
+  "bigbird_layout",
+  "bigbird",
+]
