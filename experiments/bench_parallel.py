@@ -29,18 +29,11 @@ Simulated CPU devices (``--xla_force_host_platform_device_count``) share the
 machine's cores, so step time does not fall with P here: it shows the ring's
 overhead, not its speed-up. Memory per device is the quantity that scales.
 
-Causal load balance, computed from the masks alone (no devices): for every
-layout at the largest P, ``work_per_device`` counts, for each device and ring
-step, the (query tile, key/value tile) pairs that the blockwise kernel visits
-(tiles not classified EMPTY by ``masks.reindex(masks.causal(), ...)``) and
-the exact allowed (query, key) pairs. The table prints max/mean across
-devices (1.0 = even), next to the measured step time of each layout at the
-largest P (inputs permuted outside the timed step) relative to contiguous.
-Zigzag pairs are exactly even, striped nearly so. Contiguous: the last device
-holds the last T/P rows, (P − 1/2)·(T/P)² pairs against a mean of
-P·(T/P)²/2, so pairs max/mean tends to (2P − 1)/P for T/P ≫ 1; counted in
-whole shards (ring steps with any work: P on the last device, (P + 1)/2 on
-average) it is 2P/(P + 1), which is what tiles as large as a shard give.
+Causal load balance, computed from the masks alone (experiments/_ring_balance.py): for
+every layout at the largest P, max/mean across devices of the tiles the blockwise kernel
+visits and of the exact (query, key) pairs (1.0 = even), next to the measured step time
+of each layout at the largest P (inputs permuted outside the timed step) relative to
+contiguous.
 
     python -m experiments.bench_parallel --config configs/bench_parallel.yaml
     python -m experiments.bench_parallel --length 2048 --devices 1 2 4 8 --layouts zigzag
@@ -63,7 +56,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
-from typing import NamedTuple  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -73,8 +65,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 import jattn  # noqa: E402
 from experiments import _cli, _config, _timing  # noqa: E402
 from experiments._config import ConfigError, Section, field  # noqa: E402
+from experiments._ring_balance import balance  # noqa: E402
+from experiments._ring_balance import work_per_device as work_per_device  # noqa: E402
 from experiments._timing import fmt  # noqa: E402
-from jattn import masks, parallel  # noqa: E402
+from jattn import parallel  # noqa: E402
 from jattn.impl import blockwise as _blockwise  # noqa: E402  (internal: default tile sizes)
 
 AXIS = "sp"
@@ -125,70 +119,6 @@ QUICK = dict(
   block_kv=8,
   memory_length=64,  # the timed length: the memory table gets the timed programs from the cache
 )
-
-
-# --- causal work per device (masks only) ----------------------------------------------
-
-
-class Work(NamedTuple):
-  """Work of each device over a whole ring, shape (P,) each."""
-
-  tiles: np.ndarray  # visited (query, key/value) tiles, in units of a full block_q x block_kv tile
-  pairs: np.ndarray  # allowed (query, key) pairs: the exact attention work
-
-
-def work_per_device(
-  layout: str, T: int, P: int, block_q: int, block_kv: int, *, causal: bool = True
-) -> Work:
-  """Per-device work of a ring over ``P`` devices with the sequence in ``layout``.
-
-  At ring step s device i holds the key/value shard of device j = (i - s) % P;
-  its kernel visits every tile of ``masks.reindex(mask, q=pos[i], kv=pos[j])``
-  not classified EMPTY (the classification is what the kernel skips on, so it
-  is conservative for non-contiguous layouts), and the exact work is the number
-  of pairs with kv position <= query position. Tiles at the end of a shard that
-  are shorter than a block count by their area.
-  """
-  L = T // P
-  pos = parallel.positions(layout, T, P).reshape(P, L)
-  bq, bk = min(block_q, L), min(block_kv, L)
-  q_sizes = np.minimum(bq, L - np.arange(0, L, bq))
-  kv_sizes = np.minimum(bk, L - np.arange(0, L, bk))
-  area = np.outer(q_sizes, kv_sizes) / (bq * bk)
-  tiles = np.zeros(P, np.float64)
-  pairs = np.zeros(P, np.int64)
-  for i in range(P):
-    for s in range(P):
-      j = (i - s) % P
-      if not causal:
-        tiles[i] += area.sum()
-        pairs[i] += L * L
-        continue
-      view = masks.reindex(masks.causal(), q=pos[i], kv=pos[j]).block_view(
-        L, L, block_q=bq, block_kv=bk
-      )[0, 0]
-      tiles[i] += area[view != masks.EMPTY].sum()
-      pairs[i] += int(np.searchsorted(np.sort(pos[j]), pos[i], side="right").sum())
-  return Work(tiles, pairs)
-
-
-def balance(cfg: Config, P: int, blocks: tuple[int, int]) -> list[dict]:
-  """max/mean of each layout's per-device work at ``P`` devices."""
-  rows = []
-  for layout in cfg.layouts:
-    work = work_per_device(layout, cfg.length, P, *blocks, causal=cfg.causal)
-    rows.append(
-      dict(
-        layout=layout,
-        P=P,
-        tiles=work.tiles.tolist(),
-        pairs=work.pairs.tolist(),
-        tiles_max_over_mean=float(work.tiles.max() / work.tiles.mean()),
-        pairs_max_over_mean=float(work.pairs.max() / work.pairs.mean()),
-        total_tiles=float(work.tiles.sum()),
-      )
-    )
-  return rows
 
 
 # --- training steps -------------------------------------------------------------------
@@ -474,7 +404,7 @@ def main(argv=None) -> dict:
   rows = measure_devices(cfg, host, on_row=show)
   P = max(cfg.devices)
   layouts = measure_layouts(cfg, host, P, rows[-1], on_row=show)
-  work = balance(cfg, P, blocks)
+  work = balance(cfg.layouts, cfg.length, P, blocks, causal=cfg.causal)
   print_tables(cfg, blocks, ref, rows, layouts, work)
   memory = []
   if cfg.memory_length:
