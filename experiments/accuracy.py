@@ -54,6 +54,8 @@ import numpy as np
 
 import jattn
 from experiments import _cli
+from experiments._jax_nn_style import PRESETS, jax_nn_style, precision
+from experiments._reference import attention_reference
 from jattn import scores
 
 # Shapes of every case: T and S are not multiples of the 16-wide tiles; N = 2K is GQA.
@@ -292,78 +294,6 @@ def score_np(case: Case):
 # --- the reference ---------------------------------------------------------------------------
 
 
-def attention_reference(
-  q,
-  k,
-  v,
-  bias,
-  ct,
-  *,
-  scale: float,
-  dtype,
-  allowed=None,
-  score=None,
-  d_score=None,
-  keep=None,
-  rate: float = 0.0,
-) -> dict:
-  """NumPy attention in ``dtype`` (float32 or float64), forward and, by hand, the backward of
-  ``sum(out * ct)``, under jattn's contract: every finite score takes part in the softmax,
-  masked (``allowed`` False) and -inf scores do not, and rows left with nothing give zeros,
-  lse -inf and zero gradients.
-
-  q, ct (B, T, N, H); k, v (B, S, K, H); bias and allowed broadcast to (B, N, T, S);
-  ``score(s, b, h, q, kv)`` modifies the logits and ``d_score`` is its derivative in s;
-  ``keep`` is dropout's keep mask. Returns out, lse (B, T, N), dq, dk, dv and dbias (bias's
-  shape), all in ``dtype``.
-  """
-  up = lambda x: None if x is None else np.asarray(np.asarray(x, np.float32), dtype)
-  q, k, v, ct, bias = (up(x) for x in (q, k, v, ct, bias))
-  Bq, Tq, Nq, Hq = q.shape
-  _, Sk, Kk, _ = k.shape
-  G = Nq // Kk
-  kr, vr = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
-  scale = dtype(scale)
-  s0 = scale * np.einsum("btnh,bsnh->bnts", q, kr)
-  if bias is not None:
-    s0 = s0 + bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
-  idx = (
-    np.arange(Bq).reshape(-1, 1, 1, 1),
-    np.arange(Nq).reshape(1, -1, 1, 1),
-    np.arange(Tq).reshape(1, 1, -1, 1),
-    np.arange(Sk).reshape(1, 1, 1, -1),
-  )
-  s = s0 if score is None else np.asarray(score(s0, *idx), dtype)
-  use = s > -np.inf
-  if allowed is not None:
-    use = use & allowed
-  m = np.max(np.where(use, s, -np.inf), axis=-1, keepdims=True, initial=-np.inf)
-  m = np.where(np.isfinite(m), m, 0).astype(dtype)
-  e = np.where(use, np.exp(np.where(use, s, m) - m), 0).astype(dtype)
-  l = e.sum(-1, keepdims=True)
-  p = e / np.where(l > 0, l, 1)
-  lse = np.where(l > 0, np.log(np.where(l > 0, l, 1)) + m, -np.inf)[..., 0].transpose(0, 2, 1)
-  p_used = p if keep is None else np.where(keep, p / dtype(1 - rate), 0).astype(dtype)
-  out = np.einsum("bnts,bsnh->btnh", p_used, vr)
-
-  d_p_used = np.einsum("btnh,bsnh->bnts", ct, vr)
-  d_p = d_p_used if keep is None else np.where(keep, d_p_used / dtype(1 - rate), 0)
-  d_s = p * (d_p - np.sum(p * d_p, axis=-1, keepdims=True))
-  if d_score is not None:
-    d_s = d_s * np.asarray(d_score(s0, *idx), dtype)
-  group_sum = lambda x: x.reshape(Bq, Sk, Kk, G, Hq).sum(3)
-  grads = dict(
-    dq=scale * np.einsum("bnts,bsnh->btnh", d_s, kr),
-    dk=group_sum(scale * np.einsum("bnts,btnh->bsnh", d_s, q)),
-    dv=group_sum(np.einsum("bnts,btnh->bsnh", p_used, ct)),
-  )
-  if bias is not None:
-    shape = (1,) * (4 - bias.ndim) + bias.shape
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and d_s.shape[i] != 1)
-    grads["dbias"] = d_s.sum(axes, keepdims=True).reshape(bias.shape)
-  return dict(out=out, lse=lse, **grads)
-
-
 def reference(case: Case, arrays: dict, dtype) -> dict:
   """:func:`attention_reference` of one case's arrays; for q = k = v, dq is the sum of the
   three gradients."""
@@ -389,85 +319,7 @@ def reference(case: Case, arrays: dict, dtype) -> dict:
   return ref
 
 
-# --- jax.nn and the jax.nn-style baseline ----------------------------------------------------
-
-
-_PRESETS = {
-  np.dtype(jnp.bfloat16): jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
-  np.dtype(np.float16): jax.lax.DotAlgorithmPreset.F16_F16_F32,
-}
-
-
-_LOGITS = "BTKGH,BSKH->BKGTS"
-
-
-@functools.cache
-def _precision(dtype, q_shape: tuple, k_shape: tuple):
-  """The precision jax.nn's logits einsum runs with: its preset for ``dtype``, unless the
-  backend rejects it for these shapes (float16 on CPU; bfloat16 dots small enough for XLA's
-  elemental emitter), when jax.nn catches the error and uses the default."""
-  preset = _PRESETS.get(np.dtype(dtype))
-  if preset is None:
-    return None
-  try:
-    jnp.einsum(
-      _LOGITS,
-      jnp.zeros(q_shape, dtype),
-      jnp.zeros(k_shape, dtype),
-      precision=preset,
-      preferred_element_type=jnp.float32,
-    ).block_until_ready()
-  except Exception:  # as jax.nn's bare except
-    return None
-  return preset
-
-
-def jax_nn_style(
-  query,
-  key,
-  value,
-  bias=None,
-  *,
-  scale,
-  allowed=None,
-  score_fn=None,
-  soft_cap=None,
-  keep=None,
-  dropout_rate=0.0,
-):
-  """jax.nn's XLA attention (jax/_src/nn/functions.py, _dot_product_attention_core) with the
-  features it lacks added where jattn applies them: float32 logits from the input dtype,
-  then bias, score_fn, soft cap, masking with jax.nn's large negative number, the softmax in
-  float32, dropout on the probabilities, probabilities cast to the input dtype, einsum with
-  the values. Returns (out, lse) like jax.nn with return_residual=True."""
-  Bq, Tq, Nq, Hq = query.shape
-  _, Sk, Kk, _ = key.shape
-  G = Nq // Kk
-  logits_dtype = jnp.promote_types(query.dtype, np.float32)
-  q = query.reshape(Bq, Tq, Kk, G, Hq)
-  precision = _precision(query.dtype, q.shape, key.shape)
-  logits = jnp.einsum(
-    _LOGITS, q, key, precision=precision, preferred_element_type=logits_dtype
-  ).reshape(Bq, Nq, Tq, Sk)
-  logits *= jnp.array(scale, dtype=logits.dtype)
-  if bias is not None:
-    bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
-    logits = (logits + bias).astype(logits.dtype)
-  if score_fn is not None:
-    logits = score_fn(logits, *jattn.masks.index_grid(Bq, Nq, Tq, Sk))
-  if soft_cap is not None:
-    logits = soft_cap * jnp.tanh(logits / soft_cap)
-  if allowed is not None:
-    large_negative = jnp.asarray(-0.7 * np.finfo(np.float32).max, np.float32)
-    logits = jnp.where(jnp.asarray(allowed), logits, large_negative.astype(logits.dtype))
-  logits = logits.astype(np.float32)
-  probs = jax.nn.softmax(logits, axis=-1)
-  if keep is not None:
-    probs = jnp.where(jnp.asarray(keep), probs / (1.0 - dropout_rate), 0.0)
-  probs = probs.astype(key.dtype).reshape(Bq, Kk, G, Tq, Sk)
-  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, value).reshape(Bq, Tq, Nq, Hq)
-  lse = jax.nn.logsumexp(logits, axis=-1).astype(key.dtype).transpose(0, 2, 1)
-  return out, lse
+# --- jax.nn and the jax.nn-style baseline (experiments/_jax_nn_style.py) ---------------------
 
 
 def _score_fn(case: Case, dtype_name: str):
@@ -555,8 +407,8 @@ def _baseline_vjp(program: Case, dtype_name: str):
   Kv = N if program.qkv_same else K
   if (
     program.jax_nn_expresses
-    and _PRESETS.get(np.dtype(dtype)) is not None
-    and _precision(dtype, (B, T, Kv, N // Kv, H), (B, S, Kv, H)) is None
+    and PRESETS.get(np.dtype(dtype)) is not None
+    and precision(dtype, (B, T, Kv, N // Kv, H), (B, S, Kv, H)) is None
   ):
     return fn
   return jax.jit(fn)
