@@ -311,9 +311,7 @@ def _mask_shapes(mask: masks.Mask, B, N, T, S) -> None:
 
 def _user_fns(node):
   """The nodes of a Mask or ScoreFn tree that wrap a user's function (``from_fn``)."""
-  if isinstance(node, masks.kinds.FromFn) or (
-    isinstance(node, scores.ScoreFn) and node.rule.name == "from_fn"
-  ):
+  if isinstance(node, (masks.kinds.FromFn, scores.FromFn)):
     yield node
   for child in node.children:
     if isinstance(child, (masks.Mask, scores.ScoreFn)):

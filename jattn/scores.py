@@ -19,16 +19,17 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jattn import _checks
-from jattn._tree import Node
 
 __all__ = [
   "ScoreFn",
@@ -40,43 +41,60 @@ __all__ = [
   "relative_position_bias",
 ]
 
-
-class _Rule(NamedTuple):
-  name: str
-  apply: Callable[..., jax.Array]  # (params, children, s, b, h, q, kv) -> s
-  describe: Callable[..., str]
-  # (params, children) -> N that the node's per-head parameters are for, or None.
-  heads: Callable[..., int | None] = lambda params, children: None
+STATIC = {"static": True}
+"""Field metadata of a setting: part of a score function's treedef, not one of its children
+(as :data:`jattn.masks._core.STATIC` for masks)."""
 
 
-class ScoreFn(Node):
-  """A score modifier: ``fn(score, batch, head, q_idx, kv_idx) -> score``."""
+class ScoreFn:
+  """A score modifier: ``fn(score, batch, head, q_idx, kv_idx) -> score``.
+
+  Each kind is a frozen dataclass registered as a pytree, as the masks are: its settings
+  (a cap, a bucket count, a user's function) are static fields, part of the treedef, and
+  its arrays (ALiBi's slopes, a relative-position table) and sub-functions are its
+  children, traced and differentiable.
+  """
 
   def __call__(self, score, batch, head, q_idx, kv_idx) -> jax.Array:
-    return self.rule.apply(self.params, self.children, score, batch, head, q_idx, kv_idx)
+    raise NotImplementedError(f"{type(self).__name__} defines no score function")
 
   @property
   def num_heads(self) -> int | None:
     """N, the number of query heads its per-head parameters are for (ALiBi's slopes, a
     relative-position table's columns); None when it has none. Attention raises unless
     it equals the query's N: a parameter is never reused or cut to fit."""
-    return self.rule.heads(self.params, self.children)
+    return None
+
+  @property
+  def children(self) -> tuple:
+    """The arrays and score functions it holds (its pytree children), in field order."""
+    return tuple(
+      getattr(self, f.name)
+      for f in dataclasses.fields(self)  # type: ignore[arg-type]  # every kind is a dataclass
+      if not f.metadata.get("static")
+    )
 
 
-jax.tree_util.register_pytree_node_class(ScoreFn)
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, eq=False)
+class FromFn(ScoreFn):
+  """A user's ``fn(score, batch, head, q_idx, kv_idx)`` (see :func:`from_fn`)."""
 
+  fn: Callable = field(metadata=STATIC)
 
-def _fn_apply(params, children, s, *idx):
-  # A user function may compute in a narrower dtype (float16, bfloat16): its floating
-  # result is taken back to the score's dtype (float32, float64 for float64 inputs), so
-  # every implementation and every custom_vjp sees the statistics dtype it expects.
-  out = params[0](s, *idx)
-  if hasattr(out, "dtype") and jnp.issubdtype(out.dtype, jnp.floating) and out.dtype != s.dtype:
-    out = out.astype(s.dtype)
-  return out
+  def __call__(self, score, batch, head, q_idx, kv_idx) -> jax.Array:
+    # A user function may compute in a narrower dtype (float16, bfloat16): its floating
+    # result is taken back to the score's dtype (float32, float64 for float64 inputs), so
+    # every implementation and every custom_vjp sees the statistics dtype it expects.
+    out = self.fn(score, batch, head, q_idx, kv_idx)
+    if (
+      hasattr(out, "dtype") and jnp.issubdtype(out.dtype, jnp.floating) and out.dtype != score.dtype
+    ):
+      out = out.astype(score.dtype)
+    return out
 
-
-_FN = _Rule("from_fn", _fn_apply, lambda p, c: f"from_fn({getattr(p[0], '__name__', repr(p[0]))})")
+  def __repr__(self) -> str:
+    return f"from_fn({getattr(self.fn, '__name__', repr(self.fn))})"
 
 
 def from_fn(fn: Callable) -> ScoreFn:
@@ -91,23 +109,32 @@ def from_fn(fn: Callable) -> ScoreFn:
     raise TypeError(
       f"score_fn must be callable as fn(score, batch, head, q_idx, kv_idx), got {fn!r}"
     )
-  return ScoreFn(_FN, (fn,))
+  return FromFn(fn)
 
 
-def _compose_apply(params, children, s, *idx):
-  for fn in children:
-    s = fn(s, *idx)
-  return s
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, eq=False)
+class Compose(ScoreFn):
+  """Score functions applied in order (see :func:`compose`)."""
 
+  fns: tuple[ScoreFn, ...]
 
-def _compose_heads(params, children):
-  heads = {fn.num_heads for fn in children} - {None}
-  return heads.pop() if heads else None
+  def __call__(self, score, batch, head, q_idx, kv_idx) -> jax.Array:
+    for fn in self.fns:
+      score = fn(score, batch, head, q_idx, kv_idx)
+    return score
 
+  @property
+  def num_heads(self) -> int | None:
+    heads = {fn.num_heads for fn in self.fns} - {None}
+    return heads.pop() if heads else None
 
-_COMPOSE = _Rule(
-  "compose", _compose_apply, lambda p, c: "compose(" + ", ".join(map(repr, c)) + ")", _compose_heads
-)
+  @property
+  def children(self) -> tuple:
+    return self.fns
+
+  def __repr__(self) -> str:
+    return "compose(" + ", ".join(map(repr, self.fns)) + ")"
 
 
 def compose(*fns: Callable) -> ScoreFn:
@@ -121,7 +148,7 @@ def compose(*fns: Callable) -> ScoreFn:
       "compose needs score functions for the same number of heads, got "
       + " and ".join(f"{fn!r} for {fn.num_heads}" for fn in sized)
     )
-  return ScoreFn(_COMPOSE, (), nodes)
+  return Compose(nodes)
 
 
 def _float_array(name: str, value, *, ndim: int):
@@ -134,21 +161,26 @@ def _float_array(name: str, value, *, ndim: int):
   return arr
 
 
-def _alibi_apply(params, children, s, b, h, q, kv):
-  (bidirectional,) = params
-  (slopes,) = children
-  distance = (kv - q).astype(s.dtype)
-  if bidirectional:
-    distance = -jnp.abs(distance)
-  return s + jnp.asarray(slopes)[h].astype(s.dtype) * distance
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, eq=False)
+class Alibi(ScoreFn):
+  """``score + slopes[head] * (kv_idx - q_idx)`` (see :func:`alibi`)."""
 
+  slopes: Any
+  bidirectional: bool = field(metadata=STATIC)
 
-_ALIBI = _Rule(
-  "alibi",
-  _alibi_apply,
-  lambda p, c: f"alibi(slopes shape={tuple(c[0].shape)}, bidirectional={p[0]})",
-  lambda p, c: c[0].shape[0],
-)
+  def __call__(self, score, batch, head, q_idx, kv_idx) -> jax.Array:
+    distance = (kv_idx - q_idx).astype(score.dtype)
+    if self.bidirectional:
+      distance = -jnp.abs(distance)
+    return score + jnp.asarray(self.slopes)[head].astype(score.dtype) * distance
+
+  @property
+  def num_heads(self) -> int | None:
+    return self.slopes.shape[0]
+
+  def __repr__(self) -> str:
+    return f"alibi(slopes shape={tuple(self.slopes.shape)}, bidirectional={self.bidirectional})"
 
 
 def alibi(slopes, *, bidirectional: bool = False) -> ScoreFn:
@@ -161,18 +193,26 @@ def alibi(slopes, *, bidirectional: bool = False) -> ScoreFn:
     slopes: float array (N,), one slope per query head (usually positive);
       attention raises unless N is the query's number of heads.
   """
-  return ScoreFn(_ALIBI, (bool(bidirectional),), (_float_array("slopes", slopes, ndim=1),))
+  return Alibi(_float_array("slopes", slopes, ndim=1), bool(bidirectional))
 
 
-_SOFT_CAP = _Rule(
-  "soft_cap", lambda p, c, s, *idx: p[0] * jnp.tanh(s / p[0]), lambda p, c: f"soft_cap({p[0]!r})"
-)
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, eq=False)
+class SoftCap(ScoreFn):
+  """``cap * tanh(score / cap)`` (see :func:`soft_cap`)."""
+
+  cap: float = field(metadata=STATIC)
+
+  def __call__(self, score, batch, head, q_idx, kv_idx) -> jax.Array:
+    return self.cap * jnp.tanh(score / self.cap)
+
+  def __repr__(self) -> str:
+    return f"soft_cap({self.cap!r})"
 
 
 def soft_cap(cap: float) -> ScoreFn:
   """Logit soft-capping (Gemma 2, Grok): ``cap * tanh(score / cap)``."""
-  cap = _checks.positive_real("cap", cap)
-  return ScoreFn(_SOFT_CAP, (cap,))
+  return SoftCap(_checks.positive_real("cap", cap))
 
 
 def t5_bucket(
@@ -206,24 +246,34 @@ def t5_bucket(
   return bucket + jnp.where(is_small, n, large)
 
 
-def _relative_apply(params, children, s, b, h, q, kv):
-  num_buckets, max_distance, bidirectional = params
-  (table,) = children
-  bucket = t5_bucket(
-    kv - q, num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional
-  )
-  return s + jnp.asarray(table)[bucket, h].astype(s.dtype)
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, eq=False)
+class RelativePositionBias(ScoreFn):
+  """``score + table[bucket(kv_idx - q_idx), head]`` (see :func:`relative_position_bias`)."""
 
+  table: Any
+  num_buckets: int = field(metadata=STATIC)
+  max_distance: int = field(metadata=STATIC)
+  bidirectional: bool = field(metadata=STATIC)
 
-_RELATIVE = _Rule(
-  "relative_position_bias",
-  _relative_apply,
-  lambda p, c: (
-    f"relative_position_bias(table shape={tuple(c[0].shape)}, num_buckets={p[0]}, "
-    f"max_distance={p[1]}, bidirectional={p[2]})"
-  ),
-  lambda p, c: c[0].shape[1],
-)
+  def __call__(self, score, batch, head, q_idx, kv_idx) -> jax.Array:
+    bucket = t5_bucket(
+      kv_idx - q_idx,
+      num_buckets=self.num_buckets,
+      max_distance=self.max_distance,
+      bidirectional=self.bidirectional,
+    )
+    return score + jnp.asarray(self.table)[bucket, head].astype(score.dtype)
+
+  @property
+  def num_heads(self) -> int | None:
+    return self.table.shape[1]
+
+  def __repr__(self) -> str:
+    return (
+      f"relative_position_bias(table shape={tuple(self.table.shape)}, num_buckets="
+      f"{self.num_buckets}, max_distance={self.max_distance}, bidirectional={self.bidirectional})"
+    )
 
 
 def relative_position_bias(
@@ -251,4 +301,4 @@ def relative_position_bias(
     raise ValueError(
       f"table must have shape (num_buckets={num_buckets}, N), got {tuple(table.shape)}"
     )
-  return ScoreFn(_RELATIVE, (num_buckets, max_distance, bool(bidirectional)), (table,))
+  return RelativePositionBias(table, num_buckets, max_distance, bool(bidirectional))

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from jattn.scores import SoftCap
+
 BACKWARDS = ("autodiff", "custom_vjp")  # the jattn rules, by name
 BACKENDS = ("cpu", "gpu", "tpu")
 
@@ -80,7 +82,7 @@ class Implementation:
       return f"block_q and block_kv apply to tiled implementations, and {self.name} has none"
     features = (
       (self.bias, s.bias is not None, "bias"),
-      (self.score_fn, s.score_fn is not None and s.score_fn.rule.name != "soft_cap", "score_fn"),
+      (self.score_fn, s.score_fn is not None and not isinstance(s.score_fn, SoftCap), "score_fn"),
       (self.soft_cap, s.score_fn is not None, "logits_soft_cap"),
       (self.dropout, s.dropout_rate > 0, "dropout_rate > 0"),
       (self.residual, s.return_residual, "return_residual"),

@@ -328,7 +328,7 @@ def _dense(q_ids, kv_ids):
 
 def soft_cap_of(score_fn) -> float | None:
   """The cap when ``score_fn`` is exactly ``logits_soft_cap`` (checked by the table)."""
-  return None if score_fn is None else float(score_fn.params[0])
+  return None if score_fn is None else float(score_fn.cap)
 
 
 def attention(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
