@@ -64,6 +64,32 @@ def check_cache_options(
   return CacheOptions(dtype, page_size, num_pages)
 
 
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def size(input_shape, dtype, batch_size, max_length):
+  """``(batch_size, max_length, dtype)`` from the arguments of the NNX module's
+  ``init_cache``: Flax's ``input_shape`` (B, max_length, F) and ``dtype``, or jattn's
+  ``batch_size=`` and ``max_length=`` (also taken positionally, two ints, as before)."""
+  if _is_int(input_shape) and _is_int(dtype) and batch_size is None and max_length is None:
+    return input_shape, dtype, None
+  if input_shape is None:
+    if batch_size is None or max_length is None:
+      raise TypeError(
+        "init_cache needs input_shape (batch, max_length, features), or batch_size= and max_length="
+      )
+    return batch_size, max_length, dtype
+  if batch_size is not None or max_length is not None:
+    raise TypeError("init_cache takes input_shape or batch_size= and max_length=, not both")
+  if not isinstance(input_shape, (tuple, list)) or len(input_shape) != 3:
+    raise ValueError(
+      f"input_shape must be (batch, max_length, features), as in Flax's init_cache, got "
+      f"{input_shape!r}"
+    )
+  return input_shape[0], input_shape[1], dtype
+
+
 def init_cache(
   heads: Heads, batch_size: int, max_length: int, dtype, options: CacheOptions = CacheOptions()
 ) -> decode.Cache:

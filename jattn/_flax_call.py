@@ -7,22 +7,48 @@ re-implements attention. Shape legend as in :mod:`jattn.attention`; F is a featu
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jattn import attention, decode
-from jattn._flax_config import Heads
+from jattn._flax_config import Settings
 
 
-def check_inputs(inputs_q, inputs_kv, in_features: int | None, in_kv_features: int | None):
-  """(B, T, F) or (T, F) inputs with the right feature sizes; raises before compiling."""
-  for name, x, want in (
-    ("inputs_q", inputs_q, in_features),
-    ("inputs_kv", inputs_kv, in_kv_features),
-  ):
-    if x is None:
-      continue
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+  """A call's inputs: the queries', keys' and values' (inputs_q's for self-attention)."""
+
+  q: Any
+  k: Any
+  v: Any
+  kv_name: str | None  # the argument that makes it cross-attention, None for self-attention
+
+
+def inputs(inputs_q, inputs_k, inputs_v, inputs_kv, in_features, in_kv_features) -> Inputs:
+  """Flax's inputs: ``inputs_v`` defaults to ``inputs_k`` and ``inputs_k`` to ``inputs_q``;
+  ``inputs_kv`` gives both. Checked before compiling: (B, T, F) or (T, F), the feature
+  sizes (None: any), ranks, batch sizes and the keys' and values' lengths."""
+  if inputs_kv is not None and (inputs_k is not None or inputs_v is not None):
+    raise ValueError(
+      "give inputs_kv (keys and values from one input) or inputs_k and inputs_v, not both"
+    )
+  if inputs_v is not None and inputs_k is None:
+    raise ValueError(
+      "inputs_v needs inputs_k: inputs_k defaults to inputs_q only when inputs_v does too "
+      "(pass one input for keys and values as inputs_k)"
+    )
+  kv_name = "inputs_kv" if inputs_kv is not None else "inputs_k" if inputs_k is not None else None
+  kv = inputs_kv if inputs_kv is not None else inputs_k
+  named = [("inputs_q", inputs_q, in_features), (kv_name, kv, in_kv_features)]
+  named.append(("inputs_v", inputs_v, in_kv_features))
+  named = [(name, x, want) for name, x, want in named if x is not None]
+  for name, x, want in named:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     if x.ndim not in (2, 3):
@@ -31,31 +57,50 @@ def check_inputs(inputs_q, inputs_kv, in_features: int | None, in_kv_features: i
       raise ValueError(
         f"{name} must have {want} features in its last dimension, got shape {x.shape}"
       )
-  if inputs_kv is not None and inputs_kv.ndim != inputs_q.ndim:
+  for name, x, _ in named[1:]:
+    if x.ndim != inputs_q.ndim:
+      raise ValueError(f"{name} must have the rank of inputs_q {inputs_q.shape}, got {x.shape}")
+    if inputs_q.ndim == 3 and x.shape[0] != inputs_q.shape[0]:
+      raise ValueError(
+        f"inputs_q and {name} must have the same batch size, got {inputs_q.shape} and {x.shape}"
+      )
+  if inputs_v is not None and inputs_v.shape[:-1] != kv.shape[:-1]:
     raise ValueError(
-      f"inputs_kv must have the rank of inputs_q {inputs_q.shape}, got {inputs_kv.shape}"
+      f"inputs_k and inputs_v must have the same length, got {kv.shape} and {inputs_v.shape}"
     )
-  if inputs_kv is not None and inputs_q.ndim == 3 and inputs_kv.shape[0] != inputs_q.shape[0]:
+  kv = inputs_q if kv is None else kv
+  return Inputs(inputs_q, kv, kv if inputs_v is None else inputs_v, kv_name)
+
+
+def rope_positions(positions, input_positions, attention_fn):
+  """The positions RoPE reads: ``positions`` (jattn's name) or Flax's ``input_positions``,
+  which goes to an ``attention_fn`` when the module has one."""
+  if attention_fn is not None or input_positions is None:
+    return positions
+  if positions is not None:
     raise ValueError(
-      f"inputs_q and inputs_kv must have the same batch size, got "
-      f"{inputs_q.shape} and {inputs_kv.shape}"
+      "positions and input_positions are one argument (jattn's name and Flax's): give one"
     )
+  return input_positions
 
 
 def check_call(
+  settings: Settings,
   *,
   inputs_q,
-  cross: bool,
+  kv_name: str | None,
   decode_: bool,
   cache,
   positions,
   segment_ids,
   num_new,
   sow_weights: bool,
-  implementation,
-  rope,
 ) -> None:
-  """Call arguments that depend on the module's settings; raises before compiling."""
+  """Call arguments that depend on the module's settings; raises before compiling.
+
+  ``kv_name`` names the argument that made the call cross-attention, None for
+  self-attention."""
+  implementation, rope, attention_fn = settings.implementation, settings.rope, settings.attention_fn
   if not isinstance(sow_weights, (bool, np.bool_)):
     raise TypeError(f"sow_weights must be a bool, got {sow_weights!r}")
   if not isinstance(decode_, (bool, np.bool_)):
@@ -66,10 +111,14 @@ def check_call(
       f"implementation={implementation!r} never forms; use "
       "implementation='xla' (or None) to inspect them"
     )
-  if cross and rope is not None:
+  if kv_name is not None and rope is not None:
     raise ValueError(
-      "rope applies to self-attention; got inputs_kv (cross-attention), whose "
+      f"rope applies to self-attention; got {kv_name} (cross-attention), whose "
       "keys have no positions shared with the queries"
+    )
+  if attention_fn is not None and segment_ids is not None:
+    raise ValueError(
+      "segment_ids needs jattn's attention, which attention_fn replaces: pass them as a mask"
     )
   if num_new is not None and not decode_:
     raise ValueError("num_new applies only with decode=True")
@@ -87,7 +136,7 @@ def check_call(
         )
     return
   for name, given in (
-    ("inputs_kv", cross or None),
+    (kv_name, kv_name),
     ("positions", positions),
     ("segment_ids", segment_ids),
     ("sow_weights", sow_weights or None),
@@ -97,8 +146,16 @@ def check_call(
         f"decode=True does not take {name}: decoding is causal self-attention "
         "over the cache, whose positions come from the cache"
       )
+  if attention_fn is not None:
+    raise ValueError(
+      "decode=True attends over the KV cache with jattn.decode.attention, which takes no "
+      "attention_fn: decode with a module made without one"
+    )
   if cache is None:
-    raise ValueError("decode=True needs a KV cache: call init_cache(batch_size, max_length) first")
+    raise ValueError(
+      "decode=True needs a KV cache: call init_cache(input_shape) (or init_cache(batch_size=, "
+      "max_length=)) first"
+    )
   B = inputs_q.shape[0] if inputs_q.ndim == 3 else None
   if B is None:
     raise ValueError(f"decode=True needs batched inputs (B, t, F), got {inputs_q.shape}")
@@ -149,38 +206,74 @@ def resolve_deterministic(dropout_rate: float, call_value, module_value) -> bool
   return bool(value)
 
 
+def bind_attention_fn(
+  settings: Settings, *, dropout_rng, deterministic, dtype, precision, only_taken=False, **more
+):
+  """``settings.attention_fn`` with every keyword of Flax's call but ``mask`` bound, or None
+  when the module has none. ``only_taken``: pass only the keywords the function takes, as
+  Linen does (NNX passes them all)."""
+  fn = settings.attention_fn
+  if fn is None:
+    return None
+  kwargs = dict(
+    dropout_rng=dropout_rng,
+    dropout_rate=settings.dropout_rate,
+    broadcast_dropout=settings.broadcast_dropout,
+    deterministic=deterministic,
+    dtype=dtype,
+    precision=precision,
+    **more,
+  )
+  if only_taken:
+    taken = inspect.signature(fn).parameters
+    kwargs = {k: v for k, v in kwargs.items() if k in taken}
+  return functools.partial(fn, **kwargs)
+
+
 def attend(
   query,
   key,
   value,
+  settings: Settings,
   *,
-  heads: Heads,
   is_causal: bool,
-  rope,
   positions,
   mask,
   segment_ids,
   cache,
   num_new,
+  dropout_rng,
   sow_weights: bool,
   sinks=None,
-  **options,
+  attention_fn=None,
 ):
   """Attention over projected heads: RoPE, then the KV cache or plain attention.
 
   Args:
     query: (B, T, N, H) or (T, N, H), after the projection (and q/k norm).
     key, value: (B, S, K, H) or (S, K, H).
+    settings: the module's; ``is_causal`` is the call's.
     cache: a :class:`jattn.decode.KVCache` or :class:`jattn.decode.PagedKVCache` to
       decode with, or None.
+    dropout_rng: None for no dropout.
     sinks: the module's per-head sink logits (N,), or None.
-    options: the module's keywords of :func:`jattn.dot_product_attention` (dropout,
-      implementation, backward, tiles), passed on as they are.
+    attention_fn: :func:`bind_attention_fn`'s, which then computes (and sows) the
+      attention in place of jattn's, or None.
 
   Returns:
     ``(out, weights, new_cache)``: out like query; weights (B, N, T, S) when
     ``sow_weights``, else None; new_cache None unless decoding.
   """
+  rope = settings.rope
+  options = dict(
+    dropout_rate=settings.dropout_rate if dropout_rng is not None else 0.0,
+    dropout_rng=dropout_rng,
+    broadcast_dropout=settings.broadcast_dropout,
+    implementation=settings.implementation,
+    backward=settings.backward,
+    block_q=settings.block_q,
+    block_kv=settings.block_kv,
+  )
   if cache is not None:
     if rope is not None:
       pos = decode.positions(cache, query.shape[1])
@@ -192,6 +285,8 @@ def attend(
   if rope is not None:
     pos = jnp.arange(query.shape[-3], dtype=jnp.int32) if positions is None else positions
     query, key = rope(query, pos), rope(key, pos)
+  if attention_fn is not None:
+    return attention_fn(query, key, value, mask=mask), None, None
   kwargs = dict(is_causal=bool(is_causal), segment_ids=segment_ids, sinks=sinks)
   weights = None
   if sow_weights:

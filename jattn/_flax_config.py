@@ -7,6 +7,7 @@ call for what depends on the input width). Shape legend as in :mod:`jattn.attent
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -32,6 +33,49 @@ class Heads:
       object.__setattr__(self, "value_head_dim", self.head_dim)
 
 
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """A module's settings of the attention step (checked by :func:`check_config`), read
+  from the module's attributes of the same names by :meth:`of`."""
+
+  rope: positional.Rotary | None
+  dropout_rate: float
+  broadcast_dropout: bool
+  implementation: str | None
+  backward: str | None
+  block_q: int | None
+  block_kv: int | None
+  attention_fn: Callable | None  # Flax's contract, in place of jattn's attention
+
+  @classmethod
+  def of(cls, module) -> Settings:
+    return cls(*(getattr(module, f.name) for f in dataclasses.fields(cls)))
+
+
+# The constructor settings both modules have under these names (Linen as fields), which
+# :func:`check_config` takes with ``in_features`` and ``in_kv_features``.
+CONFIG = (
+  "num_heads",
+  "num_kv_heads",
+  "qkv_features",
+  "out_features",
+  "dropout_rate",
+  "broadcast_dropout",
+  "deterministic",
+  "is_causal",
+  "rope",
+  "normalize_qk",
+  "implementation",
+  "backward",
+  "block_q",
+  "block_kv",
+  "value_head_dim",
+  "decode",
+  "attention_fn",
+  "sinks",
+)
+
+
 def check_config(
   *,
   num_heads,
@@ -51,6 +95,9 @@ def check_config(
   block_q,
   block_kv,
   value_head_dim=None,
+  decode=None,
+  attention_fn=None,
+  sinks=False,
 ) -> Heads | None:
   """Every constructor argument of the modules, checked; raises with a clear message.
 
@@ -69,14 +116,24 @@ def check_config(
     raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
   _checks.dropout_rate(dropout_rate)
   _checks.flags(broadcast_dropout=broadcast_dropout, is_causal=is_causal)
-  if deterministic is not None and not isinstance(deterministic, (bool, np.bool_)):
-    raise TypeError(f"deterministic must be a bool or None, got {deterministic!r}")
+  for name, flag in (("deterministic", deterministic), ("decode", decode)):
+    if flag is not None and not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(f"{name} must be a bool or None, got {flag!r}")
   if rope is not None and not isinstance(rope, positional.Rotary):
     raise TypeError(f"rope must be a jattn.positional.Rotary or None, got {type(rope).__name__}")
   if not any(normalize_qk is v or (isinstance(v, str) and normalize_qk == v) for v in NORMALIZE_QK):
     raise ValueError(f"normalize_qk must be one of {list(NORMALIZE_QK)}, got {normalize_qk!r}")
   _select.check_choices(implementation, backward)
   _checks.tile_sizes(implementation, block_q, block_kv)
+  _checks.boolean("sinks", sinks)
+  check_attention_fn(
+    attention_fn,
+    implementation=implementation,
+    backward=backward,
+    block_q=block_q,
+    block_kv=block_kv,
+    sinks=sinks,
+  )
   if value_head_dim is not None:
     value_head_dim = _checks.integer("value_head_dim", value_head_dim, minimum=1)
   out_features = (
@@ -101,7 +158,43 @@ def check_config(
 
 
 def qk_norm_kind(normalize_qk) -> str | None:
-  """None, "rms" or "layernorm" for a checked ``normalize_qk``."""
+  """None, "rms" or "layernorm" for a checked ``normalize_qk``; True is Flax's LayerNorm."""
   if normalize_qk is False:
     return None
-  return "rms" if normalize_qk is True else normalize_qk
+  return "layernorm" if normalize_qk is True else normalize_qk
+
+
+# Settings of jattn's own attention call, which a Flax-style ``attention_fn=`` replaces.
+_JATTN_ATTENTION = ("implementation", "backward", "block_q", "block_kv", "sinks")
+
+
+def check_attention_fn(attention_fn, **jattn_settings) -> None:
+  """``attention_fn``: None (jattn's attention) or a function with Flax's ``attention_fn``
+  contract, which then computes the attention and so takes none of jattn's routing
+  settings (given as ``jattn_settings``, unset when None or False)."""
+  if attention_fn is None:
+    return
+  if not callable(attention_fn):
+    raise TypeError(
+      f"attention_fn must be None (jattn's attention) or a function, got "
+      f"{type(attention_fn).__name__}"
+    )
+  for name in _JATTN_ATTENTION:
+    value = jattn_settings.get(name)
+    if value is not None and value is not False:
+      raise ValueError(
+        f"{name}={value!r} applies to jattn's attention, which attention_fn replaces: bind "
+        f"it into the function instead, e.g. functools.partial(jattn.nnx.attention_fn, "
+        f"{name}=...)"
+      )
+
+
+def resolve(name: str, call_value, module_value, default: bool = False) -> bool:
+  """A call's bool flag (``decode``, ``is_causal``) over the module's, as Flax resolves them:
+  the call's when given, else the module's, else ``default``."""
+  value = call_value if call_value is not None else module_value
+  if value is None:
+    return default
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool, got {value!r}")
+  return bool(value)

@@ -1,12 +1,14 @@
 """Flax Linen: a multi-head attention module built on jattn, and an ``attention_fn`` adapter.
 
-:class:`MultiHeadAttention` has the options of :class:`jattn.nnx.MultiHeadAttention`
-and the parameter names of Flax's ``linen.MultiHeadDotProductAttention``
-(``query``, ``key``, ``value``, ``out``, and ``query_ln``/``key_ln``), so
-the parameters of one load into the other unchanged. Decoding keeps the keys,
-values and per-row lengths in the ``cache`` collection: contiguous, or paged
-(``page_size``) and/or quantized (``cache_dtype`` int8 or float8_e4m3fn);
-:func:`release_cache` empties finished rows of a model's whole cache collection.
+:class:`MultiHeadAttention` is a superset of Flax's ``linen.MultiHeadDotProductAttention``:
+its fields and call arguments, with Flax's defaults and meanings, and its parameter
+tree (``query``, ``key``, ``value``, ``out``, and ``query_ln``/``key_ln``), so
+swapping the class changes nothing else and the parameters of one load into the
+other unchanged; on top, the options of :class:`jattn.nnx.MultiHeadAttention`.
+Decoding keeps the keys, values and per-row lengths in the ``cache`` collection:
+contiguous, or paged (``page_size``) and/or quantized (``cache_dtype`` int8 or
+float8_e4m3fn); :func:`release_cache` empties finished rows of a model's whole cache
+collection.
 
 :func:`attention_fn` plugs jattn into Flax's own module:
 ``nn.MultiHeadDotProductAttention(..., attention_fn=jattn.linen.attention_fn)``.
@@ -24,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jattn import _checks, _flax_adapter, _flax_cache, _flax_call, _flax_config, positional
+from jattn import _flax_adapter, _flax_cache, _flax_call, _flax_config, positional
 from jattn import decode as _decode
 
 default_kernel_init = nn.initializers.lecun_normal()
@@ -33,14 +35,19 @@ default_kernel_init = nn.initializers.lecun_normal()
 class MultiHeadAttention(nn.Module):
   """Multi-head attention (self or cross) computed by :func:`jattn.dot_product_attention`.
 
-  The fields mean what the arguments of :class:`jattn.nnx.MultiHeadAttention`
-  mean; the input width is taken from the first call, as in Flax Linen.
+  A superset of Flax's ``linen.MultiHeadDotProductAttention``: its fields, in its order,
+  with its defaults and meanings (``normalize_qk`` True is Flax's LayerNorm, ``"rms"``
+  RMSNorm; ``attention_fn`` None is jattn's attention, a function with Flax's contract
+  computes it instead; ``force_fp32_for_softmax`` and the einsum factories go to that
+  function, jattn's softmax being float32 always), then jattn's fields, which mean what
+  the arguments of :class:`jattn.nnx.MultiHeadAttention` mean. The parameters are Flax's,
+  and the input width is taken from the first call, as in Flax.
 
   Decoding: initialise with ``decode=True`` on an input of the full length
   to allocate the cache (``max_length`` = that length), then apply with
   ``mutable=["cache"]``; each ``decode=True`` call appends its tokens (one
   or many, per-row ``num_new`` for ragged rows) and attends causally over the
-  cache::
+  cache. ``decode`` is a field, as in Flax, and a call argument that overrides it::
 
       variables = model.init(rng, jnp.zeros((B, max_length, F)), decode=True)
       cache = variables["cache"]
@@ -61,16 +68,33 @@ class MultiHeadAttention(nn.Module):
   """
 
   num_heads: int
-  num_kv_heads: int | None = None
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
   qkv_features: int | None = None
   out_features: int | None = None
-  use_bias: bool = True
+  broadcast_dropout: bool = True
   dropout_rate: float = 0.0
-  broadcast_dropout: bool = False
   deterministic: bool | None = None
+  precision: Any = None
+  kernel_init: Any = default_kernel_init
+  out_kernel_init: Any = None
+  bias_init: Any = nn.initializers.zeros_init()
+  out_bias_init: Any = None
+  use_bias: bool = True
+  attention_fn: Any = None
+  decode: bool = False
+  normalize_qk: bool | str = False
+  force_fp32_for_softmax: bool = False
+  qkv_dot_general: Any = None
+  out_dot_general: Any = None
+  qkv_dot_general_cls: Any = None
+  out_dot_general_cls: Any = None
+  qk_attn_weights_einsum_cls: Any = None
+  attn_weights_value_einsum_cls: Any = None
+  # jattn's
+  num_kv_heads: int | None = None
   is_causal: bool = False
   rope: positional.Rotary | None = None
-  normalize_qk: bool | str = False
   implementation: str | None = None
   backward: str | None = None
   block_q: int | None = None
@@ -78,12 +102,6 @@ class MultiHeadAttention(nn.Module):
   sinks: bool = False
   sinks_init: Any = nn.initializers.zeros_init()
   value_head_dim: int | None = None
-  dtype: Any = None
-  param_dtype: Any = jnp.float32
-  precision: Any = None
-  kernel_init: Any = default_kernel_init
-  bias_init: Any = nn.initializers.zeros_init()
-  out_kernel_init: Any = None
   cache_dtype: Any = None
   page_size: int | None = None
   num_pages: int | None = None
@@ -91,6 +109,12 @@ class MultiHeadAttention(nn.Module):
   def __post_init__(self):
     self._config(None)
     self._cache_options()
+    for name in ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls"):
+      if getattr(self, name) is not None and self.attention_fn is None:
+        raise ValueError(
+          f"{name} applies to an attention_fn that takes einsum factories; jattn's "
+          "attention (attention_fn=None) takes none"
+        )
     super().__post_init__()
 
   def _cache_options(self) -> _flax_cache.CacheOptions:
@@ -105,44 +129,35 @@ class MultiHeadAttention(nn.Module):
 
   def _config(self, in_features):
     return _flax_config.check_config(
-      num_heads=self.num_heads,
       in_features=in_features,
-      num_kv_heads=self.num_kv_heads,
-      qkv_features=self.qkv_features,
-      out_features=self.out_features,
-      dropout_rate=self.dropout_rate,
-      broadcast_dropout=self.broadcast_dropout,
-      deterministic=self.deterministic,
-      is_causal=self.is_causal,
-      rope=self.rope,
-      normalize_qk=self.normalize_qk,
-      implementation=self.implementation,
-      backward=self.backward,
-      block_q=self.block_q,
-      block_kv=self.block_kv,
-      value_head_dim=self.value_head_dim,
+      **{name: getattr(self, name) for name in _flax_config.CONFIG},
     )
 
   @nn.compact
   def __call__(
     self,
     inputs_q: jax.Array,
-    inputs_kv: jax.Array | None = None,
+    inputs_k: jax.Array | None = None,
+    inputs_v: jax.Array | None = None,
     *,
+    inputs_kv: jax.Array | None = None,
     mask: Any = None,
+    deterministic: bool | None = None,
+    dropout_rng: jax.Array | None = None,
+    sow_weights: bool = False,
+    decode: bool | None = None,
+    is_causal: bool | None = None,
     segment_ids: Any = None,
     positions: Any = None,
-    deterministic: bool | None = None,
-    decode: bool = False,
     num_new: Any = None,
-    sow_weights: bool = False,
-    dropout_rng: jax.Array | None = None,
   ):
-    """As :meth:`jattn.nnx.MultiHeadAttention.__call__`; weights are sown into ``intermediates``."""
-    _flax_call.check_inputs(inputs_q, inputs_kv, None, None)
+    """As :meth:`jattn.nnx.MultiHeadAttention.__call__`, with Flax Linen's arguments
+    (``dropout_rng`` in place of ``rngs``); weights are sown into ``intermediates``."""
+    x = _flax_call.inputs(inputs_q, inputs_k, inputs_v, inputs_kv, None, None)
     heads = self._config(inputs_q.shape[-1])
-    cross = inputs_kv is not None
-    kv_in = inputs_q if inputs_kv is None else inputs_kv
+    settings = _flax_config.Settings.of(self)
+    decode = _flax_config.resolve("decode", decode, self.decode)
+    is_causal = _flax_config.resolve("is_causal", is_causal, self.is_causal)
     N, K, H = heads.num_heads, heads.num_kv_heads, heads.head_dim
     dense = functools.partial(
       nn.DenseGeneral,
@@ -153,10 +168,12 @@ class MultiHeadAttention(nn.Module):
       bias_init=self.bias_init,
       use_bias=self.use_bias,
       precision=self.precision,
+      dot_general=self.qkv_dot_general,
+      dot_general_cls=self.qkv_dot_general_cls,
     )
-    query = dense(features=(N, H), name="query")(inputs_q)
-    key = dense(features=(K, H), name="key")(kv_in)
-    value = dense(features=(K, heads.value_head_dim), name="value")(kv_in)
+    query = dense(features=(N, H), name="query")(x.q)
+    key = dense(features=(K, H), name="key")(x.k)
+    value = dense(features=(K, heads.value_head_dim), name="value")(x.v)
     norm = {
       "rms": nn.RMSNorm,
       "layernorm": functools.partial(nn.LayerNorm, use_bias=False),
@@ -168,7 +185,7 @@ class MultiHeadAttention(nn.Module):
 
     cache: _decode.Cache | None = None
     cache_vars: dict[str, Any] = {}  # the cache collection's variables, by cache field
-    if decode is True:
+    if decode:
       if inputs_q.ndim != 3:
         raise ValueError(f"decode=True needs batched inputs (B, t, F), got {inputs_q.shape}")
       if self.has_variable("cache", CACHE_NAMES["lengths"]):
@@ -188,22 +205,21 @@ class MultiHeadAttention(nn.Module):
         }
     # The init pass (decode=True, no cache yet) allocates the cache and attends
     # causally, like Flax; it checks what a non-decode call checks.
-    init_pass = decode is True and cache is None
-    if init_pass and cross:
+    init_pass = decode and cache is None
+    if init_pass and x.kv_name is not None:
       raise ValueError(
-        "decode=True does not take inputs_kv: decoding is causal self-attention over the cache"
+        f"decode=True does not take {x.kv_name}: decoding is causal self-attention over the cache"
       )
     _flax_call.check_call(
+      settings,
       inputs_q=inputs_q,
-      cross=cross,
+      kv_name=x.kv_name,
       decode_=False if init_pass else decode,
       cache=cache,
       positions=positions,
       segment_ids=segment_ids,
       num_new=None if init_pass else num_new,
       sow_weights=sow_weights,
-      implementation=self.implementation,
-      rope=self.rope,
     )
     name = _flax_cache.dtype_name
     _flax_cache.check_dtype(
@@ -220,29 +236,38 @@ class MultiHeadAttention(nn.Module):
     if not deterministic and dropout_rng is None:
       dropout_rng = self.make_rng("dropout")
     sinks = None
-    if _checks.boolean("sinks", self.sinks):
+    if self.sinks:
       sinks = self.param("sinks", self.sinks_init, (heads.num_heads,), self.param_dtype)
+    einsums = {
+      name[:-4]: getattr(self, name)() if getattr(self, name) else None
+      for name in ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls")
+    }
     out, weights, new_cache = _flax_call.attend(
       query,
       key,
       value,
-      heads=heads,
-      sinks=sinks,
-      is_causal=self.is_causal or (decode is True and cache is None),
-      rope=self.rope,
+      settings,
+      is_causal=is_causal or init_pass,
       positions=positions,
       mask=mask,
       segment_ids=segment_ids,
       cache=cache,
       num_new=num_new,
-      dropout_rate=0.0 if deterministic else self.dropout_rate,
       dropout_rng=None if deterministic else dropout_rng,
-      broadcast_dropout=self.broadcast_dropout,
-      implementation=self.implementation,
-      backward=self.backward,
-      block_q=self.block_q,
-      block_kv=self.block_kv,
+      sinks=sinks,
       sow_weights=bool(sow_weights),
+      attention_fn=_flax_call.bind_attention_fn(  # Flax's call, as Linen's module makes it
+        settings,
+        dropout_rng=dropout_rng,
+        deterministic=deterministic,
+        dtype=self.dtype,
+        precision=self.precision,
+        only_taken=True,
+        force_fp32_for_softmax=self.force_fp32_for_softmax,
+        **einsums,
+        **(dict(module=self) if sow_weights else {}),
+        **(dict(is_causal=True) if is_causal else {}),
+      ),
     )
     if weights is not None:
       self.sow("intermediates", "attention_weights", weights)
@@ -257,9 +282,11 @@ class MultiHeadAttention(nn.Module):
       dtype=self.dtype,
       param_dtype=self.param_dtype,
       kernel_init=self.out_kernel_init or self.kernel_init,
-      bias_init=self.bias_init,
+      bias_init=self.out_bias_init or self.bias_init,
       use_bias=self.use_bias,
       precision=self.precision,
+      dot_general=self.out_dot_general,
+      dot_general_cls=self.out_dot_general_cls,
       name="out",
     )(out)
 

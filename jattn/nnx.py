@@ -1,11 +1,12 @@
 """Flax NNX: a multi-head attention module built on jattn, and an ``attention_fn`` adapter.
 
-:class:`MultiHeadAttention` keeps the parameter layout of Flax's
-``nnx.MultiHeadAttention`` (submodules ``query``, ``key``, ``value``, ``out``
-and, with ``normalize_qk``, ``query_ln`` and ``key_ln``), so the parameters
-of one load into the other with ``nnx.update(ours, nnx.state(theirs,
-nnx.Param))``. On top it has GQA/MQA, RoPE, segment ids, a choice of
-implementation and backward rule, and a KV cache that takes one or many
+:class:`MultiHeadAttention` is a superset of Flax's ``nnx.MultiHeadAttention``: the
+same constructor and call arguments (positional and keyword, Flax's defaults and
+meanings), ``init_cache(input_shape, dtype)``, and the same parameter tree
+(submodules ``query``, ``key``, ``value``, ``out`` and, with ``normalize_qk``,
+``query_ln`` and ``key_ln``), so swapping the class changes nothing else and a
+checkpoint of one loads into the other. On top it has GQA/MQA, RoPE, segment ids, a
+choice of implementation and backward rule, and a KV cache that takes one or many
 tokens per call (chunked prefill) with ragged rows: contiguous or paged, float
 or quantized to int8/float8 (:meth:`MultiHeadAttention.init_cache`), with
 finished rows released for new requests (:meth:`MultiHeadAttention.release_cache`).
@@ -22,13 +23,16 @@ Shape legend as in :mod:`jattn.attention`; F is a feature size.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn import dtypes as nnx_dtypes
 
-from jattn import _checks, _flax_adapter, _flax_cache, _flax_call, _flax_config, positional
+from jattn import _flax_adapter, _flax_cache, _flax_call, _flax_config, positional
 from jattn import decode as _decode
 from jattn._nnx_hopfield import HopfieldLayer as HopfieldLayer
 
@@ -40,34 +44,37 @@ default_kernel_init = nnx.initializers.lecun_normal()
 class MultiHeadAttention(nnx.Module):
   """Multi-head attention (self or cross) computed by :func:`jattn.dot_product_attention`.
 
+  Takes every argument of Flax's ``nnx.MultiHeadAttention``, positional and keyword,
+  with Flax's defaults and meanings; the ones this module reads differently:
+
   Args:
     num_heads: N, the number of query heads.
     in_features: F of ``inputs_q``.
-    num_kv_heads: K, heads of keys and values (default N); N % K == 0 (GQA, MQA when 1).
     qkv_features: N·H, the query width (default ``in_features``); H = qkv_features // N.
     out_features: output width (default ``in_features``).
-    in_kv_features: F of ``inputs_kv`` (default ``in_features``).
-    use_bias: biases in the four projections.
-    dropout_rate: dropout on the attention weights.
-    broadcast_dropout: share one dropout pattern across batch rows and heads.
-    deterministic: default for the call's ``deterministic`` (dropout off when True).
-    is_causal: causal self-attention (query t sees keys s <= t).
+    num_kv_heads: K, heads of keys and values (default N); N % K == 0 (GQA, MQA when 1).
+    in_kv_features: F of ``inputs_k`` and ``inputs_v`` (default ``in_features``).
+    broadcast_dropout, dropout_rate: dropout on the attention weights, one pattern shared
+      across batch rows and heads when ``broadcast_dropout``.
+    deterministic, decode: defaults of the call's arguments of those names.
+    attention_fn: None for jattn's attention with the settings below, or a function
+      with Flax's ``attention_fn`` contract that computes it instead (then no
+      ``implementation``, ``backward``, tiles, ``sinks``, ``segment_ids`` or ``decode``).
+    normalize_qk: normalise each query and key head before the product: True or
+      ``"layernorm"`` (LayerNorm without bias, as in Flax), ``"rms"`` (RMSNorm), or False.
+    rngs: ``nnx.Rngs`` for the parameters and, with dropout, a ``dropout`` stream,
+      kept for the calls unless ``keep_rngs`` is False.
+    is_causal: (jattn's, like those below) causal self-attention, query t seeing keys
+      s <= t; the default of the call's ``is_causal``.
     rope: a :class:`jattn.positional.Rotary` applied to queries and keys, or None.
-    normalize_qk: normalise each query and key head before the product:
-      True or ``"rms"`` (RMSNorm), ``"layernorm"`` (LayerNorm without bias,
-      Flax's ``normalize_qk=True``), or False.
     implementation, backward, block_q, block_kv: as in
       :func:`jattn.dot_product_attention`.
-    sinks: learn one sink logit per query head (``self.sinks``, shape
-      (num_heads,)), passed as ``sinks`` to the attention call: each head may
-      put weight on "nothing" (gpt-oss, StreamingLLM). ``sinks_init``
-      initialises it (zeros by default).
+    sinks: learn one sink logit per query head (``self.sinks``, shape (num_heads,),
+      initialised by ``sinks_init``, zeros by default), passed as ``sinks`` to the
+      attention call: each head may put weight on "nothing" (gpt-oss, StreamingLLM).
     value_head_dim: the value projection's width per head, Hv (default: the
       query/key head dim, qkv_features // num_heads); the output projection
       reads num_heads · Hv features (MLA-style heads).
-    dtype: computation dtype (default: inferred); param_dtype: parameter dtype.
-    precision, kernel_init, bias_init, out_kernel_init: of the projections.
-    rngs: ``nnx.Rngs`` for the parameters and, with dropout, a ``dropout`` stream.
 
   Example::
 
@@ -88,18 +95,42 @@ class MultiHeadAttention(nnx.Module):
     self,
     num_heads: int,
     in_features: int,
-    *,
-    num_kv_heads: int | None = None,
     qkv_features: int | None = None,
     out_features: int | None = None,
+    num_kv_heads: int | None = None,
     in_kv_features: int | None = None,
-    use_bias: bool = True,
+    *,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    broadcast_dropout: bool = True,
     dropout_rate: float = 0.0,
-    broadcast_dropout: bool = False,
     deterministic: bool | None = None,
+    precision: Any = None,
+    kernel_init: Any = default_kernel_init,
+    out_kernel_init: Any = None,
+    bias_init: Any = nnx.initializers.zeros_init(),
+    out_bias_init: Any = None,
+    use_bias: bool = True,
+    attention_fn: Any = None,
+    decode: bool | None = None,
+    normalize_qk: bool | str = False,
+    qkv_promote_dtype: Any = nnx_dtypes.promote_dtype,
+    out_promote_dtype: Any = nnx_dtypes.promote_dtype,
+    ln_promote_dtype: Any = nnx_dtypes.promote_dtype,
+    qkv_dot_general: Any = None,
+    out_dot_general: Any = None,
+    qkv_dot_general_cls: Any = None,
+    out_dot_general_cls: Any = None,
+    rngs: nnx.Rngs,
+    keep_rngs: bool = True,
+    kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+    out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+    out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+    query_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+    key_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
     is_causal: bool = False,
     rope: positional.Rotary | None = None,
-    normalize_qk: bool | str = False,
     implementation: str | None = None,
     backward: str | None = None,
     block_q: int | None = None,
@@ -107,42 +138,22 @@ class MultiHeadAttention(nnx.Module):
     sinks: bool = False,
     sinks_init: Any = nnx.initializers.zeros_init(),
     value_head_dim: int | None = None,
-    dtype: Any = None,
-    param_dtype: Any = jnp.float32,
-    precision: Any = None,
-    kernel_init: Any = default_kernel_init,
-    bias_init: Any = nnx.initializers.zeros_init(),
-    out_kernel_init: Any = None,
-    rngs: nnx.Rngs,
   ):
+    given = locals()
     heads = _flax_config.check_config(
-      num_heads=num_heads,
       in_features=in_features,
-      num_kv_heads=num_kv_heads,
-      qkv_features=qkv_features,
-      out_features=out_features,
       in_kv_features=in_kv_features,
-      dropout_rate=dropout_rate,
-      broadcast_dropout=broadcast_dropout,
-      deterministic=deterministic,
-      is_causal=is_causal,
-      rope=rope,
-      normalize_qk=normalize_qk,
-      implementation=implementation,
-      backward=backward,
-      block_q=block_q,
-      block_kv=block_kv,
-      value_head_dim=value_head_dim,
+      **{name: given[name] for name in _flax_config.CONFIG},
     )
     assert heads is not None  # None only without in_features, which Linen infers
     self.heads = heads
-    self.num_heads, self.num_kv_heads, self.head_dim = (
-      heads.num_heads,
-      heads.num_kv_heads,
-      heads.head_dim,
-    )
+    self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+    self.head_dim = heads.head_dim
     self.in_features = in_features
     self.in_kv_features = in_features if in_kv_features is None else in_kv_features
+    self.qkv_features, self.out_features = heads.qkv_features, heads.out_features
+    self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
+    self.use_bias, self.attention_fn, self.decode = use_bias, attention_fn, decode
     self.dropout_rate = float(dropout_rate)
     self.broadcast_dropout = bool(broadcast_dropout)
     self.deterministic = deterministic
@@ -152,26 +163,26 @@ class MultiHeadAttention(nnx.Module):
     self.implementation, self.backward = implementation, backward
     self.block_q, self.block_kv = block_q, block_kv
 
-    linear = functools.partial(
+    common: Any = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision)
+    linear: Any = functools.partial(
       nnx.LinearGeneral,
-      use_bias=use_bias,
-      dtype=dtype,
-      param_dtype=param_dtype,
-      precision=precision,
+      **common,
       kernel_init=kernel_init,
       bias_init=bias_init,
+      promote_dtype=qkv_promote_dtype,
+      dot_general=qkv_dot_general,
+      dot_general_cls=qkv_dot_general_cls,
+      kernel_metadata=kernel_metadata,
+      bias_metadata=bias_metadata,
       rngs=rngs,
     )
     H = heads.head_dim
     self.query = linear(in_features, (heads.num_heads, H))
     self.key = linear(self.in_kv_features, (heads.num_kv_heads, H))
     self.value = linear(self.in_kv_features, (heads.num_kv_heads, heads.value_head_dim))
-    self.sinks = (
-      nnx.Param(sinks_init(rngs.params(), (heads.num_heads,), param_dtype))
-      if _checks.boolean("sinks", sinks)
-      else nnx.data(None)
-    )
-    norm = {
+    sink_logits = sinks_init(rngs.params(), (heads.num_heads,), param_dtype) if sinks else None
+    self.sinks = nnx.data(None) if sink_logits is None else nnx.Param(sink_logits)
+    norm: Any = {
       "rms": nnx.RMSNorm,
       "layernorm": functools.partial(nnx.LayerNorm, use_bias=False),
       None: None,
@@ -179,59 +190,66 @@ class MultiHeadAttention(nnx.Module):
     if norm is None:
       self.query_ln = self.key_ln = nnx.data(None)
     else:
-      self.query_ln = norm(H, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-      self.key_ln = norm(H, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+      norm = functools.partial(
+        norm, H, dtype=dtype, param_dtype=param_dtype, promote_dtype=ln_promote_dtype, rngs=rngs
+      )
+      self.query_ln = norm(scale_metadata=query_ln_scale_metadata)
+      self.key_ln = norm(scale_metadata=key_ln_scale_metadata)
     self.out = nnx.LinearGeneral(
       (heads.num_heads, heads.value_head_dim),
       heads.out_features,
       axis=(-2, -1),
-      use_bias=use_bias,
-      dtype=dtype,
-      param_dtype=param_dtype,
-      precision=precision,
+      **common,
       kernel_init=out_kernel_init or kernel_init,
-      bias_init=bias_init,
+      bias_init=out_bias_init or bias_init,
+      promote_dtype=out_promote_dtype,
+      dot_general=out_dot_general,
+      dot_general_cls=out_dot_general_cls,
+      kernel_metadata=out_kernel_metadata or kernel_metadata,
+      bias_metadata=out_bias_metadata or bias_metadata,
       rngs=rngs,
     )
-    self.rngs = rngs.dropout.fork() if dropout_rate > 0 else None
+    self.rngs = rngs.dropout.fork() if keep_rngs and dropout_rate > 0 else None
     self._set_cache(None)
 
   def init_cache(
     self,
-    batch_size: int,
-    max_length: int,
-    *,
+    input_shape: Any = None,
     dtype: Any = None,
+    *,
+    batch_size: int | None = None,
+    max_length: int | None = None,
     page_size: int | None = None,
     num_pages: int | None = None,
   ) -> None:
     """Allocate an empty KV cache of ``max_length`` tokens per row for ``decode=True`` calls.
 
-    Calling it again starts a new, empty cache.
+    ``init_cache(input_shape, dtype)`` as in Flax, or ``init_cache(batch_size=B,
+    max_length=L)`` (also ``init_cache(B, L)``). Calling it again starts a new, empty cache.
 
     Args:
-      batch_size: B, the rows decoded together.
-      max_length: the most tokens a row holds.
+      input_shape: (B, max_length, F), e.g. a full-length input's shape: B rows
+        decoded together, each holding at most max_length tokens.
       dtype: the stored keys' and values' dtype (default: the module's dtype, or
         float32); ``jnp.int8`` or ``jnp.float8_e4m3fn`` quantizes them on write, with
         a float32 scale per token and head (inference only: no gradients reach the
         cache), and the module may compute in any floating dtype.
-      page_size: None for a contiguous cache (:func:`jattn.decode.init`), or the
-        slots per page of a paged one (:func:`jattn.decode.init_paged`): each row gets
-        ``ceil(max_length / page_size)`` pages (its max_length rounded up to whole
-        pages), taken from a shared pool as it grows. A ``mask`` of ``decode=True``
-        calls sized to ``max_length`` fits either cache (the slots past it stay
-        masked).
+      batch_size, max_length: B and max_length, in place of ``input_shape``.
+      page_size: None for a contiguous cache (:func:`jattn.decode.init`), or the slots
+        per page of a paged one (:func:`jattn.decode.init_paged`): each row gets
+        ``ceil(max_length / page_size)`` pages, taken from a shared pool as it grows. A
+        ``mask`` sized to ``max_length`` fits either cache (the slots past it stay masked).
       num_pages: the pool's size, with ``page_size`` (default: enough for every row to
-        fill, ``batch_size * ceil(max_length / page_size)``); a smaller pool is the point
-        of paging when rows finish at different lengths: see :meth:`release_cache`.
+        fill); a smaller pool is the point of paging when rows finish at different
+        lengths: see :meth:`release_cache`.
 
     A paged or quantized cache is read by blockwise attention alone, so the module's
     ``implementation`` must be None or ``"blockwise"`` (and ``block_kv`` a multiple of
     ``page_size``). The cache's arrays are ``nnx.Cache`` variables named after its
-    fields (``cache_key``, ``cache_lengths``, ``cache_page_table``, ``cache_free``,
-    ``cache_key_scale``, ...); :attr:`cache` gives them back as one cache.
+    fields (``cache_key``, ``cache_lengths``, ``cache_page_table``, ...); :attr:`cache`
+    gives them back as one cache.
     """
+    batch_size, max_length, dtype = _flax_cache.size(input_shape, dtype, batch_size, max_length)
     options = _flax_cache.check_cache_options(
       dtype_name="dtype",
       dtype=dtype,
@@ -242,6 +260,18 @@ class MultiHeadAttention(nnx.Module):
     )
     default = jnp.float32 if self.query.dtype is None else self.query.dtype
     self._set_cache(_flax_cache.init_cache(self.heads, batch_size, max_length, default, options))
+
+  def set_view(self, deterministic=None, decode=None, batch_size=None, max_length=None):
+    """For ``nnx.view``, as Flax's: set ``deterministic`` and ``decode``; with
+    ``batch_size`` and ``max_length``, a module without a cache allocates one."""
+    if deterministic is not None:
+      self.deterministic = deterministic
+    if decode is not None:
+      self.decode = decode
+    if decode and self.cache is None and (batch_size, max_length) != (None, None):
+      if isinstance(batch_size, tuple) and len(batch_size) == 1:
+        batch_size = batch_size[0]
+      self.init_cache(batch_size=batch_size, max_length=max_length)
 
   def _set_cache(self, cache: _decode.Cache | None) -> None:
     """One ``nnx.Cache`` per array of ``cache`` (``cache_key``, ``cache_lengths``,
@@ -261,12 +291,8 @@ class MultiHeadAttention(nnx.Module):
   def cache(self) -> _decode.Cache | None:
     """The KV cache, a :class:`jattn.decode.KVCache` or :class:`jattn.decode.PagedKVCache`,
     or None before :meth:`init_cache`."""
-
-    def get(field):
-      var = getattr(self, f"cache_{field}")
-      return None if var is None else var[...]
-
-    return _flax_cache.cache_from(get)
+    held = {f: getattr(self, f"cache_{f}") for f in _flax_cache.CACHE_FIELDS}
+    return _flax_cache.cache_from(lambda f: None if held[f] is None else held[f][...])
 
   def release_cache(self, rows: jax.typing.ArrayLike) -> None:
     """Empty the cache rows where ``rows`` (bool (B,)) is True, for continuous batching.
@@ -281,68 +307,77 @@ class MultiHeadAttention(nnx.Module):
   def __call__(
     self,
     inputs_q: jax.Array,
-    inputs_kv: jax.Array | None = None,
+    inputs_k: jax.Array | None = None,
+    inputs_v: jax.Array | None = None,
     *,
+    inputs_kv: jax.Array | None = None,
     mask: Any = None,
-    segment_ids: Any = None,
-    positions: Any = None,
     deterministic: bool | None = None,
-    decode: bool = False,
-    num_new: Any = None,
-    sow_weights: bool = False,
     rngs: nnx.Rngs | nnx.RngStream | None = None,
+    sow_weights: bool = False,
+    decode: bool | None = None,
+    is_causal: bool | None = None,
     out_sharding: Any = None,
     qkv_sharding: Any = None,
+    input_positions: Any = None,
+    segment_ids: Any = None,
+    positions: Any = None,
+    num_new: Any = None,
   ):
-    """Attend from ``inputs_q`` to ``inputs_kv`` (default: itself).
+    """Attend from ``inputs_q`` to ``inputs_k`` and ``inputs_v`` (default: itself).
+
+    Flax's arguments with Flax's meanings, then jattn's.
 
     Args:
       inputs_q: (B, T, F) or (T, F).
-      inputs_kv: (B, S, F_kv) or (S, F_kv) for cross-attention, or None.
+      inputs_k, inputs_v: (B, S, F_kv) or (S, F_kv) for cross-attention; ``inputs_v``
+        defaults to ``inputs_k``, and ``inputs_kv`` gives both.
       mask: boolean array broadcastable to (B, N, T, S) or a
         :class:`jattn.masks.Mask`, combined with ``is_causal``.
+      deterministic: True turns dropout off (default: the constructor's).
+      rngs: dropout rng (default: the stream forked at construction).
+      sow_weights: store the attention weights (B, N, T, S) as ``nnx.Intermediate``
+        ``attention_weights``; needs ``implementation`` "xla" or None.
+      decode: append the tokens to the KV cache (see :meth:`init_cache`) and attend
+        causally over everything cached, with each row's own offset (default: the
+        constructor's, else False); any number of tokens per call.
+      is_causal: causal attention (default: the constructor's); ignored by ``decode``.
+      out_sharding: the output projection's ``out_sharding``: a PartitionSpec or
+        NamedSharding of the (B, T, out_features) output, for meshes with Explicit axes
+        (``jax.set_mesh``). None: what JAX infers from the inputs.
+      qkv_sharding: the same for the query, key and value projections' outputs,
+        (B, T, N, H), (B, S, K, H) and (B, S, K, Hv), e.g. ``P("data", None, "model",
+        None)`` for heads sharded over ``"model"``.
+      input_positions: Flax's name for ``positions``, or passed to ``attention_fn``.
       segment_ids: packed-sequence ids, as in :func:`jattn.dot_product_attention`.
       positions: (T,) or (B, T) token positions for RoPE (default 0..T-1).
-      deterministic: True turns dropout off (default: the constructor's).
-      decode: append the tokens to the KV cache (see :meth:`init_cache`)
-        and attend causally over everything cached, with each row's own
-        offset. Any number of tokens per call: a whole prompt, chunks of
-        one, or one token per step.
-      num_new: with ``decode``, an int array (B,): row b appends only its
-        first ``num_new[b]`` tokens (right-padded ragged prompts); the other
-        rows' outputs are zeros.
-      sow_weights: store the attention weights (B, N, T, S) as
-        ``nnx.Intermediate`` ``attention_weights``; materialises them, so it
-        needs ``implementation`` "xla" or None.
-      rngs: dropout rng (default: the stream forked at construction).
-      out_sharding: the sharding of the output, passed to the output projection's
-        ``out_sharding`` (as in Flax's ``nnx.MultiHeadAttention``): a PartitionSpec or
-        NamedSharding of the (B, T, out_features) output, for meshes with Explicit
-        axes (``jax.set_mesh``). None: what JAX infers from the inputs.
-      qkv_sharding: the same for the query, key and value projections' outputs,
-        (B, T, N, H), (B, S, K, H) and (B, S, K, Hv): one spec for all three, e.g.
-        ``P("data", None, "model", None)`` for heads sharded over ``"model"``.
+      num_new: with ``decode``, an int array (B,): row b appends only its first
+        ``num_new[b]`` tokens (right-padded ragged prompts); the others' outputs are zeros.
 
     Returns:
       (B, T, out_features) or (T, out_features).
     """
-    cross = inputs_kv is not None
-    _flax_call.check_inputs(inputs_q, inputs_kv, self.in_features, self.in_kv_features)
+    settings = _flax_config.Settings.of(self)
+    x = _flax_call.inputs(
+      inputs_q, inputs_k, inputs_v, inputs_kv, self.in_features, self.in_kv_features
+    )
     batch = "B, " if inputs_q.ndim == 3 else ""
     _flax_call.check_sharding("qkv_sharding", qkv_sharding, f"({batch}T, N, H)")
     _flax_call.check_sharding("out_sharding", out_sharding, f"({batch}T, F)")
-    cache = self.cache if decode is True else None
+    decode = _flax_config.resolve("decode", decode, self.decode)
+    is_causal = _flax_config.resolve("is_causal", is_causal, self.is_causal)
+    positions = _flax_call.rope_positions(positions, input_positions, self.attention_fn)
+    cache = self.cache if decode else None
     _flax_call.check_call(
+      settings,
       inputs_q=inputs_q,
-      cross=cross,
+      kv_name=x.kv_name,
       decode_=decode,
       cache=cache,
       positions=positions,
       segment_ids=segment_ids,
       num_new=num_new,
       sow_weights=sow_weights,
-      implementation=self.implementation,
-      rope=self.rope,
     )
     deterministic = _flax_call.resolve_deterministic(
       self.dropout_rate, deterministic, self.deterministic
@@ -357,10 +392,9 @@ class MultiHeadAttention(nnx.Module):
         )
       dropout_rng = stream()
 
-    kv_in = inputs_q if inputs_kv is None else inputs_kv
     query, key, value = (
-      proj(x, out_sharding=qkv_sharding)
-      for proj, x in ((self.query, inputs_q), (self.key, kv_in), (self.value, kv_in))
+      proj(a, out_sharding=qkv_sharding)
+      for proj, a in ((self.query, x.q), (self.key, x.k), (self.value, x.v))
     )
     if self.query_ln is not None:
       query, key = self.query_ln(query), self.key_ln(key)
@@ -371,29 +405,33 @@ class MultiHeadAttention(nnx.Module):
       origin=" (init_cache's dtype)",
       settings=f"module dtype={name(self.query.dtype)}, "
       f"param_dtype={name(self.query.param_dtype)}, inputs {inputs_q.dtype}",
-      remedy="call init_cache(batch_size, max_length, dtype={dtype})",
+      remedy="call init_cache(input_shape, dtype={dtype})",
     )
+    extra = {} if input_positions is None else dict(input_positions=input_positions)
     out, weights, new_cache = _flax_call.attend(
       query,
       key,
       value,
-      heads=self.heads,
-      is_causal=self.is_causal,
-      rope=self.rope,
+      settings,
+      is_causal=is_causal,
       positions=positions,
       mask=mask,
       segment_ids=segment_ids,
       cache=cache,
       num_new=num_new,
-      dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
       dropout_rng=dropout_rng,
-      broadcast_dropout=self.broadcast_dropout,
-      implementation=self.implementation,
-      backward=self.backward,
-      block_q=self.block_q,
-      block_kv=self.block_kv,
       sinks=None if self.sinks is None else self.sinks[...],
       sow_weights=bool(sow_weights),
+      attention_fn=_flax_call.bind_attention_fn(  # Flax's call, as nnx.MultiHeadAttention's
+        settings,
+        dropout_rng=dropout_rng,
+        deterministic=deterministic,
+        dtype=self.dtype,
+        precision=self.precision,
+        module=self if sow_weights else None,
+        is_causal=is_causal,
+        **extra,
+      ),
     )
     if weights is not None:
       self.sow(nnx.Intermediate, "attention_weights", weights)

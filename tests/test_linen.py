@@ -407,7 +407,7 @@ def test_mha_rope_partial_rotation_and_positions():
 
 def test_mha_rms_norm_matches_reference_and_differs_from_none():
   x = _x()
-  module = MHA(num_heads=4, normalize_qk=True, is_causal=True)
+  module = MHA(num_heads=4, normalize_qk="rms", is_causal=True)
   variables = _params(module, x)
   assert set(variables["params"]) == {"query", "key", "value", "out", "query_ln", "key_ln"}
   assert variables["params"]["query_ln"]["scale"].shape == (4,)
@@ -416,8 +416,12 @@ def test_mha_rms_norm_matches_reference_and_differs_from_none():
   plain = {"params": {k: v for k, v in variables["params"].items() if not k.endswith("_ln")}}
   unnormed = MHA(num_heads=4, is_causal=True).apply(plain, x)
   assert not np.allclose(got, unnormed, atol=1e-3)
-  # "rms" is the same as True
-  assert_close(MHA(num_heads=4, normalize_qk="rms", is_causal=True).apply(variables, x), got)
+  # True is Flax's normalize_qk=True, LayerNorm without a bias: another output
+  layernorm = MHA(num_heads=4, normalize_qk=True, is_causal=True).apply(variables, x)
+  assert_close(
+    layernorm, MHA(num_heads=4, normalize_qk="layernorm", is_causal=True).apply(variables, x)
+  )
+  assert not np.allclose(layernorm, got, atol=1e-3)
 
 
 def test_mha_segment_ids_equal_mask():

@@ -279,11 +279,14 @@ def test_segment_ids_equal_the_block_diagonal_mask():
 
 
 def test_rms_qk_norm_changes_the_output_and_has_scales():
-  a = jattn.nnx.MultiHeadAttention(4, F, normalize_qk=True, rngs=nnx.Rngs(0))
+  a = jattn.nnx.MultiHeadAttention(4, F, normalize_qk="rms", rngs=nnx.Rngs(0))
   b = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
   assert isinstance(a.query_ln, nnx.RMSNorm) and a.key_ln.scale.shape == (4,)
   x = _x()
   assert not np.allclose(a(x), b(x))
+  # True is Flax's normalize_qk=True: LayerNorm without a bias
+  flax_like = jattn.nnx.MultiHeadAttention(4, F, normalize_qk=True, rngs=nnx.Rngs(0))
+  assert isinstance(flax_like.query_ln, nnx.LayerNorm) and flax_like.query_ln.bias is None
 
 
 def test_sow_weights_and_eval_turns_dropout_off():
@@ -453,7 +456,9 @@ def test_int8_cache_is_close_to_the_float_cache():
   x = _x()
   m.init_cache(B, 7)
   exact = _decode_steps(m, x)
-  m.init_cache(B, 7, dtype=jnp.int8)  # the module computes in float32, the cache holds int8
+  m.init_cache(
+    batch_size=B, max_length=7, dtype=jnp.int8
+  )  # the module computes in float32, the cache holds int8
   assert m.cache.key.dtype == jnp.int8 and m.cache.key_scale.shape == (B, 7, 2)
   got = _decode_steps(m, x)
   # Against the module's math on int8-rounded keys and values: equal up to float32 rounding.
@@ -524,8 +529,8 @@ def test_paged_and_quantized_caches_need_blockwise_whole_page_tiles():
   xla = jattn.nnx.MultiHeadAttention(4, F, implementation="xla", rngs=nnx.Rngs(0))
   for kw, kind in ((dict(page_size=4), "paged"), (dict(dtype=jnp.int8), "quantized")):
     with pytest.raises(ValueError, match=f"a {kind} .* cache is read by blockwise attention"):
-      xla.init_cache(2, 8, **kw)
-  xla.init_cache(2, 8, dtype=jnp.float32)  # contiguous float: any implementation
+      xla.init_cache(batch_size=2, max_length=8, **kw)
+  xla.init_cache((2, 8, F), jnp.float32)  # contiguous float: any implementation
   tiles = jattn.nnx.MultiHeadAttention(4, F, block_kv=6, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="block_kv must be a multiple of page_size=4"):
     tiles.init_cache(2, 8, page_size=4)
@@ -592,7 +597,7 @@ CALL_ERRORS = [
     TypeError,
     r"the KV cache holds bfloat16 keys and values \(init_cache's dtype\), but this module "
     r"computes them in float32 \(module dtype=None, param_dtype=float32, inputs float32\); "
-    r"call init_cache\(batch_size, max_length, dtype=float32\)",
+    r"call init_cache\(input_shape, dtype=float32\)",
   ),
 ]
 
@@ -601,7 +606,7 @@ CALL_ERRORS = [
 def test_call_errors(kwargs, error, match):
   m = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
   kwargs = dict(inputs_q=np.zeros((2, 3, F), np.float32)) | kwargs
-  m.init_cache(2, 8, dtype=kwargs.pop("cache_dtype", None))
+  m.init_cache((2, 8, F), kwargs.pop("cache_dtype", None))
   with pytest.raises(error, match=match):
     m(**kwargs)
 
