@@ -1,0 +1,253 @@
+"""One ring of :func:`jattn.parallel.ring_attention`: its settings, and each device's part.
+
+:class:`Ring` holds a ring's static settings (the custom_vjp's non-differentiable
+argument); :func:`call` runs it under ``jax.shard_map``. On each device the forward pass
+attends its query shard to the key/value shard it holds, merges the partial result by the
+online-softmax rule and passes the shard on (``ppermute``); the backward pass rings the
+key/value shards with their gradient accumulators (see :mod:`jattn.parallel`).
+:func:`shard_positions` maps a shard's rows to their natural positions in a layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jattn import _ring_splash, masks, scores
+from jattn.impl import _common, _orders, blockwise
+
+
+def shard_positions(layout: str, length: int, num_shards: int, shard):
+  """Natural positions (int32, shape (length // num_shards,)) of shard ``shard``'s rows.
+
+  ``shard`` may be traced (``jax.lax.axis_index``).
+  """
+  size = length // num_shards
+  r = jnp.arange(size, dtype=jnp.int32)
+  shard = jnp.asarray(shard, jnp.int32)
+  if layout == "contiguous":
+    return shard * size + r
+  if layout == "striped":
+    return r * num_shards + shard
+  half = size // 2  # zigzag: chunks `shard` and 2P - 1 - shard of 2P
+  return jnp.where(r < half, shard * half + r, (2 * num_shards - 1 - shard) * half + r - half)
+
+
+class Ring(NamedTuple):
+  """Static settings of one ring: hashable, the custom_vjp's non-differentiable argument."""
+
+  axis_name: Any
+  size: int  # P
+  layout: str
+  q_len: int  # global T
+  kv_len: int  # global S
+  scale: float
+  soft_cap: float | None
+  block_q: int
+  block_kv: int
+  batch_axis: Any  # mesh axes the batch is sharded over (None: not sharded)
+  head_axis: Any
+  pairs: Any = None  # _ring_splash.Pairs: each shard pair through splash (None: blockwise)
+
+
+@functools.partial(jax.jit, static_argnames=("ring", "mesh"))
+def call(query, key, value, q_ids, kv_ids, mask, *, ring: Ring, mesh: Mesh):
+  seq = P(ring.batch_axis, ring.axis_name, ring.head_axis, None)
+  ids = P(ring.batch_axis, ring.axis_name)
+  run = jax.shard_map(
+    functools.partial(_per_device, ring),
+    mesh=mesh,
+    in_specs=(seq, seq, seq, ids, ids, P()),
+    out_specs=(seq, P(ring.batch_axis, ring.axis_name, ring.head_axis)),
+    # Off: the ring's custom_vjp supplies the backward pass, so JAX never transposes
+    # these collectives (what the varying-axes types serve), and the scan carries mix
+    # device-varying shards with constant zeros, which the check would want annotated.
+    check_vma=False,
+  )
+  out, lse = run(query, key, value, q_ids, kv_ids, mask)
+  return out, lse
+
+
+def _per_device(ring: Ring, query, key, value, q_ids, kv_ids, mask):
+  out, lse = _ring_vjp(ring, query, key, value, q_ids, kv_ids, mask)
+  return out.astype(query.dtype), lse
+
+
+# --- one device's part ------------------------------------------------------------
+
+
+def _maps(ring: Ring, query):
+  """Global batch and head indices of this device's block (None where not sharded)."""
+  B, _, N, _ = query.shape
+  out = []
+  for axes, n in ((ring.batch_axis, B), (ring.head_axis, N)):
+    out.append(
+      None if axes is None else jax.lax.axis_index(axes) * n + jnp.arange(n, dtype=jnp.int32)
+    )
+  return out
+
+
+def _pair_plan(ring: Ring, query, key, q_ids, kv_ids, mask, source) -> blockwise.Plan:
+  """The blockwise plan of this device's queries against the key/value shard of ``source``."""
+  here = jax.lax.axis_index(ring.axis_name)
+  parts = []
+  if mask is not None:
+    batch, head = _maps(ring, query)
+    parts.append(
+      masks.reindex(
+        mask,
+        batch=batch,
+        head=head,
+        q=shard_positions(ring.layout, ring.q_len, ring.size, here),
+        kv=shard_positions(ring.layout, ring.kv_len, ring.size, source),
+      )
+    )
+  if q_ids is not None:
+    parts.append(masks.segments(q_ids, kv_ids))
+  score = None if ring.soft_cap is None else scores.soft_cap(ring.soft_cap)
+  return blockwise.plan(
+    query,
+    key.shape[1],
+    mask=masks.all_of(*parts),
+    score_fn=score,
+    scale=ring.scale,
+    block_q=ring.block_q,
+    block_kv=ring.block_kv,
+  )
+
+
+def _pair_settings(ring: Ring, step) -> dict:
+  """What :mod:`jattn._ring_splash` needs of ring step ``step`` on this device."""
+  here = jax.lax.axis_index(ring.axis_name)
+  return dict(
+    pairs=ring.pairs,
+    here=here,
+    source=_source(ring, step),
+    scale=ring.scale,
+    soft_cap=ring.soft_cap,
+  )
+
+
+def _source(ring: Ring, step):
+  """The device whose key/value shard this device holds at ring step ``step``."""
+  return (jax.lax.axis_index(ring.axis_name) - step) % ring.size
+
+
+def _pass_on(ring: Ring, x):
+  """Send ``x`` (a pytree) to the next device on the ring, receive the previous one's."""
+  perm = [(i, (i + 1) % ring.size) for i in range(ring.size)]
+  return jax.tree.map(lambda a: jax.lax.ppermute(a, ring.axis_name, perm), x)
+
+
+def _merge(a, b):
+  """Online-softmax merge of two partial results ``(out, m, l)`` over disjoint key sets.
+
+  ``out`` is each part's normalised output, m and l its rows' max and sum (m = 0,
+  l = 0 where the part has nothing to attend to). The merged rows keep m and l
+  apart, as the blockwise rule does, so a row at |m| ~ 1e9 loses nothing; rows
+  with nothing to attend to in either part stay zeros with l = 0, with no
+  inf - inf anywhere.
+  """
+  (out_a, m_a, l_a), (out_b, m_b, l_b) = a, b
+  live = lambda m, l: jnp.where(l > 0, m, -jnp.inf)
+  m = _common.row_max(jnp.maximum(live(m_a, l_a), live(m_b, l_b)))
+  w_a, w_b = (
+    jnp.where(l > 0, l * jnp.exp(jnp.where(l > 0, x - m, 0)), 0)
+    for x, l in ((m_a, l_a), (m_b, l_b))
+  )
+  l = w_a + w_b
+  out = (out_a * w_a[..., None] + out_b * w_b[..., None]) / _common.safe_total(l)[..., None]
+  return out, m, l
+
+
+def _forward(ring: Ring, query, key, value, q_ids, kv_ids, mask):
+  """This device's ``(out, m, l)`` in float32/64 after the whole ring (see blockwise.forward)."""
+
+  def attend(step, kv):
+    k, v, ids = kv
+    if ring.pairs is not None:
+      pair = _ring_splash.attend(query, k, v, q_ids, ids, **_pair_settings(ring, step))
+      return _ring_splash.as_partial(*pair)
+    plan = _pair_plan(ring, query, k, q_ids, ids, mask, _source(ring, step))
+    return blockwise.forward(plan, query, k, v)
+
+  def step(carry, s):
+    kv, acc = carry
+    incoming = _pass_on(ring, kv)  # independent of this step's work: may overlap it
+    return (incoming, _merge(acc, attend(s, kv))), None
+
+  B, T, N, _ = query.shape
+  Hv = value.shape[-1]
+  dtype = _common.stats_dtype(query.dtype)
+  rows = jnp.zeros((B, T, N), dtype)
+  empty = (jnp.zeros((B, T, N, Hv), dtype), rows, rows)
+  (kv, acc), _ = jax.lax.scan(step, ((key, value, kv_ids), empty), jnp.arange(ring.size - 1))
+  return _merge(acc, attend(ring.size - 1, kv))
+
+
+def _backward(ring: Ring, residuals, d_out, d_lse):
+  query, key, value, q_ids, kv_ids, mask, out, m, l = residuals
+
+  lse = _common.log_sum_exp(m, l)
+
+  def grads(step, kv):
+    k, v, ids = kv
+    if ring.pairs is not None:
+      settings = _pair_settings(ring, step)
+      return _ring_splash.grads(query, k, v, q_ids, ids, out, lse, d_out, d_lse, **settings)
+    plan = _pair_plan(ring, query, k, q_ids, ids, mask, _source(ring, step))
+    d_q, d_k, d_v, _ = blockwise.backward(plan, query, k, v, out, m, l, d_out, d_lse)
+    return d_q, d_k, d_v
+
+  def step(carry, s):
+    kv, d_kv, d_q = carry
+    incoming = _pass_on(ring, kv)
+    g_q, g_k, g_v = grads(s, kv)
+    # The shard's gradient accumulators travel on with it; their hop overlaps the next
+    # step's work, which only adds to them at its end.
+    d_kv = _pass_on(ring, (d_kv[0] + g_k, d_kv[1] + g_v))
+    return (incoming, d_kv, d_q + g_q), None
+
+  dtype = _common.stats_dtype(query.dtype)
+  init = (
+    (key, value, kv_ids),
+    (jnp.zeros(key.shape, dtype), jnp.zeros(value.shape, dtype)),
+    jnp.zeros(query.shape, dtype),
+  )
+  (kv, d_kv, d_q), _ = jax.lax.scan(step, init, jnp.arange(ring.size - 1))
+  g_q, g_k, g_v = grads(ring.size - 1, kv)
+  d_k, d_v = _pass_on(ring, (d_kv[0] + g_k, d_kv[1] + g_v))  # the last hop: home
+  return ((d_q + g_q).astype(query.dtype), d_k.astype(key.dtype), d_v.astype(value.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_vjp(ring, query, key, value, q_ids, kv_ids, mask):
+  out, m, l = _forward(ring, query, key, value, q_ids, kv_ids, mask)
+  return out, _common.log_sum_exp(m, l)
+
+
+def _ring_fwd(ring, query, key, value, q_ids, kv_ids, mask):
+  out, m, l = _forward(ring, query, key, value, q_ids, kv_ids, mask)
+  return (out, _common.log_sum_exp(m, l)), (query, key, value, q_ids, kv_ids, mask, out, m, l)
+
+
+def _ring_bwd(ring, residuals, cotangents):
+  d_out, d_lse = cotangents
+  pairs = "blockwise" if ring.pairs is None else "splash"
+  backward = _orders.first_order(
+    functools.partial(_backward, ring),
+    f"ring_attention(implementation={pairs!r})",
+    _orders.TILE_LOOPS if ring.pairs is None else _orders.FUSED,
+    forward=ring.pairs is None,  # blockwise's tile loops take JVPs, Pallas kernels do not
+    way_out="gather the sequence and call dot_product_attention(implementation='xla')",
+  )
+  d_query, d_key, d_value = backward(residuals, d_out, d_lse)
+  return d_query, d_key, d_value, None, None, None  # ids and masks: integers, no cotangent
+
+
+_ring_vjp.defvjp(_ring_fwd, _ring_bwd)
