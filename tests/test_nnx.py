@@ -1,4 +1,5 @@
-"""jattn.nnx: the attention_fn adapter and MultiHeadAttention against Flax NNX, decoding, errors."""
+"""jattn.nnx: the attention_fn adapter and MultiHeadAttention against Flax NNX and the
+module's math, errors. Decoding: test_nnx_decode.py."""
 
 import functools
 
@@ -7,17 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from flax_helpers import B, F, T, nnx_reference, sample, sown
 from reference import RULES, assert_close, normal
 
 import jattn
 import jattn.nnx
 from jattn import positional
-
-B, T, F = 2, 6, 16
-
-
-def _x(shape=(B, T, F), seed=0):
-  return normal(shape, np.float32, seed)
 
 
 def _flax_mha(**kw):
@@ -60,7 +56,7 @@ ADAPTER_CASES = {
   "mqa": (dict(num_kv_heads=1), dict()),
   "causal": (dict(), dict(is_causal=True)),
   "padding_mask": (dict(), dict(mask=_padding_mask())),
-  "cross": (dict(in_kv_features=8), dict(inputs_k=_x((B, 9, 8), seed=3))),
+  "cross": (dict(in_kv_features=8), dict(inputs_k=sample((B, 9, 8), seed=3))),
   "qkv_out_features": (dict(qkv_features=8, out_features=12), dict()),
 }
 
@@ -91,7 +87,7 @@ def test_adapter_matches_flax_default(case, fn):
     ),
   }[fn]
   ours = _with_adapter(theirs, adapter)
-  x = _x()
+  x = sample()
   assert_close(ours(x, **call), theirs(x, **call))
 
 
@@ -101,7 +97,7 @@ def test_adapter_parameter_gradients_match_flax():
     theirs,
     functools.partial(jattn.nnx.attention_fn, implementation="blockwise", block_q=4, block_kv=4),
   )
-  x = _x()
+  x = sample()
   loss = lambda m: jnp.sum(m(x, is_causal=True) ** 2)
   g_theirs = nnx.jit(nnx.grad(loss))(theirs)  # one program each, not one per operation
   g_ours = nnx.jit(nnx.grad(loss))(ours)
@@ -123,16 +119,9 @@ def test_adapter_extra_batch_dimensions():
 def test_adapter_sows_flax_weights():
   theirs = _flax_mha()
   ours = _with_adapter(theirs)
-  x = _x()
-  w_theirs, w_ours = (_sown(m, x, is_causal=True) for m in (theirs, ours))
+  x = sample()
+  w_theirs, w_ours = (sown(m, x, is_causal=True) for m in (theirs, ours))
   assert_close(w_ours, w_theirs)
-
-
-def _sown(module, *args, **kwargs):
-  """The attention weights ``module`` sows in one call, captured with nnx.capture."""
-  _, inter = nnx.capture(module, nnx.Intermediate)(*args, sow_weights=True, **kwargs)
-  (weights,) = inter["attention_weights"].get_value()
-  return weights
 
 
 def _dropout_pair(broadcast: bool):
@@ -142,7 +131,7 @@ def _dropout_pair(broadcast: bool):
 
 def test_adapter_dropout_semantics():
   module = _dropout_pair(broadcast=True)
-  x = jnp.broadcast_to(_x((1, T, F)), (B, T, F))  # identical batch rows
+  x = jnp.broadcast_to(sample((1, T, F)), (B, T, F))  # identical batch rows
   plain = nnx.clone(module)
   assert_close(module(x, deterministic=True), plain(x, deterministic=True))
   y1 = module(x, deterministic=False, rngs=nnx.Rngs(dropout=5))
@@ -197,7 +186,7 @@ def test_loads_flax_parameters_and_matches(case):
     normalize_qk="layernorm" if kw.get("normalize_qk") else False,
     **{k: v for k, v in kw.items() if k == "use_bias"},
   )
-  x = _x()
+  x = sample()
   assert_close(ours(x), theirs(x))
   assert_close(ours(x, mask=_padding_mask()), theirs(x, mask=_padding_mask()))
   assert jax.tree.structure(nnx.state(ours, nnx.Param)) == jax.tree.structure(
@@ -205,40 +194,15 @@ def test_loads_flax_parameters_and_matches(case):
   )
 
 
-def _reference(module, x, *, causal=True, positions=None, stored=lambda a: a, mask=None):
-  """The module's math written out with its own parameters: project, RoPE, softmax, project.
-
-  ``stored`` maps the (rotated) keys and the values to what a cache gives back; ``mask``
-  (B, 1, T, T) restricts the (causal) attention further."""
-  p = nnx.state(module, nnx.Param)
-  proj = lambda name: (
-    jnp.einsum("BTF,FNH->BTNH", x, p[name]["kernel"][...]) + p[name]["bias"][...][None, None]
-  )
-  q, k, v = proj("query"), proj("key"), proj("value")
-  if module.rope is not None:
-    pos = jnp.arange(x.shape[1]) if positions is None else positions
-    q, k = module.rope(q, pos), module.rope(k, pos)
-  k, v = stored(k), stored(v)
-  G = q.shape[2] // k.shape[2]
-  k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
-  s = jnp.einsum("BTNH,BSNH->BNTS", q, k) / np.sqrt(q.shape[-1])
-  if causal:
-    s = jnp.where(np.tril(np.ones((1, 1, x.shape[1], x.shape[1]), bool)), s, -1e30)
-  if mask is not None:
-    s = jnp.where(mask, s, -1e30)
-  o = jnp.einsum("BNTS,BSNH->BTNH", jax.nn.softmax(s), v)
-  return jnp.einsum("BTNH,NHF->BTF", o, p["out"]["kernel"][...]) + p["out"]["bias"][...][None, None]
-
-
 @pytest.mark.parametrize("K", [4, 2, 1])
 def test_rope_gqa_matches_written_out_reference(K):
   m = jattn.nnx.MultiHeadAttention(
     4, F, num_kv_heads=K, is_causal=True, rope=positional.Rotary(base=100.0), rngs=nnx.Rngs(0)
   )
-  x = _x()
-  assert_close(m(x), _reference(m, x), factor=5)
+  x = sample()
+  assert_close(m(x), nnx_reference(m, x), factor=5)
   positions = jnp.asarray([[3, 4, 5, 6, 7, 8], [0, 2, 4, 6, 8, 10]])
-  assert_close(m(x, positions=positions), _reference(m, x, positions=positions), factor=5)
+  assert_close(m(x, positions=positions), nnx_reference(m, x, positions=positions), factor=5)
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
@@ -262,7 +226,7 @@ def test_every_rule_gives_the_same_values_and_parameter_gradients(rule):
     rngs=nnx.Rngs(0),
     **RULES[rule],
   )
-  x = _x()
+  x = sample()
   ids = jnp.asarray([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
   loss = lambda m: jnp.sum(m(x, segment_ids=ids) ** 2)
   assert_close(m(x, segment_ids=ids), ref(x, segment_ids=ids))
@@ -274,7 +238,7 @@ def test_segment_ids_equal_the_block_diagonal_mask():
   m = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
   ids = np.array([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
   mask = jnp.asarray(ids[:, None, :, None] == ids[:, None, None, :])
-  x = _x()
+  x = sample()
   assert_close(m(x, segment_ids=jnp.asarray(ids)), m(x, mask=mask))
 
 
@@ -282,7 +246,7 @@ def test_rms_qk_norm_changes_the_output_and_has_scales():
   a = jattn.nnx.MultiHeadAttention(4, F, normalize_qk="rms", rngs=nnx.Rngs(0))
   b = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
   assert isinstance(a.query_ln, nnx.RMSNorm) and a.key_ln.scale.shape == (4,)
-  x = _x()
+  x = sample()
   assert not np.allclose(a(x), b(x))
   # True is Flax's normalize_qk=True: LayerNorm without a bias
   flax_like = jattn.nnx.MultiHeadAttention(4, F, normalize_qk=True, rngs=nnx.Rngs(0))
@@ -293,12 +257,12 @@ def test_sow_weights_and_eval_turns_dropout_off():
   m = jattn.nnx.MultiHeadAttention(
     4, F, is_causal=True, dropout_rate=0.3, rngs=nnx.Rngs(0, dropout=1)
   )
-  x = _x()
+  x = sample()
   with pytest.raises(ValueError, match="needs deterministic"):
     m(x)
   m.eval()
   y = m(x)
-  w = _sown(m, x)
+  w = sown(m, x)
   assert w.shape == (B, 4, T, T)
   np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-5)
   np.testing.assert_array_equal(np.triu(np.asarray(w)[0, 0], 1), 0.0)
@@ -310,241 +274,13 @@ def test_sow_weights_and_eval_turns_dropout_off():
 def test_sow_weights_needs_the_materialised_implementation():
   m = jattn.nnx.MultiHeadAttention(4, F, implementation="blockwise", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="sow_weights needs the materialised weights"):
-    m(_x(), sow_weights=True)
+    m(sample(), sow_weights=True)
 
 
 def test_unbatched_inputs():
   m = jattn.nnx.MultiHeadAttention(4, F, is_causal=True, rope=positional.Rotary(), rngs=nnx.Rngs(0))
-  x = _x()
+  x = sample()
   assert_close(m(x[1]), m(x)[1])
-
-
-# --- decoding ----------------------------------------------------------------------------
-
-
-def _decoder(K, **kw):
-  return jattn.nnx.MultiHeadAttention(
-    4, F, num_kv_heads=K, is_causal=True, rope=positional.Rotary(), rngs=nnx.Rngs(0), **kw
-  )
-
-
-# Each head grouping decodes a schedule with a prefill, consecutive one-token steps and a
-# chunk after steps, ending at T; the whole prompt as one prefill needs no other grouping.
-@pytest.mark.parametrize(
-  "K, chunks", [(4, (2, 1, 1, 2)), (2, (2, 1, 1, 2)), (1, (2, 1, 1, 2)), (2, (6,))]
-)
-def test_prefill_and_decode_equal_full_causal_attention(K, chunks):
-  m = _decoder(K)
-  x = _x()
-  full = m(x)
-  m.init_cache(B, 10)
-  outs, start = [], 0
-  for n in chunks:
-    outs.append(m(x[:, start : start + n], decode=True))
-    start += n
-  assert_close(jnp.concatenate(outs, axis=1), full, factor=5)
-  np.testing.assert_array_equal(m.cache.lengths, [T, T])
-
-
-def test_ragged_prefill_then_decode_under_nnx_jit():
-  m = _decoder(2, implementation="blockwise", block_q=2, block_kv=4)
-  x = _x()
-  lengths = np.array([4, 2])  # prompts, right-padded to 4
-  m.init_cache(B, 8)
-  prompt = m(x[:, :4], decode=True, num_new=jnp.asarray(lengths))
-  step = nnx.jit(lambda m, tok: m(tok, decode=True))
-  # Feed each row its own next tokens: row 0 continues at 4, row 1 at 2.
-  steps = []
-  for i in range(2):
-    tok = jnp.stack([x[0, 4 + i], x[1, 2 + i]])[:, None]
-    steps.append(step(m, tok))
-  np.testing.assert_array_equal(m.cache.lengths, lengths + 2)
-  for b, n in enumerate(lengths):
-    row = x[b : b + 1, : n + 2]
-    want = _decoder(2)(row)[0]
-    got = jnp.concatenate([prompt[b, :n], steps[0][b], steps[1][b]])
-    assert_close(got, want, factor=5)
-  # Padded prompt rows attend to nothing: their output is the out projection's bias.
-  assert_close(prompt[1, 2:], jnp.broadcast_to(m.out.bias[...], (2, F)))
-
-
-def test_decode_overflow_and_missing_cache_raise():
-  m = _decoder(2)
-  with pytest.raises(ValueError, match="init_cache"):
-    m(_x(), decode=True)
-  m.init_cache(B, 5)
-  m(_x()[:, :4], decode=True)
-  with pytest.raises(ValueError, match="max_length"):
-    m(_x()[:, :2], decode=True)
-
-
-# --- paged and quantized caches -------------------------------------------------------------
-
-# One jitted decode step for every test below: a program per (chunk length, cache layout),
-# shared across tests. num_new is always given, so release-and-reuse needs no other program.
-_STEP = nnx.jit(lambda m, x, num_new: m(x, decode=True, num_new=jnp.asarray(num_new)))
-PAGED = dict(page_size=2, num_pages=6)  # 4 pages a row (max_length 7 -> 8), 6 in the pool
-
-
-def _decode_steps(m, x, chunks=(4, 1, 1)):
-  """Feed every row x's tokens in calls of ``chunks`` tokens; outputs concatenated."""
-  outs, start = [], 0
-  for n in chunks:
-    outs.append(_STEP(m, x[:, start : start + n], np.full(B, n)))
-    start += n
-  return jnp.concatenate(outs, axis=1)
-
-
-def test_paged_cache_decodes_like_contiguous_and_full_causal():
-  m = _decoder(2)  # GQA, RoPE
-  x = _x()
-  full = m(x)
-  m.init_cache(B, 7)
-  contiguous = _decode_steps(m, x)
-  m.init_cache(B, 7, **PAGED)
-  cache = m.cache
-  assert isinstance(cache, jattn.decode.PagedKVCache)
-  assert (cache.key_pages.shape, cache.page_table.shape) == ((6, 2, 2, 4), (B, 4))
-  paged = _decode_steps(m, x)
-  assert_close(paged, contiguous)
-  assert_close(paged, full, factor=5)
-  np.testing.assert_array_equal(m.cache.lengths, [T, T])
-  np.testing.assert_array_equal(m.cache.free, False)  # 3 pages a row: the pool is used up
-  assert sorted(np.asarray(m.cache.page_table)[:, :3].ravel()) == list(range(6))
-
-
-def _decoding_mask(max_length, seed=0):
-  """(B, 1, max_length, max_length) bool: a random pattern over the keys that keeps each
-  query's own token (no row fully masked)."""
-  rng = np.random.default_rng(seed)
-  mask = rng.random((B, 1, max_length, max_length)) < 0.6
-  return mask | np.eye(max_length, dtype=bool)
-
-
-@pytest.mark.parametrize("chunks", [(4, 1, 1), (6,)], ids=["steps", "prefill"])
-def test_a_mask_of_the_requested_max_length_fits_either_cache(chunks):
-  """init_cache(B, 7, page_size=2) rounds rows up to 8 slots, but a mask sized to the 7 asked
-  for works as with a contiguous cache: the same outputs, which equal the module's math."""
-  m = _decoder(2)
-  x = _x()
-  mask = _decoding_mask(7)
-  outs = {}
-  for name, kw in (("contiguous", {}), ("paged", PAGED)):
-    m.init_cache(B, 7, **kw)
-    got, start = [], 0
-    for n in chunks:
-      got.append(m(x[:, start : start + n], decode=True, mask=mask[:, :, start : start + n]))
-      start += n
-    outs[name] = jnp.concatenate(got, axis=1)
-  assert m.cache.max_length == 8
-  assert_close(outs["paged"], outs["contiguous"])
-  want = _reference(m, x, mask=mask[:, :, :T, :T])
-  assert_close(outs["paged"], want, factor=5)
-  assert_close(m(x, mask=mask[:, :, :T, :T]), want, factor=5)  # the mask does mask
-  assert float(jnp.abs(want - _reference(m, x)).max()) > 0.1
-
-
-def _int8_roundtrip(a):
-  """What an int8 cache gives back, from the formula: per (token, head) absmax scale."""
-  a = np.asarray(a, np.float64)
-  scale = np.abs(a).max(-1, keepdims=True) / 127
-  return jnp.asarray(np.round(a / np.where(scale > 0, scale, 1)) * scale, jnp.float32)
-
-
-def test_int8_cache_is_close_to_the_float_cache():
-  m = _decoder(2)
-  x = _x()
-  m.init_cache(B, 7)
-  exact = _decode_steps(m, x)
-  m.init_cache(
-    batch_size=B, max_length=7, dtype=jnp.int8
-  )  # the module computes in float32, the cache holds int8
-  assert m.cache.key.dtype == jnp.int8 and m.cache.key_scale.shape == (B, 7, 2)
-  got = _decode_steps(m, x)
-  # Against the module's math on int8-rounded keys and values: equal up to float32 rounding.
-  assert_close(got, _reference(m, x, stored=_int8_roundtrip), factor=5)
-  # Against the float cache: each stored element is off by at most half a step, 1/254 of its
-  # vector's largest element (0.4%); logits and values carry that error into the output, which
-  # the projections mix, so 2% of the output's size bounds it with room. It is not zero: the
-  # cache did round.
-  error = float(jnp.abs(got - exact).max()) / float(jnp.abs(exact).max())
-  assert 1e-4 < error < 0.02, error
-
-
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_released_rows_restart_like_a_fresh_cache(paged):
-  m = _decoder(2)
-  x, z = _x(), _x(seed=5)  # row 0 serves x[0], then a new request z[0]; row 1 serves x[1]
-  kw = PAGED if paged else {}
-  m.init_cache(B, 7, **kw)
-  _decode_steps(m, x, (4, 1))
-  if paged:  # 3 pages a row hold 6 tokens: the pool has none for a 7th
-    with pytest.raises(ValueError, match="out of pages"):
-      m(x[:, :2], decode=True)
-  m.release_cache(jnp.asarray([True, False]))
-  np.testing.assert_array_equal(m.cache.lengths, [0, 5])
-  if paged:
-    np.testing.assert_array_equal(np.asarray(m.cache.free).sum(), 3)
-    np.testing.assert_array_equal(np.asarray(m.cache.page_table)[0], -1)
-  # Row 0 prefills 4 tokens of z, row 1 appends its 6th token (padded to 4); then a step of
-  # row 0 alone.
-  prompt = jnp.stack([z[0, :4], jnp.pad(x[1, 5:6], ((0, 3), (0, 0)))])
-  reused = [_STEP(m, prompt, [4, 1]), _STEP(m, z[:, 4:5], [1, 0])]
-  np.testing.assert_array_equal(m.cache.lengths, [5, 6])
-  m.init_cache(B, 7, **kw)
-  fresh = [_STEP(m, prompt, [4, 0]), _STEP(m, z[:, 4:5], [1, 0])]
-  for a, b in zip(reused, fresh):
-    assert_close(a[0], b[0])
-  full_z, full_x = m(z), m(x)
-  assert_close(jnp.concatenate([reused[0][0], reused[1][0]]), full_z[0, :5], factor=5)
-  assert_close(reused[0][1, 0], full_x[1, 5], factor=5)
-
-
-INIT_CACHE_ERRORS = [
-  (dict(page_size=0), ValueError, "page_size must be >= 1, got 0"),
-  (dict(page_size=2.0), TypeError, "page_size must be an int"),
-  (dict(page_size=2, num_pages=0), ValueError, "num_pages must be >= 1, got 0"),
-  (dict(num_pages=4), ValueError, "num_pages applies only to a paged cache: give page_size"),
-  (
-    dict(dtype=jnp.int32),
-    TypeError,
-    "dtype must be a floating dtype, int8 or float8_e4m3fn, got int32",
-  ),
-  (dict(dtype="nope"), TypeError, "dtype must be a floating dtype"),
-  (dict(batch_size=0), ValueError, "batch_size must be >= 1, got 0"),
-  (dict(max_length=2.5), TypeError, "max_length must be an int"),
-]
-
-
-@pytest.mark.parametrize("kwargs, error, match", INIT_CACHE_ERRORS)
-def test_init_cache_errors(kwargs, error, match):
-  m = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
-  kwargs = dict(batch_size=2, max_length=8) | kwargs
-  with pytest.raises(error, match=match):
-    m.init_cache(**kwargs)
-  assert m.cache is None
-
-
-def test_paged_and_quantized_caches_need_blockwise_whole_page_tiles():
-  xla = jattn.nnx.MultiHeadAttention(4, F, implementation="xla", rngs=nnx.Rngs(0))
-  for kw, kind in ((dict(page_size=4), "paged"), (dict(dtype=jnp.int8), "quantized")):
-    with pytest.raises(ValueError, match=f"a {kind} .* cache is read by blockwise attention"):
-      xla.init_cache(batch_size=2, max_length=8, **kw)
-  xla.init_cache((2, 8, F), jnp.float32)  # contiguous float: any implementation
-  tiles = jattn.nnx.MultiHeadAttention(4, F, block_kv=6, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="block_kv must be a multiple of page_size=4"):
-    tiles.init_cache(2, 8, page_size=4)
-  tiles.init_cache(2, 8, page_size=3)
-  assert tiles.cache.num_pages == 2 * 3  # the default pool: every row can fill
-
-
-def test_release_cache_errors():
-  m = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="no KV cache to release rows of: call init_cache"):
-    m.release_cache(jnp.asarray([True, False]))
-  m.init_cache(2, 8, page_size=4)
-  with pytest.raises(ValueError, match=r"rows must be a boolean array of shape \(B,\)=\(2,\)"):
-    m.release_cache(jnp.asarray([1, 0]))
 
 
 # --- errors --------------------------------------------------------------------------------
@@ -614,10 +350,10 @@ def test_call_errors(kwargs, error, match):
 def test_positions_must_match_the_queries():
   m = jattn.nnx.MultiHeadAttention(4, F, rope=positional.Rotary(), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="positions must have shape"):
-    m(_x(), positions=np.arange(T + 1))
+    m(sample(), positions=np.arange(T + 1))
 
 
 def test_rope_with_cross_attention_is_an_error():
   m = jattn.nnx.MultiHeadAttention(4, F, rope=positional.Rotary(), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="rope applies to self-attention"):
-    m(_x(), _x(seed=1))
+    m(sample(), sample(seed=1))
