@@ -1,0 +1,237 @@
+"""Attention over a cache: :func:`attention` writes the new tokens, then attends causally
+over what each row holds, materialised (``implementation="xla"``, a float contiguous cache)
+or blockwise, reading the cache tile by tile."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _checks, _quant, _spec, masks
+from jattn import attention as _attention
+from jattn.attention import dot_product_attention
+from jattn.decode._cache import Cache, KVCache, PagedKVCache, _dims
+from jattn.decode._validate import _check_cache, _check_new, _check_query
+from jattn.decode._writes import _write
+from jattn.impl import _common, _kv
+from jattn.impl import blockwise as _blockwise
+
+
+def attention(
+  query: jax.typing.ArrayLike,
+  key: jax.typing.ArrayLike,
+  value: jax.typing.ArrayLike,
+  cache: Cache,
+  *,
+  num_new: jax.typing.ArrayLike | None = None,
+  scale: float | None = None,
+  bias: jax.typing.ArrayLike | None = None,
+  mask: jax.typing.ArrayLike | masks.Mask | None = None,
+  score_fn: Callable | None = None,
+  logits_soft_cap: float | None = None,
+  dropout_rate: float = 0.0,
+  dropout_rng: jax.Array | None = None,
+  broadcast_dropout: bool = False,
+  implementation: str | None = None,
+  backward: str | None = None,
+  block_q: int | None = None,
+  block_kv: int | None = None,
+  return_residual: bool = False,
+  sinks: jax.typing.ArrayLike | None = None,
+):
+  """Causal attention of t new tokens over the cache, after writing their keys and values.
+
+  Query ``i`` of row ``b`` sits at position ``cache.lengths[b] + i`` and
+  attends to cache slots ``j <= cache.lengths[b] + i``: its own token and
+  everything before it. Prefill, chunked prefill and one-token decode steps
+  are all this call.
+
+  Args:
+    query: (B, t, N, H), already position-encoded; N a multiple of K.
+    key: (B, t, K, H), the new tokens' keys, already position-encoded.
+    value: (B, t, K, Hv).
+    cache: the :class:`KVCache` or :class:`PagedKVCache` before this call; query,
+      key and value must have its B, K, H and dtype (any one floating dtype for
+      a quantized cache).
+    num_new: None or int array (B,): as in :func:`update`; query rows at or
+      past ``num_new[b]`` are padding and return zeros, and so do the rows of
+      tokens dropped under jit (overflow, or a pool out of pages; see the
+      docstring of :mod:`jattn.decode`).
+    scale, score_fn, logits_soft_cap, dropout_rate, dropout_rng: as in
+      :func:`jattn.dot_product_attention`, and so are broadcast_dropout,
+      implementation, backward, block_q, block_kv, return_residual and
+      sinks (per-head sink logits (N,)).
+      ``score_fn`` sees ``q_idx`` within the chunk and ``kv_idx`` as the
+      cache slot (see :mod:`jattn.decode`).
+      ``"cudnn"`` is not available: the cache mask is an index mask. By
+      default (and with ``"blockwise"``) attention runs blockwise and reads
+      the cache tile by tile, visiting only tiles some row has reached, with
+      no copy of the cache; ``implementation="xla"`` or
+      ``backward="autodiff"`` materialise a float contiguous cache's keys and
+      values instead. A paged or quantized cache is read tile by tile only
+      (so ``backward="autodiff"``, which has no rule for that, is refused),
+      and a paged cache's ``block_kv`` is a multiple of its page size.
+    bias: float array broadcastable to (B, N, t, max_length), added to the logits.
+    mask: a :class:`jattn.masks.Mask` or boolean array broadcastable to
+      (B, N, t, max_length), combined with the causal cache mask by ``&``.
+      Index-based masks see the same indices as ``score_fn``. With a paged cache, a
+      mask or bias array may also be sized to fewer slots that reach into the rows'
+      last page (the max_length asked for, before it was rounded up to whole
+      pages): it is padded, and the slots past it are masked.
+
+  Returns:
+    ``(out, new_cache)`` with out (B, t, N, Hv) in the query's dtype, or
+    ``((out, lse), new_cache)`` with ``return_residual``, lse (B, t, N).
+  """
+  _check_cache(cache)
+  key, value, num_new = _check_new(cache, key, value, num_new)
+  query = _check_query(cache, query, key)
+  allowed = masks.causal(cache.lengths)
+  mask, bias, requested = _fit_to_pages(cache, mask, bias)
+  if requested is not None:
+    allowed = allowed & masks.lengths(kv_lengths=requested)
+  if mask is not None:
+    if not isinstance(mask, masks.Mask):
+      mask = masks.from_array(mask)
+    try:
+      allowed = allowed & mask
+    except ValueError as e:
+      raise ValueError(f"mask: {e}") from None
+  new_cache = _write(cache, key, value, num_new)
+  options: dict[str, Any] = dict(
+    scale=scale,
+    query_seq_lengths=_kept(cache, new_cache, key.shape[1], num_new),
+    implementation=implementation,
+    return_residual=return_residual,
+    score_fn=score_fn,
+    logits_soft_cap=logits_soft_cap,
+    dropout_rate=dropout_rate,
+    dropout_rng=dropout_rng,
+    broadcast_dropout=broadcast_dropout,
+    backward=backward,
+    block_q=block_q,
+    block_kv=block_kv,
+    sinks=sinks,
+  )
+  materialised = implementation not in (None, "blockwise") or backward == "autodiff"
+  if isinstance(new_cache, KVCache) and new_cache.key_scale is None and materialised:
+    # Slots past a row's length hold whatever was there (uninitialised memory, a finished
+    # request's tokens, NaN): the mask excludes them, but 0 · NaN is NaN in p·v and in the
+    # gradients, so they are read as zeros.
+    slots = jnp.arange(cache.max_length)[None, :]
+    written = (slots < new_cache.lengths[:, None])[:, :, None, None]
+    out = dot_product_attention(
+      query,
+      jnp.where(written, new_cache.key, 0),
+      jnp.where(written, new_cache.value, 0),
+      bias,
+      allowed,
+      **options,
+    )
+    return out, new_cache
+  return _over_tiles(query, new_cache, bias, allowed, options), new_cache
+
+
+def _fit_to_pages(cache: Cache, mask, bias) -> tuple[Any, Any, int | None]:
+  """``(mask, bias, requested)``: for a paged cache, a mask or bias array whose key axis is
+  shorter than the rows but reaches into their last page (a max_length asked for, rounded
+  up to whole pages as the Flax modules' ``init_cache`` does) padded to the rows' length,
+  mask with False and bias with 0; ``requested`` is the shortest such key axis, past which
+  slots are masked, or None when nothing was padded (then mask and bias are unchanged)."""
+  if not isinstance(cache, PagedKVCache):
+    return mask, bias, None
+  S = cache.max_length
+  lowest = max(S - cache.page_size + 1, 2)  # a key axis of 1 broadcasts
+
+  def fit(name, x, pad_value):
+    if x is None or (isinstance(x, masks.Mask) and not isinstance(x, masks.kinds.FromArray)):
+      return x, None
+    wrapped = isinstance(x, masks.kinds.FromArray)
+    arr = x.array if wrapped else _checks.as_array(name, x)
+    if arr.ndim == 0 or not lowest <= arr.shape[-1] < S:
+      return x, None
+    xp = np if isinstance(arr, np.ndarray) else jnp
+    widths = [(0, 0)] * (arr.ndim - 1) + [(0, S - arr.shape[-1])]
+    arr = xp.pad(arr, widths, constant_values=pad_value)
+    return (masks.from_array(arr) if wrapped else arr), arr.shape[-1] - widths[-1][1]
+
+  mask, mask_length = fit("mask", mask, False)
+  bias, bias_length = fit("bias", bias, 0)
+  lengths = [n for n in (mask_length, bias_length) if n is not None]
+  return mask, bias, min(lengths) if lengths else None
+
+
+def _kept(cache: Cache, new_cache: Cache, t: int, num_new) -> jax.Array | None:
+  """(B,) how many of the t new tokens each row's cache took, the query rows that attend
+  (the rest return zeros, like padding), or None when all t of every row were kept.
+
+  Under jit a row may keep fewer than ``num_new`` (overflow past max_length, or a pool that
+  ran out of pages); a query whose token was dropped would otherwise see the slots it
+  should have been written to (unwritten, read as zeros) or, at overflow, the whole row."""
+  kept = new_cache.lengths.astype(jnp.int32) - cache.lengths.astype(jnp.int32)
+  if num_new is None and _checks.is_concrete(kept) and np.all(np.asarray(kept) == t):
+    return None
+  return kept
+
+
+def _over_tiles(query, cache: Cache, bias, mask, options):
+  """Blockwise attention reading the cache tile by tile (a CacheTiles source)."""
+  kind = "paged" if isinstance(cache, PagedKVCache) else "quantized"
+  if _quant.is_quantized(cache.dtype):
+    kind = f"{kind} ({np.dtype(cache.dtype).name})" if kind == "quantized" else kind
+  implementation = options["implementation"]
+  if implementation not in (None, "blockwise"):
+    raise ValueError(
+      f"implementation={implementation!r} cannot read a {kind} cache: attention over one "
+      "runs blockwise, reading it tile by tile (implementation=None or 'blockwise')"
+    )
+  if options["backward"] == "autodiff":
+    raise ValueError(
+      f"backward='autodiff' cannot read a {kind} cache: attention over one runs blockwise, "
+      "reading it tile by tile, and has no autodiff rule (backward=None or 'custom_vjp')"
+    )
+  B, S, K, H, Hv = _dims(cache)
+  block_kv = options["block_kv"]
+  if isinstance(cache, PagedKVCache):
+    ps = cache.page_size
+    if block_kv is None:
+      default = _blockwise.resolve_blocks(None, None)[1]
+      block_kv = ps * max(1, default // ps)
+    elif _checks.integer("block_kv", block_kv, minimum=1) % ps:
+      raise ValueError(
+        f"block_kv must be a multiple of the cache's page_size={ps} (a tile is whole "
+        f"pages), got {block_kv}"
+      )
+  # Shapes only (zero-stride NumPy views): the spec is built and checked as for any call.
+  shape_of = lambda h: np.broadcast_to(np.zeros((), query.dtype), (B, S, K, h))
+  _, _, _, spec = _spec.build(
+    query,
+    shape_of(H),
+    shape_of(Hv),
+    bias,
+    mask,
+    **dict(options, implementation="blockwise", block_kv=block_kv),
+  )
+  stores = (cache.key_pages, cache.value_pages) if isinstance(cache, PagedKVCache) else cache[:2]
+  # Explicit mode: the page table and lengths take the query's batch sharding, so that each
+  # device gathers the pages of its own rows from the (unsharded) pool.
+  rows = _common.sharding_spec(query)[:1]
+  page_table = None
+  if isinstance(cache, PagedKVCache):
+    page_table = _common.reshard(cache.page_table, (*rows, None), mesh_of=query)
+  tiles = _kv.CacheTiles(
+    key=stores[0],
+    value=stores[1],
+    key_scale=cache.key_scale,
+    value_scale=cache.value_scale,
+    page_table=page_table,
+    lengths=_common.reshard(cache.lengths, rows, mesh_of=query),
+    dtype=np.dtype(query.dtype),
+    block=min(spec.block_kv, S),  # as blockwise.plan caps it
+  )
+  out, lse = _attention._attend_cache(query, tiles, spec)
+  return (out, lse) if spec.return_residual else out

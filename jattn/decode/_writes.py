@@ -1,0 +1,161 @@
+"""Writes into a cache: :func:`update` scatters new tokens after each row's last one
+(taking pages from the pool for a paged cache), :func:`release` empties finished rows, and
+:func:`positions` names the slots the next tokens will take."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _checks, _quant
+from jattn.decode import _paging
+from jattn.decode._cache import Cache, KVCache, PagedKVCache
+from jattn.decode._validate import _check_cache, _check_new
+from jattn.impl import _common
+
+
+def release(cache: Cache, rows: jax.typing.ArrayLike) -> Cache:
+  """The cache with the rows where ``rows`` (a boolean array (B,)) is True emptied:
+  their lengths 0 and, for a paged cache, their pages back in the pool. Released
+  rows restart empty (a new request); the others are unchanged. Runs under jit."""
+  _check_cache(cache)
+  rows = _checks.as_array("rows", rows)
+  B = cache.lengths.shape[0]
+  if rows.dtype != np.bool_ or rows.shape != (B,):
+    raise ValueError(
+      f"rows must be a boolean array of shape (B,)=({B},), got {rows.dtype}{rows.shape}"
+    )
+  lengths = jnp.where(rows, 0, cache.lengths).astype(cache.lengths.dtype)
+  if isinstance(cache, KVCache):
+    return cache._replace(lengths=lengths)
+  table, free = _paging.release(cache.page_table, cache.free, jnp.asarray(rows))
+  return cache._replace(page_table=table, free=free, lengths=lengths)
+
+
+def positions(cache: Cache, num_new: int) -> jax.Array:
+  """Absolute positions (B, num_new) int32 of the next ``num_new`` tokens of each row.
+
+  ``positions[b, i] = cache.lengths[b] + i``: what RoPE or learned position
+  embeddings of the new queries and keys need, before :func:`update`.
+  """
+  _check_cache(cache)
+  num_new = _checks.integer("num_new", num_new, minimum=0)
+  lengths = cache.lengths.astype(jnp.int32)
+  return lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
+
+
+def update(
+  cache: Cache,
+  key: jax.typing.ArrayLike,
+  value: jax.typing.ArrayLike,
+  *,
+  num_new: jax.typing.ArrayLike | None = None,
+) -> Cache:
+  """Write new keys and values after each row's last token.
+
+  Args:
+    cache: the :class:`KVCache` or :class:`PagedKVCache` to extend (not modified).
+    key: (B, t, K, H) keys of the t new tokens, the cache's dtype (any floating
+      dtype for a quantized cache), 1 <= t <= max_length.
+    value: (B, t, K, Hv) their values, key's dtype.
+    num_new: None (all t tokens of every row are real) or an int array (B,)
+      with ``0 <= num_new[b] <= t``: row b writes only its first
+      ``num_new[b]`` tokens (right-padded ragged prompts). Traced values are
+      clipped to [0, t].
+
+  Returns:
+    The new cache: row b holds the tokens at slots ``lengths[b] ...
+    lengths[b] + num_new[b] - 1`` and ``lengths[b] += num_new[b]``.
+
+  Raises ValueError when the lengths and num_new are concrete and a row would
+  exceed ``max_length``, or, for a paged cache, when the rows need more new pages
+  than the pool has free. When they are traced (inside jit) this cannot be
+  checked: tokens past ``max_length``, or past the pages a row could get, are
+  dropped and the row's length saturates there (check ``cache.lengths`` on the
+  host, or use ``jax.experimental.checkify``).
+  """
+  _check_cache(cache)
+  key, value, num_new = _check_new(cache, key, value, num_new)
+  return _write(cache, key, value, num_new)
+
+
+def _write(cache: Cache, key, value, num_new) -> Cache:
+  """The scatter behind :func:`update`; arguments already checked."""
+  B, t = key.shape[:2]
+  S = cache.max_length
+  i = jnp.arange(t, dtype=jnp.int32)[None, :]
+  n = jnp.full((B,), t, jnp.int32) if num_new is None else jnp.clip(num_new, 0, t)
+  lengths = cache.lengths.astype(jnp.int32)
+  new_lengths = jnp.minimum(lengths + n.astype(jnp.int32), S)
+  if isinstance(cache, PagedKVCache):
+    table, free, capacity = _paging.allocate(
+      cache.page_table, cache.free, new_lengths, cache.page_size
+    )
+    new_lengths = jnp.minimum(new_lengths, capacity)
+  pos = lengths[:, None] + i  # (B, t)
+  kept = pos < new_lengths[:, None]  # the first n[b] tokens, as far as the row has room
+  stored: tuple[Any, Any] = (key, value)
+  scales: tuple[Any, Any] = (None, None)
+  if _quant.is_quantized(cache.dtype):
+    # Gradients do not flow into a quantized cache (see :mod:`jattn.decode`).
+    (k_q, k_s), (v_q, v_s) = (
+      _quant.quantize(jax.lax.stop_gradient(x), cache.dtype) for x in stored
+    )
+    stored, scales = (k_q, v_q), (k_s, v_s)
+
+  if isinstance(cache, KVCache):
+    # Row by row (a scatter batched over B): each row writes only its own slots, so a
+    # batch sharded in Explicit mode stays sharded. A cache whose type names mesh axes
+    # keeps them (the new tokens are resharded to it); one that names none (as init makes
+    # it) takes the sharding of the keys and values written into it.
+    slots = jnp.where(kept, pos, S)  # S and beyond are dropped by the scatter
+    put_row = jax.vmap(lambda store, at, x: store.at[at].set(x, mode="drop"))
+
+    def put_rows(store, x) -> Any:
+      if x is None:
+        return None
+      store = jnp.asarray(store)
+      src = store if any(_common.sharding_spec(store)) else x
+      spec = _common.sharding_spec(src)
+      spec = (spec[0], None, *spec[2:])  # slots are written along the sequence
+      store, x, at = (
+        _common.reshard(a, s, mesh_of=src)
+        for a, s in ((store, spec), (x, spec), (slots, spec[:1] + (None,)))
+      )
+      return put_row(store, at, x)
+
+    return KVCache(
+      put_rows(cache.key, stored[0]),
+      put_rows(cache.value, stored[1]),
+      new_lengths.astype(cache.lengths.dtype),
+      put_rows(cache.key_scale, scales[0]),
+      put_rows(cache.value_scale, scales[1]),
+    )
+  ps = cache.page_size
+  page = jnp.take_along_axis(table, jnp.clip(pos // ps, 0, cache.max_pages_per_seq - 1), axis=1)
+  at = (jnp.where(kept, page, cache.num_pages), pos % ps)
+
+  def put(store, x) -> Any:
+    if x is None:
+      return None
+    # Every row writes into the one pool of pages, so the new tokens are gathered over a
+    # batch sharded in Explicit mode; heads keep the pool's sharding, else take the keys'.
+    store = jnp.asarray(store)
+    src = store if _common.sharding_spec(store)[2] else x
+    spec = (None, None, _common.sharding_spec(src)[2], *(None,) * (x.ndim - 3))
+    store, x = (_common.reshard(a, spec, mesh_of=src) for a in (store, x))
+    pages, slots = (_common.reshard(i, (None, None), mesh_of=src) for i in at)
+    return store.at[pages, slots].set(x, mode="drop")
+
+  return PagedKVCache(
+    put(cache.key_pages, stored[0]),
+    put(cache.value_pages, stored[1]),
+    table,
+    new_lengths.astype(cache.lengths.dtype),
+    free,
+    put(cache.key_scale, scales[0]),
+    put(cache.value_scale, scales[1]),
+  )
