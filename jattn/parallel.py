@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jattn import _checks, _ring, _ring_splash, _spec, masks, testing
+from jattn import _checks, _masking, _ring, _ring_splash, _spec, masks, testing
 from jattn._options import Options
 from jattn.impl import _common
 
@@ -276,7 +276,7 @@ def ring_attention(
       raise ValueError(f"{name} ({n}) must be divisible by the {parts} devices of mesh axes {axes}")
   q_ids = kv_ids = None
   if segment_ids is not None:
-    seg = _spec.segments(segment_ids, False, T, S)
+    seg = _masking.segments(segment_ids, False, T, S)
     q_ids, kv_ids = (jnp.broadcast_to(jnp.asarray(x), (B, n)) for x, n in zip(seg.children, (T, S)))
   soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
   blocks = (spec.block_q, spec.block_kv)
