@@ -1,8 +1,13 @@
 """Test configuration: 8 simulated CPU devices, strict JAX numerics, a reproducible
-hypothesis profile."""
+hypothesis profile, and test files handed out slowest first by their recorded durations
+(tests/durations.json; ``pytest -n 2 --record-durations tests`` records them again)."""
 
+import collections
 import importlib.metadata
+import json
+import math
 import os
+import pathlib
 
 # Sharding tests (test_parallel.py) run on 8 simulated CPU devices. XLA reads the
 # flag when JAX starts its CPU backend, so it is set before anything imports JAX.
@@ -66,39 +71,46 @@ def x64():
 # pytest-xdist's --dist loadfile hands each worker one test file at a time, in the order of
 # the collection; by default it first sorts the files by their number of tests, which sent
 # the files with a few long tests (experiments, README examples, a training run) last and
-# left one worker running them alone at the end. Files go out slowest first instead (their
-# serial time on a 2-core machine, most to least; unlisted files after), so the last files
-# are short and both workers finish together (pyproject.toml passes --no-loadscope-reorder).
-_SLOWEST_FIRST = (
-  "test_masks.py",
-  "test_blockwise.py",
-  "test_distributed.py",
-  "test_experiments.py",
-  "test_train.py",
-  "test_docs.py",
-  "test_numerics.py",
-  "test_attention.py",
-  "test_splash.py",
-  "test_parallel.py",
-  "test_paged.py",
-  "test_sharding_explicit.py",
-  "test_linen.py",
-  "test_nnx.py",
-  "test_adversarial.py",
-  "test_sinks_value_dim.py",
-  "test_xla.py",
-  "test_decode.py",
-  "test_properties.py",
-  "test_readme.py",
-  "test_scores.py",
-  "test_positional.py",
-  "test_dropout.py",
-  "test_linear.py",
-  "test_hopfield.py",
-  "test_accuracy.py",
-)
+# left one worker running them alone at the end. Files go out slowest first instead, so the
+# last files are short and both workers finish together (pyproject.toml passes
+# --no-loadscope-reorder to keep this order). Each file's time is its serial seconds (every
+# test's setup, call and teardown, summed) recorded in tests/durations.json; files not in it
+# go first, their time unknown. After adding or splitting a test file, or moving slow tests,
+# record them again with the whole suite on the 2-core machine:
+#   .venv/bin/python -m pytest -n 2 --record-durations tests
+# which rewrites the entries of the files that ran and keeps the others.
+_DURATIONS = pathlib.Path(__file__).with_name("durations.json")
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+    "--record-durations",
+    action="store_true",
+    help="write each test file's seconds to tests/durations.json (orders files slowest first)",
+  )
+
+
+class _RecordDurations:
+  """Sums each file's test durations (xdist forwards the workers' reports) and writes them."""
+
+  def __init__(self):
+    self.seconds = collections.defaultdict(float)
+
+  def pytest_runtest_logreport(self, report):
+    self.seconds[pathlib.Path(report.nodeid.split("::")[0]).name] += report.duration
+
+  def pytest_sessionfinish(self, session):
+    recorded = json.loads(_DURATIONS.read_text()) if _DURATIONS.exists() else {}
+    recorded.update({name: round(s, 1) for name, s in self.seconds.items()})
+    _DURATIONS.write_text(json.dumps(dict(sorted(recorded.items())), indent=2) + "\n")
+
+
+def pytest_configure(config):
+  if config.getoption("record_durations") and not hasattr(config, "workerinput"):
+    config.pluginmanager.register(_RecordDurations(), "jattn-record-durations")
 
 
 def pytest_collection_modifyitems(config, items):
-  rank = {name: i for i, name in enumerate(_SLOWEST_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
+  seconds = json.loads(_DURATIONS.read_text()) if _DURATIONS.exists() else {}
+  # Slowest first, unknown files before all; the sort is stable, so each file's order is kept.
+  items.sort(key=lambda item: -seconds.get(item.path.name, math.inf))
