@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import masks, scores, testing
-from jattn.impl import splash
+from jattn.impl import _splash_masks, splash
 from jattn.masks import _core, kinds
 
 
@@ -34,7 +34,7 @@ class Pairs:
   """Static: which kernel each (query shard, key shard) pair of a ring runs."""
 
   table: tuple[tuple[int, ...], ...]  # [i][j]: index into tables, or -1 (nothing to attend)
-  tables: tuple[Any, ...]  # splash.StaticMask per distinct pair mask (None: every position)
+  tables: tuple[Any, ...]  # _splash_masks.StaticMask per distinct pair mask (None: every position)
   block_q: int
   block_kv: int
   interpret: bool
@@ -47,7 +47,7 @@ def reason(mask) -> str | None:
       return "lengths (pass them as segment ids to ring attention with splash)"
     if part.extents[0] is not None or part.extents[1] is not None:
       return f"mask {part!r} varies over batch rows or heads"
-    if why := splash.mask_reason(part):
+    if why := _splash_masks.mask_reason(part):
       return why
   return None
 
@@ -76,7 +76,9 @@ def plan(mask, *, layout: str, size: int, q_len: int, kv_len: int, positions) ->
       digest = allowed.tobytes() if not allowed.all() else b"all"
       if digest not in dense:
         dense[digest] = len(tables)
-        tables.append(None if digest == b"all" else splash.StaticMask([masks.from_array(allowed)]))
+        tables.append(
+          None if digest == b"all" else _splash_masks.StaticMask([masks.from_array(allowed)])
+        )
       row.append(dense[digest])
     table.append(tuple(row))
   bq, bkv = splash.resolve_blocks(None, None, t, s)
