@@ -211,7 +211,7 @@ def bind_attention_fn(
 ):
   """``settings.attention_fn`` with every keyword of Flax's call but ``mask`` bound, or None
   when the module has none. ``only_taken``: pass only the keywords the function takes, as
-  Linen does (NNX passes them all)."""
+  Linen does (NNX passes them all), but never drop ``is_causal``."""
   fn = settings.attention_fn
   if fn is None:
     return None
@@ -226,6 +226,11 @@ def bind_attention_fn(
   )
   if only_taken:
     taken = inspect.signature(fn).parameters
+    if "is_causal" in kwargs and "is_causal" not in taken:
+      raise ValueError(
+        "is_causal needs an attention_fn that takes is_causal; this one does not: pass a "
+        "causal mask instead"
+      )
     kwargs = {k: v for k, v in kwargs.items() if k in taken}
   return functools.partial(fn, **kwargs)
 

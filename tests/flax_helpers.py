@@ -143,3 +143,31 @@ def sown(module, *args, **kwargs):
   _, inter = nnx.capture(module, nnx.Intermediate)(*args, sow_weights=True, **kwargs)
   (weights,) = inter["attention_weights"].get_value()
   return weights
+
+
+# --- Flax's signatures --------------------------------------------------------------------
+
+
+def same_default(a, b) -> bool:
+  """Two defaults are the same: equal, or initializers that draw the same values."""
+  if a is b:
+    return True
+  if callable(a) and callable(b):  # an initializer made twice (lecun_normal())
+    draw = lambda init: np.asarray(init(KEY, (3, 4), jnp.float32))
+    return np.array_equal(draw(a), draw(b))
+  return a == b
+
+
+def assert_takes_every_parameter(theirs, ours, *, defaults_differ=()):
+  """``ours`` (a mapping of inspect.Parameter) takes every parameter of ``theirs``: the
+  same positional ones in the same order, each parameter of the same kind and default (a
+  required one may get a default; ``defaults_differ`` names documented exceptions), and
+  keyword-only parameters of its own."""
+  positional = lambda params: [n for n, p in params.items() if p.kind != p.KEYWORD_ONLY]
+  assert positional(ours) == positional(theirs)
+  for name, p in theirs.items():
+    assert name in ours and ours[name].kind == p.kind, name
+    if p.default is not p.empty and name not in defaults_differ:
+      assert same_default(ours[name].default, p.default), name
+  for name in set(ours) - set(theirs):
+    assert ours[name].kind == ours[name].KEYWORD_ONLY, name

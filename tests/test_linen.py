@@ -2,7 +2,9 @@
 against Flax's parameters and a NumPy reference. Decoding: test_linen_decode.py; errors:
 test_linen_errors.py."""
 
+import dataclasses
 import functools
+import inspect
 
 import flax
 import jax
@@ -11,17 +13,20 @@ import numpy as np
 import pytest
 from flax import linen as nn
 from flax_helpers import (
+  KEY,
   B,
   F,
   S,
   T,
   abstract_init,
+  assert_takes_every_parameter,
   assert_trees_close,
   causal_mask,
   fill,
   kv_padding,
   linen_reference,
   random_params,
+  same_default,
   sample,
   shapes_of,
 )
@@ -304,6 +309,112 @@ def test_mha_param_gradients_match_flax():
   assert_trees_close(
     grads(MHA(num_heads=4, normalize_qk="layernorm")), grads(_flax(normalize_qk=True)), tol=4e-5
   )
+
+
+# --------------------------------------------------------------------------- a drop-in for
+#                                                           linen.MultiHeadDotProductAttention
+
+
+def _fields(cls):
+  return {f.name: f.default for f in dataclasses.fields(cls) if f.name not in ("parent", "name")}
+
+
+def test_takes_every_field_and_argument_of_flaxs_module():
+  theirs, ours = _fields(nn.MultiHeadDotProductAttention), _fields(MHA)
+  assert list(ours)[: len(theirs)] == list(theirs)  # Flax's fields first, in Flax's order
+  for name, default in theirs.items():
+    if name != "attention_fn":  # None: jattn's attention, as docs/flax.md says
+      assert same_default(ours[name], default), name
+  assert_takes_every_parameter(
+    inspect.signature(nn.MultiHeadDotProductAttention.__call__).parameters,
+    inspect.signature(MHA.__call__).parameters,
+  )
+
+
+def test_the_same_key_initialises_the_same_parameters():
+  x = sample()
+  theirs, ours = nn.MultiHeadDotProductAttention(4, normalize_qk=True), MHA(4, normalize_qk=True)
+  assert_trees_close(ours.init(KEY, x), theirs.init(KEY, x), tol=0)
+
+
+# Fields of both classes
+SWAP_CASES = {
+  "defaults": {},
+  "widths_layernorm": dict(qkv_features=8, out_features=12, normalize_qk=True),
+  "flax_options": dict(
+    use_bias=False,
+    broadcast_dropout=False,
+    force_fp32_for_softmax=True,
+    out_kernel_init=nn.initializers.normal(0.3),
+    precision="highest",
+  ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SWAP_CASES))
+def test_swapping_flaxs_module_for_jattns_changes_nothing(case):
+  theirs, ours = nn.MultiHeadDotProductAttention(4, **SWAP_CASES[case]), MHA(4, **SWAP_CASES[case])
+  x, k_in, v_in = sample(), sample((B, S, F), seed=1), sample((B, S, F), seed=2)
+  # The same parameter tree: a checkpoint of either loads into the other as it is.
+  shapes = abstract_init(theirs, x, k_in, v_in)
+  assert shapes_of(abstract_init(ours, x, k_in, v_in)) == shapes_of(shapes)
+  variables = {"params": fill(shapes["params"])}
+  mask = jnp.asarray(np.random.default_rng(0).random((B, 1, T, S)) < 0.6).at[..., 0].set(True)
+  for args, kwargs in [
+    ((x,), {}),
+    ((x, k_in, v_in), {}),
+    ((x, k_in), {}),
+    ((), dict(inputs_q=x, inputs_k=k_in, inputs_v=v_in, mask=mask, deterministic=True)),
+  ]:
+    want = theirs.apply(variables, *args, **kwargs)
+    assert_close(ours.apply(variables, *args, **kwargs), want, factor=0.5, err_msg=str(kwargs))
+  with pytest.warns(DeprecationWarning, match="inputs_kv"):
+    want = theirs.apply(variables, x, inputs_kv=k_in)
+  assert_close(ours.apply(variables, x, inputs_kv=k_in), want, factor=0.5)  # and no warning
+  run = lambda m: m.apply(
+    variables, x, k_in, v_in, mask=mask, sow_weights=True, mutable=["intermediates"]
+  )[1]
+  assert_trees_close(run(ours), run(theirs))
+
+
+def test_decoding_after_flaxs_init_equals_flaxs():
+  """Flax's way: init with decode=True on a full-length input, then a token a call, with a
+  mask over the cache's max_length slots."""
+  theirs, ours = nn.MultiHeadDotProductAttention(4, decode=True), MHA(4, decode=True)
+  x = sample()
+  shapes = abstract_init(theirs, x)
+  params = {"params": fill(shapes["params"])}
+  empty = lambda m: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_init(m, x))
+  caches = [empty(m)["cache"] for m in (theirs, ours)]
+  keep = np.random.default_rng(1).random((B, 1, T, T)) < 0.6
+  keep |= np.eye(T, dtype=bool)  # each query keeps its own token
+  for t in range(T):
+    outs = []
+    for i, m in enumerate((theirs, ours)):
+      y, mutated = m.apply(
+        {**params, "cache": caches[i]},
+        x[:, t : t + 1],
+        mask=jnp.asarray(keep[:, :, t : t + 1]),
+        mutable=["cache"],
+      )
+      caches[i] = mutated["cache"]
+      outs.append(y)
+    assert_close(outs[1], outs[0], factor=0.5)
+  np.testing.assert_array_equal(caches[1]["cache_lengths"], [T, T])
+
+
+def test_a_flax_attention_fn_computes_the_attention():
+  x, mask = sample(), jnp.ones((B, 1, T, T), bool).at[1, :, 2].set(False)  # a row sees nothing
+  theirs = nn.MultiHeadDotProductAttention(4)
+  variables = random_params(theirs, x)
+  want = theirs.apply(variables, x, mask=mask)
+  got = MHA(4, attention_fn=nn.dot_product_attention).apply(variables, x, mask=mask)
+  assert_close(got, want, factor=0.5)  # Flax's mean of the values where nothing is seen
+  jattns = MHA(4).apply(variables, x, mask=mask)
+  assert not np.allclose(jattns[1, 2], want[1, 2], atol=1e-3)  # jattn's zeros
+  # is_causal reaches an attention_fn that takes it
+  causal = MHA(4, attention_fn=jattn.linen.attention_fn, is_causal=True).apply(variables, x)
+  assert_close(causal, MHA(4, is_causal=True).apply(variables, x))
 
 
 # --------------------------------------------------------------------------- MultiHeadAttention

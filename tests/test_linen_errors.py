@@ -3,6 +3,7 @@ before anything compiles, each naming the argument, what was expected and what a
 
 import jax.numpy as jnp
 import pytest
+from flax import linen as nn
 from flax_helpers import B, F, S, T, abstract_init, sample
 
 import jattn.linen
@@ -124,6 +125,19 @@ BAD_CONFIG = [
     r"block_kv must be a multiple of page_size=4 \(a paged cache is read in tiles of whole "
     r"pages\), got block_kv=6",
   ),
+  ("decode_type", dict(num_heads=2, decode="yes"), TypeError, r"decode must be a bool or None"),
+  (
+    "einsum_without_attention_fn",
+    dict(num_heads=2, qk_attn_weights_einsum_cls=lambda: jnp.einsum),
+    ValueError,
+    r"qk_attn_weights_einsum_cls applies to an attention_fn that takes einsum factories",
+  ),
+  (
+    "attention_fn_and_implementation",
+    dict(num_heads=2, attention_fn=nn.dot_product_attention, implementation="xla"),
+    ValueError,
+    r"implementation='xla' applies to jattn's attention, which attention_fn replaces",
+  ),
 ]
 
 
@@ -229,6 +243,29 @@ BAD_CALLS = [
     dict(positions=jnp.arange(T)),
     ValueError,
     r"positions are used only by rope",
+  ),
+  (
+    "kv_both",
+    dict(num_heads=2),
+    dict(inputs_k=sample((B, S, F)), inputs_kv=sample((B, S, F))),
+    ValueError,
+    r"give inputs_kv \(keys and values from one input\) or inputs_k and inputs_v, not both",
+  ),
+  ("v_alone", dict(num_heads=2), dict(inputs_v=sample((B, S, F))), ValueError, "inputs_v needs"),
+  (
+    "kv_lengths",
+    dict(num_heads=2),
+    dict(inputs_k=sample((B, S, F)), inputs_v=sample((B, S + 1, F))),
+    ValueError,
+    r"inputs_k and inputs_v must have the same length",
+  ),
+  ("decode_type", dict(num_heads=2), dict(decode=1), TypeError, r"decode must be a bool, got 1"),
+  (
+    "causal_attention_fn",
+    dict(num_heads=2, attention_fn=nn.dot_product_attention, is_causal=True),
+    {},
+    ValueError,
+    r"is_causal needs an attention_fn that takes is_causal",
   ),
 ]
 

@@ -2,13 +2,14 @@
 module's math, errors. Decoding: test_nnx_decode.py."""
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from flax_helpers import B, F, T, nnx_reference, sample, sown
+from flax_helpers import B, F, S, T, assert_takes_every_parameter, nnx_reference, sample, sown
 from reference import RULES, assert_close, normal
 
 import jattn
@@ -283,6 +284,117 @@ def test_unbatched_inputs():
   assert_close(m(x[1]), m(x)[1])
 
 
+# --- a drop-in for flax.nnx.MultiHeadAttention --------------------------------------------
+
+# Defaults that differ from Flax's, as docs/flax.md says: attention_fn None is jattn's
+# attention; the call's is_causal None is the module's; init_cache's dtype None is the
+# module's dtype (float32 when it has none, as Flax's).
+DEFAULTS_DIFFER = {"__init__": {"attention_fn"}, "__call__": {"is_causal"}, "init_cache": {"dtype"}}
+
+
+@pytest.mark.parametrize("method", sorted(DEFAULTS_DIFFER))
+def test_takes_every_argument_of_flaxs_module(method):
+  theirs, ours = (
+    inspect.signature(getattr(cls, method)).parameters
+    for cls in (nnx.MultiHeadAttention, jattn.nnx.MultiHeadAttention)
+  )
+  assert_takes_every_parameter(theirs, ours, defaults_differ=DEFAULTS_DIFFER[method])
+
+
+# (positional arguments, keywords) of both classes
+SWAP_CASES = {
+  "defaults": ((4, F), {}),
+  "positional_widths": ((4, F, 8, 12, 2, 10), {}),  # qkv, out, num_kv_heads, in_kv_features
+  "flax_options": (
+    (2, F),
+    dict(
+      normalize_qk=True,
+      use_bias=False,
+      out_kernel_init=nnx.initializers.normal(0.3),
+      broadcast_dropout=False,
+      precision="highest",
+    ),
+  ),
+}
+
+
+def _params_equal(a, b):
+  a, b = nnx.state(a, nnx.Param), nnx.state(b, nnx.Param)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize("case", sorted(SWAP_CASES))
+def test_swapping_flaxs_module_for_jattns_changes_nothing(case):
+  args, kw = SWAP_CASES[case]
+  make = lambda cls, seed: cls(*args, **kw, decode=False, rngs=nnx.Rngs(seed))
+  theirs, ours = make(nnx.MultiHeadAttention, 0), make(jattn.nnx.MultiHeadAttention, 0)
+  # The same parameter tree and, from the same seed, the same parameters ...
+  assert _params_equal(ours, theirs)
+  # ... and a checkpoint of either loads into the other.
+  loaded, theirs_loaded = make(jattn.nnx.MultiHeadAttention, 1), make(nnx.MultiHeadAttention, 1)
+  assert not _params_equal(loaded, theirs)
+  nnx.update(loaded, nnx.state(theirs, nnx.Param))
+  nnx.update(theirs_loaded, nnx.state(ours, nnx.Param))
+  assert _params_equal(loaded, theirs) and _params_equal(theirs_loaded, ours)
+  F_kv = theirs.in_kv_features
+  x, k_in, v_in = sample(), sample((B, S, F_kv), seed=1), sample((B, S, F_kv), seed=2)
+  mask = jnp.asarray(np.random.default_rng(0).random((B, 1, T, S)) < 0.6).at[..., 0].set(True)
+  self_attention = [((x,), {}), ((x,), dict(is_causal=True))] if F_kv == F else []
+  calls = self_attention + [
+    ((x, k_in, v_in), {}),
+    ((x, k_in), {}),
+    ((), dict(inputs_q=x, inputs_k=k_in, inputs_v=v_in, mask=mask, deterministic=True)),
+  ]
+  for args_, kw_ in calls:
+    assert_close(loaded(*args_, **kw_), theirs(*args_, **kw_), err_msg=str(kw_))
+  assert_close(loaded(x, inputs_kv=k_in), theirs(x, k_in))  # jattn's name of inputs_k
+  assert_close(sown(loaded, x, k_in, v_in, mask=mask), sown(theirs, x, k_in, v_in, mask=mask))
+
+
+def test_decoding_after_flaxs_init_cache_equals_flaxs():
+  """One token a call, as Flax decodes, with a mask over the cache's max_length slots."""
+  make = lambda cls: cls(4, F, num_kv_heads=2, decode=True, rngs=nnx.Rngs(0))
+  theirs, ours = make(nnx.MultiHeadAttention), make(jattn.nnx.MultiHeadAttention)
+  x = sample()
+  theirs.init_cache(x.shape)
+  ours.init_cache(x.shape, jnp.float32)
+  keep = np.random.default_rng(1).random((B, 1, T, T)) < 0.6
+  keep |= np.eye(T, dtype=bool)  # each query keeps its own token
+  for t in range(T):
+    mask = jnp.asarray(keep[:, :, t : t + 1])
+    assert_close(ours(x[:, t : t + 1], mask=mask), theirs(x[:, t : t + 1], mask=mask))
+  np.testing.assert_array_equal(ours.cache.lengths, [T, T])
+
+
+def test_a_flax_attention_fn_computes_the_attention():
+  x, mask = sample(), jnp.ones((B, 1, T, T), bool).at[1, :, 2].set(False)  # a row sees nothing
+  theirs = nnx.MultiHeadAttention(4, F, decode=False, rngs=nnx.Rngs(0))
+  ours = jattn.nnx.MultiHeadAttention(
+    4, F, attention_fn=nnx.dot_product_attention, rngs=nnx.Rngs(0)
+  )
+  assert_close(ours(x, mask=mask), theirs(x, mask=mask))  # Flax's mean where nothing is seen
+  jattns = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))(x, mask=mask)
+  assert not np.allclose(jattns[1, 2], theirs(x, mask=mask)[1, 2], atol=1e-3)  # jattn's zeros
+  assert_close(jattns[0], theirs(x, mask=mask)[0])
+  with pytest.raises(ValueError, match="segment_ids needs jattn's attention"):
+    ours(x, segment_ids=jnp.zeros((B, T), jnp.int32))
+  ours.init_cache((B, T, F))
+  with pytest.raises(ValueError, match="decode=True attends over the KV cache"):
+    ours(x[:, :1], decode=True)
+
+
+def test_flaxs_modes_set_decode_and_deterministic():
+  m = jattn.nnx.MultiHeadAttention(4, F, dropout_rate=0.5, rngs=nnx.Rngs(0, dropout=1))
+  x = sample()
+  view = nnx.view(m, deterministic=True, decode=True, batch_size=B, max_length=T)
+  assert_close(view(x[:, :4]), m(x, deterministic=True, is_causal=True)[:, :4])
+  np.testing.assert_array_equal(view.cache.lengths, [4, 4])
+  m.set_attributes(decode=True, deterministic=True)  # as Flax's modules take them
+  m.init_cache((B, T, F))
+  assert_close(m(x[:, :2]), view(x[:, :2], decode=False, is_causal=True)[:, :2])
+
+
 # --- errors --------------------------------------------------------------------------------
 
 CONSTRUCTOR_ERRORS = [
@@ -301,6 +413,22 @@ CONSTRUCTOR_ERRORS = [
   (dict(implementation="xla", block_q=8), ValueError, "block_q and block_kv apply only"),
   (dict(dropout_rate=1.0), ValueError, r"dropout_rate must be in \[0, 1\)"),
   (dict(is_causal="yes"), TypeError, "is_causal must be a bool"),
+  (dict(decode="yes"), TypeError, "decode must be a bool or None, got 'yes'"),
+  (
+    dict(attention_fn="dot"),
+    TypeError,
+    r"attention_fn must be None \(jattn's attention\) or a function, got str",
+  ),
+  (
+    dict(attention_fn=nnx.dot_product_attention, implementation="blockwise", block_q=8),
+    ValueError,
+    r"implementation='blockwise' applies to jattn's attention, which attention_fn replaces",
+  ),
+  (
+    dict(attention_fn=nnx.dot_product_attention, sinks=True),
+    ValueError,
+    "sinks=True applies to jattn's attention",
+  ),
 ]
 
 
@@ -328,6 +456,29 @@ CALL_ERRORS = [
   ),
   (dict(positions=np.arange(3)), ValueError, "positions are used only by rope"),
   (dict(sow_weights=1), TypeError, "sow_weights must be a bool"),
+  (dict(decode="yes"), TypeError, "decode must be a bool, got 'yes'"),
+  (dict(is_causal=1), TypeError, "is_causal must be a bool, got 1"),
+  (
+    dict(inputs_k=np.zeros((2, 4, F), np.float32), inputs_kv=np.zeros((2, 4, F), np.float32)),
+    ValueError,
+    "give inputs_kv .* or inputs_k and inputs_v, not both",
+  ),
+  (dict(inputs_v=np.zeros((2, 4, F), np.float32)), ValueError, "inputs_v needs inputs_k"),
+  (
+    dict(inputs_k=np.zeros((2, 4, F), np.float32), inputs_v=np.zeros((2, 5, F), np.float32)),
+    ValueError,
+    r"inputs_k and inputs_v must have the same length, got \(2, 4, 16\) and \(2, 5, 16\)",
+  ),
+  (
+    dict(decode=True, inputs_k=np.zeros((2, 3, F), np.float32)),
+    ValueError,
+    "decode=True does not take inputs_k",
+  ),
+  (
+    dict(positions=np.arange(3), input_positions=np.arange(3)),
+    ValueError,
+    "positions and input_positions are one argument",
+  ),
   (
     dict(decode=True, cache_dtype=jnp.bfloat16),
     TypeError,

@@ -193,6 +193,42 @@ def test_released_rows_restart_like_a_fresh_cache(paged):
   assert_close(reused[0][1, 0], full_x[1, 5], factor=5)
 
 
+def test_init_cache_takes_flaxs_input_shape_or_jattns_sizes():
+  m = jattn.nnx.MultiHeadAttention(4, F, num_kv_heads=2, rngs=nnx.Rngs(0))
+  made = []
+  for args, kwargs in (
+    (((B, 8, F),), {}),  # Flax's: a full-length input's shape
+    (((B, 8, F), jnp.float32), {}),
+    ((), dict(batch_size=B, max_length=8)),
+    ((B, 8), {}),
+  ):
+    m.init_cache(*args, **kwargs)
+    made.append((m.cache.key.shape, m.cache.key.dtype, m.cache.max_length))
+  assert made == [((B, 8, 2, 4), jnp.float32, 8)] * 4
+
+
+INIT_CACHE_FORM_ERRORS = [
+  ((), {}, TypeError, r"init_cache needs input_shape \(batch, max_length, features\), or"),
+  (
+    ((B, 8),),
+    {},
+    ValueError,
+    r"input_shape must be \(batch, max_length, features\), as in Flax's init_cache, got \(2, 8\)",
+  ),
+  ((B,), {}, ValueError, r"input_shape must be \(batch, max_length, features\).*got 2"),
+  (((B, 8, F),), dict(max_length=4), TypeError, "input_shape or batch_size= and max_length="),
+  ((), dict(batch_size=B), TypeError, "init_cache needs input_shape"),
+]
+
+
+@pytest.mark.parametrize("args, kwargs, error, match", INIT_CACHE_FORM_ERRORS)
+def test_init_cache_form_errors(args, kwargs, error, match):
+  m = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
+  with pytest.raises(error, match=match):
+    m.init_cache(*args, **kwargs)
+  assert m.cache is None
+
+
 INIT_CACHE_ERRORS = [
   (dict(page_size=0), ValueError, "page_size must be >= 1, got 0"),
   (dict(page_size=2.0), TypeError, "page_size must be an int"),
