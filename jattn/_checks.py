@@ -105,7 +105,9 @@ def positive_real(name: str, value: Any) -> float:
   return value
 
 
-def int_array(name: str, value: Any, *, ranks: tuple[int, ...], nonnegative: bool = False):
+def int_array(
+  name: str, value: Any, *, ranks: tuple[int, ...], nonnegative: bool = False
+) -> jax.Array | np.ndarray | np.integer:
   """An integer array of one of ``ranks``; negative values rejected when concrete.
 
   Concrete values outside int32's range are rejected too: jattn computes in
@@ -157,14 +159,20 @@ def prng_key(name: str, rng: Any) -> None:
     )
 
 
-def qkv(query: Any, key: Any, value: Any):
+def qkv(
+  query: Any, key: Any, value: Any, *, shapes_only: bool = False
+) -> tuple[jax.Array | np.ndarray, Any, Any]:
   """Query (B, T, N, H) or (T, N, H), key (B, S, K, H) or (S, K, H), value (B, S, K, Hv) or
   (S, K, Hv) with a head dimension of its own, as arrays.
 
   One floating dtype for all three, N a multiple of K; the layout of
   ``jax.nn.dot_product_attention``, shared by every attention function.
   """
-  q, k, v = (as_array(n, x) for n, x in (("query", query), ("key", key), ("value", value)))
+  q = as_array("query", query)
+  if shapes_only:  # key and value are read elsewhere: their shapes and dtype suffice
+    k, v = key, value
+  else:
+    k, v = as_array("key", key), as_array("value", value)
   for name, x in (("query", q), ("key", k), ("value", v)):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
@@ -203,7 +211,7 @@ def qkv(query: Any, key: Any, value: Any):
 # --- the call's scalar settings, shared by every entry point ----------------------------
 
 
-def scale(scale, head_dim: int) -> float:
+def scale(scale: Any, head_dim: int) -> float:
   if scale is None:  # with H == 0 every logit is an empty sum, 0, whatever the scale
     return 1.0 / float(np.sqrt(head_dim)) if head_dim else 1.0
   scale = real("scale", scale)
@@ -212,12 +220,12 @@ def scale(scale, head_dim: int) -> float:
   return scale
 
 
-def flags(**flags) -> None:
+def flags(**flags: Any) -> None:
   for name, flag in flags.items():
     boolean(name, flag)
 
 
-def window(window):
+def window(window: Any) -> tuple[int, int] | None:
   if window is None:
     return None
   if isinstance(window, numbers.Integral) and not isinstance(window, bool):
@@ -226,12 +234,13 @@ def window(window):
     raise TypeError(
       f"local_window_size must be an int or a (left, right) tuple of ints, got {window!r}"
     )
-  return tuple(
+  left, right = (
     integer(f"local_window_size[{i}]", w, minimum=0, int32=True) for i, w in enumerate(window)
   )
+  return left, right
 
 
-def seq_lengths(name, lengths, B):
+def seq_lengths(name: str, lengths: Any, B: int) -> jax.Array | np.ndarray | np.integer | None:
   if lengths is None:
     return None
   lengths = int_array(name, as_array(name, lengths), ranks=(1,), nonnegative=True)
@@ -240,7 +249,7 @@ def seq_lengths(name, lengths, B):
   return lengths
 
 
-def sinks(sinks, N: int):
+def sinks(sinks: Any, N: int) -> jax.Array | np.ndarray | None:
   """Per-head sink logits: a floating array of shape (N,); None stays None."""
   if sinks is None:
     return None
@@ -254,7 +263,9 @@ def sinks(sinks, N: int):
   return sinks
 
 
-def tile_sizes(implementation, block_q, block_kv) -> tuple[int | None, int | None]:
+def tile_sizes(
+  implementation: str | None, block_q: Any, block_kv: Any
+) -> tuple[int | None, int | None]:
   """Tile sizes checked; they exist only for the tiled implementations (the table's tiles
   column; with implementation=None they exclude the others, see _select.choose)."""
   # Imported here, not at the top: the table's modules import jattn.masks, which imports this.
@@ -273,14 +284,14 @@ def tile_sizes(implementation, block_q, block_kv) -> tuple[int | None, int | Non
   return blocks
 
 
-def dropout_rate(rate) -> float:
+def dropout_rate(rate: Any) -> float:
   rate = real("dropout_rate", rate)
   if not 0.0 <= rate < 1.0:
     raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
   return rate
 
 
-def dropout(rate, rng) -> float:
+def dropout(rate: Any, rng: Any) -> float:
   rate = dropout_rate(rate)
   if rate > 0.0:
     if rng is None:

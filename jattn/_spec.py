@@ -125,6 +125,7 @@ def build(
   options=None,
   backend=None,
   explain=False,
+  shapes_only=False,
 ):
   """Every argument of a call checked, with the meanings of
   :func:`jattn.dot_product_attention`; raises before anything is traced.
@@ -135,13 +136,15 @@ def build(
   JAX's default backend) by :func:`jattn.impl._select.choose`. With ``explain=True``,
   returns that :class:`jattn.impl._select.Choice` instead. ``implementation``,
   ``backward``, ``block_q`` and ``block_kv`` come one by one or as ``options``.
+  ``shapes_only``: key and value are ``jax.ShapeDtypeStruct`` values, for a caller that
+  reads them from elsewhere (:mod:`jattn.decode`'s cache, tile by tile).
   """
   options = Options.of(
     options, implementation=implementation, backward=backward, block_q=block_q, block_kv=block_kv
   )
   impl, bwd = _select.check_choices(options.implementation, options.backward)
   blocks = (options.block_q, options.block_kv)
-  q, k, v = _checks.qkv(query, key, key if value is None else value)
+  q, k, v = _checks.qkv(query, key, key if value is None else value, shapes_only=shapes_only)
   unbatched = q.ndim == 3
   B, T, N, H = (1,) * unbatched + tuple(q.shape)
   S, K = k.shape[-3], k.shape[-2]
@@ -226,3 +229,11 @@ def _for_choice(
     backward=choice.backward,
     compute_dtype=_common.compute_dtype(dtype, backend),
   )
+
+
+def rank4(spec: CallSpec) -> CallSpec:
+  """The spec with its bias as a rank-4 array (leading 1s), as the implementations take it."""
+  bias = spec.bias
+  if bias is not None:
+    bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+  return dataclasses.replace(spec, bias=bias)

@@ -32,7 +32,7 @@ import jax
 
 from jattn import _compat, _spec, masks
 from jattn._options import Options
-from jattn.impl import _common, _orders, blockwise, xla
+from jattn.impl import _common, _orders, xla
 from jattn.impl._select import (  # noqa: F401  # public names of the table
   AUTO_BLOCKWISE_BYTES,
   BACKENDS,
@@ -278,19 +278,11 @@ def explain(
   return choices[0]
 
 
-def _rank4(spec: _spec.CallSpec) -> _spec.CallSpec:
-  """The spec with its bias as a rank-4 array (leading 1s), as the implementations take it."""
-  bias = spec.bias
-  if bias is not None:
-    bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
-  return dataclasses.replace(spec, bias=bias)
-
-
 @jax.jit
 def _weights(query, key, spec: _spec.CallSpec):
   if spec.unbatched:
     query, key = query[None], key[None]
-  p = xla.weights(query, key, _rank4(spec))
+  p = xla.weights(query, key, _spec.rank4(spec))
   return p[0] if spec.unbatched else p
 
 
@@ -304,9 +296,9 @@ def _attend(query, key, value, spec: _spec.CallSpec):
   portable implementation."""
   if spec.unbatched:
     query, key, value = query[None], key[None], value[None]
-  spec = _rank4(spec)
+  spec = _spec.rank4(spec)
   if spec.routes:
-    routes = tuple(_rank4(r) for r in spec.routes)
+    routes = tuple(_spec.rank4(r) for r in spec.routes)
     portable = dataclasses.replace(spec, routes=(), route_platforms=())
     branches = {
       platform: _compat.only_on(
@@ -343,21 +335,4 @@ def _run(query, key, value, spec: _spec.CallSpec):
   row = TABLE[spec.implementation]
   out, lse = row.run(query, key, value, spec)
   chex.assert_shape(lse, dims["BTN"])
-  return _finish(out, lse, spec, query.dtype, row.takes_sinks)
-
-
-@jax.jit
-def _attend_cache(query, tiles, spec: _spec.CallSpec):
-  """The jitted core over a KV cache (:mod:`jattn.decode`): blockwise attention reading
-  ``tiles``, a :class:`jattn.impl._kv.CacheTiles`, one tile at a time."""
-  spec = _rank4(spec)
-  out, lse = blockwise.attention_over_cache(query, tiles, spec)
-  return _finish(out, lse, spec, query.dtype, False)
-
-
-def _finish(out, lse, spec: _spec.CallSpec, dtype, sinks_done: bool):
-  """The sinks (unless the kernel took them), the output in ``dtype``, the lse if asked."""
-  if spec.sinks is not None and not sinks_done:
-    out, lse = _common.add_sinks(out, lse, spec.sinks, _common.stats_dtype(dtype))
-    out = out.astype(dtype)  # xla and blockwise kept it in float32/64 for this
-  return out, (lse.astype(dtype) if spec.return_residual else None)
+  return _common.finish(out, lse, spec, query.dtype, row.takes_sinks)

@@ -91,3 +91,20 @@ def test_ring_attention_takes_options():
 def test_bad_options_raise_naming_the_field(make, error, match):
   with pytest.raises(error, match=match):
     make()
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_attention_takes_options(paged):
+  q, k, v = _qkv(T=4)
+  cache = jattn.decode.init_paged(8, 4, 2, 2, 2, 8) if paged else jattn.decode.init(2, 8, 2, 8)
+  fields = dict(implementation="blockwise", block_q=2, block_kv=4)
+  want, _ = jattn.decode.attention(q, k, v, cache, **fields)
+  got, new = jattn.decode.attention(q, k, v, cache, options=jattn.Options(**fields))
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(new.lengths, [4, 4])
+  if not paged:
+    materialised = jattn.Options(implementation="xla", backward="custom_vjp")
+    got, _ = jattn.decode.attention(q, k, v, cache, options=materialised)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+  with pytest.raises(ValueError, match="block_kv given both as a keyword and in options"):
+    jattn.decode.attention(q, k, v, cache, block_kv=4, options=jattn.Options(block_kv=4))

@@ -4,6 +4,7 @@ or blockwise, reading the cache tile by tile."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import _checks, _quant, _spec, masks
-from jattn import attention as _attention
+from jattn._options import Options
 from jattn.attention import dot_product_attention
 from jattn.decode._cache import Cache, KVCache, PagedKVCache, _dims
 from jattn.decode._validate import _check_cache, _check_new, _check_query
@@ -42,6 +43,7 @@ def attention(
   block_kv: int | None = None,
   return_residual: bool = False,
   sinks: jax.typing.ArrayLike | None = None,
+  options: Options | None = None,
 ):
   """Causal attention of t new tokens over the cache, after writing their keys and values.
 
@@ -75,6 +77,8 @@ def attention(
       values instead. A paged or quantized cache is read tile by tile only
       (so ``backward="autodiff"``, which has no rule for that, is refused),
       and a paged cache's ``block_kv`` is a multiple of its page size.
+    options: a :class:`jattn.Options` holding implementation, backward, block_q and
+      block_kv as one value.
     bias: float array broadcastable to (B, N, t, max_length), added to the logits.
     mask: a :class:`jattn.masks.Mask` or boolean array broadcastable to
       (B, N, t, max_length), combined with the causal cache mask by ``&``.
@@ -90,6 +94,9 @@ def attention(
   _check_cache(cache)
   key, value, num_new = _check_new(cache, key, value, num_new)
   query = _check_query(cache, query, key)
+  options = Options.of(
+    options, implementation=implementation, backward=backward, block_q=block_q, block_kv=block_kv
+  )
   allowed = masks.causal(cache.lengths)
   mask, bias, requested = _fit_to_pages(cache, mask, bias)
   if requested is not None:
@@ -102,22 +109,20 @@ def attention(
     except ValueError as e:
       raise ValueError(f"mask: {e}") from None
   new_cache = _write(cache, key, value, num_new)
-  options: dict[str, Any] = dict(
+  call: dict[str, Any] = dict(
     scale=scale,
     query_seq_lengths=_kept(cache, new_cache, key.shape[1], num_new),
-    implementation=implementation,
     return_residual=return_residual,
     score_fn=score_fn,
     logits_soft_cap=logits_soft_cap,
     dropout_rate=dropout_rate,
     dropout_rng=dropout_rng,
     broadcast_dropout=broadcast_dropout,
-    backward=backward,
-    block_q=block_q,
-    block_kv=block_kv,
     sinks=sinks,
   )
-  materialised = implementation not in (None, "blockwise") or backward == "autodiff"
+  materialised = options.implementation not in (None, "blockwise") or (
+    options.backward == "autodiff"
+  )
   if isinstance(new_cache, KVCache) and new_cache.key_scale is None and materialised:
     # Slots past a row's length hold whatever was there (uninitialised memory, a finished
     # request's tokens, NaN): the mask excludes them, but 0 · NaN is NaN in p·v and in the
@@ -130,10 +135,11 @@ def attention(
       jnp.where(written, new_cache.value, 0),
       bias,
       allowed,
-      **options,
+      options=options,
+      **call,
     )
     return out, new_cache
-  return _over_tiles(query, new_cache, bias, allowed, options), new_cache
+  return _over_tiles(query, new_cache, bias, allowed, options, call), new_cache
 
 
 def _fit_to_pages(cache: Cache, mask, bias) -> tuple[Any, Any, int | None]:
@@ -178,43 +184,45 @@ def _kept(cache: Cache, new_cache: Cache, t: int, num_new) -> jax.Array | None:
   return kept
 
 
-def _over_tiles(query, cache: Cache, bias, mask, options):
-  """Blockwise attention reading the cache tile by tile (a CacheTiles source)."""
+def _over_tiles(query, cache: Cache, bias, mask, options: Options, call: dict[str, Any]):
+  """Blockwise attention reading the cache tile by tile (a CacheTiles source), through the
+  implementation's own entry point (:func:`jattn.impl.blockwise.attention_over_cache`)."""
   kind = "paged" if isinstance(cache, PagedKVCache) else "quantized"
   if _quant.is_quantized(cache.dtype):
     kind = f"{kind} ({np.dtype(cache.dtype).name})" if kind == "quantized" else kind
-  implementation = options["implementation"]
-  if implementation not in (None, "blockwise"):
+  if options.implementation not in (None, "blockwise"):
     raise ValueError(
-      f"implementation={implementation!r} cannot read a {kind} cache: attention over one "
-      "runs blockwise, reading it tile by tile (implementation=None or 'blockwise')"
+      f"implementation={options.implementation!r} cannot read a {kind} cache: attention over "
+      "one runs blockwise, reading it tile by tile (implementation=None or 'blockwise')"
     )
-  if options["backward"] == "autodiff":
+  if options.backward == "autodiff":
     raise ValueError(
       f"backward='autodiff' cannot read a {kind} cache: attention over one runs blockwise, "
       "reading it tile by tile, and has no autodiff rule (backward=None or 'custom_vjp')"
     )
   B, S, K, H, Hv = _dims(cache)
-  block_kv = options["block_kv"]
+  block_kv = options.block_kv
   if isinstance(cache, PagedKVCache):
     ps = cache.page_size
     if block_kv is None:
       default = _blockwise.resolve_blocks(None, None)[1]
       block_kv = ps * max(1, default // ps)
-    elif _checks.integer("block_kv", block_kv, minimum=1) % ps:
+    elif block_kv % ps:
       raise ValueError(
         f"block_kv must be a multiple of the cache's page_size={ps} (a tile is whole "
         f"pages), got {block_kv}"
       )
-  # Shapes only (zero-stride NumPy views): the spec is built and checked as for any call.
-  shape_of = lambda h: np.broadcast_to(np.zeros((), query.dtype), (B, S, K, h))
+  # The keys and values are read from the cache: the spec is built from their shapes.
+  shape_of = lambda h: jax.ShapeDtypeStruct((B, S, K, h), query.dtype)
   _, _, _, spec = _spec.build(
     query,
     shape_of(H),
     shape_of(Hv),
     bias,
     mask,
-    **dict(options, implementation="blockwise", block_kv=block_kv),
+    options=dataclasses.replace(options, implementation="blockwise", block_kv=block_kv),
+    shapes_only=True,
+    **call,
   )
   stores = (cache.key_pages, cache.value_pages) if isinstance(cache, PagedKVCache) else cache[:2]
   # Explicit mode: the page table and lengths take the query's batch sharding, so that each
@@ -233,5 +241,14 @@ def _over_tiles(query, cache: Cache, bias, mask, options):
     dtype=np.dtype(query.dtype),
     block=min(spec.block_kv, S),  # as blockwise.plan caps it
   )
-  out, lse = _attention._attend_cache(query, tiles, spec)
+  out, lse = _attend_cache(query, tiles, spec)
   return (out, lse) if spec.return_residual else out
+
+
+@jax.jit
+def _attend_cache(query, tiles: _kv.CacheTiles, spec: _spec.CallSpec):
+  """The jitted core over a KV cache: blockwise attention reading ``tiles`` one tile at a
+  time, finished as :func:`jattn.dot_product_attention` finishes (sinks, dtypes)."""
+  spec = _spec.rank4(spec)
+  out, lse = _blockwise.attention_over_cache(query, tiles, spec)
+  return _common.finish(out, lse, spec, query.dtype, False)

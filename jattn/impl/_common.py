@@ -6,7 +6,7 @@ head. Query head n belongs to key/value head n // G, as in jax.nn.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import chex
@@ -14,16 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
+from jax.typing import ArrayLike, DTypeLike
 
 from jattn import _compat
 
 
-def stats_dtype(dtype) -> np.dtype:
+def stats_dtype(dtype: DTypeLike) -> np.dtype:
   """Logits, maxima and sums: float32, or float64 for float64 inputs."""
   return np.promote_types(dtype, np.float32)
 
 
-def compute_dtype(dtype, backend: str) -> np.dtype:
+def compute_dtype(dtype: DTypeLike, backend: str) -> np.dtype:
   """The dtype xla and blockwise compute in for inputs of ``dtype`` on ``backend``: float32
   for bfloat16 and float16 on a CPU, else ``dtype`` itself; outputs and gradients are
   rounded back to ``dtype`` once, at the end. :func:`jattn._spec.build` decides it for the
@@ -43,7 +44,7 @@ def compute_dtype(dtype, backend: str) -> np.dtype:
   return dtype
 
 
-def scales_queries(dtype) -> bool:
+def scales_queries(dtype: DTypeLike) -> bool:
   """Whether queries of ``dtype`` are multiplied by the scale before the q·k product.
 
   Float32/64 queries are: scaling the (T, H) queries is cheaper than scaling every
@@ -111,7 +112,9 @@ def probs_times_values(p: jax.Array, value: jax.Array) -> jax.Array:
   )
 
 
-def unnormalized_softmax(s: jax.Array, keep: jax.Array | None):
+def unnormalized_softmax(
+  s: jax.Array, keep: jax.Array | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(p, m, l)``: p = exp(s - m), row maxima m and row sums l, over the allowed positions.
 
   Every finite score takes part, however negative: a row whose bias is
@@ -129,7 +132,7 @@ def unnormalized_softmax(s: jax.Array, keep: jax.Array | None):
 
 
 @jax.custom_jvp
-def softmax(s: jax.Array, keep: jax.Array | None):
+def softmax(s: jax.Array, keep: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(y, m, l)``: the normalised probabilities y = p / l of :func:`unnormalized_softmax`, with
   its row max m and sum l. Rows with nothing allowed are zeros.
 
@@ -152,7 +155,9 @@ def softmax(s: jax.Array, keep: jax.Array | None):
 
 
 @softmax.defjvp
-def _softmax_jvp(primals, tangents):
+def _softmax_jvp(
+  primals: tuple[jax.Array, jax.Array | None], tangents: tuple[jax.Array, Any]
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
   s, keep = primals
   s_dot, _ = tangents
   y, m, l = softmax(s, keep)
@@ -164,7 +169,7 @@ def _softmax_jvp(primals, tangents):
   return (y, m, l), (y_dot, jnp.zeros_like(m), l * y_dot_s)
 
 
-def sharding_spec(x) -> tuple:
+def sharding_spec(x: ArrayLike) -> tuple:
   """The mesh axes each dimension of ``x`` is sharded over in its type (Explicit mode): one
   entry per dimension, None where it is not sharded. All None in Auto mode and without a
   mesh, where types carry no sharding."""
@@ -173,7 +178,7 @@ def sharding_spec(x) -> tuple:
   return spec + (None,) * (jnp.ndim(x) - len(spec))
 
 
-def sharded_as(spec, *, mesh_of) -> jax.sharding.NamedSharding:
+def sharded_as(spec: Iterable[Any], *, mesh_of: jax.Array) -> jax.sharding.NamedSharding:
   """A NamedSharding of ``spec`` over the mesh of ``mesh_of``'s type, which names mesh axes
   (Explicit mode): the mesh that ``out_sharding=`` and reshard need outside ``jax.set_mesh``
   too."""
@@ -182,7 +187,7 @@ def sharded_as(spec, *, mesh_of) -> jax.sharding.NamedSharding:
   return sharding.update(spec=jax.sharding.PartitionSpec(*spec))
 
 
-def reshard(x, spec, *, mesh_of) -> jax.Array:
+def reshard(x: jax.Array, spec: Iterable[Any], *, mesh_of: jax.Array) -> jax.Array:
   """``x`` sharded in its type as ``spec`` says (one entry per dimension), over the mesh of
   ``mesh_of``'s type; ``x`` unchanged where that is already so, and where neither names a
   mesh axis (Auto mode, no mesh)."""
@@ -192,7 +197,14 @@ def reshard(x, spec, *, mesh_of) -> jax.Array:
   return jax.sharding.reshard(x, sharded_as(spec, mesh_of=mesh_of))
 
 
-def full(shape, fill_value, dtype, *, like: jax.Array, axes) -> jax.Array:
+def full(
+  shape: Sequence[int],
+  fill_value: ArrayLike,
+  dtype: DTypeLike,
+  *,
+  like: jax.Array,
+  axes: Iterable[int | None],
+) -> jax.Array:
   """``jnp.full(shape, fill_value, dtype)`` sharded as ``like`` is along ``axes``: one of
   like's axes per dimension of ``shape``, or None for a dimension that is not sharded.
 
@@ -244,7 +256,9 @@ def log_sum_exp(m: jax.Array, l: jax.Array) -> jax.Array:
   return jnp.where(l > 0, m + jnp.log(safe_total(l)), -jnp.inf)
 
 
-def add_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array, dtype) -> tuple:
+def add_sinks(
+  out: jax.Array, lse: jax.Array, sinks: jax.Array, dtype: DTypeLike
+) -> tuple[jax.Array, jax.Array]:
   """``(out, lse)`` of attention over the keys, (B, T, N, H) and (B, T, N), turned into
   attention with one more logit per head, ``sinks`` (N,), that has no value:
 
@@ -267,7 +281,7 @@ def reduce_to_shape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
-def hoist(fn: Callable, *example_args) -> tuple[Callable, list[Any]]:
+def hoist(fn: Callable[..., Any], *example_args: Any) -> tuple[Callable[..., Any], list[Any]]:
   """Closure-convert ``fn`` for use inside a custom_vjp.
 
   A custom_vjp must see every array it depends on as an explicit argument:
@@ -282,7 +296,7 @@ def hoist(fn: Callable, *example_args) -> tuple[Callable, list[Any]]:
   jaxpr, consts = closed.jaxpr, list(closed.consts)
   n_consts = len(consts)
 
-  def converted(*args):
+  def converted(*args: Any) -> Any:
     flat, _ = jax.tree_util.tree_flatten(args[: len(args) - n_consts])
     outs = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, args[len(args) - n_consts :]))(*flat)
     return outs[0] if len(outs) == 1 else tuple(outs)
@@ -290,9 +304,21 @@ def hoist(fn: Callable, *example_args) -> tuple[Callable, list[Any]]:
   return converted, consts
 
 
-def float_or_none(cotangents, primals):
+def float_or_none(
+  cotangents: Iterable[jax.Array | None], primals: Iterable[ArrayLike]
+) -> tuple[jax.Array | None, ...]:
   """A custom_vjp's cotangents for its inputs: None for integer and boolean ones."""
   return tuple(
     ct if ct is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact) else None
     for ct, x in zip(cotangents, primals)
   )
+
+
+def finish(out, lse, spec: Any, dtype, sinks_done: bool) -> tuple[jax.Array, jax.Array | None]:
+  """An implementation's ``(out, lse)`` as the caller gets them: the sinks added (unless the
+  kernel took them, ``sinks_done``), the output in ``dtype``, the lse in ``dtype`` if
+  ``spec.return_residual`` asked for it, else None."""
+  if spec.sinks is not None and not sinks_done:
+    out, lse = add_sinks(out, lse, spec.sinks, stats_dtype(dtype))
+    out = out.astype(dtype)  # xla and blockwise kept it in float32/64 for this
+  return out, (lse.astype(dtype) if spec.return_residual else None)
