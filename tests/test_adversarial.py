@@ -410,8 +410,7 @@ def _ring(**kw):
 EVERY_IMPLEMENTATION = {
   **{name: functools.partial(jattn.dot_product_attention, **rule) for name, rule in RULES.items()},
   "splash": functools.partial(jattn.dot_product_attention, implementation="splash"),
-  "ring/blockwise": _ring(implementation="blockwise"),
-  "ring/splash": _ring(implementation="splash"),
+  "ring/blockwise": _ring(implementation="blockwise"),  # ring/splash: splash's ids, per pair
 }
 
 
@@ -477,7 +476,7 @@ def short_caches(draw):
   return (B, t, N, K, H), pre, num_new, kept, make, inside, dtype, seed
 
 
-@settings(max_examples=12, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@settings(max_examples=8, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(short_caches())
 def test_tokens_dropped_under_jit_return_zeros(problem):
   (B, t, N, K, H), pre, num_new, kept, make, inside, dtype, seed = problem
@@ -528,7 +527,7 @@ def test_tokens_dropped_under_jit_return_zeros(problem):
 # --- derivatives of every order, every rule --------------------------------------------------
 
 
-@settings(max_examples=10, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@settings(max_examples=8, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(
   st.sampled_from(SHAPES),
   st.sampled_from(["grad_of_grad", "hessian_vector"]),
