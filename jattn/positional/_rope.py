@@ -1,103 +1,19 @@
-"""Positional encodings: sinusoids, rotary embeddings (RoPE) with context scaling, ALiBi slopes.
-
-Pure functions of arrays plus two frozen settings objects. Shape legend
-(shared with :mod:`jattn.attention`): B batch, T length, N heads, H head
-dimension, R the rotary dimension (the first R of the H channels rotate).
-
-* :func:`sinusoidal` — Vaswani et al. (2017) absolute embeddings, (..., dim).
-* :func:`rope` — rotary embeddings (Su et al., 2021) applied to queries or
-  keys in (B, T, N, H) or (T, N, H) layout, optionally on a fraction of the
-  channels and with a :class:`RopeScaling` (linear, NTK, Llama 3.1, YaRN);
-  :func:`rope_frequencies` gives its inverse frequencies and
-  :class:`Rotary` bundles its settings for modules.
-* :func:`alibi_slopes` — per-head slopes for :func:`jattn.scores.alibi`.
-
-Frequencies and slopes depend only on static settings, so they are computed
-once in NumPy float64 and returned as NumPy float32 constants.
-
-Example::
-
-    >>> import jax.numpy as jnp
-    >>> from jattn import positional
-    >>> q = jnp.ones((2, 5, 4, 8))                        # (B, T, N, H)
-    >>> positional.rope(q, jnp.arange(5)).shape
-    (2, 5, 4, 8)
-"""
+"""Rotary position embeddings (RoPE): frequencies, context scalings, rope and Rotary."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jattn import _checks
-
-__all__ = [
-  "sinusoidal",
-  "RopeScaling",
-  "rope_frequencies",
-  "rope",
-  "Rotary",
-  "alibi_slopes",
-]
+from jattn.positional._arrays import _compute_dtype, _float_array, _positions_array
 
 SCALING_KINDS = ("linear", "ntk", "llama3", "yarn")
 """The values :attr:`RopeScaling.kind` accepts."""
-
-
-# --------------------------------------------------------------------------- sinusoids
-
-
-def sinusoidal(
-  positions: jax.typing.ArrayLike,
-  dim: int,
-  *,
-  max_timescale: float = 10_000,
-  dtype: Any = jnp.float32,
-) -> jax.Array:
-  """Sinusoidal position embeddings (Vaswani et al., 2017, section 3.5).
-
-  With ``w_i = max_timescale ** (-2 i / dim)`` for ``i = 0 .. dim/2 - 1``, the
-  embedding is ``[sin(p w_0), ..., sin(p w_{dim/2-1}), cos(p w_0), ...,
-  cos(p w_{dim/2-1})]``: all sines, then all cosines (the Tensor2Tensor /
-  Flax layout), not the paper's interleaved sin/cos pairs. The frequencies
-  are the paper's; Tensor2Tensor and Flax's examples space theirs as
-  ``max_timescale ** (-i / (dim/2 - 1))`` instead, so their tables differ
-  slightly in every channel but the first.
-
-  Args:
-    positions: int or float array of any shape (...); fractional positions
-      are fine.
-    dim: embedding width, a positive even int.
-    max_timescale: the longest wavelength is ``2π · max_timescale`` (about).
-    dtype: output dtype, floating. Angles are computed in float32 (float64
-      when ``dtype`` is float64 under x64).
-
-  Returns:
-    (..., dim) array of ``dtype``.
-  """
-  positions = _positions_array(positions)
-  dim = _checks.integer("dim", dim)
-  if dim <= 0 or dim % 2:
-    raise ValueError(f"dim must be a positive even int, got {dim}")
-  max_timescale = _checks.positive_real("max_timescale", max_timescale)
-  try:
-    dtype = jax.dtypes.canonicalize_dtype(dtype)
-  except TypeError:
-    raise TypeError(f"dtype must be a floating dtype, got {dtype!r}") from None
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(f"dtype must be a floating dtype, got {dtype}")
-  compute = _compute_dtype(dtype)
-  inv_timescales = max_timescale ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
-  positions = jnp.asarray(positions).astype(compute)
-  angles = positions[..., None] * jnp.asarray(inv_timescales, compute).reshape(
-    (1,) * positions.ndim + (dim // 2,)
-  )
-  return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1).astype(dtype)
 
 
 # --------------------------------------------------------------------------- RoPE scaling
@@ -430,61 +346,3 @@ class Rotary:
     """Raise ValueError unless these settings can rotate heads of size ``head_dim``."""
     head_dim = _checks.integer("head_dim", head_dim, minimum=1)
     _rotary_dim(head_dim, self.rotary_fraction, self.scaling)
-
-
-# --------------------------------------------------------------------------- ALiBi
-
-
-def alibi_slopes(num_heads: int) -> np.ndarray:
-  """ALiBi's per-head slopes (Press et al., 2022), for :func:`jattn.scores.alibi`.
-
-  For N a power of two, head h (from 1) gets ``2 ** (-8 h / N)``. Otherwise,
-  with n the largest power of two below N, the n slopes of n heads are
-  followed by the first N - n of every other slope of 2n heads (``2 ** (-8 h
-  / (2n))`` for odd h), exactly as ``get_slopes`` in
-  ofirpress/attention_with_linear_biases.
-
-  Args:
-    num_heads: N, a positive int.
-
-  Returns:
-    (N,) NumPy float32 array of slopes in (0, 1).
-
-  Example::
-
-      >>> from jattn import positional, scores
-      >>> positional.alibi_slopes(6).tolist()
-      [0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125]
-      >>> fn = scores.alibi(positional.alibi_slopes(6))
-  """
-  num_heads = _checks.integer("num_heads", num_heads, minimum=1)
-  n = 1 << (num_heads.bit_length() - 1)  # largest power of two <= N
-  slopes = 2.0 ** (-8.0 * np.arange(1, n + 1) / n)
-  if n < num_heads:
-    extra = 2.0 ** (-8.0 * np.arange(1, 2 * n + 1, 2) / (2 * n))
-    slopes = np.concatenate([slopes, extra[: num_heads - n]])
-  return slopes.astype(np.float32)
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _compute_dtype(dtype) -> np.dtype:
-  """float64 for float64 data (only possible under x64), else float32."""
-  return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
-
-
-def _float_array(name: str, value) -> jax.Array | np.ndarray:
-  arr = _checks.as_array(name, value)
-  if not jnp.issubdtype(arr.dtype, jnp.floating):
-    raise TypeError(f"{name} must have a floating dtype, got {arr.dtype}")
-  return arr
-
-
-def _positions_array(value) -> jax.Array | np.ndarray:
-  arr = _checks.as_array("positions", value)
-  if arr.dtype == np.bool_ or not (
-    jnp.issubdtype(arr.dtype, jnp.integer) or jnp.issubdtype(arr.dtype, jnp.floating)
-  ):
-    raise TypeError(f"positions must have an integer or floating dtype, got {arr.dtype}")
-  return arr
