@@ -25,11 +25,14 @@ from jattn import _checks
 from jattn.masks import _indexing, tiles
 from jattn.masks._indexing import Extents
 
+Grid = tuple[jax.Array, ...]
+"""``(batch, head, q_idx, kv_idx)``: int32 index arrays that broadcast to (B, N, T, S)."""
+
 STATIC = {"static": True}
 """Field metadata of a setting: part of a mask's treedef, not one of its children."""
 
 
-def index_grid(batch_size: int, num_heads: int, q_len: int, kv_len: int):
+def index_grid(batch_size: int, num_heads: int, q_len: int, kv_len: int) -> Grid:
   """The index arrays masks and score functions receive on a full (B, N, T, S) grid.
 
   Returns ``(batch, head, q_idx, kv_idx)``: int32 arrays of shapes (B,1,1,1),
@@ -58,7 +61,9 @@ class Mask:
   index arrays. Masks are immutable pytrees.
   """
 
-  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     raise NotImplementedError(f"{type(self).__name__} defines no index function")
 
   def tile_bounds(self, t: tiles.Tiles) -> tiles.Bounds:
@@ -79,7 +84,7 @@ class Mask:
       if not f.metadata.get("static")
     )
 
-  def on_grid(self, grid) -> jax.Array:
+  def on_grid(self, grid: Grid) -> jax.Array:
     """Evaluate on a full :func:`index_grid`, keeping dense arrays as they are.
 
     The result has the broadcast shape of what the mask depends on (e.g.
@@ -101,16 +106,16 @@ class Mask:
     _ = node.extents
     return node
 
-  def __rand__(self, other) -> Mask:
+  def __rand__(self, other: object) -> Mask:
     return _check_operand(other, "&") & self
 
-  def __ror__(self, other) -> Mask:
+  def __ror__(self, other: object) -> Mask:
     return _check_operand(other, "|") | self
 
   def __invert__(self) -> Mask:
     return Not(self)
 
-  def _sizes(self, batch_size, num_heads) -> tuple[int, int]:
+  def _sizes(self, batch_size: int | None, num_heads: int | None) -> tuple[int, int]:
     own_b, own_n = self.extents[:2]
     sizes: list[int] = []
     for name, given, own in (("batch_size", batch_size, own_b), ("num_heads", num_heads, own_n)):
@@ -153,7 +158,7 @@ class Mask:
     batch_size: int | None = None,
     num_heads: int | None = None,
     exact: bool = False,
-  ):
+  ) -> np.ndarray | jax.Array:
     """Classify every (query tile, key/value tile) pair as EMPTY, PARTIAL or FULL.
 
     Tiles are ``block_q`` queries by ``block_kv`` keys; the last tile of each
@@ -186,7 +191,7 @@ class Mask:
     )
 
 
-def _check_operand(other, op: str) -> Mask:
+def _check_operand(other: object, op: str) -> Mask:
   if not isinstance(other, Mask):
     what = (
       f"an array of shape {tuple(other.shape)} ({type(other).__name__})"
@@ -232,7 +237,9 @@ class And(Mask):
   a: Mask
   b: Mask
 
-  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     return self.a(batch, head, q_idx, kv_idx) & self.b(batch, head, q_idx, kv_idx)
 
   def tile_bounds(self, t: tiles.Tiles) -> tiles.Bounds:
@@ -243,7 +250,7 @@ class And(Mask):
   def extents(self) -> Extents:
     return _combined_extents(self.a, self.b)
 
-  def on_grid(self, grid) -> jax.Array:
+  def on_grid(self, grid: Grid) -> jax.Array:
     return self.a.on_grid(grid) & self.b.on_grid(grid)
 
   def __repr__(self) -> str:
@@ -258,7 +265,9 @@ class Or(Mask):
   a: Mask
   b: Mask
 
-  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     return self.a(batch, head, q_idx, kv_idx) | self.b(batch, head, q_idx, kv_idx)
 
   def tile_bounds(self, t: tiles.Tiles) -> tiles.Bounds:
@@ -269,7 +278,7 @@ class Or(Mask):
   def extents(self) -> Extents:
     return _combined_extents(self.a, self.b)
 
-  def on_grid(self, grid) -> jax.Array:
+  def on_grid(self, grid: Grid) -> jax.Array:
     return self.a.on_grid(grid) | self.b.on_grid(grid)
 
   def __repr__(self) -> str:
@@ -283,7 +292,9 @@ class Not(Mask):
 
   mask: Mask
 
-  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     return ~self.mask(batch, head, q_idx, kv_idx)
 
   def tile_bounds(self, t: tiles.Tiles) -> tiles.Bounds:
@@ -294,7 +305,7 @@ class Not(Mask):
   def extents(self) -> Extents:
     return _combined_extents(self.mask)
 
-  def on_grid(self, grid) -> jax.Array:
+  def on_grid(self, grid: Grid) -> jax.Array:
     return ~self.mask.on_grid(grid)
 
   def __repr__(self) -> str:

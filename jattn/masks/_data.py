@@ -18,10 +18,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jattn import _checks
 from jattn.masks import _indexing as ix
-from jattn.masks._core import STATIC, Mask
+from jattn.masks._core import STATIC, Grid, Mask
 from jattn.masks._indexing import Extents
 from jattn.masks.tiles import UNSURE, Bounds, Tiles, tile_any_all, tile_reduce
 
@@ -36,7 +37,9 @@ class Segments(Mask):
   q_segment_ids: Any
   kv_segment_ids: Any
 
-  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     return ix.take(self.q_segment_ids, batch, q_idx) == ix.take(self.kv_segment_ids, batch, kv_idx)
 
   def tile_bounds(self, t: Tiles) -> Bounds:
@@ -68,7 +71,7 @@ class Segments(Mask):
     )
 
 
-def segments(q_segment_ids, kv_segment_ids=None) -> Mask:
+def segments(q_segment_ids: ArrayLike, kv_segment_ids: ArrayLike | None = None) -> Mask:
   """Document masking for packed sequences: attend only within the same segment id.
 
   Args:
@@ -101,7 +104,9 @@ class FromArray(Mask):
 
   array: Any
 
-  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     arr = ix.as_rank(self.array, 4)
     index = tuple(0 if n == 1 else i for n, i in zip(arr.shape, (batch, head, q_idx, kv_idx)))
     if all(isinstance(i, int) for i in index):
@@ -117,14 +122,14 @@ class FromArray(Mask):
   def extents(self) -> Extents:
     return ix.array_extents(jnp.shape(self.array))
 
-  def on_grid(self, grid) -> jax.Array:
+  def on_grid(self, grid: Grid) -> jax.Array:
     return ix.as_rank(self.array, 4)
 
   def __repr__(self) -> str:
     return f"from_array({ix.shape_str(self.array)})"
 
 
-def from_array(mask) -> Mask:
+def from_array(mask: ArrayLike) -> Mask:
   """A dense boolean array broadcastable to (B, N, T, S), as jax.nn's ``mask``.
 
   Arrays of lower rank get leading dimensions of size 1, so (T, S) is shared
@@ -134,8 +139,8 @@ def from_array(mask) -> Mask:
   if dtype != np.bool_:
     raise TypeError(f"mask must be a boolean array, got dtype {dtype}; pass additive masks as bias")
   arr = mask if hasattr(mask, "shape") else np.asarray(mask)
-  if arr.ndim > 4:
-    raise ValueError(f"mask must have rank <= 4 (broadcastable to BNTS), got shape {arr.shape}")
+  if np.ndim(arr) > 4:
+    raise ValueError(f"mask must have rank <= 4 (broadcastable to BNTS), got shape {np.shape(arr)}")
   return FromArray(arr)
 
 
@@ -149,7 +154,9 @@ class FromFn(Mask):
 
   fn: Callable[..., jax.Array] = field(metadata=STATIC)
 
-  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     return self.fn(batch, head, q_idx, kv_idx)
 
   def tile_bounds(self, t: Tiles) -> Bounds:

@@ -12,9 +12,12 @@ None where it broadcasts; combining masks checks that they agree.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jattn import _checks
 
@@ -52,18 +55,18 @@ def fixed(n: int) -> int | None:
   return None if n == 1 else n
 
 
-def array_extents(shape) -> Extents:
+def array_extents(shape: Sequence[int]) -> Extents:
   """(B, N, T, S) fixed by an array broadcast to rank 4 (leading size-1 dims added)."""
   return tuple(fixed(n) for n in (1,) * (4 - len(shape)) + tuple(shape))
 
 
-def batch_size(arr, rank: int) -> int | None:
+def batch_size(arr: ArrayLike, rank: int) -> int | None:
   """The batch size fixed by an array whose batched form has ``rank`` dims (None: broadcasts)."""
   shape = jnp.shape(arr)
   return fixed(shape[0]) if len(shape) == rank else None
 
 
-def shared_batch(arrays, rank: int, names: str) -> int | None:
+def shared_batch(arrays: Iterable[ArrayLike | None], rank: int, names: str) -> int | None:
   """The one batch size per-batch ``arrays`` (None entries skipped) fix; they must agree."""
   sizes = {n for a in arrays if a is not None if (n := batch_size(a, rank)) is not None}
   if len(sizes) > 1:
@@ -71,13 +74,13 @@ def shared_batch(arrays, rank: int, names: str) -> int | None:
   return sizes.pop() if sizes else None
 
 
-def as_rank(arr, rank: int) -> jax.Array:
+def as_rank(arr: ArrayLike, rank: int) -> jax.Array:
   """``arr`` with leading size-1 dimensions added up to ``rank``."""
   arr = jnp.asarray(arr)
   return arr.reshape((1,) * (rank - arr.ndim) + arr.shape)
 
 
-def at_batch(arr, b) -> jax.Array:
+def at_batch(arr: ArrayLike, b: jax.Array) -> jax.Array:
   """``arr[b]`` for per-batch values given as a scalar or (Bm,); Bm == 1 broadcasts."""
   arr = jnp.asarray(arr).reshape(-1)
   if arr.shape[0] == 1:
@@ -89,12 +92,12 @@ def at_batch(arr, b) -> jax.Array:
   return arr[b]
 
 
-def batch_index(arr) -> jax.Array:
+def batch_index(arr: ArrayLike) -> jax.Array:
   """Per-batch values shaped (Bm, 1, 1, 1) to broadcast against tiles."""
   return jnp.asarray(arr).reshape(-1, 1, 1, 1)
 
 
-def take(arr, b, idx) -> jax.Array:
+def take(arr: ArrayLike, b: jax.Array, idx: jax.Array) -> jax.Array:
   """``arr[b, idx]`` for ids given as (Bm, L) or (L,), clamping out-of-range positions."""
   arr = as_rank(arr, 2)
   if arr.shape[0] == 1:
@@ -110,7 +113,7 @@ def take(arr, b, idx) -> jax.Array:
   return arr.at[b, idx].get(mode="clip")
 
 
-def _is_iota(b, n: int) -> bool:
+def _is_iota(b: jax.Array, n: int) -> bool:
   """Whether ``b`` is the concrete batch index ``arange(n)`` along its first axis."""
   shape = jnp.shape(b)
   if not shape or shape[0] != n or any(d != 1 for d in shape[1:]):
@@ -120,6 +123,6 @@ def _is_iota(b, n: int) -> bool:
   return bool(np.array_equal(np.ravel(np.asarray(b)), np.arange(n)))
 
 
-def shape_str(arr) -> str:
+def shape_str(arr: ArrayLike) -> str:
   """``shape=(...)``, how reprs name an array a mask holds."""
   return "shape=" + str(tuple(jnp.shape(arr)))

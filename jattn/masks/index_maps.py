@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jattn import _checks
 from jattn.masks import _indexing as ix
@@ -20,7 +21,7 @@ from jattn.masks._indexing import Extents
 from jattn.masks.tiles import UNSURE, Bounds, Tiles, tile_reduce
 
 
-def _mapped_range(positions, block: int, length: int):
+def _mapped_range(positions: jax.Array, block: int, length: int) -> tuple[jax.Array, jax.Array]:
   """Smallest and largest mapped position in each tile of ``block`` entries of ``positions``."""
   lo = tile_reduce(positions, 0, block, length, "edge", jnp.min)
   hi = tile_reduce(positions, 0, block, length, "edge", jnp.max)
@@ -42,7 +43,9 @@ class Reindex(Mask):
   def _maps(self) -> tuple:
     return self.batch, self.head, self.q, self.kv
 
-  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     idx = tuple(
       i if m is None else jnp.asarray(m).at[i].get(mode="clip")
       for m, i in zip(self._maps, (batch, head, q_idx, kv_idx))
@@ -90,7 +93,14 @@ class Reindex(Mask):
     return f"reindex({self.mask!r}, {', '.join(parts)})"
 
 
-def reindex(mask: Mask, *, batch=None, head=None, q=None, kv=None) -> Mask:
+def reindex(
+  mask: Mask,
+  *,
+  batch: ArrayLike | None = None,
+  head: ArrayLike | None = None,
+  q: ArrayLike | None = None,
+  kv: ArrayLike | None = None,
+) -> Mask:
   """``mask`` seen through index maps: the new mask at ``(b, n, i, j)`` is
   ``mask(batch[b], head[n], q[i], kv[j])``.
 

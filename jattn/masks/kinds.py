@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jattn import _checks
 from jattn.masks import _indexing as ix
@@ -50,7 +51,9 @@ class Causal(Mask):
 
   offset: int = field(metadata=STATIC)
 
-  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     return kv_idx - q_idx <= self.offset  # not kv <= q + offset: overflows int32 for large ones
 
   def tile_bounds(self, t: Tiles) -> Bounds:
@@ -67,7 +70,9 @@ class CausalPerRow(Mask):
 
   offset: Any
 
-  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     return kv_idx - q_idx <= ix.at_batch(self.offset, batch)
 
   def tile_bounds(self, t: Tiles) -> Bounds:
@@ -116,7 +121,7 @@ def causal(offset: int | jax.typing.ArrayLike = 0) -> Mask:
 # --- sliding window ---------------------------------------------------------
 
 
-def _window_bounds(left: int | None, right: int | None, d_lo, d_hi) -> Bounds:
+def _window_bounds(left: int | None, right: int | None, d_lo: jax.Array, d_hi: jax.Array) -> Bounds:
   """Bounds of ``-left <= kv - q <= right`` for tiles whose kv - q spans [d_lo, d_hi]."""
   any_ = all_ = jnp.ones(jnp.broadcast_shapes(d_lo.shape, d_hi.shape), bool)
   if left is not None:
@@ -135,7 +140,9 @@ class SlidingWindow(Mask):
   right: int | None = field(metadata=STATIC)
   dilation: int = field(default=1, metadata=STATIC)
 
-  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
     if self.left is not None:  # kv - q, not q +- width: stays in int32 for any int32 width
       ok = ok & (kv_idx - q_idx >= -self.left)
@@ -191,7 +198,9 @@ class Chunked(Mask):
 
   size: int = field(metadata=STATIC)
 
-  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     return q_idx // self.size == kv_idx // self.size
 
   def tile_bounds(self, t: Tiles) -> Bounds:
@@ -211,7 +220,7 @@ def chunked(size: int) -> Mask:
 # --- prefix LM -------------------------------------------------------------
 
 
-def _per_batch(name: str, value: Any):
+def _per_batch(name: str, value: Any) -> jax.Array | np.ndarray | np.integer:
   return _checks.int_array(name, value, ranks=(0, 1), nonnegative=True)
 
 
@@ -222,7 +231,9 @@ class PrefixLM(Mask):
 
   prefix_lengths: Any
 
-  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     return (kv_idx < ix.at_batch(self.prefix_lengths, batch)) | (kv_idx <= q_idx)
 
   def tile_bounds(self, t: Tiles) -> Bounds:
@@ -237,7 +248,7 @@ class PrefixLM(Mask):
     return f"prefix_lm(prefix_lengths={ix.shape_str(self.prefix_lengths)})"
 
 
-def prefix_lm(prefix_lengths) -> Mask:
+def prefix_lm(prefix_lengths: ArrayLike) -> Mask:
   """Prefix-LM: bidirectional inside the first ``prefix_lengths[b]`` positions, causal after.
 
   Query ``q`` may attend to ``kv < prefix_lengths[b]`` or ``kv <= q``.
@@ -257,7 +268,9 @@ class Lengths(Mask):
   q_lengths: Any
   kv_lengths: Any
 
-  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
     if self.q_lengths is not None:
       ok = ok & (q_idx < ix.at_batch(self.q_lengths, batch))
@@ -288,7 +301,7 @@ class Lengths(Mask):
     return f"lengths({', '.join(parts)})"
 
 
-def lengths(q_lengths=None, kv_lengths=None) -> Mask:
+def lengths(q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None) -> Mask:
   """Padding: query ``q`` and key ``kv`` take part only below their row's length.
 
   ``q_lengths`` and ``kv_lengths`` are ints or int arrays of shape (B,). A
@@ -314,7 +327,9 @@ class GlobalTokens(Mask):
 
   n: int = field(metadata=STATIC)
 
-  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     return (q_idx < self.n) | (kv_idx < self.n)
 
   def tile_bounds(self, t: Tiles) -> Bounds:
@@ -344,7 +359,9 @@ class Strided(Mask):
 
   stride: int = field(metadata=STATIC)
 
-  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     return (q_idx - kv_idx) % self.stride == 0
 
   def tile_bounds(self, t: Tiles) -> Bounds:

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jattn import _checks
 from jattn.masks import _indexing as ix
@@ -35,7 +36,9 @@ class BlockSparse(Mask):
   block_q: int = field(metadata=STATIC)
   block_kv: int = field(metadata=STATIC)
 
-  def __call__(self, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     table = ix.as_rank(self.layout, 4)
     nqb, nkb = table.shape[-2:]
     qb, kb = q_idx // self.block_q, kv_idx // self.block_kv
@@ -56,7 +59,7 @@ class BlockSparse(Mask):
     c0 = jnp.minimum(t.kv_lo // block_kv, nkb)  # (1, 1, 1, nk)
     c1 = jnp.minimum(t.kv_hi // block_kv + 1, nkb)
 
-    def corner(r, c):  # (Bm, Nm, nq, nk)
+    def corner(r: jax.Array, c: jax.Array) -> jax.Array:  # (Bm, Nm, nq, nk)
       return sat[:, :, r[0, 0], c[0, 0]]
 
     count = corner(r1, c1) - corner(r0, c1) - corner(r1, c0) + corner(r0, c0)
@@ -73,7 +76,7 @@ class BlockSparse(Mask):
     return f"block_sparse({ix.shape_str(self.layout)}, block_size={sizes!r})"
 
 
-def block_sparse(layout, block_size: int | tuple[int, int]) -> Mask:
+def block_sparse(layout: ArrayLike, block_size: int | tuple[int, int]) -> Mask:
   """A block-sparse layout: query block i may attend to key/value block j where
   ``layout[..., i, j]`` is True (splash attention's block masks, BigBird).
 
@@ -99,10 +102,9 @@ def block_sparse(layout, block_size: int | tuple[int, int]) -> Mask:
   if dtype != np.bool_:
     raise TypeError(f"layout must be a boolean array, got dtype {dtype}")
   arr = layout if hasattr(layout, "shape") else np.asarray(layout)
-  if arr.ndim not in (2, 3, 4):
+  if np.ndim(arr) not in (2, 3, 4):
     raise ValueError(
-      f"layout must have shape (nqb, nkb), (N, nqb, nkb) or (B, N, nqb, nkb), "
-      f"got {tuple(arr.shape)}"
+      f"layout must have shape (nqb, nkb), (N, nqb, nkb) or (B, N, nqb, nkb), got {np.shape(arr)}"
     )
   if isinstance(block_size, tuple):
     if len(block_size) != 2:

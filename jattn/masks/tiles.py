@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -61,7 +62,14 @@ UNSURE: Bounds = (np.ones((1, 1, 1, 1), bool), np.zeros((1, 1, 1, 1), bool))
 """(any_allowed, all_allowed) that says PARTIAL for every tile: always safe."""
 
 
-def tile_reduce(x: jax.Array, axis: int, block: int, length: int, fill, reducer) -> jax.Array:
+def tile_reduce(
+  x: jax.Array,
+  axis: int,
+  block: int,
+  length: int,
+  fill: bool | str,
+  reducer: Callable[..., jax.Array],
+) -> jax.Array:
   """Reduce ``x`` over tiles of ``block`` along ``axis``; size-1 axes stay size 1.
 
   ``fill`` pads the last tile: a constant, or ``"edge"`` (the last entry repeated).
@@ -83,7 +91,9 @@ def tile_reduce(x: jax.Array, axis: int, block: int, length: int, fill, reducer)
   return reducer(x, axis=axis + 1)
 
 
-def tile_any_all(dense: jax.Array, block_q: int, block_kv: int, q_len: int, kv_len: int):
+def tile_any_all(
+  dense: jax.Array, block_q: int, block_kv: int, q_len: int, kv_len: int
+) -> tuple[jax.Array, jax.Array]:
   """Per tile of a dense (Bm, Nm, T, S) bool array (T, S may be 1): whether any, all are True."""
   any_, all_ = dense, dense
   for axis, block, length in ((2, block_q, q_len), (3, block_kv, kv_len)):
@@ -118,7 +128,7 @@ def classify(
   batch_size: int,
   num_heads: int,
   exact: bool,
-):
+) -> np.ndarray | jax.Array:
   """:meth:`Mask.block_view` for checked arguments: int8 (B, N, nq, nk) tile classes."""
   nq, nk = math.ceil(q_len / block_q), math.ceil(kv_len / block_kv)
   with jax.ensure_compile_time_eval():
