@@ -20,7 +20,8 @@ Everything version-dependent lives here, so the rest of the package calls one sp
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import jax
@@ -35,17 +36,25 @@ _only_on_p = jex_core.Primitive("jattn_only_on")
 _only_on_p.multiple_results = True
 
 
-def _only_on_abstract(*args, jaxpr, platform, refusal):
+def _only_on_abstract(
+  *args: Any, jaxpr: jex_core.ClosedJaxpr, platform: str, refusal: str
+) -> list[Any]:
   del args, platform, refusal
   return [v.aval for v in jaxpr.jaxpr.outvars]
 
 
-def _only_on_impl(*args, jaxpr, platform, refusal):
+def _only_on_impl(*args: Any, jaxpr: jex_core.ClosedJaxpr, platform: str, refusal: str) -> Any:
   del platform, refusal
   return jex_core.jaxpr_as_fun(jaxpr)(*args)
 
 
-def _only_on_lowering(ctx, *args, jaxpr, platform, refusal):
+def _only_on_lowering(
+  ctx: mlir.LoweringRuleContext,
+  *args: Any,
+  jaxpr: jex_core.ClosedJaxpr,
+  platform: str,
+  refusal: str,
+) -> Any:
   del refusal
   module = ctx.module_context
   if len(module.platforms) > 1 and platform in module.platforms:
@@ -56,7 +65,14 @@ def _only_on_lowering(ctx, *args, jaxpr, platform, refusal):
   return fn(ctx, *args)
 
 
-def _only_on_batch(args, dims, *, jaxpr, platform, refusal):
+def _only_on_batch(
+  args: Sequence[Any],
+  dims: Sequence[int | None],
+  *,
+  jaxpr: jex_core.ClosedJaxpr,
+  platform: str,
+  refusal: str,
+) -> tuple[Any, list[int]]:
   fn = jex_core.jaxpr_as_fun(jaxpr)
   moved = [x if d is None else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
   axes = [None if d is None else 0 for d in dims]
@@ -65,10 +81,10 @@ def _only_on_batch(args, dims, *, jaxpr, platform, refusal):
   except NotImplementedError:
     # A body with no batching rule (a fused kernel's custom_partitioning): one call per
     # element of the mapped axis.
-    def one_by_one(*a):
+    def one_by_one(*a: Any) -> Any:
       mapped = [x for x, ax in zip(a, axes) if ax is not None]
 
-      def call(xs):
+      def call(xs: Sequence[Any]) -> Any:
         it = iter(xs)
         return fn(*(next(it) if ax is not None else x for x, ax in zip(a, axes)))
 
@@ -97,27 +113,42 @@ _refused_p = jex_core.Primitive("jattn_refused_derivative")
 _refused_p.multiple_results = True
 
 
-def _refused_abstract(*args, out_avals, message):
+def _refused_abstract(
+  *args: Any, out_avals: Sequence[jax.core.ShapedArray], message: str
+) -> list[jax.core.ShapedArray]:
   del args, message
   return list(out_avals)
 
 
-def _refused_raise(*args, out_avals, message):
+def _refused_raise(*args: Any, out_avals: Sequence[jax.core.ShapedArray], message: str) -> Any:
   raise ValueError(message)
 
 
-def _refused_lowering(ctx, *args, out_avals, message):
+def _refused_lowering(
+  ctx: mlir.LoweringRuleContext,
+  *args: Any,
+  out_avals: Sequence[jax.core.ShapedArray],
+  message: str,
+) -> Any:
   raise ValueError(message)
 
 
-def _refused_batch(args, dims, *, out_avals, message):
+def _refused_batch(
+  args: Sequence[Any],
+  dims: Sequence[int | None],
+  *,
+  out_avals: Sequence[jax.core.ShapedArray],
+  message: str,
+) -> tuple[Any, list[int]]:
   size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
   moved = [x if d is None else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
   avals = tuple(a.update(shape=(size, *a.shape)) for a in out_avals)
   return _refused_p.bind(*moved, out_avals=avals, message=message), [0] * len(avals)
 
 
-def _tangents_refused(inputs, avals, message) -> list:
+def _tangents_refused(
+  inputs: Sequence[Any], avals: Sequence[jax.core.ShapedArray], message: str
+) -> list:
   """Placeholders for the tangents (or cotangents) of ``avals``: symbolic zeros where the
   dtype carries none (integers), refusals elsewhere."""
   wanted = [a for a in avals if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)]
@@ -128,13 +159,21 @@ def _tangents_refused(inputs, avals, message) -> list:
   ]
 
 
-def _refused_jvp(primals, tangents, *, out_avals, message):
+def _refused_jvp(
+  primals: Sequence[Any],
+  tangents: Sequence[Any],
+  *,
+  out_avals: Sequence[jax.core.ShapedArray],
+  message: str,
+) -> tuple[Any, list]:
   outs = _refused_p.bind(*primals, out_avals=out_avals, message=message)
   given = [t for t in tangents if type(t) is not ad.Zero]
   return outs, _tangents_refused([*primals, *given], out_avals, message)
 
 
-def _refused_transpose(cts, *args, out_avals, message):
+def _refused_transpose(
+  cts: Sequence[Any], *args: Any, out_avals: Sequence[jax.core.ShapedArray], message: str
+) -> list:
   known = [x for x in args if not ad.is_undefined_primal(x)]
   given = [c for c in cts if type(c) is not ad.Zero]
   undefined = [x.aval for x in args if ad.is_undefined_primal(x)]
@@ -150,7 +189,14 @@ ad.primitive_jvps[_refused_p] = _refused_jvp
 ad.primitive_transposes[_refused_p] = _refused_transpose
 
 
-def _only_on_jvp(primals, tangents, *, jaxpr, platform, refusal):
+def _only_on_jvp(
+  primals: Sequence[Any],
+  tangents: Sequence[Any],
+  *,
+  jaxpr: jex_core.ClosedJaxpr,
+  platform: str,
+  refusal: str,
+) -> tuple[Any, list]:
   outs = _only_on_p.bind(*primals, jaxpr=jaxpr, platform=platform, refusal=refusal)
   given = [t for t in tangents if type(t) is not ad.Zero]
   avals = [v.aval for v in jaxpr.jaxpr.outvars]
@@ -160,7 +206,7 @@ def _only_on_jvp(primals, tangents, *, jaxpr, platform, refusal):
 ad.primitive_jvps[_only_on_p] = _only_on_jvp
 
 
-def _bind(platform: str, refusal: str, fn: Callable, *args) -> Any:
+def _bind(platform: str, refusal: str, fn: Callable[..., Any], *args: Any) -> Any:
   flat, tree = jax.tree.flatten(args)
   jaxpr, shape = jax.make_jaxpr(lambda *x: fn(*jax.tree.unflatten(tree, x)), return_shape=True)(
     *flat
@@ -169,7 +215,7 @@ def _bind(platform: str, refusal: str, fn: Callable, *args) -> Any:
   return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
 
-def only_on(platform: str, fn: Callable, refusal: str) -> Callable:
+def only_on(platform: str, fn: Callable[..., Any], refusal: str) -> Callable[..., Any]:
   """``fn`` (arrays in, arrays out, reverse-differentiable) lowered for ``platform`` alone.
 
   ``platform`` is a lowering platform name (``"tpu"``, ``"cuda"``, ``"rocm"``, ``"cpu"``).
@@ -182,13 +228,13 @@ def only_on(platform: str, fn: Callable, refusal: str) -> Callable:
   """
 
   @jax.custom_vjp
-  def run(*args):
+  def run(*args: Any) -> Any:
     return _bind(platform, refusal, fn, *args)
 
-  def fwd(*args):
+  def fwd(*args: Any) -> Any:
     return _bind(platform, refusal, lambda *a: jax.vjp(fn, *a), *args)
 
-  def bwd(vjp, cotangent):
+  def bwd(vjp: Callable[..., Any], cotangent: Any) -> Any:
     return _bind(platform, refusal, lambda vjp, ct: vjp(ct), vjp, cotangent)
 
   run.defvjp(fwd, bwd)
@@ -198,7 +244,7 @@ def only_on(platform: str, fn: Callable, refusal: str) -> Callable:
 # --- sharding in types -----------------------------------------------------------------
 
 
-def explicit_sharding(x) -> jax.sharding.NamedSharding | None:
+def explicit_sharding(x: Any) -> jax.sharding.NamedSharding | None:
   """The NamedSharding of ``x``'s type when it is sharded over Explicit mesh axes, else None
   (Auto axes, no mesh, or a NumPy array)."""
   try:
@@ -214,13 +260,15 @@ def explicit_sharding(x) -> jax.sharding.NamedSharding | None:
   return sharding
 
 
-def no_mesh():
+def no_mesh() -> AbstractContextManager[Any]:
   """A block in which computations see no mesh: for evaluating NumPy-valued constants
   (splash's mask tables) eagerly while a ``shard_map`` body is being traced."""
   return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
 
 
-def without_consts(fn: Callable, *args) -> tuple[Callable, list]:
+def without_consts(
+  fn: Callable[..., Any], *args: Any
+) -> tuple[Callable[..., tuple[Any, ...]], list[Any]]:
   """``(g, consts)`` with ``g(*consts, *args) == tuple(fn(*args))`` and no constant inside
   ``g``'s trace; ``fn`` takes and returns flat arrays (traced once, at ``args``' shapes)."""
   from jax._src.interpreters import partial_eval as pe

@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 # The storage dtypes a cache may hold besides floats, and the largest value each
 # quantized vector's absmax is mapped to.
@@ -25,12 +26,12 @@ QMAX = {np.dtype(jnp.int8): 127.0, np.dtype(jnp.float8_e4m3fn): 448.0}
 SCALE_DTYPE = np.dtype(np.float32)
 
 
-def is_quantized(dtype) -> bool:
+def is_quantized(dtype: DTypeLike) -> bool:
   """Whether a cache of storage ``dtype`` holds quantized values and scales."""
   return np.dtype(dtype) in QMAX
 
 
-def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+def quantize(x: jax.Array, dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
   """``(values in dtype, scales float32)`` of x (..., H): one scale per vector along H.
 
   The values are ``x / scale`` rounded (int8) or cast (float8, round to nearest even)."""
@@ -45,6 +46,6 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
   return y.astype(dtype), scale
 
 
-def dequantize(values: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+def dequantize(values: jax.Array, scale: jax.Array, dtype: DTypeLike) -> jax.Array:
   """``values · scale`` in ``dtype``: values (..., H) in a quantized dtype, scale (...)."""
   return (values.astype(SCALE_DTYPE) * scale[..., None]).astype(dtype)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jattn import _checks
 
@@ -34,7 +35,9 @@ def _rotl(x: jax.Array, r: int) -> jax.Array:
   return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
 
 
-def threefry2x32(key: tuple[jax.Array, jax.Array], count: tuple[jax.Array, jax.Array]):
+def threefry2x32(
+  key: tuple[ArrayLike, ArrayLike], count: tuple[ArrayLike, ArrayLike]
+) -> tuple[jax.Array, jax.Array]:
   """Threefry-2x32 with 20 rounds on broadcastable uint32 arrays; returns two words.
 
   Bit-identical to ``jax.extend.random.threefry2x32_p`` (tested), but elementwise
@@ -59,7 +62,14 @@ def seed_words(rng: jax.Array) -> tuple[jax.Array, jax.Array]:
   return words[0], words[1]
 
 
-def keep_mask(rng: jax.Array, rate: float, batch, head, q_idx, kv_idx) -> jax.Array:
+def keep_mask(
+  rng: jax.Array,
+  rate: float,
+  batch: ArrayLike,
+  head: ArrayLike,
+  q_idx: ArrayLike,
+  kv_idx: ArrayLike,
+) -> jax.Array:
   """Booleans: True where the attention weight is kept (probability ``1 - rate``).
 
   Args:
@@ -77,13 +87,22 @@ def keep_mask(rng: jax.Array, rate: float, batch, head, q_idx, kv_idx) -> jax.Ar
   return keep_from_seed(seed_words(rng), rate, batch, head, q_idx, kv_idx)
 
 
-def shared_indices(batch, head, q_idx, kv_idx):
+def shared_indices(
+  batch: ArrayLike, head: ArrayLike, q_idx: ArrayLike, kv_idx: ArrayLike
+) -> tuple[jax.Array, jax.Array, ArrayLike, ArrayLike]:
   """Indices for a pattern shared across batch rows and heads: batch and head set to 0."""
   zero = jnp.zeros((1,) * jnp.ndim(batch), jnp.int32)
   return zero, zero, q_idx, kv_idx
 
 
-def keep_from_seed(seed, rate: float, batch, head, q_idx, kv_idx) -> jax.Array:
+def keep_from_seed(
+  seed: tuple[ArrayLike, ArrayLike],
+  rate: float,
+  batch: ArrayLike,
+  head: ArrayLike,
+  q_idx: ArrayLike,
+  kv_idx: ArrayLike,
+) -> jax.Array:
   """:func:`keep_mask` from :func:`seed_words`, unchecked: for implementations.
 
   A tiled implementation draws the seed once and calls this on each tile's

@@ -7,7 +7,7 @@ head. Query head n belongs to key/value head n // G, as in jax.nn.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import chex
 import jax
@@ -17,6 +17,9 @@ from jax.extend import core as jex_core
 from jax.typing import ArrayLike, DTypeLike
 
 from jattn import _compat
+
+if TYPE_CHECKING:
+  from jattn._spec import CallSpec
 
 
 def stats_dtype(dtype: DTypeLike) -> np.dtype:
@@ -314,7 +317,9 @@ def float_or_none(
   )
 
 
-def finish(out, lse, spec: Any, dtype, sinks_done: bool) -> tuple[jax.Array, jax.Array | None]:
+def finish(
+  out: jax.Array, lse: jax.Array, spec: CallSpec, dtype: DTypeLike, sinks_done: bool
+) -> tuple[jax.Array, jax.Array | None]:
   """An implementation's ``(out, lse)`` as the caller gets them: the sinks added (unless the
   kernel took them, ``sinks_done``), the output in ``dtype``, the lse in ``dtype`` if
   ``spec.return_residual`` asked for it, else None."""

@@ -42,10 +42,10 @@ class Stacked(NamedTuple):
   def num_tiles(self) -> int:
     return self.k_tiles.shape[0]
 
-  def key_tile(self, j):
+  def key_tile(self, j: jax.Array | int) -> jax.Array:
     return self.k_tiles[j]
 
-  def value_tile(self, j):
+  def value_tile(self, j: jax.Array | int) -> jax.Array:
     return self.v_tiles[j]
 
   @property
@@ -53,18 +53,18 @@ class Stacked(NamedTuple):
     """(K, Hv, the dtype value tiles are read as)."""
     return self.k_tiles.shape[2], self.v_tiles.shape[-1], self.v_tiles.dtype
 
-  def cotangent(self, d_k, d_v):
+  def cotangent(self, d_k: jax.Array, d_v: jax.Array) -> tuple[jax.Array, ...]:
     """(d_key, d_value) (B, S, K, H) from per-tile gradients (n, B, K, H, block)."""
     return tuple(untile(d)[:, : self.kv_len] for d in (d_k, d_v))
 
 
-def untile(d):
+def untile(d: jax.Array) -> jax.Array:
   """Per-tile gradients (n, B, K, h, block) as per-slot ones (B, n · block, K, h)."""
   n, B, K, h, block = d.shape
   return d.transpose(1, 0, 4, 2, 3).reshape(B, n * block, K, h)
 
 
-def stacked(key, value, block: int) -> Stacked:
+def stacked(key: jax.Array, value: jax.Array, block: int) -> Stacked:
   return Stacked(_tiling.seq_tiles(key, block), _tiling.seq_tiles(value, block), key.shape[1])
 
 
@@ -106,21 +106,21 @@ class CacheTiles:
     """(K, Hv, the dtype value tiles are read as)."""
     return self.key.shape[2], self.value.shape[3], np.dtype(self.dtype)
 
-  def _slots(self, j):
+  def _slots(self, j: jax.Array | int) -> jax.Array:
     return j * self.block + jnp.arange(self.block, dtype=jnp.int32)
 
-  def _table(self):
+  def _table(self) -> jax.Array:
     """The page table padded with -1 to whole tiles: (B, num_tiles · block // page_size)."""
     table = self.page_table
     pad = self.num_tiles * (self.block // self.key.shape[1]) - table.shape[1]
     return jnp.pad(table, ((0, 0), (0, pad)), constant_values=-1) if pad else table
 
-  def _pages(self, j):
+  def _pages(self, j: jax.Array | int) -> jax.Array:
     """(B, block // page_size) page ids of tile j, -1 where the row has none."""
     per_tile = self.block // self.key.shape[1]
     return jax.lax.dynamic_slice_in_dim(self._table(), j * per_tile, per_tile, axis=1)
 
-  def _read(self, store, scale, j):
+  def _read(self, store: jax.Array, scale: jax.Array | None, j: jax.Array | int) -> jax.Array:
     """Tile j of ``store`` as (B, K, block, h) in ``dtype``, zero past each row's length."""
     slots = self._slots(j)
     if self.paged:
@@ -142,18 +142,18 @@ class CacheTiles:
     x = jnp.where(written[:, :, None, None], x, jnp.zeros((), self.dtype))
     return x.transpose(0, 2, 1, 3)
 
-  def key_tile(self, j):
+  def key_tile(self, j: jax.Array | int) -> jax.Array:
     return self._read(self.key, self.key_scale, j)
 
-  def value_tile(self, j):
+  def value_tile(self, j: jax.Array | int) -> jax.Array:
     return self._read(self.value, self.value_scale, j)
 
-  def cotangent(self, d_k, d_v) -> CacheTiles:
+  def cotangent(self, d_k: jax.Array, d_v: jax.Array) -> CacheTiles:
     """The cache's cotangent from per-tile gradients (n, B, K, h, block): scattered back
     into the rows or pages for float storage; none for quantized storage (rounding has no
     useful derivative), the scales, the page table and the lengths."""
 
-    def back(store, d):
+    def back(store: jax.Array, d: jax.Array) -> jax.Array | None:
       if _quant.is_quantized(store.dtype):
         return None
       d = untile(d)  # (B, slots, K, h)
@@ -175,7 +175,7 @@ class CacheTiles:
     )
 
 
-def _gather_pages(store, pages):
+def _gather_pages(store: jax.Array, pages: jax.Array) -> jax.Array:
   """``store[pages]``: pages (B, n) of a pool (P, page_size, ...) as (B, n, page_size, ...).
 
   In Explicit mode the result is sharded as the page ids' rows and the pool's trailing
@@ -188,7 +188,7 @@ def _gather_pages(store, pages):
   return store.at[pages].get(out_sharding=_common.sharded_as(spec, mesh_of=src))
 
 
-def source(kv, block: int):
+def source(kv: CacheTiles | tuple[jax.Array, jax.Array], block: int) -> Stacked | CacheTiles:
   """The tile source of blockwise's ``kv`` argument: a (key, value) pair or CacheTiles."""
   if isinstance(kv, CacheTiles):
     return kv

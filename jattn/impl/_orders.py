@@ -22,7 +22,7 @@ the loops.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 from jax.extend import core as jex_core
@@ -42,7 +42,7 @@ mlir.register_lowering(_refuse_transpose_p, lambda ctx, x, *, message: [x])
 batching.defvectorized(_refuse_transpose_p)
 
 
-def _refuse(cotangent, x, *, message):
+def _refuse(cotangent: Any, x: Any, *, message: str) -> Any:
   del cotangent, x
   raise ValueError(message)
 
@@ -51,7 +51,7 @@ ad.deflinear2(_refuse_transpose_p, _refuse)
 
 
 def _refuse_transpose(tree: Any, message: str) -> Any:
-  def one(x):
+  def one(x: Any) -> Any:
     if not jax.numpy.issubdtype(jax.numpy.result_type(x), jax.numpy.inexact):
       return x  # float0 and integer tangents carry nothing to transpose
     return _refuse_transpose_p.bind(x, message=message)
@@ -70,8 +70,8 @@ def _message(who: str, cause: str, forward: bool, way_out: str) -> str:
 
 
 def first_order(
-  fn: Callable, who: str, cause: str, *, forward: bool, way_out: str = WAY_OUT
-) -> Callable:
+  fn: Callable[..., Any], who: str, cause: str, *, forward: bool, way_out: str = WAY_OUT
+) -> Callable[..., Any]:
   """``fn`` (a backward pass), made to refuse a second reverse pass with a ValueError.
 
   Args:
@@ -85,11 +85,11 @@ def first_order(
   message = _message(who, cause, forward, way_out)
 
   @jax.custom_jvp
-  def wrapped(*args):
+  def wrapped(*args: Any) -> Any:
     return fn(*args)
 
   @wrapped.defjvp
-  def _jvp(primals, tangents):
+  def _jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
     if not forward:
       raise ValueError(message)
     out, out_dot = jax.jvp(fn, primals, tangents)
@@ -98,31 +98,31 @@ def first_order(
   return wrapped
 
 
-def no_derivatives(fn: Callable, who: str, cause: str) -> Callable:
+def no_derivatives(fn: Callable[..., Any], who: str, cause: str) -> Callable[..., Any]:
   """``fn`` (a fused kernel's forward pass, inside a custom_vjp) refusing any derivative of
   its own with :func:`first_order`'s message. A second derivative differentiates the first
   one's forward pass (the residuals it keeps) before it reaches the backward."""
   message = _message(who, cause, False, WAY_OUT)
 
   @jax.custom_jvp
-  def wrapped(*args):
+  def wrapped(*args: Any) -> Any:
     return fn(*args)
 
   @wrapped.defjvp
-  def _refuse_jvp(primals, tangents):
+  def _refuse_jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> NoReturn:
     raise ValueError(message)
 
   return wrapped
 
 
-def reverse_once(fn: Callable, who: str, cause: str) -> Callable:
+def reverse_once(fn: Callable[..., Any], who: str, cause: str) -> Callable[..., Any]:
   """``fn`` with its own reverse-mode rule, ``jax.vjp(fn)``'s, whose forward and backward
   passes refuse any derivative of their own (:func:`no_derivatives`, :func:`first_order`):
   for a function whose backward is not jattn's to wrap (the splash kernel's own custom_vjp).
   Integer arguments get no cotangent."""
 
   @jax.custom_vjp
-  def wrapped(*args):
+  def wrapped(*args: Any) -> Any:
     return fn(*args)
 
   forward = no_derivatives(lambda *args: jax.vjp(fn, *args), who, cause)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -62,7 +63,7 @@ class Choice:
     return "\n".join(lines)
 
 
-def check_choices(implementation, backward) -> tuple[str | None, str | None]:
+def check_choices(implementation: Any, backward: Any) -> tuple[str | None, str | None]:
   """(implementation, backward) checked as names; (None, backward) while auto is to choose."""
   if implementation is None:
     if backward is not None and backward not in BACKWARDS:
@@ -108,9 +109,9 @@ def choose(
   implementation: str | None,
   backward: str | None,
   *,
-  interpret=False,
-  detail=False,
-  fused=True,
+  interpret: bool = False,
+  detail: bool = False,
+  fused: bool = True,
 ) -> Choice:
   """The :class:`Choice` for a checked call; raises when an explicit implementation cannot
   express it (naming the feature). ``detail``: fill in ``rejected`` (for explain).
@@ -130,17 +131,17 @@ def choose(
       return _empty(call, f"{implementation} named by the caller", _rejected)
     rejected = _rejected(implementation)
     return Choice(implementation, backward, "named by the caller", rejected, call.backend)
-  fused = FUSED.get(call.backend) if fused else None
-  if fused is not None and (reason := why_not(fused, call)) is None:
-    auto_check = TABLE[fused].auto_check
+  kernel = FUSED.get(call.backend) if fused else None
+  if kernel is not None and (reason := why_not(kernel, call)) is None:
+    auto_check = TABLE[kernel].auto_check
     if not (auto_check is not None and (why := auto_check(call))):
-      if _nothing_to_tile(fused, call):
-        return _empty(call, f"{fused} is the fused kernel for {call.backend.upper()}", _rejected)
+      if _nothing_to_tile(kernel, call):
+        return _empty(call, f"{kernel} is the fused kernel for {call.backend.upper()}", _rejected)
       return Choice(
-        fused,
+        kernel,
         None,
-        f"{fused} is the fused kernel for {call.backend.upper()} and expresses the call",
-        _rejected(fused),
+        f"{kernel} is the fused kernel for {call.backend.upper()} and expresses the call",
+        _rejected(kernel),
         call.backend,
       )
     reason = why
@@ -158,8 +159,8 @@ def choose(
       f"the float32 scores would take {_mib(size)}, "
       f"{'at least' if big else 'under'} {_mib(limit)} on {call.backend.upper()}"
     )
-  if fused is not None:
-    why = f"{why}; {fused} does not: {reason}"
+  if kernel is not None:
+    why = f"{why}; {kernel} does not: {reason}"
   if _nothing_to_tile(impl, call):
     return _empty(call, why, _rejected)
   rule = check_choices(impl, backward)[1]

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -36,8 +38,19 @@ from jax.sharding import PartitionSpec as P
 from jattn import _compat
 from jattn.impl import _common, _orders
 
+if TYPE_CHECKING:
+  from jattn._spec import CallSpec
 
-def _size(mesh, axes) -> int:
+MeshAxes = str | tuple[str, ...] | None
+"""One entry of a PartitionSpec: a mesh axis, several, or None (not sharded)."""
+
+Attend = Callable[[jax.Array, jax.Array, jax.Array, "CallSpec"], tuple[jax.Array, jax.Array]]
+"""A kernel: ``(query, key, value, spec) -> (out, lse)`` on rank-4 inputs."""
+
+Mesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
+
+
+def _size(mesh: Mesh, axes: MeshAxes) -> int:
   if axes is None:
     return 1
   axes = axes if isinstance(axes, tuple) else (axes,)
@@ -47,7 +60,7 @@ def _size(mesh, axes) -> int:
 _dims = _common.sharding_spec  # the mesh axes of each dimension (Explicit mode), else Nones
 
 
-def sequence_axes(query, key) -> tuple | None:
+def sequence_axes(query: jax.Array | np.ndarray, key: jax.Array | np.ndarray) -> tuple | None:
   """The mesh axes that shard the query's or key's sequence axis (Explicit mode), or None.
 
   ``query`` (B, T, N, H), ``key`` (B, S, K, H), arrays or tracers."""
@@ -56,8 +69,15 @@ def sequence_axes(query, key) -> tuple | None:
 
 
 def per_shard(
-  attend: Callable, query, key, value, spec, *, heads_whole: bool = False, auto: bool = True
-):
+  attend: Attend,
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  spec: CallSpec,
+  *,
+  heads_whole: bool = False,
+  auto: bool = True,
+) -> tuple[jax.Array, jax.Array]:
   """``attend(query, key, value, spec) -> (out, lse)`` run on each device's share.
 
   ``query`` (B, T, N, H), ``key`` and ``value`` (B, S, K, H|Hv), ``spec`` a rank-4
@@ -102,7 +122,7 @@ def per_shard(
   return run(query, key, value, spec)
 
 
-def _head_axes(mesh, n, N: int, K: int, heads_whole: bool):
+def _head_axes(mesh: Mesh, n: MeshAxes, N: int, K: int, heads_whole: bool) -> MeshAxes:
   """``n`` (the mesh axes sharding the N query heads; K key/value heads) if the kernel can
   take that share, else None."""
   size = _size(mesh, n)
@@ -111,23 +131,23 @@ def _head_axes(mesh, n, N: int, K: int, heads_whole: bool):
   return n
 
 
-def _reshard(x, spec: P):
+def _reshard(x: jax.Array, spec: P) -> jax.Array:
   want = tuple(spec) + (None,) * (x.ndim - len(spec))
   return x if _dims(x) == want else jax.sharding.reshard(x, spec)
 
 
-def _spec_partition(spec, b, n):
+def _spec_partition(spec: CallSpec, b: MeshAxes, n: MeshAxes) -> CallSpec:
   """PartitionSpecs for the spec's arrays: batch-indexed leading axes over ``b``, the
   sinks' heads over ``n``, a rank-4 bias over both where it is not broadcast."""
 
-  def leaf(x):
+  def leaf(x: jax.Array | None) -> P | None:
     if x is None:
       return None
     if x.ndim == 0:
       return P()
     return P(b if x.shape[0] == spec.B and spec.B > 1 else None)
 
-  def bias(x):
+  def bias(x: jax.Array | None) -> P | None:
     if x is None:
       return None
     rows = b if x.shape[0] == spec.B and spec.B > 1 else None
@@ -160,7 +180,14 @@ _FACTORS = {
 }
 
 
-def _partitioned(attend: Callable, query, key, value, spec, heads_whole: bool):
+def _partitioned(
+  attend: Attend,
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  spec: CallSpec,
+  heads_whole: bool,
+) -> tuple[jax.Array, jax.Array]:
   """Auto mode: the kernel's forward and backward under a partitioning rule, each device
   running them on its batch rows and heads (see the module docstring)."""
   B, N, K = spec.B, spec.N, spec.K
@@ -170,14 +197,16 @@ def _partitioned(attend: Callable, query, key, value, spec, heads_whole: bool):
   roles = jax.tree.leaves(_roles(spec))
   floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
 
-  def local(q, k, v, *leaves):
+  def local(q: jax.Array, k: jax.Array, v: jax.Array, *leaves: Any) -> tuple[jax.Array, jax.Array]:
     s = jax.tree.unflatten(treedef, leaves)
     return attend(q, k, v, dataclasses.replace(s, B=q.shape[0], N=q.shape[2], K=k.shape[2]))
 
-  def local_grads(q, k, v, *rest):
+  def local_grads(q: jax.Array, k: jax.Array, v: jax.Array, *rest: Any) -> tuple[Any, ...]:
     leaves, cotangents = rest[: len(roles)], rest[len(roles) :]
 
-    def differentiable(q, k, v, *float_leaves):
+    def differentiable(
+      q: jax.Array, k: jax.Array, v: jax.Array, *float_leaves: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
       full = list(leaves)
       for i, x in zip(floats, float_leaves):
         full[i] = x
@@ -199,14 +228,18 @@ def _partitioned(attend: Callable, query, key, value, spec, heads_whole: bool):
   only_forward = _orders.no_derivatives(forward, who, _orders.FUSED)
   only_backward = _orders.first_order(backward, who, _orders.FUSED, forward=False)
 
+  Residuals = tuple[jax.Array, jax.Array, jax.Array, list[Any]]
+
   @jax.custom_vjp
-  def run(q, k, v, leaves):
+  def run(q: jax.Array, k: jax.Array, v: jax.Array, leaves: list[Any]) -> Any:
     return forward(q, k, v, *leaves)
 
-  def run_fwd(q, k, v, leaves):
+  def run_fwd(q: jax.Array, k: jax.Array, v: jax.Array, leaves: list[Any]) -> tuple[Any, Residuals]:
     return only_forward(q, k, v, *leaves), (q, k, v, leaves)
 
-  def run_bwd(residuals, cotangents):
+  def run_bwd(
+    residuals: Residuals, cotangents: tuple[jax.Array, jax.Array]
+  ) -> tuple[jax.Array, jax.Array, jax.Array, list[Any]]:
     q, k, v, leaves = residuals
     dq, dk, dv, *d_floats = only_backward(q, k, v, *leaves, *cotangents)
     d_leaves: list = [None] * len(leaves)
@@ -219,10 +252,10 @@ def _partitioned(attend: Callable, query, key, value, spec, heads_whole: bool):
   return out, lse
 
 
-def _roles(spec):
+def _roles(spec: CallSpec) -> CallSpec:
   """The spec with each array replaced by its role in :data:`_FACTORS` (or "rows", "other")."""
 
-  def mask_leaf(x):
+  def mask_leaf(x: jax.Array) -> str:
     return "rows" if x.ndim and x.shape[0] == spec.B and spec.B > 1 else "other"
 
   return dataclasses.replace(
@@ -236,14 +269,19 @@ def _roles(spec):
   )
 
 
-def _rule(fn: Callable, roles_in: tuple, roles_out: tuple, rules: tuple) -> Callable:
+def _rule(
+  fn: Callable[..., Any],
+  roles_in: tuple[str, ...],
+  roles_out: tuple[str, ...],
+  rules: tuple[int, int, bool],
+) -> Callable[..., Any]:
   """``fn`` (flat arrays in and out) under custom_partitioning: batch rows over the query's
   batch axes, heads over its head axes (where the kernel can take them), everything else
   whole on each device. Constants ``fn`` closes over (a kernel's mask tables) travel as
   leading arguments, whole on each device."""
   N, K, heads_whole = rules
 
-  def call(*args):
+  def call(*args: jax.Array) -> Any:
     traced, consts = _compat.without_consts(fn, *args)
     roles = ("other",) * len(consts) + roles_in
     wrapped = custom_partitioning(traced)
@@ -254,15 +292,25 @@ def _rule(fn: Callable, roles_in: tuple, roles_out: tuple, rules: tuple) -> Call
   return call
 
 
-def _define(wrapped, lower, roles_in, roles_out, N, K, heads_whole):
+def _define(
+  wrapped: custom_partitioning,
+  lower: Callable[..., Any],
+  roles_in: tuple[str, ...],
+  roles_out: tuple[str, ...],
+  N: int,
+  K: int,
+  heads_whole: bool,
+) -> None:
   """The partitioning rule of :func:`_rule`."""
 
-  def axes(mesh, query_sharding):
+  def axes(mesh: Mesh, query_sharding: jax.sharding.Sharding) -> tuple[MeshAxes, MeshAxes]:
     """(batch axes, head axes) of the query's sharding that the kernel takes."""
     spec = tuple(getattr(query_sharding, "spec", ())) + (None,) * 4
     return spec[0], _head_axes(mesh, spec[2], N, K, heads_whole)
 
-  def specs(mesh, query_sharding, roles):
+  def specs(
+    mesh: Mesh, query_sharding: jax.sharding.Sharding, roles: tuple[str, ...]
+  ) -> tuple[NamedSharding, ...]:
     b, n = axes(mesh, query_sharding)
     kn = n if K > 1 else None
     by_role = {
@@ -279,11 +327,15 @@ def _define(wrapped, lower, roles_in, roles_out, N, K, heads_whole):
 
   first = roles_in.index("q")  # the query follows the hoisted constants
 
-  def infer(mesh, arg_shapes, result_shape):
+  def infer(
+    mesh: Mesh, arg_shapes: Sequence[jax.ShapeDtypeStruct], result_shape: Any
+  ) -> tuple[NamedSharding, ...]:
     del result_shape
     return specs(mesh, arg_shapes[first].sharding, roles_out)
 
-  def partition(mesh, arg_shapes, result_shape):
+  def partition(
+    mesh: Mesh, arg_shapes: Sequence[jax.ShapeDtypeStruct], result_shape: Any
+  ) -> tuple[Mesh, Callable[..., Any], tuple[NamedSharding, ...], tuple[NamedSharding, ...]]:
     del result_shape
     sharding = arg_shapes[first].sharding
     _, n = axes(mesh, sharding)
@@ -291,7 +343,7 @@ def _define(wrapped, lower, roles_in, roles_out, N, K, heads_whole):
     if K == 1 and n is not None and ("k" in roles_out or "v" in roles_out):
       # The one key/value head is whole on every device, and each device's gradient for it
       # sums over its own query heads only: add up the devices' shares.
-      def run(*args):
+      def run(*args: jax.Array) -> tuple[Any, ...]:
         outs = lower(*args)
         return tuple(
           jax.lax.psum(x, n) if role in ("k", "v") else x for x, role in zip(outs, roles_out)
@@ -299,12 +351,14 @@ def _define(wrapped, lower, roles_in, roles_out, N, K, heads_whole):
 
     return mesh, run, specs(mesh, sharding, roles_out), specs(mesh, sharding, roles_in)
 
-  def mapping(role, i, shape):
+  def mapping(role: str, i: int, shape: tuple[int, ...]) -> ArrayMapping:
     names = _FACTORS.get(role) or (("b",) if role == "rows" else ())
     rest = tuple(f"{role[0]}{i}x{d}" for d in range(len(names), len(shape)))
     return ArrayMapping(*names[: len(shape)], *rest)
 
-  def sharding_rule(mesh, value_types, result_types):
+  def sharding_rule(
+    mesh: Mesh, value_types: Sequence[Any], result_types: Sequence[Any]
+  ) -> SdyShardingRule:
     del mesh
     ins = tuple(mapping(r, i, t.shape) for i, (r, t) in enumerate(zip(roles_in, value_types)))
     outs = tuple(

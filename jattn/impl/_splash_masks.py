@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -18,10 +21,15 @@ import numpy as np
 from jattn import _compat
 from jattn.masks import _core, kinds, layouts
 
+if TYPE_CHECKING:
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as _mask_lib
+
+  from jattn._spec import CallSpec
+
 # --- which masks compile ------------------------------------------------------
 
 
-def _nodes(mask):
+def _nodes(mask: _core.Mask) -> Iterator[_core.Mask]:
   yield mask
   for child in mask.children:
     if isinstance(child, _core.Mask):
@@ -88,7 +96,7 @@ class StaticMask:
   masks when a kernel is built, so they cannot be traced arguments).
   """
 
-  def __init__(self, parts):
+  def __init__(self, parts: Iterable[_core.Mask]) -> None:
     leaves, treedef = jax.tree.flatten(tuple(parts))
     leaves = [np.asarray(x) for x in leaves]
     self.parts = tuple(jax.tree.unflatten(treedef, leaves))
@@ -101,14 +109,14 @@ class StaticMask:
   def __hash__(self) -> int:
     return hash(self._key)
 
-  def __eq__(self, other) -> bool:
+  def __eq__(self, other: object) -> bool:
     return isinstance(other, StaticMask) and self._key == other._key
 
   def __repr__(self) -> str:
     return "StaticMask(" + " & ".join(map(repr, self.parts)) + ")"
 
 
-def split(mask) -> tuple[StaticMask | None, _core.Mask | None]:
+def split(mask: _core.Mask | None) -> tuple[StaticMask | None, _core.Mask | None]:
   """``mask`` (which :func:`mask_reason` accepts) as (its tabulated conjuncts, the rest:
   segments and lengths, which travel as traced segment ids)."""
   parts = _core.conjuncts(mask)
@@ -117,7 +125,8 @@ def split(mask) -> tuple[StaticMask | None, _core.Mask | None]:
   return (StaticMask(static) if static else None), _core.all_of(*dynamic)
 
 
-def splash_modules():
+def splash_modules() -> tuple[ModuleType, ModuleType]:
+  """JAX's splash attention modules (the kernel's and the masks'), imported when first used."""
   from jax.experimental.pallas.ops.tpu.splash_attention import (
     splash_attention_kernel,
     splash_attention_mask,
@@ -127,8 +136,10 @@ def splash_modules():
 
 
 @functools.cache
-def _tabulated_class():
-  _, mask_lib = splash_modules()
+def _tabulated_class() -> Callable[
+  [Sequence[_core.Mask], int, int, int, tuple[int, int]], _mask_lib.Mask
+]:
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
   class Tabulated(mask_lib.Mask):
     """A splash mask read from jattn masks' index function at batch row 0, one head.
@@ -138,7 +149,9 @@ def _tabulated_class():
     the blocks of a band in turn.
     """
 
-    def __init__(self, parts, head: int, T: int, S: int, shape: tuple[int, int]):
+    def __init__(
+      self, parts: Sequence[_core.Mask], head: int, T: int, S: int, shape: tuple[int, int]
+    ) -> None:
       self.parts, self.head, self.T, self.S, self._shape = parts, head, T, S, shape
 
     @property
@@ -149,7 +162,9 @@ def _tabulated_class():
     def _band(self, start: int, stop: int) -> np.ndarray:
       rows = np.arange(start, stop)
       cols = np.arange(self._shape[1])
-      index = (
+      # NumPy index arrays, not jax.Arrays: the masks' index functions broadcast with any
+      # int arrays, and NumPy keeps the table on the host.
+      index: tuple[Any, ...] = (
         np.zeros((1, 1, 1, 1), np.int32),
         np.full((1, 1, 1, 1), self.head, np.int32),
         np.minimum(rows, self.T - 1).astype(np.int32).reshape(1, 1, -1, 1),
@@ -161,7 +176,7 @@ def _tabulated_class():
           allowed &= np.broadcast_to(np.asarray(part(*index))[0, 0], allowed.shape)
       return allowed & (rows[:, None] < self.T) & (cols[None, :] < self.S)
 
-    def __getitem__(self, idx) -> np.ndarray:
+    def __getitem__(self, idx: tuple[slice, slice]) -> np.ndarray:
       q_slice, kv_slice = idx
       start, stop, _ = q_slice.indices(self._shape[0])
       return self._band(start, stop)[:, kv_slice]
@@ -169,7 +184,7 @@ def _tabulated_class():
   return Tabulated
 
 
-def _native(parts, shape):
+def _native(parts: Sequence[_core.Mask], shape: tuple[int, int]) -> _mask_lib.Mask | None:
   """The splash mask computed in-kernel from indices equal to ``all_of(*parts)``, or None."""
   _, mask_lib = splash_modules()
   by_kind: dict[type, list] = {}
@@ -197,13 +212,15 @@ def _native(parts, shape):
   return None
 
 
-def varies_by_head(spec) -> bool:
+def varies_by_head(spec: CallSpec) -> bool:
   """Whether the tabulated masks differ between heads (a device then needs every head)."""
   parts = () if spec.static_mask is None else spec.static_mask.parts
   return any(part.extents[1] is not None for part in parts)
 
 
-def splash_mask(static, N: int, T: int, S: int, shape):
+def splash_mask(
+  static: Sequence[_core.Mask], N: int, T: int, S: int, shape: tuple[int, int]
+) -> _mask_lib.MultiHeadMask:
   """One splash mask per query head for the batch-independent conjuncts ``static``."""
   _, mask_lib = splash_modules()
   if not static:

@@ -15,16 +15,19 @@ backward passes share, with :func:`d_probs`, the dA = dY Vᵀ of one tile.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from jattn import dropout as _dropout
 from jattn import masks
 from jattn.impl import _common
+
+Carry = TypeVar("Carry")
 
 
 class Static(NamedTuple):
@@ -53,7 +56,9 @@ class Schedule(NamedTuple):
 # --- the schedule -------------------------------------------------------------
 
 
-def tile_classes(mask, B, N, T, S, bq, bk):
+def tile_classes(
+  mask: masks.Mask | None, B: int, N: int, T: int, S: int, bq: int, bk: int
+) -> np.ndarray | jax.Array:
   """(nq, nk) int8 tile classes for all batch rows and heads at once.
 
   A tile is EMPTY only if it is empty for every (batch, head), FULL only if
@@ -80,7 +85,7 @@ def tile_classes(mask, B, N, T, S, bq, bk):
   return xp.where(edge & (view == masks.FULL), masks.PARTIAL, view).astype(np.int8)
 
 
-def schedule(view) -> Schedule:
+def schedule(view: np.ndarray | jax.Array) -> Schedule:
   """For each row of ``view``: its column indices, FULL first, then PARTIAL, then EMPTY."""
   xp = np if isinstance(view, np.ndarray) else jnp
   rank = xp.where(view == masks.FULL, 0, xp.where(view == masks.PARTIAL, 1, 2))
@@ -93,7 +98,7 @@ def schedule(view) -> Schedule:
 # --- tiles --------------------------------------------------------------------
 
 
-def seq_tiles(x, block: int):
+def seq_tiles(x: jax.Array, block: int) -> jax.Array:
   """(B, L, K, H) -> (ceil(L / block), B, K, block, H), zero-padded along L."""
   B, L, K, H = x.shape
   n = math.ceil(L / block)
@@ -101,7 +106,7 @@ def seq_tiles(x, block: int):
   return x.reshape(B, n, block, K, H).transpose(1, 0, 3, 2, 4)
 
 
-def stack_heads(x, num_kv_heads: int):
+def stack_heads(x: jax.Array, num_kv_heads: int) -> jax.Array:
   """(..., N, block, X) -> (..., K, G · block, X): each key/value head's G query heads stacked
   into one matrix.
 
@@ -113,26 +118,26 @@ def stack_heads(x, num_kv_heads: int):
   return x.reshape(*lead, num_kv_heads, G, block, X).reshape(*lead, num_kv_heads, G * block, X)
 
 
-def unstack_heads(x, num_heads: int):
+def unstack_heads(x: jax.Array, num_heads: int) -> jax.Array:
   """The inverse of :func:`stack_heads`: (..., K, G · block, X) -> (..., N, block, X)."""
   *lead, K, rows, X = x.shape
   G = num_heads // K
   return x.reshape(*lead, K, G, rows // G, X).reshape(*lead, num_heads, rows // G, X)
 
 
-def query_tiles(x, block: int, num_kv_heads: int):
+def query_tiles(x: jax.Array, block: int, num_kv_heads: int) -> jax.Array:
   """(B, T, N, H) -> (nq, B, K, G · block, H): each key/value head's G query heads stacked."""
   return stack_heads(seq_tiles(x, block), num_kv_heads)  # from (nq, B, N, block, H)
 
 
-def untile_queries(x, num_heads: int, length: int):
+def untile_queries(x: jax.Array, num_heads: int, length: int) -> jax.Array:
   """The inverse of :func:`query_tiles`: (nq, B, K, G · block, H) -> (B, T, N, H)."""
   x = unstack_heads(x, num_heads).transpose(1, 0, 3, 2, 4)  # (B, nq, block, N, H)
   B, nq, block, N, H = x.shape
   return x.reshape(B, nq * block, N, H)[:, :length]
 
 
-def row_tiles(x, block: int):
+def row_tiles(x: jax.Array, block: int) -> jax.Array:
   """Per-row statistics (B, T, N) -> (nq, B, N, block, 1), zero-padded."""
   B, T, N = x.shape
   n = math.ceil(T / block)
@@ -140,7 +145,9 @@ def row_tiles(x, block: int):
   return x.reshape(B, n, block, N).transpose(1, 0, 3, 2)[..., None]
 
 
-def tile_indices(B, N, bq, bk, qi, ki):
+def tile_indices(
+  B: int, N: int, bq: int, bk: int, qi: jax.Array | int, ki: jax.Array | int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """Global (batch, head, q_idx, kv_idx) of tile (qi, ki), broadcasting to (B, N, bq, bk)."""
   with jax.ensure_compile_time_eval():  # concrete batch index: masks take along sequences
     b = jnp.arange(B, dtype=jnp.int32).reshape(B, 1, 1, 1)
@@ -153,7 +160,7 @@ def tile_indices(B, N, bq, bk, qi, ki):
   )
 
 
-def pad_bias(bias, static: Static):
+def pad_bias(bias: jax.Array | None, static: Static) -> jax.Array | None:
   """Bias (Bb, Nb, Tb, Sb) with its T and S axes (where not 1) padded to whole tiles."""
   if bias is None:
     return None
@@ -166,7 +173,9 @@ def pad_bias(bias, static: Static):
   return jnp.pad(bias, pads)
 
 
-def bias_window(bias, static: Static, qi, ki):
+def bias_window(
+  bias: jax.Array, static: Static, qi: jax.Array | int, ki: jax.Array | int
+) -> tuple[tuple[jax.Array, ...], tuple[int, int, int, int]]:
   """Start and size of tile (qi, ki) in a padded bias, for dynamic_slice."""
   Bb, Nb, Tb, Sb = bias.shape
   start = (0, 0, 0 if Tb == 1 else qi * static.block_q, 0 if Sb == 1 else ki * static.block_kv)
@@ -185,13 +194,13 @@ class Tile(NamedTuple):
 
 def tile(
   static: Static,
-  q_tile,
-  k_tile,
-  bias,
-  seed,
-  consts,
-  qi,
-  ki,
+  q_tile: jax.Array,
+  k_tile: jax.Array,
+  bias: jax.Array | None,
+  seed: jax.Array | None,
+  consts: tuple[Sequence[Any], Sequence[Any]],
+  qi: jax.Array | int,
+  ki: jax.Array | int,
   *,
   masked: bool,
   with_vjp: bool = False,
@@ -225,26 +234,37 @@ def tile(
       keep = keep & static.mask_fn(q, kv, *mask_consts)
   drop = None
   if static.dropout_rate:
+    assert seed is not None, "dropout draws its seed words whenever dropout_rate > 0"
     drop_idx = _dropout.shared_indices(*idx) if static.broadcast_dropout else idx
     drop = _dropout.keep_from_seed((seed[0], seed[1]), static.dropout_rate, *drop_idx)
   return Tile(s, keep, drop, score_vjp)
 
 
-def keep_scale(static: Static, dtype):
+def keep_scale(static: Static, dtype: DTypeLike) -> jax.Array | None:
   """Inverted dropout's scale 1 / (1 − rate) for kept weights, None without dropout."""
   return None if not static.dropout_rate else jnp.asarray(1 / (1 - static.dropout_rate), dtype)
 
 
-def d_probs(tile: Tile, do_tile, v_tile, keep_scale, dtype):
+def d_probs(
+  tile: Tile, do_tile: jax.Array, v_tile: jax.Array, keep_scale: jax.Array | None, dtype: DTypeLike
+) -> jax.Array:
   """dA = dY Vᵀ of one tile, (B, N, bq, bk), with dropout's kept weights and scale applied.
   The Δ pass and the gradient pass both take it from here, so Δ = rowsum(A ⊙ dA) sums the
   very dA that dS = A ⊙ (dA − Δ) subtracts it from."""
   d_p = jnp.einsum("BKrH,BKkH->BKrk", do_tile, v_tile, preferred_element_type=dtype)
   d_p = unstack_heads(d_p, tile.s.shape[1])
-  return d_p if tile.drop is None else jnp.where(tile.drop, d_p * keep_scale, 0)
+  if tile.drop is None:
+    return d_p
+  assert keep_scale is not None, "dropout's kept weights come with its scale"
+  return jnp.where(tile.drop, d_p * keep_scale, 0)
 
 
-def visit(schedule: Schedule, i, body, carry):
+def visit(
+  schedule: Schedule,
+  i: jax.Array | int,
+  body: Callable[[jax.Array, Carry, bool], Carry],
+  carry: Carry,
+) -> Carry:
   """Run ``body(j, carry, masked)`` over row ``i``'s FULL tiles, then its PARTIAL ones."""
   n_full, n_partial = schedule.num_full[i], schedule.num_partial[i]
   order = schedule.order[i]

@@ -57,8 +57,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +71,25 @@ if TYPE_CHECKING:
   from jattn._spec import CallSpec
 
 BACKWARDS = ("custom_vjp",)
+
+KV = tuple[jax.Array, jax.Array] | _kv.CacheTiles
+"""Where key/value tiles come from: a (key, value) pair, or a KV cache read tile by tile."""
+
+Consts = tuple[Sequence[Any], Sequence[Any]]
+"""(mask constants, score function constants), hoisted out of their closures."""
+
+_Residuals = tuple[
+  jax.Array,  # query
+  KV,
+  jax.Array | None,  # bias
+  jax.Array | None,  # dropout seed words
+  _tiling.Schedule,  # rows
+  _tiling.Schedule,  # cols
+  tuple[Any, ...],  # mask constants
+  tuple[Any, ...],  # score function constants
+  jax.Array,  # m
+  jax.Array,  # l
+]
 
 # Default (block_q, block_kv) per backend. CPU: a (G·block_q, block_kv) score
 # tile of all heads fits the L3 cache while its matmuls run near the machine's
@@ -97,7 +116,9 @@ def resolve_blocks(
   return (default_q if block_q is None else block_q, default_kv if block_kv is None else block_kv)
 
 
-def attention(query, key, value, spec: CallSpec):
+def attention(
+  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
+) -> tuple[jax.Array, jax.Array]:
   """Returns ``(out (B, T, N, H) in query's dtype, lse (B, T, N) in float32/64)``.
 
   Reads the bias (rank 4), mask, score function, scale, dropout and tiles from ``spec``.
@@ -105,14 +126,18 @@ def attention(query, key, value, spec: CallSpec):
   return _attention(query, (key, value), key.shape[1], spec)
 
 
-def attention_over_cache(query, tiles: _kv.CacheTiles, spec: CallSpec):
+def attention_over_cache(
+  query: jax.Array, tiles: _kv.CacheTiles, spec: CallSpec
+) -> tuple[jax.Array, jax.Array]:
   """:func:`attention` with keys and values read from a KV cache tile by tile
   (``spec.block_kv == tiles.block``): a tile is gathered, dequantized and masked only
   when the schedule visits it, so a call's memory grows with the tiles in use."""
   return _attention(query, tiles, tiles.kv_len, spec)
 
 
-def _attention(query, kv, kv_len: int, spec: CallSpec):
+def _attention(
+  query: jax.Array, kv: KV, kv_len: int, spec: CallSpec
+) -> tuple[jax.Array, jax.Array]:
   dtype = query.dtype
   wide = spec.compute_dtype or dtype
   if wide != dtype:  # autodiff casts the gradients back through these casts
@@ -120,7 +145,8 @@ def _attention(query, kv, kv_len: int, spec: CallSpec):
     if isinstance(kv, _kv.CacheTiles):
       kv = dataclasses.replace(kv, dtype=wide)
     else:
-      kv = tuple(x.astype(wide) for x in kv)
+      key, value = kv
+      kv = (key.astype(wide), value.astype(wide))
   p = plan(
     query,
     kv_len,
@@ -151,19 +177,19 @@ class Plan(NamedTuple):
   score_consts: tuple
 
   @property
-  def consts(self):
+  def consts(self) -> Consts:
     return (self.mask_consts, self.score_consts)
 
 
 def plan(
-  query,
+  query: jax.Array,
   kv_len: int,
   *,
   mask: _masks.Mask | None,
-  score_fn: Callable | None,
+  score_fn: Callable[..., jax.Array] | None,
   scale: float,
   dropout_rate: float = 0.0,
-  dropout_rng=None,
+  dropout_rng: jax.Array | None = None,
   broadcast_dropout: bool = False,
   block_q: int,
   block_kv: int,
@@ -192,6 +218,7 @@ def plan(
     modify, score_consts = _common.hoist(score_fn, s, *example)
   seed = None
   if dropout_rate:
+    assert dropout_rng is not None, "a checked call with dropout has its key"
     seed = jnp.stack(_dropout.seed_words(dropout_rng))
   static = _tiling.Static(
     float(scale), float(dropout_rate), bool(broadcast_dropout), T, S, bq, bk, mask_fn, modify
@@ -199,14 +226,27 @@ def plan(
   return Plan(static, rows, cols, seed, tuple(mask_consts), tuple(score_consts))
 
 
-def forward(p: Plan, query, key, value, bias=None):
+def forward(
+  p: Plan, query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(out (B, T, N, H), m (B, T, N), l (B, T, N))``, all float32/64, with no custom_vjp
   around them: the normalised output and each row's max and sum (m = 0 and l = 0 for rows
   that attend to nothing); the log-sum-exp is ``_common.log_sum_exp(m, l)``."""
   return _forward(p.static, query, (key, value), bias, p.seed, p.rows, p.consts)
 
 
-def backward(p: Plan, query, key, value, out, m, l, d_out, d_lse, bias=None):
+def backward(
+  p: Plan,
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  out: jax.Array,
+  m: jax.Array,
+  l: jax.Array,
+  d_out: jax.Array,
+  d_lse: jax.Array,
+  bias: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
   """Float32/64 ``(d_query, d_key, d_value, d_bias)`` of :func:`forward`'s outputs given the
   cotangents of out and the log-sum-exp; ``out``, ``m`` and ``l`` may be those of a larger
   softmax that this call is one part of (ring attention): the rule only needs the final rows'
@@ -215,6 +255,7 @@ def backward(p: Plan, query, key, value, out, m, l, d_out, d_lse, bias=None):
   d_query, d_kv, d_bias, _, _ = _backward(
     p.static, (query, (key, value), bias, p.seed, p.cols, p.consts, out, m, l), d_out, d_lse
   )
+  assert isinstance(d_kv, tuple), "a (key, value) pair's cotangent is a pair"
   d_key, d_value = d_kv
   return d_query, d_key, d_value, d_bias
 
@@ -222,7 +263,15 @@ def backward(p: Plan, query, key, value, out, m, l, d_out, d_lse, bias=None):
 # --- forward ------------------------------------------------------------------
 
 
-def _forward(static: _tiling.Static, query, kv, bias, seed, rows: _tiling.Schedule, consts):
+def _forward(
+  static: _tiling.Static,
+  query: jax.Array,
+  kv: KV,
+  bias: jax.Array | None,
+  seed: jax.Array | None,
+  rows: _tiling.Schedule,
+  consts: Consts,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(out (B, T, N, Hv), m (B, T, N), l (B, T, N))``, all float32/64 (see :func:`forward`);
   ``kv`` is a (key, value) pair or a :class:`jattn.impl._kv.CacheTiles`."""
   B, T, N, H = query.shape
@@ -235,8 +284,10 @@ def _forward(static: _tiling.Static, query, kv, bias, seed, rows: _tiling.Schedu
   bias = _tiling.pad_bias(bias, static)
   keep_scale = _tiling.keep_scale(static, dtype)
 
-  def query_tile(i, q_tile):
-    def body(j, carry, masked):
+  def query_tile(i: jax.Array, q_tile: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def body(
+      j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array], masked: bool
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
       acc, m, l = carry
       tile = _tiling.tile(
         static, q_tile, tiles.key_tile(j), bias, seed, consts, i, j, masked=masked
@@ -254,6 +305,7 @@ def _forward(static: _tiling.Static, query, kv, bias, seed, rows: _tiling.Schedu
       alpha = jnp.exp(jax.lax.stop_gradient(m) - shift)
       l = l * alpha + jnp.sum(p, axis=-1, keepdims=True, dtype=dtype)
       if tile.drop is not None:
+        assert keep_scale is not None, "dropout's kept weights come with its scale"
         p = jnp.where(tile.drop, p * keep_scale.astype(p.dtype), 0)
       pv = jnp.einsum(
         "BKrk,BKkH->BKrH",
@@ -265,7 +317,7 @@ def _forward(static: _tiling.Static, query, kv, bias, seed, rows: _tiling.Schedu
       return acc, m_new, l
 
     # Sharded as the query tiles (acc) and the query's batch and heads (m, l) are.
-    rows_like = dict(like=query, axes=(0, 2, None, None))
+    rows_like: dict[str, Any] = dict(like=query, axes=(0, 2, None, None))
     init = (
       _common.full((B, K, G * bq, Hv), 0, dtype, like=q_tile, axes=(0, 1, 2, None)),
       _common.full((B, N, bq, 1), -jnp.inf, dtype, **rows_like),
@@ -287,24 +339,28 @@ def _forward(static: _tiling.Static, query, kv, bias, seed, rows: _tiling.Schedu
 
 def _row_dots(
   static: _tiling.Static,
-  q_tiles,
-  do_tiles,
-  tiles,
-  bias,
-  seed,
-  consts,
-  m,
-  l,
+  q_tiles: jax.Array,
+  do_tiles: jax.Array,
+  tiles: _kv.Stacked | _kv.CacheTiles,
+  bias: jax.Array | None,
+  seed: jax.Array | None,
+  consts: Consts,
+  m: jax.Array,
+  l: jax.Array,
   rows: _tiling.Schedule,
   with_sums: bool,
-):
+) -> tuple[jax.Array, jax.Array | None]:
   """(rowsum(A ⊙ dA), rowsum(A) if ``with_sums`` else None) per row, each (nq, B, N, bq, 1):
   A recomputed from m and l, dA = dY Vᵀ."""
   dtype = m.dtype
   keep_scale = _tiling.keep_scale(static, dtype)
 
-  def query_tile(i, q_tile, do_tile, m_i, l_i):
-    def body(j, acc, masked):
+  def query_tile(
+    i: jax.Array, q_tile: jax.Array, do_tile: jax.Array, m_i: jax.Array, l_i: jax.Array
+  ) -> tuple[jax.Array, jax.Array | None]:
+    def body(
+      j: jax.Array, acc: tuple[jax.Array, jax.Array | None], masked: bool
+    ) -> tuple[jax.Array, jax.Array | None]:
       tile = _tiling.tile(
         static, q_tile, tiles.key_tile(j), bias, seed, consts, i, j, masked=masked
       )
@@ -324,8 +380,28 @@ def _row_dots(
 
 
 def _backward(
-  static: _tiling.Static, residuals, d_out, d_lse, rows: _tiling.Schedule | None = None
-):
+  static: _tiling.Static,
+  residuals: tuple[
+    jax.Array,  # query
+    KV,
+    jax.Array | None,  # bias
+    jax.Array | None,  # dropout seed words
+    _tiling.Schedule,  # cols
+    Consts,
+    jax.Array | None,  # out: None with rows, where Δ takes a pass of its own
+    jax.Array,  # m
+    jax.Array,  # l
+  ],
+  d_out: jax.Array,
+  d_lse: jax.Array,
+  rows: _tiling.Schedule | None = None,
+) -> tuple[
+  jax.Array,
+  tuple[jax.Array, ...] | _kv.CacheTiles,
+  jax.Array | None,
+  tuple[None, ...],
+  tuple[jax.Array | None, ...],
+]:
   """Gradients in float32/64 (the custom_vjp casts them to the inputs' dtypes). With the
   query tiles' schedule ``rows``, Δ = rowsum(A ⊙ dA) takes a pass of its own over the tiles;
   without it Δ = rowsum(dY ⊙ Y) comes from ``out`` (ring attention, whose rows span shards)."""
@@ -346,6 +422,7 @@ def _backward(
   padded_bias = _tiling.pad_bias(bias, static)
   if rows is None:
     # Δ = rowsum(dY ⊙ Y) − dlse = rowsum(A ⊙ dA) − dlse per row, from the output alone.
+    assert out is not None, "without the query tiles' schedule, Δ comes from the output"
     delta = _tiling.row_tiles(jnp.sum(d_out * out, axis=-1) - d_lse.astype(dtype), bq)
   else:
     # Δ = rowsum(A ⊙ dA) summed over the very dA that dS = A ⊙ (dA − Δ) subtracts it from,
@@ -375,6 +452,7 @@ def _backward(
       with_sums=narrow,
     )
     if narrow:
+      assert row_sum is not None, "_row_dots sums the rows with_sums=narrow"
       row_sum = _common.safe_total(row_sum)
       l = l * row_sum
       row_dot = row_dot / row_sum
@@ -383,19 +461,30 @@ def _backward(
   # Only float constants (a learned table, ALiBi slopes) get gradients.
   is_float = [jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in score_consts]
 
-  def kv_tile(carry, xs):
+  def kv_tile(
+    carry: tuple[jax.Array, jax.Array | None, tuple[jax.Array, ...]], xs: jax.Array
+  ) -> tuple[
+    tuple[jax.Array, jax.Array | None, tuple[jax.Array, ...]], tuple[jax.Array, jax.Array]
+  ]:
     d_q, d_bias, d_consts = carry
     j = xs
     k_tile, v_tile = tiles.key_tile(j), tiles.value_tile(j)
 
-    def body(i, inner, masked):
+    def body(
+      i: jax.Array,
+      inner: tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, tuple[jax.Array, ...]],
+      masked: bool,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, tuple[jax.Array, ...]]:
       d_k, d_v, d_q, d_bias, d_consts = inner
       q_tile = q_tiles[i]
       tile = _tiling.tile(
         static, q_tile, k_tile, padded_bias, seed, consts, i, j, masked=masked, with_vjp=True
       )
       p = _common.normalized_exp(tile.s, m[i], l[i], tile.keep)  # A, normalised
-      p_used = p if tile.drop is None else jnp.where(tile.drop, p * keep_scale, 0)
+      p_used = p
+      if tile.drop is not None:
+        assert keep_scale is not None, "dropout's kept weights come with its scale"
+        p_used = jnp.where(tile.drop, p * keep_scale, 0)
       do_tile = do_tiles[i]
       d_v = d_v + jnp.einsum("BKrk,BKrH->BKHk", _tiling.stack_heads(p_used, K), do_tile)
       d_p = _tiling.d_probs(tile, do_tile, v_tile, keep_scale, dtype)
@@ -421,7 +510,7 @@ def _backward(
 
     # dK and dV accumulate transposed, (H, block_kv) per head: contracting the query rows
     # into that layout ran about 1.7x faster than into (block_kv, H) with XLA's CPU dot.
-    kv_like = dict(like=k_tile, axes=(0, 1, None, None))
+    kv_like: dict[str, Any] = dict(like=k_tile, axes=(0, 1, None, None))
     zeros_k = _common.full((B, K, H, bk), 0, dtype, **kv_like)
     zeros_v = _common.full((B, K, Hv, bk), 0, dtype, **kv_like)
     d_k, d_v, d_q, d_bias, d_consts = _tiling.visit(
@@ -431,7 +520,7 @@ def _backward(
 
   init = (
     jnp.zeros_like(q_tiles, dtype),
-    None if bias is None else jnp.zeros_like(padded_bias, dtype),
+    None if padded_bias is None else jnp.zeros_like(padded_bias, dtype),
     tuple(jnp.zeros_like(c, dtype) for c, f in zip(score_consts, is_float) if f),
   )
   (d_q, d_bias, d_float), (d_k, d_v) = jax.lax.scan(
@@ -441,7 +530,7 @@ def _backward(
   if prescaled:
     d_query = d_query * jnp.asarray(static.scale, dtype)
   d_kv = tiles.cotangent(d_k, d_v)  # from (nk, B, K, H, bk) and (nk, B, K, Hv, bk)
-  if d_bias is not None:
+  if bias is not None and d_bias is not None:
     d_bias = d_bias[:, :, : bias.shape[2], : bias.shape[3]]
   d_floats = iter(d_float)
   d_score = tuple(
@@ -455,18 +544,40 @@ def _backward(
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention_vjp(static, query, kv, bias, seed, rows, cols, mask_consts, score_consts):
+def _attention_vjp(
+  static: _tiling.Static,
+  query: jax.Array,
+  kv: KV,
+  bias: jax.Array | None,
+  seed: jax.Array | None,
+  rows: _tiling.Schedule,
+  cols: _tiling.Schedule,
+  mask_consts: tuple[Any, ...],
+  score_consts: tuple[Any, ...],
+) -> tuple[jax.Array, jax.Array]:
   out, m, l = _forward(static, query, kv, bias, seed, rows, (mask_consts, score_consts))
   return out, _common.log_sum_exp(m, l)
 
 
-def _attention_fwd(static, query, kv, bias, seed, rows, cols, mask_consts, score_consts):
+def _attention_fwd(
+  static: _tiling.Static,
+  query: jax.Array,
+  kv: KV,
+  bias: jax.Array | None,
+  seed: jax.Array | None,
+  rows: _tiling.Schedule,
+  cols: _tiling.Schedule,
+  mask_consts: tuple[Any, ...],
+  score_consts: tuple[Any, ...],
+) -> tuple[tuple[jax.Array, jax.Array], _Residuals]:
   out, m, l = _forward(static, query, kv, bias, seed, rows, (mask_consts, score_consts))
   residuals = (query, kv, bias, seed, rows, cols, mask_consts, score_consts, m, l)
   return (out, _common.log_sum_exp(m, l)), residuals
 
 
-def _attention_bwd(static, residuals, cotangents):
+def _attention_bwd(
+  static: _tiling.Static, residuals: _Residuals, cotangents: tuple[jax.Array, jax.Array]
+) -> tuple[Any, ...]:
   query, kv, bias, seed, rows, cols, mask_consts, score_consts, m, l = residuals
   d_out, d_lse = cotangents
   backward = _orders.first_order(

@@ -20,18 +20,24 @@ only (its float16 gradients in saturated rows measured far worse than jax.nn's).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jattn.impl import _base, _sharded
 from jattn.masks import _core, kinds
 
+if TYPE_CHECKING:
+  from jattn._spec import CallSpec
+
 BACKWARDS: tuple[str, ...] = ()  # cuDNN's own fused backward
 
 
-def _translate(spec):
+def _translate(spec: CallSpec) -> tuple[dict[str, Any] | None, str | None]:
   """(jax.nn masking keywords, None) or (None, why not)."""
-  out: dict = dict(is_causal=False, local_window_size=None, mask=None)
+  out: dict[str, Any] = dict(is_causal=False, local_window_size=None, mask=None)
   arrays, windows = [], []
   for part in _core.conjuncts(spec.mask):
     if isinstance(part, kinds.Causal) and part.offset == 0:
@@ -65,7 +71,7 @@ def _translate(spec):
   return out, None
 
 
-def reason(spec) -> str | None:
+def reason(spec: CallSpec) -> str | None:
   """Why jax.nn's cuDNN call cannot express ``spec``; None when it can."""
   if spec.H % 8 or spec.H > 256:
     return f"head dim H={spec.H} (cuDNN takes multiples of 8 up to 256)"
@@ -74,7 +80,7 @@ def reason(spec) -> str | None:
   return _translate(spec)[1]
 
 
-def auto_reason(spec, dtype) -> str | None:
+def auto_reason(spec: CallSpec, dtype: np.dtype) -> str | None:
   """Why ``implementation=None`` does not route an expressible ``spec`` to cuDNN."""
   if dtype.name != "bfloat16":
     return (
@@ -96,7 +102,9 @@ def auto_reason(spec, dtype) -> str | None:
   return None
 
 
-def attention(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
+def attention(
+  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
+) -> tuple[jax.Array, jax.Array]:
   """``(out (B, T, N, H), lse (B, T, N))`` from jax.nn's cuDNN kernel; lse is not
   differentiable (zeros unless ``spec.return_residual``)."""
   keywords, _ = _translate(spec)
@@ -110,7 +118,9 @@ def attention(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
     keywords["key_value_seq_lengths"] = jnp.broadcast_to(
       jnp.asarray(S if lengths.kv_lengths is None else lengths.kv_lengths, jnp.int32), (B,)
     )
-  result = jax.nn.dot_product_attention(
+  # jax.nn overloads return_residual as Literal[False] -> Array and Literal[True] -> (Array,
+  # Array); each value of a bool matches one, but mypy matches no overload for a bool.
+  result = jax.nn.dot_product_attention(  # type: ignore[call-overload]
     query,
     key,
     value,
@@ -126,7 +136,9 @@ def attention(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
   return result, jnp.zeros((spec.B, spec.T, spec.N), jnp.float32)
 
 
-def _run(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
+def _run(
+  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
+) -> tuple[jax.Array, jax.Array]:
   return _sharded.per_shard(attention, query, key, value, spec)
 
 

@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,10 @@ import numpy as np
 
 from jattn.impl import _base, _orders, _sharded, _splash_masks
 from jattn.masks import _core, kinds
+from jattn.scores import ScoreFn, SoftCap
+
+if TYPE_CHECKING:
+  from jattn._spec import CallSpec
 
 LANES = 128  # splash's block sizes must be multiples of the TPU's lane count
 DEFAULT_BLOCK = 512  # per side; capped to the padded length
@@ -81,7 +86,9 @@ def blocks_reason(block_q: int, block_kv: int) -> str | None:
 # --- the kernel's arguments ------------------------------------------------------
 
 
-def _segment_ids(dynamic, B: int, T: int, S: int, Tp: int, Sp: int):
+def _segment_ids(
+  dynamic: Sequence[_core.Mask], B: int, T: int, S: int, Tp: int, Sp: int
+) -> tuple[jax.Array, jax.Array] | None:
   """(q ids (B, Tp), kv ids (B, Sp)) int32 carrying segments, lengths and padding; None when
   nothing needs them. Real ids are renumbered 0, 1, ... (:func:`_dense`); a position that
   may not take part gets -1 (queries) or -2 (keys), so it matches nothing, not even another."""
@@ -107,7 +114,7 @@ def _segment_ids(dynamic, B: int, T: int, S: int, Tp: int, Sp: int):
   return jnp.where(ok[0], q_ids, -1), jnp.where(ok[1], kv_ids, -2)
 
 
-def _dense(q_ids, kv_ids):
+def _dense(q_ids: jax.Array, kv_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
   """The ids renumbered per batch row as ranks 0, 1, ... among that row's distinct ids.
 
   Only equality reaches the kernel, and ranks keep it while leaving every negative id
@@ -123,12 +130,17 @@ def _dense(q_ids, kv_ids):
   return dense[:, : q_ids.shape[1]], dense[:, q_ids.shape[1] :]
 
 
-def soft_cap_of(score_fn) -> float | None:
+def soft_cap_of(score_fn: ScoreFn | None) -> float | None:
   """The cap when ``score_fn`` is exactly ``logits_soft_cap`` (checked by the table)."""
-  return None if score_fn is None else float(score_fn.cap)
+  if score_fn is None:
+    return None
+  assert isinstance(score_fn, SoftCap), f"the table lets only a soft cap through: {score_fn!r}"
+  return float(score_fn.cap)
 
 
-def attention(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
+def attention(
+  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
+) -> tuple[jax.Array, jax.Array]:
   """``(out (B, T, N, H) in query's dtype, lse (B, T, N) float32)`` through splash.
 
   Reads the masks (``spec.static_mask`` and ``spec.mask``, see :func:`split`), the soft
@@ -137,6 +149,7 @@ def attention(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
   kernel_lib, _ = _splash_masks.splash_modules()
   B, T, S, N, K = spec.B, spec.T, spec.S, spec.N, spec.K
   bq, bkv = spec.block_q, spec.block_kv
+  assert bq is not None and bkv is not None, "tiles are set by _prepare"
   Tp, Sp = _round_up(T, bq), _round_up(S, bkv)
   dynamic = _core.conjuncts(spec.mask)  # segments and lengths (see split)
   static = [] if spec.static_mask is None else list(spec.static_mask.parts)
@@ -177,12 +190,25 @@ def attention(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
     given = jnp.broadcast_to(spec.sinks.astype(jnp.float32), (B, N))
     sinks = jnp.maximum(given, _SINK)
 
-  def run(save_residuals, q, k, v, ids, sinks):
+  def run(
+    save_residuals: bool,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    ids: tuple[jax.Array, jax.Array] | None,
+    sinks: jax.Array,
+  ) -> Any:
     # The kernel (its mask tables are arrays) is made where it is used: a custom_vjp's
     # backward is traced apart from its forward and may not close over the forward's values.
     kernel = make(mask, save_residuals=save_residuals, **settings)
 
-    def one(q, k, v, ids, sinks):
+    def one(
+      q: jax.Array,
+      k: jax.Array,
+      v: jax.Array,
+      ids: tuple[jax.Array, jax.Array] | None,
+      sinks: jax.Array,
+    ) -> Any:
       segment_ids = None if ids is None else kernel_lib.SegmentIds(*ids)
       return kernel(q, k, v, segment_ids, sinks=sinks)
 
@@ -206,23 +232,44 @@ def attention(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
 _WHO = "implementation='splash'"
 
 
-def _with_lse(run, run_residual, q, k, v, ids, sinks):
+_Ids = tuple[jax.Array, jax.Array] | None
+"""Splash's (q, kv) segment ids, or None."""
+
+_LseResiduals = tuple[jax.Array, jax.Array, jax.Array, _Ids, jax.Array, jax.Array]
+"""(q, k, v, ids, sinks, lse)."""
+
+
+def _with_lse(
+  run: Callable[..., jax.Array],
+  run_residual: Callable[..., tuple[jax.Array, tuple[jax.Array]]],
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  ids: _Ids,
+  sinks: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
   """``run_residual(q, k, v, ids, sinks) -> (out, (lse,))`` made differentiable in both
   outputs."""
 
   @jax.custom_vjp
-  def f(q, k, v, ids, sinks):
+  def f(
+    q: jax.Array, k: jax.Array, v: jax.Array, ids: _Ids, sinks: jax.Array
+  ) -> tuple[jax.Array, jax.Array]:
     out, (lse,) = run_residual(q, k, v, ids, sinks)
     return out, lse
 
-  def fwd(q, k, v, ids, sinks):
+  def fwd(
+    q: jax.Array, k: jax.Array, v: jax.Array, ids: _Ids, sinks: jax.Array
+  ) -> tuple[tuple[jax.Array, jax.Array], _LseResiduals]:
     out, lse = f(q, k, v, ids, sinks)
     return (out, lse), (q, k, v, ids, sinks, lse)
 
-  def bwd(res, cotangents):
+  def bwd(res: _LseResiduals, cotangents: tuple[jax.Array, jax.Array]) -> Any:
     return _orders.first_order(grads, _WHO, _orders.FUSED, forward=False)(res, cotangents)
 
-  def grads(res, cotangents):
+  def grads(
+    res: _LseResiduals, cotangents: tuple[jax.Array, jax.Array]
+  ) -> tuple[jax.Array, jax.Array, jax.Array, None, jax.Array]:
     q, k, v, ids, sinks, lse = res
     d_out, d_lse = cotangents
     _, vjp = jax.vjp(lambda q, k, v, sinks: run(q, k, v, ids, sinks), q, k, v, sinks)
@@ -259,7 +306,7 @@ def _check(call: _base.Call) -> str | None:
   return None
 
 
-def _prepare(spec, blocks: tuple[int | None, int | None], backend: str):
+def _prepare(spec: CallSpec, blocks: tuple[int | None, int | None], backend: str) -> CallSpec:
   del backend  # splash's tiles depend on the lengths alone
   block_q, block_kv = resolve_blocks(blocks[0], blocks[1], spec.T, spec.S)
   static_mask, rest = _splash_masks.split(spec.mask)
@@ -268,7 +315,9 @@ def _prepare(spec, blocks: tuple[int | None, int | None], backend: str):
   )
 
 
-def _run(query, key, value, spec) -> tuple[jax.Array, jax.Array]:
+def _run(
+  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
+) -> tuple[jax.Array, jax.Array]:
   whole = _splash_masks.varies_by_head(spec)
   return _sharded.per_shard(attention, query, key, value, spec, heads_whole=whole)
 

@@ -24,11 +24,12 @@ Arguments arrive normalised and validated, as a :class:`jattn._spec.CallSpec`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jattn import dropout as _dropout
 from jattn.impl import _base, _common
@@ -39,8 +40,25 @@ if TYPE_CHECKING:
 
 BACKWARDS = ("autodiff", "custom_vjp")
 
+_Static = tuple[float, float, np.dtype]
+"""(scale, dropout_rate, out's dtype): the custom_vjp's non-differentiable settings."""
 
-def attention(query, key, value, spec: CallSpec):
+_Residuals = tuple[
+  jax.Array,  # query
+  jax.Array,  # key
+  jax.Array,  # value
+  jax.Array | None,  # bias
+  jax.Array | None,  # keep
+  jax.Array | None,  # drop
+  tuple[Any, ...],  # the score function's constants
+  jax.Array,  # m
+  jax.Array,  # l
+]
+
+
+def attention(
+  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
+) -> tuple[jax.Array, jax.Array]:
   """Returns ``(out (B, T, N, H) in query's dtype, lse (B, T, N) in float32/64)``.
 
   Reads the bias (rank 4), mask, score function, scale, dropout and backward rule from
@@ -75,7 +93,7 @@ def attention(query, key, value, spec: CallSpec):
   return _attention_vjp(static, modify, query, key, value, bias, keep, drop, tuple(consts))
 
 
-def weights(query, key, spec: CallSpec) -> jax.Array:
+def weights(query: jax.Array, key: jax.Array, spec: CallSpec) -> jax.Array:
   """The normalised probabilities (B, N, T, S) in query's dtype; zero rows where nothing attends."""
   B, T, N, _ = query.shape
   S = key.shape[1]
@@ -91,7 +109,17 @@ def weights(query, key, spec: CallSpec) -> jax.Array:
   return p.astype(query.dtype)
 
 
-def _forward(query, key, value, bias, keep, drop, modify, consts, static):
+def _forward(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  bias: jax.Array | None,
+  keep: jax.Array | None,
+  drop: jax.Array | None,
+  modify: Callable[..., jax.Array] | None,
+  consts: Sequence[Any],
+  static: _Static,
+) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
   """The forward pass shared by both rules: ``(out, lse), (m, l)``, the rows' max and sum kept
   (B, N, T, 1) for the custom_vjp; ``static`` is (scale, dropout_rate, out's dtype)."""
   scale, dropout_rate, out_dtype = static
@@ -110,17 +138,44 @@ def _forward(query, key, value, bias, keep, drop, modify, consts, static):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention_vjp(static, modify, query, key, value, bias, keep, drop, consts):
+def _attention_vjp(
+  static: _Static,
+  modify: Callable[..., jax.Array] | None,
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  bias: jax.Array | None,
+  keep: jax.Array | None,
+  drop: jax.Array | None,
+  consts: tuple[Any, ...],
+) -> tuple[jax.Array, jax.Array]:
   return _forward(query, key, value, bias, keep, drop, modify, consts, static)[0]
 
 
-def _attention_fwd(static, modify, query, key, value, bias, keep, drop, consts):
+def _attention_fwd(
+  static: _Static,
+  modify: Callable[..., jax.Array] | None,
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  bias: jax.Array | None,
+  keep: jax.Array | None,
+  drop: jax.Array | None,
+  consts: tuple[Any, ...],
+) -> tuple[tuple[jax.Array, jax.Array], _Residuals]:
   (out, lse), (m, l) = _forward(query, key, value, bias, keep, drop, modify, consts, static)
   # The rows' max and sum, not their log-sum-exp m + log l: see _common.normalized_exp.
   return (out, lse), (query, key, value, bias, keep, drop, consts, m, l)
 
 
-def _attention_bwd(static, modify, residuals, cotangents):
+def _attention_bwd(
+  static: _Static,
+  modify: Callable[..., jax.Array] | None,
+  residuals: _Residuals,
+  cotangents: tuple[jax.Array, jax.Array],
+) -> tuple[
+  jax.Array, jax.Array, jax.Array, jax.Array | None, None, None, tuple[jax.Array | None, ...]
+]:
   scale, dropout_rate, _ = static
   query, key, value, bias, keep, drop, consts, m, l = residuals
   d_out, d_lse = cotangents
@@ -147,7 +202,7 @@ def _attention_bwd(static, modify, residuals, cotangents):
   row_dot = jnp.sum(p * d_p, axis=-1, keepdims=True)
   d_s = p * (d_p - row_dot + d_lse.astype(dtype).transpose(0, 2, 1)[..., None])
 
-  d_consts = ()
+  d_consts: Sequence[jax.Array] = ()
   if modify is not None:
     d_s, *d_consts = modify_vjp(d_s)
   d_bias = None
