@@ -100,7 +100,8 @@ def check_call(
 
   ``kv_name`` names the argument that made the call cross-attention, None for
   self-attention."""
-  implementation, rope, attention_fn = settings.implementation, settings.rope, settings.attention_fn
+  implementation, rope = settings.options.implementation, settings.rope
+  attention_fn = settings.attention_fn
   if not isinstance(sow_weights, (bool, np.bool_)):
     raise TypeError(f"sow_weights must be a bool, got {sow_weights!r}")
   if not isinstance(decode_, (bool, np.bool_)):
@@ -274,10 +275,7 @@ def attend(
     dropout_rate=settings.dropout_rate if dropout_rng is not None else 0.0,
     dropout_rng=dropout_rng,
     broadcast_dropout=settings.broadcast_dropout,
-    implementation=settings.implementation,
-    backward=settings.backward,
-    block_q=settings.block_q,
-    block_kv=settings.block_kv,
+    options=settings.options,
   )
   if cache is not None:
     if rope is not None:
@@ -295,7 +293,7 @@ def attend(
   kwargs = dict(is_causal=bool(is_causal), segment_ids=segment_ids, sinks=sinks)
   weights = None
   if sow_weights:
-    options["implementation"] = "xla"
+    options["options"] = dataclasses.replace(settings.options, implementation="xla")
     weights = attention.attention_weights(query, key, None, mask, **kwargs)
   out = attention.dot_product_attention(query, key, value, None, mask, **kwargs, **options)
   return out, weights, None

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jattn import _checks, positional
-from jattn.impl import _select
+from jattn._options import Options
 
 NORMALIZE_QK = (False, True, "rms", "layernorm")
 
@@ -36,20 +36,25 @@ class Heads:
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """A module's settings of the attention step (checked by :func:`check_config`), read
-  from the module's attributes of the same names by :meth:`of`."""
+  from its attributes by :meth:`of`."""
 
   rope: positional.Rotary | None
   dropout_rate: float
   broadcast_dropout: bool
-  implementation: str | None
-  backward: str | None
-  block_q: int | None
-  block_kv: int | None
+  options: Options
   attention_fn: Callable | None  # Flax's contract, in place of jattn's attention
 
   @classmethod
   def of(cls, module) -> Settings:
-    return cls(*(getattr(module, f.name) for f in dataclasses.fields(cls)))
+    """``module``'s: its ``options``, else an Options of its ``implementation``,
+    ``backward``, ``block_q`` and ``block_kv`` (unset when options is)."""
+    options = module.options
+    if options is None:
+      fields = ("implementation", "backward", "block_q", "block_kv")
+      options = Options(**{name: getattr(module, name) for name in fields})
+    return cls(
+      module.rope, module.dropout_rate, module.broadcast_dropout, options, module.attention_fn
+    )
 
 
 # The constructor settings both modules have under these names (Linen as fields), which
@@ -69,6 +74,7 @@ CONFIG = (
   "backward",
   "block_q",
   "block_kv",
+  "options",
   "value_head_dim",
   "decode",
   "attention_fn",
@@ -94,6 +100,7 @@ def check_config(
   backward,
   block_q,
   block_kv,
+  options=None,
   value_head_dim=None,
   decode=None,
   attention_fn=None,
@@ -123,15 +130,13 @@ def check_config(
     raise TypeError(f"rope must be a jattn.positional.Rotary or None, got {type(rope).__name__}")
   if not any(normalize_qk is v or (isinstance(v, str) and normalize_qk == v) for v in NORMALIZE_QK):
     raise ValueError(f"normalize_qk must be one of {list(NORMALIZE_QK)}, got {normalize_qk!r}")
-  _select.check_choices(implementation, backward)
-  _checks.tile_sizes(implementation, block_q, block_kv)
+  options = Options.of(
+    options, implementation=implementation, backward=backward, block_q=block_q, block_kv=block_kv
+  )
   _checks.boolean("sinks", sinks)
   check_attention_fn(
     attention_fn,
-    implementation=implementation,
-    backward=backward,
-    block_q=block_q,
-    block_kv=block_kv,
+    **dataclasses.asdict(options),
     sinks=sinks,
   )
   if value_head_dim is not None:

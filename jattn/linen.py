@@ -28,6 +28,7 @@ from flax import linen as nn
 
 from jattn import _flax_adapter, _flax_cache, _flax_call, _flax_config, positional
 from jattn import decode as _decode
+from jattn._options import Options
 
 default_kernel_init = nn.initializers.lecun_normal()
 
@@ -99,6 +100,7 @@ class MultiHeadAttention(nn.Module):
   backward: str | None = None
   block_q: int | None = None
   block_kv: int | None = None
+  options: Options | None = None
   sinks: bool = False
   sinks_init: Any = nn.initializers.zeros_init()
   value_head_dim: int | None = None
@@ -118,13 +120,14 @@ class MultiHeadAttention(nn.Module):
     super().__post_init__()
 
   def _cache_options(self) -> _flax_cache.CacheOptions:
+    options = _flax_config.Settings.of(self).options
     return _flax_cache.check_cache_options(
       dtype_name="cache_dtype",
       dtype=self.cache_dtype,
       page_size=self.page_size,
       num_pages=self.num_pages,
-      implementation=self.implementation,
-      block_kv=self.block_kv,
+      implementation=options.implementation,
+      block_kv=options.block_kv,
     )
 
   def _config(self, in_features):

@@ -1,23 +1,19 @@
 """Flax NNX: a multi-head attention module built on jattn, and an ``attention_fn`` adapter.
 
-:class:`MultiHeadAttention` is a superset of Flax's ``nnx.MultiHeadAttention``: the
-same constructor and call arguments (positional and keyword, Flax's defaults and
-meanings), ``init_cache(input_shape, dtype)``, and the same parameter tree
-(submodules ``query``, ``key``, ``value``, ``out`` and, with ``normalize_qk``,
-``query_ln`` and ``key_ln``), so swapping the class changes nothing else and a
-checkpoint of one loads into the other. On top it has GQA/MQA, RoPE, segment ids, a
-choice of implementation and backward rule, and a KV cache that takes one or many
-tokens per call (chunked prefill) with ragged rows: contiguous or paged, float
-or quantized to int8/float8 (:meth:`MultiHeadAttention.init_cache`), with
-finished rows released for new requests (:meth:`MultiHeadAttention.release_cache`).
+:class:`MultiHeadAttention` is a superset of Flax's ``nnx.MultiHeadAttention``: the same
+arguments (positional and keyword, Flax's defaults and meanings), ``init_cache(input_shape,
+dtype)`` and parameter tree (``query``, ``key``, ``value``, ``out``, ``query_ln``,
+``key_ln``), so swapping the class changes nothing else and a checkpoint of one loads into
+the other. On top: GQA/MQA, RoPE, segment ids, a choice of implementation and backward
+rule, and a KV cache taking one or many tokens per call with ragged rows: contiguous or
+paged, float or int8/float8 (:meth:`MultiHeadAttention.init_cache`), finished rows released
+for new requests (:meth:`MultiHeadAttention.release_cache`).
 
 :func:`attention_fn` plugs jattn into Flax's own module:
 ``nnx.MultiHeadAttention(..., attention_fn=jattn.nnx.attention_fn)``.
-
-:class:`HopfieldLayer` is a modern Hopfield layer with learnable stored
-patterns, on top of :func:`jattn.hopfield.retrieve`.
-
-Shape legend as in :mod:`jattn.attention`; F is a feature size.
+:class:`HopfieldLayer` is a modern Hopfield layer with learnable stored patterns, on top
+of :func:`jattn.hopfield.retrieve`. Shape legend as in :mod:`jattn.attention`; F is a
+feature size.
 """
 
 from __future__ import annotations
@@ -35,6 +31,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from jattn import _flax_adapter, _flax_cache, _flax_call, _flax_config, positional
 from jattn import decode as _decode
 from jattn._nnx_hopfield import HopfieldLayer as HopfieldLayer
+from jattn._options import Options
 
 __all__ = ["MultiHeadAttention", "attention_fn", "HopfieldLayer"]
 
@@ -67,8 +64,8 @@ class MultiHeadAttention(nnx.Module):
     is_causal: (jattn's, like those below) causal self-attention, query t seeing keys
       s <= t; the default of the call's ``is_causal``.
     rope: a :class:`jattn.positional.Rotary` applied to queries and keys, or None.
-    implementation, backward, block_q, block_kv: as in
-      :func:`jattn.dot_product_attention`.
+    implementation, backward, block_q, block_kv, options: as in
+      :func:`jattn.dot_product_attention` (the module keeps them as ``options``).
     sinks: learn one sink logit per query head (``self.sinks``, shape (num_heads,),
       initialised by ``sinks_init``, zeros by default), passed as ``sinks`` to the
       attention call: each head may put weight on "nothing" (gpt-oss, StreamingLLM).
@@ -135,6 +132,7 @@ class MultiHeadAttention(nnx.Module):
     backward: str | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
+    options: Options | None = None,
     sinks: bool = False,
     sinks_init: Any = nnx.initializers.zeros_init(),
     value_head_dim: int | None = None,
@@ -160,8 +158,11 @@ class MultiHeadAttention(nnx.Module):
     self.is_causal = bool(is_causal)
     self.rope = rope
     self.normalize_qk = normalize_qk
-    self.implementation, self.backward = implementation, backward
-    self.block_q, self.block_kv = block_q, block_kv
+    self.options = options = Options.of(
+      options, implementation=implementation, backward=backward, block_q=block_q, block_kv=block_kv
+    )
+    self.implementation, self.backward = options.implementation, options.backward
+    self.block_q, self.block_kv = options.block_q, options.block_kv
 
     common: Any = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision)
     linear: Any = functools.partial(

@@ -32,6 +32,7 @@ from flax_helpers import (
 )
 from reference import assert_close, causal_np, normal, segments_np
 
+import jattn
 import jattn.linen
 from jattn import positional
 
@@ -549,6 +550,15 @@ def test_mha_blockwise_matches_xla():
   )
   variables = random_params(xla, x)
   assert_close(blockwise.apply(variables, x), xla.apply(variables, x))
+
+
+def test_mha_options_give_what_the_same_keywords_give():
+  x = sample()
+  tiles = dict(implementation="blockwise", block_q=2, block_kv=4)
+  by_keywords = MHA(num_heads=4, num_kv_heads=2, is_causal=True, **tiles)
+  by_options = MHA(num_heads=4, num_kv_heads=2, is_causal=True, options=jattn.Options(**tiles))
+  variables = random_params(by_keywords, x)
+  np.testing.assert_array_equal(by_options.apply(variables, x), by_keywords.apply(variables, x))
 
 
 def test_mha_jit_apply():

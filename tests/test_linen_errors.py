@@ -6,6 +6,7 @@ import pytest
 from flax import linen as nn
 from flax_helpers import B, F, S, T, abstract_init, sample
 
+import jattn
 import jattn.linen
 from jattn import positional
 
@@ -126,6 +127,18 @@ BAD_CONFIG = [
     r"pages\), got block_kv=6",
   ),
   ("decode_type", dict(num_heads=2, decode="yes"), TypeError, r"decode must be a bool or None"),
+  (
+    "options_and_keyword",
+    dict(num_heads=2, options=jattn.Options(implementation="xla"), implementation="xla"),
+    ValueError,
+    r"implementation given both as a keyword and in options=",
+  ),
+  (
+    "options_paged_xla",
+    dict(num_heads=2, options=jattn.Options(implementation="xla"), page_size=4),
+    ValueError,
+    r"a paged \(page_size=4\) cache is read by blockwise attention alone",
+  ),
   (
     "einsum_without_attention_fn",
     dict(num_heads=2, qk_attn_weights_einsum_cls=lambda: jnp.einsum),

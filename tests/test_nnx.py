@@ -235,6 +235,18 @@ def test_every_rule_gives_the_same_values_and_parameter_gradients(rule):
     assert_close(a, b, factor=10)
 
 
+def test_options_give_what_the_same_keywords_give():
+  tiles = dict(implementation="blockwise", block_q=2, block_kv=4)
+  by_keywords = jattn.nnx.MultiHeadAttention(4, F, is_causal=True, **tiles, rngs=nnx.Rngs(0))
+  options = jattn.Options(**tiles)
+  m = jattn.nnx.MultiHeadAttention(4, F, is_causal=True, options=options, rngs=nnx.Rngs(0))
+  assert m.options == by_keywords.options == options and m.block_kv == 4
+  x = sample()
+  np.testing.assert_array_equal(m(x), by_keywords(x))
+  with pytest.raises(ValueError, match="block_kv must be a multiple of page_size=3"):
+    m.init_cache((B, 8, F), page_size=3)  # the cache reads the tiles from options
+
+
 def test_segment_ids_equal_the_block_diagonal_mask():
   m = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
   ids = np.array([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
@@ -414,6 +426,12 @@ CONSTRUCTOR_ERRORS = [
   (dict(dropout_rate=1.0), ValueError, r"dropout_rate must be in \[0, 1\)"),
   (dict(is_causal="yes"), TypeError, "is_causal must be a bool"),
   (dict(decode="yes"), TypeError, "decode must be a bool or None, got 'yes'"),
+  (
+    dict(options=jattn.Options(block_q=8), block_q=8),
+    ValueError,
+    r"block_q given both as a keyword and in options=",
+  ),
+  (dict(options="xla"), TypeError, "options must be a jattn.Options or None, got str"),
   (
     dict(attention_fn="dot"),
     TypeError,
