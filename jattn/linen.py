@@ -30,6 +30,8 @@ from jattn import _flax_adapter, _flax_cache, _flax_call, _flax_config, position
 from jattn import decode as _decode
 from jattn._options import Options
 
+__all__ = ["MultiHeadAttention", "release_cache", "attention_fn"]
+
 default_kernel_init = nn.initializers.lecun_normal()
 
 
