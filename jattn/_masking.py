@@ -11,18 +11,28 @@ small grids, since tiled implementations evaluate them tile by tile.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
+from jax.typing import ArrayLike, DTypeLike
 
 from jattn import _checks, masks, scores
 from jattn.impl import _common
 
 
-def combined_mask(mask, is_causal, window, lengths, segment_ids, unbatched, bnts):
+def combined_mask(
+  mask: Any,
+  is_causal: bool,
+  window: tuple[int, int] | None,
+  lengths: Sequence[ArrayLike | None],
+  segment_ids: Any,
+  unbatched: bool,
+  bnts: tuple[int, int, int, int],
+) -> masks.Mask | None:
   """Every way of masking as one checked :class:`jattn.masks.Mask`; None when nothing masks."""
   B, N, T, S = bnts
   parts = [_mask(mask)]
@@ -40,7 +50,9 @@ def combined_mask(mask, is_causal, window, lengths, segment_ids, unbatched, bnts
   return combined
 
 
-def checked_bias(bias, bnts, query_dtype):
+def checked_bias(
+  bias: Any, bnts: tuple[int, int, int, int], query_dtype: DTypeLike
+) -> jax.Array | np.ndarray | None:
   """``bias`` checked: a floating or integer array broadcastable to (B, N, T, S), an integer
   one cast to the logits' dtype (``promote_types(query_dtype, float32)``, as jax.nn adds it
   to its logits); None stays None. A boolean bias is refused: it would add 1 where True."""
@@ -59,7 +71,7 @@ def checked_bias(bias, bnts, query_dtype):
   return bias
 
 
-def _mask(mask) -> masks.Mask | None:
+def _mask(mask: Any) -> masks.Mask | None:
   if mask is None or isinstance(mask, masks.Mask):
     return mask
   if not hasattr(mask, "dtype") and not isinstance(mask, (list, tuple)):
@@ -69,7 +81,7 @@ def _mask(mask) -> masks.Mask | None:
   return masks.from_array(mask)
 
 
-def _mask_shapes(mask: masks.Mask, B, N, T, S) -> None:
+def _mask_shapes(mask: masks.Mask, B: int, N: int, T: int, S: int) -> None:
   try:
     extents = mask.extents
   except ValueError as e:
@@ -97,7 +109,7 @@ def _mask_shapes(mask: masks.Mask, B, N, T, S) -> None:
     _check_on_tiles(f"mask {node!r}", node, (B, N, T, S), exact_shape=False)
 
 
-def _user_fns(node):
+def _user_fns(node: masks.Mask | scores.ScoreFn) -> Iterator[masks.Mask | scores.ScoreFn]:
   """The nodes of a Mask or ScoreFn tree that wrap a user's function (``from_fn``)."""
   if isinstance(node, (masks.kinds.FromFn, scores.FromFn)):
     yield node
@@ -106,7 +118,7 @@ def _user_fns(node):
       yield from _user_fns(child)
 
 
-def _probe_grids(bnts):
+def _probe_grids(bnts: Sequence[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
   """Positions of two small grids that overlap: a tile at an offset (batch 1, head 1, q_idx
   in [1, 3), kv_idx in [2, 4), as far as B, N, T, S allow) and the grid from 0 to the
   tile's end.
@@ -124,14 +136,16 @@ def _probe_grids(bnts):
   return tile, wide
 
 
-def _describe_positions(positions) -> str:
+def _describe_positions(positions: Sequence[np.ndarray]) -> str:
   return ", ".join(
     f"{name} [{p[0]}, {p[-1] + 1})"
     for name, p in zip(("batch", "head", "q_idx", "kv_idx"), positions)
   )
 
 
-def _probe_args(positions, score_dtype) -> tuple[np.ndarray, ...]:
+def _probe_args(
+  positions: Sequence[np.ndarray], score_dtype: DTypeLike | None
+) -> tuple[np.ndarray, ...]:
   """(s, b, h, q, kv) for a score function, (b, h, q, kv) for a mask, on ``positions``."""
   idx = tuple(
     np.asarray(p, np.int32).reshape([-1 if a == axis else 1 for a in range(4)])
@@ -144,7 +158,14 @@ def _probe_args(positions, score_dtype) -> tuple[np.ndarray, ...]:
   return (s,) + idx
 
 
-def _check_on_tiles(what: str, fn: Callable, bnts, *, exact_shape: bool, score_dtype=None) -> None:
+def _check_on_tiles(
+  what: str,
+  fn: Callable[..., Any],
+  bnts: tuple[int, ...],
+  *,
+  exact_shape: bool,
+  score_dtype: DTypeLike | None = None,
+) -> None:
   """Evaluate a user's mask or score function on the two grids of :func:`_probe_grids`.
 
   Raises ValueError naming ``what`` when the function fails or returns the wrong shape on
@@ -217,7 +238,7 @@ def _check_on_tiles(what: str, fn: Callable, bnts, *, exact_shape: bool, score_d
     )
 
 
-def segments(segment_ids, unbatched: bool, T: int, S: int) -> masks.Mask:
+def segments(segment_ids: Any, unbatched: bool, T: int, S: int) -> masks.Mask:
   if isinstance(segment_ids, (tuple, list)):
     if len(segment_ids) != 2:
       raise ValueError(
@@ -243,7 +264,12 @@ def segments(segment_ids, unbatched: bool, T: int, S: int) -> masks.Mask:
   return masks.segments(q_ids, kv_ids)
 
 
-def score_function(score_fn, soft_cap, dtype, bnts) -> scores.ScoreFn | None:
+def score_function(
+  score_fn: Callable[..., jax.Array] | None,
+  soft_cap: float | None,
+  dtype: DTypeLike,
+  bnts: tuple[int, int, int, int],
+) -> scores.ScoreFn | None:
   fns = []
   if score_fn is not None:
     fns.append(scores.from_fn(score_fn))

@@ -11,18 +11,39 @@ key/value shards with their gradient accumulators (see :mod:`jattn.parallel`).
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from jax.typing import ArrayLike
 
 from jattn import _ring_splash, masks, scores
 from jattn.impl import _common, _orders, blockwise
 
+Tree = TypeVar("Tree")
 
-def shard_positions(layout: str, length: int, num_shards: int, shard):
+Shard = tuple[jax.Array, jax.Array, jax.Array | None]
+"""The (key, value, key/value segment ids or None) a device holds at one ring step."""
+
+Partial = tuple[jax.Array, jax.Array, jax.Array]
+"""A partial result ``(out, m, l)``: normalised output and the rows' max and sum."""
+
+_Residuals = tuple[
+  jax.Array,  # query
+  jax.Array,  # key
+  jax.Array,  # value
+  jax.Array | None,  # q_ids
+  jax.Array | None,  # kv_ids
+  masks.Mask | None,
+  jax.Array,  # out
+  jax.Array,  # m
+  jax.Array,  # l
+]
+
+
+def shard_positions(layout: str, length: int, num_shards: int, shard: ArrayLike) -> jax.Array:
   """Natural positions (int32, shape (length // num_shards,)) of shard ``shard``'s rows.
 
   ``shard`` may be traced (``jax.lax.axis_index``).
@@ -56,7 +77,17 @@ class Ring(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("ring", "mesh"))
-def call(query, key, value, q_ids, kv_ids, mask, *, ring: Ring, mesh: Mesh):
+def call(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  q_ids: jax.Array | None,
+  kv_ids: jax.Array | None,
+  mask: masks.Mask | None,
+  *,
+  ring: Ring,
+  mesh: Mesh,
+) -> tuple[jax.Array, jax.Array]:
   seq = P(ring.batch_axis, ring.axis_name, ring.head_axis, None)
   ids = P(ring.batch_axis, ring.axis_name)
   run = jax.shard_map(
@@ -73,7 +104,15 @@ def call(query, key, value, q_ids, kv_ids, mask, *, ring: Ring, mesh: Mesh):
   return out, lse
 
 
-def _per_device(ring: Ring, query, key, value, q_ids, kv_ids, mask):
+def _per_device(
+  ring: Ring,
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  q_ids: jax.Array | None,
+  kv_ids: jax.Array | None,
+  mask: masks.Mask | None,
+) -> tuple[jax.Array, jax.Array]:
   out, lse = _ring_vjp(ring, query, key, value, q_ids, kv_ids, mask)
   return out.astype(query.dtype), lse
 
@@ -81,7 +120,7 @@ def _per_device(ring: Ring, query, key, value, q_ids, kv_ids, mask):
 # --- one device's part ------------------------------------------------------------
 
 
-def _maps(ring: Ring, query):
+def _maps(ring: Ring, query: jax.Array) -> list[jax.Array | None]:
   """Global batch and head indices of this device's block (None where not sharded)."""
   B, _, N, _ = query.shape
   out = []
@@ -92,7 +131,15 @@ def _maps(ring: Ring, query):
   return out
 
 
-def _pair_plan(ring: Ring, query, key, q_ids, kv_ids, mask, source) -> blockwise.Plan:
+def _pair_plan(
+  ring: Ring,
+  query: jax.Array,
+  key: jax.Array,
+  q_ids: jax.Array | None,
+  kv_ids: jax.Array | None,
+  mask: masks.Mask | None,
+  source: jax.Array,
+) -> blockwise.Plan:
   """The blockwise plan of this device's queries against the key/value shard of ``source``."""
   here = jax.lax.axis_index(ring.axis_name)
   parts = []
@@ -121,7 +168,7 @@ def _pair_plan(ring: Ring, query, key, q_ids, kv_ids, mask, source) -> blockwise
   )
 
 
-def _pair_settings(ring: Ring, step) -> dict:
+def _pair_settings(ring: Ring, step: jax.Array | int) -> dict[str, Any]:
   """What :mod:`jattn._ring_splash` needs of ring step ``step`` on this device."""
   here = jax.lax.axis_index(ring.axis_name)
   return dict(
@@ -133,18 +180,18 @@ def _pair_settings(ring: Ring, step) -> dict:
   )
 
 
-def _source(ring: Ring, step):
+def _source(ring: Ring, step: jax.Array | int) -> jax.Array:
   """The device whose key/value shard this device holds at ring step ``step``."""
   return (jax.lax.axis_index(ring.axis_name) - step) % ring.size
 
 
-def _pass_on(ring: Ring, x):
+def _pass_on(ring: Ring, x: Tree) -> Tree:
   """Send ``x`` (a pytree) to the next device on the ring, receive the previous one's."""
   perm = [(i, (i + 1) % ring.size) for i in range(ring.size)]
   return jax.tree.map(lambda a: jax.lax.ppermute(a, ring.axis_name, perm), x)
 
 
-def _merge(a, b):
+def _merge(a: Partial, b: Partial) -> Partial:
   """Online-softmax merge of two partial results ``(out, m, l)`` over disjoint key sets.
 
   ``out`` is each part's normalised output, m and l its rows' max and sum (m = 0,
@@ -165,10 +212,18 @@ def _merge(a, b):
   return out, m, l
 
 
-def _forward(ring: Ring, query, key, value, q_ids, kv_ids, mask):
+def _forward(
+  ring: Ring,
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  q_ids: jax.Array | None,
+  kv_ids: jax.Array | None,
+  mask: masks.Mask | None,
+) -> Partial:
   """This device's ``(out, m, l)`` in float32/64 after the whole ring (see blockwise.forward)."""
 
-  def attend(step, kv):
+  def attend(step: jax.Array | int, kv: Shard) -> Partial:
     k, v, ids = kv
     if ring.pairs is not None:
       pair = _ring_splash.attend(query, k, v, q_ids, ids, **_pair_settings(ring, step))
@@ -176,7 +231,7 @@ def _forward(ring: Ring, query, key, value, q_ids, kv_ids, mask):
     plan = _pair_plan(ring, query, k, q_ids, ids, mask, _source(ring, step))
     return blockwise.forward(plan, query, k, v)
 
-  def step(carry, s):
+  def step(carry: tuple[Shard, Partial], s: jax.Array) -> tuple[tuple[Shard, Partial], None]:
     kv, acc = carry
     incoming = _pass_on(ring, kv)  # independent of this step's work: may overlap it
     return (incoming, _merge(acc, attend(s, kv))), None
@@ -190,12 +245,14 @@ def _forward(ring: Ring, query, key, value, q_ids, kv_ids, mask):
   return _merge(acc, attend(ring.size - 1, kv))
 
 
-def _backward(ring: Ring, residuals, d_out, d_lse):
+def _backward(
+  ring: Ring, residuals: _Residuals, d_out: jax.Array, d_lse: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   query, key, value, q_ids, kv_ids, mask, out, m, l = residuals
 
   lse = _common.log_sum_exp(m, l)
 
-  def grads(step, kv):
+  def grads(step: jax.Array | int, kv: Shard) -> tuple[jax.Array, jax.Array, jax.Array]:
     k, v, ids = kv
     if ring.pairs is not None:
       settings = _pair_settings(ring, step)
@@ -204,7 +261,9 @@ def _backward(ring: Ring, residuals, d_out, d_lse):
     d_q, d_k, d_v, _ = blockwise.backward(plan, query, k, v, out, m, l, d_out, d_lse)
     return d_q, d_k, d_v
 
-  def step(carry, s):
+  def step(
+    carry: tuple[Shard, tuple[jax.Array, jax.Array], jax.Array], s: jax.Array
+  ) -> tuple[tuple[Shard, tuple[jax.Array, jax.Array], jax.Array], None]:
     kv, d_kv, d_q = carry
     incoming = _pass_on(ring, kv)
     g_q, g_k, g_v = grads(s, kv)
@@ -226,17 +285,35 @@ def _backward(ring: Ring, residuals, d_out, d_lse):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_vjp(ring, query, key, value, q_ids, kv_ids, mask):
+def _ring_vjp(
+  ring: Ring,
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  q_ids: jax.Array | None,
+  kv_ids: jax.Array | None,
+  mask: masks.Mask | None,
+) -> tuple[jax.Array, jax.Array]:
   out, m, l = _forward(ring, query, key, value, q_ids, kv_ids, mask)
   return out, _common.log_sum_exp(m, l)
 
 
-def _ring_fwd(ring, query, key, value, q_ids, kv_ids, mask):
+def _ring_fwd(
+  ring: Ring,
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  q_ids: jax.Array | None,
+  kv_ids: jax.Array | None,
+  mask: masks.Mask | None,
+) -> tuple[tuple[jax.Array, jax.Array], _Residuals]:
   out, m, l = _forward(ring, query, key, value, q_ids, kv_ids, mask)
   return (out, _common.log_sum_exp(m, l)), (query, key, value, q_ids, kv_ids, mask, out, m, l)
 
 
-def _ring_bwd(ring, residuals, cotangents):
+def _ring_bwd(
+  ring: Ring, residuals: _Residuals, cotangents: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, jax.Array, jax.Array, None, None, None]:
   d_out, d_lse = cotangents
   pairs = "blockwise" if ring.pairs is None else "splash"
   backward = _orders.first_order(

@@ -18,7 +18,8 @@ pair's output receives ``w · dO`` and its log-sum-exp ``w · (dO · (O_p - O) +
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,9 @@ import numpy as np
 from jattn import masks, scores, testing
 from jattn.impl import _splash_masks, splash
 from jattn.masks import _core, kinds
+
+if TYPE_CHECKING:
+  from jattn._spec import CallSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +44,7 @@ class Pairs:
   interpret: bool
 
 
-def reason(mask) -> str | None:
+def reason(mask: masks.Mask | None) -> str | None:
   """Why a ring's mask cannot go through splash per pair; None when it can."""
   for part in _core.conjuncts(mask):
     if isinstance(part, kinds.Lengths):
@@ -52,7 +56,15 @@ def reason(mask) -> str | None:
   return None
 
 
-def plan(mask, *, layout: str, size: int, q_len: int, kv_len: int, positions) -> Pairs:
+def plan(
+  mask: masks.Mask | None,
+  *,
+  layout: str,
+  size: int,
+  q_len: int,
+  kv_len: int,
+  positions: Callable[[str, int, int, int], jax.Array],
+) -> Pairs:
   """Tabulate ``mask`` (checked by :func:`reason`) for every pair of ``size`` shards."""
   t, s = q_len // size, kv_len // size
   dense: dict[bytes, int] = {}
@@ -85,7 +97,16 @@ def plan(mask, *, layout: str, size: int, q_len: int, kv_len: int, positions) ->
   return Pairs(tuple(table), tuple(tables), bq, bkv, testing.interpreting())
 
 
-def _spec(pairs: Pairs, table, query, key, q_ids, kv_ids, scale, soft_cap):
+def _spec(
+  pairs: Pairs,
+  table: _splash_masks.StaticMask | None,
+  query: jax.Array,
+  key: jax.Array,
+  q_ids: jax.Array | None,
+  kv_ids: jax.Array | None,
+  scale: float,
+  soft_cap: float | None,
+) -> CallSpec:
   from jattn._spec import CallSpec  # the spec's home imports this module's callers
 
   B, T, N, H = query.shape
@@ -116,17 +137,33 @@ def _spec(pairs: Pairs, table, query, key, q_ids, kv_ids, scale, soft_cap):
   )
 
 
-def attend(query, key, value, q_ids, kv_ids, *, pairs: Pairs, here, source, scale, soft_cap):
+def attend(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  q_ids: jax.Array | None,
+  kv_ids: jax.Array | None,
+  *,
+  pairs: Pairs,
+  here: jax.Array,
+  source: jax.Array,
+  scale: float,
+  soft_cap: float | None,
+) -> tuple[jax.Array, jax.Array]:
   """``(out, lse)`` of this device's queries against the key shard of ``source`` (float32
   out; lse -inf where a row has nothing to attend to)."""
   B, T, N, _ = query.shape
   Hv = value.shape[-1]
 
-  def empty(q, k, v, q_ids, kv_ids):
+  def empty(
+    q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array | None, kv_ids: jax.Array | None
+  ) -> tuple[jax.Array, jax.Array]:
     return jnp.zeros((B, T, N, Hv), jnp.float32), jnp.full((B, T, N), -jnp.inf, jnp.float32)
 
-  def kernel(table):
-    def run(q, k, v, q_ids, kv_ids):
+  def kernel(table: _splash_masks.StaticMask | None) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    def run(
+      q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array | None, kv_ids: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array]:
       spec = _spec(pairs, table, q, k, q_ids, kv_ids, scale, soft_cap)
       out, lse = splash.attention(q, k, v, spec)
       return out.astype(jnp.float32), lse
@@ -139,17 +176,28 @@ def attend(query, key, value, q_ids, kv_ids, *, pairs: Pairs, here, source, scal
   return jax.lax.switch(index, branches, query, key, value, q_ids, kv_ids)
 
 
-def as_partial(out, lse):
+def as_partial(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """A pair's ``(out, lse)`` as the ring's ``(out, m, l)`` (m = 0, l = 0 where empty)."""
   live = jnp.isfinite(lse)
   return out, jnp.where(live, lse, 0.0), live.astype(lse.dtype)
 
 
-def grads(query, key, value, q_ids, kv_ids, out, lse, d_out, d_lse, **settings):
+def grads(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  q_ids: jax.Array | None,
+  kv_ids: jax.Array | None,
+  out: jax.Array,
+  lse: jax.Array,
+  d_out: jax.Array,
+  d_lse: jax.Array,
+  **settings: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The pair's (dq, dk, dv) given the ring's merged ``out`` and ``lse`` and their
   cotangents (see the module docstring)."""
 
-  def pair(q, k, v):
+  def pair(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
     return attend(q, k, v, q_ids, kv_ids, **settings)
 
   (o_p, lse_p), vjp = jax.vjp(pair, query, key, value)

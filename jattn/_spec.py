@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
+from jax.typing import DTypeLike
 
 from jattn import _checks, _masking, masks, scores, testing
 from jattn._options import Options
@@ -99,34 +101,34 @@ class CallSpec:
 
 
 def build(
-  query,
-  key,
-  value,
-  bias=None,
-  mask=None,
+  query: Any,
+  key: Any,
+  value: Any,
+  bias: Any = None,
+  mask: Any = None,
   *,
-  scale=None,
-  is_causal=False,
-  query_seq_lengths=None,
-  key_value_seq_lengths=None,
-  local_window_size=None,
-  implementation=None,
-  return_residual=False,
-  segment_ids=None,
-  score_fn=None,
-  logits_soft_cap=None,
-  dropout_rate=0.0,
-  dropout_rng=None,
-  broadcast_dropout=False,
-  backward=None,
-  block_q=None,
-  block_kv=None,
-  sinks=None,
-  options=None,
-  backend=None,
-  explain=False,
-  shapes_only=False,
-):
+  scale: float | None = None,
+  is_causal: bool = False,
+  query_seq_lengths: Any = None,
+  key_value_seq_lengths: Any = None,
+  local_window_size: int | tuple[int, int] | None = None,
+  implementation: str | None = None,
+  return_residual: bool = False,
+  segment_ids: Any = None,
+  score_fn: Callable[..., jax.Array] | None = None,
+  logits_soft_cap: float | None = None,
+  dropout_rate: float = 0.0,
+  dropout_rng: jax.Array | None = None,
+  broadcast_dropout: bool = False,
+  backward: str | None = None,
+  block_q: int | None = None,
+  block_kv: int | None = None,
+  sinks: Any = None,
+  options: Options | None = None,
+  backend: str | None = None,
+  explain: bool = False,
+  shapes_only: bool = False,
+) -> Any:  # (query, key, value or None, CallSpec); with explain=True a _select.Choice
   """Every argument of a call checked, with the meanings of
   :func:`jattn.dot_product_attention`; raises before anything is traced.
 
@@ -218,7 +220,11 @@ def build(
 
 
 def _for_choice(
-  spec: CallSpec, choice: _select.Choice, blocks: tuple[int | None, int | None], dtype, backend: str
+  spec: CallSpec,
+  choice: _select.Choice,
+  blocks: tuple[int | None, int | None],
+  dtype: DTypeLike,
+  backend: str,
 ) -> CallSpec:
   """``spec`` completed for ``choice`` on ``backend`` by its row's ``prepare`` (tiles,
   splash's mask split), with the compute dtype."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, overload
 
 import chex
 import jax
@@ -41,6 +41,93 @@ from jattn.impl._select import (  # noqa: F401  # public names of the table
   TABLE,
   Choice,
 )
+
+
+@overload
+def dot_product_attention(
+  query: jax.typing.ArrayLike,
+  key: jax.typing.ArrayLike,
+  value: jax.typing.ArrayLike,
+  bias: jax.typing.ArrayLike | None = None,
+  mask: jax.typing.ArrayLike | masks.Mask | None = None,
+  *,
+  scale: float | None = None,
+  is_causal: bool = False,
+  query_seq_lengths: jax.typing.ArrayLike | None = None,
+  key_value_seq_lengths: jax.typing.ArrayLike | None = None,
+  local_window_size: int | tuple[int, int] | None = None,
+  implementation: str | None = None,
+  return_residual: Literal[False] = False,
+  segment_ids: Any = None,
+  score_fn: Callable | None = None,
+  logits_soft_cap: float | None = None,
+  dropout_rate: float = 0.0,
+  dropout_rng: jax.Array | None = None,
+  broadcast_dropout: bool = False,
+  backward: str | None = None,
+  block_q: int | None = None,
+  block_kv: int | None = None,
+  sinks: jax.typing.ArrayLike | None = None,
+  options: Options | None = None,
+) -> jax.Array: ...
+
+
+@overload
+def dot_product_attention(
+  query: jax.typing.ArrayLike,
+  key: jax.typing.ArrayLike,
+  value: jax.typing.ArrayLike,
+  bias: jax.typing.ArrayLike | None = None,
+  mask: jax.typing.ArrayLike | masks.Mask | None = None,
+  *,
+  scale: float | None = None,
+  is_causal: bool = False,
+  query_seq_lengths: jax.typing.ArrayLike | None = None,
+  key_value_seq_lengths: jax.typing.ArrayLike | None = None,
+  local_window_size: int | tuple[int, int] | None = None,
+  implementation: str | None = None,
+  return_residual: Literal[True],
+  segment_ids: Any = None,
+  score_fn: Callable | None = None,
+  logits_soft_cap: float | None = None,
+  dropout_rate: float = 0.0,
+  dropout_rng: jax.Array | None = None,
+  broadcast_dropout: bool = False,
+  backward: str | None = None,
+  block_q: int | None = None,
+  block_kv: int | None = None,
+  sinks: jax.typing.ArrayLike | None = None,
+  options: Options | None = None,
+) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def dot_product_attention(
+  query: jax.typing.ArrayLike,
+  key: jax.typing.ArrayLike,
+  value: jax.typing.ArrayLike,
+  bias: jax.typing.ArrayLike | None = None,
+  mask: jax.typing.ArrayLike | masks.Mask | None = None,
+  *,
+  scale: float | None = None,
+  is_causal: bool = False,
+  query_seq_lengths: jax.typing.ArrayLike | None = None,
+  key_value_seq_lengths: jax.typing.ArrayLike | None = None,
+  local_window_size: int | tuple[int, int] | None = None,
+  implementation: str | None = None,
+  return_residual: bool = False,
+  segment_ids: Any = None,
+  score_fn: Callable | None = None,
+  logits_soft_cap: float | None = None,
+  dropout_rate: float = 0.0,
+  dropout_rng: jax.Array | None = None,
+  broadcast_dropout: bool = False,
+  backward: str | None = None,
+  block_q: int | None = None,
+  block_kv: int | None = None,
+  sinks: jax.typing.ArrayLike | None = None,
+  options: Options | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
 
 def dot_product_attention(
@@ -68,7 +155,7 @@ def dot_product_attention(
   block_kv: int | None = None,
   sinks: jax.typing.ArrayLike | None = None,
   options: Options | None = None,
-):
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Scaled dot-product attention; a drop-in superset of ``jax.nn.dot_product_attention``.
 
   Computes ``softmax(score_fn(scale · Q Kᵀ + bias)) V`` per head over the
@@ -231,14 +318,14 @@ def attention_weights(
 
 
 def explain(
-  query,
-  key,
-  value,
-  bias=None,
-  mask=None,
+  query: jax.typing.ArrayLike | jax.ShapeDtypeStruct,
+  key: jax.typing.ArrayLike | jax.ShapeDtypeStruct,
+  value: jax.typing.ArrayLike | jax.ShapeDtypeStruct,
+  bias: jax.typing.ArrayLike | jax.ShapeDtypeStruct | None = None,
+  mask: jax.typing.ArrayLike | masks.Mask | None = None,
   *,
   backend: str | None = None,
-  **kwargs,
+  **kwargs: Any,
 ) -> Choice:
   """Which implementation :func:`dot_product_attention` runs for these arguments, and why.
 
@@ -268,9 +355,9 @@ def explain(
   for name in kwargs:
     if name not in allowed:
       raise TypeError(f"explain() got an unexpected keyword argument {name!r}")
-  choices = []
+  choices: list[Choice] = []
 
-  def trace(q, k, v, b):
+  def trace(q: jax.Array, k: jax.Array, v: jax.Array, b: jax.Array | None) -> tuple[()]:
     choices.append(_spec.build(q, k, v, b, mask, backend=backend, explain=True, **kwargs))
     return ()
 
@@ -279,7 +366,7 @@ def explain(
 
 
 @jax.jit
-def _weights(query, key, spec: _spec.CallSpec):
+def _weights(query: jax.Array, key: jax.Array, spec: _spec.CallSpec) -> jax.Array:
   if spec.unbatched:
     query, key = query[None], key[None]
   p = xla.weights(query, key, _spec.rank4(spec))
@@ -287,7 +374,9 @@ def _weights(query, key, spec: _spec.CallSpec):
 
 
 @jax.jit
-def _attend(query, key, value, spec: _spec.CallSpec):
+def _attend(
+  query: jax.Array, key: jax.Array, value: jax.Array, spec: _spec.CallSpec
+) -> tuple[jax.Array, jax.Array | None]:
   """The jitted core: one compiled program per spec's settings and the arrays' shapes.
 
   With routes (``implementation=None`` where a fused kernel expresses the call), the
@@ -326,7 +415,9 @@ def _attend(query, key, value, spec: _spec.CallSpec):
   return out, lse
 
 
-def _run(query, key, value, spec: _spec.CallSpec):
+def _run(
+  query: jax.Array, key: jax.Array, value: jax.Array, spec: _spec.CallSpec
+) -> tuple[jax.Array, jax.Array | None]:
   """One implementation on rank-4 inputs: ``(out, lse or None)`` as returned to the caller."""
   dims = chex.Dimensions(B=spec.B, T=spec.T, S=spec.S, N=spec.N, K=spec.K, H=spec.H, V=spec.Hv)
   chex.assert_shape(query, dims["BTNH"])

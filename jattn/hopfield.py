@@ -110,7 +110,7 @@ def energy(
 
 
 @functools.partial(jax.jit, static_argnames=("beta", "steps"))
-def _retrieve(queries, patterns, *, beta, steps):
+def _retrieve(queries: jax.Array, patterns: jax.Array, *, beta: float, steps: int) -> jax.Array:
   lead, d = queries.shape[:-1], queries.shape[-1]
   M = patterns.shape[0]
   xi = queries.reshape(1, math.prod(lead), 1, d)  # (B=1, T=L, N=1, H=d)
@@ -122,7 +122,7 @@ def _retrieve(queries, patterns, *, beta, steps):
 
 
 @functools.partial(jax.jit, static_argnames=("beta",))
-def _energy(queries, patterns, *, beta):
+def _energy(queries: jax.Array, patterns: jax.Array, *, beta: float) -> jax.Array:
   dtype = jnp.promote_types(queries.dtype, jnp.float32)
   xi, x = queries.astype(dtype), patterns.astype(dtype)
   M = patterns.shape[0]
@@ -132,7 +132,9 @@ def _energy(queries, patterns, *, beta):
   return e.astype(queries.dtype)
 
 
-def _check_arrays(queries, patterns):
+def _check_arrays(
+  queries: jax.typing.ArrayLike, patterns: jax.typing.ArrayLike
+) -> tuple[jax.Array, jax.Array]:
   xi, x = _checks.as_array("queries", queries), _checks.as_array("patterns", patterns)
   for name, a in (("queries", xi), ("patterns", x)):
     if not jnp.issubdtype(a.dtype, jnp.floating):

@@ -67,6 +67,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import chex
 import jax
@@ -240,18 +241,20 @@ def favor_features(
   return _favor(x, w, scale=scale, is_query=is_query)
 
 
-def _check_scale(scale) -> float:
+def _check_scale(scale: Any) -> float:
   scale = _checks.real("scale", scale)
   if not (np.isfinite(scale) and scale >= 0):
     raise ValueError(f"scale must be a finite number >= 0 for feature_map='favor+', got {scale}")
   return scale
 
 
-def _describe(feature_map) -> str:
+def _describe(feature_map: str | Callable[..., Any]) -> str:
   return repr(feature_map) if isinstance(feature_map, str) else "a callable"
 
 
-def _check_feature_map(feature_map, q, k):
+def _check_feature_map(
+  feature_map: Any, q: jax.Array | np.ndarray, k: jax.Array | np.ndarray
+) -> str | Callable[..., jax.Array]:
   """The feature map name, or a callable whose outputs have been checked by shape."""
   if isinstance(feature_map, str):
     if feature_map not in FEATURE_MAPS:
@@ -285,7 +288,7 @@ def _check_feature_map(feature_map, q, k):
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _projection(rng, m: int, H: int, orthogonal: bool) -> jax.Array:
+def _projection(rng: jax.Array, m: int, H: int, orthogonal: bool) -> jax.Array:
   if not orthogonal:
     return jax.random.normal(rng, (m * H,), jnp.float32).reshape(m, H)
   blocks = -(-m // H)
@@ -298,7 +301,9 @@ def _projection(rng, m: int, H: int, orthogonal: bool) -> jax.Array:
   return rows * norms[:, None]
 
 
-def _favor(x, w, *, scale: float, is_query: bool) -> jax.Array:
+def _favor(
+  x: jax.Array | np.ndarray, w: jax.Array | np.ndarray, *, scale: float, is_query: bool
+) -> jax.Array:
   dtype = _common.stats_dtype(x.dtype)
   x = x.astype(dtype) * np.sqrt(scale).astype(dtype)
   logits = jnp.einsum("...H,FH->...F", x, w.astype(dtype)) - 0.5 * jnp.sum(
@@ -309,7 +314,14 @@ def _favor(x, w, *, scale: float, is_query: bool) -> jax.Array:
   return jnp.exp(logits - c) / np.sqrt(w.shape[0]).astype(dtype)
 
 
-def _features(x, *, feature_map, projection, scale, is_query) -> jax.Array:
+def _features(
+  x: jax.Array | np.ndarray,
+  *,
+  feature_map: str | Callable[..., jax.Array],
+  projection: jax.Array | None,
+  scale: float | None,
+  is_query: bool,
+) -> jax.Array:
   x = x.astype(_common.stats_dtype(x.dtype))
   match feature_map:
     case "elu+1":
@@ -317,12 +329,25 @@ def _features(x, *, feature_map, projection, scale, is_query) -> jax.Array:
     case "relu":
       return jax.nn.relu(x)
     case "favor+":
+      assert projection is not None and scale is not None, "favor+ has its projection and scale"
       return _favor(x, projection, scale=scale, is_query=is_query)
     case _:
+      assert not isinstance(feature_map, str), feature_map  # checked against FEATURE_MAPS
       return feature_map(x).astype(x.dtype)
 
 
-def _linear(query, key, value, projection, *, feature_map, is_causal, chunk_size, eps, scale):
+def _linear(
+  query: jax.Array | np.ndarray,
+  key: jax.Array | np.ndarray,
+  value: jax.Array | np.ndarray,
+  projection: jax.Array | None,
+  *,
+  feature_map: str | Callable[..., jax.Array],
+  is_causal: bool,
+  chunk_size: int | None,
+  eps: float,
+  scale: float | None,
+) -> jax.Array:
   unbatched = query.ndim == 3
   if unbatched:
     query, key, value = query[None], key[None], value[None]
@@ -335,6 +360,7 @@ def _linear(query, key, value, projection, *, feature_map, is_causal, chunk_size
   phi_q, phi_k = phi(query, is_query=True), phi(key, is_query=False)
   v = value.astype(phi_k.dtype)
   if is_causal:
+    assert chunk_size is not None, "a causal call has its chunk size"
     out = _causal(phi_q, phi_k, v, chunk_size=chunk_size, eps=eps)
   else:
     out = _global(phi_q, phi_k, v, eps=eps)
@@ -347,7 +373,9 @@ _linear_jit = jax.jit(
 )
 
 
-def _global(phi_q, phi_k, v, *, eps: float) -> jax.Array:
+def _global(
+  phi_q: jax.Array, phi_k: jax.Array, v: jax.Array | np.ndarray, *, eps: float
+) -> jax.Array:
   """Every query sees every key: two contractions through (K, F, H) and (K, F)."""
   B, T, N, F = phi_q.shape
   _, S, K, H = v.shape
@@ -359,7 +387,9 @@ def _global(phi_q, phi_k, v, *, eps: float) -> jax.Array:
   return (num / (den + eps)[..., None]).reshape(B, T, N, H)
 
 
-def _causal(phi_q, phi_k, v, *, chunk_size: int, eps: float) -> jax.Array:
+def _causal(
+  phi_q: jax.Array, phi_k: jax.Array, v: jax.Array | np.ndarray, *, chunk_size: int, eps: float
+) -> jax.Array:
   """Query t sees keys s <= t: a scan over chunks carrying the prefix sums.
 
   T is padded at the end to whole chunks with zero features and values:
@@ -373,14 +403,16 @@ def _causal(phi_q, phi_k, v, *, chunk_size: int, eps: float) -> jax.Array:
   C = max(1, min(chunk_size, T))
   num_chunks = -(-T // C)
 
-  def chunks(x):  # (B, T, ...) -> (num_chunks, B, C, ...)
+  def chunks(x: jax.Array | np.ndarray) -> jax.Array:  # (B, T, ...) -> (num_chunks, B, C, ...)
     x = jnp.pad(x, [(0, 0), (0, num_chunks * C - T)] + [(0, 0)] * (x.ndim - 2))
     return jnp.moveaxis(x.reshape(B, num_chunks, C, *x.shape[2:]), 1, 0)
 
   below = jnp.tril(jnp.ones((C, C), phi_q.dtype)).reshape(1, 1, 1, C, C)
 
   @jax.checkpoint
-  def step(carry, chunk):
+  def step(
+    carry: tuple[jax.Array, jax.Array], chunk: tuple[jax.Array, jax.Array, jax.Array]
+  ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     kv, z = carry  # (B, K, F, H), (B, K, F): sums over the chunks before this one
     q, k, v = chunk  # (B, C, K, G, F), (B, C, K, F), (B, C, K, H)
     a = jnp.einsum("BCKGF,BDKF->BKGCD", q, k) * below

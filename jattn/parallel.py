@@ -39,12 +39,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 from jattn import _checks, _masking, _ring, _ring_splash, _spec, masks, testing
 from jattn._options import Options
@@ -63,7 +64,7 @@ LAYOUTS = ("contiguous", "zigzag", "striped")
 # --- layouts ------------------------------------------------------------------
 
 
-def _check_layout(layout) -> str:
+def _check_layout(layout: Any) -> str:
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
   return layout
@@ -94,7 +95,17 @@ def positions(layout: str, length: int, num_shards: int) -> np.ndarray:
   return np.asarray(pos, np.int32)
 
 
-def permute(x, layout: str, num_shards: int, *, axis: int = 1):
+@overload
+def permute(x: jax.Array, layout: str, num_shards: int, *, axis: int = 1) -> jax.Array: ...
+
+
+@overload
+def permute(x: np.ndarray, layout: str, num_shards: int, *, axis: int = 1) -> np.ndarray: ...
+
+
+def permute(
+  x: jax.typing.ArrayLike, layout: str, num_shards: int, *, axis: int = 1
+) -> jax.Array | np.ndarray:
   """``x`` (natural order along ``axis``) rearranged into ``layout`` for ``num_shards``
   shards: the inputs of :func:`ring_attention` with that layout. Works on NumPy and
   JAX arrays; for a training loop, permute token ids and position ids once in the
@@ -102,12 +113,24 @@ def permute(x, layout: str, num_shards: int, *, axis: int = 1):
   return _reorder(x, layout, num_shards, axis, inverse=False)
 
 
-def unpermute(x, layout: str, num_shards: int, *, axis: int = 1):
+@overload
+def unpermute(x: jax.Array, layout: str, num_shards: int, *, axis: int = 1) -> jax.Array: ...
+
+
+@overload
+def unpermute(x: np.ndarray, layout: str, num_shards: int, *, axis: int = 1) -> np.ndarray: ...
+
+
+def unpermute(
+  x: jax.typing.ArrayLike, layout: str, num_shards: int, *, axis: int = 1
+) -> jax.Array | np.ndarray:
   """The inverse of :func:`permute`: ``x`` laid out in ``layout`` back to natural order."""
   return _reorder(x, layout, num_shards, axis, inverse=True)
 
 
-def _reorder(x, layout: str, num_shards: int, axis, *, inverse: bool):
+def _reorder(
+  x: jax.typing.ArrayLike, layout: str, num_shards: int, axis: int, *, inverse: bool
+) -> jax.Array | np.ndarray:
   """``x`` taken along ``axis`` at the layout's positions (or their inverse); NumPy stays NumPy."""
   x = _checks.as_array("x", x)
   axis = _checks.integer("axis", axis)
@@ -156,7 +179,7 @@ def ring_attention(
   sinks: jax.typing.ArrayLike | None = None,
   implementation: str | None = None,
   options: Options | None = None,
-):
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention with the sequence sharded over mesh axis ``axis_name`` (ring attention).
 
   Computes what ``jattn.dot_product_attention`` computes with the same
@@ -308,14 +331,22 @@ def ring_attention(
   return out
 
 
-def _check_pairs(implementation) -> None:
+def _check_pairs(implementation: Any) -> None:
   if implementation not in (None, "blockwise", "splash"):
     raise ValueError(
       f"implementation must be one of ['blockwise', 'splash'] or None, got {implementation!r}"
     )
 
 
-def _pairs(implementation, spec, dtype, layout: str, size: int, *, blocks_named):
+def _pairs(
+  implementation: str | None,
+  spec: _spec.CallSpec,
+  dtype: DTypeLike,
+  layout: str,
+  size: int,
+  *,
+  blocks_named: tuple[int | None, int | None],
+) -> _ring_splash.Pairs | None:
   """The splash kernels of each shard pair (:mod:`jattn._ring_splash`), or None (blockwise)."""
   if implementation == "blockwise":
     return None
@@ -346,7 +377,9 @@ def _pairs(implementation, spec, dtype, layout: str, size: int, *, blocks_named)
   )
 
 
-def _check_mesh_axes(name: str, axes, mesh: Mesh, *, allow_tuple: bool = True) -> tuple:
+def _check_mesh_axes(
+  name: str, axes: Any, mesh: Mesh, *, allow_tuple: bool = True
+) -> tuple[str, ...]:
   if axes is None:
     if allow_tuple:
       return ()
@@ -360,7 +393,7 @@ def _check_mesh_axes(name: str, axes, mesh: Mesh, *, allow_tuple: bool = True) -
   return tuple(names)
 
 
-def _axes_or_none(axes: tuple):
+def _axes_or_none(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
   if not axes:
     return None
   return axes[0] if len(axes) == 1 else axes

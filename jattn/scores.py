@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jattn import _checks
 
@@ -55,7 +56,9 @@ class ScoreFn:
   children, traced and differentiable.
   """
 
-  def __call__(self, score, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, score: jax.Array, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     raise NotImplementedError(f"{type(self).__name__} defines no score function")
 
   @property
@@ -82,7 +85,9 @@ class FromFn(ScoreFn):
 
   fn: Callable = field(metadata=STATIC)
 
-  def __call__(self, score, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, score: jax.Array, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     # A user function may compute in a narrower dtype (float16, bfloat16): its floating
     # result is taken back to the score's dtype (float32, float64 for float64 inputs), so
     # every implementation and every custom_vjp sees the statistics dtype it expects.
@@ -119,7 +124,9 @@ class Compose(ScoreFn):
 
   fns: tuple[ScoreFn, ...]
 
-  def __call__(self, score, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, score: jax.Array, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     for fn in self.fns:
       score = fn(score, batch, head, q_idx, kv_idx)
     return score
@@ -151,7 +158,7 @@ def compose(*fns: Callable) -> ScoreFn:
   return Compose(nodes)
 
 
-def _float_array(name: str, value, *, ndim: int):
+def _float_array(name: str, value: Any, *, ndim: int) -> jax.Array | np.ndarray:
   """A floating array of rank ``ndim``, kept as given (no copy, no cast)."""
   arr = value if hasattr(value, "dtype") else np.asarray(value)
   if not np.issubdtype(arr.dtype, np.floating):
@@ -169,7 +176,9 @@ class Alibi(ScoreFn):
   slopes: Any
   bidirectional: bool = field(metadata=STATIC)
 
-  def __call__(self, score, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, score: jax.Array, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     distance = (kv_idx - q_idx).astype(score.dtype)
     if self.bidirectional:
       distance = -jnp.abs(distance)
@@ -183,7 +192,7 @@ class Alibi(ScoreFn):
     return f"alibi(slopes shape={tuple(self.slopes.shape)}, bidirectional={self.bidirectional})"
 
 
-def alibi(slopes, *, bidirectional: bool = False) -> ScoreFn:
+def alibi(slopes: ArrayLike, *, bidirectional: bool = False) -> ScoreFn:
   """ALiBi (Press et al., 2022): add ``slopes[head] * (kv_idx - q_idx)`` to the score.
 
   For causal attention ``kv <= q``, so the bias is a penalty growing with
@@ -203,7 +212,9 @@ class SoftCap(ScoreFn):
 
   cap: float = field(metadata=STATIC)
 
-  def __call__(self, score, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, score: jax.Array, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     return self.cap * jnp.tanh(score / self.cap)
 
   def __repr__(self) -> str:
@@ -256,7 +267,9 @@ class RelativePositionBias(ScoreFn):
   max_distance: int = field(metadata=STATIC)
   bidirectional: bool = field(metadata=STATIC)
 
-  def __call__(self, score, batch, head, q_idx, kv_idx) -> jax.Array:
+  def __call__(
+    self, score: jax.Array, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
     bucket = t5_bucket(
       kv_idx - q_idx,
       num_buckets=self.num_buckets,
@@ -277,7 +290,7 @@ class RelativePositionBias(ScoreFn):
 
 
 def relative_position_bias(
-  table, *, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True
+  table: ArrayLike, *, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True
 ) -> ScoreFn:
   """T5's learned relative position bias: add ``table[bucket(kv_idx - q_idx), head]``.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +75,7 @@ class RopeScaling:
   attention_factor: float | None = None
   truncate: bool = True
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if not isinstance(self.kind, str):
       raise TypeError(f"kind must be a str, one of {list(SCALING_KINDS)}, got {self.kind!r}")
     if self.kind not in SCALING_KINDS:
@@ -149,7 +150,7 @@ def _scaled_frequencies(rotary_dim: int, base: float, scaling: RopeScaling | Non
       )
     case "yarn":
 
-      def correction_dim(rotations):
+      def correction_dim(rotations: float) -> float:
         return (
           rotary_dim
           * math.log(scaling.original_max_position / (rotations * 2 * math.pi))
@@ -168,18 +169,18 @@ def _scaled_frequencies(rotary_dim: int, base: float, scaling: RopeScaling | Non
       raise ValueError(f"unknown scaling kind {scaling.kind!r}")
 
 
-def _check_base(base) -> float:
+def _check_base(base: Any) -> float:
   return _checks.positive_real("base", base)
 
 
-def _check_fraction(rotary_fraction) -> float:
+def _check_fraction(rotary_fraction: Any) -> float:
   rotary_fraction = _checks.real("rotary_fraction", rotary_fraction)
   if not 0 < rotary_fraction <= 1:
     raise ValueError(f"rotary_fraction must be in (0, 1], got {rotary_fraction}")
   return rotary_fraction
 
 
-def _check_scaling(scaling) -> RopeScaling | None:
+def _check_scaling(scaling: Any) -> RopeScaling | None:
   if scaling is not None and not isinstance(scaling, RopeScaling):
     raise TypeError(
       f"scaling must be a jattn.positional.RopeScaling or None, got {type(scaling).__name__}"
@@ -331,7 +332,7 @@ class Rotary:
   rotary_fraction: float = 1.0
   scaling: RopeScaling | None = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     object.__setattr__(self, "base", _check_base(self.base))
     object.__setattr__(self, "rotary_fraction", _check_fraction(self.rotary_fraction))
     _check_scaling(self.scaling)
