@@ -155,7 +155,6 @@ def test_the_shard_map_wrapper_keeps_any_kernels_values():
   # kernel, with a rank-4 bias broadcast over the batch and sinks: values, gradients and
   # shardings as the unwrapped call.
   from jattn import _spec
-  from jattn.attention import _rank4
   from jattn.impl import _sharded, xla
 
   q, k, v, ids, sinks = _inputs()
@@ -163,7 +162,7 @@ def test_the_shard_map_wrapper_keeps_any_kernels_values():
 
   def run(q, k, v, bias, wrap):
     q, k, v, spec = _spec.build(q, k, v, bias, None, is_causal=True, implementation="xla")
-    spec = _rank4(spec)
+    spec = _spec.rank4(spec)
     if wrap:
       return _sharded.per_shard(xla.attention, q, k, v, spec, auto=False)[0]
     return xla.attention(q, k, v, spec)[0]
