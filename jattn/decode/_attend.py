@@ -44,7 +44,7 @@ def attention(
   return_residual: bool = False,
   sinks: jax.typing.ArrayLike | None = None,
   options: Options | None = None,
-):
+) -> tuple[jax.Array | tuple[jax.Array, jax.Array | None], Cache]:
   """Causal attention of t new tokens over the cache, after writing their keys and values.
 
   Query ``i`` of row ``b`` sits at position ``cache.lengths[b] + i`` and
@@ -142,7 +142,11 @@ def attention(
   return _over_tiles(query, new_cache, bias, allowed, options, call), new_cache
 
 
-def _fit_to_pages(cache: Cache, mask, bias) -> tuple[Any, Any, int | None]:
+def _fit_to_pages(
+  cache: Cache,
+  mask: jax.typing.ArrayLike | masks.Mask | None,
+  bias: jax.typing.ArrayLike | None,
+) -> tuple[Any, Any, int | None]:
   """``(mask, bias, requested)``: for a paged cache, a mask or bias array whose key axis is
   shorter than the rows but reaches into their last page (a max_length asked for, rounded
   up to whole pages as the Flax modules' ``init_cache`` does) padded to the rows' length,
@@ -153,7 +157,7 @@ def _fit_to_pages(cache: Cache, mask, bias) -> tuple[Any, Any, int | None]:
   S = cache.max_length
   lowest = max(S - cache.page_size + 1, 2)  # a key axis of 1 broadcasts
 
-  def fit(name, x, pad_value):
+  def fit(name: str, x: Any, pad_value: bool | int) -> tuple[Any, int | None]:
     if x is None or (isinstance(x, masks.Mask) and not isinstance(x, masks.kinds.FromArray)):
       return x, None
     wrapped = isinstance(x, masks.kinds.FromArray)
@@ -171,7 +175,9 @@ def _fit_to_pages(cache: Cache, mask, bias) -> tuple[Any, Any, int | None]:
   return mask, bias, min(lengths) if lengths else None
 
 
-def _kept(cache: Cache, new_cache: Cache, t: int, num_new) -> jax.Array | None:
+def _kept(
+  cache: Cache, new_cache: Cache, t: int, num_new: jax.typing.ArrayLike | None
+) -> jax.Array | None:
   """(B,) how many of the t new tokens each row's cache took, the query rows that attend
   (the rest return zeros, like padding), or None when all t of every row were kept.
 
@@ -184,7 +190,14 @@ def _kept(cache: Cache, new_cache: Cache, t: int, num_new) -> jax.Array | None:
   return kept
 
 
-def _over_tiles(query, cache: Cache, bias, mask, options: Options, call: dict[str, Any]):
+def _over_tiles(
+  query: jax.Array | np.ndarray,
+  cache: Cache,
+  bias: jax.typing.ArrayLike | None,
+  mask: masks.Mask,
+  options: Options,
+  call: dict[str, Any],
+) -> jax.Array | tuple[jax.Array, jax.Array | None]:
   """Blockwise attention reading the cache tile by tile (a CacheTiles source), through the
   implementation's own entry point (:func:`jattn.impl.blockwise.attention_over_cache`)."""
   kind = "paged" if isinstance(cache, PagedKVCache) else "quantized"
@@ -246,7 +259,9 @@ def _over_tiles(query, cache: Cache, bias, mask, options: Options, call: dict[st
 
 
 @jax.jit
-def _attend_cache(query, tiles: _kv.CacheTiles, spec: _spec.CallSpec):
+def _attend_cache(
+  query: jax.Array, tiles: _kv.CacheTiles, spec: _spec.CallSpec
+) -> tuple[jax.Array, jax.Array | None]:
   """The jitted core over a KV cache: blockwise attention reading ``tiles`` one tile at a
   time, finished as :func:`jattn.dot_product_attention` finishes (sinks, dtypes)."""
   spec = _spec.rank4(spec)

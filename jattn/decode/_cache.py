@@ -159,7 +159,13 @@ def _sizes(**sizes: int) -> tuple[int, ...]:
   return tuple(_checks.integer(name, n, minimum=1) for name, n in sizes.items())
 
 
-def _stores(lead: tuple[int, int], num_kv_heads, head_dim, value_head_dim, dtype):
+def _stores(
+  lead: tuple[int, int],
+  num_kv_heads: int,
+  head_dim: int,
+  value_head_dim: int | None,
+  dtype: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
   """Zero keys (*lead, K, H) and values (*lead, K, Hv) in the checked storage ``dtype``, and
   zero float32 scales (*lead, K) each when it is quantized (else None):
   ``(key, value, key_scale, value_scale)``."""

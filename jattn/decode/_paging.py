@@ -17,11 +17,14 @@ Both functions here are pure and of fixed shape, so they run inside ``jax.jit``:
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-def allocate(table, free, want, page_size: int):
+def allocate(
+  table: jax.Array, free: jax.Array, want: jax.Array, page_size: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(table, free, capacity)``: pages for ``want`` (B,) slots per row.
 
   ``capacity`` (B,) int32 is the number of slots each row's pages hold afterwards, at
@@ -40,14 +43,16 @@ def allocate(table, free, want, page_size: int):
   return table, free, capacity
 
 
-def pages_needed(table, want, page_size: int) -> np.ndarray:
+def pages_needed(
+  table: jax.typing.ArrayLike, want: jax.typing.ArrayLike, page_size: int
+) -> np.ndarray:
   """(B,) how many new pages each row needs for ``want`` slots; concrete arrays only."""
   table, want = np.asarray(table), np.asarray(want)
   held = np.sum(table >= 0, axis=1)
   return np.maximum(-(-want // page_size) - held, 0)
 
 
-def release(table, free, rows):
+def release(table: jax.Array, free: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``(table, free)`` with the pages of rows where ``rows`` (B,) is True back in the pool."""
   P = free.shape[0]
   back = rows[:, None] & (table >= 0)

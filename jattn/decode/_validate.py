@@ -15,7 +15,7 @@ from jattn.decode import _paging
 from jattn.decode._cache import Cache, KVCache, PagedKVCache, _dims
 
 
-def _check_cache(cache) -> None:
+def _check_cache(cache: object) -> None:
   if not isinstance(cache, (KVCache, PagedKVCache)):
     raise TypeError(
       "cache must be a jattn.decode.KVCache or PagedKVCache (see decode.init and "
@@ -89,7 +89,10 @@ def _check_cache(cache) -> None:
 
 
 def _check_new(
-  cache: Cache, key, value, num_new
+  cache: Cache,
+  key: jax.typing.ArrayLike,
+  value: jax.typing.ArrayLike,
+  num_new: jax.typing.ArrayLike | None,
 ) -> tuple[jax.Array | np.ndarray, jax.Array | np.ndarray, Any]:
   """key, value (B, t, K, H) matching the cache and num_new (B,) or None; overflow and
   running out of pages if concrete."""
@@ -159,7 +162,7 @@ def _check_new(
   return key, value, num_new
 
 
-def _check_dtype(cache: Cache, name: str, x) -> None:
+def _check_dtype(cache: Cache, name: str, x: jax.Array | np.ndarray) -> None:
   storage = cache.dtype
   if _quant.is_quantized(storage):
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -168,7 +171,9 @@ def _check_dtype(cache: Cache, name: str, x) -> None:
     raise TypeError(f"{name} must have the cache's dtype {storage}, got {x.dtype}")
 
 
-def _check_query(cache: Cache, query, key):
+def _check_query(
+  cache: Cache, query: jax.typing.ArrayLike, key: jax.Array | np.ndarray
+) -> jax.Array | np.ndarray:
   query = _checks.as_array("query", query)
   B, _, K, H, _ = _dims(cache)
   t = key.shape[1]

@@ -82,7 +82,12 @@ def update(
   return _write(cache, key, value, num_new)
 
 
-def _write(cache: Cache, key, value, num_new) -> Cache:
+def _write(
+  cache: Cache,
+  key: jax.Array | np.ndarray,
+  value: jax.Array | np.ndarray,
+  num_new: jax.typing.ArrayLike | None,
+) -> Cache:
   """The scatter behind :func:`update`; arguments already checked."""
   B, t = key.shape[:2]
   S = cache.max_length
@@ -114,7 +119,7 @@ def _write(cache: Cache, key, value, num_new) -> Cache:
     slots = jnp.where(kept, pos, S)  # S and beyond are dropped by the scatter
     put_row = jax.vmap(lambda store, at, x: store.at[at].set(x, mode="drop"))
 
-    def put_rows(store, x) -> Any:
+    def put_rows(store: jax.Array | None, x: jax.Array | None) -> Any:
       if x is None:
         return None
       store = jnp.asarray(store)
@@ -138,7 +143,7 @@ def _write(cache: Cache, key, value, num_new) -> Cache:
   page = jnp.take_along_axis(table, jnp.clip(pos // ps, 0, cache.max_pages_per_seq - 1), axis=1)
   at = (jnp.where(kept, page, cache.num_pages), pos % ps)
 
-  def put(store, x) -> Any:
+  def put(store: jax.Array | None, x: jax.Array | None) -> Any:
     if x is None:
       return None
     # Every row writes into the one pool of pages, so the new tokens are gathered over a

@@ -181,7 +181,7 @@ def sharding_spec(x: ArrayLike) -> tuple:
   return spec + (None,) * (jnp.ndim(x) - len(spec))
 
 
-def sharded_as(spec: Iterable[Any], *, mesh_of: jax.Array) -> jax.sharding.NamedSharding:
+def sharded_as(spec: Iterable[Any], *, mesh_of: ArrayLike) -> jax.sharding.NamedSharding:
   """A NamedSharding of ``spec`` over the mesh of ``mesh_of``'s type, which names mesh axes
   (Explicit mode): the mesh that ``out_sharding=`` and reshard need outside ``jax.set_mesh``
   too."""
@@ -190,7 +190,7 @@ def sharded_as(spec: Iterable[Any], *, mesh_of: jax.Array) -> jax.sharding.Named
   return sharding.update(spec=jax.sharding.PartitionSpec(*spec))
 
 
-def reshard(x: jax.Array, spec: Iterable[Any], *, mesh_of: jax.Array) -> jax.Array:
+def reshard(x: jax.Array, spec: Iterable[Any], *, mesh_of: ArrayLike) -> jax.Array:
   """``x`` sharded in its type as ``spec`` says (one entry per dimension), over the mesh of
   ``mesh_of``'s type; ``x`` unchanged where that is already so, and where neither names a
   mesh axis (Auto mode, no mesh)."""
