@@ -22,7 +22,7 @@ the loops.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import jax
 from jax.extend import core as jex_core
@@ -72,7 +72,9 @@ def _message(who: str, cause: str, forward: bool, way_out: str) -> str:
 def first_order(
   fn: Callable[..., Any], who: str, cause: str, *, forward: bool, way_out: str = WAY_OUT
 ) -> Callable[..., Any]:
-  """``fn`` (a backward pass), made to refuse a second reverse pass with a ValueError.
+  """``fn`` (a backward pass), made to refuse a second reverse pass with a ValueError; with
+  ``forward=False`` any derivative of it at all (also for a fused kernel's forward pass
+  inside a custom_vjp, which a second derivative differentiates for the residuals it keeps).
 
   Args:
     fn: the backward pass, a function of arrays (pytrees of arrays) only.
@@ -98,26 +100,9 @@ def first_order(
   return wrapped
 
 
-def no_derivatives(fn: Callable[..., Any], who: str, cause: str) -> Callable[..., Any]:
-  """``fn`` (a fused kernel's forward pass, inside a custom_vjp) refusing any derivative of
-  its own with :func:`first_order`'s message. A second derivative differentiates the first
-  one's forward pass (the residuals it keeps) before it reaches the backward."""
-  message = _message(who, cause, False, WAY_OUT)
-
-  @jax.custom_jvp
-  def wrapped(*args: Any) -> Any:
-    return fn(*args)
-
-  @wrapped.defjvp
-  def _refuse_jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> NoReturn:
-    raise ValueError(message)
-
-  return wrapped
-
-
 def reverse_once(fn: Callable[..., Any], who: str, cause: str) -> Callable[..., Any]:
   """``fn`` with its own reverse-mode rule, ``jax.vjp(fn)``'s, whose forward and backward
-  passes refuse any derivative of their own (:func:`no_derivatives`, :func:`first_order`):
+  passes refuse any derivative of their own (:func:`first_order` with ``forward=False``):
   for a function whose backward is not jattn's to wrap (the splash kernel's own custom_vjp).
   Integer arguments get no cotangent."""
 
@@ -125,7 +110,7 @@ def reverse_once(fn: Callable[..., Any], who: str, cause: str) -> Callable[..., 
   def wrapped(*args: Any) -> Any:
     return fn(*args)
 
-  forward = no_derivatives(lambda *args: jax.vjp(fn, *args), who, cause)
+  forward = first_order(lambda *args: jax.vjp(fn, *args), who, cause, forward=False)
   backward = first_order(lambda vjp, ct: vjp(ct), who, cause, forward=False)
   wrapped.defvjp(forward, backward)
   return wrapped

@@ -225,7 +225,7 @@ def _partitioned(
   )
 
   who = f"implementation={spec.implementation!r}"
-  only_forward = _orders.no_derivatives(forward, who, _orders.FUSED)
+  only_forward = _orders.first_order(forward, who, _orders.FUSED, forward=False)
   only_backward = _orders.first_order(backward, who, _orders.FUSED, forward=False)
 
   Residuals = tuple[jax.Array, jax.Array, jax.Array, list[Any]]
