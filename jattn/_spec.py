@@ -7,8 +7,9 @@ scale, the tiles, the chosen implementation and backward rule. Every entry point
 (:func:`jattn.dot_product_attention`, :func:`jattn.attention_weights`,
 :func:`jattn.parallel.ring_attention`, and through the first :mod:`jattn.decode` and
 the Flax modules) builds one, and the implementations read their settings from it;
-nothing downstream re-validates. Adding a keyword touches :func:`build`,
-:class:`CallSpec` and the implementations that use it.
+nothing downstream re-validates. The front ends hand their arguments over whole, as one
+:class:`Arguments`, so adding a keyword touches its public signatures, :class:`Arguments`,
+:func:`build`, :class:`CallSpec` and the implementations that use it.
 
 The masks, score functions and bias are checked and combined in :mod:`jattn._masking`,
 scalar settings in :mod:`jattn._checks`, the implementation and backward names in
@@ -100,71 +101,99 @@ class CallSpec:
     return (self.B, self.N, self.T, self.S)
 
 
+@dataclasses.dataclass(frozen=True)
+class Arguments:
+  """A public call's arguments, named and meant as in :func:`jattn.dot_product_attention`.
+
+  The one list of what :func:`build` checks. A front end hands over its own arguments
+  whole, ``Arguments.of(locals())`` as its first statement, instead of forwarding each
+  keyword by hand; :func:`jattn.explain` and :mod:`jattn.decode` construct one.
+  ``value=None`` describes a call that forms only the weights
+  (:func:`jattn.attention_weights`).
+  """
+
+  query: Any
+  key: Any
+  value: Any = None
+  bias: Any = None
+  mask: Any = None
+  scale: float | None = None
+  is_causal: bool = False
+  query_seq_lengths: Any = None
+  key_value_seq_lengths: Any = None
+  local_window_size: int | tuple[int, int] | None = None
+  return_residual: bool = False
+  segment_ids: Any = None
+  score_fn: Callable[..., jax.Array] | None = None
+  logits_soft_cap: float | None = None
+  dropout_rate: float = 0.0
+  dropout_rng: Any = None
+  broadcast_dropout: bool = False
+  sinks: Any = None
+  implementation: str | None = None
+  backward: str | None = None
+  block_q: int | None = None
+  block_kv: int | None = None
+  options: Options | None = None
+
+  @classmethod
+  def of(cls, arguments: dict[str, Any], **replaced: Any) -> Arguments:
+    """The fields named in ``arguments`` (a front end's ``locals()``, whose other names,
+    such as ring attention's ``mesh``, are not the call's), then ``replaced``."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{n: x for n, x in {**arguments, **replaced}.items() if n in names})
+
+
 def build(
-  query: Any,
-  key: Any,
-  value: Any,
-  bias: Any = None,
-  mask: Any = None,
+  arguments: Arguments,
   *,
-  scale: float | None = None,
-  is_causal: bool = False,
-  query_seq_lengths: Any = None,
-  key_value_seq_lengths: Any = None,
-  local_window_size: int | tuple[int, int] | None = None,
-  implementation: str | None = None,
-  return_residual: bool = False,
-  segment_ids: Any = None,
-  score_fn: Callable[..., jax.Array] | None = None,
-  logits_soft_cap: float | None = None,
-  dropout_rate: float = 0.0,
-  dropout_rng: jax.Array | None = None,
-  broadcast_dropout: bool = False,
-  backward: str | None = None,
-  block_q: int | None = None,
-  block_kv: int | None = None,
-  sinks: Any = None,
-  options: Options | None = None,
   backend: str | None = None,
   explain: bool = False,
   shapes_only: bool = False,
 ) -> Any:  # (query, key, value or None, CallSpec); with explain=True a _select.Choice
-  """Every argument of a call checked, with the meanings of
-  :func:`jattn.dot_product_attention`; raises before anything is traced.
+  """Every argument of a call checked; raises before anything is traced.
 
-  ``value=None`` describes a call that forms only the weights
-  (:func:`jattn.attention_weights`). Returns ``(query, key, value, spec)``, the arrays as
-  jax or NumPy arrays of one dtype; the implementation is chosen for ``backend`` (default:
-  JAX's default backend) by :func:`jattn.impl._select.choose`. With ``explain=True``,
-  returns that :class:`jattn.impl._select.Choice` instead. ``implementation``,
-  ``backward``, ``block_q`` and ``block_kv`` come one by one or as ``options``.
+  Returns ``(query, key, value, spec)``, the arrays as jax or NumPy arrays of one dtype;
+  the implementation is chosen for ``backend`` (default: JAX's default backend) by
+  :func:`jattn.impl._select.choose`. With ``explain=True``, returns that
+  :class:`jattn.impl._select.Choice` instead. ``implementation``, ``backward``,
+  ``block_q`` and ``block_kv`` come one by one or as ``options``.
   ``shapes_only``: key and value are ``jax.ShapeDtypeStruct`` values, for a caller that
   reads them from elsewhere (:mod:`jattn.decode`'s cache, tile by tile).
   """
+  a = arguments
   options = Options.of(
-    options, implementation=implementation, backward=backward, block_q=block_q, block_kv=block_kv
+    a.options,
+    implementation=a.implementation,
+    backward=a.backward,
+    block_q=a.block_q,
+    block_kv=a.block_kv,
   )
   impl, bwd = _select.check_choices(options.implementation, options.backward)
   blocks = (options.block_q, options.block_kv)
-  q, k, v = _checks.qkv(query, key, key if value is None else value, shapes_only=shapes_only)
+  q, k, v = _checks.qkv(
+    a.query, a.key, a.key if a.value is None else a.value, shapes_only=shapes_only
+  )
   unbatched = q.ndim == 3
   B, T, N, H = (1,) * unbatched + tuple(q.shape)
   S, K = k.shape[-3], k.shape[-2]
-  scale = _checks.scale(scale, H)
-  bias = _masking.checked_bias(bias, (B, N, T, S), q.dtype)
+  scale = _checks.scale(a.scale, H)
+  bias = _masking.checked_bias(a.bias, (B, N, T, S), q.dtype)
   _checks.flags(
-    is_causal=is_causal, return_residual=return_residual, broadcast_dropout=broadcast_dropout
+    is_causal=a.is_causal,
+    return_residual=a.return_residual,
+    broadcast_dropout=a.broadcast_dropout,
   )
-  window = _checks.window(local_window_size)
+  window = _checks.window(a.local_window_size)
   lengths = tuple(
     _checks.seq_lengths(name, x, B)
     for name, x in (
-      ("query_seq_lengths", query_seq_lengths),
-      ("key_value_seq_lengths", key_value_seq_lengths),
+      ("query_seq_lengths", a.query_seq_lengths),
+      ("key_value_seq_lengths", a.key_value_seq_lengths),
     )
   )
-  dropout_rate = _checks.dropout(dropout_rate, dropout_rng)
-  sinks = _checks.sinks(sinks, N)
+  dropout_rate = _checks.dropout(a.dropout_rate, a.dropout_rng)
+  sinks = _checks.sinks(a.sinks, N)
   spec = CallSpec(
     B=B,
     T=T,
@@ -172,22 +201,22 @@ def build(
     N=N,
     K=K,
     H=H,
-    Hv=H if value is None else v.shape[-1],
+    Hv=H if a.value is None else v.shape[-1],
     unbatched=unbatched,
     bias=bias,
     mask=_masking.combined_mask(
-      mask, is_causal, window, lengths, segment_ids, unbatched, (B, N, T, S)
+      a.mask, a.is_causal, window, lengths, a.segment_ids, unbatched, (B, N, T, S)
     ),
-    score_fn=_masking.score_function(score_fn, logits_soft_cap, q.dtype, (B, N, T, S)),
-    dropout_rng=dropout_rng if dropout_rate else None,
+    score_fn=_masking.score_function(a.score_fn, a.logits_soft_cap, q.dtype, (B, N, T, S)),
+    dropout_rng=a.dropout_rng if dropout_rate else None,
     scale=scale,
     dropout_rate=dropout_rate,
-    broadcast_dropout=bool(broadcast_dropout),
+    broadcast_dropout=bool(a.broadcast_dropout),
     implementation="",  # chosen below, from the checked settings
     backward=bwd,
     block_q=blocks[0],  # type: ignore[arg-type]  # None until resolved below
     block_kv=blocks[1],  # type: ignore[arg-type]
-    return_residual=bool(return_residual),
+    return_residual=bool(a.return_residual),
     interpret=testing.interpreting(),
     sinks=sinks,
   )
@@ -216,7 +245,7 @@ def build(
   if routes:
     specs = tuple(_for_choice(spec, c, blocks, q.dtype, c.backend) for c in routes.values())
     spec = dataclasses.replace(spec, route_platforms=tuple(routes), routes=specs)
-  return q, k, (None if value is None else v), spec
+  return q, k, (None if a.value is None else v), spec
 
 
 def _for_choice(

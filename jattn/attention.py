@@ -235,29 +235,7 @@ def dot_product_attention(
   Unlike jax.nn, a query row that may attend to nothing returns zeros (jax.nn
   returns the mean of the values) and the log-sum-exp is differentiable.
   """
-  q, k, v, spec = _spec.build(
-    query,
-    key,
-    value,
-    bias,
-    mask,
-    scale=scale,
-    is_causal=is_causal,
-    query_seq_lengths=query_seq_lengths,
-    key_value_seq_lengths=key_value_seq_lengths,
-    local_window_size=local_window_size,
-    return_residual=return_residual,
-    segment_ids=segment_ids,
-    score_fn=score_fn,
-    logits_soft_cap=logits_soft_cap,
-    dropout_rate=dropout_rate,
-    dropout_rng=dropout_rng,
-    broadcast_dropout=broadcast_dropout,
-    sinks=sinks,
-    options=Options.of(
-      options, implementation=implementation, backward=backward, block_q=block_q, block_kv=block_kv
-    ),
-  )
+  q, k, v, spec = _spec.build(_spec.Arguments.of(locals()))
   out, lse = _attend(q, k, v, spec)
   return (out, lse) if return_residual else out
 
@@ -297,23 +275,7 @@ def attention_weights(
            [0.5       , 0.5       , 0.        ],
            [0.33333334, 0.33333334, 0.33333334]], dtype=float32)
   """
-  q, k, _, spec = _spec.build(
-    query,
-    key,
-    None,
-    bias,
-    mask,
-    scale=scale,
-    is_causal=is_causal,
-    query_seq_lengths=query_seq_lengths,
-    key_value_seq_lengths=key_value_seq_lengths,
-    local_window_size=local_window_size,
-    implementation="xla",
-    segment_ids=segment_ids,
-    score_fn=score_fn,
-    logits_soft_cap=logits_soft_cap,
-    sinks=sinks,
-  )
+  q, k, _, spec = _spec.build(_spec.Arguments.of(locals(), implementation="xla"))
   return _weights(q, k, spec)
 
 
@@ -358,7 +320,8 @@ def explain(
   choices: list[Choice] = []
 
   def trace(q: jax.Array, k: jax.Array, v: jax.Array, b: jax.Array | None) -> tuple[()]:
-    choices.append(_spec.build(q, k, v, b, mask, backend=backend, explain=True, **kwargs))
+    arguments = _spec.Arguments(q, k, v, b, mask, **kwargs)
+    choices.append(_spec.build(arguments, backend=backend, explain=True))
     return ()
 
   jax.eval_shape(trace, query, key, value, bias)

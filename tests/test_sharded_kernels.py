@@ -161,7 +161,8 @@ def test_the_shard_map_wrapper_keeps_any_kernels_values():
   bias = jnp.asarray(np.random.default_rng(5).normal(size=(1, N, T, T)), jnp.float32)
 
   def run(q, k, v, bias, wrap):
-    q, k, v, spec = _spec.build(q, k, v, bias, None, is_causal=True, implementation="xla")
+    arguments = _spec.Arguments(q, k, v, bias, is_causal=True, implementation="xla")
+    q, k, v, spec = _spec.build(arguments)
     spec = _spec.rank4(spec)
     if wrap:
       return _sharded.per_shard(xla.attention, q, k, v, spec, auto=False)[0]

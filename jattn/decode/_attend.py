@@ -227,16 +227,9 @@ def _over_tiles(
       )
   # The keys and values are read from the cache: the spec is built from their shapes.
   shape_of = lambda h: jax.ShapeDtypeStruct((B, S, K, h), query.dtype)
-  _, _, _, spec = _spec.build(
-    query,
-    shape_of(H),
-    shape_of(Hv),
-    bias,
-    mask,
-    options=dataclasses.replace(options, implementation="blockwise", block_kv=block_kv),
-    shapes_only=True,
-    **call,
-  )
+  options = dataclasses.replace(options, implementation="blockwise", block_kv=block_kv)
+  arguments = _spec.Arguments(query, shape_of(H), shape_of(Hv), bias, mask, options=options, **call)
+  _, _, _, spec = _spec.build(arguments, shapes_only=True)
   stores = (cache.key_pages, cache.value_pages) if isinstance(cache, PagedKVCache) else cache[:2]
   # Explicit mode: the page table and lengths take the query's batch sharding, so that each
   # device gathers the pages of its own rows from the (unsharded) pool.
