@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +18,12 @@ import numpy as np
 
 from jattn import _checks, attention
 
+_Module = TypeVar("_Module")  # the Flax module kind (NNX or Linen) that ``sow`` stores into
 
-def _precision_context(precision):
+
+def _precision_context(
+  precision: jax.lax.PrecisionLike,
+) -> contextlib.AbstractContextManager[object]:
   if precision is None:
     return contextlib.nullcontext()
   if isinstance(precision, (tuple, list)):
@@ -27,7 +31,8 @@ def _precision_context(precision):
       raise ValueError(
         f"precision as a pair must name one precision for both operands, got {precision!r}"
       )
-    precision = precision[0]
+    # One of a pair: a DotAlgorithm (a tuple too) has entries that differ, raised above.
+    precision = precision[0]  # type: ignore[assignment]
   if isinstance(precision, jax.lax.Precision):
     precision = {
       jax.lax.Precision.DEFAULT: "default",
@@ -39,11 +44,13 @@ def _precision_context(precision):
   return jax.default_matmul_precision(precision)
 
 
-def _flatten_batch(x, batch_dims: tuple[int, ...], rank: int):
+def _flatten_batch(
+  x: jax.typing.ArrayLike | None, batch_dims: tuple[int, ...], rank: int
+) -> jax.Array | np.ndarray | None:
   """Broadcast-compatible ``x`` (mask/bias over [batch..., N, T, S]) as rank-4 (B, N, T, S)."""
   if x is None:
     return None
-  x = x if hasattr(x, "shape") else np.asarray(x)
+  x = cast("jax.Array | np.ndarray", x if hasattr(x, "shape") else np.asarray(x))
   if x.ndim > rank:
     raise ValueError(
       f"mask and bias must have at most {rank} dimensions ([batch..., N, T, S]), "
@@ -59,7 +66,9 @@ def _flatten_batch(x, batch_dims: tuple[int, ...], rank: int):
   return x.reshape((math.prod(batch_dims),) + x.shape[-3:])
 
 
-def make_attention_fn(sow: Callable, collection: str, module_name: str) -> Callable:
+def make_attention_fn(
+  sow: Callable[[_Module, jax.Array], None], collection: str, module_name: str
+) -> Callable[..., jax.Array]:
   """Flax's ``attention_fn`` contract on top of :func:`jattn.dot_product_attention`.
 
   ``sow(module, weights)`` stores the weights when Flax passes ``module``;
@@ -68,18 +77,18 @@ def make_attention_fn(sow: Callable, collection: str, module_name: str) -> Calla
   """
 
   def attention_fn(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.typing.ArrayLike | None = None,
+    mask: jax.typing.ArrayLike | None = None,
     broadcast_dropout: bool = True,
-    dropout_rng=None,
+    dropout_rng: jax.Array | None = None,
     dropout_rate: float = 0.0,
     deterministic: bool = False,
-    dtype=None,
-    precision=None,
-    module=None,
+    dtype: jax.typing.DTypeLike | None = None,
+    precision: jax.lax.PrecisionLike = None,
+    module: _Module | None = None,
     is_causal: bool = False,
     *,
     implementation: str | None = None,
@@ -88,8 +97,8 @@ def make_attention_fn(sow: Callable, collection: str, module_name: str) -> Calla
     block_kv: int | None = None,
     logits_soft_cap: float | None = None,
     score_fn: Callable | None = None,
-    sinks=None,
-  ):
+    sinks: jax.typing.ArrayLike | None = None,
+  ) -> jax.Array:
     arrays = [query, key, value]
     for name, x in zip(("query", "key", "value"), arrays):
       if not hasattr(x, "shape") or x.ndim < 3:
@@ -152,7 +161,7 @@ def make_attention_fn(sow: Callable, collection: str, module_name: str) -> Calla
   return attention_fn
 
 
-def _unflatten(x, batch_dims):
+def _unflatten(x: jax.Array, batch_dims: tuple[int, ...]) -> jax.Array:
   if len(batch_dims) <= 1:
     return x
   return x.reshape(batch_dims + x.shape[1:])

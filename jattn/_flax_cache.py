@@ -7,9 +7,10 @@ Shape legend as in :mod:`jattn.attention`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -27,7 +28,13 @@ class CacheOptions:
 
 
 def check_cache_options(
-  *, dtype_name: str, dtype, page_size, num_pages, implementation, block_kv
+  *,
+  dtype_name: str,
+  dtype: jax.typing.DTypeLike | None,
+  page_size: int | None,
+  num_pages: int | None,
+  implementation: str | None,
+  block_kv: int | None,
 ) -> CacheOptions:
   """The cache settings of ``init_cache`` (NNX) or the module's fields (Linen), checked.
 
@@ -64,16 +71,21 @@ def check_cache_options(
   return CacheOptions(dtype, page_size, num_pages)
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> bool:
   return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
-def size(input_shape, dtype, batch_size, max_length):
+def size(
+  input_shape: Sequence[int] | int | None,
+  dtype: Any,  # a dtype or None; max_length in init_cache(B, L)
+  batch_size: int | None,
+  max_length: int | None,
+) -> tuple[int, int, jax.typing.DTypeLike | None]:
   """``(batch_size, max_length, dtype)`` from the arguments of the NNX module's
   ``init_cache``: Flax's ``input_shape`` (B, max_length, F) and ``dtype``, or jattn's
   ``batch_size=`` and ``max_length=`` (also taken positionally, two ints, as before)."""
   if _is_int(input_shape) and _is_int(dtype) and batch_size is None and max_length is None:
-    return input_shape, dtype, None
+    return input_shape, dtype, None  # type: ignore[return-value]  # two ints: init_cache(B, L)
   if input_shape is None:
     if batch_size is None or max_length is None:
       raise TypeError(
@@ -91,7 +103,11 @@ def size(input_shape, dtype, batch_size, max_length):
 
 
 def init_cache(
-  heads: Heads, batch_size: int, max_length: int, dtype, options: CacheOptions = CacheOptions()
+  heads: Heads,
+  batch_size: int,
+  max_length: int,
+  dtype: jax.typing.DTypeLike,
+  options: CacheOptions = CacheOptions(),
 ) -> decode.Cache:
   """An empty cache for ``heads``: contiguous, or paged when ``options.page_size`` is set.
 
@@ -103,7 +119,7 @@ def init_cache(
   batch_size = _checks.integer("batch_size", batch_size, minimum=1)
   max_length = _checks.integer("max_length", max_length, minimum=1)
   dtype = options.dtype if options.dtype is not None else dtype
-  layout = dict(dtype=dtype, value_head_dim=heads.value_head_dim)
+  layout: dict[str, Any] = dict(dtype=dtype, value_head_dim=heads.value_head_dim)
   if options.page_size is None:
     return decode.init(batch_size, max_length, heads.num_kv_heads, heads.head_dim, **layout)
   pages_per_row = -(-max_length // options.page_size)
@@ -118,14 +134,21 @@ def init_cache(
   )
 
 
-def cache_accepts(cache: decode.Cache, dtype) -> bool:
+def cache_accepts(cache: decode.Cache, dtype: jax.typing.DTypeLike) -> bool:
   """Whether keys of ``dtype`` can be written to ``cache``: its own dtype, or any floating
   dtype for a quantized cache."""
   storage = cache.dtype
   return dtype == storage or (_quant.is_quantized(storage) and jnp.issubdtype(dtype, jnp.floating))
 
 
-def check_dtype(cache: decode.Cache | None, dtype, *, origin: str, settings: str, remedy: str):
+def check_dtype(
+  cache: decode.Cache | None,
+  dtype: jax.typing.DTypeLike,
+  *,
+  origin: str,
+  settings: str,
+  remedy: str,
+) -> None:
   """Raise TypeError unless keys of ``dtype`` can be written to ``cache`` (None: nothing to
   check). ``origin`` says where the cache's dtype came from, ``settings`` the module's dtypes
   that made ``dtype``, ``remedy`` what to change (``{dtype}`` is filled in)."""
@@ -137,7 +160,7 @@ def check_dtype(cache: decode.Cache | None, dtype, *, origin: str, settings: str
   )
 
 
-def dtype_name(dtype) -> str | None:
+def dtype_name(dtype: jax.typing.DTypeLike | None) -> str | None:
   """A dtype's name for messages, None for None."""
   return None if dtype is None else jnp.dtype(dtype).name
 
@@ -155,7 +178,7 @@ def cache_from(get: Callable[[str], Any]) -> decode.Cache | None:
 CACHE_FIELDS = tuple(dict.fromkeys(decode.KVCache._fields + decode.PagedKVCache._fields))
 
 
-def release(cache: decode.Cache | None, rows) -> decode.Cache:
+def release(cache: decode.Cache | None, rows: jax.typing.ArrayLike) -> decode.Cache:
   """:func:`jattn.decode.release` for a module's cache, which must exist."""
   if cache is None:
     raise ValueError("there is no KV cache to release rows of: call init_cache first")

@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import attention, decode
+from jattn import attention, decode, masks
 from jattn._flax_config import Settings
 
 
@@ -30,7 +31,14 @@ class Inputs:
   kv_name: str | None  # the argument that makes it cross-attention, None for self-attention
 
 
-def inputs(inputs_q, inputs_k, inputs_v, inputs_kv, in_features, in_kv_features) -> Inputs:
+def inputs(
+  inputs_q: jax.Array,
+  inputs_k: jax.Array | None,
+  inputs_v: jax.Array | None,
+  inputs_kv: jax.Array | None,
+  in_features: int | None,
+  in_kv_features: int | None,
+) -> Inputs:
   """Flax's inputs: ``inputs_v`` defaults to ``inputs_k`` and ``inputs_k`` to ``inputs_q``;
   ``inputs_kv`` gives both. Checked before compiling: (B, T, F) or (T, F), the feature
   sizes (None: any), ranks, batch sizes and the keys' and values' lengths."""
@@ -45,6 +53,7 @@ def inputs(inputs_q, inputs_k, inputs_v, inputs_kv, in_features, in_kv_features)
     )
   kv_name = "inputs_kv" if inputs_kv is not None else "inputs_k" if inputs_k is not None else None
   kv = inputs_kv if inputs_kv is not None else inputs_k
+  named: list[tuple[str | None, Any, int | None]]  # (name, array or None, features)
   named = [("inputs_q", inputs_q, in_features), (kv_name, kv, in_kv_features)]
   named.append(("inputs_v", inputs_v, in_kv_features))
   named = [(name, x, want) for name, x, want in named if x is not None]
@@ -64,15 +73,20 @@ def inputs(inputs_q, inputs_k, inputs_v, inputs_kv, in_features, in_kv_features)
       raise ValueError(
         f"inputs_q and {name} must have the same batch size, got {inputs_q.shape} and {x.shape}"
       )
-  if inputs_v is not None and inputs_v.shape[:-1] != kv.shape[:-1]:
+  # kv is not None here: inputs_v needs inputs_k (raised above)
+  if inputs_v is not None and inputs_v.shape[:-1] != kv.shape[:-1]:  # type: ignore[union-attr]
     raise ValueError(
-      f"inputs_k and inputs_v must have the same length, got {kv.shape} and {inputs_v.shape}"
+      f"inputs_k and inputs_v must have the same length, got {kv.shape} and {inputs_v.shape}"  # type: ignore[union-attr]
     )
   kv = inputs_q if kv is None else kv
   return Inputs(inputs_q, kv, kv if inputs_v is None else inputs_v, kv_name)
 
 
-def rope_positions(positions, input_positions, attention_fn):
+def rope_positions(
+  positions: jax.typing.ArrayLike | None,
+  input_positions: jax.typing.ArrayLike | None,
+  attention_fn: Callable | None,
+) -> jax.typing.ArrayLike | None:
   """The positions RoPE reads: ``positions`` (jattn's name) or Flax's ``input_positions``,
   which goes to an ``attention_fn`` when the module has one."""
   if attention_fn is not None or input_positions is None:
@@ -87,13 +101,13 @@ def rope_positions(positions, input_positions, attention_fn):
 def check_call(
   settings: Settings,
   *,
-  inputs_q,
+  inputs_q: jax.Array,
   kv_name: str | None,
   decode_: bool,
-  cache,
-  positions,
-  segment_ids,
-  num_new,
+  cache: decode.Cache | None,
+  positions: jax.typing.ArrayLike | None,
+  segment_ids: Any,
+  num_new: jax.typing.ArrayLike | None,
   sow_weights: bool,
 ) -> None:
   """Call arguments that depend on the module's settings; raises before compiling.
@@ -170,7 +184,9 @@ def check_call(
     )
 
 
-def check_sharding(name: str, sharding, shape: str) -> None:
+def check_sharding(
+  name: str, sharding: jax.sharding.NamedSharding | jax.sharding.PartitionSpec | None, shape: str
+) -> None:
   """An ``out_sharding`` of a projection whose output has ``shape`` (letters, e.g.
   ``"(B, T, F)"``): None, a PartitionSpec or a NamedSharding of at most one entry per
   dimension."""
@@ -192,7 +208,9 @@ def check_sharding(name: str, sharding, shape: str) -> None:
     )
 
 
-def resolve_deterministic(dropout_rate: float, call_value, module_value) -> bool:
+def resolve_deterministic(
+  dropout_rate: float, call_value: bool | None, module_value: bool | None
+) -> bool:
   """Flax's rule: the call's flag, else the module's; required only when dropout is on."""
   if not dropout_rate:
     return True
@@ -208,8 +226,15 @@ def resolve_deterministic(dropout_rate: float, call_value, module_value) -> bool
 
 
 def bind_attention_fn(
-  settings: Settings, *, dropout_rng, deterministic, dtype, precision, only_taken=False, **more
-):
+  settings: Settings,
+  *,
+  dropout_rng: jax.Array | None,
+  deterministic: bool,
+  dtype: jax.typing.DTypeLike | None,
+  precision: jax.lax.PrecisionLike,
+  only_taken: bool = False,
+  **more: Any,
+) -> Callable[..., jax.Array] | None:
   """``settings.attention_fn`` with every keyword of Flax's call but ``mask`` bound, or None
   when the module has none. ``only_taken``: pass only the keywords the function takes, as
   Linen does (NNX passes them all), but never drop ``is_causal``."""
@@ -237,22 +262,22 @@ def bind_attention_fn(
 
 
 def attend(
-  query,
-  key,
-  value,
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
   settings: Settings,
   *,
   is_causal: bool,
-  positions,
-  mask,
-  segment_ids,
-  cache,
-  num_new,
-  dropout_rng,
+  positions: jax.typing.ArrayLike | None,
+  mask: jax.typing.ArrayLike | masks.Mask | None,
+  segment_ids: Any,
+  cache: decode.Cache | None,
+  num_new: jax.typing.ArrayLike | None,
+  dropout_rng: jax.Array | None,
   sow_weights: bool,
-  sinks=None,
-  attention_fn=None,
-):
+  sinks: jax.typing.ArrayLike | None = None,
+  attention_fn: Callable[..., jax.Array] | None = None,
+) -> tuple[jax.Array, jax.Array | None, decode.Cache | None]:
   """Attention over projected heads: RoPE, then the KV cache or plain attention.
 
   Args:
@@ -271,7 +296,7 @@ def attend(
     ``sow_weights``, else None; new_cache None unless decoding.
   """
   rope = settings.rope
-  options = dict(
+  options: dict[str, Any] = dict(
     dropout_rate=settings.dropout_rate if dropout_rng is not None else 0.0,
     dropout_rng=dropout_rng,
     broadcast_dropout=settings.broadcast_dropout,
@@ -279,12 +304,12 @@ def attend(
   )
   if cache is not None:
     if rope is not None:
-      pos = decode.positions(cache, query.shape[1])
+      pos: jax.typing.ArrayLike = decode.positions(cache, query.shape[1])
       query, key = rope(query, pos), rope(key, pos)
     out, cache = decode.attention(
       query, key, value, cache, num_new=num_new, mask=mask, sinks=sinks, **options
     )
-    return out, None, cache
+    return out, None, cache  # type: ignore[return-value]  # out alone: no return_residual
   if rope is not None:
     pos = jnp.arange(query.shape[-3], dtype=jnp.int32) if positions is None else positions
     query, key = rope(query, pos), rope(key, pos)

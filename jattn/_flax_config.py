@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jattn import _checks, positional
 from jattn._options import Options
+
+if TYPE_CHECKING:
+  from jattn import linen, nnx
 
 NORMALIZE_QK = (False, True, "rms", "layernorm")
 
@@ -28,7 +32,7 @@ class Heads:
   out_features: int
   value_head_dim: int = 0  # Hv (set to H when not given)
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if not self.value_head_dim:
       object.__setattr__(self, "value_head_dim", self.head_dim)
 
@@ -45,7 +49,7 @@ class Settings:
   attention_fn: Callable | None  # Flax's contract, in place of jattn's attention
 
   @classmethod
-  def of(cls, module) -> Settings:
+  def of(cls, module: nnx.MultiHeadAttention | linen.MultiHeadAttention) -> Settings:
     """``module``'s: its ``options``, else an Options of its ``implementation``,
     ``backward``, ``block_q`` and ``block_kv`` (unset when options is)."""
     options = module.options
@@ -84,27 +88,27 @@ CONFIG = (
 
 def check_config(
   *,
-  num_heads,
-  in_features,
-  num_kv_heads,
-  qkv_features,
-  out_features,
-  in_kv_features=None,
-  dropout_rate,
-  broadcast_dropout,
-  deterministic,
-  is_causal,
-  rope,
-  normalize_qk,
-  implementation,
-  backward,
-  block_q,
-  block_kv,
-  options=None,
-  value_head_dim=None,
-  decode=None,
-  attention_fn=None,
-  sinks=False,
+  num_heads: int,
+  in_features: int | None,
+  num_kv_heads: int | None,
+  qkv_features: int | None,
+  out_features: int | None,
+  in_kv_features: int | None = None,
+  dropout_rate: float,
+  broadcast_dropout: bool,
+  deterministic: bool | None,
+  is_causal: bool,
+  rope: positional.Rotary | None,
+  normalize_qk: bool | str,
+  implementation: str | None,
+  backward: str | None,
+  block_q: int | None,
+  block_kv: int | None,
+  options: Options | None = None,
+  value_head_dim: int | None = None,
+  decode: bool | None = None,
+  attention_fn: Callable | None = None,
+  sinks: bool = False,
 ) -> Heads | None:
   """Every constructor argument of the modules, checked; raises with a clear message.
 
@@ -159,10 +163,12 @@ def check_config(
       rope.check_head_dim(head_dim)
     except ValueError as e:
       raise ValueError(f"rope: {e} (head_dim = qkv_features // num_heads = {head_dim})") from None
-  return Heads(num_heads, num_kv_heads, head_dim, qkv_features, out_features, value_head_dim or 0)
+  # out_features is None only without in_features (Linen's check before the first call,
+  # which discards these heads).
+  return Heads(num_heads, num_kv_heads, head_dim, qkv_features, out_features, value_head_dim or 0)  # type: ignore[arg-type]
 
 
-def qk_norm_kind(normalize_qk) -> str | None:
+def qk_norm_kind(normalize_qk: bool | str) -> str | None:
   """None, "rms" or "layernorm" for a checked ``normalize_qk``; True is Flax's LayerNorm."""
   if normalize_qk is False:
     return None
@@ -173,7 +179,7 @@ def qk_norm_kind(normalize_qk) -> str | None:
 _JATTN_ATTENTION = ("implementation", "backward", "block_q", "block_kv", "sinks")
 
 
-def check_attention_fn(attention_fn, **jattn_settings) -> None:
+def check_attention_fn(attention_fn: Callable | None, **jattn_settings: Any) -> None:
   """``attention_fn``: None (jattn's attention) or a function with Flax's ``attention_fn``
   contract, which then computes the attention and so takes none of jattn's routing
   settings (given as ``jattn_settings``, unset when None or False)."""
@@ -194,7 +200,9 @@ def check_attention_fn(attention_fn, **jattn_settings) -> None:
       )
 
 
-def resolve(name: str, call_value, module_value, default: bool = False) -> bool:
+def resolve(
+  name: str, call_value: bool | None, module_value: bool | None, default: bool = False
+) -> bool:
   """A call's bool flag (``decode``, ``is_causal``) over the module's, as Flax resolves them:
   the call's when given, else the module's, else ``default``."""
   value = call_value if call_value is not None else module_value

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
@@ -110,7 +110,7 @@ class MultiHeadAttention(nn.Module):
   page_size: int | None = None
   num_pages: int | None = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     self._config(None)
     self._cache_options()
     for name in ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls"):
@@ -132,7 +132,13 @@ class MultiHeadAttention(nn.Module):
       block_kv=options.block_kv,
     )
 
-  def _config(self, in_features):
+  # The heads: always once in_features is known; before the first call, None unless
+  # qkv_features is set.
+  @overload
+  def _config(self, in_features: int) -> _flax_config.Heads: ...
+  @overload
+  def _config(self, in_features: None) -> _flax_config.Heads | None: ...
+  def _config(self, in_features: int | None) -> _flax_config.Heads | None:
     return _flax_config.check_config(
       in_features=in_features,
       **{name: getattr(self, name) for name in _flax_config.CONFIG},
@@ -155,7 +161,7 @@ class MultiHeadAttention(nn.Module):
     segment_ids: Any = None,
     positions: Any = None,
     num_new: Any = None,
-  ):
+  ) -> jax.Array:
     """As :meth:`jattn.nnx.MultiHeadAttention.__call__`, with Flax Linen's arguments
     (``dropout_rng`` in place of ``rngs``); weights are sown into ``intermediates``."""
     x = _flax_call.inputs(inputs_q, inputs_k, inputs_v, inputs_kv, None, None)
@@ -339,7 +345,7 @@ def release_cache(cache: Mapping[str, Any], rows: jax.typing.ArrayLike) -> dict[
   }
 
 
-def _sow(module, weights) -> None:
+def _sow(module: nn.Module, weights: jax.Array) -> None:
   module.sow("intermediates", "attention_weights", weights)
 
 

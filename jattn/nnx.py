@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
-from jattn import _flax_adapter, _flax_cache, _flax_call, _flax_config, positional
+from jattn import _flax_adapter, _flax_cache, _flax_call, _flax_config, _nnx_cache, positional
 from jattn import decode as _decode
 from jattn._nnx_hopfield import HopfieldLayer as HopfieldLayer
 from jattn._options import Options
@@ -211,7 +211,7 @@ class MultiHeadAttention(nnx.Module):
       rngs=rngs,
     )
     self.rngs = rngs.dropout.fork() if keep_rngs and dropout_rate > 0 else None
-    self._set_cache(None)
+    _nnx_cache.store(self, None)  # cache_key, cache_lengths, ...: None until init_cache
 
   def init_cache(
     self,
@@ -260,9 +260,17 @@ class MultiHeadAttention(nnx.Module):
       block_kv=self.block_kv,
     )
     default = jnp.float32 if self.query.dtype is None else self.query.dtype
-    self._set_cache(_flax_cache.init_cache(self.heads, batch_size, max_length, default, options))
+    _nnx_cache.store(
+      self, _flax_cache.init_cache(self.heads, batch_size, max_length, default, options)
+    )
 
-  def set_view(self, deterministic=None, decode=None, batch_size=None, max_length=None):
+  def set_view(
+    self,
+    deterministic: bool | None = None,
+    decode: bool | None = None,
+    batch_size: int | tuple[int] | None = None,
+    max_length: int | None = None,
+  ) -> None:
     """For ``nnx.view``, as Flax's: set ``deterministic`` and ``decode``; with
     ``batch_size`` and ``max_length``, a module without a cache allocates one."""
     if deterministic is not None:
@@ -274,26 +282,11 @@ class MultiHeadAttention(nnx.Module):
         batch_size = batch_size[0]
       self.init_cache(batch_size=batch_size, max_length=max_length)
 
-  def _set_cache(self, cache: _decode.Cache | None) -> None:
-    """One ``nnx.Cache`` per array of ``cache`` (``cache_key``, ``cache_lengths``,
-    ``cache_page_table``, ...), None for the fields it lacks."""
-    held = {} if cache is None else cache._asdict()
-    for field in _flax_cache.CACHE_FIELDS:
-      x = held.get(field)
-      setattr(self, f"cache_{field}", nnx.data(None) if x is None else nnx.Cache(x))
-
-  def _write_cache(self, cache: _decode.Cache) -> None:
-    """Store a cache of the held one's kind and shapes into its variables."""
-    for field, x in cache._asdict().items():
-      if x is not None:
-        getattr(self, f"cache_{field}")[...] = x
-
   @property
   def cache(self) -> _decode.Cache | None:
     """The KV cache, a :class:`jattn.decode.KVCache` or :class:`jattn.decode.PagedKVCache`,
     or None before :meth:`init_cache`."""
-    held = {f: getattr(self, f"cache_{f}") for f in _flax_cache.CACHE_FIELDS}
-    return _flax_cache.cache_from(lambda f: None if held[f] is None else held[f][...])
+    return _nnx_cache.held(self)
 
   def release_cache(self, rows: jax.typing.ArrayLike) -> None:
     """Empty the cache rows where ``rows`` (bool (B,)) is True, for continuous batching.
@@ -303,7 +296,7 @@ class MultiHeadAttention(nnx.Module):
     paged cache, its pages go back to the pool. Other rows are unchanged. Works under
     ``nnx.jit``; see :func:`jattn.decode.release`.
     """
-    self._write_cache(_flax_cache.release(self.cache, rows))
+    _nnx_cache.write(self, _flax_cache.release(self.cache, rows))
 
   def __call__(
     self,
@@ -324,7 +317,7 @@ class MultiHeadAttention(nnx.Module):
     segment_ids: Any = None,
     positions: Any = None,
     num_new: Any = None,
-  ):
+  ) -> jax.Array:
     """Attend from ``inputs_q`` to ``inputs_k`` and ``inputs_v`` (default: itself).
 
     Flax's arguments with Flax's meanings, then jattn's.
@@ -437,11 +430,11 @@ class MultiHeadAttention(nnx.Module):
     if weights is not None:
       self.sow(nnx.Intermediate, "attention_weights", weights)
     if new_cache is not None:
-      self._write_cache(new_cache)
+      _nnx_cache.write(self, new_cache)
     return self.out(out, out_sharding=out_sharding)
 
 
-def _sow(module, weights) -> None:
+def _sow(module: nnx.Module, weights: jax.Array) -> None:
   module.sow(nnx.Intermediate, "attention_weights", weights)
 
 
