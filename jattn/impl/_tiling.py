@@ -26,6 +26,7 @@ from jax.typing import DTypeLike
 from jattn import dropout as _dropout
 from jattn import masks
 from jattn.impl import _common
+from jattn.masks import _indexing
 
 Carry = TypeVar("Carry")
 
@@ -149,12 +150,9 @@ def tile_indices(
   B: int, N: int, bq: int, bk: int, qi: jax.Array | int, ki: jax.Array | int
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """Global (batch, head, q_idx, kv_idx) of tile (qi, ki), broadcasting to (B, N, bq, bk)."""
-  with jax.ensure_compile_time_eval():  # concrete batch index: masks take along sequences
-    b = jnp.arange(B, dtype=jnp.int32).reshape(B, 1, 1, 1)
-    h = jnp.arange(N, dtype=jnp.int32).reshape(1, N, 1, 1)
-  return (
-    b,
-    h,
+  return (  # concrete batch index: masks take along sequences
+    _indexing.index_array(np.arange(B), 0),
+    _indexing.index_array(np.arange(N), 1),
     (qi * bq + jnp.arange(bq, dtype=jnp.int32)).reshape(1, 1, bq, 1),
     (ki * bk + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, bk),
   )

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks
+from jattn import _eager
 
 if TYPE_CHECKING:
   from jattn.masks._core import Mask
@@ -129,14 +129,29 @@ def classify(
   num_heads: int,
   exact: bool,
 ) -> np.ndarray | jax.Array:
-  """:meth:`Mask.block_view` for checked arguments: int8 (B, N, nq, nk) tile classes."""
+  """:meth:`Mask.block_view` for checked arguments: int8 (B, N, nq, nk) tile classes.
+
+  One compiled program per mask structure and sizes (:func:`jattn._eager.evaluate`),
+  concrete whenever the mask's arrays are, even while the caller is traced."""
+  static = (q_len, kv_len, block_q, block_kv, batch_size, num_heads, exact)
+  return _eager.evaluate(_classes, mask, static=static)
+
+
+def _classes(
+  mask: Mask,
+  q_len: int,
+  kv_len: int,
+  block_q: int,
+  block_kv: int,
+  batch_size: int,
+  num_heads: int,
+  exact: bool,
+) -> jax.Array:
   nq, nk = math.ceil(q_len / block_q), math.ceil(kv_len / block_kv)
-  with jax.ensure_compile_time_eval():
-    if exact:
-      dense = mask.materialize(q_len, kv_len, batch_size=batch_size, num_heads=num_heads)
-      any_, all_ = tile_any_all(dense, block_q, block_kv, q_len, kv_len)
-    else:
-      any_, all_ = mask.tile_bounds(grid_tiles(q_len, kv_len, block_q, block_kv))
-    view = jnp.where(all_, FULL, jnp.where(any_, PARTIAL, EMPTY)).astype(jnp.int8)
-    view = jnp.broadcast_to(view, (batch_size, num_heads, nq, nk))
-  return np.asarray(view) if _checks.is_concrete(view) else view
+  if exact:
+    dense = mask.materialize(q_len, kv_len, batch_size=batch_size, num_heads=num_heads)
+    any_, all_ = tile_any_all(dense, block_q, block_kv, q_len, kv_len)
+  else:
+    any_, all_ = mask.tile_bounds(grid_tiles(q_len, kv_len, block_q, block_kv))
+  view = jnp.where(all_, FULL, jnp.where(any_, PARTIAL, EMPTY)).astype(jnp.int8)
+  return jnp.broadcast_to(view, (batch_size, num_heads, nq, nk))
