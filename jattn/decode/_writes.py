@@ -82,13 +82,16 @@ def update(
   return _write(cache, key, value, num_new)
 
 
+@jax.jit
 def _write(
   cache: Cache,
   key: jax.Array | np.ndarray,
   value: jax.Array | np.ndarray,
   num_new: jax.typing.ArrayLike | None,
 ) -> Cache:
-  """The scatter behind :func:`update`; arguments already checked."""
+  """The scatter behind :func:`update`; arguments already checked. One compiled program per
+  cache structure and shapes, so that an eager decoding loop runs one program per step for
+  the write, not one per operation."""
   B, t = key.shape[:2]
   S = cache.max_length
   i = jnp.arange(t, dtype=jnp.int32)[None, :]
