@@ -114,7 +114,7 @@ QUICK = dict(
   heads=2,
   kv_heads=2,  # bench_gpu.py --quick's shapes at T=32: a test process compiles them once
   head_dims=[8],
-  lengths=[32, 48],
+  lengths=[32],
   reps=2,
   matmul_size=64,
   memory={"lengths": [64], "causal": [True], "methods": ["jax.nn", "blockwise"]},

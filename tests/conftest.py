@@ -3,6 +3,7 @@ hypothesis profile, and test files handed out slowest first by their recorded du
 (tests/durations.json; ``pytest -n 2 --record-durations tests`` records them again)."""
 
 import collections
+import gc
 import importlib.metadata
 import json
 import math
@@ -46,6 +47,13 @@ for _name, _value in _TEST_FLAGS.items():
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Tracing allocates millions of short-lived objects, and Python's default collector
+# thresholds walk the young generations every 700 allocations: the suite spends 5-10 % of
+# its time there. Objects alive after the imports are frozen out of collections, and the
+# young generation is collected about 300 times less often (memory still freed by refcounting).
+gc.freeze()
+gc.set_threshold(200_000, 20, 50)
 
 # Implicit rank promotion hides shape bugs; jattn never relies on it.
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -76,7 +76,7 @@ def _loss_and_outputs(impl, q, k, v, kw):
       lse,
     )
 
-  return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
