@@ -19,6 +19,7 @@ Everything version-dependent lives here, so the rest of the package calls one sp
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -258,6 +259,19 @@ def explicit_sharding(x: Any) -> jax.sharding.NamedSharding | None:
   if not any(t == explicit for t in mesh.axis_types):
     return None
   return sharding
+
+
+def gpu_target(device_kind: str = "NVIDIA H100") -> AbstractContextManager[Any]:
+  """A block in which Pallas' Triton lowering targets a GPU of ``device_kind`` on a machine
+  without one (a program lowered for ``"cuda"`` from a CPU). From JAX 0.12 the lowering
+  reads the GPU's compute capability from the abstract mesh's device, and without one it
+  raises; earlier releases lower without it, and there this block does nothing."""
+  device_type = getattr(jax.sharding, "AbstractDevice", None)
+  if device_type is None:
+    return contextlib.nullcontext()
+  device = device_type(device_kind=device_kind, num_cores=None, platform="cuda")
+  mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
+  return jax.sharding.use_abstract_mesh(mesh)
 
 
 def no_mesh() -> AbstractContextManager[Any]:

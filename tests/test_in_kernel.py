@@ -1,0 +1,153 @@
+"""Masks and score functions evaluated inside a Pallas kernel, their arrays read from refs by
+index (jattn.impl._in_kernel): the same values as outside, in interpret mode, and a
+program that lowers to Triton for CUDA from this CPU (Triton has no gather from registers,
+so a mask reading segment ids, lengths or a dense array must load them from memory)."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cases import SCORE_FN_HEADS, SCORE_FNS, mask_kinds
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jattn import _compat
+from jattn.impl import _in_kernel
+
+B, N, T, S, BQ, BK = 2, SCORE_FN_HEADS, 32, 32, 16, 16
+IDS = np.repeat(np.arange(4), 8)[None].repeat(B, 0)
+IDS[1, 20:] = 7
+MASKS = {
+  k: m
+  for k, m in mask_kinds(
+    B,
+    T,
+    S,
+    ids=(IDS, IDS),
+    window=(4, 1),
+    chunk=8,
+    prefix=[5, 9],
+    lengths=([20, 32], [32, 0]),
+    num_global=2,
+    stride=3,
+  ).items()
+  if m is not None
+}
+GRID = (B, N, T // BQ, S // BK)
+SPECS = [jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.int32)] * 2 + [
+  jax.ShapeDtypeStruct((1, 1, BQ, 1), jnp.int32),
+  jax.ShapeDtypeStruct((1, 1, 1, BK), jnp.int32),
+]
+
+
+def _opened(fn, *specs):
+  """``fn``'s jaxpr with the arrays it closes over as leading inputs, and those arrays."""
+  closed = jax.make_jaxpr(fn)(*specs)
+  invars = list(closed.jaxpr.constvars) + list(closed.jaxpr.invars)
+  jaxpr = closed.jaxpr.replace(constvars=[], invars=invars)
+  return jaxpr, [jnp.asarray(c) for c in closed.consts]
+
+
+def _tile_kernel(jaxpr, n_refs, with_scores):
+  """A kernel writing ``jaxpr``'s value on tile (b, h, i, j) of the (B, N, T, S) grid."""
+
+  def kernel(*refs):
+    arrays, rest = refs[:n_refs], refs[n_refs:]
+    b, h, i, j = (pl.program_id(a) for a in range(4))
+    q = (i * BQ + jnp.arange(BQ, dtype=jnp.int32)).reshape(1, 1, BQ, 1)
+    kv = (j * BK + jnp.arange(BK, dtype=jnp.int32)).reshape(1, 1, 1, BK)
+    bh = [jnp.full((1, 1, 1, 1), x, jnp.int32) for x in (b, h)]
+    args = [*bh, q, kv]
+    if with_scores:
+      args = [rest[0][...].reshape(1, 1, BQ, BK)] + args
+    (out,) = _in_kernel.evaluate(jaxpr, arrays, *args)
+    rest[-1][...] = jnp.broadcast_to(out, (1, 1, BQ, BK)).reshape(BQ, BK).astype(jnp.float32)
+
+  return kernel
+
+
+def _call(jaxpr, arrays, scores=None, *, interpret):
+  whole = [pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n) for a in arrays]
+  tile = pl.BlockSpec((None, None, BQ, BK), lambda b, h, i, j: (b, h, i, j))
+  operands = list(arrays) + ([] if scores is None else [scores])
+  return pl.pallas_call(
+    _tile_kernel(jaxpr, len(arrays), scores is not None),
+    grid=GRID,
+    in_specs=whole + ([] if scores is None else [tile]),
+    out_specs=tile,
+    out_shape=jax.ShapeDtypeStruct((B, N, T, S), jnp.float32),
+    interpret=interpret,
+    compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+  )(*operands)
+
+
+def _lowers_to_triton(jaxpr, arrays, scores=None):
+  operands = [*arrays, *([] if scores is None else [scores])]
+  fn = jax.jit(lambda *a: _call(jaxpr, a[: len(arrays)], *a[len(arrays) :], interpret=False))
+  # Pallas' Triton lowering warns of deprecation; the GPU it targets is named, not found.
+  with warnings.catch_warnings(), _compat.gpu_target("NVIDIA H100"):
+    warnings.simplefilter("ignore")
+    text = fn.trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
+  return "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("kind", sorted(MASKS))
+def test_every_mask_kind_is_exact_inside_a_kernel_and_lowers_to_triton(kind):
+  mask = MASKS[kind]
+  jaxpr, arrays = _opened(lambda b, h, q, kv: mask(b, h, q, kv), *SPECS)
+  got = np.asarray(jax.jit(lambda *a: _call(jaxpr, a, interpret=True))(*arrays))
+  want = np.broadcast_to(np.asarray(mask.materialize(T, S, batch_size=B, num_heads=N)), got.shape)
+  np.testing.assert_array_equal(got.astype(bool), want)
+  assert _lowers_to_triton(jaxpr, arrays)
+
+
+@pytest.mark.parametrize("name", sorted(SCORE_FNS))
+def test_every_score_function_is_exact_inside_a_kernel_and_lowers_to_triton(name):
+  fn = SCORE_FNS[name]
+  s_spec = jax.ShapeDtypeStruct((1, 1, BQ, BK), jnp.float32)
+  jaxpr, arrays = _opened(lambda s, b, h, q, kv: fn(s, b, h, q, kv), s_spec, *SPECS)
+  scores = jnp.asarray(np.random.default_rng(1).normal(size=(B, N, T, S)), jnp.float32)
+  got = jax.jit(lambda s, *a: _call(jaxpr, a, s, interpret=True))(scores, *arrays)
+  idx = [np.arange(B), np.arange(N), np.arange(T), np.arange(S)]
+  idx = [x.reshape([-1 if a == i else 1 for a in range(4)]) for i, x in enumerate(idx)]
+  want = fn(scores, *(jnp.asarray(x, jnp.int32) for x in idx))
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  assert _lowers_to_triton(jaxpr, arrays, scores)
+
+
+def test_gathers_that_fill_and_whole_array_reads():
+  """A gather in fill mode reads the fill value out of range; an operation on a whole array
+  (not a point gather) loads the whole ref first, and stays exact."""
+  table = jnp.asarray(np.arange(T, dtype=np.float32) * 0.5)
+
+  def fn(b, h, q, kv):
+    shifted = table.at[q + kv - 8].get(mode="fill", fill_value=-1.0)  # past T: filled
+    return shifted + jnp.sum(table) + b + h
+
+  jaxpr, arrays = _opened(fn, *SPECS)
+  got = np.asarray(jax.jit(lambda *a: _call(jaxpr, a, interpret=True))(*arrays))
+  b, h, q, kv = (np.arange(n).reshape([-1 if a == i else 1 for a in range(4)]) for i, n in
+                 enumerate((B, N, T, S)))  # fmt: skip
+  pos = q + kv - 8
+  pos = np.where(pos < 0, pos + T, pos)  # jnp indexing wraps negative indices once
+  shifted = np.where((pos >= 0) & (pos < T), 0.5 * np.clip(pos, 0, T - 1), -1.0)
+  assert (shifted == -1.0).any()
+  np.testing.assert_allclose(got, shifted + np.sum(np.asarray(table)) + b + h, rtol=1e-6)
+
+
+def test_reads_are_loads_from_the_refs():
+  """The segment-id mask's jaxpr gathers from its id arrays; evaluated with refs, the kernel
+  holds no gather, only loads at the gathered indices."""
+  mask = MASKS["segments"]
+  jaxpr, arrays = _opened(lambda b, h, q, kv: mask(b, h, q, kv), *SPECS)
+  assert "gather" in {e.primitive.name for e in jaxpr.eqns}
+  refs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    traced = jax.make_jaxpr(lambda *a: _call(jaxpr, a, interpret=False))(*refs)
+  inner = next(e for e in traced.jaxpr.eqns if e.primitive.name == "pallas_call")
+  kernel_jaxpr = inner.params["jaxpr"]
+  names = {e.primitive.name for e in kernel_jaxpr.eqns}
+  assert "gather" not in names and "get" in names
