@@ -1,0 +1,226 @@
+"""The flex kernel's forward pass: a Pallas kernel (Triton lowering) with the call's mask and
+score function traced into its body.
+
+One program per (query tile, batch row, query head); it walks the key/value tiles of its
+query tile's row of the tile schedule (:func:`jattn.impl._tiling.schedule`: FULL tiles
+first, with no mask arithmetic, then PARTIAL ones, masked; EMPTY tiles never loaded) with
+an online softmax in float32. The key/value head is ``n // G`` (GQA and MQA read K/V
+once, never repeated). The mask and score function run on each tile's indices through
+:func:`jattn.impl._in_kernel.evaluate`, the arrays they read passed as kernel inputs and
+loaded by index. Rows the mask empties give zeros and a log-sum-exp of -inf.
+
+Lengths are padded to whole tiles and head dimensions to powers of two (zeros, sliced off
+after): Triton's blocks are powers of two. The tile logic (the schedule, the two loops,
+the masked online softmax) is independent of the lowering; only the compiler parameters
+name Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jattn.impl import _in_kernel, _tiling
+
+
+class Function(NamedTuple):
+  """A mask or score function as a kernel evaluates it: its jaxpr, whose leading inputs are
+  the arrays it reads (``arrays``), then the (score and) index arguments."""
+
+  jaxpr: Any
+  arrays: tuple[jax.Array, ...]
+
+  @classmethod
+  def trace(cls, fn: Any, *specs: Any) -> Function:
+    """``fn`` traced at ``specs``, the arrays it closes over made leading inputs."""
+    closed = jax.make_jaxpr(fn)(*specs)
+    invars = list(closed.jaxpr.constvars) + list(closed.jaxpr.invars)
+    jaxpr = closed.jaxpr.replace(constvars=[], invars=invars)
+    return cls(jaxpr, tuple(jnp.asarray(c) for c in closed.consts))
+
+
+class Settings(NamedTuple):
+  """The static settings of one forward kernel."""
+
+  scale: float
+  q_len: int  # T
+  kv_len: int  # S
+  block_q: int
+  block_kv: int
+  num_warps: int
+  num_stages: int
+  interpret: bool
+
+
+def index_specs(block_q: int, block_kv: int) -> list[jax.ShapeDtypeStruct]:
+  """The (batch, head, q_idx, kv_idx) a kernel passes a mask or score function on a tile."""
+  return [
+    jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.int32),
+    jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.int32),
+    jax.ShapeDtypeStruct((1, 1, block_q, 1), jnp.int32),
+    jax.ShapeDtypeStruct((1, 1, 1, block_kv), jnp.int32),
+  ]
+
+
+def forward(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  rows: _tiling.Schedule,
+  mask: Function | None,
+  score: Function | None,
+  settings: Settings,
+) -> tuple[jax.Array, jax.Array]:
+  """``(out (B, T, N, Hv) in the query's dtype, lse (B, T, N) float32)``.
+
+  query (B, T, N, H); key (B, S, K, H); value (B, S, K, Hv); ``rows`` the schedule of the
+  (ceil(T / block_q), ceil(S / block_kv)) tiles; ``mask`` and ``score`` traced at
+  :func:`index_specs` (the score function with a (1, 1, block_q, block_kv) float32 score
+  first).
+  """
+  B, T, N, H = query.shape
+  S, K, Hv = key.shape[1], key.shape[2], value.shape[-1]
+  bq, bk = settings.block_q, settings.block_kv
+  nq, nk = math.ceil(T / bq), math.ceil(S / bk)
+  Hp, Hvp = _pow2(H), _pow2(Hv)
+  q = _pad(query, nq * bq, Hp)
+  k = _pad(key, nk * bk, Hp)
+  v = _pad(value, nk * bk, Hvp)
+  functions = [f for f in (mask, score) if f is not None]
+  arrays = [a for f in functions for a in f.arrays]
+  kernel = functools.partial(
+    _forward_kernel,
+    settings=settings,
+    counts=(len(mask.arrays) if mask else None, len(score.arrays) if score else None),
+    jaxprs=(mask.jaxpr if mask else None, score.jaxpr if score else None),
+  )
+  whole = [pl.BlockSpec(a.shape, functools.partial(_origin, a.ndim)) for a in arrays]
+  schedule_specs = [
+    pl.BlockSpec(rows.order.shape, lambda i, b, n: (0, 0)),
+    pl.BlockSpec(rows.num_full.shape, lambda i, b, n: (0,)),
+    pl.BlockSpec(rows.num_partial.shape, lambda i, b, n: (0,)),
+  ]
+  G = N // K
+  out, lse = pl.pallas_call(
+    kernel,
+    grid=(nq, B, N),
+    in_specs=[
+      pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),
+      pl.BlockSpec((None, nk * bk, None, Hp), lambda i, b, n: (b, 0, n // G, 0)),
+      pl.BlockSpec((None, nk * bk, None, Hvp), lambda i, b, n: (b, 0, n // G, 0)),
+      *schedule_specs,
+      *whole,
+    ],
+    out_specs=[
+      pl.BlockSpec((None, bq, None, Hvp), lambda i, b, n: (b, i, n, 0)),
+      pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct((B, nq * bq, N, Hvp), query.dtype),
+      jax.ShapeDtypeStruct((B, N, nq * bq), jnp.float32),
+    ],
+    compiler_params=plgpu.CompilerParams(
+      num_warps=settings.num_warps, num_stages=settings.num_stages
+    ),
+    interpret=settings.interpret,
+    name="jattn_flex_forward",
+  )(q, k, v, rows.order, rows.num_full, rows.num_partial, *arrays)
+  return out[:, :T, :, :Hv], lse[:, :, :T].transpose(0, 2, 1)
+
+
+def _forward_kernel(
+  q_ref: Any,
+  k_ref: Any,
+  v_ref: Any,
+  order_ref: Any,
+  num_full_ref: Any,
+  num_partial_ref: Any,
+  *refs: Any,
+  settings: Settings,
+  counts: tuple[int | None, int | None],
+  jaxprs: tuple[Any, Any],
+) -> None:
+  n_mask = counts[0] or 0
+  n_score = counts[1] or 0
+  mask_refs, score_refs = refs[:n_mask], refs[n_mask : n_mask + n_score]
+  o_ref, lse_ref = refs[n_mask + n_score :]
+  bq, bk = settings.block_q, settings.block_kv
+  i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  q = q_ref[...]
+  q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)
+  batch = jnp.full((1, 1, 1, 1), b, jnp.int32)
+  head = jnp.full((1, 1, 1, 1), n, jnp.int32)
+
+  def scores(j: jax.Array, masked: bool) -> tuple[jax.Array, jax.Array]:
+    kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)
+    k = k_ref[pl.ds(j * bk, bk), :]
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * settings.scale
+    qi, ki = q_idx.reshape(1, 1, bq, 1), kv_idx.reshape(1, 1, 1, bk)
+    if jaxprs[1] is not None:
+      (s4,) = _in_kernel.evaluate(
+        jaxprs[1], score_refs, s.reshape(1, 1, bq, bk), batch, head, qi, ki
+      )
+      s = jnp.broadcast_to(s4, (1, 1, bq, bk)).reshape(bq, bk).astype(jnp.float32)
+    if masked:
+      keep = (q_idx[:, None] < settings.q_len) & (kv_idx[None, :] < settings.kv_len)
+      if jaxprs[0] is not None:
+        (m4,) = _in_kernel.evaluate(jaxprs[0], mask_refs, batch, head, qi, ki)
+        keep = keep & jnp.broadcast_to(m4, (1, 1, bq, bk)).reshape(bq, bk)
+      s = jnp.where(keep, s, -jnp.inf)
+    return s, kv_idx
+
+  def body(t: jax.Array, carry: tuple[Any, Any, Any], masked: bool) -> tuple[Any, Any, Any]:
+    acc, m, l = carry
+    j = order_ref[i, t]
+    s, _ = scores(j, masked)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - shift[:, None])
+    correction = jnp.exp(m - shift)
+    v = v_ref[pl.ds(j * bk, bk), :]
+    acc = acc * correction[:, None] + jnp.dot(
+      p.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
+    return acc, m_new, l * correction + jnp.sum(p, axis=1)
+
+  Hvp = o_ref.shape[-1]
+  carry = (
+    jnp.zeros((bq, Hvp), jnp.float32),
+    jnp.full((bq,), -jnp.inf, jnp.float32),
+    jnp.zeros((bq,), jnp.float32),
+  )
+  n_full, n_partial = num_full_ref[i], num_partial_ref[i]
+  carry = jax.lax.fori_loop(0, n_full, lambda t, c: body(t, c, False), carry)
+  acc, m, l = jax.lax.fori_loop(n_full, n_full + n_partial, lambda t, c: body(t, c, True), carry)
+  some = l > 0
+  o_ref[...] = jnp.where(some[:, None], acc / jnp.where(some, l, 1.0)[:, None], 0.0).astype(
+    o_ref.dtype
+  )
+  lse_ref[...] = jnp.where(some, m + jnp.log(jnp.where(some, l, 1.0)), -jnp.inf)
+
+
+def _origin(ndim: int, *_: Any) -> tuple[int, ...]:
+  return (0,) * ndim
+
+
+def _pow2(n: int) -> int:
+  return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _pad(x: jax.Array, length: int, width: int) -> jax.Array:
+  """(B, L, heads, X) zero-padded to (B, length, heads, width)."""
+  return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, width - x.shape[3])))
+
+
+def schedule_rows(
+  mask: Any, B: int, N: int, T: int, S: int, block_q: int, block_kv: int
+) -> _tiling.Schedule:
+  """The forward pass's schedule: per query tile, its key/value tiles FULL first."""
+  view = _tiling.tile_classes(mask, B, N, T, S, block_q, block_kv)
+  return jax.tree.map(jnp.asarray, _tiling.schedule(view))
