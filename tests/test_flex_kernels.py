@@ -14,6 +14,7 @@ from cases import SCORE_FNS
 
 import jattn
 from jattn import _compat, masks
+from jattn.impl import _flex_backward
 from jattn.impl import _flex_kernels as fk
 
 B, T, S, N, H, HV, BQ, BK = 2, 40, 40, 4, 8, 12, 16, 16
@@ -48,7 +49,7 @@ def _flex(q, k, v, mask, score_fn, *, interpret):
   s_spec = jax.ShapeDtypeStruct((1, 1, BQ, BK), jnp.float32)
   mask_f = None if mask is None else fk.Function.trace(lambda *i: mask(*i), *specs)
   score_f = None if score_fn is None else fk.Function.trace(lambda *a: score_fn(*a), s_spec, *specs)
-  rows = fk.schedule_rows(mask, B, N, T, S, BQ, BK)
+  rows, _ = fk.schedules(mask, B, N, T, S, BQ, BK)
   settings = fk.Settings(H**-0.5, T, S, BQ, BK, num_warps=4, num_stages=2, interpret=interpret)
   return fk.forward(q, k, v, rows, mask_f, score_f, settings)
 
@@ -71,11 +72,75 @@ def test_forward_matches_xla_values_and_lse(case):
     assert empty.any()
 
 
-def test_forward_lowers_to_triton_for_cuda():
-  mask, score_fn, K = CASES["causal_lengths_alibi_gqa"]
+def test_forward_and_backward_lower_to_triton_for_cuda():
+  mask, score_fn, K = GRAD_CASES["causal_lengths_custom_gqa"]
   q, k, v = _inputs(K)
-  fn = jax.jit(lambda q, k, v: _flex(q, k, v, mask, score_fn, interpret=False))
+
+  def step(q, k, v):
+    attend = lambda *a: _flex_vjp(*a, mask, score_fn, interpret=False)
+    return jax.value_and_grad(lambda *a: _loss(attend, *a), (0, 1, 2))(q, k, v)
+
   with warnings.catch_warnings(), _compat.gpu_target("NVIDIA A100"):
     warnings.simplefilter("ignore")  # Pallas' Triton lowering warns of deprecation
-    text = fn.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("__gpu$xla.gpu.triton") == 1 and 'name = "jattn_flex_forward"' in text
+    text = jax.jit(step).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 3
+  for name in ("jattn_flex_forward", "jattn_flex_dq", "jattn_flex_dkv"):
+    assert f'name = "{name}"' in text
+
+
+GRAD_CASES = {
+  "causal_lengths_custom_gqa": (
+    masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0])),
+    SCORE_FNS["custom"],
+    2,
+  ),
+  "segments_soft_cap_mqa": (masks.segments(IDS), SCORE_FNS["soft_cap"], 1),
+  "window_or_dense": CASES["window_or_dense_relative"][:1] + (None, 4),
+}
+
+
+def _loss(attend, q, k, v):
+  out, lse = attend(q, k, v)
+  w = jnp.cos(jnp.arange(out.size, dtype=out.dtype)).reshape(out.shape)
+  lse_w = jnp.sin(jnp.arange(lse.size, dtype=lse.dtype)).reshape(lse.shape)
+  return jnp.sum(out * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) * lse_w)
+
+
+def _flex_vjp(q, k, v, mask, score_fn, interpret=True):
+  specs = fk.index_specs(BQ, BK)
+  s_spec = jax.ShapeDtypeStruct((1, 1, BQ, BK), q.dtype)
+  mask_f = None if mask is None else fk.Function.trace(lambda *i: mask(*i), *specs)
+  score_f = None if score_fn is None else fk.Function.trace(lambda *a: score_fn(*a), s_spec, *specs)
+  rows, cols = fk.schedules(mask, B, N, T, S, BQ, BK)
+  settings = fk.Settings(H**-0.5, T, S, BQ, BK, num_warps=4, num_stages=2, interpret=interpret)
+  return _flex_backward.attention(q, k, v, rows, cols, mask_f, score_f, settings)
+
+
+@pytest.mark.parametrize("case", sorted(GRAD_CASES))
+def test_gradients_match_autodiff_of_xla(case):
+  mask, score_fn, K = GRAD_CASES[case]
+  q, k, v = _inputs(K)
+  flex = lambda q, k, v: _flex_vjp(q, k, v, mask, score_fn)
+  xla = lambda q, k, v: jattn.dot_product_attention(
+    q, k, v, mask=mask, score_fn=score_fn, implementation="xla", return_residual=True,
+    backward="autodiff",
+  )  # fmt: skip
+  got = jax.jit(jax.grad(lambda *a: _loss(flex, *a), (0, 1, 2)))(q, k, v)
+  want = jax.jit(jax.grad(lambda *a: _loss(xla, *a), (0, 1, 2)))(q, k, v)
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
+    assert np.isfinite(np.asarray(g)).all()
+
+
+def test_check_grads_float64(x64):
+  mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
+  q, k, v = (x.astype(jnp.float64) for x in _inputs(2))
+  f = jax.jit(lambda q, k, v: _loss(lambda *a: _flex_vjp(*a, mask, SCORE_FNS["custom"]), q, k, v))
+  jax.test_util.check_grads(f, (q, k, v), order=1, modes=["rev"], atol=1e-5, rtol=1e-5)
+
+
+def test_learned_score_arrays_are_refused_when_differentiated():
+  q, k, v = _inputs(2)
+  grad = jax.grad(lambda q: _loss(lambda *a: _flex_vjp(*a, None, SCORE_FNS["alibi"]), q, k, v))
+  with pytest.raises(ValueError, match="no gradient for the floating arrays a score function"):
+    grad(q)

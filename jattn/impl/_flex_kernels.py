@@ -4,10 +4,11 @@ score function traced into its body.
 One program per (query tile, batch row, query head); it walks the key/value tiles of its
 query tile's row of the tile schedule (:func:`jattn.impl._tiling.schedule`: FULL tiles
 first, with no mask arithmetic, then PARTIAL ones, masked; EMPTY tiles never loaded) with
-an online softmax in float32. The key/value head is ``n // G`` (GQA and MQA read K/V
-once, never repeated). The mask and score function run on each tile's indices through
-:func:`jattn.impl._in_kernel.evaluate`, the arrays they read passed as kernel inputs and
-loaded by index. Rows the mask empties give zeros and a log-sum-exp of -inf.
+an online softmax in float32 (float64 for float64 inputs). The key/value head is
+``n // G`` (GQA and MQA read K/V once, never repeated). The mask and score function run
+on each tile's indices through :func:`jattn.impl._in_kernel.evaluate`, the arrays they
+read passed as kernel inputs and loaded by index. Rows the mask empties give zeros and a
+log-sum-exp of -inf.
 
 Lengths are padded to whole tiles and head dimensions to powers of two (zeros, sliced off
 after): Triton's blocks are powers of two. The tile logic (the schedule, the two loops,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jattn.impl import _in_kernel, _tiling
+from jattn.impl import _common, _in_kernel, _tiling
 
 
 class Function(NamedTuple):
@@ -77,7 +79,7 @@ def forward(
   score: Function | None,
   settings: Settings,
 ) -> tuple[jax.Array, jax.Array]:
-  """``(out (B, T, N, Hv) in the query's dtype, lse (B, T, N) float32)``.
+  """``(out (B, T, N, Hv) in the query's dtype, lse (B, T, N) float32, or float64)``.
 
   query (B, T, N, H); key (B, S, K, H); value (B, S, K, Hv); ``rows`` the schedule of the
   (ceil(T / block_q), ceil(S / block_kv)) tiles; ``mask`` and ``score`` traced at
@@ -88,16 +90,16 @@ def forward(
   S, K, Hv = key.shape[1], key.shape[2], value.shape[-1]
   bq, bk = settings.block_q, settings.block_kv
   nq, nk = math.ceil(T / bq), math.ceil(S / bk)
-  Hp, Hvp = _pow2(H), _pow2(Hv)
-  q = _pad(query, nq * bq, Hp)
-  k = _pad(key, nk * bk, Hp)
-  v = _pad(value, nk * bk, Hvp)
+  Hp, Hvp = pow2(H), pow2(Hv)
+  q = pad_to(query, nq * bq, Hp)
+  k = pad_to(key, nk * bk, Hp)
+  v = pad_to(value, nk * bk, Hvp)
   functions = [f for f in (mask, score) if f is not None]
   arrays = [a for f in functions for a in f.arrays]
   kernel = functools.partial(
     _forward_kernel,
     settings=settings,
-    counts=(len(mask.arrays) if mask else None, len(score.arrays) if score else None),
+    counts=(len(mask.arrays) if mask else 0, len(score.arrays) if score else 0),
     jaxprs=(mask.jaxpr if mask else None, score.jaxpr if score else None),
   )
   whole = [pl.BlockSpec(a.shape, functools.partial(_origin, a.ndim)) for a in arrays]
@@ -123,7 +125,7 @@ def forward(
     ],
     out_shape=[
       jax.ShapeDtypeStruct((B, nq * bq, N, Hvp), query.dtype),
-      jax.ShapeDtypeStruct((B, N, nq * bq), jnp.float32),
+      jax.ShapeDtypeStruct((B, N, nq * bq), _common.stats_dtype(query.dtype)),
     ],
     compiler_params=plgpu.CompilerParams(
       num_warps=settings.num_warps, num_stages=settings.num_stages
@@ -132,6 +134,73 @@ def forward(
     name="jattn_flex_forward",
   )(q, k, v, rows.order, rows.num_full, rows.num_partial, *arrays)
   return out[:, :T, :, :Hv], lse[:, :, :T].transpose(0, 2, 1)
+
+
+class Scorer(NamedTuple):
+  """One tile's scores inside a kernel: ``scale · q kᵀ``, the score function, the mask
+  (PARTIAL tiles only; padding past T and S included). Shared by the forward and backward
+  kernels, so both see the very same scores."""
+
+  settings: Settings
+  jaxprs: tuple[Any, Any]  # mask, score function (None where absent)
+  mask_refs: tuple[Any, ...]
+  score_refs: tuple[Any, ...]
+
+  def __call__(
+    self,
+    q: jax.Array,
+    k: jax.Array,
+    q_idx: jax.Array,
+    kv_idx: jax.Array,
+    batch: jax.Array,
+    head: jax.Array,
+    masked: bool,
+    derivative: bool = False,
+  ) -> tuple[jax.Array, jax.Array | None]:
+    """``(s, slope)``: the (bq, bk) scores in the statistics dtype, -inf where masked, and
+    d score_fn(x)/dx at them (None without a score function or ``derivative``).
+    ``batch`` and ``head`` are (1, 1, 1, 1) int32, ``q_idx`` (bq,), ``kv_idx`` (bk,)."""
+    bq, bk = q.shape[0], k.shape[0]
+    f = _common.stats_dtype(q.dtype)
+    s = jnp.dot(q, k.T, preferred_element_type=f) * jnp.asarray(self.settings.scale, f)
+    qi, ki = q_idx.reshape(1, 1, bq, 1), kv_idx.reshape(1, 1, 1, bk)
+    slope = None
+    if self.jaxprs[1] is not None:
+
+      def score(x: jax.Array) -> jax.Array:
+        (y,) = _in_kernel.evaluate(
+          self.jaxprs[1], self.score_refs, x.reshape(1, 1, bq, bk), batch, head, qi, ki
+        )
+        return jnp.broadcast_to(y, (1, 1, bq, bk)).reshape(bq, bk).astype(f)
+
+      if derivative:  # score functions act elementwise on the scores
+        s, slope = jax.jvp(score, (s,), (jnp.ones_like(s),))
+      else:
+        s = score(s)
+    if masked:
+      keep = (q_idx[:, None] < self.settings.q_len) & (kv_idx[None, :] < self.settings.kv_len)
+      if self.jaxprs[0] is not None:
+        (m4,) = _in_kernel.evaluate(self.jaxprs[0], self.mask_refs, batch, head, qi, ki)
+        keep = keep & jnp.broadcast_to(m4, (1, 1, bq, bk)).reshape(bq, bk)
+      s = jnp.where(keep, s, -jnp.inf)
+    return s, slope
+
+
+def split_refs(
+  refs: Sequence[Any], counts: tuple[int, int]
+) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
+  """``(mask refs, score refs, the rest)`` of a kernel's trailing refs."""
+  n_mask, n_score = counts
+  return (
+    tuple(refs[:n_mask]),
+    tuple(refs[n_mask : n_mask + n_score]),
+    tuple(refs[n_mask + n_score :]),
+  )
+
+
+def scalar_index(x: jax.Array) -> jax.Array:
+  """A program id as the (1, 1, 1, 1) int32 index masks and score functions take."""
+  return jnp.full((1, 1, 1, 1), x, jnp.int32)
 
 
 def _forward_kernel(
@@ -143,57 +212,36 @@ def _forward_kernel(
   num_partial_ref: Any,
   *refs: Any,
   settings: Settings,
-  counts: tuple[int | None, int | None],
+  counts: tuple[int, int],
   jaxprs: tuple[Any, Any],
 ) -> None:
-  n_mask = counts[0] or 0
-  n_score = counts[1] or 0
-  mask_refs, score_refs = refs[:n_mask], refs[n_mask : n_mask + n_score]
-  o_ref, lse_ref = refs[n_mask + n_score :]
+  mask_refs, score_refs, (o_ref, lse_ref) = split_refs(refs, counts)
+  scorer = Scorer(settings, jaxprs, mask_refs, score_refs)
   bq, bk = settings.block_q, settings.block_kv
   i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   q = q_ref[...]
+  f = _common.stats_dtype(q.dtype)
   q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)
-  batch = jnp.full((1, 1, 1, 1), b, jnp.int32)
-  head = jnp.full((1, 1, 1, 1), n, jnp.int32)
-
-  def scores(j: jax.Array, masked: bool) -> tuple[jax.Array, jax.Array]:
-    kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)
-    k = k_ref[pl.ds(j * bk, bk), :]
-    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * settings.scale
-    qi, ki = q_idx.reshape(1, 1, bq, 1), kv_idx.reshape(1, 1, 1, bk)
-    if jaxprs[1] is not None:
-      (s4,) = _in_kernel.evaluate(
-        jaxprs[1], score_refs, s.reshape(1, 1, bq, bk), batch, head, qi, ki
-      )
-      s = jnp.broadcast_to(s4, (1, 1, bq, bk)).reshape(bq, bk).astype(jnp.float32)
-    if masked:
-      keep = (q_idx[:, None] < settings.q_len) & (kv_idx[None, :] < settings.kv_len)
-      if jaxprs[0] is not None:
-        (m4,) = _in_kernel.evaluate(jaxprs[0], mask_refs, batch, head, qi, ki)
-        keep = keep & jnp.broadcast_to(m4, (1, 1, bq, bk)).reshape(bq, bk)
-      s = jnp.where(keep, s, -jnp.inf)
-    return s, kv_idx
+  batch, head = scalar_index(b), scalar_index(n)
 
   def body(t: jax.Array, carry: tuple[Any, Any, Any], masked: bool) -> tuple[Any, Any, Any]:
     acc, m, l = carry
     j = order_ref[i, t]
-    s, _ = scores(j, masked)
+    kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)
+    s, _ = scorer(q, k_ref[pl.ds(j * bk, bk), :], q_idx, kv_idx, batch, head, masked)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     p = jnp.exp(s - shift[:, None])
     correction = jnp.exp(m - shift)
     v = v_ref[pl.ds(j * bk, bk), :]
-    acc = acc * correction[:, None] + jnp.dot(
-      p.astype(v.dtype), v, preferred_element_type=jnp.float32
-    )
+    acc = acc * correction[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=f)
     return acc, m_new, l * correction + jnp.sum(p, axis=1)
 
   Hvp = o_ref.shape[-1]
   carry = (
-    jnp.zeros((bq, Hvp), jnp.float32),
-    jnp.full((bq,), -jnp.inf, jnp.float32),
-    jnp.zeros((bq,), jnp.float32),
+    jnp.zeros((bq, Hvp), f),
+    jnp.full((bq,), -jnp.inf, f),
+    jnp.zeros((bq,), f),
   )
   n_full, n_partial = num_full_ref[i], num_partial_ref[i]
   carry = jax.lax.fori_loop(0, n_full, lambda t, c: body(t, c, False), carry)
@@ -209,18 +257,19 @@ def _origin(ndim: int, *_: Any) -> tuple[int, ...]:
   return (0,) * ndim
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
   return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def _pad(x: jax.Array, length: int, width: int) -> jax.Array:
+def pad_to(x: jax.Array, length: int, width: int) -> jax.Array:
   """(B, L, heads, X) zero-padded to (B, length, heads, width)."""
   return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, width - x.shape[3])))
 
 
-def schedule_rows(
+def schedules(
   mask: Any, B: int, N: int, T: int, S: int, block_q: int, block_kv: int
-) -> _tiling.Schedule:
-  """The forward pass's schedule: per query tile, its key/value tiles FULL first."""
+) -> tuple[_tiling.Schedule, _tiling.Schedule]:
+  """``(rows, cols)``: per query tile its key/value tiles, and per key/value tile its query
+  tiles, FULL first, then PARTIAL (blockwise's schedules)."""
   view = _tiling.tile_classes(mask, B, N, T, S, block_q, block_kv)
-  return jax.tree.map(jnp.asarray, _tiling.schedule(view))
+  return tuple(jax.tree.map(jnp.asarray, _tiling.schedule(x)) for x in (view, view.T))

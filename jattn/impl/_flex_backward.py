@@ -1,0 +1,340 @@
+"""The flex kernel's backward pass, and the custom_vjp that joins it to the forward pass.
+
+Two Pallas kernels, as in FlashAttention-2, each recomputing the probabilities of a tile
+from the saved log-sum-exp through the forward pass's own :class:`Scorer`:
+
+- dQ: one program per (query tile, batch row, query head), walking the tile schedule's row
+  (FULL tiles, then PARTIAL ones); ``dq = scale · Σ dS K``;
+- dK, dV: one program per (key/value tile, batch row, key/value head), walking the
+  schedule's column for each of the head's G query heads, so GQA accumulates its group's
+  gradients in one program with no atomics; ``dv = Σ Pᵀ dO``, ``dk = scale · Σ dSᵀ Q``;
+
+with ``dS = P ⊙ (dO Vᵀ − Δ) ⊙ score_fn'`` and ``Δ = rowsum(O ⊙ dO)`` (computed by XLA).
+The score function acts elementwise on the scores; its derivative comes from a JVP in the
+kernel. Rows with nothing to attend to (lse −inf) have zero gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jattn.impl import _common, _tiling
+from jattn.impl._flex_kernels import (
+  Function,
+  Scorer,
+  Settings,
+  forward,
+  pad_to,
+  pow2,
+  scalar_index,
+  split_refs,
+)
+
+
+def attention(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  rows: _tiling.Schedule,
+  cols: _tiling.Schedule,
+  mask: Function | None,
+  score: Function | None,
+  settings: Settings,
+) -> tuple[jax.Array, jax.Array]:
+  """:func:`jattn.impl._flex_kernels.forward`, differentiable in query, key and value.
+
+  ``cols`` is the schedule of the transposed tile classes (per key/value tile, its query
+  tiles). The arrays the mask and score function read take no gradient: integer ones have
+  none, and floating ones (learned score parameters) are refused when differentiated.
+  """
+  arrays = (
+    rows,
+    cols,
+    mask.arrays if mask else (),
+    score.arrays if score else (),
+  )
+  jaxprs = (mask.jaxpr if mask else None, score.jaxpr if score else None)
+  return _attention(jaxprs, settings, query, key, value, arrays)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention(
+  jaxprs: tuple[Any, Any],
+  settings: Settings,
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  arrays: tuple[Any, ...],
+) -> tuple[jax.Array, jax.Array]:
+  rows, _, mask_arrays, score_arrays = arrays
+  return forward(
+    query,
+    key,
+    value,
+    rows,
+    None if jaxprs[0] is None else Function(jaxprs[0], mask_arrays),
+    None if jaxprs[1] is None else Function(jaxprs[1], score_arrays),
+    settings,
+  )
+
+
+def _attention_fwd(
+  jaxprs: tuple[Any, Any],
+  settings: Settings,
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  arrays: tuple[Any, ...],
+) -> tuple[tuple[jax.Array, jax.Array], tuple[Any, ...]]:
+  out, lse = _attention(jaxprs, settings, query, key, value, arrays)
+  return (out, lse), (query, key, value, arrays, out, lse)
+
+
+def _attention_bwd(
+  jaxprs: tuple[Any, Any], settings: Settings, residuals: tuple[Any, ...], cotangents: Any
+) -> tuple[Any, ...]:
+  query, key, value, arrays, out, lse = residuals
+  d_out, d_lse = cotangents
+  _, cols, mask_arrays, score_arrays = arrays
+  rows = arrays[0]
+  learned = [a for a in score_arrays if jnp.issubdtype(a.dtype, jnp.floating)]
+  if learned:
+    raise ValueError(
+      "implementation='flex' computes no gradient for the floating arrays a score function "
+      f"reads (learned parameters: {len(learned)} here) yet; use implementation='blockwise'"
+    )
+  # The lse's cotangent enters the scores' as Δ does: dS = P ⊙ (dP − Δ + d_lse).
+  f = _common.stats_dtype(query.dtype)
+  delta = jnp.einsum("BTNV,BTNV->BTN", out.astype(f), d_out.astype(f)) - d_lse.astype(f)
+  dq, dk, dv = _backward(
+    query, key, value, d_out, lse, delta, rows, cols, mask_arrays, score_arrays, jaxprs, settings
+  )
+  zeros = jax.tree.map(_zero_cotangent, arrays)
+  return dq, dk, dv, zeros
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _zero_cotangent(x: jax.Array) -> Any:
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _backward(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  d_out: jax.Array,
+  lse: jax.Array,
+  delta: jax.Array,
+  rows: _tiling.Schedule,
+  cols: _tiling.Schedule,
+  mask_arrays: tuple[jax.Array, ...],
+  score_arrays: tuple[jax.Array, ...],
+  jaxprs: tuple[Any, Any],
+  settings: Settings,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  B, T, N, H = query.shape
+  S, K, Hv = key.shape[1], key.shape[2], value.shape[-1]
+  G = N // K
+  f = _common.stats_dtype(query.dtype)
+  bq, bk = settings.block_q, settings.block_kv
+  nq, nk = math.ceil(T / bq), math.ceil(S / bk)
+  Tp, Sp, Hp, Hvp = nq * bq, nk * bk, pow2(H), pow2(Hv)
+  q, do = pad_to(query, Tp, Hp), pad_to(d_out, Tp, Hvp)
+  k, v = pad_to(key, Sp, Hp), pad_to(value, Sp, Hvp)
+  # (B, N, T) row statistics, padded rows empty (lse -inf: zero probabilities).
+  stats = [
+    jnp.pad(x.transpose(0, 2, 1), ((0, 0), (0, 0), (0, Tp - T)), constant_values=c)
+    for x, c in ((lse.astype(f), -jnp.inf), (delta.astype(f), 0.0))
+  ]
+  arrays = [*mask_arrays, *score_arrays]
+  whole = [pl.BlockSpec(a.shape, functools.partial(_origin, a.ndim)) for a in arrays]
+  counts = (len(mask_arrays), len(score_arrays))
+  params = plgpu.CompilerParams(num_warps=settings.num_warps, num_stages=settings.num_stages)
+
+  def schedule_specs(sched: _tiling.Schedule) -> list[pl.BlockSpec]:
+    return [
+      pl.BlockSpec(sched.order.shape, lambda *_: (0, 0)),
+      pl.BlockSpec(sched.num_full.shape, lambda *_: (0,)),
+      pl.BlockSpec(sched.num_partial.shape, lambda *_: (0,)),
+    ]
+
+  dq = pl.pallas_call(
+    functools.partial(_dq_kernel, settings=settings, counts=counts, jaxprs=jaxprs),
+    grid=(nq, B, N),
+    in_specs=[
+      pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),
+      pl.BlockSpec((None, Sp, None, Hp), lambda i, b, n: (b, 0, n // G, 0)),
+      pl.BlockSpec((None, Sp, None, Hvp), lambda i, b, n: (b, 0, n // G, 0)),
+      pl.BlockSpec((None, bq, None, Hvp), lambda i, b, n: (b, i, n, 0)),
+      pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),
+      pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),
+      *schedule_specs(rows),
+      *whole,
+    ],
+    out_specs=pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),
+    out_shape=jax.ShapeDtypeStruct((B, Tp, N, Hp), f),
+    compiler_params=params,
+    interpret=settings.interpret,
+    name="jattn_flex_dq",
+  )(q, k, v, do, *stats, rows.order, rows.num_full, rows.num_partial, *arrays)
+
+  dk, dv = pl.pallas_call(
+    functools.partial(_dkv_kernel, settings=settings, counts=counts, jaxprs=jaxprs, group=G),
+    grid=(nk, B, K),
+    in_specs=[
+      pl.BlockSpec((None, Tp, G, Hp), lambda j, b, h: (b, 0, h, 0)),
+      pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0)),
+      pl.BlockSpec((None, bk, None, Hvp), lambda j, b, h: (b, j, h, 0)),
+      pl.BlockSpec((None, Tp, G, Hvp), lambda j, b, h: (b, 0, h, 0)),
+      pl.BlockSpec((None, G, Tp), lambda j, b, h: (b, h, 0)),
+      pl.BlockSpec((None, G, Tp), lambda j, b, h: (b, h, 0)),
+      *schedule_specs(cols),
+      *whole,
+    ],
+    out_specs=[
+      pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0)),
+      pl.BlockSpec((None, bk, None, Hvp), lambda j, b, h: (b, j, h, 0)),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct((B, Sp, K, Hp), f),
+      jax.ShapeDtypeStruct((B, Sp, K, Hvp), f),
+    ],
+    compiler_params=params,
+    interpret=settings.interpret,
+    name="jattn_flex_dkv",
+  )(q, k, v, do, *stats, cols.order, cols.num_full, cols.num_partial, *arrays)
+  return (
+    dq[:, :T, :, :H].astype(query.dtype),
+    dk[:, :S, :, :H].astype(key.dtype),
+    dv[:, :S, :, :Hv].astype(value.dtype),
+  )
+
+
+def _probabilities_and_ds(
+  scorer: Scorer,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  do: jax.Array,
+  lse: jax.Array,
+  delta: jax.Array,
+  q_idx: jax.Array,
+  kv_idx: jax.Array,
+  batch: jax.Array,
+  head: jax.Array,
+  masked: bool,
+) -> tuple[jax.Array, jax.Array]:
+  """``(P, dS)`` of one tile, (bq, bk) in the statistics dtype."""
+  s, slope = scorer(q, k, q_idx, kv_idx, batch, head, masked, derivative=True)
+  finite = jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # empty rows: P = 0
+  p = jnp.exp(s - finite[:, None])
+  dp = jnp.dot(do, v.T, preferred_element_type=s.dtype)
+  ds = p * (dp - delta[:, None])
+  if slope is not None:
+    ds = ds * slope
+  return p, ds
+
+
+def _dq_kernel(
+  q_ref: Any,
+  k_ref: Any,
+  v_ref: Any,
+  do_ref: Any,
+  lse_ref: Any,
+  delta_ref: Any,
+  order_ref: Any,
+  num_full_ref: Any,
+  num_partial_ref: Any,
+  *refs: Any,
+  settings: Settings,
+  counts: tuple[int, int],
+  jaxprs: tuple[Any, Any],
+) -> None:
+  mask_refs, score_refs, (dq_ref,) = split_refs(refs, counts)
+  scorer = Scorer(settings, jaxprs, mask_refs, score_refs)
+  bq, bk = settings.block_q, settings.block_kv
+  i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+  q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)
+  batch, head = scalar_index(b), scalar_index(n)
+
+  def body(t: jax.Array, dq: jax.Array, masked: bool) -> jax.Array:
+    j = order_ref[i, t]
+    kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)
+    k = k_ref[pl.ds(j * bk, bk), :]
+    v = v_ref[pl.ds(j * bk, bk), :]
+    _, ds = _probabilities_and_ds(
+      scorer, q, k, v, do, lse, delta, q_idx, kv_idx, batch, head, masked
+    )
+    return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=dq.dtype)
+
+  dq = jnp.zeros(dq_ref.shape, dq_ref.dtype)
+  n_full, n_partial = num_full_ref[i], num_partial_ref[i]
+  dq = jax.lax.fori_loop(0, n_full, lambda t, c: body(t, c, False), dq)
+  dq = jax.lax.fori_loop(n_full, n_full + n_partial, lambda t, c: body(t, c, True), dq)
+  dq_ref[...] = dq * settings.scale
+
+
+def _dkv_kernel(
+  q_ref: Any,
+  k_ref: Any,
+  v_ref: Any,
+  do_ref: Any,
+  lse_ref: Any,
+  delta_ref: Any,
+  order_ref: Any,
+  num_full_ref: Any,
+  num_partial_ref: Any,
+  *refs: Any,
+  settings: Settings,
+  counts: tuple[int, int],
+  jaxprs: tuple[Any, Any],
+  group: int,
+) -> None:
+  mask_refs, score_refs, (dk_ref, dv_ref) = split_refs(refs, counts)
+  scorer = Scorer(settings, jaxprs, mask_refs, score_refs)
+  bq, bk = settings.block_q, settings.block_kv
+  j, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  k, v = k_ref[...], v_ref[...]
+  kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)
+  batch = scalar_index(b)
+  n_full, n_partial = num_full_ref[j], num_partial_ref[j]
+  dk = jnp.zeros(dk_ref.shape, dk_ref.dtype)
+  dv = jnp.zeros(dv_ref.shape, dv_ref.dtype)
+  for g in range(group):  # the G query heads of key/value head h
+    head = scalar_index(h * group + g)
+
+    def body(t: jax.Array, carry: tuple[Any, Any], masked: bool, g: int = g) -> Any:
+      dk, dv = carry
+      i = order_ref[j, t]
+      rows = pl.ds(i * bq, bq)
+      q, do = q_ref[rows, g, :], do_ref[rows, g, :]
+      lse, delta = lse_ref[g, rows], delta_ref[g, rows]
+      q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)
+      p, ds = _probabilities_and_ds(
+        scorer, q, k, v, do, lse, delta, q_idx, kv_idx, batch, head, masked
+      )
+      dv = dv + jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=dv.dtype)
+      dk = dk + jnp.dot(ds.T.astype(q.dtype), q, preferred_element_type=dk.dtype)
+      return dk, dv
+
+    carry = jax.lax.fori_loop(0, n_full, lambda t, c: body(t, c, False), (dk, dv))
+    dk, dv = jax.lax.fori_loop(n_full, n_full + n_partial, lambda t, c: body(t, c, True), carry)
+  dk_ref[...] = dk * settings.scale
+  dv_ref[...] = dv
+
+
+def _origin(ndim: int, *_: Any) -> tuple[int, ...]:
+  return (0,) * ndim
