@@ -26,7 +26,11 @@ def _step(query, key, value, cache, num_new=None, **kw):
 
 
 def _sequence(N, K, length=L, seed=0, dtype=np.float32):
-  return tuple(normal((B, length, n, H), dtype, seed=seed + i) for i, n in enumerate((N, K, K)))
+  """q, k, v as NumPy arrays: the tests slice them chunk by chunk, which on jax.Arrays
+  would compile a program per slice."""
+  return tuple(
+    np.asarray(normal((B, length, n, H), dtype, seed=seed + i)) for i, n in enumerate((N, K, K))
+  )
 
 
 def _paged(K, *, pool=POOL, dtype=jnp.float32):
@@ -387,7 +391,7 @@ def test_quantized_cache_gradients_reach_the_query_only():
     out, _ = decode.attention(q, k, v, empty)
     return jnp.sum(out * jnp.arange(H)[None, None, None, :])
 
-  d_q, d_k, d_v = jax.grad(loss, (0, 1, 2))(q, k, v)
+  d_q, d_k, d_v = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
   np.testing.assert_array_equal(d_k, 0.0)
   np.testing.assert_array_equal(d_v, 0.0)
   cache = decode.update(empty, k, v)
@@ -395,10 +399,12 @@ def test_quantized_cache_gradients_reach_the_query_only():
     np.asarray(x, np.float32) * np.asarray(s)[..., None]
     for x, s in ((cache.key, cache.key_scale), (cache.value, cache.value_scale))
   )
-  want = jax.grad(
-    lambda q: jnp.sum(
-      attention_jnp(q, k_read, v_read, allowed=causal_np(4, 4))[0]
-      * jnp.arange(H)[None, None, None, :]
+  want = jax.jit(
+    jax.grad(
+      lambda q: jnp.sum(
+        attention_jnp(q, k_read, v_read, allowed=causal_np(4, 4))[0]
+        * jnp.arange(H)[None, None, None, :]
+      )
     )
   )(q)
   assert_close(d_q, want)
