@@ -481,8 +481,8 @@ def short_caches(draw):
 def test_tokens_dropped_under_jit_return_zeros(problem):
   (B, t, N, K, H), pre, num_new, kept, make, inside, dtype, seed = problem
   rng = np.random.default_rng(seed)
-  q, k, v, ct = (
-    jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  q, k, v, ct = (  # NumPy: slicing jax.Arrays row by row below would compile each slice
+    np.asarray(rng.standard_normal(shape), np.float32)
     for shape in ((B, t, N, H), (B, pre + t, K, H), (B, pre + t, K, H), (B, t, N, H))
   )
 
@@ -497,6 +497,7 @@ def test_tokens_dropped_under_jit_return_zeros(problem):
   (_, (out, lengths)), dq = jax.jit(jax.value_and_grad(step, has_aux=True))(
     q, k, v, cache, jnp.asarray(num_new)
   )
+  out, lengths, dq = np.asarray(out), np.asarray(lengths), np.asarray(dq)
   where = (
     f"{pre} held, kept {kept.tolist()} of {num_new.tolist()}, {np.dtype(dtype).name}, "
     f"inside={inside}"
@@ -541,11 +542,11 @@ def test_second_derivatives_match_autodiff_or_name_the_rule(shape, order, name, 
   q, k, v, ct = _arrays(np.random.default_rng(seed), shape, jnp.float32)
   rule = dict(implementation="splash") if name == "splash" else RULES[name]
 
-  def f(rule):
+  def f(rule):  # one jitted program: eagerly, each operation of each order compiles alone
     loss = lambda q: jnp.sum(jattn.dot_product_attention(q, k, v, is_causal=True, **rule) * ct)
     if order == "grad_of_grad":
-      return jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) ** 2))
-    return lambda q: jax.jvp(jax.grad(lambda q: loss(q) ** 2), (q,), (ct,))[1]
+      return jax.jit(jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) ** 2)))
+    return jax.jit(lambda q: jax.jvp(jax.grad(lambda q: loss(q) ** 2), (q,), (ct,))[1])
 
   want = f(dict(implementation="xla", backward="autodiff"))(q)
   supported = {
