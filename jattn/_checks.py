@@ -276,7 +276,7 @@ def tile_sizes(
     None if block_kv is None else integer("block_kv", block_kv, minimum=1),
   )
   if implementation is not None and implementation not in tiled and blocks != (None, None):
-    names = " or ".join(repr(n) for n in tiled)
+    names = ", ".join(repr(n) for n in tiled[:-1]) + f" or {tiled[-1]!r}"
     raise ValueError(
       f"block_q and block_kv apply only to implementation={names}, got "
       f"implementation={implementation!r}"

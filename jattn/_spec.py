@@ -84,7 +84,7 @@ class CallSpec:
   broadcast_dropout: bool
   implementation: str  # a key of jattn.impl._select.TABLE
   backward: str | None  # one of its backward rules (None for fused kernels: cudnn, splash)
-  block_q: int | None  # tiles of blockwise or splash (their defaults unless given); else None
+  block_q: int | None  # tiles of blockwise, splash or flex (their defaults unless given)
   block_kv: int | None
   return_residual: bool
   interpret: bool = False  # Pallas kernels in interpret mode (jattn.testing.interpret_kernels)

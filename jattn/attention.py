@@ -179,9 +179,11 @@ def dot_product_attention(
     implementation: None (auto: see below), ``"xla"`` (materialised scores,
       fastest for short sequences), ``"blockwise"`` (online softmax over
       tiles, O(B·T·N·H) memory, skips tiles the mask empties), ``"splash"``
-      (JAX's splash attention Pallas kernel on TPU, for the masks it expresses)
-      or ``"cudnn"`` (jax.nn's cuDNN kernel on NVIDIA GPUs, for the arguments
-      jax.nn supports, with jax.nn's semantics). None picks, on the running
+      (JAX's splash attention Pallas kernel on TPU, for the masks it expresses),
+      ``"cudnn"`` (jax.nn's cuDNN kernel on NVIDIA GPUs, for the arguments
+      jax.nn supports, with jax.nn's semantics) or ``"flex"`` (jattn's own fused
+      Pallas kernel for NVIDIA GPUs, the mask and score function compiled into it;
+      chosen by name only, for now). None picks, on the running
       backend, its fused kernel (splash on TPU, cuDNN on GPU) when that
       expresses the call exactly and no ``backward`` rule is named; otherwise
       ``"blockwise"`` when ``block_q``/``block_kv`` are given, ``"xla"`` when

@@ -230,7 +230,7 @@ BAD_INPUTS = [
     "unknown_implementation",
     dict(implementation="flash"),
     ValueError,
-    r"implementation must be one of \['blockwise', 'cudnn', 'splash', 'xla'\] or None, got 'flash'",
+    r"implementation must be one of \['blockwise', 'cudnn', 'flex', 'splash', 'xla'\] or None, got 'flash'",
   ),
   (
     "unknown_backward",
@@ -255,8 +255,8 @@ BAD_INPUTS = [
     "blocks_with_xla",
     dict(implementation="xla", block_q=64),
     ValueError,
-    r"block_q and block_kv apply only to implementation='blockwise' or 'splash', got "
-    r"implementation='xla'",
+    r"block_q and block_kv apply only to implementation='blockwise', 'splash' or 'flex', "
+    r"got implementation='xla'",
   ),
   (
     "blocks_with_autodiff",

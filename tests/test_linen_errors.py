@@ -57,14 +57,14 @@ BAD_CONFIG = [
     "implementation",
     dict(num_heads=2, implementation="flash"),
     ValueError,
-    r"implementation must be one of \['blockwise', 'cudnn', 'splash', 'xla'\] or None, got 'flash'",
+    r"implementation must be one of \['blockwise', 'cudnn', 'flex', 'splash', 'xla'\] or None, got 'flash'",
   ),
   ("backward", dict(num_heads=2, backward="manual"), ValueError, r"backward must be one of"),
   (
     "block_q_xla",
     dict(num_heads=2, implementation="xla", block_q=2),
     ValueError,
-    r"block_q and block_kv apply only to implementation='blockwise' or 'splash'",
+    r"block_q and block_kv apply only to implementation='blockwise', 'splash' or 'flex'",
   ),
   (
     "dropout_high",

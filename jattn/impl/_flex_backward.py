@@ -26,7 +26,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jattn.impl import _common, _tiling
+from jattn.impl import _common, _orders, _tiling
 from jattn.impl._flex_kernels import (
   Function,
   Scorer,
@@ -65,6 +65,9 @@ def attention(
   return _attention(jaxprs, settings, query, key, value, arrays)
 
 
+_WHO = "implementation='flex'"
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention(
   jaxprs: tuple[Any, Any],
@@ -99,6 +102,14 @@ def _attention_fwd(
 
 
 def _attention_bwd(
+  jaxprs: tuple[Any, Any], settings: Settings, residuals: tuple[Any, ...], cotangents: Any
+) -> tuple[Any, ...]:
+  grads = functools.partial(_grads, jaxprs, settings)
+  # A second derivative would differentiate the kernels: refused in jattn's words.
+  return _orders.first_order(grads, _WHO, _orders.FUSED, forward=False)(residuals, cotangents)
+
+
+def _grads(
   jaxprs: tuple[Any, Any], settings: Settings, residuals: tuple[Any, ...], cotangents: Any
 ) -> tuple[Any, ...]:
   query, key, value, arrays, out, lse = residuals

@@ -17,14 +17,14 @@ from typing import Any
 
 import jax
 
-from jattn.impl import blockwise, cudnn, splash, xla
+from jattn.impl import blockwise, cudnn, flex, splash, xla
 from jattn.impl._base import BACKENDS, BACKWARDS, Call, Implementation
 
 __all__ = ["BACKENDS", "BACKWARDS", "Call", "Implementation", "TABLE", "Choice", "choose"]
 
 # One row per implementation, each declared in its own module (see jattn.impl._base).
 TABLE: dict[str, Implementation] = {
-  m.IMPLEMENTATION.name: m.IMPLEMENTATION for m in (xla, blockwise, splash, cudnn)
+  m.IMPLEMENTATION.name: m.IMPLEMENTATION for m in (xla, blockwise, splash, cudnn, flex)
 }
 
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {name: row.backwards for name, row in TABLE.items()}
@@ -214,8 +214,9 @@ def _mib(n: int) -> str:
 def _no_device(name: str, backend: str) -> str:
   if name == "cudnn":
     return f"implementation='cudnn' needs an NVIDIA GPU; the default backend is {backend!r}"
+  device = "an NVIDIA GPU" if TABLE[name].runs_on == ("gpu",) else "a TPU"
   return (
-    f"implementation={name!r} needs a TPU; the default backend is {backend!r} "
+    f"implementation={name!r} needs {device}; the default backend is {backend!r} "
     "(jattn.testing.interpret_kernels() runs it in Pallas interpret mode, for tests)"
   )
 

@@ -1,4 +1,4 @@
-"""The flex kernel's forward pass (jattn.impl._flex_kernels) against the xla implementation:
+"""implementation="flex" (jattn.impl.flex and its kernels) against the xla implementation:
 values and log-sum-exp in Pallas interpret mode, and the program lowered for CUDA from this
 CPU holds the Triton custom call. Each case mixes what one kernel must handle: masks and
 score functions that read arrays, GQA/MQA, Hv != H, lengths that are not whole tiles,
@@ -144,3 +144,61 @@ def test_learned_score_arrays_are_refused_when_differentiated():
   grad = jax.grad(lambda q: _loss(lambda *a: _flex_vjp(*a, None, SCORE_FNS["alibi"]), q, k, v))
   with pytest.raises(ValueError, match="no gradient for the floating arrays a score function"):
     grad(q)
+
+
+# --- implementation="flex" through the public call ---------------------------------------
+
+
+def test_dot_product_attention_runs_flex_by_name():
+  """Segment ids, causal, a soft cap, sinks and return_residual, GQA: the values, the lse and
+  the gradients (the lse's included) of implementation='flex' equal xla's."""
+  q, k, v = _inputs(2)
+  kw = dict(
+    is_causal=True,
+    segment_ids=jnp.asarray(IDS),
+    logits_soft_cap=2.0,
+    sinks=jnp.asarray([0.5, -1.0, 0.0, 2.0]),
+    return_residual=True,
+  )
+
+  def run(impl):
+    attend = lambda *a: jattn.dot_product_attention(*a, implementation=impl, **kw)
+    return jax.jit(jax.value_and_grad(lambda *a: _loss(attend, *a), (0, 1, 2)))(q, k, v)
+
+  with jattn.testing.interpret_kernels():
+    loss, grads = run("flex")
+  want_loss, want_grads = run("xla")
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
+  choice = jattn.explain(q, k, v, implementation="flex", backend="gpu", is_causal=True)
+  assert (choice.implementation, choice.backward) == ("flex", None)
+
+
+@pytest.mark.parametrize(
+  "kw, message",
+  [
+    (dict(bias=np.zeros((T, S), np.float32)), "does not support bias: flex adds no bias yet"),
+    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "flex has no dropout yet"),
+    (dict(block_q=24), r"block_q=24 \(flex's tiles are powers of two, at least 16\)"),
+    (dict(backward="custom_vjp"), "flex.*does not support backward=.custom_vjp.*own fused"),
+  ],
+  ids=["bias", "dropout", "block", "backward"],
+)
+def test_what_flex_cannot_take_is_refused_by_name(kw, message):
+  q, k, v = _inputs(2)
+  with jattn.testing.interpret_kernels(), pytest.raises(ValueError, match=message):
+    jattn.dot_product_attention(q, k, v, implementation="flex", **kw)
+
+
+def test_flex_needs_a_gpu_or_interpret_mode():
+  q, k, v = _inputs(2)
+  with pytest.raises(ValueError, match=r"implementation='flex' needs an NVIDIA GPU; .*interpret"):
+    jattn.dot_product_attention(q, k, v, implementation="flex")
+
+
+def test_second_derivatives_are_refused_naming_the_rule():
+  q, k, v = _inputs(2)
+  loss = lambda q: jnp.sum(jattn.dot_product_attention(q, k, v, implementation="flex") ** 2)
+  with jattn.testing.interpret_kernels(), pytest.raises(ValueError, match="implementation='flex'"):
+    jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) ** 2))(q)
