@@ -122,16 +122,15 @@ QUICK = dict(
 
 
 def attention_fn(method: str, causal: bool):
-  """(q, k, v) -> output, for one method (also "jax.nn/cudnn" and "splash", which
+  """(q, k, v) -> output, for one method (also "jax.nn/cudnn", "splash" and "flex", which
   bench_gpu.py times on a GPU or TPU)."""
   if method in ("jax.nn", "jax.nn/cudnn"):
     implementation: Literal["cudnn", "xla"] = "cudnn" if method == "jax.nn/cudnn" else "xla"
     return lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=causal, implementation=implementation
     )
-  impl: str | None = {"xla": "xla", "blockwise": "blockwise", "splash": "splash", "auto": None}[
-    method
-  ]
+  names = {"xla": "xla", "blockwise": "blockwise", "splash": "splash", "flex": "flex"}
+  impl: str | None = None if method == "auto" else names[method]
   return lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
 
 

@@ -28,6 +28,7 @@ backend skipped with a note:
     xla           jattn, implementation="xla" (materialised, autodiff)
     blockwise     jattn, implementation="blockwise" (tiles, custom_vjp)
     splash        jattn, implementation="splash" (JAX's splash Pallas kernel; TPU only)
+    flex          jattn, implementation="flex" (jattn's own Pallas kernel; GPU only)
     auto          jattn, implementation=None (what it picks: ``auto_runs``, from jattn.explain)
 
 jax.nn's best, the ``*_vs_best`` reference: jax.nn/cudnn on a GPU where it ran
@@ -57,9 +58,9 @@ from experiments import _cli, _timing
 from experiments._timing import fmt
 from experiments.bench import compiled
 
-METHODS = ("jax.nn", "jax.nn/cudnn", "xla", "blockwise", "splash", "auto")
+METHODS = ("jax.nn", "jax.nn/cudnn", "xla", "blockwise", "splash", "flex", "auto")
 MASKS = ("full", "causal", "packed")
-RUNS_ON = {"jax.nn/cudnn": "gpu", "splash": "tpu"}  # the rest run anywhere
+RUNS_ON = {"jax.nn/cudnn": "gpu", "splash": "tpu", "flex": "gpu"}  # the rest run anywhere
 MATERIALISING = ("jax.nn", "xla")
 
 # Dense (no sparsity) peak TFLOP/s per chip, by dtype, from the vendors' data sheets; the
