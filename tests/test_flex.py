@@ -179,16 +179,40 @@ def test_dot_product_attention_runs_flex_by_name():
   "kw, message",
   [
     (dict(bias=np.zeros((T, S), np.float32)), "does not support bias: flex adds no bias yet"),
-    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "flex has no dropout yet"),
     (dict(block_q=24), r"block_q=24 \(flex's tiles are powers of two, at least 16\)"),
     (dict(backward="custom_vjp"), "flex.*does not support backward=.custom_vjp.*own fused"),
   ],
-  ids=["bias", "dropout", "block", "backward"],
+  ids=["bias", "block", "backward"],
 )
 def test_what_flex_cannot_take_is_refused_by_name(kw, message):
   q, k, v = _inputs(2)
   with jattn.testing.interpret_kernels(), pytest.raises(ValueError, match=message):
     jattn.dot_product_attention(q, k, v, implementation="flex", **kw)
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_dropout_is_the_pattern_every_implementation_draws(broadcast):
+  """The same rng drops the same weights as xla's, forward and backward (dropout's pattern is
+  a function of (rng, batch, head, q, kv)), per (batch, head) or shared."""
+  q, k, v = _inputs(2)
+  kw = dict(
+    is_causal=True,
+    dropout_rate=0.3,
+    dropout_rng=jax.random.key(7),
+    broadcast_dropout=broadcast,
+    return_residual=True,
+  )
+
+  def run(impl):
+    attend = lambda *a: jattn.dot_product_attention(*a, implementation=impl, **kw)
+    return jax.jit(jax.value_and_grad(lambda *a: _loss(attend, *a), (0, 1, 2)))(q, k, v)
+
+  with jattn.testing.interpret_kernels():
+    loss, grads = run("flex")
+  want_loss, want_grads = run("xla")
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
 
 
 def test_flex_needs_a_gpu_or_interpret_mode():
@@ -202,3 +226,23 @@ def test_second_derivatives_are_refused_naming_the_rule():
   loss = lambda q: jnp.sum(jattn.dot_product_attention(q, k, v, implementation="flex") ** 2)
   with jattn.testing.interpret_kernels(), pytest.raises(ValueError, match="implementation='flex'"):
     jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) ** 2))(q)
+
+
+def test_the_public_call_lowers_for_cuda_with_dropout_segments_and_a_soft_cap():
+  """Traced as on a GPU (lowering_for), the training step lowers to the three Triton kernels:
+  the dropout hash (uint32 shifts and xors) and the segment ids' loads included."""
+  q, k, v = _inputs(2)
+  kw = dict(
+    is_causal=True,
+    segment_ids=jnp.asarray(IDS),
+    logits_soft_cap=2.0,
+    dropout_rate=0.2,
+    dropout_rng=jax.random.key(0),
+  )
+  loss = lambda *a: jnp.sum(jattn.dot_product_attention(*a, implementation="flex", **kw))
+  step = jax.jit(jax.grad(loss, (0, 1, 2)))
+  with jattn.testing.lowering_for("gpu"), warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # Pallas' Triton lowering warns of deprecation
+    with _compat.gpu_target("NVIDIA H100"):
+      text = step.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 3

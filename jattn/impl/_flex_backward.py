@@ -35,6 +35,7 @@ from jattn.impl._flex_kernels import (
   pad_to,
   pow2,
   scalar_index,
+  seed_or_zeros,
   split_refs,
 )
 
@@ -48,6 +49,7 @@ def attention(
   mask: Function | None,
   score: Function | None,
   settings: Settings,
+  seed: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """:func:`jattn.impl._flex_kernels.forward`, differentiable in query, key and value.
 
@@ -60,6 +62,7 @@ def attention(
     cols,
     mask.arrays if mask else (),
     score.arrays if score else (),
+    seed_or_zeros(seed),
   )
   jaxprs = (mask.jaxpr if mask else None, score.jaxpr if score else None)
   return _attention(jaxprs, settings, query, key, value, arrays)
@@ -77,7 +80,7 @@ def _attention(
   value: jax.Array,
   arrays: tuple[Any, ...],
 ) -> tuple[jax.Array, jax.Array]:
-  rows, _, mask_arrays, score_arrays = arrays
+  rows, _, mask_arrays, score_arrays, seed = arrays
   return forward(
     query,
     key,
@@ -86,6 +89,7 @@ def _attention(
     None if jaxprs[0] is None else Function(jaxprs[0], mask_arrays),
     None if jaxprs[1] is None else Function(jaxprs[1], score_arrays),
     settings,
+    seed,
   )
 
 
@@ -114,8 +118,7 @@ def _grads(
 ) -> tuple[Any, ...]:
   query, key, value, arrays, out, lse = residuals
   d_out, d_lse = cotangents
-  _, cols, mask_arrays, score_arrays = arrays
-  rows = arrays[0]
+  rows, cols, mask_arrays, score_arrays, seed = arrays
   learned = [a for a in score_arrays if jnp.issubdtype(a.dtype, jnp.floating)]
   if learned:
     raise ValueError(
@@ -126,7 +129,19 @@ def _grads(
   f = _common.stats_dtype(query.dtype)
   delta = jnp.einsum("BTNV,BTNV->BTN", out.astype(f), d_out.astype(f)) - d_lse.astype(f)
   dq, dk, dv = _backward(
-    query, key, value, d_out, lse, delta, rows, cols, mask_arrays, score_arrays, jaxprs, settings
+    query,
+    key,
+    value,
+    d_out,
+    lse,
+    delta,
+    rows,
+    cols,
+    seed,
+    mask_arrays,
+    score_arrays,
+    jaxprs,
+    settings,
   )
   zeros = jax.tree.map(_zero_cotangent, arrays)
   return dq, dk, dv, zeros
@@ -150,6 +165,7 @@ def _backward(
   delta: jax.Array,
   rows: _tiling.Schedule,
   cols: _tiling.Schedule,
+  seed: jax.Array,
   mask_arrays: tuple[jax.Array, ...],
   score_arrays: tuple[jax.Array, ...],
   jaxprs: tuple[Any, Any],
@@ -179,6 +195,7 @@ def _backward(
       pl.BlockSpec(sched.order.shape, lambda *_: (0, 0)),
       pl.BlockSpec(sched.num_full.shape, lambda *_: (0,)),
       pl.BlockSpec(sched.num_partial.shape, lambda *_: (0,)),
+      pl.BlockSpec((2,), lambda *_: (0,)),
     ]
 
   dq = pl.pallas_call(
@@ -199,7 +216,7 @@ def _backward(
     compiler_params=params,
     interpret=settings.interpret,
     name="jattn_flex_dq",
-  )(q, k, v, do, *stats, rows.order, rows.num_full, rows.num_partial, *arrays)
+  )(q, k, v, do, *stats, rows.order, rows.num_full, rows.num_partial, seed, *arrays)
 
   dk, dv = pl.pallas_call(
     functools.partial(_dkv_kernel, settings=settings, counts=counts, jaxprs=jaxprs, group=G),
@@ -225,7 +242,7 @@ def _backward(
     compiler_params=params,
     interpret=settings.interpret,
     name="jattn_flex_dkv",
-  )(q, k, v, do, *stats, cols.order, cols.num_full, cols.num_partial, *arrays)
+  )(q, k, v, do, *stats, cols.order, cols.num_full, cols.num_partial, seed, *arrays)
   return (
     dq[:, :T, :, :H].astype(query.dtype),
     dk[:, :S, :, :H].astype(key.dtype),
@@ -247,15 +264,17 @@ def _probabilities_and_ds(
   head: jax.Array,
   masked: bool,
 ) -> tuple[jax.Array, jax.Array]:
-  """``(P, dS)`` of one tile, (bq, bk) in the statistics dtype."""
+  """``(P after dropout, dS)`` of one tile, (bq, bk) in the statistics dtype."""
   s, slope = scorer(q, k, q_idx, kv_idx, batch, head, masked, derivative=True)
   finite = jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # empty rows: P = 0
   p = jnp.exp(s - finite[:, None])
-  dp = jnp.dot(do, v.T, preferred_element_type=s.dtype)
+  # Y = (P ⊙ D) V with D the kept weights' 1 / (1 − rate): dP = (dY Vᵀ) ⊙ D, and
+  # Δ = rowsum(Y ⊙ dY) = rowsum(P ⊙ dP) still.
+  dp = scorer.dropped(jnp.dot(do, v.T, preferred_element_type=s.dtype), q_idx, kv_idx, batch, head)
   ds = p * (dp - delta[:, None])
   if slope is not None:
     ds = ds * slope
-  return p, ds
+  return scorer.dropped(p, q_idx, kv_idx, batch, head), ds
 
 
 def _dq_kernel(
@@ -268,13 +287,14 @@ def _dq_kernel(
   order_ref: Any,
   num_full_ref: Any,
   num_partial_ref: Any,
+  seed_ref: Any,
   *refs: Any,
   settings: Settings,
   counts: tuple[int, int],
   jaxprs: tuple[Any, Any],
 ) -> None:
   mask_refs, score_refs, (dq_ref,) = split_refs(refs, counts)
-  scorer = Scorer(settings, jaxprs, mask_refs, score_refs)
+  scorer = Scorer(settings, jaxprs, mask_refs, score_refs, seed_ref)
   bq, bk = settings.block_q, settings.block_kv
   i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
@@ -308,6 +328,7 @@ def _dkv_kernel(
   order_ref: Any,
   num_full_ref: Any,
   num_partial_ref: Any,
+  seed_ref: Any,
   *refs: Any,
   settings: Settings,
   counts: tuple[int, int],
@@ -315,7 +336,7 @@ def _dkv_kernel(
   group: int,
 ) -> None:
   mask_refs, score_refs, (dk_ref, dv_ref) = split_refs(refs, counts)
-  scorer = Scorer(settings, jaxprs, mask_refs, score_refs)
+  scorer = Scorer(settings, jaxprs, mask_refs, score_refs, seed_ref)
   bq, bk = settings.block_q, settings.block_kv
   j, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   k, v = k_ref[...], v_ref[...]

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jattn import dropout as _dropout
 from jattn.impl import _common, _in_kernel, _tiling
 
 
@@ -58,6 +59,8 @@ class Settings(NamedTuple):
   num_warps: int
   num_stages: int
   interpret: bool
+  dropout_rate: float = 0.0
+  broadcast_dropout: bool = False  # one (T, S) pattern for every batch row and head
 
 
 def index_specs(block_q: int, block_kv: int) -> list[jax.ShapeDtypeStruct]:
@@ -78,13 +81,15 @@ def forward(
   mask: Function | None,
   score: Function | None,
   settings: Settings,
+  seed: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """``(out (B, T, N, Hv) in the query's dtype, lse (B, T, N) float32, or float64)``.
 
   query (B, T, N, H); key (B, S, K, H); value (B, S, K, Hv); ``rows`` the schedule of the
   (ceil(T / block_q), ceil(S / block_kv)) tiles; ``mask`` and ``score`` traced at
   :func:`index_specs` (the score function with a (1, 1, block_q, block_kv) float32 score
-  first).
+  first); ``seed`` the dropout's two uint32 words (:func:`jattn.dropout.seed_words`),
+  needed when ``settings.dropout_rate`` > 0.
   """
   B, T, N, H = query.shape
   S, K, Hv = key.shape[1], key.shape[2], value.shape[-1]
@@ -107,7 +112,9 @@ def forward(
     pl.BlockSpec(rows.order.shape, lambda i, b, n: (0, 0)),
     pl.BlockSpec(rows.num_full.shape, lambda i, b, n: (0,)),
     pl.BlockSpec(rows.num_partial.shape, lambda i, b, n: (0,)),
+    pl.BlockSpec((2,), lambda i, b, n: (0,)),
   ]
+  seed = seed_or_zeros(seed)
   G = N // K
   out, lse = pl.pallas_call(
     kernel,
@@ -132,7 +139,7 @@ def forward(
     ),
     interpret=settings.interpret,
     name="jattn_flex_forward",
-  )(q, k, v, rows.order, rows.num_full, rows.num_partial, *arrays)
+  )(q, k, v, rows.order, rows.num_full, rows.num_partial, seed, *arrays)
   return out[:, :T, :, :Hv], lse[:, :, :T].transpose(0, 2, 1)
 
 
@@ -145,6 +152,28 @@ class Scorer(NamedTuple):
   jaxprs: tuple[Any, Any]  # mask, score function (None where absent)
   mask_refs: tuple[Any, ...]
   score_refs: tuple[Any, ...]
+  seed_ref: Any = None
+
+  def dropped(
+    self,
+    x: jax.Array,
+    q_idx: jax.Array,
+    kv_idx: jax.Array,
+    batch: jax.Array,
+    head: jax.Array,
+  ) -> jax.Array:
+    """``x`` (bq, bk) with dropout applied: zero where dropped, scaled by 1 / (1 − rate)
+    where kept (the pattern of :func:`jattn.dropout.keep_from_seed`, regenerated)."""
+    rate = self.settings.dropout_rate
+    if not rate:
+      return x
+    bq, bk = x.shape
+    idx: tuple[Any, ...] = (batch, head, q_idx.reshape(1, 1, bq, 1), kv_idx.reshape(1, 1, 1, bk))
+    if self.settings.broadcast_dropout:
+      idx = _dropout.shared_indices(*idx)
+    seed = (self.seed_ref[0], self.seed_ref[1])
+    keep = _dropout.keep_from_seed(seed, rate, *idx).reshape(bq, bk)
+    return jnp.where(keep, x * jnp.asarray(1 / (1 - rate), x.dtype), jnp.zeros_like(x))
 
   def __call__(
     self,
@@ -210,13 +239,14 @@ def _forward_kernel(
   order_ref: Any,
   num_full_ref: Any,
   num_partial_ref: Any,
+  seed_ref: Any,
   *refs: Any,
   settings: Settings,
   counts: tuple[int, int],
   jaxprs: tuple[Any, Any],
 ) -> None:
   mask_refs, score_refs, (o_ref, lse_ref) = split_refs(refs, counts)
-  scorer = Scorer(settings, jaxprs, mask_refs, score_refs)
+  scorer = Scorer(settings, jaxprs, mask_refs, score_refs, seed_ref)
   bq, bk = settings.block_q, settings.block_kv
   i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   q = q_ref[...]
@@ -234,7 +264,8 @@ def _forward_kernel(
     p = jnp.exp(s - shift[:, None])
     correction = jnp.exp(m - shift)
     v = v_ref[pl.ds(j * bk, bk), :]
-    acc = acc * correction[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=f)
+    kept = scorer.dropped(p, q_idx, kv_idx, batch, head)  # the normaliser counts them all
+    acc = acc * correction[:, None] + jnp.dot(kept.astype(v.dtype), v, preferred_element_type=f)
     return acc, m_new, l * correction + jnp.sum(p, axis=1)
 
   Hvp = o_ref.shape[-1]
@@ -255,6 +286,11 @@ def _forward_kernel(
 
 def _origin(ndim: int, *_: Any) -> tuple[int, ...]:
   return (0,) * ndim
+
+
+def seed_or_zeros(seed: jax.Array | None) -> jax.Array:
+  """The dropout seed words as the kernels' (2,) uint32 input (zeros without dropout)."""
+  return jnp.zeros((2,), jnp.uint32) if seed is None else jnp.asarray(seed, jnp.uint32)
 
 
 def pow2(n: int) -> int:

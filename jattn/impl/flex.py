@@ -6,9 +6,11 @@ kernels' bodies on each tile's indices (:mod:`jattn.impl._in_kernel`); the tiles
 the mask's tile classes as in blockwise, so EMPTY tiles are never loaded and FULL ones skip
 the mask (:mod:`jattn.impl._flex_kernels`, :mod:`jattn.impl._flex_backward`). GQA and MQA
 read each key/value head once; the value head dim may differ; lengths need not be whole
-tiles; rows with nothing to attend to give zeros and an lse of -inf.
+tiles; dropout's pattern is regenerated from (rng, batch, head, q, kv) in each kernel, as
+every implementation draws it; rows with nothing to attend to give zeros and an lse of
+-inf.
 
-Not yet: bias, dropout, gradients of the floating arrays a score function reads (learned
+Not yet: bias, gradients of the floating arrays a score function reads (learned
 parameters; refused when differentiated), a per-GPU table of blocks, warps and stages, and
 routing from ``implementation=None`` (it is chosen by name). Sinks are added around it, as
 for every implementation that does not take them itself.
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
+from jattn import dropout as _dropout
 from jattn.impl import _base, _flex_backward
 from jattn.impl import _flex_kernels as _kernels
 
@@ -77,8 +80,13 @@ def _run(
     num_warps=4 if spec.H <= 64 else 8,
     num_stages=2,
     interpret=spec.interpret,
+    dropout_rate=spec.dropout_rate,
+    broadcast_dropout=spec.broadcast_dropout,
   )
-  return _flex_backward.attention(query, key, value, rows, cols, mask, score, settings)
+  seed = None
+  if spec.dropout_rate:
+    seed = jnp.stack(_dropout.seed_words(spec.dropout_rng))
+  return _flex_backward.attention(query, key, value, rows, cols, mask, score, settings, seed)
 
 
 IMPLEMENTATION = _base.Implementation(
@@ -90,7 +98,6 @@ IMPLEMENTATION = _base.Implementation(
   prepare=_prepare,
   dtypes=("float32", "bfloat16", "float16"),
   bias="flex adds no bias yet",
-  dropout="flex has no dropout yet",
   tiles=True,
   fused=True,
   interpretable=True,
