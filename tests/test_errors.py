@@ -230,7 +230,8 @@ BAD_INPUTS = [
     "unknown_implementation",
     dict(implementation="flash"),
     ValueError,
-    r"implementation must be one of \['blockwise', 'cudnn', 'flex', 'splash', 'xla'\] or None, got 'flash'",
+    r"implementation must be one of \['blockwise', 'cudnn', 'flex', 'splash', 'xla'\] or None, "
+    r"got 'flash'",
   ),
   (
     "unknown_backward",
