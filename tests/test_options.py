@@ -73,7 +73,7 @@ def test_ring_attention_takes_options():
     (
       lambda: jattn.Options(implementation="xla", block_kv=4),
       ValueError,
-      "block_q and block_kv apply only to implementation='blockwise' or 'splash'",
+      "block_q and block_kv apply only to implementation='blockwise', 'splash' or 'flex'",
     ),
     (
       lambda: jattn.dot_product_attention(*_qkv(), block_q=4, options=jattn.Options(block_q=8)),
