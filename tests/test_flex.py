@@ -96,6 +96,8 @@ GRAD_CASES = {
   ),
   "segments_soft_cap_mqa": (masks.segments(IDS), SCORE_FNS["soft_cap"], 1),
   "window_or_dense": CASES["window_or_dense_relative"][:1] + (None, 4),
+  # constant slopes: read by the kernels, not differentiated
+  "alibi_mqa": (None, SCORE_FNS["alibi"], 1),
 }
 
 
@@ -106,14 +108,14 @@ def _loss(attend, q, k, v):
   return jnp.sum(out * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) * lse_w)
 
 
-def _flex_vjp(q, k, v, mask, score_fn, interpret=True):
+def _flex_vjp(q, k, v, mask, score_fn, interpret=True, bias=None):
   specs = fk.index_specs(BQ, BK)
   s_spec = jax.ShapeDtypeStruct((1, 1, BQ, BK), q.dtype)
   mask_f = None if mask is None else fk.Function.trace(lambda *i: mask(*i), *specs)
   score_f = None if score_fn is None else fk.Function.trace(lambda *a: score_fn(*a), s_spec, *specs)
   rows, cols = fk.schedules(mask, B, N, T, S, BQ, BK)
   settings = fk.Settings(H**-0.5, T, S, BQ, BK, num_warps=4, num_stages=2, interpret=interpret)
-  return _flex_backward.attention(q, k, v, rows, cols, mask_f, score_f, settings)
+  return _flex_backward.attention(q, k, v, rows, cols, mask_f, score_f, settings, bias=bias)
 
 
 @pytest.mark.parametrize("case", sorted(GRAD_CASES))
@@ -133,17 +135,79 @@ def test_gradients_match_autodiff_of_xla(case):
 
 
 def test_check_grads_float64(x64):
+  """Query, key, value and a (1, N, T, S) bias, through a mask and a score function."""
   mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
   q, k, v = (x.astype(jnp.float64) for x in _inputs(2))
-  f = jax.jit(lambda q, k, v: _loss(lambda *a: _flex_vjp(*a, mask, SCORE_FNS["custom"]), q, k, v))
-  jax.test_util.check_grads(f, (q, k, v), order=1, modes=["rev"], atol=1e-5, rtol=1e-5)
+  bias = jnp.asarray(np.random.default_rng(1).normal(size=(1, N, T, S)))
+
+  def f(q, k, v, bias):
+    return _loss(lambda *a: _flex_vjp(*a, mask, SCORE_FNS["custom"], bias=bias), q, k, v)
+
+  jax.test_util.check_grads(
+    jax.jit(f), (q, k, v, bias), order=1, modes=["rev"], atol=1e-5, rtol=1e-5
+  )
+
+
+@pytest.mark.parametrize("shape", [(B, N, T, S), (B, 1, 1, S), (T, 1)], ids=str)
+def test_bias_of_each_broadcast_shape_and_its_gradient_match_xla(shape):
+  """Per batch row and head, a key-padding row (B, 1, 1, S), a per-query column: the bias is
+  read tile by tile, and its gradient is dS summed over the axes it broadcasts along."""
+  q, k, v = _inputs(2)
+  bias = jnp.asarray(np.random.default_rng(5).normal(size=shape), jnp.float32)
+  mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
+
+  def run(impl):
+    attend = lambda q, k, v, bias: jattn.dot_product_attention(
+      q, k, v, bias=bias, mask=mask, implementation=impl, return_residual=True
+    )
+    loss = lambda q, k, v, bias: _loss(lambda *a: attend(*a, bias), q, k, v)
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))(q, k, v, bias)
+
+  with jattn.testing.interpret_kernels():
+    loss, grads = run("flex")
+  want_loss, want_grads = run("xla")
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  for name, g, w in zip(("dq", "dk", "dv", "dbias"), grads, want_grads):
+    assert g.shape == w.shape, name
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
+
+
+def _dq_outputs(fn, *args):
+  """How many outputs the dQ kernel's pallas_call has in ``fn``'s program."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call" and "jattn_flex_dq" in str(eqn.params):
+        found.append(len(eqn.outvars))
+      for param in eqn.params.values():  # custom_vjp, pjit: their jaxprs, closed or not
+        inner = getattr(param, "jaxpr", param)
+        if hasattr(inner, "eqns"):
+          walk(inner)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+def test_an_undifferentiated_bias_costs_no_score_gradient_buffer():
+  q, k, v = _inputs(2)
+  bias = jnp.zeros((1, N, T, S), jnp.float32)
+  loss = lambda q, bias: _loss(lambda *a: _flex_vjp(*a, None, None, bias=bias), q, k, v)
+  assert _dq_outputs(jax.grad(loss), q, bias) == [1]  # dq only
+  assert _dq_outputs(jax.grad(loss, (0, 1)), q, bias) == [2]  # dq and the (B, N, T, S) dS
 
 
 def test_learned_score_arrays_are_refused_when_differentiated():
+  """ALiBi slopes being learned (differentiated): refused by name; constant slopes are read
+  by the kernels and take no gradient (the alibi_mqa gradient case)."""
   q, k, v = _inputs(2)
-  grad = jax.grad(lambda q: _loss(lambda *a: _flex_vjp(*a, None, SCORE_FNS["alibi"]), q, k, v))
+
+  def loss(slopes):
+    alibi = lambda s, b, h, qi, kv: s - slopes[h] * jnp.abs(qi - kv)
+    return _loss(lambda *a: _flex_vjp(*a, None, alibi), q, k, v)
+
   with pytest.raises(ValueError, match="no gradient for the floating arrays a score function"):
-    grad(q)
+    jax.grad(loss)(jnp.asarray([0.5, 0.2, 0.1, 0.05]))
 
 
 # --- implementation="flex" through the public call ---------------------------------------
@@ -178,11 +242,10 @@ def test_dot_product_attention_runs_flex_by_name():
 @pytest.mark.parametrize(
   "kw, message",
   [
-    (dict(bias=np.zeros((T, S), np.float32)), "does not support bias: flex adds no bias yet"),
     (dict(block_q=24), r"block_q=24 \(flex's tiles are powers of two, at least 16\)"),
     (dict(backward="custom_vjp"), "flex.*does not support backward=.custom_vjp.*own fused"),
   ],
-  ids=["bias", "block", "backward"],
+  ids=["block", "backward"],
 )
 def test_what_flex_cannot_take_is_refused_by_name(kw, message):
   q, k, v = _inputs(2)
@@ -230,7 +293,8 @@ def test_second_derivatives_are_refused_naming_the_rule():
 
 def test_the_public_call_lowers_for_cuda_with_dropout_segments_and_a_soft_cap():
   """Traced as on a GPU (lowering_for), the training step lowers to the three Triton kernels:
-  the dropout hash (uint32 shifts and xors) and the segment ids' loads included."""
+  the dropout hash (uint32 shifts and xors), the segment ids' loads, and a differentiated
+  bias (read per tile; its gradient's buffer aliased into the dQ kernel) included."""
   q, k, v = _inputs(2)
   kw = dict(
     is_causal=True,
@@ -239,10 +303,14 @@ def test_the_public_call_lowers_for_cuda_with_dropout_segments_and_a_soft_cap():
     dropout_rate=0.2,
     dropout_rng=jax.random.key(0),
   )
-  loss = lambda *a: jnp.sum(jattn.dot_product_attention(*a, implementation="flex", **kw))
-  step = jax.jit(jax.grad(loss, (0, 1, 2)))
+  bias = jnp.zeros((1, N, T, S), jnp.float32)
+  loss = lambda *a: jnp.sum(
+    jattn.dot_product_attention(*a[:3], bias=a[3], implementation="flex", **kw)
+  )
+  step = jax.jit(jax.grad(loss, (0, 1, 2, 3)))
   with jattn.testing.lowering_for("gpu"), warnings.catch_warnings():
     warnings.simplefilter("ignore")  # Pallas' Triton lowering warns of deprecation
     with _compat.gpu_target("NVIDIA H100"):
-      text = step.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+      text = step.trace(q, k, v, bias).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 3
+  assert "output_operand_aliases" in text

@@ -11,7 +11,11 @@ from the saved log-sum-exp through the forward pass's own :class:`Scorer`:
 
 with ``dS = P ⊙ (dO Vᵀ − Δ) ⊙ score_fn'`` and ``Δ = rowsum(O ⊙ dO)`` (computed by XLA).
 The score function acts elementwise on the scores; its derivative comes from a JVP in the
-kernel. Rows with nothing to attend to (lse −inf) have zero gradients.
+kernel. Rows with nothing to attend to (lse −inf) have zero gradients. A bias is added to
+the scaled scores, so its gradient is dS itself: when the bias is differentiated, the dQ
+kernel writes each visited tile's dS into a zeroed (B, N, T, S) float32 buffer (EMPTY tiles
+stay zero), which XLA sums over the bias's broadcast axes. Which inputs are differentiated
+is read from the custom_vjp's symbolic zeros, so an undifferentiated bias costs no buffer.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ from jattn.impl._flex_kernels import (
   Function,
   Scorer,
   Settings,
+  bias_row_spec,
+  bias_tile,
   forward,
+  pad_bias,
   pad_to,
   pow2,
   scalar_index,
@@ -50,8 +57,9 @@ def attention(
   score: Function | None,
   settings: Settings,
   seed: jax.Array | None = None,
+  bias: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """:func:`jattn.impl._flex_kernels.forward`, differentiable in query, key and value.
+  """:func:`jattn.impl._flex_kernels.forward`, differentiable in query, key, value and bias.
 
   ``cols`` is the schedule of the transposed tile classes (per key/value tile, its query
   tiles). The arrays the mask and score function read take no gradient: integer ones have
@@ -65,7 +73,7 @@ def attention(
     seed_or_zeros(seed),
   )
   jaxprs = (mask.jaxpr if mask else None, score.jaxpr if score else None)
-  return _attention(jaxprs, settings, query, key, value, arrays)
+  return _attention(jaxprs, settings, query, key, value, bias, arrays)
 
 
 _WHO = "implementation='flex'"
@@ -78,6 +86,7 @@ def _attention(
   query: jax.Array,
   key: jax.Array,
   value: jax.Array,
+  bias: jax.Array | None,
   arrays: tuple[Any, ...],
 ) -> tuple[jax.Array, jax.Array]:
   rows, _, mask_arrays, score_arrays, seed = arrays
@@ -90,45 +99,65 @@ def _attention(
     None if jaxprs[1] is None else Function(jaxprs[1], score_arrays),
     settings,
     seed,
+    bias,
   )
 
 
 def _attention_fwd(
   jaxprs: tuple[Any, Any],
   settings: Settings,
-  query: jax.Array,
-  key: jax.Array,
-  value: jax.Array,
-  arrays: tuple[Any, ...],
+  query: Any,
+  key: Any,
+  value: Any,
+  bias: Any,
+  arrays: Any,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[Any, ...]]:
-  out, lse = _attention(jaxprs, settings, query, key, value, arrays)
-  return (out, lse), (query, key, value, arrays, out, lse)
+  # symbolic_zeros: each input comes as (value, perturbed); perturbed says it is differentiated.
+  _, _, _, score_arrays, _ = arrays
+  learned = [a for a in score_arrays if a.perturbed and jnp.issubdtype(a.value.dtype, jnp.floating)]
+  if learned:
+    raise ValueError(
+      "implementation='flex' computes no gradient for the floating arrays a score function "
+      f"reads (learned parameters: {len(learned)} here) yet; use implementation='blockwise'"
+    )
+  wants_d_bias = bias is not None and bias.perturbed
+  query, key, value, bias, arrays = jax.tree.map(
+    lambda x: x.value, (query, key, value, bias, arrays), is_leaf=_is_primal
+  )
+  out, lse = _attention(jaxprs, settings, query, key, value, bias, arrays)
+  return (out, lse), (query, key, value, bias, arrays, out, lse, () if wants_d_bias else None)
+
+
+def _is_primal(x: Any) -> bool:
+  return isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
 
 
 def _attention_bwd(
   jaxprs: tuple[Any, Any], settings: Settings, residuals: tuple[Any, ...], cotangents: Any
 ) -> tuple[Any, ...]:
   grads = functools.partial(_grads, jaxprs, settings)
+  out, lse = residuals[5:7]
+  cotangents = tuple(_materialized(c, x) for c, x in zip(cotangents, (out, lse)))
   # A second derivative would differentiate the kernels: refused in jattn's words.
   return _orders.first_order(grads, _WHO, _orders.FUSED, forward=False)(residuals, cotangents)
+
+
+def _materialized(cotangent: Any, like: jax.Array) -> jax.Array:
+  if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):
+    return jnp.zeros(like.shape, like.dtype)
+  return cotangent
 
 
 def _grads(
   jaxprs: tuple[Any, Any], settings: Settings, residuals: tuple[Any, ...], cotangents: Any
 ) -> tuple[Any, ...]:
-  query, key, value, arrays, out, lse = residuals
+  query, key, value, bias, arrays, out, lse, wants_d_bias = residuals
   d_out, d_lse = cotangents
   rows, cols, mask_arrays, score_arrays, seed = arrays
-  learned = [a for a in score_arrays if jnp.issubdtype(a.dtype, jnp.floating)]
-  if learned:
-    raise ValueError(
-      "implementation='flex' computes no gradient for the floating arrays a score function "
-      f"reads (learned parameters: {len(learned)} here) yet; use implementation='blockwise'"
-    )
   # The lse's cotangent enters the scores' as Δ does: dS = P ⊙ (dP − Δ + d_lse).
   f = _common.stats_dtype(query.dtype)
   delta = jnp.einsum("BTNV,BTNV->BTN", out.astype(f), d_out.astype(f)) - d_lse.astype(f)
-  dq, dk, dv = _backward(
+  dq, dk, dv, ds = _backward(
     query,
     key,
     value,
@@ -142,12 +171,22 @@ def _grads(
     score_arrays,
     jaxprs,
     settings,
+    bias,
+    wants_d_bias is not None,
   )
+  d_bias = None
+  if bias is not None:
+    if ds is None:
+      d_bias = jnp.zeros_like(bias)
+    else:
+      T, S = query.shape[1], key.shape[1]
+      d_bias = _common.reduce_to_shape(ds[:, :, :T, :S], bias.shape)
+      d_bias = d_bias.astype(bias.dtype)
   zeros = jax.tree.map(_zero_cotangent, arrays)
-  return dq, dk, dv, zeros
+  return dq, dk, dv, d_bias, zeros
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def _zero_cotangent(x: jax.Array) -> Any:
@@ -170,7 +209,11 @@ def _backward(
   score_arrays: tuple[jax.Array, ...],
   jaxprs: tuple[Any, Any],
   settings: Settings,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+  bias: jax.Array | None = None,
+  wants_d_bias: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+  """``(dq, dk, dv, dS)``: dS (B, N, Tp, Sp) float32, the scores' gradient, only where the
+  bias is differentiated (else None)."""
   B, T, N, H = query.shape
   S, K, Hv = key.shape[1], key.shape[2], value.shape[-1]
   G = N // K
@@ -187,7 +230,23 @@ def _backward(
   ]
   arrays = [*mask_arrays, *score_arrays]
   whole = [pl.BlockSpec(a.shape, functools.partial(_origin, a.ndim)) for a in arrays]
-  counts = (len(mask_arrays), len(score_arrays))
+  counts = (len(mask_arrays), len(score_arrays), bias is not None)
+  row_bias: list[Any] = []
+  col_bias: list[Any] = []
+  ds_out: list[Any] = []
+  if bias is not None:
+    padded = pad_bias(bias, Tp, Sp)
+    Bb, Nb, Tb, Sb = padded.shape
+    row_bias = [bias_row_spec(padded.shape, bq)]
+    # dK/dV programs (key tile, b, key/value head): every query head's column of tiles.
+    col_bias = [
+      pl.BlockSpec(
+        (None, Nb, Tb, bk if Sb > 1 else 1),
+        lambda j, b, h: (b if Bb > 1 else 0, 0, 0, j if Sb > 1 else 0),
+      )
+    ]
+    if wants_d_bias:
+      ds_out = [jnp.zeros((B, N, Tp, Sp), f)]
   params = plgpu.CompilerParams(num_warps=settings.num_warps, num_stages=settings.num_stages)
 
   def schedule_specs(sched: _tiling.Schedule) -> list[pl.BlockSpec]:
@@ -198,7 +257,9 @@ def _backward(
       pl.BlockSpec((2,), lambda *_: (0,)),
     ]
 
-  dq = pl.pallas_call(
+  ds_spec = pl.BlockSpec((None, None, bq, Sp), lambda i, b, n: (b, n, i, 0))
+  n_in = 10 + len(arrays) + len(row_bias)  # the zeroed dS buffer's place among the inputs
+  dq, *ds = pl.pallas_call(
     functools.partial(_dq_kernel, settings=settings, counts=counts, jaxprs=jaxprs),
     grid=(nq, B, N),
     in_specs=[
@@ -210,13 +271,35 @@ def _backward(
       pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),
       *schedule_specs(rows),
       *whole,
+      *row_bias,
+      *[ds_spec for _ in ds_out],
     ],
-    out_specs=pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),
-    out_shape=jax.ShapeDtypeStruct((B, Tp, N, Hp), f),
+    out_specs=[
+      pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),
+      *[ds_spec for _ in ds_out],
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct((B, Tp, N, Hp), f),
+      *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ds_out],
+    ],
+    input_output_aliases={n_in: 1} if ds_out else {},
     compiler_params=params,
     interpret=settings.interpret,
     name="jattn_flex_dq",
-  )(q, k, v, do, *stats, rows.order, rows.num_full, rows.num_partial, seed, *arrays)
+  )(
+    q,
+    k,
+    v,
+    do,
+    *stats,
+    rows.order,
+    rows.num_full,
+    rows.num_partial,
+    seed,
+    *arrays,
+    *([padded] if bias is not None else []),
+    *ds_out,
+  )
 
   dk, dv = pl.pallas_call(
     functools.partial(_dkv_kernel, settings=settings, counts=counts, jaxprs=jaxprs, group=G),
@@ -230,6 +313,7 @@ def _backward(
       pl.BlockSpec((None, G, Tp), lambda j, b, h: (b, h, 0)),
       *schedule_specs(cols),
       *whole,
+      *col_bias,
     ],
     out_specs=[
       pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0)),
@@ -242,11 +326,24 @@ def _backward(
     compiler_params=params,
     interpret=settings.interpret,
     name="jattn_flex_dkv",
-  )(q, k, v, do, *stats, cols.order, cols.num_full, cols.num_partial, seed, *arrays)
+  )(
+    q,
+    k,
+    v,
+    do,
+    *stats,
+    cols.order,
+    cols.num_full,
+    cols.num_partial,
+    seed,
+    *arrays,
+    *([padded] if bias is not None else []),
+  )
   return (
     dq[:, :T, :, :H].astype(query.dtype),
     dk[:, :S, :, :H].astype(key.dtype),
     dv[:, :S, :, :Hv].astype(value.dtype),
+    ds[0] if ds else None,
   )
 
 
@@ -263,9 +360,10 @@ def _probabilities_and_ds(
   batch: jax.Array,
   head: jax.Array,
   masked: bool,
+  bias: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array]:
   """``(P after dropout, dS)`` of one tile, (bq, bk) in the statistics dtype."""
-  s, slope = scorer(q, k, q_idx, kv_idx, batch, head, masked, derivative=True)
+  s, slope = scorer(q, k, q_idx, kv_idx, batch, head, masked, derivative=True, bias=bias)
   finite = jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # empty rows: P = 0
   p = jnp.exp(s - finite[:, None])
   # Y = (P ⊙ D) V with D the kept weights' 1 / (1 − rate): dP = (dY Vᵀ) ⊙ D, and
@@ -290,10 +388,14 @@ def _dq_kernel(
   seed_ref: Any,
   *refs: Any,
   settings: Settings,
-  counts: tuple[int, int],
+  counts: tuple[int, int, bool],
   jaxprs: tuple[Any, Any],
 ) -> None:
-  mask_refs, score_refs, (dq_ref,) = split_refs(refs, counts)
+  mask_refs, score_refs, bias_ref, rest = split_refs(refs, counts)
+  # With a differentiated bias: the zeroed dS buffer, its input and output refs (aliased).
+  dq_ref, ds_ref = rest[-1], None
+  if len(rest) == 3:
+    _, dq_ref, ds_ref = rest
   scorer = Scorer(settings, jaxprs, mask_refs, score_refs, seed_ref)
   bq, bk = settings.block_q, settings.block_kv
   i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -306,9 +408,12 @@ def _dq_kernel(
     kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)
     k = k_ref[pl.ds(j * bk, bk), :]
     v = v_ref[pl.ds(j * bk, bk), :]
+    bias = bias_tile(bias_ref, slice(None), pl.ds(j * bk, bk))
     _, ds = _probabilities_and_ds(
-      scorer, q, k, v, do, lse, delta, q_idx, kv_idx, batch, head, masked
+      scorer, q, k, v, do, lse, delta, q_idx, kv_idx, batch, head, masked, bias
     )
+    if ds_ref is not None:
+      ds_ref[:, pl.ds(j * bk, bk)] = ds.astype(ds_ref.dtype)
     return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=dq.dtype)
 
   dq = jnp.zeros(dq_ref.shape, dq_ref.dtype)
@@ -331,11 +436,11 @@ def _dkv_kernel(
   seed_ref: Any,
   *refs: Any,
   settings: Settings,
-  counts: tuple[int, int],
+  counts: tuple[int, int, bool],
   jaxprs: tuple[Any, Any],
   group: int,
 ) -> None:
-  mask_refs, score_refs, (dk_ref, dv_ref) = split_refs(refs, counts)
+  mask_refs, score_refs, bias_ref, (dk_ref, dv_ref) = split_refs(refs, counts)
   scorer = Scorer(settings, jaxprs, mask_refs, score_refs, seed_ref)
   bq, bk = settings.block_q, settings.block_kv
   j, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -355,8 +460,12 @@ def _dkv_kernel(
       q, do = q_ref[rows, g, :], do_ref[rows, g, :]
       lse, delta = lse_ref[g, rows], delta_ref[g, rows]
       q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)
+      bias = None
+      if bias_ref is not None:  # (Nb, Tb, bk or 1): this head's plane, then the query tile
+        Nb, Tb, _ = bias_ref.shape
+        bias = bias_ref[h * group + g if Nb > 1 else 0, rows if Tb > 1 else slice(None), :]
       p, ds = _probabilities_and_ds(
-        scorer, q, k, v, do, lse, delta, q_idx, kv_idx, batch, head, masked
+        scorer, q, k, v, do, lse, delta, q_idx, kv_idx, batch, head, masked, bias
       )
       dv = dv + jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=dv.dtype)
       dk = dk + jnp.dot(ds.T.astype(q.dtype), q, preferred_element_type=dk.dtype)

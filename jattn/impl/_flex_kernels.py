@@ -82,6 +82,7 @@ def forward(
   score: Function | None,
   settings: Settings,
   seed: jax.Array | None = None,
+  bias: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """``(out (B, T, N, Hv) in the query's dtype, lse (B, T, N) float32, or float64)``.
 
@@ -89,7 +90,8 @@ def forward(
   (ceil(T / block_q), ceil(S / block_kv)) tiles; ``mask`` and ``score`` traced at
   :func:`index_specs` (the score function with a (1, 1, block_q, block_kv) float32 score
   first); ``seed`` the dropout's two uint32 words (:func:`jattn.dropout.seed_words`),
-  needed when ``settings.dropout_rate`` > 0.
+  needed when ``settings.dropout_rate`` > 0; ``bias`` (Bb, Nb, Tb, Sb), each axis 1 or
+  the call's, added to the scaled scores before the score function.
   """
   B, T, N, H = query.shape
   S, K, Hv = key.shape[1], key.shape[2], value.shape[-1]
@@ -104,10 +106,13 @@ def forward(
   kernel = functools.partial(
     _forward_kernel,
     settings=settings,
-    counts=(len(mask.arrays) if mask else 0, len(score.arrays) if score else 0),
+    counts=(len(mask.arrays) if mask else 0, len(score.arrays) if score else 0, bias is not None),
     jaxprs=(mask.jaxpr if mask else None, score.jaxpr if score else None),
   )
   whole = [pl.BlockSpec(a.shape, functools.partial(_origin, a.ndim)) for a in arrays]
+  if bias is not None:
+    arrays.append(pad_bias(bias, nq * bq, nk * bk))
+    whole.append(bias_row_spec(arrays[-1].shape, bq))
   schedule_specs = [
     pl.BlockSpec(rows.order.shape, lambda i, b, n: (0, 0)),
     pl.BlockSpec(rows.num_full.shape, lambda i, b, n: (0,)),
@@ -185,13 +190,17 @@ class Scorer(NamedTuple):
     head: jax.Array,
     masked: bool,
     derivative: bool = False,
+    bias: jax.Array | None = None,
   ) -> tuple[jax.Array, jax.Array | None]:
     """``(s, slope)``: the (bq, bk) scores in the statistics dtype, -inf where masked, and
     d score_fn(x)/dx at them (None without a score function or ``derivative``).
-    ``batch`` and ``head`` are (1, 1, 1, 1) int32, ``q_idx`` (bq,), ``kv_idx`` (bk,)."""
+    ``batch`` and ``head`` are (1, 1, 1, 1) int32, ``q_idx`` (bq,), ``kv_idx`` (bk,);
+    ``bias`` the tile's bias, (bq or 1, bk or 1)."""
     bq, bk = q.shape[0], k.shape[0]
     f = _common.stats_dtype(q.dtype)
     s = jnp.dot(q, k.T, preferred_element_type=f) * jnp.asarray(self.settings.scale, f)
+    if bias is not None:
+      s = s + bias.astype(f)
     qi, ki = q_idx.reshape(1, 1, bq, 1), kv_idx.reshape(1, 1, 1, bk)
     slope = None
     if self.jaxprs[1] is not None:
@@ -216,15 +225,40 @@ class Scorer(NamedTuple):
 
 
 def split_refs(
-  refs: Sequence[Any], counts: tuple[int, int]
-) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
-  """``(mask refs, score refs, the rest)`` of a kernel's trailing refs."""
-  n_mask, n_score = counts
+  refs: Sequence[Any], counts: tuple[int, int, bool]
+) -> tuple[tuple[Any, ...], tuple[Any, ...], Any, tuple[Any, ...]]:
+  """``(mask refs, score refs, bias ref or None, the rest)`` of a kernel's trailing refs."""
+  n_mask, n_score, has_bias = counts
+  n = n_mask + n_score
   return (
     tuple(refs[:n_mask]),
-    tuple(refs[n_mask : n_mask + n_score]),
-    tuple(refs[n_mask + n_score :]),
+    tuple(refs[n_mask:n]),
+    refs[n] if has_bias else None,
+    tuple(refs[n + has_bias :]),
   )
+
+
+def pad_bias(bias: jax.Array, Tp: int, Sp: int) -> jax.Array:
+  """Bias (Bb, Nb, Tb, Sb) with its T and S axes, where not 1, zero-padded to Tp and Sp."""
+  pads = [(0, 0), (0, 0)] + [(0, 0 if n == 1 else m - n) for n, m in zip(bias.shape[2:], (Tp, Sp))]
+  return jnp.pad(bias, pads)
+
+
+def bias_row_spec(shape: tuple[int, ...], block_q: int) -> pl.BlockSpec:
+  """The padded bias's (query tile, all keys) plane for the programs (query tile, b, n)."""
+  Bb, Nb, Tb, Sb = shape
+  return pl.BlockSpec(
+    (None, None, block_q if Tb > 1 else 1, Sb),
+    lambda i, b, n: (b if Bb > 1 else 0, n if Nb > 1 else 0, i if Tb > 1 else 0, 0),
+  )
+
+
+def bias_tile(ref: Any, rows: Any, cols: Any) -> jax.Array | None:
+  """The bias of one tile from a (rows, keys) ref: ``rows`` and ``cols`` slices, applied only
+  along the axes that are not 1 (broadcast ones stay 1)."""
+  if ref is None:
+    return None
+  return ref[rows if ref.shape[0] > 1 else slice(None), cols if ref.shape[1] > 1 else slice(None)]
 
 
 def scalar_index(x: jax.Array) -> jax.Array:
@@ -242,10 +276,10 @@ def _forward_kernel(
   seed_ref: Any,
   *refs: Any,
   settings: Settings,
-  counts: tuple[int, int],
+  counts: tuple[int, int, bool],
   jaxprs: tuple[Any, Any],
 ) -> None:
-  mask_refs, score_refs, (o_ref, lse_ref) = split_refs(refs, counts)
+  mask_refs, score_refs, bias_ref, (o_ref, lse_ref) = split_refs(refs, counts)
   scorer = Scorer(settings, jaxprs, mask_refs, score_refs, seed_ref)
   bq, bk = settings.block_q, settings.block_kv
   i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -258,7 +292,9 @@ def _forward_kernel(
     acc, m, l = carry
     j = order_ref[i, t]
     kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)
-    s, _ = scorer(q, k_ref[pl.ds(j * bk, bk), :], q_idx, kv_idx, batch, head, masked)
+    k = k_ref[pl.ds(j * bk, bk), :]
+    bias = bias_tile(bias_ref, slice(None), pl.ds(j * bk, bk))
+    s, _ = scorer(q, k, q_idx, kv_idx, batch, head, masked, bias=bias)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     p = jnp.exp(s - shift[:, None])

@@ -7,10 +7,11 @@ the mask's tile classes as in blockwise, so EMPTY tiles are never loaded and FUL
 the mask (:mod:`jattn.impl._flex_kernels`, :mod:`jattn.impl._flex_backward`). GQA and MQA
 read each key/value head once; the value head dim may differ; lengths need not be whole
 tiles; dropout's pattern is regenerated from (rng, batch, head, q, kv) in each kernel, as
-every implementation draws it; rows with nothing to attend to give zeros and an lse of
--inf.
+every implementation draws it; a bias of any broadcastable shape is read tile by tile (its
+gradient, where asked for, through a (B, N, T, S) float32 buffer); rows with nothing to
+attend to give zeros and an lse of -inf.
 
-Not yet: bias, gradients of the floating arrays a score function reads (learned
+Not yet: gradients of the floating arrays a score function reads (learned
 parameters; refused when differentiated), a per-GPU table of blocks, warps and stages, and
 routing from ``implementation=None`` (it is chosen by name). Sinks are added around it, as
 for every implementation that does not take them itself.
@@ -86,7 +87,9 @@ def _run(
   seed = None
   if spec.dropout_rate:
     seed = jnp.stack(_dropout.seed_words(spec.dropout_rng))
-  return _flex_backward.attention(query, key, value, rows, cols, mask, score, settings, seed)
+  return _flex_backward.attention(
+    query, key, value, rows, cols, mask, score, settings, seed, spec.bias
+  )
 
 
 IMPLEMENTATION = _base.Implementation(
@@ -97,7 +100,6 @@ IMPLEMENTATION = _base.Implementation(
   run=_run,
   prepare=_prepare,
   dtypes=("float32", "bfloat16", "float16"),
-  bias="flex adds no bias yet",
   tiles=True,
   fused=True,
   interpretable=True,
