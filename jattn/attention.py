@@ -182,10 +182,10 @@ def dot_product_attention(
       (JAX's splash attention Pallas kernel on TPU, for the masks it expresses),
       ``"cudnn"`` (jax.nn's cuDNN kernel on NVIDIA GPUs, for the arguments
       jax.nn supports, with jax.nn's semantics) or ``"flex"`` (jattn's own fused
-      Pallas kernel for NVIDIA GPUs, the mask and score function compiled into it;
-      chosen by name only, for now). None picks, on the running
-      backend, its fused kernel (splash on TPU, cuDNN on GPU) when that
-      expresses the call exactly and no ``backward`` rule is named; otherwise
+      Pallas kernel for NVIDIA GPUs, the mask and score function compiled into
+      it). None picks, on the running backend, its first fused kernel (splash
+      on TPU; cuDNN, then flex, on GPU) that expresses the call exactly, when
+      no ``backward`` rule is named; otherwise
       ``"blockwise"`` when ``block_q``/``block_kv`` are given, ``"xla"`` when
       ``backward="autodiff"``, and otherwise ``"blockwise"`` once the
       (B, N, T, S) float32 scores would take ``AUTO_BLOCKWISE_BYTES[backend]``

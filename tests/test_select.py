@@ -74,30 +74,53 @@ ROUTES = [
   ("gpu_causal", "gpu", BF16, BF16, dict(is_causal=True), "cudnn", "fused kernel for GPU"),
   ("gpu_window", "gpu", BF16, BF16, dict(local_window_size=(64, 0)), "cudnn", "fused"),
   ("gpu_full_cross", "gpu", BF16, CROSS_KV, {}, "cudnn", "fused"),
-  ("gpu_f32", "gpu", F32, F32, dict(is_causal=True), "xla", "dtype float32"),
-  ("gpu_causal_cross", "gpu", BF16, CROSS_KV, dict(is_causal=True), "xla", "T=1024 != S=512"),
+  ("gpu_f32", "gpu", F32, F32, dict(is_causal=True), "flex", "dtype float32"),
+  ("gpu_causal_cross", "gpu", BF16, CROSS_KV, dict(is_causal=True), "flex", "T=1024 != S=512"),
   (
     "gpu_lengths",
     "gpu",
     BF16,
     BF16,
     dict(key_value_seq_lengths=np.array([9, 1024])),
-    "xla",
+    "flex",
     "lengths can empty rows",
   ),
-  ("gpu_mask_array", "gpu", BF16, BF16, dict(mask=np.tri(1024, dtype=bool)), "xla", "mask array"),
-  ("gpu_residual", "gpu", BF16, BF16, dict(return_residual=True), "xla", "cotangent"),
-  ("gpu_docs", "gpu", BF16, BF16, dict(segment_ids=IDS), "xla", "segment_ids"),
+  ("gpu_mask_array", "gpu", BF16, BF16, dict(mask=np.tri(1024, dtype=bool)), "flex", "mask array"),
+  ("gpu_residual", "gpu", BF16, BF16, dict(return_residual=True), "flex", "cotangent"),
+  ("gpu_docs", "gpu", BF16, BF16, dict(segment_ids=IDS), "flex", "segment_ids"),
   (
     "gpu_head_dim",
     "gpu",
     BF16.update(shape=(2, 1024, 8, 192)),
     BF16.update(shape=(2, 1024, 8, 192)),
     {},
-    "xla",
+    "flex",
     "H=192 > 128",
   ),
-  ("gpu_soft_cap", "gpu", BF16, BF16, dict(logits_soft_cap=30.0), "xla", "soft cap"),
+  ("gpu_soft_cap", "gpu", BF16, BF16, dict(logits_soft_cap=30.0), "flex", "soft cap"),
+  ("gpu_bias", "gpu", BF16, BF16, dict(bias=np.zeros((1024, 1024), np.float32)), "flex", "bias"),
+  ("gpu_score_fn", "gpu", BF16, BF16, dict(score_fn=lambda s, *i: s), "flex", "score_fn"),
+  (
+    "gpu_from_fn",
+    "gpu",
+    BF16,
+    BF16,
+    dict(mask=masks.from_fn(lambda b, h, q, k: q >= k)),
+    "flex",
+    "mask",
+  ),
+  (
+    "gpu_dropout",
+    "gpu",
+    BF16,
+    BF16,
+    dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+    "flex",
+    "dropout",
+  ),
+  ("gpu_tiles", "gpu", BF16, BF16, dict(block_q=128, block_kv=64), "flex", "fused kernel for GPU"),
+  ("gpu_rule_named", "gpu", BF16, BF16, dict(backward="custom_vjp"), "xla", "own fused"),
+  ("gpu_odd_tiles", "gpu", BF16, BF16, dict(block_q=100), "blockwise", "powers of two"),
   ("cpu_small", "cpu", SMALL, SMALL, {}, "xla", "under 8 MiB on CPU"),
   ("cpu_large", "cpu", BF16, BF16, dict(is_causal=True), "blockwise", "at least 8 MiB"),
   ("cpu_tiles", "cpu", SMALL, SMALL, dict(block_q=16), "blockwise", "ask for tiles"),
@@ -117,12 +140,13 @@ def test_every_row_of_the_table_routes_as_documented(backend, q, kv, kw, impleme
   assert choice.backend == backend
   assert sorted(choice.rejected) == sorted(set(_select.TABLE) - {implementation})
   assert all(choice.rejected.values())
-  fused = {"tpu": "splash", "gpu": "cudnn"}.get(backend)
-  if fused and implementation != fused:
-    assert choice.backward is not None  # a jattn rule
-    assert why in choice.rejected[fused] or why in choice.reason
-  if implementation in ("splash", "cudnn"):
+  fused = _select.FUSED[backend]  # tried in this order
+  if implementation in fused:
     assert choice.backward is None  # the kernel's own backward
+  else:
+    assert choice.backward is not None  # a jattn rule
+  if fused and implementation != fused[0]:
+    assert why in choice.rejected[fused[0]] or why in choice.reason
 
 
 def test_explain_takes_arrays_and_checks_like_the_call():

@@ -3,8 +3,9 @@
 :data:`TABLE` says, for each implementation, where it runs and what it expresses exactly.
 :func:`choose` reads it for a checked call: an explicit ``implementation`` that cannot
 express the call raises naming the feature; ``implementation=None`` takes the backend's
-fused kernel when it expresses the call (splash on TPU, cuDNN on GPU) and otherwise the
-materialised ``"xla"`` path or the tiled ``"blockwise"`` loop by the size of the scores.
+first fused kernel, in table order, that expresses the call (splash on TPU; cuDNN, then
+flex, on GPU) and otherwise the materialised ``"xla"`` path or the tiled ``"blockwise"``
+loop by the size of the scores.
 :func:`jattn.explain` shows the same decision, with the reason for each implementation
 not taken. Arguments arrive checked from :func:`jattn._spec.build`.
 """
@@ -30,9 +31,9 @@ TABLE: dict[str, Implementation] = {
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {name: row.backwards for name, row in TABLE.items()}
 TILED = tuple(name for name, row in TABLE.items() if row.tiles)
 
-# implementation=None, per backend: the fused kernel to try first, if any.
-FUSED: dict[str, str | None] = {
-  backend: next((n for n, row in TABLE.items() if row.fused and backend in row.runs_on), None)
+# implementation=None, per backend: the fused kernels to try, first to last (table order).
+FUSED: dict[str, tuple[str, ...]] = {
+  backend: tuple(n for n, row in TABLE.items() if row.fused and backend in row.runs_on)
   for backend in BACKENDS
 }
 
@@ -131,20 +132,21 @@ def choose(
       return _empty(call, f"{implementation} named by the caller", _rejected)
     rejected = _rejected(implementation)
     return Choice(implementation, backward, "named by the caller", rejected, call.backend)
-  kernel = FUSED.get(call.backend) if fused else None
-  if kernel is not None and (reason := why_not(kernel, call)) is None:
+  refused: list[str] = []  # "<fused kernel> does not: <why>", in the order tried
+  for kernel in FUSED.get(call.backend, ()) if fused else ():
+    reason = why_not(kernel, call)
     auto_check = TABLE[kernel].auto_check
-    if not (auto_check is not None and (why := auto_check(call))):
-      if _nothing_to_tile(kernel, call):
-        return _empty(call, f"{kernel} is the fused kernel for {call.backend.upper()}", _rejected)
-      return Choice(
-        kernel,
-        None,
-        f"{kernel} is the fused kernel for {call.backend.upper()} and expresses the call",
-        _rejected(kernel),
-        call.backend,
-      )
-    reason = why
+    if reason is None and auto_check is not None:
+      reason = auto_check(call)
+    if reason is not None:
+      refused.append(f"{kernel} does not: {reason}")
+      continue
+    which = "the next fused kernel" if refused else "the fused kernel"
+    why = f"{kernel} is {which} for {call.backend.upper()}"
+    if _nothing_to_tile(kernel, call):
+      return _empty(call, why, _rejected)
+    why = "; ".join([f"{why} and expresses the call", *refused])
+    return Choice(kernel, None, why, _rejected(kernel), call.backend)
   if call.blocks_named:
     impl, why = "blockwise", "block_q/block_kv ask for tiles"
   elif backward == "autodiff":
@@ -159,8 +161,7 @@ def choose(
       f"the float32 scores would take {_mib(size)}, "
       f"{'at least' if big else 'under'} {_mib(limit)} on {call.backend.upper()}"
     )
-  if kernel is not None:
-    why = f"{why}; {kernel} does not: {reason}"
+  why = "; ".join([why, *refused])
   if _nothing_to_tile(impl, call):
     return _empty(call, why, _rejected)
   rule = check_choices(impl, backward)[1]
@@ -183,16 +184,16 @@ def routes(call: Call, backward: str | None, *, traceable_gpu: bool) -> dict[str
   choice (``choose(..., fused=False)``) that every other platform runs.
 
   A program follows the platform it is lowered for: splash where it is lowered for a TPU,
-  cuDNN where it is lowered for CUDA; ``traceable_gpu``: whether cuDNN can be traced here
-  (it needs cuDNN on the tracing host, so a CPU host's programs take the portable choice on
-  GPUs).
+  cuDNN or flex where it is lowered for CUDA; ``traceable_gpu``: whether the GPU kernels can
+  be traced here (cuDNN needs cuDNN on the tracing host, so a CPU host's programs take the
+  portable choice on GPUs).
   """
   out = {}
   for backend, fused in FUSED.items():
-    if fused is None or (backend == "gpu" and not traceable_gpu):
+    if not fused or (backend == "gpu" and not traceable_gpu):
       continue
     choice = choose(dataclasses.replace(call, backend=backend), None, backward)
-    if choice.implementation == fused:
+    if choice.implementation in fused:
       out[PLATFORMS[backend][0]] = choice
   return out
 

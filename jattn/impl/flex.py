@@ -11,10 +11,11 @@ every implementation draws it; a bias of any broadcastable shape is read tile by
 gradient, where asked for, through a (B, N, T, S) float32 buffer); rows with nothing to
 attend to give zeros and an lse of -inf.
 
-Not yet: gradients of the floating arrays a score function reads (learned
-parameters; refused when differentiated), a per-GPU table of blocks, warps and stages, and
-routing from ``implementation=None`` (it is chosen by name). Sinks are added around it, as
-for every implementation that does not take them itself.
+On a GPU, ``implementation=None`` runs it for every call cuDNN does not express (it comes
+after cuDNN in the table). Not yet: gradients of the floating arrays a score function reads
+(learned parameters; refused when differentiated) and a per-GPU table of blocks, warps and
+stages. Sinks are added around it, as for every implementation that does not take them
+itself.
 """
 
 from __future__ import annotations
