@@ -14,7 +14,7 @@ from cases import SCORE_FNS
 
 import jattn
 from jattn import _compat, masks
-from jattn.impl import _flex_backward
+from jattn.impl import _flex_backward, flex
 from jattn.impl import _flex_kernels as fk
 
 B, T, S, N, H, HV, BQ, BK = 2, 40, 40, 4, 8, 12, 16, 16
@@ -314,3 +314,25 @@ def test_the_public_call_lowers_for_cuda_with_dropout_segments_and_a_soft_cap():
       text = step.trace(q, k, v, bias).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 3
   assert "output_operand_aliases" in text
+
+
+def test_the_tile_table_by_generation_head_dim_and_dtype():
+  assert flex.generation("NVIDIA H100 80GB HBM3") == "sm_90"
+  assert flex.generation("NVIDIA A100-SXM4-40GB") == "sm_80"
+  assert flex.generation("") == "sm_80"  # no GPU here: the Ampere row
+  h100 = flex.tiles_for(96, 2, "NVIDIA H100 80GB HBM3")  # H = 96 takes the 128 row
+  assert h100 == flex.TILES[("sm_90", 128, 2)]
+  assert flex.tiles_for(16, 4, "NVIDIA A100-SXM4-40GB") == flex.TILES[("sm_80", 64, 4)]
+  assert flex.tiles_for(512, 2, "NVIDIA H100") == flex.FALLBACK
+  for row in (*flex.TILES.values(), flex.FALLBACK):
+    for block in (row.block_q, row.block_kv):
+      assert block >= 16 and block & (block - 1) == 0, row  # what _check asks of callers
+    assert row.num_warps in (4, 8) and row.num_stages >= 1
+
+
+def test_the_tuning_script_times_the_table_and_each_candidate():
+  from experiments import tune_flex
+
+  rows = tune_flex.main(["--quick"])
+  assert [(r["block_q"], r["block_kv"]) for r in rows] == [(None, None), (16, 16)]
+  assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)

@@ -12,16 +12,16 @@ gradient, where asked for, through a (B, N, T, S) float32 buffer); rows with not
 attend to give zeros and an lse of -inf.
 
 On a GPU, ``implementation=None`` runs it for every call cuDNN does not express (it comes
-after cuDNN in the table). Not yet: gradients of the floating arrays a score function reads
-(learned parameters; refused when differentiated) and a per-GPU table of blocks, warps and
-stages. Sinks are added around it, as for every implementation that does not take them
-itself.
+after cuDNN in the table). Its tiles, warps and stages come from :data:`TILES`, by GPU
+generation, head dim and dtype (starting points until measured with
+``python -m experiments.tune_flex``). Not yet: gradients of the floating arrays a score
+function reads (learned parameters; refused when differentiated). Sinks are added around
+it, as for every implementation that does not take them itself.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,11 +34,59 @@ if TYPE_CHECKING:
   from jattn._spec import CallSpec
 
 BACKWARDS: tuple[str, ...] = ()  # its own fused backward kernels
-DEFAULT_BLOCKS = (64, 64)  # (block_q, block_kv): powers of two, as Triton's blocks are
 
 
-def resolve_blocks(block_q: int | None, block_kv: int | None) -> tuple[int, int]:
-  return (block_q or DEFAULT_BLOCKS[0], block_kv or DEFAULT_BLOCKS[1])
+class Tiles(NamedTuple):
+  """The kernels' launch settings: tiles (powers of two, as Triton's blocks are) and Triton's
+  warps per program and software-pipelining stages."""
+
+  block_q: int
+  block_kv: int
+  num_warps: int
+  num_stages: int
+
+
+# Keyed by (GPU generation, head dim rounded up to a power of two, bytes per input element).
+# The forward and both backward kernels share one tiling (they walk the same schedules).
+# Starting points, not measurements: 64 x 64 tiles keep the dK/dV kernel's two float32
+# accumulators and the recomputed tile within registers up to H = 128 on both generations
+# (FlashAttention-2's backward tiles), more warps for wider heads, one more pipelining stage
+# on Hopper's larger shared memory. `python -m experiments.tune_flex` times the candidates
+# on a GPU and prints the rows to put here.
+TILES: dict[tuple[str, int, int], Tiles] = {
+  ("sm_80", 64, 2): Tiles(64, 64, 4, 2),
+  ("sm_80", 128, 2): Tiles(64, 64, 8, 2),
+  ("sm_80", 256, 2): Tiles(32, 32, 8, 2),
+  ("sm_80", 64, 4): Tiles(64, 32, 4, 2),
+  ("sm_80", 128, 4): Tiles(32, 32, 8, 2),
+  ("sm_90", 64, 2): Tiles(64, 64, 4, 3),
+  ("sm_90", 128, 2): Tiles(64, 64, 8, 3),
+  ("sm_90", 256, 2): Tiles(32, 32, 8, 2),
+  ("sm_90", 64, 4): Tiles(64, 32, 4, 2),
+  ("sm_90", 128, 4): Tiles(32, 32, 8, 2),
+}
+FALLBACK = Tiles(32, 32, 4, 2)  # head dims past the table (and float64 in interpret mode)
+_HOPPER = ("H100", "H200", "H800", "H20", "GH200", "GB200", "B200")
+
+
+def generation(device_kind: str) -> str:
+  """``"sm_90"`` for Hopper and newer (by ``jax.Device.device_kind``), else ``"sm_80"``."""
+  return "sm_90" if any(name in device_kind for name in _HOPPER) else "sm_80"
+
+
+def tiles_for(head_dim: int, itemsize: int, device_kind: str | None = None) -> Tiles:
+  """The table's row for a call, on ``device_kind`` (default: the first GPU, if any)."""
+  if device_kind is None:
+    device_kind = _gpu_kind()
+  key = (generation(device_kind), max(64, _kernels.pow2(head_dim)), itemsize)
+  return TILES.get(key, FALLBACK)
+
+
+def _gpu_kind() -> str:
+  try:
+    return jax.devices("gpu")[0].device_kind
+  except RuntimeError:  # no GPU here (a CPU host lowering for CUDA, interpret mode)
+    return ""
 
 
 def _check(call: _base.Call) -> str | None:
@@ -50,9 +98,10 @@ def _check(call: _base.Call) -> str | None:
 
 
 def _prepare(spec: CallSpec, blocks: tuple[int | None, int | None], backend: str) -> CallSpec:
-  del backend  # one table of tiles for now (see the module docstring)
-  block_q, block_kv = resolve_blocks(*blocks)
-  return dataclasses.replace(spec, block_q=block_q, block_kv=block_kv)
+  # The caller's tiles stay (None where not named): the table is keyed by the inputs' dtype
+  # and the GPU's generation, which _run reads.
+  del blocks, backend
+  return spec
 
 
 def _run(
@@ -60,9 +109,11 @@ def _run(
 ) -> tuple[jax.Array, jax.Array]:
   B, T, N, _ = query.shape
   S = key.shape[1]
-  # Tiles no longer than the lengths rounded up to a power of two (Triton's blocks).
-  bq = min(spec.block_q or DEFAULT_BLOCKS[0], max(16, _kernels.pow2(T)))
-  bk = min(spec.block_kv or DEFAULT_BLOCKS[1], max(16, _kernels.pow2(S)))
+  row = tiles_for(spec.H, query.dtype.itemsize)
+  # The caller's tiles, else the table's, no longer than the lengths rounded up to a power
+  # of two (Triton's blocks).
+  bq = min(spec.block_q or row.block_q, max(16, _kernels.pow2(T)))
+  bk = min(spec.block_kv or row.block_kv, max(16, _kernels.pow2(S)))
   specs = _kernels.index_specs(bq, bk)
   mask = score = None
   if spec.mask is not None:
@@ -79,8 +130,8 @@ def _run(
     kv_len=S,
     block_q=bq,
     block_kv=bk,
-    num_warps=4 if spec.H <= 64 else 8,
-    num_stages=2,
+    num_warps=row.num_warps,
+    num_stages=row.num_stages,
     interpret=spec.interpret,
     dropout_rate=spec.dropout_rate,
     broadcast_dropout=spec.broadcast_dropout,
