@@ -44,7 +44,11 @@ def inputs() -> dict[str, np.ndarray]:
 def run(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path) -> None:
   # JAX reads these when it starts its backends: set them before importing it.
   os.environ["JAX_PLATFORMS"] = "cpu"
-  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"
+  # Other flags given (test_distributed.py passes conftest.py's) are kept.
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  flags = [f for f in flags if "host_platform_device_count" not in f]
+  flags.append(f"--xla_force_host_platform_device_count={LOCAL_DEVICES}")
+  os.environ["XLA_FLAGS"] = " ".join(flags)
   import jax
   import jax.numpy as jnp
   from jax.experimental import multihost_utils

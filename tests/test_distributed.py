@@ -48,7 +48,8 @@ def _start_workers(out: pathlib.Path) -> list[dict]:
   """Run the worker processes to the end (or kill them all at the deadline); their results."""
   port = _free_port()
   env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"
+  # XLA_FLAGS passes through: the workers compile as this process does (conftest.py's flags),
+  # each replacing the device count with its own LOCAL_DEVICES.
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
   procs, logs = [], []
   for i in range(PROCESSES):
