@@ -6,6 +6,8 @@ ones (jax.hessian); splash takes first-order gradients. A default call whose fus
 (splash on a TPU) cannot take a second derivative still takes it where it runs elsewhere.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,6 +49,23 @@ def _jit_hessian_vector(fn, q, t):
 XLA_AUTODIFF = dict(implementation="xla", backward="autodiff")
 
 
+# The references, autodiff of the materialised path, are computed once for the file: each
+# case below differentiates a fresh lambda, which jax.jit would compile again.
+@functools.cache
+def _reference_grad_of_grad():
+  return jax.jit(_grad_of_grad(_attention(**XLA_AUTODIFF)))(_q())
+
+
+@functools.cache
+def _reference_hessian_vector():
+  return _jit_hessian_vector(_attention(**XLA_AUTODIFF), _q(), _q(seed=1))
+
+
+@functools.cache
+def _reference_hessian():
+  return jax.jit(jax.hessian(lambda q: _attention(**XLA_AUTODIFF)(q).sum()))(_q((1, 3, 1, 2)))
+
+
 @pytest.mark.parametrize("backward", ["autodiff", "custom_vjp"])
 def test_xla_second_order_gradients_match_finite_differences_in_float64(backward):
   with jax.enable_x64():
@@ -62,7 +81,7 @@ def test_grad_of_grad_equals_autodiff_of_the_plain_path(kw):
   """The default call (splash in its TPU branch, xla here) and xla's custom_vjp differentiate
   twice to what autodiff of the materialised path gives."""
   q = _q()
-  want = _grad_of_grad(_attention(**XLA_AUTODIFF))(q)
+  want = _reference_grad_of_grad()
   np.testing.assert_allclose(_grad_of_grad(_attention(**kw))(q), want, rtol=1e-5, atol=1e-5)
   jitted = jax.jit(_grad_of_grad(_attention(**kw)))(q)
   np.testing.assert_allclose(jitted, want, rtol=1e-5, atol=1e-5)
@@ -84,15 +103,10 @@ def test_blockwise_forward_over_reverse_matches_autodiff(block):
   q, t = _q(), _q(seed=1)
   kw = dict(implementation="blockwise", block_q=block[0], block_kv=block[1])
   np.testing.assert_allclose(
-    _jit_hessian_vector(_attention(**kw), q, t),
-    _jit_hessian_vector(_attention(**XLA_AUTODIFF), q, t),
-    rtol=1e-5,
-    atol=1e-5,
+    _jit_hessian_vector(_attention(**kw), q, t), _reference_hessian_vector(), rtol=1e-5, atol=1e-5
   )
-  small = _q((1, 3, 1, 2))
-  hess = jax.jit(jax.hessian(lambda q: _attention(**kw)(q).sum()))(small)
-  want = jax.jit(jax.hessian(lambda q: _attention(**XLA_AUTODIFF)(q).sum()))(small)
-  np.testing.assert_allclose(hess, want, rtol=1e-5, atol=1e-5)
+  hess = jax.jit(jax.hessian(lambda q: _attention(**kw)(q).sum()))(_q((1, 3, 1, 2)))
+  np.testing.assert_allclose(hess, _reference_hessian(), rtol=1e-5, atol=1e-5)
 
 
 def _raises_naming(fn, *args, who, way_out="implementation='xla'"):
@@ -109,8 +123,9 @@ def test_blockwise_grad_of_grad_raises_naming_the_rule_and_the_way_out():
   for kw in (dict(), dict(implementation="blockwise")):
     _raises_naming(_grad_of_grad(_attention(**kw)), long, who="implementation='blockwise'")
     _raises_naming(jax.jit(_grad_of_grad(_attention(**kw))), long, who="'blockwise'")
-  # The way out named by the message works.
-  out = _grad_of_grad(_attention(implementation="xla"))(long)
+  # The way out named by the message works (one program: eagerly, every operation on the
+  # 2048 x 2048 scores compiles and runs alone).
+  out = jax.jit(_grad_of_grad(_attention(implementation="xla")))(long)
   assert np.isfinite(np.asarray(out)).all()
 
 
@@ -141,17 +156,19 @@ def test_a_default_call_lowered_for_tpu_refuses_a_second_derivative_there():
 
 
 def test_ring_attention_second_derivatives():
-  mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
-  q, t = _q((1, 16, 2, 4)), _q((1, 16, 2, 4), seed=1)
+  mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))  # shards of 4 rows
+  q, t = _q(), _q(seed=1)
   ring = lambda q: jattn.parallel.ring_attention(
     q, q * 0.5, jnp.cos(q), mesh=mesh, axis_name="sp", is_causal=True
   )
   np.testing.assert_allclose(
-    _jit_hessian_vector(ring, q, t),
-    _jit_hessian_vector(_attention(**XLA_AUTODIFF), q, t),
-    rtol=1e-5,
-    atol=1e-5,
+    _jit_hessian_vector(ring, q, t), _reference_hessian_vector(), rtol=1e-5, atol=1e-5
   )
+  # Under jit: eagerly, every operation of the forward and first backward would compile alone
+  # before the second backward raises.
   _raises_naming(
-    _grad_of_grad(ring), q, who="ring_attention(implementation='blockwise')", way_out="'xla'"
+    jax.jit(_grad_of_grad(ring)),
+    q,
+    who="ring_attention(implementation='blockwise')",
+    way_out="'xla'",
   )
