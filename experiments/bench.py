@@ -95,6 +95,7 @@ class Config(Section):
   min_calls: int = field(
     3, minimum=1, doc="fewest timed calls in a block (1 suits calls of seconds, T = 16384)"
   )
+  min_seconds: float = field(0.1, above=0, doc="each block of calls lasts about this long")
   max_materialised_bytes: int = field(
     2**30, minimum=0, doc="skip jax.nn and xla where their float32 scores exceed this"
   )
@@ -116,6 +117,7 @@ QUICK = dict(
   head_dims=[8],
   lengths=[32],
   reps=2,
+  min_seconds=0.001,  # blocks of min_calls: a smoke test times nothing it reports
   matmul_size=64,
   memory={"lengths": [64], "causal": [True], "methods": ["jax.nn", "blockwise"]},
 )
@@ -234,7 +236,7 @@ def time_grid(cfg: Config) -> tuple[list[dict], float | None]:
                 fns[f"{m} {causal}"] = torch_fn(causal, mode, q, k, v)
             elif not materialises_too_much(cfg, m, T):
               fns[f"{m} {causal}"] = (compiled(m, causal, mode), (q, k, v))
-          times = _timing.rounds_ms(fns, cfg.reps, min_calls=cfg.min_calls)
+          times = _timing.rounds_ms(fns, cfg.reps, cfg.min_seconds, cfg.min_calls)
           matmul_ms.extend(times["matmul"])
           for (causal, m), row in group.items():
             ms = times.get(f"{m} {causal}")

@@ -171,7 +171,8 @@ def main(argv=None) -> list[dict]:
     "--pass", dest="mode", choices=("fwd", "fwd_bwd"), default="fwd", help="what to time"
   )
   args = parser.parse_args(argv)
-  if args.quick:
+  min_seconds = 0.1  # each block of calls lasts about this long
+  if args.quick:  # blocks of 3 calls: a smoke test times nothing it reports
     args.length, args.heads, args.head_dim, args.block, args.matmul_size, args.reps = (
       48,
       2,
@@ -180,6 +181,7 @@ def main(argv=None) -> list[dict]:
       64,
       2,
     )
+    min_seconds = 0.001
   block = args.block or blockwise.default_blocks("cpu")[0]
   if args.length < 1 or block < 1:
     raise SystemExit(f"--length and --block must be positive, got {args.length} and {block}")
@@ -216,7 +218,7 @@ def main(argv=None) -> list[dict]:
   fns["matmul"] = (jax.jit(lambda a: a @ a), (a,))
   if bench.torch_or_none() is not None:
     fns["torch"] = bench.torch_fn(False, args.mode, q, k, v)
-  times = _timing.rounds_ms(fns, args.reps)
+  times = _timing.rounds_ms(fns, args.reps, min_seconds)
   work = 4.0 * args.batch * args.heads * args.length**2 * args.head_dim
   work *= 3.5 if args.mode == "fwd_bwd" else 1.0
   rate = lambda name: (2.0 * args.matmul_size**3 if name == "matmul" else work) / times[name]

@@ -81,7 +81,7 @@ def grads_fn(attend):
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-def run(lengths, causals, *, batch, heads, head_dim, block, rounds) -> list[dict]:
+def run(lengths, causals, *, batch, heads, head_dim, block, rounds, min_seconds=0.1) -> list[dict]:
   rows = []
   for T in lengths:
     keys = jax.random.split(jax.random.key(0), 3)
@@ -94,7 +94,7 @@ def run(lengths, causals, *, batch, heads, head_dim, block, rounds) -> list[dict
       }
       g_exact, g_flash = (fns[n][0](q, k, v) for n in ("exact", "flash"))
       diff = max(float(jnp.max(jnp.abs(a - c))) for a, c in zip(g_exact, g_flash))
-      times = _timing.rounds_ms(fns, rounds)
+      times = _timing.rounds_ms(fns, rounds, min_seconds)
       rows.append(
         dict(
           T=T,
@@ -120,8 +120,10 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--block", type=int, default=512)
   parser.add_argument("--rounds", type=int, default=5)
   args = parser.parse_args(argv)
-  if args.quick:
+  min_seconds = 0.1  # each block of calls lasts about this long
+  if args.quick:  # blocks of 3 calls: a smoke test times nothing it reports
     args.lengths, args.heads, args.head_dim, args.block, args.rounds = [64], 2, 8, 16, 2
+    min_seconds = 0.001
   rows = run(
     args.lengths,
     [c == "true" for c in args.causal],
@@ -130,6 +132,7 @@ def main(argv=None) -> list[dict]:
     head_dim=args.head_dim,
     block=args.block,
     rounds=args.rounds,
+    min_seconds=min_seconds,
   )
   print(
     f"B={args.batch} N={args.heads} H={args.head_dim} float32, {args.block}² tiles, fwd+bwd, "

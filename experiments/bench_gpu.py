@@ -208,8 +208,10 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--json", help="also write the rows here")
   args = p.parse_args(argv)
   backend, kind = jax.default_backend(), jax.devices()[0].device_kind
-  if args.quick:
+  min_seconds = 0.1  # each block of calls lasts about this long
+  if args.quick:  # blocks of 3 calls: a smoke test times nothing it reports
     args.lengths, args.heads, args.head_dim, args.reps, args.docs = [32], 2, 8, 2, 3
+    min_seconds = 0.001
     args.dtypes = args.dtypes if backend != "cpu" else ["float32"]
   B, N, H = args.batch, args.heads, args.head_dim
   methods_here = runnable(args.methods, backend, args.dtypes)
@@ -277,7 +279,7 @@ def main(argv=None) -> list[dict]:
               continue
             group[m][f"{mode}_scratch_mb"] = exe.memory_analysis().temp_size_in_bytes / 2**20
             fns[m] = (exe, fargs)
-          times = _timing.rounds_ms(fns, args.reps)
+          times = _timing.rounds_ms(fns, args.reps, min_seconds)
           work = 4.0 * N * H * pairs * (3.5 if mode == "fwd_bwd" else 1.0)
           best = jax_nn_best(backend) if jax_nn_best(backend) in times else "jax.nn"
           for m, ms in times.items():

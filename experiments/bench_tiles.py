@@ -76,8 +76,9 @@ def main(argv=None) -> list[dict]:
   args = parser.parse_args(argv)
   default = blockwise.default_blocks("cpu")
   tiles = args.tiles or [parse_tiles(t) for t in TILES]
-  if args.quick:
-    args.lengths, args.heads, args.head_dim, args.reps = [48], 2, 8, 2
+  min_seconds = 0.1  # each block of calls lasts about this long
+  if args.quick:  # blocks of 3 calls: a smoke test times nothing it reports
+    args.lengths, args.heads, args.head_dim, args.reps, min_seconds = [48], 2, 8, 2, 0.001
     default, tiles = (16, 16), [(16, 16), (16, 32), (32, 16)]
   if min(args.lengths) < 1:
     raise SystemExit(f"--lengths must be positive, got {args.lengths}")
@@ -96,7 +97,7 @@ def main(argv=None) -> list[dict]:
     for causal in (c == "true" for c in args.causal):
       for mode in args.modes:
         fns = {name(t): (attention_fn(causal, mode, *t), (q, k, v)) for t in distinct}
-        times = _timing.rounds_ms(fns, args.reps)
+        times = _timing.rounds_ms(fns, args.reps, min_seconds)
         cell = [
           dict(
             dtype=args.dtype,
