@@ -230,11 +230,19 @@ def _step(module, variables, x, num_new):
   return module.apply(variables, x, decode=True, num_new=num_new, mutable=["cache"])
 
 
+@functools.partial(jax.jit, static_argnums=(0, 2))
 def _empty_cache(module, params, max_length=7):
   """The cache the init pass (decode=True) allocates, run with given params (no jax.random).
-  A paged cache must come from there: its free_pages start True and its page_table -1."""
+  A paged cache must come from there: its free_pages start True and its page_table -1.
+  One program per module, shared by the tests below."""
   _, mutated = module.apply(params, jnp.zeros((B, max_length, F)), decode=True, mutable=["cache"])
   return mutated["cache"]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _masked_step(module, variables, x, mask):
+  """One decode call with a mask; a program per (module, chunk length)."""
+  return module.apply(variables, x, decode=True, mask=mask, mutable=["cache"])
 
 
 def _steps(module, params, cache, x, chunks=(4, 1, 1), num_new=None):
@@ -283,12 +291,8 @@ def test_a_mask_of_the_requested_max_length_fits_either_cache(chunks):
     params = random_params(module, x)
     cache, got, start = _empty_cache(module, params), [], 0
     for n in chunks:
-      y, mutated = module.apply(
-        {**params, "cache": cache},
-        x[:, start : start + n],
-        decode=True,
-        mask=mask[:, :, start : start + n],
-        mutable=["cache"],
+      y, mutated = _masked_step(
+        module, {**params, "cache": cache}, x[:, start : start + n], mask[:, :, start : start + n]
       )
       cache = mutated["cache"]
       got.append(y)
