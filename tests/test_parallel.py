@@ -62,32 +62,39 @@ def _ring(q, k, v, *, layout, mesh=RING, **kwargs):
   return parallel.unpermute(out, layout, size)
 
 
-def _check(q, k, v, allowed, *, layout, mesh=RING, ref_kwargs=None, **kwargs):
-  """Values, lse and gradients of the ring against the float64 formula.
+def _run(attend, q, k, v):
+  """Values and gradients of ``attend`` in one jitted program (eagerly, each would compile its
+  forward twice and every operation). A cotangent on the lse as well as the output: both
+  enter the backward rule."""
+  w_out, w_lse = normal(q.shape, np.float64, 7), normal(q.shape[:3], np.float64, 8)
 
-  The ring's values and gradients come from one jitted program, the formula's gradients from
-  another (eagerly, each would compile its forward twice and every reference operation)."""
+  def loss(q, k, v):
+    o, l = attend(q, k, v)
+    return jnp.sum(o * w_out) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0) * w_lse), (o, l)
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+  return out, grads
+
+
+def _reference(q, k, v, allowed, ref_kwargs=None):
+  """The float64 formula's values and lse, and autodiff of it through jnp (gradients)."""
   want, want_lse = attention_np(q, k, v, allowed=allowed, **ref_kwargs or {})
-  # A cotangent on the lse as well as the output: both enter the backward rule.
-  w_out, w_lse = normal(want.shape, np.float64, 7), normal(want_lse.shape, np.float64, 8)
+  _, want_grads = _run(lambda *a: attention_jnp(*a, allowed=allowed, **ref_kwargs or {}), q, k, v)
+  return want, want_lse, want_grads
 
-  def run(attend):
-    def loss(q, k, v):
-      o, l = attend(q, k, v)
-      return jnp.sum(o * w_out) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0) * w_lse), (o, l)
 
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
-    return out, grads
-
-  (out, lse), grads = run(
-    lambda *a: _ring(*a, layout=layout, mesh=mesh, return_residual=True, **kwargs)
+def _check(q, k, v, allowed, *, layout, mesh=RING, ref_kwargs=None, reference=None, **kwargs):
+  """Values, lse and gradients of the ring against the float64 formula (``reference``: what
+  ``_reference`` gives for these arguments, computed once for several cases)."""
+  want, want_lse, want_grads = reference or _reference(q, k, v, allowed, ref_kwargs)
+  (out, lse), grads = _run(
+    lambda *a: _ring(*a, layout=layout, mesh=mesh, return_residual=True, **kwargs), q, k, v
   )
   assert_close(out, want, np.float64)
   lse, want_lse = np.asarray(lse), np.asarray(want_lse)
   np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(want_lse))  # -inf: empty rows
   finite = np.isfinite(want_lse)
   assert_close(np.where(finite, lse, 0), np.where(finite, want_lse, 0), np.float64)
-  _, want_grads = run(lambda *a: attention_jnp(*a, allowed=allowed, **ref_kwargs or {}))
   for g, w in zip(grads, want_grads):
     assert_close(g, w, np.float64)
 
@@ -100,7 +107,16 @@ def test_ring_matches_formula(x64, layout, is_causal):
   # GQA (N=4 on K=2); tiles of 3 x 5 do not divide the 4-row shards.
   q, k, v = _inputs()
   allowed = causal_np(T, T) if is_causal else None
-  _check(q, k, v, allowed, layout=layout, is_causal=is_causal, block_q=3, block_kv=5)
+  reference = _causal_reference() if is_causal else None  # the layouts' one reference
+  _check(
+    q, k, v, allowed, layout=layout, is_causal=is_causal, block_q=3, block_kv=5, reference=reference
+  )
+
+
+@functools.cache
+def _causal_reference():
+  with jax.enable_x64(True):
+    return _reference(*_inputs(), causal_np(T, T))
 
 
 def test_ring_segment_ids_travel_with_their_shard(x64):
@@ -399,13 +415,15 @@ def test_dot_product_attention_on_batch_and_head_sharded_inputs(implementation):
 
 def test_ring_runs_splash_per_shard_pair():
   # Two devices, zig-zag, causal packed documents, MQA: every pair's mask is tabulated and
-  # runs splash (interpreted); values, lse and gradients as the unsharded xla path.
+  # runs splash (interpreted); values, lse and gradients as the unsharded xla path. One batch
+  # row: the program's compilation grows with the batch (splash runs per row, vmapped, and
+  # test_splash.py and test_sharded_kernels.py check that on several rows).
   mesh = _mesh((2,), ("sp",))
   rng = np.random.default_rng(0)
-  q = jnp.asarray(rng.normal(size=(2, 256, 2, 64)), jnp.float32)
-  k, v = (jnp.asarray(rng.normal(size=(2, 256, 1, 64)), jnp.float32) for _ in range(2))
-  ids = jnp.asarray(np.repeat([[0] * 100 + [1] * 156], 2, 0), jnp.int32)
-  w = jnp.asarray(rng.normal(size=(2, 256, 2, 64)), jnp.float32)
+  q = jnp.asarray(rng.normal(size=(1, 256, 2, 64)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(1, 256, 1, 64)), jnp.float32) for _ in range(2))
+  ids = jnp.asarray([[0] * 100 + [1] * 156], jnp.int32)
+  w = jnp.asarray(rng.normal(size=(1, 256, 2, 64)), jnp.float32)
 
   def loss(attend, q, k, v):
     out, lse = attend(q, k, v)
