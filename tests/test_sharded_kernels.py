@@ -13,6 +13,7 @@ Explicit mode, naming ring attention.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 
 import jax
@@ -67,13 +68,19 @@ def _loss_and_grads(implementation, q, k, v, ids, sinks, **kwargs):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
 
 
+@functools.cache
+def _unsharded_xla(k_heads):
+  """The unsharded xla path's values, lse and gradients: one reference for both modes."""
+  q, k, v, ids, sinks = _inputs(k_heads)
+  return _loss_and_grads("xla", q, k, v, ids, sinks, is_causal=True)(q, k, v, sinks)
+
+
 @pytest.mark.parametrize(
   "mode, k_heads", [("explicit", K), ("explicit", 1), ("auto", K), ("auto", 1)]
 )
 def test_splash_runs_each_devices_share(mode, k_heads):
   q, k, v, ids, sinks = _inputs(k_heads)
-  want_fn = _loss_and_grads("xla", q, k, v, ids, sinks, is_causal=True)
-  (_, (want, want_lse)), want_grads = want_fn(q, k, v, sinks)
+  (_, (want, want_lse)), want_grads = _unsharded_xla(k_heads)
   kv_spec = BTNH if k_heads > 1 else P("data", None, None, None)
   mesh = MESH if mode == "explicit" else AUTO
   with jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext():
@@ -83,7 +90,8 @@ def test_splash_runs_each_devices_share(mode, k_heads):
     sinks_s = jax.device_put(sinks, NamedSharding(mesh, P("model")))
     with testing.interpret_kernels():
       fn = _loss_and_grads("splash", qs, ks, vs, ids_s, sinks_s, is_causal=True)
-      hlo = fn.lower(qs, ks, vs, sinks_s).compile().as_text()
+      fn = fn.lower(qs, ks, vs, sinks_s).compile()  # compiled once, inspected and run
+      hlo = fn.as_text()
       (_, (out, lse)), grads = fn(qs, ks, vs, sinks_s)
   assert not [line for line in hlo.splitlines() if GATHER.search(line)]
   assert _sharded_as(out, mesh, BTNH) and _sharded_as(lse, mesh, P("data", None, "model"))
@@ -171,13 +179,16 @@ def test_the_shard_map_wrapper_keeps_any_kernels_values():
   def loss(q, k, v, bias, wrap):
     return jnp.sum(run(q, k, v, bias, wrap) ** 2)
 
-  want = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias, False)
+  # Jitted, wrapped or not (eagerly, every operation would compile and run alone).
+  run_fn = jax.jit(run, static_argnums=4)
+  grad_fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)), static_argnums=4)
+  want = grad_fn(q, k, v, bias, False)
   with jax.set_mesh(MESH):
     qs, ks, vs = (jax.device_put(x, NamedSharding(MESH, BTNH)) for x in (q, k, v))
     bs = jax.device_put(bias, NamedSharding(MESH, P(None, "model", None, None)))
-    out = jax.jit(run, static_argnums=4)(qs, ks, vs, bs, True)
-    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)), static_argnums=4)(qs, ks, vs, bs, True)
+    out = run_fn(qs, ks, vs, bs, True)
+    got = grad_fn(qs, ks, vs, bs, True)
   assert _sharded_as(out, MESH, BTNH)
-  np.testing.assert_allclose(out, run(q, k, v, bias, False), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(out, run_fn(q, k, v, bias, False), atol=1e-5, rtol=1e-5)
   for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
