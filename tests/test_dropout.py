@@ -39,16 +39,15 @@ def test_rate_zero_keeps_everything():
 
 def test_mask_is_a_function_of_indices_only():
   """A tile drawn on its own equals the same tile of the full grid."""
+  keep_mask = jax.jit(dropout.keep_mask, static_argnums=1)  # eagerly: every operation alone
   rng = jax.random.key(7)
-  full = dropout.keep_mask(rng, 0.3, *masks.index_grid(2, 3, 20, 24))
+  full = keep_mask(rng, 0.3, *masks.index_grid(2, 3, 20, 24))
   b, h = jnp.array(1).reshape(1, 1, 1, 1), jnp.array(2).reshape(1, 1, 1, 1)
   q = jnp.arange(8, 16).reshape(1, 1, -1, 1)
   kv = jnp.arange(4, 20).reshape(1, 1, 1, -1)
-  np.testing.assert_array_equal(
-    dropout.keep_mask(rng, 0.3, b, h, q, kv)[0, 0], full[1, 2, 8:16, 4:20]
-  )
+  np.testing.assert_array_equal(keep_mask(rng, 0.3, b, h, q, kv)[0, 0], full[1, 2, 8:16, 4:20])
   # The same rng as a typed key or a legacy PRNGKey draws the same mask.
-  legacy = dropout.keep_mask(jax.random.PRNGKey(7), 0.3, *masks.index_grid(2, 3, 20, 24))
+  legacy = keep_mask(jax.random.PRNGKey(7), 0.3, *masks.index_grid(2, 3, 20, 24))
   np.testing.assert_array_equal(legacy, full)
 
 
@@ -64,41 +63,51 @@ def _qkv(B=2, T=5, S=6, N=4, K=2, H=4):
   return normal((B, T, N, H)), normal((B, S, K, H), seed=1), normal((B, S, K, H), seed=2)
 
 
+@functools.cache
+def _reference_grads(rate, key, broadcast):
+  """Autodiff of the formula, causal, dropout with ``rate`` and ``jax.random.key(key)`` (its
+  (b=0, h=0) pattern for every batch row and head if ``broadcast``): one program, computed
+  once for the cases that share it."""
+  q, k, v = _qkv()
+  B, T, N, S = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
+  grid = masks.index_grid(1, 1, T, S) if broadcast else masks.index_grid(B, N, T, S)
+  keep = jnp.broadcast_to(dropout.keep_mask(jax.random.key(key), rate, *grid), (B, N, T, S))
+  causal = np.tril(np.ones((T, S), bool))
+  loss = lambda *a: jnp.sum(attention_jnp(*a, allowed=causal, keep=keep, rate=rate)[0] ** 2)
+  return jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
+
+
 @pytest.mark.parametrize("backward", ["autodiff", "custom_vjp"])
 def test_attention_dropout_matches_reference(backward):
   q, k, v = _qkv()
   rng, rate = jax.random.key(3), 0.25
   keep = dropout.keep_mask(rng, rate, *masks.index_grid(2, 4, 5, 6))
   causal = np.tril(np.ones((5, 6), bool))
-  out, lse = jattn.dot_product_attention(
-    q,
-    k,
-    v,
-    is_causal=True,
-    dropout_rate=rate,
-    dropout_rng=rng,
-    backward=backward,
-    return_residual=True,
-  )
+  out, lse = jax.jit(  # one program (eagerly, every operation would compile alone)
+    lambda *a: jattn.dot_product_attention(
+      *a,
+      is_causal=True,
+      dropout_rate=rate,
+      dropout_rng=rng,
+      backward=backward,
+      return_residual=True,
+    )
+  )(q, k, v)
   want, want_lse = attention_np(q, k, v, allowed=causal, keep=np.asarray(keep), rate=rate)
   assert_close(out, want)
   assert_close(lse, want_lse)  # dropout acts after the softmax: lse is unchanged
-  grads = jax.grad(
-    lambda *a: jnp.sum(
-      jattn.dot_product_attention(
-        *a, is_causal=True, dropout_rate=rate, dropout_rng=rng, backward=backward
-      )
-      ** 2
-    ),
-    (0, 1, 2),
-  )(q, k, v)
-  grads_ref = jax.jit(  # one program, not one per operation
+  grads = jax.jit(
     jax.grad(
-      lambda *a: jnp.sum(attention_jnp(*a, allowed=causal, keep=keep, rate=rate)[0] ** 2),
+      lambda *a: jnp.sum(
+        jattn.dot_product_attention(
+          *a, is_causal=True, dropout_rate=rate, dropout_rng=rng, backward=backward
+        )
+        ** 2
+      ),
       (0, 1, 2),
     )
   )(q, k, v)
-  for a, b in zip(grads, grads_ref):
+  for a, b in zip(grads, _reference_grads(rate, 3, broadcast=False)):
     assert_close(a, b, factor=5)
 
 
@@ -135,22 +144,17 @@ def test_broadcast_dropout_shares_one_pattern_across_batch_and_heads(rule):
   )
   causal = np.tril(np.ones((T, S), bool))
   want, _ = attention_np(q, k, v, allowed=causal, keep=keep, rate=rate)
-  assert_close(f(q, k, v), want)
-  grads = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), (0, 1, 2))(q, k, v)
-  grads_ref = jax.jit(  # one program, not one per operation
-    jax.grad(
-      lambda *a: jnp.sum(
-        attention_jnp(*a, allowed=causal, keep=jnp.asarray(keep), rate=rate)[0] ** 2
-      ),
-      (0, 1, 2),
-    )
-  )(q, k, v)
-  for a, b in zip(grads, grads_ref):
+  # Jitted (eagerly, every operation would compile and run alone).
+  assert_close(jax.jit(f)(q, k, v), want)
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) ** 2), (0, 1, 2)))(q, k, v)
+  for a, b in zip(grads, _reference_grads(rate, 7, broadcast=True)):
     assert_close(a, b, factor=5)
   # Without it, heads and rows draw their own patterns: the outputs differ.
-  independent = jattn.dot_product_attention(
-    q, k, v, is_causal=True, dropout_rate=rate, dropout_rng=rng, **RULES[rule]
-  )
+  independent = jax.jit(
+    lambda *a: jattn.dot_product_attention(
+      *a, is_causal=True, dropout_rate=rate, dropout_rng=rng, **RULES[rule]
+    )
+  )(q, k, v)
   assert not np.allclose(independent, want)
 
 
