@@ -47,9 +47,13 @@ CASES = {
   "window": dict(local_window_size=(20, 5)),
   "chunked_causal_mqa": dict(mask=masks.causal() & masks.chunked(48), K=1),
   "causal_offset_cross": dict(mask=masks.causal(offset=-9), s=100),  # rows < 9: nothing
-  "array_and_strided": dict(mask=masks.strided(3) | masks.from_array(np.eye(T, S, dtype=bool))),
+  # Masks splash tabulates, one table for every head: an array, strides, global tokens, |, &
+  # and ~ (once two cases; the same path, _splash_masks.splash_mask's table).
+  "tabulated": dict(
+    mask=(masks.strided(3) | masks.from_array(np.eye(T, S, dtype=bool)))
+    | (masks.global_tokens(4) & ~masks.causal(offset=-60))
+  ),
   "per_head_array": dict(mask=PER_HEAD),
-  "global_not": dict(mask=masks.global_tokens(4) & ~masks.causal(offset=-60)),
   # ids at both ends of int32, with padding and lengths: nothing may wrap into a real id
   "extreme_ids_and_lengths": dict(
     segment_ids=jnp.asarray(
