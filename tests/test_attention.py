@@ -101,23 +101,36 @@ def _bias(kind, B, N, T, S, dtype):
   return normal(shape, dtype, 7)
 
 
-def _loss_and_grads(fn, q, k, v, bias, kwargs):
-  """Output, log-sum-exp and gradients of a fixed random projection of the output.
+# jax.nn, then every rule of jattn.
+FNS = {
+  "jax.nn": jax.nn.dot_product_attention,
+  **{name: functools.partial(jattn.dot_product_attention, **rule) for name, rule in RULES.items()},
+}
 
-  One jitted computation per call: jax.nn run op by op compiles every small
-  op for every new shape, which is most of a test's time.
+
+def _loss_and_grads(q, k, v, bias, kwargs):
+  """Each of FNS's output, log-sum-exp and gradients of a fixed random projection of the
+  output, by name.
+
+  One jitted computation per call, for jax.nn and every rule: jax.nn run op by op compiles
+  every small op for every new shape, which was most of a test's time, and each function
+  in a program of its own paid a compile's fixed costs four times.
   """
   cot = normal(q.shape, jnp.float32, 3)
   argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
 
   @jax.jit
   def run(q, k, v, bias):
-    def loss(q, k, v, bias):
-      out, lse = fn(q, k, v, bias, return_residual=True, **kwargs)
-      return jnp.sum(out.astype(jnp.float32) * cot), (out, lse)
+    results = {}
+    for name, fn in FNS.items():
 
-    grads, (out, lse) = jax.grad(loss, argnums, has_aux=True)(q, k, v, bias)
-    return out, lse, grads
+      def loss(q, k, v, bias):
+        out, lse = fn(q, k, v, bias, return_residual=True, **kwargs)
+        return jnp.sum(out.astype(jnp.float32) * cot), (out, lse)
+
+      grads, (out, lse) = jax.grad(loss, argnums, has_aux=True)(q, k, v, bias)
+      results[name] = (out, lse, grads)
+    return results
 
   return run(q, k, v, bias)
 
@@ -142,11 +155,10 @@ def test_matches_jax_nn(case, dtype):
   q, k, v = _inputs(B, T, S, N, K, H, dtype)
   bias = _bias(bias_kind, B, N, T, S, dtype)
   kwargs = extra(B, T, S)
-  theirs = _loss_and_grads(jax.nn.dot_product_attention, q, k, v, bias, kwargs)
-  for backward, rule in RULES.items():
-    ours = _loss_and_grads(
-      functools.partial(jattn.dot_product_attention, **rule), q, k, v, bias, kwargs
-    )
+  results = _loss_and_grads(q, k, v, bias, kwargs)
+  theirs = results["jax.nn"]
+  for backward in RULES:
+    ours = results[backward]
     assert ours[0].dtype == dtype and ours[1].dtype == dtype
     assert_close(ours[0], theirs[0], dtype, err_msg=f"{backward}: output")
     # jax.nn gives rows with nothing to attend to a finite log-sum-exp; jattn says -inf.
@@ -205,13 +217,14 @@ def test_vmap_matches_loop(rule):
       q, k, v, segment_ids=(ids[:4], ids), is_causal=True, **RULES[rule]
     )
 
-  grad = jax.grad(lambda *a: one(*a).sum(), (0, 1, 2))
-  got = jax.jit(jax.vmap(one))(q, k, v, ids)
-  want = jnp.stack([jax.jit(one)(q[i], k[i], v[i], ids[i]) for i in range(3)])
-  assert_close(got, want)
-  g = jax.jit(jax.vmap(grad))(q, k, v, ids)
-  g_loop = [jax.jit(grad)(q[i], k[i], v[i], ids[i]) for i in range(3)]
-  for a, b in zip(g, zip(*g_loop)):
+  def value_and_grad(q, k, v, ids):  # the output and the gradients of its sum, one program
+    out, pull = jax.vjp(lambda q, k, v: one(q, k, v, ids), q, k, v)
+    return out, pull(jnp.ones_like(out))
+
+  got, g = jax.jit(jax.vmap(value_and_grad))(q, k, v, ids)
+  loop = [jax.jit(value_and_grad)(q[i], k[i], v[i], ids[i]) for i in range(3)]
+  assert_close(got, jnp.stack([out for out, _ in loop]))
+  for a, b in zip(g, zip(*[grads for _, grads in loop])):
     assert_close(a, jnp.stack(b))
 
 
@@ -264,7 +277,7 @@ def test_empty_dimensions_match_jax_nn(empty, rule):
   if empty == "H":  # every logit is 0 + bias: lse is the log-sum-exp of the causal biases
     allowed = np.tril(np.ones((T, S), bool))
     assert_close(lse, attention_np(q, k, v, bias=bias, allowed=allowed, scale=1.0)[1])
-  grads = jax.grad(lambda *a: jnp.sum(ours(*a)[1]), (0, 1, 2, 3))(q, k, v, bias)
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a)[1]), (0, 1, 2, 3)))(q, k, v, bias)
   assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, bias.shape]
   assert all(np.all(np.isfinite(g)) for g in grads)
 
@@ -406,6 +419,9 @@ def test_attention_weights_errors(kwargs, error, match):
     jattn.attention_weights(**args)
 
 
+_jax_nn = jax.jit(jax.nn.dot_product_attention)  # one program, not one per operation
+
+
 @pytest.mark.parametrize("rule", [*RULES, "default"])
 @pytest.mark.parametrize(
   "dtype, bias_dtype", [(jnp.float32, jnp.int32), (jnp.bfloat16, jnp.uint8)], ids=["i32", "u8"]
@@ -417,13 +433,13 @@ def test_integer_bias_is_promoted_as_jax_nn_promotes_it(rule, dtype, bias_dtype)
   bias = jnp.asarray(np.random.default_rng(3).integers(-3, 4, (2, 1, 5, 5)) % 7, bias_dtype)
   kw = RULES.get(rule, {})
   got = jattn.dot_product_attention(q, k, v, bias, **kw)
-  want = jax.nn.dot_product_attention(q, k, v, bias)
+  want = _jax_nn(q, k, v, bias)
   assert got.dtype == want.dtype
   np.testing.assert_array_equal(
     got, jattn.dot_product_attention(q, k, v, bias.astype(jnp.float32), **kw)
   )
   assert_close(got, want, dtype)
-  grad = lambda b: jax.grad(
-    lambda q: jattn.dot_product_attention(q, k, v, b, **kw).astype(jnp.float32).sum()
-  )(q)
-  np.testing.assert_array_equal(grad(bias), grad(bias.astype(jnp.float32)))
+  grad = jax.jit(  # one program per bias dtype
+    jax.grad(lambda q, b: jattn.dot_product_attention(q, k, v, b, **kw).astype(jnp.float32).sum())
+  )
+  np.testing.assert_array_equal(grad(q, bias), grad(q, bias.astype(jnp.float32)))
