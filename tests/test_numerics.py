@@ -173,7 +173,8 @@ def _huge_mask_jax_nn(value):
   bias = jnp.zeros((1, 1, 8, 8)).at[0, 0, 3].set(value)
   ct = normal((1, 8, 1, 4), seed=3)
   args = (q, k, v, bias)
-  return args, ct, _vjp(jax.nn.dot_product_attention, args, ct)
+  # One program (op by op, jax.nn compiles ~55)
+  return args, ct, jax.jit(lambda *a: _vjp(jax.nn.dot_product_attention, a, ct))(*args)
 
 
 @pytest.mark.parametrize("rule", list(RULES))
@@ -211,13 +212,35 @@ def test_huge_additive_mask_in_float64(rule, x64):
     np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
 
 
-def _low_precision_errors(fn, args, ct, dtype):
-  """For fn's output and input gradients at ``args`` rounded to ``dtype``: the max error
-  against fn evaluated in float32 on the same rounded inputs, and a tenth of a ``dtype`` ulp of
-  the largest exact value (the slack the accuracy target allows)."""
+def _rule_vjp(args, ct, rule, kw):
+  """``_vjp`` of jax.nn (rule "jax.nn") or of a rule of RULES, keyword arguments ``kw`` (a
+  tuple of items)."""
+  if rule == "jax.nn":
+    return _vjp(lambda *a: jax.nn.dot_product_attention(*a, **dict(kw)), args, ct)
+  return _vjp(lambda *a: jattn.dot_product_attention(*a, **dict(kw), **RULES[rule]), args, ct)
+
+
+# As one program, compiled once per rule, arguments, shapes and dtypes (and lowering_for's
+# platform, part of every jit cache key), not the forward and backward passes apart per call.
+_rule_vjp_jit = jax.jit(_rule_vjp, static_argnames=("rule", "kw"))
+
+
+def _saturated_vjp(args, ct, rule, kw):
+  """``_rule_vjp``, jitted but for jax.nn in float16: jitted, XLA:CPU rejects its float16 dot
+  with float32 accumulation ('F16_F16_F32'), which it runs op by op."""
+  if rule == "jax.nn" and args[0].dtype == jnp.float16:
+    return _rule_vjp(args, ct, rule, kw)
+  return _rule_vjp_jit(args, ct, rule, kw)
+
+
+def _low_precision_errors(rule, kw, args, ct, dtype):
+  """For the rule's output and input gradients at ``args`` rounded to ``dtype``: the max error
+  against the rule evaluated in float32 on the same rounded inputs, and a tenth of a ``dtype``
+  ulp of the largest exact value (the slack the accuracy target allows)."""
+  kw = tuple(sorted(kw.items()))
   low = [a.astype(dtype) for a in args]
-  exact = _vjp(fn, [a.astype(jnp.float32) for a in low], ct.astype(jnp.float32))
-  got = _vjp(fn, low, ct.astype(dtype))
+  exact = _saturated_vjp([a.astype(jnp.float32) for a in low], ct.astype(jnp.float32), rule, kw)
+  got = _saturated_vjp(low, ct.astype(dtype), rule, kw)
   errors, slack = [], []
   for g, w in zip((got[0], *got[1]), (exact[0], *exact[1])):
     errors.append(_max_err([g], [w]))
@@ -241,7 +264,7 @@ def _saturated_jax_nn(case, dtype_name):
   """jax.nn's errors and the slack in a saturated case (the same for every rule)."""
   dtype = jnp.dtype(dtype_name)
   args, ct, kw = _saturated_inputs(case, dtype)
-  return _low_precision_errors(lambda *a: jax.nn.dot_product_attention(*a, **kw), args, ct, dtype)
+  return _low_precision_errors("jax.nn", kw, args, ct, dtype)
 
 
 @pytest.mark.parametrize("rule", list(RULES))
@@ -272,9 +295,7 @@ def test_saturated_gradients_computed_narrow_as_on_a_gpu(case, dtype, rule):
 def _check_saturated(case, dtype, rule, gap_key=None):
   args, ct, kw = _saturated_inputs(case, dtype)
   ref, slack = _saturated_jax_nn(case, np.dtype(dtype).name)
-  got, _ = _low_precision_errors(
-    lambda *a: jattn.dot_product_attention(*a, **kw, **RULES[rule]), args, ct, dtype
-  )
+  got, _ = _low_precision_errors(rule, kw, args, ct, dtype)
   gap = SATURATION_GAPS.get((case, np.dtype(dtype).name, gap_key or rule), ())
   for name, g, r, tol in zip(("out", "dq", "dk", "dv"), got, ref, slack):
     if name in gap:
@@ -314,6 +335,9 @@ SATURATION_GAPS = {
 }
 
 
+_jax_nn = jax.jit(jax.nn.dot_product_attention)  # one program, not one per operation
+
+
 @pytest.mark.parametrize("rule", list(RULES))
 def test_bias_rows_are_continuous_down_to_float32_min(rule):
   """Every finite score takes part: a row biased by -1e38, -2.4e38 (below jax.nn's own masked
@@ -324,7 +348,7 @@ def test_bias_rows_are_continuous_down_to_float32_min(rule):
   for value in (-1e38, -2.4e38, float(np.finfo(np.float32).min)):
     bias = jnp.zeros((1, 1, 6, 6)).at[0, 0, 2].set(value)
     out, lse = jattn.dot_product_attention(q, k, v, bias, return_residual=True, **RULES[rule])
-    assert_close(out, jax.nn.dot_product_attention(q, k, v, bias))
+    assert_close(out, _jax_nn(q, k, v, bias))
     np.testing.assert_allclose(out[0, 2, 0], mean_v, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(lse[0, 2, 0], value + np.log(6), rtol=1e-6)
   bias = jnp.zeros((1, 1, 6, 6)).at[0, 0, 2].set(-jnp.inf)
