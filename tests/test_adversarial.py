@@ -528,6 +528,16 @@ def test_tokens_dropped_under_jit_return_zeros(problem):
 # --- derivatives of every order, every rule --------------------------------------------------
 
 
+@functools.partial(jax.jit, static_argnames=("rule", "order"))
+def _second_derivative(q, k, v, ct, rule, order):
+  """One jitted program (eagerly, each operation of each order compiles alone), shared by the
+  examples of a shape, rule and order (a closure per example compiled each anew)."""
+  loss = lambda q: jnp.sum(jattn.dot_product_attention(q, k, v, is_causal=True, **dict(rule)) * ct)
+  if order == "grad_of_grad":
+    return jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) ** 2))(q)
+  return jax.jvp(jax.grad(lambda q: loss(q) ** 2), (q,), (ct,))[1]
+
+
 @settings(max_examples=8, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(
   st.sampled_from(SHAPES),
@@ -542,11 +552,9 @@ def test_second_derivatives_match_autodiff_or_name_the_rule(shape, order, name, 
   q, k, v, ct = _arrays(np.random.default_rng(seed), shape, jnp.float32)
   rule = dict(implementation="splash") if name == "splash" else RULES[name]
 
-  def f(rule):  # one jitted program: eagerly, each operation of each order compiles alone
-    loss = lambda q: jnp.sum(jattn.dot_product_attention(q, k, v, is_causal=True, **rule) * ct)
-    if order == "grad_of_grad":
-      return jax.jit(jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) ** 2)))
-    return jax.jit(lambda q: jax.jvp(jax.grad(lambda q: loss(q) ** 2), (q,), (ct,))[1])
+  f = lambda rule: functools.partial(
+    _second_derivative, k=k, v=v, ct=ct, rule=tuple(sorted(rule.items())), order=order
+  )
 
   want = f(dict(implementation="xla", backward="autodiff"))(q)
   supported = {
