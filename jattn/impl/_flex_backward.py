@@ -42,8 +42,10 @@ from jattn.impl._flex_kernels import (
   pad_to,
   pow2,
   scalar_index,
+  schedule_specs,
   seed_or_zeros,
   split_refs,
+  whole_specs,
 )
 
 
@@ -229,7 +231,7 @@ def _backward(
     for x, c in ((lse.astype(f), -jnp.inf), (delta.astype(f), 0.0))
   ]
   arrays = [*mask_arrays, *score_arrays]
-  whole = [pl.BlockSpec(a.shape, functools.partial(_origin, a.ndim)) for a in arrays]
+  whole = whole_specs(arrays)
   counts = (len(mask_arrays), len(score_arrays), bias is not None)
   row_bias: list[Any] = []
   col_bias: list[Any] = []
@@ -248,14 +250,6 @@ def _backward(
     if wants_d_bias:
       ds_out = [jnp.zeros((B, N, Tp, Sp), f)]
   params = plgpu.CompilerParams(num_warps=settings.num_warps, num_stages=settings.num_stages)
-
-  def schedule_specs(sched: _tiling.Schedule) -> list[pl.BlockSpec]:
-    return [
-      pl.BlockSpec(sched.order.shape, lambda *_: (0, 0)),
-      pl.BlockSpec(sched.num_full.shape, lambda *_: (0,)),
-      pl.BlockSpec(sched.num_partial.shape, lambda *_: (0,)),
-      pl.BlockSpec((2,), lambda *_: (0,)),
-    ]
 
   ds_spec = pl.BlockSpec((None, None, bq, Sp), lambda i, b, n: (b, n, i, 0))
   n_in = 10 + len(arrays) + len(row_bias)  # the zeroed dS buffer's place among the inputs
@@ -475,7 +469,3 @@ def _dkv_kernel(
     dk, dv = jax.lax.fori_loop(n_full, n_full + n_partial, lambda t, c: body(t, c, True), carry)
   dk_ref[...] = dk * settings.scale
   dv_ref[...] = dv
-
-
-def _origin(ndim: int, *_: Any) -> tuple[int, ...]:
-  return (0,) * ndim

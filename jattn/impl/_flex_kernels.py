@@ -109,16 +109,10 @@ def forward(
     counts=(len(mask.arrays) if mask else 0, len(score.arrays) if score else 0, bias is not None),
     jaxprs=(mask.jaxpr if mask else None, score.jaxpr if score else None),
   )
-  whole = [pl.BlockSpec(a.shape, functools.partial(_origin, a.ndim)) for a in arrays]
+  whole = whole_specs(arrays)
   if bias is not None:
     arrays.append(pad_bias(bias, nq * bq, nk * bk))
     whole.append(bias_row_spec(arrays[-1].shape, bq))
-  schedule_specs = [
-    pl.BlockSpec(rows.order.shape, lambda i, b, n: (0, 0)),
-    pl.BlockSpec(rows.num_full.shape, lambda i, b, n: (0,)),
-    pl.BlockSpec(rows.num_partial.shape, lambda i, b, n: (0,)),
-    pl.BlockSpec((2,), lambda i, b, n: (0,)),
-  ]
   seed = seed_or_zeros(seed)
   G = N // K
   out, lse = pl.pallas_call(
@@ -128,7 +122,7 @@ def forward(
       pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),
       pl.BlockSpec((None, nk * bk, None, Hp), lambda i, b, n: (b, 0, n // G, 0)),
       pl.BlockSpec((None, nk * bk, None, Hvp), lambda i, b, n: (b, 0, n // G, 0)),
-      *schedule_specs,
+      *schedule_specs(rows),
       *whole,
     ],
     out_specs=[
@@ -322,6 +316,22 @@ def _forward_kernel(
 
 def _origin(ndim: int, *_: Any) -> tuple[int, ...]:
   return (0,) * ndim
+
+
+def whole_specs(arrays: Sequence[jax.Array]) -> list[pl.BlockSpec]:
+  """Each array whole in every program (the arrays masks and score functions read)."""
+  return [pl.BlockSpec(a.shape, functools.partial(_origin, a.ndim)) for a in arrays]
+
+
+def schedule_specs(schedule: _tiling.Schedule) -> list[pl.BlockSpec]:
+  """A tile schedule's three arrays and the dropout seed's two words, whole in every
+  program (the kernels' inputs after the tiles they walk)."""
+  return [
+    pl.BlockSpec(schedule.order.shape, lambda *_: (0, 0)),
+    pl.BlockSpec(schedule.num_full.shape, lambda *_: (0,)),
+    pl.BlockSpec(schedule.num_partial.shape, lambda *_: (0,)),
+    pl.BlockSpec((2,), lambda *_: (0,)),
+  ]
 
 
 def seed_or_zeros(seed: jax.Array | None) -> jax.Array:
