@@ -148,20 +148,19 @@ def test_check_grads_float64(x64):
   )
 
 
-@pytest.mark.parametrize("shape", [(B, N, T, S), (B, 1, 1, S), (T, 1)], ids=str)
-def test_bias_of_each_broadcast_shape_and_its_gradient_match_xla(shape):
-  """Per batch row and head, a key-padding row (B, 1, 1, S), a per-query column: the bias is
-  read tile by tile, and its gradient is dS summed over the axes it broadcasts along."""
-  q, k, v = _inputs(2)
-  bias = jnp.asarray(np.random.default_rng(5).normal(size=shape), jnp.float32)
-  mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
+def _public_flex_matches_xla(q, k, v, bias=None, **kw):
+  """The public call with ``return_residual``: the loss of its output and lse, and the
+  gradients of q, k, v (and the bias, given), of flex (interpreted) equal xla's."""
 
   def run(impl):
-    attend = lambda q, k, v, bias: jattn.dot_product_attention(
-      q, k, v, bias=bias, mask=mask, implementation=impl, return_residual=True
-    )
-    loss = lambda q, k, v, bias: _loss(lambda *a: attend(*a, bias), q, k, v)
-    return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))(q, k, v, bias)
+    def loss(q, k, v, bias):
+      attend = lambda *a: jattn.dot_product_attention(
+        *a, bias=bias, implementation=impl, return_residual=True, **kw
+      )
+      return _loss(attend, q, k, v)
+
+    argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+    return jax.jit(jax.value_and_grad(loss, argnums))(q, k, v, bias)
 
   with jattn.testing.interpret_kernels():
     loss, grads = run("flex")
@@ -170,6 +169,16 @@ def test_bias_of_each_broadcast_shape_and_its_gradient_match_xla(shape):
   for name, g, w in zip(("dq", "dk", "dv", "dbias"), grads, want_grads):
     assert g.shape == w.shape, name
     np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("shape", [(B, N, T, S), (B, 1, 1, S), (T, 1)], ids=str)
+def test_bias_of_each_broadcast_shape_and_its_gradient_match_xla(shape):
+  """Per batch row and head, a key-padding row (B, 1, 1, S), a per-query column: the bias is
+  read tile by tile, and its gradient is dS summed over the axes it broadcasts along."""
+  q, k, v = _inputs(2)
+  bias = jnp.asarray(np.random.default_rng(5).normal(size=shape), jnp.float32)
+  mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
+  _public_flex_matches_xla(q, k, v, bias, mask=mask)
 
 
 def _dq_outputs(fn, *args):
@@ -217,24 +226,15 @@ def test_dot_product_attention_runs_flex_by_name():
   """Segment ids, causal, a soft cap, sinks and return_residual, GQA: the values, the lse and
   the gradients (the lse's included) of implementation='flex' equal xla's."""
   q, k, v = _inputs(2)
-  kw = dict(
+  _public_flex_matches_xla(
+    q,
+    k,
+    v,
     is_causal=True,
     segment_ids=jnp.asarray(IDS),
     logits_soft_cap=2.0,
     sinks=jnp.asarray([0.5, -1.0, 0.0, 2.0]),
-    return_residual=True,
   )
-
-  def run(impl):
-    attend = lambda *a: jattn.dot_product_attention(*a, implementation=impl, **kw)
-    return jax.jit(jax.value_and_grad(lambda *a: _loss(attend, *a), (0, 1, 2)))(q, k, v)
-
-  with jattn.testing.interpret_kernels():
-    loss, grads = run("flex")
-  want_loss, want_grads = run("xla")
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-  for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
-    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
   choice = jattn.explain(q, k, v, implementation="flex", backend="gpu", is_causal=True)
   assert (choice.implementation, choice.backward) == ("flex", None)
 
@@ -258,24 +258,15 @@ def test_dropout_is_the_pattern_every_implementation_draws(broadcast):
   """The same rng drops the same weights as xla's, forward and backward (dropout's pattern is
   a function of (rng, batch, head, q, kv)), per (batch, head) or shared."""
   q, k, v = _inputs(2)
-  kw = dict(
+  _public_flex_matches_xla(
+    q,
+    k,
+    v,
     is_causal=True,
     dropout_rate=0.3,
     dropout_rng=jax.random.key(7),
     broadcast_dropout=broadcast,
-    return_residual=True,
   )
-
-  def run(impl):
-    attend = lambda *a: jattn.dot_product_attention(*a, implementation=impl, **kw)
-    return jax.jit(jax.value_and_grad(lambda *a: _loss(attend, *a), (0, 1, 2)))(q, k, v)
-
-  with jattn.testing.interpret_kernels():
-    loss, grads = run("flex")
-  want_loss, want_grads = run("xla")
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-  for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
-    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
 
 
 def test_flex_needs_a_gpu_or_interpret_mode():
