@@ -34,7 +34,7 @@ from jattn.impl import _common, _select, _sharded
 
 @functools.partial(
   jax.tree_util.register_dataclass,
-  data_fields=["bias", "mask", "score_fn", "dropout_rng", "sinks", "routes"],
+  data_fields=["bias", "mask", "score_fn", "dropout_rng", "sinks", "routes", "shard_offsets"],
   meta_fields=[
     "B",
     "T",
@@ -95,6 +95,10 @@ class CallSpec:
   # instead (implementation=None's fused kernels: splash for "tpu", cuDNN for "cuda").
   route_platforms: tuple[str, ...] = ()
   routes: tuple[Any, ...] = ()  # CallSpecs, one per route platform
+  # Inside a kernel's per-device call, for kernels whose mask and score function see global
+  # indices (_sharded.per_shard(global_index=True)): (2,) int32, the global index of the
+  # device's first batch row and query head. None everywhere else.
+  shard_offsets: Any = None
 
   @property
   def bnts(self) -> tuple[int, int, int, int]:

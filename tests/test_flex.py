@@ -181,6 +181,29 @@ def test_bias_of_each_broadcast_shape_and_its_gradient_match_xla(shape):
   _public_flex_matches_xla(q, k, v, bias, mask=mask)
 
 
+def test_empty_rows_take_no_gradient_from_their_lse_cotangent():
+  """A loss of sin(lse) sends NaN (cos(-inf)) down an empty row's lse: the rows have no
+  gradient, as xla's, and the NaN reaches none of q, k, v or the bias."""
+  q, k, v = _inputs(2)
+  bias = jnp.asarray(np.random.default_rng(6).normal(size=(B, N, T, S)), jnp.float32)
+  mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
+
+  def run(impl):
+    def loss(q, k, v, bias):
+      out, lse = jattn.dot_product_attention(
+        q, k, v, bias, mask=mask, implementation=impl, return_residual=True
+      )
+      return jnp.sum(out**2) + jnp.sum(jnp.sin(lse))
+
+    return jax.jit(jax.grad(loss, (0, 1, 2, 3)))(q, k, v, bias)
+
+  with jattn.testing.interpret_kernels():
+    grads = run("flex")
+  for name, g, w in zip(("dq", "dk", "dv", "dbias"), grads, run("xla")):
+    assert np.isfinite(w).all(), name
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
+
+
 def _dq_outputs(fn, *args):
   """How many outputs the dQ kernel's pallas_call has in ``fn``'s program."""
   found = []

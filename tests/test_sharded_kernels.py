@@ -7,7 +7,8 @@ each device's share, its values, log-sum-exp and gradients equal the unsharded x
 outputs and gradients keep the inputs' sharding, and the compiled program moves no q/k/v
 between devices. Lowered for TPU from this CPU, the program holds the kernel (Explicit) or
 its partitioning rule (Auto). A sharded sequence axis is refused by the fused kernels in
-Explicit mode, naming ring attention.
+Explicit mode, naming ring attention. Flex (interpreted) runs each device's share with the
+mask, score function and dropout on global indices, a bias split with the scores.
 """
 
 from __future__ import annotations
@@ -192,3 +193,71 @@ def test_the_shard_map_wrapper_keeps_any_kernels_values():
   np.testing.assert_allclose(out, run_fn(q, k, v, bias, False), atol=1e-5, rtol=1e-5)
   for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+# flex (in Pallas interpret mode) on sharded inputs: a mask and a score function that read
+# the batch and head index, segment ids, a bias sharded like the scores and dropout, all of
+# which must come out as on one device, so each device's kernels see global indices.
+FB, FT, FN, FH = 4, 32, 4, 16
+
+
+def _flex_call(implementation, ids, bias_spec=None):
+  mask = masks.from_fn(lambda b, h, q, kv: (q + kv + b + 2 * h) % 5 != 0) & masks.causal()
+  slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
+
+  def loss(q, k, v, bias):
+    out, lse = jattn.dot_product_attention(
+      q,
+      k,
+      v,
+      bias,
+      mask=mask,
+      segment_ids=ids,
+      score_fn=jattn.scores.alibi(slopes),
+      dropout_rate=0.25,
+      dropout_rng=jax.random.key(3),
+      return_residual=True,
+      implementation=implementation,
+      block_q=16 if implementation == "flex" else None,
+      block_kv=16 if implementation == "flex" else None,
+    )
+    return jnp.sum(out**2) + jnp.sum(jnp.sin(lse)), (out, lse)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+
+
+def _flex_inputs(k_heads):
+  rng = np.random.default_rng(7)
+  q = jnp.asarray(rng.normal(size=(FB, FT, FN, FH)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(FB, FT, k_heads, FH)), jnp.float32) for _ in "kv")
+  bias = jnp.asarray(rng.normal(size=(FB, FN, FT, FT)), jnp.float32)
+  ids = jnp.asarray(np.sort(rng.integers(0, 3, (FB, FT)), axis=1), jnp.int32)
+  return q, k, v, bias, ids
+
+
+@pytest.mark.parametrize("mode, k_heads", [("explicit", 2), ("auto", 1)])
+def test_flex_runs_each_devices_share_on_global_indices(mode, k_heads):
+  q, k, v, bias, ids = _flex_inputs(k_heads)
+  (_, (want, want_lse)), want_grads = _flex_call("xla", ids)(q, k, v, bias)
+  kv_spec = BTNH if k_heads > 1 else P("data", None, None, None)
+  mesh = MESH if mode == "explicit" else AUTO
+  with jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext():
+    qs = jax.device_put(q, NamedSharding(mesh, BTNH))
+    ks, vs = (jax.device_put(x, NamedSharding(mesh, kv_spec)) for x in (k, v))
+    bs = jax.device_put(bias, NamedSharding(mesh, P("data", "model")))
+    ids_s = jax.device_put(ids, NamedSharding(mesh, P("data", None)))
+    with testing.interpret_kernels():
+      fn = _flex_call("flex", ids_s).lower(qs, ks, vs, bs).compile()
+      hlo = fn.as_text()
+      (_, (out, lse)), grads = fn(qs, ks, vs, bs)
+  # Only the segment ids (read by global batch index) are gathered, never q, k, v or bias.
+  shapes = {f"f32[{','.join(map(str, x.shape))}]" for x in (q, k, v, bias)}
+  gathers = [line for line in hlo.splitlines() if GATHER.search(line)]
+  assert not [line for line in gathers if any(s in line for s in shapes)], gathers
+  assert _sharded_as(out, mesh, BTNH) and _sharded_as(lse, mesh, P("data", None, "model"))
+  np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=2e-5)
+  assert _sharded_as(grads[0], mesh, BTNH) and _sharded_as(grads[1], mesh, kv_spec)
+  assert _sharded_as(grads[3], mesh, P("data", "model"))
+  for got, w in zip(grads, want_grads):
+    np.testing.assert_allclose(got, w, atol=1e-4, rtol=1e-4)

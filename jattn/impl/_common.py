@@ -327,3 +327,23 @@ def finish(
     out, lse = add_sinks(out, lse, spec.sinks, stats_dtype(dtype))
     out = out.astype(dtype)  # xla and blockwise kept it in float32/64 for this
   return out, (lse.astype(dtype) if spec.return_residual else None)
+
+
+# --- custom_vjps with symbolic zeros (defvjp(..., symbolic_zeros=True)) --------------------
+
+
+def is_primal(x: Any) -> bool:
+  """Whether ``x`` is a forward rule's wrapped input (its ``.value`` and ``.perturbed``)."""
+  return isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
+
+
+def primal_values(tree: Any) -> Any:
+  """``tree`` with each wrapped input of a forward rule replaced by its value."""
+  return jax.tree.map(lambda x: x.value, tree, is_leaf=is_primal)
+
+
+def materialized(cotangent: Any) -> jax.Array:
+  """A backward rule's cotangent, zeros where it came as a symbolic zero."""
+  if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):
+    return jnp.zeros(cotangent.shape, cotangent.dtype)
+  return cotangent

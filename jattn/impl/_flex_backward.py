@@ -38,12 +38,12 @@ from jattn.impl._flex_kernels import (
   bias_row_spec,
   bias_tile,
   forward,
+  global_index,
+  kernel_scalars,
   pad_bias,
   pad_to,
   pow2,
-  scalar_index,
   schedule_specs,
-  seed_or_zeros,
   split_refs,
   whole_specs,
 )
@@ -60,19 +60,22 @@ def attention(
   settings: Settings,
   seed: jax.Array | None = None,
   bias: jax.Array | None = None,
+  offsets: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """:func:`jattn.impl._flex_kernels.forward`, differentiable in query, key, value and bias.
 
   ``cols`` is the schedule of the transposed tile classes (per key/value tile, its query
-  tiles). The arrays the mask and score function read take no gradient: integer ones have
-  none, and floating ones (learned score parameters) are refused when differentiated.
+  tiles); ``seed`` the dropout's two words; ``offsets`` the global index of the shard's
+  first batch row and head (:func:`jattn.impl._flex_kernels.kernel_scalars`). The arrays
+  the mask and score function read take no gradient: integer ones have none, and floating
+  ones (learned score parameters) are refused when differentiated.
   """
   arrays = (
     rows,
     cols,
     mask.arrays if mask else (),
     score.arrays if score else (),
-    seed_or_zeros(seed),
+    kernel_scalars(seed, offsets),
   )
   jaxprs = (mask.jaxpr if mask else None, score.jaxpr if score else None)
   return _attention(jaxprs, settings, query, key, value, bias, arrays)
@@ -91,7 +94,7 @@ def _attention(
   bias: jax.Array | None,
   arrays: tuple[Any, ...],
 ) -> tuple[jax.Array, jax.Array]:
-  rows, _, mask_arrays, score_arrays, seed = arrays
+  rows, _, mask_arrays, score_arrays, scalars = arrays
   return forward(
     query,
     key,
@@ -100,7 +103,7 @@ def _attention(
     None if jaxprs[0] is None else Function(jaxprs[0], mask_arrays),
     None if jaxprs[1] is None else Function(jaxprs[1], score_arrays),
     settings,
-    seed,
+    scalars,
     bias,
   )
 
@@ -123,31 +126,18 @@ def _attention_fwd(
       f"reads (learned parameters: {len(learned)} here) yet; use implementation='blockwise'"
     )
   wants_d_bias = bias is not None and bias.perturbed
-  query, key, value, bias, arrays = jax.tree.map(
-    lambda x: x.value, (query, key, value, bias, arrays), is_leaf=_is_primal
-  )
+  query, key, value, bias, arrays = _common.primal_values((query, key, value, bias, arrays))
   out, lse = _attention(jaxprs, settings, query, key, value, bias, arrays)
   return (out, lse), (query, key, value, bias, arrays, out, lse, () if wants_d_bias else None)
-
-
-def _is_primal(x: Any) -> bool:
-  return isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
 
 
 def _attention_bwd(
   jaxprs: tuple[Any, Any], settings: Settings, residuals: tuple[Any, ...], cotangents: Any
 ) -> tuple[Any, ...]:
   grads = functools.partial(_grads, jaxprs, settings)
-  out, lse = residuals[5:7]
-  cotangents = tuple(_materialized(c, x) for c, x in zip(cotangents, (out, lse)))
+  cotangents = tuple(_common.materialized(c) for c in cotangents)
   # A second derivative would differentiate the kernels: refused in jattn's words.
   return _orders.first_order(grads, _WHO, _orders.FUSED, forward=False)(residuals, cotangents)
-
-
-def _materialized(cotangent: Any, like: jax.Array) -> jax.Array:
-  if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):
-    return jnp.zeros(like.shape, like.dtype)
-  return cotangent
 
 
 def _grads(
@@ -155,10 +145,13 @@ def _grads(
 ) -> tuple[Any, ...]:
   query, key, value, bias, arrays, out, lse, wants_d_bias = residuals
   d_out, d_lse = cotangents
-  rows, cols, mask_arrays, score_arrays, seed = arrays
+  rows, cols, mask_arrays, score_arrays, scalars = arrays
   # The lse's cotangent enters the scores' as Δ does: dS = P ⊙ (dP − Δ + d_lse).
   f = _common.stats_dtype(query.dtype)
-  delta = jnp.einsum("BTNV,BTNV->BTN", out.astype(f), d_out.astype(f)) - d_lse.astype(f)
+  # Rows with nothing to attend to (lse -inf) have P = 0 and no gradient, whatever their
+  # lse's cotangent (cos(-inf) is NaN): it must not reach 0 · (dP − Δ).
+  d_lse = jnp.where(jnp.isneginf(lse), 0, d_lse.astype(f))
+  delta = jnp.einsum("BTNV,BTNV->BTN", out.astype(f), d_out.astype(f)) - d_lse
   dq, dk, dv, ds = _backward(
     query,
     key,
@@ -168,7 +161,7 @@ def _grads(
     delta,
     rows,
     cols,
-    seed,
+    scalars,
     mask_arrays,
     score_arrays,
     jaxprs,
@@ -206,7 +199,7 @@ def _backward(
   delta: jax.Array,
   rows: _tiling.Schedule,
   cols: _tiling.Schedule,
-  seed: jax.Array,
+  scalars: jax.Array,
   mask_arrays: tuple[jax.Array, ...],
   score_arrays: tuple[jax.Array, ...],
   jaxprs: tuple[Any, Any],
@@ -289,7 +282,7 @@ def _backward(
     rows.order,
     rows.num_full,
     rows.num_partial,
-    seed,
+    scalars,
     *arrays,
     *([padded] if bias is not None else []),
     *ds_out,
@@ -329,7 +322,7 @@ def _backward(
     cols.order,
     cols.num_full,
     cols.num_partial,
-    seed,
+    scalars,
     *arrays,
     *([padded] if bias is not None else []),
   )
@@ -379,7 +372,7 @@ def _dq_kernel(
   order_ref: Any,
   num_full_ref: Any,
   num_partial_ref: Any,
-  seed_ref: Any,
+  scalars_ref: Any,
   *refs: Any,
   settings: Settings,
   counts: tuple[int, int, bool],
@@ -390,12 +383,12 @@ def _dq_kernel(
   dq_ref, ds_ref = rest[-1], None
   if len(rest) == 3:
     _, dq_ref, ds_ref = rest
-  scorer = Scorer(settings, jaxprs, mask_refs, score_refs, seed_ref)
+  scorer = Scorer(settings, jaxprs, mask_refs, score_refs, scalars_ref)
   bq, bk = settings.block_q, settings.block_kv
   i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
   q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)
-  batch, head = scalar_index(b), scalar_index(n)
+  batch, head = global_index(scalars_ref, b, n)
 
   def body(t: jax.Array, dq: jax.Array, masked: bool) -> jax.Array:
     j = order_ref[i, t]
@@ -427,7 +420,7 @@ def _dkv_kernel(
   order_ref: Any,
   num_full_ref: Any,
   num_partial_ref: Any,
-  seed_ref: Any,
+  scalars_ref: Any,
   *refs: Any,
   settings: Settings,
   counts: tuple[int, int, bool],
@@ -435,17 +428,16 @@ def _dkv_kernel(
   group: int,
 ) -> None:
   mask_refs, score_refs, bias_ref, (dk_ref, dv_ref) = split_refs(refs, counts)
-  scorer = Scorer(settings, jaxprs, mask_refs, score_refs, seed_ref)
+  scorer = Scorer(settings, jaxprs, mask_refs, score_refs, scalars_ref)
   bq, bk = settings.block_q, settings.block_kv
   j, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   k, v = k_ref[...], v_ref[...]
   kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)
-  batch = scalar_index(b)
   n_full, n_partial = num_full_ref[j], num_partial_ref[j]
   dk = jnp.zeros(dk_ref.shape, dk_ref.dtype)
   dv = jnp.zeros(dv_ref.shape, dv_ref.dtype)
   for g in range(group):  # the G query heads of key/value head h
-    head = scalar_index(h * group + g)
+    batch, head = global_index(scalars_ref, b, h * group + g)
 
     def body(t: jax.Array, carry: tuple[Any, Any], masked: bool, g: int = g) -> Any:
       dk, dv = carry

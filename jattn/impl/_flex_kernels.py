@@ -81,7 +81,7 @@ def forward(
   mask: Function | None,
   score: Function | None,
   settings: Settings,
-  seed: jax.Array | None = None,
+  scalars: jax.Array | None = None,
   bias: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """``(out (B, T, N, Hv) in the query's dtype, lse (B, T, N) float32, or float64)``.
@@ -89,8 +89,8 @@ def forward(
   query (B, T, N, H); key (B, S, K, H); value (B, S, K, Hv); ``rows`` the schedule of the
   (ceil(T / block_q), ceil(S / block_kv)) tiles; ``mask`` and ``score`` traced at
   :func:`index_specs` (the score function with a (1, 1, block_q, block_kv) float32 score
-  first); ``seed`` the dropout's two uint32 words (:func:`jattn.dropout.seed_words`),
-  needed when ``settings.dropout_rate`` > 0; ``bias`` (Bb, Nb, Tb, Sb), each axis 1 or
+  first); ``scalars`` the dropout seed and the shard's offsets (:func:`kernel_scalars`,
+  the seed needed when ``settings.dropout_rate`` > 0); ``bias`` (Bb, Nb, Tb, Sb), each axis 1 or
   the call's, added to the scaled scores before the score function.
   """
   B, T, N, H = query.shape
@@ -113,7 +113,8 @@ def forward(
   if bias is not None:
     arrays.append(pad_bias(bias, nq * bq, nk * bk))
     whole.append(bias_row_spec(arrays[-1].shape, bq))
-  seed = seed_or_zeros(seed)
+  if scalars is None:
+    scalars = kernel_scalars(None)
   G = N // K
   out, lse = pl.pallas_call(
     kernel,
@@ -138,7 +139,7 @@ def forward(
     ),
     interpret=settings.interpret,
     name="jattn_flex_forward",
-  )(q, k, v, rows.order, rows.num_full, rows.num_partial, seed, *arrays)
+  )(q, k, v, rows.order, rows.num_full, rows.num_partial, scalars, *arrays)
   return out[:, :T, :, :Hv], lse[:, :, :T].transpose(0, 2, 1)
 
 
@@ -151,7 +152,7 @@ class Scorer(NamedTuple):
   jaxprs: tuple[Any, Any]  # mask, score function (None where absent)
   mask_refs: tuple[Any, ...]
   score_refs: tuple[Any, ...]
-  seed_ref: Any = None
+  scalars_ref: Any = None  # kernel_scalars: the dropout seed, then the shard's offsets
 
   def dropped(
     self,
@@ -170,7 +171,7 @@ class Scorer(NamedTuple):
     idx: tuple[Any, ...] = (batch, head, q_idx.reshape(1, 1, bq, 1), kv_idx.reshape(1, 1, 1, bk))
     if self.settings.broadcast_dropout:
       idx = _dropout.shared_indices(*idx)
-    seed = (self.seed_ref[0], self.seed_ref[1])
+    seed = (self.scalars_ref[0], self.scalars_ref[1])
     keep = _dropout.keep_from_seed(seed, rate, *idx).reshape(bq, bk)
     return jnp.where(keep, x * jnp.asarray(1 / (1 - rate), x.dtype), jnp.zeros_like(x))
 
@@ -260,6 +261,13 @@ def scalar_index(x: jax.Array) -> jax.Array:
   return jnp.full((1, 1, 1, 1), x, jnp.int32)
 
 
+def global_index(scalars_ref: Any, b: jax.Array, n: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(batch, head)``: a program's batch row ``b`` and query head ``n`` within its shard as
+  the global indices the mask, score function and dropout see (:func:`scalar_index`)."""
+  b0, n0 = (scalars_ref[i].astype(jnp.int32) for i in (2, 3))
+  return scalar_index(b + b0), scalar_index(n + n0)
+
+
 def _forward_kernel(
   q_ref: Any,
   k_ref: Any,
@@ -267,20 +275,20 @@ def _forward_kernel(
   order_ref: Any,
   num_full_ref: Any,
   num_partial_ref: Any,
-  seed_ref: Any,
+  scalars_ref: Any,
   *refs: Any,
   settings: Settings,
   counts: tuple[int, int, bool],
   jaxprs: tuple[Any, Any],
 ) -> None:
   mask_refs, score_refs, bias_ref, (o_ref, lse_ref) = split_refs(refs, counts)
-  scorer = Scorer(settings, jaxprs, mask_refs, score_refs, seed_ref)
+  scorer = Scorer(settings, jaxprs, mask_refs, score_refs, scalars_ref)
   bq, bk = settings.block_q, settings.block_kv
   i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   q = q_ref[...]
   f = _common.stats_dtype(q.dtype)
   q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)
-  batch, head = scalar_index(b), scalar_index(n)
+  batch, head = global_index(scalars_ref, b, n)
 
   def body(t: jax.Array, carry: tuple[Any, Any, Any], masked: bool) -> tuple[Any, Any, Any]:
     acc, m, l = carry
@@ -324,19 +332,23 @@ def whole_specs(arrays: Sequence[jax.Array]) -> list[pl.BlockSpec]:
 
 
 def schedule_specs(schedule: _tiling.Schedule) -> list[pl.BlockSpec]:
-  """A tile schedule's three arrays and the dropout seed's two words, whole in every
-  program (the kernels' inputs after the tiles they walk)."""
+  """A tile schedule's three arrays and :func:`kernel_scalars`, whole in every program (the
+  kernels' inputs after the tiles they walk)."""
   return [
     pl.BlockSpec(schedule.order.shape, lambda *_: (0, 0)),
     pl.BlockSpec(schedule.num_full.shape, lambda *_: (0,)),
     pl.BlockSpec(schedule.num_partial.shape, lambda *_: (0,)),
-    pl.BlockSpec((2,), lambda *_: (0,)),
+    pl.BlockSpec((4,), lambda *_: (0,)),
   ]
 
 
-def seed_or_zeros(seed: jax.Array | None) -> jax.Array:
-  """The dropout seed words as the kernels' (2,) uint32 input (zeros without dropout)."""
-  return jnp.zeros((2,), jnp.uint32) if seed is None else jnp.asarray(seed, jnp.uint32)
+def kernel_scalars(seed: jax.Array | None, offsets: jax.Array | None = None) -> jax.Array:
+  """The kernels' (4,) uint32 input: the dropout seed's two words
+  (:func:`jattn.dropout.seed_words`; zeros without dropout), then the global index of the
+  shard's first batch row and first query head (zeros unsharded; :func:`global_index`)."""
+  seed = jnp.zeros((2,), jnp.uint32) if seed is None else jnp.asarray(seed, jnp.uint32)
+  offsets = jnp.zeros((2,), jnp.uint32) if offsets is None else offsets.astype(jnp.uint32)
+  return jnp.concatenate([seed, offsets])
 
 
 def pow2(n: int) -> int:

@@ -19,6 +19,14 @@ axes that shard N also shard K (K == 1 keeps its one head on every device). Per-
 static masks and head counts that do not divide keep the heads whole on each device
 (batch sharding only). A sharded sequence axis never reaches here: the selection table
 refuses it and names ``jattn.parallel.ring_attention``.
+
+Kernels that trace the mask and score function into their body (flex) run them on global
+indices instead (``global_index=True``): the arrays those functions read stay whole on every
+device, each device's spec keeps the global B, N and K and carries the global index of its
+first batch row and head (``spec.shard_offsets``), from which the kernel's program ids
+become global ones. Masks and score functions that read the batch or head index, and the
+dropout pattern (drawn from the global indices), then come out as on one device, and any
+head count that divides the mesh axes can be split.
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ def per_shard(
   *,
   heads_whole: bool = False,
   auto: bool = True,
+  global_index: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """``attend(query, key, value, spec) -> (out, lse)`` run on each device's share.
 
@@ -84,11 +93,13 @@ def per_shard(
   :class:`jattn._spec.CallSpec`. ``heads_whole``: the kernel cannot take a share of the
   heads (its masks differ per head), so only the batch is split. ``auto``: give the kernel
   a partitioning rule for Auto mode (with one device, ``attend`` runs as it is).
+  ``global_index``: the kernel reads ``spec.shard_offsets`` and evaluates the mask and score
+  function on global indices (see the module docstring).
   """
   sharding = _compat.explicit_sharding(query)
   if sharding is None:
     if auto and jax.device_count() > 1:
-      return _partitioned(attend, query, key, value, spec, heads_whole)
+      return _partitioned(attend, query, key, value, spec, heads_whole, global_index)
     return attend(query, key, value, spec)
   mesh = sharding.mesh
   b, _, n, _ = _dims(query)
@@ -105,13 +116,21 @@ def per_shard(
     N=spec.N // _size(mesh, n),
     K=spec.K // _size(mesh, kn),
   )
-  spec_specs = _spec_partition(spec, b, n)
+  spec_specs = _spec_partition(spec, b, n, global_index)
   leaves, treedef = jax.tree.flatten(spec)
   parts = jax.tree.leaves(spec_specs, is_leaf=lambda x: isinstance(x, P))
   spec = jax.tree.unflatten(treedef, [_reshard(x, p) for x, p in zip(leaves, parts)])
   out_spec = (P(b, None, n, None), P(b, None, n))
+
+  def device_call(q: jax.Array, k: jax.Array, v: jax.Array, s: CallSpec) -> Any:
+    if global_index:
+      s = dataclasses.replace(s, shard_offsets=_offsets(b, n, local.B, local.N))
+    else:
+      s = dataclasses.replace(s, B=local.B, N=local.N, K=local.K)
+    return attend(q, k, v, s)
+
   run = jax.shard_map(
-    lambda q, k, v, s: attend(q, k, v, dataclasses.replace(s, B=local.B, N=local.N, K=local.K)),
+    device_call,
     mesh=mesh,
     in_specs=(q_spec, kv_spec, kv_spec, spec_specs),
     out_specs=out_spec,
@@ -131,19 +150,30 @@ def _head_axes(mesh: Mesh, n: MeshAxes, N: int, K: int, heads_whole: bool) -> Me
   return n
 
 
+def _offsets(b: MeshAxes, n: MeshAxes, rows: int, heads: int) -> jax.Array:
+  """(2,) int32 inside a per-device call: the global index of its first batch row and query
+  head, with ``rows`` batch rows over mesh axes ``b`` and ``heads`` heads over ``n``."""
+  first = [
+    jnp.int32(0) if axes is None else jax.lax.axis_index(axes) * size
+    for axes, size in ((b, rows), (n, heads))
+  ]
+  return jnp.stack(first).astype(jnp.int32)
+
+
 def _reshard(x: jax.Array, spec: P) -> jax.Array:
   want = tuple(spec) + (None,) * (x.ndim - len(spec))
   return x if _dims(x) == want else jax.sharding.reshard(x, spec)
 
 
-def _spec_partition(spec: CallSpec, b: MeshAxes, n: MeshAxes) -> CallSpec:
-  """PartitionSpecs for the spec's arrays: batch-indexed leading axes over ``b``, the
-  sinks' heads over ``n``, a rank-4 bias over both where it is not broadcast."""
+def _spec_partition(spec: CallSpec, b: MeshAxes, n: MeshAxes, global_index: bool) -> CallSpec:
+  """PartitionSpecs for the spec's arrays: batch-indexed leading axes over ``b`` (whole with
+  ``global_index``), the sinks' heads over ``n``, a rank-4 bias over both where it is not
+  broadcast."""
 
   def leaf(x: jax.Array | None) -> P | None:
     if x is None:
       return None
-    if x.ndim == 0:
+    if x.ndim == 0 or global_index:
       return P()
     return P(b if x.shape[0] == spec.B and spec.B > 1 else None)
 
@@ -169,14 +199,20 @@ def _spec_partition(spec: CallSpec, b: MeshAxes, n: MeshAxes) -> CallSpec:
 
 # What each argument and result of the partitioned kernel is, by its leading axes:
 # q (B, T, N, H); kv (B, S, K, H); rows (B, ...): batch-indexed mask arrays; row_heads
-# (B, N): the sinks, one row per batch row; lse (B, T, N); other: replicated.
-_FACTORS = {
+# (B, N): the sinks, one row per batch row; lse (B, T, N); bias_* a rank-4 bias with a
+# batch axis, a head axis or both (the others broadcast); other: replicated. None: an axis
+# of its own.
+_FACTORS: dict[str, tuple[str | None, ...]] = {
   "q": ("b", "t", "n", "h"),
   "k": ("b", "s", "k", "h"),
   "v": ("b", "s", "k", "hv"),
   "out": ("b", "t", "n", "hv"),
   "lse": ("b", "t", "n"),
   "row_heads": ("b", "n"),
+  "rows": ("b",),
+  "bias_bn": ("b", "n"),
+  "bias_b": ("b",),
+  "bias_n": (None, "n"),
 }
 
 
@@ -187,6 +223,7 @@ def _partitioned(
   value: jax.Array,
   spec: CallSpec,
   heads_whole: bool,
+  global_index: bool,
 ) -> tuple[jax.Array, jax.Array]:
   """Auto mode: the kernel's forward and backward under a partitioning rule, each device
   running them on its batch rows and heads (see the module docstring)."""
@@ -194,73 +231,98 @@ def _partitioned(
   if spec.sinks is not None:  # one row per batch row: each device's gradient is its rows'
     spec = dataclasses.replace(spec, sinks=jnp.broadcast_to(spec.sinks, (B, N)))
   leaves, treedef = jax.tree.flatten(spec)
-  roles = jax.tree.leaves(_roles(spec))
+  roles = jax.tree.leaves(_roles(spec, global_index))
   floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
 
-  def local(q: jax.Array, k: jax.Array, v: jax.Array, *leaves: Any) -> tuple[jax.Array, jax.Array]:
+  def local(
+    q: jax.Array, k: jax.Array, v: jax.Array, *leaves: Any, offsets: jax.Array | None = None
+  ) -> tuple[jax.Array, jax.Array]:
     s = jax.tree.unflatten(treedef, leaves)
-    return attend(q, k, v, dataclasses.replace(s, B=q.shape[0], N=q.shape[2], K=k.shape[2]))
+    if global_index:
+      s = dataclasses.replace(s, shard_offsets=offsets)
+    else:
+      s = dataclasses.replace(s, B=q.shape[0], N=q.shape[2], K=k.shape[2])
+    return attend(q, k, v, s)
 
-  def local_grads(q: jax.Array, k: jax.Array, v: jax.Array, *rest: Any) -> tuple[Any, ...]:
-    leaves, cotangents = rest[: len(roles)], rest[len(roles) :]
+  def local_grads(wanted: tuple[int, ...]) -> Callable[..., tuple[Any, ...]]:
+    """The per-device backward: gradients for q, k, v and the leaves ``wanted``."""
 
-    def differentiable(
-      q: jax.Array, k: jax.Array, v: jax.Array, *float_leaves: jax.Array
-    ) -> tuple[jax.Array, jax.Array]:
-      full = list(leaves)
-      for i, x in zip(floats, float_leaves):
-        full[i] = x
-      return local(q, k, v, *full)
+    def grads(
+      q: jax.Array, k: jax.Array, v: jax.Array, *rest: Any, offsets: jax.Array | None = None
+    ) -> tuple[Any, ...]:
+      leaves, cotangents = rest[: len(roles)], rest[len(roles) :]
 
-    _, vjp = jax.vjp(differentiable, q, k, v, *(leaves[i] for i in floats))
-    return vjp(tuple(cotangents))
+      def differentiable(
+        q: jax.Array, k: jax.Array, v: jax.Array, *chosen: jax.Array
+      ) -> tuple[jax.Array, jax.Array]:
+        full = list(leaves)
+        for i, x in zip(wanted, chosen):
+          full[i] = x
+        return local(q, k, v, *full, offsets=offsets)
 
-  rules = (N, K, heads_whole)
+      _, vjp = jax.vjp(differentiable, q, k, v, *(leaves[i] for i in wanted))
+      return vjp(tuple(cotangents))
+
+    return grads
+
+  rules = (B, N, K, heads_whole, global_index)
   forward = _rule(local, ("q", "k", "v", *roles), ("out", "lse"), rules)
-  backward = _rule(
-    local_grads,
-    ("q", "k", "v", *roles, "out", "lse"),
-    ("q", "k", "v", *(roles[i] for i in floats)),
-    rules,
-  )
-
   who = f"implementation={spec.implementation!r}"
   only_forward = _orders.first_order(forward, who, _orders.FUSED, forward=False)
-  only_backward = _orders.first_order(backward, who, _orders.FUSED, forward=False)
 
-  Residuals = tuple[jax.Array, jax.Array, jax.Array, list[Any]]
+  def only_backward(wanted: tuple[int, ...]) -> Callable[..., Any]:
+    backward = _rule(
+      local_grads(wanted),
+      ("q", "k", "v", *roles, "out", "lse"),
+      ("q", "k", "v", *(roles[i] for i in wanted)),
+      rules,
+    )
+    return _orders.first_order(backward, who, _orders.FUSED, forward=False)
+
+  # The floating leaves the caller differentiates (symbolic zeros tell), as () where it does
+  # and None where not: a static fact carried in the residuals' tree structure.
+  Residuals = tuple[jax.Array, jax.Array, jax.Array, list[Any], tuple[Any, ...]]
 
   @jax.custom_vjp
   def run(q: jax.Array, k: jax.Array, v: jax.Array, leaves: list[Any]) -> Any:
     return forward(q, k, v, *leaves)
 
-  def run_fwd(q: jax.Array, k: jax.Array, v: jax.Array, leaves: list[Any]) -> tuple[Any, Residuals]:
-    return only_forward(q, k, v, *leaves), (q, k, v, leaves)
+  def run_fwd(q: Any, k: Any, v: Any, leaves: list[Any]) -> tuple[Any, Residuals]:
+    flags = tuple(() if leaves[i].perturbed else None for i in floats)
+    q, k, v, leaves = _common.primal_values((q, k, v, leaves))
+    return only_forward(q, k, v, *leaves), (q, k, v, leaves, flags)
 
   def run_bwd(
-    residuals: Residuals, cotangents: tuple[jax.Array, jax.Array]
+    residuals: Residuals, cotangents: tuple[Any, Any]
   ) -> tuple[jax.Array, jax.Array, jax.Array, list[Any]]:
-    q, k, v, leaves = residuals
-    dq, dk, dv, *d_floats = only_backward(q, k, v, *leaves, *cotangents)
+    q, k, v, leaves, flags = residuals
+    wanted = tuple(i for i, flag in zip(floats, flags) if flag is not None)
+    d_out, d_lse = (_common.materialized(c) for c in cotangents)
+    dq, dk, dv, *d_chosen = only_backward(wanted)(q, k, v, *leaves, d_out, d_lse)
     d_leaves: list = [None] * len(leaves)
-    for i, d in zip(floats, d_floats):
+    for i, d in zip(wanted, d_chosen):
       d_leaves[i] = d
     return dq, dk, dv, d_leaves
 
-  run.defvjp(run_fwd, run_bwd)
+  run.defvjp(run_fwd, run_bwd, symbolic_zeros=True)
   out, lse = run(query, key, value, leaves)
   return out, lse
 
 
-def _roles(spec: CallSpec) -> CallSpec:
-  """The spec with each array replaced by its role in :data:`_FACTORS` (or "rows", "other")."""
+def _roles(spec: CallSpec, global_index: bool) -> CallSpec:
+  """The spec with each array replaced by its role in :data:`_FACTORS` (or "other")."""
 
   def mask_leaf(x: jax.Array) -> str:
-    return "rows" if x.ndim and x.shape[0] == spec.B and spec.B > 1 else "other"
+    rows = x.ndim and x.shape[0] == spec.B and spec.B > 1 and not global_index
+    return "rows" if rows else "other"
+
+  def bias(x: jax.Array) -> str:
+    rows, heads = (x.shape[i] == n and n > 1 for i, n in ((0, spec.B), (1, spec.N)))
+    return {(1, 1): "bias_bn", (1, 0): "bias_b", (0, 1): "bias_n"}.get((rows, heads), "other")
 
   return dataclasses.replace(
     spec,
-    bias=None if spec.bias is None else "other",
+    bias=None if spec.bias is None else bias(spec.bias),
     mask=None if spec.mask is None else jax.tree.map(mask_leaf, spec.mask),
     score_fn=None if spec.score_fn is None else jax.tree.map(lambda x: "other", spec.score_fn),
     dropout_rng=None if spec.dropout_rng is None else "other",
@@ -273,20 +335,22 @@ def _rule(
   fn: Callable[..., Any],
   roles_in: tuple[str, ...],
   roles_out: tuple[str, ...],
-  rules: tuple[int, int, bool],
+  rules: tuple[int, int, int, bool, bool],
 ) -> Callable[..., Any]:
   """``fn`` (flat arrays in and out) under custom_partitioning: batch rows over the query's
   batch axes, heads over its head axes (where the kernel can take them), everything else
   whole on each device. Constants ``fn`` closes over (a kernel's mask tables) travel as
   leading arguments, whole on each device."""
-  N, K, heads_whole = rules
 
   def call(*args: jax.Array) -> Any:
     traced, consts = _compat.without_consts(fn, *args)
     roles = ("other",) * len(consts) + roles_in
+
+    def lower(*a: jax.Array, offsets: jax.Array | None) -> Any:  # local shapes: traced anew
+      return fn(*a[len(consts) :], offsets=offsets)
+
     wrapped = custom_partitioning(traced)
-    lower = lambda *a: fn(*a[len(consts) :])  # noqa: E731  # local shapes: traced anew
-    _define(wrapped, lower, roles, roles_out, N, K, heads_whole)
+    _define(wrapped, lower, roles, roles_out, rules)
     return wrapped(*consts, *args)
 
   return call
@@ -297,11 +361,10 @@ def _define(
   lower: Callable[..., Any],
   roles_in: tuple[str, ...],
   roles_out: tuple[str, ...],
-  N: int,
-  K: int,
-  heads_whole: bool,
+  rules: tuple[int, int, int, bool, bool],
 ) -> None:
   """The partitioning rule of :func:`_rule`."""
+  B, N, K, heads_whole, global_index = rules
 
   def axes(mesh: Mesh, query_sharding: jax.sharding.Sharding) -> tuple[MeshAxes, MeshAxes]:
     """(batch axes, head axes) of the query's sharding that the kernel takes."""
@@ -321,6 +384,9 @@ def _define(
       "lse": P(b, None, n),
       "rows": P(b),
       "row_heads": P(b, n),
+      "bias_bn": P(b, n),
+      "bias_b": P(b),
+      "bias_n": P(None, n),
       "other": P(),
     }
     return tuple(NamedSharding(mesh, by_role[r]) for r in roles)
@@ -338,23 +404,30 @@ def _define(
   ) -> tuple[Mesh, Callable[..., Any], tuple[NamedSharding, ...], tuple[NamedSharding, ...]]:
     del result_shape
     sharding = arg_shapes[first].sharding
-    _, n = axes(mesh, sharding)
-    run = lower
-    if K == 1 and n is not None and ("k" in roles_out or "v" in roles_out):
-      # The one key/value head is whole on every device, and each device's gradient for it
-      # sums over its own query heads only: add up the devices' shares.
-      def run(*args: jax.Array) -> tuple[Any, ...]:
-        outs = lower(*args)
-        return tuple(
-          jax.lax.psum(x, n) if role in ("k", "v") else x for x, role in zip(outs, roles_out)
-        )
+    b, n = axes(mesh, sharding)
+    # The one key/value head is whole on every device, and each device's gradient for it
+    # sums over its own query heads only: add up the devices' shares.
+    summed = K == 1 and n is not None
+
+    def run(*args: jax.Array) -> Any:
+      offsets = None
+      if global_index:
+        offsets = _offsets(b, n, B // _size(mesh, b), N // _size(mesh, n))
+      outs = lower(*args, offsets=offsets)
+      if not summed or not ("k" in roles_out or "v" in roles_out):
+        return outs
+      return tuple(
+        jax.lax.psum(x, n) if role in ("k", "v") else x for x, role in zip(outs, roles_out)
+      )
 
     return mesh, run, specs(mesh, sharding, roles_out), specs(mesh, sharding, roles_in)
 
   def mapping(role: str, i: int, shape: tuple[int, ...]) -> ArrayMapping:
-    names = _FACTORS.get(role) or (("b",) if role == "rows" else ())
-    rest = tuple(f"{role[0]}{i}x{d}" for d in range(len(names), len(shape)))
-    return ArrayMapping(*names[: len(shape)], *rest)
+    names = _FACTORS.get(role, ())
+    own = lambda d: f"{role[0]}{i}x{d}"  # noqa: E731  # a factor of this axis alone
+    return ArrayMapping(
+      *(names[d] or own(d) if d < len(names) else own(d) for d in range(len(shape)))
+    )
 
   def sharding_rule(
     mesh: Mesh, value_types: Sequence[Any], result_types: Sequence[Any]

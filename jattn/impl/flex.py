@@ -9,7 +9,9 @@ read each key/value head once; the value head dim may differ; lengths need not b
 tiles; dropout's pattern is regenerated from (rng, batch, head, q, kv) in each kernel, as
 every implementation draws it; a bias of any broadcastable shape is read tile by tile (its
 gradient, where asked for, through a (B, N, T, S) float32 buffer); rows with nothing to
-attend to give zeros and an lse of -inf.
+attend to give zeros and an lse of -inf. Inputs sharded over the batch and heads run per
+device (:func:`jattn.impl._sharded.per_shard`), the mask, score function and dropout on
+global indices.
 
 On a GPU, ``implementation=None`` runs it for every call cuDNN does not express (it comes
 after cuDNN in the table). Its tiles, warps and stages come from :data:`TILES`, by GPU
@@ -27,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn import dropout as _dropout
-from jattn.impl import _base, _flex_backward
+from jattn.impl import _base, _flex_backward, _sharded
 from jattn.impl import _flex_kernels as _kernels
 
 if TYPE_CHECKING:
@@ -107,8 +109,16 @@ def _prepare(spec: CallSpec, blocks: tuple[int | None, int | None], backend: str
 def _run(
   query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
 ) -> tuple[jax.Array, jax.Array]:
-  B, T, N, _ = query.shape
-  S = key.shape[1]
+  # Each device runs the kernels on its batch rows and heads; the mask, score function and
+  # dropout see the global indices there (spec.shard_offsets), so any of them splits.
+  return _sharded.per_shard(_attend, query, key, value, spec, global_index=True)
+
+
+def _attend(
+  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
+) -> tuple[jax.Array, jax.Array]:
+  """The kernels on one device's share: query (b, T, n, H) of the call's (B, T, N, H)."""
+  T, S = query.shape[1], key.shape[1]
   row = tiles_for(spec.H, query.dtype.itemsize)
   # The caller's tiles, else the table's, no longer than the lengths rounded up to a power
   # of two (Triton's blocks).
@@ -123,7 +133,9 @@ def _run(
     fn = spec.score_fn
     s_spec = jax.ShapeDtypeStruct((1, 1, bq, bk), jnp.promote_types(query.dtype, jnp.float32))
     score = _kernels.Function.trace(lambda s, b, h, q, kv: fn(s, b, h, q, kv), s_spec, *specs)
-  rows, cols = _kernels.schedules(spec.mask, B, N, T, S, bq, bk)
+  # The tile classes over all batch rows and heads, the global ones (the mask's arrays are
+  # whole on each device).
+  rows, cols = _kernels.schedules(spec.mask, spec.B, spec.N, T, S, bq, bk)
   settings = _kernels.Settings(
     scale=spec.scale,
     q_len=T,
@@ -140,7 +152,7 @@ def _run(
   if spec.dropout_rate:
     seed = jnp.stack(_dropout.seed_words(spec.dropout_rng))
   return _flex_backward.attention(
-    query, key, value, rows, cols, mask, score, settings, seed, spec.bias
+    query, key, value, rows, cols, mask, score, settings, seed, spec.bias, spec.shard_offsets
   )
 
 
