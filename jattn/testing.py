@@ -17,11 +17,14 @@ from collections.abc import Iterator
 
 import jax
 
+from jattn import _compat
+
 __all__ = [
   "interpret_kernels",
   "interpreting",
   "lowering_for",
   "target_backend",
+  "target_device_kind",
 ]
 
 # JAX "user contexts": their values are part of every jit cache key (the user's own jitted
@@ -29,6 +32,7 @@ __all__ = [
 # outside it, and the reverse: a setting cannot leak through a cached program.
 _INTERPRET = jax.make_user_context(False)
 _BACKEND = jax.make_user_context(None)
+_DEVICE_KIND = jax.make_user_context(None)
 
 
 @contextlib.contextmanager
@@ -51,7 +55,7 @@ def interpreting() -> bool:
 
 
 @contextlib.contextmanager
-def lowering_for(backend: str) -> Iterator[None]:
+def lowering_for(backend: str, device_kind: str | None = None) -> Iterator[None]:
   """Route calls traced inside the block as on ``backend`` (``"cpu"``, ``"gpu"``, ``"tpu"``).
 
   For lowering a program for another platform from this machine::
@@ -67,13 +71,29 @@ def lowering_for(backend: str) -> Iterator[None]:
   Routing already follows the platform a program is lowered for
   (``.lower(lowering_platforms=...)``, ``jax.export``), so ``implementation=None`` needs no
   block; it remains for explicit fused kernels and for pinning one platform's choice.
+
+  ``device_kind``: the GPU the program is for, as ``jax.Device.device_kind`` names it
+  (``"NVIDIA H100 80GB HBM3"``, ``"NVIDIA A100-SXM4-80GB"``): flex picks its tiles for that
+  GPU's generation, and Pallas' Triton lowering (which from JAX 0.12 reads the GPU's compute
+  capability) targets it. Only with ``backend="gpu"``.
   """
   if backend not in ("cpu", "gpu", "tpu"):
     raise ValueError(f"backend must be one of ['cpu', 'gpu', 'tpu'], got {backend!r}")
-  with _BACKEND(backend):
+  if device_kind is not None and backend != "gpu":
+    raise ValueError(f"device_kind names a GPU; backend is {backend!r}, not 'gpu'")
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(_BACKEND(backend))
+    if device_kind is not None:
+      stack.enter_context(_DEVICE_KIND(device_kind))
+      stack.enter_context(_compat.gpu_target(device_kind))
     yield
 
 
 def target_backend() -> str | None:
   """The backend named by :func:`lowering_for`, or None."""
   return _BACKEND.value
+
+
+def target_device_kind() -> str | None:
+  """The GPU named by :func:`lowering_for`'s ``device_kind``, or None."""
+  return _DEVICE_KIND.value

@@ -322,12 +322,26 @@ def test_the_public_call_lowers_for_cuda_with_dropout_segments_and_a_soft_cap():
     jattn.dot_product_attention(*a[:3], bias=a[3], implementation="flex", **kw)
   )
   step = jax.jit(jax.grad(loss, (0, 1, 2, 3)))
-  with jattn.testing.lowering_for("gpu"), warnings.catch_warnings():
+  with jattn.testing.lowering_for("gpu", "NVIDIA H100"), warnings.catch_warnings():
     warnings.simplefilter("ignore")  # Pallas' Triton lowering warns of deprecation
-    with _compat.gpu_target("NVIDIA H100"):
-      text = step.trace(q, k, v, bias).lower(lowering_platforms=("cuda",)).as_text()
+    text = step.trace(q, k, v, bias).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 3
   assert "output_operand_aliases" in text
+
+
+def test_lowering_for_a_named_gpu_takes_its_generations_tiles():
+  q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(2))
+  fn = jax.jit(lambda *a: jattn.dot_product_attention(*a, implementation="flex"))
+  for kind in ("NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3"):
+    row = flex.tiles_for(H, 2, kind)
+    with jattn.testing.lowering_for("gpu", kind), warnings.catch_warnings():
+      warnings.simplefilter("ignore")  # Pallas' Triton lowering warns of deprecation
+      text = fn.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"num_stages = {row.num_stages} : i32" in text, kind
+    assert f"num_warps = {row.num_warps} : i32" in text, kind
+  assert flex.tiles_for(H, 2, "NVIDIA A100") != flex.tiles_for(H, 2, "NVIDIA H100")
+  with pytest.raises(ValueError, match="device_kind"), jattn.testing.lowering_for("tpu", "H100"):
+    pass
 
 
 def test_the_tile_table_by_generation_head_dim_and_dtype():
@@ -350,3 +364,18 @@ def test_the_tuning_script_times_the_table_and_each_candidate():
   rows = tune_flex.main(["--quick"])
   assert [(r["block_q"], r["block_kv"]) for r in rows] == [(None, None), (16, 16)]
   assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
+
+
+def test_the_compile_check_reads_registers_and_spills_for_sm_90():
+  """The optional check (the gpu extra: standalone triton): each of the three kernels at the
+  table's Hopper row compiles for sm_90 without spills, registers read from ptxas."""
+  pytest.importorskip("triton")
+  from experiments import check_flex_compile
+
+  rows = check_flex_compile.main(["--quick"])
+  assert [r["kernel"] for r in rows] == ["jattn_flex_forward", "jattn_flex_dq", "jattn_flex_dkv"]
+  row = flex.TILES[("sm_90", 64, 2)]
+  for r in rows:
+    assert (r["block_q"], r["block_kv"], r["num_warps"]) == row[:3], r
+    assert r["num_stages"] == row.num_stages and 0 < r["registers"] <= 255, r
+    assert r["spill_stores"] == r["spill_loads"] == 0 and not r["problem"], r

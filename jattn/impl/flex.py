@@ -23,12 +23,14 @@ it, as for every implementation that does not take them itself.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jattn import dropout as _dropout
+from jattn import testing
 from jattn.impl import _base, _flex_backward, _sharded
 from jattn.impl import _flex_kernels as _kernels
 
@@ -54,18 +56,23 @@ class Tiles(NamedTuple):
 # accumulators and the recomputed tile within registers up to H = 128 on both generations
 # (FlashAttention-2's backward tiles), more warps for wider heads, one more pipelining stage
 # on Hopper's larger shared memory. `python -m experiments.tune_flex` times the candidates
-# on a GPU and prints the rows to put here.
+# on a GPU and prints the rows to put here. `python -m experiments.check_flex_compile`
+# compiles every row's kernels for sm_80 and sm_90 (no GPU needed) and reports spills: with
+# Triton 3.9 none spills and all fit in shared memory; float32 at H = 256 needs 8 warps and
+# one stage (and 16-row query tiles within an A100's shared memory).
 TILES: dict[tuple[str, int, int], Tiles] = {
   ("sm_80", 64, 2): Tiles(64, 64, 4, 2),
   ("sm_80", 128, 2): Tiles(64, 64, 8, 2),
   ("sm_80", 256, 2): Tiles(32, 32, 8, 2),
   ("sm_80", 64, 4): Tiles(64, 32, 4, 2),
   ("sm_80", 128, 4): Tiles(32, 32, 8, 2),
+  ("sm_80", 256, 4): Tiles(16, 32, 8, 1),
   ("sm_90", 64, 2): Tiles(64, 64, 4, 3),
   ("sm_90", 128, 2): Tiles(64, 64, 8, 3),
   ("sm_90", 256, 2): Tiles(32, 32, 8, 2),
   ("sm_90", 64, 4): Tiles(64, 32, 4, 2),
   ("sm_90", 128, 4): Tiles(32, 32, 8, 2),
+  ("sm_90", 256, 4): Tiles(32, 32, 8, 1),
 }
 FALLBACK = Tiles(32, 32, 4, 2)  # head dims past the table (and float64 in interpret mode)
 _HOPPER = ("H100", "H200", "H800", "H20", "GH200", "GB200", "B200")
@@ -85,9 +92,19 @@ def tiles_for(head_dim: int, itemsize: int, device_kind: str | None = None) -> T
 
 
 def _gpu_kind() -> str:
+  """The GPU a call is traced for: the one :func:`jattn.testing.lowering_for` names, else the
+  first GPU here ("" without one: interpret mode, or lowering for CUDA from a CPU)."""
+  named = testing.target_device_kind()
+  if named is not None:
+    return named
+  return _first_gpu_kind()
+
+
+@functools.cache
+def _first_gpu_kind() -> str:
   try:
     return jax.devices("gpu")[0].device_kind
-  except RuntimeError:  # no GPU here (a CPU host lowering for CUDA, interpret mode)
+  except RuntimeError:
     return ""
 
 
