@@ -68,8 +68,11 @@ def _numpy(result):
 
 
 def _vjp(fn, q, k, v, bias, ct):
-  """out, lse and the gradients of sum(out * ct) (dbias too when there is a bias)."""
-  return _numpy(_vjp_arrays(fn, q, k, v, bias, ct))
+  """out, lse and the gradients of sum(out * ct) (dbias too when there is a bias), as one
+  jitted program: eagerly, the forward and the backward each compiled a program of their
+  own, and the operations between them one each. Arrays ``fn`` closes over (masks, lengths,
+  ids) stay concrete constants, as in an eager call."""
+  return _numpy(jax.jit(functools.partial(_vjp_arrays, fn))(q, k, v, bias, ct))
 
 
 @functools.partial(jax.jit, static_argnames="scale")
