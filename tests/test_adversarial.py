@@ -75,14 +75,18 @@ def _vjp(fn, q, k, v, bias, ct):
   return _numpy(jax.jit(functools.partial(_vjp_arrays, fn))(q, k, v, bias, ct))
 
 
-@functools.partial(jax.jit, static_argnames="scale")
-def _jax_nn_vjp(q, k, v, bias, ct, scale):
-  """``_vjp`` of jax.nn, jitted (as experiments/accuracy.py's baseline) and cached by shapes,
-  dtypes and scale across examples; eagerly each new combination compiled ~60 operations."""
+@functools.partial(jax.jit, static_argnames=("rule", "scale"))
+def _jattn_and_jax_nn_vjp(q, k, v, bias, ct, rule, scale):
+  """``_vjp`` of jattn's ``rule`` (its items, sorted) and of jax.nn (as experiments/accuracy.py's
+  baseline) on the same inputs, as one jitted program: one compilation per example, not one
+  per function (and eagerly, jax.nn compiled ~60 operations for each new combination)."""
   fn = lambda q, k, v, b: jax.nn.dot_product_attention(
     q, k, v, b, scale=scale, return_residual=True
   )
-  return _vjp_arrays(fn, q, k, v, bias, ct)
+  return (
+    _vjp_arrays(_jattn(dict(rule), scale=scale), q, k, v, bias, ct),
+    _vjp_arrays(fn, q, k, v, bias, ct),
+  )
 
 
 def _jattn(rule, **kwargs):
@@ -185,9 +189,10 @@ def test_extreme_inputs_against_jax_nn_and_float64(problem):
   (q, k, v, bias, ct), scale, name, rule = problem
   H = q.shape[-1]
   scale_value = 1 / np.sqrt(H) if scale is None else scale
-  got = _vjp(_jattn(rule, scale=scale), q, k, v, bias, ct)
+  got, base = map(
+    _numpy, _jattn_and_jax_nn_vjp(q, k, v, bias, ct, tuple(sorted(rule.items())), scale)
+  )
   _assert_no_nan(got, name)
-  base = _numpy(_jax_nn_vjp(q, k, v, bias, ct, scale))
   want = attention_reference(q, k, v, bias, ct, scale=scale_value, dtype=np.float64)
   for quantity, ref in want.items():
     err = max_abs_error(got[quantity], ref)
