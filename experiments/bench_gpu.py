@@ -1,7 +1,7 @@
 """Time jattn's paths against jax.nn's on an accelerator: cuDNN on a GPU, splash on a TPU.
 
-For each dtype, sequence length T (= S) and mask, times the jitted forward pass
-and forward+backward (gradients of q, k, v) of each method on the same inputs,
+For each dtype, head dim H, sequence length T (= S) and mask, times the jitted forward
+pass and forward+backward (gradients of q, k, v) of each method on the same inputs,
 the methods taking turns in every round (``experiments._timing.rounds_ms``), and
 reports the median milliseconds, TFLOP/s, that rate as a percentage of the
 device's peak, the speedup over jax.nn's XLA path and over jax.nn's best on
@@ -10,18 +10,26 @@ each compiled program (``memory_analysis().temp_size_in_bytes``), which on an
 accelerator is the activation memory the method needs beyond its inputs and
 outputs, in MiB (2**20 bytes; the rows' ``*_scratch_mb``).
 
-Masks (``--masks``):
+Masks and score functions (``--masks``), each given to jattn as its own argument and to
+jax.nn as the same thing written out densely (what a jax.nn user must do):
 
     full     no mask
     causal   is_causal=True
     packed   causal within documents: ``--docs`` documents of random lengths
              (seeded) per batch row, as ``segment_ids`` for jattn and as the
              equivalent (B, 1, T, T) boolean mask for jax.nn
+    window   causal sliding window of ``--window`` keys back, as
+             ``local_window_size=(window, 0)`` for jattn and as a (1, 1, T, T) mask
+    prefix   prefix-LM: bidirectional inside the first ``--prefix`` · T positions,
+             causal after (``masks.prefix_lm``; a (1, 1, T, T) mask for jax.nn)
+    alibi    causal with ALiBi (``scores.alibi``, the paper's slopes; a (1, N, T, T)
+             bias for jax.nn)
+    softcap  causal with ``logits_soft_cap=30`` (jax.nn has no soft cap: jattn only)
 
-Work: forward 4·B·N·T·S·H, forward+backward 3.5 times that; causal halves it,
-and packed counts the causal pairs inside documents, Σ L²/2 over the
-documents' lengths L in place of T²/2. Methods, those that cannot run on the
-backend skipped with a note:
+Work: forward 4·B·N·T·S·H, forward+backward 3.5 times that, over the query-key pairs
+attended: T² without a mask, T²/2 causal (alibi and softcap too), Σ L²/2 over the
+documents' lengths L when packed, T²/2 + P²/2 with a prefix of P, and the window's exact
+count. Methods, those that cannot run on the backend skipped with a note:
 
     jax.nn        jax.nn.dot_product_attention(implementation="xla")
     jax.nn/cudnn  jax.nn.dot_product_attention(implementation="cudnn") (GPU, bf16/f16 only)
@@ -40,14 +48,16 @@ unknown device gets no percentage (None, no column).
 
     python -m experiments.bench_gpu                      # the grid below, on the default backend
     python -m experiments.bench_gpu --lengths 1024 --dtypes bfloat16 --masks packed --reps 3
+    python -m experiments.bench_gpu --methods flex jax.nn/cudnn jax.nn blockwise --dtypes bfloat16
     python -m experiments.bench_gpu --quick              # tiny shapes, any backend (smoke test)
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,10 +66,9 @@ import numpy as np
 import jattn
 from experiments import _cli, _timing
 from experiments._timing import fmt
-from experiments.bench import compiled
 
 METHODS = ("jax.nn", "jax.nn/cudnn", "xla", "blockwise", "splash", "flex", "auto")
-MASKS = ("full", "causal", "packed")
+MASKS = ("full", "causal", "packed", "window", "prefix", "alibi", "softcap")
 RUNS_ON = {"jax.nn/cudnn": "gpu", "splash": "tpu", "flex": "gpu"}  # the rest run anywhere
 MATERIALISING = ("jax.nn", "xla")
 
@@ -117,19 +126,90 @@ def packed_pairs(seg: np.ndarray) -> float:
   return float(sum((np.bincount(row).astype(np.float64) ** 2).sum() / 2 for row in seg))
 
 
+class Case(NamedTuple):
+  """One mask (or score function) as each side takes it: keyword arguments split into the
+  arrays a jitted call takes (``*_arrays``) and the settings it closes over (``*_static``);
+  ``jax_nn`` None where jax.nn cannot express it. ``pairs``: the query-key pairs attended
+  (the work's count)."""
+
+  jattn_static: tuple[tuple[str, Any], ...]
+  jattn_arrays: dict[str, Any]
+  jax_nn_static: tuple[tuple[str, Any], ...] | None
+  jax_nn_arrays: dict[str, Any] | None
+  pairs: float
+
+
+def alibi_slopes(N: int) -> np.ndarray:
+  """ALiBi's slopes (Press et al.): 2^(-8 i / N) for heads i = 1 .. N."""
+  return 2.0 ** (-8.0 * np.arange(1, N + 1) / N)
+
+
+def case(mask: str, B: int, N: int, T: int, seg: np.ndarray, window: int, prefix: int, dtype):
+  """The :class:`Case` of ``mask`` (see the module docstring) for (B, T, N, ·) inputs."""
+  pos = np.arange(T)
+  below = pos[None, :] <= pos[:, None]  # kv <= q
+  if mask == "full":
+    return Case((("is_causal", False),), {}, (("is_causal", False),), {}, B * T * T)
+  if mask in ("causal", "softcap"):
+    jattn_static: tuple = (("is_causal", True),)
+    if mask == "softcap":
+      jattn_static += (("logits_soft_cap", 30.0),)
+    nn_static = None if mask == "softcap" else (("is_causal", True),)
+    return Case(jattn_static, {}, nn_static, None if nn_static is None else {}, B * T * T / 2)
+  if mask == "packed":
+    same_doc = jnp.asarray(seg[:, None, :, None] == seg[:, None, None, :])
+    return Case(
+      (("is_causal", True),),
+      {"segment_ids": jnp.asarray(seg)},
+      (("is_causal", True),),
+      {"mask": same_doc},
+      packed_pairs(seg),
+    )
+  if mask == "window":
+    allowed = below & (pos[None, :] >= pos[:, None] - window)
+    return Case(
+      (("is_causal", True), ("local_window_size", (window, 0))),
+      {},
+      (),
+      {"mask": jnp.asarray(allowed[None, None])},
+      B * float(allowed.sum()),
+    )
+  if mask == "prefix":
+    allowed = below | (pos[None, :] < prefix)
+    return Case(
+      (),
+      {"mask": jattn.masks.prefix_lm(prefix)},
+      (),
+      {"mask": jnp.asarray(allowed[None, None])},
+      B * (T * T + prefix * prefix) / 2,
+    )
+  if mask == "alibi":
+    slopes = alibi_slopes(N).astype(np.float32)
+    bias = slopes[:, None, None] * (pos[None, None, :] - pos[None, :, None])
+    return Case(
+      (("is_causal", True),),
+      {"score_fn": jattn.scores.alibi(slopes)},
+      (("is_causal", True),),
+      {"bias": jnp.asarray(bias[None], dtype)},
+      B * T * T / 2,
+    )
+  raise ValueError(f"mask={mask!r}: one of {', '.join(MASKS)}")
+
+
 @functools.cache
-def compiled_packed(method: str, mode: str):
-  """Like ``experiments.bench.compiled``, for the packed case: ``fn(q, k, v, x)`` where x is
-  the (B, 1, T, T) mask for jax.nn's methods and the (B, T) segment ids for jattn's."""
+def compiled_case(method: str, mode: str, static: tuple[tuple[str, Any], ...]):
+  """``fn(q, k, v, arrays)`` of one method, jitted: its case's arrays (a dict of keyword
+  arguments) as arguments, its static settings closed over. One per process and settings,
+  so each shape compiles once."""
   if method.startswith("jax.nn"):
     implementation: Literal["cudnn", "xla"] = "cudnn" if method == "jax.nn/cudnn" else "xla"
-    attn = lambda q, k, v, mask: jax.nn.dot_product_attention(
-      q, k, v, mask=mask, is_causal=True, implementation=implementation
+    attn = lambda q, k, v, arrays: jax.nn.dot_product_attention(
+      q, k, v, **arrays, **dict(static), implementation=implementation
     )
   else:
     impl = None if method == "auto" else method
-    attn = lambda q, k, v, seg: jattn.dot_product_attention(
-      q, k, v, is_causal=True, segment_ids=seg, implementation=impl
+    attn = lambda q, k, v, arrays: jattn.dot_product_attention(
+      q, k, v, **arrays, **dict(static), implementation=impl
     )
   if mode == "fwd":
     return jax.jit(attn)
@@ -151,12 +231,9 @@ def runnable(methods, backend: str, dtypes) -> list[str]:
   return kept
 
 
-def explain(q, k, v, mask: str, seg) -> dict[str, Any]:
+def explain(q, k, v, c: Case) -> dict[str, Any]:
   """What implementation=None runs for this call on this backend, per jattn.explain."""
-  kw: dict[str, Any] = {"is_causal": mask != "full"}
-  if mask == "packed":
-    kw["segment_ids"] = seg
-  choice = jattn.explain(q, k, v, **kw)
+  choice = jattn.explain(q, k, v, **c.jattn_arrays, **dict(c.jattn_static))
   return dict(implementation=choice.implementation, backward=choice.backward, reason=choice.reason)
 
 
@@ -165,6 +242,7 @@ def columns(show_peak: bool, show_best: bool) -> list[tuple[str, str, str]]:
   something (a known device; a GPU, where jax.nn's best is not its XLA path)."""
   cols = [
     ("dtype", "dtype", "s"),
+    ("H", "H", "d"),
     ("T", "T", "d"),
     ("mask", "mask", "s"),
     ("method", "method", "s"),
@@ -191,11 +269,13 @@ def main(argv=None) -> list[dict]:
   )
   p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
   p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-  p.add_argument("--masks", nargs="+", default=list(MASKS), choices=MASKS)
+  p.add_argument("--masks", nargs="+", default=None, choices=MASKS, help="default: all")
   p.add_argument("--docs", type=int, default=4, help="documents per batch row when packed")
+  p.add_argument("--window", type=int, default=512, help="keys back of the sliding window")
+  p.add_argument("--prefix", type=float, default=0.25, help="prefix-LM's prefix, a share of T")
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--heads", type=int, default=16)
-  p.add_argument("--head-dim", dest="head_dim", type=int, default=128)
+  p.add_argument("--head-dims", dest="head_dims", type=int, nargs="+", default=[64, 128])
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
   p.add_argument(
@@ -210,16 +290,18 @@ def main(argv=None) -> list[dict]:
   backend, kind = jax.default_backend(), jax.devices()[0].device_kind
   min_seconds = 0.1  # each block of calls lasts about this long
   if args.quick:  # blocks of 3 calls: a smoke test times nothing it reports
-    args.lengths, args.heads, args.head_dim, args.reps, args.docs = [32], 2, 8, 2, 3
-    min_seconds = 0.001
+    args.lengths, args.heads, args.head_dims, args.reps, args.docs = [32], 2, [8], 2, 3
+    args.window, min_seconds = 8, 0.001
     args.dtypes = args.dtypes if backend != "cpu" else ["float32"]
-  B, N, H = args.batch, args.heads, args.head_dim
+    args.masks = args.masks or ["full", "causal", "packed"]
+  args.masks = args.masks or list(MASKS)
+  B, N = args.batch, args.heads
   methods_here = runnable(args.methods, backend, args.dtypes)
   peaks = {d: peak_tflops(kind, d) for d in args.dtypes}
   show_best = jax_nn_best(backend) != "jax.nn" and jax_nn_best(backend) in methods_here
   cols = columns(any(x is not None for x in peaks.values()), show_best)
   print(
-    f"{kind} ({backend}), jax {jax.__version__}, B={B} N={N} H={H}, "
+    f"{kind} ({backend}), jax {jax.__version__}, B={B} N={N}, "
     f"medians of {args.reps} interleaved rounds; peak TFLOP/s: "
     + ", ".join(f"{d} {fmt(x, '.1f')}" for d, x in peaks.items())
     + "; speedup = jax.nn's time / the method's"
@@ -229,78 +311,70 @@ def main(argv=None) -> list[dict]:
   print("| " + " | ".join(c[0] for c in cols) + " |")
   print("|" + "---|" * len(cols))
   rows, auto = [], []
-  for dtype in args.dtypes:
-    for T in args.lengths:
-      rng = np.random.default_rng(T)
-      q, k, v = (
-        jnp.asarray(rng.standard_normal((B, T, N, H), np.float32), dtype) for _ in range(3)
-      )
-      seg = segment_ids(B, T, args.docs, seed=T + 1)
-      for mask in args.masks:
-        causal = mask != "full"
-        methods = [
-          m
-          for m in methods_here
-          if (m != "jax.nn/cudnn" or dtype in ("bfloat16", "float16"))
-          and not (m in MATERIALISING and 4 * B * N * T * T > args.max_scores_gib * 2**30)
-        ]
-        auto_runs = explain(q, k, v, mask, seg)
-        auto.append((dtype, T, mask, auto_runs))
-        pairs = packed_pairs(seg) if mask == "packed" else B * T * T / (2 if causal else 1)
-        group: dict[str, dict[str, Any]] = {
-          m: dict(dtype=dtype, T=T, mask=mask, causal=causal, method=m, auto_runs=auto_runs)
-          for m in methods
-        }
-        for r in group.values():  # pct_peak stays None where unknown or the pass fails
-          r.update(peak_tflops=peaks[dtype], fwd_pct_peak=None, fwd_bwd_pct_peak=None)
-          if mask == "packed":
-            r["doc_lengths"] = [np.bincount(row).tolist() for row in seg]
-        # method -> (mode -> its jitted function, the arguments)
-        calls: dict[str, tuple[Callable, tuple]] = {
-          m: (functools.partial(compiled, m, causal), (q, k, v)) for m in methods
-        }
-        if mask == "packed":  # jax.nn's methods take the (B, 1, T, T) mask, jattn's the ids
-          same_doc = jnp.asarray(seg[:, None, :, None] == seg[:, None, None, :])
-          calls = {
-            m: (
-              functools.partial(compiled_packed, m),
-              (q, k, v, same_doc if m.startswith("jax.nn") else jnp.asarray(seg)),
-            )
-            for m in methods
-          }
-        for mode in ("fwd", "fwd_bwd"):
-          fns = {}
-          for m in methods:
-            fn, fargs = calls[m][0](mode), calls[m][1]
-            try:  # compiled once: the program whose memory is read is the one timed
-              exe = fn.lower(*fargs).compile()
-            except Exception as e:  # noqa: BLE001 -- a method the backend cannot run
-              group[m][f"{mode}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
-              continue
-            group[m][f"{mode}_scratch_mb"] = exe.memory_analysis().temp_size_in_bytes / 2**20
-            fns[m] = (exe, fargs)
-          times = _timing.rounds_ms(fns, args.reps, min_seconds)
-          work = 4.0 * N * H * pairs * (3.5 if mode == "fwd_bwd" else 1.0)
-          best = jax_nn_best(backend) if jax_nn_best(backend) in times else "jax.nn"
-          for m, ms in times.items():
-            tflops = work / float(np.median(ms)) / 1e9
-            group[m][f"{mode}_ms"] = float(np.median(ms))
-            group[m][f"{mode}_tflops"] = tflops
-            group[m][f"{mode}_pct_peak"] = (
-              None if peaks[dtype] is None else 100 * tflops / peaks[dtype]
-            )
-            if "jax.nn" in times:
-              group[m][f"{mode}_speedup"] = _timing.median_ratio(times["jax.nn"], ms)
-            if best in times:
-              group[m][f"{mode}_vs_best"] = _timing.median_ratio(times[best], ms)
-              group[m]["jax_nn_best"] = best
-        for r in group.values():
-          print("| " + " | ".join(cell(r, key, spec) for _, key, spec in cols) + " |", flush=True)
-          rows.append(r)
+  for dtype, H, T in itertools.product(args.dtypes, args.head_dims, args.lengths):
+    rng = np.random.default_rng(T)
+    q, k, v = (jnp.asarray(rng.standard_normal((B, T, N, H), np.float32), dtype) for _ in "qkv")
+    seg = segment_ids(B, T, args.docs, seed=T + 1)
+    for mask in args.masks:
+      c = case(mask, B, N, T, seg, args.window, int(args.prefix * T), dtype)
+      methods = [
+        m
+        for m in methods_here
+        if (m != "jax.nn/cudnn" or dtype in ("bfloat16", "float16"))
+        and not (m in MATERIALISING and 4 * B * N * T * T > args.max_scores_gib * 2**30)
+        and not (m.startswith("jax.nn") and c.jax_nn_static is None)
+      ]
+      auto_runs = explain(q, k, v, c)
+      auto.append((dtype, H, T, mask, auto_runs))
+      group: dict[str, dict[str, Any]] = {
+        m: dict(dtype=dtype, H=H, T=T, mask=mask, causal=mask != "full", method=m)
+        | dict(auto_runs=auto_runs)
+        for m in methods
+      }
+      for r in group.values():  # pct_peak stays None where unknown or the pass fails
+        r.update(peak_tflops=peaks[dtype], fwd_pct_peak=None, fwd_bwd_pct_peak=None)
+        if mask == "packed":
+          r["doc_lengths"] = [np.bincount(row).tolist() for row in seg]
+      # method -> (mode -> its jitted function, the arguments)
+      calls: dict[str, tuple[Callable, tuple]] = {}
+      for m in methods:
+        nn = m.startswith("jax.nn")
+        static = c.jax_nn_static if nn else c.jattn_static
+        arrays = c.jax_nn_arrays if nn else c.jattn_arrays
+        calls[m] = (functools.partial(compiled_case, m, static=static), (q, k, v, arrays))
+      for mode in ("fwd", "fwd_bwd"):
+        fns = {}
+        for m in methods:
+          fn, fargs = calls[m][0](mode), calls[m][1]
+          try:  # compiled once: the program whose memory is read is the one timed
+            exe = fn.lower(*fargs).compile()
+          except Exception as e:  # noqa: BLE001 -- a method the backend cannot run
+            group[m][f"{mode}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+            continue
+          group[m][f"{mode}_scratch_mb"] = exe.memory_analysis().temp_size_in_bytes / 2**20
+          fns[m] = (exe, fargs)
+        times = _timing.rounds_ms(fns, args.reps, min_seconds)
+        work = 4.0 * N * H * c.pairs * (3.5 if mode == "fwd_bwd" else 1.0)
+        best = jax_nn_best(backend) if jax_nn_best(backend) in times else "jax.nn"
+        for m, ms in times.items():
+          tflops = work / float(np.median(ms)) / 1e9
+          group[m][f"{mode}_ms"] = float(np.median(ms))
+          group[m][f"{mode}_tflops"] = tflops
+          group[m][f"{mode}_pct_peak"] = (
+            None if peaks[dtype] is None else 100 * tflops / peaks[dtype]
+          )
+          if "jax.nn" in times:
+            group[m][f"{mode}_speedup"] = _timing.median_ratio(times["jax.nn"], ms)
+          if best in times:
+            group[m][f"{mode}_vs_best"] = _timing.median_ratio(times[best], ms)
+            group[m]["jax_nn_best"] = best
+      for r in group.values():
+        print("| " + " | ".join(cell(r, key, spec) for _, key, spec in cols) + " |", flush=True)
+        rows.append(r)
   print(f"\nWhat auto (implementation=None) runs on {backend.upper()}, per jattn.explain:\n")
-  for dtype, T, mask, a in auto:
+  for dtype, H, T, mask, a in auto:
     rule = a["backward"] or "its own fused backward"
-    print(f"- {dtype}, T={T}, {mask}: {a['implementation']} ({rule}): {a['reason']}")
+    print(f"- {dtype}, H={H}, T={T}, {mask}: {a['implementation']} ({rule}): {a['reason']}")
   if args.json:
     _cli.write_record(args.json, rows)
   return rows

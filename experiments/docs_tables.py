@@ -480,11 +480,15 @@ def gpu(docs: pathlib.Path) -> str:
         return format(row[key], spec)
       return row.get(key.rsplit("_", 1)[0] + "_error", "—")
 
-    # Older records have no mask (full or causal), % of peak, jax.nn's best or auto_runs.
+    # Older records have no mask (full or causal), head dim, % of peak, jax.nn's best or
+    # auto_runs.
     mask = lambda row: row.get("mask") or ("causal" if row["causal"] else "full")
-    cols = [("fwd ms", "fwd_ms", ".2f"), ("fwd+bwd ms", "fwd_bwd_ms", ".2f")]
-    if any(row.get("fwd_bwd_pct_peak") is not None for row in rows):
-      cols += [("fwd+bwd % peak", "fwd_bwd_pct_peak", ".1f")]
+    head_dim = lambda row: str(row.get("H", "—"))
+    peak = any(row.get("fwd_bwd_pct_peak") is not None for row in rows)
+    cols = []
+    for mode, name in (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd")):
+      cols += [(f"{name} ms", f"{mode}_ms", ".2f"), (f"{name} TFLOP/s", f"{mode}_tflops", ".0f")]
+      cols += [(f"{name} % peak", f"{mode}_pct_peak", ".1f")] if peak else []
     cols += [("fwd+bwd speedup", "fwd_bwd_speedup", ".2f")]
     if any(row.get("jax_nn_best", "jax.nn") != "jax.nn" for row in rows):
       cols += [("fwd+bwd vs jax.nn's best", "fwd_bwd_vs_best", ".2f")]
@@ -493,20 +497,22 @@ def gpu(docs: pathlib.Path) -> str:
       f"From {_source(path, docs)}; speedup = jax.nn's time / the method's; scratch = XLA's "
       "planned temporary memory:\n",
       _table(
-        ["dtype", "T", "mask", "method"] + [c[0] for c in cols],
+        ["dtype", "H", "T", "mask", "method"] + [c[0] for c in cols],
         [
-          [row["dtype"], f"{row['T']:,}", mask(row), row["method"]]
+          [row["dtype"], head_dim(row), f"{row['T']:,}", mask(row), row["method"]]
           + [f(row, key, spec) for _, key, spec in cols]
           for row in rows
         ],
       ),
     ]
-    auto = {(r["dtype"], r["T"], mask(r)): r["auto_runs"] for r in rows if r.get("auto_runs")}
+    auto = {
+      (r["dtype"], head_dim(r), r["T"], mask(r)): r["auto_runs"] for r in rows if r.get("auto_runs")
+    }
     if auto:
       out.append("What auto (`implementation=None`) ran, per `jattn.explain`:\n")
       out += [
-        f"- {dtype}, T={T:,}, {m}: `{a['implementation']}`: {a['reason']}"
-        for (dtype, T, m), a in auto.items()
+        f"- {dtype}, H={H}, T={T:,}, {m}: `{a['implementation']}`: {a['reason']}"
+        for (dtype, H, T, m), a in auto.items()
       ]
       out.append("")
   return "\n".join(out)

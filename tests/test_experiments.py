@@ -430,7 +430,7 @@ def test_bench_gpu_quick(tmp_path):
   runs timed in both passes for full, causal and packed documents, jax.nn's speedup over
   itself 1, scratch memory read from each compiled program, % of peak where the device is
   known, and what auto runs (jattn.explain) recorded in every row."""
-  from experiments import bench_gpu
+  from experiments import bench_gpu, docs_tables
 
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
@@ -456,9 +456,16 @@ def test_bench_gpu_quick(tmp_path):
       assert [len(d) for d in r["doc_lengths"]] == [3] and sum(r["doc_lengths"][0]) == r["T"]
   assert json.loads((tmp_path / "rows.json").read_text()) == rows
   text = out.getvalue()
-  assert "| float32 | 32 | causal | blockwise |" in text
-  assert "| float32 | 32 | packed | auto |" in text
-  assert f"- float32, T=32, packed: {rows[-1]['auto_runs']['implementation']} (" in text
+  assert "| float32 | 8 | 32 | causal | blockwise |" in text
+  assert "| float32 | 8 | 32 | packed | auto |" in text
+  assert f"- float32, H=8, T=32, packed: {rows[-1]['auto_runs']['implementation']} (" in text
+  # The docs page renders a record of it (here the quick one, copied as a full run's name).
+  docs = tmp_path / "docs"
+  (docs / "gpu").mkdir(parents=True)
+  (docs / "gpu" / "bench_gpu_cpu.json").write_text(json.dumps(rows))
+  page = docs_tables.gpu(docs)
+  assert "| float32 | 8 | 32 | packed | auto |" in page and "fwd TFLOP/s" in page
+  assert "- float32, H=8, T=32, packed: `" in page
   if backend == "cpu":
     assert "note: skipping jax.nn/cudnn: it runs on GPU only" in text and "% peak" not in text
   # The peak table: first match wins, unknown devices get None.
@@ -469,3 +476,47 @@ def test_bench_gpu_quick(tmp_path):
   assert bench_gpu.peak_tflops("TPU v5", "bfloat16") == 459.0
   assert bench_gpu.peak_tflops("TPU v4 lite", "bfloat16") is None
   assert bench_gpu.peak_tflops("cpu", "float32") is None
+
+
+def test_bench_gpu_gives_jax_nn_each_mask_written_out():
+  """Each mask or score function of the accelerator benchmark, as jattn takes it and as
+  jax.nn gets it written out densely (soft cap: jax.nn has none, the float64 formula
+  instead), is the same attention, and its work counts the pairs the mask allows."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  import jattn
+  from experiments import bench_gpu
+
+  B, N, T, H, window, prefix = 2, 2, 24, 8, 5, 6
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.standard_normal((B, T, N, H)).astype(np.float32) for _ in "qkv")
+  seg = bench_gpu.segment_ids(B, T, 3, seed=1)
+  pos = np.arange(T)
+  causal = pos[None, :] <= pos[:, None]
+  allowed = {
+    "full": np.ones((T, T), bool),
+    "causal": causal,
+    "window": causal & (pos[None, :] >= pos[:, None] - window),
+    "prefix": causal | (pos[None, :] < prefix),
+  }
+  for mask in bench_gpu.MASKS:
+    c = bench_gpu.case(mask, B, N, T, seg, window, prefix, jnp.float32)
+    got = jattn.dot_product_attention(
+      q, k, v, **c.jattn_arrays, **dict(c.jattn_static), implementation="xla"
+    )
+    if c.jax_nn_static is None:
+      assert mask == "softcap"
+      s = np.einsum("btnh,bsnh->bnts", q, k, dtype=np.float64) / np.sqrt(H)
+      s = np.where(causal, 30 * np.tanh(s / 30), -np.inf)
+      p = np.exp(s - s.max(-1, keepdims=True))
+      want = np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), v)
+    else:
+      want = jax.nn.dot_product_attention(q, k, v, **c.jax_nn_arrays, **dict(c.jax_nn_static))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5, err_msg=mask)
+    if mask in allowed and mask != "prefix":  # exact counts (causal: T²/2, as FLOP counts go)
+      want_pairs = B * allowed[mask].sum() if mask in ("full", "window") else B * T * T / 2
+      assert c.pairs == want_pairs, mask
+  assert bench_gpu.case("prefix", B, N, T, seg, window, prefix, jnp.float32).pairs == (
+    B * (T * T + prefix * prefix) / 2
+  )
