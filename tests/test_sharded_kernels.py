@@ -201,7 +201,7 @@ def test_the_shard_map_wrapper_keeps_any_kernels_values():
 FB, FT, FN, FH = 4, 32, 4, 16
 
 
-def _flex_call(implementation, ids, bias_spec=None):
+def _flex_call(implementation, ids):
   mask = masks.from_fn(lambda b, h, q, kv: (q + kv + b + 2 * h) % 5 != 0) & masks.causal()
   slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
 
@@ -226,25 +226,29 @@ def _flex_call(implementation, ids, bias_spec=None):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
 
 
-def _flex_inputs(k_heads):
+def _flex_inputs(k_heads, bias_rows):
   rng = np.random.default_rng(7)
   q = jnp.asarray(rng.normal(size=(FB, FT, FN, FH)), jnp.float32)
   k, v = (jnp.asarray(rng.normal(size=(FB, FT, k_heads, FH)), jnp.float32) for _ in "kv")
-  bias = jnp.asarray(rng.normal(size=(FB, FN, FT, FT)), jnp.float32)
+  bias = jnp.asarray(rng.normal(size=(bias_rows, FN, FT, FT)), jnp.float32)
   ids = jnp.asarray(np.sort(rng.integers(0, 3, (FB, FT)), axis=1), jnp.int32)
   return q, k, v, bias, ids
 
 
-@pytest.mark.parametrize("mode, k_heads", [("explicit", 2), ("auto", 1)])
-def test_flex_runs_each_devices_share_on_global_indices(mode, k_heads):
-  q, k, v, bias, ids = _flex_inputs(k_heads)
+# A bias per batch row and head is split with the scores; one broadcast over the batch
+# (B = 1) is split by heads, and its gradient summed over the devices holding its rows.
+@pytest.mark.parametrize(
+  "mode, k_heads, bias_spec", [("explicit", 2, P("data", "model")), ("auto", 1, P(None, "model"))]
+)
+def test_flex_runs_each_devices_share_on_global_indices(mode, k_heads, bias_spec):
+  q, k, v, bias, ids = _flex_inputs(k_heads, FB if bias_spec[0] else 1)
   (_, (want, want_lse)), want_grads = _flex_call("xla", ids)(q, k, v, bias)
   kv_spec = BTNH if k_heads > 1 else P("data", None, None, None)
   mesh = MESH if mode == "explicit" else AUTO
   with jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext():
     qs = jax.device_put(q, NamedSharding(mesh, BTNH))
     ks, vs = (jax.device_put(x, NamedSharding(mesh, kv_spec)) for x in (k, v))
-    bs = jax.device_put(bias, NamedSharding(mesh, P("data", "model")))
+    bs = jax.device_put(bias, NamedSharding(mesh, bias_spec))
     ids_s = jax.device_put(ids, NamedSharding(mesh, P("data", None)))
     with testing.interpret_kernels():
       fn = _flex_call("flex", ids_s).lower(qs, ks, vs, bs).compile()
@@ -258,6 +262,6 @@ def test_flex_runs_each_devices_share_on_global_indices(mode, k_heads):
   np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
   np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=2e-5)
   assert _sharded_as(grads[0], mesh, BTNH) and _sharded_as(grads[1], mesh, kv_spec)
-  assert _sharded_as(grads[3], mesh, P("data", "model"))
+  assert _sharded_as(grads[3], mesh, bias_spec)
   for got, w in zip(grads, want_grads):
     np.testing.assert_allclose(got, w, atol=1e-4, rtol=1e-4)

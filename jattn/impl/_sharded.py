@@ -150,6 +150,11 @@ def _head_axes(mesh: Mesh, n: MeshAxes, N: int, K: int, heads_whole: bool) -> Me
   return n
 
 
+def _names(axes: MeshAxes) -> tuple[str, ...]:
+  """The mesh axis names of one PartitionSpec entry."""
+  return () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+
+
 def _offsets(b: MeshAxes, n: MeshAxes, rows: int, heads: int) -> jax.Array:
   """(2,) int32 inside a per-device call: the global index of its first batch row and query
   head, with ``rows`` batch rows over mesh axes ``b`` and ``heads`` heads over ``n``."""
@@ -405,22 +410,25 @@ def _define(
     del result_shape
     sharding = arg_shapes[first].sharding
     b, n = axes(mesh, sharding)
-    # The one key/value head is whole on every device, and each device's gradient for it
-    # sums over its own query heads only: add up the devices' shares.
-    summed = K == 1 and n is not None
+    out_specs = specs(mesh, sharding, roles_out)
+    # A result whole along a mesh axis that splits the batch or heads (the one key/value
+    # head with K == 1; a bias broadcast over the batch or heads; a score function's
+    # table) is a gradient each device computes from its own rows and heads only: add up
+    # the devices' shares over those axes.
+    split = [a for axes_ in (b, n) for a in _names(axes_)]
+    summed = [
+      tuple(a for a in split if a not in {x for e in spec.spec for x in _names(e)})
+      for spec in out_specs
+    ]
 
     def run(*args: jax.Array) -> Any:
       offsets = None
       if global_index:
         offsets = _offsets(b, n, B // _size(mesh, b), N // _size(mesh, n))
       outs = lower(*args, offsets=offsets)
-      if not summed or not ("k" in roles_out or "v" in roles_out):
-        return outs
-      return tuple(
-        jax.lax.psum(x, n) if role in ("k", "v") else x for x, role in zip(outs, roles_out)
-      )
+      return tuple(jax.lax.psum(x, over) if over else x for x, over in zip(outs, summed))
 
-    return mesh, run, specs(mesh, sharding, roles_out), specs(mesh, sharding, roles_in)
+    return mesh, run, out_specs, specs(mesh, sharding, roles_in)
 
   def mapping(role: str, i: int, shape: tuple[int, ...]) -> ArrayMapping:
     names = _FACTORS.get(role, ())
