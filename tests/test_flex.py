@@ -113,9 +113,12 @@ def _flex_vjp(q, k, v, mask, score_fn, interpret=True, bias=None):
   s_spec = jax.ShapeDtypeStruct((1, 1, BQ, BK), q.dtype)
   mask_f = None if mask is None else fk.Function.trace(lambda *i: mask(*i), *specs)
   score_f = None if score_fn is None else fk.Function.trace(lambda *a: score_fn(*a), s_spec, *specs)
+  grid = None if score_fn is None else flex._grid_trace(score_fn, score_f, B, N, T, S, q.dtype)
   rows, cols = fk.schedules(mask, B, N, T, S, BQ, BK)
   settings = fk.Settings(H**-0.5, T, S, BQ, BK, num_warps=4, num_stages=2, interpret=interpret)
-  return _flex_backward.attention(q, k, v, rows, cols, mask_f, score_f, settings, bias=bias)
+  return _flex_backward.attention(
+    q, k, v, rows, cols, mask_f, score_f, settings, bias=bias, score_grid=grid
+  )
 
 
 @pytest.mark.parametrize("case", sorted(GRAD_CASES))
@@ -229,17 +232,51 @@ def test_an_undifferentiated_bias_costs_no_score_gradient_buffer():
   assert _dq_outputs(jax.grad(loss, (0, 1)), q, bias) == [2]  # dq and the (B, N, T, S) dS
 
 
-def test_learned_score_arrays_are_refused_when_differentiated():
-  """ALiBi slopes being learned (differentiated): refused by name; constant slopes are read
-  by the kernels and take no gradient (the alibi_mqa gradient case)."""
+@pytest.mark.parametrize("learned", ["alibi", "t5_table"])
+def test_learned_score_arrays_get_their_gradients(learned):
+  """Learned ALiBi slopes or a T5 relative-position table, differentiated with q, k, v and a
+  key-padding bias, through a mask that empties rows: every gradient equals xla's."""
   q, k, v = _inputs(2)
+  rng = np.random.default_rng(8)
+  bias = jnp.asarray(rng.normal(size=(B, 1, 1, S)), jnp.float32)
+  params = jnp.asarray(rng.uniform(0.05, 0.5, N) if learned == "alibi" else rng.normal(size=(8, N)))
+  mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
 
-  def loss(slopes):
-    alibi = lambda s, b, h, qi, kv: s - slopes[h] * jnp.abs(qi - kv)
-    return _loss(lambda *a: _flex_vjp(*a, None, alibi), q, k, v)
+  def run(impl):
+    def loss(q, k, v, bias, params):
+      if learned == "alibi":
+        score_fn = jattn.scores.alibi(params)
+      else:
+        score_fn = jattn.scores.relative_position_bias(params, num_buckets=8, max_distance=16)
+      attend = lambda *a: jattn.dot_product_attention(
+        *a, bias, mask=mask, score_fn=score_fn, implementation=impl, return_residual=True
+      )
+      return _loss(attend, q, k, v)
 
-  with pytest.raises(ValueError, match="no gradient for the floating arrays a score function"):
-    jax.grad(loss)(jnp.asarray([0.5, 0.2, 0.1, 0.05]))
+    return jax.jit(jax.grad(loss, (0, 1, 2, 3, 4)))(q, k, v, bias, params.astype(jnp.float32))
+
+  with jattn.testing.interpret_kernels():
+    grads = run("flex")
+  for name, g, w in zip(("dq", "dk", "dv", "dbias", "dparams"), grads, run("xla")):
+    assert g.shape == w.shape and np.abs(w).max() > 0, name
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
+
+
+def test_check_grads_float64_learned_slopes(x64):
+  """The score function's arrays' gradient (on the whole grid) with a bias's, in float64."""
+  mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
+  q = _inputs(2)[0].astype(jnp.float64)
+  k, v = (x.astype(jnp.float64) for x in _inputs(2)[1:])
+  bias = jnp.asarray(np.random.default_rng(2).normal(size=(1, N, 1, S)))
+
+  def f(q, bias, slopes):
+    score_fn = lambda s, b, h, qi, kv: s - slopes[h] * jnp.abs(qi - kv) + 0.1 * jnp.sin(s)
+    return _loss(lambda *a: _flex_vjp(*a, mask, score_fn, bias=bias), q, k, v)
+
+  slopes = jnp.asarray([0.5, 0.2, 0.1, 0.05])
+  jax.test_util.check_grads(
+    jax.jit(f), (q, bias, slopes), order=1, modes=["rev"], atol=1e-5, rtol=1e-5
+  )
 
 
 # --- implementation="flex" through the public call ---------------------------------------

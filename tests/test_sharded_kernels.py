@@ -203,9 +203,8 @@ FB, FT, FN, FH = 4, 32, 4, 16
 
 def _flex_call(implementation, ids):
   mask = masks.from_fn(lambda b, h, q, kv: (q + kv + b + 2 * h) % 5 != 0) & masks.causal()
-  slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
 
-  def loss(q, k, v, bias):
+  def loss(q, k, v, bias, slopes):  # learned ALiBi slopes: their gradient sums every shard's
     out, lse = jattn.dot_product_attention(
       q,
       k,
@@ -223,7 +222,10 @@ def _flex_call(implementation, ids):
     )
     return jnp.sum(out**2) + jnp.sum(jnp.sin(lse)), (out, lse)
 
-  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+
+
+SLOPES = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
 
 
 def _flex_inputs(k_heads, bias_rows):
@@ -242,7 +244,7 @@ def _flex_inputs(k_heads, bias_rows):
 )
 def test_flex_runs_each_devices_share_on_global_indices(mode, k_heads, bias_spec):
   q, k, v, bias, ids = _flex_inputs(k_heads, FB if bias_spec[0] else 1)
-  (_, (want, want_lse)), want_grads = _flex_call("xla", ids)(q, k, v, bias)
+  (_, (want, want_lse)), want_grads = _flex_call("xla", ids)(q, k, v, bias, SLOPES)
   kv_spec = BTNH if k_heads > 1 else P("data", None, None, None)
   mesh = MESH if mode == "explicit" else AUTO
   with jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext():
@@ -251,9 +253,9 @@ def test_flex_runs_each_devices_share_on_global_indices(mode, k_heads, bias_spec
     bs = jax.device_put(bias, NamedSharding(mesh, bias_spec))
     ids_s = jax.device_put(ids, NamedSharding(mesh, P("data", None)))
     with testing.interpret_kernels():
-      fn = _flex_call("flex", ids_s).lower(qs, ks, vs, bs).compile()
+      fn = _flex_call("flex", ids_s).lower(qs, ks, vs, bs, SLOPES).compile()
       hlo = fn.as_text()
-      (_, (out, lse)), grads = fn(qs, ks, vs, bs)
+      (_, (out, lse)), grads = fn(qs, ks, vs, bs, SLOPES)
   # Only the segment ids (read by global batch index) are gathered, never q, k, v or bias.
   shapes = {f"f32[{','.join(map(str, x.shape))}]" for x in (q, k, v, bias)}
   gathers = [line for line in hlo.splitlines() if GATHER.search(line)]

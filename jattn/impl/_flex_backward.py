@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.extend import core as jex_core
 
 from jattn.impl import _common, _orders, _tiling
 from jattn.impl._flex_kernels import (
@@ -61,14 +62,20 @@ def attention(
   seed: jax.Array | None = None,
   bias: jax.Array | None = None,
   offsets: jax.Array | None = None,
+  score_grid: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """:func:`jattn.impl._flex_kernels.forward`, differentiable in query, key, value and bias.
+  """:func:`jattn.impl._flex_kernels.forward`, differentiable in query, key, value, bias and
+  the floating arrays the score function reads.
 
   ``cols`` is the schedule of the transposed tile classes (per key/value tile, its query
   tiles); ``seed`` the dropout's two words; ``offsets`` the global index of the shard's
-  first batch row and head (:func:`jattn.impl._flex_kernels.kernel_scalars`). The arrays
-  the mask and score function read take no gradient: integer ones have none, and floating
-  ones (learned score parameters) are refused when differentiated.
+  first batch row and head (:func:`jattn.impl._flex_kernels.kernel_scalars`).
+  ``score_grid``: the score function's jaxpr traced on the whole (B, N, T, S) grid (its
+  arrays the same, in the same order, as ``score``'s), for the gradients of the floating
+  arrays it reads (learned parameters): where they are differentiated, the dQ kernel writes
+  the gradient of the score function's output to a (B, N, T, S) float32 buffer and XLA
+  takes the score function's VJP on the whole grid (O(B·N·T·S) memory, as a bias's
+  gradient). Without it, differentiating them is refused.
   """
   arrays = (
     rows,
@@ -77,7 +84,7 @@ def attention(
     score.arrays if score else (),
     kernel_scalars(seed, offsets),
   )
-  jaxprs = (mask.jaxpr if mask else None, score.jaxpr if score else None)
+  jaxprs = (mask.jaxpr if mask else None, score.jaxpr if score else None, score_grid)
   return _attention(jaxprs, settings, query, key, value, bias, arrays)
 
 
@@ -86,7 +93,7 @@ _WHO = "implementation='flex'"
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention(
-  jaxprs: tuple[Any, Any],
+  jaxprs: tuple[Any, Any, Any],
   settings: Settings,
   query: jax.Array,
   key: jax.Array,
@@ -109,7 +116,7 @@ def _attention(
 
 
 def _attention_fwd(
-  jaxprs: tuple[Any, Any],
+  jaxprs: tuple[Any, Any, Any],
   settings: Settings,
   query: Any,
   key: Any,
@@ -118,21 +125,26 @@ def _attention_fwd(
   arrays: Any,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[Any, ...]]:
   # symbolic_zeros: each input comes as (value, perturbed); perturbed says it is differentiated.
+  # Static facts ride in the residuals' tree structure: () where true, None where not.
   _, _, _, score_arrays, _ = arrays
-  learned = [a for a in score_arrays if a.perturbed and jnp.issubdtype(a.value.dtype, jnp.floating)]
-  if learned:
+  learned = tuple(
+    () if a.perturbed and jnp.issubdtype(a.value.dtype, jnp.floating) else None
+    for a in score_arrays
+  )
+  if any(x is not None for x in learned) and jaxprs[2] is None:
     raise ValueError(
-      "implementation='flex' computes no gradient for the floating arrays a score function "
-      f"reads (learned parameters: {len(learned)} here) yet; use implementation='blockwise'"
+      "implementation='flex' cannot differentiate the floating arrays this score function "
+      "reads (it traces differently on the whole grid); use implementation='blockwise'"
     )
   wants_d_bias = bias is not None and bias.perturbed
   query, key, value, bias, arrays = _common.primal_values((query, key, value, bias, arrays))
   out, lse = _attention(jaxprs, settings, query, key, value, bias, arrays)
-  return (out, lse), (query, key, value, bias, arrays, out, lse, () if wants_d_bias else None)
+  flags = (() if wants_d_bias else None, learned)
+  return (out, lse), (query, key, value, bias, arrays, out, lse, flags)
 
 
 def _attention_bwd(
-  jaxprs: tuple[Any, Any], settings: Settings, residuals: tuple[Any, ...], cotangents: Any
+  jaxprs: tuple[Any, Any, Any], settings: Settings, residuals: tuple[Any, ...], cotangents: Any
 ) -> tuple[Any, ...]:
   grads = functools.partial(_grads, jaxprs, settings)
   cotangents = tuple(_common.materialized(c) for c in cotangents)
@@ -141,9 +153,10 @@ def _attention_bwd(
 
 
 def _grads(
-  jaxprs: tuple[Any, Any], settings: Settings, residuals: tuple[Any, ...], cotangents: Any
+  jaxprs: tuple[Any, Any, Any], settings: Settings, residuals: tuple[Any, ...], cotangents: Any
 ) -> tuple[Any, ...]:
-  query, key, value, bias, arrays, out, lse, wants_d_bias = residuals
+  query, key, value, bias, arrays, out, lse, (wants_d_bias, learned) = residuals
+  learning = any(x is not None for x in learned)
   d_out, d_lse = cotangents
   rows, cols, mask_arrays, score_arrays, scalars = arrays
   # The lse's cotangent enters the scores' as Δ does: dS = P ⊙ (dP − Δ + d_lse).
@@ -164,21 +177,76 @@ def _grads(
     scalars,
     mask_arrays,
     score_arrays,
-    jaxprs,
+    jaxprs[:2],
     settings,
     bias,
-    wants_d_bias is not None,
+    wants_d_bias is not None or learning,
+    learning,
   )
+  T, S = query.shape[1], key.shape[1]
+  d_arrays = jax.tree.map(_zero_cotangent, arrays)
+  if ds is not None:
+    ds = ds[:, :, :T, :S]
+  if learning:  # ds is the score function's output's gradient: take its VJP on the grid
+    assert ds is not None
+    chosen = [i for i, x in enumerate(learned) if x is not None]
+    ds, d_chosen = _score_grid_vjp(
+      jaxprs[2], settings, query, key, bias, score_arrays, chosen, scalars, ds
+    )
+    d_score = list(d_arrays[3])
+    for i, d in zip(chosen, d_chosen):
+      d_score[i] = d.astype(score_arrays[i].dtype)
+    d_arrays = (*d_arrays[:3], tuple(d_score), d_arrays[4])
   d_bias = None
   if bias is not None:
-    if ds is None:
+    if wants_d_bias is None or ds is None:
       d_bias = jnp.zeros_like(bias)
     else:
-      T, S = query.shape[1], key.shape[1]
-      d_bias = _common.reduce_to_shape(ds[:, :, :T, :S], bias.shape)
-      d_bias = d_bias.astype(bias.dtype)
-  zeros = jax.tree.map(_zero_cotangent, arrays)
-  return dq, dk, dv, d_bias, zeros
+      d_bias = _common.reduce_to_shape(ds, bias.shape).astype(bias.dtype)
+  return dq, dk, dv, d_bias, d_arrays
+
+
+def _score_grid_vjp(
+  grid_jaxpr: Any,
+  settings: Settings,
+  query: jax.Array,
+  key: jax.Array,
+  bias: jax.Array | None,
+  score_arrays: tuple[jax.Array, ...],
+  chosen: list[int],
+  scalars: jax.Array,
+  d_scores: jax.Array,
+) -> tuple[jax.Array, list[jax.Array]]:
+  """``(dS before the score function, the gradients of score_arrays[chosen])``: the score
+  function's VJP on the whole (B, N, T, S) grid at this device's scores (recomputed, in
+  the statistics dtype), its output's gradient ``d_scores`` the cotangent."""
+  B, T, N, _ = query.shape
+  S, K = key.shape[1], key.shape[2]
+  f = _common.stats_dtype(query.dtype)
+  keys = jnp.repeat(key, N // K, axis=2)  # each query head's key/value head
+  s = jnp.einsum("BTNH,BSNH->BNTS", query, keys, preferred_element_type=f)
+  s = s * jnp.asarray(settings.scale, f)
+  if bias is not None:
+    s = s + bias.astype(f)
+  b0, n0 = (scalars[i].astype(jnp.int32) for i in (2, 3))  # the shard's first row and head
+  index = (
+    (jnp.arange(B, dtype=jnp.int32) + b0).reshape(B, 1, 1, 1),
+    (jnp.arange(N, dtype=jnp.int32) + n0).reshape(1, N, 1, 1),
+    jnp.arange(T, dtype=jnp.int32).reshape(1, 1, T, 1),
+    jnp.arange(S, dtype=jnp.int32).reshape(1, 1, 1, S),
+  )
+  run = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(grid_jaxpr, []))
+
+  def score(s: jax.Array, *learned: jax.Array) -> jax.Array:
+    inputs = list(score_arrays)
+    for i, x in zip(chosen, learned):
+      inputs[i] = x
+    (y,) = run(*inputs, s, *index)
+    return jnp.broadcast_to(y, s.shape).astype(f)
+
+  _, vjp = jax.vjp(score, s, *(score_arrays[i] for i in chosen))
+  d_raw, *d_chosen = vjp(d_scores.astype(f))
+  return d_raw, d_chosen
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
@@ -205,10 +273,12 @@ def _backward(
   jaxprs: tuple[Any, Any],
   settings: Settings,
   bias: jax.Array | None = None,
-  wants_d_bias: bool = False,
+  wants_ds: bool = False,
+  before_score: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-  """``(dq, dk, dv, dS)``: dS (B, N, Tp, Sp) float32, the scores' gradient, only where the
-  bias is differentiated (else None)."""
+  """``(dq, dk, dv, dS)``: dS (B, N, Tp, Sp) float32, the scores' gradient, only where
+  ``wants_ds`` (else None): the gradient of the score function's output with
+  ``before_score``, else of its input (what the bias adds to)."""
   B, T, N, H = query.shape
   S, K, Hv = key.shape[1], key.shape[2], value.shape[-1]
   G = N // K
@@ -240,14 +310,16 @@ def _backward(
         lambda j, b, h: (b if Bb > 1 else 0, 0, 0, j if Sb > 1 else 0),
       )
     ]
-    if wants_d_bias:
-      ds_out = [jnp.zeros((B, N, Tp, Sp), f)]
+  if wants_ds:
+    ds_out = [jnp.zeros((B, N, Tp, Sp), f)]
   params = plgpu.CompilerParams(num_warps=settings.num_warps, num_stages=settings.num_stages)
 
   ds_spec = pl.BlockSpec((None, None, bq, Sp), lambda i, b, n: (b, n, i, 0))
   n_in = 10 + len(arrays) + len(row_bias)  # the zeroed dS buffer's place among the inputs
   dq, *ds = pl.pallas_call(
-    functools.partial(_dq_kernel, settings=settings, counts=counts, jaxprs=jaxprs),
+    functools.partial(
+      _dq_kernel, settings=settings, counts=counts, jaxprs=jaxprs, before_score=before_score
+    ),
     grid=(nq, B, N),
     in_specs=[
       pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),
@@ -348,18 +420,19 @@ def _probabilities_and_ds(
   head: jax.Array,
   masked: bool,
   bias: jax.Array | None,
-) -> tuple[jax.Array, jax.Array]:
-  """``(P after dropout, dS)`` of one tile, (bq, bk) in the statistics dtype."""
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(P after dropout, dS, dS before the score function's derivative)`` of one tile, (bq, bk)
+  in the statistics dtype: dS is the gradient of the scores the bias adds to, the last that
+  of the score function's output."""
   s, slope = scorer(q, k, q_idx, kv_idx, batch, head, masked, derivative=True, bias=bias)
   finite = jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # empty rows: P = 0
   p = jnp.exp(s - finite[:, None])
   # Y = (P ⊙ D) V with D the kept weights' 1 / (1 − rate): dP = (dY Vᵀ) ⊙ D, and
   # Δ = rowsum(Y ⊙ dY) = rowsum(P ⊙ dP) still.
   dp = scorer.dropped(jnp.dot(do, v.T, preferred_element_type=s.dtype), q_idx, kv_idx, batch, head)
-  ds = p * (dp - delta[:, None])
-  if slope is not None:
-    ds = ds * slope
-  return scorer.dropped(p, q_idx, kv_idx, batch, head), ds
+  d_post = p * (dp - delta[:, None])
+  ds = d_post if slope is None else d_post * slope
+  return scorer.dropped(p, q_idx, kv_idx, batch, head), ds, d_post
 
 
 def _dq_kernel(
@@ -377,6 +450,7 @@ def _dq_kernel(
   settings: Settings,
   counts: tuple[int, int, bool],
   jaxprs: tuple[Any, Any],
+  before_score: bool,
 ) -> None:
   mask_refs, score_refs, bias_ref, rest = split_refs(refs, counts)
   # With a differentiated bias: the zeroed dS buffer, its input and output refs (aliased).
@@ -396,11 +470,11 @@ def _dq_kernel(
     k = k_ref[pl.ds(j * bk, bk), :]
     v = v_ref[pl.ds(j * bk, bk), :]
     bias = bias_tile(bias_ref, slice(None), pl.ds(j * bk, bk))
-    _, ds = _probabilities_and_ds(
+    _, ds, d_post = _probabilities_and_ds(
       scorer, q, k, v, do, lse, delta, q_idx, kv_idx, batch, head, masked, bias
     )
     if ds_ref is not None:
-      ds_ref[:, pl.ds(j * bk, bk)] = ds.astype(ds_ref.dtype)
+      ds_ref[:, pl.ds(j * bk, bk)] = (d_post if before_score else ds).astype(ds_ref.dtype)
     return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=dq.dtype)
 
   dq = jnp.zeros(dq_ref.shape, dq_ref.dtype)
@@ -450,7 +524,7 @@ def _dkv_kernel(
       if bias_ref is not None:  # (Nb, Tb, bk or 1): this head's plane, then the query tile
         Nb, Tb, _ = bias_ref.shape
         bias = bias_ref[h * group + g if Nb > 1 else 0, rows if Tb > 1 else slice(None), :]
-      p, ds = _probabilities_and_ds(
+      p, ds, _ = _probabilities_and_ds(
         scorer, q, k, v, do, lse, delta, q_idx, kv_idx, batch, head, masked, bias
       )
       dv = dv + jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=dv.dtype)

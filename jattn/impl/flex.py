@@ -16,15 +16,16 @@ global indices.
 On a GPU, ``implementation=None`` runs it for every call cuDNN does not express (it comes
 after cuDNN in the table). Its tiles, warps and stages come from :data:`TILES`, by GPU
 generation, head dim and dtype (starting points until measured with
-``python -m experiments.tune_flex``). Not yet: gradients of the floating arrays a score
-function reads (learned parameters; refused when differentiated). Sinks are added around
-it, as for every implementation that does not take them itself.
+``python -m experiments.tune_flex``). The floating arrays a score function reads (learned
+ALiBi slopes, a T5 table) get their gradients, where differentiated, from the score
+function's VJP on the whole (B, N, T, S) grid (O(B·N·T·S) memory, as a bias's). Sinks are
+added around it, as for every implementation that does not take them itself.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -142,7 +143,7 @@ def _attend(
   bq = min(spec.block_q or row.block_q, max(16, _kernels.pow2(T)))
   bk = min(spec.block_kv or row.block_kv, max(16, _kernels.pow2(S)))
   specs = _kernels.index_specs(bq, bk)
-  mask = score = None
+  mask = score = score_grid = None
   if spec.mask is not None:
     m = spec.mask
     mask = _kernels.Function.trace(lambda b, h, q, kv: m(b, h, q, kv), *specs)
@@ -150,6 +151,7 @@ def _attend(
     fn = spec.score_fn
     s_spec = jax.ShapeDtypeStruct((1, 1, bq, bk), jnp.promote_types(query.dtype, jnp.float32))
     score = _kernels.Function.trace(lambda s, b, h, q, kv: fn(s, b, h, q, kv), s_spec, *specs)
+    score_grid = _grid_trace(fn, score, query.shape[0], query.shape[2], T, S, s_spec.dtype)
   # The tile classes over all batch rows and heads, the global ones (the mask's arrays are
   # whole on each device).
   rows, cols = _kernels.schedules(spec.mask, spec.B, spec.N, T, S, bq, bk)
@@ -169,8 +171,37 @@ def _attend(
   if spec.dropout_rate:
     seed = jnp.stack(_dropout.seed_words(spec.dropout_rng))
   return _flex_backward.attention(
-    query, key, value, rows, cols, mask, score, settings, seed, spec.bias, spec.shard_offsets
+    query,
+    key,
+    value,
+    rows,
+    cols,
+    mask,
+    score,
+    settings,
+    seed,
+    spec.bias,
+    spec.shard_offsets,
+    score_grid,
   )
+
+
+def _grid_trace(
+  fn: Any, tile: _kernels.Function, B: int, N: int, T: int, S: int, dtype: Any
+) -> Any:
+  """The score function traced on this device's whole (B, N, T, S) grid, for the gradients
+  of the arrays it reads; None if they do not come out as the tile trace's (then those
+  gradients are refused)."""
+  specs = [
+    jax.ShapeDtypeStruct(shape, jnp.int32)
+    for shape in ((B, 1, 1, 1), (1, N, 1, 1), (1, 1, T, 1), (1, 1, 1, S))
+  ]
+  s_spec = jax.ShapeDtypeStruct((B, N, T, S), dtype)
+  grid = _kernels.Function.trace(lambda s, b, h, q, kv: fn(s, b, h, q, kv), s_spec, *specs)
+  same = len(grid.arrays) == len(tile.arrays) and all(
+    (a.shape, a.dtype) == (b.shape, b.dtype) for a, b in zip(grid.arrays, tile.arrays)
+  )
+  return grid.jaxpr if same else None
 
 
 IMPLEMENTATION = _base.Implementation(
