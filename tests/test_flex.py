@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import SCORE_FNS
+from cases import SCORE_FNS, mask_kinds
 
 import jattn
 from jattn import _compat, masks
@@ -172,6 +172,32 @@ def _public_flex_matches_xla(q, k, v, bias=None, **kw):
   for name, g, w in zip(("dq", "dk", "dv", "dbias"), grads, want_grads):
     assert g.shape == w.shape, name
     np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
+
+
+# Every mask kind of the catalogue at lengths that are not whole tiles (40 with 16-row
+# tiles), several emptying rows, and sparse layouts.
+CATALOGUE = {
+  **mask_kinds(
+    B,
+    T,
+    S,
+    ids=(IDS, IDS),
+    window=(5, 2),
+    chunk=12,
+    prefix=[7, 0],
+    lengths=([33, 40], [40, 0]),
+    num_global=3,
+    stride=3,
+  ),
+  "longformer": masks.longformer(3, dilation=2),
+  "bigbird": masks.bigbird(T, S, block_size=8, num_random_blocks=1, seed=0),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CATALOGUE))
+def test_every_mask_kind_matches_xla_values_lse_and_gradients(kind):
+  q, k, v = _inputs(2)
+  _public_flex_matches_xla(q, k, v, mask=CATALOGUE[kind])
 
 
 @pytest.mark.parametrize("shape", [(B, N, T, S), (B, 1, 1, S), (T, 1)], ids=str)
