@@ -223,11 +223,7 @@ def _score_grid_vjp(
   B, T, N, _ = query.shape
   S, K = key.shape[1], key.shape[2]
   f = _common.stats_dtype(query.dtype)
-  keys = jnp.repeat(key, N // K, axis=2)  # each query head's key/value head
-  s = jnp.einsum("BTNH,BSNH->BNTS", query, keys, preferred_element_type=f)
-  s = s * jnp.asarray(settings.scale, f)
-  if bias is not None:
-    s = s + bias.astype(f)
+  s = _common.logits(_common.group_heads(query, K), key, bias, settings.scale)
   b0, n0 = (scalars[i].astype(jnp.int32) for i in (2, 3))  # the shard's first row and head
   index = (
     (jnp.arange(B, dtype=jnp.int32) + b0).reshape(B, 1, 1, 1),

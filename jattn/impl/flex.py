@@ -151,7 +151,8 @@ def _attend(
     fn = spec.score_fn
     s_spec = jax.ShapeDtypeStruct((1, 1, bq, bk), jnp.promote_types(query.dtype, jnp.float32))
     score = _kernels.Function.trace(lambda s, b, h, q, kv: fn(s, b, h, q, kv), s_spec, *specs)
-    score_grid = _grid_trace(fn, score, query.shape[0], query.shape[2], T, S, s_spec.dtype)
+    if any(jnp.issubdtype(a.dtype, jnp.floating) for a in score.arrays):  # learnable
+      score_grid = _grid_trace(fn, score, query.shape[0], query.shape[2], T, S, s_spec.dtype)
   # The tile classes over all batch rows and heads, the global ones (the mask's arrays are
   # whole on each device).
   rows, cols = _kernels.schedules(spec.mask, spec.B, spec.N, T, S, bq, bk)
