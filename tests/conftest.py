@@ -59,11 +59,11 @@ gc.set_threshold(200_000, 20, 50)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # Lowering gives every operation a source location: by default the Python stack of the
-# line that traced it, ten frames deep, or the whole stack. The suite lowers about 6,000
-# programs, and no test reads their locations (errors raised while tracing keep their
-# tracebacks). In alternating runs, no frames saved 3-5 % of test_masks.py and test_flex.py,
-# and the one frame kept here (for debugging) 1-5 % of test_masks.py and test_docs.py.
-jax.config.update("jax_traceback_in_locations_limit", 1)
+# line that traced it, up to 100 frames. The suite lowers about 6,000 programs, and no test
+# reads their locations (errors raised while tracing keep their tracebacks). Without full
+# tracebacks each operation keeps its one user frame (for debugging; the frame limit,
+# jax_traceback_in_locations_limit, applies only to full tracebacks): in alternating runs
+# that saved 1-5 % of test_masks.py and test_docs.py.
 jax.config.update("jax_include_full_tracebacks_in_locations", False)
 
 settings.register_profile(
