@@ -21,12 +21,11 @@ static masks and head counts that do not divide keep the heads whole on each dev
 refuses it and names ``jattn.parallel.ring_attention``.
 
 Kernels that trace the mask and score function into their body (flex) run them on global
-indices instead (``global_index=True``): the arrays those functions read stay whole on every
-device, each device's spec keeps the global B, N and K and carries the global index of its
-first batch row and head (``spec.shard_offsets``), from which the kernel's program ids
-become global ones. Masks and score functions that read the batch or head index, and the
-dropout pattern (drawn from the global indices), then come out as on one device, and any
-head count that divides the mesh axes can be split.
+indices (``global_index=True``): the arrays they read stay whole on every device, and each
+device's spec keeps the global B, N and K with the global index of its first batch row and
+head (``spec.shard_offsets``), which makes the kernel's program ids global. Masks and score
+functions that read the batch or head index, and dropout (drawn from global indices), then
+come out as on one device, and any head count that divides the mesh axes can be split.
 """
 
 from __future__ import annotations
@@ -59,10 +58,7 @@ Mesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
 
 def _size(mesh: Mesh, axes: MeshAxes) -> int:
-  if axes is None:
-    return 1
-  axes = axes if isinstance(axes, tuple) else (axes,)
-  return math.prod(mesh.shape[a] for a in axes)
+  return math.prod(mesh.shape[a] for a in _names(axes))
 
 
 _dims = _common.sharding_spec  # the mesh axes of each dimension (Explicit mode), else Nones

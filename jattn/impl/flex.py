@@ -4,8 +4,8 @@ compiled into one Pallas kernel (Triton lowering), forward and backward.
 The call's combined mask and its score function (with the soft cap) are traced into the
 kernels' bodies on each tile's indices (:mod:`jattn.impl._in_kernel`); the tiles come from
 the mask's tile classes as in blockwise, so EMPTY tiles are never loaded and FULL ones skip
-the mask (:mod:`jattn.impl._flex_kernels`, :mod:`jattn.impl._flex_backward`). GQA and MQA
-read each key/value head once; the value head dim may differ; lengths need not be whole
+the mask (:mod:`jattn.impl._flex_kernels`, :mod:`jattn.impl._flex_backward_kernels`). GQA
+and MQA read each key/value head once; the value head dim may differ; lengths need not be whole
 tiles; dropout's pattern is regenerated from (rng, batch, head, q, kv) in each kernel, as
 every implementation draws it; a bias of any broadcastable shape is read tile by tile (its
 gradient, where asked for, through a (B, N, T, S) float32 buffer); rows with nothing to
