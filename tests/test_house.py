@@ -1,0 +1,90 @@
+"""The house rules of docs/layout.md, read from the source: no module of the library over
+450 lines, no test file over 800, no test file importing another, and ``__all__`` set in
+the code of every module the API reference documents."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LIBRARY = sorted((ROOT / "jattn").rglob("*.py"))
+TESTS = sorted((ROOT / "tests").glob("test_*.py"))
+
+
+def _lines(path: pathlib.Path) -> int:
+  return len(path.read_text(encoding="utf-8").splitlines())
+
+
+def test_the_globs_find_the_code():
+  assert len(LIBRARY) > 50 and len(TESTS) > 30
+
+
+def test_no_library_module_over_450_lines():
+  over = {str(p.relative_to(ROOT)): n for p in LIBRARY if (n := _lines(p)) > 450}
+  assert not over, f"split these by concept: {over}"
+
+
+def test_no_test_file_over_800_lines():
+  over = {p.name: n for p in TESTS if (n := _lines(p)) > 800}
+  assert not over, f"split these by concept: {over}"
+
+
+def _imported_modules(path: pathlib.Path) -> set[str]:
+  names = set()
+  for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    if isinstance(node, ast.Import):
+      names |= {a.name for a in node.names}
+    elif isinstance(node, ast.ImportFrom):
+      module = node.module or ""
+      names |= {module} | {f"{module}.{a.name}".lstrip(".") for a in node.names}
+  return names
+
+
+def test_no_test_file_imports_another():
+  """Shared cases and helpers live in modules that are not tests (cases.py, reference.py)."""
+  stems = {p.stem for p in TESTS}
+  offenders = {
+    p.name: sorted(m for m in _imported_modules(p) if set(m.split(".")[:2]) & stems) for p in TESTS
+  }
+  assert not {k: v for k, v in offenders.items() if v}
+  assert set("tests.test_xla.SCORE_FNS".split(".")[:2]) & stems  # what it would catch
+
+
+def _documented_modules() -> list[str]:
+  pages = (ROOT / "docs" / "api").glob("*.md")
+  found = {m for page in pages for m in re.findall(r"automodule:: (jattn[\w.]*)", page.read_text())}
+  return sorted(found)
+
+
+@pytest.mark.parametrize("module", _documented_modules())
+def test_documented_modules_set_all_in_their_code(module):
+  parts = module.split(".")
+  path = ROOT.joinpath(*parts).with_suffix(".py")
+  if not path.exists():
+    path = ROOT.joinpath(*parts, "__init__.py")
+  tree = ast.parse(path.read_text(encoding="utf-8"))
+  assigned = [
+    node
+    for node in tree.body
+    if isinstance(node, ast.Assign)
+    and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+  ]
+  assert assigned, f"{module} sets no __all__"
+  names = ast.literal_eval(assigned[0].value)
+  defined = {
+    getattr(n, "name", None) or getattr(t, "id", None)
+    for n in tree.body
+    for t in (getattr(n, "targets", None) or [getattr(n, "target", None)])
+  }
+  defined |= {
+    a.asname or a.name
+    for n in tree.body
+    if isinstance(n, ast.ImportFrom | ast.Import)
+    for a in n.names
+  }
+  missing = [name for name in names if name not in defined]
+  assert not missing, f"{module}.__all__ names what it does not define: {missing}"
