@@ -13,6 +13,8 @@ Everything version-dependent lives here, so the rest of the package calls one sp
   (``custom_partitioning`` takes no function that closes over constants), from
   ``jax._src``'s ``convert_constvars_jaxpr``.
 * :func:`no_mesh`: a block where eager computations see no mesh (inside ``shard_map``).
+* :func:`needs_devices_when_lowered`: marks a primitive whose lowering may hold a
+  ``custom_partitioning`` (which needs the program's devices), from ``jax._src.dispatch``.
 * :func:`explicit_sharding`: the ``NamedSharding`` a traced array carries in JAX's
   Explicit sharding mode (sharding in types), or None.
 """
@@ -278,6 +280,16 @@ def no_mesh() -> AbstractContextManager[Any]:
   """A block in which computations see no mesh: for evaluating NumPy-valued constants
   (splash's mask tables) eagerly while a ``shard_map`` body is being traced."""
   return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+
+
+def needs_devices_when_lowered(primitive: jex_core.Primitive) -> None:
+  """Lower programs holding ``primitive`` with their device assignment, as JAX does for
+  ``custom_partitioning``, whose lowering rule needs it: for a primitive whose lowering rule
+  traces a function that may call one (it hides the call from JAX's own scan of the
+  program)."""
+  from jax._src import dispatch
+
+  dispatch.prim_requires_devices_during_lowering.add(primitive)
 
 
 def without_consts(

@@ -92,3 +92,52 @@ def test_interpret_kernels_does_not_leak_through_a_users_jit_cache():
   np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-6)
   with pytest.raises(ValueError, match="implementation='splash' needs a TPU"):
     g(q)  # outside the block the cached interpreted program is not reused
+
+
+# ------------------------------------------------------------------ deferred tracing
+
+
+def _primitives(jaxpr) -> set[str]:
+  """The names of the primitives in a jaxpr and every jaxpr its equations hold."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, tuple | list) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          names |= _primitives(sub)
+  return names
+
+
+def test_a_route_is_traced_only_where_it_is_lowered():
+  """On this CPU with 8 devices (Auto mode), tracing a routed call and its gradient traces
+  no splash kernel; lowering it for a TPU traces and holds them all."""
+  assert jax.device_count() > 1  # tests/conftest.py; one device keeps the kernels' own VJP
+  names = _primitives(jax.make_jaxpr(_grad)(Q).jaxpr)
+  assert "jattn_deferred" in names and "pallas_call" not in names
+  assert _kernels(jax.jit(_grad).trace(Q).lower(lowering_platforms=("tpu",)).as_text()) == BACKWARD
+
+
+def test_a_deferred_call_is_traced_when_lowered_and_checks_its_types():
+  from jattn.impl import _deferred
+
+  x = jnp.arange(6.0).reshape(2, 3)
+  types = [jax.core.ShapedArray((2, 3), jnp.float32)]
+  calls = []
+
+  def double(x):
+    calls.append(x.shape)
+    return [x * 2]
+
+  np.testing.assert_array_equal(_deferred.call(double, types, x)[0], x * 2)  # eager
+  calls.clear()
+  jaxpr = jax.make_jaxpr(lambda x: _deferred.call(double, types, x))(x)
+  assert calls == [] and _primitives(jaxpr.jaxpr) == {"jattn_deferred"}
+  np.testing.assert_array_equal(jax.jit(lambda x: _deferred.call(double, types, x)[0])(x), x * 2)
+  assert calls == [(2, 3)]  # traced once, by the lowering
+  wrong = [jax.core.ShapedArray((3, 2), jnp.float32)]
+  with pytest.raises(TypeError, match=r"returned \[\(\(2, 3\), .*declared \[\(\(3, 2\)"):
+    jax.jit(lambda x: _deferred.call(double, wrong, x)[0]).lower(x)
+  with pytest.raises(NotImplementedError, match="no batching rule"):
+    jax.vmap(lambda x: _deferred.call(double, types[:1], x)[0])(jnp.stack([x, x]))

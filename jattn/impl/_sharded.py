@@ -8,24 +8,21 @@ global result's shards. :func:`per_shard` arranges that in both of JAX's shardin
   carry their sharding in their types, and the kernel is wrapped in ``jax.shard_map`` over
   the mesh axes that shard the batch and the heads.
 * Auto mode (``NamedSharding`` inputs under ``jit``): the sharding is known only when XLA
-  partitions the program, so the kernel's forward and backward are each given a
-  partitioning rule (``jax.experimental.custom_partitioning``, as jax's own cuDNN attention
-  has) that hands each device its batch rows and heads. Its backward runs the kernel's
-  forward again on each device (the rule sees arrays, not the kernel's residuals). cuDNN
-  needs none: jax.nn's call has its own rule.
+  partitions the program, so the kernel's forward and backward each get a partitioning rule
+  (``custom_partitioning``, as jax's cuDNN attention has) handing each device its batch
+  rows and heads. The backward runs the forward again on each device (the rule sees
+  arrays, not residuals); both are traced only where lowered (:mod:`jattn.impl._deferred`).
 
 Key/value heads follow the query heads: GQA groups stay whole on a device when the mesh
 axes that shard N also shard K (K == 1 keeps its one head on every device). Per-head
-static masks and head counts that do not divide keep the heads whole on each device
-(batch sharding only). A sharded sequence axis never reaches here: the selection table
-refuses it and names ``jattn.parallel.ring_attention``.
+static masks and head counts that do not divide keep the heads whole (batch sharding
+only). A sharded sequence axis never reaches here: the selection table refuses it.
 
 Kernels that trace the mask and score function into their body (flex) run them on global
 indices (``global_index=True``): the arrays they read stay whole on every device, and each
 device's spec keeps the global B, N and K with the global index of its first batch row and
 head (``spec.shard_offsets``), which makes the kernel's program ids global. Masks and score
-functions that read the batch or head index, and dropout (drawn from global indices), then
-come out as on one device, and any head count that divides the mesh axes can be split.
+functions that read the batch or head index, and dropout, then come out as on one device.
 """
 
 from __future__ import annotations
@@ -43,7 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jattn import _compat
-from jattn.impl import _common, _orders
+from jattn.impl import _common, _deferred, _orders
 
 if TYPE_CHECKING:
   from jattn._spec import CallSpec
@@ -267,16 +264,20 @@ def _partitioned(
     return grads
 
   rules = (B, N, K, heads_whole, global_index)
-  forward = _rule(local, ("q", "k", "v", *roles), ("out", "lse"), rules)
+  types = ((B, spec.T, N, value.shape[-1]), query.dtype), ((B, spec.T, N), jnp.float32)
+  out_types = tuple(jax.core.ShapedArray(*t) for t in types)  # (out, lse), untraced
+  forward = _rule(local, ("q", "k", "v", *roles), ("out", "lse"), rules, out_types)
   who = f"implementation={spec.implementation!r}"
   only_forward = _orders.first_order(forward, who, _orders.FUSED, forward=False)
 
   def only_backward(wanted: tuple[int, ...]) -> Callable[..., Any]:
+    differentiated = (query, key, value, *(leaves[i] for i in wanted))
     backward = _rule(
       local_grads(wanted),
       ("q", "k", "v", *roles, "out", "lse"),
       ("q", "k", "v", *(roles[i] for i in wanted)),
       rules,
+      tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in differentiated),
     )
     return _orders.first_order(backward, who, _orders.FUSED, forward=False)
 
@@ -337,13 +338,14 @@ def _rule(
   roles_in: tuple[str, ...],
   roles_out: tuple[str, ...],
   rules: tuple[int, int, int, bool, bool],
+  out_types: tuple[jax.core.ShapedArray, ...],
 ) -> Callable[..., Any]:
-  """``fn`` (flat arrays in and out) under custom_partitioning: batch rows over the query's
-  batch axes, heads over its head axes (where the kernel can take them), everything else
-  whole on each device. Constants ``fn`` closes over (a kernel's mask tables) travel as
-  leading arguments, whole on each device."""
+  """``fn`` (flat arrays in, results of ``out_types`` out) under custom_partitioning, traced
+  where it is lowered: batch rows over the query's batch axes, heads over its head axes
+  (where the kernel can take them), the rest whole on each device, with the constants
+  ``fn`` closes over (a kernel's mask tables) as leading arguments."""
 
-  def call(*args: jax.Array) -> Any:
+  def partitioned(*args: jax.Array) -> Any:
     traced, consts = _compat.without_consts(fn, *args)
     roles = ("other",) * len(consts) + roles_in
 
@@ -354,7 +356,7 @@ def _rule(
     _define(wrapped, lower, roles, roles_out, rules)
     return wrapped(*consts, *args)
 
-  return call
+  return lambda *args: tuple(_deferred.call(partitioned, out_types, *args))
 
 
 def _define(
