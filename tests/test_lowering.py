@@ -102,11 +102,8 @@ def _primitives(jaxpr) -> set[str]:
   names = set()
   for eqn in jaxpr.eqns:
     names.add(eqn.primitive.name)
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, tuple | list) else (param,):
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          names |= _primitives(sub)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      names |= _primitives(sub)
   return names
 
 
