@@ -241,10 +241,8 @@ def _dq_outputs(fn, *args):
     for eqn in jaxpr.eqns:
       if eqn.primitive.name == "pallas_call" and "jattn_flex_dq" in str(eqn.params):
         found.append(len(eqn.outvars))
-      for param in eqn.params.values():  # custom_vjp, pjit: their jaxprs, closed or not
-        inner = getattr(param, "jaxpr", param)
-        if hasattr(inner, "eqns"):
-          walk(inner)
+      for inner in jax.extend.core.jaxprs_in_params(eqn.params):  # custom_vjp, pjit, cond
+        walk(inner)
 
   walk(jax.make_jaxpr(fn)(*args).jaxpr)
   return found
