@@ -43,6 +43,7 @@ quantity (bold where the target fails).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import math
@@ -70,7 +71,11 @@ RULES: dict[str, dict[str, Any]] = {
   "blockwise/16x16": dict(implementation="blockwise", block_q=16, block_kv=16),
   "blockwise/default": dict(implementation="blockwise"),
   "default": dict(),
+  "flex": dict(implementation="flex"),
 }
+# Rules that run compiled on one backend only: elsewhere they are left out of the default
+# table, and run in Pallas interpret mode when named (``--rules flex`` on a CPU: slow, exact).
+KERNEL_RULES = {"flex": "gpu"}
 
 # Peers measured beside the rules where they run (rows marked "peer", outside the target):
 # jax.nn's cuDNN kernel, on a GPU, for the bfloat16/float16 cases jax.nn expresses.
@@ -376,9 +381,20 @@ def _attention(case: Case, dtype_name: str, rule: str | None):
   )
   if case.dropout_rate:
     kwargs.update(dropout_rate=case.dropout_rate, dropout_rng=dropout_rng())
-  return lambda q, k, v, bias: jattn.dot_product_attention(
-    q, k, v, bias, return_residual=True, **RULES[rule], **kwargs
-  )
+  compiled = KERNEL_RULES.get(rule, jax.default_backend()) == jax.default_backend()
+
+  def attend(q, k, v, bias):
+    with contextlib.nullcontext() if compiled else jattn.testing.interpret_kernels():
+      return jattn.dot_product_attention(
+        q, k, v, bias, return_residual=True, **RULES[rule], **kwargs
+      )
+
+  return attend
+
+
+def default_rules() -> list[str]:
+  """Every rule that runs compiled on this backend."""
+  return [r for r in RULES if KERNEL_RULES.get(r, jax.default_backend()) == jax.default_backend()]
 
 
 def _vjp(case: Case, attn, arrays: dict) -> dict:
@@ -600,7 +616,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> list[dict]:
   args = parse_args(argv)
   pick = lambda name, every: getattr(args, name) or (QUICK[name] if args.quick else list(every))
-  rows = run(pick("dtypes", DTYPES), pick("cases", CASES), pick("rules", RULES))
+  rows = run(pick("dtypes", DTYPES), pick("cases", CASES), pick("rules", default_rules()))
   print(
     f"B={B} T={T} S={S} N={N} K={K} H={H}, {jax.devices()[0].platform}; "
     "jax.nn row: its largest max-abs error against the float64 reference over the "

@@ -22,6 +22,16 @@ CELLS = [
   for r in acc.QUICK["rules"]
   for q in acc.CASES[c].quantities
 ]
+# flex, compiled on a GPU only, runs here in Pallas interpret mode (the same arithmetic) on the
+# three cells its backward once missed by 20x to 10^7x: a whole row under an additive -1e30
+# mask (probabilities recomputed from the rounded log-sum-exp, not from m and log l apart),
+# saturated bfloat16 rows (Δ from the bfloat16 output) and scale 1e3 (dS rounded to bfloat16
+# alone for dK).
+CELLS += [
+  (d, c, "flex", q)
+  for d, c in [("f32", "mask_1e30"), ("bf16", "saturated_x10"), ("bf16", "scale_1e3")]
+  for q in acc.CASES[c].quantities
+]
 
 
 @pytest.mark.parametrize("dtype,case,rule,quantity", CELLS)

@@ -1,6 +1,8 @@
 """The flex kernel's backward pass: two Pallas kernels, as in FlashAttention-2, each
-recomputing the probabilities of a tile from the saved log-sum-exp through the forward
-pass's own :class:`Scorer`:
+recomputing the probabilities of a tile, ``P = exp((s − m) − log l)`` from each row's max
+``m`` and log-sum ``log l`` the forward pass saved apart (not from their sum, the log-sum-exp,
+whose rounding at large ``|m|`` would swamp ``log l``), through the forward pass's own
+:class:`Scorer`:
 
 - dQ: one program per (query tile, batch row, query head), walking the tile schedule's row
   (FULL tiles, then PARTIAL ones); ``dq = scale · Σ dS K``;
@@ -10,7 +12,7 @@ pass's own :class:`Scorer`:
 
 with ``dS = P ⊙ (dO Vᵀ − Δ) ⊙ score_fn'`` and ``Δ = rowsum(O ⊙ dO)`` (computed by XLA).
 The score function acts elementwise on the scores; its derivative comes from a JVP in the
-kernel. Rows with nothing to attend to (lse −inf) have zero gradients. A bias is added to
+kernel. Rows with nothing to attend to (m −inf) have zero gradients. A bias is added to
 the scaled scores, so its gradient is dS itself: when the bias is differentiated, the dQ
 kernel writes each visited tile's dS into a zeroed (B, N, T, S) float32 buffer (EMPTY tiles
 stay zero), which XLA sums over the bias's broadcast axes.
@@ -48,7 +50,7 @@ def backward(
   key: jax.Array,
   value: jax.Array,
   d_out: jax.Array,
-  lse: jax.Array,
+  row_stats: tuple[jax.Array, jax.Array],
   delta: jax.Array,
   rows: _tiling.Schedule,
   cols: _tiling.Schedule,
@@ -63,7 +65,8 @@ def backward(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
   """``(dq, dk, dv, dS)``: dS (B, N, Tp, Sp) float32, the scores' gradient, only where
   ``wants_ds`` (else None): the gradient of the score function's output with
-  ``before_score``, else of its input (what the bias adds to)."""
+  ``before_score``, else of its input (what the bias adds to). ``row_stats``: the forward's
+  ``(m, log l)`` per row, (B, T, N)."""
   B, T, N, H = query.shape
   S, K, Hv = key.shape[1], key.shape[2], value.shape[-1]
   G = N // K
@@ -73,10 +76,11 @@ def backward(
   Tp, Sp, Hp, Hvp = nq * bq, nk * bk, pow2(H), pow2(Hv)
   q, do = pad_to(query, Tp, Hp), pad_to(d_out, Tp, Hvp)
   k, v = pad_to(key, Sp, Hp), pad_to(value, Sp, Hvp)
-  # (B, N, T) row statistics, padded rows empty (lse -inf: zero probabilities).
+  # (B, N, T) row statistics, padded rows empty (m -inf: zero probabilities).
+  m, log_l = row_stats
   stats = [
     jnp.pad(x.transpose(0, 2, 1), ((0, 0), (0, 0), (0, Tp - T)), constant_values=c)
-    for x, c in ((lse.astype(f), -jnp.inf), (delta.astype(f), 0.0))
+    for x, c in ((m.astype(f), -jnp.inf), (log_l.astype(f), 0.0), (delta.astype(f), 0.0))
   ]
   arrays = [*mask_arrays, *score_arrays]
   whole = whole_specs(arrays)
@@ -100,7 +104,7 @@ def backward(
   params = plgpu.CompilerParams(num_warps=settings.num_warps, num_stages=settings.num_stages)
 
   ds_spec = pl.BlockSpec((None, None, bq, Sp), lambda i, b, n: (b, n, i, 0))
-  n_in = 10 + len(arrays) + len(row_bias)  # the zeroed dS buffer's place among the inputs
+  n_in = 11 + len(arrays) + len(row_bias)  # the zeroed dS buffer's place among the inputs
   dq, *ds = pl.pallas_call(
     functools.partial(
       _dq_kernel, settings=settings, counts=counts, jaxprs=jaxprs, before_score=before_score
@@ -111,8 +115,7 @@ def backward(
       pl.BlockSpec((None, Sp, None, Hp), lambda i, b, n: (b, 0, n // G, 0)),
       pl.BlockSpec((None, Sp, None, Hvp), lambda i, b, n: (b, 0, n // G, 0)),
       pl.BlockSpec((None, bq, None, Hvp), lambda i, b, n: (b, i, n, 0)),
-      pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),
-      pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),
+      *[pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i))] * 3,
       *schedule_specs(rows),
       *whole,
       *row_bias,
@@ -153,8 +156,7 @@ def backward(
       pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0)),
       pl.BlockSpec((None, bk, None, Hvp), lambda j, b, h: (b, j, h, 0)),
       pl.BlockSpec((None, Tp, G, Hvp), lambda j, b, h: (b, 0, h, 0)),
-      pl.BlockSpec((None, G, Tp), lambda j, b, h: (b, h, 0)),
-      pl.BlockSpec((None, G, Tp), lambda j, b, h: (b, h, 0)),
+      *[pl.BlockSpec((None, G, Tp), lambda j, b, h: (b, h, 0))] * 3,
       *schedule_specs(cols),
       *whole,
       *col_bias,
@@ -197,7 +199,8 @@ def _probabilities_and_ds(
   k: jax.Array,
   v: jax.Array,
   do: jax.Array,
-  lse: jax.Array,
+  m: jax.Array,
+  log_l: jax.Array,
   delta: jax.Array,
   q_idx: jax.Array,
   kv_idx: jax.Array,
@@ -210,8 +213,9 @@ def _probabilities_and_ds(
   in the statistics dtype: dS is the gradient of the scores the bias adds to, the last that
   of the score function's output."""
   s, slope = scorer(q, k, q_idx, kv_idx, batch, head, masked, derivative=True, bias=bias)
-  finite = jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # empty rows: P = 0
-  p = jnp.exp(s - finite[:, None])
+  # exp((s - m) - log l): exact near the row's max however large |m| is. Empty rows: P = 0.
+  shift = jnp.where(jnp.isneginf(m), jnp.inf, m)
+  p = jnp.exp((s - shift[:, None]) - log_l[:, None])
   # Y = (P ⊙ D) V with D the kept weights' 1 / (1 − rate): dP = (dY Vᵀ) ⊙ D, and
   # Δ = rowsum(Y ⊙ dY) = rowsum(P ⊙ dP) still.
   dp = scorer.dropped(jnp.dot(do, v.T, preferred_element_type=s.dtype), q_idx, kv_idx, batch, head)
@@ -225,7 +229,8 @@ def _dq_kernel(
   k_ref: Any,
   v_ref: Any,
   do_ref: Any,
-  lse_ref: Any,
+  m_ref: Any,
+  log_l_ref: Any,
   delta_ref: Any,
   order_ref: Any,
   num_full_ref: Any,
@@ -245,7 +250,7 @@ def _dq_kernel(
   scorer = Scorer(settings, jaxprs, mask_refs, score_refs, scalars_ref)
   bq, bk = settings.block_q, settings.block_kv
   i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+  q, do, m, log_l, delta = q_ref[...], do_ref[...], m_ref[...], log_l_ref[...], delta_ref[...]
   q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)
   batch, head = global_index(scalars_ref, b, n)
 
@@ -256,7 +261,7 @@ def _dq_kernel(
     v = v_ref[pl.ds(j * bk, bk), :]
     bias = bias_tile(bias_ref, slice(None), pl.ds(j * bk, bk))
     _, ds, d_post = _probabilities_and_ds(
-      scorer, q, k, v, do, lse, delta, q_idx, kv_idx, batch, head, masked, bias
+      scorer, q, k, v, do, m, log_l, delta, q_idx, kv_idx, batch, head, masked, bias
     )
     if ds_ref is not None:
       ds_ref[:, pl.ds(j * bk, bk)] = (d_post if before_score else ds).astype(ds_ref.dtype)
@@ -274,7 +279,8 @@ def _dkv_kernel(
   k_ref: Any,
   v_ref: Any,
   do_ref: Any,
-  lse_ref: Any,
+  m_ref: Any,
+  log_l_ref: Any,
   delta_ref: Any,
   order_ref: Any,
   num_full_ref: Any,
@@ -303,17 +309,23 @@ def _dkv_kernel(
       i = order_ref[j, t]
       rows = pl.ds(i * bq, bq)
       q, do = q_ref[rows, g, :], do_ref[rows, g, :]
-      lse, delta = lse_ref[g, rows], delta_ref[g, rows]
+      m, log_l, delta = m_ref[g, rows], log_l_ref[g, rows], delta_ref[g, rows]
       q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)
       bias = None
       if bias_ref is not None:  # (Nb, Tb, bk or 1): this head's plane, then the query tile
         Nb, Tb, _ = bias_ref.shape
         bias = bias_ref[h * group + g if Nb > 1 else 0, rows if Tb > 1 else slice(None), :]
       p, ds, _ = _probabilities_and_ds(
-        scorer, q, k, v, do, lse, delta, q_idx, kv_idx, batch, head, masked, bias
+        scorer, q, k, v, do, m, log_l, delta, q_idx, kv_idx, batch, head, masked, bias
       )
       dv = dv + jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=dv.dtype)
-      dk = dk + jnp.dot(ds.T.astype(q.dtype), q, preferred_element_type=dk.dtype)
+      # dS in two parts in a narrow input dtype, hi + lo: dS rounded to bfloat16 alone gave
+      # dK 3.8x jax.nn's error (which sums float32 dS) at scale 1e3 (experiments/accuracy.py).
+      hi = ds.astype(q.dtype)
+      dk = dk + jnp.dot(hi.T, q, preferred_element_type=dk.dtype)
+      if q.dtype != ds.dtype:
+        lo = (ds - hi.astype(ds.dtype)).astype(q.dtype)
+        dk = dk + jnp.dot(lo.T, q, preferred_element_type=dk.dtype)
       return dk, dv
 
     carry = jax.lax.fori_loop(0, n_full, lambda t, c: body(t, c, False), (dk, dv))

@@ -8,7 +8,11 @@ an online softmax in float32 (float64 for float64 inputs). The key/value head is
 ``n // G`` (GQA and MQA read K/V once, never repeated). The mask and score function run
 on each tile's indices through :func:`jattn.impl._in_kernel.evaluate`, the arrays they
 read passed as kernel inputs and loaded by index. Rows the mask empties give zeros and a
-log-sum-exp of -inf.
+log-sum-exp of -inf. Each row's max ``m`` and the log of its sum ``log l`` are written apart
+(the log-sum-exp is their sum, formed outside): the backward pass recomputes probabilities
+as ``exp((s - m) - log l)``, exact where ``s`` is near ``m`` even when ``|m|`` is huge (an
+additive -1e9 mask on a whole row, scores scaled by 1e3), where ``exp(s - lse)`` would lose
+``log l``, and every digit below ``ulp(lse)``, to rounding.
 
 Lengths are padded to whole tiles and head dimensions to powers of two (zeros, sliced off
 after): Triton's blocks are powers of two. The tile logic (the schedule, the two loops,
@@ -83,8 +87,12 @@ def forward(
   settings: Settings,
   scalars: jax.Array | None = None,
   bias: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-  """``(out (B, T, N, Hv) in the query's dtype, lse (B, T, N) float32, or float64)``.
+  out_dtype: Any = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(out (B, T, N, Hv) in out_dtype (default: the query's), m, log l)``: each row's max
+  score and the log of its sum of exponentials, (B, T, N) float32 (float64 for float64
+  inputs), whose sum (:func:`log_sum_exp`) is the row's log-sum-exp; rows with nothing to
+  attend to have ``m = -inf`` and ``log l = 0``.
 
   query (B, T, N, H); key (B, S, K, H); value (B, S, K, Hv); ``rows`` the schedule of the
   (ceil(T / block_q), ceil(S / block_kv)) tiles; ``mask`` and ``score`` traced at
@@ -116,7 +124,7 @@ def forward(
   if scalars is None:
     scalars = kernel_scalars(None)
   G = N // K
-  out, lse = pl.pallas_call(
+  out, m, log_l = pl.pallas_call(
     kernel,
     grid=(nq, B, N),
     in_specs=[
@@ -129,10 +137,11 @@ def forward(
     out_specs=[
       pl.BlockSpec((None, bq, None, Hvp), lambda i, b, n: (b, i, n, 0)),
       pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),
+      pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),
     ],
     out_shape=[
-      jax.ShapeDtypeStruct((B, nq * bq, N, Hvp), query.dtype),
-      jax.ShapeDtypeStruct((B, N, nq * bq), _common.stats_dtype(query.dtype)),
+      jax.ShapeDtypeStruct((B, nq * bq, N, Hvp), out_dtype or query.dtype),
+      *[jax.ShapeDtypeStruct((B, N, nq * bq), _common.stats_dtype(query.dtype))] * 2,
     ],
     compiler_params=plgpu.CompilerParams(
       num_warps=settings.num_warps, num_stages=settings.num_stages
@@ -140,7 +149,13 @@ def forward(
     interpret=settings.interpret,
     name="jattn_flex_forward",
   )(q, k, v, rows.order, rows.num_full, rows.num_partial, scalars, *arrays)
-  return out[:, :T, :, :Hv], lse[:, :, :T].transpose(0, 2, 1)
+  rows_of = lambda x: x[:, :, :T].transpose(0, 2, 1)
+  return out[:, :T, :, :Hv], rows_of(m), rows_of(log_l)
+
+
+def log_sum_exp(m: jax.Array, log_l: jax.Array) -> jax.Array:
+  """The rows' log-sum-exp from :func:`forward`'s ``m`` and ``log l`` (-inf where empty)."""
+  return m + log_l
 
 
 class Scorer(NamedTuple):
@@ -281,7 +296,7 @@ def _forward_kernel(
   counts: tuple[int, int, bool],
   jaxprs: tuple[Any, Any],
 ) -> None:
-  mask_refs, score_refs, bias_ref, (o_ref, lse_ref) = split_refs(refs, counts)
+  mask_refs, score_refs, bias_ref, (o_ref, m_ref, log_l_ref) = split_refs(refs, counts)
   scorer = Scorer(settings, jaxprs, mask_refs, score_refs, scalars_ref)
   bq, bk = settings.block_q, settings.block_kv
   i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -319,7 +334,8 @@ def _forward_kernel(
   o_ref[...] = jnp.where(some[:, None], acc / jnp.where(some, l, 1.0)[:, None], 0.0).astype(
     o_ref.dtype
   )
-  lse_ref[...] = jnp.where(some, m + jnp.log(jnp.where(some, l, 1.0)), -jnp.inf)
+  m_ref[...] = jnp.where(some, m, -jnp.inf)
+  log_l_ref[...] = jnp.log(jnp.where(some, l, 1.0))
 
 
 def _origin(ndim: int, *_: Any) -> tuple[int, ...]:
