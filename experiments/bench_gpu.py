@@ -8,7 +8,11 @@ device's peak, the speedup over jax.nn's XLA path and over jax.nn's best on
 the backend (medians of per-round ratios), and the scratch memory XLA plans for
 each compiled program (``memory_analysis().temp_size_in_bytes``), which on an
 accelerator is the activation memory the method needs beyond its inputs and
-outputs, in MiB (2**20 bytes; the rows' ``*_scratch_mb``).
+outputs, in MiB (2**20 bytes; the rows' ``*_scratch_mb``). Up to ``--check-up-to`` T it
+also checks what each timed program computes: the largest absolute error of its output
+(``fwd_err``) and of its gradients (``fwd_bwd_err``) against the same call in float32 at
+the highest matmul precision (jax.nn's XLA path where jax.nn expresses the case, else
+jattn's materialised path), beside jax.nn's own errors on the same inputs.
 
 Masks and score functions (``--masks``), each given to jattn as its own argument and to
 jax.nn as the same thing written out densely (what a jax.nn user must do):
@@ -19,7 +23,8 @@ jax.nn as the same thing written out densely (what a jax.nn user must do):
              (seeded) per batch row, as ``segment_ids`` for jattn and as the
              equivalent (B, 1, T, T) boolean mask for jax.nn
     window   causal sliding window of ``--window`` keys back, as
-             ``local_window_size=(window, 0)`` for jattn and as a (1, 1, T, T) mask
+             ``local_window_size=(window, 0)`` for both (jax.nn's cuDNN path takes it
+             natively; records before 2026-11-25 gave jax.nn a (1, 1, T, T) mask)
     prefix   prefix-LM: bidirectional inside the first ``--prefix`` · T positions,
              causal after (``masks.prefix_lm``; a (1, 1, T, T) mask for jax.nn)
     alibi    causal with ALiBi (``scores.alibi``, the paper's slopes; a (1, N, T, T)
@@ -56,6 +61,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
+import pathlib
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -167,13 +174,8 @@ def case(mask: str, B: int, N: int, T: int, seg: np.ndarray, window: int, prefix
     )
   if mask == "window":
     allowed = below & (pos[None, :] >= pos[:, None] - window)
-    return Case(
-      (("is_causal", True), ("local_window_size", (window, 0))),
-      {},
-      (),
-      {"mask": jnp.asarray(allowed[None, None])},
-      B * float(allowed.sum()),
-    )
+    static = (("is_causal", True), ("local_window_size", (window, 0)))
+    return Case(static, {}, static, {}, B * float(allowed.sum()))
   if mask == "prefix":
     allowed = below | (pos[None, :] < prefix)
     return Case(
@@ -218,6 +220,34 @@ def compiled_case(method: str, mode: str, static: tuple[tuple[str, Any], ...]):
   )
 
 
+def errors(compiled: dict[tuple[str, str], tuple[Any, tuple]], c: Case, q, k, v) -> dict:
+  """Per method, the largest absolute error of its output (``fwd_err``) and of its gradients
+  of q, k and v (``fwd_bwd_err``) against the same call in float32 at the highest matmul
+  precision: jax.nn's XLA path where jax.nn expresses the case, else jattn's (materialised,
+  autodiff). What each timed program computes, checked at the timed shapes."""
+  if c.jax_nn_static is not None:
+    ref_method, static, arrays = "jax.nn", c.jax_nn_static, c.jax_nn_arrays
+  else:
+    ref_method, static, arrays = "xla", c.jattn_static, c.jattn_arrays
+  f32 = lambda tree: jax.tree.map(
+    lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+  )
+  ref_args = (*f32((q, k, v)), f32(arrays))
+  out: dict[str, dict] = {m: {} for m, _ in compiled}
+  for mode in ("fwd", "fwd_bwd"):
+    with jax.default_matmul_precision("highest"):
+      want = jax.device_get(compiled_case(ref_method, mode, static)(*ref_args))
+    for (m, m_mode), (exe, fargs) in compiled.items():
+      if m_mode != mode:
+        continue
+      got = jax.device_get(exe(*fargs))
+      diffs = jax.tree.map(
+        lambda g, w: float(np.max(np.abs(np.asarray(g, np.float64) - w))), got, want
+      )
+      out[m][f"{mode}_err"] = max(jax.tree.leaves(diffs))
+  return out
+
+
 def runnable(methods, backend: str, dtypes) -> list[str]:
   """The methods that can run here, printing a note for each one skipped."""
   kept = []
@@ -253,6 +283,7 @@ def columns(show_peak: bool, show_best: bool) -> list[tuple[str, str, str]]:
     cols += [(f"{name} speedup", f"{mode}_speedup", ".2f")]
     cols += [(f"{name} vs best", f"{mode}_vs_best", ".2f")] if show_best else []
     cols += [(f"{name} scratch MiB", f"{mode}_scratch_mb", ".0f")]
+    cols += [(f"{name} max err", f"{mode}_err", ".1e")]
   return cols
 
 
@@ -284,6 +315,13 @@ def main(argv=None) -> list[dict]:
     type=float,
     default=16.0,
     help="skip materialising methods whose float32 scores exceed this many GiB (2**30 bytes)",
+  )
+  p.add_argument(
+    "--check-up-to",
+    dest="check_up_to",
+    type=int,
+    default=4096,
+    help="check each method's output and gradients against a float32 reference up to this T",
   )
   p.add_argument("--json", help="also write the rows here")
   args = p.parse_args(argv)
@@ -327,7 +365,8 @@ def main(argv=None) -> list[dict]:
       auto_runs = explain(q, k, v, c)
       auto.append((dtype, H, T, mask, auto_runs))
       group: dict[str, dict[str, Any]] = {
-        m: dict(dtype=dtype, H=H, T=T, mask=mask, causal=mask != "full", method=m)
+        m: dict(device=kind, jax=jax.__version__, dtype=dtype, H=H, T=T, mask=mask)
+        | dict(causal=mask != "full", method=m)
         | dict(auto_runs=auto_runs)
         for m in methods
       }
@@ -342,6 +381,7 @@ def main(argv=None) -> list[dict]:
         static = c.jax_nn_static if nn else c.jattn_static
         arrays = c.jax_nn_arrays if nn else c.jattn_arrays
         calls[m] = (functools.partial(compiled_case, m, static=static), (q, k, v, arrays))
+      compiled: dict[tuple[str, str], tuple[Any, tuple]] = {}
       for mode in ("fwd", "fwd_bwd"):
         fns = {}
         for m in methods:
@@ -352,7 +392,7 @@ def main(argv=None) -> list[dict]:
             group[m][f"{mode}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
             continue
           group[m][f"{mode}_scratch_mb"] = exe.memory_analysis().temp_size_in_bytes / 2**20
-          fns[m] = (exe, fargs)
+          fns[m] = compiled[m, mode] = (exe, fargs)
         times = _timing.rounds_ms(fns, args.reps, min_seconds)
         work = 4.0 * N * H * c.pairs * (3.5 if mode == "fwd_bwd" else 1.0)
         best = jax_nn_best(backend) if jax_nn_best(backend) in times else "jax.nn"
@@ -368,9 +408,15 @@ def main(argv=None) -> list[dict]:
           if best in times:
             group[m][f"{mode}_vs_best"] = _timing.median_ratio(times[best], ms)
             group[m]["jax_nn_best"] = best
+      if T <= args.check_up_to:
+        for m, errs in errors(compiled, c, q, k, v).items():
+          group[m].update(errs)
       for r in group.values():
         print("| " + " | ".join(cell(r, key, spec) for _, key, spec in cols) + " |", flush=True)
         rows.append(r)
+      if args.json:  # after every group: a run cut short keeps what it measured
+        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
   print(f"\nWhat auto (implementation=None) runs on {backend.upper()}, per jattn.explain:\n")
   for dtype, H, T, mask, a in auto:
     rule = a["backward"] or "its own fused backward"

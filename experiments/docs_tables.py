@@ -493,9 +493,15 @@ def gpu(docs: pathlib.Path) -> str:
     if any(row.get("jax_nn_best", "jax.nn") != "jax.nn" for row in rows):
       cols += [("fwd+bwd vs jax.nn's best", "fwd_bwd_vs_best", ".2f")]
     cols += [("fwd+bwd scratch MiB", "fwd_bwd_scratch_mb", ",.0f")]
+    if any("fwd_bwd_err" in row for row in rows):
+      cols += [("fwd+bwd max err", "fwd_bwd_err", ".1e")]
+    # Older records name neither the device nor jax's version in their rows.
+    facts = {f"{r['device']}, jax {r['jax']}" for r in rows if "jax" in r}
+    where = "".join(f", {x}" for x in sorted(facts))
     out += [
-      f"From {_source(path, docs)}; speedup = jax.nn's time / the method's; scratch = XLA's "
-      "planned temporary memory:\n",
+      f"From {_source(path, docs)}{where}; speedup = jax.nn's time / the method's; scratch = "
+      "XLA's planned temporary memory; max err = the gradients' largest absolute error against "
+      "a float32 evaluation at the highest matmul precision:\n",
       _table(
         ["dtype", "H", "T", "mask", "method"] + [c[0] for c in cols],
         [
