@@ -46,7 +46,10 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import json
 import math
+import pathlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -564,13 +567,21 @@ def _ratio(entry: dict) -> str:
   return text if entry["ok"] else f"**{text}**"
 
 
+HEADER = [
+  "| dtype | case | rule | " + " | ".join(QUANTITIES) + " | target |",
+  "|---" * (len(QUANTITIES) + 4) + "|",
+]
+
+
 def table(rows: list[dict]) -> str:
   """Markdown: per (dtype, case), jax.nn's absolute errors, then each rule's ratio to them."""
-  lines = [
-    "| dtype | case | rule | " + " | ".join(QUANTITIES) + " | target |",
-    "|---" * (len(QUANTITIES) + 4) + "|",
-  ]
-  seen = set()
+  return "\n".join(HEADER + row_lines(rows, set()))
+
+
+def row_lines(rows: list[dict], seen: set) -> list[str]:
+  """The table's lines for ``rows``: a jax.nn line before the first row of each (dtype, case)
+  not in ``seen`` (which it updates), then each row's."""
+  lines = []
   for r in rows:
     key = (r["dtype"], r["case"])
     if key not in seen:
@@ -590,17 +601,21 @@ def table(rows: list[dict]) -> str:
     lines.append(
       f"| {r['dtype']} | {r['case']} | {r['rule']} | " + " | ".join(cells) + f" | {verdict} |"
     )
-  return "\n".join(lines)
+  return lines
+
+
+def cells(dtypes, cases, rules) -> Iterator[dict]:
+  """Every (dtype, case, rule) cell, and the peers' cells where they run, one at a time."""
+  for d in dtypes:
+    for c in cases:
+      peers = [p for p, runs in PEERS.items() if runs(d) and CASES[c].jax_nn_expresses]
+      for r in list(rules) + peers:
+        yield dict(dtype=d, case=c, rule=r, cell=evaluate(c, d, r))
 
 
 def run(dtypes, cases, rules) -> list[dict]:
-  """Every (dtype, case, rule) cell, and the peers' cells where they run."""
-  return [
-    dict(dtype=d, case=c, rule=r, cell=evaluate(c, d, r))
-    for d in dtypes
-    for c in cases
-    for r in list(rules) + [p for p, runs in PEERS.items() if runs(d) and CASES[c].jax_nn_expresses]
-  ]
+  """Every cell of :func:`cells`."""
+  return list(cells(dtypes, cases, rules))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -616,7 +631,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> list[dict]:
   args = parse_args(argv)
   pick = lambda name, every: getattr(args, name) or (QUICK[name] if args.quick else list(every))
-  rows = run(pick("dtypes", DTYPES), pick("cases", CASES), pick("rules", default_rules()))
   print(
     f"B={B} T={T} S={S} N={N} K={K} H={H}, {jax.devices()[0].platform}; "
     "jax.nn row: its largest max-abs error against the float64 reference over the "
@@ -624,7 +638,17 @@ def main(argv=None) -> list[dict]:
     "rule rows: error / jax.nn's error, bold where "
     "err > 1.5 * jax.nn's + 0.1 ulp\n"
   )
-  print(table(rows))
+  print("\n".join(HEADER), flush=True)
+  rows: list[dict] = []
+  seen: set = set()
+  # Each cell is printed, and the record rewritten, as it is measured: a run cut short (a
+  # device lease, a timeout) keeps what it measured.
+  for row in cells(pick("dtypes", DTYPES), pick("cases", CASES), pick("rules", default_rules())):
+    rows.append(row)
+    print("\n".join(row_lines([row], seen)), flush=True)
+    if args.json:
+      pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+      pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
   rules = [r for r in rows if r["rule"] not in PEERS]
   failed = sum(not all(e["ok"] for e in r["cell"].values()) for r in rules)
   print(f"\n{len(rules) - failed} of {len(rules)} cells meet the target")
