@@ -77,16 +77,11 @@ def _attention(
 
 
 def _forward(
-  jaxprs: tuple[Any, Any, Any],
-  settings: Settings,
-  query: jax.Array,
-  key: jax.Array,
-  value: jax.Array,
-  bias: jax.Array | None,
-  arrays: tuple[Any, ...],
-  out_dtype: Any = None,
+  jaxprs: tuple[Any, Any, Any], settings: Settings, *operands: Any, out_dtype: Any = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  rows, _, mask_arrays, score_arrays, scalars = arrays
+  """The forward kernel's ``(out, m, log l)`` for :func:`_attention`'s operands (query, key,
+  value, bias, arrays)."""
+  query, key, value, bias, (rows, _, mask_arrays, score_arrays, scalars) = operands
   return forward(
     query,
     key,
@@ -128,7 +123,7 @@ def _attention_fwd(
   # its rounding survives the cancellation dP − Δ in a saturated row and is amplified by
   # scale·|k| in dQ (2-20x jax.nn's error measured: experiments/accuracy.py).
   f = _common.stats_dtype(query.dtype)
-  out, m, log_l = _forward(jaxprs, settings, query, key, value, bias, arrays, f)
+  out, m, log_l = _forward(jaxprs, settings, query, key, value, bias, arrays, out_dtype=f)
   flags = (() if wants_d_bias else None, learned)
   residuals = (query, key, value, bias, arrays, out, m, log_l, flags)
   return (out.astype(query.dtype), log_sum_exp(m, log_l)), residuals
