@@ -112,11 +112,15 @@ def record_path(out_dir: str, prefix: str, quick: bool, name: str | None = None)
   return path
 
 
-def write_record(path: str | pathlib.Path, record: Any, note: str = "") -> pathlib.Path:
+def write_record(
+  path: str | pathlib.Path, record: Any, note: str = "", *, quiet: bool = False
+) -> pathlib.Path:
   """Writes ``record`` as JSON (one space of indent) to ``path``, creating its folder, and
-  prints ``wrote <path><note>``."""
+  prints ``wrote <path><note>`` unless ``quiet`` (a record rewritten as a run goes, so a run
+  cut short keeps what it measured)."""
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(record, indent=1))
-  print(f"\nwrote {path}{note}")
+  if not quiet:
+    print(f"\nwrote {path}{note}")
   return path

@@ -46,9 +46,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import json
 import math
-import pathlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -384,10 +382,9 @@ def _attention(case: Case, dtype_name: str, rule: str | None):
   )
   if case.dropout_rate:
     kwargs.update(dropout_rate=case.dropout_rate, dropout_rng=dropout_rng())
-  compiled = KERNEL_RULES.get(rule, jax.default_backend()) == jax.default_backend()
 
   def attend(q, k, v, bias):
-    with contextlib.nullcontext() if compiled else jattn.testing.interpret_kernels():
+    with contextlib.nullcontext() if compiled_here(rule) else jattn.testing.interpret_kernels():
       return jattn.dot_product_attention(
         q, k, v, bias, return_residual=True, **RULES[rule], **kwargs
       )
@@ -395,9 +392,14 @@ def _attention(case: Case, dtype_name: str, rule: str | None):
   return attend
 
 
+def compiled_here(rule: str) -> bool:
+  """Whether ``rule`` runs compiled on this backend (else, named, it runs interpreted)."""
+  return KERNEL_RULES.get(rule, jax.default_backend()) == jax.default_backend()
+
+
 def default_rules() -> list[str]:
   """Every rule that runs compiled on this backend."""
-  return [r for r in RULES if KERNEL_RULES.get(r, jax.default_backend()) == jax.default_backend()]
+  return [r for r in RULES if compiled_here(r)]
 
 
 def _vjp(case: Case, attn, arrays: dict) -> dict:
@@ -647,8 +649,7 @@ def main(argv=None) -> list[dict]:
     rows.append(row)
     print("\n".join(row_lines([row], seen)), flush=True)
     if args.json:
-      pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-      pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+      _cli.write_record(args.json, rows, quiet=True)
   rules = [r for r in rows if r["rule"] not in PEERS]
   failed = sum(not all(e["ok"] for e in r["cell"].values()) for r in rules)
   print(f"\n{len(rules) - failed} of {len(rules)} cells meet the target")

@@ -61,8 +61,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
-import pathlib
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -415,8 +413,7 @@ def main(argv=None) -> list[dict]:
         print("| " + " | ".join(cell(r, key, spec) for _, key, spec in cols) + " |", flush=True)
         rows.append(r)
       if args.json:  # after every group: a run cut short keeps what it measured
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+        _cli.write_record(args.json, rows, quiet=True)
   print(f"\nWhat auto (implementation=None) runs on {backend.upper()}, per jattn.explain:\n")
   for dtype, H, T, mask, a in auto:
     rule = a["backward"] or "its own fused backward"
