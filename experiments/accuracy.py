@@ -581,8 +581,9 @@ def table(rows: list[dict]) -> str:
 
 
 def row_lines(rows: list[dict], seen: set) -> list[str]:
-  """The table's lines for ``rows``: a jax.nn line before the first row of each (dtype, case)
-  not in ``seen`` (which it updates), then each row's."""
+  """The markdown table's lines (under :data:`HEADER`) for ``rows``: jax.nn's absolute
+  errors before the first row of each (dtype, case) not in ``seen`` (which it updates), then
+  each row's ratios to them."""
   lines = []
   for r in rows:
     key = (r["dtype"], r["case"])
@@ -613,11 +614,6 @@ def cells(dtypes, cases, rules) -> Iterator[dict]:
       peers = [p for p, runs in PEERS.items() if runs(d) and CASES[c].jax_nn_expresses]
       for r in list(rules) + peers:
         yield dict(dtype=d, case=c, rule=r, cell=evaluate(c, d, r))
-
-
-def run(dtypes, cases, rules) -> list[dict]:
-  """Every cell of :func:`cells`."""
-  return list(cells(dtypes, cases, rules))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
