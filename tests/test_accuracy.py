@@ -2,10 +2,11 @@
 
 Each cell (dtype, case, rule) is one jax.vjp; every quantity (out, lse, dq, dk, dv, dbias)
 must be within ``accuracy.meets_target`` of jax.nn's own error against a float64 NumPy
-reference. CI checks the script's --quick subset (bfloat16 and float32; a bias, a saturated
-softmax, an additive -1e9 mask; xla/autodiff and blockwise with odd tiles); the whole table
-(``python -m experiments.accuracy``, about 2.5 minutes) is in the README. Cells are computed
-once and cached, so the per-quantity tests cost nothing beyond the first.
+reference (float32 cells: means over head-dimension orders, see test_meets_target). CI
+checks the script's --quick subset (bfloat16 and float32; a bias, a saturated softmax, an
+additive -1e9 mask; xla/autodiff and blockwise with odd tiles); the whole table (``python -m
+experiments.accuracy``, about 2.5 minutes) is in the README. Cells are computed once and
+cached, so the per-quantity tests cost nothing beyond the first.
 """
 
 import jax
@@ -38,17 +39,24 @@ CELLS += [
 def test_meets_target(dtype, case, rule, quantity):
   e = acc.evaluate(case, dtype, rule)[quantity]
   assert e["error"] is None, f"{dtype} {case} {rule}: raises {e['error']}"
-  allowed = acc.target(e["jax_nn_err"], e["size"], acc.DTYPES[dtype])
+  err, jax_nn_err, judged = e["err"], e["jax_nn_err"], "in the given order"
+  allowed = acc.target(jax_nn_err, e["size"], acc.DTYPES[dtype])
   if dtype == "f32":
-    # In float32 both errors sit at the rounding floor (a few ulps), where the machine's
-    # FMA contraction and vector width decide the last bits: the same code measured blockwise
-    # dq 1.23x jax.nn's error on one x86 CPU and 1.6x on an AMD EPYC (7.8e-7, 6.6 ulps of
-    # its largest |reference| 1.92). Two ulps of room keep the cell about the code, not the
-    # machine; the bfloat16 cells keep the target as it is.
-    allowed += 2 * acc.ulp(e["size"], np.float32)
-  assert e["err"] <= allowed, (
-    f"{dtype} {case} {rule} {quantity}: error {e['err']:.3g} vs jax.nn's {e['jax_nn_err']:.3g} "
-    f"(ratio {e['err'] / e['jax_nn_err'] if e['jax_nn_err'] else np.inf:.3g}); allowed "
+    # In float32 both errors sit at the rounding floor, where the dot order XLA picks (it
+    # changed between jaxlib 0.10 and 0.12) and the machine's FMA contraction and vector width
+    # decide the last bits: one order of the sums is one draw. The cell compares the rule's
+    # mean error over acc.DRAWS head-dimension orders with jax.nn's over the same orders (see
+    # acc.mean_errors), with two ulps of room for the machine: the same code measured blockwise
+    # dq 1.23x jax.nn's error on one x86 CPU and 1.6x on an AMD EPYC (7.8e-7, 6.6 ulps of its
+    # largest |reference| 1.92). The bfloat16 cells, whose error the inputs' rounding sets,
+    # keep the given order.
+    err = acc.mean_errors(case, dtype, rule)[quantity]
+    jax_nn_err = acc.mean_errors(case, dtype, None)[quantity]
+    judged = f"mean over {acc.DRAWS} head orders"
+    allowed = acc.target(jax_nn_err, e["size"], np.float32) + 2 * acc.ulp(e["size"], np.float32)
+  assert err <= allowed, (
+    f"{dtype} {case} {rule} {quantity}, {judged}: error {err:.3g} vs jax.nn's "
+    f"{jax_nn_err:.3g} (ratio {err / jax_nn_err if jax_nn_err else np.inf:.3g}); allowed "
     f"{allowed:.3g} (largest |reference| {e['size']:.3g})"
   )
 
