@@ -567,13 +567,14 @@ def mean_errors(case_name: str, dtype_name: str, rule: str | None) -> dict:
   :data:`DRAWS` head-dimension orders of the same inputs: exact reformulations that change
   only the order in which every q·k, dY·v and dS·k sum rounds.
 
-  At float32's rounding floor one order is one draw. In the saturated case (scores near
-  400, one ulp 3e-5) the worst dq of a row with two near-equal keys follows the rounding of
-  those two scores by 2 ulps, and which dot order XLA's CPU backend picks changes between
-  jaxlib releases: with jax 0.12.0.1, blockwise with 16x16 tiles measured 1.8x jax.nn's dq
-  error in the given order, and over 60 head orders a mean of 0.87x. Its largest error over
-  those orders, 3.79e-4, equals jax.nn's own largest on both jax 0.10.2 and 0.12.0.1. The
-  mean over draws compares the two roundings, not two draws of them."""
+  At float32's rounding floor one order is one draw. In the saturated case (scores up to
+  about 500) the worst dq comes from a row whose two keys share the softmax (P 0.17 and 0.83,
+  |s| 155, one ulp 1.5e-5): it follows how those two scores round, which the dot order XLA's
+  CPU backend picks decides, and that order changes between jaxlib releases. With jax
+  0.12.0.1, blockwise with 16x16 tiles measured 1.8x jax.nn's dq error in the given order,
+  and over 60 head orders a mean of 0.87x. Its largest error over those orders, 3.79e-4,
+  equals jax.nn's own largest on both jax 0.10.2 and 0.12.0.1. The mean over draws compares
+  the two roundings, not two draws of them."""
   case = CASES[case_name]
   arrays = inputs(case_name, dtype_name)
   want = evaluate_case(case_name, dtype_name)["want"]
