@@ -179,7 +179,8 @@ def _check_on_tiles(
   other values at the same positions on the two (it reads positions from an array's
   shape). The indices are traced, as in a tile loop. Values are compared only when the
   function depends on no traced value and has no side effects (a debug callback). Costs
-  one trace and, for a function not seen before, one small compiled program.
+  one trace and, for a function not seen before, one small program (evaluated with NumPy
+  when it computes integers and booleans only, else compiled).
   """
   if 0 in bnts:
     return

@@ -131,7 +131,8 @@ def classify(
 ) -> np.ndarray | jax.Array:
   """:meth:`Mask.block_view` for checked arguments: int8 (B, N, nq, nk) tile classes.
 
-  One compiled program per mask structure and sizes (:func:`jattn._eager.evaluate`),
+  One trace per mask structure and sizes, evaluated with NumPy where it can
+  (:func:`jattn._eager.evaluate`),
   concrete whenever the mask's arrays are, even while the caller is traced."""
   static = (q_len, kv_len, block_q, block_kv, batch_size, num_heads, exact)
   return _eager.evaluate(_classes, mask, static=static)
