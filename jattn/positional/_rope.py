@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -293,10 +294,14 @@ def rope(
   )
 
 
+@functools.partial(jax.jit, static_argnames=("rotary_dim", "base", "scaling"))
 def _rotate(
   x: jax.Array, positions: jax.Array, *, rotary_dim: int, base: float, scaling: RopeScaling | None
 ) -> jax.Array:
-  """``rope`` on validated arrays: x (..., T, N, H), positions (T,) or (B', T)."""
+  """``rope`` on validated arrays: x (..., T, N, H), positions (T,) or (B', T).
+
+  Jitted, so that a call outside jit runs one program rather than a dozen operations, each
+  compiled for its first shape."""
   compute = _compute_dtype(x.dtype)
   half = rotary_dim // 2
   inv_freq = jnp.asarray(_scaled_frequencies(rotary_dim, base, scaling), compute)

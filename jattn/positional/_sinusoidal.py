@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -51,6 +52,12 @@ def sinusoidal(
     raise TypeError(f"dtype must be a floating dtype, got {dtype!r}") from None
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(f"dtype must be a floating dtype, got {dtype}")
+  return _embed(positions, dim=dim, max_timescale=max_timescale, dtype=dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("dim", "max_timescale", "dtype"))
+def _embed(positions: jax.Array, *, dim: int, max_timescale: float, dtype: np.dtype) -> jax.Array:
+  """``sinusoidal`` on checked arguments, one program (not an operation at a time) outside jit."""
   compute = _compute_dtype(dtype)
   inv_timescales = max_timescale ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
   positions = jnp.asarray(positions).astype(compute)
