@@ -41,7 +41,18 @@ def assert_close(actual, expected, dtype=None, *, factor: float = 1.0, err_msg: 
 
 def normal(shape, dtype=np.float32, seed=0):
   """Standard normal inputs from NumPy (jax.random would compile for every new shape)."""
-  x = np.random.default_rng(seed).standard_normal(shape)
+  return array(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def array(x, dtype=None):
+  """``jnp.asarray(x, dtype)`` without compiling: jnp.asarray and jnp.array stage a program
+  for every new shape and dtype (a conversion, or a copy), jax.device_put of a NumPy array
+  of the final dtype none. float32 and integers are cast by NumPy, rounding to nearest even
+  as XLA's conversion does; narrower floats keep XLA's conversion."""
+  x = np.asarray(x)
+  dtype = jax.dtypes.canonicalize_dtype(x.dtype if dtype is None else dtype)
+  if dtype.kind in "biu" or dtype in (np.float32, np.float64):
+    return jax.device_put(x.astype(dtype))
   return jnp.asarray(x, dtype)
 
 
