@@ -48,9 +48,10 @@ def evaluate(fn: Callable[..., Any], *args: Any, static: tuple[Hashable, ...] = 
   except TypeError:  # a structure with unhashable settings: operation by operation
     with jax.ensure_compile_time_eval():
       return jax.tree.map(_concrete, fn(*args, *static))
+  call = lambda *a: fn(*a, *static)  # noqa: E731
   entry = _CACHE.get(key)
   if entry is None:
-    entry = _prepare(lambda *a: fn(*a, *static), args)
+    entry = _prepare(call, args)
     if len(_CACHE) >= _LIMIT:
       del _CACHE[next(iter(_CACHE))]
     _CACHE[key] = entry
@@ -59,7 +60,7 @@ def evaluate(fn: Callable[..., Any], *args: Any, static: tuple[Hashable, ...] = 
     try:
       return jax.tree.unflatten(out_tree, _jaxpr_numpy.run(closed, *leaves))
     except _jaxpr_numpy.Unsupported:  # an operand NumPy cannot treat as XLA does
-      compiled = _compile(lambda *a: fn(*a, *static), args)
+      compiled = _compile(call, args)
       _CACHE[key] = (closed, out_tree, compiled)
   return jax.tree.map(np.asarray, compiled(*args))
 

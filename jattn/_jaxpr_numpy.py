@@ -34,7 +34,7 @@ def run(closed: core.ClosedJaxpr, *args: Any) -> list[np.ndarray]:
   """The outputs of ``closed`` on concrete ``args``, as NumPy arrays of the jaxpr's dtypes.
 
   Raises :class:`Unsupported` for an operand XLA would treat in a way NumPy cannot repeat
-  (an integer division by zero)."""
+  (an integer division by zero or by -1, a negative integer power)."""
   with np.errstate(all="ignore"):  # integers wrap, as in XLA
     return _eval(closed.jaxpr, closed.consts, args)
 
@@ -106,18 +106,21 @@ def _plain(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
   return rule
 
 
-def _div(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-  # XLA: truncation toward zero (NumPy floors); x / 0 and INT_MIN / -1 are XLA-defined
-  # values NumPy does not give, so those operands go back to the compiler.
+def _check_divisor(what: str, x: np.ndarray, y: np.ndarray) -> None:
+  # x / 0 and INT_MIN / -1 are XLA-defined values NumPy does not give: those operands go
+  # back to the compiler.
   if np.any(y == 0) or (np.issubdtype(x.dtype, np.signedinteger) and np.any(y == -1)):
-    raise Unsupported("integer division by zero or by -1")
-  q = np.floor_divide(x, y)
+    raise Unsupported(f"integer {what} by zero or by -1")
+
+
+def _div(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+  _check_divisor("division", x, y)
+  q = np.floor_divide(x, y)  # XLA truncates toward zero, NumPy floors
   return q + ((q * y != x) & ((x < 0) != (y < 0))).astype(q.dtype)
 
 
 def _rem(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-  if np.any(y == 0) or (np.issubdtype(x.dtype, np.signedinteger) and np.any(y == -1)):
-    raise Unsupported("integer remainder by zero or by -1")
+  _check_divisor("remainder", x, y)
   return np.fmod(x, y)  # the sign of the dividend, as C and XLA
 
 
@@ -211,7 +214,7 @@ def _gather(
       start = np.clip(start, 0, max(limit, 0))
     elif d in dn.operand_batching_dims:
       axis = dn.start_indices_batching_dims[dn.operand_batching_dims.index(d)]
-      start = np.broadcast_to(_iota(dtype=np.int64, shape=batch_shape, dimension=axis), batch_shape)
+      start = _iota(dtype=np.int64, shape=batch_shape, dimension=axis)
     else:
       start = np.zeros(batch_shape, np.int64)
     starts.append(batch_shaped(start))
