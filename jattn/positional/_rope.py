@@ -289,9 +289,9 @@ def rope(
       f"{tuple(x.shape)}, got {tuple(positions.shape)}"
     )
   rotary_dim = _rotary_dim(H, rotary_fraction, scaling)
-  return _rotate(
-    jnp.asarray(x), jnp.asarray(positions), rotary_dim=rotary_dim, base=base, scaling=scaling
-  )
+  # NumPy inputs go to the jitted _rotate as they are: jnp.asarray here would stage a copy
+  # program of its own for every new shape.
+  return _rotate(x, positions, rotary_dim=rotary_dim, base=base, scaling=scaling)
 
 
 @functools.partial(jax.jit, static_argnames=("rotary_dim", "base", "scaling"))
