@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks
+from jattn import _checks, _eager
 from jattn.masks import _indexing, tiles
 from jattn.masks._indexing import Extents
 
@@ -51,6 +51,12 @@ def index_grid(batch_size: int, num_heads: int, q_len: int, kv_len: int) -> Grid
     _indexing.index_array(np.arange(n), axis)
     for axis, n in enumerate((batch_size, num_heads, q_len, kv_len))
   )
+
+
+def _dense(mask: Mask, batch_size: int, num_heads: int, q_len: int, kv_len: int) -> jax.Array:
+  """``mask`` evaluated on the full (B, N, T, S) grid."""
+  dense = mask.on_grid(index_grid(batch_size, num_heads, q_len, kv_len))
+  return jnp.broadcast_to(dense, (batch_size, num_heads, q_len, kv_len))
 
 
 class Mask:
@@ -145,8 +151,10 @@ class Mask:
     kv_len = _checks.integer("kv_len", kv_len, minimum=0)
     self._check_lengths(q_len, kv_len)
     batch_size, num_heads = self._sizes(batch_size, num_heads)
-    dense = self.on_grid(index_grid(batch_size, num_heads, q_len, kv_len))
-    return jnp.broadcast_to(dense, (batch_size, num_heads, q_len, kv_len))
+    # One trace per mask structure and sizes, evaluated with NumPy where it can: outside jit
+    # the mask's operations would each compile a program of their own for every new shape.
+    dense = _eager.evaluate(_dense, self, static=(batch_size, num_heads, q_len, kv_len))
+    return jax.device_put(dense) if isinstance(dense, np.ndarray) else dense
 
   def block_view(
     self,
