@@ -4,6 +4,7 @@ quantized (:mod:`jattn._quant`); :func:`init` and :func:`init_paged` make empty 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -107,10 +108,9 @@ def init(
   lengths 0; Hv is ``value_head_dim``, default ``head_dim``. ``dtype`` is a floating
   dtype, or ``jnp.int8`` / ``jnp.float8_e4m3fn`` for a quantized cache (with scales)."""
   B, S = _sizes(batch_size=batch_size, max_length=max_length)
-  key, value, key_scale, value_scale = _stores(
-    (B, S), num_kv_heads, head_dim, value_head_dim, dtype
-  )
-  return KVCache(key, value, jnp.zeros((B,), jnp.int32), key_scale, value_scale)
+  stores = _stores((B, S), num_kv_heads, head_dim, value_head_dim, dtype)
+  key, value, lengths, *scales = _filled((*stores[:2], ((B,), np.int32, 0), *stores[2:]))
+  return KVCache(key, value, lengths, *scales)
 
 
 def init_paged(
@@ -140,23 +140,19 @@ def init_paged(
     batch_size=batch_size,
     max_pages_per_seq=max_pages_per_seq,
   )
-  key, value, key_scale, value_scale = _stores(
-    (P, ps), num_kv_heads, head_dim, value_head_dim, dtype
-  )
-  return PagedKVCache(
-    key,
-    value,
-    jnp.full((B, M), -1, jnp.int32),
-    jnp.zeros((B,), jnp.int32),
-    jnp.ones((P,), bool),
-    key_scale,
-    value_scale,
-  )
+  stores = _stores((P, ps), num_kv_heads, head_dim, value_head_dim, dtype)
+  tables = (((B, M), np.int32, -1), ((B,), np.int32, 0), ((P,), np.bool_, True))
+  key, value, page_table, lengths, free, *scales = _filled((*stores[:2], *tables, *stores[2:]))
+  return PagedKVCache(key, value, page_table, lengths, free, *scales)
 
 
 def _sizes(**sizes: int) -> tuple[int, ...]:
   """The given sizes, each checked to be an int >= 1 (errors name it)."""
   return tuple(_checks.integer(name, n, minimum=1) for name, n in sizes.items())
+
+
+_Fill = tuple[tuple[int, ...], Any, Any]
+"""An array to allocate: (shape, dtype, the value of every element)."""
 
 
 def _stores(
@@ -165,17 +161,25 @@ def _stores(
   head_dim: int,
   value_head_dim: int | None,
   dtype: Any,
-) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
-  """Zero keys (*lead, K, H) and values (*lead, K, Hv) in the checked storage ``dtype``, and
-  zero float32 scales (*lead, K) each when it is quantized (else None):
-  ``(key, value, key_scale, value_scale)``."""
+) -> tuple[_Fill, ...]:
+  """Zero keys (*lead, K, H) and values (*lead, K, Hv) in the checked storage ``dtype``,
+  and when it is quantized zero float32 scales (*lead, K) each: ``(key, value)`` or ``(key,
+  value, key_scale, value_scale)``, as :func:`_filled` takes them."""
   K, H = _sizes(num_kv_heads=num_kv_heads, head_dim=head_dim)
   Hv = H if value_head_dim is None else _sizes(value_head_dim=value_head_dim)[0]
-  dtype = _checks.storage_dtype("dtype", dtype)
-  scales: tuple[Any, ...] = (None, None)
-  if _quant.is_quantized(dtype):  # two arrays, not one shared: a step may donate the cache
-    scales = tuple(jnp.zeros((*lead, K), _quant.SCALE_DTYPE) for _ in range(2))
-  return (jnp.zeros((*lead, K, H), dtype), jnp.zeros((*lead, K, Hv), dtype), *scales)
+  dtype = np.dtype(_checks.storage_dtype("dtype", dtype))
+  stores: tuple[_Fill, ...] = (((*lead, K, H), dtype, 0), ((*lead, K, Hv), dtype, 0))
+  if _quant.is_quantized(dtype):
+    stores += (((*lead, K), np.dtype(_quant.SCALE_DTYPE), 0),) * 2
+  return stores
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _filled(fills: tuple[_Fill, ...]) -> tuple[jax.Array, ...]:
+  """The arrays ``fills`` describes, made by one program (outside jit, each jnp.zeros would
+  compile its own for every new shape). Each is a buffer of its own, so a step may donate
+  the cache."""
+  return tuple(jnp.full(shape, value, dtype) for shape, dtype, value in fills)
 
 
 def _dims(cache: Cache) -> tuple[int, int, int, int, int]:
