@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from flax import nnx
-from reference import attention_np, normal
+from reference import array, attention_np, normal
 
 B, T, S, F = 2, 6, 9, 16  # S: length of the keys' input in cross-attention
 KEY = jax.random.key(0)
@@ -39,7 +39,7 @@ def fill(shapes, seed=1):
       n = 1 + 0.2 * n
     else:
       n = 0.3 * n
-    return jnp.asarray(n, s.dtype)
+    return array(n, s.dtype)
 
   return jax.tree_util.tree_map_with_path(leaf, shapes)
 
