@@ -157,3 +157,27 @@ def test_block_views_evaluated_without_compiling_equal_the_compiled(name, exact,
     compiled = view()
   assert isinstance(from_numpy, np.ndarray) and from_numpy.dtype == np.int8
   np.testing.assert_array_equal(from_numpy, compiled)
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_materialized_masks_evaluated_without_compiling_equal_the_traced(name, monkeypatch):
+  """Mask.materialize on concrete masks: NumPy evaluation (compiling forbidden), the compiled
+  fallback, and the mask staged into a jit (the path of every traced call) agree."""
+  dense = lambda m: m.materialize(9, 9, num_heads=2)  # noqa: E731
+
+  def no_compiling(*a, **k):
+    raise AssertionError("compiled")
+
+  with monkeypatch.context() as m:
+    m.setattr(_eager, "_CACHE", {})
+    m.setattr(_eager, "_compile", no_compiling)
+    from_numpy = dense(MASKS[name])
+  with monkeypatch.context() as m:
+    m.setattr(_eager, "_CACHE", {})
+    m.setattr(_jaxpr_numpy, "supported", lambda closed: False)
+    compiled = dense(MASKS[name])
+  traced = jax.jit(dense)(MASKS[name])
+  assert isinstance(from_numpy, jax.Array) and from_numpy.dtype == np.bool_
+  assert from_numpy.shape == (1, 2, 9, 9)
+  np.testing.assert_array_equal(from_numpy, compiled)
+  np.testing.assert_array_equal(from_numpy, traced)

@@ -73,6 +73,31 @@ def test_paged_equals_contiguous_equals_full_causal(N, K, chunks):
   np.testing.assert_array_equal(dense.key[:, :L], k)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8])
+def test_empty_caches_are_separate_buffers_a_step_may_donate(dtype):
+  """init and init_paged make every array in one program: each its own buffer (a donated
+  key must not free the value), zero, with no row's pages and every page free."""
+  paged = decode.init_paged(6, 4, 2, 3, 2, 4, dtype=dtype, value_head_dim=5)
+  flat = decode.init(2, 8, 2, 4, dtype=dtype, value_head_dim=5)
+  for cache in (paged, flat):
+    arrays = [x for x in cache if x is not None]
+    assert len({x.unsafe_buffer_pointer() for x in arrays}) == len(arrays)
+  shapes = [(6, 4, 2, 4), (6, 4, 2, 5), (2, 3), (2,), (6,)]
+  shapes += [(6, 4, 2)] * 2 if dtype == jnp.int8 else []
+  assert [x.shape for x in paged if x is not None] == shapes
+  assert paged.key_pages.dtype == paged.value_pages.dtype == flat.key.dtype == dtype
+  np.testing.assert_array_equal(paged.page_table, -np.ones((2, 3)))
+  np.testing.assert_array_equal(paged.free, np.ones(6, bool))
+  for x in (paged.key_pages, paged.value_pages, paged.lengths, flat.key, flat.value, flat.lengths):
+    assert not np.asarray(x).astype(np.float32).any()
+  k, v = normal((2, 3, 2, 4), seed=1), normal((2, 3, 2, 5), seed=2)
+  written = jax.jit(decode.update, donate_argnums=0)(flat, k, v)  # the whole cache donated
+  np.testing.assert_array_equal(written.lengths, [3, 3])
+  if dtype == jnp.float32:
+    np.testing.assert_array_equal(written.value[:, :3], v)
+    assert not np.asarray(written.key[:, 3:]).any()
+
+
 def test_ragged_rows_and_idle_rows():
   N, K, t = 4, 2, 5
   prompt = np.array([5, 2], np.int32)
