@@ -146,6 +146,9 @@ class Mask:
     """The dense boolean mask of shape (B, N, T, S).
 
     B and N default to the sizes of the mask's own arrays (1 when it has none).
+    Outside ``jax.jit`` the mask is traced once per structure and sizes and evaluated
+    with NumPy where its operations allow (else compiled once); the result is a device
+    array either way.
     """
     q_len = _checks.integer("q_len", q_len, minimum=0)
     kv_len = _checks.integer("kv_len", kv_len, minimum=0)
