@@ -1,6 +1,8 @@
 """Test configuration: 8 simulated CPU devices, strict JAX numerics, a reproducible
 hypothesis profile, and test files handed out slowest first by their recorded durations
-(tests/durations.json; ``pytest -n 2 --record-durations tests`` records them again)."""
+(tests/durations.json; ``pytest -n 2 --record-durations tests`` records them again), and
+``--compile-report``: the XLA programs each file and test compiled, and the seconds spent
+tracing, lowering and compiling them (most of the suite's time)."""
 
 import collections
 import gc
@@ -104,6 +106,12 @@ def pytest_addoption(parser):
     action="store_true",
     help="write each test file's seconds to tests/durations.json (orders files slowest first)",
   )
+  parser.addoption(
+    "--compile-report",
+    action="store_true",
+    help="after the run, the XLA programs each test file and test compiled and the seconds "
+    "spent tracing, lowering and compiling them",
+  )
 
 
 class _RecordDurations:
@@ -121,9 +129,73 @@ class _RecordDurations:
     _DURATIONS.write_text(json.dumps(dict(sorted(recorded.items())), indent=2) + "\n")
 
 
+# The suite's time is mostly JAX tracing, lowering and compiling thousands of programs, not
+# running them. --compile-report counts them per test: each process (an xdist worker, or the
+# one process with -n 0) listens to jax.monitoring's compile events and attaches what each
+# test phase compiled to its report, which xdist forwards; the main process sums and prints.
+_STAGES = {
+  "/jax/core/compile/jaxpr_trace_duration": "trace",
+  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+  "/jax/core/compile/backend_compile_duration": "compile",
+}
+
+
+class _CountCompiles:
+  """In each test process: the programs compiled (backend compiles) and the seconds of each
+  stage since the last test phase, attached to that phase's report."""
+
+  def __init__(self):
+    self.now = collections.Counter()
+    jax.monitoring.register_event_duration_secs_listener(self.listen)
+
+  def listen(self, event, duration, **kwargs):
+    if stage := _STAGES.get(event):
+      self.now[stage] += duration
+      self.now["programs"] += stage == "compile"
+
+  @pytest.hookimpl(hookwrapper=True)
+  def pytest_runtest_makereport(self, item, call):
+    report = (yield).get_result()
+    report.user_properties.append(("jattn_compiles", dict(self.now)))
+    self.now.clear()
+
+
+class _CompileReport:
+  """In the main process: sums the compile counts by test file and test, and prints them."""
+
+  def __init__(self):
+    self.files = collections.defaultdict(collections.Counter)
+    self.tests = collections.defaultdict(collections.Counter)
+
+  def pytest_runtest_logreport(self, report):
+    for name, counts in report.user_properties:
+      if name == "jattn_compiles":
+        self.files[report.nodeid.split("::")[0]].update(counts)
+        self.tests[report.nodeid].update(counts)
+
+  def pytest_terminal_summary(self, terminalreporter):
+    write = terminalreporter.write_line
+    total = sum(self.files.values(), collections.Counter())
+    columns = ("programs", "trace", "lower", "compile")
+    row = lambda c: f"{c['programs']:7.0f} " + " ".join(f"{c[k]:7.1f}" for k in columns[1:])  # noqa: E731
+    terminalreporter.section("XLA programs compiled (seconds of each stage, all processes)")
+    write(f"{'programs':>7} {'trace':>7} {'lower':>7} {'compile':>7}")
+    write(f"{row(total)}  all tests")
+    for title, table in (("test files", self.files), ("tests", self.tests)):
+      write(f"-- the 15 {title} that spent longest")
+      ranked = sorted(table.items(), key=lambda kv: -sum(kv[1][k] for k in columns[1:]))
+      for name, counts in ranked[:15]:
+        write(f"{row(counts)}  {name}")
+
+
 def pytest_configure(config):
   if config.getoption("record_durations") and not hasattr(config, "workerinput"):
     config.pluginmanager.register(_RecordDurations(), "jattn-record-durations")
+  if config.getoption("compile_report"):
+    if config.getoption("numprocesses", None) in (None, 0) or hasattr(config, "workerinput"):
+      config.pluginmanager.register(_CountCompiles(), "jattn-count-compiles")
+    if not hasattr(config, "workerinput"):
+      config.pluginmanager.register(_CompileReport(), "jattn-compile-report")
 
 
 def pytest_collection_modifyitems(config, items):
