@@ -139,10 +139,9 @@ MASKS = {
 }
 
 
-@pytest.mark.parametrize("exact", [False, True])
-@pytest.mark.parametrize("name", list(MASKS))
-def test_block_views_evaluated_without_compiling_equal_the_compiled(name, exact, monkeypatch):
-  view = lambda: MASKS[name].block_view(9, 9, block_q=2, block_kv=4, num_heads=2, exact=exact)  # noqa: E731
+def _from_numpy_and_compiled(f, monkeypatch):
+  """``f()`` twice, each with an empty cache: evaluated with NumPy while compiling is
+  forbidden, then compiled while NumPy evaluation is refused."""
 
   def no_compiling(*a, **k):
     raise AssertionError("compiled")
@@ -150,11 +149,18 @@ def test_block_views_evaluated_without_compiling_equal_the_compiled(name, exact,
   with monkeypatch.context() as m:
     m.setattr(_eager, "_CACHE", {})
     m.setattr(_eager, "_compile", no_compiling)
-    from_numpy = view()
+    from_numpy = f()
   with monkeypatch.context() as m:
     m.setattr(_eager, "_CACHE", {})
     m.setattr(_jaxpr_numpy, "supported", lambda closed: False)
-    compiled = view()
+    return from_numpy, f()
+
+
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("name", list(MASKS))
+def test_block_views_evaluated_without_compiling_equal_the_compiled(name, exact, monkeypatch):
+  view = lambda: MASKS[name].block_view(9, 9, block_q=2, block_kv=4, num_heads=2, exact=exact)  # noqa: E731
+  from_numpy, compiled = _from_numpy_and_compiled(view, monkeypatch)
   assert isinstance(from_numpy, np.ndarray) and from_numpy.dtype == np.int8
   np.testing.assert_array_equal(from_numpy, compiled)
 
@@ -164,18 +170,7 @@ def test_materialized_masks_evaluated_without_compiling_equal_the_traced(name, m
   """Mask.materialize on concrete masks: NumPy evaluation (compiling forbidden), the compiled
   fallback, and the mask staged into a jit (the path of every traced call) agree."""
   dense = lambda m: m.materialize(9, 9, num_heads=2)  # noqa: E731
-
-  def no_compiling(*a, **k):
-    raise AssertionError("compiled")
-
-  with monkeypatch.context() as m:
-    m.setattr(_eager, "_CACHE", {})
-    m.setattr(_eager, "_compile", no_compiling)
-    from_numpy = dense(MASKS[name])
-  with monkeypatch.context() as m:
-    m.setattr(_eager, "_CACHE", {})
-    m.setattr(_jaxpr_numpy, "supported", lambda closed: False)
-    compiled = dense(MASKS[name])
+  from_numpy, compiled = _from_numpy_and_compiled(lambda: dense(MASKS[name]), monkeypatch)
   traced = jax.jit(dense)(MASKS[name])
   assert isinstance(from_numpy, jax.Array) and from_numpy.dtype == np.bool_
   assert from_numpy.shape == (1, 2, 9, 9)
