@@ -1,11 +1,15 @@
-# The two commands at the top of README.md, the documentation build, and CI.
-.PHONY: demo test docs ci
+# The two commands at the top of README.md, the tests they leave out (tests/tiers.py), the
+# documentation build, and CI.
+.PHONY: demo test test-exhaustive docs ci
 
 demo:
 	python3 -m venv .venv && .venv/bin/pip install -e ".[viz]" && .venv/bin/python -m experiments.train --config configs/compare_backward.yaml
 
 test:
 	python3 -m venv .venv && .venv/bin/pip install -e ".[dev]" && .venv/bin/python -m pytest
+
+test-exhaustive:
+	.venv/bin/python -m pytest -m exhaustive
 
 docs:
 	.venv/bin/sphinx-build -W --keep-going -b html docs docs/_build/html

@@ -2,7 +2,8 @@
 hypothesis profile, and test files handed out slowest first by their recorded durations
 (tests/durations.json; ``pytest -n 2 --record-durations tests`` records them again), and
 ``--compile-report``: the XLA programs each file and test compiled, and the seconds spent
-tracing, lowering and compiling them (most of the suite's time)."""
+tracing, lowering and compiling them (most of the suite's time), and the cases of the largest
+sweeps that tests/tiers.py leaves to ``-m exhaustive`` marked so."""
 
 import collections
 import gc
@@ -48,6 +49,7 @@ for _name, _value in _TEST_FLAGS.items():
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+import tiers  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Tracing allocates millions of short-lived objects, and Python's default collector
@@ -188,7 +190,36 @@ class _CompileReport:
         write(f"{row(counts)}  {name}")
 
 
+class _ExhaustiveCount:
+  """How many exhaustive cases -m left out, counted where the tests are collected (each xdist
+  worker collects all of them) and said once at the end: with xdist pytest's own summary has
+  no "deselected"."""
+
+  def __init__(self):
+    self.left_out = 0
+
+  def pytest_deselected(self, items):
+    self.left_out += sum(1 for item in items if item.get_closest_marker("exhaustive"))
+
+  def pytest_collection_finish(self, session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: sent to the main process
+      session.config.workeroutput["jattn_exhaustive"] = self.left_out
+
+  @pytest.hookimpl(optionalhook=True)
+  def pytest_testnodedown(self, node, error):
+    self.left_out = max(self.left_out, getattr(node, "workeroutput", {}).get("jattn_exhaustive", 0))
+
+  @pytest.hookimpl(trylast=True)  # after the durations, above pytest's last line
+  def pytest_terminal_summary(self, terminalreporter):
+    if self.left_out:
+      terminalreporter.write_line(
+        f"{self.left_out} cases of the sweeps in tests/tiers.py are the exhaustive tier, not run "
+        "here: pytest -m exhaustive runs them"
+      )
+
+
 def pytest_configure(config):
+  config.pluginmanager.register(_ExhaustiveCount(), "jattn-exhaustive-count")
   if config.getoption("record_durations") and not hasattr(config, "workerinput"):
     config.pluginmanager.register(_RecordDurations(), "jattn-record-durations")
   if config.getoption("compile_report"):
@@ -198,7 +229,31 @@ def pytest_configure(config):
       config.pluginmanager.register(_CompileReport(), "jattn-compile-report")
 
 
+@pytest.hookimpl(tryfirst=True)  # marks the exhaustive cases before -m deselects them
 def pytest_collection_modifyitems(config, items):
+  _mark_exhaustive(items)
   seconds = json.loads(_DURATIONS.read_text()) if _DURATIONS.exists() else {}
   # Slowest first, unknown files before all; the sort is stable, so each file's order is kept.
   items.sort(key=lambda item: -seconds.get(item.path.name, math.inf))
+
+
+def _mark_exhaustive(items):
+  """Marks ``exhaustive`` the cases of tests/tiers.py's sweeps that it does not keep for the
+  default run (pyproject.toml's ``-m "not exhaustive"`` deselects them)."""
+  collected = collections.defaultdict(list)
+  for item in items:
+    sweep = f"{item.path.name}::{item.originalname}"
+    if sweep in tiers.DEFAULT and hasattr(item, "callspec"):
+      collected[sweep].append(item)
+  for sweep, cases in collected.items():
+    kept = tiers.DEFAULT[sweep]
+    ids = {item.callspec.id for item in cases}
+    if len(ids) <= len(kept):  # collected in part (cases named on the command line): run them
+      continue
+    if not ids >= set(kept):
+      raise pytest.UsageError(
+        f"tests/tiers.py keeps cases {sorted(set(kept) - ids)} that {sweep} no longer has"
+      )
+    for item in cases:
+      if item.callspec.id not in kept:
+        item.add_marker(pytest.mark.exhaustive)

@@ -88,3 +88,20 @@ def test_documented_modules_set_all_in_their_code(module):
   }
   missing = [name for name in names if name not in defined]
   assert not missing, f"{module}.__all__ names what it does not define: {missing}"
+
+
+def test_every_tiered_sweep_is_a_test_that_exists():
+  """tests/tiers.py names sweeps by file and test: a renamed test would leave a stale entry
+  (its cases then all run by default; conftest.py checks the case ids)."""
+  tiers = ast.literal_eval(
+    next(
+      node.value
+      for node in ast.parse((ROOT / "tests" / "tiers.py").read_text(encoding="utf-8")).body
+      if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "DEFAULT"
+    )
+  )
+  assert len(tiers) > 10
+  for sweep, kept in tiers.items():
+    file, test = sweep.split("::")
+    assert f"\ndef {test}(" in (ROOT / "tests" / file).read_text(encoding="utf-8"), sweep
+    assert kept and len(set(kept)) == len(kept), sweep
