@@ -50,6 +50,10 @@ DEFAULT: dict[str, tuple[str, ...]] = {
     "docs_and_lengths",
     "tabulated",
   ),
+  "test_sharding_explicit.py::test_attention_keeps_batch_and_head_sharding": (
+    "segment_ids-blockwise",
+    "lengths-xla",
+  ),
   # Both sharding modes, each with one of the two device counts.
   "test_sharded_kernels.py::test_splash_runs_each_devices_share": ("explicit-2", "auto-1"),
   # Every bias shape, score function, head grouping, tile shape, dtype and dropout setting
