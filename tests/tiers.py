@@ -23,7 +23,7 @@ DEFAULT: dict[str, tuple[str, ...]] = {
   # Every mask kind through flex's three kernels, forward and backward. Kept: rows left empty
   # at the start (EMPTY tiles first in a row), a per-batch-row array (prefix lengths), a
   # function of all four indices, and &, | and ~ together. Every kind's mask is also checked
-  # inside a kernel (test_in_kernel.py) and on the xla path against its formula.
+  # against its formula (test_masks.py), and cases.mask_kinds' inside a kernel (test_in_kernel.py).
   "test_flex.py::test_every_mask_kind_matches_xla_values_lse_and_gradients": (
     "causal_empty_rows",
     "prefix_lm",
