@@ -9,6 +9,7 @@ import pathlib
 import re
 
 import pytest
+import tiers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIBRARY = sorted((ROOT / "jattn").rglob("*.py"))
@@ -93,15 +94,8 @@ def test_documented_modules_set_all_in_their_code(module):
 def test_every_tiered_sweep_is_a_test_that_exists():
   """tests/tiers.py names sweeps by file and test: a renamed test would leave a stale entry
   (its cases then all run by default; conftest.py checks the case ids)."""
-  tiers = ast.literal_eval(
-    next(
-      node.value
-      for node in ast.parse((ROOT / "tests" / "tiers.py").read_text(encoding="utf-8")).body
-      if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "DEFAULT"
-    )
-  )
-  assert len(tiers) > 10
-  for sweep, kept in tiers.items():
+  assert len(tiers.DEFAULT) > 10
+  for sweep, kept in tiers.DEFAULT.items():
     file, test = sweep.split("::")
     assert f"\ndef {test}(" in (ROOT / "tests" / file).read_text(encoding="utf-8"), sweep
     assert kept and len(set(kept)) == len(kept), sweep
