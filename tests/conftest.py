@@ -231,25 +231,29 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)  # marks the exhaustive cases before -m deselects them
 def pytest_collection_modifyitems(config, items):
-  _mark_exhaustive(items)
+  _mark_exhaustive(config, items)
   seconds = json.loads(_DURATIONS.read_text()) if _DURATIONS.exists() else {}
   # Slowest first, unknown files before all; the sort is stable, so each file's order is kept.
   items.sort(key=lambda item: -seconds.get(item.path.name, math.inf))
 
 
-def _mark_exhaustive(items):
+def _mark_exhaustive(config, items):
   """Marks ``exhaustive`` the cases of tests/tiers.py's sweeps that it does not keep for the
-  default run (pyproject.toml's ``-m "not exhaustive"`` deselects them)."""
+  default run (pyproject.toml's ``-m "not exhaustive"`` deselects them). A sweep named on the
+  command line (``file::test`` or ``file::test[case]``) runs as named."""
+  named = set()
+  for arg in config.args:
+    path, _, rest = arg.partition("::")
+    if rest:
+      named.add(f"{pathlib.Path(path).name}::{rest.split('[')[0]}")
   collected = collections.defaultdict(list)
   for item in items:
     sweep = f"{item.path.name}::{item.originalname}"
-    if sweep in tiers.DEFAULT and hasattr(item, "callspec"):
+    if sweep in tiers.DEFAULT and sweep not in named and hasattr(item, "callspec"):
       collected[sweep].append(item)
   for sweep, cases in collected.items():
     kept = tiers.DEFAULT[sweep]
     ids = {item.callspec.id for item in cases}
-    if len(ids) <= len(kept):  # collected in part (cases named on the command line): run them
-      continue
     if not ids >= set(kept):
       raise pytest.UsageError(
         f"tests/tiers.py keeps cases {sorted(set(kept) - ids)} that {sweep} no longer has"

@@ -12,6 +12,9 @@ second command, so every case still runs on every change:
     python -m pytest -m exhaustive   # the rest of each sweep
     python -m pytest -m ""           # everything in one run
 
+A sweep named on the command line (``tests/test_flex.py::test_...``, with or without a case
+id) runs the cases named, whatever this file keeps.
+
 A sweep not listed here runs whole in the default run. The keys are ``file::test`` and the
 values the test ids of the cases kept, as pytest prints them; a case renamed or dropped from
 a sweep while still listed here fails collection (tests/conftest.py checks).
