@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from jattn import dropout as _dropout
 from jattn import testing
-from jattn.impl import _base, _flex_backward, _sharded
+from jattn.impl import _base, _flex_backward, _flex_lowers, _sharded
 from jattn.impl import _flex_kernels as _kernels
 
 if TYPE_CHECKING:
@@ -118,7 +118,19 @@ def _check(call: _base.Call) -> str | None:
   for name, block in (("block_q", s.block_q), ("block_kv", s.block_kv)):
     if block is not None and (block < 16 or block & (block - 1)):
       return f"{name}={block} (flex's tiles are powers of two, at least 16)"
-  return None
+  # The mask and score function as the kernels would see them: what Triton cannot lower
+  # (a gather from registers, an array read whole) is refused here, not in lowering.
+  bq, bk = _blocks(s, s.T, s.S, call.dtype)
+  return _flex_lowers.why_not(s.mask, s.score_fn, bq, bk, s.H, call.dtype)
+
+
+def _blocks(spec: CallSpec, T: int, S: int, dtype: Any) -> tuple[int, int]:
+  """The kernels' tiles: the caller's, else the table's, no longer than the lengths rounded
+  up to a power of two (Triton's blocks)."""
+  row = tiles_for(spec.H, jnp.dtype(dtype).itemsize)
+  bq = min(spec.block_q or row.block_q, max(16, _kernels.pow2(T)))
+  bk = min(spec.block_kv or row.block_kv, max(16, _kernels.pow2(S)))
+  return bq, bk
 
 
 def _prepare(spec: CallSpec, blocks: tuple[int | None, int | None], backend: str) -> CallSpec:
@@ -142,10 +154,7 @@ def _attend(
   """The kernels on one device's share: query (b, T, n, H) of the call's (B, T, N, H)."""
   T, S = query.shape[1], key.shape[1]
   row = tiles_for(spec.H, query.dtype.itemsize)
-  # The caller's tiles, else the table's, no longer than the lengths rounded up to a power
-  # of two (Triton's blocks).
-  bq = min(spec.block_q or row.block_q, max(16, _kernels.pow2(T)))
-  bk = min(spec.block_kv or row.block_kv, max(16, _kernels.pow2(S)))
+  bq, bk = _blocks(spec, T, S, query.dtype)
   specs = _kernels.index_specs(bq, bk)
   mask = score = score_grid = None
   if spec.mask is not None:
