@@ -97,20 +97,27 @@ def plan(
   return Pairs(tuple(table), tuple(tables), bq, bkv, testing.interpreting())
 
 
-def _spec(
-  pairs: Pairs,
-  table: _splash_masks.StaticMask | None,
-  query: jax.Array,
-  key: jax.Array,
-  q_ids: jax.Array | None,
-  kv_ids: jax.Array | None,
+def pair_spec(
+  *,
+  shapes: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]],
+  segments: masks.Mask | None,
   scale: float,
   soft_cap: float | None,
+  block_q: int,
+  block_kv: int,
+  interpret: bool,
+  static_mask: _splash_masks.StaticMask | None = None,
 ) -> CallSpec:
+  """The splash call one shard pair makes: query, key and value of ``shapes`` (a device's
+  shards), ``segments`` (the pair's segment ids, or None) and the ring's scale and soft cap.
+
+  It always returns the log-sum-exp, which the ring merges and differentiates, so
+  ``implementation='splash'``'s table row (:func:`jattn.impl._select.why_not`) checks a
+  ring's pairs on this spec as it checks a one-device call.
+  """
   from jattn._spec import CallSpec  # the spec's home imports this module's callers
 
-  B, T, N, H = query.shape
-  S, K = key.shape[1], key.shape[2]
+  (B, T, N, H), (_, S, K, _), (*_, Hv) = shapes
   return CallSpec(
     B=B,
     T=T,
@@ -118,10 +125,10 @@ def _spec(
     N=N,
     K=K,
     H=H,
-    Hv=H,
+    Hv=Hv,
     unbatched=False,
     bias=None,
-    mask=None if q_ids is None else masks.segments(q_ids, kv_ids),
+    mask=segments,
     score_fn=None if soft_cap is None else scores.soft_cap(soft_cap),
     dropout_rng=None,
     scale=scale,
@@ -129,11 +136,11 @@ def _spec(
     broadcast_dropout=False,
     implementation="splash",
     backward=None,
-    block_q=pairs.block_q,
-    block_kv=pairs.block_kv,
+    block_q=block_q,
+    block_kv=block_kv,
     return_residual=True,
-    interpret=pairs.interpret,
-    static_mask=table,
+    interpret=interpret,
+    static_mask=static_mask,
   )
 
 
@@ -164,7 +171,16 @@ def attend(
     def run(
       q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array | None, kv_ids: jax.Array | None
     ) -> tuple[jax.Array, jax.Array]:
-      spec = _spec(pairs, table, q, k, q_ids, kv_ids, scale, soft_cap)
+      spec = pair_spec(
+        shapes=(q.shape, k.shape, v.shape),
+        segments=None if q_ids is None else masks.segments(q_ids, kv_ids),
+        scale=scale,
+        soft_cap=soft_cap,
+        block_q=pairs.block_q,
+        block_kv=pairs.block_kv,
+        interpret=pairs.interpret,
+        static_mask=table,
+      )
       out, lse = splash.attention(q, k, v, spec)
       return out.astype(jnp.float32), lse
 

@@ -49,7 +49,7 @@ from jax.typing import DTypeLike
 
 from jattn import _checks, _masking, _ring, _ring_splash, _spec, masks, testing
 from jattn._options import Options
-from jattn.impl import _common
+from jattn.impl import _common, _select, splash
 
 __all__ = [
   "positions",
@@ -315,6 +315,8 @@ def ring_attention(
       q.dtype,
       layout,
       size,
+      segments=None if q_ids is None else masks.segments(q_ids, kv_ids),
+      soft_cap=soft_cap,
       blocks_named=(options.block_q, options.block_kv),
     ),
   )
@@ -340,24 +342,32 @@ def _pairs(
   layout: str,
   size: int,
   *,
+  segments: masks.Mask | None,
+  soft_cap: float | None,
   blocks_named: tuple[int | None, int | None],
 ) -> _ring_splash.Pairs | None:
-  """The splash kernels of each shard pair (:mod:`jattn._ring_splash`), or None (blockwise)."""
+  """The splash kernels of each shard pair (:mod:`jattn._ring_splash`), or None (blockwise).
+
+  A pair runs splash only where the one-device call would: the pair's own call (its shard
+  lengths, segment ids, soft cap and dtype, always returning the log-sum-exp the ring
+  merges) goes through splash's row of the selection table, and an explicit
+  ``implementation="splash"`` the table refuses raises with the table's reason.
+  """
   if implementation == "blockwise":
     return None
+  interpret = testing.interpreting()
+  backend = testing.target_backend() or jax.default_backend()
   why = _ring_splash.reason(spec.mask)
-  if why is None and np.dtype(dtype).name not in ("float32", "bfloat16"):
-    why = f"dtype {np.dtype(dtype).name} (it takes float32, bfloat16)"
   if why is None and blocks_named != (None, None):
     why = "block_q and block_kv are blockwise's tiles"
-  interpret = testing.interpreting()
+  if why is None:
+    why = _pair_reason(spec, dtype, size, segments, soft_cap, backend)
   if implementation is None:
-    on_tpu = (testing.target_backend() or jax.default_backend()) == "tpu"
-    if why is not None or not on_tpu:
+    if why is not None or backend != "tpu":
       return None
   elif why is not None:
     raise ValueError(f"ring_attention(implementation='splash') does not support {why}")
-  elif not interpret and (testing.target_backend() or jax.default_backend()) != "tpu":
+  elif not interpret and backend != "tpu":
     raise ValueError(
       "ring_attention(implementation='splash') needs a TPU (jattn.testing.interpret_kernels() "
       "runs it in Pallas interpret mode, for tests)"
@@ -370,6 +380,43 @@ def _pairs(
     kv_len=spec.S,
     positions=_ring.shard_positions,
   )
+
+
+def _pair_reason(
+  spec: _spec.CallSpec,
+  dtype: DTypeLike,
+  size: int,
+  segments: masks.Mask | None,
+  soft_cap: float | None,
+  backend: str,
+) -> str | None:
+  """Why splash's table row refuses one shard pair's call (see :func:`_pairs`), or None."""
+  t, s = spec.T // size, spec.S // size
+  block_q, block_kv = splash.resolve_blocks(None, None, t, s)
+  pair = _ring_splash.pair_spec(
+    shapes=((spec.B, t, spec.N, spec.H), (spec.B, s, spec.K, spec.H), (spec.B, s, spec.K, spec.Hv)),
+    segments=segments,
+    scale=spec.scale,
+    soft_cap=soft_cap,
+    block_q=block_q,
+    block_kv=block_kv,
+    interpret=testing.interpreting(),
+  )
+  call = _select.Call(
+    spec=pair,
+    dtype=np.dtype(dtype),
+    backend=backend,
+    backward_named=False,
+    blocks_named=False,
+  )
+  why = _select.why_not("splash", call, device=False)
+  if why is not None and soft_cap is not None and why.startswith("return_residual"):
+    # The caller may not have asked for the lse: say why the pairs need it.
+    why = (
+      f"logits_soft_cap: every shard pair returns its log-sum-exp for the ring to merge and "
+      f"differentiate, and splash does not support {why}"
+    )
+  return why
 
 
 def _check_mesh_axes(
