@@ -473,3 +473,80 @@ def test_ring_lowers_splash_for_tpu_and_refuses_what_it_cannot():
     ring(q, implementation="splash", query_seq_lengths=jnp.array([3]))
   with pytest.raises(ValueError, match="implementation must be one of"):
     ring(q, implementation="xla")
+  # A soft cap: splash's pairs cannot give its log-sum-exp's gradient, so None lowers
+  # blockwise pairs for the TPU (the soft-cap tests below check their values).
+  with jattn.testing.lowering_for("tpu"):
+    capped = functools.partial(ring, logits_soft_cap=2.0)
+    text = jax.jit(capped).trace(q).lower(lowering_platforms=("tpu",)).as_text()
+  assert "tpu_custom_call" not in text
+
+
+# --- a soft cap through the shard pairs ----------------------------------------------
+
+CAP = 2.0
+
+
+def _cap_score(s, *idx):
+  tanh = np.tanh if isinstance(s, np.ndarray) else jnp.tanh
+  return CAP * tanh(s / CAP)
+
+
+@functools.cache
+def _soft_cap_reference():
+  """The float64 formula (values, lse, gradients) on the float32 inputs, causal, soft cap."""
+  with jax.enable_x64(True):
+    inputs = (np.asarray(x, np.float64) for x in _inputs(np.float32))
+    return _reference(*inputs, causal_np(T, T), dict(score=_cap_score))
+
+
+@pytest.mark.parametrize("layout", parallel.LAYOUTS)
+def test_ring_soft_cap_on_tpu_runs_exact_pairs(layout):
+  # implementation=None as on a TPU, Pallas kernels interpreted: splash would run every pair
+  # if it expressed the call, and the pairs' log-sum-exp gradient through the cap is beyond
+  # it (the one-device call refuses splash with a soft cap and return_residual). The ring's
+  # values, lse and gradients must be the formula's, in every layout.
+  q, k, v = _inputs(np.float32)
+  want, want_lse, want_grads = _soft_cap_reference()
+  with jattn.testing.lowering_for("tpu"), jattn.testing.interpret_kernels():
+    (out, lse), grads = _run(
+      lambda *a: _ring(
+        *a, layout=layout, is_causal=True, logits_soft_cap=CAP, return_residual=True
+      ),
+      q,
+      k,
+      v,
+    )
+  assert_close(out, want, np.float32)
+  assert_close(lse, want_lse, np.float32)
+  for g, w in zip(grads, want_grads):
+    assert_close(g, w, np.float32)
+
+
+def test_ring_splash_refuses_a_soft_cap_as_the_one_device_call_does():
+  q, k, v = _inputs(np.float32)
+  with jattn.testing.interpret_kernels():
+    with pytest.raises(ValueError, match="implementation='splash' does not support") as one:
+      jattn.dot_product_attention(
+        q, k, v, logits_soft_cap=CAP, return_residual=True, implementation="splash"
+      )
+    reason = str(one.value).split("does not support ", 1)[1]
+    for layout in parallel.LAYOUTS:
+      for return_residual in (False, True):  # the pairs return their lse either way
+        with pytest.raises(ValueError) as ring:
+          parallel.ring_attention(  # refused before anything runs: no need to permute
+            q,
+            k,
+            v,
+            mesh=RING,
+            axis_name="sp",
+            layout=layout,
+            is_causal=True,
+            logits_soft_cap=CAP,
+            return_residual=return_residual,
+            implementation="splash",
+          )
+        message = str(ring.value)
+        assert message.startswith(
+          "ring_attention(implementation='splash') does not support logits_soft_cap"
+        ), message
+        assert reason in message
