@@ -293,9 +293,9 @@ def explain(
 ) -> Choice:
   """Which implementation :func:`dot_product_attention` runs for these arguments, and why.
 
-  Takes the arguments of :func:`dot_product_attention` (arrays or
-  ``jax.ShapeDtypeStruct`` values for query, key, value and bias; masks, segment ids
-  and lengths as they would be passed) and checks them the same way, so a bad
+  Takes the arguments of :func:`dot_product_attention` (for every array argument, an
+  array or a ``jax.ShapeDtypeStruct``: query, key, value, bias, a mask array, segment ids
+  and their pairs, lengths, sinks, dropout_rng) and checks them the same way, so a bad
   call raises the same error. ``backend`` (``"cpu"``, ``"gpu"`` or ``"tpu"``;
   default: JAX's default backend) names where the call would run, so a laptop
   shows what a TPU pod would run. Nothing is computed.
@@ -320,13 +320,26 @@ def explain(
     if name not in allowed:
       raise TypeError(f"explain() got an unexpected keyword argument {name!r}")
   choices: list[Choice] = []
+  # Every ShapeDtypeStruct, wherever it sits (a mask array, both ids of a segment pair,
+  # lengths, sinks, dropout_rng), is traced as an abstract array, as query, key, value and bias
+  # are; everything else (masks.Mask objects, score functions, settings) is passed as given.
+  is_shape = lambda x: isinstance(x, jax.ShapeDtypeStruct)
+  is_leaf = lambda x: is_shape(x) or isinstance(x, masks.Mask)
+  leaves, tree = jax.tree_util.tree_flatten((mask, kwargs), is_leaf=is_leaf)
+  shaped = [i for i, x in enumerate(leaves) if is_shape(x)]
 
-  def trace(q: jax.Array, k: jax.Array, v: jax.Array, b: jax.Array | None) -> tuple[()]:
-    arguments = _spec.Arguments(q, k, v, b, mask, **kwargs)
+  def trace(
+    q: jax.Array, k: jax.Array, v: jax.Array, b: jax.Array | None, abstract: list[jax.Array]
+  ) -> tuple[()]:
+    filled = list(leaves)
+    for i, x in zip(shaped, abstract):
+      filled[i] = x
+    m, kw = jax.tree_util.tree_unflatten(tree, filled)
+    arguments = _spec.Arguments(q, k, v, b, m, **kw)
     choices.append(_spec.build(arguments, backend=backend, explain=True))
     return ()
 
-  jax.eval_shape(trace, query, key, value, bias)
+  jax.eval_shape(trace, query, key, value, bias, [leaves[i] for i in shaped])
   return choices[0]
 
 

@@ -1,6 +1,7 @@
 """Bad input raises at the public boundary, before anything is compiled, with a clear message."""
 
 import contextlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -605,3 +606,69 @@ BAD_CONSTRUCTORS = [
 def test_bad_constructor_arguments(build, error, message):
   with pytest.raises(error, match=message):
     build()
+
+
+# --- explain with jax.ShapeDtypeStruct for every array argument ---------------------------------
+
+# Every array argument of dot_product_attention, as real arrays (T != S: a pair's two ids differ).
+ARRAY_ARGUMENTS = {
+  "bias": dict(bias=jnp.zeros((B, N, T, S))),
+  "mask_array": dict(mask=jnp.ones((B, 1, T, S), bool)),
+  "segment_ids_pair": dict(
+    segment_ids=(jnp.zeros((B, T), jnp.int32), jnp.zeros((B, S), jnp.int32))
+  ),
+  "query_seq_lengths": dict(query_seq_lengths=jnp.full((B,), T, jnp.int32)),
+  "key_value_seq_lengths": dict(key_value_seq_lengths=jnp.full((B,), S, jnp.int32)),
+  "sinks": dict(sinks=jnp.zeros((N,))),
+  "dropout_rng": dict(dropout_rate=0.25, dropout_rng=jax.random.key(0)),
+  "raw_dropout_rng": dict(dropout_rate=0.25, dropout_rng=jax.random.PRNGKey(0)),
+}
+
+
+def shapes(tree):
+  """``tree`` with every array replaced by its jax.ShapeDtypeStruct."""
+  shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x
+  return jax.tree_util.tree_map(shape, tree)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu", "tpu"])
+@pytest.mark.parametrize("name", list(ARRAY_ARGUMENTS))
+def test_explain_takes_shape_dtype_structs_for_every_array(name, backend):
+  """explain with ShapeDtypeStructs chooses what it chooses for the arrays they describe."""
+  kwargs = ARRAY_ARGUMENTS[name]
+  want = jattn.explain(Q, KV, KV, backend=backend, **kwargs)
+  got = jattn.explain(*shapes((Q, KV, KV)), backend=backend, **shapes(kwargs))
+  assert (got.implementation, got.backward) == (want.implementation, want.backward)
+  assert set(got.rejected) == set(want.rejected)
+
+
+def test_explain_takes_shape_dtype_struct_self_attention_segment_ids():
+  q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+  ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
+  for backend in ("cpu", "gpu", "tpu"):
+    want = jattn.explain(q, q, q, segment_ids=jnp.zeros((B, T), jnp.int32), backend=backend)
+    assert jattn.explain(q, q, q, segment_ids=ids, backend=backend).implementation == (
+      want.implementation
+    )
+
+
+# A ShapeDtypeStruct of the wrong shape or dtype raises what the array it describes raises.
+BAD_SHAPES = [
+  ("bias", dict(bias=jnp.zeros((B, N, T, S + 1)))),
+  ("mask_array", dict(mask=jnp.ones((B, 1, T + 1, S), bool))),
+  ("segment_ids", dict(segment_ids=jnp.zeros((B, T + 1), jnp.int32))),
+  ("segment_ids_pair", dict(segment_ids=(jnp.zeros((B, T)), jnp.zeros((B, S), jnp.int32)))),
+  ("query_seq_lengths", dict(query_seq_lengths=jnp.full((B + 1,), T, jnp.int32))),
+  ("key_value_seq_lengths", dict(key_value_seq_lengths=jnp.full((B,), 1.0))),
+  ("sinks", dict(sinks=jnp.zeros((N + 1,)))),
+  ("dropout_rng", dict(dropout_rate=0.25, dropout_rng=jnp.zeros((3,), jnp.uint32))),
+]
+
+
+@pytest.mark.parametrize("name,kwargs", BAD_SHAPES, ids=[b[0] for b in BAD_SHAPES])
+def test_explain_checks_shape_dtype_structs_as_arrays(name, kwargs):
+  with pytest.raises((ValueError, TypeError)) as want:
+    jattn.explain(Q, KV, KV, **kwargs)
+  message = str(want.value).splitlines()[0]  # JAX appends a note on its filtered frames
+  with pytest.raises(want.type, match=f"^{re.escape(message)}"):
+    jattn.explain(*shapes((Q, KV, KV)), **shapes(kwargs))
