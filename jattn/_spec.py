@@ -34,7 +34,7 @@ from jattn.impl import _common, _select, _sharded
 
 @functools.partial(
   jax.tree_util.register_dataclass,
-  data_fields=["bias", "mask", "score_fn", "dropout_rng", "sinks", "routes", "shard_offsets"],
+  data_fields=["bias", "mask", "score_fn", "dropout_rng", "sinks", "shard_offsets"],
   meta_fields=[
     "B",
     "T",
@@ -55,7 +55,6 @@ from jattn.impl import _common, _select, _sharded
     "interpret",
     "static_mask",
     "compute_dtype",
-    "route_platforms",
   ],
 )
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +90,6 @@ class CallSpec:
   sinks: Any = None  # None, or per-head sink logits (N,), a floating array
   static_mask: Any = None  # splash: the conjuncts it tabulates, static (mask keeps the rest)
   compute_dtype: Any = None  # xla and blockwise compute in it (_common.compute_dtype)
-  # Where the program is lowered for one of these platforms, the spec beside it runs there
-  # instead (implementation=None's fused kernels: splash for "tpu", cuDNN for "cuda").
-  route_platforms: tuple[str, ...] = ()
-  routes: tuple[Any, ...] = ()  # CallSpecs, one per route platform
   # Inside a kernel's per-device call, for kernels whose mask and score function see global
   # indices (_sharded.per_shard(global_index=True)): (2,) int32, the global index of the
   # device's first batch row and query head. None everywhere else.
@@ -224,31 +219,21 @@ def build(
     interpret=testing.interpreting(),
     sinks=sinks,
   )
-  target = backend or testing.target_backend()
   call = _select.Call(
     spec=spec,
     dtype=np.dtype(q.dtype),
-    backend=target or _select.default_backend(),
+    backend=backend or testing.target_backend() or _select.default_backend(),
     backward_named=options.backward is not None,
     blocks_named=blocks != (None, None),
     sequence_sharded=_sharded.sequence_axes(q, k) or (),
   )
-  # implementation=None follows the platform the program is lowered for (unless a backend is
-  # named): the fused kernels in their platforms' branches, the portable choice elsewhere
-  # (explain reports what runs on the backend itself, fused kernel included).
-  routes = {}
-  if impl is None and target is None:
-    routes = _select.routes(call, bwd, traceable_gpu=call.backend == "gpu")
-  fused = explain or not routes
-  choice = _select.choose(call, impl, bwd, interpret=spec.interpret, detail=explain, fused=fused)
+  portable = backend is None and testing.portable()
+  choice = _select.choose(
+    call, impl, bwd, interpret=spec.interpret, detail=explain, fused=not portable
+  )
   if explain:
-    here = _select.PLATFORMS[call.backend]
-    elsewhere = {p: c.implementation for p, c in routes.items() if p not in here}
-    return dataclasses.replace(choice, elsewhere=elsewhere)
+    return choice
   spec = _for_choice(spec, choice, blocks, q.dtype, call.backend)
-  if routes:
-    specs = tuple(_for_choice(spec, c, blocks, q.dtype, c.backend) for c in routes.values())
-    spec = dataclasses.replace(spec, route_platforms=tuple(routes), routes=specs)
   return q, k, (None if a.value is None else v), spec
 
 

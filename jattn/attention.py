@@ -22,7 +22,6 @@ re-validates.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any, Literal, overload
@@ -30,7 +29,7 @@ from typing import Any, Literal, overload
 import chex
 import jax
 
-from jattn import _compat, _spec, masks
+from jattn import _spec, masks
 from jattn._options import Options
 from jattn.impl import _common, _orders, xla
 from jattn.impl._select import (  # noqa: F401  # public names of the table
@@ -355,39 +354,10 @@ def _weights(query: jax.Array, key: jax.Array, spec: _spec.CallSpec) -> jax.Arra
 def _attend(
   query: jax.Array, key: jax.Array, value: jax.Array, spec: _spec.CallSpec
 ) -> tuple[jax.Array, jax.Array | None]:
-  """The jitted core: one compiled program per spec's settings and the arrays' shapes.
-
-  With routes (``implementation=None`` where a fused kernel expresses the call), the
-  program branches on the platform it is lowered for: each route's platform runs its own
-  spec (its fused kernel, lowered for that platform alone), every other platform the spec's
-  portable implementation."""
+  """The jitted core: one compiled program per spec's settings and the arrays' shapes."""
   if spec.unbatched:
     query, key, value = query[None], key[None], value[None]
-  spec = _spec.rank4(spec)
-  if spec.routes:
-    routes = tuple(_spec.rank4(r) for r in spec.routes)
-    portable = dataclasses.replace(spec, routes=(), route_platforms=())
-    branches = {
-      platform: _compat.only_on(
-        platform,
-        lambda q, k, v, *specs, i=i: _run(q, k, v, specs[i]),
-        f"implementation={route.implementation!r}, the kernel chosen for {platform!r}, gives "
-        f"first-order gradients only, through its own backward pass. For higher-order "
-        f"derivatives, {_orders.WAY_OUT}",
-      )
-      for i, (platform, route) in enumerate(zip(spec.route_platforms, routes))
-    }
-    out, lse = jax.lax.platform_dependent(
-      query,
-      key,
-      value,
-      *routes,
-      portable,
-      default=lambda q, k, v, *specs: _run(q, k, v, specs[-1]),
-      **branches,
-    )
-  else:
-    out, lse = _run(query, key, value, spec)
+  out, lse = _run(query, key, value, _spec.rank4(spec))
   if spec.unbatched:
     return out[0], None if lse is None else lse[0]
   return out, lse
@@ -402,6 +372,10 @@ def _run(
   chex.assert_shape(key, dims["BSKH"])
   chex.assert_shape(value, dims["BSKV"])
   row = TABLE[spec.implementation]
-  out, lse = row.run(query, key, value, spec)
+  run = row.run
+  if spec.backward != "autodiff":  # a custom_vjp: jattn's rule, or a fused kernel's own
+    rule = f"backward={spec.backward!r}" if spec.backward else "the kernel's own backward"
+    run = _orders.reverse_only(run, f"implementation={spec.implementation!r}", rule)
+  out, lse = run(query, key, value, spec)
   chex.assert_shape(lse, dims["BTN"])
   return _common.finish(out, lse, spec, query.dtype, row.takes_sinks)

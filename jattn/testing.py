@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import jax
 
@@ -23,6 +23,7 @@ __all__ = [
   "interpret_kernels",
   "interpreting",
   "lowering_for",
+  "portable",
   "target_backend",
   "target_device_kind",
 ]
@@ -55,43 +56,59 @@ def interpreting() -> bool:
 
 
 @contextlib.contextmanager
-def lowering_for(backend: str, device_kind: str | None = None) -> Iterator[None]:
+def lowering_for(backend: str | Sequence[str], device_kind: str | None = None) -> Iterator[None]:
   """Route calls traced inside the block as on ``backend`` (``"cpu"``, ``"gpu"``, ``"tpu"``).
 
-  For lowering a program for another platform from this machine::
+  ``implementation=None`` picks by the backend that traces the call, as
+  ``jax.nn.dot_product_attention`` does: ``jax.default_backend()``. To lower or export a
+  program for another platform from this machine, name that platform here::
 
       with jattn.testing.lowering_for("tpu"):
         text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("tpu",)).as_text()
 
   ``implementation=None`` then picks what it would pick there (splash on TPU), and an
   explicit ``implementation="splash"`` is accepted; the program can be lowered, not run,
-  unless it is run on that platform. Like :func:`interpret_kernels`, the setting is part of
-  every jit cache key.
-
-  Routing already follows the platform a program is lowered for
-  (``.lower(lowering_platforms=...)``, ``jax.export``), so ``implementation=None`` needs no
-  block; it remains for explicit fused kernels and for pinning one platform's choice.
+  unless it is run on that platform. A sequence of backends (``("cpu", "tpu")``) is for a
+  program lowered for all of them at once (``jax.export(..., platforms=["cpu", "tpu"])``):
+  ``implementation=None`` then takes the portable choice (``"xla"`` or ``"blockwise"``,
+  sized as on the first backend), which lowers everywhere. Like :func:`interpret_kernels`,
+  the setting is part of every jit cache key. ``"cuda"`` and ``"rocm"`` (lowering platform
+  names) mean ``"gpu"``.
 
   ``device_kind``: the GPU the program is for, as ``jax.Device.device_kind`` names it
   (``"NVIDIA H100 80GB HBM3"``, ``"NVIDIA A100-SXM4-80GB"``): flex picks its tiles for that
   GPU's generation, and Pallas' Triton lowering (which from JAX 0.12 reads the GPU's compute
   capability) targets it. Only with ``backend="gpu"``.
   """
-  if backend not in ("cpu", "gpu", "tpu"):
-    raise ValueError(f"backend must be one of ['cpu', 'gpu', 'tpu'], got {backend!r}")
-  if device_kind is not None and backend != "gpu":
+  names = (backend,) if isinstance(backend, str) else tuple(backend)
+  backends = tuple(dict.fromkeys(_BACKEND_OF.get(b, b) for b in names))
+  if not backends or any(b not in ("cpu", "gpu", "tpu") for b in backends):
+    raise ValueError(
+      "backend must be one of ['cpu', 'gpu', 'tpu'] (or 'cuda', 'rocm'), or a non-empty "
+      f"sequence of them, got {backend!r}"
+    )
+  if device_kind is not None and "gpu" not in backends:
     raise ValueError(f"device_kind names a GPU; backend is {backend!r}, not 'gpu'")
   with contextlib.ExitStack() as stack:
-    stack.enter_context(_BACKEND(backend))
+    stack.enter_context(_BACKEND(backends))
     if device_kind is not None:
       stack.enter_context(_DEVICE_KIND(device_kind))
       stack.enter_context(_compat.gpu_target(device_kind))
     yield
 
 
+_BACKEND_OF = {"cuda": "gpu", "rocm": "gpu"}
+
+
 def target_backend() -> str | None:
-  """The backend named by :func:`lowering_for`, or None."""
-  return _BACKEND.value
+  """The backend named by :func:`lowering_for` (the first, when it names several), or None."""
+  backends = _BACKEND.value
+  return backends[0] if backends else None
+
+
+def portable() -> bool:
+  """True inside :func:`lowering_for` naming several backends: the call must lower on each."""
+  return len(_BACKEND.value or ()) > 1
 
 
 def target_device_kind() -> str | None:

@@ -2,8 +2,9 @@
 
 docs/backward.md has the table: implementation="xla" differentiates to any order; blockwise
 (and ring attention over blockwise pairs) takes first-order gradients and forward-over-reverse
-ones (jax.hessian); splash takes first-order gradients. A default call whose fused branch
-(splash on a TPU) cannot take a second derivative still takes it where it runs elsewhere.
+ones (jax.hessian); splash and flex take first-order gradients. Every custom_vjp rule refuses
+forward mode (jax.jvp, jax.jacfwd) in jattn's words. The default call follows the backend
+that traces it: on this CPU it takes whatever xla takes.
 """
 
 import functools
@@ -87,7 +88,7 @@ def test_grad_of_grad_equals_autodiff_of_the_plain_path(kw):
   np.testing.assert_allclose(jitted, want, rtol=1e-5, atol=1e-5)
 
 
-def test_default_call_batches_and_takes_forward_modes_through_its_routes():
+def test_default_call_batches_and_takes_forward_modes():
   q = _q((2, B, T, N, H))
   out = jax.vmap(_attention())(q)
   np.testing.assert_allclose(out, jax.vmap(_attention(**XLA_AUTODIFF))(q), atol=1e-6)
@@ -146,15 +147,59 @@ def test_splash_second_derivatives_raise_naming_splash(residual):
       _raises_naming(_hessian_vector, fn, q, q, who="implementation='splash'")
 
 
-def test_a_default_call_lowered_for_tpu_refuses_a_second_derivative_there():
-  """The TPU branch's second derivative traces (the CPU branch takes it) and raises only
-  where splash would run: when the program is lowered for TPU."""
+def test_a_default_call_traced_for_tpu_refuses_a_second_derivative():
+  """Traced as on a TPU, the default call runs splash, whose second derivative is refused in
+  jattn's words when traced; its first derivative lowers to the kernels."""
   q = _q((1, 128, 2, 128))
-  fn = jax.jit(_grad_of_grad(_attention()))
-  with pytest.raises(ValueError, match="implementation='splash', the kernel chosen for 'tpu'"):
-    fn.trace(q).lower(lowering_platforms=("tpu",))
-  first = jax.jit(jax.grad(lambda q: _attention()(q).sum())).trace(q)
-  assert "tpu_custom_call" in first.lower(lowering_platforms=("tpu",)).as_text()
+  with jattn.testing.lowering_for("tpu"):
+    with pytest.raises(ValueError, match="implementation='splash' gives first-order"):
+      jax.jit(_grad_of_grad(_attention())).trace(q)
+    first = jax.jit(jax.grad(lambda q: _attention()(q).sum())).trace(q)
+    assert "tpu_custom_call" in first.lower(lowering_platforms=("tpu",)).as_text()
+
+
+@pytest.mark.parametrize("devices", [1, 8], ids=["one-device", "many-devices"])
+def test_flex_refuses_higher_and_forward_derivatives_naming_the_rule(devices, monkeypatch):
+  """On one device flex runs its own custom_vjp; on several its Auto-mode partitioning rule
+  (jattn/impl/_sharded.py). Both refuse what they cannot take with jattn's message, never a
+  bare error from inside Pallas."""
+  if devices == 1:
+    monkeypatch.setattr(jax, "device_count", lambda *a: 1)
+  q = _q((1, 16, 2, 16))
+  fn = _attention(implementation="flex")
+  with jattn.testing.interpret_kernels():
+    _raises_naming(jax.jit(_grad_of_grad(fn)), q, who="implementation='flex'")
+    _raises_naming(_jit_hessian_vector, fn, q, q, who="implementation='flex'")
+    with pytest.raises(ValueError, match="implementation='flex' gives reverse-mode"):
+      jax.jit(jax.jacfwd(fn)).trace(q)
+
+
+@pytest.mark.parametrize(
+  "kw",
+  [
+    dict(implementation="blockwise"),
+    dict(implementation="xla", backward="custom_vjp"),
+    dict(implementation="flex"),
+    dict(implementation="splash"),
+  ],
+  ids=["blockwise", "xla-custom_vjp", "flex", "splash"],
+)
+def test_forward_mode_through_a_custom_vjp_rule_raises_jattns_error(kw):
+  """jax.jvp and jax.jacfwd of a call whose gradients come from a custom_vjp name the rule
+  and the way out (JAX's own message names neither), eagerly, under jit and under vmap."""
+  q = _q((1, 128, 1, 128)) if kw["implementation"] == "splash" else _q()
+  fn = _attention(**kw)
+  who = f"implementation={kw['implementation']!r} gives reverse-mode derivatives only"
+  with jattn.testing.interpret_kernels():
+    for transform in (
+      lambda q: jax.jvp(fn, (q,), (q,)),
+      lambda q: jax.jit(lambda q: jax.jvp(fn, (q,), (q,)))(q),
+      lambda q: jax.jacfwd(fn)(q),
+      lambda q: jax.linearize(fn, q)[1](q),
+    ):
+      with pytest.raises(ValueError, match=who) as info:
+        transform(q)
+      assert "implementation='xla' with backward='autodiff'" in str(info.value)
 
 
 def test_ring_attention_second_derivatives():

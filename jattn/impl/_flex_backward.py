@@ -123,7 +123,15 @@ def _attention_fwd(
   # its rounding survives the cancellation dP − Δ in a saturated row and is amplified by
   # scale·|k| in dQ (2-20x jax.nn's error measured: experiments/accuracy.py).
   f = _common.stats_dtype(query.dtype)
-  out, m, log_l = _forward(jaxprs, settings, query, key, value, bias, arrays, out_dtype=f)
+  # A second derivative differentiates this forward pass too (for the residuals): refused
+  # in jattn's words, as the backward's are, rather than by Pallas.
+  forward = _orders.first_order(
+    lambda *operands: _forward(jaxprs, settings, *operands, out_dtype=f),
+    _WHO,
+    _orders.FUSED,
+    forward=False,
+  )
+  out, m, log_l = forward(query, key, value, bias, arrays)
   flags = (() if wants_d_bias else None, learned)
   residuals = (query, key, value, bias, arrays, out, m, log_l, flags)
   return (out.astype(query.dtype), log_sum_exp(m, log_l)), residuals

@@ -17,6 +17,14 @@ of the backward and passes the tangent through ``_refuse_transpose_p``, an ident
 linear for JAX but whose transpose raises. A second reverse pass transposes that identity
 first (it is the last operation on the tangent), so the message comes before JAX reaches
 the loops.
+
+Forward mode through a rule of jattn's own (:func:`reverse_only`) is the dual: an
+implementation's ``custom_vjp`` gives JAX no JVP, and ``jax.jvp``/``jax.jacfwd`` of it fail
+with JAX's ``can't apply forward-mode autodiff (jvp) to a custom_vjp function``. The call is
+wrapped in a ``custom_jvp`` whose rule first passes the input tangents through
+``_refuse_forward_p``, an identity whose transpose is the identity (reverse mode goes on to
+the custom_vjp's rule untouched) but whose evaluation, batching or lowering raises jattn's
+message: forward mode evaluates the tangents, reverse mode only transposes them.
 """
 
 from __future__ import annotations
@@ -48,6 +56,31 @@ def _refuse(cotangent: Any, x: Any, *, message: str) -> Any:
 
 
 ad.deflinear2(_refuse_transpose_p, _refuse)
+
+
+_refuse_forward_p = jex_core.Primitive("jattn_refuse_forward")
+
+
+def _refuse_forward_eval(x: Any, *, message: str) -> Any:
+  del x
+  raise ValueError(message)
+
+
+def _refuse_forward_batch(args: Any, dims: Any, *, message: str) -> Any:
+  del args, dims
+  raise ValueError(message)
+
+
+def _refuse_forward_lowering(ctx: Any, x: Any, *, message: str) -> Any:
+  del ctx, x
+  raise ValueError(message)
+
+
+_refuse_forward_p.def_impl(_refuse_forward_eval)
+_refuse_forward_p.def_abstract_eval(lambda x, *, message: x)
+mlir.register_lowering(_refuse_forward_p, _refuse_forward_lowering)
+batching.primitive_batchers[_refuse_forward_p] = _refuse_forward_batch
+ad.deflinear2(_refuse_forward_p, lambda cotangent, x, *, message: [cotangent])
 
 
 def _refuse_transpose(tree: Any, message: str) -> Any:
@@ -113,4 +146,50 @@ def reverse_once(fn: Callable[..., Any], who: str, cause: str) -> Callable[..., 
   forward = first_order(lambda *args: jax.vjp(fn, *args), who, cause, forward=False)
   backward = first_order(lambda vjp, ct: vjp(ct), who, cause, forward=False)
   wrapped.defvjp(forward, backward)
+  return wrapped
+
+
+def reverse_only(fn: Callable[..., Any], who: str, rule: str) -> Callable[..., Any]:
+  """``fn`` (a call through a ``custom_vjp``), made to refuse forward mode with jattn's
+  ValueError instead of JAX's TypeError; reverse mode (``jax.grad``, ``jax.vjp``,
+  ``jax.jacrev``, and forward over reverse: ``jax.hessian``) is untouched.
+
+  Args:
+    fn: a function of pytrees of arrays; integer and key leaves carry no tangent.
+    who: what the message names, e.g. ``"implementation='blockwise'"``.
+    rule: its backward rule, completing "its gradients come from ...".
+  """
+  message = (
+    f"{who} gives reverse-mode derivatives only (jax.grad, jax.vjp, jax.jacrev, and "
+    f"forward over reverse where its backward allows): its gradients come from {rule}, "
+    "which has no forward mode (jax.jvp, jax.jacfwd, jax.linearize). For forward mode, "
+    "implementation='xla' with backward='autodiff' differentiates in both modes"
+  )
+
+  @jax.custom_jvp
+  def wrapped(*args: Any) -> Any:
+    return fn(*args)
+
+  def _jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
+    flat, tree = jax.tree.flatten(primals)
+    flat_tangents = jax.tree.leaves(
+      tangents, is_leaf=lambda t: isinstance(t, jax.custom_derivatives.SymbolicZero)
+    )
+    moving = [
+      i
+      for i, t in enumerate(flat_tangents)
+      if not isinstance(t, jax.custom_derivatives.SymbolicZero)
+      and jax.numpy.issubdtype(jax.numpy.result_type(t), jax.numpy.inexact)
+    ]
+
+    def call(*moved: Any) -> Any:  # fn of the leaves that carry a tangent, the rest fixed
+      leaves = list(flat)
+      for i, x in zip(moving, moved):
+        leaves[i] = x
+      return fn(*jax.tree.unflatten(tree, leaves))
+
+    refused = [_refuse_forward_p.bind(flat_tangents[i], message=message) for i in moving]
+    return jax.jvp(call, [flat[i] for i in moving], refused)
+
+  wrapped.defjvp(_jvp, symbolic_zeros=True)
   return wrapped

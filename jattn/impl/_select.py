@@ -53,14 +53,11 @@ class Choice:
   reason: str
   rejected: dict[str, str]  # every other implementation -> why not
   backend: str = ""
-  # Where the program is lowered for another platform: that platform -> what runs there.
-  elsewhere: dict[str, str] = dataclasses.field(default_factory=dict)
 
   def __str__(self) -> str:
     rule = self.backward or "its own fused backward"
     lines = [f"{self.implementation} ({rule}) on {self.backend.upper()}: {self.reason}"]
     lines += [f"  not {name}: {why}" for name, why in self.rejected.items()]
-    lines += [f"  lowered for {p}: {what}" for p, what in self.elsewhere.items()]
     return "\n".join(lines)
 
 
@@ -173,29 +170,6 @@ def _empty(call: Call, why: str, rejected: Callable[[str], dict[str, str]]) -> C
   materialised path, differentiated by autodiff, gives its zeros and empty gradients."""
   why = f"{why}, but there is nothing to tile (B, N, T, S or H is 0)"
   return Choice("xla", "autodiff", why, rejected("xla"), call.backend)
-
-
-# The platform names of jax.lax.platform_dependent and of lowering, per backend.
-PLATFORMS = {"cpu": ("cpu",), "gpu": ("cuda", "rocm"), "tpu": ("tpu",)}
-
-
-def routes(call: Call, backward: str | None, *, traceable_gpu: bool) -> dict[str, Choice]:
-  """``implementation=None``'s fused kernels per lowering platform, beside the portable
-  choice (``choose(..., fused=False)``) that every other platform runs.
-
-  A program follows the platform it is lowered for: splash where it is lowered for a TPU,
-  cuDNN or flex where it is lowered for CUDA; ``traceable_gpu``: whether the GPU kernels can
-  be traced here (cuDNN needs cuDNN on the tracing host, so a CPU host's programs take the
-  portable choice on GPUs).
-  """
-  out = {}
-  for backend, fused in FUSED.items():
-    if not fused or (backend == "gpu" and not traceable_gpu):
-      continue
-    choice = choose(dataclasses.replace(call, backend=backend), None, backward)
-    if choice.implementation in fused:
-      out[PLATFORMS[backend][0]] = choice
-  return out
 
 
 def _reasons(call: Call, chosen: str) -> dict[str, str]:

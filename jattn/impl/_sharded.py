@@ -11,7 +11,7 @@ global result's shards. :func:`per_shard` arranges that in both of JAX's shardin
   partitions the program, so the kernel's forward and backward each get a partitioning rule
   (``custom_partitioning``, as jax's cuDNN attention has) handing each device its batch
   rows and heads. The backward runs the forward again on each device (the rule sees
-  arrays, not residuals); both are traced only where lowered (:mod:`jattn.impl._deferred`).
+  arrays, not residuals).
 
 Key/value heads follow the query heads: GQA groups stay whole on a device when the mesh
 axes that shard N also shard K (K == 1 keeps its one head on every device). Per-head
@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jattn import _compat
-from jattn.impl import _common, _deferred, _orders
+from jattn.impl import _common, _orders
 
 if TYPE_CHECKING:
   from jattn._spec import CallSpec
@@ -189,7 +189,6 @@ def _spec_partition(spec: CallSpec, b: MeshAxes, n: MeshAxes, global_index: bool
     score_fn=None if spec.score_fn is None else jax.tree.map(lambda x: P(), spec.score_fn),
     dropout_rng=None if spec.dropout_rng is None else P(),
     sinks=None if spec.sinks is None else P(n),
-    routes=(),
   )
 
 
@@ -264,20 +263,16 @@ def _partitioned(
     return grads
 
   rules = (B, N, K, heads_whole, global_index)
-  types = ((B, spec.T, N, value.shape[-1]), query.dtype), ((B, spec.T, N), jnp.float32)
-  out_types = tuple(jax.core.ShapedArray(*t) for t in types)  # (out, lse), untraced
-  forward = _rule(local, ("q", "k", "v", *roles), ("out", "lse"), rules, out_types)
+  forward = _rule(local, ("q", "k", "v", *roles), ("out", "lse"), rules)
   who = f"implementation={spec.implementation!r}"
   only_forward = _orders.first_order(forward, who, _orders.FUSED, forward=False)
 
   def only_backward(wanted: tuple[int, ...]) -> Callable[..., Any]:
-    differentiated = (query, key, value, *(leaves[i] for i in wanted))
     backward = _rule(
       local_grads(wanted),
       ("q", "k", "v", *roles, "out", "lse"),
       ("q", "k", "v", *(roles[i] for i in wanted)),
       rules,
-      tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in differentiated),
     )
     return _orders.first_order(backward, who, _orders.FUSED, forward=False)
 
@@ -329,7 +324,6 @@ def _roles(spec: CallSpec, global_index: bool) -> CallSpec:
     score_fn=None if spec.score_fn is None else jax.tree.map(lambda x: "other", spec.score_fn),
     dropout_rng=None if spec.dropout_rng is None else "other",
     sinks=None if spec.sinks is None else "row_heads",
-    routes=(),
   )
 
 
@@ -338,12 +332,11 @@ def _rule(
   roles_in: tuple[str, ...],
   roles_out: tuple[str, ...],
   rules: tuple[int, int, int, bool, bool],
-  out_types: tuple[jax.core.ShapedArray, ...],
 ) -> Callable[..., Any]:
-  """``fn`` (flat arrays in, results of ``out_types`` out) under custom_partitioning, traced
-  where it is lowered: batch rows over the query's batch axes, heads over its head axes
-  (where the kernel can take them), the rest whole on each device, with the constants
-  ``fn`` closes over (a kernel's mask tables) as leading arguments."""
+  """``fn`` (flat arrays in and out) under custom_partitioning: batch rows over the query's
+  batch axes, heads over its head axes (where the kernel can take them), the rest whole on
+  each device, with the constants ``fn`` closes over (a kernel's mask tables) as leading
+  arguments."""
 
   def partitioned(*args: jax.Array) -> Any:
     traced, consts = _compat.without_consts(fn, *args)
@@ -356,7 +349,7 @@ def _rule(
     _define(wrapped, lower, roles, roles_out, rules)
     return wrapped(*consts, *args)
 
-  return lambda *args: tuple(_deferred.call(partitioned, out_types, *args))
+  return lambda *args: tuple(partitioned(*args))
 
 
 def _define(
