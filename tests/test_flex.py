@@ -4,6 +4,9 @@ CPU holds the Triton custom call. Each case mixes what one kernel must handle: m
 score functions that read arrays, GQA/MQA, Hv != H, lengths that are not whole tiles,
 rows with nothing to attend to, FULL, PARTIAL and EMPTY tiles."""
 
+import functools
+import re
+import sys
 import warnings
 
 import jax
@@ -441,3 +444,156 @@ def test_the_compile_check_reads_registers_and_spills_for_sm_90():
     assert (r["block_q"], r["block_kv"], r["num_warps"]) == row[:3], r
     assert r["num_stages"] == row.num_stages and 0 < r["registers"] <= 255, r
     assert r["spill_stores"] == r["spill_loads"] == 0 and not r["problem"], r
+
+
+# --- masks and score functions that read arrays, in every way jnp indexes them -----------
+#
+# flex traces them into its Triton kernels, which load a captured array where the function
+# indexes it elementwise by its index arguments; anything else (a gather from an array in
+# registers, an array read whole whose shape is not a power of two, a sort or a cumulative
+# sum) has no Triton lowering, and flex's row of the table says so, so that the default
+# falls back. Each accepted case runs in interpret mode against xla and lowers for CUDA;
+# each refused one is refused by name, and the default's fallback matches xla.
+
+_rng = np.random.default_rng(11)
+OFFSETS = jnp.asarray([0, 7, 19, T])  # document boundaries
+VALID = jnp.asarray(_rng.random((B, S)) < 0.7)
+DENSE = jnp.asarray(_rng.random((B, N, T, S)) < 0.6)
+KEEP = jnp.asarray(_rng.random(T) < 0.5)
+TABLE = jnp.asarray(_rng.random((T, S)) < 0.5)
+LENS = jnp.asarray([33, 25])
+DOC_OF = jnp.asarray(np.searchsorted(np.asarray(OFFSETS), np.arange(T), side="right"))
+SAME = jnp.asarray(np.eye(4, dtype=bool) | (np.arange(4)[:, None] == 3))  # doc 3 sees all
+ENDS4 = jnp.asarray([7, 19, 30, T])  # 4 (a power of two) boundaries, compared with all
+ENDS5 = jnp.asarray([7, 19, 25, 30, T])  # 5 boundaries: a (..., 5) array in the kernel
+
+
+def _doc(q, ends=ENDS4):
+  """The document of each position: how many boundaries it has reached (compared with all)."""
+  return jnp.sum(q[..., None] >= ends.reshape(1, 1, 1, 1, -1), axis=-1)
+
+
+READS_ACCEPTED = {
+  "take_by_batch": lambda b, h, q, kv: kv < jnp.take(LENS, b),
+  "dense_at_traced_batch_and_head": lambda b, h, q, kv: DENSE[b, h, q, kv],
+  "vector_at_q_and_kv": lambda b, h, q, kv: KEEP[q] | KEEP[kv] | (q == kv),
+  "boolean_table": lambda b, h, q, kv: TABLE[q, kv] | (q == kv),
+  "table_at_loaded_ids": lambda b, h, q, kv: SAME[DOC_OF[q], DOC_OF[kv]],
+  "negative_wrapped_and_clipped": (
+    lambda b, h, q, kv: KEEP[kv - S] ^ KEEP.at[q + 7].get(mode="clip")
+  ),
+  "batch_row_at_kv": lambda b, h, q, kv: VALID[b, kv] & (kv <= q + 3),
+  "compare_with_every_boundary": lambda b, h, q, kv: _doc(q) == _doc(kv),
+}
+
+READS_REFUSED = {
+  "searchsorted": (
+    lambda b, h, q, kv: (
+      jnp.searchsorted(OFFSETS, q, side="right") == jnp.searchsorted(OFFSETS, kv, side="right")
+    ),
+    "it uses `(gather|call_hi_primitive)`",
+  ),
+  "sum_then_index": (
+    lambda b, h, q, kv: kv < VALID.sum(-1)[b],
+    r"it forms a \(2, 40\) bool array",
+  ),
+  "row_then_index": (
+    lambda b, h, q, kv: VALID[0][q] & VALID[1][kv],
+    r"it forms a \(2, 40\) bool array",
+  ),
+  "cumsum_then_index": (
+    lambda b, h, q, kv: kv < jnp.cumsum(LENS // 2)[b] + 9,
+    "it uses `cumsum` \\(a cumulative sum\\)",
+  ),
+  "sort_then_index": (
+    lambda b, h, q, kv: kv <= jnp.sort(LENS)[b],
+    "it uses `(sort|gather)`",
+  ),
+  "compare_with_5_boundaries": (
+    lambda b, h, q, kv: _doc(q, ENDS5) == _doc(kv, ENDS5),
+    r"it forms a \(5,\) int32 array",
+  ),
+}
+
+
+def test_the_allow_list_holds_on_the_installed_jax():
+  """Every primitive flex lets into its kernels that this JAX defines has a rule in Pallas'
+  Triton lowering here (the list spans JAX 0.10 to the newest: some exist in one only)."""
+  from jax._src.pallas.triton import lowering
+
+  from jattn.impl import _flex_lowers
+
+  registered = {p.name for p in lowering.triton_lowering_rules}
+  defined = {
+    x.name
+    for name, module in list(sys.modules.items())
+    if name.split(".")[0] == "jax"
+    for x in list(vars(module).values())
+    if isinstance(x, jax.extend.core.Primitive)
+  }
+  assert {"gather", "sort", "cumsum", "dynamic_slice"} <= defined
+  assert not (_flex_lowers.TRITON_PRIMITIVES & {"gather", "sort", "cumsum", "scatter"})
+  missing = (_flex_lowers.TRITON_PRIMITIVES & defined) - registered
+  assert not missing, f"allowed but not lowered by this JAX's Pallas Triton: {missing}"
+
+
+@pytest.mark.parametrize("name", sorted(READS_ACCEPTED))
+def test_masks_reading_arrays_that_flex_takes_run_and_lower(name):
+  """Chosen by the default on a GPU, equal to xla in interpret mode (values, lse and every
+  gradient), and the training step lowers for CUDA to the three Triton kernels."""
+  mask = masks.from_fn(READS_ACCEPTED[name])
+  q, k, v = _inputs(2)
+  assert jattn.explain(q, k, v, mask=mask, backend="gpu").implementation == "flex"
+  _public_flex_matches_xla(q, k, v, mask=mask)
+  loss = lambda *a: jnp.sum(jattn.dot_product_attention(*a, mask=mask, implementation="flex"))
+  with jattn.testing.lowering_for("gpu", "NVIDIA H100"), warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # Pallas' Triton lowering warns of deprecation
+    step = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, v)
+    text = step.lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 3
+
+
+@pytest.mark.parametrize("name", sorted(READS_REFUSED))
+def test_masks_reading_arrays_that_flex_cannot_lower_are_refused_by_name(name):
+  """Named, flex refuses the mask with what in it has no Triton lowering (interpret mode
+  too: it stands for the GPU); the default on a GPU falls back, to xla or (tiles asked
+  for) blockwise, and its values and gradients equal xla's."""
+  fn, why = READS_REFUSED[name]
+  mask = masks.causal(5) & masks.from_fn(fn)
+  q, k, v = _inputs(2)
+  message = rf"implementation='flex' does not support mask from_fn\(<lambda>\): {why}"
+  with jattn.testing.interpret_kernels(), pytest.raises(ValueError, match=message):
+    jattn.dot_product_attention(q, k, v, mask=mask, implementation="flex")
+  loss = lambda q, k, v, **kw: _loss(
+    lambda *a: jattn.dot_product_attention(*a, mask=mask, return_residual=True, **kw), q, k, v
+  )
+  want = jax.jit(jax.value_and_grad(functools.partial(loss, implementation="xla"), (0, 1, 2)))(
+    q, k, v
+  )
+  for tiles, fallback in (({}, "xla"), (dict(block_q=16, block_kv=16), "blockwise")):
+    choice = jattn.explain(q, k, v, mask=mask, backend="gpu", **tiles)
+    assert choice.implementation == fallback
+    assert re.search(f"flex does not: mask from_fn\\(<lambda>\\): {why}", choice.reason)
+    with jattn.testing.lowering_for("gpu"):
+      got = jax.jit(jax.value_and_grad(functools.partial(loss, **tiles), (0, 1, 2)))(q, k, v)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for g, w in zip(got[1], want[1]):
+      np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
+
+
+def test_a_score_function_that_indexes_a_computed_array_is_refused_by_name():
+  slopes = jnp.asarray([0.5, 0.2, 0.1, 0.05])
+
+  def cumulative(s, b, h, q, kv):
+    return s - jnp.cumsum(slopes)[h] * jnp.abs(q - kv)
+
+  q, k, v = _inputs(2)
+  with (
+    jattn.testing.interpret_kernels(),
+    pytest.raises(
+      ValueError, match=r"does not support score_fn from_fn\(cumulative\): it uses `cumsum`"
+    ),
+  ):
+    jattn.dot_product_attention(q, k, v, score_fn=cumulative, implementation="flex")
+  choice = jattn.explain(q, k, v, score_fn=cumulative, is_causal=True, backend="gpu")
+  assert choice.implementation == "xla" and "score_fn from_fn(cumulative)" in choice.reason
