@@ -12,7 +12,8 @@ array of integer indices is a gather from memory. :func:`evaluate` runs a functi
 - reshapes that add or drop unit dimensions, broadcasts that only add them, and dtype
   conversions of one are deferred to that load;
 - anything else reads the whole array first (exact, but for Triton only where its shape is
-  a power of two: the flex implementation refuses masks that need it).
+  a power of two, and a gather from the loaded array does not lower at all: flex's
+  selection, :mod:`jattn.impl._flex_lowers`, refuses functions that need either).
 
 Index vectors built by concatenating scalars along a last axis (how ``jnp`` forms a
 gather's indices) are kept as their pieces, so no concatenate or slice is lowered.

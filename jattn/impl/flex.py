@@ -13,8 +13,13 @@ attend to give zeros and an lse of -inf. Inputs sharded over the batch and heads
 device (:func:`jattn.impl._sharded.per_shard`), the mask, score function and dropout on
 global indices.
 
-On a GPU, ``implementation=None`` runs it for every call cuDNN does not express (it comes
-after cuDNN in the table). Its tiles, warps and stages come from :data:`TILES`, by GPU
+A mask or score function Triton cannot evaluate in the kernel (a gather from an array in
+registers, as ``jnp.searchsorted`` makes; an array read whole whose dimensions are not
+powers of two, as in ``valid.sum(-1)[b]``) is refused by name in the selection table
+(:mod:`jattn.impl._flex_lowers`), never left to fail in lowering.
+
+On a GPU, ``implementation=None`` runs it for every call cuDNN does not express and it does
+(it comes after cuDNN in the table). Its tiles, warps and stages come from :data:`TILES`, by GPU
 generation, head dim and dtype (starting points until measured with
 ``python -m experiments.tune_flex``). The floating arrays a score function reads (learned
 ALiBi slopes, a T5 table) get their gradients, where differentiated, from the score
@@ -222,7 +227,10 @@ IMPLEMENTATION = _base.Implementation(
   name="flex",
   runs_on=("gpu",),
   backwards=BACKWARDS,
-  masks="every mask: index functions and the arrays they read, traced into the kernel",
+  masks=(
+    "every mask kind, and index functions traced into the kernel whose operations Triton "
+    "lowers (captured arrays read by indexing them with the index arguments)"
+  ),
   run=_run,
   prepare=_prepare,
   dtypes=("float32", "bfloat16", "float16"),
