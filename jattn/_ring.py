@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
@@ -90,6 +90,9 @@ def call(
 ) -> tuple[jax.Array, jax.Array]:
   seq = P(ring.batch_axis, ring.axis_name, ring.head_axis, None)
   ids = P(ring.batch_axis, ring.axis_name)
+  query, key, value = (place(x, mesh, seq) for x in (query, key, value))
+  q_ids, kv_ids = (None if x is None else place(x, mesh, ids) for x in (q_ids, kv_ids))
+  mask = jax.tree.map(lambda x: place(x, mesh, P()), mask)
   run = jax.shard_map(
     functools.partial(_per_device, ring),
     mesh=mesh,
@@ -102,6 +105,27 @@ def call(
   )
   out, lse = run(query, key, value, q_ids, kv_ids, mask)
   return out, lse
+
+
+def place(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
+  """``x`` resharded to ``spec`` on the mesh's Explicit axes; unchanged where it has none.
+
+  Under Explicit axes an array's sharding is part of its type, and ``shard_map`` refuses an
+  input whose type differs from its in_specs: an unsharded or otherwise sharded input is
+  resharded here (JAX inserts the collectives, and transposes them for the gradients).
+  Auto axes need nothing: ``jit`` moves inputs to ``shard_map``'s specs itself.
+  """
+  explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+  if not explicit:
+    return x
+
+  def keep(entry: Any) -> Any:
+    if entry is None:
+      return None
+    kept = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a in explicit)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+  return jax.sharding.reshard(x, NamedSharding(mesh, P(*(keep(e) for e in spec))))
 
 
 def _per_device(

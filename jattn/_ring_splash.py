@@ -6,8 +6,11 @@ loops. Splash takes its masks as static tables, while a pair's mask depends on w
 meet (device i's queries against device j's keys). So the mask is tabulated for every pair
 (i, j) of the ring when the call is traced, identical tables share one kernel, pairs whose
 table is empty run nothing, and each ring step picks its pair's kernel with ``lax.switch``
-on the device and step indices. Segment ids travel as splash segment ids; the soft cap is
-the kernel's own.
+on the device and step indices. Segment ids travel as splash segment ids.
+
+A pair always returns its log-sum-exp, so :func:`pair_spec` is the call splash's row of the
+selection table checks for a ring (jattn.parallel): it refuses a logit soft cap, whose
+log-sum-exp gradient the kernel cannot give, and such rings run blockwise pairs.
 
 A pair's result is its normalised output and log-sum-exp; the ring merges them with the
 online-softmax rule. Its backward, given the merged output ``O`` and log-sum-exp ``L``,

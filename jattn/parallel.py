@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
 from jattn import _checks, _masking, _ring, _ring_splash, _spec, masks, testing
@@ -193,7 +194,9 @@ def ring_attention(
   Args:
     query: (B, T, N, H). A ``jax.Array`` sharded as
       ``P(batch_axis, axis_name, head_axis, None)`` avoids any resharding;
-      other inputs are resharded to that.
+      other inputs (NumPy arrays, unsharded or otherwise sharded arrays; key,
+      value, segment ids, lengths and sinks alike) are resharded to that, under
+      Auto and Explicit mesh axes alike.
     key, value: (B, S, K, H), N a multiple of K (GQA without repeating K/V).
     mesh: the ``jax.sharding.Mesh`` whose devices hold the shards.
     axis_name: the mesh axis the sequence is split over (the ring).
@@ -226,14 +229,18 @@ def ring_attention(
     implementation: what runs each (query shard, key/value shard) pair: ``"blockwise"``
       (any backend), ``"splash"`` (splash's fused TPU kernel per pair, the pair's mask
       tabulated when the call is traced; masks the same for every batch row and head,
-      segment ids, a soft cap; float32 or bfloat16), or None: splash on a TPU where it
-      expresses the call, blockwise otherwise.
+      segment ids; float32 or bfloat16), or None: splash on a TPU where it expresses
+      the call, blockwise otherwise. Each pair returns its log-sum-exp to the ring, so
+      a pair's call is checked as ``jattn.dot_product_attention(...,
+      implementation="splash", return_residual=True)`` is: splash refuses a
+      ``logits_soft_cap`` (an explicit ``"splash"`` raises; None runs blockwise pairs).
     options: a :class:`jattn.Options` holding ``implementation``, ``block_q`` and
       ``block_kv`` as one value (its ``backward`` must be None).
 
   Returns:
-    The output (B, T, N, H) in the query's dtype, sharded like the query
-    (and the lse with ``return_residual``), in the inputs' layout.
+    The output (B, T, N, H) in the query's dtype, sharded as
+    ``P(batch_axis, axis_name, head_axis, None)`` (and the lse (B, T, N) with
+    ``return_residual``, sharded alike), in the inputs' layout.
 
   Not supported here (use ``jattn.dot_product_attention``): ``bias``,
   ``score_fn``, dropout.
@@ -322,7 +329,8 @@ def ring_attention(
   )
   out, lse = _ring.call(q, k, v, q_ids, kv_ids, spec.mask, ring=ring, mesh=mesh)
   if spec.sinks is not None:
-    out, lse = _common.add_sinks(out, lse, spec.sinks, lse.dtype)
+    sinks = _ring.place(spec.sinks, mesh, P(_axes_or_none(head_axes)))  # sharded like N
+    out, lse = _common.add_sinks(out, lse, sinks, lse.dtype)
   if return_residual:
     return out, lse.astype(q.dtype)
   return out

@@ -6,6 +6,7 @@ and lse) and with autodiff of it through jnp (gradients), in natural sequence
 order, whatever layout the ring ran in.
 """
 
+import contextlib
 import functools
 import re
 
@@ -550,3 +551,71 @@ def test_ring_splash_refuses_a_soft_cap_as_the_one_device_call_does():
           "ring_attention(implementation='splash') does not support logits_soft_cap"
         ), message
         assert reason in message
+
+
+# --- inputs in any placement, in both sharding modes ------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
+def test_ring_reshards_inputs_in_any_placement(mode):
+  # A 4 x 2 mesh, the ring over "sp" and the heads over "tp". No input is in the ring's
+  # layout P(None, "sp", "tp", None): the query is NumPy, the key's sequence is split over
+  # the wrong axis, the value's batch over the ring axis, the segment ids are NumPy (as in
+  # docs/parallel.md), the lengths (a mask's array) are split over "tp" and the sinks over
+  # "sp". The ring reshards them all; values and gradients are the one-device call's.
+  kind = jax.sharding.AxisType.Explicit if mode == "explicit" else jax.sharding.AxisType.Auto
+  mesh = jax.make_mesh((4, 2), ("sp", "tp"), (kind, kind), devices=jax.devices()[:8])
+  put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
+  Bp, Tp, Np = 4, 16, 4
+  q = np.asarray(normal((Bp, Tp, Np, H), np.float32, 0))
+  k, v = (np.asarray(normal((Bp, Tp, 2, H), np.float32, s)) for s in (1, 2))
+  ids = np.repeat([[0, 0, 1, 1], [0, 1, 1, 1], [0, 0, 0, 0], [0, 1, 2, 2]], 4, axis=1)
+  lens = np.array([16, 11, 5, 0], np.int32)  # the last row attends to nothing
+  sinks = np.array([0.5, -1.0, 0.0, 2.0], np.float32)
+  w = np.asarray(normal((Bp, Tp, Np, H), np.float32, 3))
+
+  def loss(attend, q, k, v, sinks, ids, lens):
+    out = attend(q, k, v, sinks, ids, lens)
+    return jnp.sum(out * w), out
+
+  def ring(q, k, v, sinks, ids, lens):
+    return parallel.ring_attention(
+      q,
+      k,
+      v,
+      mesh=mesh,
+      axis_name="sp",
+      head_axis="tp",
+      layout="zigzag",
+      is_causal=True,
+      segment_ids=ids,
+      query_seq_lengths=lens,
+      sinks=sinks,
+      block_q=2,
+      block_kv=2,
+    )
+
+  def one_device(q, k, v, sinks, ids, lens):
+    # The inputs and ids are in the zig-zag layout; lengths count natural positions.
+    return parallel.permute(
+      jattn.dot_product_attention(
+        *(parallel.unpermute(x, "zigzag", 4) for x in (q, k, v)),
+        is_causal=True,
+        segment_ids=parallel.unpermute(ids, "zigzag", 4),
+        query_seq_lengths=lens,
+        sinks=sinks,
+        implementation="xla",
+      ),
+      "zigzag",
+      4,
+    )
+
+  step = lambda f: jax.jit(jax.value_and_grad(functools.partial(loss, f), (0, 1, 2, 3), True))
+  (_, want), want_grads = step(one_device)(q, k, v, sinks, ids, lens)
+  placed = (q, put(k, None, "tp"), put(v, "sp"), put(sinks, "sp"), ids, put(lens, "tp"))
+  with jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext():
+    (_, out), grads = step(ring)(*placed)
+  assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "sp", "tp")), 4)
+  assert_close(out, want, np.float32)
+  for g, w_g in zip(grads, want_grads, strict=True):
+    assert_close(g, w_g, np.float32)
