@@ -126,9 +126,9 @@ class Mask:
     sizes: list[int] = []
     for name, given, own in (("batch_size", batch_size, own_b), ("num_heads", num_heads, own_n)):
       if given is None:
-        sizes.append(own or 1)
+        sizes.append(1 if own is None else own)
         continue
-      given = _checks.integer(name, given, minimum=1)
+      given = _checks.integer(name, given, minimum=0)
       if own is not None and own != given:
         raise ValueError(f"{name} is {given} but the mask holds arrays for {own}")
       sizes.append(given)

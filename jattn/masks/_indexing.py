@@ -102,13 +102,16 @@ def take(arr: ArrayLike, b: jax.Array, idx: jax.Array) -> jax.Array:
   arr = as_rank(arr, 2)
   if arr.shape[0] == 1:
     return arr[0].at[idx].get(mode="clip")
-  if _is_iota(b, arr.shape[0]) and sum(n > 1 for n in jnp.shape(idx)) <= 1:
+  if _is_iota(b, arr.shape[0]) and sum(n != 1 for n in jnp.shape(idx)) <= 1:
     # Every batch row with one index vector: a take along the sequence axis
     # keeps the batch axis a plain array axis, which sharding propagation
     # splits across devices (a gather by (b, idx) makes it gather the ids).
     rows = jnp.take(arr, jnp.ravel(idx), axis=1, mode="clip")
     shape = [arr.shape[0] if n == 0 else 1 for n in range(jnp.ndim(idx))]
-    shape[next((i for i, n in enumerate(jnp.shape(idx)) if n > 1), len(shape) - 1)] = -1
+    # The index vector's axis is its one axis of size other than 1 (0 for an empty sequence);
+    # sizes are given, not -1, which a reshape cannot infer when the batch is empty.
+    axis = next((i for i, n in enumerate(jnp.shape(idx)) if n != 1), len(shape) - 1)
+    shape[axis] = int(np.size(idx))
     return rows.reshape(shape)
   return arr.at[b, idx].get(mode="clip")
 
