@@ -484,6 +484,9 @@ READS_ACCEPTED = {
   ),
   "batch_row_at_kv": lambda b, h, q, kv: VALID[b, kv] & (kv <= q + 3),
   "compare_with_every_boundary": lambda b, h, q, kv: _doc(q) == _doc(kv),
+  "static_rows_and_strided_slices": (
+    lambda b, h, q, kv: (VALID[0][q] & VALID[1][kv]) | KEEP[::2][q // 2] | TABLE[3:][q - 3, kv]
+  ),
 }
 
 READS_REFUSED = {
@@ -497,9 +500,9 @@ READS_REFUSED = {
     lambda b, h, q, kv: kv < VALID.sum(-1)[b],
     r"it forms a \(2, 40\) bool array",
   ),
-  "row_then_index": (
-    lambda b, h, q, kv: VALID[0][q] & VALID[1][kv],
-    r"it forms a \(2, 40\) bool array",
+  "rolled_then_index": (
+    lambda b, h, q, kv: jnp.roll(KEEP, 3)[q] | (q == kv),
+    r"it forms a \(\d+,\) bool array",
   ),
   "cumsum_then_index": (
     lambda b, h, q, kv: kv < jnp.cumsum(LENS // 2)[b] + 9,

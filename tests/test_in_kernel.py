@@ -151,3 +151,24 @@ def test_reads_are_loads_from_the_refs():
   kernel_jaxpr = inner.params["jaxpr"]
   names = {e.primitive.name for e in kernel_jaxpr.eqns}
   assert "gather" not in names and "get" in names
+
+
+def test_static_slices_of_an_array_are_loads_at_offsets():
+  """A row of a (B, T) array, a strided slice, an offset slice of a table: read from the
+  ref at the slice's start and step (no whole (2, 32) array, which Triton could not form
+  had it been (2, 40)), exact and lowered to Triton."""
+  valid = jnp.asarray(np.random.default_rng(4).random((B, T)) < 0.5)
+  table = jnp.asarray(np.arange(T * S, dtype=np.float32).reshape(T, S))
+
+  def fn(b, h, q, kv):
+    rows = valid[0][q].astype(jnp.float32) + 2.0 * valid[1, 1:][kv - 1]
+    return rows + valid[1][::2][q // 2] + table[4:, 2:][q - 4, kv - 2] * 0.001
+
+  jaxpr, arrays = _opened(fn, *SPECS)
+  got = np.asarray(jax.jit(lambda *a: _call(jaxpr, a, interpret=True))(*arrays))
+  v, t = np.asarray(valid), np.asarray(table)
+  q, kv = np.arange(T)[:, None], np.arange(S)[None, :]
+  sub = t[4:, 2:]
+  want = v[0][q] + 2.0 * v[1, 1:][kv - 1] + v[1][::2][q // 2] + sub[q - 4, kv - 2] * 0.001
+  np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), rtol=1e-6)
+  assert _lowers_to_triton(jaxpr, arrays)

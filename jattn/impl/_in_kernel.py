@@ -9,8 +9,9 @@ array of integer indices is a gather from memory. :func:`evaluate` runs a functi
 - a point gather from one (``arr[b, q_idx]``, ``arr.at[i].get(mode="clip")``: every operand
   dimension collapsed, slices of size 1) becomes one load at the gathered indices, clipped
   (or masked and filled) as the gather's mode says;
-- reshapes that add or drop unit dimensions, broadcasts that only add them, and dtype
-  conversions of one are deferred to that load;
+- static slices of one (``arr[0]``, ``arr[:, 1:]``, ``arr[::2]``), reshapes that add or drop
+  unit dimensions, broadcasts that only add them, and dtype conversions of one are
+  deferred to that load;
 - anything else reads the whole array first (exact, but for Triton only where its shape is
   a power of two, and a gather from the loaded array does not lower at all: flex's
   selection, :mod:`jattn.impl._flex_lowers`, refuses functions that need either).
@@ -35,30 +36,74 @@ from jax.extend import core as jex_core
 class Deferred:
   """An input array still in its ref: ``ref`` seen with ``shape`` and ``dtype``, where
   logical dimension i is the ref's dimension ``dims[i]`` (None: a unit dimension the ref
-  lacks); the ref's own unit dimensions may be absent from ``dims``."""
+  lacks) from element ``starts[i]`` in steps of ``steps[i]`` (a static slice); ref
+  dimensions no logical one maps are read at ``pinned`` (ref dimension, index) pairs, else
+  at 0 (the ref's own unit dimensions)."""
 
   ref: Any
   shape: tuple[int, ...]
   dtype: Any
   dims: tuple[int | None, ...]
+  starts: tuple[int, ...]
+  steps: tuple[int, ...]
+  pinned: tuple[tuple[int, int], ...] = ()
 
   @classmethod
   def of(cls, ref: Any) -> Deferred:
     shape = tuple(ref.shape)
-    return cls(ref, shape, np.dtype(ref.dtype), tuple(range(len(shape))))
+    n = len(shape)
+    return cls(ref, shape, np.dtype(ref.dtype), tuple(range(n)), (0,) * n, (1,) * n)
+
+  def _ref_index(self, logical: Sequence[Any]) -> tuple[Any, ...]:
+    """The ref's index: ``logical[i]`` (an index into logical dimension i, or a static
+    slice of all of it) put at the ref dimension it maps to, pinned dimensions at their
+    index, the rest at 0."""
+    at: dict[int, Any] = dict(self.pinned)
+    for i, d in enumerate(self.dims):
+      if d is not None:
+        at[d] = logical[i]
+    return tuple(at.get(d, 0) for d in range(len(self.ref.shape)))
 
   def load(self) -> jax.Array:
-    """The whole array (a load of the full ref)."""
-    return self.ref[...].reshape(self.shape).astype(self.dtype)
+    """The whole array (a load of its part of the ref)."""
+    whole = [
+      slice(start, start + step * (n - 1) + 1, step)
+      for n, start, step in zip(self.shape, self.starts, self.steps)
+    ]
+    index = self._ref_index(whole)
+    value = self.ref[index] if index else self.ref[...]
+    return value.reshape(self.shape).astype(self.dtype)
 
   def reshaped(self, shape: tuple[int, ...]) -> Deferred | None:
     """Seen as ``shape``, where that only adds or drops unit dimensions; else None."""
-    kept = [(n, d) for n, d in zip(self.shape, self.dims) if n != 1]
-    if [n for n in shape if n != 1] != [n for n, _ in kept]:
+    axes = list(zip(self.shape, self.dims, self.starts, self.steps))
+    kept = [a for a in axes if a[0] != 1]
+    if [n for n in shape if n != 1] != [a[0] for a in kept]:
       return None
-    it = iter(d for _, d in kept)
+    # A dropped unit dimension that maps a ref dimension keeps reading it at its start.
+    pinned = dict(self.pinned)
+    pinned.update((d, start) for n, d, start, _ in axes if n == 1 and d is not None)
+    it = iter(kept)
+    new = [next(it) if n != 1 else (1, None, 0, 1) for n in shape]
     return dataclasses.replace(
-      self, shape=tuple(shape), dims=tuple(None if n == 1 else next(it) for n in shape)
+      self,
+      shape=tuple(shape),
+      dims=tuple(a[1] for a in new),
+      starts=tuple(a[2] for a in new),
+      steps=tuple(a[3] for a in new),
+      pinned=tuple(sorted(pinned.items())),
+    )
+
+  def sliced(
+    self, start: Sequence[int], limit: Sequence[int], strides: Sequence[int] | None
+  ) -> Deferred:
+    """``lax.slice`` of it: the same ref, each dimension from a later start, in longer steps."""
+    strides = strides or (1,) * len(self.shape)
+    return dataclasses.replace(
+      self,
+      shape=tuple(-(-(hi - lo) // st) for lo, hi, st in zip(start, limit, strides)),
+      starts=tuple(s0 + lo * st0 for s0, st0, lo in zip(self.starts, self.steps, start)),
+      steps=tuple(st0 * st for st0, st in zip(self.steps, strides)),
     )
 
   def gather(self, indices: Sequence[jax.Array], mode: Any, fill: Any) -> jax.Array:
@@ -66,17 +111,18 @@ class Deferred:
     dimension, broadcast together), read from the ref."""
     indices = jnp.broadcast_arrays(*indices)
     valid = None
-    at: dict[int, jax.Array] = {}
-    for i, (n, d) in enumerate(zip(self.shape, self.dims)):
+    shape = indices[0].shape if indices else None
+    at: dict[int, Any] = {d: _full(shape, i) for d, i in self.pinned}
+    for i, (n, d, start, step) in enumerate(zip(self.shape, self.dims, self.starts, self.steps)):
       idx = indices[i].astype(jnp.int32)
       if _fills(mode):
         inside = (idx >= 0) & (idx < n)
         valid = inside if valid is None else valid & inside
       idx = jnp.clip(idx, 0, n - 1)
-      if d is not None:
-        at[d] = idx
-    zero = jnp.zeros(indices[0].shape, jnp.int32) if indices else 0
-    ref_index = tuple(at.get(d, zero) for d in range(len(self.ref.shape)))
+      if d is not None:  # the ref's element: from the slice's start, in its steps
+        scaled = idx if step == 1 else idx * step
+        at[d] = scaled + start if start else scaled
+    ref_index = tuple(at.get(d, _full(shape, 0)) for d in range(len(self.ref.shape)))
     out = self.ref[ref_index].astype(self.dtype) if ref_index else self.ref[...]
     if valid is not None:
       out = jnp.where(valid, out, jnp.asarray(0 if fill is None else fill, self.dtype))
@@ -145,6 +191,8 @@ def _eqn(eqn: Any, invals: list[Any]) -> list[Any]:
       seen = x.reshaped(tuple(eqn.outvars[0].aval.shape))
       if seen is not None:
         return [seen]
+    if name == "slice" and isinstance(x, Deferred):
+      return [x.sliced(params["start_indices"], params["limit_indices"], params["strides"])]
     if name == "convert_element_type" and isinstance(x, Deferred):
       return [dataclasses.replace(x, dtype=np.dtype(params["new_dtype"]))]
     if name == "gather" and isinstance(x, Deferred):
@@ -183,6 +231,12 @@ def _point_gather(x: Deferred, indices: Any, params: dict[str, Any]) -> jax.Arra
     columns = [indices[..., j] for j in range(indices.shape[-1])]
   by_dim = dict(zip(dn.start_index_map, columns))
   return x.gather([by_dim[d] for d in range(rank)], params["mode"], params.get("fill_value"))
+
+
+def _full(shape: tuple[int, ...] | None, i: int) -> Any:
+  """Index ``i`` as an index array of ``shape`` (all of a gather's indices are arrays), or
+  the integer where there are none (a rank-0 array's gather)."""
+  return i if shape is None else jnp.full(shape, i, jnp.int32)
 
 
 def _fills(mode: Any) -> bool:
