@@ -179,8 +179,8 @@ def _first_problem(body: Any) -> str | None:
         return (
           f"it forms a {shape} {np.dtype(v.aval.dtype).name} array in the kernel (`{name}`), and "
           "Triton's arrays have power-of-two dimensions: a captured array read whole "
-          "(arr.sum(-1), arr[0], comparing against every element) rather than indexed by the "
-          "index arguments"
+          "(arr.sum(-1), jnp.roll(arr, 1), comparing with every element) rather than indexed "
+          "by the index arguments"
         )
     if reason := _form(eqn):
       return f"it uses `{name}` {reason}, which Pallas' Triton lowering does not implement"
