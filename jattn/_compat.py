@@ -8,6 +8,7 @@ Everything version-dependent lives here, so the rest of the package calls one sp
 * :func:`no_mesh`: a block where eager computations see no mesh (inside ``shard_map``).
 * :func:`explicit_sharding`: the ``NamedSharding`` a traced array carries in JAX's
   Explicit sharding mode (sharding in types), or None.
+* :func:`varying_axes`: the manual mesh axes a traced array varies over in a ``shard_map``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,16 @@ def explicit_sharding(x: Any) -> jax.sharding.NamedSharding | None:
   if not any(t == explicit for t in mesh.axis_types):
     return None
   return sharding
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+  """The manual mesh axes ``x`` varies over inside a ``jax.shard_map`` (its type's
+  ``manual_axis_type.varying``; ``vma`` in other releases), empty outside one."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", ()) or ())
 
 
 def gpu_target(device_kind: str = "NVIDIA H100") -> AbstractContextManager[Any]:

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jax.typing import DTypeLike
 
-from jattn import _checks, _masking, masks, scores, testing
+from jattn import _checks, _compat, _masking, masks, scores, testing
 from jattn._options import Options
 from jattn.impl import _common, _select, _sharded
 
@@ -226,6 +226,7 @@ def build(
     backward_named=options.backward is not None,
     blocks_named=blocks != (None, None),
     sequence_sharded=_sharded.sequence_axes(q, k) or (),
+    varying=tuple(sorted(set().union(*(_compat.varying_axes(x) for x in (q, k, v))))),
   )
   portable = backend is None and testing.portable()
   choice = _select.choose(

@@ -38,6 +38,7 @@ class Call:
   backward_named: bool  # the caller gave backward=
   blocks_named: bool  # the caller gave block_q= or block_kv=
   sequence_sharded: tuple = ()  # mesh axes sharding T or S (Explicit sharding mode)
+  varying: tuple = ()  # manual mesh axes the inputs vary over (a shard_map checking them)
 
 
 def _keep(spec: Any, blocks: tuple[int | None, int | None], backend: str) -> Any:
@@ -96,6 +97,12 @@ class Implementation:
         f"the sequence axis is sharded over mesh axes {call.sequence_sharded} (a fused kernel "
         "needs each device's sequences whole: shard the batch and heads, or use "
         "jattn.parallel.ring_attention)"
+      )
+    if self.interpretable and call.varying:
+      return (
+        f"the inputs vary over manual mesh axes {call.varying} (inside a jax.shard_map that "
+        "checks them; a Pallas kernel's results carry no such types): pass check_vma=False "
+        "to jax.shard_map"
       )
     if self.check is not None and (reason := self.check(call)):
       return reason

@@ -218,8 +218,18 @@ def full(
   spec = sharding_spec(like)
   parts = tuple(None if a is None else spec[a] for a in axes)
   if not any(parts):
-    return jnp.full(shape, fill_value, dtype)
-  return jnp.full(shape, fill_value, dtype, out_sharding=sharded_as(parts, mesh_of=like))
+    out = jnp.full(shape, fill_value, dtype)
+  else:
+    out = jnp.full(shape, fill_value, dtype, out_sharding=sharded_as(parts, mesh_of=like))
+  return varying_as(out, like)
+
+
+def varying_as(x: jax.Array, like: jax.Array) -> jax.Array:
+  """``x`` typed as varying over the manual mesh axes ``like`` varies over (inside a
+  ``jax.shard_map`` that checks them, a loop's carry must vary as its body's result does)."""
+  have = _compat.varying_axes(x)
+  missing = tuple(sorted(a for a in _compat.varying_axes(like) if a not in have))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def row_max(m: jax.Array) -> jax.Array:

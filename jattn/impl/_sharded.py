@@ -349,7 +349,26 @@ def _rule(
     _define(wrapped, lower, roles, roles_out, rules)
     return wrapped(*consts, *args)
 
-  return lambda *args: tuple(partitioned(*args))
+  # custom_partitioning has no batching rule: under vmap, one call per element of the mapped
+  # axis (each still partitioned over the batch and heads).
+  @jax.custom_batching.custom_vmap
+  def mapped(*args: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(partitioned(*args))
+
+  @mapped.def_vmap
+  def _one_by_one(
+    axis_size: int, in_batched: Sequence[bool], *args: jax.Array
+  ) -> tuple[Any, list[bool]]:
+    del axis_size
+
+    def one(xs: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+      it = iter(xs)
+      return mapped(*(next(it) if b else x for x, b in zip(args, in_batched)))
+
+    outs = jax.lax.map(one, [x for x, b in zip(args, in_batched) if b])
+    return outs, (True,) * len(outs)
+
+  return mapped
 
 
 def _define(
