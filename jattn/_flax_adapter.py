@@ -2,7 +2,10 @@
 :func:`jattn.dot_product_attention`.
 
 :mod:`jattn.nnx` and :mod:`jattn.linen` each make one with :func:`make_attention_fn`,
-differing only in where ``sow_weights`` stores the weights. Layout [batch..., T, N, H].
+differing in where ``sow_weights`` stores the weights and in which of Flax's functions runs
+what jattn's kernels do not take (complex dtypes, Linen's einsum overrides). Also the
+helpers both modules use to read Flax's masks and batch dimensions. Layout
+[batch..., T, N, H].
 """
 
 from __future__ import annotations
@@ -44,36 +47,97 @@ def _precision_context(
   return jax.default_matmul_precision(precision)
 
 
-def _flatten_batch(
-  x: jax.typing.ArrayLike | None, batch_dims: tuple[int, ...], rank: int
+def flatten_batch(
+  x: jax.typing.ArrayLike | None, batch_dims: tuple[int, ...], trailing: int
 ) -> jax.Array | np.ndarray | None:
-  """Broadcast-compatible ``x`` (mask/bias over [batch..., N, T, S]) as rank-4 (B, N, T, S)."""
+  """``x`` broadcastable to [batch_dims..., ``trailing`` dimensions] (a mask or bias over
+  [batch..., N, T, S]) with its batch dimensions as one, of size 1 or
+  ``math.prod(batch_dims)``: shape (1 or B, ...trailing)."""
   if x is None:
     return None
   x = cast("jax.Array | np.ndarray", x if hasattr(x, "shape") else np.asarray(x))
+  rank = len(batch_dims) + trailing
   if x.ndim > rank:
     raise ValueError(
       f"mask and bias must have at most {rank} dimensions ([batch..., N, T, S]), "
       f"got shape {x.shape}"
     )
   x = x.reshape((1,) * (rank - x.ndim) + tuple(x.shape))
-  lead = x.shape[:-3]
-  if len(batch_dims) <= 1:
-    return x
+  lead, rest = x.shape[: len(batch_dims)], x.shape[len(batch_dims) :]
   if all(d == 1 for d in lead):
-    return x.reshape((1,) + x.shape[-3:])
-  x = jnp.broadcast_to(x, batch_dims + x.shape[-3:])
-  return x.reshape((math.prod(batch_dims),) + x.shape[-3:])
+    return x.reshape((1,) + rest)
+  if lead != batch_dims:
+    x = jnp.broadcast_to(x, batch_dims + rest)
+  return x.reshape((math.prod(batch_dims),) + rest)
+
+
+def as_bool_mask(mask: Any) -> Any:
+  """A mask array of any dtype as Flax reads it (non-zero attends), boolean; anything
+  else (None, a :class:`jattn.masks.Mask`) as it is."""
+  if mask is None or not hasattr(mask, "dtype") and not isinstance(mask, (list, tuple)):
+    return mask
+  if not hasattr(mask, "dtype"):
+    mask = np.asarray(mask)
+  return mask if mask.dtype == np.bool_ else mask.astype(bool)
+
+
+def check_flax_shapes(query: Any, key: Any, value: Any) -> None:
+  """The shape rules of Flax's ``dot_product_attention`` on [batch..., T|S, N|K, H] heads,
+  raised with Flax's words in the message (the core call checks the rest)."""
+  if not query.ndim == key.ndim == value.ndim:
+    raise ValueError(
+      f"query, key and value must have the same rank (q, k, v must have same rank), got "
+      f"{query.shape}, {key.shape} and {value.shape}"
+    )
+  if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
+    raise ValueError(
+      f"query, key and value must have the same batch dimensions (q, k, v batch dims must "
+      f"match), got {query.shape}, {key.shape} and {value.shape}"
+    )
+  if key.shape[-3] != value.shape[-3]:
+    raise ValueError(
+      f"key and value must have the same length (k, v lengths must match), got key "
+      f"{key.shape} and value {value.shape}"
+    )
+  if query.shape[-1] != key.shape[-1]:
+    raise ValueError(
+      f"query and key must have the same head dimension (q, k depths must match), got "
+      f"query {query.shape} and key {key.shape}"
+    )
+
+
+def repeat_kv_heads(query: jax.Array, x: jax.Array) -> jax.Array:
+  """Key or value heads [..., S, K, H] repeated to the query's N heads (GQA)."""
+  n, k = query.shape[-2], x.shape[-2]
+  return x if n == k else jnp.repeat(x, n // k, axis=-2)
+
+
+def causal_bool(q_len: int, kv_len: int) -> np.ndarray:
+  """(T, S) bool: query t sees keys s <= t, as Flax's ``is_causal`` (top-left aligned)."""
+  return np.tril(np.ones((q_len, kv_len), bool))
+
+
+def with_causal(mask: Any, q_len: int, kv_len: int) -> Any:
+  """``mask`` (None or an array, non-zero attends) and the causal pattern, as one bool mask."""
+  causal = causal_bool(q_len, kv_len)
+  return causal if mask is None else jnp.logical_and(as_bool_mask(mask), causal)
 
 
 def make_attention_fn(
-  sow: Callable[[_Module, jax.Array], None], collection: str, module_name: str
+  sow: Callable[[_Module, jax.Array], None],
+  collection: str,
+  module_name: str,
+  flax_fn: Callable[..., jax.Array],
+  *,
+  linen: bool,
 ) -> Callable[..., jax.Array]:
   """Flax's ``attention_fn`` contract on top of :func:`jattn.dot_product_attention`.
 
   ``sow(module, weights)`` stores the weights when Flax passes ``module``;
   ``collection`` names where, for the docstring. Layout [batch..., T, N, H];
-  extra batch dimensions are flattened.
+  extra batch dimensions are flattened. ``flax_fn`` is Flax's own
+  ``dot_product_attention`` of that front end (``linen``: Linen's, else NNX's), which
+  computes what jattn's kernels do not take: complex dtypes, and Linen's einsum overrides.
   """
 
   def attention_fn(
@@ -91,6 +155,10 @@ def make_attention_fn(
     module: _Module | None = None,
     is_causal: bool = False,
     *,
+    force_fp32_for_softmax: bool = False,
+    einsum_dot_general: Callable[..., jax.Array] | None = None,
+    qk_attn_weights_einsum: Callable[..., jax.Array] | None = None,
+    attn_weights_value_einsum: Callable[..., jax.Array] | None = None,
     implementation: str | None = None,
     backward: str | None = None,
     block_q: int | None = None,
@@ -106,23 +174,72 @@ def make_attention_fn(
           f"{name} must have shape [batch..., length, heads, head_dim], got "
           f"{getattr(x, 'shape', type(x).__name__)}"
         )
+    einsums = (qk_attn_weights_einsum, attn_weights_value_einsum)
+    if (einsums[0] is None) != (einsums[1] is None):
+      raise ValueError(
+        "qk_attn_weights_einsum and attn_weights_value_einsum must be specified together"
+      )
+    if (precision is not None or einsum_dot_general is not None) and einsums[0] is not None:
+      raise ValueError(
+        "precision/einsum_dot_general and qk_attn_weights_einsum/attn_weights_value_einsum "
+        "are mutually exclusive: give one of them"
+      )
     if dtype is None:
       dtype = jnp.result_type(*arrays)
     query, key, value = (jnp.asarray(x, dtype) for x in arrays)
-    if not query.ndim == key.ndim == value.ndim:
-      raise ValueError(
-        f"query, key and value must have the same rank, got {query.shape}, "
-        f"{key.shape} and {value.shape}"
+    check_flax_shapes(query, key, value)
+    overrides = einsum_dot_general is not None or einsums[0] is not None
+    if jnp.issubdtype(dtype, jnp.complexfloating) or overrides:
+      jattn_settings = dict(
+        implementation=implementation,
+        backward=backward,
+        block_q=block_q,
+        block_kv=block_kv,
+        logits_soft_cap=logits_soft_cap,
+        score_fn=score_fn,
+        sinks=sinks,
       )
+      for name, setting in jattn_settings.items():
+        if setting is not None:
+          why = "einsum overrides" if overrides else f"{np.dtype(dtype).name} inputs"
+          raise ValueError(
+            f"{name} is a setting of jattn's kernels, which take no {why}: those run Flax's "
+            "own materialised dot_product_attention"
+          )
+      flax_kw: dict[str, Any] = dict(
+        bias=bias,
+        broadcast_dropout=broadcast_dropout,
+        dropout_rng=dropout_rng,
+        dropout_rate=dropout_rate,
+        deterministic=deterministic,
+        dtype=dtype,
+        precision=precision,
+        module=module,
+      )
+      if linen:
+        if is_causal:
+          mask = with_causal(mask, query.shape[-3], key.shape[-3])
+        key, value = repeat_kv_heads(query, key), repeat_kv_heads(query, value)
+        flax_kw.update(
+          force_fp32_for_softmax=force_fp32_for_softmax,
+          einsum_dot_general=einsum_dot_general,
+          qk_attn_weights_einsum=einsums[0],
+          attn_weights_value_einsum=einsums[1],
+        )
+      elif overrides:
+        raise ValueError(
+          "einsum_dot_general, qk_attn_weights_einsum and attn_weights_value_einsum are "
+          "arguments of Flax Linen's dot_product_attention: use jattn.linen.attention_fn"
+        )
+      else:
+        flax_kw.update(is_causal=is_causal)
+      return flax_fn(query, key, value, mask=mask, **flax_kw)
     batch_dims = query.shape[:-3]
-    rank = query.ndim
-    if len(batch_dims) > 1:
+    if len(batch_dims) > 1:  # the core call takes one batch dimension or none
       flat = lambda x: x.reshape((math.prod(batch_dims),) + x.shape[-3:])
       query, key, value = flat(query), flat(key), flat(value)
-    mask = _flatten_batch(mask, batch_dims, rank)
-    bias = _flatten_batch(bias, batch_dims, rank)
-    if mask is not None and mask.dtype != np.bool_:
-      mask = mask.astype(bool)  # Flax accepts 0/1 masks of any dtype
+      mask, bias = flatten_batch(mask, batch_dims, 3), flatten_batch(bias, batch_dims, 3)
+    mask = as_bool_mask(mask)
     rate = _checks.real("dropout_rate", dropout_rate)
     if deterministic or rate == 0.0:
       rate, dropout_rng = 0.0, None
@@ -133,10 +250,9 @@ def make_attention_fn(
     )
     with _precision_context(precision):
       if module is not None:
-        sow(
-          module,
-          _unflatten(attention.attention_weights(query, key, bias, mask, **kwargs), batch_dims),
-        )
+        fp32 = force_fp32_for_softmax and jnp.dtype(dtype) != jnp.float32
+        q, k = (query.astype(jnp.float32), key.astype(jnp.float32)) if fp32 else (query, key)
+        sow(module, _unflatten(attention.attention_weights(q, k, bias, mask, **kwargs), batch_dims))
         implementation = "xla" if implementation is None else implementation
       out = attention.dot_product_attention(
         query,
@@ -172,10 +288,12 @@ def _adapter_doc(collection: str) -> str:
 
   Accepts exactly the keyword arguments Flax passes (``mask``,
   ``dropout_rng``, ``dropout_rate``, ``broadcast_dropout``, ``deterministic``,
-  ``dtype``, ``precision``, ``module``, ``is_causal``) with Flax's meanings,
-  plus jattn's own settings, bound with ``functools.partial``:
-  ``implementation``, ``backward``, ``block_q``, ``block_kv``,
-  ``logits_soft_cap``, ``score_fn``, ``sinks`` (per-head sink logits (N,)).
+  ``dtype``, ``precision``, ``module``, ``is_causal``, and Linen's
+  ``force_fp32_for_softmax``, ``einsum_dot_general``, ``qk_attn_weights_einsum``,
+  ``attn_weights_value_einsum``) with Flax's meanings, plus jattn's own settings,
+  bound with ``functools.partial``: ``implementation``, ``backward``, ``block_q``,
+  ``block_kv``, ``logits_soft_cap``, ``score_fn``, ``sinks`` (per-head sink logits (N,)).
+  A mask of any dtype reads as Flax reads it: non-zero attends.
 
   Differences from Flax's default: a query row whose mask allows nothing
   returns zeros (Flax returns the mean of the values); dropout draws its
@@ -183,13 +301,16 @@ def _adapter_doc(collection: str) -> str:
   ``broadcast_dropout`` sharing, different random bits); ``precision``
   applies as ``jax.default_matmul_precision``. With ``module`` (Flax's
   ``sow_weights=True``) the weights are sown into ``{collection}`` as
-  ``attention_weights`` and the materialised implementation computes the
-  output, unless ``implementation`` says otherwise.
+  ``attention_weights`` (float32 with ``force_fp32_for_softmax``, as Flax's)
+  and the materialised implementation computes the output, unless
+  ``implementation`` says otherwise. Complex inputs, and einsum overrides,
+  which jattn's kernels do not take, run Flax's own materialised
+  ``dot_product_attention`` (then without jattn's settings).
 
   Args:
     query: [batch..., T, N, H].
     key, value: [batch..., S, K, H]; N a multiple of K.
-    bias, mask: broadcastable to [batch..., N, T, S]; mask True = attend.
+    bias, mask: broadcastable to [batch..., N, T, S]; mask non-zero = attend.
 
   Returns:
     [batch..., T, N, H] in the promoted dtype.

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import attention, decode, masks
+from jattn import _flax_adapter, _flax_cache, attention, decode, masks
 from jattn._flax_config import Settings
 
 
@@ -38,18 +40,23 @@ def inputs(
   inputs_kv: jax.Array | None,
   in_features: int | None,
   in_kv_features: int | None,
+  *,
+  linen: bool = False,
 ) -> Inputs:
   """Flax's inputs: ``inputs_v`` defaults to ``inputs_k`` and ``inputs_k`` to ``inputs_q``;
-  ``inputs_kv`` gives both. Checked before compiling: (B, T, F) or (T, F), the feature
-  sizes (None: any), ranks, batch sizes and the keys' and values' lengths."""
+  ``inputs_kv`` gives both. Each [batch..., length, features]; checked here: arrays of
+  rank 2 or more and the feature sizes (None: any). :func:`check_inputs` checks how they
+  fit together. ``linen``: warn as Flax Linen's module does (``inputs_kv``, and an
+  ``inputs_v`` shaped like a mask)."""
   if inputs_kv is not None and (inputs_k is not None or inputs_v is not None):
     raise ValueError(
-      "give inputs_kv (keys and values from one input) or inputs_k and inputs_v, not both"
+      "If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must be None: give "
+      "inputs_kv (keys and values from one input) or inputs_k and inputs_v, not both"
     )
   if inputs_v is not None and inputs_k is None:
     raise ValueError(
-      "inputs_v needs inputs_k: inputs_k defaults to inputs_q only when inputs_v does too "
-      "(pass one input for keys and values as inputs_k)"
+      "`inputs_k` cannot be None if `inputs_v` is not None: inputs_k defaults to inputs_q "
+      "only when inputs_v does too (pass one input for keys and values as inputs_k)"
     )
   kv_name = "inputs_kv" if inputs_kv is not None else "inputs_k" if inputs_k is not None else None
   kv = inputs_kv if inputs_kv is not None else inputs_k
@@ -60,26 +67,45 @@ def inputs(
   for name, x, want in named:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-    if x.ndim not in (2, 3):
-      raise ValueError(f"{name} must have shape (B, T, F) or (T, F), got {x.shape}")
+    if x.ndim < 2:
+      raise ValueError(f"{name} must have shape (batch..., length, features), got {x.shape}")
     if want is not None and x.shape[-1] != want:
       raise ValueError(
         f"{name} must have {want} features in its last dimension, got shape {x.shape}"
       )
-  for name, x, _ in named[1:]:
-    if x.ndim != inputs_q.ndim:
-      raise ValueError(f"{name} must have the rank of inputs_q {inputs_q.shape}, got {x.shape}")
-    if inputs_q.ndim == 3 and x.shape[0] != inputs_q.shape[0]:
-      raise ValueError(
-        f"inputs_q and {name} must have the same batch size, got {inputs_q.shape} and {x.shape}"
-      )
-  # kv is not None here: inputs_v needs inputs_k (raised above)
-  if inputs_v is not None and inputs_v.shape[:-1] != kv.shape[:-1]:  # type: ignore[union-attr]
-    raise ValueError(
-      f"inputs_k and inputs_v must have the same length, got {kv.shape} and {inputs_v.shape}"  # type: ignore[union-attr]
+  if linen and inputs_kv is not None:
+    warnings.warn(
+      "The inputs_kv arg will be deprecated soon. Use inputs_k and inputs_v instead "
+      "(as Flax's MultiHeadDotProductAttention says).",
+      DeprecationWarning,
+      stacklevel=3,
+    )
+  if linen and inputs_v is not None and inputs_v.shape[-1] == inputs_v.shape[-2]:
+    warnings.warn(
+      f"You are passing an array of shape {inputs_v.shape} to the `inputs_v` arg, when you "
+      "may have intended to pass it to the `mask` arg: the function signature of "
+      "MultiHeadDotProductAttention's `__call__` method has changed to `__call__(inputs_q, "
+      "inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None, deterministic=None)` "
+      "(Flax 0.7.4). Use the keyword argument `mask` instead.",
+      DeprecationWarning,
+      stacklevel=3,
     )
   kv = inputs_q if kv is None else kv
   return Inputs(inputs_q, kv, kv if inputs_v is None else inputs_v, kv_name)
+
+
+def check_inputs(x: Inputs) -> None:
+  """The inputs fit together: the same batch dimensions, and keys and values of one
+  length."""
+  for name, a in ((x.kv_name, x.k), ("inputs_v", x.v)):
+    if a is not x.q and a.shape[:-2] != x.q.shape[:-2]:
+      raise ValueError(
+        f"inputs_q and {name} must have the same batch dimensions, got {x.q.shape} and {a.shape}"
+      )
+  if x.v.shape[:-1] != x.k.shape[:-1]:
+    raise ValueError(
+      f"inputs_k and inputs_v must have the same length, got {x.k.shape} and {x.v.shape}"
+    )
 
 
 def rope_positions(
@@ -101,21 +127,22 @@ def rope_positions(
 def check_call(
   settings: Settings,
   *,
-  inputs_q: jax.Array,
-  kv_name: str | None,
+  inputs: Inputs,
   decode_: bool,
-  cache: decode.Cache | None,
+  cache: _flax_cache.Held | None,
   positions: jax.typing.ArrayLike | None,
   segment_ids: Any,
   num_new: jax.typing.ArrayLike | None,
   sow_weights: bool,
+  remedy: str,
 ) -> None:
   """Call arguments that depend on the module's settings; raises before compiling.
 
-  ``kv_name`` names the argument that made the call cross-attention, None for
-  self-attention."""
+  ``cache`` is the module's (None: none yet); ``remedy`` says how to make a cache with
+  one length per row, which ``num_new`` needs."""
   implementation, rope = settings.options.implementation, settings.rope
   attention_fn = settings.attention_fn
+  inputs_q, kv_name = inputs.q, inputs.kv_name
   if not isinstance(sow_weights, (bool, np.bool_)):
     raise TypeError(f"sow_weights must be a bool, got {sow_weights!r}")
   if not isinstance(decode_, (bool, np.bool_)):
@@ -143,15 +170,13 @@ def check_call(
     if positions is not None:
       T = inputs_q.shape[-2]
       shape = tuple(np.shape(positions))
-      if shape not in ((T,), (1, T)) and not (
-        inputs_q.ndim == 3 and shape == (inputs_q.shape[0], T)
-      ):
+      if shape not in ((T,), (1, T), inputs_q.shape[:-1]):
         raise ValueError(
-          f"positions must have shape (T,) or (B, T) for inputs_q {inputs_q.shape}, got {shape}"
+          f"positions must have shape (T,) or (batch..., T) for inputs_q {inputs_q.shape}, "
+          f"got {shape}"
         )
     return
   for name, given in (
-    (kv_name, kv_name),
     ("positions", positions),
     ("segment_ids", segment_ids),
     ("sow_weights", sow_weights or None),
@@ -171,16 +196,31 @@ def check_call(
       "decode=True needs a KV cache: call init_cache(input_shape) (or init_cache(batch_size=, "
       "max_length=)) first"
     )
-  B = inputs_q.shape[0] if inputs_q.ndim == 3 else None
-  if B is None:
-    raise ValueError(f"decode=True needs batched inputs (B, t, F), got {inputs_q.shape}")
-  rows = cache.lengths.shape[0]
-  if B != rows:
-    raise ValueError(f"inputs_q has batch size {B} but the cache was made for {rows}")
-  if inputs_q.shape[1] > cache.max_length:
+  if jnp.issubdtype(inputs_q.dtype, jnp.complexfloating):
+    raise TypeError(
+      f"decode=True writes a jattn.decode cache, which holds floating dtypes, got inputs_q "
+      f"of {inputs_q.dtype}"
+    )
+  if kv_name is not None and inputs.k.shape[-2] != inputs_q.shape[-2]:
     raise ValueError(
-      f"inputs_q has {inputs_q.shape[1]} tokens, more than the cache's "
-      f"max_length {cache.max_length}"
+      f"decode=True writes {kv_name}'s tokens to the cache beside inputs_q's: they must have "
+      f"the same length, got {inputs.k.shape} and inputs_q {inputs_q.shape}"
+    )
+  batch_dims = inputs_q.shape[:-2]
+  if batch_dims != cache.batch_dims:
+    raise ValueError(
+      f"inputs_q has batch dimensions {batch_dims} (shape {inputs_q.shape}) but the cache "
+      f"was made for {cache.batch_dims}"
+    )
+  if inputs_q.shape[-2] > cache.cache.max_length:
+    raise ValueError(
+      f"inputs_q has {inputs_q.shape[-2]} tokens, more than the cache's "
+      f"max_length {cache.cache.max_length}"
+    )
+  if num_new is not None and cache.indexed:
+    raise ValueError(
+      "num_new needs a cache with one length per row, but this one keeps Flax's one "
+      f"cache_index for all rows: {remedy}"
     )
 
 
@@ -261,6 +301,53 @@ def bind_attention_fn(
   return functools.partial(fn, **kwargs)
 
 
+def _rows(x: Any, batch_dims: tuple[int, ...]) -> Any:
+  """``x`` of shape [batch_dims..., ...] with its batch dimensions as one of B rows (B = 1
+  with none); as it is when it has no such leading dimensions (a shared (T,) array)."""
+  if x is None or not hasattr(x, "shape") or tuple(x.shape[: len(batch_dims)]) != batch_dims:
+    return x
+  if x.ndim == len(batch_dims) + 1 and not batch_dims:  # (T,): shared by the rows
+    return x
+  shape = (math.prod(batch_dims),) + tuple(x.shape[len(batch_dims) :])
+  return x if tuple(x.shape) == shape else x.reshape(shape)
+
+
+def _unrows(x: jax.Array, batch_dims: tuple[int, ...]) -> jax.Array:
+  shape = batch_dims + x.shape[1:]
+  return x if x.shape == shape else x.reshape(shape)
+
+
+def _flax_attention(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  flax_attention: Callable[..., jax.Array],
+  *,
+  is_causal: bool,
+  mask: Any,
+  segment_ids: Any,
+  sinks: Any,
+  why: str,
+) -> jax.Array:
+  """Flax's own materialised attention (``flax_attention``, Flax's ``dot_product_attention``
+  with the call's keywords bound) on [batch..., T, N, H] heads, for what jattn's kernels do
+  not take (``why``); jattn's additions are refused."""
+  for name, given in (
+    ("a jattn.masks.Mask", isinstance(mask, masks.Mask) or None),
+    ("segment_ids", segment_ids),
+    ("sinks", sinks),
+  ):
+    if given is not None:
+      raise TypeError(
+        f"{why} run Flax's materialised attention, which takes no {name}: pass a mask array"
+      )
+  if is_causal:
+    mask = _flax_adapter.with_causal(mask, query.shape[-3], key.shape[-3])
+  key = _flax_adapter.repeat_kv_heads(query, key)
+  value = _flax_adapter.repeat_kv_heads(query, value)
+  return flax_attention(query, key, value, mask=mask)
+
+
 def attend(
   query: jax.Array,
   key: jax.Array,
@@ -271,29 +358,39 @@ def attend(
   positions: jax.typing.ArrayLike | None,
   mask: jax.typing.ArrayLike | masks.Mask | None,
   segment_ids: Any,
-  cache: decode.Cache | None,
+  cache: _flax_cache.Held | None,
   num_new: jax.typing.ArrayLike | None,
   dropout_rng: jax.Array | None,
   sow_weights: bool,
   sinks: jax.typing.ArrayLike | None = None,
   attention_fn: Callable[..., jax.Array] | None = None,
-) -> tuple[jax.Array, jax.Array | None, decode.Cache | None]:
+  flax_attention: Callable[..., jax.Array] | None = None,
+  flax_why: str = "",
+  fp32_weights: bool = False,
+) -> tuple[jax.Array, jax.Array | None, dict[str, jax.Array] | None]:
   """Attention over projected heads: RoPE, then the KV cache or plain attention.
 
   Args:
-    query: (B, T, N, H) or (T, N, H), after the projection (and q/k norm).
-    key, value: (B, S, K, H) or (S, K, H).
+    query: [batch..., T, N, H], after the projection (and q/k norm); no batch dimension
+      is one row.
+    key, value: [batch..., S, K, H] and [batch..., S, K, Hv].
     settings: the module's; ``is_causal`` is the call's.
-    cache: a :class:`jattn.decode.KVCache` or :class:`jattn.decode.PagedKVCache` to
-      decode with, or None.
+    mask: an array broadcastable to [batch..., N, T, S], non-zero attends (Flax's
+      reading, whatever its dtype), or a :class:`jattn.masks.Mask`.
+    cache: the module's cache to decode with, or None.
     dropout_rng: None for no dropout.
     sinks: the module's per-head sink logits (N,), or None.
     attention_fn: :func:`bind_attention_fn`'s, which then computes (and sows) the
       attention in place of jattn's, or None.
+    flax_attention: Flax's own ``dot_product_attention`` with the call's keywords bound,
+      which computes (and sows) the attention instead when given: for what jattn's
+      kernels do not take, named by ``flax_why`` (complex dtypes, einsum overrides).
+    fp32_weights: sow the weights in float32 whatever the dtype (Flax's
+      ``force_fp32_for_softmax``).
 
   Returns:
-    ``(out, weights, new_cache)``: out like query; weights (B, N, T, S) when
-    ``sow_weights``, else None; new_cache None unless decoding.
+    ``(out, weights, new_variables)``: out [batch..., T, N, Hv]; weights [batch..., N, T,
+    S] when ``sow_weights``, else None; the cache's new variables, None unless decoding.
   """
   rope = settings.rope
   options: dict[str, Any] = dict(
@@ -302,23 +399,68 @@ def attend(
     broadcast_dropout=settings.broadcast_dropout,
     options=settings.options,
   )
+  given_mask = mask  # as the call gave it, for an attention function with Flax's contract
+  if flax_attention is not None and cache is None and rope is None:
+    out = _flax_attention(
+      query,
+      key,
+      value,
+      flax_attention,
+      is_causal=is_causal,
+      mask=mask,
+      segment_ids=segment_ids,
+      sinks=sinks,
+      why=flax_why,
+    )
+    return out, None, None
+  # jattn's calls take one batch dimension: the batch dimensions become B rows (B = 1 with
+  # none), and go back on the way out.
+  batch_dims = tuple(query.shape[:-3])
+  given = query, key, value
+  query, key, value = (_rows(x, batch_dims) for x in given)
+  if mask is not None and not isinstance(mask, masks.Mask):
+    mask = _flax_adapter.flatten_batch(_flax_adapter.as_bool_mask(mask), batch_dims, 3)
+  if segment_ids is not None:
+    pair = isinstance(segment_ids, (tuple, list))
+    ids = [_rows(i, batch_dims) for i in (segment_ids if pair else (segment_ids,))]
+    ids = [i[None] if batch_dims == () and np.ndim(i) == 1 else i for i in ids]
+    segment_ids = tuple(ids) if pair else ids[0]
   if cache is not None:
     if rope is not None:
-      pos: jax.typing.ArrayLike = decode.positions(cache, query.shape[1])
+      pos: jax.typing.ArrayLike = decode.positions(cache.cache, query.shape[1])
       query, key = rope(query, pos), rope(key, pos)
-    out, cache = decode.attention(
-      query, key, value, cache, num_new=num_new, mask=mask, sinks=sinks, **options
+    out, new_cache = decode.attention(
+      query, key, value, cache.cache, num_new=num_new, mask=mask, sinks=sinks, **options
     )
-    return out, None, cache  # type: ignore[return-value]  # out alone: no return_residual
+    return _unrows(out, batch_dims), None, cache.variables(new_cache)  # type: ignore[arg-type]
   if rope is not None:
-    pos = jnp.arange(query.shape[-3], dtype=jnp.int32) if positions is None else positions
+    if positions is None:
+      pos = jnp.arange(query.shape[-3], dtype=jnp.int32)
+    else:
+      rows = np.ndim(positions) == len(batch_dims) + 1 and np.ndim(positions) > 1
+      pos = _rows(positions, batch_dims) if rows else positions
     query, key = rope(query, pos), rope(key, pos)
-  if attention_fn is not None:
-    return attention_fn(query, key, value, mask=mask), None, None
+  if attention_fn is not None or flax_attention is not None:
+    query, key, value = (_unrows(x, batch_dims) for x in (query, key, value))
+    if flax_attention is not None:  # with rope, applied above on the rows
+      out = _flax_attention(
+        query,
+        key,
+        value,
+        flax_attention,
+        is_causal=is_causal,
+        mask=given_mask,
+        segment_ids=segment_ids,
+        sinks=sinks,
+        why=flax_why,
+      )
+      return out, None, None
+    return attention_fn(query, key, value, mask=given_mask), None, None  # type: ignore[misc]
   kwargs = dict(is_causal=bool(is_causal), segment_ids=segment_ids, sinks=sinks)
   weights = None
   if sow_weights:
     options["options"] = dataclasses.replace(settings.options, implementation="xla")
-    weights = attention.attention_weights(query, key, None, mask, **kwargs)
+    q, k = (query.astype(jnp.float32), key.astype(jnp.float32)) if fp32_weights else (query, key)
+    weights = _unrows(attention.attention_weights(q, k, None, mask, **kwargs), batch_dims)
   out = attention.dot_product_attention(query, key, value, None, mask, **kwargs, **options)
-  return out, weights, None
+  return _unrows(out, batch_dims), weights, None

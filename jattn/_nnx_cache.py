@@ -1,33 +1,37 @@
 """Flax NNX: :class:`jattn.nnx.MultiHeadAttention`'s KV cache, kept as one ``nnx.Cache``
-variable per array of the :mod:`jattn.decode` cache (``cache_key``, ``cache_lengths``,
-``cache_page_table``, ...), None for the fields it lacks.
+attribute per variable of :mod:`jattn._flax_cache` (Flax's ``cached_key``, ``cached_value``,
+``cache_index``; jattn's ``cache_lengths``, ``page_table``, ...), None for those it lacks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import jax
 from flax import nnx
 
 from jattn import _flax_cache
-from jattn import decode as _decode
 
 
-def store(module: nnx.Module, cache: _decode.Cache | None) -> None:
-  """One ``nnx.Cache`` per array of ``cache`` on ``module``, None for the fields it lacks
-  (all of them for None: no cache)."""
-  held = {} if cache is None else cache._asdict()
-  for field in _flax_cache.CACHE_FIELDS:
-    x = held.get(field)
-    setattr(module, f"cache_{field}", nnx.data(None) if x is None else nnx.Cache(x))
+def store(module: nnx.Module, variables: Mapping[str, jax.Array]) -> None:
+  """One ``nnx.Cache`` attribute per variable on ``module``, None for the others (all of
+  them for an empty mapping: no cache)."""
+  for name in _flax_cache.VARIABLES:
+    x = variables.get(name)
+    setattr(module, name, nnx.data(None) if x is None else nnx.Cache(x))
 
 
-def write(module: nnx.Module, cache: _decode.Cache) -> None:
-  """Store a cache of the held one's kind and shapes into its variables."""
-  for field, x in cache._asdict().items():
-    if x is not None:
-      getattr(module, f"cache_{field}")[...] = x
+def write(module: nnx.Module, variables: Mapping[str, jax.Array]) -> None:
+  """Store new values of the held variables (same names and shapes)."""
+  for name, x in variables.items():
+    getattr(module, name)[...] = x
 
 
-def held(module: nnx.Module) -> _decode.Cache | None:
+def held(module: nnx.Module) -> _flax_cache.Held | None:
   """The cache ``module``'s variables hold, or None when they hold none."""
-  variables = {f: getattr(module, f"cache_{f}") for f in _flax_cache.CACHE_FIELDS}
-  return _flax_cache.cache_from(lambda f: None if variables[f] is None else variables[f][...])
+
+  def get(name: str) -> jax.Array | None:
+    variable = getattr(module, name, None)
+    return None if variable is None else variable[...]
+
+  return _flax_cache.held(get)

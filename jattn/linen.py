@@ -1,14 +1,17 @@
-"""Flax Linen: a multi-head attention module built on jattn, and an ``attention_fn`` adapter.
+"""Flax Linen: multi-head attention modules built on jattn, and an ``attention_fn`` adapter.
 
-:class:`MultiHeadAttention` is a superset of Flax's ``linen.MultiHeadDotProductAttention``:
-its fields and call arguments, with Flax's defaults and meanings, and its parameter
-tree (``query``, ``key``, ``value``, ``out``, and ``query_ln``/``key_ln``), so
-swapping the class changes nothing else and the parameters of one load into the
-other unchanged; on top, the options of :class:`jattn.nnx.MultiHeadAttention`.
-Decoding keeps the keys, values and per-row lengths in the ``cache`` collection:
-contiguous, or paged (``page_size``) and/or quantized (``cache_dtype`` int8 or
-float8_e4m3fn); :func:`release_cache` empties finished rows of a model's whole cache
-collection.
+:class:`MultiHeadDotProductAttention` is a superset of Flax's
+``linen.MultiHeadDotProductAttention``, and :class:`MultiHeadAttention` and
+:class:`SelfAttention` of Flax's classes of those names: their fields and call arguments,
+with Flax's defaults and meanings, their parameter tree (``query``, ``key``, ``value``,
+``out``, and ``query_ln``/``key_ln``) and their class names, so an unnamed submodule gets
+Flax's automatic name (``MultiHeadDotProductAttention_0``, ...), swapping the class changes
+nothing else and the parameters of one load into the other unchanged; on top, the options
+of :class:`jattn.nnx.MultiHeadAttention`. Decoding keeps Flax's ``cache`` collection
+(``cached_key``, ``cached_value``, ``cache_index``) and, as jattn's additions, caches with
+a length per row (``ragged_cache``), paged (``page_size``) and/or quantized
+(``cache_dtype`` int8 or float8_e4m3fn); :func:`release_cache` empties finished rows of a
+model's whole cache collection.
 
 :func:`attention_fn` plugs jattn into Flax's own module:
 ``nn.MultiHeadDotProductAttention(..., attention_fn=jattn.linen.attention_fn)``.
@@ -19,38 +22,54 @@ Shape legend as in :mod:`jattn.attention`; F is a feature size.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Mapping
 from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from flax.linen.attention import dot_product_attention as _flax_dot_product_attention
 
 from jattn import _flax_adapter, _flax_cache, _flax_call, _flax_config, positional
-from jattn import decode as _decode
 from jattn._options import Options
 
-__all__ = ["MultiHeadAttention", "release_cache", "attention_fn"]
+__all__ = [
+  "MultiHeadDotProductAttention",
+  "MultiHeadAttention",
+  "SelfAttention",
+  "release_cache",
+  "attention_fn",
+]
 
 default_kernel_init = nn.initializers.lecun_normal()
 
+_RAGGED_REMEDY = "make the module with ragged_cache=True (or a paged cache, page_size=...)"
 
-class MultiHeadAttention(nn.Module):
+
+class MultiHeadDotProductAttention(nn.Module):
   """Multi-head attention (self or cross) computed by :func:`jattn.dot_product_attention`.
 
   A superset of Flax's ``linen.MultiHeadDotProductAttention``: its fields, in its order,
   with its defaults and meanings (``normalize_qk`` True is Flax's LayerNorm, ``"rms"``
   RMSNorm; ``attention_fn`` None is jattn's attention, a function with Flax's contract
-  computes it instead; ``force_fp32_for_softmax`` and the einsum factories go to that
-  function, jattn's softmax being float32 always), then jattn's fields, which mean what
-  the arguments of :class:`jattn.nnx.MultiHeadAttention` mean. The parameters are Flax's,
-  and the input width is taken from the first call, as in Flax.
+  computes it instead; ``force_fp32_for_softmax`` makes the sown weights float32, as
+  Flax's, jattn's softmax being float32 always), then jattn's fields, which mean what the
+  arguments of :class:`jattn.nnx.MultiHeadAttention` mean. The parameters are Flax's, and
+  the input width is taken from the first call, as in Flax. Inputs are
+  [batch_sizes..., length, features], any number of batch dimensions or none; a mask is
+  an array broadcastable to [batch_sizes..., num_heads, q_length, kv_length] whose
+  non-zero entries attend (Flax's ``make_causal_mask`` and ``make_attention_mask`` give
+  float32 ones), or a :class:`jattn.masks.Mask`. What jattn's kernels do not take runs
+  Flax's own materialised ``dot_product_attention``: complex inputs, and the einsum
+  factories ``qk_attn_weights_einsum_cls`` / ``attn_weights_value_einsum_cls``.
 
-  Decoding: initialise with ``decode=True`` on an input of the full length
-  to allocate the cache (``max_length`` = that length), then apply with
-  ``mutable=["cache"]``; each ``decode=True`` call appends its tokens (one
-  or many, per-row ``num_new`` for ragged rows) and attends causally over the
-  cache. ``decode`` is a field, as in Flax, and a call argument that overrides it::
+  Decoding, as in Flax: initialise with ``decode=True`` on an input of the full length,
+  which allocates the ``cache`` collection (``max_length`` = the keys' length) and
+  attends as a call without ``decode`` does; then apply with ``mutable=["cache"]``: each
+  ``decode=True`` call appends its tokens (one, as in Flax, or many) and attends causally
+  over the cache. ``decode`` is a field, as in Flax, and a call argument that overrides
+  it::
 
       variables = model.init(rng, jnp.zeros((B, max_length, F)), decode=True)
       cache = variables["cache"]
@@ -58,16 +77,19 @@ class MultiHeadAttention(nn.Module):
                                prompt, decode=True, mutable=["cache"])
       cache = mutated["cache"]
 
-  The fields ``cache_dtype``, ``page_size`` and ``num_pages`` shape that cache as the
-  arguments of :meth:`jattn.nnx.MultiHeadAttention.init_cache` do (``cache_dtype``
-  None: the keys' dtype): ``page_size`` set gives a paged cache whose rows hold
-  ``max_length`` rounded up to whole pages, from a pool of ``num_pages`` pages
-  (default: enough for every row to fill); a ``mask`` sized to ``max_length`` fits it
-  as it fits a contiguous cache (the slots past it stay masked). Variables of the
-  collection, one per array of the :mod:`jattn.decode` cache: ``cached_key``,
-  ``cached_value`` (contiguous) or ``cached_key_pages``, ``cached_value_pages``,
-  ``page_table``, ``free_pages`` (paged); ``cache_lengths``; ``cached_key_scale``,
-  ``cached_value_scale`` (quantized).
+  The collection holds Flax's variables, ``cached_key`` and ``cached_value``
+  ([batch_sizes..., max_length, K, H]) and ``cache_index`` (the tokens every row holds),
+  step by step the values Flax's module holds. jattn's fields shape other caches:
+  ``ragged_cache`` keeps one length per row, ``cache_lengths`` (B,), in place of
+  ``cache_index``, for calls with ``num_new`` (right-padded prompts of different
+  lengths) and :func:`release_cache`; ``cache_dtype``, ``page_size`` and ``num_pages`` as
+  the arguments of :meth:`jattn.nnx.MultiHeadAttention.init_cache` (``cache_dtype`` None:
+  the keys' dtype): ``page_size`` set gives a paged cache (with a length per row) whose
+  rows hold ``max_length`` rounded up to whole pages, from a pool of ``num_pages`` pages
+  (default: enough for every row to fill), in ``cached_key_pages``,
+  ``cached_value_pages``, ``page_table``, ``free_pages`` and ``cache_lengths``; a
+  quantized cache adds ``cached_key_scale`` and ``cached_value_scale``. A ``mask`` sized
+  to ``max_length`` fits any of them (the slots past it stay masked).
   """
 
   num_heads: int
@@ -109,15 +131,31 @@ class MultiHeadAttention(nn.Module):
   cache_dtype: Any = None
   page_size: int | None = None
   num_pages: int | None = None
+  ragged_cache: bool = False
 
   def __post_init__(self) -> None:
     self._config(None)
     self._cache_options()
-    for name in ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls"):
-      if getattr(self, name) is not None and self.attention_fn is None:
+    einsums = ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls")
+    given = [name for name in einsums if getattr(self, name) is not None]
+    if len(given) == 1:
+      raise ValueError(
+        f"{given[0]} needs its partner: qk_attn_weights_einsum_cls and "
+        "attn_weights_value_einsum_cls are given together, as in Flax"
+      )
+    jattn_attention = dict(
+      implementation=self.implementation,
+      backward=self.backward,
+      block_q=self.block_q,
+      block_kv=self.block_kv,
+      options=self.options,
+      sinks=self.sinks or None,
+    )
+    for name, value in jattn_attention.items():
+      if given and self.attention_fn is None and value is not None:
         raise ValueError(
-          f"{name} applies to an attention_fn that takes einsum factories; jattn's "
-          "attention (attention_fn=None) takes none"
+          f"{name}={value!r} applies to jattn's attention, but the einsum factories "
+          f"({given[0]}) run Flax's materialised attention in its place"
         )
     super().__post_init__()
 
@@ -130,6 +168,8 @@ class MultiHeadAttention(nn.Module):
       num_pages=self.num_pages,
       implementation=options.implementation,
       block_kv=options.block_kv,
+      ragged_name="ragged_cache",
+      ragged=self.ragged_cache,
     )
 
   # The heads: always once in_features is known; before the first call, None unless
@@ -164,7 +204,7 @@ class MultiHeadAttention(nn.Module):
   ) -> jax.Array:
     """As :meth:`jattn.nnx.MultiHeadAttention.__call__`, with Flax Linen's arguments
     (``dropout_rng`` in place of ``rngs``); weights are sown into ``intermediates``."""
-    x = _flax_call.inputs(inputs_q, inputs_k, inputs_v, inputs_kv, None, None)
+    x = _flax_call.inputs(inputs_q, inputs_k, inputs_v, inputs_kv, None, None, linen=True)
     heads = self._config(inputs_q.shape[-1])
     settings = _flax_config.Settings.of(self)
     decode = _flax_config.resolve("decode", decode, self.decode)
@@ -185,6 +225,8 @@ class MultiHeadAttention(nn.Module):
     query = dense(features=(N, H), name="query")(x.q)
     key = dense(features=(K, H), name="key")(x.k)
     value = dense(features=(K, heads.value_head_dim), name="value")(x.v)
+    # After the projections, which raise Flax's errors for inputs of the wrong width.
+    _flax_call.check_inputs(x)
     norm = {
       "rms": nn.RMSNorm,
       "layernorm": functools.partial(nn.LayerNorm, use_bias=False),
@@ -194,47 +236,39 @@ class MultiHeadAttention(nn.Module):
       query = norm(dtype=self.dtype, param_dtype=self.param_dtype, name="query_ln")(query)
       key = norm(dtype=self.dtype, param_dtype=self.param_dtype, name="key_ln")(key)
 
-    cache: _decode.Cache | None = None
-    cache_vars: dict[str, Any] = {}  # the cache collection's variables, by cache field
+    held: _flax_cache.Held | None = None
+    cache_vars: dict[str, Any] = {}  # the cache collection's variables, by name
     if decode:
-      if inputs_q.ndim != 3:
-        raise ValueError(f"decode=True needs batched inputs (B, t, F), got {inputs_q.shape}")
-      if self.has_variable("cache", CACHE_NAMES["lengths"]):
+      if self.has_variable("cache", "cached_key") or self.has_variable("cache", "cached_key_pages"):
         cache_vars = {
-          field: self.variable("cache", name)
-          for field, name in CACHE_NAMES.items()
+          name: self.variable("cache", name)
+          for name in _flax_cache.VARIABLES
           if self.has_variable("cache", name)
         }
-        cache = _flax_cache.cache_from(lambda f: cache_vars[f].value if f in cache_vars else None)
-      else:
-        B, T = inputs_q.shape[:2]
-        empty = _flax_cache.init_cache(heads, B, T, key.dtype, self._cache_options())
-        cache_vars = {
-          field: self.variable("cache", CACHE_NAMES[field], lambda x=x: x)
-          for field, x in empty._asdict().items()
-          if x is not None
-        }
-    # The init pass (decode=True, no cache yet) allocates the cache and attends
-    # causally, like Flax; it checks what a non-decode call checks.
-    init_pass = decode and cache is None
-    if init_pass and x.kv_name is not None:
-      raise ValueError(
-        f"decode=True does not take {x.kv_name}: decoding is causal self-attention over the cache"
-      )
+        held = _flax_cache.held(lambda n: cache_vars[n].value if n in cache_vars else None)
+      elif not jnp.issubdtype(key.dtype, jnp.complexfloating):
+        # As Flax: the first decode=True call (init) allocates the cache for keys of this
+        # length and attends as a call without decode.
+        empty = _flax_cache.init_cache(
+          heads, key.shape[:-3], key.shape[-3], key.dtype, self._cache_options()
+        )
+        for name, a in empty.items():
+          self.variable("cache", name, lambda a=a: a)
+    decode_step = held is not None
     _flax_call.check_call(
       settings,
-      inputs_q=inputs_q,
-      kv_name=x.kv_name,
-      decode_=False if init_pass else decode,
-      cache=cache,
+      inputs=x,
+      decode_=decode_step,
+      cache=held,
       positions=positions,
       segment_ids=segment_ids,
-      num_new=None if init_pass else num_new,
+      num_new=num_new if decode_step else None,
       sow_weights=sow_weights,
+      remedy=_RAGGED_REMEDY,
     )
     name = _flax_cache.dtype_name
     _flax_cache.check_dtype(
-      cache,
+      None if held is None else held.cache,
       key.dtype,
       origin="",
       settings=f"dtype={name(self.dtype)}, param_dtype={name(self.param_dtype)}, "
@@ -253,40 +287,53 @@ class MultiHeadAttention(nn.Module):
       name[:-4]: getattr(self, name)() if getattr(self, name) else None
       for name in ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls")
     }
-    out, weights, new_cache = _flax_call.attend(
+    flax_kwargs: dict[str, Any] = dict(
+      dropout_rng=dropout_rng,
+      deterministic=deterministic,
+      dtype=self.dtype,
+      precision=self.precision,
+      force_fp32_for_softmax=self.force_fp32_for_softmax,
+      **einsums,
+      **(dict(module=self) if sow_weights else {}),
+    )
+    complex_ = jnp.issubdtype(query.dtype, jnp.complexfloating)
+    flax_attention = None
+    if settings.attention_fn is None and (complex_ or einsums["qk_attn_weights_einsum"]):
+      flax_attention = functools.partial(
+        _flax_dot_product_attention,
+        dropout_rate=settings.dropout_rate,
+        broadcast_dropout=settings.broadcast_dropout,
+        **flax_kwargs,
+      )
+    out, weights, new_vars = _flax_call.attend(
       query,
       key,
       value,
       settings,
-      is_causal=is_causal or init_pass,
+      is_causal=is_causal,
       positions=positions,
       mask=mask,
       segment_ids=segment_ids,
-      cache=cache,
+      cache=held,
       num_new=num_new,
       dropout_rng=None if deterministic else dropout_rng,
       sinks=sinks,
       sow_weights=bool(sow_weights),
       attention_fn=_flax_call.bind_attention_fn(  # Flax's call, as Linen's module makes it
         settings,
-        dropout_rng=dropout_rng,
-        deterministic=deterministic,
-        dtype=self.dtype,
-        precision=self.precision,
         only_taken=True,
-        force_fp32_for_softmax=self.force_fp32_for_softmax,
-        **einsums,
-        **(dict(module=self) if sow_weights else {}),
+        **flax_kwargs,
         **(dict(is_causal=True) if is_causal else {}),
       ),
+      flax_attention=flax_attention,
+      flax_why=f"{query.dtype} inputs" if complex_ else "the einsum factories",
+      fp32_weights=self.force_fp32_for_softmax,
     )
     if weights is not None:
       self.sow("intermediates", "attention_weights", weights)
-    if new_cache is not None:
-      assert cache_vars  # a new cache comes only from decode=True
-      for field, x in new_cache._asdict().items():
-        if x is not None:
-          cache_vars[field].value = x
+    if new_vars is not None:
+      for var_name, a in new_vars.items():
+        cache_vars[var_name].value = a
     return nn.DenseGeneral(
       features=heads.out_features,
       axis=(-2, -1),
@@ -302,45 +349,90 @@ class MultiHeadAttention(nn.Module):
     )(out)
 
 
-# The ``cache`` collection's variable for each field of a jattn.decode cache.
-CACHE_NAMES = {
-  "key": "cached_key",
-  "value": "cached_value",
-  "key_pages": "cached_key_pages",
-  "value_pages": "cached_value_pages",
-  "page_table": "page_table",
-  "lengths": "cache_lengths",
-  "free": "free_pages",
-  "key_scale": "cached_key_scale",
-  "value_scale": "cached_value_scale",
-}
-assert set(CACHE_NAMES) == set(_flax_cache.CACHE_FIELDS)
+class MultiHeadAttention(MultiHeadDotProductAttention):
+  """:class:`MultiHeadDotProductAttention` under the name of Flax's ``linen.MultiHeadAttention``,
+  its alias: the same module, whose unnamed instances are named ``MultiHeadAttention_0``,
+  ... (Flax's automatic names come from the class name, and so do checkpoints' paths and
+  the rngs made by name)."""
+
+
+class SelfAttention(MultiHeadDotProductAttention):
+  """Self-attention: :class:`MultiHeadDotProductAttention` called on ``inputs_q`` alone,
+  as Flax's ``linen.SelfAttention`` (deprecated there, and so here: each call warns as
+  Flax's does). Unnamed instances are named ``SelfAttention_0``, ..."""
+
+  @nn.compact
+  def __call__(  # type: ignore[override]
+    self,
+    inputs_q: jax.Array,
+    mask: Any = None,
+    deterministic: bool | None = None,
+    dropout_rng: jax.Array | None = None,
+    sow_weights: bool = False,
+    *,
+    decode: bool | None = None,
+    is_causal: bool | None = None,
+    segment_ids: Any = None,
+    positions: Any = None,
+    num_new: Any = None,
+  ) -> jax.Array:
+    """Flax's arguments, in Flax's order, then jattn's (keyword-only), as in
+    :meth:`MultiHeadDotProductAttention.__call__`."""
+    warnings.warn(
+      "SelfAttention will be deprecated soon. Use "
+      "`MultiHeadDotProductAttention.__call__(inputs_q)` instead (as Flax's SelfAttention "
+      "says).",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return super().__call__(
+      inputs_q,
+      mask=mask,
+      deterministic=deterministic,
+      dropout_rng=dropout_rng,
+      sow_weights=sow_weights,
+      decode=decode,
+      is_causal=is_causal,
+      segment_ids=segment_ids,
+      positions=positions,
+      num_new=num_new,
+    )
+
+
+# The variable of the ``cache`` collection holding each field of a jattn.decode cache.
+CACHE_NAMES = _flax_cache.NAMES
 
 
 def release_cache(cache: Mapping[str, Any], rows: jax.typing.ArrayLike) -> dict[str, Any]:
-  """A model's ``cache`` collection with rows emptied in every jattn attention cache.
+  """A model's ``cache`` collection with rows emptied in every attention cache.
 
   For continuous batching: the rows where ``rows`` (bool (B,)) is True restart at
   length 0, so the next ``decode=True`` apply writes a new request there (pass
   ``num_new`` with 0 for rows that should not advance), and in a paged cache their
   pages go back to the pool. Other rows are unchanged. ``cache`` is
-  ``variables["cache"]`` of the whole model, nested by submodule; each
-  :class:`MultiHeadAttention`'s cache in it is released with
-  :func:`jattn.decode.release`, anything else is returned as it is. Pure, and runs
-  under ``jax.jit``::
+  ``variables["cache"]`` of the whole model, nested by submodule; each attention cache
+  in it (the variables of a module made with ``ragged_cache=True`` or ``page_size``) is
+  released with :func:`jattn.decode.release`, anything else is returned as it is, and a
+  cache of Flax's layout, whose one ``cache_index`` counts the tokens of every row, raises
+  ValueError. Pure, and runs under ``jax.jit``::
 
       cache = jattn.linen.release_cache(cache, finished)
   """
   if not isinstance(cache, Mapping):
     raise TypeError(f"cache must be a cache collection (a mapping), got {type(cache).__name__}")
-  if CACHE_NAMES["lengths"] in cache:
-    names = {field: name for field, name in CACHE_NAMES.items() if name in cache}
-    held = _flax_cache.cache_from(lambda f: cache[names[f]] if f in names else None)
-    if held is not None:
-      released = _decode.release(held, rows)
-      return dict(cache) | {names[f]: x for f, x in released._asdict().items() if x is not None}
+  return _release(cache, rows, "")
+
+
+def _release(cache: Mapping[str, Any], rows: jax.typing.ArrayLike, path: str) -> dict[str, Any]:
+  found = None
+  if _flax_cache.NAMES["key"] in cache or _flax_cache.NAMES["key_pages"] in cache:
+    found = _flax_cache.held(cache.get)
+  if found is not None:
+    return dict(cache) | _flax_cache.release(
+      found, rows, f"the cache at {path or 'the top'!r}: {_RAGGED_REMEDY}"
+    )
   return {
-    name: release_cache(sub, rows) if isinstance(sub, Mapping) else sub
+    name: _release(sub, rows, f"{path}/{name}".lstrip("/")) if isinstance(sub, Mapping) else sub
     for name, sub in cache.items()
   }
 
@@ -349,4 +441,6 @@ def _sow(module: nn.Module, weights: jax.Array) -> None:
   module.sow("intermediates", "attention_weights", weights)
 
 
-attention_fn = _flax_adapter.make_attention_fn(_sow, "the 'intermediates' collection", __name__)
+attention_fn = _flax_adapter.make_attention_fn(
+  _sow, "the 'intermediates' collection", __name__, _flax_dot_product_attention, linen=True
+)

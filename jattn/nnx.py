@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
+from flax.nnx.nn.attention import dot_product_attention as _flax_dot_product_attention
 
 from jattn import _flax_adapter, _flax_cache, _flax_call, _flax_config, _nnx_cache, positional
 from jattn import decode as _decode
@@ -36,6 +37,8 @@ from jattn._options import Options
 __all__ = ["MultiHeadAttention", "attention_fn", "HopfieldLayer"]
 
 default_kernel_init = nnx.initializers.lecun_normal()
+
+_RAGGED_REMEDY = "call init_cache(..., ragged=True) (or page_size=...)"
 
 
 class MultiHeadAttention(nnx.Module):
@@ -211,17 +214,18 @@ class MultiHeadAttention(nnx.Module):
       rngs=rngs,
     )
     self.rngs = rngs.dropout.fork() if keep_rngs and dropout_rate > 0 else None
-    _nnx_cache.store(self, None)  # cache_key, cache_lengths, ...: None until init_cache
+    _nnx_cache.store(self, {})  # cached_key, cached_value, cache_index, ...: None until init_cache
 
   def init_cache(
     self,
     input_shape: Any = None,
     dtype: Any = None,
     *,
-    batch_size: int | None = None,
+    batch_size: int | tuple[int, ...] | None = None,
     max_length: int | None = None,
     page_size: int | None = None,
     num_pages: int | None = None,
+    ragged: bool = False,
   ) -> None:
     """Allocate an empty KV cache of ``max_length`` tokens per row for ``decode=True`` calls.
 
@@ -229,13 +233,15 @@ class MultiHeadAttention(nnx.Module):
     max_length=L)`` (also ``init_cache(B, L)``). Calling it again starts a new, empty cache.
 
     Args:
-      input_shape: (B, max_length, F), e.g. a full-length input's shape: B rows
-        decoded together, each holding at most max_length tokens.
+      input_shape: (batch..., max_length, F), e.g. a full-length input's shape: the rows
+        (any number of batch dimensions, or none) decoded together, each holding at most
+        max_length tokens.
       dtype: the stored keys' and values' dtype (default: the module's dtype, or
         float32); ``jnp.int8`` or ``jnp.float8_e4m3fn`` quantizes them on write, with
         a float32 scale per token and head (inference only: no gradients reach the
         cache), and the module may compute in any floating dtype.
-      batch_size, max_length: B and max_length, in place of ``input_shape``.
+      batch_size, max_length: the batch dimensions (an int or a tuple) and max_length,
+        in place of ``input_shape``.
       page_size: None for a contiguous cache (:func:`jattn.decode.init`), or the slots
         per page of a paged one (:func:`jattn.decode.init_paged`): each row gets
         ``ceil(max_length / page_size)`` pages, taken from a shared pool as it grows. A
@@ -243,14 +249,22 @@ class MultiHeadAttention(nnx.Module):
       num_pages: the pool's size, with ``page_size`` (default: enough for every row to
         fill); a smaller pool is the point of paging when rows finish at different
         lengths: see :meth:`release_cache`.
+      ragged: keep one length per row, for calls with ``num_new`` (right-padded prompts
+        of different lengths) and :meth:`release_cache`; a paged cache always does. It
+        takes exactly one batch dimension.
 
-    A paged or quantized cache is read by blockwise attention alone, so the module's
-    ``implementation`` must be None or ``"blockwise"`` (and ``block_kv`` a multiple of
-    ``page_size``). The cache's arrays are ``nnx.Cache`` variables named after its
-    fields (``cache_key``, ``cache_lengths``, ``cache_page_table``, ...); :attr:`cache`
-    gives them back as one cache.
+    The cache's arrays are ``nnx.Cache`` attributes. A contiguous cache has Flax's:
+    ``cached_key`` and ``cached_value`` ([batch..., max_length, K, H]) and
+    ``cache_index`` (how many tokens every row holds), which step by step hold what Flax's
+    module's hold; a ragged one ``cache_lengths`` (B,) in place of ``cache_index``; a
+    paged one ``cached_key_pages``, ``cached_value_pages``, ``page_table``,
+    ``free_pages`` and ``cache_lengths``; a quantized one adds ``cached_key_scale`` and
+    ``cached_value_scale``. :attr:`cache` gives them back as one :mod:`jattn.decode`
+    cache. A paged or quantized cache is read by blockwise attention alone, so the
+    module's ``implementation`` must be None or ``"blockwise"`` (and ``block_kv`` a
+    multiple of ``page_size``).
     """
-    batch_size, max_length, dtype = _flax_cache.size(input_shape, dtype, batch_size, max_length)
+    batch_dims, max_length, dtype = _flax_cache.size(input_shape, dtype, batch_size, max_length)
     options = _flax_cache.check_cache_options(
       dtype_name="dtype",
       dtype=dtype,
@@ -258,10 +272,11 @@ class MultiHeadAttention(nnx.Module):
       num_pages=num_pages,
       implementation=self.implementation,
       block_kv=self.block_kv,
+      ragged=ragged,
     )
     default = jnp.float32 if self.query.dtype is None else self.query.dtype
     _nnx_cache.store(
-      self, _flax_cache.init_cache(self.heads, batch_size, max_length, default, options)
+      self, _flax_cache.init_cache(self.heads, batch_dims, max_length, default, options)
     )
 
   def set_view(
@@ -278,15 +293,15 @@ class MultiHeadAttention(nnx.Module):
     if decode is not None:
       self.decode = decode
     if decode and self.cache is None and (batch_size, max_length) != (None, None):
-      if isinstance(batch_size, tuple) and len(batch_size) == 1:
-        batch_size = batch_size[0]
       self.init_cache(batch_size=batch_size, max_length=max_length)
 
   @property
   def cache(self) -> _decode.Cache | None:
     """The KV cache, a :class:`jattn.decode.KVCache` or :class:`jattn.decode.PagedKVCache`,
-    or None before :meth:`init_cache`."""
-    return _nnx_cache.held(self)
+    or None before :meth:`init_cache`: its rows are the cache variables' batch dimensions,
+    flattened, and each row's length is ``cache_index`` (Flax's cache) or its own."""
+    held = _nnx_cache.held(self)
+    return None if held is None else held.cache
 
   def release_cache(self, rows: jax.typing.ArrayLike) -> None:
     """Empty the cache rows where ``rows`` (bool (B,)) is True, for continuous batching.
@@ -296,7 +311,7 @@ class MultiHeadAttention(nnx.Module):
     paged cache, its pages go back to the pool. Other rows are unchanged. Works under
     ``nnx.jit``; see :func:`jattn.decode.release`.
     """
-    _nnx_cache.write(self, _flax_cache.release(self.cache, rows))
+    _nnx_cache.write(self, _flax_cache.release(_nnx_cache.held(self), rows, _RAGGED_REMEDY))
 
   def __call__(
     self,
@@ -323,11 +338,12 @@ class MultiHeadAttention(nnx.Module):
     Flax's arguments with Flax's meanings, then jattn's.
 
     Args:
-      inputs_q: (B, T, F) or (T, F).
-      inputs_k, inputs_v: (B, S, F_kv) or (S, F_kv) for cross-attention; ``inputs_v``
+      inputs_q: (batch..., T, F): any number of batch dimensions (B below), or none.
+      inputs_k, inputs_v: (batch..., S, F_kv) for cross-attention; ``inputs_v``
         defaults to ``inputs_k``, and ``inputs_kv`` gives both.
-      mask: boolean array broadcastable to (B, N, T, S) or a
-        :class:`jattn.masks.Mask`, combined with ``is_causal``.
+      mask: an array broadcastable to (batch..., N, T, S) whose non-zero entries attend
+        (Flax's reading: ``nnx.make_causal_mask`` gives float32 ones), or a
+        :class:`jattn.masks.Mask`; combined with ``is_causal``.
       deterministic: True turns dropout off (default: the constructor's).
       rngs: dropout rng (default: the stream forked at construction).
       sow_weights: store the attention weights (B, N, T, S) as ``nnx.Intermediate``
@@ -355,23 +371,28 @@ class MultiHeadAttention(nnx.Module):
     x = _flax_call.inputs(
       inputs_q, inputs_k, inputs_v, inputs_kv, self.in_features, self.in_kv_features
     )
-    batch = "B, " if inputs_q.ndim == 3 else ""
+    batch = (
+      "".join(f"B{i}, " for i in range(inputs_q.ndim - 2))
+      if inputs_q.ndim > 3
+      else ("B, " if inputs_q.ndim == 3 else "")
+    )
     _flax_call.check_sharding("qkv_sharding", qkv_sharding, f"({batch}T, N, H)")
     _flax_call.check_sharding("out_sharding", out_sharding, f"({batch}T, F)")
     decode = _flax_config.resolve("decode", decode, self.decode)
     is_causal = _flax_config.resolve("is_causal", is_causal, self.is_causal)
     positions = _flax_call.rope_positions(positions, input_positions, self.attention_fn)
-    cache = self.cache if decode else None
+    _flax_call.check_inputs(x)
+    held = _nnx_cache.held(self) if decode else None
     _flax_call.check_call(
       settings,
-      inputs_q=inputs_q,
-      kv_name=x.kv_name,
+      inputs=x,
       decode_=decode,
-      cache=cache,
+      cache=held,
       positions=positions,
       segment_ids=segment_ids,
       num_new=num_new,
       sow_weights=sow_weights,
+      remedy=_RAGGED_REMEDY,
     )
     deterministic = _flax_call.resolve_deterministic(
       self.dropout_rate, deterministic, self.deterministic
@@ -394,7 +415,7 @@ class MultiHeadAttention(nnx.Module):
       query, key = self.query_ln(query), self.key_ln(key)
     name = _flax_cache.dtype_name
     _flax_cache.check_dtype(
-      cache,
+      None if held is None else held.cache,
       key.dtype,
       origin=" (init_cache's dtype)",
       settings=f"module dtype={name(self.query.dtype)}, "
@@ -402,6 +423,19 @@ class MultiHeadAttention(nnx.Module):
       remedy="call init_cache(input_shape, dtype={dtype})",
     )
     extra = {} if input_positions is None else dict(input_positions=input_positions)
+    flax_attention = None
+    complex_ = jnp.issubdtype(query.dtype, jnp.complexfloating)
+    if complex_ and self.attention_fn is None:
+      flax_attention = functools.partial(
+        _flax_dot_product_attention,
+        dropout_rng=dropout_rng,
+        dropout_rate=self.dropout_rate,
+        broadcast_dropout=self.broadcast_dropout,
+        deterministic=deterministic,
+        dtype=self.dtype,
+        precision=self.precision,
+        module=self if sow_weights else None,
+      )
     out, weights, new_cache = _flax_call.attend(
       query,
       key,
@@ -411,7 +445,7 @@ class MultiHeadAttention(nnx.Module):
       positions=positions,
       mask=mask,
       segment_ids=segment_ids,
-      cache=cache,
+      cache=held,
       num_new=num_new,
       dropout_rng=dropout_rng,
       sinks=None if self.sinks is None else self.sinks[...],
@@ -426,11 +460,13 @@ class MultiHeadAttention(nnx.Module):
         is_causal=is_causal,
         **extra,
       ),
+      flax_attention=flax_attention,
+      flax_why=f"{query.dtype} inputs",
     )
     if weights is not None:
       self.sow(nnx.Intermediate, "attention_weights", weights)
     if new_cache is not None:
-      _nnx_cache.write(self, new_cache)
+      _nnx_cache.write(self, new_cache)  # the cache's new variables
     return self.out(out, out_sharding=out_sharding)
 
 
@@ -438,4 +474,6 @@ def _sow(module: nnx.Module, weights: jax.Array) -> None:
   module.sow(nnx.Intermediate, "attention_weights", weights)
 
 
-attention_fn = _flax_adapter.make_attention_fn(_sow, "nnx.Intermediate", __name__)
+attention_fn = _flax_adapter.make_attention_fn(
+  _sow, "nnx.Intermediate", __name__, _flax_dot_product_attention, linen=False
+)
