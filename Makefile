@@ -3,7 +3,7 @@
 .PHONY: demo test test-exhaustive docs ci
 
 demo:
-	python3 -m venv .venv && .venv/bin/pip install -e ".[viz]" && .venv/bin/python -m experiments.train --config configs/compare_backward.yaml
+	python3 -m venv .venv && .venv/bin/pip install -e ".[experiments]" && .venv/bin/python -m experiments.train --config configs/compare_backward.yaml
 
 test:
 	python3 -m venv .venv && .venv/bin/pip install -e ".[dev]" && .venv/bin/python -m pytest

@@ -55,6 +55,35 @@ def test_no_test_file_imports_another():
   assert set("tests.test_xla.SCORE_FNS".split(".")[:2]) & stems  # what it would catch
 
 
+# What jattn may import: its runtime dependencies (pyproject's [project] dependencies) and the
+# standard library; matplotlib only inside jattn.viz's functions (the viz extra).
+RUNTIME = {"jax", "jaxlib", "chex", "numpy", "flax", "jattn"}
+
+
+def test_the_library_imports_only_its_runtime_dependencies():
+  import sys
+
+  found = {}
+  for path in LIBRARY:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top = {n for n in ast.iter_child_nodes(tree) if isinstance(n, ast.Import | ast.ImportFrom)}
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        roots = {a.name.split(".")[0] for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and not node.level:
+        roots = {(node.module or "").split(".")[0]}
+      else:
+        continue
+      lazy_plot = path.name == "viz.py" and node not in top and roots == {"matplotlib"}
+      outside = roots - RUNTIME - set(sys.stdlib_module_names) - {"__future__"}
+      if outside and not lazy_plot:
+        found[str(path.relative_to(ROOT))] = sorted(outside)
+  assert not found, f"not runtime dependencies of jattn: {found}"
+  pyproject = (ROOT / "pyproject.toml").read_text()
+  runtime = pyproject.split("dependencies = [", 1)[1].split("]", 1)[0]
+  assert not {"optax", "pyyaml", "rich"} & set(re.findall(r'"([a-z]+)', runtime))
+
+
 def _documented_modules() -> list[str]:
   pages = (ROOT / "docs" / "api").glob("*.md")
   found = {m for page in pages for m in re.findall(r"automodule:: (jattn[\w.]*)", page.read_text())}
