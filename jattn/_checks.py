@@ -281,7 +281,28 @@ def tile_sizes(
       f"block_q and block_kv apply only to implementation={names}, got "
       f"implementation={implementation!r}"
     )
+  # The fused kernels' own tile rules, checked when the sizes are given (an Options is made),
+  # not first at the call; blockwise takes any size.
+  reason = None
+  if implementation == "flex":
+    reason = flex_tiles_reason(*blocks)
+  elif implementation == "splash":
+    from jattn.impl import splash
+
+    # A size not given takes splash's default, a multiple of its lanes.
+    reason = splash.blocks_reason(*(splash.LANES if b is None else b for b in blocks))
+  if reason is not None:
+    raise ValueError(f"implementation={implementation!r} does not support {reason}")
   return blocks
+
+
+def flex_tiles_reason(block_q: int | None, block_kv: int | None) -> str | None:
+  """Why flex cannot take these tile sizes (Triton's blocks: powers of two, at least 16), or
+  None; a size not given takes flex's default."""
+  for name, block in (("block_q", block_q), ("block_kv", block_kv)):
+    if block is not None and (block < 16 or block & (block - 1)):
+      return f"{name}={block} (flex's tiles are powers of two, at least 16)"
+  return None
 
 
 def dropout_rate(rate: Any) -> float:

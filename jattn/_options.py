@@ -24,10 +24,12 @@ class Options:
   """How attention runs; every field None takes the default.
 
   Args:
-    implementation: ``"xla"``, ``"blockwise"``, ``"splash"``, ``"cudnn"`` or None (the
-      selection table chooses; see :func:`jattn.explain`).
+    implementation: ``"xla"``, ``"blockwise"``, ``"splash"``, ``"cudnn"``, ``"flex"`` or None
+      (the selection table chooses; see :func:`jattn.explain`).
     backward: ``"autodiff"``, ``"custom_vjp"`` or None (the implementation's default).
-    block_q, block_kv: tile sizes of the tiled implementations (blockwise, splash).
+    block_q, block_kv: tile sizes of the tiled implementations: blockwise takes any,
+      flex powers of two from 16, splash multiples of 128; sizes the named
+      implementation cannot take raise ValueError here, naming them.
 
   Example::
 

@@ -93,6 +93,46 @@ def test_bad_options_raise_naming_the_field(make, error, match):
     make()
 
 
+# Tile sizes a fused kernel cannot take raise when the Options is made, naming the size and the
+# kernel's rule (flex: Triton's blocks, powers of two from 16; splash: multiples of the TPU's 128
+# lanes), as they would at the call; a size not given takes the kernel's default.
+BAD_TILES = [
+  ("flex", dict(block_q=24), r"block_q=24 \(flex's tiles are powers of two, at least 16\)"),
+  ("flex", dict(block_q=8), r"block_q=8 \(flex's tiles are powers of two, at least 16\)"),
+  ("flex", dict(block_q=32, block_kv=48), r"block_kv=48 \(flex's tiles are powers of two"),
+  ("splash", dict(block_q=64), r"block_q=64 not a multiple of 128"),
+  ("splash", dict(block_kv=200), r"block_kv=200 not a multiple of 128"),
+  ("splash", dict(block_q=64, block_kv=100), r"block_q=64 and block_kv=100 not a multiple of 128"),
+]
+
+
+@pytest.mark.parametrize(
+  "implementation, blocks, match", BAD_TILES, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD_TILES)]
+)
+def test_tile_sizes_a_kernel_cannot_take_raise_when_options_are_made(implementation, blocks, match):
+  message = f"^implementation={implementation!r} does not support {match}"
+  with pytest.raises(ValueError, match=message):
+    jattn.Options(implementation=implementation, **blocks)
+  with pytest.raises(ValueError, match=message):  # the keywords make an Options too
+    jattn.explain(*_qkv(), implementation=implementation, backend="gpu", **blocks)
+
+
+@pytest.mark.parametrize(
+  "implementation, blocks",
+  [
+    ("flex", dict(block_q=16, block_kv=1024)),
+    ("flex", dict(block_kv=64)),
+    ("splash", dict(block_q=128, block_kv=512)),
+    ("splash", dict(block_q=256)),
+    ("blockwise", dict(block_q=24, block_kv=7)),
+    (None, dict(block_q=24)),  # routing decides; blockwise takes it where a kernel cannot
+  ],
+)
+def test_tile_sizes_a_kernel_takes_make_options(implementation, blocks):
+  options = jattn.Options(implementation=implementation, **blocks)
+  assert (options.block_q, options.block_kv) == (blocks.get("block_q"), blocks.get("block_kv"))
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_decode_attention_takes_options(paged):
   q, k, v = _qkv(T=4)

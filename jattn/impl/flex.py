@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jattn import _checks, testing
 from jattn import dropout as _dropout
-from jattn import testing
 from jattn.impl import _base, _flex_backward, _flex_lowers, _sharded
 from jattn.impl import _flex_kernels as _kernels
 
@@ -120,9 +120,8 @@ def _first_gpu_kind() -> str:
 
 def _check(call: _base.Call) -> str | None:
   s = call.spec
-  for name, block in (("block_q", s.block_q), ("block_kv", s.block_kv)):
-    if block is not None and (block < 16 or block & (block - 1)):
-      return f"{name}={block} (flex's tiles are powers of two, at least 16)"
+  if reason := _checks.flex_tiles_reason(s.block_q, s.block_kv):
+    return reason
   # The mask and score function as the kernels would see them: what Triton cannot lower
   # (a gather from registers, an array read whole) is refused here, not in lowering.
   bq, bk = _blocks(s, s.T, s.S, call.dtype)
