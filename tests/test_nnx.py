@@ -473,14 +473,15 @@ def test_unknown_rope_scaling_is_rejected_at_construction():
 
 
 CALL_ERRORS = [
-  (dict(inputs_q=np.zeros((2, 3, 4, F), np.float32)), ValueError, r"\(B, T, F\) or \(T, F\)"),
+  (dict(inputs_q=np.zeros((F,), np.float32)), ValueError, r"\(batch\.\.\., length, features\)"),
   (dict(inputs_q=np.zeros((2, 3, F + 1), np.float32)), ValueError, "16 features"),
-  (dict(inputs_kv=np.zeros((3, 3, F), np.float32)), ValueError, "same batch size"),
+  (dict(inputs_kv=np.zeros((3, 3, F), np.float32)), ValueError, "same batch dimensions"),
   (dict(num_new=np.array([1, 1])), ValueError, "num_new applies only with decode=True"),
   (
-    dict(decode=True, inputs_kv=np.zeros((2, 3, F), np.float32)),
+    dict(decode=True, inputs_kv=np.zeros((2, 4, F), np.float32)),
     ValueError,
-    "decode=True does not take inputs_kv",
+    r"decode=True writes inputs_kv's tokens to the cache beside inputs_q's: they must have the "
+    r"same length, got \(2, 4, 16\) and inputs_q \(2, 3, 16\)",
   ),
   (dict(positions=np.arange(3)), ValueError, "positions are used only by rope"),
   (dict(sow_weights=1), TypeError, "sow_weights must be a bool"),
@@ -491,16 +492,32 @@ CALL_ERRORS = [
     ValueError,
     "give inputs_kv .* or inputs_k and inputs_v, not both",
   ),
-  (dict(inputs_v=np.zeros((2, 4, F), np.float32)), ValueError, "inputs_v needs inputs_k"),
+  (
+    dict(inputs_v=np.zeros((2, 4, F), np.float32)),
+    ValueError,
+    "`inputs_k` cannot be None if `inputs_v` is not None",
+  ),
   (
     dict(inputs_k=np.zeros((2, 4, F), np.float32), inputs_v=np.zeros((2, 5, F), np.float32)),
     ValueError,
     r"inputs_k and inputs_v must have the same length, got \(2, 4, 16\) and \(2, 5, 16\)",
   ),
   (
-    dict(decode=True, inputs_k=np.zeros((2, 3, F), np.float32)),
+    dict(decode=True, inputs_k=np.zeros((2, 5, F), np.float32)),
     ValueError,
-    "decode=True does not take inputs_k",
+    "decode=True writes inputs_k's tokens to the cache beside inputs_q's",
+  ),
+  (
+    dict(decode=True, inputs_q=np.zeros((3, 1, F), np.float32)),
+    ValueError,
+    r"inputs_q has batch dimensions \(3,\) \(shape \(3, 1, 16\)\) but the cache was made for "
+    r"\(2,\)",
+  ),
+  (
+    dict(decode=True, num_new=np.array([1, 1])),
+    ValueError,
+    r"num_new needs a cache with one length per row, but this one keeps Flax's one "
+    r"cache_index for all rows: call init_cache\(\.\.\., ragged=True\)",
   ),
   (
     dict(positions=np.arange(3), input_positions=np.arange(3)),

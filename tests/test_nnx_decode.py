@@ -43,7 +43,7 @@ def test_ragged_prefill_then_decode_under_nnx_jit():
   m = _decoder(2, implementation="blockwise", block_q=2, block_kv=4)
   x = sample()
   lengths = np.array([4, 2])  # prompts, right-padded to 4
-  m.init_cache(B, 8)
+  m.init_cache(B, 8, ragged=True)  # a length per row: cache_lengths, not cache_index
   prompt = m(x[:, :4], decode=True, num_new=jnp.asarray(lengths))
   step = nnx.jit(lambda m, tok: m(tok, decode=True))
   # Feed each row its own next tokens: row 0 continues at 4, row 1 at 2.
@@ -92,7 +92,7 @@ def test_paged_cache_decodes_like_contiguous_and_full_causal():
   m = _decoder(2)  # GQA, RoPE
   x = sample()
   full = m(x)
-  m.init_cache(B, 7)
+  m.init_cache(B, 7, ragged=True)
   contiguous = _decode_steps(m, x)
   m.init_cache(B, 7, **PAGED)
   cache = m.cache
@@ -147,11 +147,10 @@ def _int8_roundtrip(a):
 def test_int8_cache_is_close_to_the_float_cache():
   m = _decoder(2)
   x = sample()
-  m.init_cache(B, 7)
+  m.init_cache(B, 7, ragged=True)
   exact = _decode_steps(m, x)
-  m.init_cache(
-    batch_size=B, max_length=7, dtype=jnp.int8
-  )  # the module computes in float32, the cache holds int8
+  # the module computes in float32, the cache holds int8
+  m.init_cache(batch_size=B, max_length=7, dtype=jnp.int8, ragged=True)
   assert m.cache.key.dtype == jnp.int8 and m.cache.key_scale.shape == (B, 7, 2)
   got = _decode_steps(m, x)
   # Against the module's math on int8-rounded keys and values: equal up to float32 rounding.
@@ -168,7 +167,7 @@ def test_int8_cache_is_close_to_the_float_cache():
 def test_released_rows_restart_like_a_fresh_cache(paged):
   m = _decoder(2)
   x, z = sample(), sample(seed=5)  # row 0 serves x[0], then a new request z[0]; row 1 serves x[1]
-  kw = PAGED if paged else {}
+  kw = PAGED if paged else dict(ragged=True)
   m.init_cache(B, 7, **kw)
   _decode_steps(m, x, (4, 1))
   if paged:  # 3 pages a row hold 6 tokens: the pool has none for a 7th
@@ -208,16 +207,20 @@ def test_init_cache_takes_flaxs_input_shape_or_jattns_sizes():
 
 
 INIT_CACHE_FORM_ERRORS = [
-  ((), {}, TypeError, r"init_cache needs input_shape \(batch, max_length, features\), or"),
+  ((), {}, TypeError, r"init_cache needs input_shape \(batch\.\.\., max_length, features\), or"),
   (
-    ((B, 8),),
+    ((8,),),
     {},
     ValueError,
-    r"input_shape must be \(batch, max_length, features\), as in Flax's init_cache, got \(2, 8\)",
+    r"input_shape must be \(batch\.\.\., max_length, features\) of positive ints, as in "
+    r"Flax's init_cache, got \(8,\)",
   ),
-  ((B,), {}, ValueError, r"input_shape must be \(batch, max_length, features\).*got 2"),
+  (((B, 0, F),), {}, ValueError, r"input_shape must be .* of positive ints.*got \(2, 0, 16\)"),
+  ((B,), {}, ValueError, r"input_shape must be \(batch\.\.\., max_length, features\).*got 2"),
   (((B, 8, F),), dict(max_length=4), TypeError, "input_shape or batch_size= and max_length="),
   ((), dict(batch_size=B), TypeError, "init_cache needs input_shape"),
+  (((2, B, 8, F),), dict(ragged=True), ValueError, "a ragged cache .* exactly one batch dim"),
+  (((8, F),), dict(page_size=2), ValueError, "a paged cache .* exactly one batch dimension"),
 ]
 
 
@@ -274,3 +277,10 @@ def test_release_cache_errors():
   m.init_cache(2, 8, page_size=4)
   with pytest.raises(ValueError, match=r"rows must be a boolean array of shape \(B,\)=\(2,\)"):
     m.release_cache(jnp.asarray([1, 0]))
+  m.init_cache((2, 8, F))  # Flax's cache: one cache_index for both rows
+  with pytest.raises(
+    ValueError,
+    match=r"releasing rows needs a cache with one length per row, but this one keeps Flax's "
+    r"one cache_index for all rows: call init_cache\(\.\.\., ragged=True\)",
+  ):
+    m.release_cache(jnp.asarray([True, False]))
