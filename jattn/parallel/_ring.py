@@ -5,7 +5,6 @@ argument); :func:`call` runs it under ``jax.shard_map``. On each device the forw
 attends its query shard to the key/value shard it holds, merges the partial result by the
 online-softmax rule and passes the shard on (``ppermute``); the backward pass rings the
 key/value shards with their gradient accumulators (see :mod:`jattn.parallel`).
-:func:`shard_positions` maps a shard's rows to their natural positions in a layout.
 """
 
 from __future__ import annotations
@@ -17,10 +16,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jax.typing import ArrayLike
 
-from jattn import _ring_splash, masks, scores
+from jattn import masks, scores
 from jattn.impl import _common, _orders, blockwise
+from jattn.parallel import _splash_pairs
+from jattn.parallel.layouts import shard_positions
 
 Tree = TypeVar("Tree")
 
@@ -43,22 +43,6 @@ _Residuals = tuple[
 ]
 
 
-def shard_positions(layout: str, length: int, num_shards: int, shard: ArrayLike) -> jax.Array:
-  """Natural positions (int32, shape (length // num_shards,)) of shard ``shard``'s rows.
-
-  ``shard`` may be traced (``jax.lax.axis_index``).
-  """
-  size = length // num_shards
-  r = jnp.arange(size, dtype=jnp.int32)
-  shard = jnp.asarray(shard, jnp.int32)
-  if layout == "contiguous":
-    return shard * size + r
-  if layout == "striped":
-    return r * num_shards + shard
-  half = size // 2  # zigzag: chunks `shard` and 2P - 1 - shard of 2P
-  return jnp.where(r < half, shard * half + r, (2 * num_shards - 1 - shard) * half + r - half)
-
-
 class Ring(NamedTuple):
   """Static settings of one ring: hashable, the custom_vjp's non-differentiable argument."""
 
@@ -73,7 +57,7 @@ class Ring(NamedTuple):
   block_kv: int
   batch_axis: Any  # mesh axes the batch is sharded over (None: not sharded)
   head_axis: Any
-  pairs: Any = None  # _ring_splash.Pairs: each shard pair through splash (None: blockwise)
+  pairs: Any = None  # _splash_pairs.Pairs: each shard pair through splash (None: blockwise)
 
 
 @functools.partial(jax.jit, static_argnames=("ring", "mesh"))
@@ -193,7 +177,7 @@ def _pair_plan(
 
 
 def _pair_settings(ring: Ring, step: jax.Array | int) -> dict[str, Any]:
-  """What :mod:`jattn._ring_splash` needs of ring step ``step`` on this device."""
+  """What :mod:`jattn.parallel._splash_pairs` needs of ring step ``step`` on this device."""
   here = jax.lax.axis_index(ring.axis_name)
   return dict(
     pairs=ring.pairs,
@@ -250,8 +234,8 @@ def _forward(
   def attend(step: jax.Array | int, kv: Shard) -> Partial:
     k, v, ids = kv
     if ring.pairs is not None:
-      pair = _ring_splash.attend(query, k, v, q_ids, ids, **_pair_settings(ring, step))
-      return _ring_splash.as_partial(*pair)
+      pair = _splash_pairs.attend(query, k, v, q_ids, ids, **_pair_settings(ring, step))
+      return _splash_pairs.as_partial(*pair)
     plan = _pair_plan(ring, query, k, q_ids, ids, mask, _source(ring, step))
     return blockwise.forward(plan, query, k, v)
 
@@ -280,7 +264,7 @@ def _backward(
     k, v, ids = kv
     if ring.pairs is not None:
       settings = _pair_settings(ring, step)
-      return _ring_splash.grads(query, k, v, q_ids, ids, out, lse, d_out, d_lse, **settings)
+      return _splash_pairs.grads(query, k, v, q_ids, ids, out, lse, d_out, d_lse, **settings)
     plan = _pair_plan(ring, query, k, q_ids, ids, mask, _source(ring, step))
     d_q, d_k, d_v, _ = blockwise.backward(plan, query, k, v, out, m, l, d_out, d_lse)
     return d_q, d_k, d_v

@@ -1,45 +1,13 @@
-"""Sequence-parallel (ring) attention over a ``jax.sharding.Mesh``.
-
-When one device cannot hold a sequence's activations, shard the sequence
-axis over several devices. :func:`ring_attention` keeps each device's query
-shard in place and passes the key/value shards around a ring of devices with
-``jax.lax.ppermute``; every device merges the partial results with the
-online-softmax rule, so no device ever holds more than two key/value shards::
-
-    step s, device i:  (o, m, l) ← blockwise attention of Q_i against K_{i-s}, V_{i-s}
-                       m' = max(m_acc, m),  w_acc = l_acc·e^{m_acc−m'},  w = l·e^{m−m'}
-                       l' = w_acc + w,  out ← (out·w_acc + o·w) / l'
-
-(m and l are each row's max and sum, kept apart rather than as the log-sum-exp
-m + log l, which loses log l when ``|m|`` is huge; see jattn.impl.blockwise.)
-
-The backward pass rings too: each key/value shard travels with float32
-accumulators of its own dK and dV, every device adds its queries'
-contribution, and one last hop returns them to their owner. Per-device
-memory for a training step is O(B·T·N·H / P) on P devices.
-
-Everything runs on JAX's SPMD machinery (``jax.shard_map`` and collective
-permutes), so the same code runs on several GPUs or TPUs, and on many hosts
-after ``jax.distributed.initialize()``.
-
-Causal load balance: with a contiguous split, device i's queries see i + 1
-of the P key/value shards, so under causal masking the last device does
-about twice the average work and every ring step waits for it. The
-``"zigzag"`` layout gives device i sequence chunks i and 2P − 1 − i (of 2P),
-``"striped"`` gives it positions i, i + P, i + 2P, ...; both leave every
-device the same causal work. Bring inputs into a layout with :func:`permute`
-and outputs back with :func:`unpermute`; masks are always written in the
-sequence's natural positions.
-
-Shape legend as in :mod:`jattn.attention`; P is the number of devices on the
-ring axis.
+"""The public entry of sequence-parallel attention: :func:`ring_attention`, its checks, and
+the choice of each shard pair's kernel (blockwise loops, or splash on a TPU) through the
+selection table, as the one-device call chooses.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, overload
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,112 +16,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
-from jattn import _checks, _masking, _ring, _ring_splash, _spec, masks, testing
+from jattn import _masking, _spec, masks, testing
 from jattn._options import Options
 from jattn.impl import _common, _select, splash
+from jattn.parallel import _ring, _splash_pairs
+from jattn.parallel.layouts import _check_divisible, _check_layout, shard_positions
 
-__all__ = [
-  "positions",
-  "permute",
-  "unpermute",
-  "ring_attention",
-]
-
-LAYOUTS = ("contiguous", "zigzag", "striped")
-
-
-# --- layouts ------------------------------------------------------------------
-
-
-def _check_layout(layout: Any) -> str:
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
-  return layout
-
-
-def positions(layout: str, length: int, num_shards: int) -> np.ndarray:
-  """For a sequence laid out in ``layout`` over ``num_shards`` shards: the natural
-  position of each entry, int32 of shape (length,).
-
-  ``x_laid_out = x[positions]`` along the sequence axis, which is what
-  :func:`permute` does. The ``"contiguous"`` layout is the identity.
-
-  Example::
-
-      >>> positions("zigzag", 8, 2).tolist()  # shard 0: chunks 0 and 3; shard 1: 1 and 2
-      [0, 1, 6, 7, 2, 3, 4, 5]
-      >>> positions("striped", 8, 2).tolist()
-      [0, 2, 4, 6, 1, 3, 5, 7]
-  """
-  layout = _check_layout(layout)
-  length = _checks.integer("length", length, minimum=0)
-  num_shards = _checks.integer("num_shards", num_shards, minimum=1)
-  _check_divisible("length", length, layout, num_shards)
-  with jax.ensure_compile_time_eval():
-    pos = jnp.concatenate(
-      [_ring.shard_positions(layout, length, num_shards, i) for i in range(num_shards)]
-    )
-  return np.asarray(pos, np.int32)
-
-
-@overload
-def permute(x: jax.Array, layout: str, num_shards: int, *, axis: int = 1) -> jax.Array: ...
-
-
-@overload
-def permute(x: np.ndarray, layout: str, num_shards: int, *, axis: int = 1) -> np.ndarray: ...
-
-
-def permute(
-  x: jax.typing.ArrayLike, layout: str, num_shards: int, *, axis: int = 1
-) -> jax.Array | np.ndarray:
-  """``x`` (natural order along ``axis``) rearranged into ``layout`` for ``num_shards``
-  shards: the inputs of :func:`ring_attention` with that layout. Works on NumPy and
-  JAX arrays; for a training loop, permute token ids and position ids once in the
-  input pipeline rather than activations in every layer."""
-  return _reorder(x, layout, num_shards, axis, inverse=False)
-
-
-@overload
-def unpermute(x: jax.Array, layout: str, num_shards: int, *, axis: int = 1) -> jax.Array: ...
-
-
-@overload
-def unpermute(x: np.ndarray, layout: str, num_shards: int, *, axis: int = 1) -> np.ndarray: ...
-
-
-def unpermute(
-  x: jax.typing.ArrayLike, layout: str, num_shards: int, *, axis: int = 1
-) -> jax.Array | np.ndarray:
-  """The inverse of :func:`permute`: ``x`` laid out in ``layout`` back to natural order."""
-  return _reorder(x, layout, num_shards, axis, inverse=True)
-
-
-def _reorder(
-  x: jax.typing.ArrayLike, layout: str, num_shards: int, axis: int, *, inverse: bool
-) -> jax.Array | np.ndarray:
-  """``x`` taken along ``axis`` at the layout's positions (or their inverse); NumPy stays NumPy."""
-  x = _checks.as_array("x", x)
-  axis = _checks.integer("axis", axis)
-  if not -x.ndim <= axis < x.ndim:
-    raise ValueError(f"axis {axis} is out of range for an array of shape {tuple(x.shape)}")
-  index = positions(layout, x.shape[axis], num_shards)
-  if inverse:
-    index = np.argsort(index)
-  return x.take(index, axis=axis) if isinstance(x, np.ndarray) else jnp.take(x, index, axis=axis)
-
-
-def _check_divisible(name: str, length: int, layout: str, num_shards: int) -> None:
-  parts = 2 * num_shards if layout == "zigzag" else num_shards
-  if length % parts:
-    what = f"2 x {num_shards} zig-zag chunks" if layout == "zigzag" else f"{num_shards} devices"
-    raise ValueError(
-      f"{name} must be divisible by the number of shards: {length} does not "
-      f"split into {what} (layout={layout!r})"
-    )
-
-
-# --- ring attention -------------------------------------------------------------
+__all__ = ["ring_attention"]
 
 
 def ring_attention(
@@ -353,8 +222,8 @@ def _pairs(
   segments: masks.Mask | None,
   soft_cap: float | None,
   blocks_named: tuple[int | None, int | None],
-) -> _ring_splash.Pairs | None:
-  """The splash kernels of each shard pair (:mod:`jattn._ring_splash`), or None (blockwise).
+) -> _splash_pairs.Pairs | None:
+  """The splash kernels of each shard pair (:mod:`jattn.parallel._splash_pairs`), or None (blockwise).
 
   A pair runs splash only where the one-device call would: the pair's own call (its shard
   lengths, segment ids, soft cap and dtype, always returning the log-sum-exp the ring
@@ -365,7 +234,7 @@ def _pairs(
     return None
   interpret = testing.interpreting()
   backend = testing.target_backend() or jax.default_backend()
-  why = _ring_splash.reason(spec.mask)
+  why = _splash_pairs.reason(spec.mask)
   if why is None and blocks_named != (None, None):
     why = "block_q and block_kv are blockwise's tiles"
   if why is None:
@@ -380,13 +249,13 @@ def _pairs(
       "ring_attention(implementation='splash') needs a TPU (jattn.testing.interpret_kernels() "
       "runs it in Pallas interpret mode, for tests)"
     )
-  return _ring_splash.plan(
+  return _splash_pairs.plan(
     spec.mask,
     layout=layout,
     size=size,
     q_len=spec.T,
     kv_len=spec.S,
-    positions=_ring.shard_positions,
+    positions=shard_positions,
   )
 
 
@@ -401,7 +270,7 @@ def _pair_reason(
   """Why splash's table row refuses one shard pair's call (see :func:`_pairs`), or None."""
   t, s = spec.T // size, spec.S // size
   block_q, block_kv = splash.resolve_blocks(None, None, t, s)
-  pair = _ring_splash.pair_spec(
+  pair = _splash_pairs.pair_spec(
     shapes=((spec.B, t, spec.N, spec.H), (spec.B, s, spec.K, spec.H), (spec.B, s, spec.K, spec.Hv)),
     segments=segments,
     scale=spec.scale,
