@@ -255,6 +255,7 @@ class MultiHeadDotProductAttention(nn.Module):
         for name, a in empty.items():
           self.variable("cache", name, lambda a=a: a)
     decode_step = held is not None
+    init_pass = decode and not decode_step
     _flax_call.check_call(
       settings,
       inputs=x,
@@ -262,7 +263,7 @@ class MultiHeadDotProductAttention(nn.Module):
       cache=held,
       positions=positions,
       segment_ids=segment_ids,
-      num_new=num_new if decode_step else None,
+      num_new=None if init_pass else num_new,  # the init pass writes nothing
       sow_weights=sow_weights,
       remedy=_RAGGED_REMEDY,
     )

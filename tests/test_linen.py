@@ -369,9 +369,10 @@ def test_swapping_flaxs_module_for_jattns_changes_nothing(case):
   ]:
     want = theirs.apply(variables, *args, **kwargs)
     assert_close(ours.apply(variables, *args, **kwargs), want, factor=0.5, err_msg=str(kwargs))
-  with pytest.warns(DeprecationWarning, match="inputs_kv"):
-    want = theirs.apply(variables, x, inputs_kv=k_in)
-  assert_close(ours.apply(variables, x, inputs_kv=k_in), want, factor=0.5)  # and no warning
+  for m in (theirs, ours):  # the same warning
+    with pytest.warns(DeprecationWarning, match="The inputs_kv arg will be deprecated soon"):
+      got = m.apply(variables, x, inputs_kv=k_in)
+    assert_close(got, theirs.apply(variables, x, k_in), factor=0.5)
   run = lambda m: m.apply(
     variables, x, k_in, v_in, mask=mask, sow_weights=True, mutable=["intermediates"]
   )[1]
@@ -395,13 +396,15 @@ def test_decoding_after_flaxs_init_equals_flaxs():
       y, mutated = m.apply(
         {**params, "cache": caches[i]},
         x[:, t : t + 1],
-        mask=jnp.asarray(keep[:, :, t : t + 1]),
+        mask=jnp.asarray(keep[:, :, t : t + 1], jnp.float32),  # Flax's 0/1 float mask
         mutable=["cache"],
       )
       caches[i] = mutated["cache"]
       outs.append(y)
     assert_close(outs[1], outs[0], factor=0.5)
-  np.testing.assert_array_equal(caches[1]["cache_lengths"], [T, T])
+    # the same cache variables, step by step
+    assert_trees_close(caches[1], caches[0], tol=1e-6)
+  np.testing.assert_array_equal(caches[1]["cache_index"], T)
 
 
 def test_a_flax_attention_fn_computes_the_attention():
@@ -490,7 +493,7 @@ def test_mha_sow_weights():
   xkv = sample((B, S, F), seed=1)
   cross = MHA(num_heads=4)
   _, state = cross.apply(
-    random_params(cross, x, inputs_kv=xkv), x, xkv, sow_weights=True, mutable=["intermediates"]
+    random_params(cross, x, xkv), x, xkv, sow_weights=True, mutable=["intermediates"]
   )
   (weights,) = state["intermediates"]["attention_weights"]
   assert weights.shape == (B, 4, T, S)
