@@ -14,7 +14,9 @@ Shapes come from a few fixed choices so that compiled functions are reused acros
 examples (jattn's jit caches by shape and static arguments).
 """
 
+import contextlib
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -584,3 +586,316 @@ def test_second_derivatives_match_autodiff_or_name_the_rule(shape, order, name, 
   size = max(1.0, float(np.max(np.abs(np.asarray(want)))))
   err = max_abs_error(np.asarray(got, np.float64), np.asarray(want, np.float64))
   assert err <= 1e-4 * size, f"{name} {order}: error {err:.3g} (largest |value| {size:.3g})"
+
+
+# --- shared by the sections below: one jitted loss of the output and lse, and its gradients ---
+
+
+def _value_and_grads(attend, *arrays, argnums=(0, 1, 2), seed=0):
+  """``attend(*arrays) -> out or (out, lse)``: out, lse (None without it) and the gradients of
+  sum(out * w) + sum(finite lse * w'), with fixed random cotangents, as NumPy float64, from
+  one jitted program. The lse enters the loss where the call returns it: both enter the
+  backward rule (a soft cap's dq and dk were once wrong through it alone)."""
+  rng = np.random.default_rng(seed)
+  shape = np.shape(arrays[0])
+  w = np.asarray(rng.standard_normal(shape), np.float32)
+  w_lse = np.asarray(rng.standard_normal(shape[:-1]), np.float32)
+
+  def loss(*a):
+    got = attend(*a)
+    out, lse = got if isinstance(got, tuple) else (got, None)
+    value = jnp.sum(out * w)
+    if lse is not None:
+      value = value + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) * w_lse)
+    return value, (out, lse)
+
+  (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums, has_aux=True))(*arrays)
+  as64 = lambda x: None if x is None else np.asarray(np.asarray(x, np.float32), np.float64)
+  return as64(out), as64(lse), [as64(g) for g in grads]
+
+
+def _assert_same(got, want, where, tol=2e-5):
+  """Values, lse (its -inf rows exactly) and gradients of ``_value_and_grads`` agree."""
+  (out, lse, grads), (w_out, w_lse, w_grads) = got, want
+  pairs = [("out", out, w_out)] + [
+    (f"grad {i}", g, w) for i, (g, w) in enumerate(zip(grads, w_grads))
+  ]
+  if lse is not None:
+    np.testing.assert_array_equal(
+      np.isneginf(lse), np.isneginf(w_lse), err_msg=f"{where}: empty rows"
+    )
+    finite = np.isfinite(w_lse)
+    pairs.append(("lse", np.where(finite, lse, 0), np.where(finite, w_lse, 0)))
+  for name, g, w in pairs:
+    assert g.shape == w.shape, f"{where}: {name} shape {g.shape}, want {w.shape}"
+    assert not np.any(np.isnan(g)), f"{where}: NaN in {name}"
+    size = max(1.0, float(np.max(np.abs(w), initial=0.0)))
+    err = max_abs_error(g, w)
+    assert err <= tol * size, f"{where}: {name} error {err:.3g} (largest |value| {size:.3g})"
+
+
+def _normal(rng, shape, scale=1.0):
+  return np.asarray(rng.standard_normal(shape) * scale, np.float32)
+
+
+# --- soft caps through every ring pair kernel, in every layout --------------------------------
+#
+# A shard pair's kernel returns its log-sum-exp to the ring, and the log-sum-exp's gradient
+# through a soft cap needs the capped logits, which splash does not give: splash pairs once
+# gave wrong dq and dk under a soft cap. Whatever picks the pairs' kernel, the ring's values,
+# lse and gradients must be the one-device call's, or an explicit splash must raise the
+# one-device call's reason.
+
+RING_PAIR_KERNELS = {
+  "default": (None, None),  # the CPU's choice, kernels interpreted
+  "blockwise": ("blockwise", None),
+  "splash": ("splash", None),
+  "default_on_tpu": (None, "tpu"),  # traced as on a TPU: splash where it expresses the pairs
+}
+
+
+@st.composite
+def soft_capped_ring_calls(draw, kernel):
+  """Inputs in natural order and the keyword arguments of one soft-capped ring call: shards of
+  1 to 4 rows over 2 or 4 devices, GQA or not, and any mix of causal, segment ids (one array
+  or a pair), a window, key lengths (rows left empty), sinks and a scale."""
+  P = draw(st.sampled_from([2, 4]))
+  T = 2 * P * draw(st.integers(1, 2))  # zigzag needs 2P chunks
+  B = draw(st.integers(1, 2))
+  N, K = draw(st.sampled_from([(2, 1), (2, 2), (4, 2)]))
+  H = draw(st.sampled_from([4, 8]))
+  rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+  magnitude = draw(st.sampled_from([1.0, 4.0]))  # large scores: the cap bends most of them
+  q, k = (_normal(rng, (B, T, n, H), magnitude) for n in (N, K))
+  v = _normal(rng, (B, T, K, H))
+  kw = dict(logits_soft_cap=draw(st.sampled_from([0.5, 2.0, 30.0])), is_causal=draw(st.booleans()))
+  ids = np.sort(rng.integers(0, 3, (B, T)), axis=1).astype(np.int32)
+  segments = draw(st.sampled_from([None, "one", "pair"]))
+  if segments == "one":
+    kw["segment_ids"] = ids
+  elif segments == "pair":  # some query ids no key has: those rows see nothing
+    kw["segment_ids"] = (np.where(rng.random((B, T)) < 0.2, 7, ids).astype(np.int32), ids)
+  if draw(st.booleans()):
+    kw["local_window_size"] = (draw(st.integers(0, 3)), draw(st.integers(0, 3)))
+  if draw(st.booleans()):
+    kw["key_value_seq_lengths"] = rng.integers(0, T + 1, B).astype(np.int32)
+  if draw(st.booleans()):
+    kw["sinks"] = _normal(rng, (N,))
+  if draw(st.booleans()):
+    kw["scale"] = draw(st.sampled_from([0.1, 1.0]))
+  if kernel == "blockwise" and draw(st.booleans()):
+    kw["block_q"], kw["block_kv"] = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+  return (q, k, v), P, kw, draw(st.booleans())
+
+
+def _ring_in_natural_order(mesh, layout, implementation, return_residual, kw):
+  """ring_attention on natural-order arrays: inputs and ids permuted into ``layout``, output
+  and lse permuted back."""
+  P = mesh.shape["sp"]
+  permute = functools.partial(jattn.parallel.permute, layout=layout, num_shards=P)
+  if "segment_ids" in kw:  # ids travel in the inputs' order
+    kw = dict(kw, segment_ids=jax.tree.map(permute, kw["segment_ids"]))
+
+  def attend(q, k, v):
+    got = jattn.parallel.ring_attention(
+      *(permute(x) for x in (q, k, v)),
+      mesh=mesh,
+      axis_name="sp",
+      layout=layout,
+      implementation=implementation,
+      return_residual=return_residual,
+      **kw,
+    )
+    if return_residual:
+      return tuple(jattn.parallel.unpermute(x, layout, P) for x in got)
+    return jattn.parallel.unpermute(got, layout, P)
+
+  return attend
+
+
+@settings(max_examples=2, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(data=st.data())
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("kernel", list(RING_PAIR_KERNELS))
+def test_soft_cap_through_every_ring_pair_kernel(kernel, layout, data):
+  (q, k, v), P, kw, return_residual = data.draw(soft_capped_ring_calls(kernel))
+  implementation, platform = RING_PAIR_KERNELS[kernel]
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:P]), ("sp",))
+  ring = _ring_in_natural_order(mesh, layout, implementation, return_residual, kw)
+  where = f"{kernel} {layout} P={P} {sorted(kw)} return_residual={return_residual}"
+  if implementation == "splash":
+    with jattn.testing.interpret_kernels(), pytest.raises(ValueError) as info:
+      ring(q, k, v)
+    message = str(info.value)
+    assert message.startswith("ring_attention(implementation='splash') does not support "), where
+    if "key_value_seq_lengths" in kw:  # the ring's own refusal: lengths go in as ids there
+      assert "lengths" in message, message
+      return
+    with jattn.testing.interpret_kernels(), pytest.raises(ValueError) as one:
+      jattn.dot_product_attention(q, k, v, implementation="splash", return_residual=True, **kw)
+    reason = str(one.value).split("does not support ", 1)[1]
+    assert "logits_soft_cap" in message and reason in message, (where, message, reason)
+    return
+  one_device = functools.partial(
+    jattn.dot_product_attention,
+    implementation="xla",
+    return_residual=return_residual,
+    **{n: x for n, x in kw.items() if n not in ("block_q", "block_kv")},
+  )
+  want = _value_and_grads(one_device, q, k, v)
+  platform_ctx = jattn.testing.lowering_for(platform) if platform else contextlib.nullcontext()
+  with platform_ctx, jattn.testing.interpret_kernels():
+    got = _value_and_grads(ring, q, k, v)
+  _assert_same(got, want, where)
+
+
+# --- masks that read arrays, in every way jnp reads them, through every implementation --------
+#
+# A from_fn mask may read the arrays it closes over by any jnp operation. xla and blockwise
+# evaluate it on the grid or per tile and take anything; flex traces it into Triton kernels,
+# which load an array where the mask indexes it elementwise by its index arguments and lower
+# little else (no gather from registers, no sort or cumulative sum, power-of-two shapes);
+# splash tabulates only masks it can build. Each implementation must match xla or refuse
+# naming the mask, and the default on a GPU must not pick flex for a mask it cannot lower.
+
+
+def _array_reads(rng, B, N, T, S):
+  """Each way of reading an array, as a mask function of (b, h, q, kv) broadcast indices."""
+  offsets = jnp.asarray(np.sort(rng.choice(np.arange(1, T), 2, replace=False)))
+  ends = lambda n: jnp.asarray(np.sort(rng.integers(0, T + 1, n)))
+  doc_of = jnp.asarray(rng.integers(0, 4, T).astype(np.int32))
+  lens = jnp.asarray(rng.integers(0, S + 1, B).astype(np.int32))
+  reach = jnp.asarray(rng.integers(0, 4, N).astype(np.int32))
+  keep_q, keep_kv = jnp.asarray(rng.random(T) < 0.5), jnp.asarray(rng.random(S) < 0.5)
+  valid = jnp.asarray(rng.random((B, S)) < 0.7)
+  dense = jnp.asarray(rng.random((B, N, T, S)) < 0.6)
+  table = jnp.asarray(rng.random((T, S)) < 0.5)
+  same_doc = jnp.asarray(rng.random((4, 4)) < 0.5) | jnp.eye(4, dtype=bool)
+  position = jnp.asarray(rng.permutation(max(T, S)).astype(np.float32))
+
+  def boundaries(i, e):  # how many of the ends each position has passed: a (..., n) compare
+    return jnp.sum(i[..., None] >= e.reshape((1,) * i.ndim + (-1,)), axis=-1)
+
+  e4, e5 = ends(4), ends(5)
+  return {
+    "searchsorted": lambda b, h, q, kv: (
+      jnp.searchsorted(offsets, q, side="right") == jnp.searchsorted(offsets, kv, side="right")
+    ),
+    "sum_then_index": lambda b, h, q, kv: kv < valid.sum(-1)[b],
+    "cumsum_then_index": lambda b, h, q, kv: kv < jnp.cumsum(lens)[b] % (S + 1),
+    "sort_then_index": lambda b, h, q, kv: kv < jnp.sort(lens)[b],
+    "rolled_then_index": lambda b, h, q, kv: jnp.roll(keep_q, 1)[q],
+    "take_by_batch": lambda b, h, q, kv: kv < jnp.take(lens, b),
+    "take_by_head": lambda b, h, q, kv: jnp.abs(q - kv) <= jnp.take(reach, h),
+    "index_by_batch_and_head": lambda b, h, q, kv: dense[b, h, q, kv],
+    "row_of_batch_at_kv": lambda b, h, q, kv: valid[b, kv],
+    "static_row_then_index": lambda b, h, q, kv: valid[0][kv] | valid[B - 1][kv],
+    "strided_slice_then_index": lambda b, h, q, kv: keep_q[::2][q // 2],
+    "vector_at_q": lambda b, h, q, kv: keep_q[q] | keep_kv[kv],
+    "boolean_table": lambda b, h, q, kv: table[q, kv],
+    "table_at_ids_read_by_index": lambda b, h, q, kv: same_doc[doc_of[q], doc_of[kv % T]],
+    "negative_index_wraps": lambda b, h, q, kv: keep_kv[kv - S],
+    "clipped_index": lambda b, h, q, kv: keep_q.at[q + 3].get(mode="clip"),
+    "filled_index": lambda b, h, q, kv: keep_kv.at[kv + 2].get(mode="fill", fill_value=False),
+    "float_array_compared": lambda b, h, q, kv: position[q] >= position[kv],
+    "where_of_reads": lambda b, h, q, kv: jnp.where(keep_q[q], table[q, kv], valid[b, kv]),
+    "compared_with_4_boundaries": lambda b, h, q, kv: boundaries(q, e4) == boundaries(kv, e4),
+    "compared_with_5_boundaries": lambda b, h, q, kv: boundaries(q, e5) == boundaries(kv, e5),
+  }
+
+
+READ_NAMES = list(_array_reads(np.random.default_rng(0), 2, 2, 8, 8))
+
+
+@st.composite
+def masks_reading_arrays(draw):
+  """(q, k, v) and a mask: one or two array reads (two masks joined by & or |, or one function
+  xor-ing both), maybe negated, and-ed with an index mask (causal, a window, or all)."""
+  B, T, S, N, K, H = draw(st.sampled_from([(2, 24, 24, 2, 1, 8), (1, 16, 24, 4, 2, 8)]))
+  rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+  reads = _array_reads(rng, B, N, T, S)
+  names = draw(st.lists(st.sampled_from(READ_NAMES), min_size=1, max_size=2, unique=True))
+  f = reads[names[0]]
+  mask = jattn.masks.from_fn(f)
+  if len(names) == 2:  # two masks, or one function reading both arrays
+    g = reads[names[1]]
+    other = jattn.masks.from_fn(g)
+    both = jattn.masks.from_fn(lambda *i: f(*i) ^ g(*i))
+    mask = draw(st.sampled_from([mask & other, mask | other, both]))
+  if draw(st.booleans()):
+    mask = ~mask
+  mask = mask & draw(
+    st.sampled_from(
+      [
+        jattn.masks.causal(),
+        jattn.masks.sliding_window(5, 1),
+        jattn.masks.causal() | ~jattn.masks.causal(),
+      ]
+    )
+  )
+  q, k, v = (_normal(rng, (B, n, h, H)) for n, h in ((T, N), (S, K), (S, K)))
+  return (q, k, v), mask, names
+
+
+ARRAY_MASK_RULES = {
+  "default": dict(),
+  "xla/custom_vjp": dict(implementation="xla", backward="custom_vjp"),
+  "blockwise": dict(implementation="blockwise", block_q=8, block_kv=8),
+  "flex": dict(implementation="flex"),
+  "splash": dict(implementation="splash"),
+}
+
+
+def _attend_with(mask, **rule):
+  return lambda q, k, v: jattn.dot_product_attention(
+    q, k, v, mask=mask, return_residual=True, **rule
+  )
+
+
+@settings(max_examples=3, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(data=st.data())
+@pytest.mark.parametrize("rule", list(ARRAY_MASK_RULES) + ["default_on_gpu"])
+def test_masks_reading_arrays_match_xla_or_are_refused_by_name(rule, data):
+  (q, k, v), mask, names = data.draw(masks_reading_arrays())
+  where = f"{rule} {names} {mask!r}"
+  want = _value_and_grads(_attend_with(mask, implementation="xla"), q, k, v)
+  if rule == "default_on_gpu":
+    _check_gpu_default_lowers(q, k, v, mask, want, where)
+    return
+  kw = ARRAY_MASK_RULES[rule]
+  try:
+    with jattn.testing.interpret_kernels():
+      got = _value_and_grads(_attend_with(mask, **kw), q, k, v)
+  except ValueError as e:  # fused kernels only, naming the mask
+    assert kw.get("implementation") in ("flex", "splash"), f"{where}: {e}"
+    assert str(e).startswith(f"implementation='{kw['implementation']}' does not support mask"), e
+    return
+  _assert_same(got, want, where, tol=5e-5)
+
+
+def _check_gpu_default_lowers(q, k, v, mask, want, where):
+  """Traced as on a GPU: the default picks flex only where flex takes the mask (an explicit
+  flex call in interpret mode stands for the GPU's check), and the training step then lowers
+  for CUDA, with flex's three Triton kernels or none; a fallback's values equal xla's."""
+  try:
+    with jattn.testing.interpret_kernels():
+      jax.jit(_attend_with(mask, implementation="flex")).trace(q, k, v)
+    flex_takes = True
+  except ValueError as e:
+    assert str(e).startswith("implementation='flex' does not support mask"), f"{where}: {e}"
+    flex_takes = False
+  choice = jattn.explain(q, k, v, mask=mask, backend="gpu")
+  assert flex_takes or choice.implementation != "flex", f"{where}: {choice}"
+  if not flex_takes:
+    assert "flex does not: mask" in choice.reason, f"{where}: {choice.reason}"
+  loss = lambda q, k, v: jnp.sum(_attend_with(mask)(q, k, v)[0])
+  with jattn.testing.lowering_for("gpu", "NVIDIA H100"), warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # Pallas' Triton lowering warns of deprecations
+    step = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, v)
+    text = step.lower(lowering_platforms=("cuda",)).as_text()
+  kernels = text.count("__gpu$xla.gpu.triton")
+  assert kernels == (3 if choice.implementation == "flex" else 0), f"{where}: {kernels} kernels"
+  if choice.implementation != "flex":  # xla or blockwise: they run on this CPU as on a GPU
+    with jattn.testing.lowering_for("gpu"):
+      got = _value_and_grads(_attend_with(mask), q, k, v)
+    _assert_same(got, want, where, tol=5e-5)

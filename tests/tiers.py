@@ -108,6 +108,22 @@ DEFAULT: dict[str, tuple[str, ...]] = {
     "bfloat16-custom_vjp",
   ),
   "test_parallel.py::test_ring_matches_formula": ("contiguous-False", "zigzag-True"),
+  # A soft cap through the ring's pairs: the default as traced for a TPU (where splash pairs
+  # once ran, with wrong gradients) in the zig-zag layout, and splash's refusal (no kernel
+  # runs) in every layout. Each case draws its masking, shapes and cap.
+  "test_adversarial.py::test_soft_cap_through_every_ring_pair_kernel": (
+    "default_on_tpu-zigzag",
+    "splash-contiguous",
+    "splash-zigzag",
+    "splash-striped",
+  ),
+  # Masks reading arrays: flex (run where it takes the mask, else refused by name), the
+  # default traced for a GPU (flex only where it lowers) and splash's refusal.
+  "test_adversarial.py::test_masks_reading_arrays_match_xla_or_are_refused_by_name": (
+    "flex",
+    "default_on_gpu",
+    "splash",
+  ),
   "test_decode.py::test_prefill_chunks_and_decode_steps_equal_full_causal": (
     "mha-xla",
     "gqa-blockwise",
