@@ -43,7 +43,7 @@ INDEX = "cache_index"  # Flax's one length for all rows, in place of cache_lengt
 VARIABLES = (*NAMES.values(), INDEX)
 CACHE_FIELDS = tuple(dict.fromkeys(decode.KVCache._fields + decode.PagedKVCache._fields))
 assert set(NAMES) == set(CACHE_FIELDS)
-# Fields laid out [batch..., max_length, ...] in a contiguous cache, reshaped to (B, ...).
+# Fields of a contiguous cache laid out [batch..., max_length, ...], kept (B, ...) inside.
 _PER_ROW = ("key", "value", "key_scale", "value_scale")
 
 
@@ -195,12 +195,13 @@ def variables_of(
   per-row arrays shaped [batch_dims..., ...] again; with ``indexed``, Flax's one
   ``cache_index`` (row 0's length: all rows hold the same) in place of ``cache_lengths``."""
   out = {}
+  contiguous = isinstance(cache, decode.KVCache)  # a paged cache has one batch dimension
   for field, x in cache._asdict().items():
     if x is None:
       continue
     if field == "lengths" and indexed:
       out[INDEX] = x[0]
-    elif field in _PER_ROW:
+    elif contiguous and field in _PER_ROW:
       out[NAMES[field]] = x.reshape(batch_dims + x.shape[1:])
     else:
       out[NAMES[field]] = x

@@ -40,13 +40,15 @@ def _decoder(K, rope=positional.Rotary(), **kw):
 
 
 def _decode_setup(module, **kw):
-  """Random params and an empty cache, shaped by an init with decode=True on the full length."""
+  """Random params and an empty cache, shaped by an init with decode=True on the full length:
+  Flax's variables, with a length per row in place of cache_index for a ragged cache."""
   shapes = abstract_init(module, jnp.zeros((B, MAX_LENGTH, F)), decode=True, **kw)
   K = module.num_kv_heads or module.num_heads
+  lengths = {"cache_lengths": ((B,), jnp.int32)} if module.ragged_cache else {}
   assert shapes_of(shapes["cache"]) == {
     "cached_key": ((B, MAX_LENGTH, K, 4), jnp.float32),
     "cached_value": ((B, MAX_LENGTH, K, 4), jnp.float32),
-    "cache_lengths": ((B,), jnp.int32),
+    **(lengths or {"cache_index": ((), jnp.int32)}),
   }
   cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
   return {"params": fill(shapes["params"])}, cache
@@ -58,15 +60,17 @@ def _numpy_init(key, shape, dtype=jnp.float32):
   return jnp.asarray(np.random.default_rng(shape).standard_normal(shape) / shape[0], dtype)
 
 
-def test_decode_init_allocates_empty_cache_and_attends_causally():
-  module = _decoder(2, kernel_init=_numpy_init, bias_init=_numpy_init)
+@pytest.mark.parametrize("ragged", [False, True], ids=["flax_cache", "ragged"])
+def test_decode_init_allocates_empty_cache_and_attends_as_without_decode(ragged):
+  module = _decoder(2, kernel_init=_numpy_init, bias_init=_numpy_init, ragged_cache=ragged)
   x = sample((B, MAX_LENGTH, F), seed=3)
   y, variables = module.init_with_output(KEY, x, decode=True)
   assert shapes_of(variables["cache"]) == shapes_of(_decode_setup(module)[1])
-  for name in ("cached_key", "cached_value", "cache_lengths"):
-    np.testing.assert_array_equal(variables["cache"][name], 0)
-  # the init pass attends causally, like Flax's decode init
-  assert_close(y, _decoder(2, is_causal=True).apply({"params": variables["params"]}, x))
+  for a in jax.tree.leaves(variables["cache"]):
+    np.testing.assert_array_equal(a, 0)
+  # the init pass writes nothing and attends as a call without decode, like Flax's
+  assert_close(y, _decoder(2).apply({"params": variables["params"]}, x))
+  assert not np.allclose(y, _decoder(2, is_causal=True).apply(variables, x), atol=1e-3)
 
 
 def _decode_chunks(module, params, cache, x, chunks, *, jit=False, **kw):
@@ -104,7 +108,7 @@ def test_decode_equals_full_causal(K, rope, chunks):
   got, cache = _decode_chunks(module, params, cache, x, chunks, jit=True)
   expected = jax.jit(_decoder(K, rope, is_causal=True).apply)(params, x)
   assert_close(got, expected)
-  np.testing.assert_array_equal(cache["cache_lengths"], [L, L])
+  np.testing.assert_array_equal(cache["cache_index"], L)
   # the cache holds the (rotated) keys and the values of the L tokens, zeros after
   _, k, v = project(np_params(params), x)
   if rope is not None:
@@ -120,7 +124,7 @@ def test_decode_ragged_rows():
   full = sample((B, L, F), seed=4)  # row b's sequence: full[b, :lens[b] + steps]
   prompt = np.array(full[:, :t])
   prompt[1, lens[1] :] = 9.0  # row 1's padding: must be ignored
-  module = _decoder(2)
+  module = _decoder(2, ragged_cache=True)
   params, cache = _decode_setup(module)
   y, mutated = module.apply(
     {**params, "cache": cache},
@@ -216,7 +220,7 @@ def test_decode_overflow_raises():
     _decode_chunks(module, params, cache, x, [MAX_LENGTH + 1])
   # filling it exactly is fine
   _, cache = _decode_chunks(module, params, cache, x[:, 6:], [2])
-  np.testing.assert_array_equal(cache["cache_lengths"], [8, 8])
+  np.testing.assert_array_equal(cache["cache_index"], 8)
 
 
 # --------------------------------------------------------------- paged and quantized caches
@@ -259,7 +263,7 @@ def _steps(module, params, cache, x, chunks=(4, 1, 1), num_new=None):
 
 def test_paged_cache_decodes_like_contiguous_and_full_causal():
   x = sample(seed=3)  # (B, T, F), T = 6
-  contiguous, paged = _decoder(2), _decoder(2, **PAGED)
+  contiguous, paged = _decoder(2, ragged_cache=True), _decoder(2, **PAGED)
   params = random_params(contiguous, x)
   cache = _empty_cache(paged, params)
   assert shapes_of(cache) == {
@@ -315,7 +319,8 @@ def test_int8_paged_cache_is_close_to_the_float_cache():
   assert shapes_of(cache)["cached_key_pages"] == ((8, 2, 2, 4), jnp.int8)  # pool: every row full
   assert shapes_of(cache)["cached_key_scale"] == ((8, 2, 2), jnp.float32)
   got, cache = _steps(module, params, cache, x)
-  exact, _ = _steps(_decoder(2), params, _empty_cache(_decoder(2), params), x)
+  ragged = _decoder(2, ragged_cache=True)
+  exact, _ = _steps(ragged, params, _empty_cache(ragged, params), x)
   # Each stored element is off by at most half an int8 step, 1/254 of its (token, head)
   # vector's largest element: so the cache holds, checked from the formula,
   _, k, v = project(np_params(params), x)
@@ -335,7 +340,7 @@ def test_int8_paged_cache_is_close_to_the_float_cache():
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_released_rows_restart_like_a_fresh_cache(paged):
   x, z = sample(seed=3), sample(seed=5)  # row 0 serves x[0], then a new request z[0]; row 1 x[1]
-  module = _decoder(2, **(PAGED if paged else {}))
+  module = _decoder(2, **(PAGED if paged else dict(ragged_cache=True)))
   params = random_params(module, x)
   empty = _empty_cache(module, params)
   _, cache = _steps(module, params, empty, x, (4, 1))
@@ -381,15 +386,15 @@ def test_release_cache_walks_a_models_cache_collection():
   paged = jattn.decode.update(paged, jnp.ones((B, 3, 1, 2)), jnp.ones((B, 3, 1, 2)))
   names = jattn.linen.CACHE_NAMES
   as_vars = lambda c: {names[f]: a for f, a in c._asdict().items() if a is not None}
-  flax_own = {"cached_key": jnp.ones(3), "cache_index": jnp.asarray(3)}  # not jattn's: kept
+  other = {"count": jnp.asarray(3)}  # not an attention cache: kept
   tree = {"block_0": {"attn": as_vars(contiguous)}, "block_1": {"attn": as_vars(paged)}}
-  tree["block_1"]["flax_attn"] = flax_own
+  tree["block_1"]["other"] = other
   rows = jnp.asarray([True, False])
   release = jattn.linen.release_cache
   for out in (release(tree, rows), jax.jit(release)(tree, rows)):
     want = {
       "block_0": {"attn": as_vars(jattn.decode.release(contiguous, rows))},
-      "block_1": {"attn": as_vars(jattn.decode.release(paged, rows)), "flax_attn": flax_own},
+      "block_1": {"attn": as_vars(jattn.decode.release(paged, rows)), "other": other},
     }
     assert jax.tree.structure(out) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
@@ -397,15 +402,21 @@ def test_release_cache_walks_a_models_cache_collection():
   np.testing.assert_array_equal(out["block_1"]["attn"]["free_pages"], [True, True, False, False])
   with pytest.raises(TypeError, match="cache must be a cache collection"):
     jattn.linen.release_cache([tree], rows)
+  # Flax's cache (one cache_index for every row) cannot release rows: named by its path
+  flax_cache = {"cached_key": jnp.ones((B, 4, 1, 2)), "cached_value": jnp.ones((B, 4, 1, 2))}
+  tree["block_1"]["flax_attn"] = flax_cache | {"cache_index": jnp.asarray(3)}
+  with pytest.raises(ValueError, match=r"keeps Flax's one cache_index .* 'block_1/flax_attn'"):
+    jattn.linen.release_cache(tree, rows)
 
 
 # (id, call kwargs, exception, message fragment) on a module whose cache is initialised
 BAD_DECODE_CALLS = [
   (
-    "inputs_kv",
-    dict(inputs_kv=sample((B, 1, F))),
+    "inputs_k_length",
+    dict(inputs_k=sample((B, 2, F))),
     ValueError,
-    r"decode=True does not take inputs_kv",
+    r"decode=True writes inputs_k's tokens to the cache beside inputs_q's: they must have the "
+    r"same length, got \(2, 2, 16\) and inputs_q \(2, 1, 16\)",
   ),
   ("positions", dict(positions=jnp.arange(1)), ValueError, r"decode=True does not take positions"),
   (
@@ -415,12 +426,17 @@ BAD_DECODE_CALLS = [
     r"decode=True does not take segment_ids",
   ),
   ("sow_weights", dict(sow_weights=True), ValueError, r"decode=True does not take sow_weights"),
-  ("unbatched", dict(inputs_q=sample((1, F))), ValueError, r"decode=True needs batched inputs"),
+  (
+    "unbatched",
+    dict(inputs_q=sample((1, F))),
+    ValueError,
+    r"inputs_q has batch dimensions \(\) \(shape \(1, 16\)\) but the cache was made for \(2,\)",
+  ),
   (
     "batch_size",
     dict(inputs_q=sample((B + 1, 1, F))),
     ValueError,
-    r"inputs_q has batch size 3 but the cache was made for 2",
+    r"inputs_q has batch dimensions \(3,\) \(shape \(3, 1, 16\)\) but the cache was made for",
   ),
   (
     "num_new_shape",
@@ -436,9 +452,26 @@ BAD_DECODE_CALLS = [
   "call, error, match", [c[1:] for c in BAD_DECODE_CALLS], ids=[c[0] for c in BAD_DECODE_CALLS]
 )
 def test_bad_decode_call_raises(call, error, match):
-  module = MHA(num_heads=4, num_kv_heads=2)
+  module = MHA(num_heads=4, num_kv_heads=2, ragged_cache=True)
   params, cache = _decode_setup(module)
   call = dict(call)
   inputs_q = call.pop("inputs_q", sample((B, 1, F)))
   with pytest.raises(error, match=match):
     module.apply({**params, "cache": cache}, inputs_q, decode=True, mutable=["cache"], **call)
+
+
+def test_num_new_needs_a_cache_with_a_length_per_row():
+  module = MHA(num_heads=4, num_kv_heads=2)
+  params, cache = _decode_setup(module)
+  with pytest.raises(
+    ValueError,
+    match=r"num_new needs a cache with one length per row, but this one keeps Flax's one "
+    r"cache_index for all rows: make the module with ragged_cache=True",
+  ):
+    module.apply(
+      {**params, "cache": cache},
+      sample((B, 1, F)),
+      decode=True,
+      num_new=jnp.array([1, 1]),
+      mutable=["cache"],
+    )
