@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
-from flax.nnx.nn.attention import dot_product_attention as _flax_dot_product_attention
+from flax.nnx.nn.attention import dot_product_attention_weights as _flax_weights
 
 from jattn import _flax_adapter, _flax_cache, _flax_call, _flax_config, _nnx_cache, positional
 from jattn import decode as _decode
@@ -427,7 +427,7 @@ class MultiHeadAttention(nnx.Module):
     complex_ = jnp.issubdtype(query.dtype, jnp.complexfloating)
     if complex_ and self.attention_fn is None:
       flax_attention = functools.partial(
-        _flax_dot_product_attention,
+        _flax_materialised,
         dropout_rng=dropout_rng,
         dropout_rate=self.dropout_rate,
         broadcast_dropout=self.broadcast_dropout,
@@ -470,10 +470,28 @@ class MultiHeadAttention(nnx.Module):
     return self.out(out, out_sharding=out_sharding)
 
 
+def _flax_materialised(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  bias: Any = None,
+  *,
+  mask: Any,
+  precision: Any = None,
+  **kwargs: Any,
+) -> jax.Array:
+  """Flax NNX's materialised attention (its ``dot_product_attention`` when it sows or drops
+  out): Flax's weights, then their product with the values. The module runs it for complex
+  inputs, which Flax's other branch hands to ``jax.nn.dot_product_attention``, casting them
+  to real; its ``attention_fn`` adapter too."""
+  weights = _flax_weights(query, key, bias, mask, precision=precision, **kwargs)
+  return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
+
+
 def _sow(module: nnx.Module, weights: jax.Array) -> None:
   module.sow(nnx.Intermediate, "attention_weights", weights)
 
 
 attention_fn = _flax_adapter.make_attention_fn(
-  _sow, "nnx.Intermediate", __name__, _flax_dot_product_attention, linen=False
+  _sow, "nnx.Intermediate", __name__, _flax_materialised, linen=False
 )
