@@ -17,6 +17,7 @@ examples (jattn's jit caches by shape and static arguments).
 import contextlib
 import functools
 import warnings
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -592,10 +593,10 @@ def test_second_derivatives_match_autodiff_or_name_the_rule(shape, order, name, 
 
 
 def _value_and_grads(attend, *arrays, argnums=(0, 1, 2), seed=0):
-  """``attend(*arrays) -> out or (out, lse)``: out, lse (None without it) and the gradients of
-  sum(out * w) + sum(finite lse * w'), with fixed random cotangents, as NumPy float64, from
-  one jitted program. The lse enters the loss where the call returns it: both enter the
-  backward rule (a soft cap's dq and dk were once wrong through it alone)."""
+  """``attend(*arrays) -> out or (out, lse)``: out, lse (None without it), the gradients of
+  sum(out * w) + sum(finite lse * w'), with fixed random cotangents, as NumPy float64, and
+  the output's sharding, from one jitted program. The lse enters the loss where the call
+  returns it: both enter the backward rule."""
   rng = np.random.default_rng(seed)
   shape = np.shape(arrays[0])
   w = np.asarray(rng.standard_normal(shape), np.float32)
@@ -611,12 +612,12 @@ def _value_and_grads(attend, *arrays, argnums=(0, 1, 2), seed=0):
 
   (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums, has_aux=True))(*arrays)
   as64 = lambda x: None if x is None else np.asarray(np.asarray(x, np.float32), np.float64)
-  return as64(out), as64(lse), [as64(g) for g in grads]
+  return as64(out), as64(lse), [as64(g) for g in grads], out.sharding
 
 
 def _assert_same(got, want, where, tol=2e-5):
   """Values, lse (its -inf rows exactly) and gradients of ``_value_and_grads`` agree."""
-  (out, lse, grads), (w_out, w_lse, w_grads) = got, want
+  (out, lse, grads), (w_out, w_lse, w_grads) = got[:3], want[:3]
   pairs = [("out", out, w_out)] + [
     (f"grad {i}", g, w) for i, (g, w) in enumerate(zip(grads, w_grads))
   ]
@@ -899,3 +900,259 @@ def _check_gpu_default_lowers(q, k, v, mask, want, where):
     with jattn.testing.lowering_for("gpu"):
       got = _value_and_grads(_attend_with(mask), q, k, v)
     _assert_same(got, want, where, tol=5e-5)
+
+
+# --- ring inputs in every placement, under Auto and Explicit mesh axes ------------------------
+#
+# ring_attention reshards whatever arrives to its layout: NumPy arrays, arrays on the default
+# device, replicated, already in the layout, or sharded over the wrong mesh axes; the query,
+# key, value, segment ids, lengths and sinks each placed on their own. Under Explicit axes an
+# array's sharding is its type, and shard_map once refused every input not in the layout.
+
+PLACEMENT_AXES = {"sp": 4, "tp": 2}  # a 4 x 2 mesh, the ring over "sp"
+SPECS = [(), ("sp",), ("tp",), (None, "sp"), (None, "tp"), ("tp", "sp"), (None, "sp", "tp")]
+SPECS += [(None, None, "sp"), (None, None, "tp"), ("sp", None, "tp")]
+
+
+def _placement(draw, shape):
+  """None (a NumPy array), "default" (jax.device_put, no sharding) or a PartitionSpec's axes
+  that divide ``shape``."""
+  fits = lambda spec: (
+    len(spec) <= len(shape)
+    and all(a is None or shape[i] % PLACEMENT_AXES[a] == 0 for i, a in enumerate(spec))
+  )
+  return draw(st.sampled_from([None, "default", *filter(fits, SPECS)]))
+
+
+@st.composite
+def placed_ring_calls(draw):
+  """Natural-order NumPy arrays, each argument's placement, and the call's settings."""
+  B, T, N, K, H = 4, 16, 4, 2, 8
+  rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+  q, k, v = _normal(rng, (B, T, N, H)), _normal(rng, (B, T, K, H)), _normal(rng, (B, T, K, H))
+  ids = np.sort(rng.integers(0, 3, (B, T)), axis=1).astype(np.int32)
+  args = dict(
+    q=q,
+    k=k,
+    v=v,
+    sinks=_normal(rng, (N,)) if draw(st.booleans()) else None,
+    ids={None: None, "one": ids, "pair": (ids, ids[:, ::-1].copy())}[
+      draw(st.sampled_from([None, "one", "pair"]))
+    ],
+    lens=rng.integers(0, T + 1, B).astype(np.int32) if draw(st.booleans()) else None,
+  )
+  placement = {
+    name: jax.tree.map(lambda x: _placement(draw, x.shape), x) for name, x in args.items()
+  }
+  settings_ = dict(
+    layout=draw(st.sampled_from(["contiguous", "zigzag", "striped"])),
+    axes=draw(st.sampled_from([(None, None), (None, "tp"), ("tp", None)])),  # batch, heads
+    is_causal=draw(st.booleans()),
+    lengths=draw(st.sampled_from(["query_seq_lengths", "key_value_seq_lengths"])),
+    return_residual=draw(st.booleans()),
+  )
+  return args, placement, settings_
+
+
+def _place(x, where, mesh):
+  if where is None:
+    return x
+  if where == "default":
+    return jax.device_put(x)
+  return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*where)))
+
+
+@settings(max_examples=2, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(data=st.data())
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
+def test_ring_takes_inputs_in_every_placement(mode, data):
+  args, placement, kw = data.draw(placed_ring_calls())
+  kind = getattr(jax.sharding.AxisType, mode.capitalize())
+  mesh = jax.make_mesh((4, 2), ("sp", "tp"), (kind, kind), devices=jax.devices()[:8])
+  layout, (batch_axis, head_axis) = kw["layout"], kw["axes"]
+  permute = functools.partial(jattn.parallel.permute, layout=layout, num_shards=4)
+  unpermute = functools.partial(jattn.parallel.unpermute, layout=layout, num_shards=4)
+  # The ring takes arrays in its layout's order; lengths and sinks have no sequence axis.
+  args = {n: x if n in ("sinks", "lens") else jax.tree.map(permute, x) for n, x in args.items()}
+  where = f"{mode} {kw} {placement}"
+
+  def ring(q, k, v, sinks, ids, lens):
+    return jattn.parallel.ring_attention(
+      q,
+      k,
+      v,
+      mesh=mesh,
+      axis_name="sp",
+      batch_axis=batch_axis,
+      head_axis=head_axis,
+      layout=layout,
+      is_causal=kw["is_causal"],
+      segment_ids=ids,
+      sinks=sinks,
+      return_residual=kw["return_residual"],
+      **{kw["lengths"]: lens},
+    )
+
+  def one_device(q, k, v, sinks, ids, lens):
+    got = jattn.dot_product_attention(
+      *(unpermute(x) for x in (q, k, v)),
+      is_causal=kw["is_causal"],
+      segment_ids=jax.tree.map(unpermute, ids),
+      sinks=sinks,
+      return_residual=kw["return_residual"],
+      implementation="xla",
+      **{kw["lengths"]: lens},
+    )
+    return jax.tree.map(permute, got)
+
+  order = ("q", "k", "v", "sinks", "ids", "lens")
+  argnums = (0, 1, 2, 3) if args["sinks"] is not None else (0, 1, 2)
+  want = _value_and_grads(one_device, *(args[n] for n in order), argnums=argnums)
+  placed = [jax.tree.map(lambda x, p: _place(x, p, mesh), args[n], placement[n]) for n in order]
+  with jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext():
+    got = _value_and_grads(ring, *placed, argnums=argnums)
+  _assert_same(got, want, where)
+  layout_spec = jax.sharding.PartitionSpec(batch_axis, "sp", head_axis)
+  assert got[3].is_equivalent_to(jax.sharding.NamedSharding(mesh, layout_spec), 4), where
+
+
+# --- refusals on one device and on many --------------------------------------------------------
+#
+# A rule that cannot take a derivative raises jattn's ValueError naming itself, the cause and
+# the way out (docs/backward.md's table), on every path a call can take: one device (no
+# partitioning rule: JAX's device count patched to 1, or inputs committed to one device),
+# many devices unsharded or batch-sharded under Auto axes (fused kernels get a partitioning
+# rule) and under Explicit axes (shard_map). flex once raised a bare AssertionError from inside
+# Pallas on one device only.
+
+TRANSFORMS = {
+  # second order: reverse over reverse, forward over reverse
+  "grad_of_grad": lambda f: jax.grad(
+    lambda q: jnp.sum(jax.grad(lambda q: jnp.sum(f(q) ** 2))(q) ** 2)
+  ),
+  "hessian_vector": lambda f: (
+    lambda q: jax.jvp(jax.grad(lambda q: jnp.sum(f(q) ** 2)), (q,), (jnp.cos(q),))[1]
+  ),
+  # forward mode
+  "jvp": lambda f: lambda q: jax.jvp(f, (q,), (jnp.cos(q),))[1],
+  "jacfwd": lambda f: (
+    lambda q: jax.jacfwd(lambda x: jnp.sum(f(q.at[0, 0, 0].set(x)), (1, 2, 3)))(q[0, 0, 0])
+  ),
+  "linearize": lambda f: lambda q: jax.linearize(f, q)[1](jnp.cos(q)),
+  "vmap_of_jvp": lambda f: (
+    lambda q: jax.vmap(lambda t: jax.jvp(f, (q,), (t,))[1])(jnp.stack([q, jnp.cos(q)]))
+  ),
+}
+ORDERS = {
+  "second_order": ("grad_of_grad", "hessian_vector"),
+  "forward_mode": ("jvp", "jacfwd", "linearize", "vmap_of_jvp"),
+}
+# What each rule takes (docs/backward.md); the rest it refuses. "who" opens its message.
+DERIVATIVE_RULES = {
+  "xla/custom_vjp": (
+    dict(implementation="xla", backward="custom_vjp"),
+    {"grad_of_grad", "hessian_vector"},
+  ),
+  "blockwise": (dict(implementation="blockwise"), {"hessian_vector"}),
+  "flex": (dict(implementation="flex"), set()),
+  "splash": (dict(implementation="splash"), set()),
+  "ring/blockwise": (dict(implementation="blockwise"), {"hessian_vector"}),
+  "ring/splash": (dict(implementation="splash"), set()),
+}
+# ring_attention's custom_vjp meets forward mode with JAX's own TypeError ("can't apply
+# forward-mode autodiff (jvp) to a custom_vjp function"), where docs/backward.md promises
+# jattn's ValueError naming the rule and the way out, on one device and many.
+RING_FORWARD_MODE_XFAIL = pytest.mark.xfail(
+  strict=True,
+  raises=TypeError,
+  reason="ring_attention raises JAX's bare TypeError for forward mode, not jattn's ValueError",
+)
+CALL_PATHS = ["one_device_count", "one_device_placed", "many", "auto_sharded", "explicit"]
+RING_PATHS = ["one_device_ring", "many", "explicit"]
+
+
+def _derivative_call(rule, path, is_causal, return_residual):
+  """q -> attention(q, q / 2, cos q) of ``rule`` (its output plus its lse when returned), the
+  contexts its ``path`` runs in, and how q is placed."""
+  kw = dict(DERIVATIVE_RULES[rule][0], is_causal=is_causal, return_residual=return_residual)
+  kind = jax.sharding.AxisType.Explicit if path == "explicit" else jax.sharding.AxisType.Auto
+  contexts, place = [jattn.testing.interpret_kernels()], lambda q: q
+  if rule.startswith("ring"):
+    devices = jax.devices()[: 1 if path == "one_device_ring" else 2]
+    mesh = jax.make_mesh((len(devices),), ("sp",), (kind,), devices=devices)
+    attend = functools.partial(jattn.parallel.ring_attention, mesh=mesh, axis_name="sp", **kw)
+  else:
+    mesh = jax.make_mesh((2,), ("b",), (kind,), devices=jax.devices()[:2])
+    attend = functools.partial(jattn.dot_product_attention, **kw)
+    if path in ("auto_sharded", "explicit"):
+      batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("b"))
+      place = lambda q: jax.device_put(q, batch)
+    elif path == "one_device_placed":
+      place = lambda q: jax.device_put(q, jax.devices()[1])
+    elif path == "one_device_count":
+      contexts.append(mock.patch.object(jax, "device_count", lambda *a: 1))
+  if path == "explicit":
+    contexts.append(jax.set_mesh(mesh))
+
+  def f(q):
+    got = attend(q, q * 0.5, jnp.cos(q))
+    return got[0] + got[1][..., None] if return_residual else got
+
+  return f, contexts, place
+
+
+@settings(max_examples=3, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(data=st.data())
+@pytest.mark.parametrize(
+  "rule, order",
+  [
+    pytest.param(
+      rule,
+      order,
+      id=f"{rule}-{order}",
+      marks=[RING_FORWARD_MODE_XFAIL]
+      if rule.startswith("ring") and order == "forward_mode"
+      else [],
+    )
+    for rule in DERIVATIVE_RULES
+    for order in ORDERS
+  ],
+)
+def test_derivatives_a_rule_cannot_take_raise_its_error_on_every_path(rule, order, data):
+  transform = data.draw(st.sampled_from(ORDERS[order]))
+  path = data.draw(st.sampled_from(RING_PATHS if rule.startswith("ring") else CALL_PATHS))
+  is_causal, return_residual = data.draw(st.booleans()), data.draw(st.booleans())
+  shape = (2, 128, 2, 128) if rule == "splash" else (2, 16, 2, 4)  # splash: whole blocks
+  q = np.asarray(
+    np.random.default_rng(data.draw(st.integers(0, 2**16))).standard_normal(shape), np.float32
+  )
+  f, contexts, place = _derivative_call(rule, path, is_causal, return_residual)
+  where = f"{rule} {transform} {path} causal={is_causal} return_residual={return_residual}"
+  with contextlib.ExitStack() as stack:
+    for c in contexts:
+      stack.enter_context(c)
+    step = jax.jit(TRANSFORMS[transform](f))
+    if transform not in DERIVATIVE_RULES[rule][1]:
+      with pytest.raises(ValueError) as info:
+        step.trace(place(q)).lower()  # refused while tracing or lowering: nothing runs
+      message = str(info.value)
+      who = f"implementation={DERIVATIVE_RULES[rule][0]['implementation']!r}"
+      who = f"ring_attention({who})" if rule.startswith("ring") else who
+      what = "first-order gradients" if order == "second_order" else "reverse-mode derivatives only"
+      assert message.startswith(f"{who} gives {what}"), f"{where}: {message}"
+      assert "implementation='xla'" in message, f"{where}: no way out in {message}"
+      return
+    got = np.asarray(step(place(q)), np.float64)
+  xla = lambda q: jattn.dot_product_attention(
+    q,
+    q * 0.5,
+    jnp.cos(q),
+    is_causal=is_causal,
+    return_residual=return_residual,
+    implementation="xla",
+    backward="autodiff",
+  )
+  plain = (lambda q: xla(q)[0] + xla(q)[1][..., None]) if return_residual else xla
+  want = np.asarray(jax.jit(TRANSFORMS[transform](plain))(q), np.float64)
+  size = max(1.0, float(np.max(np.abs(want))))
+  assert max_abs_error(got, want) <= 1e-4 * size, where
