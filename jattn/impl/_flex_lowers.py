@@ -102,11 +102,22 @@ def _probe(
   """The first thing in the probe kernel's body Triton cannot lower, or None."""
   if mask is None and score_fn is None:
     return None
+  # Traced on the arrays' shapes and dtypes alone: the kernel reads each device's share,
+  # so a sharding the arrays carry (Explicit mesh axes) is not the kernel's concern.
+  leaves, tree = jax.tree.flatten((mask, score_fn))
+  bodies = []
+
+  def trace(*leaves: Any) -> tuple[()]:
+    bodies.append(
+      probe_kernel(*jax.tree.unflatten(tree, leaves), block_q, block_kv, head_dim, dtype)
+    )
+    return ()
+
   try:
-    body = probe_kernel(mask, score_fn, block_q, block_kv, head_dim, dtype)
+    jax.make_jaxpr(trace)(*(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves))
   except Exception as e:  # noqa: BLE001 - the function cannot be traced into a kernel
     return f"it cannot be traced into flex's kernel ({type(e).__name__}: {e})"
-  return _first_problem(body)
+  return _first_problem(bodies[0])
 
 
 def probe_kernel(

@@ -358,7 +358,7 @@ def _rule(
   @mapped.def_vmap
   def _one_by_one(
     axis_size: int, in_batched: Sequence[bool], *args: jax.Array
-  ) -> tuple[Any, list[bool]]:
+  ) -> tuple[Any, tuple[bool, ...]]:
     del axis_size
 
     def one(xs: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
