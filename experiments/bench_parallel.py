@@ -69,7 +69,7 @@ from experiments._ring_balance import balance  # noqa: E402
 from experiments._ring_balance import work_per_device as work_per_device  # noqa: E402
 from experiments._timing import fmt  # noqa: E402
 from jattn import parallel  # noqa: E402
-from jattn.impl import blockwise as _blockwise  # noqa: E402  (internal: default tile sizes)
+from jattn.impl import blockwise as _blockwise  # noqa: E402  internal: default tile sizes
 
 AXIS = "sp"
 

@@ -5,7 +5,7 @@ forward+backward (gradients of q, k, v) on causal inputs of length T for every c
 tile pair, the candidates taking turns in every round (``experiments._timing.rounds_ms``),
 and prints the median milliseconds of each, the table's current pick (``default``: the
 call without ``block_q``/``block_kv``) among them, and the fastest pair by forward+backward
-time: the blocks to put in ``TILES`` of ``jattn/impl/flex.py`` for this GPU's generation
+time: the blocks to put in ``TILES`` of ``jattn/impl/flex/__init__.py`` for this GPU's generation
 (its warps and stages stay the table's). Candidates that fail to compile on the GPU (shared
 memory, registers) are reported as such and skipped.
 

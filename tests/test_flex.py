@@ -17,8 +17,9 @@ from cases import SCORE_FNS, mask_kinds
 
 import jattn
 from jattn import _compat, masks
-from jattn.impl import _flex_backward, flex
-from jattn.impl import _flex_kernels as fk
+from jattn.impl import flex
+from jattn.impl.flex import _backward as _flex_backward
+from jattn.impl.flex import _kernels as fk
 
 B, T, S, N, H, HV, BQ, BK = 2, 40, 40, 4, 8, 12, 16, 16
 IDS = np.repeat(np.arange(5), 8)[None].repeat(B, 0)
@@ -524,7 +525,7 @@ def test_the_allow_list_holds_on_the_installed_jax():
   Triton lowering here (the list spans JAX 0.10 to the newest: some exist in one only)."""
   from jax._src.pallas.triton import lowering
 
-  from jattn.impl import _flex_lowers
+  from jattn.impl.flex import _lowers as _flex_lowers
 
   registered = {p.name for p in lowering.triton_lowering_rules}
   defined = {

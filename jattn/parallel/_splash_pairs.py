@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import masks, scores, testing
-from jattn.impl import _splash_masks, splash
+from jattn.impl import splash
+from jattn.impl.splash import _masks as _splash_masks
 from jattn.masks import _core, kinds
 
 if TYPE_CHECKING:

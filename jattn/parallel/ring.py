@@ -223,7 +223,7 @@ def _pairs(
   soft_cap: float | None,
   blocks_named: tuple[int | None, int | None],
 ) -> _splash_pairs.Pairs | None:
-  """The splash kernels of each shard pair (:mod:`jattn.parallel._splash_pairs`), or None (blockwise).
+  """The splash kernels of each shard pair (:mod:`jattn.parallel._splash_pairs`), or None.
 
   A pair runs splash only where the one-device call would: the pair's own call (its shard
   lengths, segment ids, soft cap and dtype, always returning the log-sum-exp the ring

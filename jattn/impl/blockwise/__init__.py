@@ -65,7 +65,8 @@ import jax.numpy as jnp
 
 from jattn import dropout as _dropout
 from jattn import masks as _masks
-from jattn.impl import _base, _blockwise_backward, _common, _kv, _orders, _tiling
+from jattn.impl import _base, _common, _kv, _orders, _tiling
+from jattn.impl.blockwise import _backward as _blockwise_backward
 
 if TYPE_CHECKING:
   from jattn._spec import CallSpec

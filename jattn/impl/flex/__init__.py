@@ -2,9 +2,9 @@
 compiled into one Pallas kernel (Triton lowering), forward and backward.
 
 The call's combined mask and its score function (with the soft cap) are traced into the
-kernels' bodies on each tile's indices (:mod:`jattn.impl._in_kernel`); the tiles come from
+kernels' bodies on each tile's indices (:mod:`jattn.impl.flex._in_kernel`); the tiles come from
 the mask's tile classes as in blockwise, so EMPTY tiles are never loaded and FULL ones skip
-the mask (:mod:`jattn.impl._flex_kernels`, :mod:`jattn.impl._flex_backward_kernels`). GQA
+the mask (:mod:`jattn.impl.flex._kernels`, :mod:`jattn.impl.flex._backward_kernels`). GQA
 and MQA read each key/value head once; the value head dim may differ; lengths need not be whole
 tiles; dropout's pattern is regenerated from (rng, batch, head, q, kv) in each kernel, as
 every implementation draws it; a bias of any broadcastable shape is read tile by tile (its
@@ -16,7 +16,7 @@ global indices.
 A mask or score function Triton cannot evaluate in the kernel (a gather from an array in
 registers, as ``jnp.searchsorted`` makes; an array read whole whose dimensions are not
 powers of two, as in ``valid.sum(-1)[b]``) is refused by name in the selection table
-(:mod:`jattn.impl._flex_lowers`), never left to fail in lowering.
+(:mod:`jattn.impl.flex._lowers`), never left to fail in lowering.
 
 On a GPU, ``implementation=None`` runs it for every call cuDNN does not express and it does
 (it comes after cuDNN in the table). Its tiles, warps and stages come from :data:`TILES`, by GPU
@@ -37,8 +37,10 @@ import jax.numpy as jnp
 
 from jattn import _checks, testing
 from jattn import dropout as _dropout
-from jattn.impl import _base, _flex_backward, _flex_lowers, _sharded
-from jattn.impl import _flex_kernels as _kernels
+from jattn.impl import _base, _sharded
+from jattn.impl.flex import _backward as _flex_backward
+from jattn.impl.flex import _kernels as _kernels
+from jattn.impl.flex import _lowers as _flex_lowers
 
 if TYPE_CHECKING:
   from jattn._spec import CallSpec

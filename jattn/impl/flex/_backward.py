@@ -1,5 +1,5 @@
 """The custom_vjp that joins the flex kernel's forward pass to its backward pass
-(:mod:`jattn.impl._flex_backward_kernels`), and the gradients it assembles from them:
+(:mod:`jattn.impl.flex._backward_kernels`), and the gradients it assembles from them:
 ``Δ = rowsum(O ⊙ dO)`` less the lse's cotangent, the bias's gradient summed from dS over its
 broadcast axes, and the gradients of the floating arrays a score function reads (its VJP on
 the whole grid). Which inputs are differentiated is read from the custom_vjp's symbolic
@@ -17,8 +17,8 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jattn.impl import _common, _orders, _tiling
-from jattn.impl._flex_backward_kernels import backward
-from jattn.impl._flex_kernels import Function, Settings, forward, kernel_scalars, log_sum_exp
+from jattn.impl.flex._backward_kernels import backward
+from jattn.impl.flex._kernels import Function, Settings, forward, kernel_scalars, log_sum_exp
 
 
 def attention(
@@ -35,12 +35,12 @@ def attention(
   offsets: jax.Array | None = None,
   score_grid: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """:func:`jattn.impl._flex_kernels.forward`, differentiable in query, key, value, bias and
+  """:func:`jattn.impl.flex._kernels.forward`, differentiable in query, key, value, bias and
   the floating arrays the score function reads.
 
   ``cols`` is the schedule of the transposed tile classes (per key/value tile, its query
   tiles); ``seed`` the dropout's two words; ``offsets`` the global index of the shard's
-  first batch row and head (:func:`jattn.impl._flex_kernels.kernel_scalars`).
+  first batch row and head (:func:`jattn.impl.flex._kernels.kernel_scalars`).
   ``score_grid``: the score function's jaxpr traced on the whole (B, N, T, S) grid (its
   arrays the same, in the same order, as ``score``'s), for the gradients of the floating
   arrays it reads (learned parameters): where they are differentiated, the dQ kernel writes

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jattn.impl import _common, _tiling
-from jattn.impl._flex_kernels import (
+from jattn.impl.flex._kernels import (
   Scorer,
   Settings,
   bias_row_spec,

@@ -14,7 +14,7 @@ array of integer indices is a gather from memory. :func:`evaluate` runs a functi
   deferred to that load;
 - anything else reads the whole array first (exact, but for Triton only where its shape is
   a power of two, and a gather from the loaded array does not lower at all: flex's
-  selection, :mod:`jattn.impl._flex_lowers`, refuses functions that need either).
+  selection, :mod:`jattn.impl.flex._lowers`, refuses functions that need either).
 
 Index vectors built by concatenating scalars along a last axis (how ``jnp`` forms a
 gather's indices) are kept as their pieces, so no concatenate or slice is lowered.

@@ -6,7 +6,7 @@ query tile's row of the tile schedule (:func:`jattn.impl._tiling.schedule`: FULL
 first, with no mask arithmetic, then PARTIAL ones, masked; EMPTY tiles never loaded) with
 an online softmax in float32 (float64 for float64 inputs). The key/value head is
 ``n // G`` (GQA and MQA read K/V once, never repeated). The mask and score function run
-on each tile's indices through :func:`jattn.impl._in_kernel.evaluate`, the arrays they
+on each tile's indices through :func:`jattn.impl.flex._in_kernel.evaluate`, the arrays they
 read passed as kernel inputs and loaded by index. Rows the mask empties give zeros and a
 log-sum-exp of -inf. Each row's max ``m`` and the log of its sum ``log l`` are written apart
 (the log-sum-exp is their sum, formed outside): the backward pass recomputes probabilities
@@ -33,7 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jattn import dropout as _dropout
-from jattn.impl import _common, _in_kernel, _tiling
+from jattn.impl import _common, _tiling
+from jattn.impl.flex import _in_kernel as _in_kernel
 
 
 class Function(NamedTuple):

@@ -2,7 +2,7 @@
 lowering takes, checked on the kernel body they would be traced into.
 
 flex traces the call's mask and score function into its kernels (:class:`Scorer`, through
-:func:`jattn.impl._in_kernel.evaluate`, which turns point gathers from the arrays they read
+:func:`jattn.impl.flex._in_kernel.evaluate`, which turns point gathers from the arrays they read
 into loads from memory). What is left must lower to Triton, and much that ``jnp`` allows
 does not: a gather from an array held in registers (``jnp.searchsorted``, or indexing an
 array the function computed, as ``valid.sum(-1)[b]``), a sort, a cumulative sum, or any
@@ -26,7 +26,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 
-from jattn.impl import _flex_kernels as _kernels
+from jattn.impl.flex import _kernels as _kernels
 from jattn.masks import _core as masks_core
 
 # Primitives with a rule in Pallas' Triton lowering (jax/_src/pallas/triton/lowering.py) in

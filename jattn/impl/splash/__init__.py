@@ -32,7 +32,7 @@ differentiate; a ``custom_vjp`` here differentiates the output through the kerne
 backward and the log-sum-exp through two identities: d lse / d q = softmax · K (one more
 forward with the keys as values) and d lse / d K = the value-gradient of that forward.
 
-:mod:`jattn.impl._splash_masks` analyses and builds the masks; this module's table row
+:mod:`jattn.impl.splash._masks` analyses and builds the masks; this module's table row
 (:data:`IMPLEMENTATION`) says what splash cannot express. Nothing here validates
 arguments.
 """
@@ -48,7 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.impl import _base, _orders, _sharded, _splash_masks
+from jattn.impl import _base, _orders, _sharded
+from jattn.impl.splash import _masks as _splash_masks
 from jattn.masks import _core, kinds
 from jattn.scores import ScoreFn, SoftCap
 
