@@ -12,6 +12,13 @@ same, against jax.nn's own error on the same inputs. The contract:
 
 Shapes come from a few fixed choices so that compiled functions are reused across
 examples (jattn's jit caches by shape and static arguments).
+
+The later sections draw the classes of issue #50's hunt, each case against the one-device
+or xla call on the same inputs: soft caps through every ring pair kernel and layout; from_fn
+masks reading arrays every way jnp reads them, through every implementation and as the
+default traced for a GPU; ring inputs in every placement under Auto and Explicit axes;
+every refused derivative on one device and on many; empty dimensions with every mask form.
+Sweeps whose cases compile much keep a share in the default run (tests/tiers.py).
 """
 
 import contextlib
