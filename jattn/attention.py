@@ -31,7 +31,7 @@ import jax
 
 from jattn import _spec, masks
 from jattn._options import Options
-from jattn.impl import _common, _orders, xla
+from jattn.impl import _base, _common, _orders, xla
 from jattn.impl._select import (  # noqa: F401  # public names of the table
   AUTO_BLOCKWISE_BYTES,
   BACKENDS,
@@ -346,7 +346,7 @@ def explain(
 def _weights(query: jax.Array, key: jax.Array, spec: _spec.CallSpec) -> jax.Array:
   if spec.unbatched:
     query, key = query[None], key[None]
-  p = xla.weights(query, key, _spec.rank4(spec))
+  p = xla.weights(query, key, _base.rank4(spec))
   return p[0] if spec.unbatched else p
 
 
@@ -357,7 +357,7 @@ def _attend(
   """The jitted core: one compiled program per spec's settings and the arrays' shapes."""
   if spec.unbatched:
     query, key, value = query[None], key[None], value[None]
-  out, lse = _run(query, key, value, _spec.rank4(spec))
+  out, lse = _run(query, key, value, _base.rank4(spec))
   if spec.unbatched:
     return out[0], None if lse is None else lse[0]
   return out, lse

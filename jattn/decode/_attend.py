@@ -18,7 +18,7 @@ from jattn.attention import dot_product_attention
 from jattn.decode._cache import Cache, KVCache, PagedKVCache, _dims
 from jattn.decode._validate import _check_cache, _check_new, _check_query
 from jattn.decode._writes import _write
-from jattn.impl import _common, _kv
+from jattn.impl import _base, _common, _kv
 from jattn.impl import blockwise as _blockwise
 
 
@@ -257,6 +257,6 @@ def _attend_cache(
 ) -> tuple[jax.Array, jax.Array | None]:
   """The jitted core over a KV cache: blockwise attention reading ``tiles`` one tile at a
   time, finished as :func:`jattn.dot_product_attention` finishes (sinks, dtypes)."""
-  spec = _spec.rank4(spec)
+  spec = _base.rank4(spec)
   out, lse = _blockwise.attention_over_cache(query, tiles, spec)
   return _common.finish(out, lse, spec, query.dtype, False)

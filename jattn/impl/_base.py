@@ -1,4 +1,6 @@
-"""What an implementation is: one row of the selection table, declared in its own module.
+"""The call contract: :class:`CallSpec` (one validated call), :class:`Call` (what the table
+looks at) and :class:`Implementation` (one row of the selection table, declared in its own
+module). This module imports only masks and scores: everything else builds on it.
 
 Each implementation module (``xla``, ``blockwise``, ``splash``, ``cudnn``) ends with
 ``IMPLEMENTATION = Implementation(...)``: where it runs, which backward rules it has, the
@@ -17,22 +19,93 @@ fallback; adding an implementation is one module plus one entry there (docs/layo
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
+from jattn import masks, scores
 from jattn.scores import SoftCap
 
 BACKWARDS = ("autodiff", "custom_vjp")  # the jattn rules, by name
 BACKENDS = ("cpu", "gpu", "tpu")
 
 
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["bias", "mask", "score_fn", "dropout_rng", "sinks", "shard_offsets"],
+  meta_fields=[
+    "B",
+    "T",
+    "S",
+    "N",
+    "K",
+    "H",
+    "Hv",
+    "unbatched",
+    "scale",
+    "dropout_rate",
+    "broadcast_dropout",
+    "implementation",
+    "backward",
+    "block_q",
+    "block_kv",
+    "return_residual",
+    "interpret",
+    "static_mask",
+    "compute_dtype",
+  ],
+)
+@dataclasses.dataclass(frozen=True)
+class CallSpec:
+  """One validated attention call: everything but the query, key and value.
+
+  A pytree: its arrays (the bias, the mask's and score function's arrays, the
+  dropout key) are leaves and its settings are static, so a jitted function that
+  takes a spec compiles once per set of settings and shapes.
+  """
+
+  B: int  # batch size (1 for unbatched inputs)
+  T: int  # query length
+  S: int  # key/value length
+  N: int  # query heads
+  K: int  # key/value heads
+  H: int  # head dimension of query and key
+  Hv: int  # head dimension of value and output (H unless value says otherwise)
+  unbatched: bool  # inputs came as (T, N, H): the core adds and drops the batch axis
+  bias: Any  # None, or a float array broadcastable to (B, N, T, S); rank 4 in the core
+  mask: masks.Mask | None  # every way of masking, combined
+  score_fn: scores.ScoreFn | None  # score_fn, then the soft cap
+  dropout_rng: Any  # a PRNG key when dropout_rate > 0, else None
+  scale: float
+  dropout_rate: float
+  broadcast_dropout: bool
+  implementation: str  # a key of jattn.impl._select.TABLE
+  backward: str | None  # one of its backward rules (None for fused kernels: cudnn, splash)
+  block_q: int | None  # tiles of blockwise, splash or flex (their defaults unless given)
+  block_kv: int | None
+  return_residual: bool
+  interpret: bool = False  # Pallas kernels in interpret mode (jattn.testing.interpret_kernels)
+  sinks: Any = None  # None, or per-head sink logits (N,), a floating array
+  static_mask: Any = None  # splash: the conjuncts it tabulates, static (mask keeps the rest)
+  compute_dtype: Any = None  # xla and blockwise compute in it (_common.compute_dtype)
+  # Inside a kernel's per-device call, for kernels whose mask and score function see global
+  # indices (_sharded.per_shard(global_index=True)): (2,) int32, the global index of the
+  # device's first batch row and query head. None everywhere else.
+  shard_offsets: Any = None
+
+  @property
+  def bnts(self) -> tuple[int, int, int, int]:
+    return (self.B, self.N, self.T, self.S)
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
   """What the table looks at: the checked spec's settings, and what the caller named."""
 
-  spec: Any  # a jattn._spec.CallSpec, before its implementation is chosen
+  spec: CallSpec  # before its implementation is chosen
   dtype: np.dtype
   backend: str
   backward_named: bool  # the caller gave backward=
@@ -119,3 +192,11 @@ class Implementation:
 
   def backward_note(self, backward: str) -> str:
     return dict(self.backward_notes).get(backward, "")
+
+
+def rank4(spec: CallSpec) -> CallSpec:
+  """The spec with its bias as a rank-4 array (leading 1s), as the implementations take it."""
+  bias = spec.bias
+  if bias is not None:
+    bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+  return dataclasses.replace(spec, bias=bias)

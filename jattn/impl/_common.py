@@ -7,7 +7,7 @@ head. Query head n belongs to key/value head n // G, as in jax.nn.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import chex
 import jax
@@ -17,9 +17,7 @@ from jax.extend import core as jex_core
 from jax.typing import ArrayLike, DTypeLike
 
 from jattn import _compat
-
-if TYPE_CHECKING:
-  from jattn._spec import CallSpec
+from jattn.impl._base import CallSpec
 
 
 def stats_dtype(dtype: DTypeLike) -> np.dtype:

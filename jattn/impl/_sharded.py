@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from jattn import _compat
 from jattn.impl import _common, _orders
-
-if TYPE_CHECKING:
-  from jattn._spec import CallSpec
+from jattn.impl._base import CallSpec
 
 MeshAxes = str | tuple[str, ...] | None
 """One entry of a PartitionSpec: a mesh axis, several, or None (not sharded)."""

@@ -20,17 +20,15 @@ only (its float16 gradients in saturated rows measured far worse than jax.nn's).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jattn.impl import _base, _sharded
+from jattn.impl._base import CallSpec
 from jattn.masks import _core, kinds
-
-if TYPE_CHECKING:
-  from jattn._spec import CallSpec
 
 BACKWARDS: tuple[str, ...] = ()  # cuDNN's own fused backward
 

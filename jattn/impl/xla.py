@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,10 +33,8 @@ import numpy as np
 
 from jattn import dropout as _dropout
 from jattn.impl import _base, _common
+from jattn.impl._base import CallSpec
 from jattn.masks import index_grid
-
-if TYPE_CHECKING:
-  from jattn._spec import CallSpec
 
 BACKWARDS = ("autodiff", "custom_vjp")
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +30,9 @@ import numpy as np
 
 from jattn import masks, scores, testing
 from jattn.impl import splash
+from jattn.impl._base import CallSpec
 from jattn.impl.splash import _masks as _splash_masks
 from jattn.masks import _core, kinds
-
-if TYPE_CHECKING:
-  from jattn._spec import CallSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +117,7 @@ def pair_spec(
   ``implementation='splash'``'s table row (:func:`jattn.impl._select.why_not`) checks a
   ring's pairs on this spec as it checks a one-device call.
   """
-  from jattn._spec import CallSpec  # the spec's home imports this module's callers
+  from jattn.impl._base import CallSpec  # the spec's home imports this module's callers
 
   (B, T, N, H), (_, S, K, _), (*_, Hv) = shapes
   return CallSpec(

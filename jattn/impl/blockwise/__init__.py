@@ -58,7 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,10 +66,8 @@ import jax.numpy as jnp
 from jattn import dropout as _dropout
 from jattn import masks as _masks
 from jattn.impl import _base, _common, _kv, _orders, _tiling
+from jattn.impl._base import CallSpec
 from jattn.impl.blockwise import _backward as _blockwise_backward
-
-if TYPE_CHECKING:
-  from jattn._spec import CallSpec
 
 BACKWARDS = ("custom_vjp",)
 

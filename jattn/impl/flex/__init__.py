@@ -30,7 +30,7 @@ added around it, as for every implementation that does not take them itself.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,12 +38,10 @@ import jax.numpy as jnp
 from jattn import _checks, testing
 from jattn import dropout as _dropout
 from jattn.impl import _base, _sharded
+from jattn.impl._base import CallSpec
 from jattn.impl.flex import _backward as _flex_backward
 from jattn.impl.flex import _kernels as _kernels
 from jattn.impl.flex import _lowers as _flex_lowers
-
-if TYPE_CHECKING:
-  from jattn._spec import CallSpec
 
 BACKWARDS: tuple[str, ...] = ()  # its own fused backward kernels
 

@@ -108,9 +108,9 @@ def _probe(
   bodies = []
 
   def trace(*leaves: Any) -> tuple[()]:
-    bodies.append(
-      probe_kernel(*jax.tree.unflatten(tree, leaves), block_q, block_kv, head_dim, dtype)
-    )
+    traced_mask, traced_score_fn = jax.tree.unflatten(tree, leaves)
+    body = probe_kernel(traced_mask, traced_score_fn, block_q, block_kv, head_dim, dtype)
+    bodies.append(body)
     return ()
 
   try:

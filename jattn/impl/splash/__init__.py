@@ -42,19 +42,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jattn.impl import _base, _orders, _sharded
+from jattn.impl._base import CallSpec
 from jattn.impl.splash import _masks as _splash_masks
 from jattn.masks import _core, kinds
 from jattn.scores import ScoreFn, SoftCap
-
-if TYPE_CHECKING:
-  from jattn._spec import CallSpec
 
 LANES = 128  # splash's block sizes must be multiples of the TPU's lane count
 DEFAULT_BLOCK = 512  # per side; capped to the padded length

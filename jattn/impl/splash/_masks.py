@@ -19,12 +19,11 @@ import jax
 import numpy as np
 
 from jattn import _compat
+from jattn.impl._base import CallSpec
 from jattn.masks import _core, kinds, layouts
 
 if TYPE_CHECKING:
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as _mask_lib
-
-  from jattn._spec import CallSpec
 
 # --- which masks compile ------------------------------------------------------
 
