@@ -111,7 +111,7 @@ DEFAULT: dict[str, tuple[str, ...]] = {
   # A soft cap through the ring's pairs: the default as traced for a TPU (where splash pairs
   # once ran, with wrong gradients) in the zig-zag layout, and splash's refusal (no kernel
   # runs) in every layout. Each case draws its masking, shapes and cap.
-  "test_adversarial.py::test_soft_cap_through_every_ring_pair_kernel": (
+  "test_adversarial_paths.py::test_soft_cap_through_every_ring_pair_kernel": (
     "default_on_tpu-zigzag",
     "splash-contiguous",
     "splash-zigzag",
@@ -119,16 +119,16 @@ DEFAULT: dict[str, tuple[str, ...]] = {
   ),
   # Masks reading arrays: flex (run where it takes the mask, else refused by name), the
   # default traced for a GPU (flex only where it lowers) and splash's refusal.
-  "test_adversarial.py::test_masks_reading_arrays_match_xla_or_are_refused_by_name": (
+  "test_adversarial_paths.py::test_masks_reading_arrays_match_xla_or_are_refused_by_name": (
     "flex",
     "default_on_gpu",
     "splash",
   ),
   # Ring inputs placed every way: Explicit axes, where shard_map refused them.
-  "test_adversarial.py::test_ring_takes_inputs_in_every_placement": ("explicit",),
+  "test_adversarial_paths.py::test_ring_takes_inputs_in_every_placement": ("explicit",),
   # Refused derivatives (traced and lowered, nothing runs) of the fused kernels, and forward
   # mode through every custom_vjp rule; the rules' supported second derivatives run in the rest.
-  "test_adversarial.py::test_derivatives_a_rule_cannot_take_raise_its_error_on_every_path": (
+  "test_adversarial_paths.py::test_derivatives_a_rule_cannot_take_raise_its_error_on_every_path": (
     "xla/custom_vjp-forward_mode",
     "blockwise-forward_mode",
     "flex-second_order",
