@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import _checks, _quant, decode
-from jattn._flax_config import Heads
+from jattn.flax._config import Heads
 
 # The variable holding each field of a jattn.decode cache.
 NAMES = {

@@ -19,8 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _flax_adapter, _flax_cache, attention, decode, masks
-from jattn._flax_config import Settings
+from jattn import attention, decode, masks
+from jattn.flax import _adapter as _flax_adapter
+from jattn.flax import _cache as _flax_cache
+from jattn.flax._config import Settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,10 +431,10 @@ def attend(
     if rope is not None:
       pos: jax.typing.ArrayLike = decode.positions(cache.cache, query.shape[1])
       query, key = rope(query, pos), rope(key, pos)
-    out, new_cache = decode.attention(
+    decoded, new_cache = decode.attention(
       query, key, value, cache.cache, num_new=num_new, mask=mask, sinks=sinks, **options
     )
-    return _unrows(out, batch_dims), None, cache.variables(new_cache)  # type: ignore[arg-type]
+    return _unrows(decoded, batch_dims), None, cache.variables(new_cache)  # type: ignore[arg-type]
   if rope is not None:
     if positions is None:
       pos = jnp.arange(query.shape[-3], dtype=jnp.int32)

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from jattn import _checks, positional
 from jattn._options import Options
-
-if TYPE_CHECKING:
-  from jattn import linen, nnx
 
 NORMALIZE_QK = (False, True, "rms", "layernorm")
 
@@ -49,7 +46,7 @@ class Settings:
   attention_fn: Callable | None  # Flax's contract, in place of jattn's attention
 
   @classmethod
-  def of(cls, module: nnx.MultiHeadAttention | linen.MultiHeadAttention) -> Settings:
+  def of(cls, module: Any) -> Settings:  # a jattn.nnx or jattn.linen MultiHeadAttention
     """``module``'s: its ``options``, else an Options of its ``implementation``,
     ``backward``, ``block_q`` and ``block_kv`` (unset when options is)."""
     options = module.options

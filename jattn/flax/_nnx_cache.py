@@ -1,5 +1,5 @@
 """Flax NNX: :class:`jattn.nnx.MultiHeadAttention`'s KV cache, kept as one ``nnx.Cache``
-attribute per variable of :mod:`jattn._flax_cache` (Flax's ``cached_key``, ``cached_value``,
+attribute per variable of :mod:`jattn.flax._cache` (Flax's ``cached_key``, ``cached_value``,
 ``cache_index``; jattn's ``cache_lengths``, ``page_table``, ...), None for those it lacks.
 """
 
@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import jax
 from flax import nnx
 
-from jattn import _flax_cache
+from jattn.flax import _cache as _flax_cache
 
 
 def store(module: nnx.Module, variables: Mapping[str, jax.Array]) -> None:

@@ -31,8 +31,12 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen.attention import dot_product_attention as _flax_dot_product_attention
 
-from jattn import _flax_adapter, _flax_cache, _flax_call, _flax_config, positional
+from jattn import positional
 from jattn._options import Options
+from jattn.flax import _adapter as _flax_adapter
+from jattn.flax import _cache as _flax_cache
+from jattn.flax import _call as _flax_call
+from jattn.flax import _config as _flax_config
 
 __all__ = [
   "MultiHeadDotProductAttention",
@@ -267,12 +271,12 @@ class MultiHeadDotProductAttention(nn.Module):
       sow_weights=sow_weights,
       remedy=_RAGGED_REMEDY,
     )
-    name = _flax_cache.dtype_name
+    dtype_name = _flax_cache.dtype_name
     _flax_cache.check_dtype(
       None if held is None else held.cache,
       key.dtype,
       origin="",
-      settings=f"dtype={name(self.dtype)}, param_dtype={name(self.param_dtype)}, "
+      settings=f"dtype={dtype_name(self.dtype)}, param_dtype={dtype_name(self.param_dtype)}, "
       f"inputs {inputs_q.dtype}",
       remedy="set cache_dtype={dtype} (or None: the keys' dtype at the init pass)",
     )
@@ -288,6 +292,7 @@ class MultiHeadDotProductAttention(nn.Module):
       name[:-4]: getattr(self, name)() if getattr(self, name) else None
       for name in ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls")
     }
+    causal: dict[str, Any] = dict(is_causal=True) if is_causal else {}
     flax_kwargs: dict[str, Any] = dict(
       dropout_rng=dropout_rng,
       deterministic=deterministic,
@@ -324,7 +329,7 @@ class MultiHeadDotProductAttention(nn.Module):
         settings,
         only_taken=True,
         **flax_kwargs,
-        **(dict(is_causal=True) if is_causal else {}),
+        **causal,
       ),
       flax_attention=flax_attention,
       flax_why=f"{query.dtype} inputs" if complex_ else "the einsum factories",

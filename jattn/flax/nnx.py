@@ -29,10 +29,15 @@ from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 from flax.nnx.nn.attention import dot_product_attention_weights as _flax_weights
 
-from jattn import _flax_adapter, _flax_cache, _flax_call, _flax_config, _nnx_cache, positional
 from jattn import decode as _decode
-from jattn._nnx_hopfield import HopfieldLayer as HopfieldLayer
+from jattn import positional
 from jattn._options import Options
+from jattn.flax import _adapter as _flax_adapter
+from jattn.flax import _cache as _flax_cache
+from jattn.flax import _call as _flax_call
+from jattn.flax import _config as _flax_config
+from jattn.flax import _nnx_cache as _nnx_cache
+from jattn.flax._nnx_hopfield import HopfieldLayer as HopfieldLayer
 
 __all__ = ["MultiHeadAttention", "attention_fn", "HopfieldLayer"]
 
