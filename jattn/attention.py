@@ -237,7 +237,7 @@ def dot_product_attention(
   returns the mean of the values) and the log-sum-exp is differentiable.
   """
   q, k, v, spec = _spec.build(_spec.Arguments.of(locals()))
-  out, lse = _attend(q, k, v, spec)
+  out, lse = attend(q, k, v, spec)
   return (out, lse) if return_residual else out
 
 
@@ -351,7 +351,7 @@ def _weights(query: jax.Array, key: jax.Array, spec: _spec.CallSpec) -> jax.Arra
 
 
 @jax.jit
-def _attend(
+def attend(
   query: jax.Array, key: jax.Array, value: jax.Array, spec: _spec.CallSpec
 ) -> tuple[jax.Array, jax.Array | None]:
   """The jitted core: one compiled program per spec's settings and the arrays' shapes."""

@@ -496,14 +496,6 @@ DERIVATIVE_RULES = {
   "ring/blockwise": (dict(implementation="blockwise"), {"hessian_vector"}),
   "ring/splash": (dict(implementation="splash"), set()),
 }
-# ring_attention's custom_vjp meets forward mode with JAX's own TypeError ("can't apply
-# forward-mode autodiff (jvp) to a custom_vjp function"), where docs/backward.md promises
-# jattn's ValueError naming the rule and the way out, on one device and many.
-RING_FORWARD_MODE_XFAIL = pytest.mark.xfail(
-  strict=True,
-  raises=TypeError,
-  reason="ring_attention raises JAX's bare TypeError for forward mode, not jattn's ValueError",
-)
 CALL_PATHS = ["one_device_count", "one_device_placed", "many", "auto_sharded", "explicit"]
 RING_PATHS = ["one_device_ring", "many", "explicit"]
 
@@ -543,16 +535,7 @@ def _derivative_call(rule, path, is_causal, return_residual):
 @pytest.mark.parametrize(
   "rule, order",
   [
-    pytest.param(
-      rule,
-      order,
-      id=f"{rule}-{order}",
-      marks=[RING_FORWARD_MODE_XFAIL]
-      if rule.startswith("ring") and order == "forward_mode"
-      else [],
-    )
-    for rule in DERIVATIVE_RULES
-    for order in ORDERS
+    pytest.param(rule, order, id=f"{rule}-{order}") for rule in DERIVATIVE_RULES for order in ORDERS
   ],
 )
 def test_derivatives_a_rule_cannot_take_raise_its_error_on_every_path(rule, order, data):
@@ -676,19 +659,11 @@ def empty_calls(draw, rule):
   return (q, k, v), kw, names
 
 
-RING_EMPTY_XFAIL = pytest.mark.xfail(
-  strict=True,
-  raises=TypeError,
-  reason="ring_attention with an empty batch or sequence fails inside blockwise.plan "
-  "(min(None, T): '<' not supported between 'int' and 'NoneType')",
-)
-
-
 @settings(max_examples=3, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(data=st.data())
 @pytest.mark.parametrize(
   "rule",
-  [pytest.param(r, marks=[RING_EMPTY_XFAIL] if r == "ring" else []) for r in EMPTY_RULES],
+  EMPTY_RULES,
 )
 def test_empty_dimensions_with_every_mask_form(rule, data):
   (q, k, v), kw, names = data.draw(empty_calls(rule))
