@@ -20,7 +20,7 @@ from jattn import positional as positional
 from jattn import scores as scores
 from jattn import testing as testing
 from jattn import viz as viz  # plots; imports matplotlib only when called
-from jattn._options import Options as Options
+from jattn._validate.options import Options as Options
 from jattn.attention import attention_weights as attention_weights
 from jattn.attention import dot_product_attention as dot_product_attention
 from jattn.attention import explain as explain

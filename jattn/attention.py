@@ -11,8 +11,8 @@ Shape legend, used in every docstring, einsum string and shape assertion::
     G  N // K, query heads per key/value head
 
 Data flows one way: the public call hands every argument to
-:func:`jattn._spec.build`, which checks them and raises before anything is traced
-or compiled, and returns a :class:`jattn._spec.CallSpec`: every way of masking
+:func:`jattn._validate.build`, which checks them and raises before anything is traced
+or compiled, and returns a :class:`jattn.CallSpec`: every way of masking
 (``mask``, ``is_causal``, ``local_window_size``, sequence lengths,
 ``segment_ids``) as one :class:`jattn.masks.Mask`, ``score_fn`` and
 ``logits_soft_cap`` as one score function, the chosen implementation and rule.
@@ -29,9 +29,10 @@ from typing import Any, Literal, overload
 import chex
 import jax
 
-from jattn import _spec, masks
-from jattn._options import Options
+from jattn import _validate, masks
+from jattn._validate.options import Options
 from jattn.impl import _base, _common, _orders, xla
+from jattn.impl._base import CallSpec
 from jattn.impl._select import (  # noqa: F401  # public names of the table
   AUTO_BLOCKWISE_BYTES,
   BACKENDS,
@@ -236,7 +237,7 @@ def dot_product_attention(
   Unlike jax.nn, a query row that may attend to nothing returns zeros (jax.nn
   returns the mean of the values) and the log-sum-exp is differentiable.
   """
-  q, k, v, spec = _spec.build(_spec.Arguments.of(locals()))
+  q, k, v, spec = _validate.build(_validate.Arguments.of(locals()))
   out, lse = attend(q, k, v, spec)
   return (out, lse) if return_residual else out
 
@@ -276,7 +277,7 @@ def attention_weights(
            [0.5       , 0.5       , 0.        ],
            [0.33333334, 0.33333334, 0.33333334]], dtype=float32)
   """
-  q, k, _, spec = _spec.build(_spec.Arguments.of(locals(), implementation="xla"))
+  q, k, _, spec = _validate.build(_validate.Arguments.of(locals(), implementation="xla"))
   return _weights(q, k, spec)
 
 
@@ -334,8 +335,8 @@ def explain(
     for i, x in zip(shaped, abstract):
       filled[i] = x
     m, kw = jax.tree_util.tree_unflatten(tree, filled)
-    arguments = _spec.Arguments(q, k, v, b, m, **kw)
-    choices.append(_spec.build(arguments, backend=backend, explain=True))
+    arguments = _validate.Arguments(q, k, v, b, m, **kw)
+    choices.append(_validate.build(arguments, backend=backend, explain=True))
     return ()
 
   jax.eval_shape(trace, query, key, value, bias, [leaves[i] for i in shaped])
@@ -343,7 +344,7 @@ def explain(
 
 
 @jax.jit
-def _weights(query: jax.Array, key: jax.Array, spec: _spec.CallSpec) -> jax.Array:
+def _weights(query: jax.Array, key: jax.Array, spec: CallSpec) -> jax.Array:
   if spec.unbatched:
     query, key = query[None], key[None]
   p = xla.weights(query, key, _base.rank4(spec))
@@ -352,7 +353,7 @@ def _weights(query: jax.Array, key: jax.Array, spec: _spec.CallSpec) -> jax.Arra
 
 @jax.jit
 def attend(
-  query: jax.Array, key: jax.Array, value: jax.Array, spec: _spec.CallSpec
+  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
 ) -> tuple[jax.Array, jax.Array | None]:
   """The jitted core: one compiled program per spec's settings and the arrays' shapes."""
   if spec.unbatched:
@@ -364,7 +365,7 @@ def attend(
 
 
 def _run(
-  query: jax.Array, key: jax.Array, value: jax.Array, spec: _spec.CallSpec
+  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
 ) -> tuple[jax.Array, jax.Array | None]:
   """One implementation on rank-4 inputs: ``(out, lse or None)`` as returned to the caller."""
   dims = chex.Dimensions(B=spec.B, T=spec.T, S=spec.S, N=spec.N, K=spec.K, H=spec.H, V=spec.Hv)

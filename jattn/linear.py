@@ -75,6 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import _checks
+from jattn._validate import _call
 from jattn.impl import _common
 
 __all__ = [
@@ -129,7 +130,7 @@ def linear_attention(
   Returns:
     The output, shaped and typed like ``query``.
   """
-  q, k, v = _checks.qkv(query, key, value)
+  q, k, v = _call.qkv(query, key, value)
   if k.shape != v.shape:
     raise ValueError(
       f"key and value must have the same shape for linear_attention, got key {k.shape} "

@@ -164,16 +164,16 @@ def test_the_shard_map_wrapper_keeps_any_kernels_values():
   # splash in Explicit mode. Here the wrapper runs jattn's xla path as the per-device
   # kernel, with a rank-4 bias broadcast over the batch and sinks: values, gradients and
   # shardings as the unwrapped call.
-  from jattn import _spec
-  from jattn.impl import _sharded, xla
+  from jattn import _validate
+  from jattn.impl import _base, _sharded, xla
 
   q, k, v, ids, sinks = _inputs()
   bias = jnp.asarray(np.random.default_rng(5).normal(size=(1, N, T, T)), jnp.float32)
 
   def run(q, k, v, bias, wrap):
-    arguments = _spec.Arguments(q, k, v, bias, is_causal=True, implementation="xla")
-    q, k, v, spec = _spec.build(arguments)
-    spec = _spec.rank4(spec)
+    arguments = _validate.Arguments(q, k, v, bias, is_causal=True, implementation="xla")
+    q, k, v, spec = _validate.build(arguments)
+    spec = _base.rank4(spec)
     if wrap:
       return _sharded.per_shard(xla.attention, q, k, v, spec, auto=False)[0]
     return xla.attention(q, k, v, spec)[0]

@@ -12,14 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks, _quant, _spec, masks
-from jattn._options import Options
+from jattn import _checks, _validate, masks
+from jattn._validate.options import Options
 from jattn.attention import dot_product_attention
 from jattn.decode._cache import Cache, KVCache, PagedKVCache, _dims
 from jattn.decode._validate import _check_cache, _check_new, _check_query
 from jattn.decode._writes import _write
-from jattn.impl import _base, _common, _kv
+from jattn.impl import _base, _common, _kv, _quant
 from jattn.impl import blockwise as _blockwise
+from jattn.impl._base import CallSpec
 
 
 def attention(
@@ -228,8 +229,10 @@ def _over_tiles(
   # The keys and values are read from the cache: the spec is built from their shapes.
   shape_of = lambda h: jax.ShapeDtypeStruct((B, S, K, h), query.dtype)
   options = dataclasses.replace(options, implementation="blockwise", block_kv=block_kv)
-  arguments = _spec.Arguments(query, shape_of(H), shape_of(Hv), bias, mask, options=options, **call)
-  _, _, _, spec = _spec.build(arguments, shapes_only=True)
+  arguments = _validate.Arguments(
+    query, shape_of(H), shape_of(Hv), bias, mask, options=options, **call
+  )
+  _, _, _, spec = _validate.build(arguments, shapes_only=True)
   stores = (cache.key_pages, cache.value_pages) if isinstance(cache, PagedKVCache) else cache[:2]
   # Explicit mode: the page table and lengths take the query's batch sharding, so that each
   # device gathers the pages of its own rows from the (unsharded) pool.
@@ -253,7 +256,7 @@ def _over_tiles(
 
 @jax.jit
 def _attend_cache(
-  query: jax.Array, tiles: _kv.CacheTiles, spec: _spec.CallSpec
+  query: jax.Array, tiles: _kv.CacheTiles, spec: CallSpec
 ) -> tuple[jax.Array, jax.Array | None]:
   """The jitted core over a KV cache: blockwise attention reading ``tiles`` one tile at a
   time, finished as :func:`jattn.dot_product_attention` finishes (sinks, dtypes)."""

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks, _quant
+from jattn import _checks
+from jattn.impl import _quant
 
 
 class KVCache(NamedTuple):
@@ -167,7 +168,7 @@ def _stores(
   value, key_scale, value_scale)``, as :func:`_filled` takes them."""
   K, H = _sizes(num_kv_heads=num_kv_heads, head_dim=head_dim)
   Hv = H if value_head_dim is None else _sizes(value_head_dim=value_head_dim)[0]
-  dtype = np.dtype(_checks.storage_dtype("dtype", dtype))
+  dtype = np.dtype(_quant.storage_dtype("dtype", dtype))
   stores: tuple[_Fill, ...] = (((*lead, K, H), dtype, 0), ((*lead, K, Hv), dtype, 0))
   if _quant.is_quantized(dtype):
     stores += (((*lead, K), np.dtype(_quant.SCALE_DTYPE), 0),) * 2

@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks, _quant
+from jattn import _checks
 from jattn.decode import _paging
 from jattn.decode._cache import Cache, KVCache, PagedKVCache, _dims
+from jattn.impl import _quant
 
 
 def _check_cache(cache: object) -> None:

@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks, _quant
+from jattn import _checks
 from jattn.decode import _paging
 from jattn.decode._cache import Cache, KVCache, PagedKVCache
 from jattn.decode._validate import _check_cache, _check_new
-from jattn.impl import _common
+from jattn.impl import _common, _quant
 
 
 def release(cache: Cache, rows: jax.typing.ArrayLike) -> Cache:

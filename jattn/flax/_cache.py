@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks, _quant, decode
+from jattn import _checks, decode
 from jattn.flax._config import Heads
+from jattn.impl import _quant
 
 # The variable holding each field of a jattn.decode cache.
 NAMES = {
@@ -74,7 +75,7 @@ def check_cache_options(
   A paged or quantized cache is read by blockwise attention alone, in tiles of whole
   pages, so the module's ``implementation`` and ``block_kv`` must allow that.
   """
-  dtype = None if dtype is None else _checks.storage_dtype(dtype_name, dtype)
+  dtype = None if dtype is None else _quant.storage_dtype(dtype_name, dtype)
   _checks.boolean(ragged_name, ragged)
   if page_size is not None:
     page_size = _checks.integer("page_size", page_size, minimum=1, int32=True)

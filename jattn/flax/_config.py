@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from jattn import _checks, positional
-from jattn._options import Options
+from jattn._validate.options import Options
 
 NORMALIZE_QK = (False, True, "rms", "layernorm")
 

@@ -32,7 +32,7 @@ from flax import linen as nn
 from flax.linen.attention import dot_product_attention as _flax_dot_product_attention
 
 from jattn import positional
-from jattn._options import Options
+from jattn._validate.options import Options
 from jattn.flax import _adapter as _flax_adapter
 from jattn.flax import _cache as _flax_cache
 from jattn.flax import _call as _flax_call

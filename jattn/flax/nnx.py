@@ -31,7 +31,7 @@ from flax.nnx.nn.attention import dot_product_attention_weights as _flax_weights
 
 from jattn import decode as _decode
 from jattn import positional
-from jattn._options import Options
+from jattn._validate.options import Options
 from jattn.flax import _adapter as _flax_adapter
 from jattn.flax import _cache as _flax_cache
 from jattn.flax import _call as _flax_call

@@ -28,7 +28,7 @@ def stats_dtype(dtype: DTypeLike) -> np.dtype:
 def compute_dtype(dtype: DTypeLike, backend: str) -> np.dtype:
   """The dtype xla and blockwise compute in for inputs of ``dtype`` on ``backend``: float32
   for bfloat16 and float16 on a CPU, else ``dtype`` itself; outputs and gradients are
-  rounded back to ``dtype`` once, at the end. :func:`jattn._spec.build` decides it for the
+  rounded back to ``dtype`` once, at the end. :func:`jattn._validate.build` decides it for the
   call's backend and records it on the spec, so it is part of the jit cache key.
 
   XLA's CPU dots have no fast path for narrow floats on this project's CPUs. Measured with

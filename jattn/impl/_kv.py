@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _quant
-from jattn.impl import _common, _tiling
+from jattn.impl import _common, _quant, _tiling
 
 
 class Stacked(NamedTuple):

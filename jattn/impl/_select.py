@@ -7,7 +7,7 @@ first fused kernel, in table order, that expresses the call (splash on TPU; cuDN
 flex, on GPU) and otherwise the materialised ``"xla"`` path or the tiled ``"blockwise"``
 loop by the size of the scores.
 :func:`jattn.explain` shows the same decision, with the reason for each implementation
-not taken. Arguments arrive checked from :func:`jattn._spec.build`.
+not taken. Arguments arrive checked from :func:`jattn._validate.build`.
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
-from jattn import _masking, _spec, attention, masks, testing
-from jattn._options import Options
+from jattn import _masking, _validate, attention, masks, testing
+from jattn._validate.options import Options
 from jattn.impl import _common, _select, splash
+from jattn.impl._base import CallSpec
 from jattn.parallel import _ring, _splash_pairs
 from jattn.parallel.layouts import _check_divisible, _check_layout, shard_positions
 
@@ -130,7 +131,7 @@ def ring_attention(
     )
   # Segment ids travel with their shards rather than as a Mask: checked separately below.
   # Each pair of shards runs blockwise here; the pairs' own implementation is options'.
-  call = _spec.Arguments.of(
+  call = _validate.Arguments.of(
     arguments,
     segment_ids=None,
     implementation=None,
@@ -138,7 +139,7 @@ def ring_attention(
     block_kv=None,
     options=dataclasses.replace(options, implementation="blockwise"),
   )
-  q, k, v, spec = _spec.build(call)
+  q, k, v, spec = _validate.build(call)
   if spec.unbatched:
     raise ValueError(
       f"ring_attention needs batched inputs: query (B, T, N, H), got shape {q.shape}"
@@ -217,7 +218,7 @@ def _check_pairs(implementation: Any) -> None:
 
 def _pairs(
   implementation: str | None,
-  spec: _spec.CallSpec,
+  spec: CallSpec,
   dtype: DTypeLike,
   layout: str,
   size: int,
@@ -263,7 +264,7 @@ def _pairs(
 
 
 def _pair_reason(
-  spec: _spec.CallSpec,
+  spec: CallSpec,
   dtype: DTypeLike,
   size: int,
   segments: masks.Mask | None,

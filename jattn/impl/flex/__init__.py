@@ -35,8 +35,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jattn import _checks, testing
 from jattn import dropout as _dropout
+from jattn import testing
 from jattn.impl import _base, _sharded
 from jattn.impl._base import CallSpec
 from jattn.impl.flex import _backward as _flex_backward
@@ -120,7 +120,7 @@ def _first_gpu_kind() -> str:
 
 def _check(call: _base.Call) -> str | None:
   s = call.spec
-  if reason := _checks.flex_tiles_reason(s.block_q, s.block_kv):
+  if reason := tiles_reason(s.block_q, s.block_kv):
     return reason
   # The mask and score function as the kernels would see them: what Triton cannot lower
   # (a gather from registers, an array read whole) is refused here, not in lowering.
@@ -238,3 +238,12 @@ IMPLEMENTATION = _base.Implementation(
   interpretable=True,
   check=_check,
 )
+
+
+def tiles_reason(block_q: int | None, block_kv: int | None) -> str | None:
+  """Why flex cannot take these tile sizes (Triton's blocks: powers of two, at least 16), or
+  None; a size not given takes flex's default."""
+  for name, block in (("block_q", block_q), ("block_kv", block_kv)):
+    if block is not None and (block < 16 or block & (block - 1)):
+      return f"{name}={block} (flex's tiles are powers of two, at least 16)"
+  return None

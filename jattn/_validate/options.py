@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any
 
 from jattn import _checks
+from jattn.impl import _select, flex, splash
 
 __all__ = ["Options"]
 
@@ -46,10 +47,8 @@ class Options:
   block_kv: int | None = None
 
   def __post_init__(self) -> None:
-    from jattn.impl import _select  # here: the table's modules import this package's checks
-
     _select.check_choices(self.implementation, self.backward)
-    _checks.tile_sizes(self.implementation, self.block_q, self.block_kv)
+    tile_sizes(self.implementation, self.block_q, self.block_kv)
 
   @classmethod
   def of(cls, options: Options | None, **keywords: Any) -> Options:
@@ -65,3 +64,32 @@ class Options:
         f"{given[0]} given both as a keyword and in options={options!r}: pass it in one place"
       )
     return options
+
+
+def tile_sizes(
+  implementation: str | None, block_q: Any, block_kv: Any
+) -> tuple[int | None, int | None]:
+  """Tile sizes checked; they exist only for the tiled implementations (the table's tiles
+  column; with implementation=None they exclude the others, see _select.choose)."""
+  tiled = _select.TILED
+  blocks = (
+    None if block_q is None else _checks.integer("block_q", block_q, minimum=1),
+    None if block_kv is None else _checks.integer("block_kv", block_kv, minimum=1),
+  )
+  if implementation is not None and implementation not in tiled and blocks != (None, None):
+    names = ", ".join(repr(n) for n in tiled[:-1]) + f" or {tiled[-1]!r}"
+    raise ValueError(
+      f"block_q and block_kv apply only to implementation={names}, got "
+      f"implementation={implementation!r}"
+    )
+  # The fused kernels' own tile rules, checked when the sizes are given (an Options is made),
+  # not first at the call; blockwise takes any size.
+  reason = None
+  if implementation == "flex":
+    reason = flex.tiles_reason(*blocks)
+  elif implementation == "splash":
+    # A size not given takes splash's default, a multiple of its lanes.
+    reason = splash.blocks_reason(*(splash.LANES if b is None else b for b in blocks))
+  if reason is not None:
+    raise ValueError(f"implementation={implementation!r} does not support {reason}")
+  return blocks

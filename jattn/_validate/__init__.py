@@ -27,7 +27,8 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jattn import _checks, _compat, _masking, testing
-from jattn._options import Options
+from jattn._validate import _call
+from jattn._validate.options import Options
 from jattn.impl import _common, _select, _sharded
 from jattn.impl._base import CallSpec
 
@@ -102,29 +103,29 @@ def build(
   )
   impl, bwd = _select.check_choices(options.implementation, options.backward)
   blocks = (options.block_q, options.block_kv)
-  q, k, v = _checks.qkv(
+  q, k, v = _call.qkv(
     a.query, a.key, a.key if a.value is None else a.value, shapes_only=shapes_only
   )
   unbatched = q.ndim == 3
   B, T, N, H = (1,) * unbatched + tuple(q.shape)
   S, K = k.shape[-3], k.shape[-2]
-  scale = _checks.scale(a.scale, H)
+  scale = _call.scale(a.scale, H)
   bias = _masking.checked_bias(a.bias, (B, N, T, S), q.dtype)
   _checks.flags(
     is_causal=a.is_causal,
     return_residual=a.return_residual,
     broadcast_dropout=a.broadcast_dropout,
   )
-  window = _checks.window(a.local_window_size)
+  window = _call.window(a.local_window_size)
   lengths = tuple(
-    _checks.seq_lengths(name, x, B)
+    _call.seq_lengths(name, x, B)
     for name, x in (
       ("query_seq_lengths", a.query_seq_lengths),
       ("key_value_seq_lengths", a.key_value_seq_lengths),
     )
   )
-  dropout_rate = _checks.dropout(a.dropout_rate, a.dropout_rng)
-  sinks = _checks.sinks(a.sinks, N)
+  dropout_rate = _call.dropout(a.dropout_rate, a.dropout_rng)
+  sinks = _call.sinks(a.sinks, N)
   spec = CallSpec(
     B=B,
     T=T,

@@ -15,6 +15,8 @@ never expanded to floats.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,3 +51,17 @@ def quantize(x: jax.Array, dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
 def dequantize(values: jax.Array, scale: jax.Array, dtype: DTypeLike) -> jax.Array:
   """``values · scale`` in ``dtype``: values (..., H) in a quantized dtype, scale (...)."""
   return (values.astype(SCALE_DTYPE) * scale[..., None]).astype(dtype)
+
+
+def storage_dtype(name: str, dtype: Any) -> np.dtype:
+  """A KV cache's storage dtype: floating, or int8 / float8_e4m3fn (quantized)."""
+  try:
+    checked = np.dtype(dtype)
+  except TypeError:
+    checked = None
+  if checked is None or not (jnp.issubdtype(checked, jnp.floating) or is_quantized(checked)):
+    raise TypeError(
+      f"{name} must be a floating dtype, int8 or float8_e4m3fn, got "
+      f"{dtype if checked is None else checked}"
+    )
+  return checked
