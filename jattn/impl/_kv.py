@@ -174,6 +174,10 @@ class CacheTiles:
     )
 
 
+KV = tuple[jax.Array, jax.Array] | CacheTiles
+"""Where key/value tiles come from: a (key, value) pair, or a KV cache read tile by tile."""
+
+
 def _gather_pages(store: jax.Array, pages: jax.Array) -> jax.Array:
   """``store[pages]``: pages (B, n) of a pool (P, page_size, ...) as (B, n, page_size, ...).
 

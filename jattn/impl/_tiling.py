@@ -30,6 +30,9 @@ from jattn.masks import _indexing
 
 Carry = TypeVar("Carry")
 
+Consts = tuple[Sequence[Any], Sequence[Any]]
+"""(mask constants, score function constants), hoisted out of their closures."""
+
 
 class Static(NamedTuple):
   """Hashable settings of one call: the custom_vjp's non-differentiable argument."""

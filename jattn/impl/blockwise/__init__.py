@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -67,15 +67,12 @@ from jattn import dropout as _dropout
 from jattn import masks as _masks
 from jattn.impl import _base, _common, _kv, _orders, _tiling
 from jattn.impl._base import CallSpec
+from jattn.impl._kv import KV
+from jattn.impl._tiling import Consts
 from jattn.impl.blockwise import _backward as _blockwise_backward
 
 BACKWARDS = ("custom_vjp",)
 
-KV = tuple[jax.Array, jax.Array] | _kv.CacheTiles
-"""Where key/value tiles come from: a (key, value) pair, or a KV cache read tile by tile."""
-
-Consts = tuple[Sequence[Any], Sequence[Any]]
-"""(mask constants, score function constants), hoisted out of their closures."""
 
 _Residuals = tuple[
   jax.Array,  # query

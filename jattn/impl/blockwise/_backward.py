@@ -9,15 +9,14 @@ A = exp(s − m) / l and dA = dY Vᵀ and accumulate dV, dQ, dK and the bias's g
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jattn.impl import _common, _kv, _tiling
-
-if TYPE_CHECKING:
-  from jattn.impl.blockwise import KV, Consts
+from jattn.impl._kv import KV
+from jattn.impl._tiling import Consts
 
 
 def _row_dots(
