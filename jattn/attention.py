@@ -33,7 +33,7 @@ from jattn import _validate, masks
 from jattn._validate.options import Options
 from jattn.impl import _base, _common, _orders, xla
 from jattn.impl._base import CallSpec
-from jattn.impl._select import (  # noqa: F401  # public names of the table
+from jattn.impl._select import (  # public names of the table
   AUTO_BLOCKWISE_BYTES,
   BACKENDS,
   BACKWARDS,
@@ -41,6 +41,18 @@ from jattn.impl._select import (  # noqa: F401  # public names of the table
   TABLE,
   Choice,
 )
+
+__all__ = [
+  "dot_product_attention",
+  "attention_weights",
+  "explain",
+  "Choice",
+  "TABLE",
+  "IMPLEMENTATIONS",
+  "BACKENDS",
+  "BACKWARDS",
+  "AUTO_BLOCKWISE_BYTES",
+]
 
 
 @overload

@@ -1,12 +1,15 @@
-"""The house rules of docs/layout.md, read from the source: no module of the library over
-450 lines, no test file over 800, no test file importing another, and ``__all__`` set in
-the code of every module the API reference documents."""
+"""The house rules of docs/layout.md, read from the source: imports flow one way through
+jattn (no circle, counting every import: inside functions and under TYPE_CHECKING too), the
+top level holds the public modules and at most three private ones, the library imports only
+its runtime dependencies, no test file imports another, and every public module says what it
+exports in ``__all__``."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
 import re
+import sys
 
 import pytest
 import tiers
@@ -16,22 +19,104 @@ LIBRARY = sorted((ROOT / "jattn").rglob("*.py"))
 TESTS = sorted((ROOT / "tests").glob("test_*.py"))
 
 
-def _lines(path: pathlib.Path) -> int:
-  return len(path.read_text(encoding="utf-8").splitlines())
-
-
 def test_the_globs_find_the_code():
   assert len(LIBRARY) > 50 and len(TESTS) > 30
 
 
-def test_no_library_module_over_450_lines():
-  over = {str(p.relative_to(ROOT)): n for p in LIBRARY if (n := _lines(p)) > 450}
-  assert not over, f"split these by concept: {over}"
+def _module_name(path: pathlib.Path) -> str:
+  parts = list(path.relative_to(ROOT).with_suffix("").parts)
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def test_no_test_file_over_800_lines():
-  over = {p.name: n for p in TESTS if (n := _lines(p)) > 800}
-  assert not over, f"split these by concept: {over}"
+def _import_graph(files: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+  """module -> the jattn modules it imports (``from jattn.x import y`` names the module
+  jattn.x.y when that is a module, else jattn.x), read from every import statement."""
+  graph: dict[str, set[str]] = {}
+  for name, path in files.items():
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    targets: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+      if isinstance(node, ast.Import):
+        found = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+          base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+        found = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+      else:
+        continue
+      for target in found:
+        while target and target not in files:
+          target = target.rpartition(".")[0]
+        if target and target != name:
+          targets.add(target)
+    graph[name] = targets
+  return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The strongly connected components of more than one module (Tarjan's algorithm)."""
+  index: dict[str, int] = {}
+  low: dict[str, int] = {}
+  stack: list[str] = []
+  circles = []
+
+  def visit(v: str) -> None:
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    for w in graph[v]:
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        circles.append(sorted(component))
+
+  limit = sys.getrecursionlimit()
+  sys.setrecursionlimit(max(limit, 10 * len(graph)))
+  try:
+    for v in graph:
+      if v not in index:
+        visit(v)
+  finally:
+    sys.setrecursionlimit(limit)
+  return circles
+
+
+def test_imports_flow_one_way_through_the_library():
+  files = {_module_name(p): p for p in LIBRARY}
+  graph = _import_graph(files)
+  circles = _circles(graph)
+  detail = [{m: sorted(graph[m] & set(c)) for m in c} for c in circles]
+  assert not circles, f"import circles (module -> what it imports within the circle): {detail}"
+  # What the check catches: a circle made of two modules that import each other.
+  assert _circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+  assert graph["jattn.impl._base"] <= {"jattn.masks", "jattn.scores"}, graph["jattn.impl._base"]
+
+
+def test_the_top_level_holds_public_modules_and_at_most_three_private_ones():
+  top = ROOT / "jattn"
+  private = sorted(
+    p.name
+    for p in top.iterdir()
+    if p.name.startswith("_") and p.name != "__init__.py"
+    if p.suffix == ".py" or (p / "__init__.py").exists()
+  )
+  assert len(private) <= 3, f"private modules at the top of jattn/: {private}"
+
+
+def _public_modules() -> list[str]:
+  """Every module of jattn whose dotted name has no part starting with an underscore."""
+  names = (_module_name(p) for p in LIBRARY)
+  return sorted(n for n in names if not any(part.startswith("_") for part in n.split(".")))
 
 
 def _imported_modules(path: pathlib.Path) -> set[str]:
@@ -61,8 +146,6 @@ RUNTIME = {"jax", "jaxlib", "chex", "numpy", "flax", "jattn"}
 
 
 def test_the_library_imports_only_its_runtime_dependencies():
-  import sys
-
   found = {}
   for path in LIBRARY:
     tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -90,8 +173,8 @@ def _documented_modules() -> list[str]:
   return sorted(found)
 
 
-@pytest.mark.parametrize("module", _documented_modules())
-def test_documented_modules_set_all_in_their_code(module):
+@pytest.mark.parametrize("module", sorted(set(_documented_modules()) | set(_public_modules())))
+def test_public_modules_set_all_in_their_code(module):
   parts = module.split(".")
   path = ROOT.joinpath(*parts).with_suffix(".py")
   if not path.exists():
@@ -100,8 +183,8 @@ def test_documented_modules_set_all_in_their_code(module):
   assigned = [
     node
     for node in tree.body
-    if isinstance(node, ast.Assign)
-    and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+    if isinstance(node, ast.Assign | ast.AnnAssign)
+    and any(getattr(t, "id", None) == "__all__" for t in getattr(node, "targets", [node.target]))
   ]
   assert assigned, f"{module} sets no __all__"
   names = ast.literal_eval(assigned[0].value)

@@ -8,3 +8,5 @@ the call into :func:`jattn.dot_product_attention` (``_call``), the KV cache held
 Flax's variables (``_cache``; NNX's in ``_nnx_cache``), the ``attention_fn`` adapter
 (``_adapter``) and NNX's Hopfield layer (``_nnx_hopfield``).
 """
+
+__all__: list[str] = []  # the front ends are its modules; jattn.nnx and jattn.linen export them

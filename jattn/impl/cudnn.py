@@ -30,6 +30,8 @@ from jattn.impl import _base, _sharded
 from jattn.impl._base import CallSpec
 from jattn.masks import _core, kinds
 
+__all__ = ["IMPLEMENTATION", "attention", "reason", "auto_reason"]
+
 BACKWARDS: tuple[str, ...] = ()  # cuDNN's own fused backward
 
 

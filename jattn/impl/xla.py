@@ -36,6 +36,8 @@ from jattn.impl import _base, _common
 from jattn.impl._base import CallSpec
 from jattn.masks import index_grid
 
+__all__ = ["IMPLEMENTATION", "BACKWARDS", "attention", "weights"]
+
 BACKWARDS = ("autodiff", "custom_vjp")
 
 _Static = tuple[float, float, np.dtype]

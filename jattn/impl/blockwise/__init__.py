@@ -71,6 +71,20 @@ from jattn.impl._kv import KV
 from jattn.impl._tiling import Consts
 from jattn.impl.blockwise import _backward as _blockwise_backward
 
+__all__ = [
+  "IMPLEMENTATION",
+  "BACKWARDS",
+  "DEFAULT_BLOCKS",
+  "default_blocks",
+  "resolve_blocks",
+  "attention",
+  "attention_over_cache",
+  "Plan",
+  "plan",
+  "forward",
+  "backward",
+]
+
 BACKWARDS = ("custom_vjp",)
 
 

@@ -43,6 +43,8 @@ from jattn.impl.flex import _backward as _flex_backward
 from jattn.impl.flex import _kernels as _kernels
 from jattn.impl.flex import _lowers as _flex_lowers
 
+__all__ = ["IMPLEMENTATION", "Tiles", "FALLBACK", "generation", "tiles_for", "tiles_reason"]
+
 BACKWARDS: tuple[str, ...] = ()  # its own fused backward kernels
 
 

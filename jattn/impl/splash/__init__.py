@@ -54,6 +54,16 @@ from jattn.impl.splash import _masks as _splash_masks
 from jattn.masks import _core, kinds
 from jattn.scores import ScoreFn, SoftCap
 
+__all__ = [
+  "IMPLEMENTATION",
+  "LANES",
+  "DEFAULT_BLOCK",
+  "resolve_blocks",
+  "blocks_reason",
+  "soft_cap_of",
+  "attention",
+]
+
 LANES = 128  # splash's block sizes must be multiples of the TPU's lane count
 DEFAULT_BLOCK = 512  # per side; capped to the padded length
 BACKWARDS: tuple[str, ...] = ()  # splash has its own fused backward
