@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any, Literal, overload
+from typing import Any
 
 import chex
 import jax
@@ -55,65 +55,6 @@ __all__ = [
 ]
 
 
-@overload
-def dot_product_attention(
-  query: jax.typing.ArrayLike,
-  key: jax.typing.ArrayLike,
-  value: jax.typing.ArrayLike,
-  bias: jax.typing.ArrayLike | None = None,
-  mask: jax.typing.ArrayLike | masks.Mask | None = None,
-  *,
-  scale: float | None = None,
-  is_causal: bool = False,
-  query_seq_lengths: jax.typing.ArrayLike | None = None,
-  key_value_seq_lengths: jax.typing.ArrayLike | None = None,
-  local_window_size: int | tuple[int, int] | None = None,
-  implementation: str | None = None,
-  return_residual: Literal[False] = False,
-  segment_ids: Any = None,
-  score_fn: Callable | None = None,
-  logits_soft_cap: float | None = None,
-  dropout_rate: float = 0.0,
-  dropout_rng: jax.Array | None = None,
-  broadcast_dropout: bool = False,
-  backward: str | None = None,
-  block_q: int | None = None,
-  block_kv: int | None = None,
-  sinks: jax.typing.ArrayLike | None = None,
-  options: Options | None = None,
-) -> jax.Array: ...
-
-
-@overload
-def dot_product_attention(
-  query: jax.typing.ArrayLike,
-  key: jax.typing.ArrayLike,
-  value: jax.typing.ArrayLike,
-  bias: jax.typing.ArrayLike | None = None,
-  mask: jax.typing.ArrayLike | masks.Mask | None = None,
-  *,
-  scale: float | None = None,
-  is_causal: bool = False,
-  query_seq_lengths: jax.typing.ArrayLike | None = None,
-  key_value_seq_lengths: jax.typing.ArrayLike | None = None,
-  local_window_size: int | tuple[int, int] | None = None,
-  implementation: str | None = None,
-  return_residual: Literal[True],
-  segment_ids: Any = None,
-  score_fn: Callable | None = None,
-  logits_soft_cap: float | None = None,
-  dropout_rate: float = 0.0,
-  dropout_rng: jax.Array | None = None,
-  broadcast_dropout: bool = False,
-  backward: str | None = None,
-  block_q: int | None = None,
-  block_kv: int | None = None,
-  sinks: jax.typing.ArrayLike | None = None,
-  options: Options | None = None,
-) -> tuple[jax.Array, jax.Array]: ...
-
-
-@overload
 def dot_product_attention(
   query: jax.typing.ArrayLike,
   key: jax.typing.ArrayLike,
@@ -139,35 +80,7 @@ def dot_product_attention(
   block_kv: int | None = None,
   sinks: jax.typing.ArrayLike | None = None,
   options: Options | None = None,
-) -> jax.Array | tuple[jax.Array, jax.Array]: ...
-
-
-def dot_product_attention(
-  query: jax.typing.ArrayLike,
-  key: jax.typing.ArrayLike,
-  value: jax.typing.ArrayLike,
-  bias: jax.typing.ArrayLike | None = None,
-  mask: jax.typing.ArrayLike | masks.Mask | None = None,
-  *,
-  scale: float | None = None,
-  is_causal: bool = False,
-  query_seq_lengths: jax.typing.ArrayLike | None = None,
-  key_value_seq_lengths: jax.typing.ArrayLike | None = None,
-  local_window_size: int | tuple[int, int] | None = None,
-  implementation: str | None = None,
-  return_residual: bool = False,
-  segment_ids: Any = None,
-  score_fn: Callable | None = None,
-  logits_soft_cap: float | None = None,
-  dropout_rate: float = 0.0,
-  dropout_rng: jax.Array | None = None,
-  broadcast_dropout: bool = False,
-  backward: str | None = None,
-  block_q: int | None = None,
-  block_kv: int | None = None,
-  sinks: jax.typing.ArrayLike | None = None,
-  options: Options | None = None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+) -> Any:  # the output, or (output, lse) with return_residual=True
   r"""Scaled dot-product attention; a drop-in superset of ``jax.nn.dot_product_attention``.
 
   Computes ``softmax(score_fn(scale · Q Kᵀ + bias)) V`` per head over the
@@ -249,7 +162,32 @@ def dot_product_attention(
   Unlike jax.nn, a query row that may attend to nothing returns zeros (jax.nn
   returns the mean of the values) and the log-sum-exp is differentiable.
   """
-  q, k, v, spec = _validate.build(_validate.Arguments.of(locals()))
+  arguments = _validate.Arguments(
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    scale=scale,
+    is_causal=is_causal,
+    query_seq_lengths=query_seq_lengths,
+    key_value_seq_lengths=key_value_seq_lengths,
+    local_window_size=local_window_size,
+    implementation=implementation,
+    return_residual=return_residual,
+    segment_ids=segment_ids,
+    score_fn=score_fn,
+    logits_soft_cap=logits_soft_cap,
+    dropout_rate=dropout_rate,
+    dropout_rng=dropout_rng,
+    broadcast_dropout=broadcast_dropout,
+    backward=backward,
+    block_q=block_q,
+    block_kv=block_kv,
+    sinks=sinks,
+    options=options,
+  )
+  q, k, v, spec = _validate.build(arguments)
   out, lse = attend(q, k, v, spec)
   return (out, lse) if return_residual else out
 
@@ -289,7 +227,24 @@ def attention_weights(
            [0.5       , 0.5       , 0.        ],
            [0.33333334, 0.33333334, 0.33333334]], dtype=float32)
   """
-  q, k, _, spec = _validate.build(_validate.Arguments.of(locals(), implementation="xla"))
+  arguments = _validate.Arguments(
+    query,
+    key,
+    None,
+    bias,
+    mask,
+    scale=scale,
+    is_causal=is_causal,
+    query_seq_lengths=query_seq_lengths,
+    key_value_seq_lengths=key_value_seq_lengths,
+    local_window_size=local_window_size,
+    segment_ids=segment_ids,
+    score_fn=score_fn,
+    logits_soft_cap=logits_soft_cap,
+    sinks=sinks,
+    implementation="xla",
+  )
+  q, k, _, spec = _validate.build(arguments)
   return _weights(q, k, spec)
 
 

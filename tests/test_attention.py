@@ -145,10 +145,18 @@ BF16_CASES = (
 )
 
 
+# The default run keeps MQA causal cross-attention, and everything at once in both dtypes; the
+# other cases are exhaustive.
 @pytest.mark.parametrize(
   "case, dtype",
-  [(c, jnp.float32) for c in CASES] + [(c, jnp.bfloat16) for c in BF16_CASES],
-  ids=[f"{c}-f32" for c in CASES] + [f"{c}-bf16" for c in BF16_CASES],
+  [
+    pytest.param(c, dtype, id=f"{c}-{name}", marks=() if c in kept else pytest.mark.exhaustive)
+    for dtype, name, cases, kept in [
+      (jnp.float32, "f32", CASES, ("mqa_causal_cross", "everything")),
+      (jnp.bfloat16, "bf16", BF16_CASES, ("everything",)),
+    ]
+    for c in cases
+  ],
 )
 def test_matches_jax_nn(case, dtype):
   B, T, S, N, K, H, extra, bias_kind = CASES[case]
@@ -194,8 +202,16 @@ def _unbatched_jax_nn(vmapped):
   return _unbatched_case(jax.nn.dot_product_attention, {}, vmapped)
 
 
-@pytest.mark.parametrize("rule", list(RULES))
-@pytest.mark.parametrize("vmapped", [False, True], ids=["unbatched", "vmapped"])
+# The default run keeps the unbatched layout through blockwise and vmap through autodiff; the
+# other rules are exhaustive.
+@pytest.mark.parametrize(
+  "vmapped, rule",
+  [
+    pytest.param(vmapped, r, id=f"{name}-{r}", marks=() if r == kept else pytest.mark.exhaustive)
+    for vmapped, name, kept in [(False, "unbatched", "blockwise"), (True, "vmapped", "autodiff")]
+    for r in RULES
+  ],
+)
 def test_unbatched_layout_and_vmap(vmapped, rule):  # bf16: test_matches_jax_nn
   """TNH inputs, alone and vmapped over a batch, as jax.nn handles them."""
   args, out, lse, grads = _unbatched_case(jattn.dot_product_attention, RULES[rule], vmapped)
@@ -306,7 +322,7 @@ def test_repeated_calls_do_not_retrace(monkeypatch):
 
   # Forget the jitted core's traces so that it traces here (jax.clear_caches() would also
   # throw away every program this worker compiled before, for the tests after this one).
-  jattn.attention._attend.clear_cache()
+  jattn.attention.attend.clear_cache()
   counted = chex.assert_max_traces(xla.attention, n=1)
   monkeypatch.setitem(_select.TABLE, "xla", dataclasses.replace(xla.IMPLEMENTATION, run=counted))
   q, k, v = _inputs(2, 4, 4, 2, 2, 4, jnp.float32)
@@ -422,9 +438,20 @@ def test_attention_weights_errors(kwargs, error, match):
 _jax_nn = jax.jit(jax.nn.dot_product_attention)  # one program, not one per operation
 
 
-@pytest.mark.parametrize("rule", [*RULES, "default"])
+# The default run keeps an int32 bias through every rule and a uint8 one through the default;
+# the other cases are exhaustive.
 @pytest.mark.parametrize(
-  "dtype, bias_dtype", [(jnp.float32, jnp.int32), (jnp.bfloat16, jnp.uint8)], ids=["i32", "u8"]
+  "dtype, bias_dtype, rule",
+  [
+    pytest.param(
+      dtype, bias, r, id=f"{name}-{r}", marks=() if r in kept else pytest.mark.exhaustive
+    )
+    for dtype, bias, name, kept in [
+      (jnp.float32, jnp.int32, "i32", tuple(RULES)),
+      (jnp.bfloat16, jnp.uint8, "u8", ("default",)),
+    ]
+    for r in [*RULES, "default"]
+  ],
 )
 def test_integer_bias_is_promoted_as_jax_nn_promotes_it(rule, dtype, bias_dtype):
   """jax.nn adds an integer bias to its float32 logits (int + float32 is float32); so does

@@ -37,10 +37,8 @@ from jattn.impl._base import CallSpec
 class Arguments:
   """A public call's arguments, named and meant as in :func:`jattn.dot_product_attention`.
 
-  The one list of what :func:`build` checks. A front end hands over its own arguments
-  whole, ``Arguments.of(locals())`` as its first statement, instead of forwarding each
-  keyword by hand; :func:`jattn.explain` and :mod:`jattn.decode` construct one.
-  ``value=None`` describes a call that forms only the weights
+  The one list of what :func:`build` checks. Each front end constructs one from its own
+  arguments, by name; ``value=None`` describes a call that forms only the weights
   (:func:`jattn.attention_weights`).
   """
 
@@ -67,13 +65,6 @@ class Arguments:
   block_q: int | None = None
   block_kv: int | None = None
   options: Options | None = None
-
-  @classmethod
-  def of(cls, arguments: dict[str, Any], **replaced: Any) -> Arguments:
-    """The fields named in ``arguments`` (a front end's ``locals()``, whose other names,
-    such as ring attention's ``mesh``, are not the call's), then ``replaced``."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{n: x for n, x in {**arguments, **replaced}.items() if n in names})
 
 
 def build(

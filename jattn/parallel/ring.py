@@ -115,7 +115,6 @@ def ring_attention(
   Not supported here (use ``jattn.dot_product_attention``): ``bias``,
   ``score_fn``, dropout.
   """
-  arguments = dict(locals())  # the call as given, before any name below is rebound
   if mask is not None and not isinstance(mask, masks.Mask):
     raise TypeError(
       f"ring_attention takes mask as a jattn.masks.Mask, got "
@@ -131,12 +130,19 @@ def ring_attention(
     )
   # Segment ids travel with their shards rather than as a Mask: checked separately below.
   # Each pair of shards runs blockwise here; the pairs' own implementation is options'.
-  call = _validate.Arguments.of(
-    arguments,
-    segment_ids=None,
-    implementation=None,
-    block_q=None,
-    block_kv=None,
+  call = _validate.Arguments(
+    query,
+    key,
+    value,
+    mask=mask,
+    scale=scale,
+    is_causal=is_causal,
+    query_seq_lengths=query_seq_lengths,
+    key_value_seq_lengths=key_value_seq_lengths,
+    local_window_size=local_window_size,
+    return_residual=return_residual,
+    logits_soft_cap=logits_soft_cap,
+    sinks=sinks,
     options=dataclasses.replace(options, implementation="blockwise"),
   )
   q, k, v, spec = _validate.build(call)
