@@ -10,7 +10,7 @@ on the same inputs (values, log-sum-exp and gradients), or a refusal that names 
 * empty dimensions (B, T or S of 0) with every mask form.
 
 Each sweep draws its secondary settings with hypothesis; sweeps whose cases compile much keep
-a share in the default run (tests/tiers.py), the rest being the exhaustive tier.
+a share in the default run, the rest marked exhaustive where the sweep is parametrized.
 """
 
 import contextlib
@@ -155,8 +155,23 @@ def _ring_in_natural_order(mesh, layout, implementation, return_residual, kw):
 
 @settings(max_examples=2, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(data=st.data())
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
-@pytest.mark.parametrize("kernel", list(RING_PAIR_KERNELS))
+# The default run keeps the default as traced for a TPU (where splash pairs once ran, with wrong
+# gradients) in the zig-zag layout, and splash's refusal (no kernel runs) in every layout; the
+# other cases are exhaustive. Each case draws its masking, shapes and cap.
+@pytest.mark.parametrize(
+  "kernel, layout",
+  [
+    pytest.param(
+      kernel,
+      layout,
+      marks=()
+      if kernel == "splash" or (kernel, layout) == ("default_on_tpu", "zigzag")
+      else pytest.mark.exhaustive,
+    )
+    for kernel in RING_PAIR_KERNELS
+    for layout in ("contiguous", "zigzag", "striped")
+  ],
+)
 def test_soft_cap_through_every_ring_pair_kernel(kernel, layout, data):
   (q, k, v), P, kw, return_residual = data.draw(soft_capped_ring_calls(kernel))
   implementation, platform = RING_PAIR_KERNELS[kernel]
@@ -294,7 +309,17 @@ def _attend_with(mask, **rule):
 
 @settings(max_examples=2, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(data=st.data())
-@pytest.mark.parametrize("rule", list(ARRAY_MASK_RULES) + ["default_on_gpu"])
+# The default run keeps flex (run where it takes the mask, else refused by name), the default
+# traced for a GPU (flex only where it lowers) and splash's refusal; the others are exhaustive.
+@pytest.mark.parametrize(
+  "rule",
+  [
+    r
+    if r in ("flex", "default_on_gpu", "splash")
+    else pytest.param(r, marks=pytest.mark.exhaustive)
+    for r in [*ARRAY_MASK_RULES, "default_on_gpu"]
+  ],
+)
 def test_masks_reading_arrays_match_xla_or_are_refused_by_name(rule, data):
   (q, k, v), mask, names = data.draw(masks_reading_arrays())
   where = f"{rule} {names} {mask!r}"
@@ -403,7 +428,8 @@ def _place(x, where, mesh):
 
 @settings(max_examples=2, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(data=st.data())
-@pytest.mark.parametrize("mode", ["auto", "explicit"])
+# The default run keeps Explicit axes, where shard_map refused them.
+@pytest.mark.parametrize("mode", [pytest.param("auto", marks=pytest.mark.exhaustive), "explicit"])
 def test_ring_takes_inputs_in_every_placement(mode, data):
   args, placement, kw = data.draw(placed_ring_calls())
   kind = getattr(jax.sharding.AxisType, mode.capitalize())
@@ -532,10 +558,22 @@ def _derivative_call(rule, path, is_causal, return_residual):
 
 @settings(max_examples=3, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(data=st.data())
+# The default run keeps the fused kernels' refused derivatives of both orders (traced and
+# lowered, nothing runs) and forward mode through the other rules but ring/splash; the rules'
+# supported second derivatives (which run) and ring/splash's are exhaustive.
 @pytest.mark.parametrize(
   "rule, order",
   [
-    pytest.param(rule, order, id=f"{rule}-{order}") for rule in DERIVATIVE_RULES for order in ORDERS
+    pytest.param(
+      rule,
+      order,
+      id=f"{rule}-{order}",
+      marks=()
+      if rule in ("flex", "splash") or (order == "forward_mode" and rule != "ring/splash")
+      else pytest.mark.exhaustive,
+    )
+    for rule in DERIVATIVE_RULES
+    for order in ORDERS
   ],
 )
 def test_derivatives_a_rule_cannot_take_raise_its_error_on_every_path(rule, order, data):

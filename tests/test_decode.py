@@ -56,9 +56,16 @@ def _run_chunks(q, k, v, chunks, implementation, **kw):
   return jnp.concatenate(outs, axis=1), cache
 
 
-# A prefill, a step, a chunk after it and consecutive steps, for every head grouping.
-@pytest.mark.parametrize("implementation", list(IMPLS))
-@pytest.mark.parametrize("N, K", [(2, 2), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+# A prefill, a step, a chunk after it and consecutive steps, for every head grouping. The
+# default run keeps MHA through xla and GQA through blockwise; the other cases are exhaustive.
+@pytest.mark.parametrize(
+  "N, K, implementation",
+  [
+    pytest.param(N, K, i, id=f"{name}-{i}", marks=() if i == kept else pytest.mark.exhaustive)
+    for N, K, name, kept in [(2, 2, "mha", "xla"), (4, 2, "gqa", "blockwise"), (4, 1, "mqa", None)]
+    for i in IMPLS
+  ],
+)
 def test_prefill_chunks_and_decode_steps_equal_full_causal(N, K, implementation):
   q, k, v = _sequence(N, K)
   got, cache = _run_chunks(q, k, v, [3, 1, 2, 1, 1, 1], implementation)
@@ -233,8 +240,22 @@ READS = {
 }
 
 
-@pytest.mark.parametrize("built", ["outside_jit", "inside_jit"])
-@pytest.mark.parametrize("read", list(READS))
+# The default run keeps xla's read built outside jit, blockwise's and int8's inside; the other
+# cases are exhaustive.
+@pytest.mark.parametrize(
+  "read, built",
+  [
+    pytest.param(
+      read,
+      built,
+      marks=()
+      if {"xla": "outside_jit", "blockwise": "inside_jit", "int8": "inside_jit"}.get(read) == built
+      else pytest.mark.exhaustive,
+    )
+    for read in READS
+    for built in ("outside_jit", "inside_jit")
+  ],
+)
 def test_overflow_under_jit_dropped_tokens_queries_return_zeros(read, built):
   """A query whose token overflowed max_length under jit returns zeros, like a padded row,
   and has zero gradient; the rest equal the same steps on a cache with room for everything,

@@ -130,7 +130,11 @@ def test_same_rng_same_output_and_rate_zero_ignores_rng():
   np.testing.assert_array_equal(f(jax.random.key(5), 0.0), jattn.dot_product_attention(q, k, v))
 
 
-@pytest.mark.parametrize("rule", sorted(RULES))
+# The default run keeps the rules with a backward of their own; autodiff is exhaustive.
+@pytest.mark.parametrize(
+  "rule",
+  [r if r != "autodiff" else pytest.param(r, marks=pytest.mark.exhaustive) for r in sorted(RULES)],
+)
 def test_broadcast_dropout_shares_one_pattern_across_batch_and_heads(rule):
   B, T, S, N = 2, 5, 6, 4
   q, k, v = _qkv()

@@ -59,7 +59,18 @@ def _flex(q, k, v, mask, score_fn, *, interpret):
   return out, fk.log_sum_exp(m, log_l)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# The default run keeps two cases between them reaching every path (lengths emptying rows, a
+# score function reading arrays, GQA and MHA, a dense mask or'ed with a window); the others
+# are exhaustive, as in the gradient sweep below.
+@pytest.mark.parametrize(
+  "case",
+  [
+    c
+    if c in ("causal_lengths_alibi_gqa", "window_or_dense_relative")
+    else pytest.param(c, marks=pytest.mark.exhaustive)
+    for c in sorted(CASES)
+  ],
+)
 def test_forward_matches_xla_values_and_lse(case):
   mask, score_fn, K = CASES[case]
   q, k, v = _inputs(K)
@@ -126,7 +137,15 @@ def _flex_vjp(q, k, v, mask, score_fn, interpret=True, bias=None):
   )
 
 
-@pytest.mark.parametrize("case", sorted(GRAD_CASES))
+@pytest.mark.parametrize(
+  "case",
+  [
+    c
+    if c in ("causal_lengths_custom_gqa", "window_or_dense")
+    else pytest.param(c, marks=pytest.mark.exhaustive)
+    for c in sorted(GRAD_CASES)
+  ],
+)
 def test_gradients_match_autodiff_of_xla(case):
   mask, score_fn, K = GRAD_CASES[case]
   q, k, v = _inputs(K)
@@ -199,13 +218,31 @@ CATALOGUE = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(CATALOGUE))
+# The default run keeps four kinds: rows left empty at the start (EMPTY tiles first in a row),
+# a per-batch-row array (prefix lengths), a function of all four indices, and &, | and ~
+# together; the others are exhaustive. Every kind's mask is also checked against its formula
+# (test_masks.py), and cases.mask_kinds' inside a kernel (test_in_kernel.py).
+@pytest.mark.parametrize(
+  "kind",
+  [
+    k
+    if k in ("causal_empty_rows", "prefix_lm", "from_fn", "combined")
+    else pytest.param(k, marks=pytest.mark.exhaustive)
+    for k in sorted(CATALOGUE)
+  ],
+)
 def test_every_mask_kind_matches_xla_values_lse_and_gradients(kind):
   q, k, v = _inputs(2)
   _public_flex_matches_xla(q, k, v, mask=CATALOGUE[kind])
 
 
-@pytest.mark.parametrize("shape", [(B, N, T, S), (B, 1, 1, S), (T, 1)], ids=str)
+# The default run keeps the broadcast shapes, whose gradients are summed; a full (B, N, T, S)
+# bias's gradient is test_empty_rows_take_no_gradient_from_their_lse_cotangent's.
+@pytest.mark.parametrize(
+  "shape",
+  [pytest.param((B, N, T, S), marks=pytest.mark.exhaustive), (B, 1, 1, S), (T, 1)],
+  ids=str,
+)
 def test_bias_of_each_broadcast_shape_and_its_gradient_match_xla(shape):
   """Per batch row and head, a key-padding row (B, 1, 1, S), a per-query column: the bias is
   read tile by tile, and its gradient is dS summed over the axes it broadcasts along."""

@@ -12,7 +12,6 @@ import re
 import sys
 
 import pytest
-import tiers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIBRARY = sorted((ROOT / "jattn").rglob("*.py"))
@@ -201,13 +200,3 @@ def test_public_modules_set_all_in_their_code(module):
   }
   missing = [name for name in names if name not in defined]
   assert not missing, f"{module}.__all__ names what it does not define: {missing}"
-
-
-def test_every_tiered_sweep_is_a_test_that_exists():
-  """tests/tiers.py names sweeps by file and test: a renamed test would leave a stale entry
-  (its cases then all run by default; conftest.py checks the case ids)."""
-  assert len(tiers.DEFAULT) > 10
-  for sweep, kept in tiers.DEFAULT.items():
-    file, test = sweep.split("::")
-    assert f"\ndef {test}(" in (ROOT / "tests" / file).read_text(encoding="utf-8"), sweep
-    assert kept and len(set(kept)) == len(kept), sweep

@@ -103,7 +103,15 @@ def test_every_mask_kind_is_exact_inside_a_kernel_and_lowers_to_triton(kind):
   assert _lowers_to_triton(jaxpr, arrays)
 
 
-@pytest.mark.parametrize("name", sorted(SCORE_FNS))
+# The default run keeps a score function reading arrays and one of the user's; the others are
+# exhaustive.
+@pytest.mark.parametrize(
+  "name",
+  [
+    n if n in ("relative", "custom") else pytest.param(n, marks=pytest.mark.exhaustive)
+    for n in sorted(SCORE_FNS)
+  ],
+)
 def test_every_score_function_is_exact_inside_a_kernel_and_lowers_to_triton(name):
   fn = SCORE_FNS[name]
   s_spec = jax.ShapeDtypeStruct((1, 1, BQ, BK), jnp.float32)

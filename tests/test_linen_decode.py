@@ -89,17 +89,17 @@ def _decode_chunks(module, params, cache, x, chunks, *, jit=False, **kw):
 # (heads K, rope, token counts per call): every grouping decodes a prefill, consecutive
 # one-token steps and a chunk after steps; the whole sequence as one prefill needs no other.
 # Jitted calls (one program per chunk length); test_decode_ragged_rows and the dropout and
-# overflow tests decode eagerly.
-DECODE_CASES = [
-  ("mha_chunked", 4, None, [3, 1, 1, 2]),
-  ("gqa_rope_chunked", 2, positional.Rotary(), [3, 1, 1, 2]),
-  ("mqa_rope_chunked", 1, positional.Rotary(), [3, 1, 1, 2]),
-  ("gqa_rope_prefill", 2, positional.Rotary(), [L]),
-]
-
-
+# overflow tests decode eagerly. The default run keeps GQA with rope, in chunks and as one prefill.
 @pytest.mark.parametrize(
-  "K, rope, chunks", [c[1:] for c in DECODE_CASES], ids=[c[0] for c in DECODE_CASES]
+  "K, rope, chunks",
+  [
+    pytest.param(4, None, [3, 1, 1, 2], id="mha_chunked", marks=pytest.mark.exhaustive),
+    pytest.param(2, positional.Rotary(), [3, 1, 1, 2], id="gqa_rope_chunked"),
+    pytest.param(
+      1, positional.Rotary(), [3, 1, 1, 2], id="mqa_rope_chunked", marks=pytest.mark.exhaustive
+    ),
+    pytest.param(2, positional.Rotary(), [L], id="gqa_rope_prefill"),
+  ],
 )
 def test_decode_equals_full_causal(K, rope, chunks):
   x = sample((B, L, F), seed=3)

@@ -22,9 +22,16 @@ def _decoder(K, **kw):
 
 
 # Each head grouping decodes a schedule with a prefill, consecutive one-token steps and a
-# chunk after steps, ending at T; the whole prompt as one prefill needs no other grouping.
+# chunk after steps, ending at T; the whole prompt as one prefill needs no other grouping. The
+# default run keeps MHA's schedule and the prefill.
 @pytest.mark.parametrize(
-  "K, chunks", [(4, (2, 1, 1, 2)), (2, (2, 1, 1, 2)), (1, (2, 1, 1, 2)), (2, (6,))]
+  "K, chunks",
+  [
+    (4, (2, 1, 1, 2)),
+    pytest.param(2, (2, 1, 1, 2), marks=pytest.mark.exhaustive),
+    pytest.param(1, (2, 1, 1, 2), marks=pytest.mark.exhaustive),
+    (2, (6,)),
+  ],
 )
 def test_prefill_and_decode_equal_full_causal_attention(K, chunks):
   m = _decoder(K)

@@ -53,8 +53,17 @@ def _rows(cache: decode.PagedKVCache, store):
   return pages.reshape(B, -1, *pages.shape[3:])
 
 
-@pytest.mark.parametrize("N, K", [(2, 2), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
-@pytest.mark.parametrize("chunks", [(3, 1, 1, 1, 3), (9,)], ids=["steps", "prefill"])
+# The default run keeps GQA decoding in steps and MQA's prefill; the other cases are exhaustive.
+@pytest.mark.parametrize(
+  "chunks, N, K",
+  [
+    pytest.param(
+      chunks, N, K, id=f"{name}-{heads}", marks=() if heads == kept else pytest.mark.exhaustive
+    )
+    for chunks, name, kept in [((3, 1, 1, 1, 3), "steps", "gqa"), ((9,), "prefill", "mqa")]
+    for N, K, heads in [(2, 2, "mha"), (4, 2, "gqa"), (4, 1, "mqa")]
+  ],
+)
 def test_paged_equals_contiguous_equals_full_causal(N, K, chunks):
   q, k, v = _sequence(N, K)
   want = attention_np(q, k, v, allowed=causal_np(L, L))[0]
@@ -228,8 +237,19 @@ def _dropped_want(dtype):
   return _dropped_grad(q, k, v, _paged(2, dtype=dtype), jnp.array([4, 2]), cot, dtype)
 
 
-@pytest.mark.parametrize("built", ["outside_jit", "inside_jit"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8], ids=["float32", "int8"])
+# The default run keeps float32 pages built inside jit and int8 ones outside; the other two are
+# exhaustive.
+@pytest.mark.parametrize(
+  "dtype, built",
+  [
+    pytest.param(dtype, b, id=f"{name}-{b}", marks=() if b == kept else pytest.mark.exhaustive)
+    for dtype, name, kept in [
+      (jnp.float32, "float32", "inside_jit"),
+      (jnp.int8, "int8", "outside_jit"),
+    ]
+    for b in ("outside_jit", "inside_jit")
+  ],
+)
 def test_running_out_of_pages_under_jit_dropped_tokens_queries_return_zeros(dtype, built):
   """A query whose token found no page returns zeros, like a padded row, and has zero
   gradient (not attention over the kept keys plus the unwritten slot as a phantom key of

@@ -57,8 +57,16 @@ def _close(actual, expected, **kwargs):
 # --- jattn.dot_product_attention ------------------------------------------------------
 
 
-@pytest.mark.parametrize("implementation", ["xla", "blockwise"])
-@pytest.mark.parametrize("rows", ["segment_ids", "lengths"])
+# The default run keeps each kind of rows with one implementation; the other two are exhaustive.
+@pytest.mark.parametrize(
+  "rows, implementation",
+  [
+    ("segment_ids", "blockwise"),
+    pytest.param("segment_ids", "xla", marks=pytest.mark.exhaustive),
+    pytest.param("lengths", "blockwise", marks=pytest.mark.exhaustive),
+    ("lengths", "xla"),
+  ],
+)
 def test_attention_keeps_batch_and_head_sharding(implementation, rows):
   # Causal attention with per-row segment ids (B, T) or lengths (B,) sharded over "data";
   # GQA: N=4 query heads, K=2 key/value heads, both sharded over "model".

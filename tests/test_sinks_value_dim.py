@@ -55,17 +55,25 @@ def _inputs(N, K, Hv=H, dtype=np.float64):
 RULES = [("xla", "autodiff"), ("xla", "custom_vjp"), ("blockwise", "custom_vjp")]
 
 
-HEADS = [  # (N, K, Hv, with sinks): value head dims and sinks, with and without each other
-  (4, 4, H, True),
-  (4, 2, 5, True),
-  (4, 2, 5, False),
-]
+HEADS = {  # (N, K, Hv, with sinks): value head dims and sinks, with and without each other
+  "mha-sinks": (4, 4, H, True),
+  "gqa-hv5-sinks": (4, 2, 5, True),
+  "gqa-hv5-no-sinks": (4, 2, 5, False),
+}
 
 
+# The default run keeps each rule with one of the head settings, the i-th rule with the i-th
+# setting; the other cases are exhaustive.
 @pytest.mark.parametrize(
-  "N, K, Hv, with_sinks", HEADS, ids=["mha-sinks", "gqa-hv5-sinks", "gqa-hv5-no-sinks"]
+  "implementation, backward, N, K, Hv, with_sinks",
+  [
+    pytest.param(
+      *rule, *heads, id="-".join([*rule, name]), marks=() if i == j else pytest.mark.exhaustive
+    )
+    for i, rule in enumerate(RULES)
+    for j, (name, heads) in enumerate(HEADS.items())
+  ],
 )
-@pytest.mark.parametrize("implementation, backward", RULES, ids=["-".join(r) for r in RULES])
 def test_every_rule_matches_the_formula_with_gradients(
   x64, N, K, Hv, with_sinks, implementation, backward
 ):
