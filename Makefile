@@ -1,5 +1,5 @@
-# The two commands at the top of README.md, the tests they leave out (tests/tiers.py), the
-# documentation build, and CI.
+# The two commands at the top of README.md, the exhaustive test cases they leave out (marked
+# beside each case), the documentation build, and CI.
 .PHONY: demo test test-exhaustive docs ci
 
 demo:
