@@ -18,7 +18,7 @@ from jattn.attention import dot_product_attention
 from jattn.decode._cache import Cache, KVCache, PagedKVCache, _dims
 from jattn.decode._validate import _check_cache, _check_new, _check_query
 from jattn.decode._writes import _write
-from jattn.impl import _base, _common, _kv, _quant
+from jattn.impl import _base, _common, _kv, _quant, _select
 from jattn.impl import blockwise as _blockwise
 from jattn.impl._base import CallSpec
 
@@ -121,9 +121,7 @@ def attention(
     broadcast_dropout=broadcast_dropout,
     sinks=sinks,
   )
-  materialised = options.implementation not in (None, "blockwise") or (
-    options.backward == "autodiff"
-  )
+  materialised = not _select.reads_cache(options.implementation, options.backward)
   if isinstance(new_cache, KVCache) and new_cache.key_scale is None and materialised:
     # Slots past a row's length hold whatever was there (uninitialised memory, a finished
     # request's tokens, NaN): the mask excludes them, but 0 · NaN is NaN in p·v and in the
@@ -200,20 +198,12 @@ def _over_tiles(
   call: dict[str, Any],
 ) -> jax.Array | tuple[jax.Array, jax.Array | None]:
   """Blockwise attention reading the cache tile by tile (a CacheTiles source), through the
-  implementation's own entry point (:func:`jattn.impl.blockwise.attention_over_cache`)."""
+  implementation the selection table names for it (its ``read_cache`` entry: blockwise's
+  :func:`jattn.impl.blockwise.attention_over_cache`)."""
   kind = "paged" if isinstance(cache, PagedKVCache) else "quantized"
   if _quant.is_quantized(cache.dtype):
     kind = f"{kind} ({np.dtype(cache.dtype).name})" if kind == "quantized" else kind
-  if options.implementation not in (None, "blockwise"):
-    raise ValueError(
-      f"implementation={options.implementation!r} cannot read a {kind} cache: attention over "
-      "one runs blockwise, reading it tile by tile (implementation=None or 'blockwise')"
-    )
-  if options.backward == "autodiff":
-    raise ValueError(
-      f"backward='autodiff' cannot read a {kind} cache: attention over one runs blockwise, "
-      "reading it tile by tile, and has no autodiff rule (backward=None or 'custom_vjp')"
-    )
+  reader = _select.cache_reader(options.implementation, options.backward, kind)
   B, S, K, H, Hv = _dims(cache)
   block_kv = options.block_kv
   if isinstance(cache, PagedKVCache):
@@ -228,7 +218,7 @@ def _over_tiles(
       )
   # The keys and values are read from the cache: the spec is built from their shapes.
   shape_of = lambda h: jax.ShapeDtypeStruct((B, S, K, h), query.dtype)
-  options = dataclasses.replace(options, implementation="blockwise", block_kv=block_kv)
+  options = dataclasses.replace(options, implementation=reader.name, block_kv=block_kv)
   arguments = _validate.Arguments(
     query, shape_of(H), shape_of(Hv), bias, mask, options=options, **call
   )
@@ -261,5 +251,7 @@ def _attend_cache(
   """The jitted core over a KV cache: blockwise attention reading ``tiles`` one tile at a
   time, finished as :func:`jattn.dot_product_attention` finishes (sinks, dtypes)."""
   spec = _base.rank4(spec)
-  out, lse = _blockwise.attention_over_cache(query, tiles, spec)
+  read_cache = _select.TABLE[spec.implementation].read_cache
+  assert read_cache is not None, spec.implementation
+  out, lse = read_cache(query, tiles, spec)
   return _common.finish(out, lse, spec, query.dtype, False)

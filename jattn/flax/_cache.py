@@ -26,7 +26,7 @@ import numpy as np
 
 from jattn import _checks, decode
 from jattn.flax._config import Heads
-from jattn.impl import _quant
+from jattn.impl import _quant, _select
 
 # The variable holding each field of a jattn.decode cache.
 NAMES = {
@@ -93,10 +93,12 @@ def check_cache_options(
     )
     if on
   )
-  if kind and implementation not in (None, "blockwise"):
+  if kind and implementation is not None and implementation not in _select.CACHE_READERS:
+    names = " or ".join(_select.CACHE_READERS)
+    readers = " or ".join(repr(n) for n in _select.CACHE_READERS)
     raise ValueError(
-      f"a {kind} cache is read by blockwise attention alone, but this module has "
-      f"implementation={implementation!r}; use implementation=None or 'blockwise'"
+      f"a {kind} cache is read by {names} attention alone, but this module has "
+      f"implementation={implementation!r}; use implementation=None or {readers}"
     )
   if page_size is not None and block_kv is not None and block_kv % page_size:
     raise ValueError(

@@ -145,6 +145,9 @@ class Implementation:
   auto_check: Callable[[Call], str | None] | None = None
   # Appended to the error for a backward rule it lacks: why it lacks it.
   backward_notes: tuple[tuple[str, str], ...] = ()
+  # Reads a KV cache tile by tile (paged or quantized storage, no copy): (query, tiles,
+  # spec) -> (out, lse), the tiles a jattn.impl._kv.CacheTiles. None: it reads no cache.
+  read_cache: Callable[..., tuple[Any, Any]] | None = None
 
   def why_not(self, call: Call, *, interpret: bool = False, device: bool = True) -> str | None:
     """Why it cannot run ``call`` exactly; None when it can. ``device``: also whether it

@@ -172,6 +172,39 @@ def _empty(call: Call, why: str, rejected: Callable[[str], dict[str, str]]) -> C
   return Choice("xla", "autodiff", why, rejected("xla"), call.backend)
 
 
+# The implementations that read a KV cache tile by tile, in table order.
+CACHE_READERS = tuple(name for name, row in TABLE.items() if row.read_cache is not None)
+
+
+def cache_reader(implementation: str | None, backward: str | None, what: str) -> Implementation:
+  """The row that reads a ``what`` cache (e.g. "paged") tile by tile for this implementation
+  and backward rule: the named one, or the table's first reader for None; raises naming the
+  readers when the named implementation or rule reads none."""
+  names = " or ".join(CACHE_READERS)
+  readers = " or ".join(repr(n) for n in CACHE_READERS)
+  if implementation is not None and implementation not in CACHE_READERS:
+    raise ValueError(
+      f"implementation={implementation!r} cannot read a {what} cache: attention over one "
+      f"runs {names}, reading it tile by tile (implementation=None or {readers})"
+    )
+  row = TABLE[implementation or CACHE_READERS[0]]
+  if backward is not None and backward not in row.backwards:
+    rules = " or ".join(repr(b) for b in row.backwards)
+    raise ValueError(
+      f"backward={backward!r} cannot read a {what} cache: attention over one runs "
+      f"{row.name}, reading it tile by tile, and has no {backward} rule "
+      f"(backward=None or {rules})"
+    )
+  return row
+
+
+def reads_cache(implementation: str | None, backward: str | None) -> bool:
+  """Whether a call with these settings reads a KV cache tile by tile (rather than taking
+  its keys and values whole, materialised)."""
+  row = TABLE[implementation or CACHE_READERS[0]]
+  return row.read_cache is not None and (backward is None or backward in row.backwards)
+
+
 def _reasons(call: Call, chosen: str) -> dict[str, str]:
   out = {}
   for name in TABLE:

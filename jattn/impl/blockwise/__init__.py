@@ -420,6 +420,7 @@ IMPLEMENTATION = _base.Implementation(
   run=attention,
   prepare=_prepare,
   tiles=True,
+  read_cache=attention_over_cache,
   backward_notes=(
     (
       "autodiff",
