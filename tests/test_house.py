@@ -112,6 +112,37 @@ def test_the_top_level_holds_public_modules_and_at_most_three_private_ones():
   assert len(private) <= 3, f"private modules at the top of jattn/: {private}"
 
 
+def _listed_modules() -> set[str]:
+  """The files of jattn/ that docs/layout.md's library listing names: a line starting
+  ``jattn/...`` names a file, or opens a folder whose indented lines name its files."""
+  text = (ROOT / "docs" / "layout.md").read_text(encoding="utf-8")
+  block = text.split("## The library", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+  listed: set[str] = set()
+  folders: list[tuple[int, str]] = []  # (indent, path) of the open folders
+  for line in block.splitlines():
+    name = line.split()[0] if line.strip() else ""
+    indent = len(line) - len(line.lstrip())
+    if not (name.endswith(".py") or name.endswith("/")) or name == "...":
+      continue
+    while folders and folders[-1][0] >= indent:
+      folders.pop()
+    path = name if indent == 0 else folders[-1][1] + name
+    if name.endswith("/"):
+      folders.append((indent, path))
+    else:
+      listed.add(path)
+  return listed
+
+
+def test_the_layout_page_lists_every_module_of_the_library():
+  listed = _listed_modules()
+  actual = {str(p.relative_to(ROOT)) for p in LIBRARY}
+  assert listed == actual, (
+    f"docs/layout.md names modules that do not exist: {sorted(listed - actual)}; "
+    f"and does not name: {sorted(actual - listed)}"
+  )
+
+
 def _public_modules() -> list[str]:
   """Every module of jattn whose dotted name has no part starting with an underscore."""
   names = (_module_name(p) for p in LIBRARY)
