@@ -20,7 +20,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.typing import ArrayLike, DTypeLike
 
-from jattn import _checks, _eager, masks, scores
+from jattn import _checks, masks, scores
 from jattn.impl import _common
 
 
@@ -158,10 +158,13 @@ def _probe_args(
   return (s,) + idx
 
 
-def _on_both(*a: Any) -> tuple[Any, Any]:
-  """``fn`` on the first ``n`` arguments and on the rest: ``a`` is (*arrays, fn, n)."""
-  *arrays, fn, n = a
+def _on_both(fn: Callable[..., Any], n: int, *arrays: Any) -> tuple[Any, Any]:
+  """``fn`` on the first ``n`` arrays and on the rest."""
   return fn(*arrays[:n]), fn(*arrays[n:])
+
+
+# One program per function and probe shapes, reused by every call that checks that function.
+_on_both_jit = jax.jit(_on_both, static_argnums=(0, 1))
 
 
 def _check_on_tiles(
@@ -179,8 +182,7 @@ def _check_on_tiles(
   other values at the same positions on the two (it reads positions from an array's
   shape). The indices are traced, as in a tile loop. Values are compared only when the
   function depends on no traced value and has no side effects (a debug callback). Costs
-  one trace and, for a function not seen before, one small program (evaluated with NumPy
-  when it computes integers and booleans only, else compiled).
+  one trace and, for a function not seen before, one small compiled program.
   """
   if 0 in bnts:
     return
@@ -225,7 +227,17 @@ def _check_on_tiles(
   if closed.effects or not all(map(_checks.is_concrete, closed.consts)):
     return  # closes over traced values (inside jit, vmap, grad) or has side effects
   if closed.jaxpr.eqns:
-    t_val, w_val = _eager.evaluate(_on_both, *args[0], *args[1], static=(fn, n))
+    # A from_fn mask calls its user's function and nothing else: keyed on that function, a
+    # mask built anew from it reuses the program.
+    key = fn.fn if isinstance(fn, masks.kinds.FromFn) else fn
+    on_both: Callable[..., tuple[Any, Any]]
+    try:
+      hash(key)
+      on_both = _on_both_jit
+    except TypeError:  # jit keys its cache on it: evaluate an unhashable one operation by operation
+      on_both = _on_both
+    with jax.ensure_compile_time_eval():  # values even while the caller is traced
+      t_val, w_val = on_both(key, n, *args[0], *args[1])
   else:  # it returns its inputs or constants: nothing to compute
     t_val, w_val = jex_core.jaxpr_as_fun(closed)(*args[0], *args[1])
   t_val = np.broadcast_to(np.asarray(t_val), shapes[0])

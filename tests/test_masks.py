@@ -594,6 +594,94 @@ def test_causal_per_batch_block_view_traced_matches_dense(block_q, block_kv):
     )
 
 
+# Combinations whose bounds mix kinds: each kind's bounds evaluated with either array module.
+COMBINED = {
+  "causal_not_strided_or_global": (KINDS["causal"][0] & ~KINDS["strided"][0]) | KINDS["global"][0],
+  "segments_and_kv_lengths": KINDS["segments"][0] & KINDS["kv_lengths"][0],
+  "block_sparse_or_prefix_lm": KINDS["block_sparse"][0] | KINDS["prefix_lm"][0],
+}
+
+
+@pytest.mark.parametrize("name", list(KINDS) + list(COMBINED))
+def test_tile_bounds_with_numpy_and_with_jax_numpy_agree(name):
+  """Bounds of a concrete mask are computed with NumPy (and stay NumPy), those of a traced one
+  with jax.numpy: the same bounds for every tile size, also through a reindex (a shard and a
+  permutation, as ring attention reads a mask)."""
+  mask = KINDS[name][0] if name in KINDS else COMBINED[name]
+  shard = masks.reindex(mask, batch=np.array([1, 0, 1]), q=np.arange(3, 9), kv=np.arange(1, 6))
+  permuted = masks.reindex(mask, q=np.array([8, 0, 4, 2, 7, 1]), kv=np.array([6, 3, 0, 5, 1]))
+  cases = [(T_, S_, b) for b in BLOCKS] + [(6, 5, b) for b in [(2, 3), (4, 4)] * 2]
+  on = [mask] * len(BLOCKS) + [shard, shard, permuted, permuted]
+
+  def bounds(ms, xp):
+    return [m.tile_bounds(masks.tiles.grid_tiles(T, S, *b, xp)) for m, (T, S, b) in zip(ms, cases)]
+
+  with_jnp = jax.jit(lambda ms: bounds(ms, jnp))(on)
+  for got_np, got_jnp in zip(bounds([masks.tiles.on_host(m) for m in on], np), with_jnp):
+    for np_bound, jnp_bound in zip(got_np, got_jnp):
+      assert isinstance(np_bound, np.ndarray)
+      np.testing.assert_array_equal(np_bound, np.asarray(jnp_bound), strict=True)
+
+
+def _compiling(f):
+  """``f()`` and the number of XLA programs compiled while it ran."""
+  events = []
+  listen = lambda event, *a, **k: events.append(event)  # noqa: E731
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    out = f()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  return out, events.count("/jax/core/compile/backend_compile_duration")
+
+
+def test_concrete_block_views_are_numpy_arrays_computed_without_compiling():
+  mask = (
+    masks.reindex(KINDS["segments"][0], kv=np.arange(S_))
+    | (KINDS["block_sparse"][0] & KINDS["prefix_lm"][0])
+    | masks.from_array(np.eye(T_, S_, dtype=bool))
+  )
+  kw = dict(block_q=2, block_kv=3, num_heads=3)
+  view, compiled = _compiling(lambda: mask.block_view(T_, S_, **kw))
+  assert not compiled and isinstance(view, np.ndarray) and view.dtype == np.int8
+  want = segments_np(IDS_Q, IDS_KV) | np.eye(T_, S_, dtype=bool)
+  want = want | (block_sparse_np(SPARSE, 2, 3, T_, S_) & prefix_np(T_, S_, [3, 5]))
+  exact = tile_classes_np(np.broadcast_to(want, (2, 3, T_, S_)), 2, 3)
+  _assert_conservative(view, exact)
+  # While the caller is traced the classes of a concrete mask stay NumPy (a static schedule),
+  # exact ones too; those of a traced mask are traced.
+  seen = {}
+
+  def inside(ids):
+    seen.update(
+      bounds=mask.block_view(T_, S_, **kw), exact=mask.block_view(T_, S_, exact=True, **kw)
+    )
+    seen["traced"] = masks.segments(ids).block_view(T_, T_, block_q=2, block_kv=3)
+    return seen["traced"]
+
+  traced = jax.jit(inside)(IDS_Q)
+  assert isinstance(seen["exact"], np.ndarray) and isinstance(seen["traced"], jax.core.Tracer)
+  np.testing.assert_array_equal(seen["bounds"], view)
+  np.testing.assert_array_equal(seen["exact"], exact)
+  want = masks.segments(IDS_Q).block_view(T_, T_, block_q=2, block_kv=3)
+  np.testing.assert_array_equal(traced, want)
+
+
+def test_materialize_compiles_one_program_per_structure_and_sizes():
+  """Masks of one kind, settings and array shapes share one compiled program; the result is
+  the same outside jit, inside it on concrete arrays, and on traced ones."""
+  dense_of = lambda m: m.materialize(T_, S_, num_heads=2)  # noqa: E731
+  rebuilt = masks.segments(IDS_Q[::-1], IDS_KV + 3) & masks.causal(2)
+  _, compiled = _compiling(lambda: dense_of(masks.segments(IDS_Q, IDS_KV) & masks.causal(2)))
+  assert compiled <= 1  # one program, or none when an earlier test compiled it
+  dense, compiled = _compiling(lambda: dense_of(rebuilt))
+  assert not compiled and isinstance(dense, jax.Array) and dense.dtype == np.bool_
+  want = segments_np(IDS_Q[::-1], IDS_KV + 3) & causal_np(T_, S_, 2)
+  np.testing.assert_array_equal(dense, np.broadcast_to(want, (2, 2, T_, S_)))
+  for got in (jax.jit(lambda: dense_of(rebuilt))(), jax.jit(dense_of)(rebuilt)):
+    np.testing.assert_array_equal(got, dense)
+
+
 @pytest.mark.parametrize(
   "implementation, blocks", [("xla", {}), ("blockwise", dict(block_q=2, block_kv=3))]
 )

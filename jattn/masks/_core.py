@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks, _eager
+from jattn import _checks
 from jattn.masks import _indexing, tiles
 from jattn.masks._indexing import Extents
 
@@ -53,10 +53,27 @@ def index_grid(batch_size: int, num_heads: int, q_len: int, kv_len: int) -> Grid
   )
 
 
-def _dense(mask: Mask, batch_size: int, num_heads: int, q_len: int, kv_len: int) -> jax.Array:
+def _on_full_grid(
+  mask: Mask, batch_size: int, num_heads: int, q_len: int, kv_len: int
+) -> jax.Array:
   """``mask`` evaluated on the full (B, N, T, S) grid."""
   dense = mask.on_grid(index_grid(batch_size, num_heads, q_len, kv_len))
   return jnp.broadcast_to(dense, (batch_size, num_heads, q_len, kv_len))
+
+
+# One program per mask structure (its kind and settings are its treedef) and sizes: evaluated
+# operation by operation, each of a mask's operations would compile a program of its own for
+# every new shape.
+_on_full_grid_jit = jax.jit(_on_full_grid, static_argnums=(1, 2, 3, 4))
+
+
+def _dense(mask: Mask, batch_size: int, num_heads: int, q_len: int, kv_len: int) -> jax.Array:
+  """:func:`_on_full_grid` through one cached program; in the caller's trace, if any."""
+  try:
+    hash(jax.tree.structure(mask))
+  except TypeError:  # a setting jit cannot key its cache on (an unhashable from_fn callable)
+    return _on_full_grid(mask, batch_size, num_heads, q_len, kv_len)
+  return _on_full_grid_jit(mask, batch_size, num_heads, q_len, kv_len)
 
 
 class Mask:
@@ -146,18 +163,15 @@ class Mask:
     """The dense boolean mask of shape (B, N, T, S).
 
     B and N default to the sizes of the mask's own arrays (1 when it has none).
-    Outside ``jax.jit`` the mask is traced once per structure and sizes and evaluated
-    with NumPy where its operations allow (else compiled once); the result is a device
-    array either way.
+    Evaluated by one ``jax.jit`` program per mask structure (kind and settings) and
+    sizes, compiled once and reused for masks with other arrays of the same shapes;
+    inside a trace it is staged into it.
     """
     q_len = _checks.integer("q_len", q_len, minimum=0)
     kv_len = _checks.integer("kv_len", kv_len, minimum=0)
     self._check_lengths(q_len, kv_len)
     batch_size, num_heads = self._sizes(batch_size, num_heads)
-    # One trace per mask structure and sizes, evaluated with NumPy where it can: outside jit
-    # the mask's operations would each compile a program of their own for every new shape.
-    dense = _eager.evaluate(_dense, self, static=(batch_size, num_heads, q_len, kv_len))
-    return jax.device_put(dense) if isinstance(dense, np.ndarray) else dense
+    return _dense(self, batch_size, num_heads, q_len, kv_len)
 
   def block_view(
     self,
@@ -190,6 +204,12 @@ class Mask:
     block_kv = _checks.integer("block_kv", block_kv, minimum=1)
     self._check_lengths(q_len, kv_len)
     batch_size, num_heads = self._sizes(batch_size, num_heads)
+    dense: np.ndarray | jax.Array | None = None
+    if exact and tiles.is_concrete(self):
+      with jax.ensure_compile_time_eval():  # known values even while the caller is traced
+        dense = np.asarray(_dense(self, batch_size, num_heads, q_len, kv_len))
+    elif exact:
+      dense = _dense(self, batch_size, num_heads, q_len, kv_len)
     return tiles.classify(
       self,
       q_len,
@@ -198,7 +218,7 @@ class Mask:
       block_kv=block_kv,
       batch_size=batch_size,
       num_heads=num_heads,
-      exact=exact,
+      dense=dense,
     )
 
 

@@ -45,12 +45,13 @@ class Segments(Mask):
   def tile_bounds(self, t: Tiles) -> Bounds:
     if not t.aligned:
       return UNSURE
-    q_ids, kv_ids = ix.as_rank(self.q_segment_ids, 2), ix.as_rank(self.kv_segment_ids, 2)
+    q_ids = ix.as_rank(self.q_segment_ids, 2, t.xp)
+    kv_ids = ix.as_rank(self.kv_segment_ids, 2, t.xp)
     # Edge padding repeats the last id, so it adds no new id to the last tile.
-    q_min = tile_reduce(q_ids, 1, t.block_q, t.q_len, "edge", jnp.min)[:, None, :, None]
-    q_max = tile_reduce(q_ids, 1, t.block_q, t.q_len, "edge", jnp.max)[:, None, :, None]
-    kv_min = tile_reduce(kv_ids, 1, t.block_kv, t.kv_len, "edge", jnp.min)[:, None, None, :]
-    kv_max = tile_reduce(kv_ids, 1, t.block_kv, t.kv_len, "edge", jnp.max)[:, None, None, :]
+    q_min = tile_reduce(q_ids, 1, t.block_q, t.q_len, "edge", "min")[:, None, :, None]
+    q_max = tile_reduce(q_ids, 1, t.block_q, t.q_len, "edge", "max")[:, None, :, None]
+    kv_min = tile_reduce(kv_ids, 1, t.block_kv, t.kv_len, "edge", "min")[:, None, None, :]
+    kv_max = tile_reduce(kv_ids, 1, t.block_kv, t.kv_len, "edge", "max")[:, None, None, :]
     any_ = (q_min <= kv_max) & (kv_min <= q_max)
     all_ = (q_min == q_max) & (kv_min == kv_max) & (q_min == kv_min)
     return any_, all_
@@ -116,7 +117,8 @@ class FromArray(Mask):
   def tile_bounds(self, t: Tiles) -> Bounds:
     if not t.aligned and any(n > 1 for n in jnp.shape(self.array)[-2:]):
       return UNSURE
-    return tile_any_all(ix.as_rank(self.array, 4), t.block_q, t.block_kv, t.q_len, t.kv_len)
+    dense = ix.as_rank(self.array, 4, t.xp)
+    return tile_any_all(dense, t.block_q, t.block_kv, t.q_len, t.kv_len)
 
   @property
   def extents(self) -> Extents:

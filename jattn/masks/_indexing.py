@@ -13,6 +13,8 @@ None where it broadcasts; combining masks checks that they agree.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from types import ModuleType
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,10 +76,10 @@ def shared_batch(arrays: Iterable[ArrayLike | None], rank: int, names: str) -> i
   return sizes.pop() if sizes else None
 
 
-def as_rank(arr: ArrayLike, rank: int) -> jax.Array:
-  """``arr`` with leading size-1 dimensions added up to ``rank``."""
-  arr = jnp.asarray(arr)
-  return arr.reshape((1,) * (rank - arr.ndim) + arr.shape)
+def as_rank(arr: ArrayLike, rank: int, xp: ModuleType = jnp) -> Any:
+  """``arr`` with leading size-1 dimensions added up to ``rank``, an array of ``xp``."""
+  out = xp.asarray(arr)
+  return out.reshape((1,) * (rank - out.ndim) + out.shape)
 
 
 def at_batch(arr: ArrayLike, b: jax.Array) -> jax.Array:
@@ -92,14 +94,14 @@ def at_batch(arr: ArrayLike, b: jax.Array) -> jax.Array:
   return arr[b]
 
 
-def batch_index(arr: ArrayLike) -> jax.Array:
-  """Per-batch values shaped (Bm, 1, 1, 1) to broadcast against tiles."""
-  return jnp.asarray(arr).reshape(-1, 1, 1, 1)
+def batch_index(arr: ArrayLike, xp: ModuleType) -> Any:
+  """Per-batch values shaped (Bm, 1, 1, 1) to broadcast against tiles, an array of ``xp``."""
+  return xp.asarray(arr).reshape(-1, 1, 1, 1)
 
 
-def take(arr: ArrayLike, b: jax.Array, idx: jax.Array) -> jax.Array:
-  """``arr[b, idx]`` for ids given as (Bm, L) or (L,), clamping out-of-range positions."""
-  arr = as_rank(arr, 2)
+def take(ids: ArrayLike, b: jax.Array, idx: jax.Array) -> jax.Array:
+  """``ids[b, idx]`` for ids given as (Bm, L) or (L,), clamping out-of-range positions."""
+  arr: jax.Array = as_rank(ids, 2)
   if arr.shape[0] == 1:
     return arr[0].at[idx].get(mode="clip")
   if _is_iota(b, arr.shape[0]) and sum(n != 1 for n in jnp.shape(idx)) <= 1:

@@ -23,8 +23,8 @@ from jattn.masks.tiles import UNSURE, Bounds, Tiles, tile_reduce
 
 def _mapped_range(positions: jax.Array, block: int, length: int) -> tuple[jax.Array, jax.Array]:
   """Smallest and largest mapped position in each tile of ``block`` entries of ``positions``."""
-  lo = tile_reduce(positions, 0, block, length, "edge", jnp.min)
-  hi = tile_reduce(positions, 0, block, length, "edge", jnp.max)
+  lo = tile_reduce(positions, 0, block, length, "edge", "min")
+  hi = tile_reduce(positions, 0, block, length, "edge", "max")
   return lo, hi
 
 
@@ -70,11 +70,11 @@ class Reindex(Mask):
       mapped = mapped._replace(kv_lo=kv_lo, kv_hi=kv_hi)
     out = []
     for x in self.mask.tile_bounds(mapped):
-      x = jnp.asarray(x)
+      x = t.xp.asarray(x)
       x = x.reshape((1,) * (4 - x.ndim) + x.shape)
       for axis, positions in ((0, self.batch), (1, self.head)):
         if positions is not None and x.shape[axis] > 1:
-          x = jnp.take(x, jnp.asarray(positions), axis=axis, mode="clip")
+          x = t.xp.take(x, t.xp.asarray(positions), axis=axis, mode="clip")
       out.append(x)
     return out[0], out[1]
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -76,7 +77,7 @@ class CausalPerRow(Mask):
     return kv_idx - q_idx <= ix.at_batch(self.offset, batch)
 
   def tile_bounds(self, t: Tiles) -> Bounds:
-    off = ix.batch_index(self.offset)
+    off = ix.batch_index(self.offset, t.xp)
     return t.kv_lo - t.q_hi <= off, t.kv_hi - t.q_lo <= off
 
   @property
@@ -121,9 +122,11 @@ def causal(offset: int | jax.typing.ArrayLike = 0) -> Mask:
 # --- sliding window ---------------------------------------------------------
 
 
-def _window_bounds(left: int | None, right: int | None, d_lo: jax.Array, d_hi: jax.Array) -> Bounds:
+def _window_bounds(
+  left: int | None, right: int | None, d_lo: jax.Array, d_hi: jax.Array, xp: ModuleType
+) -> Bounds:
   """Bounds of ``-left <= kv - q <= right`` for tiles whose kv - q spans [d_lo, d_hi]."""
-  any_ = all_ = jnp.ones(jnp.broadcast_shapes(d_lo.shape, d_hi.shape), bool)
+  any_ = all_ = xp.ones(np.broadcast_shapes(d_lo.shape, d_hi.shape), bool)
   if left is not None:
     any_, all_ = any_ & (d_hi >= -left), all_ & (d_lo >= -left)
   if right is not None:
@@ -155,14 +158,14 @@ class SlidingWindow(Mask):
   def tile_bounds(self, t: Tiles) -> Bounds:
     left, right, dilation = self.left, self.right, self.dilation
     d_lo, d_hi = t.kv_lo - t.q_hi, t.kv_hi - t.q_lo  # range of kv - q inside the tile
-    any_, all_ = _window_bounds(left, right, d_lo, d_hi)
+    any_, all_ = _window_bounds(left, right, d_lo, d_hi, t.xp)
     if dilation == 1:
       return any_, all_
     # Every kv - q in [d_lo, d_hi] occurs in a rectangular tile, so a tile holds an
     # allowed pair exactly when a multiple of the dilation lies in that range cut
     # to the window: both classes are exact.
-    lo = d_lo if left is None else jnp.maximum(d_lo, -left)
-    hi = d_hi if right is None else jnp.minimum(d_hi, right)
+    lo = d_lo if left is None else t.xp.maximum(d_lo, -left)
+    hi = d_hi if right is None else t.xp.minimum(d_hi, right)
     any_ = (lo <= hi) & ((hi // dilation) * dilation >= lo)
     return any_, all_ & (d_lo == d_hi) & (d_lo % dilation == 0)
 
@@ -237,7 +240,7 @@ class PrefixLM(Mask):
     return (kv_idx < ix.at_batch(self.prefix_lengths, batch)) | (kv_idx <= q_idx)
 
   def tile_bounds(self, t: Tiles) -> Bounds:
-    p = ix.batch_index(self.prefix_lengths)
+    p = ix.batch_index(self.prefix_lengths, t.xp)
     return (t.kv_lo < p) | (t.kv_lo <= t.q_hi), (t.kv_hi < p) | (t.kv_hi <= t.q_lo)
 
   @property
@@ -279,12 +282,12 @@ class Lengths(Mask):
     return ok
 
   def tile_bounds(self, t: Tiles) -> Bounds:
-    any_ = all_ = jnp.ones((1, 1, 1, 1), bool)
+    any_ = all_ = t.xp.ones((1, 1, 1, 1), bool)
     if self.q_lengths is not None:
-      n = ix.batch_index(self.q_lengths)
+      n = ix.batch_index(self.q_lengths, t.xp)
       any_, all_ = any_ & (t.q_lo < n), all_ & (t.q_hi < n)
     if self.kv_lengths is not None:
-      n = ix.batch_index(self.kv_lengths)
+      n = ix.batch_index(self.kv_lengths, t.xp)
       any_, all_ = any_ & (t.kv_lo < n), all_ & (t.kv_hi < n)
     return any_, all_
 
@@ -370,7 +373,7 @@ class Strided(Mask):
     any_ = (d_hi // stride) * stride >= d_lo  # a multiple of stride lies in [d_lo, d_hi]
     all_ = (d_lo == d_hi) & (d_lo % stride == 0)
     if stride == 1:
-      all_ = jnp.ones_like(all_)
+      all_ = t.xp.ones_like(all_)
     return any_, all_
 
   def __repr__(self) -> str:

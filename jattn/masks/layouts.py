@@ -50,17 +50,21 @@ class BlockSparse(Mask):
     # A (query tile, key/value tile) covers a rectangle of layout blocks and
     # holds at least one position of each of them, so counting the allowed
     # blocks in the rectangle (a summed-area table) classifies it exactly.
-    block_q, block_kv = self.block_q, self.block_kv
-    table = ix.as_rank(self.layout, 4).astype(jnp.int32)
+    block_q, block_kv, xp = self.block_q, self.block_kv, t.xp
+    table = ix.as_rank(self.layout, 4, xp).astype(xp.int32)
     nqb, nkb = table.shape[-2:]
-    sat = jnp.pad(jnp.cumsum(jnp.cumsum(table, axis=2), axis=3), ((0, 0), (0, 0), (1, 0), (1, 0)))
-    r0 = jnp.minimum(t.q_lo // block_q, nqb)  # (1, 1, nq, 1): first block row
-    r1 = jnp.minimum(t.q_hi // block_q + 1, nqb)  # one past the last
-    c0 = jnp.minimum(t.kv_lo // block_kv, nkb)  # (1, 1, 1, nk)
-    c1 = jnp.minimum(t.kv_hi // block_kv + 1, nkb)
+    sat = xp.pad(xp.cumsum(xp.cumsum(table, axis=2), axis=3), ((0, 0), (0, 0), (1, 0), (1, 0)))
+    r0 = xp.minimum(t.q_lo // block_q, nqb)  # (1, 1, nq, 1): first block row
+    r1 = xp.minimum(t.q_hi // block_q + 1, nqb)  # one past the last
+    c0 = xp.minimum(t.kv_lo // block_kv, nkb)  # (1, 1, 1, nk)
+    c1 = xp.minimum(t.kv_hi // block_kv + 1, nkb)
 
-    def corner(r: jax.Array, c: jax.Array) -> jax.Array:  # (Bm, Nm, nq, nk)
-      return sat[:, :, r[0, 0], c[0, 0]]
+    def corner(r: Any, c: Any) -> Any:  # (Bm, Nm, nq, nk), arrays of xp
+      r, c = r[0, 0], c[0, 0]
+      if xp is np:  # indexed as jax.numpy indexes: negative from the end, then clamped
+        r = np.clip(np.where(r < 0, r + nqb + 1, r), 0, nqb)
+        c = np.clip(np.where(c < 0, c + nkb + 1, c), 0, nkb)
+      return sat[:, :, r, c]
 
     count = corner(r1, c1) - corner(r0, c1) - corner(r1, c0) + corner(r0, c0)
     inside = (t.q_hi < nqb * block_q) & (t.kv_hi < nkb * block_kv)
