@@ -15,8 +15,8 @@ import os
 # 127 s. XLA:CPU's MLIR fusion emitters compile twice as slowly as the classic LLVM IR ones
 # (the same fusions), and splitting each program's LLVM module for parallel compilation only
 # adds work on a small machine. JATTN_TEST_OPTIMIZE=1 keeps XLA's defaults: the programs users
-# get (CI runs the attention, numerics and adversarial tests so). A flag is set only where the
-# installed XLA knows it (an unknown flag in XLA_FLAGS aborts the process).
+# get (CI runs the attention, numerics and adversarial-path tests so). A flag is set only
+# where the installed XLA knows it (an unknown flag in XLA_FLAGS aborts the process).
 _JAXLIB = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
 _TEST_FLAGS = {
   "xla_force_host_platform_device_count": "8",
