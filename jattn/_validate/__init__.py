@@ -1,4 +1,4 @@
-"""The call spec: one validated description of an attention call, and its one validator.
+"""The public boundary: one validated description of an attention call, and its one validator.
 
 :func:`build` checks every argument of a call at the public boundary and returns the
 normalised query, key and value with a :class:`CallSpec`: the legend sizes, the one
@@ -11,9 +11,10 @@ nothing downstream re-validates. The front ends hand their arguments over whole,
 :class:`Arguments`, so adding a keyword touches its public signatures, :class:`Arguments`,
 :func:`build`, :class:`CallSpec` and the implementations that use it.
 
-The masks, score functions and bias are checked and combined in :mod:`jattn._masking`,
-scalar settings in :mod:`jattn._checks`, the implementation and backward names in
-:mod:`jattn.impl._select` (through :class:`jattn.Options`).
+The masks, score functions and bias are checked and combined in ``_masking``, the arrays
+and scalar settings in ``_call`` (generic checks in :mod:`jattn._checks`), the
+implementation, backward and tiles in :class:`jattn.Options` (``options``), against the
+selection table (:mod:`jattn.impl._select`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import jax
 import numpy as np
 from jax.typing import DTypeLike
 
-from jattn import _checks, _compat, _masking, testing
-from jattn._validate import _call
+from jattn import _checks, _compat, testing
+from jattn._validate import _call, _masking
 from jattn._validate.options import Options
 from jattn.impl import _common, _select, _sharded
 from jattn.impl._base import CallSpec

@@ -20,6 +20,8 @@ from jattn.masks._core import Mask
 from jattn.masks._indexing import Extents
 from jattn.masks.tiles import UNSURE, Bounds, Tiles, tile_reduce
 
+__all__ = ["Reindex", "reindex"]
+
 
 def _mapped_range(positions: jax.Array, block: int, length: int) -> tuple[jax.Array, jax.Array]:
   """Smallest and largest mapped position in each tile of ``block`` entries of ``positions``."""

@@ -39,6 +39,30 @@ from jattn.masks._data import Segments as Segments
 from jattn.masks._data import from_array as from_array
 from jattn.masks._data import from_fn as from_fn
 from jattn.masks._data import segments as segments
+
+__all__ = [
+  "Causal",
+  "CausalPerRow",
+  "causal",
+  "SlidingWindow",
+  "sliding_window",
+  "Chunked",
+  "chunked",
+  "PrefixLM",
+  "prefix_lm",
+  "Lengths",
+  "lengths",
+  "GlobalTokens",
+  "global_tokens",
+  "Strided",
+  "strided",
+  "Segments",
+  "segments",
+  "FromArray",
+  "from_array",
+  "FromFn",
+  "from_fn",
+]
 from jattn.masks._indexing import Extents
 from jattn.masks.tiles import Bounds, Tiles
 

@@ -26,6 +26,8 @@ from jattn.masks._indexing import Extents
 from jattn.masks.kinds import Causal, global_tokens, sliding_window
 from jattn.masks.tiles import Bounds, Tiles
 
+__all__ = ["BlockSparse", "block_sparse", "longformer", "bigbird_layout", "bigbird"]
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, eq=False)

@@ -16,7 +16,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
-from jattn import _masking, _validate, attention, masks, testing
+from jattn import _validate, attention, masks, testing
+from jattn._validate import _masking
 from jattn._validate.options import Options
 from jattn.impl import _common, _select, splash
 from jattn.impl._base import CallSpec

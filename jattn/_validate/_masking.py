@@ -1,5 +1,5 @@
 """The masking and scoring arguments of a call, checked and combined (pieces of
-:func:`jattn._spec.build`).
+:func:`jattn._validate.build`).
 
 :func:`combined_mask` turns every way of masking (``mask``, ``is_causal``, a window,
 sequence lengths, segment ids) into one checked :class:`jattn.masks.Mask`;
