@@ -93,7 +93,9 @@ def build(
     block_q=a.block_q,
     block_kv=a.block_kv,
   )
-  impl, bwd = _select.check_choices(options.implementation, options.backward)
+  # Options checked the names when it was made; here only the default rule is filled in.
+  impl = options.implementation
+  bwd = _select.default_backward(impl, options.backward)
   blocks = (options.block_q, options.block_kv)
   q, k, v = _call.qkv(
     a.query, a.key, a.key if a.value is None else a.value, shapes_only=shapes_only

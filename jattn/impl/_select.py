@@ -90,6 +90,15 @@ def check_choices(implementation: Any, backward: Any) -> tuple[str | None, str |
   return implementation, backward
 
 
+def default_backward(implementation: str | None, backward: str | None) -> str | None:
+  """The rule a checked (implementation, backward) pair runs: the named one, or the
+  implementation's default (None while implementation=None is still to choose)."""
+  if backward is not None or implementation is None:
+    return backward
+  supported = TABLE[implementation].backwards
+  return supported[0] if supported else None
+
+
 def why_not(name: str, call: Call, *, interpret: bool = False, device: bool = True) -> str | None:
   """Why implementation ``name`` cannot run ``call`` exactly; None when it can (its row's
   :meth:`~jattn.impl._base.Implementation.why_not`)."""
