@@ -29,12 +29,15 @@ message: forward mode evaluates the tangents, reverse mode only transposes them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
+
+from jattn.impl import _common
 
 TILE_LOOPS = "loops over as many tiles as the mask leaves (lax.while_loop)"
 FUSED = "is a fused kernel"
@@ -166,30 +169,42 @@ def reverse_only(fn: Callable[..., Any], who: str, rule: str) -> Callable[..., A
     "implementation='xla' with backward='autodiff' differentiates in both modes"
   )
 
-  @jax.custom_jvp
-  def wrapped(*args: Any) -> Any:
-    return fn(*args)
+  def run(*args: Any) -> Any:
+    # The arrays fn closes over (a score function's captured tracers, integer ones too)
+    # become arguments, as a custom_jvp cannot close over another transformation's tracers.
+    converted, consts = _common.hoist(fn, *args)
+    return _forward_refused(message, converted, *args, *consts)
 
-  def _jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
-    flat, tree = jax.tree.flatten(primals)
-    flat_tangents = jax.tree.leaves(
-      tangents, is_leaf=lambda t: isinstance(t, jax.custom_derivatives.SymbolicZero)
-    )
-    moving = [
-      i
-      for i, t in enumerate(flat_tangents)
-      if not isinstance(t, jax.custom_derivatives.SymbolicZero)
-      and jax.numpy.issubdtype(jax.numpy.result_type(t), jax.numpy.inexact)
-    ]
+  return run
 
-    def call(*moved: Any) -> Any:  # fn of the leaves that carry a tangent, the rest fixed
-      leaves = list(flat)
-      for i, x in zip(moving, moved):
-        leaves[i] = x
-      return fn(*jax.tree.unflatten(tree, leaves))
 
-    refused = [_refuse_forward_p.bind(flat_tangents[i], message=message) for i in moving]
-    return jax.jvp(call, [flat[i] for i in moving], refused)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _forward_refused(message: str, fn: Callable[..., Any], *args: Any) -> Any:
+  return fn(*args)
 
-  wrapped.defjvp(_jvp, symbolic_zeros=True)
-  return wrapped
+
+def _forward_refused_jvp(
+  message: str, fn: Callable[..., Any], primals: tuple[Any, ...], tangents: tuple[Any, ...]
+) -> tuple[Any, Any]:
+  flat, tree = jax.tree.flatten(primals)
+  flat_tangents = jax.tree.leaves(
+    tangents, is_leaf=lambda t: isinstance(t, jax.custom_derivatives.SymbolicZero)
+  )
+  moving = [
+    i
+    for i, t in enumerate(flat_tangents)
+    if not isinstance(t, jax.custom_derivatives.SymbolicZero)
+    and jax.numpy.issubdtype(jax.numpy.result_type(t), jax.numpy.inexact)
+  ]
+
+  def call(*moved: Any) -> Any:  # fn of the leaves that carry a tangent, the rest fixed
+    leaves = list(flat)
+    for i, x in zip(moving, moved):
+      leaves[i] = x
+    return fn(*jax.tree.unflatten(tree, leaves))
+
+  refused = [_refuse_forward_p.bind(flat_tangents[i], message=message) for i in moving]
+  return jax.jvp(call, [flat[i] for i in moving], refused)
+
+
+_forward_refused.defjvp(_forward_refused_jvp, symbolic_zeros=True)
