@@ -214,7 +214,10 @@ def test_public_modules_set_all_in_their_code(module):
     node
     for node in tree.body
     if isinstance(node, ast.Assign | ast.AnnAssign)
-    and any(getattr(t, "id", None) == "__all__" for t in getattr(node, "targets", [node.target]))
+    and any(
+      getattr(t, "id", None) == "__all__"
+      for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+    )
   ]
   assert assigned, f"{module} sets no __all__"
   names = ast.literal_eval(assigned[0].value)

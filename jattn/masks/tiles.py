@@ -37,6 +37,23 @@ import numpy as np
 
 from jattn import _checks
 
+__all__ = [
+  "EMPTY",
+  "PARTIAL",
+  "FULL",
+  "Bounds",
+  "Tiles",
+  "Bounded",
+  "classify",
+  "grid_tiles",
+  "tile_reduce",
+  "tile_any_all",
+  "array_module",
+  "is_concrete",
+  "on_host",
+  "UNSURE",
+]
+
 EMPTY, PARTIAL, FULL = 0, 1, 2
 """Tile classes returned by :meth:`Mask.block_view`."""
 
