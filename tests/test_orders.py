@@ -179,8 +179,8 @@ def test_flex_refuses_higher_and_forward_derivatives_naming_the_rule(devices, mo
   [
     dict(implementation="blockwise"),
     dict(implementation="xla", backward="custom_vjp"),
-    dict(implementation="flex"),
-    dict(implementation="splash"),
+    pytest.param(dict(implementation="flex"), marks=pytest.mark.exhaustive),
+    pytest.param(dict(implementation="splash"), marks=pytest.mark.exhaustive),
   ],
   ids=["blockwise", "xla-custom_vjp", "flex", "splash"],
 )

@@ -99,7 +99,11 @@ def _reference(q, k, v):
 def _cases():
   for t in TRANSFORMS:
     for name in IMPLEMENTATIONS:
-      heavy = name in FUSED and t not in ("grad", "jvp", "hessian", "vmap-grad")
+      # By default: every transformation of the default call, and of each rule the
+      # cheap ones; shard_map and the fused kernels' heavier cases are the exhaustive tier.
+      heavy = name != "default" and (
+        t.startswith("shard_map") or (name in FUSED and t not in ("grad", "jvp", "hessian"))
+      )
       marks = [pytest.mark.exhaustive] if heavy else []
       yield pytest.param(t, name, id=f"{t}-{name}", marks=marks)
 
