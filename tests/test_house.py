@@ -224,7 +224,8 @@ def test_public_modules_set_all_in_their_code(module):
   defined = {
     getattr(n, "name", None) or getattr(t, "id", None)
     for n in tree.body
-    for t in (getattr(n, "targets", None) or [getattr(n, "target", None)])
+    for target in (getattr(n, "targets", None) or [getattr(n, "target", None)])
+    for t in (target.elts if isinstance(target, ast.Tuple) else [target])  # a, b = ...
   }
   defined |= {
     a.asname or a.name
