@@ -31,7 +31,7 @@ import jax
 
 from jattn import _validate, masks
 from jattn._validate.options import Options
-from jattn.impl import _base, _common, _orders, xla
+from jattn.impl import _base, _common, xla
 from jattn.impl._base import CallSpec
 from jattn.impl._select import (  # public names of the table
   AUTO_BLOCKWISE_BYTES,
@@ -340,10 +340,6 @@ def _run(
   chex.assert_shape(key, dims["BSKH"])
   chex.assert_shape(value, dims["BSKV"])
   row = TABLE[spec.implementation]
-  run = row.run
-  if spec.backward != "autodiff":  # a custom_vjp: jattn's rule, or a fused kernel's own
-    rule = f"backward={spec.backward!r}" if spec.backward else "the kernel's own backward"
-    run = _orders.reverse_only(run, f"implementation={spec.implementation!r}", rule)
-  out, lse = run(query, key, value, spec)
+  out, lse = row.run(query, key, value, spec)
   chex.assert_shape(lse, dims["BTN"])
   return _common.finish(out, lse, spec, query.dtype, row.takes_sinks)

@@ -170,8 +170,8 @@ def test_flex_refuses_higher_and_forward_derivatives_naming_the_rule(devices, mo
   with jattn.testing.interpret_kernels():
     _raises_naming(jax.jit(_grad_of_grad(fn)), q, who="implementation='flex'")
     _raises_naming(_jit_hessian_vector, fn, q, q, who="implementation='flex'")
-    with pytest.raises(ValueError, match="implementation='flex' gives reverse-mode"):
-      jax.jit(jax.jacfwd(fn)).trace(q)
+    with pytest.raises(TypeError, match="forward-mode autodiff"):  # JAX's: see docs/backward.md
+      jax.jit(jax.jacfwd(fn)).lower(q)
 
 
 @pytest.mark.parametrize(
@@ -184,12 +184,13 @@ def test_flex_refuses_higher_and_forward_derivatives_naming_the_rule(devices, mo
   ],
   ids=["blockwise", "xla-custom_vjp", "flex", "splash"],
 )
-def test_forward_mode_through_a_custom_vjp_rule_raises_jattns_error(kw):
-  """jax.jvp and jax.jacfwd of a call whose gradients come from a custom_vjp name the rule
-  and the way out (JAX's own message names neither), eagerly, under jit and under vmap."""
+def test_forward_mode_through_a_custom_vjp_rule_raises(kw):
+  """jax.jvp and jax.jacfwd of a call whose gradients come from a custom_vjp raise JAX's
+  TypeError, eagerly, under jit and under vmap (a wrapper that reworded it broke grad of
+  vmap: docs/backward.md), while grad of vmap works."""
   q = _q((1, 128, 1, 128)) if kw["implementation"] == "splash" else _q()
   fn = _attention(**kw)
-  who = f"implementation={kw['implementation']!r} gives reverse-mode derivatives only"
+  grad_of_vmap = jax.grad(lambda q: jax.vmap(fn)(jnp.stack([q, q * 2])).sum())
   with jattn.testing.interpret_kernels():
     for transform in (
       lambda q: jax.jvp(fn, (q,), (q,)),
@@ -197,9 +198,9 @@ def test_forward_mode_through_a_custom_vjp_rule_raises_jattns_error(kw):
       lambda q: jax.jacfwd(fn)(q),
       lambda q: jax.linearize(fn, q)[1](q),
     ):
-      with pytest.raises(ValueError, match=who) as info:
+      with pytest.raises(TypeError, match="forward-mode autodiff"):
         transform(q)
-      assert "implementation='xla' with backward='autodiff'" in str(info.value)
+    assert np.isfinite(np.asarray(grad_of_vmap(q))).all()
 
 
 def test_ring_attention_second_derivatives():

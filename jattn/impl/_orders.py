@@ -18,26 +18,16 @@ linear for JAX but whose transpose raises. A second reverse pass transposes that
 first (it is the last operation on the tangent), so the message comes before JAX reaches
 the loops.
 
-Forward mode through a rule of jattn's own (:func:`reverse_only`) is the dual: an
-implementation's ``custom_vjp`` gives JAX no JVP, and ``jax.jvp``/``jax.jacfwd`` of it fail
-with JAX's ``can't apply forward-mode autodiff (jvp) to a custom_vjp function``. The call is
-wrapped in a ``custom_jvp`` whose rule first passes the input tangents through
-``_refuse_forward_p``, an identity whose transpose is the identity (reverse mode goes on to
-the custom_vjp's rule untouched) but whose evaluation, batching or lowering raises jattn's
-message: forward mode evaluates the tangents, reverse mode only transposes them.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
-
-from jattn.impl import _common
 
 TILE_LOOPS = "loops over as many tiles as the mask leaves (lax.while_loop)"
 FUSED = "is a fused kernel"
@@ -59,31 +49,6 @@ def _refuse(cotangent: Any, x: Any, *, message: str) -> Any:
 
 
 ad.deflinear2(_refuse_transpose_p, _refuse)
-
-
-_refuse_forward_p = jex_core.Primitive("jattn_refuse_forward")
-
-
-def _refuse_forward_eval(x: Any, *, message: str) -> Any:
-  del x
-  raise ValueError(message)
-
-
-def _refuse_forward_batch(args: Any, dims: Any, *, message: str) -> Any:
-  del args, dims
-  raise ValueError(message)
-
-
-def _refuse_forward_lowering(ctx: Any, x: Any, *, message: str) -> Any:
-  del ctx, x
-  raise ValueError(message)
-
-
-_refuse_forward_p.def_impl(_refuse_forward_eval)
-_refuse_forward_p.def_abstract_eval(lambda x, *, message: x)
-mlir.register_lowering(_refuse_forward_p, _refuse_forward_lowering)
-batching.primitive_batchers[_refuse_forward_p] = _refuse_forward_batch
-ad.deflinear2(_refuse_forward_p, lambda cotangent, x, *, message: [cotangent])
 
 
 def _refuse_transpose(tree: Any, message: str) -> Any:
@@ -150,61 +115,3 @@ def reverse_once(fn: Callable[..., Any], who: str, cause: str) -> Callable[..., 
   backward = first_order(lambda vjp, ct: vjp(ct), who, cause, forward=False)
   wrapped.defvjp(forward, backward)
   return wrapped
-
-
-def reverse_only(fn: Callable[..., Any], who: str, rule: str) -> Callable[..., Any]:
-  """``fn`` (a call through a ``custom_vjp``), made to refuse forward mode with jattn's
-  ValueError instead of JAX's TypeError; reverse mode (``jax.grad``, ``jax.vjp``,
-  ``jax.jacrev``, and forward over reverse: ``jax.hessian``) is untouched.
-
-  Args:
-    fn: a function of pytrees of arrays; integer and key leaves carry no tangent.
-    who: what the message names, e.g. ``"implementation='blockwise'"``.
-    rule: its backward rule, completing "its gradients come from ...".
-  """
-  message = (
-    f"{who} gives reverse-mode derivatives only (jax.grad, jax.vjp, jax.jacrev, and "
-    f"forward over reverse where its backward allows): its gradients come from {rule}, "
-    "which has no forward mode (jax.jvp, jax.jacfwd, jax.linearize). For forward mode, "
-    "implementation='xla' with backward='autodiff' differentiates in both modes"
-  )
-
-  def run(*args: Any) -> Any:
-    # The arrays fn closes over (a score function's captured tracers, integer ones too)
-    # become arguments, as a custom_jvp cannot close over another transformation's tracers.
-    converted, consts = _common.hoist(fn, *args)
-    return _forward_refused(message, converted, *args, *consts)
-
-  return run
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _forward_refused(message: str, fn: Callable[..., Any], *args: Any) -> Any:
-  return fn(*args)
-
-
-def _forward_refused_jvp(
-  message: str, fn: Callable[..., Any], primals: tuple[Any, ...], tangents: tuple[Any, ...]
-) -> tuple[Any, Any]:
-  flat, tree = jax.tree.flatten(primals)
-  flat_tangents = jax.tree.leaves(
-    tangents, is_leaf=lambda t: isinstance(t, jax.custom_derivatives.SymbolicZero)
-  )
-  moving = [
-    i
-    for i, t in enumerate(flat_tangents)
-    if not isinstance(t, jax.custom_derivatives.SymbolicZero)
-    and jax.numpy.issubdtype(jax.numpy.result_type(t), jax.numpy.inexact)
-  ]
-
-  def call(*moved: Any) -> Any:  # fn of the leaves that carry a tangent, the rest fixed
-    leaves = list(flat)
-    for i, x in zip(moving, moved):
-      leaves[i] = x
-    return fn(*jax.tree.unflatten(tree, leaves))
-
-  refused = [_refuse_forward_p.bind(flat_tangents[i], message=message) for i in moving]
-  return jax.jvp(call, [flat[i] for i in moving], refused)
-
-
-_forward_refused.defjvp(_forward_refused_jvp, symbolic_zeros=True)
