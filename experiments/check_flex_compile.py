@@ -38,6 +38,7 @@ from jax.interpreters import mlir as jax_mlir
 import jattn
 from experiments import _cli
 from experiments._timing import fmt
+from jattn.impl import flex
 
 GPUS = {"sm_80": ("NVIDIA A100-SXM4-80GB", 80), "sm_90": ("NVIDIA H100 80GB HBM3", 90)}
 SHARED_BYTES = {80: 163 * 1024, 90: 227 * 1024}  # the most one block may ask for (opt-in)
@@ -50,8 +51,7 @@ HEADS = 4  # query and key/value heads of the lowered call (batch 1)
 def kernels(device_kind: str, head_dim: int, dtype: Any, length: int) -> list[dict[str, Any]]:
   """Each Triton kernel of a causal flex call's forward and backward, lowered for
   ``device_kind``: its name, Triton IR (text), warps, stages and tiles (``block_q`` from the
-  forward kernel's grid, a program per query tile and head; ``block_kv`` from the dK/dV
-  kernel's, a program per key tile and head: all three kernels share the one tiling)."""
+  table's row for the kernel's pass)."""
   rng = np.random.default_rng(0)
   shape = (1, length, HEADS, head_dim)
   q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in "qkv")
@@ -67,9 +67,11 @@ def kernels(device_kind: str, head_dim: int, dtype: Any, length: int) -> list[di
     warnings.simplefilter("ignore")  # Pallas' Triton lowering warns of deprecation
     lowered = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",))
   found = [_triton_kernel(op) for op in _triton_calls(lowered.compiler_ir("stablehlo").operation)]
-  tile = {x["kernel"]: length * HEADS // x["programs"] for x in found}
-  for x in found:
-    x.update(block_q=tile.get("jattn_flex_forward"), block_kv=tile.get("jattn_flex_dkv"))
+  # Each pass's own tiles (forward, dQ, dK/dV: the kernels' order in the program), from the
+  # table the lowering read for this GPU.
+  passes = flex.tiles_for(head_dim, jnp.dtype(dtype).itemsize, device_kind)
+  for x, row in zip(found, passes):
+    x.update(block_q=row.block_q, block_kv=row.block_kv)
   return found
 
 

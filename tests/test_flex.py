@@ -132,9 +132,11 @@ def _flex_vjp(q, k, v, mask, score_fn, interpret=True, bias=None):
   grid = None if score_fn is None else flex._grid_trace(score_fn, score_f, B, N, T, S, q.dtype)
   rows, cols = fk.schedules(mask, B, N, T, S, BQ, BK)
   settings = fk.Settings(H**-0.5, T, S, BQ, BK, num_warps=4, num_stages=2, interpret=interpret)
+  three = lambda x: (x, x, x)  # one tiling for the forward, dQ and dK/dV passes
   return _flex_backward.attention(
-    q, k, v, rows, cols, mask_f, score_f, settings, bias=bias, score_grid=grid
-  )
+    q, k, v, (rows, rows, cols), three(mask_f), three(score_f), three(settings), bias=bias,
+    score_grid=grid,
+  )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -328,6 +330,39 @@ def test_learned_score_arrays_get_their_gradients(learned):
     np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
 
 
+def test_each_pass_at_its_own_tiles_matches_xla(monkeypatch):
+  """The forward, dQ and dK/dV kernels at three different tilings (the table's row patched:
+  on this CPU it is the Ampere float32 row), lengths that are whole tiles of none of them:
+  the values, the lse and every gradient (q, k, v, a bias, learned ALiBi slopes) equal
+  xla's."""
+  passes = flex.Passes(flex.Tiles(32, 16, 4, 2), flex.Tiles(16, 32, 4, 2), flex.Tiles(32, 64, 4, 2))
+  monkeypatch.setitem(flex.TILES, ("sm_80", 64, 4), passes)
+  assert flex.tiles_for(H, 4, "") == passes
+  q, k, v = _inputs(2)
+  rng = np.random.default_rng(12)
+  bias = jnp.asarray(rng.normal(size=(B, 1, 1, S)), jnp.float32)
+  slopes = jnp.asarray(rng.uniform(0.05, 0.5, N), jnp.float32)
+  mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
+
+  def run(impl):
+    def loss(q, k, v, bias, slopes):
+      attend = lambda *a: jattn.dot_product_attention(
+        *a, bias, mask=mask, score_fn=jattn.scores.alibi(slopes), implementation=impl,
+        return_residual=True,
+      )  # fmt: skip
+      return _loss(attend, q, k, v)
+
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3, 4)))(q, k, v, bias, slopes)
+
+  with jattn.testing.interpret_kernels():
+    got = run("flex")
+  want = run("xla")
+  np.testing.assert_allclose(got[0], want[0], atol=5e-5, rtol=5e-5)
+  for name, g, w in zip(("dq", "dk", "dv", "dbias", "dslopes"), got[1], want[1]):
+    assert g.shape == w.shape and np.abs(w).max() > 0, name
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
+
+
 def test_check_grads_float64_learned_slopes(x64):
   """The score function's arrays' gradient (on the whole grid) with a bias's, in float64."""
   mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
@@ -436,7 +471,7 @@ def test_lowering_for_a_named_gpu_takes_its_generations_tiles():
   q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(2))
   fn = jax.jit(lambda *a: jattn.dot_product_attention(*a, implementation="flex"))
   for kind in ("NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3"):
-    row = flex.tiles_for(H, 2, kind)
+    row = flex.tiles_for(H, 2, kind).forward
     with jattn.testing.lowering_for("gpu", kind), warnings.catch_warnings():
       warnings.simplefilter("ignore")  # Pallas' Triton lowering warns of deprecation
       text = fn.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
@@ -455,10 +490,11 @@ def test_the_tile_table_by_generation_head_dim_and_dtype():
   assert h100 == flex.TILES[("sm_90", 128, 2)]
   assert flex.tiles_for(16, 4, "NVIDIA A100-SXM4-40GB") == flex.TILES[("sm_80", 64, 4)]
   assert flex.tiles_for(512, 2, "NVIDIA H100") == flex.FALLBACK
-  for row in (*flex.TILES.values(), flex.FALLBACK):
-    for block in (row.block_q, row.block_kv):
-      assert block >= 16 and block & (block - 1) == 0, row  # what _check asks of callers
-    assert row.num_warps in (4, 8) and row.num_stages >= 1
+  for passes in (*flex.TILES.values(), flex.FALLBACK):
+    for row in passes:  # forward, dQ, dK/dV
+      for block in (row.block_q, row.block_kv):
+        assert block >= 16 and block & (block - 1) == 0, row  # what _check asks of callers
+      assert row.num_warps in (4, 8) and row.num_stages >= 1
 
 
 def test_the_tuning_script_times_the_table_and_each_candidate():
@@ -477,8 +513,8 @@ def test_the_compile_check_reads_registers_and_spills_for_sm_90():
 
   rows = check_flex_compile.main(["--quick"])
   assert [r["kernel"] for r in rows] == ["jattn_flex_forward", "jattn_flex_dq", "jattn_flex_dkv"]
-  row = flex.TILES[("sm_90", 64, 2)]
-  for r in rows:
+  passes = flex.TILES[("sm_90", 64, 2)]
+  for r, row in zip(rows, passes):
     assert (r["block_q"], r["block_kv"], r["num_warps"]) == row[:3], r
     assert r["num_stages"] == row.num_stages and 0 < r["registers"] <= 255, r
     assert r["spill_stores"] == r["spill_loads"] == 0 and not r["problem"], r

@@ -34,16 +34,25 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jattn import _checks, testing
 from jattn import dropout as _dropout
-from jattn import testing
 from jattn.impl import _base, _sharded
 from jattn.impl._base import CallSpec
 from jattn.impl.flex import _backward as _flex_backward
 from jattn.impl.flex import _kernels as _kernels
 from jattn.impl.flex import _lowers as _flex_lowers
 
-__all__ = ["IMPLEMENTATION", "Tiles", "FALLBACK", "generation", "tiles_for", "tiles_reason"]
+__all__ = [
+  "IMPLEMENTATION",
+  "Tiles",
+  "Passes",
+  "FALLBACK",
+  "generation",
+  "tiles_for",
+  "tiles_reason",
+]
 
 BACKWARDS: tuple[str, ...] = ()  # its own fused backward kernels
 
@@ -58,35 +67,47 @@ class Tiles(NamedTuple):
   num_stages: int
 
 
+class Passes(NamedTuple):
+  """Each kernel's launch settings: the forward pass, the dQ pass and the dK/dV pass walk
+  their own tile schedules, so each takes the tiles that suit its accumulators."""
+
+  forward: Tiles
+  dq: Tiles
+  dkv: Tiles
+
+
+def _same(tiles: Tiles) -> Passes:
+  return Passes(tiles, tiles, tiles)
+
+
 # Keyed by (GPU generation, head dim rounded up to a power of two, bytes per input element).
-# The forward and both backward kernels share one tiling (they walk the same schedules).
-# Two rows are measured: on an H100 (jax 0.11.2, bf16, causal, B=1, N=16, T=4,096;
+# Measured rows: on an H100 (jax 0.11.2, bf16, causal, B=1, N=16, T=4,096;
 # `python -m experiments.tune_flex --blocks 32 64 128`), 128 x 32 tiles at H = 128 took
-# 1.99 ms forward+backward against 2.66 ms for 64 x 64 (128 x 64 and 128 x 128 exceed the
-# shared memory), and 64 x 64 stayed the fastest at H = 64 (1.01 ms). The rest are starting
-# points: 64 x 64 tiles keep the dK/dV kernel's two float32 accumulators and the recomputed
-# tile within registers up to H = 128 (FlashAttention-2's backward tiles), more warps for
-# wider heads, one more pipelining stage on Hopper's larger shared memory.
+# 1.99 ms forward+backward against 2.66 ms for 64 x 64 (the backward's 128 x 64 and
+# 128 x 128 exceed the shared memory), and 64 x 64 stayed the fastest at H = 64 (1.01 ms).
+# The forward pass holds one (block_q, H) float32 accumulator, rescaled once per key tile:
+# 128-key tiles at H = 128 rescale it a quarter as often as 32-key ones, behind a wider
+# matmul (`python -m experiments.gpu_probe` measures both on a GPU). The rest are starting
+# points: 64 x 64 tiles keep the dK/dV kernel's two float32 accumulators and the
+# recomputed tile within registers up to H = 128 (FlashAttention-2's backward tiles), more
+# warps for wider heads, one more pipelining stage on Hopper's larger shared memory.
 # `python -m experiments.check_flex_compile` compiles every row's kernels for sm_80 and
-# sm_90 (no GPU needed) and reports spills: with Triton 3.9 none of the starting rows
-# spilled and all fit in shared memory (float32 at H = 256 needs 8 warps and one stage, and
-# 16-row query tiles within an A100's shared memory); the measured 128 x 32 row is not yet
-# checked there.
-TILES: dict[tuple[str, int, int], Tiles] = {
-  ("sm_80", 64, 2): Tiles(64, 64, 4, 2),
-  ("sm_80", 128, 2): Tiles(64, 64, 8, 2),
-  ("sm_80", 256, 2): Tiles(32, 32, 8, 2),
-  ("sm_80", 64, 4): Tiles(64, 32, 4, 2),
-  ("sm_80", 128, 4): Tiles(32, 32, 8, 2),
-  ("sm_80", 256, 4): Tiles(16, 32, 8, 1),
-  ("sm_90", 64, 2): Tiles(64, 64, 4, 3),
-  ("sm_90", 128, 2): Tiles(128, 32, 8, 3),
-  ("sm_90", 256, 2): Tiles(32, 32, 8, 2),
-  ("sm_90", 64, 4): Tiles(64, 32, 4, 2),
-  ("sm_90", 128, 4): Tiles(32, 32, 8, 2),
-  ("sm_90", 256, 4): Tiles(32, 32, 8, 1),
+# sm_90 (no GPU needed) and reports registers, spills and shared memory.
+TILES: dict[tuple[str, int, int], Passes] = {
+  ("sm_80", 64, 2): _same(Tiles(64, 64, 4, 2)),
+  ("sm_80", 128, 2): Passes(Tiles(128, 64, 8, 2), Tiles(64, 64, 8, 2), Tiles(64, 64, 8, 2)),
+  ("sm_80", 256, 2): _same(Tiles(32, 32, 8, 2)),
+  ("sm_80", 64, 4): _same(Tiles(64, 32, 4, 2)),
+  ("sm_80", 128, 4): _same(Tiles(32, 32, 8, 2)),
+  ("sm_80", 256, 4): _same(Tiles(16, 32, 8, 1)),
+  ("sm_90", 64, 2): Passes(Tiles(128, 128, 8, 2), Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)),
+  ("sm_90", 128, 2): Passes(Tiles(128, 128, 8, 2), Tiles(128, 32, 8, 3), Tiles(128, 32, 8, 3)),
+  ("sm_90", 256, 2): _same(Tiles(32, 32, 8, 2)),
+  ("sm_90", 64, 4): _same(Tiles(64, 32, 4, 2)),
+  ("sm_90", 128, 4): _same(Tiles(32, 32, 8, 2)),
+  ("sm_90", 256, 4): _same(Tiles(32, 32, 8, 1)),
 }
-FALLBACK = Tiles(32, 32, 4, 2)  # head dims past the table (and float64 in interpret mode)
+FALLBACK = _same(Tiles(32, 32, 4, 2))  # head dims past the table (and float64 in interpret mode)
 _HOPPER = ("H100", "H200", "H800", "H20", "GH200", "GB200", "B200")
 
 
@@ -95,7 +116,7 @@ def generation(device_kind: str) -> str:
   return "sm_90" if any(name in device_kind for name in _HOPPER) else "sm_80"
 
 
-def tiles_for(head_dim: int, itemsize: int, device_kind: str | None = None) -> Tiles:
+def tiles_for(head_dim: int, itemsize: int, device_kind: str | None = None) -> Passes:
   """The table's row for a call, on ``device_kind`` (default: the first GPU, if any)."""
   if device_kind is None:
     device_kind = _gpu_kind()
@@ -126,17 +147,22 @@ def _check(call: _base.Call) -> str | None:
     return reason
   # The mask and score function as the kernels would see them: what Triton cannot lower
   # (a gather from registers, an array read whole) is refused here, not in lowering.
-  bq, bk = _blocks(s, s.T, s.S, call.dtype)
-  return _flex_lowers.why_not(s.mask, s.score_fn, bq, bk, s.H, call.dtype)
+  for bq, bk in sorted({(x.block_q, x.block_kv) for x in _passes(s, s.T, s.S, call.dtype)}):
+    if reason := _flex_lowers.why_not(s.mask, s.score_fn, bq, bk, s.H, call.dtype):
+      return reason
+  return None
 
 
-def _blocks(spec: CallSpec, T: int, S: int, dtype: Any) -> tuple[int, int]:
-  """The kernels' tiles: the caller's, else the table's, no longer than the lengths rounded
-  up to a power of two (Triton's blocks)."""
-  row = tiles_for(spec.H, jnp.dtype(dtype).itemsize)
-  bq = min(spec.block_q or row.block_q, max(16, _kernels.pow2(T)))
-  bk = min(spec.block_kv or row.block_kv, max(16, _kernels.pow2(S)))
-  return bq, bk
+def _passes(spec: CallSpec, T: int, S: int, dtype: Any) -> Passes:
+  """Each kernel's tiles: the caller's for every pass where named, else the table's, no
+  longer than the lengths rounded up to a power of two (Triton's blocks)."""
+
+  def fit(row: Tiles) -> Tiles:
+    bq = min(spec.block_q or row.block_q, max(16, _kernels.pow2(T)))
+    bk = min(spec.block_kv or row.block_kv, max(16, _kernels.pow2(S)))
+    return row._replace(block_q=bq, block_kv=bk)
+
+  return Passes(*map(fit, tiles_for(spec.H, jnp.dtype(dtype).itemsize)))
 
 
 def _prepare(spec: CallSpec, blocks: tuple[int | None, int | None], backend: str) -> CallSpec:
@@ -159,34 +185,42 @@ def _attend(
 ) -> tuple[jax.Array, jax.Array]:
   """The kernels on one device's share: query (b, T, n, H) of the call's (B, T, N, H)."""
   T, S = query.shape[1], key.shape[1]
-  row = tiles_for(spec.H, query.dtype.itemsize)
-  bq, bk = _blocks(spec, T, S, query.dtype)
-  specs = _kernels.index_specs(bq, bk)
-  mask = score = score_grid = None
-  if spec.mask is not None:
-    m = spec.mask
-    mask = _kernels.Function.trace(lambda b, h, q, kv: m(b, h, q, kv), *specs)
-  if spec.score_fn is not None:
-    fn = spec.score_fn
-    s_spec = jax.ShapeDtypeStruct((1, 1, bq, bk), jnp.promote_types(query.dtype, jnp.float32))
-    score = _kernels.Function.trace(lambda s, b, h, q, kv: fn(s, b, h, q, kv), s_spec, *specs)
-    if any(jnp.issubdtype(a.dtype, jnp.floating) for a in score.arrays):  # learnable
-      score_grid = _grid_trace(fn, score, query.shape[0], query.shape[2], T, S, s_spec.dtype)
+  passes = _passes(spec, T, S, query.dtype)
+  s_dtype = jnp.promote_types(query.dtype, jnp.float32)
+  traced = _traces(spec, passes, s_dtype)
+  if traced is None:  # the passes' traces read different arrays: one tiling for all
+    passes = _same(passes.forward)
+    traced = _traces(spec, passes, s_dtype)
+    assert traced is not None
+  mask, score = traced
+  score_grid = None
+  if score[0] is not None and any(jnp.issubdtype(a.dtype, jnp.floating) for a in score[0].arrays):
+    # learnable: the score function on the whole grid, for its arrays' gradients
+    assert spec.score_fn is not None
+    B, N = query.shape[0], query.shape[2]
+    score_grid = _grid_trace(spec.score_fn, score[0], B, N, T, S, s_dtype)
   # The tile classes over all batch rows and heads, the global ones (the mask's arrays are
-  # whole on each device).
-  rows, cols = _kernels.schedules(spec.mask, spec.B, spec.N, T, S, bq, bk)
-  settings = _kernels.Settings(
-    scale=spec.scale,
-    q_len=T,
-    kv_len=S,
-    block_q=bq,
-    block_kv=bk,
-    num_warps=row.num_warps,
-    num_stages=row.num_stages,
-    interpret=spec.interpret,
-    dropout_rate=spec.dropout_rate,
-    broadcast_dropout=spec.broadcast_dropout,
+  # whole on each device): the forward's and dQ's rows, dK/dV's columns.
+  schedules = (
+    _kernels.schedules(spec.mask, spec.B, spec.N, T, S, *passes.forward[:2])[0],
+    _kernels.schedules(spec.mask, spec.B, spec.N, T, S, *passes.dq[:2])[0],
+    _kernels.schedules(spec.mask, spec.B, spec.N, T, S, *passes.dkv[:2])[1],
   )
+
+  def settings(row: Tiles) -> _kernels.Settings:
+    return _kernels.Settings(
+      scale=spec.scale,
+      q_len=T,
+      kv_len=S,
+      block_q=row.block_q,
+      block_kv=row.block_kv,
+      num_warps=row.num_warps,
+      num_stages=row.num_stages,
+      interpret=spec.interpret,
+      dropout_rate=spec.dropout_rate,
+      broadcast_dropout=spec.broadcast_dropout,
+    )
+
   seed = None
   if spec.dropout_rate:
     seed = jnp.stack(_dropout.seed_words(spec.dropout_rng))
@@ -194,16 +228,60 @@ def _attend(
     query,
     key,
     value,
-    rows,
-    cols,
+    schedules,
     mask,
     score,
-    settings,
+    tuple(map(settings, passes)),
     seed,
     spec.bias,
     spec.shard_offsets,
     score_grid,
   )
+
+
+def _traces(
+  spec: CallSpec, passes: Passes, s_dtype: Any
+) -> tuple[tuple[_kernels.Function | None, ...], tuple[_kernels.Function | None, ...]] | None:
+  """``(masks, score functions)``: the call's mask and score function traced at each pass's
+  tiles (a trace's shapes are its tiles'), or None where the traces do not read the very
+  same arrays (the kernels share one copy of them, and their gradients)."""
+  found: dict[tuple[int, int], tuple[Any, Any]] = {}
+  for row in passes:
+    bq, bk = row.block_q, row.block_kv
+    if (bq, bk) in found:
+      continue
+    specs = _kernels.index_specs(bq, bk)
+    mask = score = None
+    if spec.mask is not None:
+      m = spec.mask
+      mask = _kernels.Function.trace(lambda b, h, q, kv: m(b, h, q, kv), *specs)
+    if spec.score_fn is not None:
+      fn = spec.score_fn
+      s_spec = jax.ShapeDtypeStruct((1, 1, bq, bk), s_dtype)
+      score = _kernels.Function.trace(lambda s, b, h, q, kv: fn(s, b, h, q, kv), s_spec, *specs)
+    found[bq, bk] = (mask, score)
+  first = next(iter(found.values()))
+  for other in found.values():
+    for x, y in zip(first, other):
+      if x is not None and not _same_arrays(x.arrays, y.arrays):
+        return None
+  chosen = [found[row.block_q, row.block_kv] for row in passes]
+  return tuple(x[0] for x in chosen), tuple(x[1] for x in chosen)
+
+
+def _same_arrays(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> bool:
+  """Whether two traces' arrays are the same arrays (the same objects, or equal constants)."""
+  if len(a) != len(b):
+    return False
+  for x, y in zip(a, b):
+    if x is y:
+      continue
+    concrete = _checks.is_concrete(x) and _checks.is_concrete(y)
+    if not concrete or (x.shape, x.dtype) != (y.shape, y.dtype):
+      return False
+    if not np.array_equal(np.asarray(x), np.asarray(y)):
+      return False
+  return True
 
 
 def _grid_trace(

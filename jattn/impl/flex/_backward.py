@@ -25,11 +25,10 @@ def attention(
   query: jax.Array,
   key: jax.Array,
   value: jax.Array,
-  rows: _tiling.Schedule,
-  cols: _tiling.Schedule,
-  mask: Function | None,
-  score: Function | None,
-  settings: Settings,
+  schedules: tuple[_tiling.Schedule, _tiling.Schedule, _tiling.Schedule],
+  mask: tuple[Function | None, ...],
+  score: tuple[Function | None, ...],
+  settings: tuple[Settings, Settings, Settings],
   seed: jax.Array | None = None,
   bias: jax.Array | None = None,
   offsets: jax.Array | None = None,
@@ -38,9 +37,12 @@ def attention(
   """:func:`jattn.impl.flex._kernels.forward`, differentiable in query, key, value, bias and
   the floating arrays the score function reads.
 
-  ``cols`` is the schedule of the transposed tile classes (per key/value tile, its query
-  tiles); ``seed`` the dropout's two words; ``offsets`` the global index of the shard's
-  first batch row and head (:func:`jattn.impl.flex._kernels.kernel_scalars`).
+  Per pass (forward, dQ, dK/dV), each at its own tiles: ``schedules`` (the forward's and
+  dQ's rows, per query tile its key/value tiles; dK/dV's columns, per key/value tile its
+  query tiles), ``mask`` and ``score`` (traced at that pass's tiles; the arrays they read
+  the same in every pass) and ``settings``. ``seed`` the dropout's two words; ``offsets``
+  the global index of the shard's first batch row and head
+  (:func:`jattn.impl.flex._kernels.kernel_scalars`).
   ``score_grid``: the score function's jaxpr traced on the whole (B, N, T, S) grid (its
   arrays the same, in the same order, as ``score``'s), for the gradients of the floating
   arrays it reads (learned parameters): where they are differentiated, the dQ kernel writes
@@ -49,23 +51,30 @@ def attention(
   gradient). Without it, differentiating them is refused.
   """
   arrays = (
-    rows,
-    cols,
-    mask.arrays if mask else (),
-    score.arrays if score else (),
+    schedules,
+    mask[0].arrays if mask[0] else (),
+    score[0].arrays if score[0] else (),
     kernel_scalars(seed, offsets),
   )
-  jaxprs = (mask.jaxpr if mask else None, score.jaxpr if score else None, score_grid)
+  jaxprs = (
+    *((m.jaxpr if m else None, f.jaxpr if f else None) for m, f in zip(mask, score)),
+    score_grid,
+  )
   return _attention(jaxprs, settings, query, key, value, bias, arrays)
 
 
 _WHO = "implementation='flex'"
 
 
+# jaxprs: the (mask, score function) of each pass, then the score function on the whole grid.
+Jaxprs = tuple[tuple[Any, Any], tuple[Any, Any], tuple[Any, Any], Any]
+Passes = tuple[Settings, Settings, Settings]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention(
-  jaxprs: tuple[Any, Any, Any],
-  settings: Settings,
+  jaxprs: Jaxprs,
+  settings: Passes,
   query: jax.Array,
   key: jax.Array,
   value: jax.Array,
@@ -77,19 +86,20 @@ def _attention(
 
 
 def _forward(
-  jaxprs: tuple[Any, Any, Any], settings: Settings, *operands: Any, out_dtype: Any = None
+  jaxprs: Jaxprs, settings: Passes, *operands: Any, out_dtype: Any = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The forward kernel's ``(out, m, log l)`` for :func:`_attention`'s operands (query, key,
-  value, bias, arrays)."""
-  query, key, value, bias, (rows, _, mask_arrays, score_arrays, scalars) = operands
+  """The forward kernel's ``(out, m, log2 l)`` for :func:`_attention`'s operands (query,
+  key, value, bias, arrays)."""
+  query, key, value, bias, (schedules, mask_arrays, score_arrays, scalars) = operands
+  mask, score = jaxprs[0]
   return forward(
     query,
     key,
     value,
-    rows,
-    None if jaxprs[0] is None else Function(jaxprs[0], mask_arrays),
-    None if jaxprs[1] is None else Function(jaxprs[1], score_arrays),
-    settings,
+    schedules[0],
+    None if mask is None else Function(mask, mask_arrays),
+    None if score is None else Function(score, score_arrays),
+    settings[0],
     scalars,
     bias,
     out_dtype,
@@ -97,8 +107,8 @@ def _forward(
 
 
 def _attention_fwd(
-  jaxprs: tuple[Any, Any, Any],
-  settings: Settings,
+  jaxprs: Jaxprs,
+  settings: Passes,
   query: Any,
   key: Any,
   value: Any,
@@ -107,12 +117,12 @@ def _attention_fwd(
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[Any, ...]]:
   # symbolic_zeros: each input comes as (value, perturbed); perturbed says it is differentiated.
   # Static facts ride in the residuals' tree structure: () where true, None where not.
-  _, _, _, score_arrays, _ = arrays
+  _, _, score_arrays, _ = arrays
   learned = tuple(
     () if a.perturbed and jnp.issubdtype(a.value.dtype, jnp.floating) else None
     for a in score_arrays
   )
-  if any(x is not None for x in learned) and jaxprs[2] is None:
+  if any(x is not None for x in learned) and jaxprs[3] is None:
     raise ValueError(
       "implementation='flex' cannot differentiate the floating arrays this score function "
       "reads (it traces differently on the whole grid); use implementation='blockwise'"
@@ -138,7 +148,7 @@ def _attention_fwd(
 
 
 def _attention_bwd(
-  jaxprs: tuple[Any, Any, Any], settings: Settings, residuals: tuple[Any, ...], cotangents: Any
+  jaxprs: Jaxprs, settings: Passes, residuals: tuple[Any, ...], cotangents: Any
 ) -> tuple[Any, ...]:
   grads = functools.partial(_grads, jaxprs, settings)
   cotangents = tuple(_common.materialized(c) for c in cotangents)
@@ -147,12 +157,12 @@ def _attention_bwd(
 
 
 def _grads(
-  jaxprs: tuple[Any, Any, Any], settings: Settings, residuals: tuple[Any, ...], cotangents: Any
+  jaxprs: Jaxprs, settings: Passes, residuals: tuple[Any, ...], cotangents: Any
 ) -> tuple[Any, ...]:
   query, key, value, bias, arrays, out, m, log_l, (wants_d_bias, learned) = residuals
   learning = any(x is not None for x in learned)
   d_out, d_lse = cotangents
-  rows, cols, mask_arrays, score_arrays, scalars = arrays
+  (_, rows, cols), mask_arrays, score_arrays, scalars = arrays
   # The lse's cotangent enters the scores' as Δ does: dS = P ⊙ (dP − Δ + d_lse).
   f = _common.stats_dtype(query.dtype)
   # Rows with nothing to attend to (lse -inf) have P = 0 and no gradient, whatever their
@@ -171,8 +181,8 @@ def _grads(
     scalars,
     mask_arrays,
     score_arrays,
-    jaxprs[:2],
-    settings,
+    jaxprs[1:3],
+    settings[1:],
     bias,
     wants_d_bias is not None or learning,
     learning,
@@ -185,12 +195,12 @@ def _grads(
     assert ds is not None
     chosen = [i for i, x in enumerate(learned) if x is not None]
     ds, d_chosen = _score_grid_vjp(
-      jaxprs[2], settings, query, key, bias, score_arrays, chosen, scalars, ds
+      jaxprs[3], settings[0], query, key, bias, score_arrays, chosen, scalars, ds
     )
-    d_score = list(d_arrays[3])
+    d_score = list(d_arrays[2])
     for i, d in zip(chosen, d_chosen):
       d_score[i] = d.astype(score_arrays[i].dtype)
-    d_arrays = (*d_arrays[:3], tuple(d_score), d_arrays[4])
+    d_arrays = (*d_arrays[:2], tuple(d_score), d_arrays[3])
   d_bias = None
   if bias is not None:
     if wants_d_bias is None or ds is None:

@@ -1,7 +1,7 @@
 """The flex kernel's backward pass: two Pallas kernels, as in FlashAttention-2, each
-recomputing the probabilities of a tile, ``P = exp((s − m) − log l)`` from each row's max
-``m`` and log-sum ``log l`` the forward pass saved apart (not from their sum, the log-sum-exp,
-whose rounding at large ``|m|`` would swamp ``log l``), through the forward pass's own
+recomputing the probabilities of a tile in base 2, ``P = exp2((t − m) − log2 l)`` from each
+row's max ``m`` and log-sum ``log2 l`` the forward pass saved apart (not from their sum,
+whose rounding at large ``|m|`` would swamp ``log2 l``), through the forward pass's own
 :class:`Scorer`:
 
 - dQ: one program per (query tile, batch row, query head), walking the tile schedule's row
@@ -57,8 +57,8 @@ def backward(
   scalars: jax.Array,
   mask_arrays: tuple[jax.Array, ...],
   score_arrays: tuple[jax.Array, ...],
-  jaxprs: tuple[Any, Any],
-  settings: Settings,
+  jaxprs: tuple[tuple[Any, Any], tuple[Any, Any]],
+  settings: tuple[Settings, Settings],
   bias: jax.Array | None = None,
   wants_ds: bool = False,
   before_score: bool = False,
@@ -66,14 +66,20 @@ def backward(
   """``(dq, dk, dv, dS)``: dS (B, N, Tp, Sp) float32, the scores' gradient, only where
   ``wants_ds`` (else None): the gradient of the score function's output with
   ``before_score``, else of its input (what the bias adds to). ``row_stats``: the forward's
-  ``(m, log l)`` per row, (B, T, N)."""
+  ``(m, log2 l)`` per row, (B, T, N). ``rows`` (dQ's) and ``cols`` (dK/dV's) are the two
+  kernels' schedules, ``jaxprs`` their (mask, score function) and ``settings`` their launch
+  settings, each at its own tiles."""
   B, T, N, H = query.shape
   S, K, Hv = key.shape[1], key.shape[2], value.shape[-1]
   G = N // K
   f = _common.stats_dtype(query.dtype)
-  bq, bk = settings.block_q, settings.block_kv
-  nq, nk = math.ceil(T / bq), math.ceil(S / bk)
-  Tp, Sp, Hp, Hvp = nq * bq, nk * bk, pow2(H), pow2(Hv)
+  dq_settings, dkv_settings = settings
+  bq, bk = dq_settings.block_q, dkv_settings.block_kv  # dQ's query tiles, dK/dV's key tiles
+  nq, nk = rows.order.shape[0], cols.order.shape[0]
+  # Lengths padded to whole tiles of every pass (powers of two: the larger tile's multiple).
+  Tp = math.ceil(T / max(bq, dkv_settings.block_q)) * max(bq, dkv_settings.block_q)
+  Sp = math.ceil(S / max(bk, dq_settings.block_kv)) * max(bk, dq_settings.block_kv)
+  Hp, Hvp = pow2(H), pow2(Hv)
   q, do = pad_to(query, Tp, Hp), pad_to(d_out, Tp, Hvp)
   k, v = pad_to(key, Sp, Hp), pad_to(value, Sp, Hvp)
   # (B, N, T) row statistics, padded rows empty (m -inf: zero probabilities).
@@ -101,13 +107,17 @@ def backward(
     ]
   if wants_ds:
     ds_out = [jnp.zeros((B, N, Tp, Sp), f)]
-  params = plgpu.CompilerParams(num_warps=settings.num_warps, num_stages=settings.num_stages)
+  params = lambda x: plgpu.CompilerParams(num_warps=x.num_warps, num_stages=x.num_stages)
 
   ds_spec = pl.BlockSpec((None, None, bq, Sp), lambda i, b, n: (b, n, i, 0))
   n_in = 11 + len(arrays) + len(row_bias)  # the zeroed dS buffer's place among the inputs
   dq, *ds = pl.pallas_call(
     functools.partial(
-      _dq_kernel, settings=settings, counts=counts, jaxprs=jaxprs, before_score=before_score
+      _dq_kernel,
+      settings=dq_settings,
+      counts=counts,
+      jaxprs=jaxprs[0],
+      before_score=before_score,
     ),
     grid=(nq, B, N),
     in_specs=[
@@ -130,8 +140,8 @@ def backward(
       *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ds_out],
     ],
     input_output_aliases={n_in: 1} if ds_out else {},
-    compiler_params=params,
-    interpret=settings.interpret,
+    compiler_params=params(dq_settings),
+    interpret=dq_settings.interpret,
     name="jattn_flex_dq",
   )(
     q,
@@ -149,7 +159,7 @@ def backward(
   )
 
   dk, dv = pl.pallas_call(
-    functools.partial(_dkv_kernel, settings=settings, counts=counts, jaxprs=jaxprs, group=G),
+    functools.partial(_dkv_kernel, settings=dkv_settings, counts=counts, jaxprs=jaxprs[1], group=G),
     grid=(nk, B, K),
     in_specs=[
       pl.BlockSpec((None, Tp, G, Hp), lambda j, b, h: (b, 0, h, 0)),
@@ -169,8 +179,8 @@ def backward(
       jax.ShapeDtypeStruct((B, Sp, K, Hp), f),
       jax.ShapeDtypeStruct((B, Sp, K, Hvp), f),
     ],
-    compiler_params=params,
-    interpret=settings.interpret,
+    compiler_params=params(dkv_settings),
+    interpret=dkv_settings.interpret,
     name="jattn_flex_dkv",
   )(
     q,
@@ -212,13 +222,13 @@ def _probabilities_and_ds(
   """``(P after dropout, dS, dS before the score function's derivative)`` of one tile, (bq, bk)
   in the statistics dtype: dS is the gradient of the scores the bias adds to, the last that
   of the score function's output."""
-  s, slope = scorer(q, k, q_idx, kv_idx, batch, head, masked, derivative=True, bias=bias)
-  # exp((s - m) - log l): exact near the row's max however large |m| is. Empty rows: P = 0.
+  t, slope = scorer(q, k, q_idx, kv_idx, batch, head, masked, derivative=True, bias=bias)
+  # exp2((t - m) - log2 l): exact near the row's max however large |m| is. Empty rows: P = 0.
   shift = jnp.where(jnp.isneginf(m), jnp.inf, m)
-  p = jnp.exp((s - shift[:, None]) - log_l[:, None])
+  p = jnp.exp2((t - shift[:, None]) - log_l[:, None])
   # Y = (P ⊙ D) V with D the kept weights' 1 / (1 − rate): dP = (dY Vᵀ) ⊙ D, and
   # Δ = rowsum(Y ⊙ dY) = rowsum(P ⊙ dP) still.
-  dp = scorer.dropped(jnp.dot(do, v.T, preferred_element_type=s.dtype), q_idx, kv_idx, batch, head)
+  dp = scorer.dropped(jnp.dot(do, v.T, preferred_element_type=t.dtype), q_idx, kv_idx, batch, head)
   d_post = p * (dp - delta[:, None])
   ds = d_post if slope is None else d_post * slope
   return scorer.dropped(p, q_idx, kv_idx, batch, head), ds, d_post

@@ -8,11 +8,16 @@ an online softmax in float32 (float64 for float64 inputs). The key/value head is
 ``n // G`` (GQA and MQA read K/V once, never repeated). The mask and score function run
 on each tile's indices through :func:`jattn.impl.flex._in_kernel.evaluate`, the arrays they
 read passed as kernel inputs and loaded by index. Rows the mask empties give zeros and a
-log-sum-exp of -inf. Each row's max ``m`` and the log of its sum ``log l`` are written apart
-(the log-sum-exp is their sum, formed outside): the backward pass recomputes probabilities
-as ``exp((s - m) - log l)``, exact where ``s`` is near ``m`` even when ``|m|`` is huge (an
-additive -1e9 mask on a whole row, scores scaled by 1e3), where ``exp(s - lse)`` would lose
-``log l``, and every digit below ``ulp(lse)``, to rounding.
+log-sum-exp of -inf.
+
+Scores are kept in base 2, ``t = s · log2(e)`` (for a plain call one multiply of ``q kᵀ`` by
+``scale · log2(e)``), so each probability is one ``exp2``, the GPU's native exponential,
+where ``exp`` costs a range reduction around it. Each row's max ``m`` and the base-2 log of
+its sum ``log2 l`` are written apart (the log-sum-exp, ``(m + log2 l) · ln 2``, is formed
+outside): the backward pass recomputes probabilities as ``exp2((t - m) - log2 l)``, exact
+where ``t`` is near ``m`` even when ``|m|`` is huge (an additive -1e9 mask on a whole row,
+scores scaled by 1e3), where ``exp2(t - lse)`` would lose ``log2 l``, and every digit below
+``ulp(lse)``, to rounding.
 
 Lengths are padded to whole tiles and head dimensions to powers of two (zeros, sliced off
 after): Triton's blocks are powers of two. The tile logic (the schedule, the two loops,
@@ -90,10 +95,10 @@ def forward(
   bias: jax.Array | None = None,
   out_dtype: Any = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(out (B, T, N, Hv) in out_dtype (default: the query's), m, log l)``: each row's max
-  score and the log of its sum of exponentials, (B, T, N) float32 (float64 for float64
-  inputs), whose sum (:func:`log_sum_exp`) is the row's log-sum-exp; rows with nothing to
-  attend to have ``m = -inf`` and ``log l = 0``.
+  """``(out (B, T, N, Hv) in out_dtype (default: the query's), m, log2 l)``: each row's max
+  base-2 score and the base-2 log of its sum of powers of two, (B, T, N) float32 (float64
+  for float64 inputs), from which :func:`log_sum_exp` forms the row's log-sum-exp; rows
+  with nothing to attend to have ``m = -inf`` and ``log2 l = 0``.
 
   query (B, T, N, H); key (B, S, K, H); value (B, S, K, Hv); ``rows`` the schedule of the
   (ceil(T / block_q), ceil(S / block_kv)) tiles; ``mask`` and ``score`` traced at
@@ -154,15 +159,20 @@ def forward(
   return out[:, :T, :, :Hv], rows_of(m), rows_of(log_l)
 
 
-def log_sum_exp(m: jax.Array, log_l: jax.Array) -> jax.Array:
-  """The rows' log-sum-exp from :func:`forward`'s ``m`` and ``log l`` (-inf where empty)."""
-  return m + log_l
+LOG2_E = math.log2(math.e)
+
+
+def log_sum_exp(m: jax.Array, log2_l: jax.Array) -> jax.Array:
+  """The rows' (natural) log-sum-exp from :func:`forward`'s base-2 ``m`` and ``log2 l``
+  (-inf where empty)."""
+  return (m + log2_l) * jnp.asarray(math.log(2), m.dtype)
 
 
 class Scorer(NamedTuple):
-  """One tile's scores inside a kernel: ``scale · q kᵀ``, the score function, the mask
-  (PARTIAL tiles only; padding past T and S included). Shared by the forward and backward
-  kernels, so both see the very same scores."""
+  """One tile's scores inside a kernel, in base 2: ``scale · q kᵀ`` (plus the bias, through
+  the score function) times ``log2(e)``, the mask (PARTIAL tiles only; padding past T and
+  S included). Shared by the forward and backward kernels, so both see the very same
+  scores."""
 
   settings: Settings
   jaxprs: tuple[Any, Any]  # mask, score function (None where absent)
@@ -203,13 +213,18 @@ class Scorer(NamedTuple):
     derivative: bool = False,
     bias: jax.Array | None = None,
   ) -> tuple[jax.Array, jax.Array | None]:
-    """``(s, slope)``: the (bq, bk) scores in the statistics dtype, -inf where masked, and
-    d score_fn(x)/dx at them (None without a score function or ``derivative``).
+    """``(t, slope)``: the (bq, bk) base-2 scores ``t = s · log2(e)`` in the statistics
+    dtype, -inf where masked, and d score_fn(x)/dx at ``s`` (None without a score function
+    or ``derivative``). A plain tile is one multiply of ``q kᵀ`` by ``scale · log2(e)``.
     ``batch`` and ``head`` are (1, 1, 1, 1) int32, ``q_idx`` (bq,), ``kv_idx`` (bk,);
     ``bias`` the tile's bias, (bq or 1, bk or 1)."""
     bq, bk = q.shape[0], k.shape[0]
     f = _common.stats_dtype(q.dtype)
-    s = jnp.dot(q, k.T, preferred_element_type=f) * jnp.asarray(self.settings.scale, f)
+    rest = (q_idx, kv_idx, batch, head, masked)
+    s = jnp.dot(q, k.T, preferred_element_type=f)
+    if bias is None and self.jaxprs[1] is None:
+      return self._masked(s * jnp.asarray(self.settings.scale * LOG2_E, f), *rest), None
+    s = s * jnp.asarray(self.settings.scale, f)
     if bias is not None:
       s = s + bias.astype(f)
     qi, ki = q_idx.reshape(1, 1, bq, 1), kv_idx.reshape(1, 1, 1, bk)
@@ -226,13 +241,27 @@ class Scorer(NamedTuple):
         s, slope = jax.jvp(score, (s,), (jnp.ones_like(s),))
       else:
         s = score(s)
-    if masked:
-      keep = (q_idx[:, None] < self.settings.q_len) & (kv_idx[None, :] < self.settings.kv_len)
-      if self.jaxprs[0] is not None:
-        (m4,) = _in_kernel.evaluate(self.jaxprs[0], self.mask_refs, batch, head, qi, ki)
-        keep = keep & jnp.broadcast_to(m4, (1, 1, bq, bk)).reshape(bq, bk)
-      s = jnp.where(keep, s, -jnp.inf)
-    return s, slope
+    return self._masked(s * jnp.asarray(LOG2_E, f), *rest), slope
+
+  def _masked(
+    self,
+    t: jax.Array,
+    q_idx: jax.Array,
+    kv_idx: jax.Array,
+    batch: jax.Array,
+    head: jax.Array,
+    masked: bool,
+  ) -> jax.Array:
+    """``t`` -inf where the mask (or the padding past T and S) says no, on PARTIAL tiles."""
+    if not masked:
+      return t
+    bq, bk = t.shape
+    keep = (q_idx[:, None] < self.settings.q_len) & (kv_idx[None, :] < self.settings.kv_len)
+    if self.jaxprs[0] is not None:
+      qi, ki = q_idx.reshape(1, 1, bq, 1), kv_idx.reshape(1, 1, 1, bk)
+      (m4,) = _in_kernel.evaluate(self.jaxprs[0], self.mask_refs, batch, head, qi, ki)
+      keep = keep & jnp.broadcast_to(m4, (1, 1, bq, bk)).reshape(bq, bk)
+    return jnp.where(keep, t, -jnp.inf)
 
 
 def split_refs(
@@ -312,11 +341,11 @@ def _forward_kernel(
     kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)
     k = k_ref[pl.ds(j * bk, bk), :]
     bias = bias_tile(bias_ref, slice(None), pl.ds(j * bk, bk))
-    s, _ = scorer(q, k, q_idx, kv_idx, batch, head, masked, bias=bias)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    t, _ = scorer(q, k, q_idx, kv_idx, batch, head, masked, bias=bias)
+    m_new = jnp.maximum(m, jnp.max(t, axis=1))
     shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp(s - shift[:, None])
-    correction = jnp.exp(m - shift)
+    p = jnp.exp2(t - shift[:, None])
+    correction = jnp.exp2(m - shift)
     v = v_ref[pl.ds(j * bk, bk), :]
     kept = scorer.dropped(p, q_idx, kv_idx, batch, head)  # the normaliser counts them all
     acc = acc * correction[:, None] + jnp.dot(kept.astype(v.dtype), v, preferred_element_type=f)
@@ -336,7 +365,7 @@ def _forward_kernel(
     o_ref.dtype
   )
   m_ref[...] = jnp.where(some, m, -jnp.inf)
-  log_l_ref[...] = jnp.log(jnp.where(some, l, 1.0))
+  log_l_ref[...] = jnp.log2(jnp.where(some, l, 1.0))
 
 
 def _origin(ndim: int, *_: Any) -> tuple[int, ...]:
