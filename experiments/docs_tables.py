@@ -20,7 +20,8 @@ What each folder of docs/ holds; ``COMMANDS`` below names the command whose run 
     docs/accuracy/          accuracy_<backend>.json (from experiments.accuracy --json)
     docs/scaling/           scaling.json and scaling.png
     docs/parallel/          parallel.json
-    docs/gpu/               bench_gpu_<device>.json (from experiments.bench_gpu --json)
+    docs/gpu/               bench_gpu_<device>.json (from experiments.bench_gpu --json) and
+                            gpu_probe_<device>*.json (from experiments.gpu_probe)
     docs/compare_backward/  summary.json and the demo's plots
 """
 
@@ -48,6 +49,7 @@ COMMANDS = {
   "scaling": "python -m experiments.bench_scaling --config configs/bench_scaling.yaml",
   "parallel": "python -m experiments.bench_parallel --config configs/bench_parallel.yaml",
   "gpu": "python -m experiments.bench_gpu --json runs/bench_gpu_<device>.json",
+  "gpu_probe": "python -m experiments.gpu_probe --out runs/gpu_probe_<device>.json",
   "compare_backward": "python -m experiments.train --config configs/compare_backward.yaml",
 }
 DEMO_PLOTS = ("loss_curves.png", "length_sweep.png", "attention_layer1.png")
@@ -468,7 +470,7 @@ def parallel(docs: pathlib.Path) -> str:
 
 
 def gpu(docs: pathlib.Path) -> str:
-  paths = _full_runs((docs / "gpu").glob("*.json"))
+  paths = _full_runs((docs / "gpu").glob("bench_gpu*.json"))
   if not paths:
     return _absent("a `bench_gpu` record in `docs/gpu/`", "gpu")
   out = []
@@ -569,6 +571,75 @@ def demo(docs: pathlib.Path) -> str:
   )
 
 
+def gpu_probe(docs: pathlib.Path) -> str:
+  """The GPU probes' records (``python -m experiments.gpu_probe``): each configuration's
+  times, TFLOP/s, ratio to cuDNN on the same shape in the same run, and relative errors."""
+  paths = _full_runs((docs / "gpu").glob("gpu_probe*.json"))
+  if not paths:
+    return _absent("a `gpu_probe` record in `docs/gpu/`", "gpu_probe")
+  out = []
+  for path in paths:
+    record = _load(path)
+    rows = record["rows"]
+    cudnn = {
+      (r["H"], r["T"], r["causal"]): r for r in rows if r["method"] == "cudnn" and "error" not in r
+    }
+
+    def vs(row: dict, key: str) -> str:
+      base = cudnn.get((row["H"], row["T"], row["causal"]), {}).get(key)
+      return f"{base / row[key]:.2f}" if base and row.get(key) else "—"
+
+    def cell(row: dict, key: str, spec: str) -> str:
+      return format(row[key], spec) if row.get(key) is not None else "—"
+
+    def err(row: dict, key: str) -> str:
+      return f"{row[key]['rel']:.1e}" if key in row else "—"
+
+    tiles = lambda row: " / ".join(_tiles(t) for t in _tile_list(row)) or "—"
+    out += [
+      f"From {_source(path, docs)}, {record['device']}, jax {record['jax']}, "
+      f"{record['dtype']}, B={record['batch']}, N={record['heads']}, {record['seconds']:.0f} s; "
+      "tiles: block_q x block_kv per pass (forward / dQ / dK/dV in a baseline row; the pass "
+      "timed in a candidate row); × cuDNN = cuDNN's time / the row's, same shape, same run; "
+      "errors ‖x − ref‖ / ‖ref‖ against float32 at the highest precision:\n",
+      _table(
+        ["section", "method", "H", "T", "causal", "tiles", "fwd ms", "fwd TF/s", "fwd × cuDNN"]
+        + ["bwd ms", "bwd TF/s", "bwd × cuDNN", "fwd+bwd ms", "fwd+bwd × cuDNN"]
+        + ["err out", "err dq", "err dk", "err dv"],
+        [
+          [r["section"], r["method"] + (f" ({r['dtype']})" if "dtype" in r else "")]
+          + [str(r["H"]), f"{r['T']:,}", str(r["causal"]), tiles(r)]
+          + [cell(r, "fwd_ms", ".3f"), cell(r, "fwd_tflops", ".0f"), vs(r, "fwd_ms")]
+          + [cell(r, "bwd_ms", ".3f"), cell(r, "bwd_tflops", ".0f"), vs(r, "bwd_ms")]
+          + [cell(r, "fwd_bwd_ms", ".3f"), vs(r, "fwd_bwd_ms")]
+          + [err(r, "err_out"), err(r, "err_dq"), err(r, "err_dk"), err(r, "err_dv")]
+          for r in rows
+          if "error" not in r
+        ],
+      ),
+    ]
+    failed = [r for r in rows if "error" in r]
+    out += [
+      f"- {r['method']}, H={r['H']}, T={r['T']:,}, causal={r['causal']}: {r['error'][:120]}"
+      for r in failed
+    ]
+    if record.get("skipped"):
+      out.append("- skipped for time: " + "; ".join(record["skipped"]))
+    out.append("")
+  return "\n".join(out)
+
+
+def _tiles(t: list[int]) -> str:
+  """[block_q, block_kv, warps, stages] as ``128x64 w8 s3``."""
+  return f"{t[0]}x{t[1]} w{t[2]} s{t[3]}"
+
+
+def _tile_list(row: dict) -> list[list[int]]:
+  """A probe row's tiles as a list of [block_q, block_kv, warps, stages]."""
+  t = row.get("tiles") or []
+  return [t] if t and isinstance(t[0], int) else t
+
+
 TABLES: dict[str, Callable[[pathlib.Path], str]] = {
   "bench": bench_timings,
   "bench_memory": bench_memory,
@@ -579,6 +650,7 @@ TABLES: dict[str, Callable[[pathlib.Path], str]] = {
   "sparse": sparse,
   "parallel": parallel,
   "gpu": gpu,
+  "gpu_probe": gpu_probe,
   "accuracy": accuracy,
   "demo": demo,
 }
@@ -622,7 +694,7 @@ def collect(runs: pathlib.Path, docs: pathlib.Path = DOCS) -> list[pathlib.Path]
       copy(run, "bench")
   for p in _full_runs(runs.glob("accuracy*.json")):
     copy(p, "accuracy")
-  for p in _full_runs(runs.glob("bench_gpu*.json")):
+  for p in _full_runs([*runs.glob("bench_gpu*.json"), *runs.glob("gpu_probe*.json")]):
     copy(p, "gpu")
   if (scaling_run := _newest(runs, "scaling-*/scaling.json")) is not None:
     copy(scaling_run, "scaling")

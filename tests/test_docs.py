@@ -71,9 +71,12 @@ def test_tables_from_the_committed_records(tmp_path):
   written = docs_tables.write_tables(DOCS, tmp_path)
   assert {p.stem for p in written} == set(docs_tables.TABLES)
   text = {p.stem: p.read_text() for p in written}
-  for name in ("bench", "bench_memory", "scaling", "sparse", "accuracy", "demo", "tiles"):
+  names = ("bench", "bench_memory", "scaling", "sparse", "accuracy", "demo", "tiles", "gpu_probe")
+  for name in names:
     assert "No run recorded" not in text[name] and "\n|---|" in text[name], name
   assert "165 of 165 cells meet the target" in text["accuracy"]
+  # The probe's records: cuDNN's rows are 1.00 of themselves; flex's rows carry a ratio.
+  assert "NVIDIA H200" in text["gpu_probe"] and "| baseline | cudnn |" in text["gpu_probe"]
 
 
 def test_absent_records_are_named_with_the_command_that_makes_them(tmp_path):
