@@ -7,8 +7,14 @@ device_kind)``, so the kernels take that generation's row of ``TILES``), takes e
 three Triton kernels (forward, dQ, dK/dV) out of the program as Triton IR, compiles it with
 the standalone ``triton`` package for that GPU, and reads from ``ptxas -v`` the registers
 per thread and the bytes spilled to local memory, with the shared memory the kernel asks
-for. It prints one row per kernel and exits with status 1 if any kernel spills, asks for
-more shared memory than the GPU has, or fails to compile.
+for. From the machine code (``cuobjdump -sass``, which Triton's package also carries) it
+counts the matrix instructions, warpgroup ``HGMMA`` (wgmma) and warp-level ``HMMA``
+(mma.sync), and, in the kernel's first loop that holds matrix instructions (the loop over
+FULL tiles, no mask arithmetic), the other instructions per column it steps over (key
+columns in the forward and dQ kernels, query rows in dK/dV): the softmax, rescaling and
+address arithmetic each column of scores costs beside the matmuls. It prints one row per
+kernel and exits with status 1 if any kernel spills, asks for more shared memory than the
+GPU has, or fails to compile.
 
 Needs the ``gpu`` extra (``pip install -e ".[gpu]"``: the ``triton`` package, which brings
 its own ``ptxas``). XLA compiles the same Triton IR with the Triton it is built with;
@@ -52,6 +58,7 @@ def kernels(device_kind: str, head_dim: int, dtype: Any, length: int) -> list[di
   """Each Triton kernel of a causal flex call's forward and backward, lowered for
   ``device_kind``: its name, Triton IR (text), warps, stages and tiles (``block_q`` from the
   table's row for the kernel's pass)."""
+  jax.clear_caches()  # jattn's jitted core is cached by the call's settings, not the GPU's
   rng = np.random.default_rng(0)
   shape = (1, length, HEADS, head_dim)
   q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in "qkv")
@@ -125,6 +132,12 @@ def compile_for(kernel: dict[str, Any], capability: int) -> dict[str, Any]:
       compiled = triton.compile(str(src), target=GPUTarget("cuda", capability, 32), options=options)
     ptx = Path(tmp) / "kernel.ptx"
     ptx.write_text(compiled.asm["ptx"])
+    cubin = Path(tmp) / "kernel.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    cuobjdump = Path(get_ptxas(capability).path).with_name("cuobjdump")
+    sass = subprocess.run(
+      [str(cuobjdump), "-sass", str(cubin)], check=True, capture_output=True, text=True
+    ).stdout
     arch = f"sm_{capability}" + ("a" if capability >= 90 else "")
     log = subprocess.run(
       [
@@ -147,7 +160,38 @@ def compile_for(kernel: dict[str, Any], capability: int) -> dict[str, Any]:
     spill_stores=int(spills.group(1)),
     spill_loads=int(spills.group(2)),
     shared_bytes=int(compiled.metadata.shared),
+    **sass_counts(sass),
   )
+
+
+_MATMUL = ("HGMMA", "HMMA")
+
+
+def sass_counts(sass: str) -> dict[str, int]:
+  """From ``cuobjdump -sass`` text: the kernel's ``HGMMA`` and ``HMMA`` instructions, and in
+  its first loop (a backward branch) that holds any, the matrix and other instructions."""
+  code = []  # (address, opcode)
+  for line in sass.splitlines():
+    found = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+    if found:
+      text = re.sub(r"^@!?U?P\w+\s+", "", found.group(2).strip())  # the predicate
+      code.append((int(found.group(1), 16), text))
+  op = lambda text: text.split()[0] if text else ""
+  counts = dict(
+    wgmma=sum(op(t).startswith("HGMMA") for _, t in code),
+    mma_sync=sum(op(t).startswith("HMMA") for _, t in code),
+    loop_matmul=0,
+    loop_other=0,
+  )
+  for address, text in code:
+    branch = re.search(r"\bBRA\s+(0x[0-9a-f]+)", text)
+    if branch and int(branch.group(1), 16) < address:  # a loop: [target, address]
+      body = [op(t) for a, t in code if int(branch.group(1), 16) <= a <= address]
+      matmul = sum(o.startswith(_MATMUL) for o in body)
+      if matmul:
+        counts.update(loop_matmul=matmul, loop_other=len(body) - matmul)
+        break
+  return counts
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -170,7 +214,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     f"jax {jax.__version__}, triton {triton.__version__}; causal + segment ids, T={args.length}"
   )
   cols = ["generation", "dtype", "H", "kernel", "block_q x block_kv", "warps", "stages"]
-  cols += ["registers", "spill stores", "spill loads", "shared KiB", ""]
+  cols += ["registers", "spill stores", "spill loads", "shared KiB", "wgmma", "mma.sync"]
+  cols += ["loop other / column", ""]
   print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
   rows, bad = [], 0
   for gen, dtype, H in itertools.product(args.generations, args.dtypes, args.head_dims):
@@ -181,6 +226,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
       row |= dict(num_warps=kernel["num_warps"], num_stages=kernel["num_stages"])
       try:
         row |= compile_for(kernel, capability)
+        # The loop's step: key columns (forward, dQ) or query rows (dK/dV).
+        step = row["block_q"] if row["kernel"] == "jattn_flex_dkv" else row["block_kv"]
+        row["loop_other_per_column"] = row["loop_other"] / step
         problems = [
           "spills" if row["spill_stores"] or row["spill_loads"] else "",
           "shared memory" if row["shared_bytes"] > SHARED_BYTES[capability] else "",
@@ -194,7 +242,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
       cells += [row["num_warps"], row["num_stages"]]
       cells += [row.get(key, "—") for key in ("registers", "spill_stores", "spill_loads")]
       shared = row.get("shared_bytes")
-      cells += [fmt(shared / 1024, ".0f") if shared is not None else "—", row["problem"]]
+      cells += [fmt(shared / 1024, ".0f") if shared is not None else "—"]
+      cells += [row.get("wgmma", "—"), row.get("mma_sync", "—")]
+      cells += [fmt(row.get("loop_other_per_column"), ".1f"), row["problem"]]
       print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
   print(f"\n{len(rows) - bad} of {len(rows)} kernels compile without spills within shared memory")
   if args.json:

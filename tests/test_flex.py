@@ -505,6 +505,24 @@ def test_the_tuning_script_times_the_table_and_each_candidate():
   assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
 
 
+@pytest.mark.exhaustive
+def test_the_gpu_probe_runs_interpreted_and_writes_one_record(tmp_path):
+  """The probe's smoke test (interpret mode): candidate tilings and the table's baseline,
+  each timed and checked against float32 (bf16 errors, not zero, well under 1e-2)."""
+  from experiments import gpu_probe
+
+  record = gpu_probe.main(["--quick", "--out", str(tmp_path / "probe.json")])
+  assert (tmp_path / "probe.json").exists() and not record["skipped"]
+  sections = [r["section"] for r in record["rows"]]
+  assert sections == ["forward", "forward", "backward", "baseline", "baseline"]
+  for r in record["rows"]:
+    assert "error" not in r, r
+    for key in ("err_out", "err_dq", "err_dk", "err_dv"):
+      if key in r:
+        assert r[key]["finite"] and 0 < r[key]["rel"] < 1e-2, (key, r)
+  assert record["rows"][2]["tiles"] == [[16, 32, 4, 2], [32, 16, 4, 2]]
+
+
 def test_the_compile_check_reads_registers_and_spills_for_sm_90():
   """The optional check (the gpu extra: standalone triton): each of the three kernels at the
   table's Hopper row compiles for sm_90 without spills, registers read from ptxas."""
@@ -518,6 +536,8 @@ def test_the_compile_check_reads_registers_and_spills_for_sm_90():
     assert (r["block_q"], r["block_kv"], r["num_warps"]) == row[:3], r
     assert r["num_stages"] == row.num_stages and 0 < r["registers"] <= 255, r
     assert r["spill_stores"] == r["spill_loads"] == 0 and not r["problem"], r
+    # Hopper's warpgroup matrix instructions, in the FULL tiles' loop too.
+    assert r["wgmma"] > 0 and r["loop_matmul"] > 0 and r["loop_other_per_column"] > 0, r
 
 
 # --- masks and score functions that read arrays, in every way jnp indexes them -----------

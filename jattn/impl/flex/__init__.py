@@ -81,27 +81,32 @@ def _same(tiles: Tiles) -> Passes:
 
 
 # Keyed by (GPU generation, head dim rounded up to a power of two, bytes per input element).
-# Measured rows: on an H100 (jax 0.11.2, bf16, causal, B=1, N=16, T=4,096;
-# `python -m experiments.tune_flex --blocks 32 64 128`), 128 x 32 tiles at H = 128 took
-# 1.99 ms forward+backward against 2.66 ms for 64 x 64 (the backward's 128 x 64 and
-# 128 x 128 exceed the shared memory), and 64 x 64 stayed the fastest at H = 64 (1.01 ms).
-# The forward pass holds one (block_q, H) float32 accumulator, rescaled once per key tile:
-# 128-key tiles at H = 128 rescale it a quarter as often as 32-key ones, behind a wider
-# matmul (`python -m experiments.gpu_probe` measures both on a GPU). The rest are starting
-# points: 64 x 64 tiles keep the dK/dV kernel's two float32 accumulators and the
-# recomputed tile within registers up to H = 128 (FlashAttention-2's backward tiles), more
-# warps for wider heads, one more pipelining stage on Hopper's larger shared memory.
-# `python -m experiments.check_flex_compile` compiles every row's kernels for sm_80 and
-# sm_90 (no GPU needed) and reports registers, spills and shared memory.
+# The two Hopper bf16 rows are measured on an H200 (jax 0.11.2, causal, B=1, N=16,
+# T=16,384; `python -m experiments.gpu_probe`, records in docs/gpu/gpu_probe_h200*.json),
+# each pass timed alone at each candidate tiling:
+# - H = 128: forward 128 x 128 (8 warps, 3 stages) 2.85 ms against 3.30 ms at the old
+#   128 x 32 (one rescale of the float32 accumulator per 128 keys, behind a wider matmul);
+#   backward 11.6 ms with dQ at 128 x 128 and dK/dV at 32 x 64 (32 query rows per step, 64
+#   keys held), against 16.2 ms at 128 x 32 for both; dK/dV with 128 held keys spilled
+#   time (25.9 ms at 32 x 128).
+# - H = 64: 64 x 64 (4 warps, 3 stages) stays the fastest for every pass (forward 1.79 ms,
+#   128 x 128 2.12 ms; backward 5.96 ms).
+# The rest are starting points, unmeasured: 64 x 64 tiles keep the dK/dV kernel's two
+# float32 accumulators and the recomputed tile within registers up to H = 128
+# (FlashAttention-2's backward tiles) except dK/dV at H = 64 on Ampere, which spilled 180
+# bytes at 64 x 64 and none at 32 x 64; more warps for wider heads (a 128 x 64 forward at
+# H = 128 on Ampere spilled 60 bytes). `python -m experiments.check_flex_compile` compiles
+# every row's kernels for sm_80 and sm_90 (no GPU needed) and reports registers, spills and
+# shared memory.
 TILES: dict[tuple[str, int, int], Passes] = {
-  ("sm_80", 64, 2): _same(Tiles(64, 64, 4, 2)),
-  ("sm_80", 128, 2): Passes(Tiles(128, 64, 8, 2), Tiles(64, 64, 8, 2), Tiles(64, 64, 8, 2)),
+  ("sm_80", 64, 2): Passes(Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2), Tiles(32, 64, 4, 2)),
+  ("sm_80", 128, 2): _same(Tiles(64, 64, 8, 2)),
   ("sm_80", 256, 2): _same(Tiles(32, 32, 8, 2)),
   ("sm_80", 64, 4): _same(Tiles(64, 32, 4, 2)),
   ("sm_80", 128, 4): _same(Tiles(32, 32, 8, 2)),
   ("sm_80", 256, 4): _same(Tiles(16, 32, 8, 1)),
-  ("sm_90", 64, 2): Passes(Tiles(128, 128, 8, 2), Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)),
-  ("sm_90", 128, 2): Passes(Tiles(128, 128, 8, 2), Tiles(128, 32, 8, 3), Tiles(128, 32, 8, 3)),
+  ("sm_90", 64, 2): _same(Tiles(64, 64, 4, 3)),
+  ("sm_90", 128, 2): Passes(Tiles(128, 128, 8, 3), Tiles(128, 128, 8, 2), Tiles(32, 64, 4, 3)),
   ("sm_90", 256, 2): _same(Tiles(32, 32, 8, 2)),
   ("sm_90", 64, 4): _same(Tiles(64, 32, 4, 2)),
   ("sm_90", 128, 4): _same(Tiles(32, 32, 8, 2)),
