@@ -8,7 +8,9 @@ whose rounding at large ``|m|`` would swamp ``log2 l``), through the forward pas
   (FULL tiles, then PARTIAL ones); ``dq = scale · Σ dS K``;
 - dK, dV: one program per (key/value tile, batch row, key/value head), walking the
   schedule's column for each of the head's G query heads, so GQA accumulates its group's
-  gradients in one program with no atomics; ``dv = Σ Pᵀ dO``, ``dk = scale · Σ dSᵀ Q``;
+  gradients in one program with no atomics; ``dv = Σ Pᵀ dO``, ``dk = scale · Σ dSᵀ Q``,
+  computed in the transposed domain (``Sᵀ = K Qᵀ``, ``dPᵀ = V dOᵀ``: the held key tile's
+  rows are every product's M, and Pᵀ and dSᵀ are never transposed in registers);
 
 with ``dS = P ⊙ (dO Vᵀ − Δ) ⊙ score_fn'`` and ``Δ = rowsum(O ⊙ dO)`` (computed by XLA).
 The score function acts elementwise on the scores; its derivative comes from a JVP in the
@@ -325,17 +327,29 @@ def _dkv_kernel(
       if bias_ref is not None:  # (Nb, Tb, bk or 1): this head's plane, then the query tile
         Nb, Tb, _ = bias_ref.shape
         bias = bias_ref[h * group + g if Nb > 1 else 0, rows if Tb > 1 else slice(None), :]
-      p, ds, _ = _probabilities_and_ds(
-        scorer, q, k, v, do, m, log_l, delta, q_idx, kv_idx, batch, head, masked, bias
+      # In the transposed domain, (bk, bq): every product has the held key tile's rows as
+      # its M, and P and dS are born in the orientation dV and dK multiply them in.
+      t_t, slope_t = scorer.transposed(
+        k, q, q_idx, kv_idx, batch, head, masked, derivative=True, bias=bias
       )
-      dv = dv + jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=dv.dtype)
+      shift = jnp.where(jnp.isneginf(m), jnp.inf, m)
+      p_t = jnp.exp2((t_t - shift[None, :]) - log_l[None, :])
+      dp_t = jnp.dot(v, do.T, preferred_element_type=t_t.dtype)
+      kept_t = p_t
+      if settings.dropout_rate:  # the pattern is drawn in the call's orientation
+        dp_t = scorer.dropped(dp_t.T, q_idx, kv_idx, batch, head).T
+        kept_t = scorer.dropped(p_t.T, q_idx, kv_idx, batch, head).T
+      ds_t = p_t * (dp_t - delta[None, :])
+      if slope_t is not None:
+        ds_t = ds_t * slope_t
+      dv = dv + jnp.dot(kept_t.astype(do.dtype), do, preferred_element_type=dv.dtype)
       # dS in two parts in a narrow input dtype, hi + lo: dS rounded to bfloat16 alone gave
       # dK 3.8x jax.nn's error (which sums float32 dS) at scale 1e3 (experiments/accuracy.py).
-      hi = ds.astype(q.dtype)
-      dk = dk + jnp.dot(hi.T, q, preferred_element_type=dk.dtype)
-      if q.dtype != ds.dtype:
-        lo = (ds - hi.astype(ds.dtype)).astype(q.dtype)
-        dk = dk + jnp.dot(lo.T, q, preferred_element_type=dk.dtype)
+      hi = ds_t.astype(q.dtype)
+      dk = dk + jnp.dot(hi, q, preferred_element_type=dk.dtype)
+      if q.dtype != ds_t.dtype:
+        lo = (ds_t - hi.astype(ds_t.dtype)).astype(q.dtype)
+        dk = dk + jnp.dot(lo, q, preferred_element_type=dk.dtype)
       return dk, dv
 
     carry = jax.lax.fori_loop(0, n_full, lambda t, c: body(t, c, False), (dk, dv))

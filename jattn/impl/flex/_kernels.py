@@ -218,10 +218,55 @@ class Scorer(NamedTuple):
     or ``derivative``). A plain tile is one multiply of ``q kᵀ`` by ``scale · log2(e)``.
     ``batch`` and ``head`` are (1, 1, 1, 1) int32, ``q_idx`` (bq,), ``kv_idx`` (bk,);
     ``bias`` the tile's bias, (bq or 1, bk or 1)."""
-    bq, bk = q.shape[0], k.shape[0]
+    s = jnp.dot(q, k.T, preferred_element_type=_common.stats_dtype(q.dtype))
+    return self.of_products(s, q_idx, kv_idx, batch, head, masked, derivative, bias)
+
+  def transposed(
+    self,
+    k: jax.Array,
+    q: jax.Array,
+    q_idx: jax.Array,
+    kv_idx: jax.Array,
+    batch: jax.Array,
+    head: jax.Array,
+    masked: bool,
+    derivative: bool = False,
+    bias: jax.Array | None = None,
+  ) -> tuple[jax.Array, jax.Array | None]:
+    """What :meth:`__call__` gives, transposed: ``(tᵀ, slopeᵀ)``, (bk, bq), from ``k qᵀ``.
+    A plain tile (no bias, no score function) stays transposed throughout, its mask's
+    padding read in that orientation and only the mask function's values transposed (on
+    PARTIAL tiles); with a bias or a score function the products are transposed to the
+    call's orientation, where those act, and back."""
     f = _common.stats_dtype(q.dtype)
+    s_t = jnp.dot(k, q.T, preferred_element_type=f)
+    if bias is None and self.jaxprs[1] is None:
+      t_t = s_t * jnp.asarray(self.settings.scale * LOG2_E, f)
+      if not masked:
+        return t_t, None
+      keep_t = (kv_idx[:, None] < self.settings.kv_len) & (q_idx[None, :] < self.settings.q_len)
+      if self.jaxprs[0] is not None:
+        keep_t = keep_t & self._mask(q_idx, kv_idx, batch, head).T
+      return jnp.where(keep_t, t_t, -jnp.inf), None
+    t, slope = self.of_products(s_t.T, q_idx, kv_idx, batch, head, masked, derivative, bias)
+    return t.T, None if slope is None else slope.T
+
+  def of_products(
+    self,
+    s: jax.Array,
+    q_idx: jax.Array,
+    kv_idx: jax.Array,
+    batch: jax.Array,
+    head: jax.Array,
+    masked: bool,
+    derivative: bool = False,
+    bias: jax.Array | None = None,
+  ) -> tuple[jax.Array, jax.Array | None]:
+    """:meth:`__call__` from the tile's products ``s = q kᵀ`` (bq, bk), in the statistics
+    dtype."""
+    bq, bk = s.shape
+    f = s.dtype
     rest = (q_idx, kv_idx, batch, head, masked)
-    s = jnp.dot(q, k.T, preferred_element_type=f)
     if bias is None and self.jaxprs[1] is None:
       return self._masked(s * jnp.asarray(self.settings.scale * LOG2_E, f), *rest), None
     s = s * jnp.asarray(self.settings.scale, f)
@@ -255,13 +300,19 @@ class Scorer(NamedTuple):
     """``t`` -inf where the mask (or the padding past T and S) says no, on PARTIAL tiles."""
     if not masked:
       return t
-    bq, bk = t.shape
     keep = (q_idx[:, None] < self.settings.q_len) & (kv_idx[None, :] < self.settings.kv_len)
     if self.jaxprs[0] is not None:
-      qi, ki = q_idx.reshape(1, 1, bq, 1), kv_idx.reshape(1, 1, 1, bk)
-      (m4,) = _in_kernel.evaluate(self.jaxprs[0], self.mask_refs, batch, head, qi, ki)
-      keep = keep & jnp.broadcast_to(m4, (1, 1, bq, bk)).reshape(bq, bk)
+      keep = keep & self._mask(q_idx, kv_idx, batch, head)
     return jnp.where(keep, t, -jnp.inf)
+
+  def _mask(
+    self, q_idx: jax.Array, kv_idx: jax.Array, batch: jax.Array, head: jax.Array
+  ) -> jax.Array:
+    """The mask function's (bq, bk) values on the tile."""
+    bq, bk = q_idx.shape[0], kv_idx.shape[0]
+    qi, ki = q_idx.reshape(1, 1, bq, 1), kv_idx.reshape(1, 1, 1, bk)
+    (m4,) = _in_kernel.evaluate(self.jaxprs[0], self.mask_refs, batch, head, qi, ki)
+    return jnp.broadcast_to(m4, (1, 1, bq, bk)).reshape(bq, bk)
 
 
 def split_refs(
