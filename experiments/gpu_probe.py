@@ -137,7 +137,7 @@ def flops(B: int, N: int, T: int, H: int, causal: bool) -> float:
 
 
 @contextlib.contextmanager
-def patched_tiles(H: int, passes: Passes | None) -> Iterator[None]:
+def patched_tiles(H: int, passes: flex.Passes | None) -> Iterator[None]:
   """flex's table row for this GPU, head dim and bf16 replaced by ``passes`` (None: as is).
   JAX's caches are cleared on the way in and out: jattn's jitted core is cached by the
   call's settings, which do not hold the table's tiles."""
@@ -208,7 +208,7 @@ def errors(got: Any, want: np.ndarray) -> dict[str, float]:
   diff = got - want
   return dict(
     max_abs=float(np.abs(diff).max()),
-    rel=float(np.linalg.norm(diff) / max(np.linalg.norm(want), 1e-30)),
+    rel=float(np.linalg.norm(diff)) / max(float(np.linalg.norm(want)), 1e-30),
     finite=bool(np.isfinite(got).all()),
   )
 

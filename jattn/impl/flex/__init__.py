@@ -236,7 +236,7 @@ def _attend(
     schedules,
     mask,
     score,
-    tuple(map(settings, passes)),
+    (settings(passes.forward), settings(passes.dq), settings(passes.dkv)),
     seed,
     spec.bias,
     spec.shard_offsets,
