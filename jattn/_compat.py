@@ -9,6 +9,8 @@ Everything version-dependent lives here, so the rest of the package calls one sp
 * :func:`explicit_sharding`: the ``NamedSharding`` a traced array carries in JAX's
   Explicit sharding mode (sharding in types), or None.
 * :func:`varying_axes`: the manual mesh axes a traced array varies over in a ``shard_map``.
+* :func:`batched_aval`: the type ``jax.vmap`` gives a batched value (a primitive's batching
+  rule), from ``jax._src``'s ``unmapped_aval``.
 """
 
 from __future__ import annotations
@@ -82,3 +84,13 @@ def without_consts(
   opened = jex_core.ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), ())
   run = jex_core.jaxpr_as_fun(opened)
   return (lambda *a: tuple(run(*a))), list(closed.consts)
+
+
+def batched_aval(size: int, aval: Any, mesh_axis: Any = None) -> Any:
+  """``aval`` with a leading batch axis of ``size`` (sharded over the Explicit ``mesh_axis``
+  of a ``vmap(..., spmd_axis_name=...)``, else not): the type ``jax.vmap`` gives a batched
+  value, its sharding spec and varying axes kept. From ``jax._src.core.unmapped_aval``, which
+  JAX's own batching rules for primitives with fixed result types call (``ffi_call``)."""
+  from jax._src import core
+
+  return core.unmapped_aval(size, 0, aval, mesh_axis)

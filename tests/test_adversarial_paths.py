@@ -581,6 +581,10 @@ def test_derivatives_a_rule_cannot_take_raise_its_error_on_every_path(rule, orde
   path = data.draw(st.sampled_from(RING_PATHS if rule.startswith("ring") else CALL_PATHS))
   is_causal, return_residual = data.draw(st.booleans()), data.draw(st.booleans())
   shape = (2, 128, 2, 128) if rule == "splash" else (2, 16, 2, 4)  # splash: whole blocks
+  if path == "one_device_count":
+    # A batch of its own: the jitted call's trace cache does not key on the patched device
+    # count, so another path's call of the same shapes would rerun its one-device trace.
+    shape = (1, *shape[1:])
   q = np.asarray(
     np.random.default_rng(data.draw(st.integers(0, 2**16))).standard_normal(shape), np.float32
   )
@@ -590,8 +594,10 @@ def test_derivatives_a_rule_cannot_take_raise_its_error_on_every_path(rule, orde
     for c in contexts:
       stack.enter_context(c)
     step = jax.jit(TRANSFORMS[transform](f))
-    if transform not in DERIVATIVE_RULES[rule][1] and order != "second_order":
-      with pytest.raises(TypeError, match="forward-mode autodiff"):  # JAX's, for a custom_vjp
+    if order == "forward_mode" and rule == "flex" and path in ("one_device_count", "explicit"):
+      # Off the partitioning rule, flex's own custom_vjp (jattn/impl/flex/_backward.py) runs,
+      # and still gives JAX's TypeError
+      with pytest.raises(TypeError, match="forward-mode autodiff"):
         step.trace(place(q)).lower()
       return
     if transform not in DERIVATIVE_RULES[rule][1]:

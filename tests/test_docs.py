@@ -19,6 +19,7 @@ PRINTED = {
   "attention.md": ["(2, 4, 16, 16) True", "ValueError key and value must have the same shape"],
   "backward.md": [
     "implementation='blockwise' does not support backward='autodiff'",
+    "implementation='blockwise' gives reverse-mode derivatives only: its backward rule",
     "implementation='blockwise' gives first-order gradients (and forward-over-reverse",
   ],
   "decoding.md": [

@@ -110,10 +110,21 @@ def test_blockwise_forward_over_reverse_matches_autodiff(block):
   np.testing.assert_allclose(hess, _reference_hessian(), rtol=1e-5, atol=1e-5)
 
 
-def _raises_naming(fn, *args, who, way_out="implementation='xla'"):
-  with pytest.raises(ValueError, match="first-order gradients") as info:
+def _raises_naming(fn, *args, who, way_out="implementation='xla'", what="first-order gradients"):
+  with pytest.raises(ValueError, match=what) as info:
     fn(*args)
   assert who in str(info.value) and way_out in str(info.value), str(info.value)
+
+
+def _refuses_forward_mode(fn, *args, who, way_out="implementation='xla' with backward='autodiff'"):
+  """jattn's ValueError for forward mode through a custom_vjp rule, naming it and the way out."""
+  _raises_naming(
+    fn,
+    *args,
+    who=f"{who} gives reverse-mode derivatives only",
+    way_out=way_out,
+    what="forward mode",
+  )
 
 
 def test_blockwise_grad_of_grad_raises_naming_the_rule_and_the_way_out():
@@ -165,13 +176,18 @@ def test_flex_refuses_higher_and_forward_derivatives_naming_the_rule(devices, mo
   bare error from inside Pallas."""
   if devices == 1:
     monkeypatch.setattr(jax, "device_count", lambda *a: 1)
-  q = _q((1, 16, 2, 16))
+  # A length of its own per case: the jitted call's trace cache does not key on the patched
+  # device count, so the second case would rerun the first's trace.
+  q = _q((1, 16 * devices, 2, 16))
   fn = _attention(implementation="flex")
   with jattn.testing.interpret_kernels():
     _raises_naming(jax.jit(_grad_of_grad(fn)), q, who="implementation='flex'")
     _raises_naming(_jit_hessian_vector, fn, q, q, who="implementation='flex'")
-    with pytest.raises(TypeError, match="forward-mode autodiff"):  # JAX's: see docs/backward.md
-      jax.jit(jax.jacfwd(fn)).lower(q)
+    if devices == 1:  # flex's own custom_vjp (impl/flex/_backward.py): JAX's TypeError for now
+      with pytest.raises(TypeError, match="forward-mode autodiff"):
+        jax.jit(jax.jacfwd(fn)).lower(q)
+    else:  # the partitioning rule's custom_vjp
+      _refuses_forward_mode(jax.jit(jax.jacfwd(fn)).lower, q, who="implementation='flex'")
 
 
 @pytest.mark.parametrize(
@@ -185,30 +201,98 @@ def test_flex_refuses_higher_and_forward_derivatives_naming_the_rule(devices, mo
   ids=["blockwise", "xla-custom_vjp", "flex", "splash"],
 )
 def test_forward_mode_through_a_custom_vjp_rule_raises(kw):
-  """jax.jvp and jax.jacfwd of a call whose gradients come from a custom_vjp raise JAX's
-  TypeError, eagerly, under jit and under vmap (a wrapper that reworded it broke grad of
-  vmap: docs/backward.md), while grad of vmap works."""
+  """jax.jvp, jax.jacfwd and jax.linearize's map of a call whose gradients come from a
+  custom_vjp raise jattn's ValueError naming the rule and the way out (JAX's is "can't apply
+  forward-mode autodiff (jvp) to a custom_vjp function"), eagerly, under jit and under vmap,
+  while reverse mode through vmap, both ways round, gives autodiff's gradients."""
   q = _q((1, 128, 1, 128)) if kw["implementation"] == "splash" else _q()
   fn = _attention(**kw)
-  grad_of_vmap = jax.grad(lambda q: jax.vmap(fn)(jnp.stack([q, q * 2])).sum())
   with jattn.testing.interpret_kernels():
-    for transform in (
-      lambda q: jax.jvp(fn, (q,), (q,)),
-      lambda q: jax.jit(lambda q: jax.jvp(fn, (q,), (q,)))(q),
-      lambda q: jax.jacfwd(fn)(q),
-      lambda q: jax.linearize(fn, q)[1](q),
-    ):
-      with pytest.raises(TypeError, match="forward-mode autodiff"):
-        transform(q)
-    assert np.isfinite(np.asarray(grad_of_vmap(q))).all()
+    for transform in _FORWARD_MODE:
+      _refuses_forward_mode(transform(fn), q, who=f"implementation={kw['implementation']!r}")
+    _assert_reverse_through_vmap_is_autodiffs(fn, _attention(**XLA_AUTODIFF), q)
 
 
-def test_ring_attention_second_derivatives():
+_FORWARD_MODE = (
+  lambda fn: lambda q: jax.jvp(fn, (q,), (q,)),
+  lambda fn: lambda q: jax.jit(lambda q: jax.jvp(fn, (q,), (q,)))(q),
+  lambda fn: jax.jacfwd(fn),
+  lambda fn: lambda q: jax.linearize(fn, q)[1](q),
+  lambda fn: lambda q: jax.vmap(lambda t: jax.jvp(fn, (q,), (t,))[1])(jnp.stack([q, -q])),
+)
+
+
+def _assert_reverse_through_vmap_is_autodiffs(fn, reference, q, atol=1e-5):
+  """grad of vmap and vmap of grad of ``fn`` equal ``reference``'s (a batch of two)."""
+  w = jnp.sin(jnp.arange(q.size * 2)).reshape((2, *q.shape))
+  grad_of_vmap = lambda f: jax.grad(lambda q: (jax.vmap(f)(jnp.stack([q, q * 2])) * w).sum())
+  vmap_of_grad = lambda f: jax.vmap(jax.grad(lambda q, w: (f(q) * w).sum()))
+  for got, want in (
+    (grad_of_vmap(fn)(q), grad_of_vmap(reference)(q)),
+    (vmap_of_grad(fn)(jnp.stack([q, -q]), w), vmap_of_grad(reference)(jnp.stack([q, -q]), w)),
+  ):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=atol)
+
+
+@pytest.mark.parametrize("devices", [1, 8], ids=["one-device", "many-devices"])
+def test_forward_mode_through_cudnn_raises(devices, monkeypatch):
+  """jax.nn's cuDNN call is a custom_vjp too: forward mode through it raises jattn's error, on
+  one device and through the partitioning rule, and its gradients pass through (jax.nn's XLA
+  path stands in for the kernel, lowered as for a GPU)."""
+  real = jax.nn.dot_product_attention
+  monkeypatch.setattr(
+    jax.nn, "dot_product_attention", lambda *a, implementation=None, **kw: real(*a, **kw)
+  )
+  if devices == 1:
+    monkeypatch.setattr(jax, "device_count", lambda *a: 1)
+  # cuDNN takes head dims in multiples of 8; a length of its own per case, as for flex.
+  q = _q((B, T * devices, N, 8), dtype=jnp.bfloat16)
+  fn = lambda q: _attention(implementation="cudnn")(q).astype(jnp.float32)
+  reference = lambda q: _attention(**XLA_AUTODIFF)(q).astype(jnp.float32)
+  with jattn.testing.lowering_for("gpu"):
+    for transform in _FORWARD_MODE:
+      _refuses_forward_mode(transform(fn), q, who="implementation='cudnn'")
+    _assert_reverse_through_vmap_is_autodiffs(fn, reference, q, atol=2e-2)
+    _raises_naming(jax.jit(_grad_of_grad(fn)), q, who="implementation='cudnn'")
+
+
+@pytest.mark.parametrize(
+  "kw",
+  [
+    dict(implementation="blockwise", block_q=3, block_kv=2),
+    dict(implementation="xla", backward="custom_vjp"),
+    dict(ring=True),
+  ],
+  ids=["blockwise", "xla-custom_vjp", "ring"],
+)
+def test_custom_vjp_rules_check_grads_in_float64(kw, x64):
+  """Each rule's reverse mode, through the wrapper that refuses forward mode, against finite
+  differences: query, key, value and bias differentiated."""
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(1, 8, 2, 4))) for _ in range(3))
+  bias = jnp.asarray(rng.normal(size=(1, 2, 8, 8)))
+  if kw.get("ring"):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
+    f = lambda q, k, v: jattn.parallel.ring_attention(
+      q, k, v, mesh=mesh, axis_name="sp", is_causal=True
+    )
+    args = (q, k, v)
+  else:
+    f = lambda q, k, v, b: jattn.dot_product_attention(q, k, v, b, is_causal=True, **kw)
+    args = (q, k, v, bias)
+  jax.test_util.check_grads(jax.jit(f), args, order=1, modes=["rev"])
+
+
+def test_ring_attention_second_derivatives_and_forward_mode():
   mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))  # shards of 4 rows
   q, t = _q(), _q(seed=1)
   ring = lambda q: jattn.parallel.ring_attention(
     q, q * 0.5, jnp.cos(q), mesh=mesh, axis_name="sp", is_causal=True
   )
+  who = "ring_attention(implementation='blockwise')"
+  for transform in _FORWARD_MODE[1:3]:  # under jit, and jacfwd
+    _refuses_forward_mode(transform(ring), q, who=who, way_out="implementation='xla'")
+  _assert_reverse_through_vmap_is_autodiffs(ring, _attention(**XLA_AUTODIFF), q)
   np.testing.assert_allclose(
     _jit_hessian_vector(ring, q, t), _reference_hessian_vector(), rtol=1e-5, atol=1e-5
   )

@@ -28,6 +28,7 @@ functions that read the batch or head index, and dropout, then come out as on on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -278,7 +279,7 @@ def _partitioned(
   # and None where not: a static fact carried in the residuals' tree structure.
   Residuals = tuple[jax.Array, jax.Array, jax.Array, list[Any], tuple[Any, ...]]
 
-  @jax.custom_vjp
+  @functools.partial(_orders.reverse_only, who=who, rule=_orders.KERNEL_RULE)
   def run(q: jax.Array, k: jax.Array, v: jax.Array, leaves: list[Any]) -> Any:
     return forward(q, k, v, *leaves)
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.impl import _base, _sharded
+from jattn.impl import _base, _orders, _sharded
 from jattn.impl._base import CallSpec
 from jattn.masks import _core, kinds
 
@@ -139,7 +139,17 @@ def attention(
 def _run(
   query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
 ) -> tuple[jax.Array, jax.Array]:
-  return _sharded.per_shard(attention, query, key, value, spec)
+  return _sharded.per_shard(_first_order, query, key, value, spec)
+
+
+def _first_order(
+  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
+) -> tuple[jax.Array, jax.Array]:
+  """:func:`attention` with jax.nn's gradients, whose forward mode and second derivatives
+  are refused in jattn's words (JAX's are about a custom_vjp and the kernel's internals)."""
+  return _orders.reverse_once(attention, "implementation='cudnn'", _orders.FUSED)(
+    query, key, value, spec
+  )
 
 
 IMPLEMENTATION = _base.Implementation(

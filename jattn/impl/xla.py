@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import dropout as _dropout
-from jattn.impl import _base, _common
+from jattn.impl import _base, _common, _orders
 from jattn.impl._base import CallSpec
 from jattn.masks import index_grid
 
@@ -137,7 +137,12 @@ def _forward(
   return (out, lse), (m, l)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(
+  _orders.reverse_only,
+  nondiff_argnums=(0, 1),
+  who="implementation='xla'",
+  rule="backward='custom_vjp' (jattn's explicit rule)",
+)
 def _attention_vjp(
   static: _Static,
   modify: Callable[..., jax.Array] | None,

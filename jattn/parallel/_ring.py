@@ -292,7 +292,20 @@ def _backward(
   return ((d_q + g_q).astype(query.dtype), d_k.astype(key.dtype), d_v.astype(value.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _who(ring: Ring) -> str:
+  return f"ring_attention(implementation={'blockwise' if ring.pairs is None else 'splash'!r})"
+
+
+@functools.partial(
+  _orders.reverse_only,
+  nondiff_argnums=(0,),
+  who=_who,
+  rule="the ring's backward rule (a custom_vjp)",
+  way_out=(
+    "gather the sequence and call dot_product_attention(implementation='xla', "
+    "backward='autodiff'), which differentiates in both modes"
+  ),
+)
 def _ring_vjp(
   ring: Ring,
   query: jax.Array,
@@ -323,10 +336,9 @@ def _ring_bwd(
   ring: Ring, residuals: _Residuals, cotangents: tuple[jax.Array, jax.Array]
 ) -> tuple[jax.Array, jax.Array, jax.Array, None, None, None]:
   d_out, d_lse = cotangents
-  pairs = "blockwise" if ring.pairs is None else "splash"
   backward = _orders.first_order(
     functools.partial(_backward, ring),
-    f"ring_attention(implementation={pairs!r})",
+    _who(ring),
     _orders.TILE_LOOPS if ring.pairs is None else _orders.FUSED,
     forward=ring.pairs is None,  # blockwise's tile loops take JVPs, Pallas kernels do not
     way_out="gather the sequence and call dot_product_attention(implementation='xla')",

@@ -347,7 +347,7 @@ def _forward(
 # --- the custom_vjp -----------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(_orders.reverse_only, nondiff_argnums=(0,), who="implementation='blockwise'")
 def _attention_vjp(
   static: _tiling.Static,
   query: jax.Array,

@@ -260,7 +260,7 @@ def _with_lse(
   """``run_residual(q, k, v, ids, sinks) -> (out, (lse,))`` made differentiable in both
   outputs."""
 
-  @jax.custom_vjp
+  @functools.partial(_orders.reverse_only, who=_WHO, rule=_orders.KERNEL_RULE)
   def f(
     q: jax.Array, k: jax.Array, v: jax.Array, ids: _Ids, sinks: jax.Array
   ) -> tuple[jax.Array, jax.Array]:
