@@ -424,6 +424,9 @@ def test_dot_product_attention_on_batch_and_head_sharded_inputs(implementation):
 # --- ring attention with splash per shard pair ---------------------------------------
 
 
+# Exhaustive: the interpreted kernels' forward and backward compile for half a minute. The
+# default run lowers the ring's splash pairs for a TPU (below) and refuses what they cannot do.
+@pytest.mark.exhaustive
 def test_ring_runs_splash_per_shard_pair():
   # Two devices, zig-zag, causal packed documents, MQA: every pair's mask is tabulated and
   # runs splash (interpreted); values, lse and gradients as the unsharded xla path. One batch
@@ -510,7 +513,14 @@ def _soft_cap_reference():
     return _reference(*inputs, causal_np(T, T), dict(score=_cap_score))
 
 
-@pytest.mark.parametrize("layout", parallel.LAYOUTS)
+# The default run keeps the striped layout (test_adversarial_paths.py runs zig-zag by default);
+# the other two are exhaustive.
+@pytest.mark.parametrize(
+  "layout",
+  [
+    l if l == "striped" else pytest.param(l, marks=pytest.mark.exhaustive) for l in parallel.LAYOUTS
+  ],
+)
 def test_ring_soft_cap_on_tpu_runs_exact_pairs(layout):
   # implementation=None as on a TPU, Pallas kernels interpreted: splash would run every pair
   # if it expressed the call, and the pairs' log-sum-exp gradient through the cap is beyond
@@ -566,7 +576,9 @@ def test_ring_splash_refuses_a_soft_cap_as_the_one_device_call_does():
 # --- inputs in any placement, in both sharding modes ------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["auto", "explicit"])
+# The default run keeps Auto mode (test_adversarial_paths.py draws placements in Explicit mode
+# by default); Explicit is exhaustive here.
+@pytest.mark.parametrize("mode", ["auto", pytest.param("explicit", marks=pytest.mark.exhaustive)])
 def test_ring_reshards_inputs_in_any_placement(mode):
   # A 4 x 2 mesh, the ring over "sp" and the heads over "tp". No input is in the ring's
   # layout P(None, "sp", "tp", None): the query is NumPy, the key's sequence is split over
