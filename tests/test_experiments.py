@@ -187,6 +187,9 @@ def test_quickstart_runs():
   assert "output all zero True" in out.getvalue()
 
 
+# Exhaustive, as the other studies' smoke tests below: the default run smoke-tests bench.py,
+# bench_decode.py and the quickstart (each study compiles its own programs).
+@pytest.mark.exhaustive
 def test_bench_scaling_quick(tmp_path):
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
@@ -251,6 +254,7 @@ def test_bench_scaling_config_file_is_valid():
   assert cfg.lengths[0] == 128 and cfg.lengths[-1] == 65536 and cfg.methods == list(bench.METHODS)
 
 
+@pytest.mark.exhaustive  # a study's smoke test, as above
 def test_bench_parallel_quick(tmp_path):
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
@@ -329,6 +333,7 @@ def test_bench_parallel_config_file_is_valid():
   assert cfg.length % (2 * max(cfg.devices)) == 0 and cfg.memory_length == 65536
 
 
+@pytest.mark.exhaustive  # a study's smoke test, as above
 def test_bench_ceiling_quick(monkeypatch):
   # Its torch row needs the optional bench extra, which the tests do not install.
   monkeypatch.setattr(_load("bench"), "torch_or_none", lambda: None)
@@ -362,6 +367,7 @@ def test_bench_ceiling_quick(monkeypatch):
     _load("bench_ceiling").main(["--length", "0"])
 
 
+@pytest.mark.exhaustive  # a study's smoke test, as above
 def test_bench_tiles_quick():
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
@@ -412,6 +418,7 @@ def test_vs_torch_table_adds_the_long_run_and_the_per_round_causal_ratio(tmp_pat
   assert "4 of 4 cells miss the target." in text
 
 
+@pytest.mark.exhaustive  # a study's smoke test, as above
 def test_bench_delta_quick():
   """Both Δ rules run as custom_vjps on the same inputs, give the same gradients up to
   rounding, and each gets a time and a ratio."""
@@ -425,6 +432,7 @@ def test_bench_delta_quick():
   assert "| exact / flash |" in out.getvalue()
 
 
+@pytest.mark.exhaustive  # a study's smoke test, as above
 def test_bench_gpu_quick(tmp_path):
   """The accelerator benchmark's smoke test runs on any backend: every method the backend
   runs timed in both passes for full, causal and packed documents, jax.nn's speedup over
