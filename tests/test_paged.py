@@ -303,8 +303,10 @@ def test_gradients_match_autodiff_and_check_grads():
       out, _ = decode.attention(q[:, :1], k64[:, 4:5], v64[:, 4:5], paged, sinks=sinks, block_kv=4)
       return out
 
+    # Jitted: check_grads' evaluations reuse one compiled program instead of each running
+    # the call's operations one by one.
     jax.test_util.check_grads(
-      attend, (q64, cache.key_pages, cache.value_pages, sinks), order=1, modes=["rev"]
+      jax.jit(attend), (q64, cache.key_pages, cache.value_pages, sinks), order=1, modes=["rev"]
     )
 
 
@@ -339,7 +341,11 @@ def test_scores_masks_bias_and_sinks_on_a_paged_cache():
   assert_close(jnp.concatenate(outs, axis=1), want)
 
 
-@pytest.mark.parametrize("given", ["mask", "bias", "both"])
+# The default run keeps a mask and a bias in one call each; both with chunked decoding against a
+# contiguous cache is exhaustive.
+@pytest.mark.parametrize(
+  "given", ["mask", "bias", pytest.param("both", marks=pytest.mark.exhaustive)]
+)
 def test_a_mask_or_bias_of_a_max_length_rounded_up_to_pages_fits(given):
   """Rows of 3 pages of 4 slots hold 12 tokens, but a mask or bias sized to 10 slots (the
   max_length a Flax module's init_cache(B, 10, page_size=4) asks for) fits: it is padded,
@@ -425,8 +431,14 @@ def test_quantized_storage_error_bounds(dtype, bound):
   np.testing.assert_array_equal(np.asarray(zero.key[:, 0], np.float32), 0.0)
 
 
+# The default run keeps int8 storage (float8's rounding is bounded in the default run by
+# test_quantized_storage_error_bounds); decoding through a float8 cache is exhaustive.
 @pytest.mark.parametrize(
-  "dtype, rel_rms", [(jnp.int8, 1e-2), (jnp.float8_e4m3fn, 6e-2)], ids=["int8", "fp8"]
+  "dtype, rel_rms",
+  [
+    pytest.param(jnp.int8, 1e-2, id="int8"),
+    pytest.param(jnp.float8_e4m3fn, 6e-2, id="fp8", marks=pytest.mark.exhaustive),
+  ],
 )
 def test_quantized_caches_attend_close_to_the_float_cache(dtype, rel_rms):
   """Decoding through an int8 / float8 cache (paged and contiguous; float32 and bfloat16
