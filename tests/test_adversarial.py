@@ -36,6 +36,8 @@ SHAPES = [(2, 7, 5, 2, 1, 4), (1, 5, 9, 4, 2, 3), (2, 6, 6, 2, 2, 4)]
 MAGNITUDES = [1e-20, 1e-6, 1e-2, 1.0, 10.0, 1e2, 1e3, 1e4]
 LARGE_NEGATIVE = [-1e9, -1e30, -3e38, F32_MIN, -np.inf]
 RULE_NAMES = ["xla/autodiff", "xla/custom_vjp", "blockwise", "blockwise/default", "default"]
+# No shrinking: every shrink step compiles anew; a failing example is printed as drawn.
+NO_SHRINK = [Phase.explicit, Phase.reuse, Phase.generate]
 
 
 @st.composite
@@ -185,8 +187,7 @@ def _rounding_floor(quantity, q, k, v, ct, scale):
   }.get(quantity, 0.0)
 
 
-# No shrinking: every shrink step compiles anew; the failing example is printed as drawn.
-@settings(max_examples=15, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@settings(max_examples=15, phases=NO_SHRINK)
 @given(extreme_problems())
 def test_extreme_inputs_against_jax_nn_and_float64(problem):
   (q, k, v, bias, ct), scale, name, rule = problem
@@ -289,9 +290,22 @@ def masked_problems(draw):
 _jax_nn_masked = jax.jit(jax.nn.dot_product_attention)  # one program per shape and dtype
 
 
-@settings(max_examples=15, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+# The default run draws 5 examples, test_rows_with_nothing_to_attend_to_more_draws 10 more
+# (exhaustive; its own name gives it its own derandomized draws).
+@settings(max_examples=5, phases=NO_SHRINK)
 @given(masked_problems())
 def test_rows_with_nothing_to_attend_to(problem):
+  _check_rows_with_nothing_to_attend_to(problem)
+
+
+@pytest.mark.exhaustive
+@settings(max_examples=10, phases=NO_SHRINK)
+@given(masked_problems())
+def test_rows_with_nothing_to_attend_to_more_draws(problem):
+  _check_rows_with_nothing_to_attend_to(problem)
+
+
+def _check_rows_with_nothing_to_attend_to(problem):
   (q, k, v, bias, ct), allowed, kwargs, used, name, rule = problem
   where = f"{name} {rule} {used}"
   got = _vjp(_jattn(rule, **kwargs), q, k, v, bias, ct)
@@ -425,7 +439,15 @@ EVERY_IMPLEMENTATION = {
 }
 
 
-@pytest.mark.parametrize("name", list(EVERY_IMPLEMENTATION))
+# The default run keeps every implementation but the ring (test_parallel.py moves segment ids
+# around a ring by default); the ring's case is exhaustive.
+@pytest.mark.parametrize(
+  "name",
+  [
+    pytest.param(n, marks=pytest.mark.exhaustive) if n.startswith("ring") else n
+    for n in EVERY_IMPLEMENTATION
+  ],
+)
 def test_segment_ids_at_both_ends_of_int32_every_implementation(name):
   """Ids are only compared, so any int32 id must work; a padding id below the smallest one
   (splash pads to whole blocks) once wrapped onto a real id at int32's minimum."""
@@ -487,9 +509,22 @@ def short_caches(draw):
   return (B, t, N, K, H), pre, num_new, kept, make, inside, dtype, seed
 
 
-@settings(max_examples=8, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+# The default run draws 3 examples, test_tokens_dropped_under_jit_return_zeros_more_draws 5
+# more (exhaustive).
+@settings(max_examples=3, phases=NO_SHRINK)
 @given(short_caches())
 def test_tokens_dropped_under_jit_return_zeros(problem):
+  _check_tokens_dropped_under_jit_return_zeros(problem)
+
+
+@pytest.mark.exhaustive
+@settings(max_examples=5, phases=NO_SHRINK)
+@given(short_caches())
+def test_tokens_dropped_under_jit_return_zeros_more_draws(problem):
+  _check_tokens_dropped_under_jit_return_zeros(problem)
+
+
+def _check_tokens_dropped_under_jit_return_zeros(problem):
   (B, t, N, K, H), pre, num_new, kept, make, inside, dtype, seed = problem
   rng = np.random.default_rng(seed)
   q, k, v, ct = (  # NumPy: slicing jax.Arrays row by row below would compile each slice
@@ -549,16 +584,31 @@ def _second_derivative(q, k, v, ct, rule, order):
   return jax.jvp(jax.grad(lambda q: loss(q) ** 2), (q,), (ct,))[1]
 
 
-@settings(max_examples=8, phases=[Phase.explicit, Phase.reuse, Phase.generate])
-@given(
+SECOND_DERIVATIVES = (
   st.sampled_from(SHAPES),
   st.sampled_from(["grad_of_grad", "hessian_vector"]),
   st.sampled_from(RULE_NAMES + ["splash"]),
   st.integers(0, 2**16),
 )
+
+
+# The default run draws 3 examples, test_second_derivatives_more_draws 5 more (exhaustive).
+@settings(max_examples=3, phases=NO_SHRINK)
+@given(*SECOND_DERIVATIVES)
 def test_second_derivatives_match_autodiff_or_name_the_rule(shape, order, name, seed):
   """Each rule either gives autodiff's second derivative or raises jattn's ValueError naming
   itself and the way out (docs/backward.md's table), never JAX's message about its internals."""
+  _check_second_derivatives(shape, order, name, seed)
+
+
+@pytest.mark.exhaustive
+@settings(max_examples=5, phases=NO_SHRINK)
+@given(*SECOND_DERIVATIVES)
+def test_second_derivatives_more_draws(shape, order, name, seed):
+  _check_second_derivatives(shape, order, name, seed)
+
+
+def _check_second_derivatives(shape, order, name, seed):
   B, T, S, N, K, H = shape
   q, k, v, ct = _arrays(np.random.default_rng(seed), shape, jnp.float32)
   rule = dict(implementation="splash") if name == "splash" else RULES[name]
