@@ -4,6 +4,8 @@ call, the output has the query's shape and gradients the inputs' shapes, and bot
 on the same inputs (empty, or for S = 0 rows that attend to nothing: zeros), checked for the
 keyword forms jax.nn shares."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,32 +61,60 @@ def inputs(B: int, T: int, S: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   return q, jax.random.normal(k2, (B, S, K, H)), jax.random.normal(k3, (B, S, K, H))
 
 
-def attend_and_grads(B, T, S, implementation, attend=None, **kwargs):
-  """The output and (dq, dk, dv) of one jax.vjp, for a cotangent of ones."""
-  q, k, v = inputs(B, T, S)
-  if attend is None:
-    attend = lambda q, k, v: jattn.dot_product_attention(
-      q, k, v, implementation=implementation, **kwargs
-    )
-  out, vjp = jax.vjp(attend, q, k, v)
-  return out, vjp(jnp.ones_like(out))
+def attend_and_grads(B, T, S, calls):
+  """The output and (dq, dk, dv) of one jax.vjp of each named call (a function of q, k and v),
+  for a cotangent of ones. One jitted program for them all: one compilation instead of a
+  program for each operation of each call; the arrays the calls close over (masks, ids,
+  lengths) stay concrete constants, as in an eager call."""
+
+  def run(q, k, v):
+    results = {}
+    for name, attend in calls.items():
+      try:
+        out, vjp = jax.vjp(attend, q, k, v)
+      except Exception as e:
+        raise AssertionError(f"{name}: {type(e).__name__}: {e}") from e
+      results[name] = out, vjp(jnp.ones_like(out))
+    return results
+
+  return jax.jit(run)(*inputs(B, T, S))
 
 
-def check(B, T, S, implementation, jax_nn_kwargs=None, **kwargs):
-  """jattn's output and gradients have the inputs' shapes and are zero (for S = 0: rows that
-  attend to nothing give zeros) or empty; with ``jax_nn_kwargs``, they equal jax.nn's too."""
-  out, grads = attend_and_grads(B, T, S, implementation, **kwargs)
-  assert out.shape == (B, T, N, H)
-  np.testing.assert_array_equal(out, np.zeros(out.shape))
-  for g, shape in zip(grads, [(B, T, N, H), (B, S, K, H), (B, S, K, H)]):
-    assert g.shape == shape
-    np.testing.assert_array_equal(g, np.zeros(shape))
-  if jax_nn_kwargs is not None:
-    theirs = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **jax_nn_kwargs))
-    want, want_grads = attend_and_grads(B, T, S, None, attend=theirs)
-    np.testing.assert_array_equal(out, want)
-    for g, w in zip(grads, want_grads):
-      np.testing.assert_array_equal(g, w)
+def check(B, T, S, implementation, forms):
+  """For each named form (jattn's keyword arguments, and jax.nn's for the same masking or
+  None), jattn's output and gradients have the inputs' shapes and are zero (for S = 0: rows
+  that attend to nothing give zeros) or empty; where jax.nn's are given, they equal jax.nn's
+  too."""
+  ours = attend_and_grads(
+    B,
+    T,
+    S,
+    {
+      name: functools.partial(jattn.dot_product_attention, implementation=implementation, **kw)
+      for name, (kw, _) in forms.items()
+    },
+  )
+  theirs = attend_and_grads(
+    B,
+    T,
+    S,
+    {
+      name: functools.partial(jax.nn.dot_product_attention, **kw)
+      for name, (_, kw) in forms.items()
+      if kw is not None
+    },
+  )
+  for name, (out, grads) in ours.items():
+    assert out.shape == (B, T, N, H), name
+    np.testing.assert_array_equal(out, np.zeros(out.shape), err_msg=name)
+    for g, shape in zip(grads, [(B, T, N, H), (B, S, K, H), (B, S, K, H)]):
+      assert g.shape == shape, name
+      np.testing.assert_array_equal(g, np.zeros(shape), err_msg=name)
+    if name in theirs:
+      want, want_grads = theirs[name]
+      np.testing.assert_array_equal(out, want, err_msg=name)
+      for g, w in zip(grads, want_grads):
+        np.testing.assert_array_equal(g, w, err_msg=name)
 
 
 @pytest.mark.parametrize("B,T,S", SHAPES, ids=IDS)
@@ -99,11 +129,8 @@ def test_every_mask_materializes_with_empty_dimensions(B, T, S):
 @pytest.mark.parametrize("implementation", ["xla", "blockwise"])
 @pytest.mark.parametrize("B,T,S", SHAPES[:3], ids=IDS[:3])  # T = S = 0 adds no path here
 def test_every_mask_attends_with_empty_dimensions(B, T, S, implementation):
-  for name, mask in every_mask(B, T, S).items():
-    try:
-      check(B, T, S, implementation, mask=mask)
-    except Exception as e:
-      raise AssertionError(f"mask {name}: {type(e).__name__}: {e}") from e
+  forms = {f"mask {name}": (dict(mask=mask), None) for name, mask in every_mask(B, T, S).items()}
+  check(B, T, S, implementation, forms)
 
 
 def keyword_forms(B: int, T: int, S: int) -> dict:
@@ -131,8 +158,4 @@ def keyword_forms(B: int, T: int, S: int) -> dict:
 @pytest.mark.parametrize("implementation", ["xla", "blockwise", None])
 @pytest.mark.parametrize("B,T,S", SHAPES, ids=IDS)
 def test_every_keyword_mask_attends_with_empty_dimensions(B, T, S, implementation):
-  for name, (ours, theirs) in keyword_forms(B, T, S).items():
-    try:
-      check(B, T, S, implementation, jax_nn_kwargs=theirs, **ours)
-    except Exception as e:
-      raise AssertionError(f"{name}: {type(e).__name__}: {e}") from e
+  check(B, T, S, implementation, keyword_forms(B, T, S))
