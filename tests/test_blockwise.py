@@ -244,7 +244,8 @@ def test_every_mask_against_float64_formula(kind):
 def test_check_grads_float64(x64):
   fn = _score("relative", F64)
   mask = MASKS["lengths_empty_rows"] & MASKS["combined"]
-  check_grads(_attn("blockwise", mask, score_fn=fn), _inputs(jnp.float64), order=1, modes=["rev"])
+  f = jax.jit(_attn("blockwise", mask, score_fn=fn))  # jitted: one program for every evaluation
+  check_grads(f, _inputs(jnp.float64), order=1, modes=["rev"])
 
 
 def test_learned_score_parameters_get_tile_summed_gradients():
@@ -270,7 +271,7 @@ def test_check_grads_float64_dropout_and_soft_cap(x64):
     dropout_rng=jax.random.key(2),
     logits_soft_cap=3.0,
   )
-  check_grads(f, _inputs(jnp.float64), order=1, modes=["rev"])
+  check_grads(jax.jit(f), _inputs(jnp.float64), order=1, modes=["rev"])
 
 
 def test_bfloat16():

@@ -118,9 +118,8 @@ def test_gradients_match_plain_jnp(steps):
 
 def test_check_grads_float64(x64):
   q, x = normal((3, D), np.float64, seed=1), normal((M, D), np.float64, seed=2)
-  check_grads(
-    lambda q, x: hopfield.retrieve(q, x, beta=0.7, steps=2), (q, x), order=1, modes=["rev"]
-  )
+  f = jax.jit(lambda q, x: hopfield.retrieve(q, x, beta=0.7, steps=2))  # one program for all
+  check_grads(f, (q, x), order=1, modes=["rev"])
 
 
 # --- what β does ----------------------------------------------------------------------------

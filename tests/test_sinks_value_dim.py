@@ -141,7 +141,7 @@ def test_every_rule_matches_the_formula_with_gradients(
     assert np.isfinite(np.asarray(g)).all() and np.isfinite(np.asarray(w)).all(), name
     np.testing.assert_allclose(g, w, atol=1e-10, err_msg=f"d{name}")
   if backward == "custom_vjp" and Hv != H and with_sinks:  # once per rule: sinks and Hv
-    jax.test_util.check_grads(loss(run_), args, order=1, modes=["rev"])
+    jax.test_util.check_grads(jax.jit(loss(run_)), args, order=1, modes=["rev"])
 
 
 def test_weights_leave_out_the_sinks_share(x64):
@@ -164,7 +164,8 @@ def test_splash_takes_the_sinks_itself():
       out, lse = jattn.dot_product_attention(q, k, v, implementation=impl, sinks=sinks, **kw)
       return (out * jnp.cos(out)).sum() + (0.37 * lse).sum(), (out, lse)
 
-    return jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, sinks)
+    # One jitted program (eagerly, every operation around the kernels compiles alone).
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, sinks)
 
   with jattn.testing.interpret_kernels():
     (_, (out, lse)), g = grads("splash")
