@@ -183,11 +183,7 @@ def test_flex_refuses_higher_and_forward_derivatives_naming_the_rule(devices, mo
   with jattn.testing.interpret_kernels():
     _raises_naming(jax.jit(_grad_of_grad(fn)), q, who="implementation='flex'")
     _raises_naming(_jit_hessian_vector, fn, q, q, who="implementation='flex'")
-    if devices == 1:  # flex's own custom_vjp (impl/flex/_backward.py): JAX's TypeError for now
-      with pytest.raises(TypeError, match="forward-mode autodiff"):
-        jax.jit(jax.jacfwd(fn)).lower(q)
-    else:  # the partitioning rule's custom_vjp
-      _refuses_forward_mode(jax.jit(jax.jacfwd(fn)).lower, q, who="implementation='flex'")
+    _refuses_forward_mode(jax.jit(jax.jacfwd(fn)).lower, q, who="implementation='flex'")
 
 
 @pytest.mark.parametrize(

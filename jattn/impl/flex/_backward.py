@@ -71,7 +71,7 @@ Jaxprs = tuple[tuple[Any, Any], tuple[Any, Any], tuple[Any, Any], Any]
 Passes = tuple[Settings, Settings, Settings]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(_orders.reverse_only, nondiff_argnums=(0, 1), who=_WHO, rule=_orders.KERNEL_RULE)
 def _attention(
   jaxprs: Jaxprs,
   settings: Passes,
