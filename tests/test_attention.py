@@ -145,14 +145,13 @@ BF16_CASES = (
 )
 
 
-# The default run keeps MQA causal cross-attention, and everything at once in both dtypes; the
-# other cases are exhaustive.
+# The default run keeps everything at once in both dtypes; the other cases are exhaustive.
 @pytest.mark.parametrize(
   "case, dtype",
   [
     pytest.param(c, dtype, id=f"{c}-{name}", marks=() if c in kept else pytest.mark.exhaustive)
     for dtype, name, cases, kept in [
-      (jnp.float32, "f32", CASES, ("mqa_causal_cross", "everything")),
+      (jnp.float32, "f32", CASES, ("everything",)),
       (jnp.bfloat16, "bf16", BF16_CASES, ("everything",)),
     ]
     for c in cases
@@ -223,7 +222,11 @@ def test_unbatched_layout_and_vmap(vmapped, rule):  # bf16: test_matches_jax_nn
     assert_close(a, b, factor=2)
 
 
-@pytest.mark.parametrize("rule", list(RULES))
+# The default run keeps the explicit rules (blockwise and xla's custom_vjp); autodiff is
+# exhaustive (test_unbatched_layout_and_vmap runs it under vmap by default).
+@pytest.mark.parametrize(
+  "rule", [pytest.param(r, marks=pytest.mark.exhaustive) if r == "autodiff" else r for r in RULES]
+)
 def test_vmap_matches_loop(rule):
   q, k, v = _inputs(3, 4, 5, 2, 1, 4, jnp.float32)
   ids = jnp.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2], [3, 3, 3, 3, 3]])
@@ -268,8 +271,24 @@ def test_zero_length_keys_give_zeros():
   assert np.all(np.isneginf(lse))
 
 
-@pytest.mark.parametrize("rule", list(RULES))
-@pytest.mark.parametrize("empty", ["B", "N", "H"])
+# The default run keeps each empty dimension with one rule (B with autodiff, N with custom_vjp,
+# H with blockwise); the other pairs are exhaustive (test_empty.py empties B, T and S for every
+# mask form by default).
+@pytest.mark.parametrize(
+  "empty, rule",
+  [
+    pytest.param(
+      e,
+      r,
+      id=f"{e}-{r}",
+      marks=()
+      if (e, r) in {("B", "autodiff"), ("N", "custom_vjp"), ("H", "blockwise")}
+      else pytest.mark.exhaustive,
+    )
+    for r in RULES
+    for e in "BNH"
+  ],
+)
 def test_empty_dimensions_match_jax_nn(empty, rule):
   """B, N or H == 0 gives jax.nn's empty outputs, and gradients of the inputs' shapes, for
   every rule (blockwise raised ZeroDivisionError, and H == 0's default scale divided by 0)."""
