@@ -25,7 +25,15 @@ def _linen_pair(**kw):
 # --------------------------------------------------------------------------- Linen
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 5, F), (5, F)], ids=["two_batch_dims", "unbatched"])
+# The default run keeps two batch dimensions for Linen and none for NNX (below); the other
+# shape of each is exhaustive.
+@pytest.mark.parametrize(
+  "shape",
+  [
+    pytest.param((2, 3, 5, F), id="two_batch_dims"),
+    pytest.param((5, F), id="unbatched", marks=pytest.mark.exhaustive),
+  ],
+)
 def test_linen_float_masks_and_batch_dims_give_flaxs_outputs(shape):
   theirs, ours = _linen_pair()
   x = sample(shape)
@@ -106,8 +114,14 @@ def test_linen_sown_weights_have_flaxs_dtype(force_fp32):
   )
 
 
+# The default run keeps one batch dimension; none and two are exhaustive.
 @pytest.mark.parametrize(
-  "batch", [(2,), (), (2, 3)], ids=["batched", "unbatched", "two_batch_dims"]
+  "batch",
+  [
+    pytest.param((2,), id="batched"),
+    pytest.param((), id="unbatched", marks=pytest.mark.exhaustive),
+    pytest.param((2, 3), id="two_batch_dims", marks=pytest.mark.exhaustive),
+  ],
 )
 def test_linen_decoding_keeps_flaxs_cache_variables_step_by_step(batch):
   theirs, ours = _linen_pair(decode=True)
@@ -146,7 +160,13 @@ def _nnx_pair(**kw):
   return theirs, ours
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 5, F), (5, F)], ids=["two_batch_dims", "unbatched"])
+@pytest.mark.parametrize(
+  "shape",
+  [
+    pytest.param((2, 3, 5, F), id="two_batch_dims", marks=pytest.mark.exhaustive),
+    pytest.param((5, F), id="unbatched"),
+  ],
+)
 def test_nnx_float_masks_and_batch_dims_give_flaxs_outputs(shape):
   theirs, ours = _nnx_pair()
   x = sample(shape)
@@ -175,7 +195,14 @@ def test_nnx_checkpoint_goes_both_ways():
   assert_close(ours(x), theirs(x), factor=0.5)
 
 
-@pytest.mark.parametrize("input_shape", [(2, 4, F), (4, F)], ids=["batched", "unbatched"])
+# The default run keeps the batched input; the unbatched one is exhaustive.
+@pytest.mark.parametrize(
+  "input_shape",
+  [
+    pytest.param((2, 4, F), id="batched"),
+    pytest.param((4, F), id="unbatched", marks=pytest.mark.exhaustive),
+  ],
+)
 def test_nnx_decoding_keeps_flaxs_cache_attributes_step_by_step(input_shape):
   theirs, ours = _nnx_pair()
   x = sample(input_shape, seed=2)

@@ -261,6 +261,9 @@ def _steps(module, params, cache, x, chunks=(4, 1, 1), num_new=None):
   return jnp.concatenate(outs, axis=1), cache
 
 
+# Exhaustive here: test_nnx_decode.py's twin runs by default, and the Linen paged cache decodes
+# by default in the mask and released-rows cases.
+@pytest.mark.exhaustive
 def test_paged_cache_decodes_like_contiguous_and_full_causal():
   x = sample(seed=3)  # (B, T, F), T = 6
   contiguous, paged = _decoder(2, ragged_cache=True), _decoder(2, **PAGED)
@@ -283,7 +286,15 @@ def test_paged_cache_decodes_like_contiguous_and_full_causal():
   np.testing.assert_array_equal(cache["free_pages"], False)  # 3 pages a row: all 6 used
 
 
-@pytest.mark.parametrize("chunks", [(4, 1, 1), (6,)], ids=["steps", "prefill"])
+# The default run keeps the prefill here and the steps in test_nnx_decode.py's twin; the steps
+# are exhaustive here.
+@pytest.mark.parametrize(
+  "chunks",
+  [
+    pytest.param((4, 1, 1), id="steps", marks=pytest.mark.exhaustive),
+    pytest.param((6,), id="prefill"),
+  ],
+)
 def test_a_mask_of_the_requested_max_length_fits_either_cache(chunks):
   """The init pass on (B, 7, F) with page_size=2 rounds rows up to 8 slots, but a mask sized
   to the 7 asked for works as with a contiguous cache: the same outputs, and the formula's."""
@@ -311,6 +322,8 @@ def test_a_mask_of_the_requested_max_length_fits_either_cache(chunks):
   assert np.abs(want - unmasked).max() > 0.1  # the mask does mask
 
 
+# Exhaustive here: test_nnx_decode.py's int8 twin and test_paged's int8 cases run by default.
+@pytest.mark.exhaustive
 def test_int8_paged_cache_is_close_to_the_float_cache():
   x = sample(seed=3)
   module = _decoder(2, cache_dtype=jnp.int8, page_size=2)

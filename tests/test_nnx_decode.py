@@ -121,7 +121,15 @@ def _decoding_mask(max_length, seed=0):
   return mask | np.eye(max_length, dtype=bool)
 
 
-@pytest.mark.parametrize("chunks", [(4, 1, 1), (6,)], ids=["steps", "prefill"])
+# The default run keeps the steps here and the prefill in test_linen_decode.py's twin; the
+# prefill is exhaustive here.
+@pytest.mark.parametrize(
+  "chunks",
+  [
+    pytest.param((4, 1, 1), id="steps"),
+    pytest.param((6,), id="prefill", marks=pytest.mark.exhaustive),
+  ],
+)
 def test_a_mask_of_the_requested_max_length_fits_either_cache(chunks):
   """init_cache(B, 7, page_size=2) rounds rows up to 8 slots, but a mask sized to the 7 asked
   for works as with a contiguous cache: the same outputs, which equal the module's math."""
@@ -170,7 +178,15 @@ def test_int8_cache_is_close_to_the_float_cache():
   assert 1e-4 < error < 0.02, error
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+# The default run keeps the contiguous cache here (test_linen_decode.py's twin runs both); the
+# paged one is exhaustive here.
+@pytest.mark.parametrize(
+  "paged",
+  [
+    pytest.param(False, id="contiguous"),
+    pytest.param(True, id="paged", marks=pytest.mark.exhaustive),
+  ],
+)
 def test_released_rows_restart_like_a_fresh_cache(paged):
   m = _decoder(2)
   x, z = sample(), sample(seed=5)  # row 0 serves x[0], then a new request z[0]; row 1 serves x[1]

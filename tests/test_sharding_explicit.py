@@ -120,9 +120,16 @@ def test_attention_keeps_batch_and_head_sharding(implementation, rows):
 # --- jattn.decode ---------------------------------------------------------------------
 
 
-# Blockwise reads the cache tile by tile (float or quantized), xla reads a zeroed copy.
+# Blockwise reads the cache tile by tile (float or quantized), xla reads a zeroed copy. The
+# default run keeps the float caches; the quantized one is exhaustive (test_paged reads int8
+# caches, unsharded, by default).
 @pytest.mark.parametrize(
-  "implementation, dtype", [(None, jnp.float32), (None, jnp.int8), ("xla", jnp.float32)]
+  "implementation, dtype",
+  [
+    (None, jnp.float32),
+    pytest.param(None, jnp.int8, marks=pytest.mark.exhaustive),
+    ("xla", jnp.float32),
+  ],
 )
 def test_decode_cache_takes_the_sharding_of_its_keys(implementation, dtype):
   q, k, v = (
@@ -218,6 +225,9 @@ def test_nnx_module_forward_and_gradients():
   assert _spec(out) == ("data", None, None)
 
 
+# Exhaustive: the Linen module's sharded step compiles what the NNX module's above does (both
+# share jattn.flax's attention); the default run keeps the NNX one.
+@pytest.mark.exhaustive
 def test_linen_module_forward_and_gradients():
   model = jattn.linen.MultiHeadAttention(
     N, num_kv_heads=K, is_causal=True, implementation="blockwise", **BLOCKS
