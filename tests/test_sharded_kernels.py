@@ -76,11 +76,12 @@ def _unsharded_xla(k_heads):
   return _loss_and_grads("xla", q, k, v, ids, sinks, is_causal=True)(q, k, v, sinks)
 
 
-# The default run keeps both sharding modes, each with one of the two key/value head counts.
+# The default run keeps Auto mode with MQA (test_flex_runs_each_devices_share_on_global_indices
+# runs Explicit mode by default); the other cases are exhaustive.
 @pytest.mark.parametrize(
   "mode, k_heads",
   [
-    ("explicit", K),
+    pytest.param("explicit", K, marks=pytest.mark.exhaustive),
     pytest.param("explicit", 1, marks=pytest.mark.exhaustive),
     pytest.param("auto", K, marks=pytest.mark.exhaustive),
     ("auto", 1),
@@ -246,9 +247,15 @@ def _flex_inputs(k_heads, bias_rows):
 
 
 # A bias per batch row and head is split with the scores; one broadcast over the batch
-# (B = 1) is split by heads, and its gradient summed over the devices holding its rows.
+# (B = 1) is split by heads, and its gradient summed over the devices holding its rows. The
+# default run keeps the first (Explicit mode, GQA); the second (Auto mode, MQA) is exhaustive:
+# each case compiles flex's interpreted kernels, forward and backward (10 CPU-seconds).
 @pytest.mark.parametrize(
-  "mode, k_heads, bias_spec", [("explicit", 2, P("data", "model")), ("auto", 1, P(None, "model"))]
+  "mode, k_heads, bias_spec",
+  [
+    ("explicit", 2, P("data", "model")),
+    pytest.param("auto", 1, P(None, "model"), marks=pytest.mark.exhaustive),
+  ],
 )
 def test_flex_runs_each_devices_share_on_global_indices(mode, k_heads, bias_spec):
   q, k, v, bias, ids = _flex_inputs(k_heads, FB if bias_spec[0] else 1)
