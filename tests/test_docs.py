@@ -53,9 +53,11 @@ def _blocks(text, language="python"):
   return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
 
 
-# The default run keeps every page but the two whose examples compile the most (flax.md runs
-# Flax's modules and jattn's eagerly, parallel.md a ring over 8 devices); they are exhaustive.
-EXHAUSTIVE_PAGES = {"flax.md", "parallel.md"}
+# The default run keeps the pages of the call itself (attention, backward, masks, linear,
+# implementations); the pages of what builds on it, whose examples compile the most (flax.md
+# runs Flax's modules and jattn's eagerly, parallel.md a ring over 8 devices, decoding.md and
+# sinks.md caches and modules, numerics.md its measurements), are exhaustive.
+EXHAUSTIVE_PAGES = {"flax.md", "parallel.md", "decoding.md", "sinks.md", "numerics.md"}
 
 
 @pytest.mark.parametrize(
