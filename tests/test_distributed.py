@@ -22,9 +22,15 @@ import pytest
 from distributed_worker import LOCAL_DEVICES, inputs
 from reference import assert_close, attention_jnp, attention_np, causal_np
 
-pytestmark = pytest.mark.skipif(
-  sys.platform == "win32", reason="jaxlib has no CPU collectives (gloo) on Windows"
-)
+# Exhaustive: two more processes start JAX and compile the ring and the sharded call again (13
+# CPU-seconds); the default run checks both on the 8 simulated devices of one process
+# (test_parallel.py, test_sharding_explicit.py).
+pytestmark = [
+  pytest.mark.skipif(
+    sys.platform == "win32", reason="jaxlib has no CPU collectives (gloo) on Windows"
+  ),
+  pytest.mark.exhaustive,
+]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "distributed_worker.py"
