@@ -12,8 +12,20 @@ import jattn
 from jattn import masks, scores
 
 B, T, S, N, K, H = 2, 5, 6, 4, 2, 8
-Q = jnp.zeros((B, T, N, H))
-KV = jnp.zeros((B, S, K, H))
+
+
+# Inputs made on the host and put on the device: jnp.zeros (and jnp.asarray of a NumPy array)
+# would compile a program per shape and dtype, some forty when this module is collected.
+def _zeros(shape, dtype=np.float32):
+  return jax.device_put(np.zeros(shape, dtype))
+
+
+def _ones(shape, dtype=np.float32):
+  return jax.device_put(np.ones(shape, dtype))
+
+
+Q = _zeros((B, T, N, H))
+KV = _zeros((B, S, K, H))
 
 
 def call(**overrides):
@@ -27,66 +39,66 @@ def call(**overrides):
 BAD_INPUTS = [
   (
     "query_rank",
-    dict(query=jnp.zeros((T, N * H))),
+    dict(query=_zeros((T, N * H))),
     ValueError,
     r"query must have shape \(B, T, N, H\) or \(T, N, H\), got \(5, 32\)",
   ),
   (
     "key_rank",
-    dict(key=jnp.zeros((S, K, H)), value=jnp.zeros((S, K, H))),
+    dict(key=_zeros((S, K, H)), value=_zeros((S, K, H))),
     ValueError,
     r"key must have shape \(B, S, K, H\)",
   ),
   (
     "kv_shapes",
-    dict(value=jnp.zeros((B, S + 1, K, H // 2))),
+    dict(value=_zeros((B, S + 1, K, H // 2))),
     ValueError,
     r"key and value must have the same shape but for the head dimension, got key "
     r"\(2, 6, 2, 8\) and value \(2, 7, 2, 4\)",
   ),
-  ("head_dim", dict(query=jnp.zeros((B, T, N, H + 1))), ValueError, r"same head dimension H"),
-  ("batch", dict(query=jnp.zeros((B + 1, T, N, H))), ValueError, r"same batch size B"),
+  ("head_dim", dict(query=_zeros((B, T, N, H + 1))), ValueError, r"same head dimension H"),
+  ("batch", dict(query=_zeros((B + 1, T, N, H))), ValueError, r"same batch size B"),
   (
     "heads_divisible",
-    dict(query=jnp.zeros((B, T, 3, H))),
+    dict(query=_zeros((B, T, 3, H))),
     ValueError,
     r"number of query heads N \(3\) must be a multiple of the number of key/value heads K \(2\)",
   ),
   (
     "int_inputs",
-    dict(query=jnp.zeros((B, T, N, H), jnp.int32)),
+    dict(query=_zeros((B, T, N, H), jnp.int32)),
     TypeError,
     r"query must have a floating dtype, got int32",
   ),
   (
     "dtype_mismatch",
-    dict(key=jnp.zeros((B, S, K, H), jnp.bfloat16)),
+    dict(key=_zeros((B, S, K, H), jnp.bfloat16)),
     TypeError,
     r"same dtype, got query float32, key bfloat16 and value float32",
   ),
   ("not_array", dict(query="abc"), TypeError, r"query must be an array, got str"),
   (
     "bias_shape",
-    dict(bias=jnp.zeros((B, N, T, S + 1))),
+    dict(bias=_zeros((B, N, T, S + 1))),
     ValueError,
     r"bias must be broadcastable to \(B, N, T, S\)=\(2, 4, 5, 6\)",
   ),
-  ("bias_rank", dict(bias=jnp.zeros((1, B, N, T, S))), ValueError, r"bias must be broadcastable"),
+  ("bias_rank", dict(bias=_zeros((1, B, N, T, S))), ValueError, r"bias must be broadcastable"),
   (
     "bias_bool",
-    dict(bias=jnp.zeros((T, S), bool)),
+    dict(bias=_zeros((T, S), bool)),
     TypeError,
     r"bias must have a floating or integer dtype, got bool; pass boolean masks as mask",
   ),
   (
     "mask_dtype",
-    dict(mask=jnp.zeros((T, S), jnp.int32)),
+    dict(mask=_zeros((T, S), jnp.int32)),
     TypeError,
     r"mask must be a boolean array, got dtype int32",
   ),
   (
     "mask_shape",
-    dict(mask=jnp.ones((B, N, T + 1, S), bool)),
+    dict(mask=_ones((B, N, T + 1, S), bool)),
     ValueError,
     r"query length T=6, but the inputs have query length T=5",
   ),
@@ -100,29 +112,29 @@ BAD_INPUTS = [
   (
     "segments_batch",
     dict(
-      segment_ids=jnp.zeros((B + 1, T), jnp.int32),
-      query=jnp.zeros((B, T, N, H)),
-      key=jnp.zeros((B, T, K, H)),
-      value=jnp.zeros((B, T, K, H)),
+      segment_ids=_zeros((B + 1, T), jnp.int32),
+      query=_zeros((B, T, N, H)),
+      key=_zeros((B, T, K, H)),
+      value=_zeros((B, T, K, H)),
     ),
     ValueError,
     r"batch size B=3, but the inputs have batch size B=2",
   ),
   (
     "segments_T_ne_S",
-    dict(segment_ids=jnp.zeros((B, T), jnp.int32)),
+    dict(segment_ids=_zeros((B, T), jnp.int32)),
     ValueError,
     r"segment_ids as one array needs T == S, got T=5 and S=6",
   ),
   (
     "segments_dtype",
-    dict(segment_ids=(jnp.zeros((B, T)), jnp.zeros((B, S)))),
+    dict(segment_ids=(_zeros((B, T)), _zeros((B, S)))),
     TypeError,
     r"segment_ids \(q_segment_ids\) must have an integer dtype, got float32",
   ),
   (
     "segments_length",
-    dict(segment_ids=(jnp.zeros((B, T), int), jnp.zeros((B, S - 1), int))),
+    dict(segment_ids=(_zeros((B, T), int), _zeros((B, S - 1), int))),
     ValueError,
     r"segment_ids \(kv_segment_ids\) must have length 6",
   ),
@@ -223,7 +235,7 @@ BAD_INPUTS = [
   ),
   (
     "dropout_bad_rng",
-    dict(dropout_rate=0.1, dropout_rng=jnp.zeros(3)),
+    dict(dropout_rate=0.1, dropout_rng=_zeros(3)),
     TypeError,
     r"dropout_rng must be a single jax.random.key or PRNGKey",
   ),
@@ -334,7 +346,7 @@ BAD_INPUTS = [
   ),
   (
     "mask_object_heads",
-    dict(mask=masks.from_array(jnp.ones((1, 3, T, S), bool))),
+    dict(mask=masks.from_array(_ones((1, 3, T, S), bool))),
     ValueError,
     r"number of heads N=3, but the inputs have number of heads N=4",
   ),
@@ -371,7 +383,7 @@ def test_bad_input_raises_before_compiling(overrides, error, message):
 def test_compile_events_are_seen():
   """The check above can fail: a good call with new shapes does compile."""
   with compile_events() as events:
-    call(query=jnp.zeros((1, 3, 2, 4)), key=jnp.zeros((1, 3, 2, 4)), value=jnp.zeros((1, 3, 2, 4)))
+    call(query=_zeros((1, 3, 2, 4)), key=_zeros((1, 3, 2, 4)), value=_zeros((1, 3, 2, 4)))
   assert _compiles(events)
 
 
@@ -480,13 +492,13 @@ BAD_CONSTRUCTORS = [
   ),
   (
     "segments_rank",
-    lambda: masks.segments(jnp.zeros((1, 2, 3), int)),
+    lambda: masks.segments(_zeros((1, 2, 3), int)),
     ValueError,
     r"q_segment_ids must have rank 1 or 2, got shape \(1, 2, 3\)",
   ),
   (
     "segments_batches",
-    lambda: masks.segments(jnp.zeros((2, 3), int), jnp.zeros((3, 3), int)),
+    lambda: masks.segments(_zeros((2, 3), int), _zeros((3, 3), int)),
     ValueError,
     r"same batch size",
   ),
@@ -512,7 +524,7 @@ BAD_CONSTRUCTORS = [
   ("fn_not_callable", lambda: masks.from_fn(3), TypeError, r"from_fn needs a callable"),
   (
     "combine_conflict",
-    lambda: masks.segments(jnp.zeros((2, 4), int)) & masks.lengths(np.array([1, 2, 3])),
+    lambda: masks.segments(_zeros((2, 4), int)) & masks.lengths(np.array([1, 2, 3])),
     ValueError,
     r"different batch size in a combined mask",
   ),
@@ -524,7 +536,7 @@ BAD_CONSTRUCTORS = [
   ),
   (
     "combine_jax_array",
-    lambda: masks.causal() & jnp.ones((T, S), bool),
+    lambda: masks.causal() & _ones((T, S), bool),
     TypeError,
     r"'&' combines a jattn.masks.Mask only with another Mask, got an array of shape \(5, 6\) "
     r"\(ArrayImpl\); wrap a boolean array with masks.from_array\(...\) first",
@@ -538,13 +550,13 @@ BAD_CONSTRUCTORS = [
   ),
   (
     "combine_jax_array_left_or",
-    lambda: jnp.ones((T, S), bool) | masks.causal(),
+    lambda: _ones((T, S), bool) | masks.causal(),
     TypeError,
     r"'\|' combines a jattn.masks.Mask only with another Mask, got an array",
   ),
   (
     "materialize_length",
-    lambda: masks.segments(jnp.zeros((4,), int)).materialize(5, 4),
+    lambda: masks.segments(_zeros((4,), int)).materialize(5, 4),
     ValueError,
     r"q_len is 5 but the mask holds arrays for length 4",
   ),
@@ -612,14 +624,12 @@ def test_bad_constructor_arguments(build, error, message):
 
 # Every array argument of dot_product_attention, as real arrays (T != S: a pair's two ids differ).
 ARRAY_ARGUMENTS = {
-  "bias": dict(bias=jnp.zeros((B, N, T, S))),
-  "mask_array": dict(mask=jnp.ones((B, 1, T, S), bool)),
-  "segment_ids_pair": dict(
-    segment_ids=(jnp.zeros((B, T), jnp.int32), jnp.zeros((B, S), jnp.int32))
-  ),
+  "bias": dict(bias=_zeros((B, N, T, S))),
+  "mask_array": dict(mask=_ones((B, 1, T, S), bool)),
+  "segment_ids_pair": dict(segment_ids=(_zeros((B, T), jnp.int32), _zeros((B, S), jnp.int32))),
   "query_seq_lengths": dict(query_seq_lengths=jnp.full((B,), T, jnp.int32)),
   "key_value_seq_lengths": dict(key_value_seq_lengths=jnp.full((B,), S, jnp.int32)),
-  "sinks": dict(sinks=jnp.zeros((N,))),
+  "sinks": dict(sinks=_zeros((N,))),
   "dropout_rng": dict(dropout_rate=0.25, dropout_rng=jax.random.key(0)),
   "raw_dropout_rng": dict(dropout_rate=0.25, dropout_rng=jax.random.PRNGKey(0)),
 }
@@ -646,7 +656,7 @@ def test_explain_takes_shape_dtype_struct_self_attention_segment_ids():
   q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
   ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
   for backend in ("cpu", "gpu", "tpu"):
-    want = jattn.explain(q, q, q, segment_ids=jnp.zeros((B, T), jnp.int32), backend=backend)
+    want = jattn.explain(q, q, q, segment_ids=_zeros((B, T), jnp.int32), backend=backend)
     assert jattn.explain(q, q, q, segment_ids=ids, backend=backend).implementation == (
       want.implementation
     )
@@ -654,14 +664,14 @@ def test_explain_takes_shape_dtype_struct_self_attention_segment_ids():
 
 # A ShapeDtypeStruct of the wrong shape or dtype raises what the array it describes raises.
 BAD_SHAPES = [
-  ("bias", dict(bias=jnp.zeros((B, N, T, S + 1)))),
-  ("mask_array", dict(mask=jnp.ones((B, 1, T + 1, S), bool))),
-  ("segment_ids", dict(segment_ids=jnp.zeros((B, T + 1), jnp.int32))),
-  ("segment_ids_pair", dict(segment_ids=(jnp.zeros((B, T)), jnp.zeros((B, S), jnp.int32)))),
+  ("bias", dict(bias=_zeros((B, N, T, S + 1)))),
+  ("mask_array", dict(mask=_ones((B, 1, T + 1, S), bool))),
+  ("segment_ids", dict(segment_ids=_zeros((B, T + 1), jnp.int32))),
+  ("segment_ids_pair", dict(segment_ids=(_zeros((B, T)), _zeros((B, S), jnp.int32)))),
   ("query_seq_lengths", dict(query_seq_lengths=jnp.full((B + 1,), T, jnp.int32))),
   ("key_value_seq_lengths", dict(key_value_seq_lengths=jnp.full((B,), 1.0))),
-  ("sinks", dict(sinks=jnp.zeros((N + 1,)))),
-  ("dropout_rng", dict(dropout_rate=0.25, dropout_rng=jnp.zeros((3,), jnp.uint32))),
+  ("sinks", dict(sinks=_zeros((N + 1,)))),
+  ("dropout_rng", dict(dropout_rate=0.25, dropout_rng=_zeros((3,), jnp.uint32))),
 ]
 
 
