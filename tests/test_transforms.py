@@ -114,6 +114,12 @@ def _cases():
       yield pytest.param(t, name, id=f"{t}-{name}", marks=marks)
 
 
+def _jitted(*thunks):
+  """The thunks' results from one jitted program: run eagerly, each operation of a
+  transformation (a jax.grad, vmap, shard_map) compiles a program of its own."""
+  return jax.jit(lambda: tuple(thunk() for thunk in thunks))()
+
+
 @pytest.mark.parametrize("transform, name", list(_cases()))
 def test_transformation_equals_jax_nn_or_raises_jattns_error(transform, name):
   apply, needs = TRANSFORMS[transform]
@@ -128,11 +134,10 @@ def test_transformation_equals_jax_nn_or_raises_jattns_error(transform, name):
     if not takes:
       what = "reverse-mode derivatives only" if needs == "forward" else "first-order"
       with pytest.raises(ValueError, match=what) as info:
-        apply(_attention(IMPLEMENTATIONS[name]))
+        _jitted(lambda: apply(_attention(IMPLEMENTATIONS[name])))
       assert "implementation='xla'" in str(info.value), str(info.value)
       return
-    got = apply(_attention(IMPLEMENTATIONS[name]))
-  want = apply(_reference)
+    got, want = _jitted(lambda: apply(_attention(IMPLEMENTATIONS[name])), lambda: apply(_reference))
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)
 
@@ -149,9 +154,11 @@ def test_a_checked_shard_map_refuses_pallas_kernels_and_the_default_falls_back()
   with jattn.testing.interpret_kernels():
     for name in FUSED:
       with pytest.raises(ValueError, match=f"implementation='{name}'.*check_vma=False"):
-        _shard_map(_attention(IMPLEMENTATIONS[name]))(Q, K, V)
+        _jitted(lambda: _shard_map(_attention(IMPLEMENTATIONS[name]))(Q, K, V))
   with jattn.testing.lowering_for("tpu"):
     assert jattn.explain(Q, K, V, **KW).implementation == "splash"
-    got = _shard_map(_attention({}))(Q, K, V)
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(_shard_map(_reference)(Q, K, V))):
+    got, want = _jitted(
+      lambda: _shard_map(_attention({}))(Q, K, V), lambda: _shard_map(_reference)(Q, K, V)
+    )
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)
