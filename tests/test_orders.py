@@ -67,12 +67,18 @@ def _reference_hessian():
   return jax.jit(jax.hessian(lambda q: _attention(**XLA_AUTODIFF)(q).sum()))(_q((1, 3, 1, 2)))
 
 
-@pytest.mark.parametrize("backward", ["autodiff", "custom_vjp"])
+# autodiff is exhaustive: test_xla's test_autodiff_rule_supports_forward_mode checks its
+# second derivatives (both modes) against finite differences in float64 by default.
+@pytest.mark.parametrize(
+  "backward", [pytest.param("autodiff", marks=pytest.mark.exhaustive), "custom_vjp"]
+)
 def test_xla_second_order_gradients_match_finite_differences_in_float64(backward):
   with jax.enable_x64():
     q = _q(dtype=jnp.float64)
     fn = lambda q: (_attention(implementation="xla", backward=backward)(q) ** 2).sum()
-    jax.test_util.check_grads(fn, (q,), order=2, modes=["rev"], eps=1e-4)
+    # Jitted: check_grads' evaluations of both orders reuse programs instead of running each
+    # operation alone.
+    jax.test_util.check_grads(jax.jit(fn), (q,), order=2, modes=["rev"], eps=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -98,7 +104,9 @@ def test_default_call_batches_and_takes_forward_modes():
   )
 
 
-@pytest.mark.parametrize("block", [(8, 8), (3, 2)])
+# (8, 8), one tile, is exhaustive: test_transforms' hessian-blockwise takes jax.hessian through
+# whole tiles (2 x 2 of them) by default, and (3, 2) here through partial ones.
+@pytest.mark.parametrize("block", [pytest.param((8, 8), marks=pytest.mark.exhaustive), (3, 2)])
 def test_blockwise_forward_over_reverse_matches_autodiff(block):
   """blockwise's tile loops take JVPs: jax.hessian and jacfwd(grad) work."""
   q, t = _q(), _q(seed=1)
@@ -186,10 +194,13 @@ def test_flex_refuses_higher_and_forward_derivatives_naming_the_rule(devices, mo
     _refuses_forward_mode(jax.jit(jax.jacfwd(fn)).lower, q, who="implementation='flex'")
 
 
+# The default run keeps xla's rule. blockwise is exhaustive: by default test_transforms takes
+# jvp, jacfwd, grad of vmap and vmap of grad through it, and test_adversarial_paths its forward
+# mode on every call path; flex and splash compile interpreted kernels.
 @pytest.mark.parametrize(
   "kw",
   [
-    dict(implementation="blockwise"),
+    pytest.param(dict(implementation="blockwise"), marks=pytest.mark.exhaustive),
     dict(implementation="xla", backward="custom_vjp"),
     pytest.param(dict(implementation="flex"), marks=pytest.mark.exhaustive),
     pytest.param(dict(implementation="splash"), marks=pytest.mark.exhaustive),
@@ -219,15 +230,15 @@ _FORWARD_MODE = (
 
 
 def _assert_reverse_through_vmap_is_autodiffs(fn, reference, q, atol=1e-5):
-  """grad of vmap and vmap of grad of ``fn`` equal ``reference``'s (a batch of two)."""
+  """grad of vmap and vmap of grad of ``fn`` equal ``reference``'s (a batch of two), all four
+  in one jitted program (eagerly, each operation of the two orders compiles alone)."""
   w = jnp.sin(jnp.arange(q.size * 2)).reshape((2, *q.shape))
   grad_of_vmap = lambda f: jax.grad(lambda q: (jax.vmap(f)(jnp.stack([q, q * 2])) * w).sum())
   vmap_of_grad = lambda f: jax.vmap(jax.grad(lambda q, w: (f(q) * w).sum()))
-  for got, want in (
-    (grad_of_vmap(fn)(q), grad_of_vmap(reference)(q)),
-    (vmap_of_grad(fn)(jnp.stack([q, -q]), w), vmap_of_grad(reference)(jnp.stack([q, -q]), w)),
-  ):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=atol)
+  both = lambda f, q: (grad_of_vmap(f)(q), vmap_of_grad(f)(jnp.stack([q, -q]), w))
+  got, want = jax.jit(lambda q: (both(fn, q), both(reference, q)))(q)
+  for g, r in zip(got, want, strict=True):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=atol)
 
 
 @pytest.mark.parametrize("devices", [1, 8], ids=["one-device", "many-devices"])
@@ -252,12 +263,17 @@ def test_forward_mode_through_cudnn_raises(devices, monkeypatch):
     _raises_naming(jax.jit(_grad_of_grad(fn)), q, who="implementation='cudnn'")
 
 
+# The default run keeps xla's rule; blockwise and the ring are exhaustive, as test_blockwise's
+# and test_parallel's check_grads take the same wrappers in float64 by default (partial tiles
+# and a bias; a zig-zag causal ring over 4 devices).
 @pytest.mark.parametrize(
   "kw",
   [
-    dict(implementation="blockwise", block_q=3, block_kv=2),
+    pytest.param(
+      dict(implementation="blockwise", block_q=3, block_kv=2), marks=pytest.mark.exhaustive
+    ),
     dict(implementation="xla", backward="custom_vjp"),
-    dict(ring=True),
+    pytest.param(dict(ring=True), marks=pytest.mark.exhaustive),
   ],
   ids=["blockwise", "xla-custom_vjp", "ring"],
 )
