@@ -104,8 +104,9 @@ def test_default_call_batches_and_takes_forward_modes():
   )
 
 
-# (8, 8), one tile, is exhaustive: test_transforms' hessian-blockwise takes jax.hessian through
-# whole tiles (2 x 2 of them) by default, and (3, 2) here through partial ones.
+# (8, 8), one tile, is exhaustive: (3, 2) takes the Hessian-vector product through whole and
+# partial tiles, and jax.hessian through partial ones (test_transforms' hessian-blockwise, two
+# by two whole tiles against jax.nn, is exhaustive too).
 @pytest.mark.parametrize("block", [pytest.param((8, 8), marks=pytest.mark.exhaustive), (3, 2)])
 def test_blockwise_forward_over_reverse_matches_autodiff(block):
   """blockwise's tile loops take JVPs: jax.hessian and jacfwd(grad) work."""
@@ -195,8 +196,9 @@ def test_flex_refuses_higher_and_forward_derivatives_naming_the_rule(devices, mo
 
 
 # The default run keeps xla's rule. blockwise is exhaustive: by default test_transforms takes
-# jvp, jacfwd, grad of vmap and vmap of grad through it, and test_adversarial_paths its forward
-# mode on every call path; flex and splash compile interpreted kernels.
+# jvp, jacfwd and grad of vmap through it, test_attention vmap of its vjp, and
+# test_adversarial_paths its forward mode on every call path; flex and splash compile
+# interpreted kernels.
 @pytest.mark.parametrize(
   "kw",
   [

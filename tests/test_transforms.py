@@ -102,6 +102,21 @@ def _reference(q, k, v):
   return jax.nn.dot_product_attention(q, k, v, **KW)
 
 
+# Cases the default run checks in other files, exhaustive here: blockwise's hessian (test_orders'
+# blockwise forward-over-reverse case, against autodiff), its jacrev and vmap of grad (a vmap of
+# a vjp: test_attention's vmap-against-a-loop case through blockwise) and its vjp (grad here and
+# test_blockwise's gradients); the fused kernels' gradients (test_splash and test_flex, against
+# xla).
+ELSEWHERE = {
+  ("hessian", "blockwise"),
+  ("jacrev", "blockwise"),
+  ("vmap-grad", "blockwise"),
+  ("vjp", "blockwise"),
+  ("grad", "splash"),
+  ("grad", "flex"),
+}
+
+
 def _cases():
   for t in TRANSFORMS:
     for name in IMPLEMENTATIONS:
@@ -110,7 +125,7 @@ def _cases():
       heavy = name != "default" and (
         t.startswith("shard_map") or (name in FUSED and t not in ("grad", "jvp", "hessian"))
       )
-      marks = [pytest.mark.exhaustive] if heavy else []
+      marks = [pytest.mark.exhaustive] if heavy or (t, name) in ELSEWHERE else []
       yield pytest.param(t, name, id=f"{t}-{name}", marks=marks)
 
 
