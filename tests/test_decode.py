@@ -33,7 +33,17 @@ def _sequence(N, K, length=L, seed=0):
 
 
 def _full_causal(q, k, v, **kw):
-  return jattn.dot_product_attention(q, k, v, is_causal=True, implementation="xla", **kw)
+  """Full causal attention through xla, as one jitted program (eagerly, each of its
+  operations compiles alone for every new shape), on the host."""
+  attend = lambda q, k, v: jattn.dot_product_attention(
+    q, k, v, is_causal=True, implementation="xla", **kw
+  )
+  return np.asarray(jax.jit(attend)(q, k, v))
+
+
+def _host(tree):
+  """Arrays on the host, to index and compare without compiling a program per slice."""
+  return jax.tree.map(np.asarray, tree)
 
 
 def _run_chunks(q, k, v, chunks, implementation, **kw):
@@ -68,7 +78,7 @@ def _run_chunks(q, k, v, chunks, implementation, **kw):
 )
 def test_prefill_chunks_and_decode_steps_equal_full_causal(N, K, implementation):
   q, k, v = _sequence(N, K)
-  got, cache = _run_chunks(q, k, v, [3, 1, 2, 1, 1, 1], implementation)
+  got, cache = _host(_run_chunks(q, k, v, [3, 1, 2, 1, 1, 1], implementation))
   assert_close(got, _full_causal(q, k, v))
   assert_close(got, attention_np(q, k, v, allowed=causal_np(L, L))[0])
   np.testing.assert_array_equal(cache.lengths, [L, L])
@@ -84,14 +94,15 @@ def test_prefill_chunks_and_decode_steps_equal_full_causal(N, K, implementation)
 def test_ragged_rows_equal_per_row_causal_attention(implementation):
   N, K, t = 4, 2, 5
   prompt = np.array([5, 2], np.int32)
-  q, k, v = _sequence(N, K)
+  q, k, v = _host(_sequence(N, K))  # sliced on the host; the jitted steps take NumPy arrays
   kw = dict(implementation=implementation, **IMPLS[implementation], return_residual=True)
   cache = decode.init(B, S, K, H)
   np.testing.assert_array_equal(decode.positions(cache, 3), [[0, 1, 2], [0, 1, 2]])
   # Prefill: row 1's prompt is right-padded from 2 to 5 tokens (padding is garbage).
   (pre, lse), cache = _step(q[:, :t], k[:, :t], v[:, :t], cache, jnp.asarray(prompt), **kw)
+  pre, lse = _host((pre, lse))
   np.testing.assert_array_equal(cache.lengths, prompt)
-  np.testing.assert_array_equal(cache.key[1, 2:], 0.0)  # padding is never written
+  np.testing.assert_array_equal(np.asarray(cache.key)[1, 2:], 0.0)  # padding is never written
   np.testing.assert_array_equal(pre[1, 2:], 0.0)  # padded query rows return zeros
   assert np.all(np.isneginf(lse[1, 2:])) and np.all(np.isfinite(lse[1, :2]))
   np.testing.assert_array_equal(decode.positions(cache, 3), [[5, 6, 7], [2, 3, 4]])
@@ -101,11 +112,10 @@ def test_ragged_rows_equal_per_row_causal_attention(implementation):
     tok = prompt + i
     pick = lambda x: x[np.arange(B), tok][:, None]
     (out, _), cache = _step(pick(q), pick(k), pick(v), cache, **kw)
-    steps.append(out[:, 0])
+    steps.append(np.asarray(out)[:, 0])
   # A step where row 1 is idle (num_new 0): nothing written, its output is zeros.
-  (idle, _), cache = _step(
-    q[:, 8:9], k[:, 8:9], v[:, 8:9], cache, jnp.array([1, 0], jnp.int32), **kw
-  )
+  (idle, _), cache = _step(q[:, 8:9], k[:, 8:9], v[:, 8:9], cache, np.array([1, 0], np.int32), **kw)
+  idle, cache = _host((idle, cache))
   np.testing.assert_array_equal(cache.lengths, prompt + [4, 3])
   np.testing.assert_array_equal(idle[1], 0.0)
   for b in range(B):
@@ -113,7 +123,7 @@ def test_ragged_rows_equal_per_row_causal_attention(implementation):
     row = lambda x: x[b : b + 1, :n]
     want = _full_causal(row(q), row(k), row(v))[0]
     assert_close(pre[b, : prompt[b]], want[: prompt[b]])
-    assert_close(jnp.stack([s[b] for s in steps]), want[prompt[b] :])
+    assert_close(np.stack([s[b] for s in steps]), want[prompt[b] :])
     np.testing.assert_array_equal(cache.key[b, :n], k[b, :n])
   assert_close(idle[0, 0], _full_causal(q[:1], k[:1], v[:1])[0, 8])
 
@@ -149,7 +159,8 @@ def test_jitted_decode_step_does_not_retrace():
     outs.append(out)
   assert isinstance(cache, decode.KVCache)
   np.testing.assert_array_equal(cache.lengths, [L, 7])
-  assert_close(jnp.concatenate(outs, axis=1)[:1], _full_causal(q[:1], k[:1], v[:1])[:, 5:])
+  q, k, v = _host((q, k, v))
+  assert_close(np.concatenate(_host(outs), axis=1)[:1], _full_causal(q[:1], k[:1], v[:1])[:, 5:])
 
 
 def test_gradients_match_full_sequence_autodiff(implementation="blockwise"):
@@ -174,10 +185,10 @@ def test_gradients_match_full_sequence_autodiff(implementation="blockwise"):
 def test_position_dependent_scores_masks_and_bias_with_shifted_indices():
   """ALiBi, a sliding window and a bias, shifted by the old lengths as the docs say."""
   N, K, w = 4, 2, 3
-  q, k, v = _sequence(N, K)
+  q, k, v = _host(_sequence(N, K))  # sliced on the host; the jitted chunks take NumPy arrays
   slopes = jnp.array([0.5, 0.25, 0.125, 0.0625])
   alibi = scores.alibi(slopes)
-  bias = normal((B, N, L, L), seed=5)
+  bias = np.asarray(normal((B, N, L, L), seed=5))
 
   @jax.jit
   def chunk(q, k, v, cache, bias):
@@ -200,12 +211,12 @@ def test_position_dependent_scores_masks_and_bias_with_shifted_indices():
   cache, outs, start = decode.init(B, S, K, H), [], 0
   for t in (6, 3):
     part = slice(start, start + t)
-    b = jnp.pad(bias[:, :, part], ((0, 0), (0, 0), (0, 0), (0, S - L)))
+    b = np.pad(bias[:, :, part], ((0, 0), (0, 0), (0, 0), (0, S - L)))
     out, cache = chunk(q[:, part], k[:, part], v[:, part], cache, b)
     outs.append(out)
     start += t
   want = _full_causal(q, k, v, bias=bias, score_fn=alibi, local_window_size=(w, 0))
-  assert_close(jnp.concatenate(outs, axis=1), want)
+  assert_close(np.concatenate(_host(outs), axis=1), want)
 
 
 def test_overflow_raises_when_concrete():
@@ -264,6 +275,7 @@ def test_overflow_under_jit_dropped_tokens_queries_return_zeros(read, built):
   N, K, t = 4, 2, 3
   options, dtype = READS[read]
   q, k, v = _sequence(N, K, length=5 + t)
+  hq, hk, hv = _host((q, k, v))  # sliced on the host
   prompt = np.array([3, 5])  # a cache of 6 slots: row 0 keeps all 3 new tokens, row 1 one
   kept = np.array([3, 1])
   cot = normal((B, t, N, H), seed=7)
@@ -281,11 +293,14 @@ def test_overflow_under_jit_dropped_tokens_queries_return_zeros(read, built):
 
   wrt = (0, 1, 2) if dtype == jnp.float32 else (0,)  # a quantized cache takes no gradient
   grad = jax.value_and_grad(loss, wrt, has_aux=True)
-  (_, (got, lengths)), got_g = jax.jit(grad)(
-    new(q), new(k), new(v), None if built == "inside_jit" else prefill(6), None
+  (_, (got, lengths)), got_g = _host(
+    jax.jit(grad)(new(hq), new(hk), new(hv), None if built == "inside_jit" else prefill(6), None)
   )
   np.testing.assert_array_equal(lengths, [6, 6])
-  (_, (want, _)), want_g = grad(new(q), new(k), new(v), prefill(12), kept)
+  # The same steps on a cache with room for everything, given the kept tokens (one program).
+  (_, (want, _)), want_g = _host(
+    jax.jit(lambda q, k, v: grad(q, k, v, prefill(12), kept))(new(hq), new(hk), new(hv))
+  )
   np.testing.assert_array_equal(got[1, 1:], 0.0)  # dropped: zeros, like padded rows
   assert_close(got, want)
   for g, w in zip(got_g, want_g):
@@ -294,8 +309,8 @@ def test_overflow_under_jit_dropped_tokens_queries_return_zeros(read, built):
   if dtype == jnp.float32:  # and the kept rows are causal attention over the kept tokens
     for b in range(B):
       n = prompt[b] + kept[b]
-      seq = lambda x: jnp.concatenate([x[b : b + 1, : prompt[b]], x[b : b + 1, 5 : 5 + kept[b]]], 1)
-      ref = attention_np(seq(q), seq(k), seq(v), allowed=causal_np(n, n))[0][0, prompt[b] :]
+      seq = lambda x: np.concatenate([x[b : b + 1, : prompt[b]], x[b : b + 1, 5 : 5 + kept[b]]], 1)
+      ref = attention_np(seq(hq), seq(hk), seq(hv), allowed=causal_np(n, n))[0][0, prompt[b] :]
       assert_close(got[b, : kept[b]], ref)
 
 
@@ -502,8 +517,10 @@ def test_garbage_past_the_lengths_never_reaches_outputs_or_gradients(implementat
     )
     return jnp.sum(out * cot), out
 
-  (_, want), want_g = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v, clean)
-  (_, got), got_g = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v, dirty)
+  # One program for both caches (eagerly, each operation of both passes compiles alone).
+  value_and_grad = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+  (_, want), want_g = _host(value_and_grad(q, k, v, clean))
+  (_, got), got_g = _host(value_and_grad(q, k, v, dirty))
   np.testing.assert_array_equal(got, want)
   assert_close(got, attention_np(q[:, :5], k[:, :5], v[:, :5], allowed=causal_np(5, 5))[0])
   for g, w in zip(got_g, want_g):
