@@ -44,6 +44,13 @@ def _with_adapter(theirs, fn=jattn.nnx.attention_fn):
   return twin
 
 
+# Flax's modules as references, each call one program: eagerly, each of their operations
+# compiles alone (jattn's modules jit their attention inside and run eagerly here).
+_flax_call = nnx.jit(lambda m, *args, **kw: m(*args, **kw), static_argnames=("is_causal",))
+_flax_sown = nnx.jit(sown, static_argnames=("is_causal",))
+_reference = nnx.jit(nnx_reference)  # the module's math written out, one program
+
+
 def _padding_mask():
   keep = np.array([[1] * T, [1] * (T - 2) + [0, 0]], bool)  # row 1 has 2 padded keys
   return jnp.asarray(keep[:, None, None, :])
@@ -95,7 +102,7 @@ def test_adapter_matches_flax_default(case, fn):
   }[fn]
   ours = _with_adapter(theirs, adapter)
   x = sample()
-  assert_close(ours(x, **call), theirs(x, **call))
+  assert_close(ours(x, **call), _flax_call(theirs, x, **call))
 
 
 def test_adapter_parameter_gradients_match_flax():
@@ -119,7 +126,7 @@ def test_adapter_extra_batch_dimensions():
     normal((2, 3, 5, 2, 8), seed=2),
   )
   mask = jnp.asarray(np.random.default_rng(0).random((2, 3, 1, T, 5)) < 0.7).at[..., 0].set(True)
-  want = nnx.dot_product_attention(q, k, v, mask=mask)
+  want = jax.jit(nnx.dot_product_attention)(q, k, v, mask=mask)
   assert_close(jattn.nnx.attention_fn(q, k, v, mask=mask), want)
 
 
@@ -127,7 +134,7 @@ def test_adapter_sows_flax_weights():
   theirs = _flax_mha()
   ours = _with_adapter(theirs)
   x = sample()
-  w_theirs, w_ours = (sown(m, x, is_causal=True) for m in (theirs, ours))
+  w_theirs, w_ours = _flax_sown(theirs, x, is_causal=True), sown(ours, x, is_causal=True)
   assert_close(w_ours, w_theirs)
 
 
@@ -194,8 +201,8 @@ def test_loads_flax_parameters_and_matches(case):
     **{k: v for k, v in kw.items() if k == "use_bias"},
   )
   x = sample()
-  assert_close(ours(x), theirs(x))
-  assert_close(ours(x, mask=_padding_mask()), theirs(x, mask=_padding_mask()))
+  assert_close(ours(x), _flax_call(theirs, x))
+  assert_close(ours(x, mask=_padding_mask()), _flax_call(theirs, x, mask=_padding_mask()))
   assert jax.tree.structure(nnx.state(ours, nnx.Param)) == jax.tree.structure(
     nnx.state(theirs, nnx.Param)
   )
@@ -207,9 +214,9 @@ def test_rope_gqa_matches_written_out_reference(K):
     4, F, num_kv_heads=K, is_causal=True, rope=positional.Rotary(base=100.0), rngs=nnx.Rngs(0)
   )
   x = sample()
-  assert_close(m(x), nnx_reference(m, x), factor=5)
+  assert_close(m(x), _reference(m, x), factor=5)
   positions = jnp.asarray([[3, 4, 5, 6, 7, 8], [0, 2, 4, 6, 8, 10]])
-  assert_close(m(x, positions=positions), nnx_reference(m, x, positions=positions), factor=5)
+  assert_close(m(x, positions=positions), _reference(m, x, positions=positions), factor=5)
 
 
 @nnx.jit
@@ -386,9 +393,10 @@ def test_swapping_flaxs_module_for_jattns_changes_nothing(case):
     ((), dict(inputs_q=x, inputs_k=k_in, inputs_v=v_in, mask=mask, deterministic=True)),
   ]
   for args_, kw_ in calls:
-    assert_close(loaded(*args_, **kw_), theirs(*args_, **kw_), err_msg=str(kw_))
-  assert_close(loaded(x, inputs_kv=k_in), theirs(x, k_in))  # jattn's name of inputs_k
-  assert_close(sown(loaded, x, k_in, v_in, mask=mask), sown(theirs, x, k_in, v_in, mask=mask))
+    assert_close(loaded(*args_, **kw_), _flax_call(theirs, *args_, **kw_), err_msg=str(kw_))
+  assert_close(loaded(x, inputs_kv=k_in), _flax_call(theirs, x, k_in))  # jattn's inputs_k
+  want = _flax_sown(theirs, x, k_in, v_in, mask=mask)
+  assert_close(sown(loaded, x, k_in, v_in, mask=mask), want)
 
 
 def test_decoding_after_flaxs_init_cache_equals_flaxs():
@@ -413,10 +421,11 @@ def test_a_flax_attention_fn_computes_the_attention():
   ours = jattn.nnx.MultiHeadAttention(
     4, F, attention_fn=nnx.dot_product_attention, rngs=nnx.Rngs(0)
   )
-  assert_close(ours(x, mask=mask), theirs(x, mask=mask))  # Flax's mean where nothing is seen
-  jattns = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))(x, mask=mask)
-  assert not np.allclose(jattns[1, 2], theirs(x, mask=mask)[1, 2], atol=1e-3)  # jattn's zeros
-  assert_close(jattns[0], theirs(x, mask=mask)[0])
+  want = np.asarray(_flax_call(theirs, x, mask=mask))
+  assert_close(ours(x, mask=mask), want)  # Flax's mean where nothing is seen
+  jattns = np.asarray(jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))(x, mask=mask))
+  assert not np.allclose(jattns[1, 2], want[1, 2], atol=1e-3)  # jattn's zeros
+  assert_close(jattns[0], want[0])
   with pytest.raises(ValueError, match="segment_ids needs jattn's attention"):
     ours(x, segment_ids=jnp.zeros((B, T), jnp.int32))
   ours.init_cache((B, T, F))
