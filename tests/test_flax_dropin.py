@@ -3,6 +3,8 @@ float 0/1 masks, several batch dimensions or none, Linen's three class names and
 automatic names, checkpoints both ways, sown weights and their dtype, Flax's cache variables
 step by step while decoding, and complex inputs."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,16 @@ import jattn.linen
 import jattn.nnx
 
 F = 8  # small: every case here compiles its own programs
+
+
+def _flax_apply(module, *args, **kw):
+  """Flax's Linen module (the reference) applied as one program: eagerly, each of its
+  operations compiles alone."""
+  return jax.jit(functools.partial(module.apply, **kw))(*args)
+
+
+# Flax's NNX module (the reference) called as one program.
+_flax_call = nnx.jit(lambda m, *args, **kw: m(*args, **kw), static_argnames=("decode",))
 
 
 def _linen_pair(**kw):
@@ -42,11 +54,11 @@ def test_linen_float_masks_and_batch_dims_give_flaxs_outputs(shape):
   shapes = abstract_init(theirs, x)
   assert shapes_of(abstract_init(ours, x)) == shapes_of(shapes)
   variables = {"params": fill(shapes["params"])}
-  want = theirs.apply(variables, x, mask=mask)
+  want = _flax_apply(theirs, variables, x, mask=mask)
   assert_close(ours.apply(variables, x, mask=mask), want, factor=0.5)
   # a 0/1 mask of another dtype reads the same: non-zero attends
   assert_close(ours.apply(variables, x, mask=mask.astype(jnp.int8)), want, factor=0.5)
-  unmasked = theirs.apply(variables, x)
+  unmasked = _flax_apply(theirs, variables, x)
   assert not np.allclose(want, unmasked, atol=1e-3)  # the mask does mask
 
 
@@ -86,11 +98,11 @@ def test_linen_classes_name_themselves_as_flaxs_and_checkpoints_go_both_ways():
   # values: a checkpoint of either restores into the other.
   assert_trees_close(jattn_vars, flax_vars, tol=0)
   checkpoint = {"params": fill(shapes_of_tree(flax_vars["params"]), seed=3)}
-  want = theirs.apply(checkpoint, x)
+  want = _flax_apply(theirs, checkpoint, x)
   assert_close(ours.apply(checkpoint, x), want, factor=0.5)
   # and back: jattn's parameters, written out as they are, into Flax's module
   restored = jax.tree.map(np.asarray, checkpoint)
-  assert_close(theirs.apply(restored, x), ours.apply(restored, x), factor=0.5)
+  assert_close(_flax_apply(theirs, restored, x), ours.apply(restored, x), factor=0.5)
 
 
 def shapes_of_tree(tree):
@@ -103,8 +115,8 @@ def test_linen_sown_weights_have_flaxs_dtype(force_fp32):
   x = sample((2, 4, F))
   variables = {"params": fill(abstract_init(theirs, x)["params"])}
   sown = {}
-  for name, m in (("theirs", theirs), ("ours", ours)):
-    _, state = m.apply(variables, x, sow_weights=True, mutable=["intermediates"])
+  for name, apply in (("theirs", functools.partial(_flax_apply, theirs)), ("ours", ours.apply)):
+    _, state = apply(variables, x, sow_weights=True, mutable=["intermediates"])
     (sown[name],) = state["intermediates"]["attention_weights"]
   assert sown["ours"].dtype == sown["theirs"].dtype
   assert sown["ours"].dtype == (jnp.float32 if force_fp32 else jnp.bfloat16)
@@ -138,11 +150,14 @@ def test_linen_decoding_keeps_flaxs_cache_variables_step_by_step(batch):
   }
   params = {"params": fill(shapes_of_tree(flax_vars["params"]))}
   caches = [flax_vars["cache"], jattn_vars["cache"]]
+  # Flax's steps as one program (eagerly, each of its operations compiles alone), jattn's eager
+  applies = [jax.jit(functools.partial(theirs.apply, mutable=["cache"])), ours.apply]
   for t in range(L):
     token = x[..., t : t + 1, :]
     outs = []
-    for i, m in enumerate((theirs, ours)):
-      y, mutated = m.apply({**params, "cache": caches[i]}, token, mutable=["cache"])
+    for i, apply in enumerate(applies):
+      kw = {} if i == 0 else dict(mutable=["cache"])
+      y, mutated = apply({**params, "cache": caches[i]}, token, **kw)
       caches[i] = mutated["cache"]
       outs.append(y)
     assert_close(outs[1], outs[0], factor=0.5)
@@ -171,12 +186,14 @@ def test_nnx_float_masks_and_batch_dims_give_flaxs_outputs(shape):
   theirs, ours = _nnx_pair()
   x = sample(shape)
   mask = nnx.make_causal_mask(jnp.ones(shape[:-1]))
-  want = theirs(x, mask=mask)
+  want = _flax_call(theirs, x, mask=mask)
   assert_close(ours(x, mask=mask), want, factor=0.5)
-  assert not np.allclose(want, theirs(x), atol=1e-3)
+  assert not np.allclose(want, _flax_call(theirs, x), atol=1e-3)
   weights = {}
+  capture = lambda m, x, mask: nnx.capture(m, nnx.Intermediate)(x, mask=mask, sow_weights=True)
   for name, m in (("theirs", theirs), ("ours", ours)):
-    _, inter = nnx.capture(m, nnx.Intermediate)(x, mask=mask, sow_weights=True)
+    # Flax's as one program (eagerly, each of its operations compiles alone)
+    _, inter = (nnx.jit(capture) if m is theirs else capture)(m, x, mask)
     (weights[name],) = inter["attention_weights"].get_value()
   assert weights["ours"].dtype == weights["theirs"].dtype
   assert_close(weights["ours"], weights["theirs"], factor=0.5)
@@ -192,7 +209,7 @@ def test_nnx_checkpoint_goes_both_ways():
   moved = jax.tree.map(lambda a: a * 1.5 + 0.1, ours_state)
   nnx.update(ours, moved)
   nnx.update(theirs, nnx.state(ours, nnx.Param))
-  assert_close(ours(x), theirs(x), factor=0.5)
+  assert_close(ours(x), _flax_call(theirs, x), factor=0.5)
 
 
 # The default run keeps the batched input; the unbatched one is exhaustive.
@@ -211,7 +228,7 @@ def test_nnx_decoding_keeps_flaxs_cache_attributes_step_by_step(input_shape):
   assert ours.cached_key.shape == theirs.cached_key.shape == input_shape[:-1] + (2, 4)
   for t in range(input_shape[-2]):
     token = x[..., t : t + 1, :]
-    assert_close(ours(token, decode=True), theirs(token, decode=True), factor=0.5)
+    assert_close(ours(token, decode=True), _flax_call(theirs, token, decode=True), factor=0.5)
     assert int(ours.cache_index[...]) == int(theirs.cache_index[...]) == t + 1
     assert_trees_close(nnx.state(ours, nnx.Cache), nnx.state(theirs, nnx.Cache), tol=1e-6)
 
@@ -246,6 +263,6 @@ def test_complex_inputs_run_as_flaxs():
 def test_adapters_take_flaxs_float_masks():
   q, k = sample((2, 5, 2, 4)), sample((2, 7, 2, 4), seed=1)
   mask = nn.make_attention_mask(jnp.ones((2, 5)), (jnp.arange(7) < 4)[None].repeat(2, 0))
-  want = nn.dot_product_attention(q, k, k, mask=mask)
+  want = jax.jit(nn.dot_product_attention)(q, k, k, mask=mask)  # one program
   for fn in (jattn.linen.attention_fn, jattn.nnx.attention_fn):
     assert_close(fn(q, k, k, mask=mask), want, factor=0.5)
