@@ -59,25 +59,28 @@ def _flex(q, k, v, mask, score_fn, *, interpret):
   return out, fk.log_sum_exp(m, log_l)
 
 
-# The default run keeps two cases between them reaching every path (lengths emptying rows, a
-# score function reading arrays, GQA and MHA, a dense mask or'ed with a window); the others
-# are exhaustive, as in the gradient sweep below.
+# The default run keeps lengths emptying rows with a score function reading arrays under GQA;
+# the others are exhaustive: the same forward kernel runs by default on MHA with a dense mask
+# or'ed with a window (test_gradients_match_autodiff_of_xla) and reading a T5 table
+# (test_learned_score_arrays_get_their_gradients), whose gradients, through the output and
+# the lse, are compared with xla's there.
 @pytest.mark.parametrize(
   "case",
   [
-    c
-    if c in ("causal_lengths_alibi_gqa", "window_or_dense_relative")
-    else pytest.param(c, marks=pytest.mark.exhaustive)
+    c if c == "causal_lengths_alibi_gqa" else pytest.param(c, marks=pytest.mark.exhaustive)
     for c in sorted(CASES)
   ],
 )
 def test_forward_matches_xla_values_and_lse(case):
   mask, score_fn, K = CASES[case]
   q, k, v = _inputs(K)
-  out, lse = jax.jit(lambda q, k, v: _flex(q, k, v, mask, score_fn, interpret=True))(q, k, v)
-  want, want_lse = jattn.dot_product_attention(
+  xla = lambda q, k, v: jattn.dot_product_attention(
     q, k, v, mask=mask, score_fn=score_fn, implementation="xla", return_residual=True
   )
+  # One program for both (each compiled apart costs its own overheads).
+  (out, lse), (want, want_lse) = jax.jit(
+    lambda *a: (_flex(*a, mask, score_fn, interpret=True), xla(*a))
+  )(q, k, v)
   assert out.shape == (B, T, N, HV) and lse.shape == (B, T, N)
   np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
   empty = np.isneginf(np.asarray(want_lse))
@@ -139,12 +142,13 @@ def _flex_vjp(q, k, v, mask, score_fn, interpret=True, bias=None):
   )  # fmt: skip
 
 
+# The default run keeps MHA with a dense mask or'ed with a window; the others are exhaustive.
+# The causal mask with lengths and the custom score function under GQA has its q, k and v
+# gradients checked by default in float64 (test_check_grads_float64, the same kernels).
 @pytest.mark.parametrize(
   "case",
   [
-    c
-    if c in ("causal_lengths_custom_gqa", "window_or_dense")
-    else pytest.param(c, marks=pytest.mark.exhaustive)
+    c if c == "window_or_dense" else pytest.param(c, marks=pytest.mark.exhaustive)
     for c in sorted(GRAD_CASES)
   ],
 )
@@ -156,8 +160,8 @@ def test_gradients_match_autodiff_of_xla(case):
     q, k, v, mask=mask, score_fn=score_fn, implementation="xla", return_residual=True,
     backward="autodiff",
   )  # fmt: skip
-  got = jax.jit(jax.grad(lambda *a: _loss(flex, *a), (0, 1, 2)))(q, k, v)
-  want = jax.jit(jax.grad(lambda *a: _loss(xla, *a), (0, 1, 2)))(q, k, v)
+  grads = lambda attend: jax.grad(lambda *a: _loss(attend, *a), (0, 1, 2))
+  got, want = jax.jit(lambda *a: (grads(flex)(*a), grads(xla)(*a)))(q, k, v)
   for name, g, w in zip(("dq", "dk", "dv"), got, want):
     np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
     assert np.isfinite(np.asarray(g)).all()
@@ -177,11 +181,18 @@ def test_check_grads_float64(x64):
   )
 
 
+def _flex_and_xla(fn, *args):
+  """``fn(implementation, *args)`` for flex (interpreted) and for xla, traced and compiled as
+  one program (two would compile the xla side and the program's overheads apart)."""
+  with jattn.testing.interpret_kernels():
+    return jax.jit(lambda *a: (fn("flex", *a), fn("xla", *a)))(*args)
+
+
 def _public_flex_matches_xla(q, k, v, bias=None, **kw):
   """The public call with ``return_residual``: the loss of its output and lse, and the
   gradients of q, k, v (and the bias, given), of flex (interpreted) equal xla's."""
 
-  def run(impl):
+  def run(impl, q, k, v, bias):
     def loss(q, k, v, bias):
       attend = lambda *a: jattn.dot_product_attention(
         *a, bias=bias, implementation=impl, return_residual=True, **kw
@@ -189,11 +200,9 @@ def _public_flex_matches_xla(q, k, v, bias=None, **kw):
       return _loss(attend, q, k, v)
 
     argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
-    return jax.jit(jax.value_and_grad(loss, argnums))(q, k, v, bias)
+    return jax.value_and_grad(loss, argnums)(q, k, v, bias)
 
-  with jattn.testing.interpret_kernels():
-    loss, grads = run("flex")
-  want_loss, want_grads = run("xla")
+  (loss, grads), (want_loss, want_grads) = _flex_and_xla(run, q, k, v, bias)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   for name, g, w in zip(("dq", "dk", "dv", "dbias"), grads, want_grads):
     assert g.shape == w.shape, name
@@ -220,16 +229,16 @@ CATALOGUE = {
 }
 
 
-# The default run keeps four kinds: rows left empty at the start (EMPTY tiles first in a row),
-# a per-batch-row array (prefix lengths), a function of all four indices, and &, | and ~
-# together; the others are exhaustive. Every kind's mask is also checked against its formula
-# (test_masks.py), and cases.mask_kinds' inside a kernel (test_in_kernel.py).
+# The default run keeps two kinds: rows left empty at the start (EMPTY tiles first in a row),
+# and &, | and ~ together; the others are exhaustive. By default flex also reads per-batch-row
+# arrays (lengths, in the bias and learned-score tests) and runs functions of all four indices
+# (from_fn, test_masks_reading_arrays_that_flex_takes_run_and_lower). Every kind's mask is also
+# checked against its formula (test_masks.py), and cases.mask_kinds' inside a kernel
+# (test_in_kernel.py).
 @pytest.mark.parametrize(
   "kind",
   [
-    k
-    if k in ("causal_empty_rows", "prefix_lm", "from_fn", "combined")
-    else pytest.param(k, marks=pytest.mark.exhaustive)
+    k if k in ("causal_empty_rows", "combined") else pytest.param(k, marks=pytest.mark.exhaustive)
     for k in sorted(CATALOGUE)
   ],
 )
@@ -238,11 +247,17 @@ def test_every_mask_kind_matches_xla_values_lse_and_gradients(kind):
   _public_flex_matches_xla(q, k, v, mask=CATALOGUE[kind])
 
 
-# The default run keeps the broadcast shapes, whose gradients are summed; a full (B, N, T, S)
-# bias's gradient is test_empty_rows_take_no_gradient_from_their_lse_cotangent's.
+# The default run keeps a per-query column, whose gradient is summed; a full (B, N, T, S)
+# bias's gradient is test_empty_rows_take_no_gradient_from_their_lse_cotangent's, and a
+# key-padding row's (B, 1, 1, S) is test_learned_score_arrays_get_their_gradients' and
+# test_each_pass_at_its_own_tiles_matches_xla's (by default too).
 @pytest.mark.parametrize(
   "shape",
-  [pytest.param((B, N, T, S), marks=pytest.mark.exhaustive), (B, 1, 1, S), (T, 1)],
+  [
+    pytest.param((B, N, T, S), marks=pytest.mark.exhaustive),
+    pytest.param((B, 1, 1, S), marks=pytest.mark.exhaustive),
+    (T, 1),
+  ],
   ids=str,
 )
 def test_bias_of_each_broadcast_shape_and_its_gradient_match_xla(shape):
@@ -261,18 +276,17 @@ def test_empty_rows_take_no_gradient_from_their_lse_cotangent():
   bias = jnp.asarray(np.random.default_rng(6).normal(size=(B, N, T, S)), jnp.float32)
   mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
 
-  def run(impl):
+  def run(impl, *args):
     def loss(q, k, v, bias):
       out, lse = jattn.dot_product_attention(
         q, k, v, bias, mask=mask, implementation=impl, return_residual=True
       )
       return jnp.sum(out**2) + jnp.sum(jnp.sin(lse))
 
-    return jax.jit(jax.grad(loss, (0, 1, 2, 3)))(q, k, v, bias)
+    return jax.grad(loss, (0, 1, 2, 3))(*args)
 
-  with jattn.testing.interpret_kernels():
-    grads = run("flex")
-  for name, g, w in zip(("dq", "dk", "dv", "dbias"), grads, run("xla")):
+  grads, want = _flex_and_xla(run, q, k, v, bias)
+  for name, g, w in zip(("dq", "dk", "dv", "dbias"), grads, want):
     assert np.isfinite(w).all(), name
     np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
 
@@ -300,7 +314,11 @@ def test_an_undifferentiated_bias_costs_no_score_gradient_buffer():
   assert _dq_outputs(jax.grad(loss, (0, 1)), q, bias) == [2]  # dq and the (B, N, T, S) dS
 
 
-@pytest.mark.parametrize("learned", ["alibi", "t5_table"])
+# Learned ALiBi slopes with a key-padding bias through the same mask are
+# test_each_pass_at_its_own_tiles_matches_xla's by default: that case is exhaustive here.
+@pytest.mark.parametrize(
+  "learned", [pytest.param("alibi", marks=pytest.mark.exhaustive), "t5_table"]
+)
 def test_learned_score_arrays_get_their_gradients(learned):
   """Learned ALiBi slopes or a T5 relative-position table, differentiated with q, k, v and a
   key-padding bias, through a mask that empties rows: every gradient equals xla's."""
@@ -310,7 +328,7 @@ def test_learned_score_arrays_get_their_gradients(learned):
   params = jnp.asarray(rng.uniform(0.05, 0.5, N) if learned == "alibi" else rng.normal(size=(8, N)))
   mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
 
-  def run(impl):
+  def run(impl, *args):
     def loss(q, k, v, bias, params):
       if learned == "alibi":
         score_fn = jattn.scores.alibi(params)
@@ -321,11 +339,10 @@ def test_learned_score_arrays_get_their_gradients(learned):
       )
       return _loss(attend, q, k, v)
 
-    return jax.jit(jax.grad(loss, (0, 1, 2, 3, 4)))(q, k, v, bias, params.astype(jnp.float32))
+    return jax.grad(loss, (0, 1, 2, 3, 4))(*args)
 
-  with jattn.testing.interpret_kernels():
-    grads = run("flex")
-  for name, g, w in zip(("dq", "dk", "dv", "dbias", "dparams"), grads, run("xla")):
+  grads, want = _flex_and_xla(run, q, k, v, bias, params.astype(jnp.float32))
+  for name, g, w in zip(("dq", "dk", "dv", "dbias", "dparams"), grads, want):
     assert g.shape == w.shape and np.abs(w).max() > 0, name
     np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
 
@@ -344,7 +361,7 @@ def test_each_pass_at_its_own_tiles_matches_xla(monkeypatch):
   slopes = jnp.asarray(rng.uniform(0.05, 0.5, N), jnp.float32)
   mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
 
-  def run(impl):
+  def run(impl, *args):
     def loss(q, k, v, bias, slopes):
       attend = lambda *a: jattn.dot_product_attention(
         *a, bias, mask=mask, score_fn=jattn.scores.alibi(slopes), implementation=impl,
@@ -352,11 +369,9 @@ def test_each_pass_at_its_own_tiles_matches_xla(monkeypatch):
       )  # fmt: skip
       return _loss(attend, q, k, v)
 
-    return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3, 4)))(q, k, v, bias, slopes)
+    return jax.value_and_grad(loss, (0, 1, 2, 3, 4))(*args)
 
-  with jattn.testing.interpret_kernels():
-    got = run("flex")
-  want = run("xla")
+  got, want = _flex_and_xla(run, q, k, v, bias, slopes)
   np.testing.assert_allclose(got[0], want[0], atol=5e-5, rtol=5e-5)
   for name, g, w in zip(("dq", "dk", "dv", "dbias", "dslopes"), got[1], want[1]):
     assert g.shape == w.shape and np.abs(w).max() > 0, name
@@ -414,7 +429,11 @@ def test_what_flex_cannot_take_is_refused_by_name(kw, message):
     jattn.dot_product_attention(q, k, v, implementation="flex", **kw)
 
 
-@pytest.mark.parametrize("broadcast", [False, True])
+# The default run keeps one pattern shared by every batch row and head; a pattern per
+# (batch, head) is exhaustive here: test_sharded_kernels.py's
+# test_flex_runs_each_devices_share_on_global_indices draws it by default under GQA, values,
+# lse and gradients against xla's.
+@pytest.mark.parametrize("broadcast", [pytest.param(False, marks=pytest.mark.exhaustive), True])
 def test_dropout_is_the_pattern_every_implementation_draws(broadcast):
   """The same rng drops the same weights as xla's, forward and backward (dropout's pattern is
   a function of (rng, batch, head, q, kv)), per (batch, head) or shared."""
@@ -497,6 +516,10 @@ def test_the_tile_table_by_generation_head_dim_and_dtype():
       assert row.num_warps in (4, 8) and row.num_stages >= 1
 
 
+# A study's smoke test (flex interpreted at the table's tiles and at 16 x 16, forward and
+# backward: four programs), exhaustive as the GPU probe's below; the default run checks flex
+# at the table's tiles and at others throughout this file.
+@pytest.mark.exhaustive
 def test_the_tuning_script_times_the_table_and_each_candidate():
   from experiments import tune_flex
 
@@ -634,12 +657,12 @@ def test_the_allow_list_holds_on_the_installed_jax():
   assert not missing, f"allowed but not lowered by this JAX's Pallas Triton: {missing}"
 
 
-# By default: a read at traced batch and head, loaded ids then a table, and static slices;
-# the rest are the exhaustive tier.
+# By default: a read at traced batch and head, and loaded ids then a table; the rest are the
+# exhaustive tier. Static rows and strided slices read inside a kernel, exact and lowered to
+# Triton, are test_in_kernel.py's test_static_slices_of_an_array_are_loads_at_offsets.
 _READS_KEPT = {
   "dense_at_traced_batch_and_head",
   "table_at_loaded_ids",
-  "static_rows_and_strided_slices",
 }
 
 
@@ -665,12 +688,14 @@ def test_masks_reading_arrays_that_flex_takes_run_and_lower(name):
   assert text.count("__gpu$xla.gpu.triton") == 3
 
 
+# By default: an array the mask computes, then indexes (its shape not a power of two). The
+# others are exhaustive: a primitive Triton cannot lower is refused by the same check by
+# default in test_a_score_function_that_indexes_a_computed_array_is_refused_by_name (cumsum),
+# and the fallback is the same; searchsorted's mask alone takes seconds to trace.
 @pytest.mark.parametrize(
   "name",
   [
-    pytest.param(
-      n, marks=[] if n in ("searchsorted", "sum_then_index") else [pytest.mark.exhaustive]
-    )
+    pytest.param(n, marks=[] if n == "sum_then_index" else [pytest.mark.exhaustive])
     for n in sorted(READS_REFUSED)
   ],
 )
@@ -687,15 +712,20 @@ def test_masks_reading_arrays_that_flex_cannot_lower_are_refused_by_name(name):
   loss = lambda q, k, v, **kw: _loss(
     lambda *a: jattn.dot_product_attention(*a, mask=mask, return_residual=True, **kw), q, k, v
   )
-  want = jax.jit(jax.value_and_grad(functools.partial(loss, implementation="xla"), (0, 1, 2)))(
-    q, k, v
-  )
-  for tiles, fallback in (({}, "xla"), (dict(block_q=16, block_kv=16), "blockwise")):
+  fallbacks = (({}, "xla"), (dict(block_q=16, block_kv=16), "blockwise"))
+  for tiles, fallback in fallbacks:
     choice = jattn.explain(q, k, v, mask=mask, backend="gpu", **tiles)
     assert choice.implementation == fallback
     assert re.search(f"flex does not: mask from_fn\\(<lambda>\\): {why}", choice.reason)
+
+  def xla_and_fallbacks(q, k, v):  # one program: xla's, then each fallback traced as on a GPU
+    grad = lambda **kw: jax.value_and_grad(functools.partial(loss, **kw), (0, 1, 2))(q, k, v)
+    want = grad(implementation="xla")
     with jattn.testing.lowering_for("gpu"):
-      got = jax.jit(jax.value_and_grad(functools.partial(loss, **tiles), (0, 1, 2)))(q, k, v)
+      return want, [grad(**tiles) for tiles, _ in fallbacks]
+
+  want, gots = jax.jit(xla_and_fallbacks)(q, k, v)
+  for got in gots:
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for g, w in zip(got[1], want[1]):
       np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
