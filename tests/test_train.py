@@ -280,10 +280,9 @@ def compilation_cache(path: pathlib.Path):
     jax_cache.reset_cache()
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-  """One tiny three-rule run through the CLI, with a one-length sweep (shared by the tests
-  below: compiling three rules, and a process per sweep cell, are the expensive parts).
+def _tiny_run(tmp_path_factory, swept):
+  """One tiny three-rule run through the CLI (compiling three rules is the expensive part),
+  with a one-length sweep if ``swept`` (a process per cell, each starting JAX: the other).
 
   The sweep's cells step the run's own shapes (its batch size, and T = the task's length
   less one, as the model sees it), and the run keeps a compilation cache: each cell's
@@ -292,14 +291,28 @@ def tiny_run(tmp_path_factory):
   out = tmp_path_factory.mktemp("runs")
   path = out / "tiny.yaml"
   T = tiny().task.make().seq_len - 1
-  sweep_cfg = dict(seq_lens=[T], batch_size=TINY["training"]["batch_size"], steps=1)
-  cfg = tiny(output_dir=str(out), comparison=dict(sweep=sweep_cfg))
+  sweep_cfg = dict(seq_lens=[T] if swept else [], batch_size=TINY["training"]["batch_size"])
+  cfg = tiny(output_dir=str(out), comparison=dict(sweep=dict(sweep_cfg, steps=1)))
   path.write_text(yaml.safe_dump(config.to_dict(cfg)))
-  with compilation_cache(out / "xla-cache"):
+  with compilation_cache(out / "xla-cache") if swept else contextlib.nullcontext():
     summary = train_cli.main(
       ["--config", str(path), "--set", "name=tiny", "training.progress=true"]
     )
   return out / "tiny", summary
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+  """The run without its sweep, for the default run's test of the training itself (the sweep
+  adds nothing to its metrics or summary's rules)."""
+  return _tiny_run(tmp_path_factory, swept=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_run_swept(tmp_path_factory):
+  """The run with its one-length sweep, shared by the exhaustive tests of the sweep and of
+  every file (the sweep's plot and table among them)."""
+  return _tiny_run(tmp_path_factory, swept=True)
 
 
 def test_tiny_run_losses_fall_and_rules_agree(tiny_run):
@@ -323,8 +336,14 @@ def test_tiny_run_losses_fall_and_rules_agree(tiny_run):
   assert summary["rules"]["autodiff"]["grad_rel_diff_step0"] == 0.0
 
 
-def test_tiny_run_writes_every_file(tiny_run):
-  run_dir, summary = tiny_run
+# The sweep's three cells each start a process that imports JAX and Flax and builds its model
+# (about 19 CPU-seconds together, most of the file's time), so the tests that need the sweep
+# are exhaustive. The default run trains the three rules through the CLI above, writing the
+# same report and plots but the sweep's; test_sweep_records_failures_instead_of_crashing
+# runs the sweep's loop, its processes and its table by default.
+@pytest.mark.exhaustive
+def test_tiny_run_writes_every_file(tiny_run_swept):
+  run_dir, summary = tiny_run_swept
   expected = {
     "config.yaml",
     "metrics.jsonl",
@@ -357,8 +376,9 @@ def test_tiny_run_writes_every_file(tiny_run):
   assert "| blockwise |" in text and "## Sequence-length sweep" in text
 
 
-def test_tiny_run_sweep_measured_every_cell(tiny_run):
-  _, summary = tiny_run
+@pytest.mark.exhaustive  # the sweep's processes, as above
+def test_tiny_run_sweep_measured_every_cell(tiny_run_swept):
+  _, summary = tiny_run_swept
   cells = {(r["rule"], r["seq_len"]): r for r in summary["sweep"]}
   T = summary["task"]["seq_len"] - 1
   assert set(cells) == {(rule, T) for rule in model.RULES}
