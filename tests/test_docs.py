@@ -53,11 +53,22 @@ def _blocks(text, language="python"):
   return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
 
 
-# The default run keeps the pages of the call itself (attention, backward, masks, linear,
-# implementations); the pages of what builds on it, whose examples compile the most (flax.md
-# runs Flax's modules and jattn's eagerly, parallel.md a ring over 8 devices, decoding.md and
-# sinks.md caches and modules, numerics.md its measurements), are exhaustive.
-EXHAUSTIVE_PAGES = {"flax.md", "parallel.md", "decoding.md", "sinks.md", "numerics.md"}
+# The default run keeps the pages of the call itself (attention, masks, implementations); the
+# pages of what builds on it, whose examples compile the most (flax.md runs Flax's modules and
+# jattn's eagerly, parallel.md a ring over 8 devices, decoding.md and sinks.md caches and
+# modules, numerics.md its measurements, linear.md linear attention, Hopfield retrieval and an
+# NNX layer, each tested by default in its own file), are exhaustive, and so is backward.md,
+# whose examples (the rules' gradients agree, forward mode and second derivatives refused by
+# name) test_orders.py, test_options.py and test_errors.py check by default.
+EXHAUSTIVE_PAGES = {
+  "flax.md",
+  "parallel.md",
+  "decoding.md",
+  "sinks.md",
+  "numerics.md",
+  "linear.md",
+  "backward.md",
+}
 
 
 @pytest.mark.parametrize(
