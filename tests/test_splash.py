@@ -80,7 +80,7 @@ def _loss_and_outputs(impl, q, k, v, kw):
       lse,
     )
 
-  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
 
 
 # The default run keeps documents with causal and both lengths (a batch row left empty), and
@@ -95,9 +95,10 @@ def _loss_and_outputs(impl, q, k, v, kw):
 def test_splash_matches_xla_values_lse_and_gradients(case):
   kw = dict(CASES[case])
   q, k, v = _inputs(K=kw.pop("K", 2), s=kw.pop("s", S))
+  # splash's and xla's as one program (apart, each would compile with its own overheads).
+  both = lambda *a: (_loss_and_outputs("splash", *a, kw), _loss_and_outputs("xla", *a, kw))
   with jattn.testing.interpret_kernels():
-    (_, (out, lse)), grads = _loss_and_outputs("splash", q, k, v, kw)
-  (_, (out_x, lse_x)), grads_x = _loss_and_outputs("xla", q, k, v, kw)
+    ((_, (out, lse)), grads), ((_, (out_x, lse_x)), grads_x) = jax.jit(both)(q, k, v)
   np.testing.assert_allclose(out, out_x, atol=2e-6)
   np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_x))
   finite = np.isfinite(lse_x)
@@ -137,10 +138,8 @@ def test_bfloat16_error_no_worse_than_the_materialised_paths(cap):
       w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
       return (out.astype(jnp.float32) * w).sum(), out
 
-    # One program (eagerly, every operation would compile and run alone); on a CPU, XLA
-    # computes each bfloat16 operation in float32 and rounds its result, as eagerly.
-    (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    return [np.asarray(x, np.float32) for x in (out, *grads)]
+    (_, out), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return (out, *grads)
 
   def jattn_fn(impl):
     return lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation=impl, **kw)
@@ -149,12 +148,20 @@ def test_bfloat16_error_no_worse_than_the_materialised_paths(cap):
     peer = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
   else:
     peer = jattn_fn("xla")
-  with jattn.testing.interpret_kernels():
-    got = run(jattn_fn("splash"), q, k, v)
-  ref = run(jattn_fn("xla"), *(x.astype(jnp.float32) for x in (q, k, v)))
-  # The xla peer as it runs on a TPU, in bfloat16 (on a CPU it computes in float32).
-  with jattn.testing.lowering_for("tpu"):
-    theirs = run(peer, q, k, v)
+
+  def all_three(q, k, v):
+    with jattn.testing.interpret_kernels():
+      got = run(jattn_fn("splash"), q, k, v)
+    ref = run(jattn_fn("xla"), *(x.astype(jnp.float32) for x in (q, k, v)))
+    # The xla peer as it runs on a TPU, in bfloat16 (on a CPU it computes in float32).
+    with jattn.testing.lowering_for("tpu"):
+      theirs = run(peer, q, k, v)
+    return got, ref, theirs
+
+  # One program (eagerly, every operation would compile and run alone; apart, each would
+  # compile with its own overheads); on a CPU, XLA computes each bfloat16 operation in
+  # float32 and rounds its result, as eagerly.
+  got, ref, theirs = ([np.asarray(x, np.float32) for x in xs] for xs in jax.jit(all_three)(q, k, v))
   for name, g, t, r in zip(["out", "dq", "dk", "dv"], got, theirs, ref):
     err, peer_err = np.abs(g - r).max(), np.abs(t - r).max()
     assert err <= (1.25 if cap is None else 2.5) * peer_err + 1e-3, (name, err, peer_err)
