@@ -747,3 +747,43 @@ def test_a_score_function_that_indexes_a_computed_array_is_refused_by_name():
     jattn.dot_product_attention(q, k, v, score_fn=cumulative, implementation="flex")
   choice = jattn.explain(q, k, v, score_fn=cumulative, is_causal=True, backend="gpu")
   assert choice.implementation == "xla" and "score_fn from_fn(cumulative)" in choice.reason
+
+
+def test_rows_that_grow_heavier_launch_from_the_last(monkeypatch):
+  """A causal mask's query tiles grow heavier along the sequence: the forward and dQ kernels
+  take them from the last (the longest programs start first, the short ones fill the end)
+  and dK/dV, whose key tiles grow lighter, in order; an upper-triangular mask the other way
+  round; an even spread and a traced schedule in order. Values and gradients match XLA's."""
+  from jattn.impl import _tiling
+
+  causal, upper = masks.causal(), ~masks.causal(offset=-1)  # kv <= q, kv >= q
+  for mask, want in ((causal, (True, False)), (upper, (False, True)), (None, (False, False))):
+    rows, cols = fk.schedules(mask, B, N, T, S, BQ, BK)
+    assert (_tiling.heaviest_last(rows), _tiling.heaviest_last(cols)) == want
+  seen = []
+  view = _tiling.tile_classes(causal, B, N, T, S, BQ, BK)
+  jax.make_jaxpr(lambda x: seen.append(_tiling.heaviest_last(_tiling.schedule(x))) or x)(view)
+  assert seen == [False]
+
+  # The three kernels' settings (forward, dQ, dK/dV), as flex's backward rule receives them.
+  orders = []
+  attention = _flex_backward.attention
+
+  def spy(*args):
+    orders.append([s.from_last for s in args[6]])
+    return attention(*args)
+
+  monkeypatch.setattr(_flex_backward, "attention", spy)
+  q, k, v = _inputs(2)
+  for mask, want in ((causal, [True, True, False]), (upper, [False, False, True])):
+    orders.clear()
+    jax.clear_caches()  # jattn's jitted call is cached by its settings: trace it again
+    attend = functools.partial(jattn.dot_product_attention, mask=mask)
+    loss = lambda *a, f=attend, **kw: jnp.sum(jnp.sin(f(*a, **kw)))
+    flex_kw = dict(implementation="flex", block_q=BQ, block_kv=BK)
+    with jattn.testing.interpret_kernels():
+      got = jax.value_and_grad(functools.partial(loss, **flex_kw), (0, 1, 2))(q, k, v)
+    assert orders and all(o == want for o in orders), orders
+    ref = jax.value_and_grad(functools.partial(loss, implementation="xla"), (0, 1, 2))(q, k, v)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+      np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)

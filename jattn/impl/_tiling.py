@@ -99,6 +99,17 @@ def schedule(view: np.ndarray | jax.Array) -> Schedule:
   return Schedule(order, num_full, num_partial)
 
 
+def heaviest_last(schedule: Schedule) -> bool:
+  """Whether a known schedule's rows grow heavier along the axis (a causal mask's query
+  tiles): the centre of their tile counts lies past the middle. A kernel that launches one
+  program per row takes the rows from the last, so that the longest programs start first
+  and the short ones fill the end. False for an even spread and for a traced schedule."""
+  if isinstance(schedule.num_full, jax.core.Tracer):
+    return False
+  work = np.asarray(schedule.num_full, np.int64) + np.asarray(schedule.num_partial, np.int64)
+  return int(np.sum(work * (2 * np.arange(work.size) - (work.size - 1)))) > 0
+
+
 # --- tiles --------------------------------------------------------------------
 
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from jattn import _checks, testing
 from jattn import dropout as _dropout
-from jattn.impl import _base, _sharded
+from jattn.impl import _base, _sharded, _tiling
 from jattn.impl._base import CallSpec
 from jattn.impl.flex import _backward as _flex_backward
 from jattn.impl.flex import _kernels as _kernels
@@ -212,7 +212,7 @@ def _attend(
     _kernels.schedules(spec.mask, spec.B, spec.N, T, S, *passes.dkv[:2])[1],
   )
 
-  def settings(row: Tiles) -> _kernels.Settings:
+  def settings(row: Tiles, schedule: _tiling.Schedule) -> _kernels.Settings:
     return _kernels.Settings(
       scale=spec.scale,
       q_len=T,
@@ -224,6 +224,7 @@ def _attend(
       interpret=spec.interpret,
       dropout_rate=spec.dropout_rate,
       broadcast_dropout=spec.broadcast_dropout,
+      from_last=_tiling.heaviest_last(schedule),
     )
 
   seed = None
@@ -236,7 +237,11 @@ def _attend(
     schedules,
     mask,
     score,
-    (settings(passes.forward), settings(passes.dq), settings(passes.dkv)),
+    (
+      settings(passes.forward, schedules[0]),
+      settings(passes.dq, schedules[1]),
+      settings(passes.dkv, schedules[2]),
+    ),
     seed,
     spec.bias,
     spec.shard_offsets,

@@ -38,11 +38,13 @@ from jattn.impl.flex._kernels import (
   bias_row_spec,
   bias_tile,
   global_index,
+  in_tile_order,
   pad_bias,
   pad_to,
   pow2,
   schedule_specs,
   split_refs,
+  tile_of,
   whole_specs,
 )
 
@@ -110,6 +112,8 @@ def backward(
   if wants_ds:
     ds_out = [jnp.zeros((B, N, Tp, Sp), f)]
   params = lambda x: plgpu.CompilerParams(num_warps=x.num_warps, num_stages=x.num_stages)
+  by_rows = functools.partial(in_tile_order, count=nq, from_last=dq_settings.from_last)
+  by_cols = functools.partial(in_tile_order, count=nk, from_last=dkv_settings.from_last)
 
   ds_spec = pl.BlockSpec((None, None, bq, Sp), lambda i, b, n: (b, n, i, 0))
   n_in = 11 + len(arrays) + len(row_bias)  # the zeroed dS buffer's place among the inputs
@@ -122,21 +126,25 @@ def backward(
       before_score=before_score,
     ),
     grid=(nq, B, N),
-    in_specs=[
-      pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),
-      pl.BlockSpec((None, Sp, None, Hp), lambda i, b, n: (b, 0, n // G, 0)),
-      pl.BlockSpec((None, Sp, None, Hvp), lambda i, b, n: (b, 0, n // G, 0)),
-      pl.BlockSpec((None, bq, None, Hvp), lambda i, b, n: (b, i, n, 0)),
-      *[pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i))] * 3,
-      *schedule_specs(rows),
-      *whole,
-      *row_bias,
-      *[ds_spec for _ in ds_out],
-    ],
-    out_specs=[
-      pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),
-      *[ds_spec for _ in ds_out],
-    ],
+    in_specs=by_rows(
+      [
+        pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),
+        pl.BlockSpec((None, Sp, None, Hp), lambda i, b, n: (b, 0, n // G, 0)),
+        pl.BlockSpec((None, Sp, None, Hvp), lambda i, b, n: (b, 0, n // G, 0)),
+        pl.BlockSpec((None, bq, None, Hvp), lambda i, b, n: (b, i, n, 0)),
+        *[pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i))] * 3,
+        *schedule_specs(rows),
+        *whole,
+        *row_bias,
+        *[ds_spec for _ in ds_out],
+      ]
+    ),
+    out_specs=by_rows(
+      [
+        pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),
+        *[ds_spec for _ in ds_out],
+      ]
+    ),
     out_shape=[
       jax.ShapeDtypeStruct((B, Tp, N, Hp), f),
       *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ds_out],
@@ -163,20 +171,24 @@ def backward(
   dk, dv = pl.pallas_call(
     functools.partial(_dkv_kernel, settings=dkv_settings, counts=counts, jaxprs=jaxprs[1], group=G),
     grid=(nk, B, K),
-    in_specs=[
-      pl.BlockSpec((None, Tp, G, Hp), lambda j, b, h: (b, 0, h, 0)),
-      pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0)),
-      pl.BlockSpec((None, bk, None, Hvp), lambda j, b, h: (b, j, h, 0)),
-      pl.BlockSpec((None, Tp, G, Hvp), lambda j, b, h: (b, 0, h, 0)),
-      *[pl.BlockSpec((None, G, Tp), lambda j, b, h: (b, h, 0))] * 3,
-      *schedule_specs(cols),
-      *whole,
-      *col_bias,
-    ],
-    out_specs=[
-      pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0)),
-      pl.BlockSpec((None, bk, None, Hvp), lambda j, b, h: (b, j, h, 0)),
-    ],
+    in_specs=by_cols(
+      [
+        pl.BlockSpec((None, Tp, G, Hp), lambda j, b, h: (b, 0, h, 0)),
+        pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0)),
+        pl.BlockSpec((None, bk, None, Hvp), lambda j, b, h: (b, j, h, 0)),
+        pl.BlockSpec((None, Tp, G, Hvp), lambda j, b, h: (b, 0, h, 0)),
+        *[pl.BlockSpec((None, G, Tp), lambda j, b, h: (b, h, 0))] * 3,
+        *schedule_specs(cols),
+        *whole,
+        *col_bias,
+      ]
+    ),
+    out_specs=by_cols(
+      [
+        pl.BlockSpec((None, bk, None, Hp), lambda j, b, h: (b, j, h, 0)),
+        pl.BlockSpec((None, bk, None, Hvp), lambda j, b, h: (b, j, h, 0)),
+      ]
+    ),
     out_shape=[
       jax.ShapeDtypeStruct((B, Sp, K, Hp), f),
       jax.ShapeDtypeStruct((B, Sp, K, Hvp), f),
@@ -261,7 +273,8 @@ def _dq_kernel(
     _, dq_ref, ds_ref = rest
   scorer = Scorer(settings, jaxprs, mask_refs, score_refs, scalars_ref)
   bq, bk = settings.block_q, settings.block_kv
-  i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  i = tile_of(pl.program_id(0), order_ref.shape[0], settings.from_last)
+  b, n = pl.program_id(1), pl.program_id(2)
   q, do, m, log_l, delta = q_ref[...], do_ref[...], m_ref[...], log_l_ref[...], delta_ref[...]
   q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)
   batch, head = global_index(scalars_ref, b, n)
@@ -307,7 +320,8 @@ def _dkv_kernel(
   mask_refs, score_refs, bias_ref, (dk_ref, dv_ref) = split_refs(refs, counts)
   scorer = Scorer(settings, jaxprs, mask_refs, score_refs, scalars_ref)
   bq, bk = settings.block_q, settings.block_kv
-  j, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  j = tile_of(pl.program_id(0), order_ref.shape[0], settings.from_last)
+  b, h = pl.program_id(1), pl.program_id(2)
   k, v = k_ref[...], v_ref[...]
   kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)
   n_full, n_partial = num_full_ref[j], num_partial_ref[j]

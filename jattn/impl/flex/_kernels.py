@@ -71,6 +71,32 @@ class Settings(NamedTuple):
   interpret: bool
   dropout_rate: float = 0.0
   broadcast_dropout: bool = False  # one (T, S) pattern for every batch row and head
+  from_last: bool = False  # programs take their tiles last first (_tiling.heaviest_last)
+
+
+def tile_of(program: Any, count: int, from_last: bool) -> Any:
+  """The tile a kernel's first grid index stands for: the same, or counted from the last
+  (``from_last``), so the heaviest rows of a schedule that grows along its axis launch first
+  (the grid's first axis varies fastest: each (batch row, head) takes its tiles in this
+  order)."""
+  return count - 1 - program if from_last else program
+
+
+def in_tile_order(specs: Sequence[pl.BlockSpec], count: int, from_last: bool) -> list[Any]:
+  """``specs`` whose index maps read their first grid index through :func:`tile_of`."""
+  if not from_last:
+    return list(specs)
+  return [
+    pl.BlockSpec(
+      spec.block_shape,
+      functools.partial(_reordered, spec.index_map, count),
+    )
+    for spec in specs
+  ]
+
+
+def _reordered(index_map: Any, count: int, program: Any, *rest: Any) -> Any:
+  return index_map(tile_of(program, count, True), *rest)
 
 
 def index_specs(block_q: int, block_kv: int) -> list[jax.ShapeDtypeStruct]:
@@ -130,21 +156,26 @@ def forward(
   if scalars is None:
     scalars = kernel_scalars(None)
   G = N // K
+  ordered = functools.partial(in_tile_order, count=nq, from_last=settings.from_last)
   out, m, log_l = pl.pallas_call(
     kernel,
     grid=(nq, B, N),
-    in_specs=[
-      pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),
-      pl.BlockSpec((None, nk * bk, None, Hp), lambda i, b, n: (b, 0, n // G, 0)),
-      pl.BlockSpec((None, nk * bk, None, Hvp), lambda i, b, n: (b, 0, n // G, 0)),
-      *schedule_specs(rows),
-      *whole,
-    ],
-    out_specs=[
-      pl.BlockSpec((None, bq, None, Hvp), lambda i, b, n: (b, i, n, 0)),
-      pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),
-      pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),
-    ],
+    in_specs=ordered(
+      [
+        pl.BlockSpec((None, bq, None, Hp), lambda i, b, n: (b, i, n, 0)),
+        pl.BlockSpec((None, nk * bk, None, Hp), lambda i, b, n: (b, 0, n // G, 0)),
+        pl.BlockSpec((None, nk * bk, None, Hvp), lambda i, b, n: (b, 0, n // G, 0)),
+        *schedule_specs(rows),
+        *whole,
+      ]
+    ),
+    out_specs=ordered(
+      [
+        pl.BlockSpec((None, bq, None, Hvp), lambda i, b, n: (b, i, n, 0)),
+        pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),
+        pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),
+      ]
+    ),
     out_shape=[
       jax.ShapeDtypeStruct((B, nq * bq, N, Hvp), out_dtype or query.dtype),
       *[jax.ShapeDtypeStruct((B, N, nq * bq), _common.stats_dtype(query.dtype))] * 2,
@@ -380,7 +411,8 @@ def _forward_kernel(
   mask_refs, score_refs, bias_ref, (o_ref, m_ref, log_l_ref) = split_refs(refs, counts)
   scorer = Scorer(settings, jaxprs, mask_refs, score_refs, scalars_ref)
   bq, bk = settings.block_q, settings.block_kv
-  i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  i = tile_of(pl.program_id(0), order_ref.shape[0], settings.from_last)
+  b, n = pl.program_id(1), pl.program_id(2)
   q = q_ref[...]
   f = _common.stats_dtype(q.dtype)
   q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)
@@ -461,6 +493,8 @@ def schedules(
   mask: Any, B: int, N: int, T: int, S: int, block_q: int, block_kv: int
 ) -> tuple[_tiling.Schedule, _tiling.Schedule]:
   """``(rows, cols)``: per query tile its key/value tiles, and per key/value tile its query
-  tiles, FULL first, then PARTIAL (blockwise's schedules)."""
+  tiles, FULL first, then PARTIAL (blockwise's schedules). NumPy arrays where the mask is
+  known when traced (so :func:`jattn.impl._tiling.heaviest_last` can read them; the kernels
+  take them as constants), else traced."""
   view = _tiling.tile_classes(mask, B, N, T, S, block_q, block_kv)
-  return tuple(jax.tree.map(jnp.asarray, _tiling.schedule(x)) for x in (view, view.T))
+  return _tiling.schedule(view), _tiling.schedule(view.T)
