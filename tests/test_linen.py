@@ -43,12 +43,6 @@ def _flax(**kw):
   return nn.MultiHeadDotProductAttention(num_heads=4, **kw)
 
 
-def _flax_apply(module, *args, **kw):
-  """Flax's module (the reference) applied as one program: eagerly, each of its operations
-  compiles alone."""
-  return jax.jit(functools.partial(module.apply, **kw))(*args)
-
-
 def _adapted(fn=jattn.linen.attention_fn, **kw):
   return nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=fn, **kw)
 
@@ -94,7 +88,7 @@ ADAPTER_CASES = [
 def test_adapter_matches_flax(fn, inputs, kwargs):
   args = inputs()
   variables = random_params(_flax(), *args, **kwargs)
-  expected = _flax_apply(_flax(), variables, *args, **kwargs)
+  expected = _flax().apply(variables, *args, **kwargs)
   got = _adapted(fn).apply(variables, *args, **kwargs)
   assert got.shape == expected.shape == args[0].shape
   assert_close(got, expected, factor=0.5)
@@ -121,7 +115,7 @@ def test_adapter_param_gradients_match_flax(fn):
 def test_adapter_unbatched_input_matches_flax():
   x = sample((T, F))
   variables = random_params(_flax(), x)
-  assert_close(_adapted().apply(variables, x), _flax_apply(_flax(), variables, x), factor=0.5)
+  assert_close(_adapted().apply(variables, x), _flax().apply(variables, x), factor=0.5)
 
 
 def test_adapter_precision_matches_flax():
@@ -130,7 +124,7 @@ def test_adapter_precision_matches_flax():
   highest = jax.lax.Precision.HIGHEST
   assert_close(
     _adapted(precision=highest).apply(variables, x),
-    _flax_apply(_flax(precision=highest), variables, x),
+    _flax(precision=highest).apply(variables, x),
     factor=0.5,
   )
 
@@ -306,7 +300,7 @@ def test_mha_loads_flax_params_and_matches(theirs_kw, ours_kw, inputs, kwargs):
   shapes = abstract_init(theirs, *args, **kwargs)
   assert shapes_of(abstract_init(ours, *args, **kwargs)) == shapes_of(shapes)  # same names, shapes
   variables = {"params": fill(shapes["params"])}
-  expected = _flax_apply(theirs, variables, *args, **kwargs)
+  expected = theirs.apply(variables, *args, **kwargs)
   got = ours.apply(variables, *args, **kwargs)
   assert got.shape == expected.shape == args[0].shape[:-1] + (ours_kw.get("out_features", F),)
   assert_close(got, expected, factor=0.5)
@@ -387,16 +381,16 @@ def test_swapping_flaxs_module_for_jattns_changes_nothing(case):
     ((x, k_in), {}),
     ((), dict(inputs_q=x, inputs_k=k_in, inputs_v=v_in, mask=mask, deterministic=True)),
   ]:
-    want = _flax_apply(theirs, variables, *args, **kwargs)
+    want = theirs.apply(variables, *args, **kwargs)
     assert_close(ours.apply(variables, *args, **kwargs), want, factor=0.5, err_msg=str(kwargs))
-  want = _flax_apply(theirs, variables, x, k_in)
   for m in (theirs, ours):  # the same warning
     with pytest.warns(DeprecationWarning, match="The inputs_kv arg will be deprecated soon"):
       got = m.apply(variables, x, inputs_kv=k_in)
-    assert_close(got, want, factor=0.5)
-  sow = dict(mask=mask, sow_weights=True, mutable=["intermediates"])
-  ours_sown = ours.apply(variables, x, k_in, v_in, **sow)[1]
-  assert_trees_close(ours_sown, _flax_apply(theirs, variables, x, k_in, v_in, **sow)[1])
+    assert_close(got, theirs.apply(variables, x, k_in), factor=0.5)
+  run = lambda m: m.apply(
+    variables, x, k_in, v_in, mask=mask, sow_weights=True, mutable=["intermediates"]
+  )[1]
+  assert_trees_close(run(ours), run(theirs))
 
 
 def test_decoding_after_flaxs_init_equals_flaxs():
@@ -410,17 +404,14 @@ def test_decoding_after_flaxs_init_equals_flaxs():
   caches = [empty(m)["cache"] for m in (theirs, ours)]
   keep = np.random.default_rng(1).random((B, 1, T, T)) < 0.6
   keep |= np.eye(T, dtype=bool)  # each query keeps its own token
-  # Flax's steps as one program (eagerly, each of its operations compiles alone), jattn's eager
-  applies = [jax.jit(functools.partial(theirs.apply, mutable=["cache"])), ours.apply]
   for t in range(T):
     outs = []
-    for i, apply in enumerate(applies):
-      kw = {} if i == 0 else dict(mutable=["cache"])
-      y, mutated = apply(
+    for i, m in enumerate((theirs, ours)):
+      y, mutated = m.apply(
         {**params, "cache": caches[i]},
         x[:, t : t + 1],
         mask=jnp.asarray(keep[:, :, t : t + 1], jnp.float32),  # Flax's 0/1 float mask
-        **kw,
+        mutable=["cache"],
       )
       caches[i] = mutated["cache"]
       outs.append(y)
@@ -434,7 +425,7 @@ def test_a_flax_attention_fn_computes_the_attention():
   x, mask = sample(), jnp.ones((B, 1, T, T), bool).at[1, :, 2].set(False)  # a row sees nothing
   theirs = nn.MultiHeadDotProductAttention(4)
   variables = random_params(theirs, x)
-  want = np.asarray(_flax_apply(theirs, variables, x, mask=mask))
+  want = theirs.apply(variables, x, mask=mask)
   got = MHA(4, attention_fn=nn.dot_product_attention).apply(variables, x, mask=mask)
   assert_close(got, want, factor=0.5)  # Flax's mean of the values where nothing is seen
   jattns = MHA(4).apply(variables, x, mask=mask)
