@@ -131,6 +131,11 @@ def _causal_reference():
     return _reference(*_inputs(), causal_np(T, T))
 
 
+# Exhaustive: the default run moves segment ids around the ring elsewhere, in the same zig-zag
+# layout, causal, each key/value shard's ids travelling with it (test_ring_reshards_inputs_in_
+# any_placement[auto], against the one-device call; test_ring_float32_fully_masked_rows_are_
+# zero_and_finite takes a pair of ids); this case repeats it against the float64 formula.
+@pytest.mark.exhaustive
 def test_ring_segment_ids_travel_with_their_shard(x64):
   # Packed documents of uneven lengths, causal within each, in the zig-zag layout: the
   # ids are permuted with the inputs and the key/value ids move around the ring.
@@ -201,6 +206,12 @@ def test_ring_cross_attention_soft_cap_and_scale(x64):
   )
 
 
+# Exhaustive: finite differences repeat, at the cost of three ring programs (the call, its
+# forward pass with residuals and its backward pass), what the default run checks more tightly:
+# test_ring_matches_formula (causal, zig-zag, GQA), test_ring_masks_and_lengths_with_batch_and_
+# head_sharding and test_ring_cross_attention_soft_cap_and_scale hold the ring's float64
+# gradients to autodiff of the formula.
+@pytest.mark.exhaustive
 def test_ring_check_grads(x64):
   q, k, v = _inputs(T=16)
   mesh = _mesh((4,), ("sp",))
@@ -234,27 +245,28 @@ def test_ring_float32_fully_masked_rows_are_zero_and_finite():
 
 
 def test_ring_bfloat16_and_inputs_stay_sharded():
-  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _inputs(np.float32))
+  rounded = [np.asarray(x).astype(jnp.bfloat16) for x in _inputs(np.float32)]  # NumPy: no program
   sharding = NamedSharding(RING, P(None, "sp", None, None))
-  q, k, v = (jax.device_put(x, sharding) for x in (q, k, v))
-  f = jax.jit(
-    lambda q, k, v: parallel.ring_attention(q, k, v, mesh=RING, axis_name="sp", is_causal=True)
-  )
-  out = f(q, k, v)
-  assert out.dtype == jnp.bfloat16 and out.sharding.is_equivalent_to(sharding, 4)
-  want, _ = attention_np(
-    q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), allowed=causal_np(T, T)
-  )
-  assert_close(out, want, jnp.bfloat16)
-  # The step is a ring: K/V move by collective permutes and nothing is gathered.
-  step = jax.jit(
-    jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
-  )
-  step = step.lower(q, k, v).compile()  # compiled once, inspected and run
+  q, k, v = (jax.device_put(x, sharding) for x in rounded)
+
+  def loss(q, k, v):
+    out = parallel.ring_attention(q, k, v, mesh=RING, axis_name="sp", is_causal=True)
+    return jnp.sum(out.astype(jnp.float32)), out
+
+  # The output and the gradients from one training step, compiled once, inspected and run (a
+  # forward program of its own would compile the ring's forward pass again).
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  step = step.lower(q, k, v).compile()
+  # The step is a ring, forward and backward: K/V move by collective permutes and nothing is
+  # gathered.
   hlo = step.as_text()
   assert "collective-permute" in hlo
   assert not re.search(r"all-gather|all-to-all", hlo)
-  assert all(g.sharding.is_equivalent_to(sharding, 4) for g in step(q, k, v))
+  (_, out), grads = step(q, k, v)
+  assert out.dtype == jnp.bfloat16 and out.sharding.is_equivalent_to(sharding, 4)
+  want, _ = attention_np(*(x.astype(np.float32) for x in rounded), allowed=causal_np(T, T))
+  assert_close(out, want, jnp.bfloat16)
+  assert all(g.sharding.is_equivalent_to(sharding, 4) for g in grads)
 
 
 def test_layout_positions_and_permutations():
@@ -514,14 +526,12 @@ def _soft_cap_reference():
     return _reference(*inputs, causal_np(T, T), dict(score=_cap_score))
 
 
-# The default run keeps the striped layout (test_adversarial_paths.py runs zig-zag by default);
-# the other two are exhaustive.
-@pytest.mark.parametrize(
-  "layout",
-  [
-    l if l == "striped" else pytest.param(l, marks=pytest.mark.exhaustive) for l in parallel.LAYOUTS
-  ],
-)
+# Exhaustive: test_adversarial_paths.py's test_soft_cap_through_every_ring_pair_kernel
+# [default_on_tpu-zigzag] runs the same path by default (implementation=None traced for a TPU,
+# kernels interpreted, a soft cap: exact pairs), its values, lse and gradients against the
+# one-device call; these cases repeat it in each layout against the float64 formula.
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("layout", parallel.LAYOUTS)
 def test_ring_soft_cap_on_tpu_runs_exact_pairs(layout):
   # implementation=None as on a TPU, Pallas kernels interpreted: splash would run every pair
   # if it expressed the call, and the pairs' log-sum-exp gradient through the cap is beyond
