@@ -94,15 +94,6 @@ def test_every_rule_matches_the_formula_with_gradients(
       **tiles,
     )
 
-  out, lse = run(*(None if x is None else jnp.asarray(x) for x in (q, k, v, sinks)))
-  want_out, want_lse = formula(q, k, v, sinks, MASK)
-  assert out.shape == (B, T, N, Hv)
-  np.testing.assert_allclose(out, want_out, atol=1e-12)
-  np.testing.assert_allclose(lse, want_lse, atol=1e-12)
-  np.testing.assert_array_equal(np.asarray(out)[:, 3], 0.0)
-  empty_lse = -np.inf if sinks is None else np.broadcast_to(sinks, (B, N))
-  np.testing.assert_allclose(np.asarray(lse)[:, 3], empty_lse, atol=1e-12)
-
   def plain(q, k, v, sinks):  # the formula in jnp, for autodiff
     G = N // K
     kk, vv = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
@@ -116,13 +107,15 @@ def test_every_rule_matches_the_formula_with_gradients(
     p = jnp.exp(s - safe)[..., :S]
     return jnp.einsum("bnts,bsnh->btnh", p, vv), lse.transpose(0, 2, 1)
 
-  w_out = jnp.asarray(RNG.normal(size=out.shape))
-  w_lse = jnp.asarray(np.where(np.isfinite(want_lse), RNG.normal(size=lse.shape), 0.0))
+  want_out, want_lse = formula(q, k, v, sinks, MASK)
+  w_out = jnp.asarray(RNG.normal(size=(B, T, N, Hv)))
+  w_lse = jnp.asarray(np.where(np.isfinite(want_lse), RNG.normal(size=(B, T, N)), 0.0))
 
-  def loss(fn):
+  def loss(fn, aux=False):
     def f(*a):
       out, lse = fn(*a)
-      return (out * w_out).sum() + (jnp.where(w_lse != 0, lse, 0.0) * w_lse).sum()
+      value = (out * w_out).sum() + (jnp.where(w_lse != 0, lse, 0.0) * w_lse).sum()
+      return (value, (out, lse)) if aux else value
 
     return f
 
@@ -135,7 +128,17 @@ def test_every_rule_matches_the_formula_with_gradients(
   else:
     run_, plain_ = run, plain
   argnums = tuple(range(len(args)))
-  got = jax.grad(loss(run_), argnums=argnums)(*args)
+  # The rule's outputs and gradients as one program (eagerly, its forward pass would compile
+  # apart from the backward's, and again for the gradients).
+  step = jax.value_and_grad(loss(run_, aux=True), argnums=argnums, has_aux=True)
+  (_, (out, lse)), got = jax.jit(step)(*args)
+  assert out.shape == (B, T, N, Hv)
+  np.testing.assert_allclose(out, want_out, atol=1e-12)
+  np.testing.assert_allclose(lse, want_lse, atol=1e-12)
+  np.testing.assert_array_equal(np.asarray(out)[:, 3], 0.0)
+  empty_lse = -np.inf if sinks is None else np.broadcast_to(sinks, (B, N))
+  np.testing.assert_allclose(np.asarray(lse)[:, 3], empty_lse, atol=1e-12)
+
   want = jax.jit(jax.grad(loss(plain_), argnums=argnums))(*args)  # one program, not ~40
   for name, g, w in zip(["q", "k", "v", "sinks"], got, want):
     assert np.isfinite(np.asarray(g)).all() and np.isfinite(np.asarray(w)).all(), name
@@ -154,9 +157,9 @@ def test_weights_leave_out_the_sinks_share(x64):
 
 
 def test_splash_takes_the_sinks_itself():
-  q, k, v = (jnp.asarray(x, jnp.float32) for x in _inputs(4, 2, Hv=24))
-  q, k, v = (jnp.tile(x, (1, 12, 1, 1)) for x in (q, k, v))  # T = S = 144: padded to 256
-  sinks = jnp.asarray(SINKS, jnp.float32)
+  # T = S = 144: padded to 256. Tiled and cast by NumPy (jnp would compile each operation).
+  q, k, v = (np.tile(np.asarray(x, np.float32), (1, 12, 1, 1)) for x in _inputs(4, 2, Hv=24))
+  sinks = np.asarray(SINKS, np.float32)
   kw = dict(is_causal=True, query_seq_lengths=jnp.array([100, 0]), return_residual=True)
 
   def grads(impl):
@@ -178,38 +181,37 @@ def test_splash_takes_the_sinks_itself():
 
 
 def test_ring_attention_and_decode_take_sinks_and_value_head_dims():
-  q, k, v = (jnp.asarray(x, jnp.float32) for x in _inputs(4, 2, Hv=5))
-  sinks = jnp.asarray(SINKS, jnp.float32)
-  want = jattn.dot_product_attention(q, k, v, is_causal=True, sinks=sinks)
+  q, k, v = (np.asarray(x, np.float32) for x in _inputs(4, 2, Hv=5))  # NumPy: no program
+  sinks = np.asarray(SINKS, np.float32)
   mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
-  got = jattn.parallel.ring_attention(
-    q, k, v, mesh=mesh, axis_name="sp", is_causal=True, sinks=sinks
-  )
-  np.testing.assert_allclose(got, want, atol=2e-6)
 
-  assert got.shape == (B, T, 4, 5)
-
-  def ring_loss(q, k, v, sinks):
-    out = jattn.parallel.ring_attention(
+  def ring(q, k, v, sinks):
+    return jattn.parallel.ring_attention(
       q, k, v, mesh=mesh, axis_name="sp", is_causal=True, sinks=sinks
     )
-    return (out * jnp.cos(out)).sum()
 
-  def plain_loss(q, k, v, sinks):
-    out = jattn.dot_product_attention(q, k, v, is_causal=True, sinks=sinks)
-    return (out * jnp.cos(out)).sum()
+  def plain(q, k, v, sinks):
+    return jattn.dot_product_attention(q, k, v, is_causal=True, sinks=sinks)
 
-  for name, a, b in zip(
-    "qkvs",
-    jax.jit(jax.grad(ring_loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks),
-    jax.jit(jax.grad(plain_loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks),
-  ):
+  def step(f):  # the output and gradients as one program (the output alone is another)
+    def loss(*a):
+      out = f(*a)
+      return (out * jnp.cos(out)).sum(), out
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+
+  (_, got), got_grads = step(ring)(q, k, v, sinks)
+  (_, want), want_grads = step(plain)(q, k, v, sinks)
+  np.testing.assert_allclose(got, want, atol=2e-6)
+  assert got.shape == (B, T, 4, 5)
+  for name, a, b in zip("qkvs", got_grads, want_grads):
     np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"d{name}")
   cache = decode.init(B, S, 2, H, dtype=jnp.float32, value_head_dim=5)
   assert cache.value.shape == (B, S, 2, 5)
-  first, cache = decode.attention(q[:, :8], k[:, :8], v[:, :8], cache, sinks=sinks)
-  rest, cache = decode.attention(q[:, 8:], k[:, 8:], v[:, 8:], cache, sinks=sinks)
-  np.testing.assert_allclose(jnp.concatenate([first, rest], 1), want, atol=2e-6)
+  # Two chunks of one shape: one program (the cache's write and attention) serves both.
+  first, cache = decode.attention(q[:, :6], k[:, :6], v[:, :6], cache, sinks=sinks)
+  rest, cache = decode.attention(q[:, 6:], k[:, 6:], v[:, 6:], cache, sinks=sinks)
+  np.testing.assert_allclose(np.concatenate([first, rest], 1), want, atol=2e-6)
 
 
 @pytest.mark.parametrize(
@@ -256,15 +258,17 @@ def test_modules_with_a_value_head_dim_of_their_own():
   model = jattn.nnx.MultiHeadAttention(2, 8, value_head_dim=3, is_causal=True, rngs=nnx.Rngs(0))
   assert model.value.kernel[...].shape == (8, 2, 3)
   assert model.out.kernel[...].shape == (2, 3, 8)
-  full = model(x)
+  # Jitted calls: a program each, not one per operation of the module.
+  call = nnx.jit(lambda m, x, decode: m(x, decode=decode), static_argnums=2)
+  full = call(model, x, False)
   model.init_cache(2, 6)
-  steps = jnp.concatenate([model(x[:, :4], decode=True), model(x[:, 4:], decode=True)], 1)
+  steps = np.concatenate([call(model, x[:, :4], True), call(model, x[:, 4:], True)], 1)
   np.testing.assert_allclose(steps, full, atol=1e-6)
   linen = jattn.linen.MultiHeadAttention(2, value_head_dim=3, is_causal=True)
-  params = linen.init(jax.random.key(0), x)["params"]
+  params = jax.jit(linen.init)(jax.random.key(0), x)["params"]
   assert params["value"]["kernel"].shape == (8, 2, 3)
   assert params["out"]["kernel"].shape == (2, 3, 8)
-  assert linen.apply({"params": params}, x).shape == x.shape
+  assert jax.jit(linen.apply)({"params": params}, x).shape == x.shape
 
 
 def test_modules_learn_sinks():
@@ -294,11 +298,12 @@ def test_modules_learn_sinks():
   )
 
   linen = jattn.linen.MultiHeadAttention(2, sinks=True, is_causal=True)
-  params = linen.init(jax.random.key(0), x)["params"]
+  params = jax.jit(linen.init)(jax.random.key(0), x)["params"]
   assert params["sinks"].shape == (2,)
   params = {**params, "sinks": jnp.array([3.0, -3.0])}
   plain = {**params, "sinks": jnp.array([-1e30, -1e30])}  # a sink of ~-inf: no sink
-  assert not np.allclose(linen.apply({"params": params}, x), linen.apply({"params": plain}, x))
+  apply = jax.jit(linen.apply)  # one program for both, not one per operation
+  assert not np.allclose(apply({"params": params}, x), apply({"params": plain}, x))
 
 
 def test_bfloat16_with_sinks_no_worse_than_jax_nn_without():
