@@ -114,6 +114,7 @@ def test_ragged_rows_and_idle_rows():
   (pre, lse), cache = _step(
     q[:, :t], k[:, :t], v[:, :t], _paged(K), jnp.asarray(prompt), return_residual=True
   )
+  pre, lse = np.asarray(pre), np.asarray(lse)  # NumPy: indexing a jax.Array compiles
   np.testing.assert_array_equal(cache.lengths, prompt)
   np.testing.assert_array_equal(cache.page_table[:, :3], [[0, 1, 2], [3, -1, -1]])
   np.testing.assert_array_equal(pre[1, 2:], 0.0)  # padded query rows
@@ -123,8 +124,9 @@ def test_ragged_rows_and_idle_rows():
   for i in range(3):
     pick = lambda x: x[np.arange(B), prompt + i][:, None]
     out, cache = _step(pick(q), pick(k), pick(v), cache)
-    steps.append(out[:, 0])
+    steps.append(np.asarray(out)[:, 0])
   idle, cache = _step(q[:, 8:9], k[:, 8:9], v[:, 8:9], cache, jnp.array([1, 0], jnp.int32))
+  idle = np.asarray(idle)
   np.testing.assert_array_equal(cache.lengths, prompt + [4, 3])
   np.testing.assert_array_equal(idle[1], 0.0)
   for b in range(B):
@@ -132,7 +134,7 @@ def test_ragged_rows_and_idle_rows():
     row = lambda x: x[b : b + 1, :n]
     want = attention_np(row(q), row(k), row(v), allowed=causal_np(n, n))[0][0]
     assert_close(pre[b, : prompt[b]], want[: prompt[b]])
-    assert_close(jnp.stack([s[b] for s in steps]), want[prompt[b] :])
+    assert_close(np.stack([s[b] for s in steps]), want[prompt[b] :])
   assert_close(idle[0, 0], attention_np(q[:1], k[:1], v[:1], allowed=causal_np(L, L))[0][0, 8])
 
 
@@ -142,19 +144,23 @@ def test_release_returns_pages_and_a_released_row_restarts_clean():
   match attention over their own sequences, and the freed pages are the ones reused."""
   N, K = 4, 2
   q, k, v = _sequence(N, K)
+  # Jitted: one program for every release of this cache (eagerly, one per operation; the
+  # eager call runs in test_running_out_of_pages_under_jit_serves_rows_in_batch_order).
+  release = jax.jit(decode.release)
   _, cache = _run(q, k, v, _paged(K), (6,))  # rows hold 6 tokens: 3 pages each
-  freed = np.asarray(cache.page_table[0, :3])
-  cache = decode.release(cache, jnp.array([True, False]))
+  freed = np.asarray(cache.page_table)[0, :3]
+  cache = release(cache, jnp.array([True, False]))
   np.testing.assert_array_equal(cache.lengths, [0, 6])
   np.testing.assert_array_equal(cache.page_table[0], -1)
-  assert np.asarray(cache.free)[freed].all() and int(cache.free.sum()) == POOL - 3
-  cache = cache._replace(
-    key_pages=cache.key_pages.at[freed].set(jnp.nan),
-    value_pages=cache.value_pages.at[freed].set(jnp.nan),
-  )
+  assert np.asarray(cache.free)[freed].all() and int(np.asarray(cache.free).sum()) == POOL - 3
+  garbage = {}
+  for name in ("key_pages", "value_pages"):  # written by NumPy: no program per operation
+    garbage[name] = np.array(getattr(cache, name))
+    garbage[name][freed] = np.nan
+  cache = cache._replace(**garbage)
   # A new request in row 0 (tokens 0..4 of another sequence) while row 1 goes on.
   q2, k2, v2 = _sequence(N, K, seed=10)
-  prompt = lambda x, y: jnp.concatenate([x[:1, :3], y[1:, 6:9]])  # row 1: its tokens 6..8
+  prompt = lambda x, y: np.concatenate([x[:1, :3], y[1:, 6:9]])  # row 1: its tokens 6..8
   out, cache = _step(prompt(q2, q), prompt(k2, k), prompt(v2, v), cache)
   np.testing.assert_array_equal(cache.lengths, [3, 9])
   reused = np.asarray(cache.page_table)
@@ -164,12 +170,12 @@ def test_release_returns_pages_and_a_released_row_restarts_clean():
   assert_close(out[:1], fresh)
   assert_close(out[1:], attention_np(q[1:], k[1:], v[1:], allowed=causal_np(L, L))[0][:, 6:])
   # Releasing nothing changes nothing; releasing an empty row is harmless.
-  same = decode.release(cache, jnp.array([False, False]))
+  same = release(cache, jnp.array([False, False]))
   jax.tree.map(np.testing.assert_array_equal, same, cache)
-  empty = decode.release(decode.release(cache, jnp.array([True, False])), jnp.array([True, False]))
-  assert int(empty.free.sum()) == POOL - 5
+  empty = release(release(cache, jnp.array([True, False])), jnp.array([True, False]))
+  assert int(np.asarray(empty.free).sum()) == POOL - 5
   # The contiguous cache releases by resetting lengths.
-  dense = decode.release(
+  dense = release(
     decode.update(decode.init(B, 4, K, H), k[:, :2], v[:, :2]), np.array([False, True])
   )
   np.testing.assert_array_equal(dense.lengths, [2, 0])
@@ -315,7 +321,7 @@ def test_scores_masks_bias_and_sinks_on_a_paged_cache():
   N, K, w = 4, 2, 3
   q, k, v = _sequence(N, K)
   alibi = scores.alibi(jnp.array([0.5, 0.25, 0.125, 0.0625]))
-  bias = normal((B, N, L, L), seed=5)
+  bias = np.asarray(normal((B, N, L, L), seed=5))  # NumPy: sliced and padded without programs
   sinks = jnp.array([0.0, 1.0, -1.0, 0.5])
   S = PAGE * PAGES_PER_ROW
 
@@ -329,16 +335,16 @@ def test_scores_masks_bias_and_sinks_on_a_paged_cache():
     )
 
   cache, outs, start = _paged(K), [], 0
-  for t in (6, 3):
+  for t in (3, 3, 3):  # chunks of one length: one program decodes them all
     part = slice(start, start + t)
-    b = jnp.pad(bias[:, :, part], ((0, 0), (0, 0), (0, 0), (0, S - L)))
+    b = np.pad(bias[:, :, part], ((0, 0), (0, 0), (0, 0), (0, S - L)))
     out, cache = chunk(q[:, part], k[:, part], v[:, part], cache, b)
     outs.append(out)
     start += t
   want = jattn.dot_product_attention(
     q, k, v, bias=bias, is_causal=True, score_fn=alibi, local_window_size=(w, 0), sinks=sinks
   )
-  assert_close(jnp.concatenate(outs, axis=1), want)
+  assert_close(np.concatenate(outs, axis=1), want)
 
 
 # The default run keeps a mask and a bias in one call each; both with chunked decoding against a
@@ -448,9 +454,10 @@ def test_quantized_caches_attend_close_to_the_float_cache(dtype, rel_rms):
   q, k, v = _sequence(N, K)
   want = attention_np(q, k, v, allowed=causal_np(L, L))[0]
   rms = lambda x: float(np.sqrt(np.mean(np.square(x))))
-  # 12 slots in tiles of 8 (the last tile runs past the rows), and pages in tiles of 2.
+  # 12 slots in tiles of 8 (the last tile runs past the rows), and pages in tiles of 2; chunks
+  # of one length, so that one program per cache decodes them all.
   for cache, block in ((decode.init(B, 12, K, H, dtype=dtype), 8), (_paged(K, dtype=dtype), 4)):
-    got, cache = _run(q, k, v, cache, (6, 3), block_kv=block)
+    got, cache = _run(q, k, v, cache, (3, 3, 3), block_kv=block)
     assert got.dtype == np.float32 and cache.lengths.tolist() == [L, L]
     assert rms(np.asarray(got) - want) < rel_rms * rms(want)
   got, _ = _run(*(x.astype(jnp.bfloat16) for x in (q, k, v)), _paged(K, dtype=dtype), (9,))
