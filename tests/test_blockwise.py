@@ -135,15 +135,18 @@ SWEEP = {
 # The default run keeps the kinds below, the others are exhaustive: every bias shape, score
 # function, head grouping, tile shape, dtype and dropout setting of the sweep appears in at
 # least one of them (in the whole sweep, at least twice; test_sweep_covers_every_mask_and_setting).
+# Seven kinds, one per bias shape, are the fewest that can; a mask reaches blockwise as its tile
+# classes and its values on each tile whatever its kind (from_fn and bigbird, exhaustive here,
+# run through blockwise by default in test_paged.py's scores test and test_empty_tiles_are_
+# never_computed).
 DEFAULT_KINDS = (
   "causal",
   "causal_empty_rows",
   "causal_bottom_right",
   "window",
   "lengths_empty_rows",
-  "from_fn",
+  "chunked",
   "combined",
-  "bigbird",
 )
 # The sparse patterns' reference masks come from their dense formulas, not materialize.
 DENSE = {
@@ -207,8 +210,8 @@ def test_every_mask_against_float64_formula(kind):
 
     return jax.jit(outputs_and_grads)(*args)
 
-  with jax.enable_x64(dtype == F64):
-    args = [jnp.asarray(x, dtype) for x in arrays + ([] if bias is None else [bias])]
+  with jax.enable_x64(dtype == F64):  # cast by NumPy: jnp would compile each conversion
+    args = [jnp.asarray(np.asarray(x, dtype)) for x in arrays + ([] if bias is None else [bias])]
     keep = _keep() if drop else None
     kw = dict(dropout_rate=RATE, dropout_rng=DROPOUT_RNG) if drop else {}
 
@@ -219,7 +222,7 @@ def test_every_mask_against_float64_formula(kind):
       )  # fmt: skip
       return out, _finite(lse)
 
-    (out, lse), grads = run(ours, args, [jnp.asarray(c, dtype) for c in cots])
+    (out, lse), grads = run(ours, args, [jnp.asarray(np.asarray(c, dtype)) for c in cots])
   with jax.enable_x64(True):
 
     def formula(q, k, v, b=None):
@@ -229,7 +232,7 @@ def test_every_mask_against_float64_formula(kind):
       )
       return out, _finite(lse)
 
-    args64 = [jnp.asarray(np.asarray(x), F64) for x in args]
+    args64 = [jnp.asarray(np.asarray(x, F64)) for x in args]
     (want, want_lse), want_grads = run(formula, args64, [jnp.asarray(c) for c in cots])
   assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
   np.testing.assert_array_equal(np.asarray(lse) == 0, np.asarray(want_lse) == 0)  # empty rows
@@ -263,6 +266,11 @@ def test_learned_score_parameters_get_tile_summed_gradients():
     assert_close(a, b, factor=5)
 
 
+# Exhaustive: finite differences repeat, at the cost of three programs, what the default run
+# checks more tightly: test_every_mask_against_float64_formula[lengths_empty_rows] holds dropout
+# and a soft cap (logits_soft_cap is scores.soft_cap) to autodiff of the float64 formula, and
+# test_check_grads_float64 keeps finite differences on blockwise by default.
+@pytest.mark.exhaustive
 def test_check_grads_float64_dropout_and_soft_cap(x64):
   f = _attn(
     "blockwise",
@@ -311,6 +319,8 @@ def test_fully_masked_rows_follow_the_numerics_contract():
   out_raw, lse = jattn.dot_product_attention(
     q, k, v, bias, mask=mask, return_residual=True, implementation="blockwise", **BLOCKS
   )
+  # Indexed as NumPy arrays (a jax.Array compiles a program for each index).
+  out, lse, grads = np.asarray(out), np.asarray(lse), [np.asarray(g) for g in grads]
   np.testing.assert_array_equal(out[0], 0.0)
   np.testing.assert_array_equal(out[1, 4:], 0.0)  # rows past the query length
   assert np.all(np.isneginf(lse[0])) and np.all(np.isneginf(lse[1, 4:]))
@@ -323,9 +333,13 @@ def test_fully_masked_rows_follow_the_numerics_contract():
 
 def test_minus_inf_bias_rows_give_zeros():
   q, k, v, _ = _inputs(jnp.float32)
-  bias = jnp.zeros((1, 1, T, S)).at[:, :, 2].set(-jnp.inf)
-  out, lse = jattn.dot_product_attention(
-    q, k, v, bias, return_residual=True, implementation="blockwise", **BLOCKS
+  bias = np.zeros((1, 1, T, S), np.float32)  # NumPy: no program per operation
+  bias[:, :, 2] = -np.inf
+  out, lse = map(
+    np.asarray,
+    jattn.dot_product_attention(
+      q, k, v, bias, return_residual=True, implementation="blockwise", **BLOCKS
+    ),
   )
   np.testing.assert_array_equal(out[:, 2], 0.0)
   assert np.all(np.isneginf(lse[:, 2]))
