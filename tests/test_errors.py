@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import array
 
 import jattn
 from jattn import masks, scores
@@ -14,14 +15,14 @@ from jattn import masks, scores
 B, T, S, N, K, H = 2, 5, 6, 4, 2, 8
 
 
-# Inputs made on the host and put on the device: jnp.zeros (and jnp.asarray of a NumPy array)
-# would compile a program per shape and dtype, some forty when this module is collected.
+# Inputs made on the host (reference.array): jnp.zeros would compile a program per shape and
+# dtype, some forty when this module is collected.
 def _zeros(shape, dtype=np.float32):
-  return jax.device_put(np.zeros(shape, dtype))
+  return array(np.zeros(shape), dtype)
 
 
 def _ones(shape, dtype=np.float32):
-  return jax.device_put(np.ones(shape, dtype))
+  return array(np.ones(shape), dtype)
 
 
 Q = _zeros((B, T, N, H))
