@@ -778,12 +778,13 @@ def test_rows_that_grow_heavier_launch_from_the_last(monkeypatch):
   for mask, want in ((causal, [True, True, False]), (upper, [False, False, True])):
     orders.clear()
     jax.clear_caches()  # jattn's jitted call is cached by its settings: trace it again
-    attend = functools.partial(jattn.dot_product_attention, mask=mask)
-    loss = lambda *a, f=attend, **kw: jnp.sum(jnp.sin(f(*a, **kw)))
-    flex_kw = dict(implementation="flex", block_q=BQ, block_kv=BK)
-    with jattn.testing.interpret_kernels():
-      got = jax.value_and_grad(functools.partial(loss, **flex_kw), (0, 1, 2))(q, k, v)
+
+    def run(impl, *args, mask=mask):
+      tiles = dict(block_q=BQ, block_kv=BK) if impl == "flex" else {}
+      attend = lambda *a: jattn.dot_product_attention(*a, mask=mask, implementation=impl, **tiles)
+      return jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(attend(*a))), (0, 1, 2))(*args)
+
+    got, ref = _flex_and_xla(run, q, k, v)
     assert orders and all(o == want for o in orders), orders
-    ref = jax.value_and_grad(functools.partial(loss, implementation="xla"), (0, 1, 2))(q, k, v)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
       np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
