@@ -47,11 +47,9 @@ def positions(layout: str, length: int, num_shards: int) -> np.ndarray:
   length = _checks.integer("length", length, minimum=0)
   num_shards = _checks.integer("num_shards", num_shards, minimum=1)
   _check_divisible("length", length, layout, num_shards)
-  with jax.ensure_compile_time_eval():
-    pos = jnp.concatenate(
-      [shard_positions(layout, length, num_shards, i) for i in range(num_shards)]
-    )
-  return np.asarray(pos, np.int32)
+  return np.concatenate(
+    [_rows(np, layout, length, num_shards, np.int32(i)) for i in range(num_shards)]
+  )
 
 
 @overload
@@ -116,12 +114,17 @@ def shard_positions(layout: str, length: int, num_shards: int, shard: ArrayLike)
 
   ``shard`` may be traced (``jax.lax.axis_index``).
   """
+  return _rows(jnp, layout, length, num_shards, jnp.asarray(shard, jnp.int32))
+
+
+def _rows(xp: Any, layout: str, length: int, num_shards: int, shard: Any) -> Any:
+  """:func:`shard_positions` in the array module ``xp``: NumPy for a known shard (no program
+  compiled), jax.numpy for a traced one."""
   size = length // num_shards
-  r = jnp.arange(size, dtype=jnp.int32)
-  shard = jnp.asarray(shard, jnp.int32)
+  r = xp.arange(size, dtype=np.int32)
   if layout == "contiguous":
     return shard * size + r
   if layout == "striped":
     return r * num_shards + shard
   half = size // 2  # zigzag: chunks `shard` and 2P - 1 - shard of 2P
-  return jnp.where(r < half, shard * half + r, (2 * num_shards - 1 - shard) * half + r - half)
+  return xp.where(r < half, shard * half + r, (2 * num_shards - 1 - shard) * half + r - half)
