@@ -794,6 +794,35 @@ def test_mask_fn_that_does_not_compute_from_its_indices_is_rejected(name, implem
       jattn.dot_product_attention(q, k, v, mask=mask, **TILED[implementation])
 
 
+def test_a_mask_fn_is_probed_once_per_grid_and_a_bad_one_every_time():
+  calls = []
+
+  def banded(b, h, qi, kv):
+    calls.append((b.shape[0], qi.shape[2]))
+    return jnp.abs(qi - kv) <= 2
+
+  q = normal((1, L, 2, 4))
+  run = lambda mask, q: jattn.dot_product_attention(q, q, q, mask=mask, implementation="xla")
+  out = run(masks.from_fn(banded), q)
+  allowed = np.abs(np.arange(L)[:, None] - np.arange(L)[None]) <= 2
+  assert_close(out, attention_np(q, q, q, allowed=allowed)[0])
+  # The probes evaluate the function on a tile of 2 queries and a grid of 3 (of batch 1
+  # here); a second call, from a mask built anew from the same function, probes nothing.
+  assert {(1, 2), (1, 3)} <= set(calls)
+  del calls[:]
+  run(masks.from_fn(banded), q)
+  assert (1, 2) not in calls and (1, 3) not in calls
+  del calls[:]
+  run(masks.from_fn(banded), jnp.concatenate([q, q]))  # B = 2: other grids, probed again
+  assert {(1, 2), (2, 3)} <= set(calls)
+
+  bad = masks.from_fn(MASK_FNS_NOT_FROM_INDICES["positions_from_shape"])
+  for attend in (run, jax.jit(run, static_argnums=0)):  # refused on every call, traced or not
+    for _ in range(2):
+      with jax.numpy_rank_promotion("allow"), pytest.raises(ValueError, match="other values"):
+        attend(bad, q)
+
+
 @pytest.mark.parametrize("implementation", list(TILED))
 def test_mask_fns_that_compute_from_their_indices_work_everywhere(implementation):
   q, k, v = normal((2, L, 2, 4)), normal((2, L, 2, 4), seed=1), normal((2, L, 2, 4), seed=2)

@@ -11,6 +11,8 @@ small grids, since tiled implementations evaluate them tile by tile.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -94,7 +96,11 @@ def _mask_shapes(mask: masks.Mask, B: int, N: int, T: int, S: int) -> None:
         f"{name}={want}; masks must be broadcastable to (B, N, T, S)="
         f"{(B, N, T, S)}"
       )
-  out = jax.eval_shape(lambda: mask.on_grid(masks.index_grid(B, N, T, S)))
+  try:
+    hash(jax.tree.structure(mask))
+    out = _on_grid_jit.eval_shape(mask, B, N, T, S)  # traced once per structure and shapes
+  except TypeError:  # a setting jit cannot key its cache on (an unhashable from_fn callable)
+    out = jax.eval_shape(_on_grid, mask, B, N, T, S)
   if not isinstance(out, jax.ShapeDtypeStruct):
     raise TypeError(f"mask {mask!r} must evaluate to one boolean array, got {type(out).__name__}")
   if out.dtype != np.bool_:
@@ -107,6 +113,13 @@ def _mask_shapes(mask: masks.Mask, B: int, N: int, T: int, S: int) -> None:
   _checks.broadcastable(f"mask {mask!r}", tuple(out.shape), (B, N, T, S), "(B, N, T, S)")
   for node in _user_fns(mask):
     _check_on_tiles(f"mask {node!r}", node, (B, N, T, S), exact_shape=False)
+
+
+def _on_grid(mask: masks.Mask, B: int, N: int, T: int, S: int) -> Any:
+  return mask.on_grid(masks.index_grid(B, N, T, S))
+
+
+_on_grid_jit = jax.jit(_on_grid, static_argnums=(1, 2, 3, 4))
 
 
 def _user_fns(node: masks.Mask | scores.ScoreFn) -> Iterator[masks.Mask | scores.ScoreFn]:
@@ -166,6 +179,10 @@ def _on_both(fn: Callable[..., Any], n: int, *arrays: Any) -> tuple[Any, Any]:
 # One program per function and probe shapes, reused by every call that checks that function.
 _on_both_jit = jax.jit(_on_both, static_argnums=(0, 1))
 
+# The functions :func:`_check_on_tiles` has passed, each with the probes it passed on; held
+# weakly, so a user's function and the arrays it closes over are not kept alive by the check.
+_passed: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
+
 
 def _check_on_tiles(
   what: str,
@@ -182,10 +199,20 @@ def _check_on_tiles(
   other values at the same positions on the two (it reads positions from an array's
   shape). The indices are traced, as in a tile loop. Values are compared only when the
   function depends on no traced value and has no side effects (a debug callback). Costs
-  one trace and, for a function not seen before, one small compiled program.
+  nothing for a function that passed on the same grids before; else one trace and, for a
+  function not seen before, one small compiled program.
   """
   if 0 in bnts:
     return
+  grids = _probe_grids(bnts)
+  # A function that passed on these grids passes again, as jit reuses a program traced from
+  # it: the same closure over the same concrete values. Only functions whose values were
+  # compared are remembered; one closing over traced values is checked on every call.
+  memo = (tuple(tuple(p.tolist()) for g in grids for p in g), score_dtype, exact_shape)
+  key = fn.fn if isinstance(fn, masks.kinds.FromFn) else fn
+  with contextlib.suppress(TypeError):  # unhashable, or takes no weak reference
+    if memo in _passed.get(key, ()):
+      return
   contract = (
     f"{what} must compute from its index arguments (batch, head, q_idx, kv_idx), "
     "which may be traced: implementations evaluate it on tiles of the "
@@ -195,7 +222,6 @@ def _check_on_tiles(
     "Index captured arrays with the indices (table[q_idx, kv_idx]) rather than "
     "broadcasting them against the grid."
   )
-  grids = _probe_grids(bnts)
   args = [_probe_args(positions, score_dtype) for positions in grids]
   shapes = [tuple(len(p) for p in positions) for positions in grids]
   names = [f"{kind} {_describe_positions(p)}" for kind, p in zip(("tile", "grid"), grids)]
@@ -226,18 +252,21 @@ def _check_on_tiles(
       )
   if closed.effects or not all(map(_checks.is_concrete, closed.consts)):
     return  # closes over traced values (inside jit, vmap, grad) or has side effects
-  if closed.jaxpr.eqns:
+  try:
+    hash(key)
+    hashable = True
+  except TypeError:  # jit keys its cache on it: evaluate an unhashable one operation by operation
+    hashable = False
+  if closed.jaxpr.eqns and hashable:
     # A from_fn mask calls its user's function and nothing else: keyed on that function, a
-    # mask built anew from it reuses the program.
-    key = fn.fn if isinstance(fn, masks.kinds.FromFn) else fn
-    on_both: Callable[..., tuple[Any, Any]]
-    try:
-      hash(key)
-      on_both = _on_both_jit
-    except TypeError:  # jit keys its cache on it: evaluate an unhashable one operation by operation
-      on_both = _on_both
+    # mask built anew from it reuses the program. Compiled ahead and called, the program gives
+    # values even while the caller is traced, and operations on the arrays the function closes
+    # over stay in it (under ensure_compile_time_eval each would compile a program of its own).
+    compiled = _on_both_jit.lower(key, n, *args[0], *args[1]).compile()
+    t_val, w_val = compiled(*args[0], *args[1])
+  elif closed.jaxpr.eqns:
     with jax.ensure_compile_time_eval():  # values even while the caller is traced
-      t_val, w_val = on_both(key, n, *args[0], *args[1])
+      t_val, w_val = _on_both(key, n, *args[0], *args[1])
   else:  # it returns its inputs or constants: nothing to compute
     t_val, w_val = jex_core.jaxpr_as_fun(closed)(*args[0], *args[1])
   t_val = np.broadcast_to(np.asarray(t_val), shapes[0])
@@ -257,6 +286,9 @@ def _check_on_tiles(
       "an array's shape, as jnp.arange(x.shape[-1]) does? Use q_idx and "
       "kv_idx."
     )
+  if hashable:
+    with contextlib.suppress(TypeError):  # a callable that takes no weak reference is not kept
+      _passed.setdefault(key, set()).add(memo)
 
 
 def segments(segment_ids: Any, unbatched: bool, T: int, S: int) -> masks.Mask:
