@@ -68,6 +68,9 @@ def assert_trees_close(actual, expected, tol=2e-5):
     np.testing.assert_allclose(a, e, rtol=tol, atol=tol * size)
 
 
+# Flax's mask builders run eagerly, one compiled program per operation and shape: each mask is
+# built once per shape and shared (jax arrays are immutable).
+@functools.cache
 def causal_mask(shape):
   """Flax's (..., 1, T, T) causal mask for inputs of ``shape`` (..., T)."""
   return nn.make_causal_mask(jnp.ones(shape))
@@ -75,6 +78,11 @@ def causal_mask(shape):
 
 def kv_padding(q_len, kv_lens, kv_len):
   """(B, 1, q_len, kv_len) padding mask: every query keeps keys s < kv_lens[b] (all >= 1)."""
+  return _kv_padding(q_len, tuple(kv_lens), kv_len)
+
+
+@functools.cache
+def _kv_padding(q_len, kv_lens, kv_len):
   q_valid = jnp.ones((len(kv_lens), q_len))
   kv_valid = jnp.asarray(np.arange(kv_len)[None] < np.asarray(kv_lens)[:, None], jnp.float32)
   return nn.make_attention_mask(q_valid, kv_valid)

@@ -98,6 +98,9 @@ def test_bench_configs_name_bad_keys_and_values(tmp_path):
     parallel.main(["--length", "100"])
 
 
+# A study's smoke test, as those below; the decode paths it times are tested by default in
+# test_decode, test_paged and the Flax cache files.
+@pytest.mark.exhaustive
 def test_bench_decode_quick(tmp_path):
   """Every method times a step of the one (B, context) cell; bytes per token follow from the
   shapes; quantized pages err by about their rounding; the serving loop generates every
@@ -180,6 +183,7 @@ def test_bench_decode_config(tmp_path):
   assert cfg.contexts == [] and cfg.serve.requests == 0 and cfg.serve.batch == 3
 
 
+@pytest.mark.exhaustive  # the tour calls the public API that every other file tests
 def test_quickstart_runs():
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
@@ -187,8 +191,8 @@ def test_quickstart_runs():
   assert "output all zero True" in out.getvalue()
 
 
-# Exhaustive, as the other studies' smoke tests below: the default run smoke-tests bench.py,
-# bench_decode.py and the quickstart (each study compiles its own programs).
+# Exhaustive, as the other studies' smoke tests: the default run smoke-tests bench.py, the
+# benchmark against jax.nn (each study compiles its own programs).
 @pytest.mark.exhaustive
 def test_bench_scaling_quick(tmp_path):
   out = io.StringIO()
