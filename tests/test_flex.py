@@ -731,6 +731,30 @@ def test_masks_reading_arrays_that_flex_cannot_lower_are_refused_by_name(name):
       np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
 
 
+def test_choosing_for_a_gpu_traces_a_mask_once_per_structure():
+  """The first choice traces the mask's function (its shapes, its probes on small grids, and
+  a probe kernel of flex's tiles for whether Triton lowers it); a later call with a mask built
+  anew from the same function, and arrays of the same shapes, traces nothing: refusals too."""
+  calls = []
+
+  def reads(b, h, q, kv):
+    calls.append(q.shape)
+    return KEEP[q] | (q == kv)
+
+  def sums(b, h, q, kv):
+    calls.append(q.shape)
+    return kv < VALID.sum(-1)[b]
+
+  q, k, v = _inputs(2)
+  for fn, want in ((reads, "flex"), (sums, "xla")):
+    traced = []
+    for _ in range(2):
+      del calls[:]
+      assert jattn.explain(q, k, v, mask=masks.from_fn(fn), backend="gpu").implementation == want
+      traced.append(list(calls))
+    assert traced[0] and not traced[1], (fn.__name__, traced)
+
+
 def test_a_score_function_that_indexes_a_computed_array_is_refused_by_name():
   slopes = jnp.asarray([0.5, 0.2, 0.1, 0.05])
 

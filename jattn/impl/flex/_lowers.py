@@ -16,6 +16,7 @@ lowers or compiles, so it runs on any backend, in selection and ``explain``.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -103,8 +104,21 @@ def _probe(
   if mask is None and score_fn is None:
     return None
   # Traced on the arrays' shapes and dtypes alone: the kernel reads each device's share,
-  # so a sharding the arrays carry (Explicit mesh axes) is not the kernel's concern.
+  # so a sharding the arrays carry (Explicit mesh axes) is not the kernel's concern. The
+  # answer depends on nothing else, so it is kept per structure (the kinds, settings and user
+  # functions of the mask and score function) and avals, as jit keeps a trace.
   leaves, tree = jax.tree.flatten((mask, score_fn))
+  avals = tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves)
+  try:
+    return _probe_structure(tree, avals, block_q, block_kv, head_dim, np.dtype(dtype))
+  except TypeError:  # a setting that cannot be hashed (an unhashable from_fn callable)
+    return _probe_structure.__wrapped__(tree, avals, block_q, block_kv, head_dim, dtype)
+
+
+@functools.lru_cache(maxsize=512)
+def _probe_structure(
+  tree: Any, avals: tuple[Any, ...], block_q: int, block_kv: int, head_dim: int, dtype: Any
+) -> str | None:
   bodies = []
 
   def trace(*leaves: Any) -> tuple[()]:
@@ -114,7 +128,7 @@ def _probe(
     return ()
 
   try:
-    jax.make_jaxpr(trace)(*(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves))
+    jax.make_jaxpr(trace)(*avals)
   except Exception as e:  # noqa: BLE001 - the function cannot be traced into a kernel
     return f"it cannot be traced into flex's kernel ({type(e).__name__}: {e})"
   return _first_problem(bodies[0])
