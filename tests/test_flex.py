@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases import SCORE_FNS, mask_kinds
+from reference import array
 
 import jattn
 from jattn import _compat, masks
@@ -45,7 +46,7 @@ CASES = {
 def _inputs(K):
   rng = np.random.default_rng(K)
   shapes = [(B, T, N, H), (B, S, K, H), (B, S, K, HV)]
-  return [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
+  return [array(rng.normal(size=s), jnp.float32) for s in shapes]
 
 
 def _flex(q, k, v, mask, score_fn, *, interpret):
@@ -171,7 +172,7 @@ def test_check_grads_float64(x64):
   """Query, key, value and a (1, N, T, S) bias, through a mask and a score function."""
   mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
   q, k, v = (x.astype(jnp.float64) for x in _inputs(2))
-  bias = jnp.asarray(np.random.default_rng(1).normal(size=(1, N, T, S)))
+  bias = array(np.random.default_rng(1).normal(size=(1, N, T, S)))
 
   def f(q, k, v, bias):
     return _loss(lambda *a: _flex_vjp(*a, mask, SCORE_FNS["custom"], bias=bias), q, k, v)
@@ -264,7 +265,7 @@ def test_bias_of_each_broadcast_shape_and_its_gradient_match_xla(shape):
   """Per batch row and head, a key-padding row (B, 1, 1, S), a per-query column: the bias is
   read tile by tile, and its gradient is dS summed over the axes it broadcasts along."""
   q, k, v = _inputs(2)
-  bias = jnp.asarray(np.random.default_rng(5).normal(size=shape), jnp.float32)
+  bias = array(np.random.default_rng(5).normal(size=shape), jnp.float32)
   mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
   _public_flex_matches_xla(q, k, v, bias, mask=mask)
 
@@ -273,7 +274,7 @@ def test_empty_rows_take_no_gradient_from_their_lse_cotangent():
   """A loss of sin(lse) sends NaN (cos(-inf)) down an empty row's lse: the rows have no
   gradient, as xla's, and the NaN reaches none of q, k, v or the bias."""
   q, k, v = _inputs(2)
-  bias = jnp.asarray(np.random.default_rng(6).normal(size=(B, N, T, S)), jnp.float32)
+  bias = array(np.random.default_rng(6).normal(size=(B, N, T, S)), jnp.float32)
   mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
 
   def run(impl, *args):
@@ -324,8 +325,8 @@ def test_learned_score_arrays_get_their_gradients(learned):
   key-padding bias, through a mask that empties rows: every gradient equals xla's."""
   q, k, v = _inputs(2)
   rng = np.random.default_rng(8)
-  bias = jnp.asarray(rng.normal(size=(B, 1, 1, S)), jnp.float32)
-  params = jnp.asarray(rng.uniform(0.05, 0.5, N) if learned == "alibi" else rng.normal(size=(8, N)))
+  bias = array(rng.normal(size=(B, 1, 1, S)), jnp.float32)
+  params = array(rng.uniform(0.05, 0.5, N) if learned == "alibi" else rng.normal(size=(8, N)))
   mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
 
   def run(impl, *args):
@@ -357,8 +358,8 @@ def test_each_pass_at_its_own_tiles_matches_xla(monkeypatch):
   assert flex.tiles_for(H, 4, "") == passes
   q, k, v = _inputs(2)
   rng = np.random.default_rng(12)
-  bias = jnp.asarray(rng.normal(size=(B, 1, 1, S)), jnp.float32)
-  slopes = jnp.asarray(rng.uniform(0.05, 0.5, N), jnp.float32)
+  bias = array(rng.normal(size=(B, 1, 1, S)), jnp.float32)
+  slopes = array(rng.uniform(0.05, 0.5, N), jnp.float32)
   mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
 
   def run(impl, *args):
@@ -383,13 +384,13 @@ def test_check_grads_float64_learned_slopes(x64):
   mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
   q = _inputs(2)[0].astype(jnp.float64)
   k, v = (x.astype(jnp.float64) for x in _inputs(2)[1:])
-  bias = jnp.asarray(np.random.default_rng(2).normal(size=(1, N, 1, S)))
+  bias = array(np.random.default_rng(2).normal(size=(1, N, 1, S)))
 
   def f(q, bias, slopes):
     score_fn = lambda s, b, h, qi, kv: s - slopes[h] * jnp.abs(qi - kv) + 0.1 * jnp.sin(s)
     return _loss(lambda *a: _flex_vjp(*a, mask, score_fn, bias=bias), q, k, v)
 
-  slopes = jnp.asarray([0.5, 0.2, 0.1, 0.05])
+  slopes = array([0.5, 0.2, 0.1, 0.05])
   jax.test_util.check_grads(
     jax.jit(f), (q, bias, slopes), order=1, modes=["rev"], atol=1e-5, rtol=1e-5
   )
@@ -407,9 +408,9 @@ def test_dot_product_attention_runs_flex_by_name():
     k,
     v,
     is_causal=True,
-    segment_ids=jnp.asarray(IDS),
+    segment_ids=array(IDS),
     logits_soft_cap=2.0,
-    sinks=jnp.asarray([0.5, -1.0, 0.0, 2.0]),
+    sinks=array([0.5, -1.0, 0.0, 2.0]),
   )
   choice = jattn.explain(q, k, v, implementation="flex", backend="gpu", is_causal=True)
   assert (choice.implementation, choice.backward) == ("flex", None)
@@ -469,7 +470,7 @@ def test_the_public_call_lowers_for_cuda_with_dropout_segments_and_a_soft_cap():
   q, k, v = _inputs(2)
   kw = dict(
     is_causal=True,
-    segment_ids=jnp.asarray(IDS),
+    segment_ids=array(IDS),
     logits_soft_cap=2.0,
     dropout_rate=0.2,
     dropout_rng=jax.random.key(0),
@@ -573,16 +574,16 @@ def test_the_compile_check_reads_registers_and_spills_for_sm_90():
 # each refused one is refused by name, and the default's fallback matches xla.
 
 _rng = np.random.default_rng(11)
-OFFSETS = jnp.asarray([0, 7, 19, T])  # document boundaries
-VALID = jnp.asarray(_rng.random((B, S)) < 0.7)
-DENSE = jnp.asarray(_rng.random((B, N, T, S)) < 0.6)
-KEEP = jnp.asarray(_rng.random(T) < 0.5)
-TABLE = jnp.asarray(_rng.random((T, S)) < 0.5)
-LENS = jnp.asarray([33, 25])
-DOC_OF = jnp.asarray(np.searchsorted(np.asarray(OFFSETS), np.arange(T), side="right"))
-SAME = jnp.asarray(np.eye(4, dtype=bool) | (np.arange(4)[:, None] == 3))  # doc 3 sees all
-ENDS4 = jnp.asarray([7, 19, 30, T])  # 4 (a power of two) boundaries, compared with all
-ENDS5 = jnp.asarray([7, 19, 25, 30, T])  # 5 boundaries: a (..., 5) array in the kernel
+OFFSETS = array([0, 7, 19, T])  # document boundaries
+VALID = array(_rng.random((B, S)) < 0.7)
+DENSE = array(_rng.random((B, N, T, S)) < 0.6)
+KEEP = array(_rng.random(T) < 0.5)
+TABLE = array(_rng.random((T, S)) < 0.5)
+LENS = array([33, 25])
+DOC_OF = array(np.searchsorted(np.asarray(OFFSETS), np.arange(T), side="right"))
+SAME = array(np.eye(4, dtype=bool) | (np.arange(4)[:, None] == 3))  # doc 3 sees all
+ENDS4 = array([7, 19, 30, T])  # 4 (a power of two) boundaries, compared with all
+ENDS5 = array([7, 19, 25, 30, T])  # 5 boundaries: a (..., 5) array in the kernel
 
 
 def _doc(q, ends=ENDS4):
@@ -756,7 +757,7 @@ def test_choosing_for_a_gpu_traces_a_mask_once_per_structure():
 
 
 def test_a_score_function_that_indexes_a_computed_array_is_refused_by_name():
-  slopes = jnp.asarray([0.5, 0.2, 0.1, 0.05])
+  slopes = array([0.5, 0.2, 0.1, 0.05])
 
   def cumulative(s, b, h, q, kv):
     return s - jnp.cumsum(slopes)[h] * jnp.abs(q - kv)
