@@ -1,5 +1,6 @@
 """jattn.scores: each score function against its formula, and inside attention."""
 
+import dataclasses
 import math
 
 import jax
@@ -114,6 +115,26 @@ def test_attention_with_scores_matches_numpy(backward):
     q, k, v, score=lambda *a: _cap_np(_alibi_np(*a), *a[1:]), allowed=np.tril(np.ones((T, S), bool))
   )
   assert_close(out, want)
+
+
+def test_an_unhashable_callable_is_a_score_fn():
+  """A callable object that cannot be hashed (a dataclass with ``eq``, say) is checked and
+  applied as a plain function is, though jit cannot key its caches on it."""
+
+  @dataclasses.dataclass
+  class Alibi:
+    slopes: np.ndarray
+
+    def __call__(self, s, b, h, q, kv):
+      return s + jnp.asarray(self.slopes)[h] * (kv - q)
+
+  fn = Alibi(SLOPES)
+  with pytest.raises(TypeError):
+    hash(fn)
+  q, k, v = normal((B, T, 3, 4)), normal((B, S, 1, 4), seed=1), normal((B, S, 1, 4), seed=2)
+  for _ in range(2):  # the second call checks it again, with nothing kept from the first
+    out = jattn.dot_product_attention(q, k, v, score_fn=fn, implementation="xla")
+    assert_close(out, attention_np(q, k, v, score=_alibi_np)[0])
 
 
 @pytest.mark.parametrize("backward", ["autodiff", "custom_vjp"])

@@ -122,6 +122,13 @@ def _on_grid(mask: masks.Mask, B: int, N: int, T: int, S: int) -> Any:
 _on_grid_jit = jax.jit(_on_grid, static_argnums=(1, 2, 3, 4))
 
 
+def _scores(score_fn: Callable[..., Any], s: jax.Array) -> Any:
+  return score_fn(s, *masks.index_grid(*s.shape))
+
+
+_scores_jit = jax.jit(_scores, static_argnums=0)
+
+
 def _user_fns(node: masks.Mask | scores.ScoreFn) -> Iterator[masks.Mask | scores.ScoreFn]:
   """The nodes of a Mask or ScoreFn tree that wrap a user's function (``from_fn``)."""
   if isinstance(node, (masks.kinds.FromFn, scores.FromFn)):
@@ -343,9 +350,12 @@ def score_function(
     )
   if score_fn is not None:
     stats = _common.stats_dtype(dtype)
-    out = jax.eval_shape(
-      lambda s: score_fn(s, *masks.index_grid(*bnts)), jax.ShapeDtypeStruct(bnts, stats)
-    )
+    score = jax.ShapeDtypeStruct(bnts, stats)
+    try:
+      hash(score_fn)
+      out = _scores_jit.eval_shape(score_fn, score)  # traced once per function and shape
+    except TypeError:  # an unhashable callable: jit cannot key its cache on it
+      out = jax.eval_shape(lambda s: _scores(score_fn, s), score)
     if not isinstance(out, jax.ShapeDtypeStruct):
       raise TypeError(
         f"score_fn must return one float array of the score's shape "
