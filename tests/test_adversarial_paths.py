@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from reference import array
 
 import jattn
 from experiments.accuracy import max_abs_error
@@ -216,17 +217,17 @@ def test_soft_cap_through_every_ring_pair_kernel(kernel, layout, data):
 
 def _array_reads(rng, B, N, T, S):
   """Each way of reading an array, as a mask function of (b, h, q, kv) broadcast indices."""
-  offsets = jnp.asarray(np.sort(rng.choice(np.arange(1, T), 2, replace=False)))
-  ends = lambda n: jnp.asarray(np.sort(rng.integers(0, T + 1, n)))
-  doc_of = jnp.asarray(rng.integers(0, 4, T).astype(np.int32))
-  lens = jnp.asarray(rng.integers(0, S + 1, B).astype(np.int32))
-  reach = jnp.asarray(rng.integers(0, 4, N).astype(np.int32))
-  keep_q, keep_kv = jnp.asarray(rng.random(T) < 0.5), jnp.asarray(rng.random(S) < 0.5)
-  valid = jnp.asarray(rng.random((B, S)) < 0.7)
-  dense = jnp.asarray(rng.random((B, N, T, S)) < 0.6)
-  table = jnp.asarray(rng.random((T, S)) < 0.5)
-  same_doc = jnp.asarray(rng.random((4, 4)) < 0.5) | jnp.eye(4, dtype=bool)
-  position = jnp.asarray(rng.permutation(max(T, S)).astype(np.float32))
+  offsets = array(np.sort(rng.choice(np.arange(1, T), 2, replace=False)))
+  ends = lambda n: array(np.sort(rng.integers(0, T + 1, n)))
+  doc_of = array(rng.integers(0, 4, T).astype(np.int32))
+  lens = array(rng.integers(0, S + 1, B).astype(np.int32))
+  reach = array(rng.integers(0, 4, N).astype(np.int32))
+  keep_q, keep_kv = array(rng.random(T) < 0.5), array(rng.random(S) < 0.5)
+  valid = array(rng.random((B, S)) < 0.7)
+  dense = array(rng.random((B, N, T, S)) < 0.6)
+  table = array(rng.random((T, S)) < 0.5)
+  same_doc = array((rng.random((4, 4)) < 0.5) | np.eye(4, dtype=bool))
+  position = array(rng.permutation(max(T, S)).astype(np.float32))
 
   def boundaries(i, e):  # how many of the ends each position has passed: a (..., n) compare
     return jnp.sum(i[..., None] >= e.reshape((1,) * i.ndim + (-1,)), axis=-1)
@@ -647,7 +648,7 @@ def _mask_forms(B, T, S, rng):
   q_ids = np.sort(rng.integers(0, 3, (B, T)), axis=1).astype(np.int32)
   kv_ids = np.sort(rng.integers(0, 3, (B, S)), axis=1).astype(np.int32)
   per_row = lambda hi: rng.integers(0, hi + 1, B).astype(np.int32)
-  keep = jnp.asarray(rng.random(S) < 0.5)
+  keep = array(rng.random(S) < 0.5)
   forms = {
     "is_causal": dict(is_causal=True),
     "local_window_size": dict(local_window_size=(2, 1)),

@@ -21,7 +21,7 @@ from flax_helpers import (
   sample,
   shapes_of,
 )
-from reference import assert_close, causal_np
+from reference import array, assert_close, causal_np
 
 import jattn.linen
 from jattn import positional
@@ -57,7 +57,7 @@ def _decode_setup(module, **kw):
 def _numpy_init(key, shape, dtype=jnp.float32):
   """A kernel/bias initializer without jax.random (which would compile for every shape)."""
   del key
-  return jnp.asarray(np.random.default_rng(shape).standard_normal(shape) / shape[0], dtype)
+  return array(np.random.default_rng(shape).standard_normal(shape) / shape[0], dtype)
 
 
 @pytest.mark.parametrize("ragged", [False, True], ids=["flax_cache", "ragged"])
@@ -112,7 +112,7 @@ def test_decode_equals_full_causal(K, rope, chunks):
   # the cache holds the (rotated) keys and the values of the L tokens, zeros after
   _, k, v = project(np_params(params), x)
   if rope is not None:
-    k = np.asarray(rope(jnp.asarray(k, jnp.float32), jnp.arange(L)))
+    k = np.asarray(rope(array(k, jnp.float32), jnp.arange(L)))
   assert_close(cache["cached_key"][:, :L], k)
   assert_close(cache["cached_value"][:, :L], v)
   np.testing.assert_array_equal(cache["cached_key"][:, L:], 0.0)
@@ -128,9 +128,9 @@ def test_decode_ragged_rows():
   params, cache = _decode_setup(module)
   y, mutated = module.apply(
     {**params, "cache": cache},
-    jnp.asarray(prompt),
+    array(prompt),
     decode=True,
-    num_new=jnp.asarray(lens, jnp.int32),
+    num_new=array(lens, jnp.int32),
     mutable=["cache"],
   )
   cache = mutated["cache"]
@@ -337,7 +337,7 @@ def test_int8_paged_cache_is_close_to_the_float_cache():
   # Each stored element is off by at most half an int8 step, 1/254 of its (token, head)
   # vector's largest element: so the cache holds, checked from the formula,
   _, k, v = project(np_params(params), x)
-  k = np.asarray(positional.Rotary()(jnp.asarray(k, jnp.float32), jnp.arange(T)))
+  k = np.asarray(positional.Rotary()(array(k, jnp.float32), jnp.arange(T)))
   pages = np.asarray(cache["page_table"])[:, :3].reshape(-1)  # 3 pages a row, in order
   for name, want in (("key", k), ("value", v)):
     stored = np.asarray(cache[f"cached_{name}_pages"], np.float64)[pages]
@@ -357,7 +357,7 @@ def test_released_rows_restart_like_a_fresh_cache(paged):
   params = random_params(module, x)
   empty = _empty_cache(module, params)
   _, cache = _steps(module, params, empty, x, (4, 1))
-  cache = jattn.linen.release_cache(cache, jnp.asarray([True, False]))
+  cache = jattn.linen.release_cache(cache, array([True, False]))
   np.testing.assert_array_equal(cache["cache_lengths"], [0, 5])
   if paged:
     np.testing.assert_array_equal(np.sum(cache["free_pages"]), 3)
@@ -366,8 +366,8 @@ def test_released_rows_restart_like_a_fresh_cache(paged):
   prompt = jnp.stack([z[0, :4], jnp.pad(x[1, 5:6], ((0, 3), (0, 0)))])
 
   def serve(cache, row_1):
-    first, cache = _steps(module, params, cache, prompt, (4,), jnp.asarray([4, row_1]))
-    second, cache = _steps(module, params, cache, z[:, 4:5], (1,), jnp.asarray([1, 0]))
+    first, cache = _steps(module, params, cache, prompt, (4,), array([4, row_1]))
+    second, cache = _steps(module, params, cache, z[:, 4:5], (1,), array([1, 0]))
     return first, second, cache
 
   first, second, cache = serve(cache, 1)
@@ -394,7 +394,7 @@ def test_a_float_cache_of_another_dtype_is_an_error():
 
 
 def test_release_cache_walks_a_models_cache_collection():
-  contiguous = jattn.decode.init(B, 4, 1, 2)._replace(lengths=jnp.asarray([3, 2]))
+  contiguous = jattn.decode.init(B, 4, 1, 2)._replace(lengths=array([3, 2]))
   paged = jattn.decode.init_paged(4, 2, B, 2, 1, 2, dtype=jnp.int8)
   paged = jattn.decode.update(paged, jnp.ones((B, 3, 1, 2)), jnp.ones((B, 3, 1, 2)))
   names = jattn.linen.CACHE_NAMES
@@ -402,7 +402,7 @@ def test_release_cache_walks_a_models_cache_collection():
   other = {"count": jnp.asarray(3)}  # not an attention cache: kept
   tree = {"block_0": {"attn": as_vars(contiguous)}, "block_1": {"attn": as_vars(paged)}}
   tree["block_1"]["other"] = other
-  rows = jnp.asarray([True, False])
+  rows = array([True, False])
   release = jattn.linen.release_cache
   for out in (release(tree, rows), jax.jit(release)(tree, rows)):
     want = {
@@ -453,11 +453,11 @@ BAD_DECODE_CALLS = [
   ),
   (
     "num_new_shape",
-    dict(num_new=jnp.array([1, 1, 1])),
+    dict(num_new=array([1, 1, 1])),
     ValueError,
     r"num_new must have shape \(B,\)=\(2,\)",
   ),
-  ("num_new_range", dict(num_new=jnp.array([2, 0])), ValueError, r"num_new must be in \[0, t=1\]"),
+  ("num_new_range", dict(num_new=array([2, 0])), ValueError, r"num_new must be in \[0, t=1\]"),
 ]
 
 
@@ -485,6 +485,6 @@ def test_num_new_needs_a_cache_with_a_length_per_row():
       {**params, "cache": cache},
       sample((B, 1, F)),
       decode=True,
-      num_new=jnp.array([1, 1]),
+      num_new=array([1, 1]),
       mutable=["cache"],
     )
