@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from reference import array
 
 import jattn
 from experiments.accuracy import attention_reference, max_abs_error
@@ -116,7 +117,7 @@ def _arrays(rng, shape, dtype, scales=(1.0, 1.0, 1.0)):
   k = rng.standard_normal((B, S, K, H)) * scales[1]
   v = rng.standard_normal((B, S, K, H)) * scales[2]
   ct = rng.standard_normal((B, T, N, H))
-  return tuple(jnp.asarray(np.asarray(x, np.float32), dtype) for x in (q, k, v, ct))
+  return tuple(array(np.asarray(x, np.float32), dtype) for x in (q, k, v, ct))
 
 
 def _scores(q, k, bias, scale=None):
@@ -166,7 +167,7 @@ def extreme_problems(draw):
       values = LARGE_NEGATIVE[:-1] if np.max(np.abs(logits)) < 16 else LARGE_NEGATIVE[1:-1]
       rows = rng.random(bias_shape[:-1]) < 0.3
       bias = np.where(rows[..., None], draw(st.sampled_from(values)), bias)
-    bias = jnp.asarray(bias, jnp.float32)
+    bias = array(bias, jnp.float32)
   name, rule = draw(rules(T, S))
   return (q, k, v, bias, ct), scale, name, rule
 
@@ -262,15 +263,15 @@ def masked_problems(draw):
   if "bool_mask" in used:
     mask = rng.random((B, 1, T, S)) < 0.7
     mask[:, :, rng.random(T) < 0.3] = False  # whole rows
-    kwargs["mask"] = jnp.asarray(mask)
+    kwargs["mask"] = array(mask)
     allowed &= mask
   if "causal_q_lengths" in used:
     q_lens = lengths(T)
-    kwargs.update(is_causal=True, query_seq_lengths=jnp.asarray(q_lens))
+    kwargs.update(is_causal=True, query_seq_lengths=array(q_lens))
     allowed &= (ki <= qi) & (qi < q_lens[:, None, None, None])
   if "kv_lengths" in used:
     kv_lens = lengths(S)
-    kwargs["key_value_seq_lengths"] = jnp.asarray(kv_lens)
+    kwargs["key_value_seq_lengths"] = array(kv_lens)
     allowed &= ki < kv_lens[:, None, None, None]
   if "segments" in used:
     q_ids = rng.integers(0, 3, size=(B, T))
@@ -280,7 +281,7 @@ def masked_problems(draw):
     # smallest (a padding id) would wrap onto a real one.
     palette = np.asarray(draw(st.sampled_from(ID_PALETTES)), np.int64)
     q_ids, kv_ids = palette[q_ids], palette[kv_ids]
-    kwargs["segment_ids"] = (jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32))
+    kwargs["segment_ids"] = (array(q_ids, jnp.int32), array(kv_ids, jnp.int32))
     allowed &= (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
   if "window" in used:
     left, right = draw(st.integers(0, 2)), draw(st.integers(0, 2))
@@ -295,7 +296,7 @@ def masked_problems(draw):
     if "min_bias" in used:  # float32.min takes part: such a row averages what it may see
       rows = ~rows if "inf_bias" in used else rows
       bias[rows & (rng.random((B, N, T)) < 0.5)] = F32_MIN
-    bias = jnp.asarray(bias)
+    bias = array(bias)
   name, rule = draw(rules(T, S))
   return (q, k, v, bias, ct), allowed, kwargs, used, name, rule
 
@@ -345,7 +346,7 @@ def _check_rows_with_nothing_to_attend_to(problem):
     assert err <= tol * size, f"{where}: {quantity} error {err:.3g} (largest |value| {size:.3g})"
   # jax.nn, given the same positions as a boolean mask, agrees on rows that attend to some
   # position whose score is far above its large negative; elsewhere its semantics differ.
-  jax_nn = _jax_nn_masked(q, k, v, bias, jnp.asarray(allowed))
+  jax_nn = _jax_nn_masked(q, k, v, bias, array(allowed))
   same = np.any(allowed & (_scores(q, k, bias) > -1e37), axis=-1).transpose(0, 2, 1)
   np.testing.assert_allclose(
     np.asarray(jax_nn, np.float64)[same],
@@ -385,7 +386,7 @@ def test_float32_min_bias_rows_average_the_values(rule):
     bias[:, :, t] = c
   bias[:, :, 4, :2] = -np.inf
   bias[:, :, 4, 2:] = F32_MIN
-  bias = jnp.asarray(bias)
+  bias = array(bias)
   got = _vjp(_jattn(RULES[rule]), q, k, v, bias, ct)
   _assert_no_nan(got, rule)
   want = attention_reference(q, k, v, bias, ct, scale=0.5, dtype=np.float64)
@@ -467,10 +468,10 @@ def test_segment_ids_at_both_ends_of_int32_every_implementation(name):
   B, T, S, N, K, H = 2, 12, 12, 2, 1, 8
   q, k, v, ct = _arrays(np.random.default_rng(5), (B, T, S, N, K, H), jnp.float32)
   ids = np.array([[INT32_MIN] * 5 + [INT32_MAX - 1] * 7, [INT32_MAX] * 6 + [INT32_MIN + 1] * 6])
-  segment_ids = jnp.asarray(ids, jnp.int32)
+  segment_ids = array(ids, jnp.int32)
   kw = dict(segment_ids=segment_ids, is_causal=True)
   if not name.startswith("ring"):
-    kw["key_value_seq_lengths"] = jnp.array([10, 7])  # lengths join the ids in splash
+    kw["key_value_seq_lengths"] = array([10, 7])  # lengths join the ids in splash
   fn = lambda q, k, v, bias: EVERY_IMPLEMENTATION[name](q, k, v, bias, return_residual=True, **kw)
   with jattn.testing.interpret_kernels():
     got = _vjp(fn, q, k, v, None, ct)
@@ -554,7 +555,7 @@ def _check_tokens_dropped_under_jit_return_zeros(problem):
 
   cache = None if inside else make()
   (_, (out, lengths)), dq = jax.jit(jax.value_and_grad(step, has_aux=True))(
-    q, k, v, cache, jnp.asarray(num_new)
+    q, k, v, cache, array(num_new)
   )
   out, lengths, dq = np.asarray(out), np.asarray(lengths), np.asarray(dq)
   where = (

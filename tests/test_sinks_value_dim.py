@@ -17,6 +17,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
+from reference import array
 
 import jattn
 import jattn.linen
@@ -108,8 +109,8 @@ def test_every_rule_matches_the_formula_with_gradients(
     return jnp.einsum("bnts,bsnh->btnh", p, vv), lse.transpose(0, 2, 1)
 
   want_out, want_lse = formula(q, k, v, sinks, MASK)
-  w_out = jnp.asarray(RNG.normal(size=(B, T, N, Hv)))
-  w_lse = jnp.asarray(np.where(np.isfinite(want_lse), RNG.normal(size=(B, T, N)), 0.0))
+  w_out = array(RNG.normal(size=(B, T, N, Hv)))
+  w_lse = array(np.where(np.isfinite(want_lse), RNG.normal(size=(B, T, N)), 0.0))
 
   def loss(fn, aux=False):
     def f(*a):
@@ -119,7 +120,7 @@ def test_every_rule_matches_the_formula_with_gradients(
 
     return f
 
-  args = tuple(jnp.asarray(x) for x in (q, k, v, sinks) if x is not None)
+  args = tuple(array(x) for x in (q, k, v, sinks) if x is not None)
   if sinks is None:
     run_, plain_ = (
       (lambda f: lambda q, k, v: f(q, k, v, None))(run),
@@ -149,7 +150,7 @@ def test_every_rule_matches_the_formula_with_gradients(
 
 def test_weights_leave_out_the_sinks_share(x64):
   q, k, _ = _inputs(4, 2)
-  w = jattn.attention_weights(jnp.asarray(q), jnp.asarray(k), mask=MASK, sinks=SINKS)
+  w = jattn.attention_weights(array(q), array(k), mask=MASK, sinks=SINKS)
   _, lse = formula(q, k, np.zeros_like(k), SINKS, MASK)
   p_sink = np.exp(SINKS[None, None, :] - lse).transpose(0, 2, 1)  # (B, N, T)
   np.testing.assert_allclose(np.asarray(w).sum(-1), 1 - p_sink, atol=1e-12)
@@ -160,7 +161,7 @@ def test_splash_takes_the_sinks_itself():
   # T = S = 144: padded to 256. Tiled and cast by NumPy (jnp would compile each operation).
   q, k, v = (np.tile(np.asarray(x, np.float32), (1, 12, 1, 1)) for x in _inputs(4, 2, Hv=24))
   sinks = np.asarray(SINKS, np.float32)
-  kw = dict(is_causal=True, query_seq_lengths=jnp.array([100, 0]), return_residual=True)
+  kw = dict(is_causal=True, query_seq_lengths=array([100, 0]), return_residual=True)
 
   def grads(impl):
     def f(q, k, v, sinks):
@@ -254,7 +255,7 @@ def test_decode_and_modules_check_value_head_dims():
 def test_modules_with_a_value_head_dim_of_their_own():
   """MLA-style heads: query/key width 4 per head, value width 3; decoding with the cache
   equals the full causal call; the Linen twin has the same parameter shapes."""
-  x = jnp.asarray(RNG.normal(size=(2, 6, 8)), jnp.float32)
+  x = array(RNG.normal(size=(2, 6, 8)), jnp.float32)
   model = jattn.nnx.MultiHeadAttention(2, 8, value_head_dim=3, is_causal=True, rngs=nnx.Rngs(0))
   assert model.value.kernel[...].shape == (8, 2, 3)
   assert model.out.kernel[...].shape == (2, 3, 8)
@@ -276,7 +277,7 @@ def test_modules_learn_sinks():
   Linen twin has the same parameter and computes the same attention."""
   model = jattn.nnx.MultiHeadAttention(2, 8, sinks=True, is_causal=True, rngs=nnx.Rngs(0))
   assert model.sinks[...].shape == (2,) and not model.sinks[...].any()
-  x = jnp.asarray(RNG.normal(size=(4, 6, 8)), jnp.float32)
+  x = array(RNG.normal(size=(4, 6, 8)), jnp.float32)
   y = jnp.roll(x, 1, axis=1) * 0.5
   opt = nnx.Optimizer(model, optax.adam(3e-2), wrt=nnx.Param)
 
@@ -291,17 +292,17 @@ def test_modules_learn_sinks():
   assert np.abs(np.asarray(model.sinks[...])).min() > 1e-2
 
   # The Flax adapter takes sinks bound with functools.partial.
-  fn = functools.partial(jattn.nnx.attention_fn, sinks=jnp.array([2.0, -1.0]))
-  qkv = jnp.asarray(RNG.normal(size=(3, 2, 6, 2, 4)), jnp.float32)
+  fn = functools.partial(jattn.nnx.attention_fn, sinks=array([2.0, -1.0]))
+  qkv = array(RNG.normal(size=(3, 2, 6, 2, 4)), jnp.float32)
   np.testing.assert_allclose(
-    fn(*qkv), jattn.dot_product_attention(*qkv, sinks=jnp.array([2.0, -1.0])), atol=1e-6
+    fn(*qkv), jattn.dot_product_attention(*qkv, sinks=array([2.0, -1.0])), atol=1e-6
   )
 
   linen = jattn.linen.MultiHeadAttention(2, sinks=True, is_causal=True)
   params = jax.jit(linen.init)(jax.random.key(0), x)["params"]
   assert params["sinks"].shape == (2,)
-  params = {**params, "sinks": jnp.array([3.0, -3.0])}
-  plain = {**params, "sinks": jnp.array([-1e30, -1e30])}  # a sink of ~-inf: no sink
+  params = {**params, "sinks": array([3.0, -3.0])}
+  plain = {**params, "sinks": array([-1e30, -1e30])}  # a sink of ~-inf: no sink
   apply = jax.jit(linen.apply)  # one program for both, not one per operation
   assert not np.allclose(apply({"params": params}, x), apply({"params": plain}, x))
 
@@ -311,7 +312,7 @@ def test_bfloat16_with_sinks_no_worse_than_jax_nn_without():
   error on the same inputs without them (jax.nn has no sinks)."""
   rng = np.random.default_rng(3)
   q, k, v = (jnp.asarray(rng.normal(size=(2, 64, 4, 32)), jnp.bfloat16) for _ in range(3))
-  sinks = jnp.asarray(rng.normal(size=(4,)) + 1.0, jnp.float32)
+  sinks = array(rng.normal(size=(4,)) + 1.0, jnp.float32)
   f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
   # jax.nn's error as one program (eagerly, each of its operations compiles; bitwise the same
   # error). jattn's calls stay apart: inside one program with the float32 reference, XLA may
