@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from flax_helpers import B, F, S, T, assert_takes_every_parameter, nnx_reference, sample, sown
-from reference import RULES, assert_close, normal
+from reference import RULES, array, assert_close, normal
 
 import jattn
 import jattn.nnx
@@ -53,7 +53,7 @@ _reference = nnx.jit(nnx_reference)  # the module's math written out, one progra
 
 def _padding_mask():
   keep = np.array([[1] * T, [1] * (T - 2) + [0, 0]], bool)  # row 1 has 2 padded keys
-  return jnp.asarray(keep[:, None, None, :])
+  return array(keep[:, None, None, :])
 
 
 # --- the attention_fn adapter -------------------------------------------------------
@@ -125,7 +125,9 @@ def test_adapter_extra_batch_dimensions():
     normal((2, 3, 5, 2, 8), seed=1),
     normal((2, 3, 5, 2, 8), seed=2),
   )
-  mask = jnp.asarray(np.random.default_rng(0).random((2, 3, 1, T, 5)) < 0.7).at[..., 0].set(True)
+  mask = np.random.default_rng(0).random((2, 3, 1, T, 5)) < 0.7
+  mask[..., 0] = True
+  mask = array(mask)
   want = jax.jit(nnx.dot_product_attention)(q, k, v, mask=mask)
   assert_close(jattn.nnx.attention_fn(q, k, v, mask=mask), want)
 
@@ -215,7 +217,7 @@ def test_rope_gqa_matches_written_out_reference(K):
   )
   x = sample()
   assert_close(m(x), _reference(m, x), factor=5)
-  positions = jnp.asarray([[3, 4, 5, 6, 7, 8], [0, 2, 4, 6, 8, 10]])
+  positions = array([[3, 4, 5, 6, 7, 8], [0, 2, 4, 6, 8, 10]])
   assert_close(m(x, positions=positions), _reference(m, x, positions=positions), factor=5)
 
 
@@ -254,7 +256,7 @@ def test_every_rule_gives_the_same_values_and_parameter_gradients(rule):
     **RULES[rule],
   )
   x = sample()
-  ids = jnp.asarray([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+  ids = array([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
   got, got_grads = _values_and_parameter_grads(m, x, ids)
   want, want_grads = _values_and_parameter_grads(ref, x, ids)
   assert_close(got, want)
@@ -277,9 +279,9 @@ def test_options_give_what_the_same_keywords_give():
 def test_segment_ids_equal_the_block_diagonal_mask():
   m = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
   ids = np.array([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
-  mask = jnp.asarray(ids[:, None, :, None] == ids[:, None, None, :])
+  mask = array(ids[:, None, :, None] == ids[:, None, None, :])
   x = sample()
-  assert_close(m(x, segment_ids=jnp.asarray(ids)), m(x, mask=mask))
+  assert_close(m(x, segment_ids=array(ids)), m(x, mask=mask))
 
 
 def test_rms_qk_norm_changes_the_output_and_has_scales():
@@ -385,7 +387,9 @@ def test_swapping_flaxs_module_for_jattns_changes_nothing(case):
   assert _params_equal(loaded, theirs) and _params_equal(theirs_loaded, ours)
   F_kv = theirs.in_kv_features
   x, k_in, v_in = sample(), sample((B, S, F_kv), seed=1), sample((B, S, F_kv), seed=2)
-  mask = jnp.asarray(np.random.default_rng(0).random((B, 1, T, S)) < 0.6).at[..., 0].set(True)
+  mask = np.random.default_rng(0).random((B, 1, T, S)) < 0.6
+  mask[..., 0] = True
+  mask = array(mask)
   self_attention = [((x,), {}), ((x,), dict(is_causal=True))] if F_kv == F else []
   calls = self_attention + [
     ((x, k_in, v_in), {}),
@@ -410,7 +414,7 @@ def test_decoding_after_flaxs_init_cache_equals_flaxs():
   keep |= np.eye(T, dtype=bool)  # each query keeps its own token
   step = nnx.jit(lambda m, token, mask: m(token, mask=mask))  # a program per module, every t
   for t in range(T):
-    mask = jnp.asarray(keep[:, :, t : t + 1])
+    mask = array(keep[:, :, t : t + 1])
     assert_close(step(ours, x[:, t : t + 1], mask), step(theirs, x[:, t : t + 1], mask))
   np.testing.assert_array_equal(ours.cache.lengths, [T, T])
 

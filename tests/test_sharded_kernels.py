@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from reference import array
 
 import jattn
 from jattn import masks, testing
@@ -40,11 +41,11 @@ GATHER = re.compile(r"(all-gather|all-to-all|collective-permute)\(")
 
 def _inputs(k_heads=K, dtype=jnp.float32):
   rng = np.random.default_rng(0)
-  q = jnp.asarray(rng.normal(size=(B, T, N, H)), dtype)
-  k = jnp.asarray(rng.normal(size=(B, T, k_heads, H)), dtype)
-  v = jnp.asarray(rng.normal(size=(B, T, k_heads, H)), dtype)
-  ids = jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), axis=1), jnp.int32)
-  sinks = jnp.asarray(rng.normal(size=(N,)), jnp.float32)
+  q = array(rng.normal(size=(B, T, N, H)), dtype)
+  k = array(rng.normal(size=(B, T, k_heads, H)), dtype)
+  v = array(rng.normal(size=(B, T, k_heads, H)), dtype)
+  ids = array(np.sort(rng.integers(0, 3, (B, T)), axis=1), jnp.int32)
+  sinks = array(rng.normal(size=(N,)), jnp.float32)
   return q, k, v, ids, sinks
 
 
@@ -176,7 +177,7 @@ def test_the_shard_map_wrapper_keeps_any_kernels_values():
   from jattn.impl import _base, _sharded, xla
 
   q, k, v, ids, sinks = _inputs()
-  bias = jnp.asarray(np.random.default_rng(5).normal(size=(1, N, T, T)), jnp.float32)
+  bias = array(np.random.default_rng(5).normal(size=(1, N, T, T)), jnp.float32)
 
   def run(q, k, v, bias, wrap):
     arguments = _validate.Arguments(q, k, v, bias, is_causal=True, implementation="xla")
@@ -234,15 +235,15 @@ def _flex_call(implementation, ids):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
 
 
-SLOPES = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
+SLOPES = array([0.5, 0.25, 0.125, 0.0625], jnp.float32)
 
 
 def _flex_inputs(k_heads, bias_rows):
   rng = np.random.default_rng(7)
-  q = jnp.asarray(rng.normal(size=(FB, FT, FN, FH)), jnp.float32)
-  k, v = (jnp.asarray(rng.normal(size=(FB, FT, k_heads, FH)), jnp.float32) for _ in "kv")
-  bias = jnp.asarray(rng.normal(size=(bias_rows, FN, FT, FT)), jnp.float32)
-  ids = jnp.asarray(np.sort(rng.integers(0, 3, (FB, FT)), axis=1), jnp.int32)
+  q = array(rng.normal(size=(FB, FT, FN, FH)), jnp.float32)
+  k, v = (array(rng.normal(size=(FB, FT, k_heads, FH)), jnp.float32) for _ in "kv")
+  bias = array(rng.normal(size=(bias_rows, FN, FT, FT)), jnp.float32)
+  ids = array(np.sort(rng.integers(0, 3, (FB, FT)), axis=1), jnp.int32)
   return q, k, v, bias, ids
 
 
