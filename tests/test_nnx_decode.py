@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from flax_helpers import B, F, T, nnx_reference, sample
-from reference import assert_close
+from reference import array, assert_close
 
 import jattn
 import jattn.nnx
@@ -51,7 +51,7 @@ def test_ragged_prefill_then_decode_under_nnx_jit():
   x = sample()
   lengths = np.array([4, 2])  # prompts, right-padded to 4
   m.init_cache(B, 8, ragged=True)  # a length per row: cache_lengths, not cache_index
-  prompt = m(x[:, :4], decode=True, num_new=jnp.asarray(lengths))
+  prompt = m(x[:, :4], decode=True, num_new=array(lengths))
   step = nnx.jit(lambda m, tok: m(tok, decode=True))
   # Feed each row its own next tokens: row 0 continues at 4, row 1 at 2.
   steps = []
@@ -156,7 +156,7 @@ def _int8_roundtrip(a):
   """What an int8 cache gives back, from the formula: per (token, head) absmax scale."""
   a = np.asarray(a, np.float64)
   scale = np.abs(a).max(-1, keepdims=True) / 127
-  return jnp.asarray(np.round(a / np.where(scale > 0, scale, 1)) * scale, jnp.float32)
+  return array(np.round(a / np.where(scale > 0, scale, 1)) * scale, jnp.float32)
 
 
 def test_int8_cache_is_close_to_the_float_cache():
@@ -196,7 +196,7 @@ def test_released_rows_restart_like_a_fresh_cache(paged):
   if paged:  # 3 pages a row hold 6 tokens: the pool has none for a 7th
     with pytest.raises(ValueError, match="out of pages"):
       m(x[:, :2], decode=True)
-  m.release_cache(jnp.asarray([True, False]))
+  m.release_cache(array([True, False]))
   np.testing.assert_array_equal(m.cache.lengths, [0, 5])
   if paged:
     np.testing.assert_array_equal(np.asarray(m.cache.free).sum(), 3)
@@ -296,14 +296,14 @@ def test_paged_and_quantized_caches_need_blockwise_whole_page_tiles():
 def test_release_cache_errors():
   m = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="no KV cache to release rows of: call init_cache"):
-    m.release_cache(jnp.asarray([True, False]))
+    m.release_cache(array([True, False]))
   m.init_cache(2, 8, page_size=4)
   with pytest.raises(ValueError, match=r"rows must be a boolean array of shape \(B,\)=\(2,\)"):
-    m.release_cache(jnp.asarray([1, 0]))
+    m.release_cache(array([1, 0]))
   m.init_cache((2, 8, F))  # Flax's cache: one cache_index for both rows
   with pytest.raises(
     ValueError,
     match=r"releasing rows needs a cache with one length per row, but this one keeps Flax's "
     r"one cache_index for all rows: call init_cache\(\.\.\., ragged=True\)",
   ):
-    m.release_cache(jnp.asarray([True, False]))
+    m.release_cache(array([True, False]))

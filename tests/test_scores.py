@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases import TILED, TILED_LENGTH
-from reference import RULES, assert_close, attention_jnp, attention_np, grid, normal
+from reference import RULES, array, assert_close, attention_jnp, attention_np, grid, normal
 
 import jattn
 from jattn import masks, scores
@@ -17,7 +17,7 @@ B, N, T, S = 2, 3, 5, 6
 
 
 def _apply(fn, s):
-  return np.asarray(fn(jnp.asarray(s), *masks.index_grid(B, N, T, S)))
+  return np.asarray(fn(array(s), *masks.index_grid(B, N, T, S)))
 
 
 def test_alibi_formula():
@@ -61,7 +61,7 @@ def _t5_bucket_np(rp, bidirectional, num_buckets, max_distance):
 def test_t5_buckets(bidirectional, num_buckets, max_distance):
   rp = np.arange(-300, 301)
   got = scores.t5_bucket(
-    jnp.asarray(rp), num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional
+    array(rp), num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional
   )
   want = [_t5_bucket_np(int(r), bidirectional, num_buckets, max_distance) for r in rp]
   np.testing.assert_array_equal(got, want)
@@ -70,7 +70,7 @@ def test_t5_buckets(bidirectional, num_buckets, max_distance):
 def test_t5_buckets_literal():
   # kv - q:           0   1  -1 -20  200  -200
   got = scores.t5_bucket(
-    jnp.array([0, 1, -1, -20, 200, -200]), num_buckets=32, max_distance=128, bidirectional=True
+    array([0, 1, -1, -20, 200, -200]), num_buckets=32, max_distance=128, bidirectional=True
   )
   np.testing.assert_array_equal(got, [0, 17, 1, 10, 31, 15])
 
@@ -155,7 +155,7 @@ def test_learned_score_parameters_get_gradients(backward):
 
     return jnp.sum(attention_jnp(q, k, v, score=score)[0] ** 2)
 
-  args = (jnp.asarray(TABLE), jnp.asarray(SLOPES))
+  args = (array(TABLE), array(SLOPES))
   got = jax.jit(jax.grad(loss_ours, (0, 1)))(*args)
   want = jax.jit(jax.grad(loss_ref, (0, 1)))(*args)  # one program, not one per operation
   for a, b in zip(got, want):
@@ -187,7 +187,7 @@ def _integer_inputs():
   exact in float16 and bfloat16, so rounding the scores loses nothing."""
   rng = np.random.default_rng(7)
   return tuple(
-    jnp.asarray(rng.integers(-2, 3, shape), jnp.float32)
+    array(rng.integers(-2, 3, shape), jnp.float32)
     for shape in ((B, T, N, 4), (B, S, N, 4), (B, S, N, 4))
   )
 
@@ -214,7 +214,7 @@ def test_score_fn_computing_in_a_narrow_dtype(rule, dtype):
   values, zeros and -inf for rows that attend to nothing, finite gradients (it once gave NaN
   rows, rows of mean(v), or JAX's "unexpected JAX type" from every custom_vjp)."""
   q, k, v = _integer_inputs()
-  lengths = jnp.array([T, 2], jnp.int32)  # row 1: queries 2.. attend to nothing
+  lengths = array([T, 2], jnp.int32)  # row 1: queries 2.. attend to nothing
   narrow = lambda s, b, h, qi, kv: _narrow_formula(s, b, h, qi, kv).astype(dtype)
 
   def ours(q, k, v):
