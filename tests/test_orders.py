@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+from reference import array
 
 import jattn
 
@@ -21,7 +22,7 @@ B, T, N, H = 1, 8, 2, 4
 
 
 def _q(shape=(B, T, N, H), dtype=jnp.float32, seed=0):
-  return jnp.asarray(np.random.default_rng(seed).normal(size=shape), dtype)
+  return array(np.random.default_rng(seed).normal(size=shape), dtype)
 
 
 def _attention(**kw):
@@ -283,8 +284,8 @@ def test_custom_vjp_rules_check_grads_in_float64(kw, x64):
   """Each rule's reverse mode, through the wrapper that refuses forward mode, against finite
   differences: query, key, value and bias differentiated."""
   rng = np.random.default_rng(0)
-  q, k, v = (jnp.asarray(rng.normal(size=(1, 8, 2, 4))) for _ in range(3))
-  bias = jnp.asarray(rng.normal(size=(1, 2, 8, 8)))
+  q, k, v = (array(rng.normal(size=(1, 8, 2, 4))) for _ in range(3))
+  bias = array(rng.normal(size=(1, 2, 8, 8)))
   if kw.get("ring"):
     mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
     f = lambda q, k, v: jattn.parallel.ring_attention(

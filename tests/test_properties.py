@@ -101,7 +101,7 @@ def problems(draw):
   elif score_kind == "relative":
     kwargs["score_fn"] = scores.relative_position_bias(table, num_buckets=8, max_distance=10)
     bucket = lambda r: np.asarray(
-      scores.t5_bucket(jnp.asarray(r), num_buckets=8, max_distance=10, bidirectional=True)
+      scores.t5_bucket(ref.array(r), num_buckets=8, max_distance=10, bidirectional=True)
     )
     score_np = lambda s, b, h, q, kv: s + table[bucket(kv - q), h]
   elif score_kind == "cap":
@@ -144,10 +144,10 @@ def test_matches_float64_numpy_more_draws(problem):
 def _check_matches_float64_numpy(problem):
   (q, k, v), bias, kwargs, allowed, score_np, rule = problem
   with jax.enable_x64(True):
-    args = [jnp.asarray(x, jnp.float64) for x in (q, k, v)]
-    bias64 = None if bias is None else jnp.asarray(bias, jnp.float64)
+    args = [ref.array(x, jnp.float64) for x in (q, k, v)]
+    bias64 = None if bias is None else ref.array(bias, jnp.float64)
     if isinstance(kwargs.get("score_fn"), jattn.ScoreFn):
-      kwargs["score_fn"] = jax.tree_util.tree_map(jnp.asarray, kwargs["score_fn"])
+      kwargs["score_fn"] = jax.tree_util.tree_map(ref.array, kwargs["score_fn"])
     # One jitted program per example (eagerly, the call's checks and glue each compiled a
     # program of their own); the masks, ids and lengths it closes over stay concrete.
     attend = lambda *a: jattn.dot_product_attention(*a, return_residual=True, **rule, **kwargs)
@@ -179,9 +179,9 @@ def _check_custom_vjp_gradients(problem):
     rule = dict(implementation="xla", backward="custom_vjp")
   kwargs.pop("score_fn", None)  # score functions have their own gradient tests
   kwargs.pop("logits_soft_cap", None)
-  q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
-  bias = jnp.zeros((1, 1, 1, 1)) if bias is None else jnp.asarray(bias, jnp.float32)
-  cot = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
+  q, k, v = (ref.array(x, jnp.float32) for x in (q, k, v))
+  bias = ref.array(np.zeros((1, 1, 1, 1)) if bias is None else bias, jnp.float32)
+  cot = ref.array(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
 
   def ours(q, k, v, bias):
     return jnp.sum(jattn.dot_product_attention(q, k, v, bias, **rule, **kwargs) * cot)
