@@ -12,6 +12,7 @@ import pytest
 from cases import SCORE_FN_HEADS, SCORE_FNS, mask_kinds
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from reference import array
 
 from jattn import _compat
 from jattn.impl.flex import _in_kernel as _in_kernel
@@ -47,7 +48,7 @@ def _opened(fn, *specs):
   closed = jax.make_jaxpr(fn)(*specs)
   invars = list(closed.jaxpr.constvars) + list(closed.jaxpr.invars)
   jaxpr = closed.jaxpr.replace(constvars=[], invars=invars)
-  return jaxpr, [jnp.asarray(c) for c in closed.consts]
+  return jaxpr, [c if isinstance(c, jax.Array) else array(c) for c in closed.consts]
 
 
 def _tile_kernel(jaxpr, n_refs, with_scores):
@@ -116,11 +117,11 @@ def test_every_score_function_is_exact_inside_a_kernel_and_lowers_to_triton(name
   fn = SCORE_FNS[name]
   s_spec = jax.ShapeDtypeStruct((1, 1, BQ, BK), jnp.float32)
   jaxpr, arrays = _opened(lambda s, b, h, q, kv: fn(s, b, h, q, kv), s_spec, *SPECS)
-  scores = jnp.asarray(np.random.default_rng(1).normal(size=(B, N, T, S)), jnp.float32)
+  scores = array(np.random.default_rng(1).normal(size=(B, N, T, S)), jnp.float32)
   got = jax.jit(lambda s, *a: _call(jaxpr, a, s, interpret=True))(scores, *arrays)
   idx = [np.arange(B), np.arange(N), np.arange(T), np.arange(S)]
   idx = [x.reshape([-1 if a == i else 1 for a in range(4)]) for i, x in enumerate(idx)]
-  want = fn(scores, *(jnp.asarray(x, jnp.int32) for x in idx))
+  want = fn(scores, *(array(x, jnp.int32) for x in idx))
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
   assert _lowers_to_triton(jaxpr, arrays, scores)
 
@@ -128,7 +129,7 @@ def test_every_score_function_is_exact_inside_a_kernel_and_lowers_to_triton(name
 def test_gathers_that_fill_and_whole_array_reads():
   """A gather in fill mode reads the fill value out of range; an operation on a whole array
   (not a point gather) loads the whole ref first, and stays exact."""
-  table = jnp.asarray(np.arange(T, dtype=np.float32) * 0.5)
+  table = array(np.arange(T, dtype=np.float32) * 0.5)
 
   def fn(b, h, q, kv):
     shifted = table.at[q + kv - 8].get(mode="fill", fill_value=-1.0)  # past T: filled
@@ -165,8 +166,8 @@ def test_static_slices_of_an_array_are_loads_at_offsets():
   """A row of a (B, T) array, a strided slice, an offset slice of a table: read from the
   ref at the slice's start and step (no whole (2, 32) array, which Triton could not form
   had it been (2, 40)), exact and lowered to Triton."""
-  valid = jnp.asarray(np.random.default_rng(4).random((B, T)) < 0.5)
-  table = jnp.asarray(np.arange(T * S, dtype=np.float32).reshape(T, S))
+  valid = array(np.random.default_rng(4).random((B, T)) < 0.5)
+  table = array(np.arange(T * S, dtype=np.float32).reshape(T, S))
 
   def fn(b, h, q, kv):
     rows = valid[0][q].astype(jnp.float32) + 2.0 * valid[1, 1:][kv - 1]

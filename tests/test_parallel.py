@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from reference import (
+  array,
   assert_close,
   attention_jnp,
   attention_np,
@@ -278,7 +279,7 @@ def test_layout_positions_and_permutations():
     y = parallel.permute(x, layout, 4)
     np.testing.assert_array_equal(y, x[:, parallel.positions(layout, 24, 4)])
     np.testing.assert_array_equal(parallel.unpermute(y, layout, 4), x)
-    np.testing.assert_array_equal(parallel.unpermute(jnp.asarray(y), layout, 4), x)
+    np.testing.assert_array_equal(parallel.unpermute(array(y), layout, 4), x)
   # Zig-zag and striped even out causal work: every shard holds positions summing alike.
   for layout in ("zigzag", "striped"):
     sums = parallel.positions(layout, 64, 8).reshape(8, 8).sum(axis=1)
@@ -447,10 +448,10 @@ def test_ring_runs_splash_per_shard_pair():
   # test_splash.py and test_sharded_kernels.py check that on several rows).
   mesh = _mesh((2,), ("sp",))
   rng = np.random.default_rng(0)
-  q = jnp.asarray(rng.normal(size=(1, 256, 2, 64)), jnp.float32)
-  k, v = (jnp.asarray(rng.normal(size=(1, 256, 1, 64)), jnp.float32) for _ in range(2))
-  ids = jnp.asarray([[0] * 100 + [1] * 156], jnp.int32)
-  w = jnp.asarray(rng.normal(size=(1, 256, 2, 64)), jnp.float32)
+  q = array(rng.normal(size=(1, 256, 2, 64)), jnp.float32)
+  k, v = (array(rng.normal(size=(1, 256, 1, 64)), jnp.float32) for _ in range(2))
+  ids = array([[0] * 100 + [1] * 156], jnp.int32)
+  w = array(rng.normal(size=(1, 256, 2, 64)), jnp.float32)
 
   def loss(attend, q, k, v):
     out, lse = attend(q, k, v)
@@ -497,7 +498,7 @@ def test_ring_lowers_splash_for_tpu_and_refuses_what_it_cannot():
   with pytest.raises(ValueError, match="needs a TPU"):
     ring(q, implementation="splash")
   with pytest.raises(ValueError, match="does not support lengths"):
-    ring(q, implementation="splash", query_seq_lengths=jnp.array([3]))
+    ring(q, implementation="splash", query_seq_lengths=array([3]))
   with pytest.raises(ValueError, match="implementation must be one of"):
     ring(q, implementation="xla")
   # A soft cap: splash's pairs cannot give its log-sum-exp's gradient, so None lowers
