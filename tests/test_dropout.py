@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend.random import threefry2x32_p
-from reference import RULES, assert_close, attention_jnp, attention_np, normal
+from reference import RULES, array, assert_close, attention_jnp, attention_np, normal
 
 import jattn
 from jattn import dropout, masks
@@ -15,7 +15,7 @@ from jattn import dropout, masks
 
 def test_threefry_is_bit_identical_to_jax():
   rng = np.random.default_rng(0)
-  words = [jnp.asarray(rng.integers(0, 2**32, size=(64,), dtype=np.uint32)) for _ in range(4)]
+  words = [array(rng.integers(0, 2**32, size=(64,), dtype=np.uint32)) for _ in range(4)]
   want = threefry2x32_p.bind(*words)
   got = dropout.threefry2x32(words[:2], words[2:])
   for a, b in zip(got, want):

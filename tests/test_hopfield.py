@@ -11,7 +11,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.test_util import check_grads
-from reference import assert_close, normal
+from reference import array, assert_close, normal
 
 import jattn.nnx
 from jattn import hopfield
@@ -135,7 +135,7 @@ def _memories(num=16, dim=32, copies=2, noise=0.4, seed=0):
   q = x[source] + noise * n / np.linalg.norm(n, axis=1, keepdims=True)
   # The setup is sound: each noisy query is still nearest to its own pattern.
   np.testing.assert_array_equal(np.argmax(q @ x.T, axis=1), source)
-  return jnp.asarray(q, jnp.float32), jnp.asarray(x, jnp.float32), source
+  return array(q, jnp.float32), array(x, jnp.float32), source
 
 
 def test_large_beta_retrieves_the_nearest_pattern():
@@ -332,8 +332,8 @@ def test_layer_learns_to_map_inputs_to_targets():
   rng = np.random.default_rng(0)
   centers, targets = rng.standard_normal((2, 4, D))
   labels = np.arange(32) % 4
-  x = jnp.asarray(centers[labels] + 0.1 * rng.standard_normal((32, D)), jnp.float32)
-  y = jnp.asarray(targets[labels], jnp.float32)
+  x = array(centers[labels] + 0.1 * rng.standard_normal((32, D)), jnp.float32)
+  y = array(targets[labels], jnp.float32)
   layer = _layer(num_patterns=4, beta=2.0)
   optimizer = nnx.Optimizer(layer, optax.adam(0.1), wrt=nnx.Param)
 

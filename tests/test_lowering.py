@@ -18,13 +18,14 @@ import pytest
 from jax import export
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from reference import array
 
 import jattn
 from jattn import testing
 
 B, T, N, H = 2, 136, 2, 64
-Q = jnp.asarray(np.random.default_rng(0).normal(size=(B, T, N, H)), jnp.bfloat16)
-IDS = jnp.asarray(np.repeat([[0] * 50 + [1] * 86], B, axis=0))
+Q = array(np.random.default_rng(0).normal(size=(B, T, N, H)), jnp.bfloat16)
+IDS = array(np.repeat([[0] * 50 + [1] * 86], B, axis=0))
 
 
 def _attend(q):
