@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import RULES, assert_close, attention_np, normal
+from reference import RULES, array, assert_close, attention_np, normal
 
 import jattn
 from jattn import masks
@@ -26,7 +26,7 @@ def _bool_mask(shape, seed=1):
   """A random mask whose every (b, n, t) row keeps at least its first key."""
   m = np.random.default_rng(seed).random(shape) < 0.6
   m[..., 0] = True
-  return jnp.asarray(m)
+  return array(m)
 
 
 # name -> (B, T, S, N, K, H, extra kwargs builder, bias shape or None). Every argument of
@@ -43,7 +43,7 @@ CASES = {
     2,
     2,
     4,
-    lambda B, T, S: {"query_seq_lengths": jnp.array([3, 6], jnp.int32), "local_window_size": 2},
+    lambda B, T, S: {"query_seq_lengths": array([3, 6], jnp.int32), "local_window_size": 2},
     "TS",
   ),
   "kv_lengths_window": (
@@ -54,7 +54,7 @@ CASES = {
     2,
     4,
     lambda B, T, S: {
-      "key_value_seq_lengths": jnp.array([5, 7], jnp.int32),
+      "key_value_seq_lengths": array([5, 7], jnp.int32),
       "local_window_size": (3, 0),
     },
     None,
@@ -67,8 +67,8 @@ CASES = {
     2,
     8,
     lambda B, T, S: {
-      "query_seq_lengths": jnp.array([4, 6], jnp.int32),
-      "key_value_seq_lengths": jnp.array([3, 5], jnp.int32),
+      "query_seq_lengths": array([4, 6], jnp.int32),
+      "key_value_seq_lengths": array([3, 5], jnp.int32),
       "is_causal": True,
       "mask": _bool_mask((1, 4, T, S)),
       "scale": 0.3,
@@ -86,8 +86,8 @@ CASES = {
       "mask": _bool_mask((B, 1, T, S)),
       "is_causal": True,
       "local_window_size": (4, 0),
-      "key_value_seq_lengths": jnp.array([6, 5], jnp.int32),
-      "query_seq_lengths": jnp.array([6, 4], jnp.int32),
+      "key_value_seq_lengths": array([6, 5], jnp.int32),
+      "query_seq_lengths": array([6, 4], jnp.int32),
     },
     "BNTS",
   ),
@@ -229,7 +229,7 @@ def test_unbatched_layout_and_vmap(vmapped, rule):  # bf16: test_matches_jax_nn
 )
 def test_vmap_matches_loop(rule):
   q, k, v = _inputs(3, 4, 5, 2, 1, 4, jnp.float32)
-  ids = jnp.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2], [3, 3, 3, 3, 3]])
+  ids = array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2], [3, 3, 3, 3, 3]])
 
   def one(q, k, v, ids):  # unbatched call inside vmap; the mask rides along as an array
     return jattn.dot_product_attention(
@@ -325,7 +325,7 @@ def test_attention_weights_with_empty_head_dim_are_uniform():
 def test_segment_ids_against_numpy():
   q, k, v = _inputs(2, 6, 6, 2, 2, 4, jnp.float32)
   ids = np.array([[0, 0, 0, 1, 1, 2], [5, 5, 6, 6, 6, 6]])
-  out = jattn.dot_product_attention(q, k, v, segment_ids=jnp.asarray(ids))
+  out = jattn.dot_product_attention(q, k, v, segment_ids=array(ids))
   allowed = (ids[:, :, None] == ids[:, None, :])[:, None]
   assert_close(out, attention_np(q, k, v, allowed=allowed)[0])
   # A pair of ids allows cross-attention between differently packed sequences.
@@ -346,13 +346,13 @@ def test_repeated_calls_do_not_retrace(monkeypatch):
   monkeypatch.setitem(_select.TABLE, "xla", dataclasses.replace(xla.IMPLEMENTATION, run=counted))
   q, k, v = _inputs(2, 4, 4, 2, 2, 4, jnp.float32)
   for i in range(3):
-    ids = jnp.array([[0, 0, 1, 1], [0, 1, 1, 1]]) + i
+    ids = array(np.array([[0, 0, 1, 1], [0, 1, 1, 1]]) + i)
     jattn.dot_product_attention(
       q + i,
       k,
       v,
       mask=masks.causal() & masks.segments(ids),
-      score_fn=jattn.scores.alibi(jnp.array([0.1, 0.2]) * i),
+      score_fn=jattn.scores.alibi(array(np.array([0.1, 0.2]) * i)),
     )
   with pytest.raises(AssertionError, match="traced"):  # a new shape traces again
     jattn.dot_product_attention(
@@ -361,7 +361,7 @@ def test_repeated_calls_do_not_retrace(monkeypatch):
       v,
       mask=masks.causal()
       & masks.segments(jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 4), jnp.int32)),
-      score_fn=jattn.scores.alibi(jnp.array([0.1, 0.2])),
+      score_fn=jattn.scores.alibi(array([0.1, 0.2])),
     )
 
 
@@ -476,7 +476,7 @@ def test_integer_bias_is_promoted_as_jax_nn_promotes_it(rule, dtype, bias_dtype)
   """jax.nn adds an integer bias to its float32 logits (int + float32 is float32); so does
   jattn, with the same values and gradients as the bias cast to float32 by hand."""
   q, k, v = (normal((2, 5, 2, 4), dtype, seed) for seed in (0, 1, 2))
-  bias = jnp.asarray(np.random.default_rng(3).integers(-3, 4, (2, 1, 5, 5)) % 7, bias_dtype)
+  bias = array(np.random.default_rng(3).integers(-3, 4, (2, 1, 5, 5)) % 7, bias_dtype)
   kw = RULES.get(rule, {})
   got = jattn.dot_product_attention(q, k, v, bias, **kw)
   want = _jax_nn(q, k, v, bias)

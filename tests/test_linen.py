@@ -30,7 +30,7 @@ from flax_helpers import (
   sample,
   shapes_of,
 )
-from reference import assert_close, causal_np, normal, segments_np
+from reference import array, assert_close, causal_np, normal, segments_np
 
 import jattn
 import jattn.linen
@@ -374,7 +374,9 @@ def test_swapping_flaxs_module_for_jattns_changes_nothing(case):
   shapes = abstract_init(theirs, x, k_in, v_in)
   assert shapes_of(abstract_init(ours, x, k_in, v_in)) == shapes_of(shapes)
   variables = {"params": fill(shapes["params"])}
-  mask = jnp.asarray(np.random.default_rng(0).random((B, 1, T, S)) < 0.6).at[..., 0].set(True)
+  mask = np.random.default_rng(0).random((B, 1, T, S)) < 0.6
+  mask[..., 0] = True
+  mask = array(mask)
   for args, kwargs in [
     ((x,), {}),
     ((x, k_in, v_in), {}),
@@ -410,7 +412,7 @@ def test_decoding_after_flaxs_init_equals_flaxs():
       y, mutated = m.apply(
         {**params, "cache": caches[i]},
         x[:, t : t + 1],
-        mask=jnp.asarray(keep[:, :, t : t + 1], jnp.float32),  # Flax's 0/1 float mask
+        mask=array(keep[:, :, t : t + 1], jnp.float32),  # Flax's 0/1 float mask
         mutable=["cache"],
       )
       caches[i] = mutated["cache"]
@@ -486,9 +488,9 @@ def test_mha_segment_ids_equal_mask():
   ids = np.array([[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 2, 2]], np.int32)
   module = MHA(num_heads=4, is_causal=True)
   variables = random_params(module, x)
-  got = module.apply(variables, x, segment_ids=jnp.asarray(ids))
+  got = module.apply(variables, x, segment_ids=array(ids))
   allowed = segments_np(ids, ids) & causal_np(T, T)
-  assert_close(got, module.apply(variables, x, mask=jnp.asarray(segments_np(ids, ids))))
+  assert_close(got, module.apply(variables, x, mask=array(segments_np(ids, ids))))
   assert_close(got, linen_reference(variables, x, allowed=allowed))
   assert not np.allclose(got, module.apply(variables, x), atol=1e-3)
 
