@@ -11,6 +11,7 @@ import pytest
 from cases import SCORE_FN_HEADS, SCORE_FNS, mask_kinds, score_fn_in
 from jax.test_util import check_grads
 from reference import (
+  array,
   assert_close,
   attention_jnp,
   block_sparse_np,
@@ -211,7 +212,7 @@ def test_every_mask_against_float64_formula(kind):
     return jax.jit(outputs_and_grads)(*args)
 
   with jax.enable_x64(dtype == F64):  # cast by NumPy: jnp would compile each conversion
-    args = [jnp.asarray(np.asarray(x, dtype)) for x in arrays + ([] if bias is None else [bias])]
+    args = [array(np.asarray(x, dtype)) for x in arrays + ([] if bias is None else [bias])]
     keep = _keep() if drop else None
     kw = dict(dropout_rate=RATE, dropout_rng=DROPOUT_RNG) if drop else {}
 
@@ -222,7 +223,7 @@ def test_every_mask_against_float64_formula(kind):
       )  # fmt: skip
       return out, _finite(lse)
 
-    (out, lse), grads = run(ours, args, [jnp.asarray(np.asarray(c, dtype)) for c in cots])
+    (out, lse), grads = run(ours, args, [array(np.asarray(c, dtype)) for c in cots])
   with jax.enable_x64(True):
 
     def formula(q, k, v, b=None):
@@ -232,8 +233,8 @@ def test_every_mask_against_float64_formula(kind):
       )
       return out, _finite(lse)
 
-    args64 = [jnp.asarray(np.asarray(x, F64)) for x in args]
-    (want, want_lse), want_grads = run(formula, args64, [jnp.asarray(c) for c in cots])
+    args64 = [array(np.asarray(x, F64)) for x in args]
+    (want, want_lse), want_grads = run(formula, args64, [array(c) for c in cots])
   assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
   np.testing.assert_array_equal(np.asarray(lse) == 0, np.asarray(want_lse) == 0)  # empty rows
   assert_close(out, want, dtype, factor=5, err_msg="out")

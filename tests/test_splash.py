@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import array
 
 import jattn
 from jattn import masks
@@ -25,9 +26,9 @@ RNG = np.random.default_rng(0)
 
 def _inputs(K=2, s=S, dtype=jnp.float32, seed=1):
   rng = np.random.default_rng(seed)
-  q = jnp.asarray(rng.normal(size=(B, T, N, H)), dtype)
-  k = jnp.asarray(rng.normal(size=(B, s, K, H)), dtype)
-  v = jnp.asarray(rng.normal(size=(B, s, K, H)), dtype)
+  q = array(rng.normal(size=(B, T, N, H)), dtype)
+  k = array(rng.normal(size=(B, s, K, H)), dtype)
+  v = array(rng.normal(size=(B, s, K, H)), dtype)
   return q, k, v
 
 
@@ -36,7 +37,7 @@ def _docs():
   ids[0, 50:] = 1
   ids[0, 100:] = 2
   ids[1, 70:] = 5
-  return jnp.asarray(ids)
+  return array(ids)
 
 
 PER_HEAD = RNG.random((1, N, T, S)) < 0.2
