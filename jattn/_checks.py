@@ -21,6 +21,16 @@ def is_concrete(x: Any) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
+def hashable(x: Any) -> bool:
+  """True when ``x`` can be hashed: jit can key its caches on it (a static argument, or a
+  treedef whose static fields hold it), and so can the caches that follow jit's keys."""
+  try:
+    hash(x)
+  except TypeError:
+    return False
+  return True
+
+
 def dtype_of(x: Any) -> np.dtype:
   return np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
 

@@ -96,10 +96,9 @@ def _mask_shapes(mask: masks.Mask, B: int, N: int, T: int, S: int) -> None:
         f"{name}={want}; masks must be broadcastable to (B, N, T, S)="
         f"{(B, N, T, S)}"
       )
-  try:
-    hash(jax.tree.structure(mask))
+  if _checks.hashable(jax.tree.structure(mask)):
     out = _on_grid_jit.eval_shape(mask, B, N, T, S)  # traced once per structure and shapes
-  except TypeError:  # a setting jit cannot key its cache on (an unhashable from_fn callable)
+  else:  # a setting jit cannot key its cache on (an unhashable from_fn callable)
     out = jax.eval_shape(_on_grid, mask, B, N, T, S)
   if not isinstance(out, jax.ShapeDtypeStruct):
     raise TypeError(f"mask {mask!r} must evaluate to one boolean array, got {type(out).__name__}")
@@ -259,11 +258,8 @@ def _check_on_tiles(
       )
   if closed.effects or not all(map(_checks.is_concrete, closed.consts)):
     return  # closes over traced values (inside jit, vmap, grad) or has side effects
-  try:
-    hash(key)
-    hashable = True
-  except TypeError:  # jit keys its cache on it: evaluate an unhashable one operation by operation
-    hashable = False
+  # jit keys its cache on the function: an unhashable one is evaluated operation by operation
+  hashable = _checks.hashable(key)
   if closed.jaxpr.eqns and hashable:
     # A from_fn mask calls its user's function and nothing else: keyed on that function, a
     # mask built anew from it reuses the program. Compiled ahead and called, the program gives
@@ -351,10 +347,9 @@ def score_function(
   if score_fn is not None:
     stats = _common.stats_dtype(dtype)
     score = jax.ShapeDtypeStruct(bnts, stats)
-    try:
-      hash(score_fn)
+    if _checks.hashable(score_fn):
       out = _scores_jit.eval_shape(score_fn, score)  # traced once per function and shape
-    except TypeError:  # an unhashable callable: jit cannot key its cache on it
+    else:  # an unhashable callable: jit cannot key its cache on it
       out = jax.eval_shape(lambda s: _scores(score_fn, s), score)
     if not isinstance(out, jax.ShapeDtypeStruct):
       raise TypeError(

@@ -69,9 +69,8 @@ _on_full_grid_jit = jax.jit(_on_full_grid, static_argnums=(1, 2, 3, 4))
 
 def _dense(mask: Mask, batch_size: int, num_heads: int, q_len: int, kv_len: int) -> jax.Array:
   """:func:`_on_full_grid` through one cached program; in the caller's trace, if any."""
-  try:
-    hash(jax.tree.structure(mask))
-  except TypeError:  # a setting jit cannot key its cache on (an unhashable from_fn callable)
+  if not _checks.hashable(jax.tree.structure(mask)):
+    # a setting jit cannot key its cache on (an unhashable from_fn callable)
     return _on_full_grid(mask, batch_size, num_heads, q_len, kv_len)
   return _on_full_grid_jit(mask, batch_size, num_heads, q_len, kv_len)
 

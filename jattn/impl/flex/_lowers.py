@@ -27,6 +27,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 
+from jattn import _checks
 from jattn.impl.flex import _kernels as _kernels
 from jattn.masks import _core as masks_core
 
@@ -109,10 +110,9 @@ def _probe(
   # functions of the mask and score function) and avals, as jit keeps a trace.
   leaves, tree = jax.tree.flatten((mask, score_fn))
   avals = tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves)
-  try:
-    return _probe_structure(tree, avals, block_q, block_kv, head_dim, np.dtype(dtype))
-  except TypeError:  # a setting that cannot be hashed (an unhashable from_fn callable)
+  if not _checks.hashable(tree):  # a setting that cannot be hashed (an unhashable callable)
     return _probe_structure.__wrapped__(tree, avals, block_q, block_kv, head_dim, dtype)
+  return _probe_structure(tree, avals, block_q, block_kv, head_dim, np.dtype(dtype))
 
 
 @functools.lru_cache(maxsize=512)
