@@ -27,6 +27,7 @@ name Triton.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -83,14 +84,12 @@ def tile_of(program: Any, count: int, from_last: bool) -> Any:
 
 
 def in_tile_order(specs: Sequence[pl.BlockSpec], count: int, from_last: bool) -> list[Any]:
-  """``specs`` whose index maps read their first grid index through :func:`tile_of`."""
+  """``specs`` whose index maps read their first grid index through :func:`tile_of` (every
+  other field of each spec kept)."""
   if not from_last:
     return list(specs)
   return [
-    pl.BlockSpec(
-      spec.block_shape,
-      functools.partial(_reordered, spec.index_map, count),
-    )
+    dataclasses.replace(spec, index_map=functools.partial(_reordered, spec.index_map, count))
     for spec in specs
   ]
 
