@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jattn import _checks
+from jattn import _checks, _compat
 
 __all__ = [
   "ScoreFn",
@@ -78,7 +78,7 @@ class ScoreFn:
     )
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class FromFn(ScoreFn):
   """A user's ``fn(score, batch, head, q_idx, kv_idx)`` (see :func:`from_fn`)."""
@@ -117,7 +117,7 @@ def from_fn(fn: Callable) -> ScoreFn:
   return FromFn(fn)
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class Compose(ScoreFn):
   """Score functions applied in order (see :func:`compose`)."""
@@ -168,7 +168,7 @@ def _float_array(name: str, value: Any, *, ndim: int) -> jax.Array | np.ndarray:
   return arr
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class Alibi(ScoreFn):
   """``score + slopes[head] * (kv_idx - q_idx)`` (see :func:`alibi`)."""
@@ -205,7 +205,7 @@ def alibi(slopes: ArrayLike, *, bidirectional: bool = False) -> ScoreFn:
   return Alibi(_float_array("slopes", slopes, ndim=1), bool(bidirectional))
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class SoftCap(ScoreFn):
   """``cap * tanh(score / cap)`` (see :func:`soft_cap`)."""
@@ -257,7 +257,7 @@ def t5_bucket(
   return bucket + jnp.where(is_small, n, large)
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class RelativePositionBias(ScoreFn):
   """``score + table[bucket(kv_idx - q_idx), head]`` (see :func:`relative_position_bias`)."""

@@ -7,10 +7,12 @@ exports in ``__all__``."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pathlib
 import re
 import sys
 
+import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -98,7 +100,44 @@ def test_imports_flow_one_way_through_the_library():
   assert not circles, f"import circles (module -> what it imports within the circle): {detail}"
   # What the check catches: a circle made of two modules that import each other.
   assert _circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
-  assert graph["jattn.impl._base"] <= {"jattn.masks", "jattn.scores"}, graph["jattn.impl._base"]
+  base = {"jattn.masks", "jattn.scores", "jattn._compat"}
+  assert graph["jattn.impl._base"] <= base, graph["jattn.impl._base"]
+  assert graph["jattn._compat"] == set(), graph["jattn._compat"]
+
+
+def test_every_pytree_class_is_registered_so_its_treedef_names_its_class():
+  # jax.tree_util.register_dataclass makes treedefs whose equality ignores the class (two mask
+  # kinds with equal settings compare equal, and jit's cache may run one's program for the
+  # other): jattn registers its pytree classes through _compat.register_dataclass only.
+  found = {}
+  for path in LIBRARY:
+    if path.name == "_compat.py":
+      continue
+    pattern = r"tree_util\.register_\w+|tree_util import[^\n]*register_\w+"
+    calls = re.findall(pattern, path.read_text())
+    if calls:
+      found[str(path.relative_to(ROOT))] = calls
+  assert not found, f"register pytree classes with jattn._compat.register_dataclass: {found}"
+  from jattn import _compat
+
+  @_compat.register_dataclass
+  @dataclasses.dataclass(frozen=True)
+  class One:
+    x: int
+    n: int = dataclasses.field(default=1, metadata={"static": True})
+
+  @_compat.register_dataclass
+  @dataclasses.dataclass(frozen=True)
+  class Other:
+    y: int
+    n: int = dataclasses.field(default=1, metadata={"static": True})
+
+  one, other = jax.tree_util.tree_structure(One(0)), jax.tree_util.tree_structure(Other(0))
+  assert one != other and one == jax.tree_util.tree_structure(One(5))
+  assert one != jax.tree_util.tree_structure(One(0, n=2))
+  paths, _ = jax.tree_util.tree_flatten_with_path(One(3, n=4))
+  assert paths == [((jax.tree_util.GetAttrKey("x"),), 3)]
+  assert jax.tree_util.tree_unflatten(one, [7]) == One(7)
 
 
 def test_the_top_level_holds_public_modules_and_at_most_three_private_ones():

@@ -750,6 +750,29 @@ def test_masks_are_pytrees():
   np.testing.assert_array_equal(got, mask.materialize(T_, S_))
 
 
+def test_the_treedefs_of_two_kinds_never_compare_equal():
+  # jit keys its compiled programs on the arguments' treedefs. Masks of different kinds with
+  # equal settings, or the same operands under & and |, must not share one: with jax's own
+  # register_dataclass they compared equal, and now and then (a hash-table collision in jit's
+  # cache) materialize returned the & of two masks for their |.
+  g, k = masks.global_tokens(2), masks.lengths(kv_lengths=np.array([0, 5]))
+  one_setting = [masks.causal(1), masks.global_tokens(1), masks.strided(1), masks.chunked(1)]
+  one_child = [masks.causal(np.array([1, 2])), masks.prefix_lm(np.array([1, 2])), ~g]
+  for group in ([g & k, g | k], one_setting, one_child):
+    structures = [jax.tree_util.tree_structure(m) for m in group]
+    for (i, a), (j, b) in itertools.combinations(enumerate(structures), 2):
+      assert a != b, (group[i], group[j])
+    # the same kind and settings still share one (no recompilation for a rebuilt mask)
+    assert all(
+      s == jax.tree_util.tree_structure(jax.tree.map(lambda x: x, m))
+      for s, m in zip(structures, group)
+    )
+  dense = jax.jit(lambda m: m.materialize(9, 7, batch_size=2))
+  want_g, want_k = global_np(9, 7, 2), lengths_np(9, 7, None, [0, 5])
+  np.testing.assert_array_equal(dense(g & k), want_g & want_k)
+  np.testing.assert_array_equal(dense(g | k), want_g | want_k)
+
+
 def test_repr_names_the_parts():
   mask = (masks.causal() & ~masks.chunked(4)) | masks.global_tokens(1)
   assert repr(mask) == "((causal(offset=0) & ~chunked(size=4)) | global_tokens(n=1))"

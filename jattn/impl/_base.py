@@ -1,6 +1,7 @@
 """The call contract: :class:`CallSpec` (one validated call), :class:`Call` (what the table
 looks at) and :class:`Implementation` (one row of the selection table, declared in its own
-module). This module imports only masks and scores: everything else builds on it.
+module). This module imports only masks, scores and ``_compat`` (a leaf: JAX's spellings):
+everything else builds on it.
 
 Each implementation module (``xla``, ``blockwise``, ``splash``, ``cudnn``) ends with
 ``IMPLEMENTATION = Implementation(...)``: where it runs, which backward rules it has, the
@@ -23,10 +24,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 
-from jattn import masks, scores
+from jattn import _compat, masks, scores
 from jattn.scores import SoftCap
 
 BACKWARDS = ("autodiff", "custom_vjp")  # the jattn rules, by name
@@ -34,7 +34,7 @@ BACKENDS = ("cpu", "gpu", "tpu")
 
 
 @functools.partial(
-  jax.tree_util.register_dataclass,
+  _compat.register_dataclass,
   data_fields=["bias", "mask", "score_fn", "dropout_rng", "sinks", "shard_offsets"],
   meta_fields=[
     "B",

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn import _compat
 from jattn.impl import _common, _quant, _tiling
 
 
@@ -68,7 +69,7 @@ def stacked(key: jax.Array, value: jax.Array, block: int) -> Stacked:
 
 
 @functools.partial(
-  jax.tree_util.register_dataclass,
+  _compat.register_dataclass,
   data_fields=["key", "value", "key_scale", "value_scale", "page_table", "lengths"],
   meta_fields=["dtype", "block"],
 )

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks
+from jattn import _checks, _compat
 from jattn.masks import _indexing, tiles
 from jattn.masks._indexing import Extents
 
@@ -259,7 +259,7 @@ def _combined_extents(*masks: Mask) -> Extents:
   return out
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class And(Mask):
   """``a & b``: both allow."""
@@ -287,7 +287,7 @@ class And(Mask):
     return f"({self.a!r} & {self.b!r})"
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class Or(Mask):
   """``a | b``: either allows."""
@@ -315,7 +315,7 @@ class Or(Mask):
     return f"({self.a!r} | {self.b!r})"
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class Not(Mask):
   """``~mask``: allows exactly what ``mask`` does not."""

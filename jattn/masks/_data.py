@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jattn import _checks
+from jattn import _checks, _compat
 from jattn.masks import _indexing as ix
 from jattn.masks._core import STATIC, Grid, Mask
 from jattn.masks._indexing import Extents
@@ -29,7 +29,7 @@ from jattn.masks.tiles import UNSURE, Bounds, Tiles, tile_any_all, tile_reduce
 # --- segments (document masking) ---------------------------------------------
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class Segments(Mask):
   """``q_segment_ids[batch, q_idx] == kv_segment_ids[batch, kv_idx]`` (see :func:`segments`)."""
@@ -98,7 +98,7 @@ def segments(q_segment_ids: ArrayLike, kv_segment_ids: ArrayLike | None = None) 
 # --- dense arrays -----------------------------------------------------------
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class FromArray(Mask):
   """A dense boolean ``array`` broadcastable to (B, N, T, S) (see :func:`from_array`)."""
@@ -149,7 +149,7 @@ def from_array(mask: ArrayLike) -> Mask:
 # --- arbitrary functions ------------------------------------------------------
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class FromFn(Mask):
   """A user's ``fn(batch, head, q_idx, kv_idx) -> bool`` (see :func:`from_fn`)."""

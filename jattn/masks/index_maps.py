@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jattn import _checks
+from jattn import _checks, _compat
 from jattn.masks import _indexing as ix
 from jattn.masks._core import Mask
 from jattn.masks._indexing import Extents
@@ -30,7 +30,7 @@ def _mapped_range(positions: jax.Array, block: int, length: int) -> tuple[jax.Ar
   return lo, hi
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class Reindex(Mask):
   """``mask(batch[b], head[n], q[i], kv[j])`` at ``(b, n, i, j)``; a None map is the identity."""

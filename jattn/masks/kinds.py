@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jattn import _checks
+from jattn import _checks, _compat
 from jattn.masks import _indexing as ix
 from jattn.masks._core import STATIC, Mask
 from jattn.masks._data import FromArray as FromArray
@@ -69,7 +69,7 @@ from jattn.masks.tiles import Bounds, Tiles
 # --- causal ---------------------------------------------------------------
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class Causal(Mask):
   """``kv_idx - q_idx <= offset`` with one static offset (see :func:`causal`)."""
@@ -88,7 +88,7 @@ class Causal(Mask):
     return f"causal(offset={self.offset!r})"
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class CausalPerRow(Mask):
   """``kv_idx - q_idx <= offset[batch]`` with an int array offset of shape () or (B,)."""
@@ -158,7 +158,7 @@ def _window_bounds(
   return any_, all_
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class SlidingWindow(Mask):
   """``-left <= kv_idx - q_idx <= right`` (None: unbounded), every ``dilation``-th of those."""
@@ -218,7 +218,7 @@ def sliding_window(left: int | None, right: int | None = 0, *, dilation: int = 1
 # --- chunked ---------------------------------------------------------------
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class Chunked(Mask):
   """``q_idx // size == kv_idx // size`` (see :func:`chunked`)."""
@@ -251,7 +251,7 @@ def _per_batch(name: str, value: Any) -> jax.Array | np.ndarray | np.integer:
   return _checks.int_array(name, value, ranks=(0, 1), nonnegative=True)
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class PrefixLM(Mask):
   """``kv_idx < prefix_lengths[batch]`` or ``kv_idx <= q_idx`` (see :func:`prefix_lm`)."""
@@ -287,7 +287,7 @@ def prefix_lm(prefix_lengths: ArrayLike) -> Mask:
 # --- sequence lengths (padding) ---------------------------------------------
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class Lengths(Mask):
   """``q_idx < q_lengths[batch]`` and ``kv_idx < kv_lengths[batch]``; None: no limit."""
@@ -347,7 +347,7 @@ def lengths(q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = N
 # --- global tokens ----------------------------------------------------------
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class GlobalTokens(Mask):
   """``q_idx < n`` or ``kv_idx < n`` (see :func:`global_tokens`)."""
@@ -379,7 +379,7 @@ def global_tokens(n: int) -> Mask:
 # --- strided (dilated) ------------------------------------------------------
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class Strided(Mask):
   """``(q_idx - kv_idx) % stride == 0`` (see :func:`strided`)."""

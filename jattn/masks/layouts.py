@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jattn import _checks
+from jattn import _checks, _compat
 from jattn.masks import _indexing as ix
 from jattn.masks._core import STATIC, Mask
 from jattn.masks._indexing import Extents
@@ -29,7 +29,7 @@ from jattn.masks.tiles import Bounds, Tiles
 __all__ = ["BlockSparse", "block_sparse", "longformer", "bigbird_layout", "bigbird"]
 
 
-@jax.tree_util.register_dataclass
+@_compat.register_dataclass
 @dataclass(frozen=True, eq=False)
 class BlockSparse(Mask):
   """``layout[..., q_idx // block_q, kv_idx // block_kv]``; False past the layout's blocks."""
