@@ -310,14 +310,13 @@ def _attend_with(mask, **rule):
 
 @settings(max_examples=2, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(data=st.data())
-# The default run keeps flex (run where it takes the mask, else refused by name), the default
-# traced for a GPU (flex only where it lowers) and splash's refusal; the others are exhaustive.
+# The default run keeps flex (run where it takes the mask, else refused by name) and splash's
+# refusal; the others are exhaustive, the default traced for a GPU too (flex where it lowers:
+# test_flex.py's test_masks_reading_arrays_that_flex_takes_run_and_lower by default).
 @pytest.mark.parametrize(
   "rule",
   [
-    r
-    if r in ("flex", "default_on_gpu", "splash")
-    else pytest.param(r, marks=pytest.mark.exhaustive)
+    r if r in ("flex", "splash") else pytest.param(r, marks=pytest.mark.exhaustive)
     for r in [*ARRAY_MASK_RULES, "default_on_gpu"]
   ],
 )
@@ -562,8 +561,9 @@ def _derivative_call(rule, path, is_causal, return_residual):
 @settings(max_examples=3, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(data=st.data())
 # The default run keeps the fused kernels' refused derivatives of both orders (traced and
-# lowered, nothing runs) and forward mode through the other rules but ring/splash; the rules'
-# supported second derivatives (which run) and ring/splash's are exhaustive.
+# lowered, nothing runs) and forward mode through the other rules but the ring's; the rules'
+# supported second derivatives (which run) and the ring's cases are exhaustive (test_orders.py
+# refuses forward mode through ring/blockwise by default).
 @pytest.mark.parametrize(
   "rule, order",
   [
@@ -572,7 +572,7 @@ def _derivative_call(rule, path, is_causal, return_residual):
       order,
       id=f"{rule}-{order}",
       marks=()
-      if rule in ("flex", "splash") or (order == "forward_mode" and rule != "ring/splash")
+      if rule in ("flex", "splash") or (order == "forward_mode" and not rule.startswith("ring/"))
       else pytest.mark.exhaustive,
     )
     for rule in DERIVATIVE_RULES

@@ -82,8 +82,18 @@ def test_xla_second_order_gradients_match_finite_differences_in_float64(backward
     jax.test_util.check_grads(jax.jit(fn), (q,), order=2, modes=["rev"], eps=1e-4)
 
 
+# The custom_vjp's case is exhaustive: its second derivatives are checked by default against
+# finite differences in float64 (test_xla_second_order_gradients_match_finite_differences...).
 @pytest.mark.parametrize(
-  "kw", [dict(implementation="xla", backward="custom_vjp"), dict()], ids=["custom_vjp", "default"]
+  "kw",
+  [
+    pytest.param(
+      dict(implementation="xla", backward="custom_vjp"),
+      id="custom_vjp",
+      marks=pytest.mark.exhaustive,
+    ),
+    pytest.param(dict(), id="default"),
+  ],
 )
 def test_grad_of_grad_equals_autodiff_of_the_plain_path(kw):
   """The default call (splash in its TPU branch, xla here) and xla's custom_vjp differentiate
@@ -244,7 +254,14 @@ def _assert_reverse_through_vmap_is_autodiffs(fn, reference, q, atol=1e-5):
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=atol)
 
 
-@pytest.mark.parametrize("devices", [1, 8], ids=["one-device", "many-devices"])
+# One device is exhaustive: the error and its path are the same on eight (sharded, by default).
+@pytest.mark.parametrize(
+  "devices",
+  [
+    pytest.param(1, id="one-device", marks=pytest.mark.exhaustive),
+    pytest.param(8, id="many-devices"),
+  ],
+)
 def test_forward_mode_through_cudnn_raises(devices, monkeypatch):
   """jax.nn's cuDNN call is a custom_vjp too: forward mode through it raises jattn's error, on
   one device and through the partitioning rule, and its gradients pass through (jax.nn's XLA

@@ -84,14 +84,13 @@ def _loss_and_outputs(impl, q, k, v, kw):
   return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
 
 
-# The default run keeps documents with causal and both lengths (a batch row left empty), and
-# the masks splash tabulates; the other cases are exhaustive.
+# The default run keeps the masks splash tabulates; the other cases are exhaustive (documents
+# with causal and lengths, a batch row left empty, reach no line of jattn the rest of the
+# default run leaves unreached, by coverage's per-test arcs; test_adversarial.py gives splash
+# segment ids at both ends of int32 by default).
 @pytest.mark.parametrize(
   "case",
-  [
-    c if c in ("docs_and_lengths", "tabulated") else pytest.param(c, marks=pytest.mark.exhaustive)
-    for c in sorted(CASES)
-  ],
+  [c if c == "tabulated" else pytest.param(c, marks=pytest.mark.exhaustive) for c in sorted(CASES)],
 )
 def test_splash_matches_xla_values_lse_and_gradients(case):
   kw = dict(CASES[case])
