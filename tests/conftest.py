@@ -1,14 +1,14 @@
 """Test configuration: 8 simulated CPU devices, XLA flags that compile the tests' small
-programs quickly, strict JAX numerics, a reproducible hypothesis profile, the ``x64`` fixture
-and the count of the sweeps' ``exhaustive`` cases the run left out."""
+programs quickly, strict JAX numerics, a reproducible hypothesis profile, the ``x64`` fixture,
+the count of the sweeps' ``exhaustive`` cases the run left out and a quick exit for workers."""
 
 import gc
 import importlib.metadata
 import os
+import sys
 
 # Sharding tests run on 8 simulated CPU devices. XLA reads the flag when JAX starts its CPU
 # backend, so it is set before anything imports JAX; single-device tests still run on device 0.
-#
 # The tests' arrays are tiny, so their time is XLA compiling hundreds of small programs, most
 # of it in LLVM's optimisation passes. Turning those down (the HLO passes, which fuse and
 # schedule the program and decide its buffers, still run) cut test_blockwise.py from 175 s to
@@ -40,27 +40,19 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-# Tracing allocates millions of short-lived objects: objects alive after the imports are frozen
-# out of collections, and the young generation is collected far less often than every 700
-# allocations (memory is still freed by reference counting).
+# Tracing allocates millions of short-lived objects: what the imports made is frozen out of
+# collections, and the young generation is collected far less often (refcounts still free).
 gc.freeze()
 gc.set_threshold(200_000, 20, 50)
 
 # Implicit rank promotion hides shape bugs; jattn never relies on it.
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-# No test reads the source locations of the thousands of programs the suite lowers: each
-# operation keeps its one user frame, not the whole Python stack that traced it.
+# No test reads the source locations of the programs: each operation keeps its one user frame.
 jax.config.update("jax_include_full_tracebacks_in_locations", False)
 
-settings.register_profile(
-  "jattn",
-  max_examples=15,
-  deadline=None,
-  derandomize=True,
-  print_blob=True,
-  suppress_health_check=[HealthCheck.too_slow],
-)
+_checks = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("jattn", max_examples=15, print_blob=True, **_checks)
 settings.load_profile("jattn")
 
 
@@ -71,9 +63,9 @@ def x64():
     yield
 
 
-# pyproject.toml's -m "not exhaustive" leaves out the cases marked exhaustive beside their
-# sweeps. Under xdist each worker collects and deselects, and pytest's summary does not count
-# them: the workers send their count, and the main process says it once at the end.
+# pyproject.toml's -m "not exhaustive" leaves out the cases marked exhaustive beside their sweeps.
+# Under xdist each worker deselects, uncounted by pytest's summary: the workers send their count,
+# and the main process says it once at the end.
 _left_out = [0]
 
 
@@ -93,7 +85,15 @@ def pytest_testnodedown(node, error):
 
 @pytest.hookimpl(trylast=True)  # after the slowest durations, above pytest's last line
 def pytest_terminal_summary(terminalreporter):
-  if _left_out[0]:
-    terminalreporter.write_line(
-      f"{_left_out[0]} exhaustive cases left out: -m exhaustive runs them"
-    )
+  if n := _left_out[0]:
+    terminalreporter.write_line(f"{n} exhaustive cases left out: -m exhaustive runs them")
+
+
+# A worker has sent its results when it unconfigures. Ending its process there skips freeing the
+# thousands of programs and traces it cached (JAX's exit handler, then the interpreter's), some
+# seconds after a full run that the main process spent waiting for the workers to exit.
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+  if hasattr(config, "workerinput"):
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
