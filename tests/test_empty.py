@@ -132,7 +132,12 @@ def test_every_mask_materializes_with_empty_dimensions(B, T, S):
     assert view.shape[0] in (1, B) and view.shape[2:] == (-(-T // 4), -(-S // 4)), name
 
 
-@pytest.mark.parametrize("implementation", ["xla", "blockwise"])
+# xla's cases are exhaustive: test_every_keyword_mask_attends_with_empty_dimensions runs xla at
+# every empty shape by default, and test_every_mask_materializes_with_empty_dimensions evaluates
+# every mask densely there, as xla does.
+@pytest.mark.parametrize(
+  "implementation", [pytest.param("xla", marks=pytest.mark.exhaustive), "blockwise"]
+)
 @pytest.mark.parametrize("B,T,S", SHAPES[:3], ids=IDS[:3])  # T = S = 0 adds no path here
 def test_every_mask_attends_with_empty_dimensions(B, T, S, implementation):
   forms = {f"mask {name}": (dict(mask=mask), None) for name, mask in every_mask(B, T, S).items()}

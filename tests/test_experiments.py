@@ -20,6 +20,9 @@ def _load(name):
   return importlib.import_module(f"experiments.{name}")
 
 
+# Exhaustive, beside the studies' smoke tests: the whole --quick run, its memory cases each in a
+# process of its own (test_bench_names_torch_rows_it_cannot_time runs bench.main by default).
+@pytest.mark.exhaustive
 def test_bench_quick(tmp_path):
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
