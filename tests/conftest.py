@@ -51,8 +51,8 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # No test reads the source locations of the programs: each operation keeps its one user frame.
 jax.config.update("jax_include_full_tracebacks_in_locations", False)
 
-_checks = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("jattn", max_examples=15, print_blob=True, **_checks)
+_steady = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("jattn", max_examples=15, print_blob=True, **_steady)
 settings.load_profile("jattn")
 
 

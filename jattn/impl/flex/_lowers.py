@@ -110,9 +110,9 @@ def _probe(
   # functions of the mask and score function) and avals, as jit keeps a trace.
   leaves, tree = jax.tree.flatten((mask, score_fn))
   avals = tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves)
-  if not _checks.hashable(tree):  # a setting that cannot be hashed (an unhashable callable)
-    return _probe_structure.__wrapped__(tree, avals, block_q, block_kv, head_dim, dtype)
-  return _probe_structure(tree, avals, block_q, block_kv, head_dim, np.dtype(dtype))
+  # A setting that cannot be hashed (an unhashable callable) is probed without the cache.
+  probe = _probe_structure if _checks.hashable(tree) else _probe_structure.__wrapped__
+  return probe(tree, avals, block_q, block_kv, head_dim, np.dtype(dtype))
 
 
 @functools.lru_cache(maxsize=512)
