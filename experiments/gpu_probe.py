@@ -104,6 +104,46 @@ NEAR = (
 )
 
 
+@contextlib.contextmanager
+def natural_order() -> Iterator[None]:
+  """flex's kernels take their tiles in the schedule's order (heaviest first undone)."""
+  saved = flex._tiling.heaviest_last
+  flex._tiling.heaviest_last = lambda schedule: False
+  try:
+    yield
+  finally:
+    flex._tiling.heaviest_last = saved
+
+
+@contextlib.contextmanager
+def one_part_ds() -> Iterator[None]:
+  """flex's dK/dV kernel sums dS rounded once to the inputs' dtype, on every GPU."""
+  saved = dict(flex.SPLIT_DS)
+  flex.SPLIT_DS.update(dict.fromkeys(saved, False))
+  try:
+    yield
+  finally:
+    flex.SPLIT_DS.update(saved)
+
+
+# flex with one choice undone (the table's row as it is: "table").
+VARIANTS: dict[str, Callable[[], Any]] = {
+  "table": contextlib.nullcontext,
+  "natural_order": natural_order,
+  "one_part_ds": one_part_ds,
+}
+# Inputs that round dS hard, as (q and k multiplied by, the call's scale; None: H**-0.5):
+# scores of about 4 standard deviations, and experiments/accuracy.py's saturated_x10 and
+# scale_1e3 cases (near one-hot rows: their dS is mostly tiny, so read max_abs there too).
+STRESS = {"peaked_x2": (2.0, None), "saturated_x10": (10.0, None), "scale_1e3": (1.0, 1e3)}
+
+
+def jax_nn_xla(causal: bool, scale: float) -> Callable:
+  return lambda q, k, v: jax.nn.dot_product_attention(
+    q, k, v, is_causal=causal, scale=scale, implementation="xla"
+  )
+
+
 def elapsed() -> float:
   return time.perf_counter() - START
 
@@ -262,6 +302,11 @@ class Probe:
           grads = bwd(vjp, do)
           for name, g, w in zip(("dq", "dk", "dv"), grads, ref[1]):
             row[f"err_{name}"] = errors(g, w)
+      if "check" in parts and ref is not None:  # values only, nothing timed
+        out, vjp = jax.vjp(jax.jit(fn), q, k, v)
+        row["err_out"] = errors(out, ref[0])
+        for name, g, w in zip(("dq", "dk", "dv"), jax.jit(lambda vjp, do: vjp(do))(vjp, do), ref[1]):
+          row[f"err_{name}"] = errors(g, w)
       if "fwd_bwd" in parts:
         loss = lambda q, k, v, do: jnp.sum(fn(q, k, v).astype(jnp.float32) * do)
         step = jax.jit(jax.grad(loss, (0, 1, 2)))
@@ -303,6 +348,42 @@ class Probe:
       with patched_tiles(H, None):
         self.run(base, method(name, causal, scale), q, k, v, do, ref, a.parts)
 
+  def variants(self, H: int, T: int) -> None:
+    """flex at its table's tiles with one choice undone, beside cuDNN in the same run (causal):
+    its tiles in natural order (not heaviest first) and dK summed from dS rounded once (not
+    hi + lo), timed at ``T``; then the errors of cuDNN, jax.nn's XLA path and flex with and
+    without the split on the inputs that round dS hardest (``STRESS``), at ``--stress-length``."""
+    a = self.args
+    if self.over_budget(f"variants H={H} T={T}"):
+      return
+    q, k, v, do = self.inputs(H, T, seed=11 * H + T)
+    scale = H**-0.5
+    ref = reference(q, k, v, do, True, scale, a.ref_chunk) if T <= a.check_up_to else None
+    parts = ("fwd", "bwd", "fwd_bwd")
+    base = dict(section="variant", H=H, T=T, causal=True)
+    if "cudnn" in a.methods:
+      self.run(dict(base, method="cudnn"), method("cudnn", True, scale), q, k, v, do, ref, parts)
+    for name, change in VARIANTS.items():
+      with change(), patched_tiles(H, None):
+        row = dict(base, method="flex", variant=name, tiles=[list(x) for x in flex.tiles_for(H, 2)])
+        self.run(row, method("flex", True, scale), q, k, v, do, ref, parts)
+    T = a.stress_length
+    for case, (input_scale, scale) in STRESS.items():
+      if self.over_budget(f"stress {case} H={H}"):
+        return
+      q, k, v, do = self.inputs(H, T, seed=13 * H + T)
+      q, k = (jnp.asarray(x.astype(jnp.float32) * input_scale, jnp.bfloat16) for x in (q, k))
+      scale = H**-0.5 if scale is None else scale
+      ref = reference(q, k, v, do, True, scale, a.ref_chunk)
+      base = dict(section="stress", case=case, H=H, T=T, causal=True)
+      for name in ("cudnn", "xla") if "cudnn" in a.methods else ("xla",):
+        fn = method(name, True, scale) if name == "cudnn" else jax_nn_xla(True, scale)
+        self.run(dict(base, method=f"jax.nn/{name}"), fn, q, k, v, do, ref, ("check",))
+      for name in ("table", "one_part_ds"):  # the order changes no value
+        with VARIANTS[name](), patched_tiles(H, None):
+          row = dict(base, method="flex", variant=name)
+          self.run(row, method("flex", True, scale), q, k, v, do, ref, ("check",))
+
   def candidates(self, H: int, T: int) -> None:
     a = self.args
     q, k, v, do = self.inputs(H, T, seed=7 * H + T)
@@ -341,8 +422,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   p.add_argument("--min-ms", dest="min_ms", type=float, default=30.0)
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--methods", nargs="+", default=["cudnn", "flex", "mgpu"])
-  p.add_argument("--sections", nargs="+", default=["candidates", "baselines"])
+  p.add_argument(
+    "--sections", nargs="+", default=["candidates", "variants", "baselines"],
+    choices=["candidates", "variants", "baselines"],
+  )
   p.add_argument("--near", action="store_true", help="the second round's candidates (NEAR)")
+  p.add_argument("--stress-length", dest="stress_length", type=int, default=4096)
   a = p.parse_args(argv)
   a.parts = ("fwd", "bwd", "fwd_bwd")
   a.check_up_to, a.check_up_to_candidates, a.ref_chunk = 16384, 16384, 2
@@ -358,7 +443,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   interpret: Any = contextlib.nullcontext()
   if a.quick:  # a smoke test of the probe itself: it times nothing worth reporting
     a.head_dims, a.lengths, a.candidate_length, a.heads = [16], [32], 32, 2
-    a.min_ms, a.repeats, a.methods = 0.0, 1, ["flex"]
+    a.min_ms, a.repeats, a.methods, a.stress_length = 0.0, 1, ["flex"], 32
     a.forward_candidates = {16: [Tiles(16, 16, 4, 2), Tiles(32, 16, 4, 2)]}
     a.backward_candidates = {16: [(Tiles(16, 32, 4, 2), Tiles(32, 16, 4, 2))]}
     interpret = jattn.testing.interpret_kernels()
@@ -373,6 +458,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for H in a.head_dims if "candidates" in a.sections else ():
       log(f"candidates H={H} T={a.candidate_length}")
       probe.candidates(H, a.candidate_length)
+    for H in a.head_dims if "variants" in a.sections else ():
+      log(f"variants H={H} T={a.candidate_length}")
+      probe.variants(H, a.candidate_length)
     for T in a.lengths if "baselines" in a.sections else ():
       for H in a.head_dims:
         for causal in (True, False):
@@ -407,7 +495,9 @@ def summary(rows: list[dict[str, Any]]) -> None:
   e = lambda r, key: f"{r[key]['rel']:.1e}" if key in r else ""
   for r in rows:
     tiles = r.get("tiles", "")
-    cells = [r["section"], r["method"], r["H"], r["T"], r["causal"], tiles]
+    which = "/".join(str(r[x]) for x in ("case", "variant") if x in r)
+    cells = [r["section"], r["method"] + (f" {which}" if which else ""), r["H"], r["T"]]
+    cells += [r["causal"], tiles]
     cells += [g(r, "fwd_ms"), g(r, "bwd_ms"), g(r, "fwd_bwd_ms")]
     cells += [g(r, "fwd_tflops"), g(r, "bwd_tflops"), g(r, "fwd_bwd_tflops")]
     cells += [e(r, "err_out"), e(r, "err_dq"), e(r, "err_dk"), r.get("error", "")[:60]]

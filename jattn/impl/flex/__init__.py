@@ -115,6 +115,13 @@ TILES: dict[tuple[str, int, int], Passes] = {
 FALLBACK = _same(Tiles(32, 32, 4, 2))  # head dims past the table (and float64 in interpret mode)
 _HOPPER = ("H100", "H200", "H800", "H20", "GH200", "GB200", "B200")
 
+# Whether the dK/dV kernel sums dS into dK as two parts in the inputs' narrow dtype (hi, and
+# the rounding error lo: one more matmul per tile) or as one, by GPU generation. Two parts
+# keep dK at jax.nn's XLA error (which sums float32 dS) where dS is rounded hardest (scale
+# 1e3 in experiments/accuracy.py); cuDNN and FlashAttention round dS once. Not yet decided
+# on a GPU: `python -m experiments.gpu_probe --sections variants` measures both.
+SPLIT_DS: dict[str, bool] = {"sm_80": True, "sm_90": True}
+
 
 def generation(device_kind: str) -> str:
   """``"sm_90"`` for Hopper and newer (by ``jax.Device.device_kind``), else ``"sm_80"``."""
@@ -225,6 +232,7 @@ def _attend(
       dropout_rate=spec.dropout_rate,
       broadcast_dropout=spec.broadcast_dropout,
       from_last=_tiling.heaviest_last(schedule),
+      split_ds=SPLIT_DS.get(generation(_gpu_kind()), True),
     )
 
   seed = None

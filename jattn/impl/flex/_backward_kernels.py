@@ -359,9 +359,10 @@ def _dkv_kernel(
       dv = dv + jnp.dot(kept_t.astype(do.dtype), do, preferred_element_type=dv.dtype)
       # dS in two parts in a narrow input dtype, hi + lo: dS rounded to bfloat16 alone gave
       # dK 3.8x jax.nn's error (which sums float32 dS) at scale 1e3 (experiments/accuracy.py).
+      # Where a GPU's row of SPLIT_DS says so, one part, as cuDNN and FlashAttention do.
       hi = ds_t.astype(q.dtype)
       dk = dk + jnp.dot(hi, q, preferred_element_type=dk.dtype)
-      if q.dtype != ds_t.dtype:
+      if settings.split_ds and q.dtype != ds_t.dtype:
         lo = (ds_t - hi.astype(ds_t.dtype)).astype(q.dtype)
         dk = dk + jnp.dot(lo, q, preferred_element_type=dk.dtype)
       return dk, dv

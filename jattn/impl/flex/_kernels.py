@@ -73,6 +73,7 @@ class Settings(NamedTuple):
   dropout_rate: float = 0.0
   broadcast_dropout: bool = False  # one (T, S) pattern for every batch row and head
   from_last: bool = False  # programs take their tiles last first (_tiling.heaviest_last)
+  split_ds: bool = True  # dK sums dS as two narrow parts, hi + lo (flex.SPLIT_DS)
 
 
 def tile_of(program: Any, count: int, from_last: bool) -> Any:
