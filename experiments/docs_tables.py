@@ -581,12 +581,15 @@ def gpu_probe(docs: pathlib.Path) -> str:
   for path in paths:
     record = _load(path)
     rows = record["rows"]
-    cudnn = {
-      (r["H"], r["T"], r["causal"]): r for r in rows if r["method"] == "cudnn" and "error" not in r
-    }
+    cudnn: dict[tuple, dict] = {}
+    for r in rows:  # cuDNN's row of the same section first, else of any section
+      if r["method"] == "cudnn" and "error" not in r:
+        cudnn.setdefault((r["H"], r["T"], r["causal"]), r)
+        cudnn[r["section"], r["H"], r["T"], r["causal"]] = r
 
     def vs(row: dict, key: str) -> str:
-      base = cudnn.get((row["H"], row["T"], row["causal"]), {}).get(key)
+      shape = (row["H"], row["T"], row["causal"])
+      base = cudnn.get((row["section"], *shape), cudnn.get(shape, {})).get(key)
       return f"{base / row[key]:.2f}" if base and row.get(key) else "—"
 
     def cell(row: dict, key: str, spec: str) -> str:
@@ -607,7 +610,7 @@ def gpu_probe(docs: pathlib.Path) -> str:
         + ["bwd ms", "bwd TF/s", "bwd × cuDNN", "fwd+bwd ms", "fwd+bwd × cuDNN"]
         + ["err out", "err dq", "err dk", "err dv"],
         [
-          [r["section"], r["method"] + (f" ({r['dtype']})" if "dtype" in r else "")]
+          [r["section"], _probe_method(r)]
           + [str(r["H"]), f"{r['T']:,}", str(r["causal"]), tiles(r)]
           + [cell(r, "fwd_ms", ".3f"), cell(r, "fwd_tflops", ".0f"), vs(r, "fwd_ms")]
           + [cell(r, "bwd_ms", ".3f"), cell(r, "bwd_tflops", ".0f"), vs(r, "bwd_ms")]
@@ -627,6 +630,13 @@ def gpu_probe(docs: pathlib.Path) -> str:
       out.append("- skipped for time: " + "; ".join(record["skipped"]))
     out.append("")
   return "\n".join(out)
+
+
+def _probe_method(row: dict) -> str:
+  """A probe row's method, with its dtype where not bf16, its stressed inputs' case and its
+  variant of flex's table (``flex, one_part_ds``)."""
+  extra = [row[k] for k in ("dtype", "case", "variant") if k in row]
+  return row["method"] + (f" ({', '.join(extra)})" if extra else "")
 
 
 def _tiles(t: list[int]) -> str:

@@ -305,7 +305,8 @@ class Probe:
       if "check" in parts and ref is not None:  # values only, nothing timed
         out, vjp = jax.vjp(jax.jit(fn), q, k, v)
         row["err_out"] = errors(out, ref[0])
-        for name, g, w in zip(("dq", "dk", "dv"), jax.jit(lambda vjp, do: vjp(do))(vjp, do), ref[1]):
+        grads = jax.jit(lambda vjp, do: vjp(do))(vjp, do)
+        for name, g, w in zip(("dq", "dk", "dv"), grads, ref[1]):
           row[f"err_{name}"] = errors(g, w)
       if "fwd_bwd" in parts:
         loss = lambda q, k, v, do: jnp.sum(fn(q, k, v).astype(jnp.float32) * do)
@@ -423,7 +424,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--methods", nargs="+", default=["cudnn", "flex", "mgpu"])
   p.add_argument(
-    "--sections", nargs="+", default=["candidates", "variants", "baselines"],
+    "--sections",
+    nargs="+",
+    default=["candidates", "variants", "baselines"],
     choices=["candidates", "variants", "baselines"],
   )
   p.add_argument("--near", action="store_true", help="the second round's candidates (NEAR)")
@@ -474,6 +477,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     batch=a.batch,
     heads=a.heads,
     table={f"{g}/{h}/{b}": [list(x) for x in v] for (g, h, b), v in flex.TILES.items()},
+    split_ds=dict(flex.SPLIT_DS),
     seconds=round(elapsed(), 1),
     skipped=probe.skipped,
     rows=probe.records,
