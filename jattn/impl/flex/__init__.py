@@ -88,7 +88,9 @@ def _same(tiles: Tiles) -> Passes:
 #   128 x 32 (one rescale of the float32 accumulator per 128 keys, behind a wider matmul);
 #   backward 11.6 ms with dQ at 128 x 128 and dK/dV at 32 x 64 (32 query rows per step, 64
 #   keys held), against 16.2 ms at 128 x 32 for both; dK/dV with 128 held keys spilled
-#   time (25.9 ms at 32 x 128).
+#   time (25.9 ms at 32 x 128). In the transposed domain (a second lease,
+#   docs/gpu/gpu_probe_h200_variants.json) dK/dV at 32 x 64 and 4 warps stays the fastest:
+#   backward 9.58 ms, against 11.1 at 32 x 128, 11.6 at 64 x 64 and 19.6-27.4 at 8 warps.
 # - H = 64: 64 x 64 (4 warps, 3 stages) stays the fastest for every pass (forward 1.79 ms,
 #   128 x 128 2.12 ms; backward 5.96 ms).
 # The rest are starting points, unmeasured: 64 x 64 tiles keep the dK/dV kernel's two
