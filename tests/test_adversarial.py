@@ -453,12 +453,14 @@ EVERY_IMPLEMENTATION = {
 }
 
 
-# The default run keeps every implementation but the ring (test_parallel.py moves segment ids
-# around a ring by default); the ring's case is exhaustive.
+# The default run keeps xla's rules, the default and splash (whose padding id once wrapped);
+# blockwise's cases are exhaustive (its ids reach the tiles as xla's reach the scores; the
+# default at these shapes is one tile of blockwise's), and so is the ring's (test_parallel.py
+# moves segment ids around a ring by default).
 @pytest.mark.parametrize(
   "name",
   [
-    pytest.param(n, marks=pytest.mark.exhaustive) if n.startswith("ring") else n
+    pytest.param(n, marks=pytest.mark.exhaustive) if n.startswith(("ring", "blockwise")) else n
     for n in EVERY_IMPLEMENTATION
   ],
 )

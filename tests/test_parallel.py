@@ -397,7 +397,11 @@ def test_errors(call, error, match):
 COLLECTIVE = r"(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)"
 
 
-@pytest.mark.parametrize("implementation", ["xla", "blockwise"])
+# blockwise's case is exhaustive: test_sharding_explicit keeps blockwise's batch and head
+# sharding on a mesh by default, and its tiles run per device as xla's program does here.
+@pytest.mark.parametrize(
+  "implementation", ["xla", pytest.param("blockwise", marks=pytest.mark.exhaustive)]
+)
 def test_dot_product_attention_on_batch_and_head_sharded_inputs(implementation):
   # Batch over 4 devices, heads over 2: attention is independent per (batch, head), so the
   # compiled program must move no activations between devices, forward or backward.

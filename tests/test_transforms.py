@@ -104,7 +104,8 @@ def _reference(q, k, v):
 
 # Cases the default run checks in other files, exhaustive here: blockwise's hessian (test_orders'
 # blockwise forward-over-reverse case, against autodiff), its jacrev and vmap of grad (a vmap of
-# a vjp: test_attention's vmap-against-a-loop case through blockwise) and its vjp (grad here and
+# a vjp through the reverse-only wrapper every rule shares: test_attention's vmap-against-a-loop
+# case through xla's custom_vjp, and grad-vmap here) and its vjp (grad here and
 # test_blockwise's gradients); the fused kernels' gradients (test_splash and test_flex, against
 # xla).
 ELSEWHERE = {
