@@ -9,10 +9,15 @@ write everything it measured to one JSON record. For bf16, B=1, N=16 heads, it t
   ``implementation="flex"`` at its table's tiles, and JAX's Mosaic GPU kernel
   (``jax.experimental.pallas.ops.gpu.attention_mgpu``, Hopper only; q pre-scaled, as it
   takes no scale), each as the forward pass, the backward pass alone (the VJP applied to
-  saved residuals) and the forward+backward program (gradients of q, k, v);
+  saved residuals) and the forward+backward program (gradients of q, k, v); and flex's
+  Hopper kernel (``jattn/impl/flex/_hopper.py``, method ``hopper``, not yet routed to),
+  its forward pass only;
 - **flex's candidate tilings**, at T = 16,384, causal, for each head dim: forward tiles
   (forward timed alone) and backward tiles of the dQ and dK/dV kernels (backward timed
-  alone), the table's row patched for each (``jattn.impl.flex.TILES``).
+  alone), the table's row patched for each (``jattn.impl.flex.TILES``);
+- **variants** of the table's row (``--sections variants``), H = 128, causal: its tiles in
+  natural order and dS rounded once for dK, timed beside cuDNN; then the errors of cuDNN,
+  jax.nn's XLA path and flex with and without the dS split on inputs that round dS hard.
 
 Each configuration's output and gradients are checked against the same call in float32
 at the highest matmul precision (jax.nn's XLA path, a few heads at a time), as the largest
@@ -200,6 +205,10 @@ def method(name: str, causal: bool, scale: float) -> Callable:
     return lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=causal, scale=scale, implementation="cudnn"
     )
+  if name == "hopper":  # flex's Hopper kernel (jattn/impl/flex/_hopper.py), not yet routed to
+    from jattn.impl.flex import _hopper
+
+    return lambda q, k, v: _hopper.forward(q, k, v, scale=scale, is_causal=causal)[0]
   if name == "mgpu":  # takes no scale: q is scaled before it (outside the timed program)
     from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
 
@@ -343,6 +352,9 @@ class Probe:
           dq = row.pop("err_dq")
           row["err_dq_of_scaled_q"] = dq
         continue
+      if name == "hopper":  # jattn's Mosaic GPU kernel: the forward pass only, as yet
+        self.run(base, method(name, causal, scale), q, k, v, do, ref, ("fwd",))
+        continue
       passes = flex.tiles_for(H, 2) if name == "flex" else None
       if passes is not None:
         base["tiles"] = [list(x) for x in passes]
@@ -422,7 +434,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   p.add_argument("--budget", type=float, default=360.0, help="seconds before skipping the rest")
   p.add_argument("--min-ms", dest="min_ms", type=float, default=30.0)
   p.add_argument("--repeats", type=int, default=5)
-  p.add_argument("--methods", nargs="+", default=["cudnn", "flex", "mgpu"])
+  p.add_argument("--methods", nargs="+", default=["cudnn", "flex", "hopper", "mgpu"])
   p.add_argument(
     "--sections",
     nargs="+",
@@ -453,8 +465,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   elif backend != "gpu":
     p.error("the probe times GPU kernels; on another backend only --quick runs (interpreted)")
   kind = jax.devices()[0].device_kind
-  if "mgpu" in a.methods and flex.generation(kind) != "sm_90":
-    a.methods.remove("mgpu")  # Mosaic GPU's attention kernel is Hopper-only
+  for hopper_only in ("hopper", "mgpu"):  # the Mosaic GPU kernels, jattn's and JAX's
+    if hopper_only in a.methods and flex.generation(kind) != "sm_90":
+      a.methods.remove(hopper_only)
   log(f"{kind} ({backend}), jax {jax.__version__}, B={a.batch} N={a.heads}, bf16")
   probe = Probe(a)
   with interpret:

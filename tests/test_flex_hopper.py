@@ -1,0 +1,79 @@
+"""flex's Hopper forward kernel (Mosaic GPU): values in Mosaic GPU's interpreter (jax >= 0.12)
+against jax.nn in float32, its lowering for CUDA from this CPU, and its argument errors."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from reference import array
+
+from jattn.impl.flex import _hopper
+
+B, T, N, K, H = 1, 128, 2, 1, 64
+interpreter = pytest.mark.skipif(
+  not hasattr(plgpu, "InterpretGPUParams"), reason="Mosaic GPU's interpreter comes with jax 0.12"
+)
+
+
+def _inputs(dtype, T=T, H=H):
+  rng = np.random.default_rng(T + H)
+  shapes = [(B, T, N, H), (B, T, K, H), (B, T, K, H)]
+  return [array(rng.standard_normal(s), dtype) for s in shapes]
+
+
+@interpreter
+def test_values_and_lse_match_jax_nn_in_float32():
+  """Full and causal, grouped queries (two query heads share one key/value head), bf16 and
+  f16 inputs: the output within the inputs' rounding of jax.nn's on the same values in
+  float32, the log-sum-exp (natural) within float32's; causal rows of the first query tile
+  see only part of their one key tile, the second tile's rows one full and one crossed."""
+  for dtype, tol in ((jnp.bfloat16, 2e-2), (jnp.float16, 3e-3)):
+    q, k, v = _inputs(dtype)
+    wide = [x.astype(jnp.float32) for x in (q, k, v)]
+    for causal in (False, True):
+      kernel = lambda q, k, v, c=causal: _hopper.forward(
+        q, k, v, scale=H**-0.5, is_causal=c, interpret=True
+      )
+      out, lse = jax.jit(kernel)(q, k, v)
+      want = jax.nn.dot_product_attention(*wide, is_causal=causal)
+      np.testing.assert_allclose(np.float32(out), want, atol=tol, err_msg=f"{dtype} {causal}")
+      logits = jnp.einsum("btnh,bsnh->bnts", wide[0], jnp.repeat(wide[1], N // K, 2)) * H**-0.5
+      if causal:
+        logits = jnp.where(np.tril(np.ones((T, T), bool)), logits, -jnp.inf)
+      np.testing.assert_allclose(lse, jax.nn.logsumexp(logits, -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_lowers_for_cuda_to_one_mosaic_gpu_call(is_causal):
+  """From a CPU, at Hopper's shapes (H = 128, bf16, eight query tiles): one Mosaic GPU custom
+  call holds the whole forward pass, as the GPU probe calls it."""
+  from experiments import gpu_probe
+
+  q, k, v = (jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in _inputs(jnp.float32, 512, 128))
+  f = jax.jit(gpu_probe.method("hopper", is_causal, 0.1))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    text = f.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 1
+
+
+@pytest.mark.parametrize(
+  "change, match",
+  [
+    (dict(dtype=jnp.float32), r"query: the Hopper kernel takes float16 or bfloat16"),
+    (dict(H=48), r"query: head dim 48 is not a multiple of 64"),
+    (dict(T=96), r"query, key: lengths 96 and 96 must be multiples of 64"),
+    (dict(kw=dict(block_kv=96)), r"block_kv=96"),
+    (dict(kv_len=64, kw=dict(is_causal=True)), r"is_causal: the Hopper kernel takes T = S"),
+  ],
+)
+def test_bad_arguments_are_refused_by_name(change, match):
+  dtype, T_, H_ = change.get("dtype", jnp.bfloat16), change.get("T", T), change.get("H", H)
+  q, k, v = _inputs(dtype, T_, H_)
+  if "kv_len" in change:
+    k, v = k[:, : change["kv_len"]], v[:, : change["kv_len"]]
+  with pytest.raises(ValueError, match=match):
+    _hopper.forward(q, k, v, scale=1.0, **change.get("kw", {}))
