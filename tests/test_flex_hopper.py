@@ -10,6 +10,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from reference import array
 
+from jattn import masks
 from jattn.impl.flex import _hopper
 
 B, T, N, K, H = 1, 128, 2, 1, 64
@@ -46,14 +47,46 @@ def test_values_and_lse_match_jax_nn_in_float32():
       np.testing.assert_allclose(lse, jax.nn.logsumexp(logits, -1), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("is_causal", [False, True])
+@interpreter
+def test_masks_of_indices_walk_their_tile_schedule():
+  """A sliding window (FULL, PARTIAL and EMPTY key tiles in each query tile's schedule), a
+  strided mask and'ed with is_causal, and the strict upper triangle, whose last query row
+  sees no key (zeros, lse -inf): values and lse against jax.nn's in float32 on the mask's
+  dense form, bfloat16 inputs, no NaN anywhere."""
+  q, k, v = _inputs(jnp.bfloat16)
+  wide = [x.astype(jnp.float32) for x in (q, k, v)]
+  cases = [
+    (masks.sliding_window(40, 0), False),
+    (masks.strided(3), True),
+    (~masks.causal(offset=-1), False),  # kv > q
+  ]
+  for mask, causal in cases:
+    kernel = lambda q, k, v, m=mask, c=causal: _hopper.forward(
+      q, k, v, scale=H**-0.5, is_causal=c, mask=m, interpret=True
+    )
+    out, lse = jax.jit(kernel)(q, k, v)
+    full = mask & masks.causal() if causal else mask
+    dense = np.asarray(full.materialize(T, T, batch_size=B, num_heads=N))
+    want = jax.nn.dot_product_attention(*wide, mask=dense)
+    seen = dense.any(-1).transpose(0, 2, 1)[..., None]  # (B, T, N, 1): rows with a key
+    np.testing.assert_allclose(np.float32(out), np.where(seen, want, 0), atol=2e-2, err_msg=mask)
+    logits = jnp.einsum("btnh,bsnh->bnts", wide[0], jnp.repeat(wide[1], N // K, 2)) * H**-0.5
+    want_lse = jax.nn.logsumexp(jnp.where(dense, logits, -jnp.inf), -1)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5, err_msg=str(mask))
+    assert not np.isnan(np.float32(out)).any()
+
+
+@pytest.mark.parametrize("is_causal", [False, True, "window"])
 def test_lowers_for_cuda_to_one_mosaic_gpu_call(is_causal):
   """From a CPU, at Hopper's shapes (H = 128, bf16, eight query tiles): one Mosaic GPU custom
-  call holds the whole forward pass, as the GPU probe calls it."""
+  call holds the whole forward pass, as the GPU probe calls it (and with a window mask)."""
   from experiments import gpu_probe
 
   q, k, v = (jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in _inputs(jnp.float32, 512, 128))
   f = jax.jit(gpu_probe.method("hopper", is_causal, 0.1))
+  if is_causal == "window":
+    window = masks.sliding_window(100, 0)
+    f = jax.jit(lambda q, k, v: _hopper.forward(q, k, v, scale=0.1, mask=window)[0])
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     text = f.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
@@ -68,6 +101,7 @@ def test_lowers_for_cuda_to_one_mosaic_gpu_call(is_causal):
     (dict(T=96), r"query, key: lengths 96 and 96 must be multiples of 64"),
     (dict(kw=dict(block_kv=96)), r"block_kv=96"),
     (dict(kv_len=64, kw=dict(is_causal=True)), r"is_causal: the Hopper kernel takes T = S"),
+    (dict(kw=dict(mask=masks.prefix_lm(16))), r"mask: the Hopper kernel takes masks of indices"),
   ],
 )
 def test_bad_arguments_are_refused_by_name(change, match):

@@ -4,15 +4,17 @@
 holds one Mosaic GPU call) and computes exact values in Mosaic GPU's interpreter (jax >= 0.12),
 but no call of jattn routes to it until a GPU has run it and its record is committed;
 ``python -m experiments.gpu_probe`` times it (method ``hopper``) beside cuDNN and the Triton
-kernels. The backward pass, masks other than causal and score functions come after that.
+kernels. The backward pass, masks that read arrays and score functions come after that.
 
 One program per (query tile of 64 rows, head, batch row), one warpgroup: the query tile is
 copied to shared memory once (TMA), then ``plgpu.emit_pipeline`` streams the key and value
 tiles through ``stages`` shared-memory buffers (TMA, mbarriers) while the warpgroup runs
 ``S = Q Kᵀ`` and ``O += P V`` on the tensor cores (wgmma) and the online softmax in base 2
 between them (the scale times log2(e) folded into one multiply, as the Triton kernels do).
-A causal call walks its full key tiles in one pipeline and the diagonal's in a second, the
-only one that evaluates the mask; the key tiles past the diagonal are never loaded. Each
+A mask's tile schedule (flex's: per query tile, its FULL key tiles, then its PARTIAL ones)
+comes in as three int32 arrays that the pipelines' index maps read: the FULL tiles stream
+through one pipeline, the PARTIAL ones through a second, the only one that evaluates the
+mask (traced into the kernel body on the tile's indices); EMPTY tiles are never loaded. Each
 step's P V goes to a fresh accumulator added to the rescaled one (``acc · α + P V``, one
 FMA per element), since the interpreter cannot accumulate into an accumulator initialised
 from registers; on the GPU P stays in registers as wgmma's A operand, while the interpreter,
@@ -28,6 +30,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from jattn import masks as _masks
+from jattn.impl import _tiling
 
 LOG2E = math.log2(math.e)
 ROWS = 64  # a warpgroup's wgmma M
@@ -46,14 +51,17 @@ def forward(
   *,
   scale: float,
   is_causal: bool = False,
+  mask: _masks.Mask | None = None,
   block_kv: int = 64,
   stages: int = 2,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """``(out, lse)`` of softmax attention: query (B, T, N, H), key and value (B, S, K, H),
   N a multiple of K (grouped queries), float16 or bfloat16, H a multiple of 64, T a multiple
-  of 64 and S of ``block_kv``; ``is_causal`` as jax.nn's (query t sees keys s <= t, T = S).
-  ``lse`` is (B, N, T) float32, the natural log-sum-exp of each row's scaled scores.
+  of 64 and S of ``block_kv``; ``is_causal`` as jax.nn's (query t sees keys s <= t, T = S),
+  and ``mask`` a jattn mask of indices alone (one that reads no array), and'ed with it.
+  ``lse`` is (B, N, T) float32, the natural log-sum-exp of each row's scaled scores; a row
+  that sees no key gives zeros and an lse of -inf.
   ``interpret`` runs it in Mosaic GPU's interpreter (jax >= 0.12), on any backend."""
   plgpu = _plgpu()
   B, T, N, H = query.shape
@@ -77,16 +85,23 @@ def forward(
     )
   if is_causal and T != S:
     raise ValueError(f"is_causal: the Hopper kernel takes T = S, got {T} and {S}")
+  if mask is not None and jax.tree.leaves(mask):
+    raise ValueError(f"mask: the Hopper kernel takes masks of indices alone, {mask} reads arrays")
+  if is_causal:
+    mask = _masks.causal() if mask is None else _masks.causal() & mask
+  view = _tiling.tile_classes(mask, B, N, T, S, ROWS, block_kv)
+  order, num_full, num_partial = _tiling.schedule(view)
   if interpret and not hasattr(plgpu, "InterpretGPUParams"):
     raise ValueError("interpret: Mosaic GPU's interpreter needs jax >= 0.12")
-  G, num_kv = N // K, S // block_kv
+  G = N // K
   scale_log2 = float(scale) * LOG2E
   # wgmma's operands in shared memory: 8 x 64 tiles with a 128-byte swizzle (16-bit elements)
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   wgmma_layout = plgpu.Layout.WGMMA
 
   def body(*refs: Any) -> None:
-    q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem, o_smem, lse_smem, q_bar, p_smem = refs
+    q_ref, k_ref, v_ref, order_ref, full_ref, partial_ref = refs[:6]
+    out_ref, lse_ref, q_smem, o_smem, lse_smem, q_bar, p_smem = refs[6:]
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
     kv_head = lax.div(h, jnp.array(G, h.dtype))
     rows = pl.ds(i * ROWS, ROWS)
@@ -102,22 +117,26 @@ def forward(
     def step(first: Any, masked: bool) -> Any:
       def run(index: tuple[Any], k_smem: Any, v_smem: Any, carry: Any) -> Any:
         acc, m, l = carry
+        j = order_ref[i, index[0] + first]  # the key tile
 
         def scores(acc_ref: Any) -> Any:
           plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
           return acc_ref[...]
 
         t = pl.run_scoped(scores, plgpu.ACC((ROWS, block_kv), jnp.float32)) * scale_log2
-        if masked:  # the diagonal's tiles: key s <= query t
+        m_new = m
+        if masked:  # PARTIAL tiles: the mask on the tile's indices
           iota = lambda axis: plgpu.broadcasted_iota(
             jnp.int32, (ROWS, block_kv), axis, layout=wgmma_layout
           )
-          q_idx = iota(0) + i * ROWS
-          kv_idx = iota(1) + (index[0] + first) * block_kv
-          t = jnp.where(q_idx >= kv_idx, t, -jnp.inf)
+          q_idx, kv_idx = iota(0) + i * ROWS, iota(1) + j * block_kv
+          assert mask is not None
+          t = jnp.where(mask(b, h, q_idx, kv_idx), t, -jnp.inf)
         m_new = jnp.maximum(m, t.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(t - lax.broadcast_in_dim(m_new, t.shape, [0]))
+        # A row whose keys so far are all masked keeps m = -inf: shift it by 0, not by -inf
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2(m - shift)
+        p = jnp.exp2(t - lax.broadcast_in_dim(shift, t.shape, [0]))
         l = l * alpha + p.sum(axis=1)
         p = p.astype(dtype)
         if p_smem is not None:  # the interpreter's wgmma reads A from shared memory only
@@ -134,7 +153,8 @@ def forward(
       return run
 
     def pipeline(first: Any, count: Any, masked: bool, carry: Any) -> Any:
-      spec = plgpu.BlockSpec((block_kv, H), lambda j: (j + first, 0), transforms=swizzled)
+      at = lambda step: (order_ref[i, step + first], 0)
+      spec = plgpu.BlockSpec((block_kv, H), at, transforms=swizzled)
       return plgpu.emit_pipeline(
         step(first, masked),
         grid=(count,),
@@ -143,14 +163,14 @@ def forward(
         init_carry=carry,
       )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :])
 
-    if is_causal:  # key tiles wholly at or below the diagonal, then those it crosses
-      n_full = lax.div(i * ROWS, jnp.array(block_kv, jnp.int32))
-      n_all = lax.div((i + 1) * ROWS + block_kv - 1, jnp.array(block_kv, jnp.int32))
-      carry = pipeline(0, n_full, False, carry)
-      carry = pipeline(n_full, n_all - n_full, True, carry)
-    else:
-      carry = pipeline(0, num_kv, False, carry)
+    n_full = full_ref[i]
+    carry = pipeline(0, n_full, False, carry)
+    if mask is not None:
+      carry = pipeline(n_full, partial_ref[i], True, carry)
     acc, m, l = carry
+    if mask is not None:  # rows that saw no key: zeros (and lse -inf)
+      acc = jnp.where(lax.broadcast_in_dim(l, acc.shape, [0]) == 0.0, 0.0, acc)
+      l = jnp.where(l == 0.0, 1.0, l)  # m stays -inf there: lse = m + log2(1)
     o_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
     lse_smem[...] = m + jnp.log2(l)
     plgpu.commit_smem()
@@ -175,5 +195,5 @@ def forward(
       plgpu.SMEM((ROWS, block_kv), dtype, transforms=swizzled) if interpret else None,
     ),
     **extra,
-  )(query, key, value)
+  )(query, key, value, jnp.asarray(order), jnp.asarray(num_full), jnp.asarray(num_partial))
   return out, lse2 / LOG2E
