@@ -10,8 +10,7 @@ write everything it measured to one JSON record. For bf16, B=1, N=16 heads, it t
   (``jax.experimental.pallas.ops.gpu.attention_mgpu``, Hopper only; q pre-scaled, as it
   takes no scale), each as the forward pass, the backward pass alone (the VJP applied to
   saved residuals) and the forward+backward program (gradients of q, k, v); and flex's
-  Hopper kernel (``jattn/impl/flex/_hopper.py``, method ``hopper``, not yet routed to),
-  its forward pass only;
+  Hopper kernels (``jattn/impl/flex/_hopper.py``, method ``hopper``, not yet routed to);
 - **flex's candidate tilings**, at T = 16,384, causal, for each head dim: forward tiles
   (forward timed alone) and backward tiles of the dQ and dK/dV kernels (backward timed
   alone), the table's row patched for each (``jattn.impl.flex.TILES``);
@@ -208,7 +207,7 @@ def method(name: str, causal: bool, scale: float) -> Callable:
   if name == "hopper":  # flex's Hopper kernel (jattn/impl/flex/_hopper.py), not yet routed to
     from jattn.impl.flex import _hopper
 
-    return lambda q, k, v: _hopper.forward(q, k, v, scale=scale, is_causal=causal)[0]
+    return lambda q, k, v: _hopper.attention(q, k, v, scale=scale, is_causal=causal)
   if name == "mgpu":  # takes no scale: q is scaled before it (outside the timed program)
     from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
 
@@ -351,9 +350,6 @@ class Probe:
         if "err_dq" in row:  # the gradient of the unscaled q
           dq = row.pop("err_dq")
           row["err_dq_of_scaled_q"] = dq
-        continue
-      if name == "hopper":  # jattn's Mosaic GPU kernel: the forward pass only, as yet
-        self.run(base, method(name, causal, scale), q, k, v, do, ref, ("fwd",))
         continue
       passes = flex.tiles_for(H, 2) if name == "flex" else None
       if passes is not None:

@@ -1,10 +1,11 @@
-"""flex's forward pass as a Mosaic GPU kernel for Hopper (sm_90): wgmma and TMA through Pallas.
+"""flex's kernels written for Mosaic GPU, for Hopper (sm_90): wgmma and TMA through Pallas.
 
 **Not yet run on a GPU, and reached by nothing**: it lowers for CUDA from a CPU (the program
 holds one Mosaic GPU call) and computes exact values in Mosaic GPU's interpreter (jax >= 0.12),
 but no call of jattn routes to it until a GPU has run it and its record is committed;
 ``python -m experiments.gpu_probe`` times it (method ``hopper``) beside cuDNN and the Triton
-kernels. The backward pass, masks that read arrays and score functions come after that.
+kernels. :func:`attention` joins the forward kernel and :func:`backward`'s two kernels in a
+``custom_vjp``. Masks that read arrays, score functions and dropout come after that.
 
 One program per (query tile of 64 rows, head, batch row), one warpgroup: the query tile is
 copied to shared memory once (TMA), then ``plgpu.emit_pipeline`` streams the key and value
@@ -23,6 +24,7 @@ whose wgmma reads A from shared memory only, stages it there.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -44,6 +46,14 @@ def _plgpu() -> Any:
   return plgpu
 
 
+def _load(ref: Any, layout: Any) -> Any:
+  """A whole shared-memory ref into registers in ``layout`` (jax 0.10 takes an index too)."""
+  load = _plgpu().load
+  if "idx" in inspect.signature(load).parameters:
+    return load(ref, (), layout=layout)
+  return load(ref, layout=layout)
+
+
 def forward(
   query: jax.Array,
   key: jax.Array,
@@ -55,6 +65,7 @@ def forward(
   block_kv: int = 64,
   stages: int = 2,
   interpret: bool = False,
+  base2: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """``(out, lse)`` of softmax attention: query (B, T, N, H), key and value (B, S, K, H),
   N a multiple of K (grouped queries), float16 or bfloat16, H a multiple of 64, T a multiple
@@ -62,7 +73,8 @@ def forward(
   and ``mask`` a jattn mask of indices alone (one that reads no array), and'ed with it.
   ``lse`` is (B, N, T) float32, the natural log-sum-exp of each row's scaled scores; a row
   that sees no key gives zeros and an lse of -inf.
-  ``interpret`` runs it in Mosaic GPU's interpreter (jax >= 0.12), on any backend."""
+  ``interpret`` runs it in Mosaic GPU's interpreter (jax >= 0.12), on any backend; ``base2``
+  returns the log-sum-exp in base 2 of the scores times log2(e), as the backward takes it."""
   plgpu = _plgpu()
   B, T, N, H = query.shape
   S, K = key.shape[1], key.shape[2]
@@ -87,10 +99,9 @@ def forward(
     raise ValueError(f"is_causal: the Hopper kernel takes T = S, got {T} and {S}")
   if mask is not None and jax.tree.leaves(mask):
     raise ValueError(f"mask: the Hopper kernel takes masks of indices alone, {mask} reads arrays")
-  if is_causal:
-    mask = _masks.causal() if mask is None else _masks.causal() & mask
-  view = _tiling.tile_classes(mask, B, N, T, S, ROWS, block_kv)
-  order, num_full, num_partial = _tiling.schedule(view)
+  mask, (order, num_full, num_partial), _ = _check_and_schedule(
+    query, key, is_causal, mask, block_kv
+  )
   if interpret and not hasattr(plgpu, "InterpretGPUParams"):
     raise ValueError("interpret: Mosaic GPU's interpreter needs jax >= 0.12")
   G = N // K
@@ -196,4 +207,235 @@ def forward(
     ),
     **extra,
   )(query, key, value, jnp.asarray(order), jnp.asarray(num_full), jnp.asarray(num_partial))
-  return out, lse2 / LOG2E
+  return out, lse2 if base2 else lse2 / LOG2E
+
+
+def _check_and_schedule(
+  query: jax.Array, key: jax.Array, is_causal: bool, mask: Any, block: int
+) -> tuple[Any, _tiling.Schedule, _tiling.Schedule]:
+  """The mask and'ed with causal, and its (rows, columns) schedules at ``ROWS x block``."""
+  B, T, N, _ = query.shape
+  S = key.shape[1]
+  if is_causal:
+    mask = _masks.causal() if mask is None else _masks.causal() & mask
+  view = _tiling.tile_classes(mask, B, N, T, S, ROWS, block)
+  return mask, _tiling.schedule(view), _tiling.schedule(view.T)
+
+
+def backward(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  out: jax.Array,
+  lse2: jax.Array,
+  d_out: jax.Array,
+  *,
+  scale: float,
+  is_causal: bool = False,
+  mask: _masks.Mask | None = None,
+  stages: int = 2,
+  interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(dq, dk, dv)`` of :func:`forward`'s output for the cotangent ``d_out``, from its
+  output and base-2 log-sum-exp ``lse2``: a dQ kernel (one program per 64-row query tile,
+  its key tiles streamed) and a dK/dV kernel in the transposed domain (one program per
+  64-row key tile and query head, its query tiles streamed; ``Sᵀ = K Qᵀ``, ``dV += Pᵀ dO``,
+  ``dPᵀ = V dOᵀ``, ``dK += dSᵀ Q``, every product a wgmma), dS rounded once to the inputs'
+  dtype as on Hopper's Triton rows. Grouped queries sum their dK and dV over the group in
+  XLA. Tiles of 64 by 64; the mask's schedules as in the forward."""
+  plgpu = _plgpu()
+  B, T, N, H = query.shape
+  S, K = key.shape[1], key.shape[2]
+  G, dtype, bk = N // K, query.dtype, ROWS
+  mask, rows_s, cols_s = _check_and_schedule(query, key, is_causal, mask, bk)
+  scale_log2 = float(scale) * LOG2E
+  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  layout = plgpu.Layout.WGMMA
+  delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
+  # Rows that saw no key (lse -inf) take no gradient: shift them by +inf, p = 0
+  lse2 = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)
+  extra = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
+
+  def staged(x: Any, smem: Any) -> Any:
+    """wgmma's A operand: registers on a GPU; in shared memory for the interpreter."""
+    if smem is None:
+      return x
+    smem[...] = x
+    plgpu.commit_smem()
+    return smem
+
+  def matmul(a: Any, b: Any, shape: tuple[int, int]) -> Any:
+    def run(acc_ref: Any) -> Any:
+      plgpu.wgmma(acc_ref, a, b)
+      return acc_ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+  def masked_scores(
+    t: Any, masked: bool, b: Any, h: Any, q0: Any, k0: Any, transposed: bool
+  ) -> Any:
+    """``t`` (a tile's scores, transposed: keys along rows) with the mask applied."""
+    if not masked:
+      return t
+    iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, t.shape, axis, layout=layout)
+    q_idx, kv_idx = (iota(1) + q0, iota(0) + k0) if transposed else (iota(0) + q0, iota(1) + k0)
+    return jnp.where(mask(b, h, q_idx, kv_idx), t, -jnp.inf)
+
+  def dq_body(*refs: Any) -> None:
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, full_ref, partial_ref = refs[:9]
+    dq_ref, q_smem, do_smem, lse_smem, delta_smem, bars, a_smem = refs[9:]
+    i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+    kv_head = lax.div(h, jnp.array(G, h.dtype))
+    rows = pl.ds(i * ROWS, ROWS)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, bars.at[0])
+    plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem, bars.at[1])
+    plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem, bars.at[2])
+    plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem, bars.at[3])
+    for n in range(4):
+      plgpu.barrier_wait(bars.at[n])
+    lse = _load(lse_smem, layout.reduce(1))
+    dlt = _load(delta_smem, layout.reduce(1))
+
+    def step(first: Any, masked: bool) -> Any:
+      def run(index: tuple[Any], k_smem: Any, v_smem: Any, dq: Any) -> Any:
+        j = order_ref[i, index[0] + first]
+        t = matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, bk)) * scale_log2
+        t = masked_scores(t, masked, b, h, i * ROWS, j * bk, False)
+        p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [0]))
+        dp = matmul(do_smem, v_smem.transpose((1, 0)), (ROWS, bk))
+        ds = (p * (dp - lax.broadcast_in_dim(dlt, t.shape, [0]))).astype(dtype)
+        return dq + matmul(staged(ds, a_smem), k_smem, (ROWS, H))
+
+      return run
+
+    def pipeline(first: Any, count: Any, masked: bool, dq: Any) -> Any:
+      spec = plgpu.BlockSpec((bk, H), lambda t: (order_ref[i, t + first], 0), transforms=swizzled)
+      return plgpu.emit_pipeline(
+        step(first, masked), grid=(count,), in_specs=[spec, spec],
+        max_concurrent_steps=stages, init_carry=dq,
+      )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :])  # fmt: skip
+
+    dq = plgpu.layout_cast(jnp.full((ROWS, H), 0.0, jnp.float32), layout)
+    n_full = full_ref[i]
+    dq = pipeline(0, n_full, False, dq)
+    if mask is not None:
+      dq = pipeline(n_full, partial_ref[i], True, dq)
+    q_smem[...] = (dq * scale).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
+    plgpu.wait_smem_to_gmem(0)
+
+  def dkv_body(*refs: Any) -> None:
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, full_ref, partial_ref = refs[:9]
+    dk_ref, dv_ref, k_smem, v_smem, bars, a_smem = refs[9:]
+    j, h, b = lax.axis_index("kv"), lax.axis_index("h"), lax.axis_index("b")
+    kv_head = lax.div(h, jnp.array(G, h.dtype))
+    cols = pl.ds(j * bk, bk)
+    plgpu.copy_gmem_to_smem(k_ref.at[b, cols, kv_head], k_smem, bars.at[0])
+    plgpu.copy_gmem_to_smem(v_ref.at[b, cols, kv_head], v_smem, bars.at[1])
+    plgpu.barrier_wait(bars.at[0])
+    plgpu.barrier_wait(bars.at[1])
+
+    def step(first: Any, masked: bool) -> Any:
+      def run(index: tuple[Any], q_smem: Any, do_smem: Any, lse_smem: Any, d_smem: Any,
+              carry: Any) -> Any:  # fmt: skip
+        dk, dv = carry
+        i = order_ref[j, index[0] + first]
+        lse = _load(lse_smem, layout.reduce(0))
+        dlt = _load(d_smem, layout.reduce(0))
+        t = matmul(k_smem, q_smem.transpose((1, 0)), (bk, ROWS)) * scale_log2
+        t = masked_scores(t, masked, b, h, i * ROWS, j * bk, True)
+        p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [1]))
+        dv = dv + matmul(staged(p.astype(dtype), a_smem), do_smem, (bk, H))
+        dp = matmul(v_smem, do_smem.transpose((1, 0)), (bk, ROWS))
+        ds = (p * (dp - lax.broadcast_in_dim(dlt, t.shape, [1]))).astype(dtype)
+        return dk + matmul(staged(ds, a_smem), q_smem, (bk, H)), dv
+
+      return run
+
+    def pipeline(first: Any, count: Any, masked: bool, carry: Any) -> Any:
+      at = lambda t: order_ref[j, t + first]
+      tile = plgpu.BlockSpec((ROWS, H), lambda t: (at(t), 0), transforms=swizzled)
+      vec = plgpu.BlockSpec((ROWS,), lambda t: (at(t),))
+      return plgpu.emit_pipeline(
+        step(first, masked), grid=(count,), in_specs=[tile, tile, vec, vec],
+        max_concurrent_steps=stages, init_carry=carry,
+      )(q_ref.at[b, :, h, :], do_ref.at[b, :, h, :], lse_ref.at[b, h, :],
+        delta_ref.at[b, h, :])  # fmt: skip
+
+    zero = plgpu.layout_cast(jnp.full((bk, H), 0.0, jnp.float32), layout)
+    n_full = full_ref[j]
+    carry = pipeline(0, n_full, False, (zero, zero))
+    if mask is not None:
+      carry = pipeline(n_full, partial_ref[j], True, carry)
+    dk, dv = carry
+    k_smem[...] = (dk * scale).astype(dtype)
+    v_smem[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, cols, h])
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, cols, h])
+    plgpu.wait_smem_to_gmem(0)
+
+  a_scratch = lambda shape: plgpu.SMEM(shape, dtype, transforms=swizzled) if interpret else None
+  inputs = (query, key, value, d_out, lse2.astype(jnp.float32), delta)
+  sched = lambda s: tuple(jnp.asarray(x) for x in s)
+  dq = plgpu.kernel(
+    dq_body,
+    out_type=jax.ShapeDtypeStruct(query.shape, dtype),
+    grid=(T // ROWS, N, B),
+    grid_names=("q", "h", "b"),
+    scratch_types=(
+      plgpu.SMEM((ROWS, H), dtype, transforms=swizzled),
+      plgpu.SMEM((ROWS, H), dtype, transforms=swizzled),
+      plgpu.SMEM((ROWS,), jnp.float32),
+      plgpu.SMEM((ROWS,), jnp.float32),
+      plgpu.Barrier(num_barriers=4),
+      a_scratch((ROWS, bk)),
+    ),
+    **extra,
+  )(*inputs, *sched(rows_s))
+  per_head = jax.ShapeDtypeStruct((B, S, N, H), dtype)  # each query head's dK, dV
+  dk, dv = plgpu.kernel(
+    dkv_body,
+    out_type=(per_head, per_head),
+    grid=(S // bk, N, B),
+    grid_names=("kv", "h", "b"),
+    scratch_types=(
+      plgpu.SMEM((bk, H), dtype, transforms=swizzled),
+      plgpu.SMEM((bk, H), dtype, transforms=swizzled),
+      plgpu.Barrier(num_barriers=2),
+      a_scratch((bk, ROWS)),
+    ),
+    **extra,
+  )(*inputs, *sched(cols_s))
+  group = lambda x: x.reshape(B, S, K, G, H).sum(3, dtype=jnp.float32).astype(dtype)
+  return dq, group(dk), group(dv)
+
+
+def attention(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  *,
+  scale: float,
+  is_causal: bool = False,
+  mask: _masks.Mask | None = None,
+  interpret: bool = False,
+) -> jax.Array:
+  """:func:`forward`'s output, differentiable in query, key and value by :func:`backward`."""
+  kw: dict[str, Any] = dict(scale=scale, is_causal=is_causal, mask=mask, interpret=interpret)
+
+  @jax.custom_vjp
+  def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    return forward(q, k, v, **kw)[0]
+
+  def fwd(q: jax.Array, k: jax.Array, v: jax.Array) -> Any:
+    out, lse2 = forward(q, k, v, base2=True, **kw)
+    return out, (q, k, v, out, lse2)
+
+  def bwd(res: Any, d_out: jax.Array) -> Any:
+    q, k, v, out, lse2 = res
+    return backward(q, k, v, out, lse2, d_out, **kw)
+
+  attend.defvjp(fwd, bwd)
+  return attend(query, key, value)
