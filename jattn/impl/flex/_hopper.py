@@ -1,9 +1,9 @@
 """flex's kernels written for Mosaic GPU, for Hopper (sm_90): wgmma and TMA through Pallas.
 
-**Not yet run on a GPU, and reached by nothing**: it lowers for CUDA from a CPU (the program
-holds one Mosaic GPU call) and computes exact values in Mosaic GPU's interpreter (jax >= 0.12),
-but no call of jattn routes to it until a GPU has run it and its record is committed;
-``python -m experiments.gpu_probe`` times it (method ``hopper``) beside cuDNN and the Triton
+**Not yet run on a GPU, and reached by nothing**: they lower for CUDA from a CPU (one Mosaic
+GPU call per kernel) and compute exact values in Mosaic GPU's interpreter (jax >= 0.12),
+but no call of jattn routes to them until a GPU has run them and the record is committed;
+``python -m experiments.gpu_probe`` times them (method ``hopper``) beside cuDNN and the Triton
 kernels. :func:`attention` joins the forward kernel and :func:`backward`'s two kernels in a
 ``custom_vjp``. Masks that read arrays, score functions and dropout come after that.
 
