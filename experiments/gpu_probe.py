@@ -15,8 +15,9 @@ write everything it measured to one JSON record. For bf16, B=1, N=16 heads, it t
   (forward timed alone) and backward tiles of the dQ and dK/dV kernels (backward timed
   alone), the table's row patched for each (``jattn.impl.flex.TILES``);
 - **variants** of the table's row (``--sections variants``), H = 128, causal: its tiles in
-  natural order and dS rounded once for dK, timed beside cuDNN; then the errors of cuDNN,
-  jax.nn's XLA path and flex with and without the dS split on inputs that round dS hard.
+  natural order, and dS for dK the other way from the GPU's row of ``flex.SPLIT_DS`` (hi +
+  lo, or rounded once), timed beside cuDNN; then the errors of cuDNN, jax.nn's XLA path and
+  flex both ways on inputs that round dS hard.
 
 Each configuration's output and gradients are checked against the same call in float32
 at the highest matmul precision (jax.nn's XLA path, a few heads at a time), as the largest
@@ -120,22 +121,33 @@ def natural_order() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def one_part_ds() -> Iterator[None]:
-  """flex's dK/dV kernel sums dS rounded once to the inputs' dtype, on every GPU."""
+def ds_parts(split: bool) -> Iterator[None]:
+  """flex's dK/dV kernel sums dS as hi + lo (``split``) or rounded once, on every GPU."""
   saved = dict(flex.SPLIT_DS)
-  flex.SPLIT_DS.update(dict.fromkeys(saved, False))
+  flex.SPLIT_DS.update(dict.fromkeys(saved, split))
   try:
     yield
   finally:
     flex.SPLIT_DS.update(saved)
 
 
-# flex with one choice undone (the table's row as it is: "table").
+# flex with one choice undone (the table's row as it is: "table"); of the two dS variants
+# the probe runs the one that differs from the GPU's row of flex.SPLIT_DS.
 VARIANTS: dict[str, Callable[[], Any]] = {
   "table": contextlib.nullcontext,
   "natural_order": natural_order,
-  "one_part_ds": one_part_ds,
+  "one_part_ds": functools.partial(ds_parts, False),
+  "two_part_ds": functools.partial(ds_parts, True),
 }
+
+
+def other_ds() -> str:
+  """The dS variant that differs from this GPU's row (an interpreter's: Ampere's)."""
+  gpus = [d for d in jax.devices() if d.platform == "gpu"]
+  kind = gpus[0].device_kind if gpus else ""
+  return "one_part_ds" if flex.SPLIT_DS.get(flex.generation(kind), True) else "two_part_ds"
+
+
 # Inputs that round dS hard, as (q and k multiplied by, the call's scale; None: H**-0.5):
 # scores of about 4 standard deviations, and experiments/accuracy.py's saturated_x10 and
 # scale_1e3 cases (near one-hot rows: their dS is mostly tiny, so read max_abs there too).
@@ -372,8 +384,8 @@ class Probe:
     base = dict(section="variant", H=H, T=T, causal=True)
     if "cudnn" in a.methods:
       self.run(dict(base, method="cudnn"), method("cudnn", True, scale), q, k, v, do, ref, parts)
-    for name, change in VARIANTS.items():
-      with change(), patched_tiles(H, None):
+    for name in ("table", "natural_order", other_ds()):
+      with VARIANTS[name](), patched_tiles(H, None):
         row = dict(base, method="flex", variant=name, tiles=[list(x) for x in flex.tiles_for(H, 2)])
         self.run(row, method("flex", True, scale), q, k, v, do, ref, parts)
     T = a.stress_length
@@ -388,7 +400,7 @@ class Probe:
       for name in ("cudnn", "xla") if "cudnn" in a.methods else ("xla",):
         fn = method(name, True, scale) if name == "cudnn" else jax_nn_xla(True, scale)
         self.run(dict(base, method=f"jax.nn/{name}"), fn, q, k, v, do, ref, ("check",))
-      for name in ("table", "one_part_ds"):  # the order changes no value
+      for name in ("table", other_ds()):  # the order changes no value
         with VARIANTS[name](), patched_tiles(H, None):
           row = dict(base, method="flex", variant=name)
           self.run(row, method("flex", True, scale), q, k, v, do, ref, ("check",))
