@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from reference import array
 
-from jattn import masks
+import jattn
+from jattn import masks, scores
 from jattn.impl.flex import _hopper
 
 B, T, N, K, H = 1, 128, 2, 1, 64
@@ -111,10 +112,40 @@ def test_gradients_match_autodiff_of_jax_nn_in_float32():
       assert rel < 1e-2, (mask, causal, name, rel)
 
 
-def test_the_gradient_lowers_for_cuda_to_three_mosaic_gpu_calls():
-  """The forward kernel, the dQ kernel and the dK/dV kernel, from a CPU, causal, bf16."""
+@interpreter
+def test_score_functions_of_indices_values_and_gradients():
+  """A soft cap, and a score function of the indices (a distance penalty), with a window
+  mask, against jattn's materialised path in float32 on the same bf16 inputs (itself checked
+  against float64 formulas in test_xla and test_scores): output, lse and the three
+  gradients, whose dS passes through the score function's derivative."""
+  q, k, v = (x * 3 for x in _inputs(jnp.bfloat16))  # large enough scores for the cap to bend
+  wide = [x.astype(jnp.float32) for x in (q, k, v)]
+  ct = np.random.default_rng(8).standard_normal((B, T, N, H)).astype(np.float32)
+  distance = scores.from_fn(lambda s, b, h, qi, ki: s - 0.05 * jnp.abs(qi - ki).astype(s.dtype))
+  window = masks.sliding_window(40, 0)
+  for score_fn, mask in ((scores.soft_cap(2.0), None), (distance, window)):
+    kw = dict(scale=H**-0.5, mask=mask, score_fn=score_fn)
+    hopper = lambda *a: _hopper.attention(*a, interpret=True, **kw).astype(jnp.float32)
+    xla = lambda *a, **more: jattn.dot_product_attention(*a, implementation="xla", **kw, **more)
+    loss = lambda attend: lambda *a: jnp.sum(attend(*a) * ct)
+    got = jax.jit(jax.value_and_grad(loss(hopper), (0, 1, 2)))(q, k, v)
+    want = jax.value_and_grad(loss(xla), (0, 1, 2))(*wide)
+    _, lse = jax.jit(lambda *a: _hopper.forward(*a, interpret=True, **kw))(q, k, v)
+    _, want_lse = xla(*wide, return_residual=True)
+    np.testing.assert_allclose(lse, np.swapaxes(want_lse, 1, 2), rtol=1e-5, atol=1e-4)
+    for name, g, w in zip(("loss", "dq", "dk", "dv"), jax.tree.leaves(got), jax.tree.leaves(want)):
+      rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
+      assert rel < 1e-2, (score_fn, name, rel)
+
+
+@pytest.mark.parametrize("score_fn", [None, scores.soft_cap(30.0)], ids=["plain", "soft_cap"])
+def test_the_gradient_lowers_for_cuda_to_three_mosaic_gpu_calls(score_fn):
+  """The forward kernel, the dQ kernel and the dK/dV kernel, from a CPU, causal, bf16; with a
+  soft cap (tanh and its derivative inside each kernel) and a window as well."""
   q, k, v = (jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in _inputs(jnp.float32, 256, 128))
-  loss = lambda *a: jnp.sum(_hopper.attention(*a, scale=0.1, is_causal=True).astype(jnp.float32))
+  mask = None if score_fn is None else masks.sliding_window(100, 0)
+  attend = lambda *a: _hopper.attention(*a, scale=0.1, is_causal=True, mask=mask, score_fn=score_fn)
+  loss = lambda *a: jnp.sum(attend(*a).astype(jnp.float32))
   step = jax.jit(jax.grad(loss, (0, 1, 2)))
   text = step.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("custom_call @mosaic_gpu") == 3
@@ -146,6 +177,7 @@ def test_lowers_for_cuda_to_one_mosaic_gpu_call(is_causal):
     (dict(kw=dict(block_kv=96)), r"block_kv=96"),
     (dict(kv_len=64, kw=dict(is_causal=True)), r"is_causal: the Hopper kernel takes T = S"),
     (dict(kw=dict(mask=masks.prefix_lm(16))), r"mask: the Hopper kernel takes masks of indices"),
+    (dict(kw=dict(score_fn=scores.alibi(np.ones(N)))), r"score_fn: the Hopper kernel takes score"),
   ],
 )
 def test_bad_arguments_are_refused_by_name(change, match):

@@ -5,7 +5,7 @@ GPU call per kernel) and compute exact values in Mosaic GPU's interpreter (jax >
 but no call of jattn routes to them until a GPU has run them and the record is committed;
 ``python -m experiments.gpu_probe`` times them (method ``hopper``) beside cuDNN and the Triton
 kernels. :func:`attention` joins the forward kernel and :func:`backward`'s two kernels in a
-``custom_vjp``. Masks that read arrays, score functions and dropout come after that.
+``custom_vjp``. Masks and score functions that read arrays, and dropout, come after that.
 
 One program per (query tile of 64 rows, head, batch row), one warpgroup: the query tile is
 copied to shared memory once (TMA), then ``plgpu.emit_pipeline`` streams the key and value
@@ -54,6 +54,48 @@ def _load(ref: Any, layout: Any) -> Any:
   return load(ref, layout=layout)
 
 
+def _tile_scores(
+  products: Any,
+  *,
+  scale: float,
+  score_fn: Any,
+  mask: Any,
+  masked: bool,
+  b: Any,
+  h: Any,
+  q0: Any,
+  k0: Any,
+  transposed: bool = False,
+  derivative: bool = False,
+) -> tuple[Any, Any]:
+  """``(t, slope)`` of one tile: its base-2 scores ``score_fn(scale · q kᵀ) · log2(e)``, -inf
+  where a PARTIAL tile's mask says so, and d score_fn(x)/dx (None without a score function
+  or ``derivative``). ``products`` is ``q kᵀ`` (``k qᵀ`` when ``transposed``: keys along
+  rows); query rows start at ``q0``, key rows at ``k0``; mask and score function see the
+  elements' own indices."""
+  plgpu = _plgpu()
+  if score_fn is None and not masked:
+    return products * (float(scale) * LOG2E), None
+  iota = lambda axis: plgpu.broadcasted_iota(
+    jnp.int32, products.shape, axis, layout=plgpu.Layout.WGMMA
+  )
+  q_idx, kv_idx = (iota(1) + q0, iota(0) + k0) if transposed else (iota(0) + q0, iota(1) + k0)
+  slope = None
+  if score_fn is None:
+    t = products * (float(scale) * LOG2E)
+  else:
+    score = lambda x: score_fn(x, b, h, q_idx, kv_idx).astype(jnp.float32)
+    x = products * float(scale)
+    if derivative:  # score functions act elementwise on the scores
+      y, slope = jax.jvp(score, (x,), (jnp.ones_like(x),))
+    else:
+      y = score(x)
+    t = y * LOG2E
+  if masked:
+    t = jnp.where(mask(b, h, q_idx, kv_idx), t, -jnp.inf)
+  return t, slope
+
+
 def forward(
   query: jax.Array,
   key: jax.Array,
@@ -62,6 +104,7 @@ def forward(
   scale: float,
   is_causal: bool = False,
   mask: _masks.Mask | None = None,
+  score_fn: Any = None,
   block_kv: int = 64,
   stages: int = 2,
   interpret: bool = False,
@@ -70,7 +113,9 @@ def forward(
   """``(out, lse)`` of softmax attention: query (B, T, N, H), key and value (B, S, K, H),
   N a multiple of K (grouped queries), float16 or bfloat16, H a multiple of 64, T a multiple
   of 64 and S of ``block_kv``; ``is_causal`` as jax.nn's (query t sees keys s <= t, T = S),
-  and ``mask`` a jattn mask of indices alone (one that reads no array), and'ed with it.
+  and ``mask`` a jattn mask of indices alone (one that reads no array), and'ed with it;
+  ``score_fn(s, batch, head, q_idx, kv_idx)`` a jattn score function of indices alone,
+  applied to the scaled scores (``scores.soft_cap``, ``scores.from_fn`` of indices).
   ``lse`` is (B, N, T) float32, the natural log-sum-exp of each row's scaled scores; a row
   that sees no key gives zeros and an lse of -inf.
   ``interpret`` runs it in Mosaic GPU's interpreter (jax >= 0.12), on any backend; ``base2``
@@ -99,13 +144,16 @@ def forward(
     raise ValueError(f"is_causal: the Hopper kernel takes T = S, got {T} and {S}")
   if mask is not None and jax.tree.leaves(mask):
     raise ValueError(f"mask: the Hopper kernel takes masks of indices alone, {mask} reads arrays")
+  if score_fn is not None and jax.tree.leaves(score_fn):
+    raise ValueError(
+      f"score_fn: the Hopper kernel takes score functions of indices alone, {score_fn} reads arrays"
+    )
   mask, (order, num_full, num_partial), _ = _check_and_schedule(
     query, key, is_causal, mask, block_kv
   )
   if interpret and not hasattr(plgpu, "InterpretGPUParams"):
     raise ValueError("interpret: Mosaic GPU's interpreter needs jax >= 0.12")
   G = N // K
-  scale_log2 = float(scale) * LOG2E
   # wgmma's operands in shared memory: 8 x 64 tiles with a 128-byte swizzle (16-bit elements)
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   wgmma_layout = plgpu.Layout.WGMMA
@@ -134,15 +182,11 @@ def forward(
           plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
           return acc_ref[...]
 
-        t = pl.run_scoped(scores, plgpu.ACC((ROWS, block_kv), jnp.float32)) * scale_log2
-        m_new = m
-        if masked:  # PARTIAL tiles: the mask on the tile's indices
-          iota = lambda axis: plgpu.broadcasted_iota(
-            jnp.int32, (ROWS, block_kv), axis, layout=wgmma_layout
-          )
-          q_idx, kv_idx = iota(0) + i * ROWS, iota(1) + j * block_kv
-          assert mask is not None
-          t = jnp.where(mask(b, h, q_idx, kv_idx), t, -jnp.inf)
+        products = pl.run_scoped(scores, plgpu.ACC((ROWS, block_kv), jnp.float32))
+        t, _ = _tile_scores(
+          products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b, h=h,
+          q0=i * ROWS, k0=j * block_kv,
+        )  # fmt: skip
         m_new = jnp.maximum(m, t.max(axis=1))
         # A row whose keys so far are all masked keeps m = -inf: shift it by 0, not by -inf
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
@@ -233,6 +277,7 @@ def backward(
   scale: float,
   is_causal: bool = False,
   mask: _masks.Mask | None = None,
+  score_fn: Any = None,
   stages: int = 2,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -248,7 +293,6 @@ def backward(
   S, K = key.shape[1], key.shape[2]
   G, dtype, bk = N // K, query.dtype, ROWS
   mask, rows_s, cols_s = _check_and_schedule(query, key, is_causal, mask, bk)
-  scale_log2 = float(scale) * LOG2E
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   layout = plgpu.Layout.WGMMA
   delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
@@ -271,15 +315,17 @@ def backward(
 
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
-  def masked_scores(
-    t: Any, masked: bool, b: Any, h: Any, q0: Any, k0: Any, transposed: bool
-  ) -> Any:
-    """``t`` (a tile's scores, transposed: keys along rows) with the mask applied."""
-    if not masked:
-      return t
-    iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, t.shape, axis, layout=layout)
-    q_idx, kv_idx = (iota(1) + q0, iota(0) + k0) if transposed else (iota(0) + q0, iota(1) + k0)
-    return jnp.where(mask(b, h, q_idx, kv_idx), t, -jnp.inf)
+  def scores(
+    products: Any, masked: bool, b: Any, h: Any, q0: Any, k0: Any, transposed: bool
+  ) -> tuple[Any, Any]:
+    return _tile_scores(
+      products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b, h=h, q0=q0,
+      k0=k0, transposed=transposed, derivative=True,
+    )  # fmt: skip
+
+  def through_score(ds: Any, slope: Any) -> Any:
+    """dS of the scaled scores: of the score function's output times its derivative."""
+    return ds if slope is None else ds * slope
 
   def dq_body(*refs: Any) -> None:
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, full_ref, partial_ref = refs[:9]
@@ -299,11 +345,12 @@ def backward(
     def step(first: Any, masked: bool) -> Any:
       def run(index: tuple[Any], k_smem: Any, v_smem: Any, dq: Any) -> Any:
         j = order_ref[i, index[0] + first]
-        t = matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, bk)) * scale_log2
-        t = masked_scores(t, masked, b, h, i * ROWS, j * bk, False)
+        products = matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, bk))
+        t, slope = scores(products, masked, b, h, i * ROWS, j * bk, False)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [0]))
         dp = matmul(do_smem, v_smem.transpose((1, 0)), (ROWS, bk))
-        ds = (p * (dp - lax.broadcast_in_dim(dlt, t.shape, [0]))).astype(dtype)
+        ds = p * (dp - lax.broadcast_in_dim(dlt, t.shape, [0]))
+        ds = through_score(ds, slope).astype(dtype)
         return dq + matmul(staged(ds, a_smem), k_smem, (ROWS, H))
 
       return run
@@ -343,12 +390,13 @@ def backward(
         i = order_ref[j, index[0] + first]
         lse = _load(lse_smem, layout.reduce(0))
         dlt = _load(d_smem, layout.reduce(0))
-        t = matmul(k_smem, q_smem.transpose((1, 0)), (bk, ROWS)) * scale_log2
-        t = masked_scores(t, masked, b, h, i * ROWS, j * bk, True)
+        products = matmul(k_smem, q_smem.transpose((1, 0)), (bk, ROWS))
+        t, slope = scores(products, masked, b, h, i * ROWS, j * bk, True)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [1]))
         dv = dv + matmul(staged(p.astype(dtype), a_smem), do_smem, (bk, H))
         dp = matmul(v_smem, do_smem.transpose((1, 0)), (bk, ROWS))
-        ds = (p * (dp - lax.broadcast_in_dim(dlt, t.shape, [1]))).astype(dtype)
+        ds = p * (dp - lax.broadcast_in_dim(dlt, t.shape, [1]))
+        ds = through_score(ds, slope).astype(dtype)
         return dk + matmul(staged(ds, a_smem), q_smem, (bk, H)), dv
 
       return run
@@ -420,10 +468,13 @@ def attention(
   scale: float,
   is_causal: bool = False,
   mask: _masks.Mask | None = None,
+  score_fn: Any = None,
   interpret: bool = False,
 ) -> jax.Array:
   """:func:`forward`'s output, differentiable in query, key and value by :func:`backward`."""
-  kw: dict[str, Any] = dict(scale=scale, is_causal=is_causal, mask=mask, interpret=interpret)
+  kw: dict[str, Any] = dict(
+    scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn, interpret=interpret
+  )
 
   @jax.custom_vjp
   def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
