@@ -54,6 +54,45 @@ def _load(ref: Any, layout: Any) -> Any:
   return load(ref, layout=layout)
 
 
+def _swizzled() -> tuple[Any, Any]:
+  """wgmma's operands in shared memory: 8 x 64 tiles, 128-byte swizzle (16-bit elements)."""
+  plgpu = _plgpu()
+  return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+
+
+def _interpreted(interpret: bool) -> dict[str, Any]:
+  """``plgpu.kernel``'s keyword for Mosaic GPU's interpreter, where asked for."""
+  return dict(interpret=_plgpu().InterpretGPUParams()) if interpret else {}
+
+
+def _matmul(a: Any, b: Any, shape: tuple[int, int]) -> Any:
+  """``a @ b`` on the tensor cores (wgmma) into a fresh float32 accumulator of ``shape``."""
+  plgpu = _plgpu()
+
+  def run(acc_ref: Any) -> Any:
+    plgpu.wgmma(acc_ref, a, b)
+    return acc_ref[...]
+
+  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _staged(x: Any, smem: Any) -> Any:
+  """wgmma's A operand: registers on a GPU (``smem`` None); in shared memory for the
+  interpreter, whose wgmma reads A from there only."""
+  if smem is None:
+    return x
+  smem[...] = x
+  _plgpu().commit_smem()
+  return smem
+
+
+def _walk(pipeline: Any, n_full: Any, n_partial: Any, masked: bool, carry: Any) -> Any:
+  """A schedule's FULL tiles through one ``pipeline(first, count, masked, carry)``, then,
+  where there is a mask, its PARTIAL ones through a second."""
+  carry = pipeline(0, n_full, False, carry)
+  return pipeline(n_full, n_partial, True, carry) if masked else carry
+
+
 def _tile_scores(
   products: Any,
   *,
@@ -148,14 +187,11 @@ def forward(
     raise ValueError(
       f"score_fn: the Hopper kernel takes score functions of indices alone, {score_fn} reads arrays"
     )
-  mask, (order, num_full, num_partial), _ = _check_and_schedule(
-    query, key, is_causal, mask, block_kv
-  )
+  mask, (order, num_full, num_partial), _ = _schedules(query, key, is_causal, mask, block_kv)
   if interpret and not hasattr(plgpu, "InterpretGPUParams"):
     raise ValueError("interpret: Mosaic GPU's interpreter needs jax >= 0.12")
   G = N // K
-  # wgmma's operands in shared memory: 8 x 64 tiles with a 128-byte swizzle (16-bit elements)
-  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  swizzled = _swizzled()
   wgmma_layout = plgpu.Layout.WGMMA
 
   def body(*refs: Any) -> None:
@@ -178,11 +214,7 @@ def forward(
         acc, m, l = carry
         j = order_ref[i, index[0] + first]  # the key tile
 
-        def scores(acc_ref: Any) -> Any:
-          plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
-          return acc_ref[...]
-
-        products = pl.run_scoped(scores, plgpu.ACC((ROWS, block_kv), jnp.float32))
+        products = _matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, block_kv))
         t, _ = _tile_scores(
           products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b, h=h,
           q0=i * ROWS, k0=j * block_kv,
@@ -193,16 +225,7 @@ def forward(
         alpha = jnp.exp2(m - shift)
         p = jnp.exp2(t - lax.broadcast_in_dim(shift, t.shape, [0]))
         l = l * alpha + p.sum(axis=1)
-        p = p.astype(dtype)
-        if p_smem is not None:  # the interpreter's wgmma reads A from shared memory only
-          p_smem[...] = p
-          plgpu.commit_smem()
-
-        def values(acc_ref: Any) -> Any:
-          plgpu.wgmma(acc_ref, p if p_smem is None else p_smem, v_smem)
-          return acc_ref[...]
-
-        pv = pl.run_scoped(values, plgpu.ACC((ROWS, H), jnp.float32))
+        pv = _matmul(_staged(p.astype(dtype), p_smem), v_smem, (ROWS, H))
         return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l
 
       return run
@@ -218,13 +241,8 @@ def forward(
         init_carry=carry,
       )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :])
 
-    n_full = full_ref[i]
-    carry = pipeline(0, n_full, False, carry)
-    if mask is not None:
-      carry = pipeline(n_full, partial_ref[i], True, carry)
-    acc, m, l = carry
-    if mask is not None:  # rows that saw no key: zeros (and lse -inf)
-      acc = jnp.where(lax.broadcast_in_dim(l, acc.shape, [0]) == 0.0, 0.0, acc)
+    acc, m, l = _walk(pipeline, full_ref[i], partial_ref[i], mask is not None, carry)
+    if mask is not None:  # rows that saw no key: acc is 0 (every p was), l too; out 0
       l = jnp.where(l == 0.0, 1.0, l)  # m stays -inf there: lse = m + log2(1)
     o_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
     lse_smem[...] = m + jnp.log2(l)
@@ -233,7 +251,6 @@ def forward(
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows])
     plgpu.wait_smem_to_gmem(0)
 
-  extra = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
   out, lse2 = plgpu.kernel(
     body,
     out_type=(
@@ -249,12 +266,12 @@ def forward(
       plgpu.Barrier(num_barriers=1),
       plgpu.SMEM((ROWS, block_kv), dtype, transforms=swizzled) if interpret else None,
     ),
-    **extra,
+    **_interpreted(interpret),
   )(query, key, value, jnp.asarray(order), jnp.asarray(num_full), jnp.asarray(num_partial))
   return out, lse2 if base2 else lse2 / LOG2E
 
 
-def _check_and_schedule(
+def _schedules(
   query: jax.Array, key: jax.Array, is_causal: bool, mask: Any, block: int
 ) -> tuple[Any, _tiling.Schedule, _tiling.Schedule]:
   """The mask and'ed with causal, and its (rows, columns) schedules at ``ROWS x block``."""
@@ -292,28 +309,12 @@ def backward(
   B, T, N, H = query.shape
   S, K = key.shape[1], key.shape[2]
   G, dtype, bk = N // K, query.dtype, ROWS
-  mask, rows_s, cols_s = _check_and_schedule(query, key, is_causal, mask, bk)
-  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  mask, rows_s, cols_s = _schedules(query, key, is_causal, mask, bk)
+  swizzled = _swizzled()
   layout = plgpu.Layout.WGMMA
   delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
   # Rows that saw no key (lse -inf) take no gradient: shift them by +inf, p = 0
   lse2 = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)
-  extra = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
-
-  def staged(x: Any, smem: Any) -> Any:
-    """wgmma's A operand: registers on a GPU; in shared memory for the interpreter."""
-    if smem is None:
-      return x
-    smem[...] = x
-    plgpu.commit_smem()
-    return smem
-
-  def matmul(a: Any, b: Any, shape: tuple[int, int]) -> Any:
-    def run(acc_ref: Any) -> Any:
-      plgpu.wgmma(acc_ref, a, b)
-      return acc_ref[...]
-
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
   def scores(
     products: Any, masked: bool, b: Any, h: Any, q0: Any, k0: Any, transposed: bool
@@ -345,13 +346,13 @@ def backward(
     def step(first: Any, masked: bool) -> Any:
       def run(index: tuple[Any], k_smem: Any, v_smem: Any, dq: Any) -> Any:
         j = order_ref[i, index[0] + first]
-        products = matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, bk))
+        products = _matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, bk))
         t, slope = scores(products, masked, b, h, i * ROWS, j * bk, False)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [0]))
-        dp = matmul(do_smem, v_smem.transpose((1, 0)), (ROWS, bk))
+        dp = _matmul(do_smem, v_smem.transpose((1, 0)), (ROWS, bk))
         ds = p * (dp - lax.broadcast_in_dim(dlt, t.shape, [0]))
         ds = through_score(ds, slope).astype(dtype)
-        return dq + matmul(staged(ds, a_smem), k_smem, (ROWS, H))
+        return dq + _matmul(_staged(ds, a_smem), k_smem, (ROWS, H))
 
       return run
 
@@ -363,10 +364,7 @@ def backward(
       )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :])  # fmt: skip
 
     dq = plgpu.layout_cast(jnp.full((ROWS, H), 0.0, jnp.float32), layout)
-    n_full = full_ref[i]
-    dq = pipeline(0, n_full, False, dq)
-    if mask is not None:
-      dq = pipeline(n_full, partial_ref[i], True, dq)
+    dq = _walk(pipeline, full_ref[i], partial_ref[i], mask is not None, dq)
     q_smem[...] = (dq * scale).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
@@ -390,14 +388,14 @@ def backward(
         i = order_ref[j, index[0] + first]
         lse = _load(lse_smem, layout.reduce(0))
         dlt = _load(d_smem, layout.reduce(0))
-        products = matmul(k_smem, q_smem.transpose((1, 0)), (bk, ROWS))
+        products = _matmul(k_smem, q_smem.transpose((1, 0)), (bk, ROWS))
         t, slope = scores(products, masked, b, h, i * ROWS, j * bk, True)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [1]))
-        dv = dv + matmul(staged(p.astype(dtype), a_smem), do_smem, (bk, H))
-        dp = matmul(v_smem, do_smem.transpose((1, 0)), (bk, ROWS))
+        dv = dv + _matmul(_staged(p.astype(dtype), a_smem), do_smem, (bk, H))
+        dp = _matmul(v_smem, do_smem.transpose((1, 0)), (bk, ROWS))
         ds = p * (dp - lax.broadcast_in_dim(dlt, t.shape, [1]))
         ds = through_score(ds, slope).astype(dtype)
-        return dk + matmul(staged(ds, a_smem), q_smem, (bk, H)), dv
+        return dk + _matmul(_staged(ds, a_smem), q_smem, (bk, H)), dv
 
       return run
 
@@ -412,11 +410,7 @@ def backward(
         delta_ref.at[b, h, :])  # fmt: skip
 
     zero = plgpu.layout_cast(jnp.full((bk, H), 0.0, jnp.float32), layout)
-    n_full = full_ref[j]
-    carry = pipeline(0, n_full, False, (zero, zero))
-    if mask is not None:
-      carry = pipeline(n_full, partial_ref[j], True, carry)
-    dk, dv = carry
+    dk, dv = _walk(pipeline, full_ref[j], partial_ref[j], mask is not None, (zero, zero))
     k_smem[...] = (dk * scale).astype(dtype)
     v_smem[...] = dv.astype(dtype)
     plgpu.commit_smem()
@@ -440,7 +434,7 @@ def backward(
       plgpu.Barrier(num_barriers=4),
       a_scratch((ROWS, bk)),
     ),
-    **extra,
+    **_interpreted(interpret),
   )(*inputs, *sched(rows_s))
   per_head = jax.ShapeDtypeStruct((B, S, N, H), dtype)  # each query head's dK, dV
   dk, dv = plgpu.kernel(
@@ -454,7 +448,7 @@ def backward(
       plgpu.Barrier(num_barriers=2),
       a_scratch((bk, ROWS)),
     ),
-    **extra,
+    **_interpreted(interpret),
   )(*inputs, *sched(cols_s))
   group = lambda x: x.reshape(B, S, K, G, H).sum(3, dtype=jnp.float32).astype(dtype)
   return dq, group(dk), group(dv)
