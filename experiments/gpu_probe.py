@@ -42,7 +42,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -154,9 +154,10 @@ def other_ds() -> str:
 STRESS = {"peaked_x2": (2.0, None), "saturated_x10": (10.0, None), "scale_1e3": (1.0, 1e3)}
 
 
-def jax_nn_xla(causal: bool, scale: float) -> Callable:
+def jax_nn(implementation: Literal["cudnn", "xla"], causal: bool, scale: float) -> Callable:
+  """``(q, k, v) -> out`` of jax.nn's call through ``implementation`` ("cudnn", "xla")."""
   return lambda q, k, v: jax.nn.dot_product_attention(
-    q, k, v, is_causal=causal, scale=scale, implementation="xla"
+    q, k, v, is_causal=causal, scale=scale, implementation=implementation
   )
 
 
@@ -213,9 +214,7 @@ def patched_tiles(H: int, passes: flex.Passes | None) -> Iterator[None]:
 def method(name: str, causal: bool, scale: float) -> Callable:
   """``(q, k, v) -> out`` of one method (q, k, v: (B, T, N, H))."""
   if name == "cudnn":
-    return lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, is_causal=causal, scale=scale, implementation="cudnn"
-    )
+    return jax_nn("cudnn", causal, scale)
   if name == "hopper":  # flex's Hopper kernel (jattn/impl/flex/_hopper.py), not yet routed to
     from jattn.impl.flex import _hopper
 
@@ -256,10 +255,7 @@ def reference(q: Any, k: Any, v: Any, do: Any, causal: bool, scale: float, chunk
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale"))
 def _reference_heads(q: Any, k: Any, v: Any, do: Any, *, causal: bool, scale: float) -> Any:
-  f = lambda q, k, v: jax.nn.dot_product_attention(
-    q, k, v, is_causal=causal, scale=scale, implementation="xla"
-  )
-  out, vjp = jax.vjp(f, q, k, v)
+  out, vjp = jax.vjp(jax_nn("xla", causal, scale), q, k, v)
   return out, vjp(do)
 
 
@@ -397,8 +393,9 @@ class Probe:
       scale = H**-0.5 if scale is None else scale
       ref = reference(q, k, v, do, True, scale, a.ref_chunk)
       base = dict(section="stress", case=case, H=H, T=T, causal=True)
-      for name in ("cudnn", "xla") if "cudnn" in a.methods else ("xla",):
-        fn = method(name, True, scale) if name == "cudnn" else jax_nn_xla(True, scale)
+      peers: tuple[Literal["cudnn", "xla"], ...] = ("cudnn", "xla")
+      for name in peers if "cudnn" in a.methods else peers[1:]:
+        fn = jax_nn(name, True, scale)
         self.run(dict(base, method=f"jax.nn/{name}"), fn, q, k, v, do, ref, ("check",))
       for name in ("table", other_ds()):  # the order changes no value
         with VARIANTS[name](), patched_tiles(H, None):
