@@ -228,6 +228,8 @@ def _attend(
     _kernels.schedules(spec.mask, spec.B, spec.N, T, S, *passes.dkv[:2])[1],
   )
 
+  split_ds = SPLIT_DS.get(generation(_gpu_kind()), True)
+
   def settings(row: Tiles, schedule: _tiling.Schedule) -> _kernels.Settings:
     return _kernels.Settings(
       scale=spec.scale,
@@ -241,7 +243,7 @@ def _attend(
       dropout_rate=spec.dropout_rate,
       broadcast_dropout=spec.broadcast_dropout,
       from_last=_tiling.heaviest_last(schedule),
-      split_ds=SPLIT_DS.get(generation(_gpu_kind()), True),
+      split_ds=split_ds,
     )
 
   seed = None
