@@ -89,10 +89,10 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"{n} exhaustive cases left out: -m exhaustive runs them")
 
 
-# A worker has sent its results when it unconfigures. Ending its process there skips freeing the
-# thousands of programs and traces it cached (JAX's exit handler, then the interpreter's), some
-# seconds after a full run that the main process spent waiting for the workers to exit.
-@pytest.hookimpl(trylast=True)
+# A worker has sent its results when it unconfigures. Ending its process there, first, skips
+# freeing the programs and traces it cached and pytest's last hunt for unraisable exceptions
+# (five garbage collections, a second): time the main process spent waiting for the workers.
+@pytest.hookimpl(tryfirst=True)
 def pytest_unconfigure(config):
   if hasattr(config, "workerinput"):
     sys.stdout.flush(), sys.stderr.flush()

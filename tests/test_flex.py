@@ -170,20 +170,6 @@ def test_gradients_match_autodiff_of_xla(case):
     assert np.isfinite(np.asarray(g)).all()
 
 
-def test_check_grads_float64(x64):
-  """Query, key, value and a (1, N, T, S) bias, through a mask and a score function."""
-  mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
-  q, k, v = (x.astype(jnp.float64) for x in _inputs(2))
-  bias = array(np.random.default_rng(1).normal(size=(1, N, T, S)))
-
-  def f(q, k, v, bias):
-    return _loss(lambda *a: _flex_vjp(*a, mask, SCORE_FNS["custom"], bias=bias), q, k, v)
-
-  jax.test_util.check_grads(
-    jax.jit(f), (q, k, v, bias), order=1, modes=["rev"], atol=1e-5, rtol=1e-5
-  )
-
-
 def _flex_and_xla(fn, *args):
   """``fn(implementation, *args)`` for flex (interpreted) and for xla, traced and compiled as
   one program (two would compile the xla side and the program's overheads apart)."""
@@ -381,20 +367,21 @@ def test_each_pass_at_its_own_tiles_matches_xla(monkeypatch):
     np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
 
 
-def test_check_grads_float64_learned_slopes(x64):
-  """The score function's arrays' gradient (on the whole grid) with a bias's, in float64."""
+def test_check_grads_float64(x64):
+  """Query, key, value, a bias broadcast over the queries (1, N, 1, S) and a score function's
+  learned slopes (differentiated on the whole grid), through a mask, in float64: one check,
+  as every argument's cotangent comes from the same backward."""
   mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
-  q = _inputs(2)[0].astype(jnp.float64)
-  k, v = (x.astype(jnp.float64) for x in _inputs(2)[1:])
+  q, k, v = (x.astype(jnp.float64) for x in _inputs(2))
   bias = array(np.random.default_rng(2).normal(size=(1, N, 1, S)))
 
-  def f(q, bias, slopes):
+  def f(q, k, v, bias, slopes):
     score_fn = lambda s, b, h, qi, kv: s - slopes[h] * jnp.abs(qi - kv) + 0.1 * jnp.sin(s)
     return _loss(lambda *a: _flex_vjp(*a, mask, score_fn, bias=bias), q, k, v)
 
   slopes = array([0.5, 0.2, 0.1, 0.05])
   jax.test_util.check_grads(
-    jax.jit(f), (q, bias, slopes), order=1, modes=["rev"], atol=1e-5, rtol=1e-5
+    jax.jit(f), (q, k, v, bias, slopes), order=1, modes=["rev"], atol=1e-5, rtol=1e-5
   )
 
 

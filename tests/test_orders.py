@@ -315,24 +315,30 @@ def test_custom_vjp_rules_check_grads_in_float64(kw, x64):
   jax.test_util.check_grads(jax.jit(f), args, order=1, modes=["rev"])
 
 
-def test_ring_attention_second_derivatives_and_forward_mode():
+def _ring(q):
   mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))  # shards of 4 rows
-  q, t = _q(), _q(seed=1)
-  ring = lambda q: jattn.parallel.ring_attention(
+  return jattn.parallel.ring_attention(
     q, q * 0.5, jnp.cos(q), mesh=mesh, axis_name="sp", is_causal=True
   )
+
+
+def test_ring_attention_refuses_forward_mode_and_grad_of_grad():
+  q = _q()
   who = "ring_attention(implementation='blockwise')"
   for transform in _FORWARD_MODE[1:3]:  # under jit, and jacfwd
-    _refuses_forward_mode(transform(ring), q, who=who, way_out="implementation='xla'")
-  _assert_reverse_through_vmap_is_autodiffs(ring, _attention(**XLA_AUTODIFF), q)
-  np.testing.assert_allclose(
-    _jit_hessian_vector(ring, q, t), _reference_hessian_vector(), rtol=1e-5, atol=1e-5
-  )
+    _refuses_forward_mode(transform(_ring), q, who=who, way_out="implementation='xla'")
   # Under jit: eagerly, every operation of the forward and first backward would compile alone
   # before the second backward raises.
-  _raises_naming(
-    jax.jit(_grad_of_grad(ring)),
-    q,
-    who="ring_attention(implementation='blockwise')",
-    way_out="'xla'",
+  _raises_naming(jax.jit(_grad_of_grad(_ring)), q, who=who, way_out="'xla'")
+
+
+# Exhaustive (two thirds of the ring's derivative checks' time): the default run takes
+# blockwise's Hessian-vector product (test_blockwise_forward_over_reverse_matches_autodiff),
+# the rule every ring pair runs, and reverse mode through vmap on xla's custom_vjp.
+@pytest.mark.exhaustive
+def test_ring_attention_forward_over_reverse_and_reverse_through_vmap():
+  q, t = _q(), _q(seed=1)
+  _assert_reverse_through_vmap_is_autodiffs(_ring, _attention(**XLA_AUTODIFF), q)
+  np.testing.assert_allclose(
+    _jit_hessian_vector(_ring, q, t), _reference_hessian_vector(), rtol=1e-5, atol=1e-5
   )

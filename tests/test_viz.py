@@ -1,17 +1,27 @@
 """jattn.viz.plot_attention: what it draws, where, and what it refuses."""
 
 import builtins
+import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytest.importorskip("matplotlib")
+from jattn import viz
 
-import matplotlib.figure  # noqa: E402
+# matplotlib is imported by the tests that draw (and by jattn.viz when it draws), not at
+# collection, which every test worker pays for the whole suite.
+pytestmark = pytest.mark.skipif(
+  importlib.util.find_spec("matplotlib") is None, reason="jattn.viz draws with matplotlib"
+)
 
-from jattn import viz  # noqa: E402
+
+def _figure_class():
+  import matplotlib.figure
+
+  return matplotlib.figure.Figure
+
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -38,7 +48,7 @@ def _ticklabels(axis):
 def test_2d_draws_one_panel_with_the_weights_and_no_title():
   w = _probabilities(3, 5)
   fig = viz.plot_attention(w)
-  assert isinstance(fig, matplotlib.figure.Figure)
+  assert isinstance(fig, _figure_class())
   (panel,) = _panels(fig)
   np.testing.assert_array_equal(panel.images[0].get_array(), w)
   assert panel.get_title() == ""
@@ -150,7 +160,7 @@ def test_attention_weights_output_plots():
 
 
 def test_ax_draws_into_the_given_axes_and_returns_its_figure():
-  fig = matplotlib.figure.Figure()
+  fig = _figure_class()()
   left, right = fig.subplots(1, 2)
   w = _probabilities(2, 2)
   out = viz.plot_attention(w, ["x", "y"], ax=right, titles=["mine"])
@@ -249,7 +259,7 @@ def test_bad_inputs_are_refused_with_a_message_naming_the_argument(args, kwargs,
 
 
 def test_ax_is_refused_with_3d_weights_and_non_axes():
-  fig = matplotlib.figure.Figure()
+  fig = _figure_class()()
   ax = fig.subplots()
   with pytest.raises(
     ValueError, match=r"weights must be 2-D \(T, S\) with ax, got shape \(2, 3, 3\)"
