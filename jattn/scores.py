@@ -40,6 +40,7 @@ __all__ = [
   "soft_cap",
   "t5_bucket",
   "relative_position_bias",
+  "reindex",
 ]
 
 STATIC = {"static": True}
@@ -315,3 +316,55 @@ def relative_position_bias(
       f"table must have shape (num_buckets={num_buckets}, N), got {tuple(table.shape)}"
     )
   return RelativePositionBias(table, num_buckets, max_distance, bool(bidirectional))
+
+
+@_compat.register_dataclass
+@dataclass(frozen=True, eq=False)
+class Reindex(ScoreFn):
+  """``fn`` seen through index maps (see :func:`reindex`)."""
+
+  fn: ScoreFn
+  batch: Any
+  head: Any
+  q: Any
+  kv: Any
+
+  def __call__(
+    self, score: jax.Array, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
+  ) -> jax.Array:
+    idx = tuple(
+      i if m is None else jnp.asarray(m).at[i].get(mode="clip")
+      for m, i in zip((self.batch, self.head, self.q, self.kv), (batch, head, q_idx, kv_idx))
+    )
+    return self.fn(score, *idx)
+
+  def __repr__(self) -> str:
+    return f"reindex({self.fn!r})"
+
+
+def reindex(
+  fn: Callable,
+  *,
+  batch: ArrayLike | None = None,
+  head: ArrayLike | None = None,
+  q: ArrayLike | None = None,
+  kv: ArrayLike | None = None,
+) -> ScoreFn:
+  """``fn`` seen through index maps: the new function at ``(b, n, i, j)`` calls ``fn`` with
+  indices ``(batch[b], head[n], q[i], kv[j])``, as :func:`jattn.masks.reindex` does for a
+  mask. Each map is an int (L,) array (maybe traced) or None, the identity. Sequence-parallel
+  attention (:mod:`jattn.parallel`) uses it to evaluate a score function written in global
+  positions on one device's shard; its per-head parameters are then indexed by global head.
+
+  Example::
+
+      >>> import numpy as np
+      >>> shard = reindex(lambda s, b, h, q, kv: s - abs(q - kv), q=np.array([6, 7]))
+      >>> shard(jnp.zeros((1, 1, 2, 2)), 0, 0, jnp.arange(2)[:, None], jnp.arange(2)).tolist()
+      [[[[-6.0, -5.0], [-7.0, -6.0]]]]
+  """
+  maps = [
+    None if m is None else _checks.int_array(name, m, ranks=(1,))
+    for name, m in (("batch", batch), ("head", head), ("q", q), ("kv", kv))
+  ]
+  return Reindex(from_fn(fn), *maps)

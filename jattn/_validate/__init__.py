@@ -165,6 +165,39 @@ def build(
   return q, k, (None if a.value is None else v), spec
 
 
+def for_shard(
+  spec: CallSpec,
+  *,
+  dtype: DTypeLike,
+  implementation: str | None,
+  backward: str | None,
+  blocks: tuple[int | None, int | None],
+) -> CallSpec:
+  """A checked call's spec, its shapes and arrays already cut to one device's part of a
+  sequence-parallel call (:mod:`jattn.parallel.context`), with the implementation chosen
+  for that part by the selection table as :func:`build` chooses (nothing re-checked)."""
+  backend = testing.target_backend() or _select.default_backend()
+  bwd = _select.default_backward(implementation, backward)
+  spec = dataclasses.replace(
+    spec,
+    implementation="",
+    backward=bwd,
+    block_q=blocks[0],  # type: ignore[arg-type]  # None until resolved below
+    block_kv=blocks[1],  # type: ignore[arg-type]
+  )
+  call = _select.Call(
+    spec=spec,
+    dtype=np.dtype(dtype),
+    backend=backend,
+    backward_named=backward is not None,
+    blocks_named=blocks != (None, None),
+  )
+  choice = _select.choose(
+    call, implementation, bwd, interpret=spec.interpret, fused=not testing.portable()
+  )
+  return _for_choice(spec, choice, blocks, dtype, backend)
+
+
 def _for_choice(
   spec: CallSpec,
   choice: _select.Choice,

@@ -35,7 +35,7 @@ BACKENDS = ("cpu", "gpu", "tpu")
 
 @functools.partial(
   _compat.register_dataclass,
-  data_fields=["bias", "mask", "score_fn", "dropout_rng", "sinks", "shard_offsets"],
+  data_fields=["bias", "mask", "score_fn", "dropout_rng", "sinks", "shard_offsets", "positions"],
   meta_fields=[
     "B",
     "T",
@@ -95,6 +95,11 @@ class CallSpec:
   # indices (_sharded.per_shard(global_index=True)): (2,) int32, the global index of the
   # device's first batch row and query head. None everywhere else.
   shard_offsets: Any = None
+  # Inside a device's part of a sequence-parallel call (jattn.parallel.context): the global
+  # (batch, head, query, key) index of each local one, four int32 (L,) maps or None (the
+  # identity), at which dropout is drawn, so the pattern is the one-device call's. Masks and
+  # score functions come reindexed already (masks.reindex, scores.reindex). None elsewhere.
+  positions: Any = None
 
   @property
   def bnts(self) -> tuple[int, int, int, int]:
@@ -136,6 +141,9 @@ class Implementation:
   dropout: str | None = None
   residual: str | None = None  # return_residual with a differentiable log-sum-exp
   sinks: str | None = None
+  # Dropout drawn at the global positions a sequence-parallel shard maps its indices to
+  # (CallSpec.positions): why not, or None.
+  positions: str | None = "it draws dropout at its own indices only"
   tiles: bool = False  # takes block_q / block_kv, and needs something to tile
   fused: bool = False  # one kernel per device: needs whole sequences there
   takes_sinks: bool = False  # its kernel adds the sinks itself
@@ -164,6 +172,11 @@ class Implementation:
       (self.dropout, s.dropout_rate > 0, "dropout_rate > 0"),
       (self.residual, s.return_residual, "return_residual"),
       (self.sinks, s.sinks is not None, "sinks"),
+      (
+        self.positions,
+        s.positions is not None and s.dropout_rate > 0,
+        "dropout_rate > 0 on a shard of a sequence-parallel call",
+      ),
     )
     for reason, used, feature in features:
       if reason is not None and used:

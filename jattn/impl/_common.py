@@ -230,6 +230,17 @@ def varying_as(x: jax.Array, like: jax.Array) -> jax.Array:
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def at_positions(idx: Sequence[Any], positions: Sequence[Any] | None) -> tuple[Any, ...]:
+  """Broadcasting (batch, head, q, kv) indices mapped through ``positions`` (a
+  :attr:`CallSpec.positions`: each entry None or an int (L,) map; None, the identity)."""
+  if positions is None:
+    return tuple(idx)
+  return tuple(
+    i if m is None else jnp.asarray(m, jnp.int32).at[i].get(mode="clip")
+    for i, m in zip(idx, positions, strict=True)
+  )
+
+
 def row_max(m: jax.Array) -> jax.Array:
   """A running row maximum made safe to subtract: -inf (nothing allowed yet) becomes 0."""
   return jax.lax.stop_gradient(jnp.where(m == -jnp.inf, jnp.zeros_like(m), m))

@@ -195,6 +195,14 @@ def bias_window(
   return tuple(jnp.asarray(x, jnp.int32) for x in start), size
 
 
+class Seed(NamedTuple):
+  """Dropout's seed words (2,) uint32, and the global positions it is drawn at (a
+  :attr:`CallSpec.positions`, None on one device)."""
+
+  words: jax.Array
+  positions: Any = None
+
+
 class Tile(NamedTuple):
   """What the forward and backward passes share for one (query tile, key/value tile)."""
 
@@ -209,7 +217,7 @@ def tile(
   q_tile: jax.Array,
   k_tile: jax.Array,
   bias: jax.Array | None,
-  seed: jax.Array | None,
+  seed: Seed | None,
   consts: tuple[Sequence[Any], Sequence[Any]],
   qi: jax.Array | int,
   ki: jax.Array | int,
@@ -247,8 +255,9 @@ def tile(
   drop = None
   if static.dropout_rate:
     assert seed is not None, "dropout draws its seed words whenever dropout_rate > 0"
-    drop_idx = _dropout.shared_indices(*idx) if static.broadcast_dropout else idx
-    drop = _dropout.keep_from_seed((seed[0], seed[1]), static.dropout_rate, *drop_idx)
+    drop_idx = _common.at_positions(idx, seed.positions)
+    drop_idx = _dropout.shared_indices(*drop_idx) if static.broadcast_dropout else drop_idx
+    drop = _dropout.keep_from_seed((seed.words[0], seed.words[1]), static.dropout_rate, *drop_idx)
   return Tile(s, keep, drop, score_vjp)
 
 

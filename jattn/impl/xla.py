@@ -71,7 +71,8 @@ def attention(
   keep = None if spec.mask is None else spec.mask.on_grid(grid)
   drop = None
   if dropout_rate:
-    idx = _dropout.shared_indices(*grid) if spec.broadcast_dropout else grid
+    idx = _common.at_positions(grid, spec.positions)
+    idx = _dropout.shared_indices(*idx) if spec.broadcast_dropout else idx
     drop = _dropout.keep_mask(spec.dropout_rng, dropout_rate, *idx)
 
   # With sinks to add (jattn.attention), out stays in the statistics dtype until then.
@@ -236,4 +237,5 @@ IMPLEMENTATION = _base.Implementation(
   backwards=BACKWARDS,
   masks="every mask",
   run=attention,
+  positions=None,
 )

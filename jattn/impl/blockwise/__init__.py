@@ -92,7 +92,7 @@ _Residuals = tuple[
   jax.Array,  # query
   KV,
   jax.Array | None,  # bias
-  jax.Array | None,  # dropout seed words
+  _tiling.Seed | None,  # dropout seed words, and where they are drawn
   _tiling.Schedule,  # rows
   _tiling.Schedule,  # cols
   tuple[Any, ...],  # mask constants
@@ -166,6 +166,7 @@ def _attention(
     dropout_rate=spec.dropout_rate,
     dropout_rng=spec.dropout_rng,
     broadcast_dropout=spec.broadcast_dropout,
+    positions=spec.positions,
     block_q=spec.block_q,  # type: ignore[arg-type]  # set by prepare (IMPLEMENTATION)
     block_kv=spec.block_kv,  # type: ignore[arg-type]
   )
@@ -182,7 +183,7 @@ class Plan(NamedTuple):
   static: _tiling.Static
   rows: _tiling.Schedule  # per query tile: the key/value tiles to visit (forward)
   cols: _tiling.Schedule  # per key/value tile: the query tiles to visit (backward)
-  seed: jax.Array | None  # dropout seed words
+  seed: _tiling.Seed | None  # dropout seed words, and where they are drawn
   mask_consts: tuple
   score_consts: tuple
 
@@ -201,6 +202,7 @@ def plan(
   dropout_rate: float = 0.0,
   dropout_rng: jax.Array | None = None,
   broadcast_dropout: bool = False,
+  positions: Any = None,
   block_q: int,
   block_kv: int,
 ) -> Plan:
@@ -229,7 +231,7 @@ def plan(
   seed = None
   if dropout_rate:
     assert dropout_rng is not None, "a checked call with dropout has its key"
-    seed = jnp.stack(_dropout.seed_words(dropout_rng))
+    seed = _tiling.Seed(jnp.stack(_dropout.seed_words(dropout_rng)), positions)
   static = _tiling.Static(
     float(scale), float(dropout_rate), bool(broadcast_dropout), T, S, bq, bk, mask_fn, modify
   )
@@ -278,7 +280,7 @@ def _forward(
   query: jax.Array,
   kv: KV,
   bias: jax.Array | None,
-  seed: jax.Array | None,
+  seed: _tiling.Seed | None,
   rows: _tiling.Schedule,
   consts: Consts,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -353,7 +355,7 @@ def _attention_vjp(
   query: jax.Array,
   kv: KV,
   bias: jax.Array | None,
-  seed: jax.Array | None,
+  seed: _tiling.Seed | None,
   rows: _tiling.Schedule,
   cols: _tiling.Schedule,
   mask_consts: tuple[Any, ...],
@@ -368,7 +370,7 @@ def _attention_fwd(
   query: jax.Array,
   kv: KV,
   bias: jax.Array | None,
-  seed: jax.Array | None,
+  seed: _tiling.Seed | None,
   rows: _tiling.Schedule,
   cols: _tiling.Schedule,
   mask_consts: tuple[Any, ...],
@@ -418,6 +420,7 @@ IMPLEMENTATION = _base.Implementation(
   backwards=BACKWARDS,
   masks="every mask (skips the tiles it empties)",
   run=attention,
+  positions=None,
   prepare=_prepare,
   tiles=True,
   read_cache=attention_over_cache,

@@ -25,7 +25,7 @@ def _row_dots(
   do_tiles: jax.Array,
   tiles: _kv.Stacked | _kv.CacheTiles,
   bias: jax.Array | None,
-  seed: jax.Array | None,
+  seed: _tiling.Seed | None,
   consts: Consts,
   m: jax.Array,
   l: jax.Array,
@@ -67,7 +67,7 @@ def backward(
     jax.Array,  # query
     KV,
     jax.Array | None,  # bias
-    jax.Array | None,  # dropout seed words
+    _tiling.Seed | None,  # dropout seed words, and where they are drawn
     _tiling.Schedule,  # cols
     Consts,
     jax.Array | None,  # out: None with rows, where Δ takes a pass of its own
