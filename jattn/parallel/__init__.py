@@ -35,10 +35,20 @@ Shape legend as in :mod:`jattn.attention`; P is the number of devices on the
 ring axis.
 """
 
+from jattn.parallel.context import STRATEGIES as STRATEGIES
+from jattn.parallel.context import context_parallel_attention as context_parallel_attention
 from jattn.parallel.layouts import LAYOUTS as LAYOUTS
 from jattn.parallel.layouts import permute as permute
 from jattn.parallel.layouts import positions as positions
 from jattn.parallel.layouts import unpermute as unpermute
 from jattn.parallel.ring import ring_attention as ring_attention
 
-__all__ = ["LAYOUTS", "positions", "permute", "unpermute", "ring_attention"]
+__all__ = [
+  "LAYOUTS",
+  "STRATEGIES",
+  "positions",
+  "permute",
+  "unpermute",
+  "ring_attention",
+  "context_parallel_attention",
+]

@@ -1,0 +1,428 @@
+"""Sequence-parallel attention by strategy: :func:`context_parallel_attention`.
+
+Three ways to split one attention call's sequence over the P devices of a mesh axis, as
+large-model trainers do (MaxText's ``context_parallel_strategy``, DeepSpeed-Ulysses,
+TransformerEngine's context parallelism):
+
+* ``"ring"``: each device keeps its query shard; key/value shards travel around the ring
+  and partial results merge by the online-softmax rule (:func:`jattn.parallel.ring_attention`).
+  Memory per device O(T/P); P steps of point-to-point traffic that overlap the compute.
+* ``"all_gather"``: each device keeps its query shard and gathers every key and value once
+  (one all-gather, its transpose a reduce-scatter in the backward pass), then runs the
+  one-device call on (T/P queries, S keys). Memory per device O(S) for keys and values.
+* ``"ulysses"``: two all-to-alls trade the sequence shard for a head shard: each device
+  then holds the whole sequence for N/P heads and runs the one-device call on it; one more
+  all-to-all brings the output back to sequence shards. N and K must divide by P.
+
+In the all-gather and Ulysses strategies each device runs :func:`jattn.dot_product_attention`'s
+own core on its part, the implementation chosen for that part by the selection table (the
+fused kernel of the backend where it expresses the part); the mask and score function are
+evaluated at the global positions of the part's rows and columns (:func:`jattn.masks.reindex`,
+:func:`jattn.scores.reindex`) and dropout is drawn there (``CallSpec.positions``), so values,
+log-sum-exp, gradients and the dropout pattern are the one-device call's.
+
+Arrays with a sequence axis come in the inputs' layout order (query, key, value, bias,
+segment ids, a dense mask array); masks and score functions of indices are written in
+natural positions, whatever the layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jattn import _validate, attention, masks, scores
+from jattn._validate.options import Options
+from jattn.impl import _base
+from jattn.impl._base import CallSpec
+from jattn.parallel import _ring, ring
+from jattn.parallel.layouts import (
+  _check_divisible,
+  _check_layout,
+  positions,
+  shard_positions,
+  unpermute,
+)
+
+__all__ = ["STRATEGIES", "context_parallel_attention"]
+
+STRATEGIES = ("ring", "all_gather", "ulysses")
+
+_KEYWORDS = {f.name for f in dataclasses.fields(_validate.Arguments)} - {
+  "query",
+  "key",
+  "value",
+  "bias",
+  "mask",
+}
+# What ring_attention takes of dot_product_attention's keywords (the rest: bias, score
+# functions, dropout, a backward rule, dense mask arrays, are the other strategies').
+_RING_KEYWORDS = {
+  "scale",
+  "is_causal",
+  "query_seq_lengths",
+  "key_value_seq_lengths",
+  "local_window_size",
+  "return_residual",
+  "segment_ids",
+  "logits_soft_cap",
+  "sinks",
+  "implementation",
+  "block_q",
+  "block_kv",
+  "options",
+}
+
+
+def context_parallel_attention(
+  query: jax.typing.ArrayLike,
+  key: jax.typing.ArrayLike,
+  value: jax.typing.ArrayLike,
+  bias: jax.typing.ArrayLike | None = None,
+  mask: jax.typing.ArrayLike | masks.Mask | None = None,
+  *,
+  mesh: Mesh,
+  axis_name: str,
+  strategy: str = "ring",
+  layout: str = "contiguous",
+  batch_axis: str | tuple[str, ...] | None = None,
+  head_axis: str | tuple[str, ...] | None = None,
+  **keywords: Any,
+) -> Any:  # the output, or (output, lse) with return_residual=True
+  """:func:`jattn.dot_product_attention` with the sequence sharded over mesh axis ``axis_name``.
+
+  Computes what ``jattn.dot_product_attention(query, key, value, bias, mask, **keywords)``
+  computes on one device, values, log-sum-exp, gradients and dropout pattern alike, with
+  T and S split over the P devices of ``axis_name`` by ``strategy`` (see the module
+  docstring): ``"ring"`` (:func:`jattn.parallel.ring_attention`, which takes no bias,
+  score function, dropout or dense mask array), ``"all_gather"`` or ``"ulysses"`` (every
+  keyword). Works under ``jax.jit`` and in both sharding modes (Auto and Explicit axes).
+
+  Args:
+    query: (B, T, N, H), in ``layout`` order along T; best sharded as
+      ``P(batch_axis, axis_name, head_axis, None)`` (other placements are resharded).
+    key, value: (B, S, K, H), in ``layout`` order along S; N a multiple of K.
+    bias: as in :func:`jattn.dot_product_attention`, its T and S axes (where not 1) in
+      ``layout`` order; sharded like the scores each device computes.
+    mask: a :class:`jattn.masks.Mask` in natural positions (it classifies tiles on each
+      device exactly where it is a mask of indices), or a dense boolean array in ``layout``
+      order (correct, but whole on every device: pass documents as ``segment_ids``).
+    mesh, axis_name: the mesh and the axis the sequence is split over.
+    strategy: ``"ring"``, ``"all_gather"`` or ``"ulysses"``.
+    layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"``, as :func:`jattn.parallel.permute`
+      orders the inputs (zig-zag and striped balance causal work in the ring and
+      all-gather strategies; Ulysses computes whole sequences and needs no balance).
+    batch_axis, head_axis: mesh axes the batch and the heads are sharded over besides.
+    **keywords: every other keyword of :func:`jattn.dot_product_attention` (``is_causal``,
+      ``segment_ids`` in ``layout`` order, lengths, ``local_window_size``, ``score_fn``
+      and ``logits_soft_cap`` on global indices, dropout, ``sinks``, ``return_residual``,
+      ``implementation``, ``backward``, tiles, ``options``): ``implementation`` and
+      ``backward`` name what runs each device's part.
+
+  Returns:
+    The output (B, T, N, Hv) in ``layout`` order, sharded as
+    ``P(batch_axis, axis_name, head_axis, None)``; with ``return_residual`` also the
+    log-sum-exp (B, T, N), sharded alike.
+
+  Example::
+
+      >>> mesh = jax.make_mesh((1,), ("sp",))  # one device here; P devices split T and S
+      >>> q = jnp.ones((1, 8, 2, 4))
+      >>> out = context_parallel_attention(
+      ...   q, q, q, mesh=mesh, axis_name="sp", strategy="ulysses", is_causal=True
+      ... )
+      >>> out.shape
+      (1, 8, 2, 4)
+  """
+  unknown = sorted(set(keywords) - _KEYWORDS)
+  if unknown:
+    raise TypeError(
+      f"context_parallel_attention got unexpected keyword arguments {unknown}; it takes "
+      f"jattn.dot_product_attention's"
+    )
+  if strategy not in STRATEGIES:
+    raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
+  if strategy == "ring":
+    given = sorted(
+      name
+      for name, value in (("bias", bias), *keywords.items())
+      if name not in _RING_KEYWORDS and not _unset(value)
+    )
+    if not (mask is None or isinstance(mask, masks.Mask)):
+      given.append("mask (a dense array)")
+    if given or not (mask is None or isinstance(mask, masks.Mask)):
+      raise ValueError(
+        f"strategy='ring' does not take {', '.join(given)}: strategy='all_gather' or "
+        f"'ulysses' takes every argument of jattn.dot_product_attention"
+      )
+    ring_keywords = {k: v for k, v in keywords.items() if k in _RING_KEYWORDS}
+    return ring.ring_attention(
+      query,
+      key,
+      value,
+      mesh=mesh,
+      axis_name=axis_name,
+      mask=mask,
+      layout=layout,
+      batch_axis=batch_axis,
+      head_axis=head_axis,
+      **ring_keywords,
+    )
+  return _gathered(
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    mesh,
+    axis_name,
+    strategy,
+    layout,
+    batch_axis,
+    head_axis,
+    keywords,
+  )
+
+
+def _unset(value: Any) -> bool:
+  """None, or a default flag or rate (False, 0.0): an argument the caller did not use."""
+  return value is None or (isinstance(value, (bool, int, float)) and not value)
+
+
+class _Plan(NamedTuple):
+  """Static settings of one all-gather or Ulysses call (hashable: a jit static argument)."""
+
+  strategy: str
+  axis_name: str
+  size: int  # P
+  layout: str
+  q_len: int  # global T
+  kv_len: int  # global S
+  batch_axis: Any  # a PartitionSpec entry, None when the batch is not sharded
+  head_axis: Any
+  implementation: str | None
+  backward: str | None
+  blocks: tuple[int | None, int | None]
+
+
+def _gathered(
+  query: Any,
+  key: Any,
+  value: Any,
+  bias: Any,
+  mask: Any,
+  mesh: Mesh,
+  axis_name: str,
+  strategy: str,
+  layout: str,
+  batch_axis: Any,
+  head_axis: Any,
+  keywords: dict[str, Any],
+) -> Any:
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  ring_axes = ring._check_mesh_axes("axis_name", axis_name, mesh, allow_tuple=False)
+  batch_axes = ring._check_mesh_axes("batch_axis", batch_axis, mesh)
+  head_axes = ring._check_mesh_axes("head_axis", head_axis, mesh)
+  used = [*ring_axes, *batch_axes, *head_axes]
+  if len(set(used)) != len(used):
+    raise ValueError(
+      f"axis_name, batch_axis and head_axis must name different mesh axes, got "
+      f"axis_name={axis_name!r}, batch_axis={batch_axis!r}, head_axis={head_axis!r}"
+    )
+  layout = _check_layout(layout)
+  size = mesh.shape[axis_name]
+  # What runs each device's part is chosen per part; the whole call is checked without it
+  # (a fused kernel named here would refuse the whole call's sharded sequence).
+  run = {k: keywords.pop(k, None) for k in ("implementation", "backward", "block_q", "block_kv")}
+  options = Options.of(keywords.pop("options", None), **run)
+  if layout != "contiguous":  # arrays along the sequence, to natural order for the mask
+    mask, keywords = _natural(mask, keywords, layout, size)
+  q, k, v, spec = _validate.build(_validate.Arguments(query, key, value, bias, mask, **keywords))
+  if spec.unbatched:
+    raise ValueError(
+      f"context_parallel_attention needs batched inputs: query (B, T, N, H), got shape {q.shape}"
+    )
+  _check_shapes(spec, mesh, strategy, axis_name, layout, size, batch_axes, head_axes)
+  if not (all(spec.bnts) and spec.H):  # nothing to split (an empty B, T, S, N or H)
+    out, lse = attention.attend(q, k, v, spec)
+    return (out, lse) if spec.return_residual else out
+  plan = _Plan(
+    strategy,
+    axis_name,
+    size,
+    layout,
+    spec.T,
+    spec.S,
+    ring._axes_or_none(batch_axes),
+    ring._axes_or_none(head_axes),
+    options.implementation,
+    options.backward,
+    (options.block_q, options.block_kv),
+  )
+  out, lse = _call(q, k, v, _base.rank4(spec), plan=plan, mesh=mesh)
+  return (out, lse) if spec.return_residual else out
+
+
+def _natural(mask: Any, keywords: dict[str, Any], layout: str, size: int) -> tuple[Any, dict]:
+  """A dense mask array and the segment ids, given in ``layout`` order, in natural order."""
+  if mask is not None and not isinstance(mask, masks.Mask):
+    mask = jnp.asarray(mask)
+    for axis in (-2, -1):
+      if mask.ndim >= -axis and mask.shape[axis] > 1:
+        mask = unpermute(mask, layout, size, axis=axis)
+  ids = keywords.get("segment_ids")
+  if ids is not None:
+    ids = jax.tree.map(lambda x: unpermute(jnp.asarray(x), layout, size, axis=-1), ids)
+    keywords = {**keywords, "segment_ids": ids}
+  return mask, keywords
+
+
+def _check_shapes(
+  spec: CallSpec,
+  mesh: Mesh,
+  strategy: str,
+  axis_name: str,
+  layout: str,
+  size: int,
+  batch_axes: tuple[str, ...],
+  head_axes: tuple[str, ...],
+) -> None:
+  _check_divisible("query length T", spec.T, layout, size)
+  _check_divisible("key/value length S", spec.S, layout, size)
+  heads = math.prod(mesh.shape[a] for a in head_axes)
+  for name, n, parts, axes in (
+    ("batch size B", spec.B, math.prod(mesh.shape[a] for a in batch_axes), batch_axes),
+    ("number of query heads N", spec.N, heads, head_axes),
+    ("number of key/value heads K", spec.K, heads, head_axes),
+  ):
+    if n % parts:
+      raise ValueError(f"{name} ({n}) must be divisible by the {parts} devices of mesh axes {axes}")
+  if strategy == "ulysses":
+    parts = heads * size
+    for name, n in (("query heads N", spec.N), ("key/value heads K", spec.K)):
+      if n % parts:
+        raise ValueError(
+          f"strategy='ulysses' splits the heads over the {parts} devices of mesh axes "
+          f"{(*head_axes, axis_name)}, and the number of {name}={n} does not divide by "
+          f"{parts}: use strategy='all_gather' or 'ring', or repeat the key/value heads "
+          f"to a multiple of {parts}"
+        )
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "mesh"))
+def _call(
+  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec, *, plan: _Plan, mesh: Mesh
+) -> tuple[jax.Array, jax.Array | None]:
+  b, h, axis = plan.batch_axis, plan.head_axis, plan.axis_name
+  seq = P(b, axis, h, None)
+  bias, rest = spec.bias, dataclasses.replace(spec, bias=None)
+  bias_spec: P | None = None if bias is None else _bias_spec(plan, bias.shape)
+  query, key, value = (_ring.place(x, mesh, seq) for x in (query, key, value))
+  if bias is not None and bias_spec is not None:
+    bias = _ring.place(bias, mesh, bias_spec)
+  rest = jax.tree.map(lambda x: _ring.place(x, mesh, P()), rest)
+  lse_spec = P(b, axis, h) if spec.return_residual else None
+  run = jax.shard_map(
+    functools.partial(_per_device, plan),
+    mesh=mesh,
+    in_specs=(seq, seq, seq, bias_spec, jax.tree.map(lambda _: P(), rest)),
+    out_specs=(seq, lse_spec),
+    # Off: Pallas kernels' results carry no varying-axes types; JAX transposes the
+    # all-gathers and all-to-alls, and sums the replicated inputs' cotangents, regardless.
+    check_vma=False,
+  )
+  return run(query, key, value, bias, rest)
+
+
+def _bias_spec(plan: _Plan, shape: tuple[int, ...]) -> P:
+  """The bias's split: like the scores each device computes, broadcast axes whole."""
+  Bb, Nb, Tb, _ = shape
+  if plan.strategy == "ulysses":  # whole sequences, heads over (head_axis, axis_name)
+    heads = (*_names(plan.head_axis), plan.axis_name)
+    return P(plan.batch_axis if Bb > 1 else None, heads if Nb > 1 else None, None, None)
+  return P(
+    plan.batch_axis if Bb > 1 else None,
+    plan.head_axis if Nb > 1 else None,
+    plan.axis_name if Tb > 1 else None,
+    None,
+  )
+
+
+def _names(axes: Any) -> tuple[str, ...]:
+  return () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+
+
+def _offsets(axes: Any, n: int) -> jax.Array | None:
+  """The global index of this device's ``n`` rows along mesh ``axes`` (None: unsharded)."""
+  if axes is None:
+    return None
+  return jax.lax.axis_index(axes) * n + jnp.arange(n, dtype=jnp.int32)
+
+
+def _per_device(
+  plan: _Plan,
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  bias: jax.Array | None,
+  spec: CallSpec,
+) -> tuple[jax.Array, jax.Array | None]:
+  axis, P_ = plan.axis_name, plan.size
+  B, _, N, _ = query.shape
+  batch = _offsets(plan.batch_axis, B)
+  if plan.strategy == "ulysses":
+    query, key, value = (
+      jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
+      for x in (query, key, value)
+    )
+    n = N // P_
+    first = jax.lax.axis_index(axis) * n  # of this device's heads, after the all-to-all
+    if plan.head_axis is not None:
+      first = first + jax.lax.axis_index(plan.head_axis) * N
+    head: jax.Array | None = first + jnp.arange(n, dtype=jnp.int32)
+    natural = plan.layout == "contiguous"
+    q_pos = None if natural else jnp.asarray(positions(plan.layout, plan.q_len, P_))
+    kv_pos = None if natural else jnp.asarray(positions(plan.layout, plan.kv_len, P_))
+  else:  # all_gather
+    key, value = (jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (key, value))
+    head = _offsets(plan.head_axis, N)
+    q_pos = shard_positions(plan.layout, plan.q_len, P_, jax.lax.axis_index(axis))
+    natural = plan.layout == "contiguous"
+    kv_pos = None if natural else jnp.asarray(positions(plan.layout, plan.kv_len, P_))
+  maps = dict(batch=batch, head=head, q=q_pos, kv=kv_pos)
+  local = dataclasses.replace(
+    spec,
+    B=query.shape[0],
+    T=query.shape[1],
+    S=key.shape[1],
+    N=query.shape[2],
+    K=key.shape[2],
+    bias=bias,
+    mask=None if spec.mask is None else masks.reindex(spec.mask, **maps),
+    score_fn=None if spec.score_fn is None else scores.reindex(spec.score_fn, **maps),
+    # Taken by head index even where the heads are whole: passed on as the shard_map's input
+    # itself, the replicated sinks gave wrong outputs (JAX 0.10; the cause is not known).
+    sinks=None if spec.sinks is None else spec.sinks[jnp.arange(N) if head is None else head],
+    positions=(batch, head, q_pos, kv_pos) if spec.dropout_rate else None,
+  )
+  local = _validate.for_shard(
+    local,
+    dtype=query.dtype,
+    implementation=plan.implementation,
+    backward=plan.backward,
+    blocks=plan.blocks,
+  )
+  out, lse = attention.attend(query, key, value, local)
+  if plan.strategy == "ulysses":  # back to sequence shards, every head
+    out = jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
+    if lse is not None:
+      lse = jax.lax.all_to_all(lse, axis, split_axis=1, concat_axis=2, tiled=True)
+  return out, lse

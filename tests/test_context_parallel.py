@@ -1,0 +1,198 @@
+"""parallel.context_parallel_attention: the all-gather and Ulysses strategies equal the
+one-device call (values, log-sum-exp, every gradient, the dropout pattern) with every
+argument at once, in every layout and both sharding modes; each moves what it says; the ring
+strategy is ring_attention; bad arguments are refused by name."""
+
+import contextlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import jattn
+from jattn import masks, parallel, scores
+
+B, T, N, K, H = 2, 16, 8, 4, 8
+SP = 4  # devices on the sequence axis
+
+
+def _mesh(mode, shape=(SP, 2), names=("sp", "tp")):
+  kind = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+  return jax.make_mesh(shape, names, (kind,) * len(shape), devices=jax.devices()[: np.prod(shape)])
+
+
+def _inputs(seed=0):
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  q, k, v = normal(B, T, N, H), normal(B, T, K, H), normal(B, T, K, H)
+  bias = normal(1, N, T, T)  # one bias for every batch row, per head
+  slopes = jnp.linspace(0.05, 0.5, N)  # ALiBi's, differentiated
+  sinks = jnp.linspace(-1.0, 2.0, N)
+  ids = np.sort(rng.integers(0, 3, (B, T)), axis=1).astype(np.int32)
+  return (q, k, v, bias, slopes, sinks), ids
+
+
+def _every_argument(ids, slopes, sinks):
+  """Everything the call takes at once: causal, documents, lengths, a mask of indices, a
+  score function of the positions, ALiBi (learned), a soft cap, sinks, dropout, the lse."""
+  return dict(
+    is_causal=True,
+    segment_ids=ids,
+    key_value_seq_lengths=np.array([T, T - 3], np.int32),
+    mask=masks.sliding_window(9),
+    score_fn=scores.compose(
+      lambda s, b, h, q, kv: s + 0.01 * (q % 3) - 0.02 * (kv % 2), scores.alibi(slopes)
+    ),
+    logits_soft_cap=8.0,
+    sinks=sinks,
+    dropout_rate=0.25,
+    dropout_rng=jax.random.key(7),
+    return_residual=True,
+  )
+
+
+def _loss(attend, order=lambda x: x):
+  """The loss's value and gradients; ``order`` lays its weights out as ``attend``'s output."""
+
+  def loss(q, k, v, bias, slopes, sinks, ids):
+    out, lse = attend(q, k, v, bias, **_every_argument(ids, slopes, sinks))
+    w = order(np.sin(np.arange(out.size, dtype=np.float32)).reshape(out.shape))
+    return jnp.sum(out * w) + jnp.sum(jnp.cos(lse)), (out, lse)
+
+  return jax.value_and_grad(loss, argnums=range(6), has_aux=True)
+
+
+def _one_device(q, k, v, bias, slopes, sinks, ids):
+  return _loss(lambda *a, **kw: jattn.dot_product_attention(*a, implementation="xla", **kw))(
+    q, k, v, bias, slopes, sinks, ids
+  )
+
+
+# The default run keeps one case per strategy and mode, zig-zag and striped once each; the
+# others are exhaustive.
+CASES = [
+  ("all_gather", "zigzag", "explicit", "tp", ()),
+  ("all_gather", "contiguous", "auto", None, ()),
+  ("ulysses", "striped", "auto", None, ()),
+  ("ulysses", "contiguous", "explicit", "tp", ()),
+  ("all_gather", "striped", "auto", "tp", pytest.mark.exhaustive),
+  ("ulysses", "zigzag", "explicit", None, pytest.mark.exhaustive),
+]
+
+
+@pytest.mark.parametrize(
+  "strategy, layout, mode, head_axis",
+  [pytest.param(*c[:4], id="-".join(map(str, c[:4])), marks=c[4]) for c in CASES],
+)
+def test_strategies_equal_the_one_device_call_with_every_argument(
+  strategy, layout, mode, head_axis
+):
+  (q, k, v, bias, slopes, sinks), ids = _inputs()
+  if strategy == "ulysses" and head_axis:  # N and K over tp x sp: 2 x 4 devices
+    q, k, v = q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+  mesh = _mesh(mode)
+  perm = lambda x, axis=1: parallel.permute(x, layout, SP, axis=axis)
+  unperm = lambda x: parallel.unpermute(np.asarray(x), layout, SP)
+
+  def sharded(q, k, v, bias, **kw):
+    kw["segment_ids"] = perm(kw["segment_ids"])
+    return parallel.context_parallel_attention(
+      perm(q),
+      perm(k),
+      perm(v),
+      perm(perm(bias, 2), 3),
+      mesh=mesh,
+      axis_name="sp",
+      strategy=strategy,
+      layout=layout,
+      head_axis=head_axis,
+      **kw,
+    )
+
+  with jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext():
+    (_, (out, lse)), grads = jax.jit(_loss(sharded, perm))(q, k, v, bias, slopes, sinks, ids)
+  (_, (want, want_lse)), want_grads = _one_device(q, k, v, bias, slopes, sinks, ids)
+  np.testing.assert_allclose(unperm(out), want, atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(unperm(lse), want_lse, atol=2e-5, rtol=2e-5)
+  names = ("dq", "dk", "dv", "dbias", "dslopes", "dsinks")
+  for name, got, w in zip(names, grads, want_grads, strict=True):
+    assert np.abs(np.asarray(w)).max() > 0, name
+    np.testing.assert_allclose(got, w, atol=5e-5, rtol=5e-5, err_msg=name)
+
+
+def test_dropout_pattern_is_the_one_device_calls():
+  """With values of ones, a row's output is the kept weights' sum over 1 - rate: dropped
+  positions show as the same holes on one device and on four, for both strategies."""
+  mesh = _mesh("auto", (SP,), ("sp",))
+  q = jnp.asarray(np.random.default_rng(1).normal(size=(1, T, SP, H)), jnp.float32)
+  v = jnp.eye(T, dtype=jnp.float32)[None, :, None, :].repeat(SP, axis=2)  # one-hot values
+  kw = dict(dropout_rate=0.5, dropout_rng=jax.random.key(0), is_causal=True)
+  want = jattn.dot_product_attention(q, q, v, implementation="xla", **kw)
+  for strategy in ("all_gather", "ulysses"):
+    got = parallel.context_parallel_attention(
+      q, q, v, mesh=mesh, axis_name="sp", strategy=strategy, **kw
+    )
+    np.testing.assert_array_equal(np.asarray(got) == 0, np.asarray(want) == 0, err_msg=strategy)
+    np.testing.assert_allclose(got, want, atol=1e-6, err_msg=strategy)
+
+
+def test_each_strategy_moves_what_it_says():
+  """all_gather gathers keys and values (its backward scatters their gradients) and never
+  moves queries; Ulysses trades sequence for heads with all-to-alls and gathers nothing."""
+  mesh = _mesh("auto", (SP,), ("sp",))
+  (q, k, v, *_), _ = _inputs()
+  text = {}
+  for strategy in ("all_gather", "ulysses"):
+    f = lambda q, k, v, s=strategy: jnp.sum(
+      parallel.context_parallel_attention(
+        q, k, v, mesh=mesh, axis_name="sp", strategy=s, is_causal=True
+      )
+    )
+    text[strategy] = jax.jit(jax.grad(f, (0, 1, 2))).lower(q, k, v).compile().as_text()
+  gathered = re.findall(r"all-gather(?:-start)?\(", text["all_gather"])
+  assert gathered and "all-to-all" not in text["all_gather"]
+  assert "reduce-scatter" in text["all_gather"] or "all-reduce" in text["all_gather"]
+  assert "all-to-all" in text["ulysses"] and not re.search(
+    r"all-gather(-start)?\(", text["ulysses"]
+  )
+
+
+def test_ring_strategy_is_ring_attention():
+  mesh = _mesh("auto", (SP,), ("sp",))
+  (q, k, v, *_), ids = _inputs()
+  kw = dict(is_causal=True, segment_ids=ids, logits_soft_cap=5.0, return_residual=True)
+  got = parallel.context_parallel_attention(q, k, v, mesh=mesh, axis_name="sp", **kw)
+  want = parallel.ring_attention(q, k, v, mesh=mesh, axis_name="sp", **kw)
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_array_equal(g, w)
+
+
+def test_bad_arguments_are_refused_by_name():
+  mesh = _mesh("auto", (SP,), ("sp",))
+  (q, k, v, bias, *_), _ = _inputs()
+  call = lambda *a, mesh=mesh, **kw: parallel.context_parallel_attention(
+    *a, mesh=mesh, axis_name="sp", **kw
+  )
+  with pytest.raises(TypeError, match=r"unexpected keyword arguments \['dropout'\]"):
+    call(q, k, v, strategy="all_gather", dropout=0.1)
+  with pytest.raises(ValueError, match=r"strategy must be one of .* got 'allgather'"):
+    call(q, k, v, strategy="allgather")
+  with pytest.raises(ValueError, match=r"strategy='ring' does not take bias, score_fn: "):
+    call(q, k, v, bias, score_fn=lambda s, *_: s)
+  with pytest.raises(ValueError, match=r"key/value heads K=4 does not divide by 8: use "):
+    call(q, k, v, strategy="ulysses", head_axis="tp", mesh=_mesh("auto"))
+  with pytest.raises(ValueError, match=r"query length T must be divisible"):
+    call(q[:, :6], k[:, :6], v[:, :6], strategy="all_gather")
+  with pytest.raises(ValueError, match=r"implementation='splash' does not support"):
+    call(
+      q,
+      k,
+      v,
+      strategy="ulysses",
+      implementation="splash",
+      dropout_rate=0.1,
+      dropout_rng=jax.random.key(0),
+    )
