@@ -71,24 +71,25 @@ def _one_device(q, k, v, bias, slopes, sinks, ids):
   )
 
 
-# The default run keeps one case per strategy and mode, zig-zag and striped once each; the
-# others are exhaustive.
+# The default run keeps one case per strategy and mode, zig-zag and striped once each, the
+# parts once through blockwise's tiles (its dropout drawn at the positions) and otherwise
+# through the table's choice (xla at these sizes); the others are exhaustive.
 CASES = [
-  ("all_gather", "zigzag", "explicit", "tp", ()),
-  ("all_gather", "contiguous", "auto", None, ()),
-  ("ulysses", "striped", "auto", None, ()),
-  ("ulysses", "contiguous", "explicit", "tp", ()),
-  ("all_gather", "striped", "auto", "tp", pytest.mark.exhaustive),
-  ("ulysses", "zigzag", "explicit", None, pytest.mark.exhaustive),
+  ("all_gather", "zigzag", "explicit", "tp", "blockwise", ()),
+  ("all_gather", "contiguous", "auto", None, None, ()),
+  ("ulysses", "striped", "auto", None, None, ()),
+  ("ulysses", "contiguous", "explicit", "tp", None, ()),
+  ("all_gather", "striped", "auto", "tp", None, pytest.mark.exhaustive),
+  ("ulysses", "zigzag", "explicit", None, "blockwise", pytest.mark.exhaustive),
 ]
 
 
 @pytest.mark.parametrize(
-  "strategy, layout, mode, head_axis",
-  [pytest.param(*c[:4], id="-".join(map(str, c[:4])), marks=c[4]) for c in CASES],
+  "strategy, layout, mode, head_axis, implementation",
+  [pytest.param(*c[:5], id="-".join(map(str, c[:5])), marks=c[5]) for c in CASES],
 )
 def test_strategies_equal_the_one_device_call_with_every_argument(
-  strategy, layout, mode, head_axis
+  strategy, layout, mode, head_axis, implementation
 ):
   (q, k, v, bias, slopes, sinks), ids = _inputs()
   if strategy == "ulysses" and head_axis:  # N and K over tp x sp: 2 x 4 devices
@@ -109,6 +110,9 @@ def test_strategies_equal_the_one_device_call_with_every_argument(
       strategy=strategy,
       layout=layout,
       head_axis=head_axis,
+      implementation=implementation,
+      block_q=4 if implementation else None,
+      block_kv=4 if implementation else None,
       **kw,
     )
 
