@@ -5,6 +5,7 @@ strategy is ring_attention; bad arguments are refused by name."""
 
 import contextlib
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -202,3 +203,67 @@ def test_bad_arguments_are_refused_by_name():
       dropout_rate=0.1,
       dropout_rng=jax.random.key(0),
     )
+
+
+def test_explain_says_what_each_device_runs_and_the_gpu_program_holds_flex():
+  """Each device's part goes through the selection table for the backend that traces it:
+  flex on a GPU (its mask and score function read the part's positions), the materialised
+  or tiled path on a CPU, and not flex where dropout is drawn at global positions; the ring's
+  pairs run blockwise off a TPU. The GPU program holds flex's three Triton kernels."""
+  mesh = _mesh("auto", (SP,), ("sp",))
+  q = jax.ShapeDtypeStruct((2, 256, 8, 64), jnp.bfloat16)
+  explain = lambda strategy, backend, **kw: parallel.explain(
+    q, q, q, mesh=mesh, axis_name="sp", strategy=strategy, is_causal=True, backend=backend, **kw
+  )
+  for strategy in ("all_gather", "ulysses"):
+    assert explain(strategy, "gpu", score_fn=scores.soft_cap(30.0)).implementation == "flex"
+    assert explain(strategy, "cpu").implementation == "xla"
+    dropout = dict(dropout_rate=0.1, dropout_rng=jax.random.key(0))
+    choice = explain(strategy, "gpu", **dropout)
+    assert choice.implementation != "flex"
+    assert "dropout_rate > 0 on a shard of a sequence-parallel call" in choice.rejected["flex"]
+  ring = explain("ring", "gpu")
+  assert ring.implementation == "blockwise" and "not on a TPU" in ring.reason
+
+  def loss(q, k, v):
+    out = parallel.context_parallel_attention(
+      q, k, v, mesh=mesh, axis_name="sp", strategy="all_gather", is_causal=True
+    )
+    return jnp.sum(out.astype(jnp.float32))
+
+  with jattn.testing.lowering_for("gpu"), warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # Pallas' Triton lowering warns of deprecations
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q)
+    text = step.lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dQ, dK/dV
+
+
+# Exhaustive: flex's interpreted kernels on every device's part (5 CPU-seconds a strategy).
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses"])
+def test_flex_runs_each_devices_part_interpreted(strategy):
+  mesh = _mesh("auto", (SP,), ("sp",))
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.normal(size=(1, 64, 4, 16)), jnp.float32) for _ in "qkv")
+  kw = dict(
+    is_causal=True,
+    mask=masks.sliding_window(20),
+    score_fn=scores.alibi(jnp.array([0.5, 0.25, 0.1, 0.05])),
+    return_residual=True,
+  )
+  want = jattn.dot_product_attention(q, k, v, implementation="xla", **kw)
+  with jattn.testing.interpret_kernels():
+    got = parallel.context_parallel_attention(
+      q,
+      k,
+      v,
+      mesh=mesh,
+      axis_name="sp",
+      strategy=strategy,
+      implementation="flex",
+      block_q=16,
+      block_kv=16,
+      **kw,
+    )
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)

@@ -172,10 +172,11 @@ def for_shard(
   implementation: str | None,
   backward: str | None,
   blocks: tuple[int | None, int | None],
-) -> CallSpec:
+) -> tuple[CallSpec, _select.Choice]:
   """A checked call's spec, its shapes and arrays already cut to one device's part of a
   sequence-parallel call (:mod:`jattn.parallel.context`), with the implementation chosen
-  for that part by the selection table as :func:`build` chooses (nothing re-checked)."""
+  for that part by the selection table as :func:`build` chooses (nothing re-checked), and
+  the table's :class:`~jattn.impl._select.Choice`."""
   backend = testing.target_backend() or _select.default_backend()
   bwd = _select.default_backward(implementation, backward)
   spec = dataclasses.replace(
@@ -193,9 +194,9 @@ def for_shard(
     blocks_named=blocks != (None, None),
   )
   choice = _select.choose(
-    call, implementation, bwd, interpret=spec.interpret, fused=not testing.portable()
+    call, implementation, bwd, interpret=spec.interpret, detail=True, fused=not testing.portable()
   )
-  return _for_choice(spec, choice, blocks, dtype, backend)
+  return _for_choice(spec, choice, blocks, dtype, backend), choice
 
 
 def _for_choice(

@@ -37,6 +37,7 @@ ring axis.
 
 from jattn.parallel.context import STRATEGIES as STRATEGIES
 from jattn.parallel.context import context_parallel_attention as context_parallel_attention
+from jattn.parallel.context import explain as explain
 from jattn.parallel.layouts import LAYOUTS as LAYOUTS
 from jattn.parallel.layouts import permute as permute
 from jattn.parallel.layouts import positions as positions
@@ -51,4 +52,5 @@ __all__ = [
   "unpermute",
   "ring_attention",
   "context_parallel_attention",
+  "explain",
 ]

@@ -28,6 +28,7 @@ natural positions, whatever the layout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -38,11 +39,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jattn import _validate, attention, masks, scores
+from jattn import _validate, attention, masks, scores, testing
 from jattn._validate.options import Options
 from jattn.impl import _base
 from jattn.impl._base import CallSpec
-from jattn.parallel import _ring, ring
+from jattn.impl._select import BACKENDS, Choice
+from jattn.parallel import _choices, _ring, ring
 from jattn.parallel.layouts import (
   _check_divisible,
   _check_layout,
@@ -51,7 +53,7 @@ from jattn.parallel.layouts import (
   unpermute,
 )
 
-__all__ = ["STRATEGIES", "context_parallel_attention"]
+__all__ = ["STRATEGIES", "context_parallel_attention", "explain"]
 
 STRATEGIES = ("ring", "all_gather", "ulysses")
 
@@ -196,6 +198,50 @@ def _unset(value: Any) -> bool:
   return value is None or (isinstance(value, (bool, int, float)) and not value)
 
 
+def explain(
+  query: jax.typing.ArrayLike | jax.ShapeDtypeStruct,
+  key: jax.typing.ArrayLike | jax.ShapeDtypeStruct,
+  value: jax.typing.ArrayLike | jax.ShapeDtypeStruct,
+  bias: jax.typing.ArrayLike | jax.ShapeDtypeStruct | None = None,
+  mask: jax.typing.ArrayLike | masks.Mask | None = None,
+  *,
+  backend: str | None = None,
+  **arguments: Any,
+) -> Choice:
+  """What each device runs for :func:`context_parallel_attention` with these arguments
+  (``mesh``, ``axis_name``, ``strategy`` and the rest), and why: the implementation of its
+  part (all-gather, Ulysses) or of each shard pair (ring), as a :class:`jattn.Choice`.
+
+  Arrays may be ``jax.ShapeDtypeStruct`` values; nothing is computed. ``backend``
+  (``"cpu"``, ``"gpu"``, ``"tpu"``; default JAX's) names where the call would run, as
+  :func:`jattn.explain`'s does.
+
+  Example::
+
+      >>> q = jax.ShapeDtypeStruct((2, 4096, 8, 128), jnp.bfloat16)
+      >>> mesh = jax.make_mesh((1,), ("sp",))
+      >>> kw = dict(mesh=mesh, axis_name="sp", strategy="ulysses", is_causal=True)
+      >>> explain(q, q, q, backend="gpu", **kw).implementation
+      'flex'
+      >>> explain(q, q, q, backend="cpu", **kw).implementation
+      'blockwise'
+  """
+  if backend is not None and backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {list(BACKENDS)} or None, got {backend!r}")
+  target = testing.lowering_for(backend) if backend else contextlib.nullcontext()
+  with _choices.recording() as choices, target:
+    jax.eval_shape(
+      lambda q, k, v, b: context_parallel_attention(q, k, v, b, mask, **arguments),
+      query,
+      key,
+      value,
+      bias,
+    )
+  if not choices:  # nothing to split (an empty dimension): the one-device call
+    raise ValueError("explain: the call has an empty dimension; jattn.explain says what it runs")
+  return choices[0]
+
+
 class _Plan(NamedTuple):
   """Static settings of one all-gather or Ulysses call (hashable: a jit static argument)."""
 
@@ -245,7 +291,11 @@ def _gathered(
   options = Options.of(keywords.pop("options", None), **run)
   if layout != "contiguous":  # arrays along the sequence, to natural order for the mask
     mask, keywords = _natural(mask, keywords, layout, size)
-  q, k, v, spec = _validate.build(_validate.Arguments(query, key, value, bias, mask, **keywords))
+  # Checked as for a CPU, where the table's choice (xla or blockwise) keeps the mask whole in
+  # the spec (splash's would move parts of it, tabulated for the whole call, out of it): each
+  # device's part is then chosen for the backend that traces it.
+  arguments = _validate.Arguments(query, key, value, bias, mask, **keywords)
+  q, k, v, spec = _validate.build(arguments, backend="cpu")
   if spec.unbatched:
     raise ValueError(
       f"context_parallel_attention needs batched inputs: query (B, T, N, H), got shape {q.shape}"
@@ -413,13 +463,14 @@ def _per_device(
     sinks=None if spec.sinks is None else spec.sinks[jnp.arange(N) if head is None else head],
     positions=(batch, head, q_pos, kv_pos) if spec.dropout_rate else None,
   )
-  local = _validate.for_shard(
+  local, choice = _validate.for_shard(
     local,
     dtype=query.dtype,
     implementation=plan.implementation,
     backward=plan.backward,
     blocks=plan.blocks,
   )
+  _choices.record(choice)
   out, lse = attention.attend(query, key, value, local)
   if plan.strategy == "ulysses":  # back to sequence shards, every head
     out = jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)

@@ -21,7 +21,7 @@ from jattn._validate import _masking
 from jattn._validate.options import Options
 from jattn.impl import _common, _select, splash
 from jattn.impl._base import CallSpec
-from jattn.parallel import _ring, _splash_pairs
+from jattn.parallel import _choices, _ring, _splash_pairs
 from jattn.parallel.layouts import _check_divisible, _check_layout, shard_positions
 
 __all__ = ["ring_attention"]
@@ -241,10 +241,14 @@ def _pairs(
   merges) goes through splash's row of the selection table, and an explicit
   ``implementation="splash"`` the table refuses raises with the table's reason.
   """
+  backend = testing.target_backend() or jax.default_backend()
+  blockwise = lambda why: _choices.record(
+    _select.Choice("blockwise", None, f"each shard pair runs blockwise: {why}", {}, backend)
+  )
   if implementation == "blockwise":
+    blockwise("named by the caller")
     return None
   interpret = testing.interpreting()
-  backend = testing.target_backend() or jax.default_backend()
   why = _splash_pairs.reason(spec.mask)
   if why is None and blocks_named != (None, None):
     why = "block_q and block_kv are blockwise's tiles"
@@ -252,6 +256,7 @@ def _pairs(
     why = _pair_reason(spec, dtype, size, segments, soft_cap, backend)
   if implementation is None:
     if why is not None or backend != "tpu" or testing.portable():  # several platforms
+      blockwise(f"splash does not express a pair's call: {why}" if why else "not on a TPU")
       return None
   elif why is not None:
     raise ValueError(f"ring_attention(implementation='splash') does not support {why}")
@@ -260,6 +265,9 @@ def _pairs(
       "ring_attention(implementation='splash') needs a TPU (jattn.testing.interpret_kernels() "
       "runs it in Pallas interpret mode, for tests)"
     )
+  named = "named by the caller" if implementation else "the fused kernel for TPU"
+  reason = f"splash runs each shard pair ({named}), the pair's mask tabulated"
+  _choices.record(_select.Choice("splash", None, reason, {}, backend))
   return _splash_pairs.plan(
     spec.mask,
     layout=layout,
