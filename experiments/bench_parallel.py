@@ -63,7 +63,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import jattn  # noqa: E402
-from experiments import _cli, _config, _timing  # noqa: E402
+from experiments import _cli, _collectives, _config, _timing  # noqa: E402
 from experiments._config import ConfigError, Section, field  # noqa: E402
 from experiments._ring_balance import balance  # noqa: E402
 from experiments._ring_balance import work_per_device as work_per_device  # noqa: E402
@@ -72,6 +72,9 @@ from jattn import parallel  # noqa: E402
 from jattn.impl import blockwise as _blockwise  # noqa: E402  internal: default tile sizes
 
 AXIS = "sp"
+# The strategies' masks, at total length T: causal; packed documents (four of T/4, causal
+# within each, as segment ids); a causal sliding window of T/8 keys.
+STRATEGY_MASKS = ("causal", "documents", "window")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +96,22 @@ class Config(Section):
   memory_length: int | None = field(
     65536, minimum=1, doc="the compile-only memory table at this T (null: skip it)"
   )
+  strategies: list[str] = field(
+    factory=lambda: list(parallel.STRATEGIES),
+    choices=parallel.STRATEGIES,
+    doc="context_parallel_attention's strategies, compared at the largest P",
+  )
+  strategy_masks: list[str] = field(
+    factory=lambda: list(STRATEGY_MASKS), choices=STRATEGY_MASKS, doc="the masks they run"
+  )
   out_dir: str = field("runs")
 
   def check(self) -> None:
+    if "ulysses" in self.strategies and self.heads % max(self.devices or [1]):
+      raise ConfigError(
+        f"'heads' ({self.heads}) must divide by the largest P ({max(self.devices)}) for the "
+        "ulysses strategy, which splits the heads over the devices"
+      )
     if not self.devices or any(a >= b for a, b in zip(self.devices, self.devices[1:])):
       raise ConfigError(f"'devices' must be a non-empty increasing list, got {self.devices}")
     for P in self.devices:
@@ -110,7 +126,7 @@ class Config(Section):
 
 
 QUICK = dict(
-  heads=2,
+  heads=4,  # Ulysses splits the heads over the largest P
   head_dim=8,
   length=64,
   devices=[1, 2, 4],
@@ -118,6 +134,7 @@ QUICK = dict(
   block_q=8,
   block_kv=8,
   memory_length=64,  # the timed length: the memory table gets the timed programs from the cache
+  strategy_masks=["documents"],
 )
 
 
@@ -256,6 +273,73 @@ def measure_layouts(
     row["time_vs_contiguous"] = row["ms"] / contiguous["ms"]
     rows.append(row)
   return rows
+
+
+def _strategy_step(cfg: Config, mesh: Mesh, strategy: str, mask: str, layout: str):
+  """jit(value_and_grad) of sum(context_parallel_attention(q, k, v)²) in q, k and v."""
+  T, P = cfg.length, mesh.shape[AXIS]
+  kw: dict = dict(is_causal=True)
+  if mask == "documents":
+    ids = np.repeat(np.arange(4, dtype=np.int32), T // 4)[None].repeat(cfg.batch, 0)
+    kw["segment_ids"] = parallel.permute(ids, layout, P)
+  elif mask == "window":
+    kw["local_window_size"] = (T // 8, 0)
+  tiles = {} if strategy == "ulysses" else dict(block_q=cfg.block_q, block_kv=cfg.block_kv)
+
+  def loss(q, k, v):
+    out = parallel.context_parallel_attention(
+      q, k, v, mesh=mesh, axis_name=AXIS, strategy=strategy, layout=layout, **tiles, **kw
+    )
+    return jnp.sum(out**2)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def measure_strategies(cfg: Config, host, P: int, on_row=lambda row: None) -> list[dict]:
+  """Each strategy and mask at ``P`` devices: what a training step sends per device, by
+  collective (read from the compiled program, :mod:`experiments._collectives`), its
+  per-device memory and its time. Ring and all-gather take the zig-zag layout (balanced
+  causal work), Ulysses the contiguous one (whole sequences on every device)."""
+  rows = []
+  mesh = mesh_of(P)
+  for mask in cfg.strategy_masks:
+    for strategy in cfg.strategies:
+      layout = "contiguous" if strategy == "ulysses" else "zigzag"
+      args = shard(tuple(parallel.permute(x, layout, P) for x in host), mesh)
+      step = _strategy_step(cfg, mesh, strategy, mask, layout)
+      compiled = step.lower(*args).compile()
+      sent = _collectives.traffic(compiled.as_text())
+      nbytes = device_bytes(compiled)
+      row = dict(
+        P=P,
+        strategy=strategy,
+        mask=mask,
+        layout=layout,
+        sent_mb={k: v / 2**20 for k, v in sorted(sent.items())},
+        sent_total_mb=sum(sent.values()) / 2**20,
+        mb=None if nbytes is None else nbytes["total"] / 2**20,
+        ms=_timing.block_ms(compiled, args, cfg.reps),
+      )
+      rows.append(row)
+      on_row(row)
+  return rows
+
+
+def print_strategies_table(cfg: Config, rows) -> None:
+  P = rows[0]["P"] if rows else max(cfg.devices)
+  shard_mb = cfg.batch * cfg.length // P * cfg.heads * cfg.head_dim * 4 / 2**20
+  print(
+    f"\ncontext_parallel_attention's strategies at P={P}, T={cfg.length}, training step; MiB "
+    f"each device sends per step by collective (one K or V shard is {shard_mb:.2f} MiB):\n"
+  )
+  print("| mask | strategy | layout | MiB sent per device | by collective | MiB per device | ms |")
+  print("|---|---|---|---|---|---|---|")
+  for r in rows:
+    kinds = ", ".join(f"{k} {v:.2f}" for k, v in r["sent_mb"].items() if v >= 0.005) or "none"
+    print(
+      f"| {r['mask']} | {r['strategy']} | {r['layout']} | {r['sent_total_mb']:.2f} | {kinds} "
+      f"| {_mb(r['mb'])} | {r['ms']:.1f} |"
+    )
 
 
 def memory_at_length(cfg: Config, T: int) -> list[dict]:
@@ -406,6 +490,17 @@ def main(argv=None) -> dict:
   layouts = measure_layouts(cfg, host, P, rows[-1], on_row=show)
   work = balance(cfg.layouts, cfg.length, P, blocks, causal=cfg.causal)
   print_tables(cfg, blocks, ref, rows, layouts, work)
+  strategies = measure_strategies(
+    cfg,
+    host,
+    P,
+    on_row=lambda r: print(
+      f"P={P} {r['strategy']:>10} {r['mask']:>9}: {r['ms']:10.1f} ms "
+      f"{r['sent_total_mb']:8.2f} MiB sent per device",
+      flush=True,
+    ),
+  )
+  print_strategies_table(cfg, strategies)
   memory = []
   if cfg.memory_length:
     memory = memory_at_length(cfg, cfg.memory_length)
@@ -420,6 +515,7 @@ def main(argv=None) -> dict:
     rows=rows,
     layouts=layouts,
     balance=work,
+    strategies=strategies,
     memory=memory,
   )
   _cli.write_record(path, record)

@@ -455,6 +455,26 @@ def parallel(docs: pathlib.Path) -> str:
       ],
     ),
   ]
+  if r.get("strategies"):
+    out += [
+      f"context_parallel_attention's strategies at P={r['strategies'][0]['P']}: MiB each "
+      "device sends per training step, by collective, read from the compiled program:\n",
+      _table(
+        ["mask", "strategy", "layout", "MiB sent", "by collective", "MiB per device", "ms"],
+        [
+          [
+            s["mask"],
+            s["strategy"],
+            s["layout"],
+            f"{s['sent_total_mb']:,.2f}",
+            ", ".join(f"{k} {v:,.2f}" for k, v in s["sent_mb"].items() if v >= 0.005),
+            mb(s["mb"]),
+            f"{s['ms']:,.1f}",
+          ]
+          for s in r["strategies"]
+        ],
+      ),
+    ]
   if r["memory"]:
     out += [
       f"Memory per device at T={c['memory_length']:,} from compilation alone (nothing runs):\n",

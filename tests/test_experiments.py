@@ -547,3 +547,34 @@ def test_bench_gpu_gives_jax_nn_each_mask_written_out():
   assert bench_gpu.case("prefix", B, N, T, seg, window, prefix, jnp.float32).pairs == (
     B * (T * T + prefix * prefix) / 2
   )
+
+
+def test_collectives_counts_each_devices_bytes_by_kind_and_loop():
+  """A hand-written per-device HLO: each collective's bytes on the wire by the bandwidth-
+  optimal counts, a collective in a while body once per known iteration, an async start's
+  result (its last shape) counted once, and the group size read from both spellings."""
+  hlo = """
+HloModule m
+
+%body (p: (s32[], f32[2,4])) -> (s32[], f32[2,4]) {
+  %cp = f32[2,4]{1,0} collective-permute(%x), channel_id=1, source_target_pairs={{0,1},{1,0}}
+}
+
+ENTRY %main (a: f32[2,4]) -> f32[8,4] {
+  %w = (s32[], f32[2,4]) while(%t), condition=%cond, body=%body, backend_config={TRIPS}
+  %ag = f32[8,4]{1,0} all-gather(%a), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}
+  %rs = f32[2,4]{1,0} reduce-scatter(%ag), channel_id=3, replica_groups={{0,1,2,3}}, dimensions={0}
+  %a2a = bf16[4,4]{1,0} all-to-all(%b), channel_id=4, replica_groups=[2,4]<=[8], dimensions={0}
+  %ar = f32[4]{0} all-reduce(%c), channel_id=5, replica_groups={{0,1}}, to_apply=%add
+  %s = (f32[2,4]{1,0}, f32[8,4]{1,0}) all-gather-start(%a), channel_id=6, replica_groups={{0,1,2,3}}
+}
+"""
+  hlo = hlo.replace("{TRIPS}", '{"known_trip_count":{"n":"3"}}')
+  got = _load("_collectives").traffic(hlo)
+  assert got == {
+    "collective-permute": 3 * 32,  # 2 x 4 float32, three iterations
+    "all-gather": 2 * 3 / 4 * 128,  # the sync one and the async start's result
+    "reduce-scatter": 3 * 32,  # (G - 1) results
+    "all-to-all": 3 / 4 * 32,
+    "all-reduce": 2 * 1 / 2 * 16,
+  }
