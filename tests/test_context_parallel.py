@@ -75,23 +75,25 @@ def _one_device(q, k, v, bias, slopes, sinks, ids):
 # The default run keeps one case per strategy, each in its own mode and permuted layout, the
 # parts once through blockwise's tiles (its dropout drawn at the positions) and once through
 # the table's choice (xla at these sizes); the others are exhaustive.
+# The mesh's second axis, "tp", shards the heads or the batch besides the sequence, or nothing.
 CASES = [
-  ("all_gather", "zigzag", "explicit", "tp", "blockwise", ()),
+  ("all_gather", "zigzag", "explicit", "heads", "blockwise", ()),
   ("ulysses", "striped", "auto", None, None, ()),
   ("all_gather", "contiguous", "auto", None, None, pytest.mark.exhaustive),
-  ("ulysses", "contiguous", "explicit", "tp", None, pytest.mark.exhaustive),
-  ("all_gather", "striped", "auto", "tp", None, pytest.mark.exhaustive),
-  ("ulysses", "zigzag", "explicit", None, "blockwise", pytest.mark.exhaustive),
+  ("ulysses", "contiguous", "explicit", "heads", None, pytest.mark.exhaustive),
+  ("all_gather", "striped", "auto", "batch", None, pytest.mark.exhaustive),
+  ("ulysses", "zigzag", "explicit", "batch", "blockwise", pytest.mark.exhaustive),
 ]
 
 
 @pytest.mark.parametrize(
-  "strategy, layout, mode, head_axis, implementation",
+  "strategy, layout, mode, tp, implementation",
   [pytest.param(*c[:5], id="-".join(map(str, c[:5])), marks=c[5]) for c in CASES],
 )
 def test_strategies_equal_the_one_device_call_with_every_argument(
-  strategy, layout, mode, head_axis, implementation
+  strategy, layout, mode, tp, implementation
 ):
+  head_axis, batch_axis = ("tp" if tp == "heads" else None), ("tp" if tp == "batch" else None)
   (q, k, v, bias, slopes, sinks), ids = _inputs()
   if strategy == "ulysses" and head_axis:  # N and K over tp x sp: 2 x 4 devices
     q, k, v = q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
@@ -111,6 +113,7 @@ def test_strategies_equal_the_one_device_call_with_every_argument(
       strategy=strategy,
       layout=layout,
       head_axis=head_axis,
+      batch_axis=batch_axis,
       implementation=implementation,
       block_q=4 if implementation else None,
       block_kv=4 if implementation else None,
