@@ -11,6 +11,9 @@ and runs the same jitted programs:
 - ring attention over one ring axis of every device (causal, GQA, zig-zag), the
   key/value shards passing from process to process, inputs placed with
   ``jax.make_array_from_callback``;
+- ``parallel.context_parallel_attention``'s all-gather strategy over the same ring
+  axis, and its Ulysses strategy with the sequence split across the processes
+  and the batch within each;
 - the default ``jattn.dot_product_attention`` on inputs sharded by batch and
   heads over ("data", "model") = (2 × num_processes, 2), each process passing
   only its rows of the batch (``jax.make_array_from_process_local_data``);
@@ -102,7 +105,31 @@ def run(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path) -
   for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads)):
     results[f"ring_{name}"] = parallel.unpermute(x, LAYOUT, size)
 
-  # b. The default implementation on batch- and head-sharded inputs, no ring. Each process
+  # b. context_parallel_attention's all-gather strategy over the ring's mesh, and its Ulysses
+  # strategy over a (2, 4) mesh: the sequence split across the two processes ("sp"), the
+  # batch within each ("data").
+  step = value_and_grads(
+    lambda q, k, v: parallel.context_parallel_attention(
+      q, k, v, mesh=ring, axis_name="sp", strategy="all_gather", is_causal=True, layout=LAYOUT
+    )
+  )
+  (loss, out), grads = gather(step(*args))
+  results["all_gather_loss"] = loss
+  for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+    results[f"all_gather_{name}"] = parallel.unpermute(x, LAYOUT, size)
+  cross = Mesh(devices.reshape(2, -1), ("sp", "data"))  # a row of devices per process
+  ulysses_args = [place(data[n], cross, P("data", "sp")) for n in "qkvw"]
+  step = value_and_grads(
+    lambda q, k, v: parallel.context_parallel_attention(
+      q, k, v, mesh=cross, axis_name="sp", batch_axis="data", strategy="ulysses", is_causal=True
+    )
+  )
+  (loss, out), grads = gather(step(*ulysses_args))
+  results["ulysses_loss"] = loss
+  for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+    results[f"ulysses_{name}"] = x
+
+  # c. The default implementation on batch- and head-sharded inputs, no ring. Each process
   # passes only its rows of the batch (its devices are a block of rows of the mesh).
   grid = Mesh(devices.reshape(-1, 2), ("data", "model"))
   batch = NamedSharding(grid, P("data", None, "model", None))

@@ -126,7 +126,7 @@ def test_every_process_gathered_the_same_results(results):
       np.testing.assert_array_equal(got[name], first[name], err_msg=f"process {i}: {name}")
 
 
-@pytest.mark.parametrize("program", ["ring", "batch"])
+@pytest.mark.parametrize("program", ["ring", "all_gather", "ulysses", "batch"])
 def test_values_and_gradients_match_one_process(results, expected, program):
   got = results[0]
   for name in ("out", "dq", "dk", "dv"):
