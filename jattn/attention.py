@@ -31,7 +31,7 @@ import jax
 
 from jattn import _validate, masks
 from jattn._validate.options import Options
-from jattn.impl import _base, _common, xla
+from jattn.impl import _base, _common, _select, xla
 from jattn.impl._base import CallSpec
 from jattn.impl._select import (  # public names of the table
   AUTO_BLOCKWISE_BYTES,
@@ -280,8 +280,7 @@ def explain(
     >>> jattn.explain(q, q, q, is_causal=True, backend="cpu").implementation
     'blockwise'
   """
-  if backend is not None and backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {list(BACKENDS)} or None, got {backend!r}")
+  _select.check_backend(backend)
   allowed = list(inspect.signature(dot_product_attention).parameters)[5:]
   for name in kwargs:
     if name not in allowed:

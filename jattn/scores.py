@@ -31,6 +31,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jattn import _checks, _compat
+from jattn.masks import _indexing
 
 __all__ = [
   "ScoreFn",
@@ -332,11 +333,8 @@ class Reindex(ScoreFn):
   def __call__(
     self, score: jax.Array, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
   ) -> jax.Array:
-    idx = tuple(
-      i if m is None else jnp.asarray(m).at[i].get(mode="clip")
-      for m, i in zip((self.batch, self.head, self.q, self.kv), (batch, head, q_idx, kv_idx))
-    )
-    return self.fn(score, *idx)
+    maps = (self.batch, self.head, self.q, self.kv)
+    return self.fn(score, *_indexing.through_maps(maps, (batch, head, q_idx, kv_idx)))
 
   def __repr__(self) -> str:
     return f"reindex({self.fn!r})"
@@ -363,8 +361,4 @@ def reindex(
       >>> shard(jnp.zeros((1, 1, 2, 2)), 0, 0, jnp.arange(2)[:, None], jnp.arange(2)).tolist()
       [[[[-6.0, -5.0], [-7.0, -6.0]]]]
   """
-  maps = [
-    None if m is None else _checks.int_array(name, m, ranks=(1,))
-    for name, m in (("batch", batch), ("head", head), ("q", q), ("kv", kv))
-  ]
-  return Reindex(from_fn(fn), *maps)
+  return Reindex(from_fn(fn), *_indexing.checked_maps(batch=batch, head=head, q=q, kv=kv))

@@ -18,6 +18,7 @@ from jax.typing import ArrayLike, DTypeLike
 
 from jattn import _compat
 from jattn.impl._base import CallSpec
+from jattn.masks import _indexing
 
 
 def stats_dtype(dtype: DTypeLike) -> np.dtype:
@@ -233,12 +234,7 @@ def varying_as(x: jax.Array, like: jax.Array) -> jax.Array:
 def at_positions(idx: Sequence[Any], positions: Sequence[Any] | None) -> tuple[Any, ...]:
   """Broadcasting (batch, head, q, kv) indices mapped through ``positions`` (a
   :attr:`CallSpec.positions`: each entry None or an int (L,) map; None, the identity)."""
-  if positions is None:
-    return tuple(idx)
-  return tuple(
-    i if m is None else jnp.asarray(m, jnp.int32).at[i].get(mode="clip")
-    for i, m in zip(idx, positions, strict=True)
-  )
+  return tuple(idx) if positions is None else _indexing.through_maps(positions, idx)
 
 
 def row_max(m: jax.Array) -> jax.Array:

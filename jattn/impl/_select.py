@@ -240,3 +240,9 @@ def _no_device(name: str, backend: str) -> str:
 
 def default_backend() -> str:
   return jax.default_backend()
+
+
+def check_backend(backend: Any) -> None:
+  """An explain's ``backend``: one of BACKENDS, or None (JAX's default)."""
+  if backend is not None and backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {list(BACKENDS)} or None, got {backend!r}")

@@ -28,6 +28,21 @@ Extents = tuple  # (B, N, T, S), each an int or None when the mask does not fix 
 NO_EXTENTS: Extents = (None, None, None, None)
 
 
+def checked_maps(**maps: ArrayLike | None) -> list[Any]:
+  """Index maps by name (batch, head, q, kv), each an int (L,) array or None, checked."""
+  return [None if m is None else _checks.int_array(name, m, ranks=(1,)) for name, m in maps.items()]
+
+
+def through_maps(maps: Sequence[Any], idx: Sequence[Any]) -> tuple[Any, ...]:
+  """Broadcasting (batch, head, q, kv) indices ``idx``, each taken through its map in ``maps``
+  (an int (L,) array; None keeps the index): what a mask or score function written in other
+  positions sees (``masks.reindex``, ``scores.reindex``, a sequence-parallel part's dropout)."""
+  return tuple(
+    i if m is None else jnp.asarray(m).at[i].get(mode="clip")
+    for m, i in zip(maps, idx, strict=True)
+  )
+
+
 def index_array(positions: np.ndarray, axis: int) -> jax.Array:
   """``positions`` as an int32 jax array along ``axis`` of a rank-4 grid.
 

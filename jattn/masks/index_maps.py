@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jattn import _checks, _compat
+from jattn import _compat
 from jattn.masks import _indexing as ix
 from jattn.masks._core import Mask
 from jattn.masks._indexing import Extents
@@ -48,11 +48,7 @@ class Reindex(Mask):
   def __call__(
     self, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
   ) -> jax.Array:
-    idx = tuple(
-      i if m is None else jnp.asarray(m).at[i].get(mode="clip")
-      for m, i in zip(self._maps, (batch, head, q_idx, kv_idx))
-    )
-    return self.mask(*idx)
+    return self.mask(*ix.through_maps(self._maps, (batch, head, q_idx, kv_idx)))
 
   def tile_bounds(self, t: Tiles) -> Bounds:
     # Tiles of the new axes are bounded by the hull of the positions they map
@@ -128,8 +124,4 @@ def reindex(
   """
   if not isinstance(mask, Mask):
     raise TypeError(f"reindex needs a jattn.masks.Mask, got {type(mask).__name__}")
-  maps = [
-    None if m is None else _checks.int_array(name, m, ranks=(1,))
-    for name, m in (("batch", batch), ("head", head), ("q", q), ("kv", kv))
-  ]
-  return Reindex(mask, *maps)
+  return Reindex(mask, *ix.checked_maps(batch=batch, head=head, q=q, kv=kv))

@@ -128,15 +128,18 @@ def _per_device(
 # --- one device's part ------------------------------------------------------------
 
 
+def global_rows(axes: Any, n: int) -> jax.Array | None:
+  """Inside a shard_map: the global index of this device's ``n`` rows of an axis sharded
+  over mesh ``axes`` (a PartitionSpec entry), None where it is not sharded."""
+  if axes is None:
+    return None
+  return jax.lax.axis_index(axes) * n + jnp.arange(n, dtype=jnp.int32)
+
+
 def _maps(ring: Ring, query: jax.Array) -> list[jax.Array | None]:
   """Global batch and head indices of this device's block (None where not sharded)."""
   B, _, N, _ = query.shape
-  out = []
-  for axes, n in ((ring.batch_axis, B), (ring.head_axis, N)):
-    out.append(
-      None if axes is None else jax.lax.axis_index(axes) * n + jnp.arange(n, dtype=jnp.int32)
-    )
-  return out
+  return [global_rows(ring.batch_axis, B), global_rows(ring.head_axis, N)]
 
 
 def _pair_plan(

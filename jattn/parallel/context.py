@@ -41,9 +41,9 @@ from jax.sharding import PartitionSpec as P
 
 from jattn import _validate, attention, masks, scores, testing
 from jattn._validate.options import Options
-from jattn.impl import _base
+from jattn.impl import _base, _select, _sharded
 from jattn.impl._base import CallSpec
-from jattn.impl._select import BACKENDS, Choice
+from jattn.impl._select import Choice
 from jattn.parallel import _choices, _ring, ring
 from jattn.parallel.layouts import (
   _check_divisible,
@@ -226,8 +226,7 @@ def explain(
       >>> explain(q, q, q, backend="cpu", **kw).implementation
       'blockwise'
   """
-  if backend is not None and backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {list(BACKENDS)} or None, got {backend!r}")
+  _select.check_backend(backend)
   target = testing.lowering_for(backend) if backend else contextlib.nullcontext()
   with _choices.recording() as choices, target:
     jax.eval_shape(
@@ -396,7 +395,7 @@ def _bias_spec(plan: _Plan, shape: tuple[int, ...]) -> P:
   """The bias's split: like the scores each device computes, broadcast axes whole."""
   Bb, Nb, Tb, _ = shape
   if plan.strategy == "ulysses":  # whole sequences, heads over (head_axis, axis_name)
-    heads = (*_names(plan.head_axis), plan.axis_name)
+    heads = (*_sharded._names(plan.head_axis), plan.axis_name)
     return P(plan.batch_axis if Bb > 1 else None, heads if Nb > 1 else None, None, None)
   return P(
     plan.batch_axis if Bb > 1 else None,
@@ -404,17 +403,6 @@ def _bias_spec(plan: _Plan, shape: tuple[int, ...]) -> P:
     plan.axis_name if Tb > 1 else None,
     None,
   )
-
-
-def _names(axes: Any) -> tuple[str, ...]:
-  return () if axes is None else axes if isinstance(axes, tuple) else (axes,)
-
-
-def _offsets(axes: Any, n: int) -> jax.Array | None:
-  """The global index of this device's ``n`` rows along mesh ``axes`` (None: unsharded)."""
-  if axes is None:
-    return None
-  return jax.lax.axis_index(axes) * n + jnp.arange(n, dtype=jnp.int32)
 
 
 def _per_device(
@@ -427,7 +415,7 @@ def _per_device(
 ) -> tuple[jax.Array, jax.Array | None]:
   axis, P_ = plan.axis_name, plan.size
   B, _, N, _ = query.shape
-  batch = _offsets(plan.batch_axis, B)
+  batch = _ring.global_rows(plan.batch_axis, B)
   if plan.strategy == "ulysses":
     query, key, value = (
       jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
@@ -443,7 +431,7 @@ def _per_device(
     kv_pos = None if natural else jnp.asarray(positions(plan.layout, plan.kv_len, P_))
   else:  # all_gather
     key, value = (jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (key, value))
-    head = _offsets(plan.head_axis, N)
+    head = _ring.global_rows(plan.head_axis, N)
     q_pos = shard_positions(plan.layout, plan.q_len, P_, jax.lax.axis_index(axis))
     natural = plan.layout == "contiguous"
     kv_pos = None if natural else jnp.asarray(positions(plan.layout, plan.kv_len, P_))
