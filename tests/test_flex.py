@@ -810,6 +810,8 @@ def test_dk_sums_ds_in_one_or_two_narrow_parts_as_the_gpus_row_says(monkeypatch)
   assert rel(two[1]) < rel(one[1]) < 1e-2
 
 
+# Exhaustive (6 CPU-seconds of interpreted kernels), for the README command's time bound.
+@pytest.mark.exhaustive
 def test_rows_that_grow_heavier_launch_from_the_last(monkeypatch):
   """A causal mask's query tiles grow heavier along the sequence: the forward and dQ kernels
   take them from the last (the longest programs start first, the short ones fill the end)

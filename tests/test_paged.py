@@ -279,7 +279,7 @@ def test_running_out_of_pages_under_jit_dropped_tokens_queries_return_zeros(dtyp
     )
 
 
-def test_gradients_match_autodiff_and_check_grads():
+def test_gradients_match_autodiff():
   """Through the page writes and blockwise's custom_vjp, whose cotangent for the pages is
   scattered back through the page table."""
   N, K = 4, 2
@@ -298,8 +298,15 @@ def test_gradients_match_autodiff_and_check_grads():
   for g, w in zip(got, want):
     assert_close(g, w, factor=5)
 
-  # check_grads in float64 with the pages as inputs: rows in interleaved pages, one row
-  # shorter than a whole tile, sinks.
+
+# Exhaustive (4 CPU-seconds), for the README command's time bound: the default run compares
+# the paged gradients with autodiff above, and checks blockwise's custom_vjp in float64 on
+# contiguous keys (test_blockwise.py).
+@pytest.mark.exhaustive
+def test_check_grads_float64_with_the_pages_as_inputs():
+  """check_grads in float64 with the pages as inputs: rows in interleaved pages, one row
+  shorter than a whole tile, sinks."""
+  N, K = 4, 2
   with jax.enable_x64(True):
     q64, k64, v64 = (x.astype(np.float64) for x in _sequence(N, K, length=5))
     cache = decode.update(_paged(K, dtype=jnp.float64), k64, v64, num_new=np.array([5, 3]))

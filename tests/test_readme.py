@@ -6,6 +6,8 @@ import io
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
@@ -24,6 +26,9 @@ def test_first_block_is_the_two_commands_and_ci_runs_the_second():
   assert f"\t{demo}\n" in makefile and f"\t{test}\n" in makefile
 
 
+# Exhaustive (6 CPU-seconds: the examples compile a dozen calls), for the README command's
+# time bound; test_docs.py runs the documentation pages' examples of the same calls.
+@pytest.mark.exhaustive
 def test_python_examples_run():
   namespace = {}
   stdout = io.StringIO()
