@@ -57,7 +57,7 @@ def flash_attention(block: int, causal: bool):
 
   def bwd(res, d_out):
     q, k, v, out, m, l = res
-    d_q, d_k, d_v, _ = blockwise.backward(
+    d_q, d_k, d_v, _, _ = blockwise.backward(
       plan_for(q, k), q, k, v, out, m, l, d_out, jnp.zeros_like(m)
     )
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)

@@ -1,4 +1,4 @@
-"""parallel.context_parallel_attention: the all-gather and Ulysses strategies equal the
+"""parallel.context_parallel_attention: the ring, all-gather and Ulysses strategies equal the
 one-device call (values, log-sum-exp, every gradient, the dropout pattern) with every
 argument at once, in every layout and both sharding modes; each moves what it says; the ring
 strategy is ring_attention; bad arguments are refused by name."""
@@ -72,16 +72,21 @@ def _one_device(q, k, v, bias, slopes, sinks, ids):
   )
 
 
-# The default run keeps one case per strategy, each in its own mode and permuted layout, the
-# parts once through blockwise's tiles (its dropout drawn at the positions) and once through
-# the table's choice (xla at these sizes); the others are exhaustive.
+# The default run keeps one case per strategy, each with a permuted layout: the ring's in
+# Explicit mode (its pairs run blockwise's tiles, dropout drawn at the pairs' positions; 8
+# CPU-seconds), the others in Auto mode through the table's choice of each part (xla at these
+# sizes; about 2 CPU-seconds each). The other cases, parts through blockwise's tiles among
+# them (5 to 6 CPU-seconds each), are exhaustive.
 # The mesh's second axis, "tp", shards the heads or the batch besides the sequence, or nothing.
 CASES = [
-  ("all_gather", "zigzag", "explicit", "heads", "blockwise", ()),
+  ("ring", "striped", "explicit", "batch", None, ()),
+  ("all_gather", "striped", "auto", "batch", None, ()),
   ("ulysses", "striped", "auto", None, None, ()),
+  ("ring", "zigzag", "auto", "heads", "blockwise", pytest.mark.exhaustive),
+  ("ring", "contiguous", "auto", None, None, pytest.mark.exhaustive),
+  ("all_gather", "zigzag", "explicit", "heads", "blockwise", pytest.mark.exhaustive),
   ("all_gather", "contiguous", "auto", None, None, pytest.mark.exhaustive),
   ("ulysses", "contiguous", "explicit", "heads", None, pytest.mark.exhaustive),
-  ("all_gather", "striped", "auto", "batch", None, pytest.mark.exhaustive),
   ("ulysses", "zigzag", "explicit", "batch", "blockwise", pytest.mark.exhaustive),
 ]
 
@@ -141,7 +146,7 @@ def test_dropout_pattern_is_the_one_device_calls():
   v = jnp.eye(T, dtype=jnp.float32)[None, :, None, :].repeat(SP, axis=2)  # one-hot values
   kw = dict(dropout_rate=0.5, dropout_rng=jax.random.key(0), is_causal=True)
   want = jattn.dot_product_attention(q, q, v, implementation="xla", **kw)
-  for strategy in ("all_gather", "ulysses"):
+  for strategy in ("ring", "all_gather", "ulysses"):
     got = parallel.context_parallel_attention(
       q, q, v, mesh=mesh, axis_name="sp", strategy=strategy, **kw
     )
@@ -151,17 +156,21 @@ def test_dropout_pattern_is_the_one_device_calls():
 
 def test_each_strategy_moves_what_it_says():
   """all_gather gathers keys and values (its backward scatters their gradients) and never
-  moves queries; Ulysses trades sequence for heads with all-to-alls and gathers nothing."""
+  moves queries; Ulysses trades sequence for heads with all-to-alls and gathers nothing; the
+  ring passes key/value shards (and their gradients) point to point, its bias staying put."""
   mesh = _mesh("auto", (SP,), ("sp",))
-  (q, k, v, *_), _ = _inputs()
+  (q, k, v, bias, *_), _ = _inputs()
   text = {}
-  for strategy in ("all_gather", "ulysses"):
-    f = lambda q, k, v, s=strategy: jnp.sum(
+  for strategy in ("ring", "all_gather", "ulysses"):
+    f = lambda q, k, v, bias, s=strategy: jnp.sum(
       parallel.context_parallel_attention(
-        q, k, v, mesh=mesh, axis_name="sp", strategy=s, is_causal=True
+        q, k, v, bias if s == "ring" else None, mesh=mesh, axis_name="sp", strategy=s
       )
     )
-    text[strategy] = jax.jit(jax.grad(f, (0, 1, 2))).lower(q, k, v).compile().as_text()
+    step = jax.jit(jax.grad(f, (0, 1, 2, 3)))
+    text[strategy] = step.lower(q, k, v, bias).compile().as_text()
+  assert "collective-permute" in text["ring"]
+  assert not re.search(r"all-gather(-start)?\(|all-to-all|reduce-scatter", text["ring"])
   gathered = re.findall(r"all-gather(?:-start)?\(", text["all_gather"])
   assert gathered and "all-to-all" not in text["all_gather"]
   assert "reduce-scatter" in text["all_gather"] or "all-reduce" in text["all_gather"]
@@ -190,8 +199,8 @@ def test_bad_arguments_are_refused_by_name():
     call(q, k, v, strategy="all_gather", dropout=0.1)
   with pytest.raises(ValueError, match=r"strategy must be one of .* got 'allgather'"):
     call(q, k, v, strategy="allgather")
-  with pytest.raises(ValueError, match=r"strategy='ring' does not take bias, score_fn: "):
-    call(q, k, v, bias, score_fn=lambda s, *_: s)
+  with pytest.raises(ValueError, match=r"backward must be None with strategy='ring', whose "):
+    call(q, k, v, bias, backward="custom_vjp")
   with pytest.raises(ValueError, match=r"key/value heads K=4 does not divide by 8: use "):
     call(q, k, v, strategy="ulysses", head_axis="tp", mesh=_mesh("auto"))
   with pytest.raises(ValueError, match=r"query length T must be divisible"):

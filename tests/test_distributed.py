@@ -1,9 +1,10 @@
 """jattn on many hosts: two processes on localhost, 4 CPU devices each, one 8-device mesh.
 
 tests/distributed_worker.py is started twice; the processes meet through
-``jax.distributed.initialize`` and run ring attention over all 8 devices and a
-batch-sharded default ``dot_product_attention``, values and gradients, and each
-writes what it gathered. Here those results are compared with the float64
+``jax.distributed.initialize`` and run ring attention and the all-gather strategy over
+all 8 devices, the Ulysses strategy with the sequence across the processes, and a
+batch-sharded default ``dot_product_attention``, each with a bias and ALiBi, values and
+gradients, and each writes what it gathered. Here those results are compared with the float64
 formula (values) and with autodiff of it through jnp (gradients), on this one
 process.
 """
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from distributed_worker import LOCAL_DEVICES, inputs
+from distributed_worker import LOCAL_DEVICES, SLOPES, inputs
 from reference import assert_close, attention_jnp, attention_np, causal_np
 
 # Exhaustive: two more processes start JAX and compile the ring and the sharded call again (13
@@ -95,19 +96,22 @@ def results(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected():
-  """Values, loss and gradients of causal attention from the float64 formula."""
+  """Values, loss and gradients (bias's too) of causal attention with a bias and ALiBi, from
+  the float64 formula."""
   data = inputs()
-  q, k, v, w = (data[n].astype(np.float64) for n in "qkvw")
+  q, k, v, bias, w = (data[n].astype(np.float64) for n in ("q", "k", "v", "bias", "w"))
   allowed = causal_np(q.shape[1], k.shape[1])
-  out, _ = attention_np(q, k, v, allowed=allowed)
+  alibi = lambda s, b, h, q, kv: s + SLOPES[h] * (kv - q)  # scores.alibi's formula
+  alibi_jnp = lambda s, b, h, q, kv: s + jnp.asarray(SLOPES)[h] * (kv - q)
+  out, _ = attention_np(q, k, v, bias=bias, allowed=allowed, score=alibi)
 
-  def loss(q, k, v):
-    return jnp.sum(attention_jnp(q, k, v, allowed=allowed)[0] * w)
+  def loss(q, k, v, bias):
+    return jnp.sum(attention_jnp(q, k, v, bias, allowed=allowed, score=alibi_jnp)[0] * w)
 
   with jax.enable_x64(True):
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
     grads = [np.asarray(g) for g in grads]
-  return {"loss": np.sum(out * w), "out": out, **dict(zip(("dq", "dk", "dv"), grads))}
+  return {"loss": np.sum(out * w), "out": out, **dict(zip(("dq", "dk", "dv", "dbias"), grads))}
 
 
 def test_every_process_saw_the_global_mesh(results):
@@ -129,7 +133,7 @@ def test_every_process_gathered_the_same_results(results):
 @pytest.mark.parametrize("program", ["ring", "all_gather", "ulysses", "batch"])
 def test_values_and_gradients_match_one_process(results, expected, program):
   got = results[0]
-  for name in ("out", "dq", "dk", "dv"):
+  for name in ("out", "dq", "dk", "dv", "dbias"):
     assert got[f"{program}_{name}"].dtype == np.float32
     assert_close(got[f"{program}_{name}"], expected[name], np.float32, err_msg=name)
   assert_close(got[f"{program}_loss"], expected["loss"], np.float32)

@@ -207,6 +207,66 @@ def test_ring_cross_attention_soft_cap_and_scale(x64):
   )
 
 
+def _learned_scores(table, slopes):
+  """A relative-position table (closed over) and ALiBi slopes (a pytree leaf): both learned."""
+  rel = lambda q, kv: jnp.clip(q - kv, -3, 3) + 3
+  return jattn.scores.compose(
+    lambda s, b, h, q, kv: s + table[h, rel(q, kv)], jattn.scores.alibi(slopes)
+  )
+
+
+# Exhaustive (6 CPU-seconds), for the README command's time bound: the default run checks the
+# ring's bias and learned ALiBi slopes against the one-device call, with every other argument
+# (test_context_parallel.py); this adds a table the score function closes over, in float64.
+@pytest.mark.exhaustive
+def test_ring_bias_and_learned_score_function_match_the_formula(x64):
+  """A bias broadcast over the batch, split by query rows with every key column on each
+  device, and a score function whose arrays (a table it closes over, ALiBi slopes) are the
+  ring's custom_vjp inputs: values, lse and the gradients of all five match the float64
+  formula and its autodiff, under zig-zag with the heads sharded too."""
+  q, k, v = _inputs(T=16, S=16)
+  rng = np.random.default_rng(3)
+  bias = rng.normal(size=(1, N, 16, 16))
+  table, slopes = rng.normal(size=(N, 7)), np.linspace(0.1, 0.4, N)
+  mesh = _mesh((4, 2), ("sp", "tp"))
+  perm = lambda x, axis=1: parallel.permute(x, "zigzag", 4, axis=axis)
+  weights = np.cos(np.arange(B * 16 * N * H)).reshape(B, 16, N, H)
+
+  def ring(q, k, v, bias, table, slopes):
+    out, lse = parallel.ring_attention(
+      *(perm(x) for x in (q, k, v)),
+      mesh=mesh,
+      axis_name="sp",
+      head_axis="tp",
+      layout="zigzag",
+      bias=perm(perm(bias, 2), 3),
+      is_causal=True,
+      score_fn=_learned_scores(table, slopes),
+      return_residual=True,
+      block_q=2,
+      block_kv=2,
+    )
+    out, lse = (parallel.unpermute(x, "zigzag", 4) for x in (out, lse))
+    return jnp.sum(out * weights) + jnp.sum(jnp.sin(lse)), (out, lse)
+
+  def formula(q, k, v, bias, table, slopes):
+    score = lambda s, b, h, q, kv: _learned_scores(table, slopes)(s, b, h, q, kv)
+    out, lse = attention_jnp(q, k, v, bias, allowed=causal_np(16, 16), score=score)
+    return jnp.sum(out * weights) + jnp.sum(jnp.sin(lse)), (out, lse)
+
+  args = (q, k, v, bias, table, slopes)
+  (_, (out, lse)), grads = jax.jit(jax.value_and_grad(ring, range(6), has_aux=True))(*args)
+  want_out, want_lse = attention_np(
+    q, k, v, bias=bias, allowed=causal_np(16, 16), score=_learned_scores(table, slopes)
+  )
+  assert_close(out, want_out, np.float64)
+  assert_close(lse, want_lse, np.float64)
+  want = jax.grad(lambda *a: formula(*a)[0], range(6))(*args)
+  for name, g, w in zip(("dq", "dk", "dv", "dbias", "dtable", "dslopes"), grads, want):
+    assert np.abs(w).max() > 0, name
+    np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9, err_msg=name)
+
+
 # Exhaustive: finite differences repeat, at the cost of three ring programs (the call, its
 # forward pass with residuals and its backward pass), what the default run checks more tightly:
 # test_ring_matches_formula (causal, zig-zag, GQA), test_ring_masks_and_lengths_with_batch_and_
@@ -214,14 +274,26 @@ def test_ring_cross_attention_soft_cap_and_scale(x64):
 # gradients to autodiff of the formula.
 @pytest.mark.exhaustive
 def test_ring_check_grads(x64):
-  q, k, v = _inputs(T=16)
+  q, k, v = _inputs(T=16, S=16)
   mesh = _mesh((4,), ("sp",))
+  rng = np.random.default_rng(4)
+  bias, table, slopes = rng.normal(size=(B, 1, 16, 16)), rng.normal(size=(N, 7)), np.ones(N)
   f = jax.jit(
-    lambda q, k, v: parallel.ring_attention(
-      q, k, v, mesh=mesh, axis_name="sp", is_causal=True, layout="zigzag", block_q=1, block_kv=2
+    lambda q, k, v, bias, table, slopes: parallel.ring_attention(
+      q,
+      k,
+      v,
+      mesh=mesh,
+      axis_name="sp",
+      bias=bias,
+      score_fn=_learned_scores(table, 0.1 * slopes),
+      is_causal=True,
+      layout="zigzag",
+      block_q=1,
+      block_kv=2,
     )
   )
-  jax.test_util.check_grads(f, (q, k, v), order=1, modes=["rev"])
+  jax.test_util.check_grads(f, (q, k, v, bias, table, slopes), order=1, modes=["rev"])
 
 
 def test_ring_float32_fully_masked_rows_are_zero_and_finite():
@@ -344,10 +416,24 @@ def test_layout_positions_and_permutations():
     ),
     (
       lambda q, k, v: parallel.ring_attention(
-        q, k, v, mesh=RING, axis_name="sp", mask=np.ones((T, T), bool)
+        q, k, v, mesh=RING, axis_name="sp", bias=np.ones((1, 1, T, T + 1))
       ),
-      TypeError,
-      "ring_attention takes mask as a jattn.masks.Mask",
+      ValueError,
+      r"bias must be broadcastable to \(B, N, T, S\)",
+    ),
+    (
+      lambda q, k, v: parallel.ring_attention(
+        q, k, v, mesh=RING, axis_name="sp", implementation="splash", dropout_rate=0.1
+      ),
+      ValueError,
+      r"dropout_rate=0.1 needs dropout_rng",
+    ),
+    (
+      lambda q, k, v: parallel.ring_attention(
+        q, k, v, mesh=RING, axis_name="sp", implementation="splash", bias=np.ones((T, T))
+      ),
+      ValueError,
+      r"ring_attention\(implementation='splash'\) does not support a bias",
     ),
     (
       lambda q, k, v: parallel.ring_attention(q[0], k[0], v[0], mesh=RING, axis_name="sp"),

@@ -17,8 +17,9 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jattn import masks, scores
-from jattn.impl import _common, _orders, blockwise
+from jattn import masks
+from jattn.impl import _common, _orders, _tiling, blockwise
+from jattn.masks import _indexing
 from jattn.parallel import _splash_pairs
 from jattn.parallel.layouts import shard_positions
 
@@ -37,6 +38,9 @@ _Residuals = tuple[
   jax.Array | None,  # q_ids
   jax.Array | None,  # kv_ids
   masks.Mask | None,
+  jax.Array | None,  # bias
+  tuple[Any, ...],  # the score function's constants
+  jax.Array | None,  # dropout's key
   jax.Array,  # out
   jax.Array,  # m
   jax.Array,  # l
@@ -58,6 +62,11 @@ class Ring(NamedTuple):
   batch_axis: Any  # mesh axes the batch is sharded over (None: not sharded)
   head_axis: Any
   pairs: Any = None  # _splash_pairs.Pairs: each shard pair through splash (None: blockwise)
+  dropout_rate: float = 0.0
+  broadcast_dropout: bool = False
+  # Set on each device: the call's score function (score_fn, then the soft cap) closure-
+  # converted at a shard pair's tile shapes, fn(s, b, h, q, kv, *consts) on global indices.
+  score: Any = None
 
 
 @functools.partial(jax.jit, static_argnames=("ring", "mesh"))
@@ -68,26 +77,43 @@ def call(
   q_ids: jax.Array | None,
   kv_ids: jax.Array | None,
   mask: masks.Mask | None,
+  bias: jax.Array | None,
+  score_fn: Any,
+  rng: jax.Array | None,
   *,
   ring: Ring,
   mesh: Mesh,
 ) -> tuple[jax.Array, jax.Array]:
+  """The ring over ``mesh``: the inputs in the layout's order, ``bias`` (rank 4, its T and S
+  axes in the layout's order where not 1) split by query rows and whole along S, the mask and
+  score function (a :class:`jattn.scores.ScoreFn`) on global natural positions, dropout's
+  key; returns the output and the log-sum-exp, sharded like the query."""
   seq = P(ring.batch_axis, ring.axis_name, ring.head_axis, None)
   ids = P(ring.batch_axis, ring.axis_name)
   query, key, value = (place(x, mesh, seq) for x in (query, key, value))
   q_ids, kv_ids = (None if x is None else place(x, mesh, ids) for x in (q_ids, kv_ids))
-  mask = jax.tree.map(lambda x: place(x, mesh, P()), mask)
+  mask, score_fn, rng = jax.tree.map(lambda x: place(x, mesh, P()), (mask, score_fn, rng))
+  bias_spec = None
+  if bias is not None:
+    Bb, Nb, Tb, _ = bias.shape
+    bias_spec = P(
+      ring.batch_axis if Bb > 1 else None,
+      ring.head_axis if Nb > 1 else None,
+      ring.axis_name if Tb > 1 else None,
+      None,
+    )
+    bias = place(bias, mesh, bias_spec)
   run = jax.shard_map(
     functools.partial(_per_device, ring),
     mesh=mesh,
-    in_specs=(seq, seq, seq, ids, ids, P()),
+    in_specs=(seq, seq, seq, ids, ids, P(), bias_spec, P(), P()),
     out_specs=(seq, P(ring.batch_axis, ring.axis_name, ring.head_axis)),
     # Off: the ring's custom_vjp supplies the backward pass, so JAX never transposes
     # these collectives (what the varying-axes types serve), and the scan carries mix
     # device-varying shards with constant zeros, which the check would want annotated.
     check_vma=False,
   )
-  out, lse = run(query, key, value, q_ids, kv_ids, mask)
+  out, lse = run(query, key, value, q_ids, kv_ids, mask, bias, score_fn, rng)
   return out, lse
 
 
@@ -120,8 +146,21 @@ def _per_device(
   q_ids: jax.Array | None,
   kv_ids: jax.Array | None,
   mask: masks.Mask | None,
+  bias: jax.Array | None,
+  score_fn: Any,
+  rng: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array]:
-  out, lse = _ring_vjp(ring, query, key, value, q_ids, kv_ids, mask)
+  consts: tuple[Any, ...] = ()
+  if score_fn is not None:
+    # Converted once, here, so that its arrays (learned tables and slopes, whether pytree
+    # leaves or closed over) are explicit inputs of the ring's custom_vjp, which returns their
+    # cotangents; each pair then sees it through its own index maps (_pair_score).
+    B, t, N, _ = query.shape
+    bq, bk = min(ring.block_q, t), min(ring.block_kv, key.shape[1])
+    s = jax.ShapeDtypeStruct((B, N, bq, bk), _common.stats_dtype(query.dtype))
+    converted, found = _common.hoist(score_fn, s, *_tiling.tile_indices(B, N, bq, bk, 0, 0))
+    ring, consts = ring._replace(score=converted), tuple(found)
+  out, lse = _ring_vjp(ring, query, key, value, q_ids, kv_ids, mask, bias, consts, rng)
   return out.astype(query.dtype), lse
 
 
@@ -149,34 +188,65 @@ def _pair_plan(
   q_ids: jax.Array | None,
   kv_ids: jax.Array | None,
   mask: masks.Mask | None,
+  consts: tuple[Any, ...],
+  rng: jax.Array | None,
   source: jax.Array,
 ) -> blockwise.Plan:
-  """The blockwise plan of this device's queries against the key/value shard of ``source``."""
+  """The blockwise plan of this device's queries against the key/value shard of ``source``:
+  the mask and score function on global positions, dropout drawn there."""
   here = jax.lax.axis_index(ring.axis_name)
+  batch, head = _maps(ring, query)
+  maps = (
+    batch,
+    head,
+    shard_positions(ring.layout, ring.q_len, ring.size, here),
+    shard_positions(ring.layout, ring.kv_len, ring.size, source),
+  )
   parts = []
   if mask is not None:
-    batch, head = _maps(ring, query)
-    parts.append(
-      masks.reindex(
-        mask,
-        batch=batch,
-        head=head,
-        q=shard_positions(ring.layout, ring.q_len, ring.size, here),
-        kv=shard_positions(ring.layout, ring.kv_len, ring.size, source),
-      )
-    )
+    parts.append(masks.reindex(mask, **dict(zip(("batch", "head", "q", "kv"), maps))))
   if q_ids is not None:
     parts.append(masks.segments(q_ids, kv_ids))
-  score = None if ring.soft_cap is None else scores.soft_cap(ring.soft_cap)
+  score = None
+  if ring.score is not None:
+    present = tuple(m is not None for m in maps)
+    score = (
+      functools.partial(_pair_score, ring.score, present),
+      (*(m for m in maps if m is not None), *consts),
+    )
   return blockwise.plan(
     query,
     key.shape[1],
     mask=masks.all_of(*parts),
-    score_fn=score,
+    score_fn=None,
+    score=score,
     scale=ring.scale,
+    dropout_rate=ring.dropout_rate,
+    dropout_rng=rng,
+    broadcast_dropout=ring.broadcast_dropout,
+    positions=maps if ring.dropout_rate else None,
     block_q=ring.block_q,
     block_kv=ring.block_kv,
   )
+
+
+def _pair_score(converted: Any, present: tuple[bool, ...], s: jax.Array, *args: Any) -> jax.Array:
+  """The ring's converted score function on one pair's tile: ``args`` are the tile's (batch,
+  head, q, kv) indices, then the pair's index maps (those ``present``), then the function's
+  constants (whose cotangents blockwise's backward pass returns after the maps')."""
+  idx, rest = args[:4], args[4:]
+  n = sum(present)
+  found = iter(rest[:n])
+  maps = [next(found) if p else None for p in present]
+  return converted(s, *_indexing.through_maps(maps, idx), *rest[n:])
+
+
+def _bias_columns(ring: Ring, bias: jax.Array | None, source: jax.Array) -> jax.Array | None:
+  """This device's bias rows against the keys of ``source``'s shard (all of S where it is 1)."""
+  if bias is None or bias.shape[3] == 1:
+    return bias
+  s = ring.kv_len // ring.size
+  return jax.lax.dynamic_slice_in_dim(bias, source * s, s, axis=3)
 
 
 def _pair_settings(ring: Ring, step: jax.Array | int) -> dict[str, Any]:
@@ -231,6 +301,9 @@ def _forward(
   q_ids: jax.Array | None,
   kv_ids: jax.Array | None,
   mask: masks.Mask | None,
+  bias: jax.Array | None,
+  consts: tuple[Any, ...],
+  rng: jax.Array | None,
 ) -> Partial:
   """This device's ``(out, m, l)`` in float32/64 after the whole ring (see blockwise.forward)."""
 
@@ -239,8 +312,9 @@ def _forward(
     if ring.pairs is not None:
       pair = _splash_pairs.attend(query, k, v, q_ids, ids, **_pair_settings(ring, step))
       return _splash_pairs.as_partial(*pair)
-    plan = _pair_plan(ring, query, k, q_ids, ids, mask, _source(ring, step))
-    return blockwise.forward(plan, query, k, v)
+    source = _source(ring, step)
+    plan = _pair_plan(ring, query, k, q_ids, ids, mask, consts, rng, source)
+    return blockwise.forward(plan, query, k, v, _bias_columns(ring, bias, source))
 
   def step(carry: tuple[Shard, Partial], s: jax.Array) -> tuple[tuple[Shard, Partial], None]:
     kv, acc = carry
@@ -256,43 +330,81 @@ def _forward(
   return _merge(acc, attend(ring.size - 1, kv))
 
 
+_Local = tuple[jax.Array | None, tuple[jax.Array, ...]]
+"""A device's own cotangent accumulators: the bias rows it holds, the score constants'."""
+
+
 def _backward(
   ring: Ring, residuals: _Residuals, d_out: jax.Array, d_lse: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  query, key, value, q_ids, kv_ids, mask, out, m, l = residuals
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, tuple[jax.Array | None, ...]]:
+  query, key, value, q_ids, kv_ids, mask, bias, consts, rng, out, m, l = residuals
 
   lse = _common.log_sum_exp(m, l)
+  dtype = _common.stats_dtype(query.dtype)
+  is_float = [jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in consts]
 
-  def grads(step: jax.Array | int, kv: Shard) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def grads(step: jax.Array | int, kv: Shard, here: _Local) -> tuple[Any, ...]:
+    """This pair's (d_q, d_k, d_v), its cotangents added to ``here`` (bias, constants)."""
     k, v, ids = kv
     if ring.pairs is not None:
       settings = _pair_settings(ring, step)
-      return _splash_pairs.grads(query, k, v, q_ids, ids, out, lse, d_out, d_lse, **settings)
-    plan = _pair_plan(ring, query, k, q_ids, ids, mask, _source(ring, step))
-    d_q, d_k, d_v, _ = blockwise.backward(plan, query, k, v, out, m, l, d_out, d_lse)
-    return d_q, d_k, d_v
+      d = _splash_pairs.grads(query, k, v, q_ids, ids, out, lse, d_out, d_lse, **settings)
+      return (*d, here)
+    source = _source(ring, step)
+    plan = _pair_plan(ring, query, k, q_ids, ids, mask, consts, rng, source)
+    columns = _bias_columns(ring, bias, source)
+    d_q, d_k, d_v, d_b, d_c = blockwise.backward(
+      plan, query, k, v, out, m, l, d_out, d_lse, columns
+    )
+    d_bias, d_consts = here
+    if d_bias is not None:
+      assert d_b is not None and bias is not None, "a bias has a cotangent"
+      if bias.shape[3] == 1:
+        d_bias = d_bias + d_b
+      else:
+        s = ring.kv_len // ring.size
+        part = jax.lax.dynamic_slice_in_dim(d_bias, source * s, s, axis=3) + d_b
+        d_bias = jax.lax.dynamic_update_slice_in_dim(d_bias, part, source * s, axis=3)
+    # The constants' cotangents follow the pair's index maps'; the float ones are arrays.
+    own = [b for b, f in zip(d_c[len(d_c) - len(consts) :], is_float) if f]
+    d_consts = tuple(a + b for a, b in zip(d_consts, own, strict=True) if b is not None)
+    return d_q, d_k, d_v, (d_bias, d_consts)
 
   def step(
-    carry: tuple[Shard, tuple[jax.Array, jax.Array], jax.Array], s: jax.Array
-  ) -> tuple[tuple[Shard, tuple[jax.Array, jax.Array], jax.Array], None]:
-    kv, d_kv, d_q = carry
+    carry: tuple[Shard, tuple[jax.Array, jax.Array], jax.Array, _Local], s: jax.Array
+  ) -> tuple[tuple[Shard, tuple[jax.Array, jax.Array], jax.Array, _Local], None]:
+    kv, d_kv, d_q, here = carry
     incoming = _pass_on(ring, kv)
-    g_q, g_k, g_v = grads(s, kv)
+    g_q, g_k, g_v, here = grads(s, kv, here)
     # The shard's gradient accumulators travel on with it; their hop overlaps the next
     # step's work, which only adds to them at its end.
     d_kv = _pass_on(ring, (d_kv[0] + g_k, d_kv[1] + g_v))
-    return (incoming, d_kv, d_q + g_q), None
+    return (incoming, d_kv, d_q + g_q, here), None
 
-  dtype = _common.stats_dtype(query.dtype)
+  here: _Local = (
+    None if bias is None else jnp.zeros(bias.shape, dtype),
+    tuple(jnp.zeros(jnp.shape(c), dtype) for c, f in zip(consts, is_float) if f),
+  )
   init = (
     (key, value, kv_ids),
     (jnp.zeros(key.shape, dtype), jnp.zeros(value.shape, dtype)),
     jnp.zeros(query.shape, dtype),
+    here,
   )
-  (kv, d_kv, d_q), _ = jax.lax.scan(step, init, jnp.arange(ring.size - 1))
-  g_q, g_k, g_v = grads(ring.size - 1, kv)
+  (kv, d_kv, d_q, here), _ = jax.lax.scan(step, init, jnp.arange(ring.size - 1))
+  g_q, g_k, g_v, (d_bias, d_floats) = grads(ring.size - 1, kv, here)
   d_k, d_v = _pass_on(ring, (d_kv[0] + g_k, d_kv[1] + g_v))  # the last hop: home
-  return ((d_q + g_q).astype(query.dtype), d_k.astype(key.dtype), d_v.astype(value.dtype))
+  floats = iter(d_floats)
+  d_consts = tuple(
+    next(floats).astype(jnp.result_type(c)) if f else None for c, f in zip(consts, is_float)
+  )
+  return (
+    (d_q + g_q).astype(query.dtype),
+    d_k.astype(key.dtype),
+    d_v.astype(value.dtype),
+    None if d_bias is None or bias is None else d_bias.astype(bias.dtype),
+    d_consts,
+  )
 
 
 def _who(ring: Ring) -> str:
@@ -317,8 +429,11 @@ def _ring_vjp(
   q_ids: jax.Array | None,
   kv_ids: jax.Array | None,
   mask: masks.Mask | None,
+  bias: jax.Array | None,
+  consts: tuple[Any, ...],
+  rng: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array]:
-  out, m, l = _forward(ring, query, key, value, q_ids, kv_ids, mask)
+  out, m, l = _forward(ring, query, key, value, q_ids, kv_ids, mask, bias, consts, rng)
   return out, _common.log_sum_exp(m, l)
 
 
@@ -330,14 +445,18 @@ def _ring_fwd(
   q_ids: jax.Array | None,
   kv_ids: jax.Array | None,
   mask: masks.Mask | None,
+  bias: jax.Array | None,
+  consts: tuple[Any, ...],
+  rng: jax.Array | None,
 ) -> tuple[tuple[jax.Array, jax.Array], _Residuals]:
-  out, m, l = _forward(ring, query, key, value, q_ids, kv_ids, mask)
-  return (out, _common.log_sum_exp(m, l)), (query, key, value, q_ids, kv_ids, mask, out, m, l)
+  out, m, l = _forward(ring, query, key, value, q_ids, kv_ids, mask, bias, consts, rng)
+  residuals = (query, key, value, q_ids, kv_ids, mask, bias, consts, rng, out, m, l)
+  return (out, _common.log_sum_exp(m, l)), residuals
 
 
 def _ring_bwd(
   ring: Ring, residuals: _Residuals, cotangents: tuple[jax.Array, jax.Array]
-) -> tuple[jax.Array, jax.Array, jax.Array, None, None, None]:
+) -> tuple[Any, ...]:
   d_out, d_lse = cotangents
   backward = _orders.first_order(
     functools.partial(_backward, ring),
@@ -346,8 +465,9 @@ def _ring_bwd(
     forward=ring.pairs is None,  # blockwise's tile loops take JVPs, Pallas kernels do not
     way_out="gather the sequence and call dot_product_attention(implementation='xla')",
   )
-  d_query, d_key, d_value = backward(residuals, d_out, d_lse)
-  return d_query, d_key, d_value, None, None, None  # ids and masks: integers, no cotangent
+  d_query, d_key, d_value, d_bias, d_consts = backward(residuals, d_out, d_lse)
+  # Ids, masks and dropout's key: integers, no cotangent.
+  return d_query, d_key, d_value, None, None, None, d_bias, d_consts, None
 
 
 _ring_vjp.defvjp(_ring_fwd, _ring_bwd)

@@ -48,6 +48,7 @@ from jattn.parallel import _choices, _ring, ring
 from jattn.parallel.layouts import (
   _check_divisible,
   _check_layout,
+  _natural_mask,
   positions,
   shard_positions,
   unpermute,
@@ -63,23 +64,6 @@ _KEYWORDS = {f.name for f in dataclasses.fields(_validate.Arguments)} - {
   "value",
   "bias",
   "mask",
-}
-# What ring_attention takes of dot_product_attention's keywords (the rest: bias, score
-# functions, dropout, a backward rule, dense mask arrays, are the other strategies').
-_RING_KEYWORDS = {
-  "scale",
-  "is_causal",
-  "query_seq_lengths",
-  "key_value_seq_lengths",
-  "local_window_size",
-  "return_residual",
-  "segment_ids",
-  "logits_soft_cap",
-  "sinks",
-  "implementation",
-  "block_q",
-  "block_kv",
-  "options",
 }
 
 
@@ -103,9 +87,9 @@ def context_parallel_attention(
   Computes what ``jattn.dot_product_attention(query, key, value, bias, mask, **keywords)``
   computes on one device, values, log-sum-exp, gradients and dropout pattern alike, with
   T and S split over the P devices of ``axis_name`` by ``strategy`` (see the module
-  docstring): ``"ring"`` (:func:`jattn.parallel.ring_attention`, which takes no bias,
-  score function, dropout or dense mask array), ``"all_gather"`` or ``"ulysses"`` (every
-  keyword). Works under ``jax.jit`` and in both sharding modes (Auto and Explicit axes).
+  docstring): ``"ring"`` (:func:`jattn.parallel.ring_attention`), ``"all_gather"`` or
+  ``"ulysses"``, each taking every keyword. Works under ``jax.jit`` and in both sharding
+  modes (Auto and Explicit axes).
 
   Args:
     query: (B, T, N, H), in ``layout`` order along T; best sharded as
@@ -126,7 +110,8 @@ def context_parallel_attention(
       ``segment_ids`` in ``layout`` order, lengths, ``local_window_size``, ``score_fn``
       and ``logits_soft_cap`` on global indices, dropout, ``sinks``, ``return_residual``,
       ``implementation``, ``backward``, tiles, ``options``): ``implementation`` and
-      ``backward`` name what runs each device's part.
+      ``backward`` name what runs each device's part (the ring's pairs: ``"blockwise"`` or
+      ``"splash"``, differentiated by the ring's own rule, so ``backward`` must be None).
 
   Returns:
     The output (B, T, N, Hv) in ``layout`` order, sharded as
@@ -152,30 +137,25 @@ def context_parallel_attention(
   if strategy not in STRATEGIES:
     raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
   if strategy == "ring":
-    given = sorted(
-      name
-      for name, value in (("bias", bias), *keywords.items())
-      if name not in _RING_KEYWORDS and not _unset(value)
-    )
-    if not (mask is None or isinstance(mask, masks.Mask)):
-      given.append("mask (a dense array)")
-    if given or not (mask is None or isinstance(mask, masks.Mask)):
+    backward = keywords.pop("backward", None)
+    if backward is not None:
       raise ValueError(
-        f"strategy='ring' does not take {', '.join(given)}: strategy='all_gather' or "
-        f"'ulysses' takes every argument of jattn.dot_product_attention"
+        f"backward must be None with strategy='ring', whose shard pairs differentiate by the "
+        f"ring's own rule (a custom_vjp that rings the gradients), got {backward!r}; "
+        f"strategy='all_gather' or 'ulysses' runs each device's part by any rule"
       )
-    ring_keywords = {k: v for k, v in keywords.items() if k in _RING_KEYWORDS}
     return ring.ring_attention(
       query,
       key,
       value,
       mesh=mesh,
       axis_name=axis_name,
+      bias=bias,
       mask=mask,
       layout=layout,
       batch_axis=batch_axis,
       head_axis=head_axis,
-      **ring_keywords,
+      **keywords,
     )
   return _gathered(
     query,
@@ -191,11 +171,6 @@ def context_parallel_attention(
     head_axis,
     keywords,
   )
-
-
-def _unset(value: Any) -> bool:
-  """None, or a default flag or rate (False, 0.0): an argument the caller did not use."""
-  return value is None or (isinstance(value, (bool, int, float)) and not value)
 
 
 def explain(
@@ -322,11 +297,7 @@ def _gathered(
 
 def _natural(mask: Any, keywords: dict[str, Any], layout: str, size: int) -> tuple[Any, dict]:
   """A dense mask array and the segment ids, given in ``layout`` order, in natural order."""
-  if mask is not None and not isinstance(mask, masks.Mask):
-    mask = jnp.asarray(mask)
-    for axis in (-2, -1):
-      if mask.ndim >= -axis and mask.shape[axis] > 1:
-        mask = unpermute(mask, layout, size, axis=axis)
+  mask = _natural_mask(mask, layout, size)
   ids = keywords.get("segment_ids")
   if ids is not None:
     ids = jax.tree.map(lambda x: unpermute(jnp.asarray(x), layout, size, axis=-1), ids)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jattn import _checks
+from jattn import _checks, masks
 
 __all__ = ["LAYOUTS", "positions", "permute", "unpermute", "shard_positions"]
 
@@ -128,3 +128,16 @@ def _rows(xp: Any, layout: str, length: int, num_shards: int, shard: Any) -> Any
     return r * num_shards + shard
   half = size // 2  # zigzag: chunks `shard` and 2P - 1 - shard of 2P
   return xp.where(r < half, shard * half + r, (2 * num_shards - 1 - shard) * half + r - half)
+
+
+def _natural_mask(mask: Any, layout: str, num_shards: int) -> Any:
+  """A dense boolean mask array given in ``layout`` order (its last two axes, where not 1)
+  back in natural order, where masks of indices are written; a :class:`jattn.masks.Mask` or
+  None unchanged."""
+  if mask is None or isinstance(mask, masks.Mask) or layout == "contiguous":
+    return mask
+  mask = jnp.asarray(mask)
+  for axis in (-2, -1):
+    if mask.ndim >= -axis and mask.shape[axis] > 1:
+      mask = unpermute(mask, layout, num_shards, axis=axis)
+  return mask

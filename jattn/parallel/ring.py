@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,10 +20,15 @@ from jax.typing import DTypeLike
 from jattn import _validate, attention, masks, testing
 from jattn._validate import _masking
 from jattn._validate.options import Options
-from jattn.impl import _common, _select, splash
+from jattn.impl import _base, _common, _select, splash
 from jattn.impl._base import CallSpec
 from jattn.parallel import _choices, _ring, _splash_pairs
-from jattn.parallel.layouts import _check_divisible, _check_layout, shard_positions
+from jattn.parallel.layouts import (
+  _check_divisible,
+  _check_layout,
+  _natural_mask,
+  shard_positions,
+)
 
 __all__ = ["ring_attention"]
 
@@ -34,14 +40,19 @@ def ring_attention(
   *,
   mesh: Mesh,
   axis_name: str,
+  bias: jax.typing.ArrayLike | None = None,
   is_causal: bool = False,
   segment_ids: Any = None,
-  mask: masks.Mask | None = None,
+  mask: masks.Mask | jax.typing.ArrayLike | None = None,
   scale: float | None = None,
   query_seq_lengths: jax.typing.ArrayLike | None = None,
   key_value_seq_lengths: jax.typing.ArrayLike | None = None,
   local_window_size: int | tuple[int, int] | None = None,
   logits_soft_cap: float | None = None,
+  score_fn: Callable[..., jax.Array] | None = None,
+  dropout_rate: float = 0.0,
+  dropout_rng: jax.Array | None = None,
+  broadcast_dropout: bool = False,
   layout: str = "contiguous",
   batch_axis: str | tuple[str, ...] | None = None,
   head_axis: str | tuple[str, ...] | None = None,
@@ -60,7 +71,8 @@ def ring_attention(
   key/value shards (with their segment ids) travel around the ring. Inside
   each step the blockwise kernel runs, skipping tiles the mask empties. The
   backward pass is a custom_vjp that rings as well (see the module
-  docstring). Works under ``jax.jit``; differentiable in query, key and value.
+  docstring). Works under ``jax.jit``; differentiable in query, key, value,
+  bias and the score function's arrays.
 
   Args:
     query: (B, T, N, H). A ``jax.Array`` sharded as
@@ -71,6 +83,10 @@ def ring_attention(
     key, value: (B, S, K, H), N a multiple of K (GQA without repeating K/V).
     mesh: the ``jax.sharding.Mesh`` whose devices hold the shards.
     axis_name: the mesh axis the sequence is split over (the ring).
+    bias: as in ``jattn.dot_product_attention`` (any shape broadcastable to
+      (B, N, T, S)), its T and S axes (where not 1) in the inputs' layout order;
+      each device holds the rows of its query shard and every column (its
+      gradient stays there: no bias travels).
     is_causal, scale, query_seq_lengths, key_value_seq_lengths: as in
       ``jattn.dot_product_attention``, and so are local_window_size and
       logits_soft_cap, in natural sequence positions whatever the layout.
@@ -82,8 +98,15 @@ def ring_attention(
       pair of shards through :func:`jattn.masks.reindex`. Masks of indices
       (causal, windows, chunks, prefix-LM, strides, block-sparse layouts,
       lengths, from_fn) classify tiles exactly; masks holding arrays along T
-      or S are correct but replicated on every device and skip no tiles, so
-      pass document ids as ``segment_ids``.
+      or S, and dense boolean arrays (in the inputs' layout order), are correct
+      but replicated on every device and skip no tiles, so pass document ids as
+      ``segment_ids``.
+    score_fn: as in ``jattn.dot_product_attention``, called with global
+      (batch, head, query, key) indices in natural positions on every shard
+      pair; its arrays get their gradients.
+    dropout_rate, dropout_rng, broadcast_dropout: as in
+      ``jattn.dot_product_attention``; each weight's keep bit is drawn at its
+      global natural position, so the pattern is the one-device call's.
     layout: how the inputs' sequence axis is ordered: ``"contiguous"``
       (natural order, device i holds the i-th slice), ``"zigzag"`` or
       ``"striped"`` (balanced causal work; see :func:`permute`). T and S must
@@ -104,7 +127,8 @@ def ring_attention(
       the call, blockwise otherwise. Each pair returns its log-sum-exp to the ring, so
       a pair's call is checked as ``jattn.dot_product_attention(...,
       implementation="splash", return_residual=True)`` is: splash refuses a
-      ``logits_soft_cap`` (an explicit ``"splash"`` raises; None runs blockwise pairs).
+      ``logits_soft_cap``, and a bias, score function or dropout runs each pair
+      blockwise (an explicit ``"splash"`` raises; None runs blockwise pairs).
     options: a :class:`jattn.Options` holding ``implementation``, ``block_q`` and
       ``block_kv`` as one value (its ``backward`` must be None).
 
@@ -112,15 +136,7 @@ def ring_attention(
     The output (B, T, N, H) in the query's dtype, sharded as
     ``P(batch_axis, axis_name, head_axis, None)`` (and the lse (B, T, N) with
     ``return_residual``, sharded alike), in the inputs' layout.
-
-  Not supported here (use ``jattn.dot_product_attention``): ``bias``,
-  ``score_fn``, dropout.
   """
-  if mask is not None and not isinstance(mask, masks.Mask):
-    raise TypeError(
-      f"ring_attention takes mask as a jattn.masks.Mask, got "
-      f"{type(mask).__name__}; a dense (T, S) array defeats sharding the sequence"
-    )
   _check_pairs(implementation)  # before Options, which would list every implementation
   options = Options.of(options, implementation=implementation, block_q=block_q, block_kv=block_kv)
   _check_pairs(options.implementation)
@@ -131,11 +147,18 @@ def ring_attention(
     )
   # Segment ids travel with their shards rather than as a Mask: checked separately below.
   # Each pair of shards runs blockwise here; the pairs' own implementation is options'.
+  layout = _check_layout(layout)
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  ring_axes = _check_mesh_axes("axis_name", axis_name, mesh, allow_tuple=False)
+  size = mesh.shape[axis_name]
   call = _validate.Arguments(
     query,
     key,
     value,
-    mask=mask,
+    bias,
+    # A dense array in the layout's order, in natural order like masks of indices.
+    mask=_natural_mask(mask, layout, size),
     scale=scale,
     is_causal=is_causal,
     query_seq_lengths=query_seq_lengths,
@@ -143,18 +166,20 @@ def ring_attention(
     local_window_size=local_window_size,
     return_residual=return_residual,
     logits_soft_cap=logits_soft_cap,
+    score_fn=score_fn,
+    dropout_rate=dropout_rate,
+    dropout_rng=dropout_rng,
+    broadcast_dropout=broadcast_dropout,
     sinks=sinks,
     options=dataclasses.replace(options, implementation="blockwise"),
   )
   q, k, v, spec = _validate.build(call)
+  spec = _base.rank4(spec)
   if spec.unbatched:
     raise ValueError(
       f"ring_attention needs batched inputs: query (B, T, N, H), got shape {q.shape}"
     )
   B, T, N, S, K = spec.B, spec.T, spec.N, spec.S, spec.K
-  if not isinstance(mesh, Mesh):
-    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-  ring_axes = _check_mesh_axes("axis_name", axis_name, mesh, allow_tuple=False)
   batch_axes = _check_mesh_axes("batch_axis", batch_axis, mesh)
   head_axes = _check_mesh_axes("head_axis", head_axis, mesh)
   used = [a for axes in (ring_axes, batch_axes, head_axes) for a in axes]
@@ -164,8 +189,6 @@ def ring_attention(
       f"axis_name={axis_name!r}, batch_axis={batch_axis!r}, "
       f"head_axis={head_axis!r}"
     )
-  layout = _check_layout(layout)
-  size = mesh.shape[axis_name]
   _check_divisible("query length T", T, layout, size)
   _check_divisible("key/value length S", S, layout, size)
   for name, n, axes in (
@@ -184,6 +207,7 @@ def ring_attention(
     seg = _masking.segments(segment_ids, False, T, S)
     q_ids, kv_ids = (jnp.broadcast_to(jnp.asarray(x), (B, n)) for x, n in zip(seg.children, (T, S)))
   soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
+  assert spec.block_q is not None and spec.block_kv is not None, "blockwise's tiles are set"
   blocks = (spec.block_q, spec.block_kv)
   ring = _ring.Ring(
     axis_name,
@@ -205,15 +229,38 @@ def ring_attention(
       segments=None if q_ids is None else masks.segments(q_ids, kv_ids),
       soft_cap=soft_cap,
       blocks_named=(options.block_q, options.block_kv),
+      beside=_beyond_splash(bias, score_fn, spec.dropout_rate),
     ),
+    spec.dropout_rate,
+    spec.broadcast_dropout,
   )
-  out, lse = _ring.call(q, k, v, q_ids, kv_ids, spec.mask, ring=ring, mesh=mesh)
+  out, lse = _ring.call(
+    q,
+    k,
+    v,
+    q_ids,
+    kv_ids,
+    spec.mask,
+    spec.bias,
+    spec.score_fn,
+    spec.dropout_rng,
+    ring=ring,
+    mesh=mesh,
+  )
   if spec.sinks is not None:
     sinks = _ring.place(spec.sinks, mesh, P(_axes_or_none(head_axes)))  # sharded like N
     out, lse = _common.add_sinks(out, lse, sinks, lse.dtype)
   if return_residual:
     return out, lse.astype(q.dtype)
   return out
+
+
+def _beyond_splash(bias: Any, score_fn: Any, dropout_rate: float) -> str | None:
+  """What the ring's splash pairs do not take (they run segment ids, masks and a soft cap)."""
+  for name, given in (("a bias", bias is not None), ("a score_fn", score_fn is not None)):
+    if given:
+      return name
+  return "dropout" if dropout_rate else None
 
 
 def _check_pairs(implementation: Any) -> None:
@@ -233,6 +280,7 @@ def _pairs(
   segments: masks.Mask | None,
   soft_cap: float | None,
   blocks_named: tuple[int | None, int | None],
+  beside: str | None,
 ) -> _splash_pairs.Pairs | None:
   """The splash kernels of each shard pair (:mod:`jattn.parallel._splash_pairs`), or None.
 
@@ -249,7 +297,7 @@ def _pairs(
     blockwise("named by the caller")
     return None
   interpret = testing.interpreting()
-  why = _splash_pairs.reason(spec.mask)
+  why = beside or _splash_pairs.reason(spec.mask)
   if why is None and blocks_named != (None, None):
     why = "block_q and block_kv are blockwise's tiles"
   if why is None:

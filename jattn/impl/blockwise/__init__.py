@@ -205,10 +205,15 @@ def plan(
   positions: Any = None,
   block_q: int,
   block_kv: int,
+  score: tuple[Callable[..., jax.Array], tuple[Any, ...]] | None = None,
 ) -> Plan:
   """Tile sizes, the schedules of non-empty tiles and the closure-converted mask and score
   function for query (B, T, N, H) against ``kv_len`` = S keys. Used by :func:`attention` and
-  by :mod:`jattn.parallel`, which plans one call per pair of shards."""
+  by :mod:`jattn.parallel`, which plans one call per pair of shards.
+
+  ``score``, in place of ``score_fn``: a score function already closure-converted,
+  ``(fn(s, b, h, q, kv, *consts), consts)``, for a caller that differentiates the constants
+  itself (:func:`backward` returns their cotangents in this order)."""
   B, T, N, _ = query.shape
   S = kv_len
   bq, bk = min(block_q, T), min(block_kv, S)
@@ -225,7 +230,10 @@ def plan(
     mask_fn, mask_consts = _common.hoist(lambda q, kv: mask(b, h, q, kv), q, kv)
   modify: Callable | None = None
   score_consts: list = []
-  if score_fn is not None:
+  if score is not None:
+    assert score_fn is None, "a score function comes converted or not, not both"
+    modify, score_consts = score[0], list(score[1])
+  elif score_fn is not None:
     s = jax.ShapeDtypeStruct((B, N, bq, bk), _common.stats_dtype(query.dtype))
     modify, score_consts = _common.hoist(score_fn, s, *example)
   seed = None
@@ -258,18 +266,20 @@ def backward(
   d_out: jax.Array,
   d_lse: jax.Array,
   bias: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-  """Float32/64 ``(d_query, d_key, d_value, d_bias)`` of :func:`forward`'s outputs given the
-  cotangents of out and the log-sum-exp; ``out``, ``m`` and ``l`` may be those of a larger
-  softmax that this call is one part of (ring attention): the rule only needs the final rows'
-  output, max and sum. Δ here is FlashAttention's rowsum(dY ⊙ Y) from ``out``, since a row's
-  probabilities span the other parts too; :func:`attention` sums the exact rowsum(A ⊙ dA)."""
-  d_query, d_kv, d_bias, _, _ = _blockwise_backward.backward(
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, tuple[jax.Array | None, ...]]:
+  """Float32/64 ``(d_query, d_key, d_value, d_bias, d_score)`` of :func:`forward`'s outputs
+  given the cotangents of out and the log-sum-exp (``d_score``: of the plan's score function
+  constants, in their order, None for the integer ones); ``out``, ``m`` and ``l`` may be
+  those of a larger softmax that this call is one part of (ring attention): the rule only
+  needs the final rows' output, max and sum. Δ here is FlashAttention's rowsum(dY ⊙ Y) from
+  ``out``, since a row's probabilities span the other parts too; :func:`attention` sums the
+  exact rowsum(A ⊙ dA)."""
+  d_query, d_kv, d_bias, _, d_score = _blockwise_backward.backward(
     p.static, (query, (key, value), bias, p.seed, p.cols, p.consts, out, m, l), d_out, d_lse
   )
   assert isinstance(d_kv, tuple), "a (key, value) pair's cotangent is a pair"
   d_key, d_value = d_kv
-  return d_query, d_key, d_value, d_bias
+  return d_query, d_key, d_value, d_bias, d_score
 
 
 # --- forward ------------------------------------------------------------------
