@@ -221,7 +221,7 @@ def test_explain_says_what_each_device_runs():
   """Each device's part goes through the selection table for the backend that traces it:
   flex on a GPU (its mask and score function read the part's positions), the materialised
   or tiled path on a CPU, and not flex where dropout is drawn at global positions; the ring's
-  pairs run blockwise off a TPU."""
+  pairs likewise (flex on a GPU, blockwise with dropout or on a CPU)."""
   mesh = _mesh("auto", (SP,), ("sp",))
   q = jax.ShapeDtypeStruct((2, 256, 8, 64), jnp.bfloat16)
   explain = lambda strategy, backend, **kw: parallel.explain(
@@ -234,8 +234,21 @@ def test_explain_says_what_each_device_runs():
     choice = explain(strategy, "gpu", **dropout)
     assert choice.implementation != "flex"
     assert "dropout_rate > 0 on a shard of a sequence-parallel call" in choice.rejected["flex"]
-  ring = explain("ring", "gpu")
+  ring = explain("ring", "gpu", score_fn=scores.alibi(jnp.linspace(0.1, 0.8, 8)))
+  assert ring.implementation == "flex" and "flex runs each shard pair" in ring.reason
+  ring = explain("ring", "gpu", dropout_rate=0.1, dropout_rng=jax.random.key(0))
+  assert ring.implementation == "blockwise" and "a pair's call on xla" in ring.reason
+  assert "dropout_rate > 0 on a shard of a sequence-parallel call" in ring.rejected["flex"]
+  ring = explain("ring", "cpu")
   assert ring.implementation == "blockwise" and "not on a TPU" in ring.reason
+
+  @jax.jit
+  def closed_over(table):  # a learned table the score function captures, not a pytree leaf
+    ring = explain("ring", "gpu", score_fn=lambda s, b, h, q, kv: s + table[h])
+    assert ring.implementation == "blockwise" and "closes over traced arrays" in ring.reason
+    return table
+
+  closed_over(jnp.ones(8))
 
 
 # From JAX 0.12, Pallas' Triton lowering reads the GPU's compute capability from the devices
@@ -245,13 +258,19 @@ def test_explain_says_what_each_device_runs():
   jax.__version_info__ >= (0, 12),
   reason="JAX >= 0.12 lowers Triton kernels inside a shard_map only over GPU devices",
 )
-def test_the_gpu_program_holds_flexs_kernels_on_every_device():
+# all_gather: forward, dQ, dK/dV. The ring: a pair's forward in the scan's body and for the
+# last step; in the backward pass, in both places, each pair's forward again (twice: where a
+# custom_vjp's output is used besides its residuals, as a pair's is here, JAX keeps both the
+# primal and the rule's forward pass; jax.value_and_grad of one flex call shows the same, 4
+# kernels where jax.grad has 3) with its dQ and dK/dV.
+@pytest.mark.parametrize("strategy, kernels", [("all_gather", 3), ("ring", 2 + 2 * 4)])
+def test_the_gpu_program_holds_flexs_kernels_on_every_device(strategy, kernels):
   mesh = _mesh("auto", (SP,), ("sp",))
   q = jax.ShapeDtypeStruct((2, 256, 8, 64), jnp.bfloat16)
 
   def loss(q, k, v):
     out = parallel.context_parallel_attention(
-      q, k, v, mesh=mesh, axis_name="sp", strategy="all_gather", is_causal=True
+      q, k, v, mesh=mesh, axis_name="sp", strategy=strategy, is_causal=True
     )
     return jnp.sum(out.astype(jnp.float32))
 
@@ -259,7 +278,7 @@ def test_the_gpu_program_holds_flexs_kernels_on_every_device():
     warnings.simplefilter("ignore")  # Pallas' Triton lowering warns of deprecations
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q)
     text = step.lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dQ, dK/dV
+  assert text.count("__gpu$xla.gpu.triton") == kernels
 
 
 # Exhaustive: flex's interpreted kernels on every device's part (5 CPU-seconds a strategy).
@@ -291,3 +310,49 @@ def test_flex_runs_each_devices_part_interpreted(strategy):
     )
   for g, w in zip(got, want, strict=True):
     np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)
+
+
+# Exhaustive: flex's interpreted kernels on every shard pair of the ring, forward and backward
+# (14 CPU-seconds).
+@pytest.mark.exhaustive
+def test_flex_runs_each_ring_pair_interpreted():
+  """The ring's pairs through flex: values, lse and the gradients of q, k, v, a bias and
+  learned ALiBi slopes (the score function's leaves, differentiated by flex's own rule) equal
+  the one-device call's, with documents, causal masking and a soft cap."""
+  mesh = _mesh("auto", (SP,), ("sp",))
+  rng = np.random.default_rng(5)
+  q = jnp.asarray(rng.normal(size=(1, 64, 2, 16)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(1, 64, 1, 16)), jnp.float32) for _ in "kv")
+  bias = jnp.asarray(rng.normal(size=(1, 2, 64, 64)), jnp.float32)
+  ids = np.sort(rng.integers(0, 3, (1, 64)), axis=1).astype(np.int32)
+  kw = dict(is_causal=True, segment_ids=ids, logits_soft_cap=8.0, return_residual=True)
+
+  def loss(attend):
+    def value(q, k, v, bias, slopes):
+      out, lse = attend(q, k, v, bias, score_fn=scores.alibi(slopes), **kw)
+      w = np.sin(np.arange(out.size, dtype=np.float32)).reshape(out.shape)
+      return jnp.sum(out * w) + jnp.sum(jnp.cos(lse)), (out, lse)
+
+    return jax.value_and_grad(value, argnums=range(5), has_aux=True)
+
+  args = (q, k, v, bias, jnp.array([0.1, 0.3]))
+  one = lambda *a, **kw: jattn.dot_product_attention(*a, implementation="xla", **kw)
+  (_, want), want_grads = loss(one)(*args)
+  with jattn.testing.interpret_kernels(), _choices_recorded() as choices:
+    ring = lambda q, k, v, bias, **kw: parallel.ring_attention(
+      q, k, v, mesh=mesh, axis_name="sp", bias=bias, implementation="flex", **kw
+    )
+    (_, got), grads = jax.jit(loss(ring))(*args)
+  assert {c.implementation for c in choices} == {"flex"}
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)
+  for name, g, w in zip(("dq", "dk", "dv", "dbias", "dslopes"), grads, want_grads, strict=True):
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
+
+
+@contextlib.contextmanager
+def _choices_recorded():
+  from jattn.parallel import _choices
+
+  with _choices.recording() as choices:
+    yield choices

@@ -9,6 +9,7 @@ key/value shards with their gradient accumulators (see :mod:`jattn.parallel`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple, TypeVar
 
@@ -17,10 +18,12 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jattn import masks
+from jattn import masks, testing
 from jattn.impl import _common, _orders, _tiling, blockwise
+from jattn.impl._base import CallSpec
+from jattn.impl._select import Choice
 from jattn.masks import _indexing
-from jattn.parallel import _splash_pairs
+from jattn.parallel import _choices, _kernel_pairs, _splash_pairs
 from jattn.parallel.layouts import shard_positions
 
 Tree = TypeVar("Tree")
@@ -64,9 +67,17 @@ class Ring(NamedTuple):
   pairs: Any = None  # _splash_pairs.Pairs: each shard pair through splash (None: blockwise)
   dropout_rate: float = 0.0
   broadcast_dropout: bool = False
-  # Set on each device: the call's score function (score_fn, then the soft cap) closure-
-  # converted at a shard pair's tile shapes, fn(s, b, h, q, kv, *consts) on global indices.
+  # Whether each device asks the selection table for a fused kernel per pair (a GPU, or a
+  # kernel named), and the kernel named (None: the table's choice).
+  try_kernels: bool = False
+  kernel_named: str | None = None
+  # Set on each device. Blockwise pairs: the call's score function (score_fn, then the soft
+  # cap) closure-converted at a pair's tile shapes, fn(s, b, h, q, kv, *consts) on global
+  # indices. Kernel pairs (_kernel_pairs): the kernel, and the score function's treedef
+  # (its leaves are the consts).
   score: Any = None
+  kernel: str | None = None
+  score_tree: Any = None
 
 
 @functools.partial(jax.jit, static_argnames=("ring", "mesh"))
@@ -151,7 +162,11 @@ def _per_device(
   rng: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array]:
   consts: tuple[Any, ...] = ()
-  if score_fn is not None:
+  if ring.try_kernels and ring.pairs is None:
+    ring = _with_kernel(ring, query, key, value, q_ids, kv_ids, mask, bias, score_fn, rng)
+  if ring.kernel is not None:
+    consts = tuple(jax.tree.leaves(score_fn))
+  elif score_fn is not None:
     # Converted once, here, so that its arrays (learned tables and slopes, whether pytree
     # leaves or closed over) are explicit inputs of the ring's custom_vjp, which returns their
     # cotangents; each pair then sees it through its own index maps (_pair_score).
@@ -162,6 +177,83 @@ def _per_device(
     ring, consts = ring._replace(score=converted), tuple(found)
   out, lse = _ring_vjp(ring, query, key, value, q_ids, kv_ids, mask, bias, consts, rng)
   return out.astype(query.dtype), lse
+
+
+def _with_kernel(
+  ring: Ring,
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  q_ids: jax.Array | None,
+  kv_ids: jax.Array | None,
+  mask: masks.Mask | None,
+  bias: jax.Array | None,
+  score_fn: Any,
+  rng: jax.Array | None,
+) -> Ring:
+  """The ring with its pairs' fused kernel where the selection table picks one for this
+  device's first pair (every pair's call differs only in its positions); the choice, or
+  why each pair runs blockwise instead, is recorded for :func:`jattn.parallel.explain`."""
+  B, t, N, _ = query.shape
+  bq, bk = min(ring.block_q, t), min(ring.block_kv, key.shape[1])
+  s = jax.ShapeDtypeStruct((B, N, bq, bk), _common.stats_dtype(query.dtype))
+  held = _kernel_pairs.leaves(score_fn, (s, *_tiling.tile_indices(B, N, bq, bk, 0, 0)))
+  backend = testing.target_backend() or jax.default_backend()
+  if held is None:
+    why = (
+      "the score function closes over traced arrays that are not its pytree leaves (their "
+      "gradients come from blockwise's rule)"
+    )
+    if ring.kernel_named is not None:
+      raise ValueError(f"ring_attention(implementation={ring.kernel_named!r}): {why}")
+    reason = f"each shard pair runs blockwise: {why}"
+    _choices.record(Choice("blockwise", None, reason, {}, backend))
+    return ring
+  ring = ring._replace(kernel="", score_tree=held[0])  # the pair's spec rebuilds the function
+  columns = _bias_columns(ring, bias, _source(ring, 0))
+  spec = _kernel_spec(ring, query, key, value, q_ids, kv_ids, mask, columns, held[1], rng, 0)
+  _, choice = _kernel_pairs.choose(spec, query.dtype, ring.kernel_named)
+  if choice.implementation not in _kernel_pairs.KERNELS:
+    reason = (
+      f"each shard pair runs blockwise: the table runs a pair's call on "
+      f"{choice.implementation} ({choice.reason})"
+    )
+    _choices.record(Choice("blockwise", None, reason, choice.rejected, choice.backend))
+    return ring._replace(kernel=None, score_tree=None)
+  reason = f"{choice.implementation} runs each shard pair: {choice.reason}"
+  _choices.record(dataclasses.replace(choice, reason=reason))
+  return ring._replace(kernel=choice.implementation)
+
+
+def _kernel_spec(
+  ring: Ring,
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  q_ids: jax.Array | None,
+  kv_ids: jax.Array | None,
+  mask: masks.Mask | None,
+  columns: jax.Array | None,
+  leaves: Any,
+  rng: jax.Array | None,
+  step: jax.Array | int,
+) -> CallSpec:
+  """One kernel pair's call (:mod:`jattn.parallel._kernel_pairs`): this device's queries
+  against the key/value shard it holds at ring step ``step``."""
+  score_fn = None if ring.score_tree is None else jax.tree.unflatten(ring.score_tree, leaves)
+  spec = _kernel_pairs.pair_spec(
+    shapes=(query.shape, key.shape, value.shape),
+    maps=_pair_maps(ring, query, _source(ring, step)),
+    mask=mask,
+    segments=None if q_ids is None else masks.segments(q_ids, kv_ids),
+    score_fn=score_fn,
+    bias=columns,
+    scale=ring.scale,
+    dropout=(ring.dropout_rate, ring.broadcast_dropout, rng),
+  )
+  if ring.kernel:  # chosen: the spec completed for it (every step's is the first's kind)
+    spec, _ = _kernel_pairs.choose(spec, query.dtype, ring.kernel)
+  return spec
 
 
 # --- one device's part ------------------------------------------------------------
@@ -194,14 +286,7 @@ def _pair_plan(
 ) -> blockwise.Plan:
   """The blockwise plan of this device's queries against the key/value shard of ``source``:
   the mask and score function on global positions, dropout drawn there."""
-  here = jax.lax.axis_index(ring.axis_name)
-  batch, head = _maps(ring, query)
-  maps = (
-    batch,
-    head,
-    shard_positions(ring.layout, ring.q_len, ring.size, here),
-    shard_positions(ring.layout, ring.kv_len, ring.size, source),
-  )
+  maps = _pair_maps(ring, query, source)
   parts = []
   if mask is not None:
     parts.append(masks.reindex(mask, **dict(zip(("batch", "head", "q", "kv"), maps))))
@@ -227,6 +312,19 @@ def _pair_plan(
     positions=maps if ring.dropout_rate else None,
     block_q=ring.block_q,
     block_kv=ring.block_kv,
+  )
+
+
+def _pair_maps(ring: Ring, query: jax.Array, source: jax.Array) -> tuple[Any, Any, Any, Any]:
+  """The global (batch, head, q, kv) positions of this device's queries against the keys of
+  ``source``'s shard (None: the identity, an axis not sharded)."""
+  batch, head = _maps(ring, query)
+  here = jax.lax.axis_index(ring.axis_name)
+  return (
+    batch,
+    head,
+    shard_positions(ring.layout, ring.q_len, ring.size, here),
+    shard_positions(ring.layout, ring.kv_len, ring.size, source),
   )
 
 
@@ -313,8 +411,12 @@ def _forward(
       pair = _splash_pairs.attend(query, k, v, q_ids, ids, **_pair_settings(ring, step))
       return _splash_pairs.as_partial(*pair)
     source = _source(ring, step)
+    columns = _bias_columns(ring, bias, source)
+    if ring.kernel is not None:
+      spec = _kernel_spec(ring, query, k, v, q_ids, ids, mask, columns, consts, rng, step)
+      return _splash_pairs.as_partial(*_kernel_pairs.attend(query, k, v, spec))
     plan = _pair_plan(ring, query, k, q_ids, ids, mask, consts, rng, source)
-    return blockwise.forward(plan, query, k, v, _bias_columns(ring, bias, source))
+    return blockwise.forward(plan, query, k, v, columns)
 
   def step(carry: tuple[Shard, Partial], s: jax.Array) -> tuple[tuple[Shard, Partial], None]:
     kv, acc = carry
@@ -328,6 +430,16 @@ def _forward(
   empty = (jnp.zeros((B, T, N, Hv), dtype), rows, rows)
   (kv, acc), _ = jax.lax.scan(step, ((key, value, kv_ids), empty), jnp.arange(ring.size - 1))
   return _merge(acc, attend(ring.size - 1, kv))
+
+
+Partial2 = tuple[jax.Array, jax.Array]
+"""A pair's ``(out, lse)``."""
+
+
+def _merged(all_: Any, floats: Any, is_float: list[bool]) -> list[Any]:
+  """``all_`` with its float entries replaced, in order, by ``floats``."""
+  it = iter(floats)
+  return [next(it) if f else x for x, f in zip(all_, is_float)]
 
 
 _Local = tuple[jax.Array | None, tuple[jax.Array, ...]]
@@ -351,11 +463,24 @@ def _backward(
       d = _splash_pairs.grads(query, k, v, q_ids, ids, out, lse, d_out, d_lse, **settings)
       return (*d, here)
     source = _source(ring, step)
-    plan = _pair_plan(ring, query, k, q_ids, ids, mask, consts, rng, source)
     columns = _bias_columns(ring, bias, source)
-    d_q, d_k, d_v, d_b, d_c = blockwise.backward(
-      plan, query, k, v, out, m, l, d_out, d_lse, columns
-    )
+    if ring.kernel is not None:
+
+      def pair(q: jax.Array, k: jax.Array, v: jax.Array, b: Any, c: Any) -> Partial2:
+        leaves = _merged(consts, c, is_float)
+        spec = _kernel_spec(ring, q, k, v, q_ids, ids, mask, b, leaves, rng, step)
+        return _kernel_pairs.attend(q, k, v, spec)
+
+      floats = [c for c, f in zip(consts, is_float) if f]
+      d_q, d_k, d_v, d_b, d_f = _kernel_pairs.grads(
+        pair, (query, k, v, columns, floats), out, lse, d_out, d_lse
+      )
+      d_c: Any = _merged([None] * len(consts), d_f, is_float)
+    else:
+      plan = _pair_plan(ring, query, k, q_ids, ids, mask, consts, rng, source)
+      d_q, d_k, d_v, d_b, d_c = blockwise.backward(
+        plan, query, k, v, out, m, l, d_out, d_lse, columns
+      )
     d_bias, d_consts = here
     if d_bias is not None:
       assert d_b is not None and bias is not None, "a bias has a cotangent"
@@ -408,7 +533,8 @@ def _backward(
 
 
 def _who(ring: Ring) -> str:
-  return f"ring_attention(implementation={'blockwise' if ring.pairs is None else 'splash'!r})"
+  name = "splash" if ring.pairs is not None else ring.kernel or "blockwise"
+  return f"ring_attention(implementation={name!r})"
 
 
 @functools.partial(
@@ -458,11 +584,12 @@ def _ring_bwd(
   ring: Ring, residuals: _Residuals, cotangents: tuple[jax.Array, jax.Array]
 ) -> tuple[Any, ...]:
   d_out, d_lse = cotangents
+  blockwise_pairs = ring.pairs is None and ring.kernel is None
   backward = _orders.first_order(
     functools.partial(_backward, ring),
     _who(ring),
-    _orders.TILE_LOOPS if ring.pairs is None else _orders.FUSED,
-    forward=ring.pairs is None,  # blockwise's tile loops take JVPs, Pallas kernels do not
+    _orders.TILE_LOOPS if blockwise_pairs else _orders.FUSED,
+    forward=blockwise_pairs,  # blockwise's tile loops take JVPs, Pallas kernels do not
     way_out="gather the sequence and call dot_product_attention(implementation='xla')",
   )
   d_query, d_key, d_value, d_bias, d_consts = backward(residuals, d_out, d_lse)

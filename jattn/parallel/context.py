@@ -110,8 +110,9 @@ def context_parallel_attention(
       ``segment_ids`` in ``layout`` order, lengths, ``local_window_size``, ``score_fn``
       and ``logits_soft_cap`` on global indices, dropout, ``sinks``, ``return_residual``,
       ``implementation``, ``backward``, tiles, ``options``): ``implementation`` and
-      ``backward`` name what runs each device's part (the ring's pairs: ``"blockwise"`` or
-      ``"splash"``, differentiated by the ring's own rule, so ``backward`` must be None).
+      ``backward`` name what runs each device's part (the ring's pairs: ``"blockwise"``,
+      ``"splash"`` or ``"flex"``, differentiated by the ring's own rule, so ``backward``
+      must be None).
 
   Returns:
     The output (B, T, N, Hv) in ``layout`` order, sharded as

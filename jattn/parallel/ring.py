@@ -1,6 +1,6 @@
 """The public entry of sequence-parallel attention: :func:`ring_attention`, its checks, and
-the choice of each shard pair's kernel (blockwise loops, or splash on a TPU) through the
-selection table, as the one-device call chooses.
+the choice of each shard pair's kernel (blockwise loops, splash on a TPU, flex on a GPU)
+through the selection table, as the one-device call chooses.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from jattn._validate import _masking
 from jattn._validate.options import Options
 from jattn.impl import _base, _common, _select, splash
 from jattn.impl._base import CallSpec
-from jattn.parallel import _choices, _ring, _splash_pairs
+from jattn.parallel import _choices, _kernel_pairs, _ring, _splash_pairs
 from jattn.parallel.layouts import (
   _check_divisible,
   _check_layout,
@@ -123,8 +123,13 @@ def ring_attention(
     implementation: what runs each (query shard, key/value shard) pair: ``"blockwise"``
       (any backend), ``"splash"`` (splash's fused TPU kernel per pair, the pair's mask
       tabulated when the call is traced; masks the same for every batch row and head,
-      segment ids; float32 or bfloat16), or None: splash on a TPU where it expresses
-      the call, blockwise otherwise. Each pair returns its log-sum-exp to the ring, so
+      segment ids; float32 or bfloat16), ``"flex"`` (jattn's fused GPU kernel per pair,
+      its mask and score function reading the pair's global positions; differentiated by
+      its own rule, given the ring's merged output and log-sum-exp), or None: splash on
+      a TPU and flex on a GPU where the selection table runs a pair's call on them
+      (flex draws no dropout at global positions, and takes a score function's arrays
+      only as its pytree leaves), blockwise otherwise. Each pair returns its log-sum-exp
+      to the ring, so
       a pair's call is checked as ``jattn.dot_product_attention(...,
       implementation="splash", return_residual=True)`` is: splash refuses a
       ``logits_soft_cap``, and a bias, score function or dropout runs each pair
@@ -208,6 +213,7 @@ def ring_attention(
     q_ids, kv_ids = (jnp.broadcast_to(jnp.asarray(x), (B, n)) for x, n in zip(seg.children, (T, S)))
   soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
   assert spec.block_q is not None and spec.block_kv is not None, "blockwise's tiles are set"
+  backend = testing.target_backend() or jax.default_backend()
   blocks = (spec.block_q, spec.block_kv)
   ring = _ring.Ring(
     axis_name,
@@ -233,6 +239,9 @@ def ring_attention(
     ),
     spec.dropout_rate,
     spec.broadcast_dropout,
+    try_kernels=(options.block_q, options.block_kv) == (None, None)
+    and _kernel_pairs.wanted(options.implementation, backend),
+    kernel_named=named if (named := options.implementation) in _kernel_pairs.KERNELS else None,
   )
   out, lse = _ring.call(
     q,
@@ -263,10 +272,13 @@ def _beyond_splash(bias: Any, score_fn: Any, dropout_rate: float) -> str | None:
   return "dropout" if dropout_rate else None
 
 
+_PAIRS = ("blockwise", "splash", *_kernel_pairs.KERNELS)
+
+
 def _check_pairs(implementation: Any) -> None:
-  if implementation not in (None, "blockwise", "splash"):
+  if implementation not in (None, *_PAIRS):
     raise ValueError(
-      f"implementation must be one of ['blockwise', 'splash'] or None, got {implementation!r}"
+      f"implementation must be one of {list(_PAIRS)} or None, got {implementation!r}"
     )
 
 
@@ -296,6 +308,16 @@ def _pairs(
   if implementation == "blockwise":
     blockwise("named by the caller")
     return None
+  if implementation in _kernel_pairs.KERNELS:  # chosen, and recorded, on each device
+    if blocks_named != (None, None):
+      raise ValueError(
+        f"ring_attention(implementation={implementation!r}) takes no block_q or block_kv: "
+        f"they are blockwise's tiles (the kernel's come from its own table)"
+      )
+    return None
+  if implementation is None and blocks_named == (None, None):
+    if _kernel_pairs.wanted(None, backend):  # the table's choice, on each device
+      return None
   interpret = testing.interpreting()
   why = beside or _splash_pairs.reason(spec.mask)
   if why is None and blocks_named != (None, None):
