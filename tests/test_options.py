@@ -55,7 +55,8 @@ def test_ring_attention_takes_options():
   np.testing.assert_array_equal(got, ring(implementation="blockwise", block_q=4, block_kv=4))
   with pytest.raises(ValueError, match="options.backward must be None: ring attention has its own"):
     ring(options=jattn.Options(backward="custom_vjp"))
-  with pytest.raises(ValueError, match=r"implementation must be one of \['blockwise', 'splash'\]"):
+  pairs = r"implementation must be one of \['blockwise', 'splash', 'flex'\] or None, got 'xla'"
+  with pytest.raises(ValueError, match=pairs):
     ring(options=jattn.Options(implementation="xla"))
 
 
