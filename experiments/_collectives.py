@@ -6,6 +6,13 @@ bandwidth-optimal algorithms' counts on a group of G devices: an all-gather or a
 of a result of R bytes sends (G - 1)/G · R, a reduce-scatter (G - 1) · R (its operand is
 G results), an all-reduce 2 (G - 1)/G · R, a collective-permute its whole operand (R).
 A collective inside a while loop counts once per iteration (XLA's ``known_trip_count``).
+
+:func:`overlappable` reads which collectives can overlap a whole step of compute: those in a
+loop body whose result no instruction of the same iteration uses (it only leaves the body,
+for the next iteration), as a ring's key/value shard does, travelling while the step
+attends to the shard it holds. A collective whose result the same computation uses (an
+all-gather of the keys the attention reads, an all-to-all before and after it) waits for,
+or makes wait, the compute around it, unless a scheduler splits that compute.
 """
 
 from __future__ import annotations
@@ -81,3 +88,48 @@ def traffic(hlo: str) -> dict[str, float]:
     }[kind]
     out[kind] = out.get(kind, 0.0) + sent * trips.get(computation, 1)
   return out
+
+
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\((.*)$")
+
+
+def overlappable(hlo: str) -> dict[str, float]:
+  """Bytes each device sends per call, by collective kind, in collectives that can overlap a
+  whole loop step (see the module docstring); counted as :func:`traffic` counts them."""
+  trips: dict[str, int] = {}
+  for m in _WHILE.finditer(hlo):
+    trips[m.group(1)] = int(m.group(2))
+  free: dict[str, float] = {}
+  computation = ""
+  body: list[tuple[bool, str, str, str, str]] = []
+
+  def close() -> None:
+    if computation not in trips:  # not a loop body
+      return
+    users: dict[str, list[tuple[bool, str]]] = {}
+    for root, _name, op, rest, _ in body:
+      for operand in re.findall(r"%([\w.\-]+)", rest.split("),")[0]):
+        users.setdefault(operand, []).append((root, op))
+    for _, name, op, _, line in body:
+      kind = op.removesuffix("-start")
+      if kind not in KINDS or op.endswith("-done"):
+        continue
+      result = name
+      if op.endswith("-start"):  # the value is its -done's
+        done = [n for _, n, o, r, _ in body if o.endswith("-done") and f"%{name}" in r]
+        result = done[0] if done else name
+      # Used only by the body's root tuple (or a copy into it): carried to the next step.
+      if all(root or o in ("copy", "tuple") for root, o in users.get(result, [])):
+        single = traffic("\n".join(("ENTRY %x {", line, "}")))  # this collective once
+        free[kind] = free.get(kind, 0.0) + sum(single.values()) * trips[computation]
+
+  for line in hlo.splitlines():
+    if header := _COMPUTATION.match(line):
+      close()
+      computation, body = header.group(1), []
+      continue
+    if instruction := _INSTRUCTION.match(line):
+      root, name, op, rest = instruction.groups()
+      body.append((root is not None, name, op, rest, line))
+  close()
+  return free

@@ -297,7 +297,8 @@ def _strategy_step(cfg: Config, mesh: Mesh, strategy: str, mask: str, layout: st
 
 def measure_strategies(cfg: Config, host, P: int, on_row=lambda row: None) -> list[dict]:
   """Each strategy and mask at ``P`` devices: what a training step sends per device, by
-  collective (read from the compiled program, :mod:`experiments._collectives`), its
+  collective, and how much of it can overlap a whole loop step of compute (read from the
+  compiled program, :mod:`experiments._collectives`), its
   per-device memory and its time. Ring and all-gather take the zig-zag layout (balanced
   causal work), Ulysses the contiguous one (whole sequences on every device)."""
   rows = []
@@ -308,7 +309,8 @@ def measure_strategies(cfg: Config, host, P: int, on_row=lambda row: None) -> li
       args = shard(tuple(parallel.permute(x, layout, P) for x in host), mesh)
       step = _strategy_step(cfg, mesh, strategy, mask, layout)
       compiled = step.lower(*args).compile()
-      sent = _collectives.traffic(compiled.as_text())
+      text = compiled.as_text()
+      sent, free = _collectives.traffic(text), _collectives.overlappable(text)
       nbytes = device_bytes(compiled)
       row = dict(
         P=P,
@@ -317,6 +319,7 @@ def measure_strategies(cfg: Config, host, P: int, on_row=lambda row: None) -> li
         layout=layout,
         sent_mb={k: v / 2**20 for k, v in sorted(sent.items())},
         sent_total_mb=sum(sent.values()) / 2**20,
+        overlap_mb=sum(free.values()) / 2**20,
         mb=None if nbytes is None else nbytes["total"] / 2**20,
         ms=_timing.block_ms(compiled, args, cfg.reps),
       )
@@ -332,13 +335,16 @@ def print_strategies_table(cfg: Config, rows) -> None:
     f"\ncontext_parallel_attention's strategies at P={P}, T={cfg.length}, training step; MiB "
     f"each device sends per step by collective (one K or V shard is {shard_mb:.2f} MiB):\n"
   )
-  print("| mask | strategy | layout | MiB sent per device | by collective | MiB per device | ms |")
-  print("|---|---|---|---|---|---|---|")
+  print(
+    "| mask | strategy | layout | MiB sent per device | by collective | of which can overlap "
+    "a step | MiB per device | ms |"
+  )
+  print("|---|---|---|---|---|---|---|---|")
   for r in rows:
     kinds = ", ".join(f"{k} {v:.2f}" for k, v in r["sent_mb"].items() if v >= 0.005) or "none"
     print(
       f"| {r['mask']} | {r['strategy']} | {r['layout']} | {r['sent_total_mb']:.2f} | {kinds} "
-      f"| {_mb(r['mb'])} | {r['ms']:.1f} |"
+      f"| {r['overlap_mb']:.2f} | {_mb(r['mb'])} | {r['ms']:.1f} |"
     )
 
 

@@ -458,9 +458,20 @@ def parallel(docs: pathlib.Path) -> str:
   if r.get("strategies"):
     out += [
       f"context_parallel_attention's strategies at P={r['strategies'][0]['P']}: MiB each "
-      "device sends per training step, by collective, read from the compiled program:\n",
+      "device sends per training step, by collective, and how much of it can overlap a whole "
+      "loop step of compute (sent inside a step, read only by the next), read from the "
+      "compiled program:\n",
       _table(
-        ["mask", "strategy", "layout", "MiB sent", "by collective", "MiB per device", "ms"],
+        [
+          "mask",
+          "strategy",
+          "layout",
+          "MiB sent",
+          "by collective",
+          "can overlap",
+          "MiB per device",
+          "ms",
+        ],
         [
           [
             s["mask"],
@@ -468,6 +479,7 @@ def parallel(docs: pathlib.Path) -> str:
             s["layout"],
             f"{s['sent_total_mb']:,.2f}",
             ", ".join(f"{k} {v:,.2f}" for k, v in s["sent_mb"].items() if v >= 0.005),
+            fmt(s.get("overlap_mb"), ",.2f"),
             mb(s["mb"]),
             f"{s['ms']:,.1f}",
           ]

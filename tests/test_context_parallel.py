@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import AxisType
 
 import jattn
+from experiments import _collectives
 from jattn import masks, parallel, scores
 
 B, T, N, K, H = 2, 16, 8, 4, 8
@@ -171,6 +172,13 @@ def test_each_strategy_moves_what_it_says():
     text[strategy] = step.lower(q, k, v, bias).compile().as_text()
   assert "collective-permute" in text["ring"]
   assert not re.search(r"all-gather(-start)?\(|all-to-all|reduce-scatter", text["ring"])
+  # Inside the ring's loops every hop carries what the next step reads (a key/value shard, or
+  # its gradient accumulators), so it can overlap the whole step; the backward's last hop
+  # home is outside a loop. The other strategies' collectives feed, or take, the compute.
+  sent, free = _collectives.traffic(text["ring"]), _collectives.overlappable(text["ring"])
+  assert 0 < free["collective-permute"] < sent["collective-permute"]
+  assert not _collectives.overlappable(text["all_gather"])
+  assert not _collectives.overlappable(text["ulysses"])
   gathered = re.findall(r"all-gather(?:-start)?\(", text["all_gather"])
   assert gathered and "all-to-all" not in text["all_gather"]
   assert "reduce-scatter" in text["all_gather"] or "all-reduce" in text["all_gather"]

@@ -295,6 +295,11 @@ def test_bench_parallel_quick(tmp_path):
   ]
   ring = {m["P"]: m["mb"] for m in memory if m["method"] == "ring"}
   assert ring[4] < ring[2] < ring[1] and memory[-1]["vs_half_P"] == ring[4] / ring[2]
+  # The strategies: what each sends, and what of it can overlap a whole step (the ring's).
+  strategies = {s["strategy"]: s for s in record["strategies"]}
+  assert set(strategies) == {"ring", "all_gather", "ulysses"}
+  assert 0 < strategies["ring"]["overlap_mb"] < strategies["ring"]["sent_total_mb"]
+  assert strategies["all_gather"]["overlap_mb"] == strategies["ulysses"]["overlap_mb"] == 0
 
 
 def test_bench_parallel_work_balance():
@@ -578,3 +583,34 @@ ENTRY %main (a: f32[2,4]) -> f32[8,4] {
     "all-to-all": 3 / 4 * 32,
     "all-reduce": 2 * 1 / 2 * 16,
   }
+
+
+def test_collectives_finds_what_can_overlap_a_loop_step():
+  """A hand-written per-device HLO: in a loop body, a collective-permute whose result only
+  leaves the body (carried to the next iteration) can overlap the step, counted per
+  iteration; one whose result the step's dot reads cannot; nor can collectives outside a
+  loop (an async all-gather whose result a dot needs, an all-to-all of that dot's result)."""
+  hlo = """
+HloModule m
+
+%body (p: (s32[], f32[2,4], f32[2,4])) -> (s32[], f32[2,4], f32[2,4]) {
+  %kv = f32[2,4]{1,0} get-tuple-element(%p), index=1
+  %q = f32[2,4]{1,0} get-tuple-element(%p), index=2
+  %cp = f32[2,4]{1,0} collective-permute(%kv), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  %used = f32[2,4]{1,0} collective-permute(%q), channel_id=4, source_target_pairs={{0,1},{1,0}}
+  %d = f32[2,2]{1,0} dot(%used, %kv), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  ROOT %t = (s32[], f32[2,4], f32[2,4]) tuple(%i, %cp, %q)
+}
+
+ENTRY %main (a: f32[2,4]) -> f32[4,4] {
+  %s = (f32[2,4]{1,0}, f32[8,4]{1,0}) all-gather-start(%a), channel_id=2, replica_groups={{0,1,2,3}}
+  %g = f32[8,4]{1,0} all-gather-done(%s)
+  %d = f32[8,8]{1,0} dot(%g, %g), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  %o = f32[8,8]{1,0} all-to-all(%d), channel_id=3, replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %w = (s32[], f32[2,4], f32[2,4]) while(%o), condition=%c, body=%body, backend_config={TRIPS}
+}
+"""
+  hlo = hlo.replace("{TRIPS}", '{"known_trip_count":{"n":"3"}}')
+  collectives = _load("_collectives")
+  assert collectives.traffic(hlo)["collective-permute"] == 2 * 3 * 32
+  assert collectives.overlappable(hlo) == {"collective-permute": 3 * 32}
