@@ -209,6 +209,13 @@ def test_bad_arguments_are_refused_by_name():
     call(q, k, v, strategy="allgather")
   with pytest.raises(ValueError, match=r"backward must be None with strategy='ring', whose "):
     call(q, k, v, bias, backward="custom_vjp")
+  # Arrays given in a permuted layout are checked by the call's own names, not the layout's.
+  for strategy in ("ring", "all_gather"):
+    zigzag = dict(strategy=strategy, layout="zigzag")
+    with pytest.raises(ValueError, match=r"mask from_array\(shape=\(16, 17\)\) holds arrays"):
+      call(q, k, v, mask=np.ones((T, T + 1), bool), **zigzag)
+    with pytest.raises(ValueError, match=r"segment_ids \(q_segment_ids\) must have length 16"):
+      call(q, k, v, segment_ids=np.zeros((B, 12), np.int32), **zigzag)
   with pytest.raises(ValueError, match=r"key/value heads K=4 does not divide by 8: use "):
     call(q, k, v, strategy="ulysses", head_axis="tp", mesh=_mesh("auto"))
   with pytest.raises(ValueError, match=r"query length T must be divisible"):

@@ -48,10 +48,10 @@ from jattn.parallel import _choices, _ring, ring
 from jattn.parallel.layouts import (
   _check_divisible,
   _check_layout,
+  _natural_ids,
   _natural_mask,
   positions,
   shard_positions,
-  unpermute,
 )
 
 __all__ = ["STRATEGIES", "context_parallel_attention", "explain"]
@@ -265,7 +265,8 @@ def _gathered(
   run = {k: keywords.pop(k, None) for k in ("implementation", "backward", "block_q", "block_kv")}
   options = Options.of(keywords.pop("options", None), **run)
   if layout != "contiguous":  # arrays along the sequence, to natural order for the mask
-    mask, keywords = _natural(mask, keywords, layout, size)
+    lengths = (jnp.shape(query)[-3], jnp.shape(key)[-3])
+    mask, keywords = _natural(mask, keywords, layout, size, lengths)
   # Checked as for a CPU, where the table's choice (xla or blockwise) keeps the mask whole in
   # the spec (splash's would move parts of it, tabulated for the whole call, out of it): each
   # device's part is then chosen for the backend that traces it.
@@ -296,12 +297,13 @@ def _gathered(
   return (out, lse) if spec.return_residual else out
 
 
-def _natural(mask: Any, keywords: dict[str, Any], layout: str, size: int) -> tuple[Any, dict]:
+def _natural(
+  mask: Any, keywords: dict[str, Any], layout: str, size: int, lengths: tuple[int, int]
+) -> tuple[Any, dict]:
   """A dense mask array and the segment ids, given in ``layout`` order, in natural order."""
-  mask = _natural_mask(mask, layout, size)
-  ids = keywords.get("segment_ids")
-  if ids is not None:
-    ids = jax.tree.map(lambda x: unpermute(jnp.asarray(x), layout, size, axis=-1), ids)
+  mask = _natural_mask(mask, layout, size, lengths)
+  if keywords.get("segment_ids") is not None:
+    ids = _natural_ids(keywords["segment_ids"], layout, size, lengths)
     keywords = {**keywords, "segment_ids": ids}
   return mask, keywords
 

@@ -130,14 +130,30 @@ def _rows(xp: Any, layout: str, length: int, num_shards: int, shard: Any) -> Any
   return xp.where(r < half, shard * half + r, (2 * num_shards - 1 - shard) * half + r - half)
 
 
-def _natural_mask(mask: Any, layout: str, num_shards: int) -> Any:
-  """A dense boolean mask array given in ``layout`` order (its last two axes, where not 1)
-  back in natural order, where masks of indices are written; a :class:`jattn.masks.Mask` or
-  None unchanged."""
+def _natural_mask(mask: Any, layout: str, num_shards: int, lengths: tuple[int, int]) -> Any:
+  """A dense boolean mask array given in ``layout`` order (its last two axes, where they have
+  the query and key/value ``lengths``) back in natural order, where masks of indices are
+  written; a :class:`jattn.masks.Mask` or None unchanged. An axis of another length stays as
+  it is, for the call's checks to refuse by the argument's name."""
   if mask is None or isinstance(mask, masks.Mask) or layout == "contiguous":
     return mask
   mask = jnp.asarray(mask)
-  for axis in (-2, -1):
-    if mask.ndim >= -axis and mask.shape[axis] > 1:
+  for axis, n in zip((-2, -1), lengths):
+    if mask.ndim >= -axis and mask.shape[axis] == n > 1:
       mask = unpermute(mask, layout, num_shards, axis=axis)
   return mask
+
+
+def _natural_ids(ids: Any, layout: str, num_shards: int, lengths: tuple[int, int]) -> Any:
+  """Segment ids (one array, or a (query, key/value) pair) given in ``layout`` order, in
+  natural order; an array not of its sequence's length stays as it is (see _natural_mask)."""
+  if ids is None or layout == "contiguous":
+    return ids
+
+  def natural(x: Any, n: int) -> Any:
+    x = jnp.asarray(x)
+    return unpermute(x, layout, num_shards, axis=-1) if x.ndim and x.shape[-1] == n else x
+
+  if isinstance(ids, (tuple, list)) and len(ids) == 2:
+    return tuple(natural(x, n) for x, n in zip(ids, lengths))
+  return natural(ids, lengths[0])

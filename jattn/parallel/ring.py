@@ -163,7 +163,7 @@ def ring_attention(
     value,
     bias,
     # A dense array in the layout's order, in natural order like masks of indices.
-    mask=_natural_mask(mask, layout, size),
+    mask=_natural_mask(mask, layout, size, (jnp.shape(query)[-3], jnp.shape(key)[-3])),
     scale=scale,
     is_causal=is_causal,
     query_seq_lengths=query_seq_lengths,
