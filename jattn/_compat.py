@@ -57,6 +57,14 @@ def varying_axes(x: Any) -> frozenset[str]:
   return frozenset(getattr(aval, "vma", ()) or ())
 
 
+def inside_manual_mesh() -> bool:
+  """Whether the code runs inside a ``jax.shard_map`` over every axis of its mesh: arrays are
+  then each device's own, and nothing is left for XLA to partition."""
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = jax.sharding.AxisType.Manual
+  return not mesh.empty and all(t == manual for t in mesh.axis_types)
+
+
 def gpu_target(device_kind: str = "NVIDIA H100") -> AbstractContextManager[Any]:
   """A block in which Pallas' Triton lowering targets a GPU of ``device_kind`` on a machine
   without one (a program lowered for ``"cuda"`` from a CPU). From JAX 0.12 the lowering

@@ -90,7 +90,10 @@ def per_shard(
   """
   sharding = _compat.explicit_sharding(query)
   if sharding is None:
-    if auto and jax.device_count() > 1:
+    # Inside a shard_map over the whole mesh (a sequence-parallel call's part or shard pair)
+    # the arrays are one device's: the kernel runs on them as they are, where a partitioning
+    # rule would only run its forward pass once more in the backward.
+    if auto and jax.device_count() > 1 and not _compat.inside_manual_mesh():
       return _partitioned(attend, query, key, value, spec, heads_whole, global_index)
     return attend(query, key, value, spec)
   mesh = sharding.mesh
