@@ -40,6 +40,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jattn import _validate, attention, masks, scores, testing
+from jattn._validate import _masking
 from jattn._validate.options import Options
 from jattn.impl import _base, _select, _sharded
 from jattn.impl._base import CallSpec
@@ -48,7 +49,6 @@ from jattn.parallel import _choices, _ring, ring
 from jattn.parallel.layouts import (
   _check_divisible,
   _check_layout,
-  _natural_ids,
   _natural_mask,
   positions,
   shard_positions,
@@ -264,9 +264,12 @@ def _gathered(
   # (a fused kernel named here would refuse the whole call's sharded sequence).
   run = {k: keywords.pop(k, None) for k in ("implementation", "backward", "block_q", "block_kv")}
   options = Options.of(keywords.pop("options", None), **run)
-  if layout != "contiguous":  # arrays along the sequence, to natural order for the mask
-    lengths = (jnp.shape(query)[-3], jnp.shape(key)[-3])
-    mask, keywords = _natural(mask, keywords, layout, size, lengths)
+  # Segment ids travel as arrays, in the layout's order like the inputs, and meet the keys
+  # they belong to on each device: a mask of the ids themselves classifies each tile of a
+  # part exactly, where one reindexed to natural positions could not say.
+  segment_ids = keywords.pop("segment_ids", None)
+  lengths = (jnp.shape(query)[-3], jnp.shape(key)[-3])
+  mask = _natural_mask(mask, layout, size, lengths)  # in natural order, as masks of indices
   # Checked as for a CPU, where the table's choice (xla or blockwise) keeps the mask whole in
   # the spec (splash's would move parts of it, tabulated for the whole call, out of it): each
   # device's part is then chosen for the backend that traces it.
@@ -277,7 +280,15 @@ def _gathered(
       f"context_parallel_attention needs batched inputs: query (B, T, N, H), got shape {q.shape}"
     )
   _check_shapes(spec, mesh, strategy, axis_name, layout, size, batch_axes, head_axes)
+  ids = None
+  if segment_ids is not None:
+    seg = _masking.segments(segment_ids, False, spec.T, spec.S)
+    ids = tuple(
+      jnp.broadcast_to(jnp.asarray(x), (spec.B, n)) for x, n in zip(seg.children, (spec.T, spec.S))
+    )
   if not (all(spec.bnts) and spec.H):  # nothing to split (an empty B, T, S, N or H)
+    if ids is not None:
+      spec = dataclasses.replace(spec, mask=masks.all_of(spec.mask, masks.segments(*ids)))
     out, lse = attention.attend(q, k, v, spec)
     return (out, lse) if spec.return_residual else out
   plan = _Plan(
@@ -293,19 +304,8 @@ def _gathered(
     options.backward,
     (options.block_q, options.block_kv),
   )
-  out, lse = _call(q, k, v, _base.rank4(spec), plan=plan, mesh=mesh)
+  out, lse = _call(q, k, v, ids, _base.rank4(spec), plan=plan, mesh=mesh)
   return (out, lse) if spec.return_residual else out
-
-
-def _natural(
-  mask: Any, keywords: dict[str, Any], layout: str, size: int, lengths: tuple[int, int]
-) -> tuple[Any, dict]:
-  """A dense mask array and the segment ids, given in ``layout`` order, in natural order."""
-  mask = _natural_mask(mask, layout, size, lengths)
-  if keywords.get("segment_ids") is not None:
-    ids = _natural_ids(keywords["segment_ids"], layout, size, lengths)
-    keywords = {**keywords, "segment_ids": ids}
-  return mask, keywords
 
 
 def _check_shapes(
@@ -342,10 +342,20 @@ def _check_shapes(
 
 @functools.partial(jax.jit, static_argnames=("plan", "mesh"))
 def _call(
-  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec, *, plan: _Plan, mesh: Mesh
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  ids: tuple[jax.Array, jax.Array] | None,
+  spec: CallSpec,
+  *,
+  plan: _Plan,
+  mesh: Mesh,
 ) -> tuple[jax.Array, jax.Array | None]:
   b, h, axis = plan.batch_axis, plan.head_axis, plan.axis_name
   seq = P(b, axis, h, None)
+  ids_spec = None if ids is None else (P(b, axis), P(b, axis))
+  if ids is not None:
+    ids = (_ring.place(ids[0], mesh, P(b, axis)), _ring.place(ids[1], mesh, P(b, axis)))
   bias, rest = spec.bias, dataclasses.replace(spec, bias=None)
   bias_spec: P | None = None if bias is None else _bias_spec(plan, bias.shape)
   query, key, value = (_ring.place(x, mesh, seq) for x in (query, key, value))
@@ -356,13 +366,13 @@ def _call(
   run = jax.shard_map(
     functools.partial(_per_device, plan),
     mesh=mesh,
-    in_specs=(seq, seq, seq, bias_spec, jax.tree.map(lambda _: P(), rest)),
+    in_specs=(seq, seq, seq, bias_spec, ids_spec, jax.tree.map(lambda _: P(), rest)),
     out_specs=(seq, lse_spec),
     # Off: Pallas kernels' results carry no varying-axes types; JAX transposes the
     # all-gathers and all-to-alls, and sums the replicated inputs' cotangents, regardless.
     check_vma=False,
   )
-  return run(query, key, value, bias, rest)
+  return run(query, key, value, bias, ids, rest)
 
 
 def _bias_spec(plan: _Plan, shape: tuple[int, ...]) -> P:
@@ -385,6 +395,7 @@ def _per_device(
   key: jax.Array,
   value: jax.Array,
   bias: jax.Array | None,
+  ids: tuple[jax.Array, jax.Array] | None,
   spec: CallSpec,
 ) -> tuple[jax.Array, jax.Array | None]:
   axis, P_ = plan.axis_name, plan.size
@@ -410,6 +421,13 @@ def _per_device(
     natural = plan.layout == "contiguous"
     kv_pos = None if natural else jnp.asarray(positions(plan.layout, plan.kv_len, P_))
   maps = dict(batch=batch, head=head, q=q_pos, kv=kv_pos)
+  parts = [] if spec.mask is None else [masks.reindex(spec.mask, **maps)]
+  if ids is not None:  # in the layout's order, as the keys and (Ulysses) queries are here
+    q_ids, kv_ids = ids
+    if plan.strategy == "ulysses":
+      q_ids = jax.lax.all_gather(q_ids, axis, axis=1, tiled=True)
+    kv_ids = jax.lax.all_gather(kv_ids, axis, axis=1, tiled=True)
+    parts.append(masks.segments(q_ids, kv_ids))
   local = dataclasses.replace(
     spec,
     B=query.shape[0],
@@ -418,7 +436,7 @@ def _per_device(
     N=query.shape[2],
     K=key.shape[2],
     bias=bias,
-    mask=None if spec.mask is None else masks.reindex(spec.mask, **maps),
+    mask=masks.all_of(*parts),
     score_fn=None if spec.score_fn is None else scores.reindex(spec.score_fn, **maps),
     # Taken by head index even where the heads are whole: passed on as the shard_map's input
     # itself, the replicated sinks gave wrong outputs (JAX 0.10; the cause is not known).

@@ -142,18 +142,3 @@ def _natural_mask(mask: Any, layout: str, num_shards: int, lengths: tuple[int, i
     if mask.ndim >= -axis and mask.shape[axis] == n > 1:
       mask = unpermute(mask, layout, num_shards, axis=axis)
   return mask
-
-
-def _natural_ids(ids: Any, layout: str, num_shards: int, lengths: tuple[int, int]) -> Any:
-  """Segment ids (one array, or a (query, key/value) pair) given in ``layout`` order, in
-  natural order; an array not of its sequence's length stays as it is (see _natural_mask)."""
-  if ids is None or layout == "contiguous":
-    return ids
-
-  def natural(x: Any, n: int) -> Any:
-    x = jnp.asarray(x)
-    return unpermute(x, layout, num_shards, axis=-1) if x.ndim and x.shape[-1] == n else x
-
-  if isinstance(ids, (tuple, list)) and len(ids) == 2:
-    return tuple(natural(x, n) for x, n in zip(ids, lengths))
-  return natural(ids, lengths[0])
