@@ -16,6 +16,7 @@ from jax.sharding import AxisType
 import jattn
 from experiments import _collectives
 from jattn import masks, parallel, scores
+from jattn.parallel import _choices
 
 B, T, N, K, H = 2, 16, 8, 4, 8
 SP = 4  # devices on the sequence axis
@@ -352,7 +353,7 @@ def test_flex_runs_each_ring_pair_interpreted():
   args = (q, k, v, bias, jnp.array([0.1, 0.3]))
   one = lambda *a, **kw: jattn.dot_product_attention(*a, implementation="xla", **kw)
   (_, want), want_grads = loss(one)(*args)
-  with jattn.testing.interpret_kernels(), _choices_recorded() as choices:
+  with jattn.testing.interpret_kernels(), _choices.recording() as choices:
     ring = lambda q, k, v, bias, **kw: parallel.ring_attention(
       q, k, v, mesh=mesh, axis_name="sp", bias=bias, implementation="flex", **kw
     )
@@ -362,11 +363,3 @@ def test_flex_runs_each_ring_pair_interpreted():
     np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)
   for name, g, w in zip(("dq", "dk", "dv", "dbias", "dslopes"), grads, want_grads, strict=True):
     np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
-
-
-@contextlib.contextmanager
-def _choices_recorded():
-  from jattn.parallel import _choices
-
-  with _choices.recording() as choices:
-    yield choices

@@ -33,6 +33,7 @@ from jattn.impl import splash
 from jattn.impl._base import CallSpec
 from jattn.impl.splash import _masks as _splash_masks
 from jattn.masks import _core, kinds
+from jattn.parallel import _kernel_pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,14 +214,9 @@ def grads(
   **settings: Any,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The pair's (dq, dk, dv) given the ring's merged ``out`` and ``lse`` and their
-  cotangents (see the module docstring)."""
+  cotangents (see the module docstring), by the rule of :func:`_kernel_pairs.grads`."""
 
   def pair(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
     return attend(q, k, v, q_ids, kv_ids, **settings)
 
-  (o_p, lse_p), vjp = jax.vjp(pair, query, key, value)
-  w = jnp.where(jnp.isfinite(lse_p), jnp.exp(lse_p - jnp.where(jnp.isfinite(lse), lse, 0)), 0)
-  d_out = d_out.astype(jnp.float32)
-  d_o_p = w[..., None] * d_out
-  d_lse_p = w * (jnp.sum(d_out * (o_p - out.astype(jnp.float32)), axis=-1) + d_lse)
-  return vjp((d_o_p, d_lse_p.astype(lse_p.dtype)))
+  return _kernel_pairs.grads(pair, (query, key, value), out, lse, d_out, d_lse)

@@ -40,7 +40,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jattn import _validate, attention, masks, scores, testing
-from jattn._validate import _masking
 from jattn._validate.options import Options
 from jattn.impl import _base, _select, _sharded
 from jattn.impl._base import CallSpec
@@ -280,12 +279,7 @@ def _gathered(
       f"context_parallel_attention needs batched inputs: query (B, T, N, H), got shape {q.shape}"
     )
   _check_shapes(spec, mesh, strategy, axis_name, layout, size, batch_axes, head_axes)
-  ids = None
-  if segment_ids is not None:
-    seg = _masking.segments(segment_ids, False, spec.T, spec.S)
-    ids = tuple(
-      jnp.broadcast_to(jnp.asarray(x), (spec.B, n)) for x, n in zip(seg.children, (spec.T, spec.S))
-    )
+  ids = ring._segment_rows(segment_ids, spec.B, spec.T, spec.S)
   if not (all(spec.bnts) and spec.H):  # nothing to split (an empty B, T, S, N or H)
     if ids is not None:
       spec = dataclasses.replace(spec, mask=masks.all_of(spec.mask, masks.segments(*ids)))

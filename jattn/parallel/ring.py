@@ -207,14 +207,14 @@ def ring_attention(
   if spec.implementation == "xla":  # nothing to ring (an empty B, T, S, N or H): as one call
     out, lse = attention.attend(q, k, v, spec)
     return (out, lse.astype(q.dtype)) if return_residual else out
-  q_ids = kv_ids = None
-  if segment_ids is not None:
-    seg = _masking.segments(segment_ids, False, T, S)
-    q_ids, kv_ids = (jnp.broadcast_to(jnp.asarray(x), (B, n)) for x, n in zip(seg.children, (T, S)))
+  q_ids, kv_ids = _segment_rows(segment_ids, B, T, S) or (None, None)
   soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
   assert spec.block_q is not None and spec.block_kv is not None, "blockwise's tiles are set"
   backend = testing.target_backend() or jax.default_backend()
   blocks = (spec.block_q, spec.block_kv)
+  blocks_named = (options.block_q, options.block_kv)
+  # Each device asks the selection table for a fused kernel per pair (flex on a GPU).
+  kernels = blocks_named == (None, None) and _kernel_pairs.wanted(options.implementation, backend)
   ring = _ring.Ring(
     axis_name,
     size,
@@ -234,13 +234,13 @@ def ring_attention(
       size,
       segments=None if q_ids is None else masks.segments(q_ids, kv_ids),
       soft_cap=soft_cap,
-      blocks_named=(options.block_q, options.block_kv),
+      blocks_named=blocks_named,
       beside=_beyond_splash(bias, score_fn, spec.dropout_rate),
+      kernels=kernels,
     ),
     spec.dropout_rate,
     spec.broadcast_dropout,
-    try_kernels=(options.block_q, options.block_kv) == (None, None)
-    and _kernel_pairs.wanted(options.implementation, backend),
+    try_kernels=kernels,
     kernel_named=named if (named := options.implementation) in _kernel_pairs.KERNELS else None,
   )
   out, lse = _ring.call(
@@ -262,6 +262,16 @@ def ring_attention(
   if return_residual:
     return out, lse.astype(q.dtype)
   return out
+
+
+def _segment_rows(segment_ids: Any, B: int, T: int, S: int) -> tuple[jax.Array, jax.Array] | None:
+  """Segment ids checked and broadcast to (B, T) query and (B, S) key/value ids, in the order
+  given (the inputs' layout), to travel with their shards; None without ids."""
+  if segment_ids is None:
+    return None
+  seg = _masking.segments(segment_ids, False, T, S)
+  q_ids, kv_ids = (jnp.broadcast_to(jnp.asarray(x), (B, n)) for x, n in zip(seg.children, (T, S)))
+  return q_ids, kv_ids
 
 
 def _beyond_splash(bias: Any, score_fn: Any, dropout_rate: float) -> str | None:
@@ -293,6 +303,7 @@ def _pairs(
   soft_cap: float | None,
   blocks_named: tuple[int | None, int | None],
   beside: str | None,
+  kernels: bool,
 ) -> _splash_pairs.Pairs | None:
   """The splash kernels of each shard pair (:mod:`jattn.parallel._splash_pairs`), or None.
 
@@ -308,16 +319,13 @@ def _pairs(
   if implementation == "blockwise":
     blockwise("named by the caller")
     return None
-  if implementation in _kernel_pairs.KERNELS:  # chosen, and recorded, on each device
-    if blocks_named != (None, None):
-      raise ValueError(
-        f"ring_attention(implementation={implementation!r}) takes no block_q or block_kv: "
-        f"they are blockwise's tiles (the kernel's come from its own table)"
-      )
+  if implementation in _kernel_pairs.KERNELS and blocks_named != (None, None):
+    raise ValueError(
+      f"ring_attention(implementation={implementation!r}) takes no block_q or block_kv: "
+      f"they are blockwise's tiles (the kernel's come from its own table)"
+    )
+  if kernels:  # the pairs' kernel is chosen, and recorded, on each device (_kernel_pairs)
     return None
-  if implementation is None and blocks_named == (None, None):
-    if _kernel_pairs.wanted(None, backend):  # the table's choice, on each device
-      return None
   interpret = testing.interpreting()
   why = beside or _splash_pairs.reason(spec.mask)
   if why is None and blocks_named != (None, None):
