@@ -353,6 +353,8 @@ def reindex(
   mask. Each map is an int (L,) array (maybe traced) or None, the identity. Sequence-parallel
   attention (:mod:`jattn.parallel`) uses it to evaluate a score function written in global
   positions on one device's shard; its per-head parameters are then indexed by global head.
+  A soft cap reads no index and comes back as it is (so a kernel that takes a soft cap and no
+  other score function, splash, still sees one).
 
   Example::
 
@@ -361,4 +363,7 @@ def reindex(
       >>> shard(jnp.zeros((1, 1, 2, 2)), 0, 0, jnp.arange(2)[:, None], jnp.arange(2)).tolist()
       [[[[-6.0, -5.0], [-7.0, -6.0]]]]
   """
-  return Reindex(from_fn(fn), *_indexing.checked_maps(batch=batch, head=head, q=q, kv=kv))
+  maps = _indexing.checked_maps(batch=batch, head=head, q=q, kv=kv)
+  if isinstance(fn, SoftCap):
+    return fn
+  return Reindex(from_fn(fn), *maps)

@@ -250,6 +250,11 @@ def test_explain_says_what_each_device_runs():
     choice = explain(strategy, "gpu", **dropout)
     assert choice.implementation != "flex"
     assert "dropout_rate > 0 on a shard of a sequence-parallel call" in choice.rejected["flex"]
+  # Ulysses' devices see the whole sequence: in the contiguous layout their part's mask is
+  # the call's own causal mask, which cuDNN takes (explain traces no kernel, so it says so
+  # on a machine without cuDNN); the all-gather's parts are offset, cuDNN's causal is not.
+  assert explain("ulysses", "gpu").implementation == "cudnn"
+  assert "cudnn does not" in explain("all_gather", "gpu").reason
   ring = explain("ring", "gpu", score_fn=scores.alibi(jnp.linspace(0.1, 0.8, 8)))
   assert ring.implementation == "flex" and "flex runs each shard pair" in ring.reason
   ring = explain("ring", "gpu", dropout_rate=0.1, dropout_rng=jax.random.key(0))
@@ -265,6 +270,102 @@ def test_explain_says_what_each_device_runs():
     return table
 
   closed_over(jnp.ones(8))
+
+
+# --- splash per device on a TPU ----------------------------------------------------------
+
+
+def test_splash_runs_each_devices_part_on_a_tpu():
+  """Splash tabulates its masks when its kernel is built, so each device's part reaches it
+  with its mask seen through NumPy maps: the same part on every Ulysses device (the whole
+  sequence in the layout's order), the all-gather's by each device's query positions (the
+  device picks its kernel with a switch). The training step lowers for a TPU with splash's
+  three kernels; a mask splash cannot tabulate per device is refused by name."""
+  mesh = _mesh("auto", (SP,), ("sp",))
+  q = jnp.zeros((1, 1024, 4, 128), jnp.bfloat16)
+  call = lambda q, k, v, **kw: parallel.context_parallel_attention(
+    q, k, v, mesh=mesh, axis_name="sp", is_causal=True, **kw
+  )
+  for strategy in ("all_gather", "ulysses"):
+    for layout in parallel.LAYOUTS:
+      choice = parallel.explain(
+        q,
+        q,
+        q,
+        mesh=mesh,
+        axis_name="sp",
+        strategy=strategy,
+        layout=layout,
+        backend="tpu",
+        is_causal=True,
+        mask=masks.sliding_window(300),
+      )
+      assert choice.implementation == "splash", (strategy, layout, choice)
+    loss = lambda q, k, v, s=strategy: jnp.sum(call(q, k, v, strategy=s, layout="zigzag"))
+    with jattn.testing.lowering_for("tpu"):
+      step = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, q, q)
+      text = step.lower(lowering_platforms=("tpu",)).as_text()
+    kernels = set(re.findall(r'kernel_name = "splash_\w+_(fwd|dq|dkv)_', text))
+    assert kernels == {"fwd", "dq", "dkv"}, strategy
+    assert ("stablehlo.case" in text) == (strategy == "all_gather")
+  per_head = masks.from_array(np.arange(1024)[:, None] + np.arange(4)[:, None, None] > 9)
+  with pytest.raises(ValueError, match=r"does not support mask .* which varies over the heads"):
+    call(q, q, q, strategy="ulysses", mask=per_head, implementation="splash")
+
+
+# Exhaustive: the interpreted kernels' forward and backward on each device (5 CPU-seconds a
+# case); the default run keeps the all-gather's switch between its devices' kernels.
+@pytest.mark.parametrize(
+  "strategy, layout",
+  [
+    ("all_gather", "zigzag"),
+    pytest.param("all_gather", "contiguous", marks=pytest.mark.exhaustive),
+    pytest.param("ulysses", "contiguous", marks=pytest.mark.exhaustive),
+    pytest.param("ulysses", "striped", marks=pytest.mark.exhaustive),
+  ],
+)
+def test_splash_parts_equal_the_one_device_call_interpreted(strategy, layout):
+  """Values, lse and the gradients of q, k and v (GQA, causal documents and a window) with
+  splash run interpreted on each of two devices' parts, against the one-device xla call."""
+  mesh = _mesh("auto", (2,), ("sp",))
+  rng = np.random.default_rng(11)
+  q = jnp.asarray(rng.normal(size=(1, 256, 4, 64)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(1, 256, 2, 64)), jnp.float32) for _ in "kv")
+  ids = np.array([[0] * 100 + [1] * 156], np.int32)
+  w = np.sin(np.arange(q.size, dtype=np.float32)).reshape(q.shape)
+  kw = dict(is_causal=True, mask=masks.sliding_window(150), return_residual=True)
+  perm = lambda x: parallel.permute(x, layout, 2)
+  unperm = lambda x: parallel.unpermute(x, layout, 2)
+
+  def step(attend):
+    def loss(q, k, v):
+      out, lse = attend(q, k, v)
+      return jnp.sum(out * w) + jnp.sum(jnp.sin(lse)), (out, lse)
+
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+
+  def sharded(q, k, v):
+    out, lse = parallel.context_parallel_attention(
+      *map(perm, (q, k, v)),
+      mesh=mesh,
+      axis_name="sp",
+      strategy=strategy,
+      layout=layout,
+      segment_ids=perm(ids),
+      implementation="splash",
+      **kw,
+    )
+    return unperm(out), unperm(lse)
+
+  one = lambda q, k, v: jattn.dot_product_attention(
+    q, k, v, segment_ids=ids, implementation="xla", **kw
+  )
+  (_, want), want_grads = step(one)(q, k, v)
+  with jattn.testing.interpret_kernels(), _choices.recording() as choices:
+    (_, got), grads = step(sharded)(q, k, v)
+  assert {c.implementation for c in choices} == {"splash"}
+  for name, g, x in zip(("out", "lse", "dq", "dk", "dv"), (*got, *grads), (*want, *want_grads)):
+    np.testing.assert_allclose(g, x, atol=2e-5, rtol=2e-5, err_msg=name)
 
 
 # From JAX 0.12, Pallas' Triton lowering reads the GPU's compute capability from the devices

@@ -14,18 +14,31 @@ _RECORDED: contextvars.ContextVar[list[Choice] | None] = contextvars.ContextVar(
 )
 
 
+_ONLY_CHOOSING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+  "jattn_parallel_only_choosing", default=False
+)
+
+
 @contextlib.contextmanager
-def recording() -> Iterator[list[Choice]]:
-  """Collect the choices :func:`record` is given inside the block."""
+def recording(*, run: bool = True) -> Iterator[list[Choice]]:
+  """Collect the choices :func:`record` is given inside the block; with ``run=False`` the
+  parts chosen are not traced (:func:`only_choosing`): explain needs the choice alone, and a
+  kernel may be traceable only on its platform (jax.nn's cuDNN call looks for cuDNN)."""
   choices: list[Choice] = []
-  token = _RECORDED.set(choices)
+  token, only = _RECORDED.set(choices), _ONLY_CHOOSING.set(not run)
   try:
     yield choices
   finally:
     _RECORDED.reset(token)
+    _ONLY_CHOOSING.reset(only)
 
 
 def record(choice: Choice) -> None:
   """Keep ``choice`` if a :func:`recording` block is open."""
   if (choices := _RECORDED.get()) is not None:
     choices.append(choice)
+
+
+def only_choosing() -> bool:
+  """True inside ``recording(run=False)``: a part's call stands in zeros for its results."""
+  return _ONLY_CHOOSING.get()

@@ -19,7 +19,10 @@ own core on its part, the implementation chosen for that part by the selection t
 fused kernel of the backend where it expresses the part); the mask and score function are
 evaluated at the global positions of the part's rows and columns (:func:`jattn.masks.reindex`,
 :func:`jattn.scores.reindex`) and dropout is drawn there (``CallSpec.positions``), so values,
-log-sum-exp, gradients and the dropout pattern are the one-device call's.
+log-sum-exp, gradients and the dropout pattern are the one-device call's. A kernel that
+tabulates its masks when it is built (splash) gets each part's mask at positions known when
+the call is traced: the same for every Ulysses device, one per device for the all-gather,
+which picks its kernel on the device (:func:`_part_masks`).
 
 Arrays with a sequence axis come in the inputs' layout order (query, key, value, bias,
 segment ids, a dense mask array); masks and score functions of indices are written in
@@ -44,6 +47,8 @@ from jattn._validate.options import Options
 from jattn.impl import _base, _select, _sharded
 from jattn.impl._base import CallSpec
 from jattn.impl._select import Choice
+from jattn.impl.splash._masks import StaticMask
+from jattn.masks import _core
 from jattn.parallel import _choices, _ring, ring
 from jattn.parallel.layouts import (
   _check_divisible,
@@ -195,15 +200,19 @@ def explain(
 
       >>> q = jax.ShapeDtypeStruct((2, 4096, 8, 128), jnp.bfloat16)
       >>> mesh = jax.make_mesh((1,), ("sp",))
-      >>> kw = dict(mesh=mesh, axis_name="sp", strategy="ulysses", is_causal=True)
-      >>> explain(q, q, q, backend="gpu", **kw).implementation
+      >>> kw = dict(mesh=mesh, axis_name="sp", is_causal=True)
+      >>> explain(q, q, q, strategy="ulysses", backend="gpu", **kw).implementation
+      'cudnn'
+      >>> explain(q, q, q, strategy="all_gather", backend="gpu", **kw).implementation
       'flex'
-      >>> explain(q, q, q, backend="cpu", **kw).implementation
+      >>> explain(q, q, q, strategy="all_gather", backend="tpu", **kw).implementation
+      'splash'
+      >>> explain(q, q, q, strategy="ulysses", backend="cpu", **kw).implementation
       'blockwise'
   """
   _select.check_backend(backend)
   target = testing.lowering_for(backend) if backend else contextlib.nullcontext()
-  with _choices.recording() as choices, target:
+  with _choices.recording(run=False) as choices, target:
     jax.eval_shape(
       lambda q, k, v, b: context_parallel_attention(q, k, v, b, mask, **arguments),
       query,
@@ -230,6 +239,8 @@ class _Plan(NamedTuple):
   implementation: str | None
   backward: str | None
   blocks: tuple[int | None, int | None]
+  # Each device's part of the mask with NumPy index maps (_part_masks), or None.
+  part_masks: tuple[StaticMask, ...] | None
 
 
 def _gathered(
@@ -285,6 +296,15 @@ def _gathered(
       spec = dataclasses.replace(spec, mask=masks.all_of(spec.mask, masks.segments(*ids)))
     out, lse = attention.attend(q, k, v, spec)
     return (out, lse) if spec.return_residual else out
+  part_masks, why_not = _part_masks(
+    spec.mask, strategy, layout, size, spec.T, spec.S, batch_axes, head_axes
+  )
+  if why_not and options.implementation == "splash":
+    raise ValueError(
+      f"context_parallel_attention(strategy={strategy!r}, implementation='splash') does not "
+      f"support {why_not}: splash tabulates each device's part of the mask when its kernel "
+      f"is built"
+    )
   plan = _Plan(
     strategy,
     axis_name,
@@ -297,9 +317,49 @@ def _gathered(
     options.implementation,
     options.backward,
     (options.block_q, options.block_kv),
+    part_masks,
   )
   out, lse = _call(q, k, v, ids, _base.rank4(spec), plan=plan, mesh=mesh)
   return (out, lse) if spec.return_residual else out
+
+
+def _part_masks(
+  mask: masks.Mask | None,
+  strategy: str,
+  layout: str,
+  size: int,
+  q_len: int,
+  kv_len: int,
+  batch_axes: tuple[str, ...],
+  head_axes: tuple[str, ...],
+) -> tuple[tuple[StaticMask, ...] | None, str | None]:
+  """Each device's part of ``mask`` (natural positions) seen through NumPy index maps, as a
+  kernel that tabulates its masks when it is built (splash) takes it: one for Ulysses, whose
+  devices all see the whole sequence in the layout's order, one per device for the
+  all-gather, by its query shard's positions; and why there are none where ``mask`` holds
+  traced arrays or varies over a sharded batch or head axis (its parts then read the
+  device's traced rows, as :func:`_per_device` maps them)."""
+  if mask is None:
+    return None, None
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(mask)):
+    return None, "a mask holding traced arrays"
+  heads_split = strategy == "ulysses" or bool(head_axes)
+  for part in _core.conjuncts(mask):
+    if part.extents[0] is not None and batch_axes:
+      return None, f"mask {part!r}, which varies over the batch rows sharded by {batch_axes}"
+    if part.extents[1] is not None and heads_split:
+      return None, f"mask {part!r}, which varies over the heads split across devices"
+  contiguous = layout == "contiguous"
+  kv = None if contiguous else positions(layout, kv_len, size)
+  if strategy == "ulysses":
+    rows = [None if contiguous else positions(layout, q_len, size)]
+  else:
+    rows = list(positions(layout, q_len, size).reshape(size, q_len // size))
+  parts = tuple(
+    StaticMask([mask if q is None and kv is None else masks.reindex(mask, q=q, kv=kv)])
+    for q in rows
+  )
+  return parts, None
 
 
 def _check_shapes(
@@ -383,6 +443,17 @@ def _bias_spec(plan: _Plan, shape: tuple[int, ...]) -> P:
   )
 
 
+def _attend(
+  query: jax.Array, key: jax.Array, value: jax.Array, *, spec: CallSpec
+) -> tuple[jax.Array, jax.Array | None]:
+  """One device's part, or zeros of its results' types where :func:`explain` only asks what
+  would run it (the part's kernel may trace only on its platform)."""
+  if not _choices.only_choosing():
+    return attention.attend(query, key, value, spec)
+  out = jnp.zeros((*query.shape[:-1], value.shape[-1]), query.dtype)
+  return out, jnp.zeros(query.shape[:-1], query.dtype) if spec.return_residual else None
+
+
 def _per_device(
   plan: _Plan,
   query: jax.Array,
@@ -415,13 +486,18 @@ def _per_device(
     natural = plan.layout == "contiguous"
     kv_pos = None if natural else jnp.asarray(positions(plan.layout, plan.kv_len, P_))
   maps = dict(batch=batch, head=head, q=q_pos, kv=kv_pos)
-  parts = [] if spec.mask is None else [masks.reindex(spec.mask, **maps)]
+  segments = []
   if ids is not None:  # in the layout's order, as the keys and (Ulysses) queries are here
     q_ids, kv_ids = ids
     if plan.strategy == "ulysses":
       q_ids = jax.lax.all_gather(q_ids, axis, axis=1, tiled=True)
     kv_ids = jax.lax.all_gather(kv_ids, axis, axis=1, tiled=True)
-    parts.append(masks.segments(q_ids, kv_ids))
+    segments.append(masks.segments(q_ids, kv_ids))
+  if plan.strategy == "ulysses" and plan.part_masks is not None:
+    # The same part mask on every device, its maps NumPy: exact tile classes for any kernel.
+    parts = [*plan.part_masks[0].parts, *segments]
+  else:
+    parts = [*([] if spec.mask is None else [masks.reindex(spec.mask, **maps)]), *segments]
   local = dataclasses.replace(
     spec,
     B=query.shape[0],
@@ -437,15 +513,28 @@ def _per_device(
     sinks=None if spec.sinks is None else spec.sinks[jnp.arange(N) if head is None else head],
     positions=(batch, head, q_pos, kv_pos) if spec.dropout_rate else None,
   )
-  local, choice = _validate.for_shard(
-    local,
+  choose = functools.partial(
+    _validate.for_shard,
     dtype=query.dtype,
     implementation=plan.implementation,
     backward=plan.backward,
     blocks=plan.blocks,
   )
+  if plan.strategy == "all_gather" and plan.part_masks is not None:
+    # A kernel that tabulates its masks when it is built (splash) cannot read the device's
+    # traced query positions: it runs each device's own tabulated part, picked on the device.
+    mine = lambda m: dataclasses.replace(local, mask=masks.all_of(*m.parts, *segments))
+    trial, choice = choose(mine(plan.part_masks[0]))
+    if trial.static_mask is not None:
+      distinct = list(dict.fromkeys(plan.part_masks))
+      branches = [functools.partial(_attend, spec=choose(mine(m))[0]) for m in distinct]
+      which = jnp.asarray([distinct.index(m) for m in plan.part_masks], jnp.int32)
+      _choices.record(choice)
+      out, lse = jax.lax.switch(which[jax.lax.axis_index(axis)], branches, query, key, value)
+      return out, lse
+  local, choice = choose(local)
   _choices.record(choice)
-  out, lse = attention.attend(query, key, value, local)
+  out, lse = _attend(query, key, value, spec=local)
   if plan.strategy == "ulysses":  # back to sequence shards, every head
     out = jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
     if lse is not None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from jattn import _compat
 from jattn.impl._base import CallSpec
-from jattn.masks import _core, kinds, layouts
+from jattn.masks import _core, index_maps, kinds, layouts
 
 if TYPE_CHECKING:
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as _mask_lib
@@ -84,6 +84,7 @@ _STATIC_KINDS = (
   kinds.PrefixLM,
   kinds.CausalPerRow,
   layouts.BlockSparse,
+  index_maps.Reindex,  # with NumPy maps: a sequence-parallel part's mask (jattn.parallel)
 )
 
 
