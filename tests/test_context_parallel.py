@@ -235,9 +235,9 @@ def test_bad_arguments_are_refused_by_name():
 
 def test_explain_says_what_each_device_runs():
   """Each device's part goes through the selection table for the backend that traces it:
-  flex on a GPU (its mask and score function read the part's positions), the materialised
-  or tiled path on a CPU, and not flex where dropout is drawn at global positions; the ring's
-  pairs likewise (flex on a GPU, blockwise with dropout or on a CPU)."""
+  flex on a GPU (its mask, score function and dropout read the part's positions), the
+  materialised or tiled path on a CPU; the ring's pairs likewise (flex on a GPU, blockwise on
+  a CPU or with a score function closing over a traced array)."""
   mesh = _mesh("auto", (SP,), ("sp",))
   q = jax.ShapeDtypeStruct((2, 256, 8, 64), jnp.bfloat16)
   explain = lambda strategy, backend, **kw: parallel.explain(
@@ -247,9 +247,7 @@ def test_explain_says_what_each_device_runs():
     assert explain(strategy, "gpu", score_fn=scores.soft_cap(30.0)).implementation == "flex"
     assert explain(strategy, "cpu").implementation == "xla"
     dropout = dict(dropout_rate=0.1, dropout_rng=jax.random.key(0))
-    choice = explain(strategy, "gpu", **dropout)
-    assert choice.implementation != "flex"
-    assert "dropout_rate > 0 on a shard of a sequence-parallel call" in choice.rejected["flex"]
+    assert explain(strategy, "gpu", **dropout).implementation == "flex"
   # Ulysses' devices see the whole sequence: in the contiguous layout their part's mask is
   # the call's own causal mask, which cuDNN takes (explain traces no kernel, so it says so
   # on a machine without cuDNN); the all-gather's parts are offset, cuDNN's causal is not.
@@ -258,8 +256,7 @@ def test_explain_says_what_each_device_runs():
   ring = explain("ring", "gpu", score_fn=scores.alibi(jnp.linspace(0.1, 0.8, 8)))
   assert ring.implementation == "flex" and "flex runs each shard pair" in ring.reason
   ring = explain("ring", "gpu", dropout_rate=0.1, dropout_rng=jax.random.key(0))
-  assert ring.implementation == "blockwise" and "a pair's call on xla" in ring.reason
-  assert "dropout_rate > 0 on a shard of a sequence-parallel call" in ring.rejected["flex"]
+  assert ring.implementation == "flex"
   ring = explain("ring", "cpu")
   assert ring.implementation == "blockwise" and "not on a TPU" in ring.reason
 
@@ -378,15 +375,25 @@ def test_splash_parts_equal_the_one_device_call_interpreted(strategy, layout):
 # all_gather: forward, dQ, dK/dV. The ring: a pair's forward in the scan's body and for the
 # last step; in the backward pass, in both places, each pair's forward again with its dQ and
 # dK/dV. (Through a partitioning rule, which a call inside a shard_map no longer takes, the
-# backward ran each pair's forward twice: 10 kernels.)
+# backward ran each pair's forward twice: 10 kernels.) With dropout, the kernels read the
+# map to its global positions (zig-zag's) from memory, as Triton lowers them.
 @pytest.mark.parametrize("strategy, kernels", [("all_gather", 3), ("ring", 2 + 2 * 3)])
 def test_the_gpu_program_holds_flexs_kernels_on_every_device(strategy, kernels):
   mesh = _mesh("auto", (SP,), ("sp",))
   q = jax.ShapeDtypeStruct((2, 256, 8, 64), jnp.bfloat16)
+  dropout = dict(dropout_rate=0.1, dropout_rng=jax.random.key(0))
 
   def loss(q, k, v):
     out = parallel.context_parallel_attention(
-      q, k, v, mesh=mesh, axis_name="sp", strategy=strategy, is_causal=True
+      q,
+      k,
+      v,
+      mesh=mesh,
+      axis_name="sp",
+      strategy=strategy,
+      layout="zigzag",
+      is_causal=True,
+      **dropout,
     )
     return jnp.sum(out.astype(jnp.float32))
 
@@ -395,6 +402,48 @@ def test_the_gpu_program_holds_flexs_kernels_on_every_device(strategy, kernels):
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q)
     text = step.lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") == kernels
+
+
+def test_flex_draws_each_parts_dropout_at_its_global_positions():
+  """The all-gather's parts through flex's interpreted kernels, zig-zag, causal, dropout:
+  values, lse and the gradients of q, k and v are the one-device call's, so each kernel
+  (forward, dQ, dK/dV) draws every weight's keep bit where the one device draws it."""
+  mesh = _mesh("auto", (SP,), ("sp",))
+  rng = np.random.default_rng(4)
+  q, k, v = (jnp.asarray(rng.normal(size=(1, 64, 2, 16)), jnp.float32) for _ in "qkv")
+  w = np.cos(np.arange(q.size, dtype=np.float32)).reshape(q.shape)
+  kw = dict(is_causal=True, dropout_rate=0.4, dropout_rng=jax.random.key(2), return_residual=True)
+  perm = lambda x: parallel.permute(x, "zigzag", SP)
+  unperm = lambda x: parallel.unpermute(x, "zigzag", SP)
+
+  def step(attend):
+    def loss(q, k, v):
+      out, lse = attend(q, k, v)
+      return jnp.sum(out * w) + jnp.sum(jnp.sin(lse)), (out, lse)
+
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+
+  def sharded(q, k, v):
+    out, lse = parallel.context_parallel_attention(
+      *map(perm, (q, k, v)),
+      mesh=mesh,
+      axis_name="sp",
+      strategy="all_gather",
+      layout="zigzag",
+      implementation="flex",
+      block_q=16,
+      block_kv=16,
+      **kw,
+    )
+    return unperm(out), unperm(lse)
+
+  one = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation="xla", **kw)
+  (_, want), want_grads = step(one)(q, k, v)
+  with jattn.testing.interpret_kernels():
+    (_, got), grads = step(sharded)(q, k, v)
+  assert np.mean(np.asarray(want[0]) == 0) < 0.1  # dropout drops weights, not whole rows
+  for name, g, x in zip(("out", "lse", "dq", "dk", "dv"), (*got, *grads), (*want, *want_grads)):
+    np.testing.assert_allclose(g, x, atol=2e-5, rtol=2e-5, err_msg=name)
 
 
 # Exhaustive: flex's interpreted kernels on every device's part (5 CPU-seconds a strategy).
@@ -408,6 +457,8 @@ def test_flex_runs_each_devices_part_interpreted(strategy):
     is_causal=True,
     mask=masks.sliding_window(20),
     score_fn=scores.alibi(jnp.array([0.5, 0.25, 0.1, 0.05])),
+    dropout_rate=0.2,
+    dropout_rng=jax.random.key(9),
     return_residual=True,
   )
   want = jattn.dot_product_attention(q, k, v, implementation="xla", **kw)
@@ -434,14 +485,22 @@ def test_flex_runs_each_devices_part_interpreted(strategy):
 def test_flex_runs_each_ring_pair_interpreted():
   """The ring's pairs through flex: values, lse and the gradients of q, k, v, a bias and
   learned ALiBi slopes (the score function's leaves, differentiated by flex's own rule) equal
-  the one-device call's, with documents, causal masking and a soft cap."""
+  the one-device call's, with documents, causal masking, a soft cap and dropout (drawn at
+  each pair's global positions)."""
   mesh = _mesh("auto", (SP,), ("sp",))
   rng = np.random.default_rng(5)
   q = jnp.asarray(rng.normal(size=(1, 64, 2, 16)), jnp.float32)
   k, v = (jnp.asarray(rng.normal(size=(1, 64, 1, 16)), jnp.float32) for _ in "kv")
   bias = jnp.asarray(rng.normal(size=(1, 2, 64, 64)), jnp.float32)
   ids = np.sort(rng.integers(0, 3, (1, 64)), axis=1).astype(np.int32)
-  kw = dict(is_causal=True, segment_ids=ids, logits_soft_cap=8.0, return_residual=True)
+  kw = dict(
+    is_causal=True,
+    segment_ids=ids,
+    logits_soft_cap=8.0,
+    dropout_rate=0.25,
+    dropout_rng=jax.random.key(1),
+    return_residual=True,
+  )
 
   def loss(attend):
     def value(q, k, v, bias, slopes):

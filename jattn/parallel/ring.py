@@ -127,8 +127,8 @@ def ring_attention(
       its mask and score function reading the pair's global positions; differentiated by
       its own rule, given the ring's merged output and log-sum-exp), or None: splash on
       a TPU and flex on a GPU where the selection table runs a pair's call on them
-      (flex draws no dropout at global positions, and takes a score function's arrays
-      only as its pytree leaves), blockwise otherwise. Each pair returns its log-sum-exp
+      (flex takes a score function's arrays only as its pytree leaves), blockwise
+      otherwise. Each pair returns its log-sum-exp
       to the ring, so
       a pair's call is checked as ``jattn.dot_product_attention(...,
       implementation="splash", return_residual=True)`` is: splash refuses a

@@ -11,7 +11,8 @@ every implementation draws it; a bias of any broadcastable shape is read tile by
 gradient, where asked for, through a (B, N, T, S) float32 buffer); rows with nothing to
 attend to give zeros and an lse of -inf. Inputs sharded over the batch and heads run per
 device (:func:`jattn.impl._sharded.per_shard`), the mask, score function and dropout on
-global indices.
+global indices; a sequence-parallel part (:mod:`jattn.parallel`) draws its dropout at the
+global positions its rows and columns stand for, a map traced into the kernels as masks are.
 
 A mask or score function Triton cannot evaluate in the kernel (a gather from an array in
 registers, as ``jnp.searchsorted`` makes; an array read whole whose dimensions are not
@@ -38,7 +39,7 @@ import numpy as np
 
 from jattn import _checks, testing
 from jattn import dropout as _dropout
-from jattn.impl import _base, _sharded, _tiling
+from jattn.impl import _base, _common, _sharded, _tiling
 from jattn.impl._base import CallSpec
 from jattn.impl.flex import _backward as _flex_backward
 from jattn.impl.flex import _kernels as _kernels
@@ -213,7 +214,7 @@ def _attend(
     passes = _same(passes.forward)
     traced = _traces(spec, passes, s_dtype)
     assert traced is not None
-  mask, score = traced
+  mask, score, positions = traced
   score_grid = None
   if score[0] is not None and any(jnp.issubdtype(a.dtype, jnp.floating) for a in score[0].arrays):
     # learnable: the score function on the whole grid, for its arrays' gradients
@@ -265,16 +266,20 @@ def _attend(
     spec.bias,
     spec.shard_offsets,
     score_grid,
+    positions,
   )
 
 
-def _traces(
-  spec: CallSpec, passes: Passes, s_dtype: Any
-) -> tuple[tuple[_kernels.Function | None, ...], tuple[_kernels.Function | None, ...]] | None:
-  """``(masks, score functions)``: the call's mask and score function traced at each pass's
-  tiles (a trace's shapes are its tiles'), or None where the traces do not read the very
-  same arrays (the kernels share one copy of them, and their gradients)."""
-  found: dict[tuple[int, int], tuple[Any, Any]] = {}
+Traces = tuple[tuple[_kernels.Function | None, ...], ...]
+
+
+def _traces(spec: CallSpec, passes: Passes, s_dtype: Any) -> Traces | None:
+  """``(masks, score functions, dropout's positions)``: the call's mask, score function and
+  the global positions its dropout is drawn at (a sequence-parallel part's
+  ``spec.positions``; None: the kernels' own indices) traced at each pass's tiles (a
+  trace's shapes are its tiles'), or None where the traces do not read the very same arrays
+  (the kernels share one copy of them, and their gradients)."""
+  found: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
   for row in passes:
     bq, bk = row.block_q, row.block_kv
     if (bq, bk) in found:
@@ -288,14 +293,20 @@ def _traces(
       fn = spec.score_fn
       s_spec = jax.ShapeDtypeStruct((1, 1, bq, bk), s_dtype)
       score = _kernels.Function.trace(lambda s, b, h, q, kv: fn(s, b, h, q, kv), s_spec, *specs)
-    found[bq, bk] = (mask, score)
+    positions = None
+    if spec.dropout_rate and spec.positions is not None:
+      maps = spec.positions
+      positions = _kernels.Function.trace(
+        lambda b, h, q, kv: _common.at_positions((b, h, q, kv), maps), *specs
+      )
+    found[bq, bk] = (mask, score, positions)
   first = next(iter(found.values()))
   for other in found.values():
     for x, y in zip(first, other):
       if x is not None and not _same_arrays(x.arrays, y.arrays):
         return None
   chosen = [found[row.block_q, row.block_kv] for row in passes]
-  return tuple(x[0] for x in chosen), tuple(x[1] for x in chosen)
+  return tuple(tuple(x[i] for x in chosen) for i in range(3))
 
 
 def _same_arrays(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> bool:
@@ -342,6 +353,7 @@ IMPLEMENTATION = _base.Implementation(
   run=_run,
   prepare=_prepare,
   dtypes=("float32", "bfloat16", "float16"),
+  positions=None,  # dropout's global positions are traced into the kernels (_traces)
   tiles=True,
   fused=True,
   interpretable=True,

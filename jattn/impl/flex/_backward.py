@@ -33,6 +33,7 @@ def attention(
   bias: jax.Array | None = None,
   offsets: jax.Array | None = None,
   score_grid: Any = None,
+  positions: tuple[Function | None, ...] = (None, None, None),
 ) -> tuple[jax.Array, jax.Array]:
   """:func:`jattn.impl.flex._kernels.forward`, differentiable in query, key, value, bias and
   the floating arrays the score function reads.
@@ -48,16 +49,22 @@ def attention(
   arrays it reads (learned parameters): where they are differentiated, the dQ kernel writes
   the gradient of the score function's output to a (B, N, T, S) float32 buffer and XLA
   takes the score function's VJP on the whole grid (O(B·N·T·S) memory, as a bias's
-  gradient). Without it, differentiating them is refused.
+  gradient). Without it, differentiating them is refused. ``positions``: per pass, the
+  global (batch, head, q, kv) dropout is drawn at (traced as ``mask``; None: the kernels' own
+  indices), for a sequence-parallel part.
   """
   arrays = (
     schedules,
     mask[0].arrays if mask[0] else (),
     score[0].arrays if score[0] else (),
     kernel_scalars(seed, offsets),
+    positions[0].arrays if positions[0] else (),
   )
   jaxprs = (
-    *((m.jaxpr if m else None, f.jaxpr if f else None) for m, f in zip(mask, score)),
+    *(
+      tuple(f.jaxpr if f else None for f in functions)
+      for functions in zip(mask, score, positions)
+    ),
     score_grid,
   )
   return _attention(jaxprs, settings, query, key, value, bias, arrays)
@@ -66,8 +73,9 @@ def attention(
 _WHO = "implementation='flex'"
 
 
-# jaxprs: the (mask, score function) of each pass, then the score function on the whole grid.
-Jaxprs = tuple[tuple[Any, Any], tuple[Any, Any], tuple[Any, Any], Any]
+# jaxprs: the (mask, score function, dropout's positions) of each pass, then the score
+# function on the whole grid.
+Jaxprs = tuple[tuple[Any, Any, Any], tuple[Any, Any, Any], tuple[Any, Any, Any], Any]
 Passes = tuple[Settings, Settings, Settings]
 
 
@@ -90,8 +98,10 @@ def _forward(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The forward kernel's ``(out, m, log2 l)`` for :func:`_attention`'s operands (query,
   key, value, bias, arrays)."""
-  query, key, value, bias, (schedules, mask_arrays, score_arrays, scalars) = operands
-  mask, score = jaxprs[0]
+  query, key, value, bias, (schedules, mask_arrays, score_arrays, scalars, position_arrays) = (
+    operands
+  )
+  mask, score, positions = jaxprs[0]
   return forward(
     query,
     key,
@@ -103,6 +113,7 @@ def _forward(
     scalars,
     bias,
     out_dtype,
+    None if positions is None else Function(positions, position_arrays),
   )
 
 
@@ -117,7 +128,7 @@ def _attention_fwd(
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[Any, ...]]:
   # symbolic_zeros: each input comes as (value, perturbed); perturbed says it is differentiated.
   # Static facts ride in the residuals' tree structure: () where true, None where not.
-  _, _, score_arrays, _ = arrays
+  score_arrays = arrays[2]
   learned = tuple(
     () if a.perturbed and jnp.issubdtype(a.value.dtype, jnp.floating) else None
     for a in score_arrays
@@ -162,7 +173,7 @@ def _grads(
   query, key, value, bias, arrays, out, m, log_l, (wants_d_bias, learned) = residuals
   learning = any(x is not None for x in learned)
   d_out, d_lse = cotangents
-  (_, rows, cols), mask_arrays, score_arrays, scalars = arrays
+  (_, rows, cols), mask_arrays, score_arrays, scalars, position_arrays = arrays
   # The lse's cotangent enters the scores' as Δ does: dS = P ⊙ (dP − Δ + d_lse).
   f = _common.stats_dtype(query.dtype)
   # Rows with nothing to attend to (lse -inf) have P = 0 and no gradient, whatever their
@@ -186,6 +197,7 @@ def _grads(
     bias,
     wants_d_bias is not None or learning,
     learning,
+    position_arrays,
   )
   T, S = query.shape[1], key.shape[1]
   d_arrays = jax.tree.map(_zero_cotangent, arrays)
@@ -200,7 +212,7 @@ def _grads(
     d_score = list(d_arrays[2])
     for i, d in zip(chosen, d_chosen):
       d_score[i] = d.astype(score_arrays[i].dtype)
-    d_arrays = (*d_arrays[:2], tuple(d_score), d_arrays[3])
+    d_arrays = (*d_arrays[:2], tuple(d_score), *d_arrays[3:])
   d_bias = None
   if bias is not None:
     if wants_d_bias is None or ds is None:

@@ -33,6 +33,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jattn.impl import _common, _tiling
 from jattn.impl.flex._kernels import (
+  Counts,
   Scorer,
   Settings,
   bias_row_spec,
@@ -61,18 +62,20 @@ def backward(
   scalars: jax.Array,
   mask_arrays: tuple[jax.Array, ...],
   score_arrays: tuple[jax.Array, ...],
-  jaxprs: tuple[tuple[Any, Any], tuple[Any, Any]],
+  jaxprs: tuple[tuple[Any, Any, Any], tuple[Any, Any, Any]],
   settings: tuple[Settings, Settings],
   bias: jax.Array | None = None,
   wants_ds: bool = False,
   before_score: bool = False,
+  position_arrays: tuple[jax.Array, ...] = (),
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
   """``(dq, dk, dv, dS)``: dS (B, N, Tp, Sp) float32, the scores' gradient, only where
   ``wants_ds`` (else None): the gradient of the score function's output with
   ``before_score``, else of its input (what the bias adds to). ``row_stats``: the forward's
   ``(m, log2 l)`` per row, (B, T, N). ``rows`` (dQ's) and ``cols`` (dK/dV's) are the two
-  kernels' schedules, ``jaxprs`` their (mask, score function) and ``settings`` their launch
-  settings, each at its own tiles."""
+  kernels' schedules, ``jaxprs`` their (mask, score function, dropout's positions) and
+  ``settings`` their launch settings, each at its own tiles; ``position_arrays`` what the
+  positions read."""
   B, T, N, H = query.shape
   S, K, Hv = key.shape[1], key.shape[2], value.shape[-1]
   G = N // K
@@ -92,9 +95,9 @@ def backward(
     jnp.pad(x.transpose(0, 2, 1), ((0, 0), (0, 0), (0, Tp - T)), constant_values=c)
     for x, c in ((m.astype(f), -jnp.inf), (log_l.astype(f), 0.0), (delta.astype(f), 0.0))
   ]
-  arrays = [*mask_arrays, *score_arrays]
+  arrays = [*mask_arrays, *score_arrays, *position_arrays]
   whole = whole_specs(arrays)
-  counts = (len(mask_arrays), len(score_arrays), bias is not None)
+  counts = (len(mask_arrays), len(score_arrays), len(position_arrays), bias is not None)
   row_bias: list[Any] = []
   col_bias: list[Any] = []
   ds_out: list[Any] = []
@@ -262,16 +265,16 @@ def _dq_kernel(
   scalars_ref: Any,
   *refs: Any,
   settings: Settings,
-  counts: tuple[int, int, bool],
-  jaxprs: tuple[Any, Any],
+  counts: Counts,
+  jaxprs: tuple[Any, Any, Any],
   before_score: bool,
 ) -> None:
-  mask_refs, score_refs, bias_ref, rest = split_refs(refs, counts)
+  mask_refs, score_refs, position_refs, bias_ref, rest = split_refs(refs, counts)
   # With a differentiated bias: the zeroed dS buffer, its input and output refs (aliased).
   dq_ref, ds_ref = rest[-1], None
   if len(rest) == 3:
     _, dq_ref, ds_ref = rest
-  scorer = Scorer(settings, jaxprs, mask_refs, score_refs, scalars_ref)
+  scorer = Scorer(settings, jaxprs, mask_refs, score_refs, scalars_ref, position_refs)
   bq, bk = settings.block_q, settings.block_kv
   i = tile_of(pl.program_id(0), order_ref.shape[0], settings.from_last)
   b, n = pl.program_id(1), pl.program_id(2)
@@ -313,12 +316,12 @@ def _dkv_kernel(
   scalars_ref: Any,
   *refs: Any,
   settings: Settings,
-  counts: tuple[int, int, bool],
-  jaxprs: tuple[Any, Any],
+  counts: Counts,
+  jaxprs: tuple[Any, Any, Any],
   group: int,
 ) -> None:
-  mask_refs, score_refs, bias_ref, (dk_ref, dv_ref) = split_refs(refs, counts)
-  scorer = Scorer(settings, jaxprs, mask_refs, score_refs, scalars_ref)
+  mask_refs, score_refs, position_refs, bias_ref, (dk_ref, dv_ref) = split_refs(refs, counts)
+  scorer = Scorer(settings, jaxprs, mask_refs, score_refs, scalars_ref, position_refs)
   bq, bk = settings.block_q, settings.block_kv
   j = tile_of(pl.program_id(0), order_ref.shape[0], settings.from_last)
   b, h = pl.program_id(1), pl.program_id(2)

@@ -120,6 +120,7 @@ def forward(
   scalars: jax.Array | None = None,
   bias: jax.Array | None = None,
   out_dtype: Any = None,
+  positions: Function | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(out (B, T, N, Hv) in out_dtype (default: the query's), m, log2 l)``: each row's max
   base-2 score and the base-2 log of its sum of powers of two, (B, T, N) float32 (float64
@@ -131,7 +132,10 @@ def forward(
   :func:`index_specs` (the score function with a (1, 1, block_q, block_kv) float32 score
   first); ``scalars`` the dropout seed and the shard's offsets (:func:`kernel_scalars`,
   the seed needed when ``settings.dropout_rate`` > 0); ``bias`` (Bb, Nb, Tb, Sb), each axis 1 or
-  the call's, added to the scaled scores before the score function.
+  the call's, added to the scaled scores before the score function; ``positions`` (traced at
+  :func:`index_specs`, four outputs) the global (batch, head, q, kv) dropout is drawn at, for
+  a sequence-parallel part (:attr:`jattn.impl._base.CallSpec.positions`; None: the kernel's
+  own indices).
   """
   B, T, N, H = query.shape
   S, K, Hv = key.shape[1], key.shape[2], value.shape[-1]
@@ -141,13 +145,15 @@ def forward(
   q = pad_to(query, nq * bq, Hp)
   k = pad_to(key, nk * bk, Hp)
   v = pad_to(value, nk * bk, Hvp)
-  functions = [f for f in (mask, score) if f is not None]
-  arrays = [a for f in functions for a in f.arrays]
+  functions = (mask, score, positions)
+  arrays = [a for f in functions if f is not None for a in f.arrays]
+  n_mask, n_score, n_positions = (len(f.arrays) if f else 0 for f in functions)
+  jaxpr_mask, jaxpr_score, jaxpr_positions = (f.jaxpr if f else None for f in functions)
   kernel = functools.partial(
     _forward_kernel,
     settings=settings,
-    counts=(len(mask.arrays) if mask else 0, len(score.arrays) if score else 0, bias is not None),
-    jaxprs=(mask.jaxpr if mask else None, score.jaxpr if score else None),
+    counts=(n_mask, n_score, n_positions, bias is not None),
+    jaxprs=(jaxpr_mask, jaxpr_score, jaxpr_positions),
   )
   whole = whole_specs(arrays)
   if bias is not None:
@@ -206,10 +212,11 @@ class Scorer(NamedTuple):
   scores."""
 
   settings: Settings
-  jaxprs: tuple[Any, Any]  # mask, score function (None where absent)
+  jaxprs: tuple[Any, Any, Any]  # mask, score function, dropout's positions (None where absent)
   mask_refs: tuple[Any, ...]
   score_refs: tuple[Any, ...]
   scalars_ref: Any = None  # kernel_scalars: the dropout seed, then the shard's offsets
+  position_refs: tuple[Any, ...] = ()  # the arrays dropout's positions read
 
   def dropped(
     self,
@@ -220,12 +227,15 @@ class Scorer(NamedTuple):
     head: jax.Array,
   ) -> jax.Array:
     """``x`` (bq, bk) with dropout applied: zero where dropped, scaled by 1 / (1 − rate)
-    where kept (the pattern of :func:`jattn.dropout.keep_from_seed`, regenerated)."""
+    where kept (the pattern of :func:`jattn.dropout.keep_from_seed`, regenerated), drawn at
+    the tile's indices or, for a sequence-parallel part, the global positions they map to."""
     rate = self.settings.dropout_rate
     if not rate:
       return x
     bq, bk = x.shape
     idx: tuple[Any, ...] = (batch, head, q_idx.reshape(1, 1, bq, 1), kv_idx.reshape(1, 1, 1, bk))
+    if self.jaxprs[2] is not None:
+      idx = tuple(_in_kernel.evaluate(self.jaxprs[2], self.position_refs, *idx))
     if self.settings.broadcast_dropout:
       idx = _dropout.shared_indices(*idx)
     seed = (self.scalars_ref[0], self.scalars_ref[1])
@@ -346,17 +356,25 @@ class Scorer(NamedTuple):
     return jnp.broadcast_to(m4, (1, 1, bq, bk)).reshape(bq, bk)
 
 
+Counts = tuple[int, int, int, bool]
+"""How many arrays the mask, the score function and dropout's positions read, and whether a
+bias follows them: how a kernel's trailing refs divide (:func:`split_refs`)."""
+
+
 def split_refs(
-  refs: Sequence[Any], counts: tuple[int, int, bool]
-) -> tuple[tuple[Any, ...], tuple[Any, ...], Any, tuple[Any, ...]]:
-  """``(mask refs, score refs, bias ref or None, the rest)`` of a kernel's trailing refs."""
-  n_mask, n_score, has_bias = counts
-  n = n_mask + n_score
+  refs: Sequence[Any], counts: Counts
+) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], Any, tuple[Any, ...]]:
+  """``(mask refs, score refs, positions' refs, bias ref or None, the rest)`` of a kernel's
+  trailing refs."""
+  n_mask, n_score, n_positions, has_bias = counts
+  a, b = n_mask, n_mask + n_score
+  c = b + n_positions
   return (
-    tuple(refs[:n_mask]),
-    tuple(refs[n_mask:n]),
-    refs[n] if has_bias else None,
-    tuple(refs[n + has_bias :]),
+    tuple(refs[:a]),
+    tuple(refs[a:b]),
+    tuple(refs[b:c]),
+    refs[c] if has_bias else None,
+    tuple(refs[c + has_bias :]),
   )
 
 
@@ -405,11 +423,13 @@ def _forward_kernel(
   scalars_ref: Any,
   *refs: Any,
   settings: Settings,
-  counts: tuple[int, int, bool],
-  jaxprs: tuple[Any, Any],
+  counts: Counts,
+  jaxprs: tuple[Any, Any, Any],
 ) -> None:
-  mask_refs, score_refs, bias_ref, (o_ref, m_ref, log_l_ref) = split_refs(refs, counts)
-  scorer = Scorer(settings, jaxprs, mask_refs, score_refs, scalars_ref)
+  mask_refs, score_refs, position_refs, bias_ref, (o_ref, m_ref, log_l_ref) = split_refs(
+    refs, counts
+  )
+  scorer = Scorer(settings, jaxprs, mask_refs, score_refs, scalars_ref, position_refs)
   bq, bk = settings.block_q, settings.block_kv
   i = tile_of(pl.program_id(0), order_ref.shape[0], settings.from_last)
   b, n = pl.program_id(1), pl.program_id(2)

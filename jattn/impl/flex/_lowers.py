@@ -154,7 +154,7 @@ def probe_kernel(
   score_arrays = score_f.arrays if score_f else ()
   n_mask, n_arrays = len(mask_arrays), len(mask_arrays) + len(score_arrays)
   settings = _kernels.Settings(1.0, block_q, block_kv, block_q, block_kv, 4, 1, False)
-  jaxprs = (mask_f.jaxpr if mask_f else None, score_f.jaxpr if score_f else None)
+  jaxprs = (mask_f.jaxpr if mask_f else None, score_f.jaxpr if score_f else None, None)
 
   def kernel(*refs: Any) -> None:
     arrays, (q_ref, k_ref, s_ref, slope_ref) = refs[:n_arrays], refs[n_arrays:]
