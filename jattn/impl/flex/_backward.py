@@ -62,8 +62,7 @@ def attention(
   )
   jaxprs = (
     *(
-      tuple(f.jaxpr if f else None for f in functions)
-      for functions in zip(mask, score, positions)
+      tuple(f.jaxpr if f else None for f in functions) for functions in zip(mask, score, positions)
     ),
     score_grid,
   )
