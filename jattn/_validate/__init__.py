@@ -146,22 +146,22 @@ def build(
     interpret=testing.interpreting(),
     sinks=sinks,
   )
-  call = _select.Call(
-    spec=spec,
-    dtype=np.dtype(q.dtype),
-    backend=backend or testing.target_backend() or _select.default_backend(),
+  target = backend or testing.target_backend() or _select.default_backend()
+  choice = _choose(
+    spec,
+    q.dtype,
+    target,
+    impl,
     backward_named=options.backward is not None,
-    blocks_named=blocks != (None, None),
+    blocks=blocks,
+    fused=not (backend is None and testing.portable()),
+    detail=explain,
     sequence_sharded=_sharded.sequence_axes(q, k) or (),
     varying=tuple(sorted(set().union(*(_compat.varying_axes(x) for x in (q, k, v))))),
   )
-  portable = backend is None and testing.portable()
-  choice = _select.choose(
-    call, impl, bwd, interpret=spec.interpret, detail=explain, fused=not portable
-  )
   if explain:
     return choice
-  spec = _for_choice(spec, choice, blocks, q.dtype, call.backend)
+  spec = _for_choice(spec, choice, blocks, q.dtype, target)
   return q, k, (None if a.value is None else v), spec
 
 
@@ -178,25 +178,53 @@ def for_shard(
   for that part by the selection table as :func:`build` chooses (nothing re-checked), and
   the table's :class:`~jattn.impl._select.Choice`."""
   backend = testing.target_backend() or _select.default_backend()
-  bwd = _select.default_backward(implementation, backward)
   spec = dataclasses.replace(
     spec,
     implementation="",
-    backward=bwd,
+    backward=_select.default_backward(implementation, backward),
     block_q=blocks[0],  # type: ignore[arg-type]  # None until resolved below
     block_kv=blocks[1],  # type: ignore[arg-type]
   )
+  choice = _choose(
+    spec,
+    dtype,
+    backend,
+    implementation,
+    backward_named=backward is not None,
+    blocks=blocks,
+    fused=not testing.portable(),
+    detail=True,
+  )
+  return _for_choice(spec, choice, blocks, dtype, backend), choice
+
+
+def _choose(
+  spec: CallSpec,
+  dtype: DTypeLike,
+  backend: str,
+  implementation: str | None,
+  *,
+  backward_named: bool,
+  blocks: tuple[int | None, int | None],
+  fused: bool,
+  detail: bool,
+  sequence_sharded: tuple[str, ...] = (),
+  varying: tuple[str, ...] = (),
+) -> _select.Choice:
+  """The table's choice for a checked ``spec`` (its backward rule already defaulted) on
+  ``backend``: what :func:`build` and :func:`for_shard` both ask."""
   call = _select.Call(
     spec=spec,
     dtype=np.dtype(dtype),
     backend=backend,
-    backward_named=backward is not None,
+    backward_named=backward_named,
     blocks_named=blocks != (None, None),
+    sequence_sharded=sequence_sharded,
+    varying=varying,
   )
-  choice = _select.choose(
-    call, implementation, bwd, interpret=spec.interpret, detail=True, fused=not testing.portable()
+  return _select.choose(
+    call, implementation, spec.backward, interpret=spec.interpret, detail=detail, fused=fused
   )
-  return _for_choice(spec, choice, blocks, dtype, backend), choice
 
 
 def _for_choice(
