@@ -10,7 +10,8 @@ write everything it measured to one JSON record. For bf16, B=1, N=16 heads, it t
   (``jax.experimental.pallas.ops.gpu.attention_mgpu``, Hopper only; q pre-scaled, as it
   takes no scale), each as the forward pass, the backward pass alone (the VJP applied to
   saved residuals) and the forward+backward program (gradients of q, k, v); and flex's
-  Hopper kernels (``jattn/impl/flex/_hopper.py``, method ``hopper``, not yet routed to);
+  Hopper kernels (``jattn/impl/flex/_hopper.py``, methods ``hopper`` and ``hopper_ws``, the
+  second with the warp-specialised forward; not yet routed to);
 - **flex's candidate tilings**, at T = 16,384, causal, for each head dim: forward tiles
   (forward timed alone) and backward tiles of the dQ and dK/dV kernels (backward timed
   alone), the table's row patched for each (``jattn.impl.flex.TILES``);
@@ -215,10 +216,13 @@ def method(name: str, causal: bool, scale: float) -> Callable:
   """``(q, k, v) -> out`` of one method (q, k, v: (B, T, N, H))."""
   if name == "cudnn":
     return jax_nn("cudnn", causal, scale)
-  if name == "hopper":  # flex's Hopper kernel (jattn/impl/flex/_hopper.py), not yet routed to
-    from jattn.impl.flex import _hopper
+  if name in ("hopper", "hopper_ws"):  # flex's Hopper kernels (jattn/impl/flex/_hopper.py),
+    from jattn.impl.flex import _hopper  # not yet routed to; _ws: warp-specialised forward
 
-    return lambda q, k, v: _hopper.attention(q, k, v, scale=scale, is_causal=causal)
+    specialized = name == "hopper_ws"
+    return lambda q, k, v: _hopper.attention(
+      q, k, v, scale=scale, is_causal=causal, specialized=specialized
+    )
   if name == "mgpu":  # takes no scale: q is scaled before it (outside the timed program)
     from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
 
@@ -439,7 +443,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   p.add_argument("--budget", type=float, default=360.0, help="seconds before skipping the rest")
   p.add_argument("--min-ms", dest="min_ms", type=float, default=30.0)
   p.add_argument("--repeats", type=int, default=5)
-  p.add_argument("--methods", nargs="+", default=["cudnn", "flex", "hopper", "mgpu"])
+  p.add_argument("--methods", nargs="+", default=["cudnn", "flex", "hopper", "hopper_ws", "mgpu"])
   p.add_argument(
     "--sections",
     nargs="+",
@@ -470,7 +474,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   elif backend != "gpu":
     p.error("the probe times GPU kernels; on another backend only --quick runs (interpreted)")
   kind = jax.devices()[0].device_kind
-  for hopper_only in ("hopper", "mgpu"):  # the Mosaic GPU kernels, jattn's and JAX's
+  for hopper_only in ("hopper", "hopper_ws", "mgpu"):  # the Mosaic GPU kernels, jattn's, JAX's
     if hopper_only in a.methods and flex.generation(kind) != "sm_90":
       a.methods.remove(hopper_only)
   log(f"{kind} ({backend}), jax {jax.__version__}, B={a.batch} N={a.heads}, bf16")

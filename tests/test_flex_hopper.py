@@ -138,6 +138,50 @@ def test_score_functions_of_indices_values_and_gradients():
       assert rel < 1e-2, (score_fn, name, rel)
 
 
+@interpreter
+def test_the_warp_specialized_forward_matches_jax_nn():
+  """forward(specialized=True): a copy warpgroup feeding two compute warpgroups that share
+  each key/value tile and take turns on the tensor cores, over two 128-row blocks. Causal
+  with grouped queries, a window (its block schedules hold tiles one half of the block does
+  not need), the strict upper triangle (an empty last row: zeros, lse -inf), a soft cap
+  over a window: output and lse against jax.nn's (jattn's materialised path's for the soft
+  cap) in float32 on the same bf16 inputs; and the gradient of attention(specialized=True),
+  whose backward reads the specialised forward's lse."""
+  T2 = 2 * T
+  q, k, v = _inputs(jnp.bfloat16, T2)
+  wide = [x.astype(jnp.float32) for x in (q, k, v)]
+  window = masks.sliding_window(40, 0)
+  cases = [
+    dict(is_causal=True),
+    dict(mask=window),
+    dict(mask=~masks.causal(offset=-1)),
+    dict(mask=window, score_fn=scores.soft_cap(2.0)),
+  ]
+  for kw in cases:
+    kernel = lambda *a, kw=kw: _hopper.forward(
+      *a, scale=H**-0.5, interpret=True, specialized=True, **kw
+    )
+    out, lse = jax.jit(kernel)(q, k, v)
+    want, want_lse = jattn.dot_product_attention(
+      *wide, scale=H**-0.5, implementation="xla", return_residual=True, **kw
+    )
+    np.testing.assert_allclose(np.float32(out), want, atol=2e-2, err_msg=str(kw))
+    np.testing.assert_allclose(lse, np.swapaxes(want_lse, 1, 2), rtol=1e-5, atol=1e-4)
+    assert not np.isnan(np.float32(out)).any()
+  ct = np.random.default_rng(9).standard_normal((B, T2, N, H)).astype(np.float32)
+  loss = lambda attend: lambda *a: jnp.sum(attend(*a).astype(jnp.float32) * ct)
+  hopper = lambda *a: _hopper.attention(
+    *a, scale=H**-0.5, is_causal=True, interpret=True, specialized=True
+  )
+  got = jax.jit(jax.grad(loss(hopper), (0, 1, 2)))(q, k, v)
+  want = jax.grad(loss(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True)), (0, 1, 2))(
+    *wide
+  )
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
+    assert rel < 1e-2, (name, rel)
+
+
 @pytest.mark.parametrize("score_fn", [None, scores.soft_cap(30.0)], ids=["plain", "soft_cap"])
 def test_the_gradient_lowers_for_cuda_to_three_mosaic_gpu_calls(score_fn):
   """The forward kernel, the dQ kernel and the dK/dV kernel, from a CPU, causal, bf16; with a
@@ -151,17 +195,22 @@ def test_the_gradient_lowers_for_cuda_to_three_mosaic_gpu_calls(score_fn):
   assert text.count("custom_call @mosaic_gpu") == 3
 
 
+@pytest.mark.parametrize("method", ["hopper", "hopper_ws"])
 @pytest.mark.parametrize("is_causal", [False, True, "window"])
-def test_lowers_for_cuda_to_one_mosaic_gpu_call(is_causal):
+def test_lowers_for_cuda_to_one_mosaic_gpu_call(is_causal, method):
   """From a CPU, at Hopper's shapes (H = 128, bf16, eight query tiles): one Mosaic GPU custom
-  call holds the whole forward pass, as the GPU probe calls it (and with a window mask)."""
+  call holds the whole forward pass, as the GPU probe calls it, with one warpgroup or warp
+  specialised (and with a window mask)."""
   from experiments import gpu_probe
 
   q, k, v = (jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in _inputs(jnp.float32, 512, 128))
-  f = jax.jit(gpu_probe.method("hopper", is_causal, 0.1))
+  f = jax.jit(gpu_probe.method(method, is_causal, 0.1))
   if is_causal == "window":
     window = masks.sliding_window(100, 0)
-    f = jax.jit(lambda q, k, v: _hopper.forward(q, k, v, scale=0.1, mask=window)[0])
+    specialized = method == "hopper_ws"
+    f = jax.jit(
+      lambda q, k, v: _hopper.forward(q, k, v, scale=0.1, mask=window, specialized=specialized)[0]
+    )
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     text = f.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
@@ -175,6 +224,7 @@ def test_lowers_for_cuda_to_one_mosaic_gpu_call(is_causal):
     (dict(H=48), r"query: head dim 48 is not a multiple of 64"),
     (dict(T=96), r"query, key: lengths 96 and 96 must be multiples of 64"),
     (dict(kw=dict(block_kv=96)), r"block_kv=96"),
+    (dict(T=192, kw=dict(specialized=True)), r"query: length 192 must be a multiple of 128"),
     (dict(kv_len=64, kw=dict(is_causal=True)), r"is_causal: the Hopper kernel takes T = S"),
     (dict(kw=dict(mask=masks.prefix_lm(16))), r"mask: the Hopper kernel takes masks of indices"),
     (dict(kw=dict(score_fn=scores.alibi(np.ones(N)))), r"score_fn: the Hopper kernel takes score"),

@@ -3,8 +3,9 @@
 **Not yet run on a GPU, and reached by nothing**: they lower for CUDA from a CPU (one Mosaic
 GPU call per kernel) and compute exact values in Mosaic GPU's interpreter (jax >= 0.12),
 but no call of jattn routes to them until a GPU has run them and the record is committed;
-``python -m experiments.gpu_probe`` times them (method ``hopper``) beside cuDNN and the Triton
-kernels. :func:`attention` joins the forward kernel and :func:`backward`'s two kernels in a
+``python -m experiments.gpu_probe`` times them (methods ``hopper`` and ``hopper_ws``, the
+latter with the warp-specialised forward kernel) beside cuDNN and the Triton kernels.
+:func:`attention` joins the forward kernel and :func:`backward`'s two kernels in a
 ``custom_vjp``. Masks and score functions that read arrays, and dropout, come after that.
 
 One program per (query tile of 64 rows, head, batch row), one warpgroup: the query tile is
@@ -20,13 +21,17 @@ step's P V goes to a fresh accumulator added to the rescaled one (``acc · α + 
 FMA per element), since the interpreter cannot accumulate into an accumulator initialised
 from registers; on the GPU P stays in registers as wgmma's A operand, while the interpreter,
 whose wgmma reads A from shared memory only, stages it there.
+
+``forward(..., specialized=True)`` arranges the forward pass as FlashAttention-3 does
+(:func:`_forward_specialized`): a copy warpgroup walks the schedule and feeds key and value
+tiles by TMA to two compute warpgroups, which share them and take turns on the tensor cores.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -148,6 +153,7 @@ def forward(
   stages: int = 2,
   interpret: bool = False,
   base2: bool = False,
+  specialized: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """``(out, lse)`` of softmax attention: query (B, T, N, H), key and value (B, S, K, H),
   N a multiple of K (grouped queries), float16 or bfloat16, H a multiple of 64, T a multiple
@@ -158,7 +164,9 @@ def forward(
   ``lse`` is (B, N, T) float32, the natural log-sum-exp of each row's scaled scores; a row
   that sees no key gives zeros and an lse of -inf.
   ``interpret`` runs it in Mosaic GPU's interpreter (jax >= 0.12), on any backend; ``base2``
-  returns the log-sum-exp in base 2 of the scores times log2(e), as the backward takes it."""
+  returns the log-sum-exp in base 2 of the scores times log2(e), as the backward takes it.
+  ``specialized``: the warp-specialised kernel (:func:`_forward_specialized`: a copy
+  warpgroup and two compute warpgroups per 128 query rows; T a multiple of 128)."""
   plgpu = _plgpu()
   B, T, N, H = query.shape
   S, K = key.shape[1], key.shape[2]
@@ -187,9 +195,20 @@ def forward(
     raise ValueError(
       f"score_fn: the Hopper kernel takes score functions of indices alone, {score_fn} reads arrays"
     )
-  mask, (order, num_full, num_partial), _ = _schedules(query, key, is_causal, mask, block_kv)
   if interpret and not hasattr(plgpu, "InterpretGPUParams"):
     raise ValueError("interpret: Mosaic GPU's interpreter needs jax >= 0.12")
+  if specialized:
+    if T % (2 * ROWS):
+      raise ValueError(f"query: length {T} must be a multiple of {2 * ROWS} (specialized=True)")
+    mask, (order, num_full, num_partial), _ = _schedules(
+      query, key, is_causal, mask, block_kv, rows=2 * ROWS
+    )
+    settings = _Specialized(float(scale), block_kv, stages, interpret)
+    out, lse2 = _forward_specialized(
+      query, key, value, (order, num_full, num_partial), mask, score_fn, settings
+    )
+    return out, lse2 if base2 else lse2 / LOG2E
+  mask, (order, num_full, num_partial), _ = _schedules(query, key, is_causal, mask, block_kv)
   G = N // K
   swizzled = _swizzled()
   wgmma_layout = plgpu.Layout.WGMMA
@@ -272,15 +291,188 @@ def forward(
 
 
 def _schedules(
-  query: jax.Array, key: jax.Array, is_causal: bool, mask: Any, block: int
+  query: jax.Array, key: jax.Array, is_causal: bool, mask: Any, block: int, rows: int = ROWS
 ) -> tuple[Any, _tiling.Schedule, _tiling.Schedule]:
-  """The mask and'ed with causal, and its (rows, columns) schedules at ``ROWS x block``."""
+  """The mask and'ed with causal, and its (rows, columns) schedules at ``rows x block``."""
   B, T, N, _ = query.shape
   S = key.shape[1]
   if is_causal:
     mask = _masks.causal() if mask is None else _masks.causal() & mask
-  view = _tiling.tile_classes(mask, B, N, T, S, ROWS, block)
+  view = _tiling.tile_classes(mask, B, N, T, S, rows, block)
   return mask, _tiling.schedule(view), _tiling.schedule(view.T)
+
+
+class _Specialized(NamedTuple):
+  """The warp-specialised forward's static settings."""
+
+  scale: float
+  block_kv: int
+  stages: int  # key/value tiles in flight: shared-memory slots
+  interpret: bool
+
+
+def _forward_specialized(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  schedule: tuple[Any, Any, Any],
+  mask: Any,
+  score_fn: Any,
+  settings: _Specialized,
+) -> tuple[jax.Array, jax.Array]:
+  """``(out, lse in base 2)``: :func:`forward` as FlashAttention-3 arranges it on Hopper.
+
+  One program per 128 query rows, head and batch row, three warpgroups. The third copies:
+  it walks the block's schedule (its FULL key tiles, then its PARTIAL ones, as
+  ``schedule``'s int32 arrays at 128 x block_kv list them) and brings each key and value
+  tile into one of ``stages`` shared-memory slots by TMA, each completing on the slot's
+  barrier, waiting first until both compute warpgroups have released the slot. The first
+  two compute, 64 query rows each, over the same tiles: ``S = Q Kᵀ`` and ``O += P V`` on
+  the tensor cores, the online softmax in base 2 between them, the mask evaluated on
+  PARTIAL tiles only. A schedule barrier that both
+  compute warpgroups pass twice a step keeps one's softmax under the other's matrix
+  products (ping-pong). The copy warpgroup gives up registers for the compute ones
+  (``set_max_registers``). Where the block's schedule lists a tile one half of it does not
+  need, that half evaluates the mask there and keeps nothing of it."""
+  plgpu = _plgpu()
+  B, T, N, H = query.shape
+  K = key.shape[2]
+  dtype = query.dtype
+  G = N // K
+  bk, stages, scale, interpret = (
+    settings.block_kv, settings.stages, settings.scale, settings.interpret
+  )  # fmt: skip
+  swizzled = _swizzled()
+  wgmma_layout = plgpu.Layout.WGMMA
+  order, num_full, num_partial = schedule
+  masked_tiles = mask is not None
+
+  def body(q_ref: Any, k_ref: Any, v_ref: Any, order_ref: Any, full_ref: Any,
+           partial_ref: Any, out_ref: Any, lse_ref: Any, scoped: Any) -> None:  # fmt: skip
+    (qo_smem, k_smem, v_smem, lse_smem, p_smem), barriers = scoped
+    k_ready, v_ready, q_ready, k_free, v_free, turn = barriers
+    i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+    wg = lax.axis_index("wg")
+    n_full, n_partial = full_ref[i], partial_ref[i]
+    steps = n_full + n_partial
+    slot_of = lambda t: lax.rem(t, jnp.array(stages, t.dtype))
+
+    def take_turn() -> None:  # the ping-pong: both compute warpgroups pass, in turn
+      plgpu.barrier_arrive(turn)
+      plgpu.barrier_wait(turn)
+
+    @pl.when(wg < 2)
+    def _compute() -> None:
+      plgpu.set_max_registers(232, action="increase")
+      q_smem = qo_smem.at[wg]
+      q0 = i * (2 * ROWS) + wg * ROWS
+      rows = pl.ds(q0, ROWS)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, q_ready.at[wg])
+      plgpu.barrier_wait(q_ready.at[wg])
+      reduced = wgmma_layout.reduce(1)
+      carry = (
+        plgpu.layout_cast(jnp.full((ROWS, H), 0.0, jnp.float32), wgmma_layout),
+        plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), reduced),
+        plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), reduced),
+      )
+      pl.when(wg == 1)(take_turn)  # the second waits for the first's first product
+
+      def step(t: Any, carry: Any, masked: bool) -> Any:
+        acc, m, l = carry
+        slot = slot_of(t)
+        j = order_ref[i, t]  # the key tile
+        plgpu.barrier_wait(k_ready.at[slot])
+
+        def qk(acc_ref: Any) -> Any:
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+          take_turn()
+          return acc_ref[...]
+
+        products = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        t_, _ = _tile_scores(
+          products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b, h=h,
+          q0=q0, k0=j * bk,
+        )  # fmt: skip
+        m_new = jnp.maximum(m, t_.max(axis=1))
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2(m - shift)
+        p = jnp.exp2(t_ - lax.broadcast_in_dim(shift, t_.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        p16 = p.astype(dtype)
+        plgpu.barrier_arrive(turn)  # this softmax is done: the other may multiply
+        plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_wait(turn)  # and the tensor cores are ours again
+        pv = _matmul(_staged(p16, None if p_smem is None else p_smem.at[wg]), v_smem.at[slot],
+                     (ROWS, H))  # fmt: skip
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l
+
+      carry = lax.fori_loop(0, n_full, lambda t, c: step(t, c, False), carry)
+      acc, m, l = lax.fori_loop(n_full, steps, lambda t, c: step(t, c, masked_tiles), carry)
+      pl.when(wg == 0)(take_turn)  # the first's last pass, matching the second's first
+      if masked_tiles:  # rows that saw no key: acc is 0 (every p was), l too; out 0
+        l = jnp.where(l == 0.0, 1.0, l)  # m stays -inf there: lse = m + log2(1)
+      q_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
+      lse_smem.at[wg][...] = m + jnp.log2(l)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, rows, h])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _copy() -> None:
+      plgpu.set_max_registers(40, action="decrease")
+      kv_head = lax.div(h, jnp.array(G, h.dtype))
+
+      @pl.loop(0, steps)
+      def _(t: Any) -> None:
+        slot = slot_of(t)
+        cols = pl.ds(order_ref[i, t] * bk, bk)
+
+        @pl.when(t >= stages)  # the slot's last tile is released by both compute groups
+        def _() -> None:
+          plgpu.barrier_wait(k_free.at[slot])
+
+        plgpu.copy_gmem_to_smem(k_ref.at[b, cols, kv_head], k_smem.at[slot], k_ready.at[slot])
+
+        @pl.when(t >= stages)
+        def _() -> None:
+          plgpu.barrier_wait(v_free.at[slot])
+
+        plgpu.copy_gmem_to_smem(v_ref.at[b, cols, kv_head], v_smem.at[slot], v_ready.at[slot])
+
+  def entry(*refs: Any) -> None:
+    smem = (
+      plgpu.SMEM((2, ROWS, H), dtype, transforms=swizzled),
+      plgpu.SMEM((stages, bk, H), dtype, transforms=swizzled),
+      plgpu.SMEM((stages, bk, H), dtype, transforms=swizzled),
+      plgpu.SMEM((2, ROWS), jnp.float32),
+      # The interpreter's wgmma reads its A operand (P) from shared memory only.
+      plgpu.SMEM((2, ROWS, bk), dtype, transforms=swizzled) if interpret else None,
+    )
+    barriers = (
+      plgpu.Barrier(num_barriers=stages),  # a key tile landed in the slot
+      plgpu.Barrier(num_barriers=stages),  # a value tile
+      plgpu.Barrier(num_barriers=2),  # each compute group's query tile
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both groups done with a key slot
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # and with a value slot
+      plgpu.Barrier(num_arrivals=2, num_barriers=1),  # the ping-pong's turn
+    )
+    pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, barriers, collective_axes="wg")
+
+  return plgpu.kernel(
+    entry,
+    out_type=(
+      jax.ShapeDtypeStruct(query.shape, dtype),
+      jax.ShapeDtypeStruct((B, N, T), jnp.float32),
+    ),
+    grid=(T // (2 * ROWS), N, B),
+    grid_names=("q", "h", "b"),
+    num_threads=3,
+    thread_name="wg",
+    **_interpreted(interpret),
+  )(query, key, value, jnp.asarray(order), jnp.asarray(num_full), jnp.asarray(num_partial))
 
 
 def backward(
@@ -464,18 +656,20 @@ def attention(
   mask: _masks.Mask | None = None,
   score_fn: Any = None,
   interpret: bool = False,
+  specialized: bool = False,
 ) -> jax.Array:
-  """:func:`forward`'s output, differentiable in query, key and value by :func:`backward`."""
+  """:func:`forward`'s output, differentiable in query, key and value by :func:`backward`;
+  ``specialized`` runs the warp-specialised forward kernel."""
   kw: dict[str, Any] = dict(
     scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn, interpret=interpret
   )
 
   @jax.custom_vjp
   def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    return forward(q, k, v, **kw)[0]
+    return forward(q, k, v, specialized=specialized, **kw)[0]
 
   def fwd(q: jax.Array, k: jax.Array, v: jax.Array) -> Any:
-    out, lse2 = forward(q, k, v, base2=True, **kw)
+    out, lse2 = forward(q, k, v, base2=True, specialized=specialized, **kw)
     return out, (q, k, v, out, lse2)
 
   def bwd(res: Any, d_out: jax.Array) -> Any:
