@@ -244,7 +244,8 @@ BAD_INPUTS = [
     "unknown_implementation",
     dict(implementation="flash"),
     ValueError,
-    r"implementation must be one of \['blockwise', 'cudnn', 'flex', 'splash', 'xla'\] or None, "
+    r"implementation must be one of \['blockwise', 'cudnn', 'flex', 'flex_hopper', 'splash', "
+    r"'xla'\] or None, "
     r"got 'flash'",
   ),
   (

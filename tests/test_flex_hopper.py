@@ -237,3 +237,67 @@ def test_bad_arguments_are_refused_by_name(change, match):
     k, v = k[:, : change["kv_len"]], v[:, : change["kv_len"]]
   with pytest.raises(ValueError, match=match):
     _hopper.forward(q, k, v, scale=1.0, **change.get("kw", {}))
+
+
+# --- implementation="flex_hopper": the selection table's explicit opt-in -----------------
+
+
+def test_flex_hopper_is_reached_only_by_name():
+  """On a Hopper GPU (lowered for CUDA from this CPU), implementation=None never picks the
+  Hopper kernels, and explain says why and how to opt in; named, the gradient lowers to its
+  three Mosaic GPU calls; what it does not take is refused by name, as is an Ampere GPU."""
+  q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+  capped = dict(is_causal=True, logits_soft_cap=30.0)  # cuDNN takes no soft cap: flex's turn
+  with jattn.testing.lowering_for("gpu", "NVIDIA H100 80GB HBM3"):
+    choice = jattn.explain(q, q, q, **capped)
+    assert choice.implementation == "flex"
+    assert "implementation='flex_hopper' opts in" in choice.rejected["flex_hopper"]
+    attend = lambda *a: jattn.dot_product_attention(*a, implementation="flex_hopper", **capped)
+    step = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32)), (0, 1, 2)))
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      text = step.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 3
+    ids = np.zeros((1, 256), np.int32)
+    refused = [
+      (dict(segment_ids=ids), r"does not support mask segments\(.*\) reads arrays"),
+      (dict(bias=jnp.zeros((256, 256), jnp.bfloat16)), r"does not support bias"),
+      (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), r"does not support dropout"),
+      (dict(return_residual=True), r"does not support return_residual"),
+    ]
+    for kw, match in refused:
+      with pytest.raises(ValueError, match=match):
+        jattn.explain(q, q, q, implementation="flex_hopper", **kw)
+    wide = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    with pytest.raises(ValueError, match=r"does not support dtype float32"):
+      jattn.explain(wide, wide, wide, implementation="flex_hopper")
+  with jattn.testing.lowering_for("gpu", "NVIDIA A100-SXM4-80GB"):
+    with pytest.raises(ValueError, match=r"needs a Hopper GPU \(sm_90\), and 'NVIDIA A100"):
+      jattn.explain(q, q, q, implementation="flex_hopper")
+
+
+@interpreter
+def test_flex_hopper_values_and_gradients_through_the_call():
+  """jattn.dot_product_attention(implementation="flex_hopper") in Mosaic GPU's interpreter:
+  two batch rows, grouped queries, causal with a soft cap, and a mask of the batch row's and
+  head's indices (their programs see their own b and h): output and the three gradients
+  against the xla path on the same bf16 inputs in float32."""
+  rng = np.random.default_rng(12)
+  shapes = [(2, 128, 2, 64), (2, 128, 1, 64), (2, 128, 1, 64)]
+  q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
+  wide = [x.astype(jnp.float32) for x in (q, k, v)]
+  ct = rng.standard_normal(shapes[0]).astype(np.float32)
+  staggered = masks.from_fn(lambda b, h, qi, ki: ki <= qi + 17 * b + 40 * h)
+  for kw in (dict(is_causal=True, logits_soft_cap=2.0), dict(mask=staggered)):
+    attend = lambda impl, kw=kw: (
+      lambda *a: jattn.dot_product_attention(*a, implementation=impl, **kw).astype(jnp.float32)
+    )
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * ct)
+    with jattn.testing.interpret_kernels():
+      out = jax.jit(attend("flex_hopper"))(q, k, v)
+      got = jax.jit(jax.grad(loss(attend("flex_hopper")), (0, 1, 2)))(q, k, v)
+    np.testing.assert_allclose(out, attend("xla")(*wide), atol=2e-2, err_msg=str(kw))
+    want = jax.grad(loss(attend("xla")), (0, 1, 2))(*wide)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+      rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
+      assert rel < 1e-2, (kw, name, rel)

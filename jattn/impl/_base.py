@@ -151,6 +151,9 @@ class Implementation:
   check: Callable[[Call], str | None] | None = None  # masks, head dims, lengths, tiles
   # Why implementation=None does not pick it where it could run the call (None: it does).
   auto_check: Callable[[Call], str | None] | None = None
+  # Why implementation=None never picks it: a kernel reached only when named (one verified
+  # by lowering and interpreting, not yet run on its hardware). None: not an opt-in.
+  opt_in: str | None = None
   # Appended to the error for a backward rule it lacks: why it lacks it.
   backward_notes: tuple[tuple[str, str], ...] = ()
   # Reads a KV cache tile by tile (paged or quantized storage, no copy): (query, tiles,

@@ -25,7 +25,15 @@ __all__ = ["BACKENDS", "BACKWARDS", "Call", "Implementation", "TABLE", "Choice",
 
 # One row per implementation, each declared in its own module (see jattn.impl._base).
 TABLE: dict[str, Implementation] = {
-  m.IMPLEMENTATION.name: m.IMPLEMENTATION for m in (xla, blockwise, splash, cudnn, flex)
+  row.name: row
+  for row in (
+    xla.IMPLEMENTATION,
+    blockwise.IMPLEMENTATION,
+    splash.IMPLEMENTATION,
+    cudnn.IMPLEMENTATION,
+    flex.IMPLEMENTATION,
+    flex.HOPPER,  # an explicit opt-in (never chosen by implementation=None) until run on a GPU
+  )
 }
 
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {name: row.backwards for name, row in TABLE.items()}
@@ -144,6 +152,8 @@ def choose(
     auto_check = TABLE[kernel].auto_check
     if reason is None and auto_check is not None:
       reason = auto_check(call)
+    if reason is None and TABLE[kernel].opt_in is not None:
+      reason = TABLE[kernel].opt_in
     if reason is not None:
       refused.append(f"{kernel} does not: {reason}")
       continue
@@ -219,6 +229,8 @@ def _reasons(call: Call, chosen: str) -> dict[str, str]:
   for name in TABLE:
     if name != chosen:
       reason = why_not(name, call)
+      if reason is None and TABLE[name].opt_in is not None:
+        reason = f"expresses the call, but {TABLE[name].opt_in}"
       out[name] = reason if reason else f"expresses the call; {chosen} is preferred here"
   return out
 

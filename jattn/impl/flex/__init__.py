@@ -19,6 +19,10 @@ registers, as ``jnp.searchsorted`` makes; an array read whole whose dimensions a
 powers of two, as in ``valid.sum(-1)[b]``) is refused by name in the selection table
 (:mod:`jattn.impl.flex._lowers`), never left to fail in lowering.
 
+Its kernels written for Mosaic GPU, for Hopper (:mod:`jattn.impl.flex._hopper`), are the
+table's row ``"flex_hopper"`` (:data:`HOPPER`): an explicit opt-in, never picked by
+``implementation=None``, until a GPU has run them and their record is committed.
+
 On a GPU, ``implementation=None`` runs it for every call cuDNN does not express and it does
 (it comes after cuDNN in the table). Its tiles, warps and stages come from :data:`TILES`, by GPU
 generation, head dim and dtype (starting points until measured with
@@ -42,6 +46,7 @@ from jattn import dropout as _dropout
 from jattn.impl import _base, _common, _sharded, _tiling
 from jattn.impl._base import CallSpec
 from jattn.impl.flex import _backward as _flex_backward
+from jattn.impl.flex import _hopper as _hopper
 from jattn.impl.flex import _kernels as _kernels
 from jattn.impl.flex import _lowers as _flex_lowers
 
@@ -358,6 +363,76 @@ IMPLEMENTATION = _base.Implementation(
   fused=True,
   interpretable=True,
   check=_check,
+)
+
+
+# --- the Hopper kernels (Mosaic GPU): an explicit opt-in until a GPU has run them ----------
+
+HOPPER_OPT_IN = (
+  "flex's Hopper kernels have not yet run on a GPU, and jattn routes no call to a kernel "
+  "before a recorded run: implementation='flex_hopper' opts in"
+)
+
+
+def _hopper_check(call: _base.Call) -> str | None:
+  s = call.spec
+  if s.interpret:
+    if not _hopper.has_interpreter():
+      return "Pallas interpret mode: Mosaic GPU's interpreter needs jax >= 0.12"
+  elif generation(kind := _gpu_kind()) != "sm_90":
+    here = repr(kind) if kind else "none is named (jattn.testing.lowering_for's device_kind)"
+    return f"it needs a Hopper GPU (sm_90), and {here}"
+  if s.H % 64 or s.Hv != s.H:
+    return f"head dims H={s.H}, Hv={s.Hv} (it takes H = Hv, a multiple of 64)"
+  if s.T % _hopper.ROWS or s.S % _hopper.ROWS:
+    return f"lengths T={s.T}, S={s.S} (it takes multiples of {_hopper.ROWS})"
+  for name, fn in (("mask", s.mask), ("score_fn", s.score_fn)):
+    if fn is not None and jax.tree.leaves(fn):
+      return f"{name} {fn!r} reads arrays (it takes functions of the indices alone)"
+  return None
+
+
+def _hopper_run(
+  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
+) -> tuple[jax.Array, jax.Array]:
+  # Mosaic GPU's interpreter runs on ordered callbacks, which a partitioning rule cannot
+  # carry: interpreted (tests), the kernels run on the arrays as they come.
+  return _sharded.per_shard(
+    _hopper_attend, query, key, value, spec, global_index=True, auto=not spec.interpret
+  )
+
+
+def _hopper_attend(
+  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
+) -> tuple[jax.Array, jax.Array]:
+  out = _hopper.attention(
+    query,
+    key,
+    value,
+    scale=spec.scale,
+    mask=spec.mask,
+    score_fn=spec.score_fn,
+    interpret=spec.interpret,
+    offsets=spec.shard_offsets,
+  )
+  return out, jnp.zeros(query.shape[:-1], jnp.float32)  # no lse asked for (check refuses)
+
+
+HOPPER = _base.Implementation(
+  name="flex_hopper",
+  runs_on=("gpu",),
+  backwards=BACKWARDS,
+  masks="masks of the indices alone (causal, windows, chunks, strides, from_fn of indices)",
+  run=_hopper_run,
+  dtypes=("bfloat16", "float16"),
+  bias="not yet taken by the Hopper kernels",
+  dropout="not yet taken by the Hopper kernels",
+  residual="its log-sum-exp carries no gradient yet",
+  sinks="its log-sum-exp carries no gradient yet, which sinks need",
+  fused=True,
+  interpretable=True,
+  check=_hopper_check,
+  opt_in=HOPPER_OPT_IN,
 )
 
 

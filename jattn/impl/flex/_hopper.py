@@ -1,10 +1,12 @@
 """flex's kernels written for Mosaic GPU, for Hopper (sm_90): wgmma and TMA through Pallas.
 
-**Not yet run on a GPU, and reached by nothing**: they lower for CUDA from a CPU (one Mosaic
-GPU call per kernel) and compute exact values in Mosaic GPU's interpreter (jax >= 0.12),
-but no call of jattn routes to them until a GPU has run them and the record is committed;
-``python -m experiments.gpu_probe`` times them (methods ``hopper`` and ``hopper_ws``, the
-latter with the warp-specialised forward kernel) beside cuDNN and the Triton kernels.
+**Not yet run on a GPU, and reached only by name**: they lower for CUDA from a CPU (one
+Mosaic GPU call per kernel) and compute exact values in Mosaic GPU's interpreter (jax >=
+0.12), but ``implementation=None`` routes no call to them until a GPU has run them and the
+record is committed; ``implementation="flex_hopper"`` (the selection table's row,
+:data:`jattn.impl.flex.HOPPER`) opts in, and ``python -m experiments.gpu_probe`` times them
+(methods ``hopper`` and ``hopper_ws``, the latter with the warp-specialised forward kernel)
+beside cuDNN and the Triton kernels.
 :func:`attention` joins the forward kernel and :func:`backward`'s two kernels in a
 ``custom_vjp``. Masks and score functions that read arrays, and dropout, come after that.
 
@@ -59,6 +61,11 @@ def _load(ref: Any, layout: Any) -> Any:
   return load(ref, layout=layout)
 
 
+def has_interpreter() -> bool:
+  """Whether this JAX has Mosaic GPU's interpreter (jax >= 0.12)."""
+  return hasattr(_plgpu(), "InterpretGPUParams")
+
+
 def _swizzled() -> tuple[Any, Any]:
   """wgmma's operands in shared memory: 8 x 64 tiles, 128-byte swizzle (16-bit elements)."""
   plgpu = _plgpu()
@@ -89,6 +96,16 @@ def _staged(x: Any, smem: Any) -> Any:
   smem[...] = x
   _plgpu().commit_smem()
   return smem
+
+
+def _offsets(offsets: jax.Array | None) -> jax.Array:
+  """The kernels' int32 (2,) input: the global index of the first batch row and head."""
+  return jnp.zeros((2,), jnp.int32) if offsets is None else jnp.asarray(offsets, jnp.int32)
+
+
+def _global(b: Any, h: Any, off_ref: Any) -> tuple[Any, Any]:
+  """A program's batch row and head as the mask and score function see them: global."""
+  return b + off_ref[0], h + off_ref[1]
 
 
 def _walk(pipeline: Any, n_full: Any, n_partial: Any, masked: bool, carry: Any) -> Any:
@@ -154,6 +171,7 @@ def forward(
   interpret: bool = False,
   base2: bool = False,
   specialized: bool = False,
+  offsets: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """``(out, lse)`` of softmax attention: query (B, T, N, H), key and value (B, S, K, H),
   N a multiple of K (grouped queries), float16 or bfloat16, H a multiple of 64, T a multiple
@@ -166,7 +184,10 @@ def forward(
   ``interpret`` runs it in Mosaic GPU's interpreter (jax >= 0.12), on any backend; ``base2``
   returns the log-sum-exp in base 2 of the scores times log2(e), as the backward takes it.
   ``specialized``: the warp-specialised kernel (:func:`_forward_specialized`: a copy
-  warpgroup and two compute warpgroups per 128 query rows; T a multiple of 128)."""
+  warpgroup and two compute warpgroups per 128 query rows; T a multiple of 128).
+  ``offsets``: the global index of the first batch row and head (int32 (2,)) where these
+  inputs are one device's share of a sharded call; the mask and score function see
+  global indices."""
   plgpu = _plgpu()
   B, T, N, H = query.shape
   S, K = key.shape[1], key.shape[2]
@@ -205,7 +226,7 @@ def forward(
     )
     settings = _Specialized(float(scale), block_kv, stages, interpret)
     out, lse2 = _forward_specialized(
-      query, key, value, (order, num_full, num_partial), mask, score_fn, settings
+      query, key, value, (order, num_full, num_partial), mask, score_fn, settings, offsets
     )
     return out, lse2 if base2 else lse2 / LOG2E
   mask, (order, num_full, num_partial), _ = _schedules(query, key, is_causal, mask, block_kv)
@@ -214,9 +235,10 @@ def forward(
   wgmma_layout = plgpu.Layout.WGMMA
 
   def body(*refs: Any) -> None:
-    q_ref, k_ref, v_ref, order_ref, full_ref, partial_ref = refs[:6]
-    out_ref, lse_ref, q_smem, o_smem, lse_smem, q_bar, p_smem = refs[6:]
+    q_ref, k_ref, v_ref, order_ref, full_ref, partial_ref, off_ref = refs[:7]
+    out_ref, lse_ref, q_smem, o_smem, lse_smem, q_bar, p_smem = refs[7:]
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+    b_g, h_g = _global(b, h, off_ref)
     kv_head = lax.div(h, jnp.array(G, h.dtype))
     rows = pl.ds(i * ROWS, ROWS)
     plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, q_bar)
@@ -235,7 +257,7 @@ def forward(
 
         products = _matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, block_kv))
         t, _ = _tile_scores(
-          products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b, h=h,
+          products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b_g, h=h_g,
           q0=i * ROWS, k0=j * block_kv,
         )  # fmt: skip
         m_new = jnp.maximum(m, t.max(axis=1))
@@ -286,7 +308,7 @@ def forward(
       plgpu.SMEM((ROWS, block_kv), dtype, transforms=swizzled) if interpret else None,
     ),
     **_interpreted(interpret),
-  )(query, key, value, jnp.asarray(order), jnp.asarray(num_full), jnp.asarray(num_partial))
+  )(query, key, value, *map(jnp.asarray, (order, num_full, num_partial)), _offsets(offsets))
   return out, lse2 if base2 else lse2 / LOG2E
 
 
@@ -319,6 +341,7 @@ def _forward_specialized(
   mask: Any,
   score_fn: Any,
   settings: _Specialized,
+  offsets: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """``(out, lse in base 2)``: :func:`forward` as FlashAttention-3 arranges it on Hopper.
 
@@ -347,12 +370,14 @@ def _forward_specialized(
   order, num_full, num_partial = schedule
   masked_tiles = mask is not None
 
-  def body(q_ref: Any, k_ref: Any, v_ref: Any, order_ref: Any, full_ref: Any,
-           partial_ref: Any, out_ref: Any, lse_ref: Any, scoped: Any) -> None:  # fmt: skip
+  def body(*refs: Any) -> None:
+    q_ref, k_ref, v_ref, order_ref, full_ref, partial_ref, off_ref, out_ref, lse_ref = refs[:9]
+    scoped = refs[9]
     (qo_smem, k_smem, v_smem, lse_smem, p_smem), barriers = scoped
     k_ready, v_ready, q_ready, k_free, v_free, turn = barriers
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
     wg = lax.axis_index("wg")
+    b_g, h_g = _global(b, h, off_ref)
     n_full, n_partial = full_ref[i], partial_ref[i]
     steps = n_full + n_partial
     slot_of = lambda t: lax.rem(t, jnp.array(stages, t.dtype))
@@ -391,7 +416,7 @@ def _forward_specialized(
         products = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
         t_, _ = _tile_scores(
-          products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b, h=h,
+          products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b_g, h=h_g,
           q0=q0, k0=j * bk,
         )  # fmt: skip
         m_new = jnp.maximum(m, t_.max(axis=1))
@@ -472,7 +497,7 @@ def _forward_specialized(
     num_threads=3,
     thread_name="wg",
     **_interpreted(interpret),
-  )(query, key, value, jnp.asarray(order), jnp.asarray(num_full), jnp.asarray(num_partial))
+  )(query, key, value, *map(jnp.asarray, (order, num_full, num_partial)), _offsets(offsets))
 
 
 def backward(
@@ -489,6 +514,7 @@ def backward(
   score_fn: Any = None,
   stages: int = 2,
   interpret: bool = False,
+  offsets: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(dq, dk, dv)`` of :func:`forward`'s output for the cotangent ``d_out``, from its
   output and base-2 log-sum-exp ``lse2``: a dQ kernel (one program per 64-row query tile,
@@ -522,8 +548,9 @@ def backward(
 
   def dq_body(*refs: Any) -> None:
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, full_ref, partial_ref = refs[:9]
-    dq_ref, q_smem, do_smem, lse_smem, delta_smem, bars, a_smem = refs[9:]
+    off_ref, dq_ref, q_smem, do_smem, lse_smem, delta_smem, bars, a_smem = refs[9:]
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+    b_g, h_g = _global(b, h, off_ref)
     kv_head = lax.div(h, jnp.array(G, h.dtype))
     rows = pl.ds(i * ROWS, ROWS)
     plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, bars.at[0])
@@ -539,7 +566,7 @@ def backward(
       def run(index: tuple[Any], k_smem: Any, v_smem: Any, dq: Any) -> Any:
         j = order_ref[i, index[0] + first]
         products = _matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, bk))
-        t, slope = scores(products, masked, b, h, i * ROWS, j * bk, False)
+        t, slope = scores(products, masked, b_g, h_g, i * ROWS, j * bk, False)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [0]))
         dp = _matmul(do_smem, v_smem.transpose((1, 0)), (ROWS, bk))
         ds = p * (dp - lax.broadcast_in_dim(dlt, t.shape, [0]))
@@ -564,8 +591,9 @@ def backward(
 
   def dkv_body(*refs: Any) -> None:
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, full_ref, partial_ref = refs[:9]
-    dk_ref, dv_ref, k_smem, v_smem, bars, a_smem = refs[9:]
+    off_ref, dk_ref, dv_ref, k_smem, v_smem, bars, a_smem = refs[9:]
     j, h, b = lax.axis_index("kv"), lax.axis_index("h"), lax.axis_index("b")
+    b_g, h_g = _global(b, h, off_ref)
     kv_head = lax.div(h, jnp.array(G, h.dtype))
     cols = pl.ds(j * bk, bk)
     plgpu.copy_gmem_to_smem(k_ref.at[b, cols, kv_head], k_smem, bars.at[0])
@@ -581,7 +609,7 @@ def backward(
         lse = _load(lse_smem, layout.reduce(0))
         dlt = _load(d_smem, layout.reduce(0))
         products = _matmul(k_smem, q_smem.transpose((1, 0)), (bk, ROWS))
-        t, slope = scores(products, masked, b, h, i * ROWS, j * bk, True)
+        t, slope = scores(products, masked, b_g, h_g, i * ROWS, j * bk, True)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [1]))
         dv = dv + _matmul(_staged(p.astype(dtype), a_smem), do_smem, (bk, H))
         dp = _matmul(v_smem, do_smem.transpose((1, 0)), (bk, ROWS))
@@ -627,7 +655,7 @@ def backward(
       a_scratch((ROWS, bk)),
     ),
     **_interpreted(interpret),
-  )(*inputs, *sched(rows_s))
+  )(*inputs, *sched(rows_s), _offsets(offsets))
   per_head = jax.ShapeDtypeStruct((B, S, N, H), dtype)  # each query head's dK, dV
   dk, dv = plgpu.kernel(
     dkv_body,
@@ -641,7 +669,7 @@ def backward(
       a_scratch((bk, ROWS)),
     ),
     **_interpreted(interpret),
-  )(*inputs, *sched(cols_s))
+  )(*inputs, *sched(cols_s), _offsets(offsets))
   group = lambda x: x.reshape(B, S, K, G, H).sum(3, dtype=jnp.float32).astype(dtype)
   return dq, group(dk), group(dv)
 
@@ -657,24 +685,26 @@ def attention(
   score_fn: Any = None,
   interpret: bool = False,
   specialized: bool = False,
+  offsets: jax.Array | None = None,
 ) -> jax.Array:
   """:func:`forward`'s output, differentiable in query, key and value by :func:`backward`;
-  ``specialized`` runs the warp-specialised forward kernel."""
+  ``specialized`` runs the warp-specialised forward kernel; ``offsets`` as
+  :func:`forward`'s."""
   kw: dict[str, Any] = dict(
     scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn, interpret=interpret
   )
 
   @jax.custom_vjp
-  def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    return forward(q, k, v, specialized=specialized, **kw)[0]
+  def attend(q: jax.Array, k: jax.Array, v: jax.Array, off: jax.Array) -> jax.Array:
+    return forward(q, k, v, specialized=specialized, offsets=off, **kw)[0]
 
-  def fwd(q: jax.Array, k: jax.Array, v: jax.Array) -> Any:
-    out, lse2 = forward(q, k, v, base2=True, specialized=specialized, **kw)
-    return out, (q, k, v, out, lse2)
+  def fwd(q: jax.Array, k: jax.Array, v: jax.Array, off: jax.Array) -> Any:
+    out, lse2 = forward(q, k, v, base2=True, specialized=specialized, offsets=off, **kw)
+    return out, (q, k, v, out, lse2, off)
 
   def bwd(res: Any, d_out: jax.Array) -> Any:
-    q, k, v, out, lse2 = res
-    return backward(q, k, v, out, lse2, d_out, **kw)
+    q, k, v, out, lse2, off = res
+    return (*backward(q, k, v, out, lse2, d_out, offsets=off, **kw), None)
 
   attend.defvjp(fwd, bwd)
-  return attend(query, key, value)
+  return attend(query, key, value, _offsets(offsets))
