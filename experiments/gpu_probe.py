@@ -51,6 +51,7 @@ import numpy as np
 
 import jattn
 from jattn.impl import flex
+from jattn.impl.flex import _hopper
 
 START = time.perf_counter()
 Tiles, Passes = flex.Tiles, flex.Passes
@@ -217,11 +218,10 @@ def method(name: str, causal: bool, scale: float) -> Callable:
   if name == "cudnn":
     return jax_nn("cudnn", causal, scale)
   if name in ("hopper", "hopper_ws"):  # flex's Hopper kernels (jattn/impl/flex/_hopper.py),
-    from jattn.impl.flex import _hopper  # not yet routed to; _ws: warp-specialised forward
-
-    specialized = name == "hopper_ws"
+    # not yet routed to (implementation="flex_hopper" opts in); _ws: warp-specialised forward
+    specialized, interpret = name == "hopper_ws", jattn.testing.interpreting()
     return lambda q, k, v: _hopper.attention(
-      q, k, v, scale=scale, is_causal=causal, specialized=specialized
+      q, k, v, scale=scale, is_causal=causal, specialized=specialized, interpret=interpret
     )
   if name == "mgpu":  # takes no scale: q is scaled before it (outside the timed program)
     from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
@@ -491,6 +491,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for causal in (True, False):
           log(f"baselines H={H} T={T} causal={causal}")
           probe.baselines(H, T, causal)
+    if a.quick and "baselines" in a.sections and _hopper.has_interpreter():
+      # The Hopper kernels in Mosaic GPU's interpreter (jax >= 0.12), at the smallest shapes
+      # they take (H = 64, two 128-row blocks): the probe's own path for its hopper rows.
+      a.methods = ["hopper", "hopper_ws"]
+      log("baselines (interpreted Hopper kernels) H=64 T=256 causal=True")
+      probe.baselines(64, 256, True)
   record = dict(
     device=kind,
     backend=backend,
