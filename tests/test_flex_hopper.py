@@ -225,6 +225,10 @@ def test_lowers_for_cuda_to_one_mosaic_gpu_call(is_causal, method):
     (dict(T=96), r"query, key: lengths 96 and 96 must be multiples of 64"),
     (dict(kw=dict(block_kv=96)), r"block_kv=96"),
     (dict(T=192, kw=dict(specialized=True)), r"query: length 192 must be a multiple of 128"),
+    (
+      dict(kw=dict(specialized=True, mask=masks.segments(np.zeros(T, np.int32)))),
+      r"mask: specialized=True takes masks of the indices alone",
+    ),
     (dict(kv_len=64, kw=dict(is_causal=True)), r"is_causal: the Hopper kernel takes T = S"),
     (dict(kw=dict(mask=masks.prefix_lm(16))), r"mask: the Hopper kernel takes masks of indices"),
     (dict(kw=dict(score_fn=scores.alibi(np.ones(N)))), r"score_fn: the Hopper kernel takes score"),
@@ -245,7 +249,8 @@ def test_bad_arguments_are_refused_by_name(change, match):
 def test_flex_hopper_is_reached_only_by_name():
   """On a Hopper GPU (lowered for CUDA from this CPU), implementation=None never picks the
   Hopper kernels, and explain says why and how to opt in; named, the gradient lowers to its
-  three Mosaic GPU calls; what it does not take is refused by name, as is an Ampere GPU."""
+  three Mosaic GPU calls (with packed documents too); what it does not take is refused by
+  name, as is an Ampere GPU."""
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
   capped = dict(is_causal=True, logits_soft_cap=30.0)  # cuDNN takes no soft cap: flex's turn
   with jattn.testing.lowering_for("gpu", "NVIDIA H100 80GB HBM3"):
@@ -258,9 +263,16 @@ def test_flex_hopper_is_reached_only_by_name():
       warnings.simplefilter("ignore")
       text = step.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 3
-    ids = np.zeros((1, 256), np.int32)
+    documents = dict(is_causal=True, segment_ids=np.repeat(np.arange(4), 64)[None])
+    attend = lambda *a: jattn.dot_product_attention(*a, implementation="flex_hopper", **documents)
+    step = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32)), (0, 1, 2)))
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      text = step.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 3
     refused = [
-      (dict(segment_ids=ids), r"does not support mask segments\(.*\) reads arrays"),
+      (dict(mask=np.tri(256, dtype=bool)), r"does not support mask .* reads other arrays"),
+      (dict(score_fn=scores.alibi(np.ones(4))), r"does not support score_fn alibi"),
       (dict(bias=jnp.zeros((256, 256), jnp.bfloat16)), r"does not support bias"),
       (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), r"does not support dropout"),
       (dict(return_residual=True), r"does not support return_residual"),
@@ -279,16 +291,20 @@ def test_flex_hopper_is_reached_only_by_name():
 @interpreter
 def test_flex_hopper_values_and_gradients_through_the_call():
   """jattn.dot_product_attention(implementation="flex_hopper") in Mosaic GPU's interpreter:
-  two batch rows, grouped queries, causal with a soft cap, and a mask of the batch row's and
-  head's indices (their programs see their own b and h): output and the three gradients
-  against the xla path on the same bf16 inputs in float32."""
+  two batch rows, grouped queries, causal with a soft cap; a mask of the batch row's and
+  head's indices (their programs see their own b and h); packed documents (segment ids
+  that differ between the batch rows) with key lengths, causal, where the kernels read the
+  ids of each tile's rows and columns: output and the three gradients against the xla path
+  on the same bf16 inputs in float32."""
   rng = np.random.default_rng(12)
   shapes = [(2, 128, 2, 64), (2, 128, 1, 64), (2, 128, 1, 64)]
   q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
   wide = [x.astype(jnp.float32) for x in (q, k, v)]
   ct = rng.standard_normal(shapes[0]).astype(np.float32)
   staggered = masks.from_fn(lambda b, h, qi, ki: ki <= qi + 17 * b + 40 * h)
-  for kw in (dict(is_causal=True, logits_soft_cap=2.0), dict(mask=staggered)):
+  ids = np.sort(rng.integers(0, 4, (2, 128)), axis=1).astype(np.int32)
+  documents = dict(is_causal=True, segment_ids=ids, key_value_seq_lengths=np.array([100, 128]))
+  for kw in (dict(is_causal=True, logits_soft_cap=2.0), dict(mask=staggered), documents):
     attend = lambda impl, kw=kw: (
       lambda *a: jattn.dot_product_attention(*a, implementation=impl, **kw).astype(jnp.float32)
     )

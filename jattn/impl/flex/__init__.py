@@ -386,9 +386,10 @@ def _hopper_check(call: _base.Call) -> str | None:
     return f"head dims H={s.H}, Hv={s.Hv} (it takes H = Hv, a multiple of 64)"
   if s.T % _hopper.ROWS or s.S % _hopper.ROWS:
     return f"lengths T={s.T}, S={s.S} (it takes multiples of {_hopper.ROWS})"
-  for name, fn in (("mask", s.mask), ("score_fn", s.score_fn)):
-    if fn is not None and jax.tree.leaves(fn):
-      return f"{name} {fn!r} reads arrays (it takes functions of the indices alone)"
+  if reason := _hopper.mask_reason(s.mask):
+    return f"mask {s.mask!r}: it takes {reason}"
+  if s.score_fn is not None and jax.tree.leaves(s.score_fn):
+    return f"score_fn {s.score_fn!r} reads arrays (it takes score functions of the indices alone)"
   return None
 
 
@@ -422,10 +423,13 @@ HOPPER = _base.Implementation(
   name="flex_hopper",
   runs_on=("gpu",),
   backwards=BACKWARDS,
-  masks="masks of the indices alone (causal, windows, chunks, strides, from_fn of indices)",
+  masks=(
+    "masks of the indices (causal, windows, chunks, strides, from_fn of indices), and'ed with "
+    "segment ids and lengths"
+  ),
   run=_hopper_run,
   dtypes=("bfloat16", "float16"),
-  bias="not yet taken by the Hopper kernels",
+  bias="not yet taken by the Hopper kernels",  # nor masks reading other arrays (check)
   dropout="not yet taken by the Hopper kernels",
   residual="its log-sum-exp carries no gradient yet",
   sinks="its log-sum-exp carries no gradient yet, which sinks need",

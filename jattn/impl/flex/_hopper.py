@@ -8,7 +8,9 @@ record is committed; ``implementation="flex_hopper"`` (the selection table's row
 (methods ``hopper`` and ``hopper_ws``, the latter with the warp-specialised forward kernel)
 beside cuDNN and the Triton kernels.
 :func:`attention` joins the forward kernel and :func:`backward`'s two kernels in a
-``custom_vjp``. Masks and score functions that read arrays, and dropout, come after that.
+``custom_vjp``. Masks of the indices and'ed with segment ids and lengths (:class:`_Dynamic`:
+each program copies its own tile's ids once and streams the other axis's ids with each
+tile it walks); masks and score functions that read other arrays, and dropout, come later.
 
 One program per (query tile of 64 rows, head, batch row), one warpgroup: the query tile is
 copied to shared memory once (TMA), then ``plgpu.emit_pipeline`` streams the key and value
@@ -42,6 +44,7 @@ from jax.experimental import pallas as pl
 
 from jattn import masks as _masks
 from jattn.impl import _tiling
+from jattn.masks import _core as _masks_core
 
 LOG2E = math.log2(math.e)
 ROWS = 64  # a warpgroup's wgmma M
@@ -128,12 +131,14 @@ def _tile_scores(
   k0: Any,
   transposed: bool = False,
   derivative: bool = False,
+  keep: Any = None,
 ) -> tuple[Any, Any]:
   """``(t, slope)`` of one tile: its base-2 scores ``score_fn(scale · q kᵀ) · log2(e)``, -inf
   where a PARTIAL tile's mask says so, and d score_fn(x)/dx (None without a score function
   or ``derivative``). ``products`` is ``q kᵀ`` (``k qᵀ`` when ``transposed``: keys along
   rows); query rows start at ``q0``, key rows at ``k0``; mask and score function see the
-  elements' own indices."""
+  elements' own indices. ``keep(q_idx, kv_idx)``: the conjuncts that read arrays (segment
+  ids, lengths; :class:`_Dynamic`), and'ed with the mask on PARTIAL tiles."""
   plgpu = _plgpu()
   if score_fn is None and not masked:
     return products * (float(scale) * LOG2E), None
@@ -153,7 +158,11 @@ def _tile_scores(
       y = score(x)
     t = y * LOG2E
   if masked:
-    t = jnp.where(mask(b, h, q_idx, kv_idx), t, -jnp.inf)
+    allowed = None if mask is None else mask(b, h, q_idx, kv_idx)
+    if keep is not None:
+      allowed = keep(q_idx, kv_idx) if allowed is None else allowed & keep(q_idx, kv_idx)
+    if allowed is not None:
+      t = jnp.where(allowed, t, -jnp.inf)
   return t, slope
 
 
@@ -176,7 +185,8 @@ def forward(
   """``(out, lse)`` of softmax attention: query (B, T, N, H), key and value (B, S, K, H),
   N a multiple of K (grouped queries), float16 or bfloat16, H a multiple of 64, T a multiple
   of 64 and S of ``block_kv``; ``is_causal`` as jax.nn's (query t sees keys s <= t, T = S),
-  and ``mask`` a jattn mask of indices alone (one that reads no array), and'ed with it;
+  and ``mask`` a jattn mask of the indices, and'ed with at most one set of segment ids and
+  one of lengths (:func:`mask_reason`), and'ed with it;
   ``score_fn(s, batch, head, q_idx, kv_idx)`` a jattn score function of indices alone,
   applied to the scaled scores (``scores.soft_cap``, ``scores.from_fn`` of indices).
   ``lse`` is (B, N, T) float32, the natural log-sum-exp of each row's scaled scores; a row
@@ -210,8 +220,8 @@ def forward(
     )
   if is_causal and T != S:
     raise ValueError(f"is_causal: the Hopper kernel takes T = S, got {T} and {S}")
-  if mask is not None and jax.tree.leaves(mask):
-    raise ValueError(f"mask: the Hopper kernel takes masks of indices alone, {mask} reads arrays")
+  if reason := mask_reason(mask):
+    raise ValueError(f"mask: the Hopper kernel takes {reason}")
   if score_fn is not None and jax.tree.leaves(score_fn):
     raise ValueError(
       f"score_fn: the Hopper kernel takes score functions of indices alone, {score_fn} reads arrays"
@@ -224,26 +234,32 @@ def forward(
     mask, (order, num_full, num_partial), _ = _schedules(
       query, key, is_causal, mask, block_kv, rows=2 * ROWS
     )
+    if _dynamic(mask)[1].arrays():
+      raise ValueError(f"mask: specialized=True takes masks of the indices alone, not {mask}")
     settings = _Specialized(float(scale), block_kv, stages, interpret)
     out, lse2 = _forward_specialized(
       query, key, value, (order, num_full, num_partial), mask, score_fn, settings, offsets
     )
     return out, lse2 if base2 else lse2 / LOG2E
-  mask, (order, num_full, num_partial), _ = _schedules(query, key, is_causal, mask, block_kv)
+  full, (order, num_full, num_partial), _ = _schedules(query, key, is_causal, mask, block_kv)
+  mask, dynamic = _dynamic(full)
+  n_dyn = len(dynamic.arrays())
   G = N // K
   swizzled = _swizzled()
   wgmma_layout = plgpu.Layout.WGMMA
 
   def body(*refs: Any) -> None:
     q_ref, k_ref, v_ref, order_ref, full_ref, partial_ref, off_ref = refs[:7]
-    out_ref, lse_ref, q_smem, o_smem, lse_smem, q_bar, p_smem = refs[7:]
+    dyn_refs = refs[7 : 7 + n_dyn]
+    out_ref, lse_ref, q_smem, o_smem, lse_smem, q_bar, p_smem, id_smem = refs[7 + n_dyn :]
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
     b_g, h_g = _global(b, h, off_ref)
     kv_head = lax.div(h, jnp.array(G, h.dtype))
     rows = pl.ds(i * ROWS, ROWS)
-    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, q_bar)
-    plgpu.barrier_wait(q_bar)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, q_bar.at[0])
     reduced = wgmma_layout.reduce(1)
+    keeper = dynamic.keeper(dyn_refs, b_g, rows, id_smem, q_bar.at[1], transposed=False)
+    plgpu.barrier_wait(q_bar.at[0])
     carry = (
       plgpu.layout_cast(jnp.full((ROWS, H), 0.0, jnp.float32), wgmma_layout),
       plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), reduced),
@@ -251,14 +267,15 @@ def forward(
     )
 
     def step(first: Any, masked: bool) -> Any:
-      def run(index: tuple[Any], k_smem: Any, v_smem: Any, carry: Any) -> Any:
+      def run(index: tuple[Any], k_smem: Any, v_smem: Any, *rest: Any) -> Any:
+        *ids_smem, carry = rest  # the key tile's segment ids, where the mask reads them
         acc, m, l = carry
         j = order_ref[i, index[0] + first]  # the key tile
 
         products = _matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, block_kv))
         t, _ = _tile_scores(
           products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b_g, h=h_g,
-          q0=i * ROWS, k0=j * block_kv,
+          q0=i * ROWS, k0=j * block_kv, keep=keeper(*ids_smem),
         )  # fmt: skip
         m_new = jnp.maximum(m, t.max(axis=1))
         # A row whose keys so far are all masked keeps m = -inf: shift it by 0, not by -inf
@@ -274,16 +291,17 @@ def forward(
     def pipeline(first: Any, count: Any, masked: bool, carry: Any) -> Any:
       at = lambda step: (order_ref[i, step + first], 0)
       spec = plgpu.BlockSpec((block_kv, H), at, transforms=swizzled)
+      ids_specs, ids_refs = dynamic.streamed(dyn_refs, b_g, block_kv, lambda t: at(t)[0], False)
       return plgpu.emit_pipeline(
         step(first, masked),
         grid=(count,),
-        in_specs=[spec, spec],
+        in_specs=[spec, spec, *ids_specs],
         max_concurrent_steps=stages,
         init_carry=carry,
-      )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :])
+      )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :], *ids_refs)
 
-    acc, m, l = _walk(pipeline, full_ref[i], partial_ref[i], mask is not None, carry)
-    if mask is not None:  # rows that saw no key: acc is 0 (every p was), l too; out 0
+    acc, m, l = _walk(pipeline, full_ref[i], partial_ref[i], full is not None, carry)
+    if full is not None:  # rows that saw no key: acc is 0 (every p was), l too; out 0
       l = jnp.where(l == 0.0, 1.0, l)  # m stays -inf there: lse = m + log2(1)
     o_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
     lse_smem[...] = m + jnp.log2(l)
@@ -304,11 +322,19 @@ def forward(
       plgpu.SMEM((ROWS, H), dtype, transforms=swizzled),
       plgpu.SMEM((ROWS, H), dtype, transforms=swizzled),
       plgpu.SMEM((ROWS,), jnp.float32),
-      plgpu.Barrier(num_barriers=1),
+      plgpu.Barrier(num_barriers=2),
       plgpu.SMEM((ROWS, block_kv), dtype, transforms=swizzled) if interpret else None,
+      plgpu.SMEM((ROWS,), jnp.int32) if dynamic.ids else None,  # the query tile's segment ids
     ),
     **_interpreted(interpret),
-  )(query, key, value, *map(jnp.asarray, (order, num_full, num_partial)), _offsets(offsets))
+  )(
+    query,
+    key,
+    value,
+    *map(jnp.asarray, (order, num_full, num_partial)),
+    _offsets(offsets),
+    *dynamic.arrays(),
+  )
   return out, lse2 if base2 else lse2 / LOG2E
 
 
@@ -322,6 +348,113 @@ def _schedules(
     mask = _masks.causal() if mask is None else _masks.causal() & mask
   view = _tiling.tile_classes(mask, B, N, T, S, rows, block)
   return mask, _tiling.schedule(view), _tiling.schedule(view.T)
+
+
+def mask_reason(mask: Any) -> str | None:
+  """What the Hopper kernels cannot take in ``mask`` (None: they take it): masks of the
+  indices alone, and'ed with at most one set of segment ids and one of lengths."""
+  parts = _masks_core.conjuncts(mask)
+  for kind in (_masks.kinds.Segments, _masks.kinds.Lengths):
+    if sum(isinstance(p, kind) for p in parts) > 1:
+      return f"one {kind.__name__.lower()} mask at most, {mask} has several"
+  rest = [p for p in parts if not isinstance(p, (_masks.kinds.Segments, _masks.kinds.Lengths))]
+  for part in rest:
+    if jax.tree.leaves(part):
+      return f"masks of indices, segment ids and lengths; {part} reads other arrays"
+  return None
+
+
+class _Dynamic(NamedTuple):
+  """A mask's conjuncts that read arrays, as kernel inputs: segment ids, query (Bm, T) and
+  key (Bm, S), and lengths, query (Bm,) and key (Bm,), int32, Bm the batch or 1 (None where
+  absent). In a kernel one axis's ids are held for the program (the query tile's; the key
+  tile's in the transposed dK/dV kernel), the other's streamed with each tile."""
+
+  ids: tuple[jax.Array, jax.Array] | None
+  lengths: tuple[jax.Array, jax.Array] | None
+
+  def arrays(self) -> list[jax.Array]:
+    return [*(self.ids or ()), *(self.lengths or ())]
+
+  def _refs(self, refs: Any) -> tuple[Any, Any]:
+    ids = tuple(refs[:2]) if self.ids else None
+    lengths = tuple(refs[2 if self.ids else 0 :][:2]) if self.lengths else None
+    return ids, lengths
+
+  def streamed(
+    self, refs: Any, b: Any, block: int, tile: Any, transposed: bool
+  ) -> tuple[list[Any], list[Any]]:
+    """The streamed axis's ids as a pipeline's extra ``(in_specs, refs)`` (none without
+    segment ids): ``tile(step)`` the step's tile of ``block`` entries."""
+    ids, _ = self._refs(refs)
+    if ids is None:
+      return [], []
+    src = ids[0] if transposed else ids[1]
+    spec = _plgpu().BlockSpec((block,), lambda t: (tile(t),))
+    return [spec], [src.at[_row(src, b)]]
+
+  def keeper(
+    self, refs: Any, b: Any, held: Any, smem: Any, barrier: Any, *, transposed: bool
+  ) -> Any:
+    """``make(*streamed_ids_smem) -> keep(q_idx, kv_idx)`` (None without these conjuncts) for
+    :func:`_tile_scores`; copies the held tile's ids (rows ``held``) to ``smem`` first."""
+    ids, lengths = self._refs(refs)
+    if ids is None and lengths is None:
+      return lambda *_: None
+    plgpu = _plgpu()
+    vector = plgpu.Layout.WGMMA.reduce
+    held_ids = None
+    if ids is not None:
+      src = ids[1] if transposed else ids[0]
+      plgpu.copy_gmem_to_smem(src.at[_row(src, b), held], smem, barrier)
+      plgpu.barrier_wait(barrier)
+      held_ids = _load(smem, vector(1))  # along the tile's rows
+
+    def make(*streamed: Any) -> Any:
+      def keep(q_idx: Any, kv_idx: Any) -> Any:
+        allowed = None
+        if held_ids is not None:
+          shape = q_idx.shape
+          other = _load(streamed[0], vector(0))  # along its columns
+          rows = lax.broadcast_in_dim(held_ids, shape, [0])
+          allowed = rows == lax.broadcast_in_dim(other, shape, [1])
+        if lengths is not None:
+          q_len, kv_len = lengths
+          inside = (q_idx < q_len[_row(q_len, b)]) & (kv_idx < kv_len[_row(kv_len, b)])
+          allowed = inside if allowed is None else allowed & inside
+        return allowed
+
+      return keep
+
+    return make
+
+
+def _row(ref: Any, b: Any) -> Any:
+  """The row of per-batch values ``ref`` (Bm, ...) for global batch row ``b``."""
+  return b if ref.shape[0] > 1 else 0
+
+
+def _dynamic(mask: Any) -> tuple[Any, _Dynamic]:
+  """``mask`` (checked by :func:`mask_reason`) as (its conjuncts of the indices alone, the
+  segment ids and lengths it reads)."""
+  parts = _masks_core.conjuncts(mask)
+  ids = lengths = None
+  rest = []
+  for part in parts:
+    if isinstance(part, _masks.kinds.Segments):
+      ids = tuple(
+        jnp.asarray(x, jnp.int32).reshape(-1, jnp.shape(x)[-1])
+        for x in (part.q_segment_ids, part.kv_segment_ids)
+      )
+    elif isinstance(part, _masks.kinds.Lengths):
+      big = jnp.iinfo(jnp.int32).max  # no limit
+      lengths = tuple(
+        jnp.asarray(big if x is None else x, jnp.int32).reshape(-1)
+        for x in (part.q_lengths, part.kv_lengths)
+      )
+    else:
+      rest.append(part)
+  return _masks.all_of(*rest), _Dynamic(ids, lengths)  # type: ignore[arg-type]
 
 
 class _Specialized(NamedTuple):
@@ -527,7 +660,9 @@ def backward(
   B, T, N, H = query.shape
   S, K = key.shape[1], key.shape[2]
   G, dtype, bk = N // K, query.dtype, ROWS
-  mask, rows_s, cols_s = _schedules(query, key, is_causal, mask, bk)
+  full, rows_s, cols_s = _schedules(query, key, is_causal, mask, bk)
+  mask, dynamic = _dynamic(full)
+  n_dyn = len(dynamic.arrays())
   swizzled = _swizzled()
   layout = plgpu.Layout.WGMMA
   delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
@@ -535,11 +670,11 @@ def backward(
   lse2 = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)
 
   def scores(
-    products: Any, masked: bool, b: Any, h: Any, q0: Any, k0: Any, transposed: bool
+    products: Any, masked: bool, b: Any, h: Any, q0: Any, k0: Any, transposed: bool, keep: Any
   ) -> tuple[Any, Any]:
     return _tile_scores(
       products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b, h=h, q0=q0,
-      k0=k0, transposed=transposed, derivative=True,
+      k0=k0, transposed=transposed, derivative=True, keep=keep,
     )  # fmt: skip
 
   def through_score(ds: Any, slope: Any) -> Any:
@@ -548,7 +683,8 @@ def backward(
 
   def dq_body(*refs: Any) -> None:
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, full_ref, partial_ref = refs[:9]
-    off_ref, dq_ref, q_smem, do_smem, lse_smem, delta_smem, bars, a_smem = refs[9:]
+    off_ref, dyn_refs = refs[9], refs[10 : 10 + n_dyn]
+    dq_ref, q_smem, do_smem, lse_smem, delta_smem, bars, a_smem, id_smem = refs[10 + n_dyn :]
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
     b_g, h_g = _global(b, h, off_ref)
     kv_head = lax.div(h, jnp.array(G, h.dtype))
@@ -561,12 +697,15 @@ def backward(
       plgpu.barrier_wait(bars.at[n])
     lse = _load(lse_smem, layout.reduce(1))
     dlt = _load(delta_smem, layout.reduce(1))
+    keeper = dynamic.keeper(dyn_refs, b_g, rows, id_smem, bars.at[4], transposed=False)
 
     def step(first: Any, masked: bool) -> Any:
-      def run(index: tuple[Any], k_smem: Any, v_smem: Any, dq: Any) -> Any:
+      def run(index: tuple[Any], k_smem: Any, v_smem: Any, *rest: Any) -> Any:
+        *ids_smem, dq = rest
         j = order_ref[i, index[0] + first]
         products = _matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, bk))
-        t, slope = scores(products, masked, b_g, h_g, i * ROWS, j * bk, False)
+        keep = keeper(*ids_smem)
+        t, slope = scores(products, masked, b_g, h_g, i * ROWS, j * bk, False, keep)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [0]))
         dp = _matmul(do_smem, v_smem.transpose((1, 0)), (ROWS, bk))
         ds = p * (dp - lax.broadcast_in_dim(dlt, t.shape, [0]))
@@ -576,14 +715,16 @@ def backward(
       return run
 
     def pipeline(first: Any, count: Any, masked: bool, dq: Any) -> Any:
-      spec = plgpu.BlockSpec((bk, H), lambda t: (order_ref[i, t + first], 0), transforms=swizzled)
+      at = lambda t: order_ref[i, t + first]
+      spec = plgpu.BlockSpec((bk, H), lambda t: (at(t), 0), transforms=swizzled)
+      ids_specs, ids_refs = dynamic.streamed(dyn_refs, b_g, bk, at, False)
       return plgpu.emit_pipeline(
-        step(first, masked), grid=(count,), in_specs=[spec, spec],
+        step(first, masked), grid=(count,), in_specs=[spec, spec, *ids_specs],
         max_concurrent_steps=stages, init_carry=dq,
-      )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :])  # fmt: skip
+      )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :], *ids_refs)  # fmt: skip
 
     dq = plgpu.layout_cast(jnp.full((ROWS, H), 0.0, jnp.float32), layout)
-    dq = _walk(pipeline, full_ref[i], partial_ref[i], mask is not None, dq)
+    dq = _walk(pipeline, full_ref[i], partial_ref[i], full is not None, dq)
     q_smem[...] = (dq * scale).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
@@ -591,7 +732,8 @@ def backward(
 
   def dkv_body(*refs: Any) -> None:
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, full_ref, partial_ref = refs[:9]
-    off_ref, dk_ref, dv_ref, k_smem, v_smem, bars, a_smem = refs[9:]
+    off_ref, dyn_refs = refs[9], refs[10 : 10 + n_dyn]
+    dk_ref, dv_ref, k_smem, v_smem, bars, a_smem, id_smem = refs[10 + n_dyn :]
     j, h, b = lax.axis_index("kv"), lax.axis_index("h"), lax.axis_index("b")
     b_g, h_g = _global(b, h, off_ref)
     kv_head = lax.div(h, jnp.array(G, h.dtype))
@@ -600,16 +742,18 @@ def backward(
     plgpu.copy_gmem_to_smem(v_ref.at[b, cols, kv_head], v_smem, bars.at[1])
     plgpu.barrier_wait(bars.at[0])
     plgpu.barrier_wait(bars.at[1])
+    keeper = dynamic.keeper(dyn_refs, b_g, cols, id_smem, bars.at[2], transposed=True)
 
     def step(first: Any, masked: bool) -> Any:
       def run(index: tuple[Any], q_smem: Any, do_smem: Any, lse_smem: Any, d_smem: Any,
-              carry: Any) -> Any:  # fmt: skip
+              *rest: Any) -> Any:  # fmt: skip
+        *ids_smem, carry = rest
         dk, dv = carry
         i = order_ref[j, index[0] + first]
         lse = _load(lse_smem, layout.reduce(0))
         dlt = _load(d_smem, layout.reduce(0))
         products = _matmul(k_smem, q_smem.transpose((1, 0)), (bk, ROWS))
-        t, slope = scores(products, masked, b_g, h_g, i * ROWS, j * bk, True)
+        t, slope = scores(products, masked, b_g, h_g, i * ROWS, j * bk, True, keeper(*ids_smem))
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [1]))
         dv = dv + _matmul(_staged(p.astype(dtype), a_smem), do_smem, (bk, H))
         dp = _matmul(v_smem, do_smem.transpose((1, 0)), (bk, ROWS))
@@ -623,14 +767,15 @@ def backward(
       at = lambda t: order_ref[j, t + first]
       tile = plgpu.BlockSpec((ROWS, H), lambda t: (at(t), 0), transforms=swizzled)
       vec = plgpu.BlockSpec((ROWS,), lambda t: (at(t),))
+      ids_specs, ids_refs = dynamic.streamed(dyn_refs, b_g, ROWS, at, True)
       return plgpu.emit_pipeline(
-        step(first, masked), grid=(count,), in_specs=[tile, tile, vec, vec],
+        step(first, masked), grid=(count,), in_specs=[tile, tile, vec, vec, *ids_specs],
         max_concurrent_steps=stages, init_carry=carry,
       )(q_ref.at[b, :, h, :], do_ref.at[b, :, h, :], lse_ref.at[b, h, :],
-        delta_ref.at[b, h, :])  # fmt: skip
+        delta_ref.at[b, h, :], *ids_refs)  # fmt: skip
 
     zero = plgpu.layout_cast(jnp.full((bk, H), 0.0, jnp.float32), layout)
-    dk, dv = _walk(pipeline, full_ref[j], partial_ref[j], mask is not None, (zero, zero))
+    dk, dv = _walk(pipeline, full_ref[j], partial_ref[j], full is not None, (zero, zero))
     k_smem[...] = (dk * scale).astype(dtype)
     v_smem[...] = dv.astype(dtype)
     plgpu.commit_smem()
@@ -651,11 +796,12 @@ def backward(
       plgpu.SMEM((ROWS, H), dtype, transforms=swizzled),
       plgpu.SMEM((ROWS,), jnp.float32),
       plgpu.SMEM((ROWS,), jnp.float32),
-      plgpu.Barrier(num_barriers=4),
+      plgpu.Barrier(num_barriers=5),
       a_scratch((ROWS, bk)),
+      plgpu.SMEM((ROWS,), jnp.int32) if dynamic.ids else None,  # the query tile's segment ids
     ),
     **_interpreted(interpret),
-  )(*inputs, *sched(rows_s), _offsets(offsets))
+  )(*inputs, *sched(rows_s), _offsets(offsets), *dynamic.arrays())
   per_head = jax.ShapeDtypeStruct((B, S, N, H), dtype)  # each query head's dK, dV
   dk, dv = plgpu.kernel(
     dkv_body,
@@ -665,11 +811,12 @@ def backward(
     scratch_types=(
       plgpu.SMEM((bk, H), dtype, transforms=swizzled),
       plgpu.SMEM((bk, H), dtype, transforms=swizzled),
-      plgpu.Barrier(num_barriers=2),
+      plgpu.Barrier(num_barriers=3),
       a_scratch((bk, ROWS)),
+      plgpu.SMEM((bk,), jnp.int32) if dynamic.ids else None,  # the key tile's segment ids
     ),
     **_interpreted(interpret),
-  )(*inputs, *sched(cols_s), _offsets(offsets))
+  )(*inputs, *sched(cols_s), _offsets(offsets), *dynamic.arrays())
   group = lambda x: x.reshape(B, S, K, G, H).sum(3, dtype=jnp.float32).astype(dtype)
   return dq, group(dk), group(dv)
 
@@ -691,20 +838,26 @@ def attention(
   ``specialized`` runs the warp-specialised forward kernel; ``offsets`` as
   :func:`forward`'s."""
   kw: dict[str, Any] = dict(
-    scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn, interpret=interpret
+    scale=scale, is_causal=is_causal, score_fn=score_fn, interpret=interpret
   )
+  # The mask's arrays (segment ids, lengths) are the custom_vjp's inputs, not its closure.
+  mask_leaves, mask_tree = jax.tree.flatten(mask)
+  rebuilt = lambda leaves: jax.tree.unflatten(mask_tree, leaves)
 
   @jax.custom_vjp
-  def attend(q: jax.Array, k: jax.Array, v: jax.Array, off: jax.Array) -> jax.Array:
-    return forward(q, k, v, specialized=specialized, offsets=off, **kw)[0]
+  def attend(q: jax.Array, k: jax.Array, v: jax.Array, off: jax.Array, m: Any) -> jax.Array:
+    return forward(q, k, v, specialized=specialized, offsets=off, mask=rebuilt(m), **kw)[0]
 
-  def fwd(q: jax.Array, k: jax.Array, v: jax.Array, off: jax.Array) -> Any:
-    out, lse2 = forward(q, k, v, base2=True, specialized=specialized, offsets=off, **kw)
-    return out, (q, k, v, out, lse2, off)
+  def fwd(q: jax.Array, k: jax.Array, v: jax.Array, off: jax.Array, m: Any) -> Any:
+    out, lse2 = forward(
+      q, k, v, base2=True, specialized=specialized, offsets=off, mask=rebuilt(m), **kw
+    )
+    return out, (q, k, v, out, lse2, off, m)
 
   def bwd(res: Any, d_out: jax.Array) -> Any:
-    q, k, v, out, lse2, off = res
-    return (*backward(q, k, v, out, lse2, d_out, offsets=off, **kw), None)
+    q, k, v, out, lse2, off, m = res
+    grads = backward(q, k, v, out, lse2, d_out, offsets=off, mask=rebuilt(m), **kw)
+    return (*grads, None, [None] * len(m))
 
   attend.defvjp(fwd, bwd)
-  return attend(query, key, value, _offsets(offsets))
+  return attend(query, key, value, _offsets(offsets), mask_leaves)
