@@ -296,9 +296,17 @@ def _gathered(
       spec = dataclasses.replace(spec, mask=masks.all_of(spec.mask, masks.segments(*ids)))
     out, lse = attention.attend(q, k, v, spec)
     return (out, lse) if spec.return_residual else out
-  part_masks, why_not = _part_masks(
-    spec.mask, strategy, layout, size, spec.T, spec.S, batch_axes, head_axes
+  # Ulysses' parts take the static form on any backend (one mask, exact tiles); the
+  # all-gather's, one per device, only where splash may run them.
+  backend = testing.target_backend() or _select.default_backend()
+  splash_may_run = options.implementation == "splash" or (
+    options.implementation is None and backend == "tpu"
   )
+  part_masks, why_not = None, None
+  if strategy == "ulysses" or splash_may_run:
+    part_masks, why_not = _part_masks(
+      spec.mask, strategy, layout, size, spec.T, spec.S, batch_axes, head_axes
+    )
   if why_not and options.implementation == "splash":
     raise ValueError(
       f"context_parallel_attention(strategy={strategy!r}, implementation='splash') does not "
