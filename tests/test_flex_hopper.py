@@ -144,18 +144,21 @@ def test_the_warp_specialized_forward_matches_jax_nn():
   each key/value tile and take turns on the tensor cores, over two 128-row blocks. Causal
   with grouped queries, a window (its block schedules hold tiles one half of the block does
   not need), the strict upper triangle (an empty last row: zeros, lse -inf), a soft cap
-  over a window: output and lse against jax.nn's (jattn's materialised path's for the soft
+  over a window, causal packed documents with a key length (the copy warpgroup brings each
+  key tile's ids with it): output and lse against jax.nn's (jattn's materialised path's for the soft
   cap) in float32 on the same bf16 inputs; and the gradient of attention(specialized=True),
   whose backward reads the specialised forward's lse."""
   T2 = 2 * T
   q, k, v = _inputs(jnp.bfloat16, T2)
   wide = [x.astype(jnp.float32) for x in (q, k, v)]
   window = masks.sliding_window(40, 0)
+  ids = np.repeat(np.arange(4), [50, 100, 6, 100])[None]  # documents: the copy group's ids
   cases = [
     dict(is_causal=True),
     dict(mask=window),
     dict(mask=~masks.causal(offset=-1)),
     dict(mask=window, score_fn=scores.soft_cap(2.0)),
+    dict(is_causal=True, mask=masks.segments(ids, ids) & masks.lengths(None, np.array([230]))),
   ]
   for kw in cases:
     kernel = lambda *a, kw=kw: _hopper.forward(
@@ -196,20 +199,22 @@ def test_the_gradient_lowers_for_cuda_to_three_mosaic_gpu_calls(score_fn):
 
 
 @pytest.mark.parametrize("method", ["hopper", "hopper_ws"])
-@pytest.mark.parametrize("is_causal", [False, True, "window"])
+@pytest.mark.parametrize("is_causal", [False, True, "window", "documents"])
 def test_lowers_for_cuda_to_one_mosaic_gpu_call(is_causal, method):
   """From a CPU, at Hopper's shapes (H = 128, bf16, eight query tiles): one Mosaic GPU custom
   call holds the whole forward pass, as the GPU probe calls it, with one warpgroup or warp
-  specialised (and with a window mask)."""
+  specialised (and with a window mask, or packed documents)."""
   from experiments import gpu_probe
 
   q, k, v = (jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in _inputs(jnp.float32, 512, 128))
   f = jax.jit(gpu_probe.method(method, is_causal, 0.1))
-  if is_causal == "window":
-    window = masks.sliding_window(100, 0)
+  if is_causal in ("window", "documents"):
+    mask = masks.sliding_window(100, 0)
+    if is_causal == "documents":
+      mask = masks.segments(*[np.repeat(np.arange(4), 128)] * 2) & masks.causal()
     specialized = method == "hopper_ws"
     f = jax.jit(
-      lambda q, k, v: _hopper.forward(q, k, v, scale=0.1, mask=window, specialized=specialized)[0]
+      lambda q, k, v: _hopper.forward(q, k, v, scale=0.1, mask=mask, specialized=specialized)[0]
     )
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -225,10 +230,6 @@ def test_lowers_for_cuda_to_one_mosaic_gpu_call(is_causal, method):
     (dict(T=96), r"query, key: lengths 96 and 96 must be multiples of 64"),
     (dict(kw=dict(block_kv=96)), r"block_kv=96"),
     (dict(T=192, kw=dict(specialized=True)), r"query: length 192 must be a multiple of 128"),
-    (
-      dict(kw=dict(specialized=True, mask=masks.segments(np.zeros(T, np.int32)))),
-      r"mask: specialized=True takes masks of the indices alone",
-    ),
     (dict(kv_len=64, kw=dict(is_causal=True)), r"is_causal: the Hopper kernel takes T = S"),
     (dict(kw=dict(mask=masks.prefix_lm(16))), r"mask: the Hopper kernel takes masks of indices"),
     (dict(kw=dict(score_fn=scores.alibi(np.ones(N)))), r"score_fn: the Hopper kernel takes score"),

@@ -234,8 +234,6 @@ def forward(
     mask, (order, num_full, num_partial), _ = _schedules(
       query, key, is_causal, mask, block_kv, rows=2 * ROWS
     )
-    if _dynamic(mask)[1].arrays():
-      raise ValueError(f"mask: specialized=True takes masks of the indices alone, not {mask}")
     settings = _Specialized(float(scale), block_kv, stages, interpret)
     out, lse2 = _forward_specialized(
       query, key, value, (order, num_full, num_partial), mask, score_fn, settings, offsets
@@ -411,11 +409,13 @@ class _Dynamic(NamedTuple):
       held_ids = _load(smem, vector(1))  # along the tile's rows
 
     def make(*streamed: Any) -> Any:
+      # The streamed tile's ids, along its columns: read now, while its buffer is held.
+      other = _load(streamed[0], vector(0)) if held_ids is not None else None
+
       def keep(q_idx: Any, kv_idx: Any) -> Any:
         allowed = None
-        if held_ids is not None:
+        if held_ids is not None and other is not None:
           shape = q_idx.shape
-          other = _load(streamed[0], vector(0))  # along its columns
           rows = lax.broadcast_in_dim(held_ids, shape, [0])
           allowed = rows == lax.broadcast_in_dim(other, shape, [1])
         if lengths is not None:
@@ -502,12 +502,14 @@ def _forward_specialized(
   wgmma_layout = plgpu.Layout.WGMMA
   order, num_full, num_partial = schedule
   masked_tiles = mask is not None
+  mask, dynamic = _dynamic(mask)
+  n_dyn = len(dynamic.arrays())
 
   def body(*refs: Any) -> None:
-    q_ref, k_ref, v_ref, order_ref, full_ref, partial_ref, off_ref, out_ref, lse_ref = refs[:9]
-    scoped = refs[9]
-    (qo_smem, k_smem, v_smem, lse_smem, p_smem), barriers = scoped
-    k_ready, v_ready, q_ready, k_free, v_free, turn = barriers
+    q_ref, k_ref, v_ref, order_ref, full_ref, partial_ref, off_ref = refs[:7]
+    dyn_refs, (out_ref, lse_ref, scoped) = refs[7 : 7 + n_dyn], refs[7 + n_dyn :]
+    (qo_smem, k_smem, v_smem, lse_smem, p_smem, qid_smem, kid_smem), barriers = scoped
+    k_ready, v_ready, q_ready, k_free, v_free, turn, ids_ready = barriers
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
     wg = lax.axis_index("wg")
     b_g, h_g = _global(b, h, off_ref)
@@ -526,6 +528,8 @@ def _forward_specialized(
       q0 = i * (2 * ROWS) + wg * ROWS
       rows = pl.ds(q0, ROWS)
       plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, q_ready.at[wg])
+      held = None if qid_smem is None else qid_smem.at[wg]
+      keeper = dynamic.keeper(dyn_refs, b_g, rows, held, ids_ready.at[wg], transposed=False)
       plgpu.barrier_wait(q_ready.at[wg])
       reduced = wgmma_layout.reduce(1)
       carry = (
@@ -547,10 +551,13 @@ def _forward_specialized(
           return acc_ref[...]
 
         products = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
+        # The key tile's ids (landed with it) are read before its slot is released.
+        streamed = () if kid_smem is None else (kid_smem.at[slot],)
+        keep = keeper(*streamed) if masked else None
         plgpu.barrier_arrive(k_free.at[slot])
         t_, _ = _tile_scores(
           products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b_g, h=h_g,
-          q0=q0, k0=j * bk,
+          q0=q0, k0=j * bk, keep=keep,
         )  # fmt: skip
         m_new = jnp.maximum(m, t_.max(axis=1))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
@@ -593,6 +600,9 @@ def _forward_specialized(
           plgpu.barrier_wait(k_free.at[slot])
 
         plgpu.copy_gmem_to_smem(k_ref.at[b, cols, kv_head], k_smem.at[slot], k_ready.at[slot])
+        if kid_smem is not None:  # the key tile's segment ids, on the same barrier
+          ids = dyn_refs[1]
+          plgpu.copy_gmem_to_smem(ids.at[_row(ids, b_g), cols], kid_smem.at[slot], k_ready.at[slot])
 
         @pl.when(t >= stages)
         def _() -> None:
@@ -608,14 +618,18 @@ def _forward_specialized(
       plgpu.SMEM((2, ROWS), jnp.float32),
       # The interpreter's wgmma reads its A operand (P) from shared memory only.
       plgpu.SMEM((2, ROWS, bk), dtype, transforms=swizzled) if interpret else None,
+      plgpu.SMEM((2, ROWS), jnp.int32) if dynamic.ids else None,  # each group's query ids
+      plgpu.SMEM((stages, bk), jnp.int32) if dynamic.ids else None,  # each slot's key ids
     )
     barriers = (
-      plgpu.Barrier(num_barriers=stages),  # a key tile landed in the slot
+      # a key tile landed in the slot (and its segment ids: two copies arrive)
+      plgpu.Barrier(num_arrivals=2 if dynamic.ids else 1, num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),  # a value tile
       plgpu.Barrier(num_barriers=2),  # each compute group's query tile
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both groups done with a key slot
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # and with a value slot
       plgpu.Barrier(num_arrivals=2, num_barriers=1),  # the ping-pong's turn
+      plgpu.Barrier(num_barriers=2),  # each compute group's query ids
     )
     pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, barriers, collective_axes="wg")
 
@@ -630,7 +644,14 @@ def _forward_specialized(
     num_threads=3,
     thread_name="wg",
     **_interpreted(interpret),
-  )(query, key, value, *map(jnp.asarray, (order, num_full, num_partial)), _offsets(offsets))
+  )(
+    query,
+    key,
+    value,
+    *map(jnp.asarray, (order, num_full, num_partial)),
+    _offsets(offsets),
+    *dynamic.arrays(),
+  )
 
 
 def backward(
