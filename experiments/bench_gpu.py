@@ -42,6 +42,9 @@ count. Methods, those that cannot run on the backend skipped with a note:
     blockwise     jattn, implementation="blockwise" (tiles, custom_vjp)
     splash        jattn, implementation="splash" (JAX's splash Pallas kernel; TPU only)
     flex          jattn, implementation="flex" (jattn's own Pallas kernel; GPU only)
+    flex_hopper   jattn, implementation="flex_hopper" (flex's Mosaic GPU kernels, an opt-in
+                  until measured; Hopper only: elsewhere, and for the masks it does not take,
+                  its compile error is recorded)
     auto          jattn, implementation=None (what it picks: ``auto_runs``, from jattn.explain)
 
 jax.nn's best, the ``*_vs_best`` reference: jax.nn/cudnn on a GPU where it ran
@@ -72,9 +75,10 @@ import jattn
 from experiments import _cli, _timing
 from experiments._timing import fmt
 
-METHODS = ("jax.nn", "jax.nn/cudnn", "xla", "blockwise", "splash", "flex", "auto")
+METHODS = ("jax.nn", "jax.nn/cudnn", "xla", "blockwise", "splash", "flex", "flex_hopper", "auto")
 MASKS = ("full", "causal", "packed", "window", "prefix", "alibi", "softcap")
-RUNS_ON = {"jax.nn/cudnn": "gpu", "splash": "tpu", "flex": "gpu"}  # the rest run anywhere
+# Where each runs; the rest run anywhere.
+RUNS_ON = {"jax.nn/cudnn": "gpu", "splash": "tpu", "flex": "gpu", "flex_hopper": "gpu"}
 MATERIALISING = ("jax.nn", "xla")
 
 # Dense (no sparsity) peak TFLOP/s per chip, by dtype, from the vendors' data sheets; the
