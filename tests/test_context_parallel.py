@@ -68,6 +68,17 @@ def _loss(attend, order=lambda x: x):
   return jax.value_and_grad(loss, argnums=range(6), has_aux=True)
 
 
+def _step(attend, w):
+  """The jitted value and gradients in q, k, v of ``sum(out * w) + sum(sin(lse))``, with
+  ``(out, lse)`` beside them: ``attend(q, k, v)`` returns both."""
+
+  def loss(q, k, v):
+    out, lse = attend(q, k, v)
+    return jnp.sum(out * w) + jnp.sum(jnp.sin(lse)), (out, lse)
+
+  return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+
+
 def _one_device(q, k, v, bias, slopes, sinks, ids):
   return _loss(lambda *a, **kw: jattn.dot_product_attention(*a, implementation="xla", **kw))(
     q, k, v, bias, slopes, sinks, ids
@@ -334,12 +345,7 @@ def test_splash_parts_equal_the_one_device_call_interpreted(strategy, layout):
   perm = lambda x: parallel.permute(x, layout, 2)
   unperm = lambda x: parallel.unpermute(x, layout, 2)
 
-  def step(attend):
-    def loss(q, k, v):
-      out, lse = attend(q, k, v)
-      return jnp.sum(out * w) + jnp.sum(jnp.sin(lse)), (out, lse)
-
-    return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+  step = lambda attend: _step(attend, w)
 
   def sharded(q, k, v):
     out, lse = parallel.context_parallel_attention(
@@ -416,12 +422,7 @@ def test_flex_draws_each_parts_dropout_at_its_global_positions():
   perm = lambda x: parallel.permute(x, "zigzag", SP)
   unperm = lambda x: parallel.unpermute(x, "zigzag", SP)
 
-  def step(attend):
-    def loss(q, k, v):
-      out, lse = attend(q, k, v)
-      return jnp.sum(out * w) + jnp.sum(jnp.sin(lse)), (out, lse)
-
-    return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+  step = lambda attend: _step(attend, w)
 
   def sharded(q, k, v):
     out, lse = parallel.context_parallel_attention(

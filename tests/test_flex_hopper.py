@@ -258,19 +258,14 @@ def test_flex_hopper_is_reached_only_by_name():
     choice = jattn.explain(q, q, q, **capped)
     assert choice.implementation == "flex"
     assert "implementation='flex_hopper' opts in" in choice.rejected["flex_hopper"]
-    attend = lambda *a: jattn.dot_product_attention(*a, implementation="flex_hopper", **capped)
-    step = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32)), (0, 1, 2)))
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore")
-      text = step.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu") == 3
     documents = dict(is_causal=True, segment_ids=np.repeat(np.arange(4), 64)[None])
-    attend = lambda *a: jattn.dot_product_attention(*a, implementation="flex_hopper", **documents)
-    step = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32)), (0, 1, 2)))
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore")
-      text = step.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu") == 3
+    for kw in (capped, documents):
+      attend = lambda *a, kw=kw: jattn.dot_product_attention(*a, implementation="flex_hopper", **kw)
+      step = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32)), (0, 1, 2)))
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        text = step.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+      assert text.count("custom_call @mosaic_gpu") == 3, kw
     refused = [
       (dict(mask=np.tri(256, dtype=bool)), r"does not support mask .* reads other arrays"),
       (dict(score_fn=scores.alibi(np.ones(4))), r"does not support score_fn alibi"),

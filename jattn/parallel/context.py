@@ -534,8 +534,9 @@ def _per_device(
     mine = lambda m: dataclasses.replace(local, mask=masks.all_of(*m.parts, *segments))
     trial, choice = choose(mine(plan.part_masks[0]))
     if trial.static_mask is not None:
-      distinct = list(dict.fromkeys(plan.part_masks))
-      branches = [functools.partial(_attend, spec=choose(mine(m))[0]) for m in distinct]
+      distinct = list(dict.fromkeys(plan.part_masks))  # the first device's part first
+      specs = [trial] + [choose(mine(m))[0] for m in distinct[1:]]
+      branches = [functools.partial(_attend, spec=spec) for spec in specs]
       which = jnp.asarray([distinct.index(m) for m in plan.part_masks], jnp.int32)
       _choices.record(choice)
       out, lse = jax.lax.switch(which[jax.lax.axis_index(axis)], branches, query, key, value)

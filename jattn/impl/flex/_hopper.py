@@ -166,6 +166,18 @@ def _tile_scores(
   return t, slope
 
 
+def _online_softmax(t: Any, m: Any, l: Any, masked: bool) -> tuple[Any, Any, Any, Any]:
+  """One key tile's step of the base-2 online softmax: ``(p, alpha, m, l)`` from the tile's
+  scores ``t`` and the rows' running max ``m`` and sum ``l``, alpha rescaling what came
+  before. On a PARTIAL tile a row whose keys so far are all masked keeps m = -inf: it is
+  shifted by 0, not by -inf."""
+  m_new = jnp.maximum(m, t.max(axis=1))
+  shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+  alpha = jnp.exp2(m - shift)
+  p = jnp.exp2(t - lax.broadcast_in_dim(shift, t.shape, [0]))
+  return p, alpha, m_new, l * alpha + p.sum(axis=1)
+
+
 def forward(
   query: jax.Array,
   key: jax.Array,
@@ -275,12 +287,7 @@ def forward(
           products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b_g, h=h_g,
           q0=i * ROWS, k0=j * block_kv, keep=keeper(*ids_smem),
         )  # fmt: skip
-        m_new = jnp.maximum(m, t.max(axis=1))
-        # A row whose keys so far are all masked keeps m = -inf: shift it by 0, not by -inf
-        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-        alpha = jnp.exp2(m - shift)
-        p = jnp.exp2(t - lax.broadcast_in_dim(shift, t.shape, [0]))
-        l = l * alpha + p.sum(axis=1)
+        p, alpha, m_new, l = _online_softmax(t, m, l, masked)
         pv = _matmul(_staged(p.astype(dtype), p_smem), v_smem, (ROWS, H))
         return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l
 
@@ -559,11 +566,7 @@ def _forward_specialized(
           products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b_g, h=h_g,
           q0=q0, k0=j * bk, keep=keep,
         )  # fmt: skip
-        m_new = jnp.maximum(m, t_.max(axis=1))
-        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-        alpha = jnp.exp2(m - shift)
-        p = jnp.exp2(t_ - lax.broadcast_in_dim(shift, t_.shape, [0]))
-        l = l * alpha + p.sum(axis=1)
+        p, alpha, m_new, l = _online_softmax(t_, m, l, masked)
         p16 = p.astype(dtype)
         plgpu.barrier_arrive(turn)  # this softmax is done: the other may multiply
         plgpu.barrier_wait(v_ready.at[slot])
