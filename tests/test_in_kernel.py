@@ -181,3 +181,34 @@ def test_static_slices_of_an_array_are_loads_at_offsets():
   want = v[0][q] + 2.0 * v[1, 1:][kv - 1] + v[1][::2][q // 2] + sub[q - 4, kv - 2] * 0.001
   np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), rtol=1e-6)
   assert _lowers_to_triton(jaxpr, arrays)
+
+
+def test_reads_at_a_scalar_index_are_loads_of_one_element():
+  """``arr[i]`` at a traced scalar ``i`` (``jnp`` makes it a dynamic slice, not a gather):
+  a per-head value and a whole row of a (N, T) table picked by the head, then indexed by
+  the query; a negative scalar counts from the end, one past it is clamped as jnp clamps.
+  Read element by element from the refs (no dynamic slice left in the kernel), exact, and
+  lowered to Triton."""
+  per_head = array(np.array([0.5, -2.0, 3.0][:N] + [1.0] * max(0, N - 3), np.float32))
+  rows = array(np.arange(N * T, dtype=np.float32).reshape(N, T))
+
+  def fn(b, h, q, kv):
+    head = h.reshape(())
+    last = per_head[head - N] + per_head[b.reshape(()) + N]  # wraps once; past the end clamps
+    return per_head[head] * (kv - q) + rows[head][q] + last
+
+  jaxpr, arrays = _opened(fn, *SPECS)
+  assert "dynamic_slice" in {e.primitive.name for e in jaxpr.eqns}
+  got = np.asarray(jax.jit(lambda *a: _call(jaxpr, a, interpret=True))(*arrays))
+  p, r = np.asarray(per_head), np.asarray(rows)
+  h = np.arange(N)[None, :, None, None]
+  q, kv = np.arange(T)[:, None], np.arange(S)[None, :]
+  want = p[h] * (kv - q) + r[h, q] + p[h] + p[N - 1]
+  np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), rtol=1e-6)
+  refs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    traced = jax.make_jaxpr(lambda *a: _call(jaxpr, a, interpret=False))(*refs)
+  inner = next(e for e in traced.jaxpr.eqns if e.primitive.name == "pallas_call")
+  assert "dynamic_slice" not in {e.primitive.name for e in inner.params["jaxpr"].eqns}
+  assert _lowers_to_triton(jaxpr, arrays)

@@ -9,9 +9,10 @@ array of integer indices is a gather from memory. :func:`evaluate` runs a functi
 - a point gather from one (``arr[b, q_idx]``, ``arr.at[i].get(mode="clip")``: every operand
   dimension collapsed, slices of size 1) becomes one load at the gathered indices, clipped
   (or masked and filled) as the gather's mode says;
-- static slices of one (``arr[0]``, ``arr[:, 1:]``, ``arr[::2]``), reshapes that add or drop
-  unit dimensions, broadcasts that only add them, and dtype conversions of one are
-  deferred to that load;
+- static slices of one (``arr[0]``, ``arr[:, 1:]``, ``arr[::2]``), dynamic slices that take
+  one element or the whole extent of each dimension (``arr[b]`` at a scalar ``b``, as
+  ``jnp`` indexes with a traced scalar), reshapes that add or drop unit dimensions,
+  broadcasts that only add them, and dtype conversions of one are deferred to that load;
 - anything else reads the whole array first (exact, but for Triton only where its shape is
   a power of two, and a gather from the loaded array does not lower at all: flex's
   selection, :mod:`jattn.impl.flex._lowers`, refuses functions that need either).
@@ -38,7 +39,8 @@ class Deferred:
   logical dimension i is the ref's dimension ``dims[i]`` (None: a unit dimension the ref
   lacks) from element ``starts[i]`` in steps of ``steps[i]`` (a static slice); ref
   dimensions no logical one maps are read at ``pinned`` (ref dimension, index) pairs, else
-  at 0 (the ref's own unit dimensions)."""
+  at 0 (the ref's own unit dimensions); a pinned index may be traced (a dynamic slice's
+  start)."""
 
   ref: Any
   shape: tuple[int, ...]
@@ -46,7 +48,7 @@ class Deferred:
   dims: tuple[int | None, ...]
   starts: tuple[int, ...]
   steps: tuple[int, ...]
-  pinned: tuple[tuple[int, int], ...] = ()
+  pinned: tuple[tuple[int, Any], ...] = ()
 
   @classmethod
   def of(cls, ref: Any) -> Deferred:
@@ -91,7 +93,7 @@ class Deferred:
       dims=tuple(a[1] for a in new),
       starts=tuple(a[2] for a in new),
       steps=tuple(a[3] for a in new),
-      pinned=tuple(sorted(pinned.items())),
+      pinned=tuple(sorted(pinned.items(), key=lambda item: item[0])),
     )
 
   def sliced(
@@ -105,6 +107,25 @@ class Deferred:
       starts=tuple(s0 + lo * st0 for s0, st0, lo in zip(self.starts, self.steps, start)),
       steps=tuple(st0 * st for st0, st in zip(self.steps, strides)),
     )
+
+  def dynamic_sliced(self, starts: Sequence[Any], sizes: Sequence[int]) -> Deferred | None:
+    """``lax.dynamic_slice`` of it where each dimension keeps one element (at its start,
+    clamped into the dimension as dynamic_slice clamps) or all of them; else None."""
+    if any(k not in (1, n) for k, n in zip(sizes, self.shape)):
+      return None
+    pinned = dict(self.pinned)
+    dims = list(self.dims)
+    for i, (k, n, d, start, step) in enumerate(
+      zip(sizes, self.shape, self.dims, self.starts, self.steps)
+    ):
+      if k == n:  # the whole dimension (a unit one too: its start is clamped to 0)
+        continue
+      dims[i] = None
+      if d is not None:  # the ref's element: from the slice's start, in its steps
+        idx = jnp.clip(jnp.asarray(starts[i]).astype(jnp.int32), 0, n - 1)
+        pinned[d] = start + (idx * step if step != 1 else idx)
+    ordered = tuple(sorted(pinned.items(), key=lambda item: item[0]))
+    return dataclasses.replace(self, shape=tuple(sizes), dims=tuple(dims), pinned=ordered)
 
   def gather(self, indices: Sequence[jax.Array], mode: Any, fill: Any) -> jax.Array:
     """``array[indices[0], indices[1], ...]`` elementwise (one index array per logical
@@ -193,6 +214,11 @@ def _eqn(eqn: Any, invals: list[Any]) -> list[Any]:
         return [seen]
     if name == "slice" and isinstance(x, Deferred):
       return [x.sliced(params["start_indices"], params["limit_indices"], params["strides"])]
+    if name == "dynamic_slice" and isinstance(x, Deferred):
+      starts = [_materialise(i) for i in invals[1:]]
+      got = x.dynamic_sliced(starts, params["slice_sizes"])
+      if got is not None:
+        return [got]
     if name == "convert_element_type" and isinstance(x, Deferred):
       return [dataclasses.replace(x, dtype=np.dtype(params["new_dtype"]))]
     if name == "gather" and isinstance(x, Deferred):
