@@ -231,8 +231,16 @@ def test_lowers_for_cuda_to_one_mosaic_gpu_call(is_causal, method):
     (dict(kw=dict(block_kv=96)), r"block_kv=96"),
     (dict(T=192, kw=dict(specialized=True)), r"query: length 192 must be a multiple of 128"),
     (dict(kv_len=64, kw=dict(is_causal=True)), r"is_causal: the Hopper kernel takes T = S"),
-    (dict(kw=dict(mask=masks.prefix_lm(16))), r"mask: the Hopper kernel takes masks of indices"),
-    (dict(kw=dict(score_fn=scores.alibi(np.ones(N)))), r"score_fn: the Hopper kernel takes score"),
+    (
+      dict(kw=dict(mask=masks.from_array(np.tri(T, dtype=bool)))),
+      r"mask: the Hopper kernel takes masks reading arrays at the batch row and head alone .* "
+      r"reads an array of shape \(128, 128\) at each query or key position",
+    ),
+    (
+      dict(kw=dict(score_fn=scores.relative_position_bias(np.zeros((32, N), np.float32)))),
+      r"score_fn: the Hopper kernel takes score functions reading arrays at the batch row and "
+      r"head alone, and it reads an array of shape \(32, 2\)",
+    ),
   ],
 )
 def test_bad_arguments_are_refused_by_name(change, match):
@@ -250,8 +258,8 @@ def test_bad_arguments_are_refused_by_name(change, match):
 def test_flex_hopper_is_reached_only_by_name():
   """On a Hopper GPU (lowered for CUDA from this CPU), implementation=None never picks the
   Hopper kernels, and explain says why and how to opt in; named, the gradient lowers to its
-  three Mosaic GPU calls (with packed documents too); what it does not take is refused by
-  name, as is an Ampere GPU."""
+  three Mosaic GPU calls (with packed documents too, and prefix lengths with ALiBi); what
+  it does not take is refused by name, as is an Ampere GPU."""
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
   capped = dict(is_causal=True, logits_soft_cap=30.0)  # cuDNN takes no soft cap: flex's turn
   with jattn.testing.lowering_for("gpu", "NVIDIA H100 80GB HBM3"):
@@ -259,7 +267,9 @@ def test_flex_hopper_is_reached_only_by_name():
     assert choice.implementation == "flex"
     assert "implementation='flex_hopper' opts in" in choice.rejected["flex_hopper"]
     documents = dict(is_causal=True, segment_ids=np.repeat(np.arange(4), 64)[None])
-    for kw in (capped, documents):
+    # arrays read at the batch row and head: kernel inputs, read an element at a time
+    alibi = dict(mask=masks.prefix_lm(np.array([100])), score_fn=scores.alibi(np.ones(4)))
+    for kw in (capped, documents, alibi):
       attend = lambda *a, kw=kw: jattn.dot_product_attention(*a, implementation="flex_hopper", **kw)
       step = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32)), (0, 1, 2)))
       with warnings.catch_warnings():
@@ -267,8 +277,11 @@ def test_flex_hopper_is_reached_only_by_name():
         text = step.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
       assert text.count("custom_call @mosaic_gpu") == 3, kw
     refused = [
-      (dict(mask=np.tri(256, dtype=bool)), r"does not support mask .* reads other arrays"),
-      (dict(score_fn=scores.alibi(np.ones(4))), r"does not support score_fn alibi"),
+      (dict(mask=np.tri(256, dtype=bool)), r"does not support mask .* at each query or key"),
+      (
+        dict(score_fn=scores.relative_position_bias(np.zeros((32, 4), np.float32))),
+        r"does not support score_fn relative_position_bias.* at each query or key",
+      ),
       (dict(bias=jnp.zeros((256, 256), jnp.bfloat16)), r"does not support bias"),
       (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), r"does not support dropout"),
       (dict(return_residual=True), r"does not support return_residual"),
@@ -365,3 +378,44 @@ def test_sharded_batch_and_heads_lower_to_one_part_per_device():
       text = step.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("custom_call @mosaic_gpu") == 3
   assert "sdy.manual_computation" in text and "all-gather" not in text
+
+
+@interpreter
+def test_arrays_read_at_the_batch_row_and_head_are_kernel_inputs():
+  """Masks and score functions reading arrays at the batch row and head, the arrays traced
+  (jit arguments) so the kernels must take them as inputs: per-row prefix lengths with
+  ALiBi's per-head slopes; per-row causal offsets with a per-head temperature a score
+  function closes over. Output and the gradients of query, key, value and of the floating
+  arrays (slopes, temperatures: the score function's VJP on the whole grid) against the xla
+  path on the same bf16 inputs in float32."""
+  rng = np.random.default_rng(14)
+  shapes = [(2, 128, 2, 64), (2, 128, 1, 64), (2, 128, 1, 64)]
+  q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
+  wide = [x.astype(jnp.float32) for x in (q, k, v)]
+  ct = rng.standard_normal(shapes[0]).astype(np.float32)
+
+  def prefix_alibi(prefix, slopes):
+    return dict(mask=masks.prefix_lm(prefix), score_fn=scores.alibi(slopes))
+
+  def offset_temperature(offset, temps):
+    warm = scores.from_fn(lambda s, b, h, qi, ki: s * temps[h])
+    return dict(mask=masks.causal(offset), score_fn=warm)
+
+  cases = [
+    (prefix_alibi, np.array([40, 100], np.int32), np.array([0.3, 0.05], np.float32)),
+    (offset_temperature, np.array([-20, 30], np.int32), np.array([1.5, 0.5], np.float32)),
+  ]
+  for make, ints, floats in cases:
+
+    def loss(impl, q, k, v, floats, make=make, ints=ints):
+      out = jattn.dot_product_attention(q, k, v, implementation=impl, **make(ints, floats))
+      return jnp.sum(out.astype(jnp.float32) * ct), out
+
+    with jattn.testing.interpret_kernels():
+      hopper = jax.jit(jax.grad(lambda *a: loss("flex_hopper", *a), (0, 1, 2, 3), has_aux=True))
+      got, out = hopper(q, k, v, floats)
+    want, want_out = jax.grad(lambda *a: loss("xla", *a), (0, 1, 2, 3), has_aux=True)(*wide, floats)
+    np.testing.assert_allclose(np.float32(out), want_out, atol=2e-2, err_msg=make.__name__)
+    for name, g, w in zip(("dq", "dk", "dv", "d_floats"), got, want):
+      rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
+      assert rel < 1e-2, (make.__name__, name, rel)

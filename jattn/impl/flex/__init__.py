@@ -39,10 +39,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jattn import _checks, testing
 from jattn import dropout as _dropout
+from jattn import testing
 from jattn.impl import _base, _common, _sharded, _tiling
 from jattn.impl._base import CallSpec
 from jattn.impl.flex import _backward as _flex_backward
@@ -308,25 +307,10 @@ def _traces(spec: CallSpec, passes: Passes, s_dtype: Any) -> Traces | None:
   first = next(iter(found.values()))
   for other in found.values():
     for x, y in zip(first, other):
-      if x is not None and not _same_arrays(x.arrays, y.arrays):
+      if x is not None and not _kernels.same_arrays(x.arrays, y.arrays):
         return None
   chosen = [found[row.block_q, row.block_kv] for row in passes]
   return tuple(tuple(x[i] for x in chosen) for i in range(3))
-
-
-def _same_arrays(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> bool:
-  """Whether two traces' arrays are the same arrays (the same objects, or equal constants)."""
-  if len(a) != len(b):
-    return False
-  for x, y in zip(a, b):
-    if x is y:
-      continue
-    concrete = _checks.is_concrete(x) and _checks.is_concrete(y)
-    if not concrete or (x.shape, x.dtype) != (y.shape, y.dtype):
-      return False
-    if not np.array_equal(np.asarray(x), np.asarray(y)):
-      return False
-  return True
 
 
 def _grid_trace(
@@ -388,8 +372,8 @@ def _hopper_check(call: _base.Call) -> str | None:
     return f"lengths T={s.T}, S={s.S} (it takes multiples of {_hopper.ROWS})"
   if reason := _hopper.mask_reason(s.mask):
     return f"mask {s.mask!r}: it takes {reason}"
-  if s.score_fn is not None and jax.tree.leaves(s.score_fn):
-    return f"score_fn {s.score_fn!r} reads arrays (it takes score functions of the indices alone)"
+  if reason := _hopper.score_reason(s.score_fn):
+    return f"score_fn {s.score_fn!r}: it takes {reason}"
   return None
 
 
@@ -424,12 +408,12 @@ HOPPER = _base.Implementation(
   runs_on=("gpu",),
   backwards=BACKWARDS,
   masks=(
-    "masks of the indices (causal, windows, chunks, strides, from_fn of indices), and'ed with "
-    "segment ids and lengths"
+    "masks of the indices reading arrays at the batch row and head alone (causal, windows, "
+    "chunks, strides, lengths, prefix-LM, from_fn), and'ed with segment ids"
   ),
   run=_hopper_run,
   dtypes=("bfloat16", "float16"),
-  bias="not yet taken by the Hopper kernels",  # nor masks reading other arrays (check)
+  bias="not yet taken by the Hopper kernels",  # nor arrays read per position (check)
   dropout="not yet taken by the Hopper kernels",
   residual="its log-sum-exp carries no gradient yet",
   sinks="its log-sum-exp carries no gradient yet, which sinks need",

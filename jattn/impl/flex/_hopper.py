@@ -8,9 +8,12 @@ record is committed; ``implementation="flex_hopper"`` (the selection table's row
 (methods ``hopper`` and ``hopper_ws``, the latter with the warp-specialised forward kernel)
 beside cuDNN and the Triton kernels.
 :func:`attention` joins the forward kernel and :func:`backward`'s two kernels in a
-``custom_vjp``. Masks of the indices and'ed with segment ids and lengths (:class:`_Dynamic`:
-each program copies its own tile's ids once and streams the other axis's ids with each
-tile it walks); masks and score functions that read other arrays, and dropout, come later.
+``custom_vjp``. Masks and score functions are traced per tile shape (:class:`_Functions`)
+and may read arrays at the batch row and head (lengths, prefix lengths, ALiBi's slopes):
+the kernels take those as inputs and read them an element at a time; segment ids are
+and'ed with them (each program copies its own tile's ids once and streams the other axis's
+ids with each tile it walks). Arrays read at each query or key position (a dense mask, a
+table indexed by distance), a bias and dropout come later.
 
 One program per (query tile of 64 rows, head, batch row), one warpgroup: the query tile is
 copied to shared memory once (TMA), then ``plgpu.emit_pipeline`` streams the key and value
@@ -35,15 +38,20 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.extend import core as jex_core
 
 from jattn import masks as _masks
-from jattn.impl import _tiling
+from jattn.impl import _common, _tiling
+from jattn.impl.flex import _in_kernel as _in_kernel
+from jattn.impl.flex import _kernels as _kernels
 from jattn.masks import _core as _masks_core
 
 LOG2E = math.log2(math.e)
@@ -137,8 +145,9 @@ def _tile_scores(
   where a PARTIAL tile's mask says so, and d score_fn(x)/dx (None without a score function
   or ``derivative``). ``products`` is ``q kᵀ`` (``k qᵀ`` when ``transposed``: keys along
   rows); query rows start at ``q0``, key rows at ``k0``; mask and score function see the
-  elements' own indices. ``keep(q_idx, kv_idx)``: the conjuncts that read arrays (segment
-  ids, lengths; :class:`_Dynamic`), and'ed with the mask on PARTIAL tiles."""
+  elements' own indices (``mask`` and ``score_fn`` as :meth:`_Functions.bind` gives them).
+  ``keep(q_idx, kv_idx)``: the segment ids' conjunct (:func:`_keeper`), and'ed with the mask
+  on PARTIAL tiles."""
   plgpu = _plgpu()
   if score_fn is None and not masked:
     return products * (float(scale) * LOG2E), None
@@ -178,39 +187,92 @@ def _online_softmax(t: Any, m: Any, l: Any, masked: bool) -> tuple[Any, Any, Any
   return p, alpha, m_new, l * alpha + p.sum(axis=1)
 
 
-def forward(
+class _Functions(NamedTuple):
+  """The mask (its conjuncts other than segment ids) and the score function as the kernels
+  evaluate them: jaxprs traced at each tile shape the kernels use (batch row and head as
+  scalars, query and key indices of the tile's shape), whose leading inputs are the arrays
+  they read. The kernels take those arrays as inputs and read them an element at a time at
+  indices of the batch row and head (:mod:`jattn.impl.flex._in_kernel`; :func:`mask_reason`
+  and :func:`score_reason` refuse functions that read them otherwise)."""
+
+  mask: dict[tuple[int, ...], Any] | None
+  score: dict[tuple[int, ...], Any] | None
+  n_mask: int  # arrays the mask reads
+  n_score: int  # arrays the score function reads
+
+  def bind(self, refs: Sequence[Any]) -> tuple[Any, Any]:
+    """``(mask(b, h, q_idx, kv_idx), score_fn(s, b, h, q_idx, kv_idx))`` inside a kernel,
+    their arrays read from ``refs`` (the mask's, then the score function's); None where
+    absent."""
+    mask_refs, score_refs = tuple(refs[: self.n_mask]), tuple(refs[self.n_mask :])
+    mask = score = None
+    if self.mask is not None:
+      masks_ = self.mask
+      mask = lambda b, h, q, kv: _in_kernel.evaluate(masks_[q.shape], mask_refs, b, h, q, kv)[0]
+    if self.score is not None:
+      fns = self.score
+      score = lambda x, b, h, q, kv: _in_kernel.evaluate(fns[x.shape], score_refs, x, b, h, q, kv)[
+        0
+      ]
+    return mask, score
+
+
+class _Static(NamedTuple):
+  """A call's static settings, as every kernel takes them."""
+
+  scale: float
+  block_kv: int  # the forward's key tiles (the backward's are ROWS)
+  stages: int  # tiles in flight
+  interpret: bool
+  masked: bool  # a mask (is_causal included) leaves PARTIAL tiles to mask
+  functions: _Functions
+
+
+class _Arrays(NamedTuple):
+  """A call's arrays beside query, key and value (a pytree: the custom_vjp's inputs)."""
+
+  offsets: jax.Array  # int32 (2,): the global index of the first batch row and head
+  forward: tuple[jax.Array, ...]  # the forward's schedule: order, FULL and PARTIAL counts
+  rows: tuple[jax.Array, ...]  # dQ's (ROWS x ROWS tiles; () where only the forward runs)
+  cols: tuple[jax.Array, ...]  # dK/dV's, over key tiles
+  ids: tuple[jax.Array, ...]  # segment ids, query (Bm, T) and key (Bm, S) int32, or ()
+  mask: tuple[jax.Array, ...]  # what the mask's other conjuncts read
+  score: tuple[jax.Array, ...]  # what the score function reads
+
+  def kernel_inputs(self, schedule: tuple[jax.Array, ...]) -> list[jax.Array]:
+    """A kernel's inputs after its tensors: ``schedule``, the offsets, the segment ids, the
+    mask's and the score function's arrays (:func:`_split`)."""
+    return [*schedule, self.offsets, *self.ids, *self.mask, *self.score]
+
+
+def _split(refs: Sequence[Any], static: _Static, n_ids: int) -> tuple[Any, ...]:
+  """``(schedule's three refs, offsets, ids' refs, (mask, score) evaluators, the rest)`` of a
+  kernel's refs after its tensors (the order of :meth:`_Arrays.kernel_inputs`)."""
+  f = static.functions
+  n_fn = f.n_mask + f.n_score
+  ids = tuple(refs[4 : 4 + n_ids])
+  return (
+    tuple(refs[:3]),
+    refs[3],
+    ids,
+    f.bind(refs[4 + n_ids : 4 + n_ids + n_fn]),
+    refs[4 + n_ids + n_fn :],
+  )
+
+
+def _check_inputs(
   query: jax.Array,
   key: jax.Array,
   value: jax.Array,
   *,
-  scale: float,
-  is_causal: bool = False,
-  mask: _masks.Mask | None = None,
-  score_fn: Any = None,
-  block_kv: int = 64,
-  stages: int = 2,
-  interpret: bool = False,
-  base2: bool = False,
-  specialized: bool = False,
-  offsets: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-  """``(out, lse)`` of softmax attention: query (B, T, N, H), key and value (B, S, K, H),
-  N a multiple of K (grouped queries), float16 or bfloat16, H a multiple of 64, T a multiple
-  of 64 and S of ``block_kv``; ``is_causal`` as jax.nn's (query t sees keys s <= t, T = S),
-  and ``mask`` a jattn mask of the indices, and'ed with at most one set of segment ids and
-  one of lengths (:func:`mask_reason`), and'ed with it;
-  ``score_fn(s, batch, head, q_idx, kv_idx)`` a jattn score function of indices alone,
-  applied to the scaled scores (``scores.soft_cap``, ``scores.from_fn`` of indices).
-  ``lse`` is (B, N, T) float32, the natural log-sum-exp of each row's scaled scores; a row
-  that sees no key gives zeros and an lse of -inf.
-  ``interpret`` runs it in Mosaic GPU's interpreter (jax >= 0.12), on any backend; ``base2``
-  returns the log-sum-exp in base 2 of the scores times log2(e), as the backward takes it.
-  ``specialized``: the warp-specialised kernel (:func:`_forward_specialized`: a copy
-  warpgroup and two compute warpgroups per 128 query rows; T a multiple of 128).
-  ``offsets``: the global index of the first batch row and head (int32 (2,)) where these
-  inputs are one device's share of a sharded call; the mask and score function see
-  global indices."""
-  plgpu = _plgpu()
+  is_causal: bool,
+  mask: Any,
+  score_fn: Any,
+  block_kv: int,
+  interpret: bool,
+  specialized: bool,
+) -> None:
+  """What the kernels take, each refusal naming the argument."""
   B, T, N, H = query.shape
   S, K = key.shape[1], key.shape[2]
   dtype = query.dtype
@@ -230,45 +292,211 @@ def forward(
       f"query, key: lengths {T} and {S} must be multiples of {ROWS} and block_kv={block_kv} "
       "(itself a multiple of 64)"
     )
+  if specialized and T % (2 * ROWS):
+    raise ValueError(f"query: length {T} must be a multiple of {2 * ROWS} (specialized=True)")
   if is_causal and T != S:
     raise ValueError(f"is_causal: the Hopper kernel takes T = S, got {T} and {S}")
   if reason := mask_reason(mask):
     raise ValueError(f"mask: the Hopper kernel takes {reason}")
-  if score_fn is not None and jax.tree.leaves(score_fn):
-    raise ValueError(
-      f"score_fn: the Hopper kernel takes score functions of indices alone, {score_fn} reads arrays"
-    )
-  if interpret and not hasattr(plgpu, "InterpretGPUParams"):
+  if reason := score_reason(score_fn):
+    raise ValueError(f"score_fn: the Hopper kernel takes {reason}")
+  if interpret and not has_interpreter():
     raise ValueError("interpret: Mosaic GPU's interpreter needs jax >= 0.12")
-  if specialized:
-    if T % (2 * ROWS):
-      raise ValueError(f"query: length {T} must be a multiple of {2 * ROWS} (specialized=True)")
-    mask, (order, num_full, num_partial), _ = _schedules(
-      query, key, is_causal, mask, block_kv, rows=2 * ROWS
-    )
-    settings = _Specialized(float(scale), block_kv, stages, interpret)
-    out, lse2 = _forward_specialized(
-      query, key, value, (order, num_full, num_partial), mask, score_fn, settings, offsets
-    )
-    return out, lse2 if base2 else lse2 / LOG2E
-  full, (order, num_full, num_partial), _ = _schedules(query, key, is_causal, mask, block_kv)
-  mask, dynamic = _dynamic(full)
-  n_dyn = len(dynamic.arrays())
+
+
+def _prepare(
+  query: jax.Array,
+  key: jax.Array,
+  *,
+  scale: float,
+  is_causal: bool,
+  mask: Any,
+  score_fn: Any,
+  block_kv: int,
+  stages: int,
+  interpret: bool,
+  specialized: bool,
+  offsets: jax.Array | None,
+  backward: bool,
+) -> tuple[_Arrays, _Static]:
+  """A call as the kernels take it: the forward's tile schedule (and the backward's, where
+  ``backward``), the segment ids, and the mask and score function traced at the kernels'
+  tile shapes with the arrays they read."""
+  rows = 2 * ROWS if specialized else ROWS  # a forward program's query rows
+  full, forward_s, _ = _schedules(query, key, is_causal, mask, block_kv, rows)
+  shapes = [(ROWS, block_kv)]
+  rows_s: tuple[Any, ...] = ()
+  cols_s: tuple[Any, ...] = ()
+  if backward:
+    _, rows_s, cols_s = _schedules(query, key, is_causal, mask, ROWS)
+    shapes.append((ROWS, ROWS))  # dQ's tiles, and dK/dV's transposed ones
+  rest, ids = _split_ids(full)
+  mask_fns, mask_arrays = _traced(rest, shapes, score=False)
+  score_fns, score_arrays = _traced(score_fn, shapes, score=True)
+  functions = _Functions(mask_fns, score_fns, len(mask_arrays), len(score_arrays))
+  static = _Static(float(scale), block_kv, stages, interpret, full is not None, functions)
+  sched = lambda s: tuple(jnp.asarray(x) for x in s)
+  arrays = _Arrays(
+    _offsets(offsets), sched(forward_s), sched(rows_s), sched(cols_s), ids, mask_arrays,
+    score_arrays,
+  )  # fmt: skip
+  return arrays, static
+
+
+def _index_specs(shape: tuple[int, ...]) -> list[jax.ShapeDtypeStruct]:
+  """The (batch, head, q_idx, kv_idx) a kernel passes a mask or score function on a tile of
+  ``shape``: the program's batch row and head as scalars, the tile's indices."""
+  scalar, tile = (jax.ShapeDtypeStruct(x, jnp.int32) for x in ((), shape))
+  return [scalar, scalar, tile, tile]
+
+
+def _traced(
+  fn: Any, shapes: Sequence[tuple[int, ...]], *, score: bool
+) -> tuple[dict[tuple[int, ...], Any] | None, tuple[jax.Array, ...]]:
+  """``fn`` (a mask, or a score function where ``score``) traced at each tile shape, and the
+  arrays it reads (the same at every shape): ``(None, ())`` where ``fn`` is None."""
+  if fn is None:
+    return None, ()
+  found: dict[tuple[int, ...], _kernels.Function] = {}
+  for shape in dict.fromkeys(shapes):
+    specs = _index_specs(shape)
+    if score:
+      specs.insert(0, jax.ShapeDtypeStruct(shape, jnp.float32))
+    found[shape] = _kernels.Function.trace(lambda *a: fn(*a), *specs)
+  first = next(iter(found.values()))
+  for other in found.values():
+    if not _kernels.same_arrays(first.arrays, other.arrays):
+      name = "score_fn" if score else "mask"
+      raise ValueError(f"{name}: {fn!r} reads different arrays at tiles of {list(found)}")
+  return {shape: f.jaxpr for shape, f in found.items()}, first.arrays
+
+
+class _Probe:
+  """A kernel input's stand-in while a traced function is checked: notes whether it is read
+  other than one element at a time (a slice or a gather at index arrays)."""
+
+  def __init__(self, array: jax.Array) -> None:
+    self.shape, self.dtype, self.wide = tuple(array.shape), array.dtype, False
+
+  def __getitem__(self, index: Any) -> jax.Array:
+    index = index if isinstance(index, tuple) else (index,)
+    if index == (Ellipsis,):
+      index = tuple(slice(None) for _ in self.shape)
+    shape: list[int] = []
+    for i, n in zip(index, self.shape):
+      if isinstance(i, slice):
+        shape.append(len(range(*i.indices(n))))
+      elif jnp.ndim(i):  # a gather: its index arrays share one shape
+        shape = list(jnp.shape(i))
+    self.wide = self.wide or bool(shape)
+    return jnp.zeros(shape, self.dtype)
+
+
+def _reads_reason(fn: Any, *, score: bool) -> str | None:
+  """Where ``fn`` reads an array other than an element at a time at indices of the batch
+  row and head alone (an array per query or key position, a table indexed by distance), a
+  phrase saying so; None where the kernels can evaluate it."""
+  jaxprs, arrays = _traced(fn, [(ROWS, ROWS)], score=score)
+  if not arrays:
+    return None
+  assert jaxprs is not None
+  probes = [_Probe(a) for a in arrays]
+  specs = _index_specs((ROWS, ROWS))
+  if score:
+    specs.insert(0, jax.ShapeDtypeStruct((ROWS, ROWS), jnp.float32))
+  jax.eval_shape(lambda *a: _in_kernel.evaluate(jaxprs[ROWS, ROWS], probes, *a), *specs)
+  wide = [p.shape for p in probes if p.wide]
+  if not wide:
+    return None
+  return f"it reads an array of shape {wide[0]} at each query or key position"
+
+
+def score_reason(score_fn: Any) -> str | None:
+  """What the Hopper kernels cannot take in ``score_fn`` (None: they take it): score
+  functions of the indices, reading arrays at the batch row and head alone (ALiBi's
+  per-head slopes; not a table indexed by distance)."""
+  if score_fn is None:
+    return None
+  if reason := _reads_reason(score_fn, score=True):
+    return f"score functions reading arrays at the batch row and head alone, and {reason}"
+  return None
+
+
+def forward(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  *,
+  scale: float,
+  is_causal: bool = False,
+  mask: _masks.Mask | None = None,
+  score_fn: Any = None,
+  block_kv: int = 64,
+  stages: int = 2,
+  interpret: bool = False,
+  base2: bool = False,
+  specialized: bool = False,
+  offsets: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """``(out, lse)`` of softmax attention: query (B, T, N, H), key and value (B, S, K, H),
+  N a multiple of K (grouped queries), float16 or bfloat16, H a multiple of 64, T a multiple
+  of 64 and S of ``block_kv``; ``is_causal`` as jax.nn's (query t sees keys s <= t, T = S),
+  and ``mask`` a jattn mask, and'ed with it, that reads arrays at the batch row and head
+  alone (lengths, prefix lengths, per-row causal offsets), and'ed with at most one set of
+  segment ids (:func:`mask_reason`); ``score_fn(s, batch, head, q_idx, kv_idx)`` a jattn
+  score function applied to the scaled scores, reading arrays at the batch row and head
+  alone (``scores.soft_cap``, ``scores.alibi``; :func:`score_reason`).
+  ``lse`` is (B, N, T) float32, the natural log-sum-exp of each row's scaled scores; a row
+  that sees no key gives zeros and an lse of -inf.
+  ``interpret`` runs it in Mosaic GPU's interpreter (jax >= 0.12), on any backend; ``base2``
+  returns the log-sum-exp in base 2 of the scores times log2(e), as the backward takes it.
+  ``specialized``: the warp-specialised kernel (:func:`_forward_specialized`: a copy
+  warpgroup and two compute warpgroups per 128 query rows; T a multiple of 128).
+  ``offsets``: the global index of the first batch row and head (int32 (2,)) where these
+  inputs are one device's share of a sharded call; the mask and score function see
+  global indices."""
+  _check_inputs(
+    query, key, value, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
+    interpret=interpret, specialized=specialized,
+  )  # fmt: skip
+  arrays, static = _prepare(
+    query, key, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
+    block_kv=block_kv, stages=stages, interpret=interpret, specialized=specialized,
+    offsets=offsets, backward=False,
+  )  # fmt: skip
+  run = _forward_specialized if specialized else _forward
+  out, lse2 = run(query, key, value, arrays, static)
+  return out, lse2 if base2 else lse2 / LOG2E
+
+
+def _forward(
+  query: jax.Array, key: jax.Array, value: jax.Array, arrays: _Arrays, static: _Static
+) -> tuple[jax.Array, jax.Array]:
+  """``(out, lse in base 2)``: :func:`forward`'s one-warpgroup kernel."""
+  plgpu = _plgpu()
+  B, T, N, H = query.shape
+  K = key.shape[2]
+  dtype = query.dtype
+  scale, block_kv, stages = static.scale, static.block_kv, static.stages
+  interpret = static.interpret
+  n_ids = len(arrays.ids)
   G = N // K
   swizzled = _swizzled()
   wgmma_layout = plgpu.Layout.WGMMA
 
   def body(*refs: Any) -> None:
-    q_ref, k_ref, v_ref, order_ref, full_ref, partial_ref, off_ref = refs[:7]
-    dyn_refs = refs[7 : 7 + n_dyn]
-    out_ref, lse_ref, q_smem, o_smem, lse_smem, q_bar, p_smem, id_smem = refs[7 + n_dyn :]
+    q_ref, k_ref, v_ref = refs[:3]
+    (order_ref, full_ref, partial_ref), off_ref, ids, (mask, score_fn), rest = _split(
+      refs[3:], static, n_ids
+    )
+    out_ref, lse_ref, q_smem, o_smem, lse_smem, q_bar, p_smem, id_smem = rest
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
     b_g, h_g = _global(b, h, off_ref)
     kv_head = lax.div(h, jnp.array(G, h.dtype))
     rows = pl.ds(i * ROWS, ROWS)
     plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, q_bar.at[0])
     reduced = wgmma_layout.reduce(1)
-    keeper = dynamic.keeper(dyn_refs, b_g, rows, id_smem, q_bar.at[1], transposed=False)
+    keeper = _keeper(ids, b_g, rows, id_smem, q_bar.at[1], transposed=False)
     plgpu.barrier_wait(q_bar.at[0])
     carry = (
       plgpu.layout_cast(jnp.full((ROWS, H), 0.0, jnp.float32), wgmma_layout),
@@ -296,7 +524,7 @@ def forward(
     def pipeline(first: Any, count: Any, masked: bool, carry: Any) -> Any:
       at = lambda step: (order_ref[i, step + first], 0)
       spec = plgpu.BlockSpec((block_kv, H), at, transforms=swizzled)
-      ids_specs, ids_refs = dynamic.streamed(dyn_refs, b_g, block_kv, lambda t: at(t)[0], False)
+      ids_specs, ids_refs = _streamed(ids, b_g, block_kv, lambda t: at(t)[0], False)
       return plgpu.emit_pipeline(
         step(first, masked),
         grid=(count,),
@@ -305,8 +533,8 @@ def forward(
         init_carry=carry,
       )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :], *ids_refs)
 
-    acc, m, l = _walk(pipeline, full_ref[i], partial_ref[i], full is not None, carry)
-    if full is not None:  # rows that saw no key: acc is 0 (every p was), l too; out 0
+    acc, m, l = _walk(pipeline, full_ref[i], partial_ref[i], static.masked, carry)
+    if static.masked:  # rows that saw no key: acc is 0 (every p was), l too; out 0
       l = jnp.where(l == 0.0, 1.0, l)  # m stays -inf there: lse = m + log2(1)
     o_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
     lse_smem[...] = m + jnp.log2(l)
@@ -315,7 +543,7 @@ def forward(
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows])
     plgpu.wait_smem_to_gmem(0)
 
-  out, lse2 = plgpu.kernel(
+  return plgpu.kernel(
     body,
     out_type=(
       jax.ShapeDtypeStruct(query.shape, dtype),
@@ -329,18 +557,10 @@ def forward(
       plgpu.SMEM((ROWS,), jnp.float32),
       plgpu.Barrier(num_barriers=2),
       plgpu.SMEM((ROWS, block_kv), dtype, transforms=swizzled) if interpret else None,
-      plgpu.SMEM((ROWS,), jnp.int32) if dynamic.ids else None,  # the query tile's segment ids
+      plgpu.SMEM((ROWS,), jnp.int32) if n_ids else None,  # the query tile's segment ids
     ),
     **_interpreted(interpret),
-  )(
-    query,
-    key,
-    value,
-    *map(jnp.asarray, (order, num_full, num_partial)),
-    _offsets(offsets),
-    *dynamic.arrays(),
-  )
-  return out, lse2 if base2 else lse2 / LOG2E
+  )(query, key, value, *arrays.kernel_inputs(arrays.forward))
 
 
 def _schedules(
@@ -357,95 +577,23 @@ def _schedules(
 
 def mask_reason(mask: Any) -> str | None:
   """What the Hopper kernels cannot take in ``mask`` (None: they take it): masks of the
-  indices alone, and'ed with at most one set of segment ids and one of lengths."""
+  indices reading arrays at the batch row and head alone (lengths, prefix lengths, per-row
+  causal offsets), and'ed with at most one set of segment ids (which each program reads
+  tile by tile)."""
   parts = _masks_core.conjuncts(mask)
-  for kind in (_masks.kinds.Segments, _masks.kinds.Lengths):
-    if sum(isinstance(p, kind) for p in parts) > 1:
-      return f"one {kind.__name__.lower()} mask at most, {mask} has several"
-  rest = [p for p in parts if not isinstance(p, (_masks.kinds.Segments, _masks.kinds.Lengths))]
-  for part in rest:
-    if jax.tree.leaves(part):
-      return f"masks of indices, segment ids and lengths; {part} reads other arrays"
+  if sum(isinstance(p, _masks.kinds.Segments) for p in parts) > 1:
+    return f"one segments mask at most, {mask} has several"
+  rest = _masks.all_of(*(p for p in parts if not isinstance(p, _masks.kinds.Segments)))
+  if rest is not None and (reason := _reads_reason(rest, score=False)):
+    return f"masks reading arrays at the batch row and head alone (and segment ids), and {reason}"
   return None
 
 
-class _Dynamic(NamedTuple):
-  """A mask's conjuncts that read arrays, as kernel inputs: segment ids, query (Bm, T) and
-  key (Bm, S), and lengths, query (Bm,) and key (Bm,), int32, Bm the batch or 1 (None where
-  absent). In a kernel one axis's ids are held for the program (the query tile's; the key
-  tile's in the transposed dK/dV kernel), the other's streamed with each tile."""
-
-  ids: tuple[jax.Array, jax.Array] | None
-  lengths: tuple[jax.Array, jax.Array] | None
-
-  def arrays(self) -> list[jax.Array]:
-    return [*(self.ids or ()), *(self.lengths or ())]
-
-  def _refs(self, refs: Any) -> tuple[Any, Any]:
-    ids = tuple(refs[:2]) if self.ids else None
-    lengths = tuple(refs[2 if self.ids else 0 :][:2]) if self.lengths else None
-    return ids, lengths
-
-  def streamed(
-    self, refs: Any, b: Any, block: int, tile: Any, transposed: bool
-  ) -> tuple[list[Any], list[Any]]:
-    """The streamed axis's ids as a pipeline's extra ``(in_specs, refs)`` (none without
-    segment ids): ``tile(step)`` the step's tile of ``block`` entries."""
-    ids, _ = self._refs(refs)
-    if ids is None:
-      return [], []
-    src = ids[0] if transposed else ids[1]
-    spec = _plgpu().BlockSpec((block,), lambda t: (tile(t),))
-    return [spec], [src.at[_row(src, b)]]
-
-  def keeper(
-    self, refs: Any, b: Any, held: Any, smem: Any, barrier: Any, *, transposed: bool
-  ) -> Any:
-    """``make(*streamed_ids_smem) -> keep(q_idx, kv_idx)`` (None without these conjuncts) for
-    :func:`_tile_scores`; copies the held tile's ids (rows ``held``) to ``smem`` first."""
-    ids, lengths = self._refs(refs)
-    if ids is None and lengths is None:
-      return lambda *_: None
-    plgpu = _plgpu()
-    vector = plgpu.Layout.WGMMA.reduce
-    held_ids = None
-    if ids is not None:
-      src = ids[1] if transposed else ids[0]
-      plgpu.copy_gmem_to_smem(src.at[_row(src, b), held], smem, barrier)
-      plgpu.barrier_wait(barrier)
-      held_ids = _load(smem, vector(1))  # along the tile's rows
-
-    def make(*streamed: Any) -> Any:
-      # The streamed tile's ids, along its columns: read now, while its buffer is held.
-      other = _load(streamed[0], vector(0)) if held_ids is not None else None
-
-      def keep(q_idx: Any, kv_idx: Any) -> Any:
-        allowed = None
-        if held_ids is not None and other is not None:
-          shape = q_idx.shape
-          rows = lax.broadcast_in_dim(held_ids, shape, [0])
-          allowed = rows == lax.broadcast_in_dim(other, shape, [1])
-        if lengths is not None:
-          q_len, kv_len = lengths
-          inside = (q_idx < q_len[_row(q_len, b)]) & (kv_idx < kv_len[_row(kv_len, b)])
-          allowed = inside if allowed is None else allowed & inside
-        return allowed
-
-      return keep
-
-    return make
-
-
-def _row(ref: Any, b: Any) -> Any:
-  """The row of per-batch values ``ref`` (Bm, ...) for global batch row ``b``."""
-  return b if ref.shape[0] > 1 else 0
-
-
-def _dynamic(mask: Any) -> tuple[Any, _Dynamic]:
-  """``mask`` (checked by :func:`mask_reason`) as (its conjuncts of the indices alone, the
-  segment ids and lengths it reads)."""
+def _split_ids(mask: Any) -> tuple[Any, tuple[jax.Array, ...]]:
+  """``mask`` (checked by :func:`mask_reason`) as (its other conjuncts, the segment ids it
+  reads: query (Bm, T) and key (Bm, S) int32, or ())."""
   parts = _masks_core.conjuncts(mask)
-  ids = lengths = None
+  ids: tuple[jax.Array, ...] = ()
   rest = []
   for part in parts:
     if isinstance(part, _masks.kinds.Segments):
@@ -453,35 +601,60 @@ def _dynamic(mask: Any) -> tuple[Any, _Dynamic]:
         jnp.asarray(x, jnp.int32).reshape(-1, jnp.shape(x)[-1])
         for x in (part.q_segment_ids, part.kv_segment_ids)
       )
-    elif isinstance(part, _masks.kinds.Lengths):
-      big = jnp.iinfo(jnp.int32).max  # no limit
-      lengths = tuple(
-        jnp.asarray(big if x is None else x, jnp.int32).reshape(-1)
-        for x in (part.q_lengths, part.kv_lengths)
-      )
     else:
       rest.append(part)
-  return _masks.all_of(*rest), _Dynamic(ids, lengths)  # type: ignore[arg-type]
+  return _masks.all_of(*rest), ids
 
 
-class _Specialized(NamedTuple):
-  """The warp-specialised forward's static settings."""
+def _streamed(
+  ids: Sequence[Any], b: Any, block: int, tile: Any, transposed: bool
+) -> tuple[list[Any], list[Any]]:
+  """The streamed axis's segment ids (``ids``: the kernel's refs, or none) as a pipeline's
+  extra ``(in_specs, refs)``: ``tile(step)`` the step's tile of ``block`` entries. In a
+  kernel one axis's ids are held for the program (the query tile's; the key tile's in the
+  transposed dK/dV kernel), the other's streamed with each tile."""
+  if not ids:
+    return [], []
+  src = ids[0] if transposed else ids[1]
+  spec = _plgpu().BlockSpec((block,), lambda t: (tile(t),))
+  return [spec], [src.at[_row(src, b)]]
 
-  scale: float
-  block_kv: int
-  stages: int  # key/value tiles in flight: shared-memory slots
-  interpret: bool
+
+def _keeper(
+  ids: Sequence[Any], b: Any, held: Any, smem: Any, barrier: Any, *, transposed: bool
+) -> Any:
+  """``make(*streamed_ids_smem) -> keep(q_idx, kv_idx)`` (None without segment ids) for
+  :func:`_tile_scores`; copies the held tile's ids (rows ``held``) to ``smem`` first."""
+  if not ids:
+    return lambda *_: None
+  plgpu = _plgpu()
+  vector = plgpu.Layout.WGMMA.reduce
+  src = ids[1] if transposed else ids[0]
+  plgpu.copy_gmem_to_smem(src.at[_row(src, b), held], smem, barrier)
+  plgpu.barrier_wait(barrier)
+  held_ids = _load(smem, vector(1))  # along the tile's rows
+
+  def make(streamed: Any) -> Any:
+    # The streamed tile's ids, along its columns: read now, while its buffer is held.
+    other = _load(streamed, vector(0))
+
+    def keep(q_idx: Any, kv_idx: Any) -> Any:
+      shape = q_idx.shape
+      rows = lax.broadcast_in_dim(held_ids, shape, [0])
+      return rows == lax.broadcast_in_dim(other, shape, [1])
+
+    return keep
+
+  return make
+
+
+def _row(ref: Any, b: Any) -> Any:
+  """The row of per-batch values ``ref`` (Bm, ...) for global batch row ``b``."""
+  return b if ref.shape[0] > 1 else 0
 
 
 def _forward_specialized(
-  query: jax.Array,
-  key: jax.Array,
-  value: jax.Array,
-  schedule: tuple[Any, Any, Any],
-  mask: Any,
-  score_fn: Any,
-  settings: _Specialized,
-  offsets: jax.Array | None = None,
+  query: jax.Array, key: jax.Array, value: jax.Array, arrays: _Arrays, static: _Static
 ) -> tuple[jax.Array, jax.Array]:
   """``(out, lse in base 2)``: :func:`forward` as FlashAttention-3 arranges it on Hopper.
 
@@ -502,19 +675,18 @@ def _forward_specialized(
   K = key.shape[2]
   dtype = query.dtype
   G = N // K
-  bk, stages, scale, interpret = (
-    settings.block_kv, settings.stages, settings.scale, settings.interpret
-  )  # fmt: skip
+  bk, stages, scale, interpret = static.block_kv, static.stages, static.scale, static.interpret
   swizzled = _swizzled()
   wgmma_layout = plgpu.Layout.WGMMA
-  order, num_full, num_partial = schedule
-  masked_tiles = mask is not None
-  mask, dynamic = _dynamic(mask)
-  n_dyn = len(dynamic.arrays())
+  masked_tiles = static.masked
+  n_ids = len(arrays.ids)
 
   def body(*refs: Any) -> None:
-    q_ref, k_ref, v_ref, order_ref, full_ref, partial_ref, off_ref = refs[:7]
-    dyn_refs, (out_ref, lse_ref, scoped) = refs[7 : 7 + n_dyn], refs[7 + n_dyn :]
+    q_ref, k_ref, v_ref = refs[:3]
+    (order_ref, full_ref, partial_ref), off_ref, ids, (mask, score_fn), rest = _split(
+      refs[3:], static, n_ids
+    )
+    out_ref, lse_ref, scoped = rest
     (qo_smem, k_smem, v_smem, lse_smem, p_smem, qid_smem, kid_smem), barriers = scoped
     k_ready, v_ready, q_ready, k_free, v_free, turn, ids_ready = barriers
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
@@ -536,7 +708,7 @@ def _forward_specialized(
       rows = pl.ds(q0, ROWS)
       plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, q_ready.at[wg])
       held = None if qid_smem is None else qid_smem.at[wg]
-      keeper = dynamic.keeper(dyn_refs, b_g, rows, held, ids_ready.at[wg], transposed=False)
+      keeper = _keeper(ids, b_g, rows, held, ids_ready.at[wg], transposed=False)
       plgpu.barrier_wait(q_ready.at[wg])
       reduced = wgmma_layout.reduce(1)
       carry = (
@@ -604,8 +776,10 @@ def _forward_specialized(
 
         plgpu.copy_gmem_to_smem(k_ref.at[b, cols, kv_head], k_smem.at[slot], k_ready.at[slot])
         if kid_smem is not None:  # the key tile's segment ids, on the same barrier
-          ids = dyn_refs[1]
-          plgpu.copy_gmem_to_smem(ids.at[_row(ids, b_g), cols], kid_smem.at[slot], k_ready.at[slot])
+          kv_ids = ids[1]
+          plgpu.copy_gmem_to_smem(
+            kv_ids.at[_row(kv_ids, b_g), cols], kid_smem.at[slot], k_ready.at[slot]
+          )
 
         @pl.when(t >= stages)
         def _() -> None:
@@ -621,12 +795,12 @@ def _forward_specialized(
       plgpu.SMEM((2, ROWS), jnp.float32),
       # The interpreter's wgmma reads its A operand (P) from shared memory only.
       plgpu.SMEM((2, ROWS, bk), dtype, transforms=swizzled) if interpret else None,
-      plgpu.SMEM((2, ROWS), jnp.int32) if dynamic.ids else None,  # each group's query ids
-      plgpu.SMEM((stages, bk), jnp.int32) if dynamic.ids else None,  # each slot's key ids
+      plgpu.SMEM((2, ROWS), jnp.int32) if n_ids else None,  # each group's query ids
+      plgpu.SMEM((stages, bk), jnp.int32) if n_ids else None,  # each slot's key ids
     )
     barriers = (
       # a key tile landed in the slot (and its segment ids: two copies arrive)
-      plgpu.Barrier(num_arrivals=2 if dynamic.ids else 1, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2 if n_ids else 1, num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),  # a value tile
       plgpu.Barrier(num_barriers=2),  # each compute group's query tile
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both groups done with a key slot
@@ -647,31 +821,18 @@ def _forward_specialized(
     num_threads=3,
     thread_name="wg",
     **_interpreted(interpret),
-  )(
-    query,
-    key,
-    value,
-    *map(jnp.asarray, (order, num_full, num_partial)),
-    _offsets(offsets),
-    *dynamic.arrays(),
-  )
+  )(query, key, value, *arrays.kernel_inputs(arrays.forward))
 
 
-def backward(
+def _backward(
   query: jax.Array,
   key: jax.Array,
   value: jax.Array,
   out: jax.Array,
   lse2: jax.Array,
   d_out: jax.Array,
-  *,
-  scale: float,
-  is_causal: bool = False,
-  mask: _masks.Mask | None = None,
-  score_fn: Any = None,
-  stages: int = 2,
-  interpret: bool = False,
-  offsets: jax.Array | None = None,
+  arrays: _Arrays,
+  static: _Static,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(dq, dk, dv)`` of :func:`forward`'s output for the cotangent ``d_out``, from its
   output and base-2 log-sum-exp ``lse2``: a dQ kernel (one program per 64-row query tile,
@@ -684,9 +845,8 @@ def backward(
   B, T, N, H = query.shape
   S, K = key.shape[1], key.shape[2]
   G, dtype, bk = N // K, query.dtype, ROWS
-  full, rows_s, cols_s = _schedules(query, key, is_causal, mask, bk)
-  mask, dynamic = _dynamic(full)
-  n_dyn = len(dynamic.arrays())
+  scale, stages, interpret = static.scale, static.stages, static.interpret
+  n_ids = len(arrays.ids)
   swizzled = _swizzled()
   layout = plgpu.Layout.WGMMA
   delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
@@ -694,10 +854,11 @@ def backward(
   lse2 = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)
 
   def scores(
-    products: Any, masked: bool, b: Any, h: Any, q0: Any, k0: Any, transposed: bool, keep: Any
-  ) -> tuple[Any, Any]:
+    products: Any, fns: tuple[Any, Any], masked: bool, b: Any, h: Any, q0: Any, k0: Any,
+    transposed: bool, keep: Any,
+  ) -> tuple[Any, Any]:  # fmt: skip
     return _tile_scores(
-      products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b, h=h, q0=q0,
+      products, scale=scale, score_fn=fns[1], mask=fns[0], masked=masked, b=b, h=h, q0=q0,
       k0=k0, transposed=transposed, derivative=True, keep=keep,
     )  # fmt: skip
 
@@ -706,9 +867,9 @@ def backward(
     return ds if slope is None else ds * slope
 
   def dq_body(*refs: Any) -> None:
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, full_ref, partial_ref = refs[:9]
-    off_ref, dyn_refs = refs[9], refs[10 : 10 + n_dyn]
-    dq_ref, q_smem, do_smem, lse_smem, delta_smem, bars, a_smem, id_smem = refs[10 + n_dyn :]
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+    (order_ref, full_ref, partial_ref), off_ref, ids, fns, rest = _split(refs[6:], static, n_ids)
+    dq_ref, q_smem, do_smem, lse_smem, delta_smem, bars, a_smem, id_smem = rest
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
     b_g, h_g = _global(b, h, off_ref)
     kv_head = lax.div(h, jnp.array(G, h.dtype))
@@ -721,7 +882,7 @@ def backward(
       plgpu.barrier_wait(bars.at[n])
     lse = _load(lse_smem, layout.reduce(1))
     dlt = _load(delta_smem, layout.reduce(1))
-    keeper = dynamic.keeper(dyn_refs, b_g, rows, id_smem, bars.at[4], transposed=False)
+    keeper = _keeper(ids, b_g, rows, id_smem, bars.at[4], transposed=False)
 
     def step(first: Any, masked: bool) -> Any:
       def run(index: tuple[Any], k_smem: Any, v_smem: Any, *rest: Any) -> Any:
@@ -729,7 +890,7 @@ def backward(
         j = order_ref[i, index[0] + first]
         products = _matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, bk))
         keep = keeper(*ids_smem)
-        t, slope = scores(products, masked, b_g, h_g, i * ROWS, j * bk, False, keep)
+        t, slope = scores(products, fns, masked, b_g, h_g, i * ROWS, j * bk, False, keep)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [0]))
         dp = _matmul(do_smem, v_smem.transpose((1, 0)), (ROWS, bk))
         ds = p * (dp - lax.broadcast_in_dim(dlt, t.shape, [0]))
@@ -741,23 +902,23 @@ def backward(
     def pipeline(first: Any, count: Any, masked: bool, dq: Any) -> Any:
       at = lambda t: order_ref[i, t + first]
       spec = plgpu.BlockSpec((bk, H), lambda t: (at(t), 0), transforms=swizzled)
-      ids_specs, ids_refs = dynamic.streamed(dyn_refs, b_g, bk, at, False)
+      ids_specs, ids_refs = _streamed(ids, b_g, bk, at, False)
       return plgpu.emit_pipeline(
         step(first, masked), grid=(count,), in_specs=[spec, spec, *ids_specs],
         max_concurrent_steps=stages, init_carry=dq,
       )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :], *ids_refs)  # fmt: skip
 
     dq = plgpu.layout_cast(jnp.full((ROWS, H), 0.0, jnp.float32), layout)
-    dq = _walk(pipeline, full_ref[i], partial_ref[i], full is not None, dq)
+    dq = _walk(pipeline, full_ref[i], partial_ref[i], static.masked, dq)
     q_smem[...] = (dq * scale).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
     plgpu.wait_smem_to_gmem(0)
 
   def dkv_body(*refs: Any) -> None:
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, full_ref, partial_ref = refs[:9]
-    off_ref, dyn_refs = refs[9], refs[10 : 10 + n_dyn]
-    dk_ref, dv_ref, k_smem, v_smem, bars, a_smem, id_smem = refs[10 + n_dyn :]
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+    (order_ref, full_ref, partial_ref), off_ref, ids, fns, rest = _split(refs[6:], static, n_ids)
+    dk_ref, dv_ref, k_smem, v_smem, bars, a_smem, id_smem = rest
     j, h, b = lax.axis_index("kv"), lax.axis_index("h"), lax.axis_index("b")
     b_g, h_g = _global(b, h, off_ref)
     kv_head = lax.div(h, jnp.array(G, h.dtype))
@@ -766,7 +927,7 @@ def backward(
     plgpu.copy_gmem_to_smem(v_ref.at[b, cols, kv_head], v_smem, bars.at[1])
     plgpu.barrier_wait(bars.at[0])
     plgpu.barrier_wait(bars.at[1])
-    keeper = dynamic.keeper(dyn_refs, b_g, cols, id_smem, bars.at[2], transposed=True)
+    keeper = _keeper(ids, b_g, cols, id_smem, bars.at[2], transposed=True)
 
     def step(first: Any, masked: bool) -> Any:
       def run(index: tuple[Any], q_smem: Any, do_smem: Any, lse_smem: Any, d_smem: Any,
@@ -777,7 +938,8 @@ def backward(
         lse = _load(lse_smem, layout.reduce(0))
         dlt = _load(d_smem, layout.reduce(0))
         products = _matmul(k_smem, q_smem.transpose((1, 0)), (bk, ROWS))
-        t, slope = scores(products, masked, b_g, h_g, i * ROWS, j * bk, True, keeper(*ids_smem))
+        keep = keeper(*ids_smem)
+        t, slope = scores(products, fns, masked, b_g, h_g, i * ROWS, j * bk, True, keep)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [1]))
         dv = dv + _matmul(_staged(p.astype(dtype), a_smem), do_smem, (bk, H))
         dp = _matmul(v_smem, do_smem.transpose((1, 0)), (bk, ROWS))
@@ -791,7 +953,7 @@ def backward(
       at = lambda t: order_ref[j, t + first]
       tile = plgpu.BlockSpec((ROWS, H), lambda t: (at(t), 0), transforms=swizzled)
       vec = plgpu.BlockSpec((ROWS,), lambda t: (at(t),))
-      ids_specs, ids_refs = dynamic.streamed(dyn_refs, b_g, ROWS, at, True)
+      ids_specs, ids_refs = _streamed(ids, b_g, ROWS, at, True)
       return plgpu.emit_pipeline(
         step(first, masked), grid=(count,), in_specs=[tile, tile, vec, vec, *ids_specs],
         max_concurrent_steps=stages, init_carry=carry,
@@ -799,7 +961,7 @@ def backward(
         delta_ref.at[b, h, :], *ids_refs)  # fmt: skip
 
     zero = plgpu.layout_cast(jnp.full((bk, H), 0.0, jnp.float32), layout)
-    dk, dv = _walk(pipeline, full_ref[j], partial_ref[j], full is not None, (zero, zero))
+    dk, dv = _walk(pipeline, full_ref[j], partial_ref[j], static.masked, (zero, zero))
     k_smem[...] = (dk * scale).astype(dtype)
     v_smem[...] = dv.astype(dtype)
     plgpu.commit_smem()
@@ -809,7 +971,6 @@ def backward(
 
   a_scratch = lambda shape: plgpu.SMEM(shape, dtype, transforms=swizzled) if interpret else None
   inputs = (query, key, value, d_out, lse2.astype(jnp.float32), delta)
-  sched = lambda s: tuple(jnp.asarray(x) for x in s)
   dq = plgpu.kernel(
     dq_body,
     out_type=jax.ShapeDtypeStruct(query.shape, dtype),
@@ -822,10 +983,10 @@ def backward(
       plgpu.SMEM((ROWS,), jnp.float32),
       plgpu.Barrier(num_barriers=5),
       a_scratch((ROWS, bk)),
-      plgpu.SMEM((ROWS,), jnp.int32) if dynamic.ids else None,  # the query tile's segment ids
+      plgpu.SMEM((ROWS,), jnp.int32) if n_ids else None,  # the query tile's segment ids
     ),
     **_interpreted(interpret),
-  )(*inputs, *sched(rows_s), _offsets(offsets), *dynamic.arrays())
+  )(*inputs, *arrays.kernel_inputs(arrays.rows))
   per_head = jax.ShapeDtypeStruct((B, S, N, H), dtype)  # each query head's dK, dV
   dk, dv = plgpu.kernel(
     dkv_body,
@@ -837,10 +998,10 @@ def backward(
       plgpu.SMEM((bk, H), dtype, transforms=swizzled),
       plgpu.Barrier(num_barriers=3),
       a_scratch((bk, ROWS)),
-      plgpu.SMEM((bk,), jnp.int32) if dynamic.ids else None,  # the key tile's segment ids
+      plgpu.SMEM((bk,), jnp.int32) if n_ids else None,  # the key tile's segment ids
     ),
     **_interpreted(interpret),
-  )(*inputs, *sched(cols_s), _offsets(offsets), *dynamic.arrays())
+  )(*inputs, *arrays.kernel_inputs(arrays.cols))
   group = lambda x: x.reshape(B, S, K, G, H).sum(3, dtype=jnp.float32).astype(dtype)
   return dq, group(dk), group(dv)
 
@@ -857,31 +1018,146 @@ def attention(
   interpret: bool = False,
   specialized: bool = False,
   offsets: jax.Array | None = None,
+  block_kv: int = 64,
+  stages: int = 2,
 ) -> jax.Array:
-  """:func:`forward`'s output, differentiable in query, key and value by :func:`backward`;
-  ``specialized`` runs the warp-specialised forward kernel; ``offsets`` as
-  :func:`forward`'s."""
-  kw: dict[str, Any] = dict(
-    scale=scale, is_causal=is_causal, score_fn=score_fn, interpret=interpret
-  )
-  # The mask's arrays (segment ids, lengths) are the custom_vjp's inputs, not its closure.
-  mask_leaves, mask_tree = jax.tree.flatten(mask)
-  rebuilt = lambda leaves: jax.tree.unflatten(mask_tree, leaves)
+  """:func:`forward`'s output, differentiable in query, key and value by :func:`_backward`'s
+  kernels, and in the floating arrays a score function reads (learned ALiBi slopes) through
+  the score function's VJP on the whole (B, N, T, S) grid in XLA (O(B·N·T·S) memory, as
+  flex's Triton kernels take them; :func:`_learned_grads`), where those are differentiated;
+  arguments as :func:`forward`'s."""
+  _check_inputs(
+    query, key, value, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
+    interpret=interpret, specialized=specialized,
+  )  # fmt: skip
+  arrays, static = _prepare(
+    query, key, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
+    block_kv=block_kv, stages=stages, interpret=interpret, specialized=specialized,
+    offsets=offsets, backward=True,
+  )  # fmt: skip
+  run = _forward_specialized if specialized else _forward
 
+  # The arrays the mask and score function read (traced arrays among them) are the
+  # custom_vjp's inputs, not its closure.
   @jax.custom_vjp
-  def attend(q: jax.Array, k: jax.Array, v: jax.Array, off: jax.Array, m: Any) -> jax.Array:
-    return forward(q, k, v, specialized=specialized, offsets=off, mask=rebuilt(m), **kw)[0]
+  def attend(q: jax.Array, k: jax.Array, v: jax.Array, arrays: _Arrays) -> jax.Array:
+    return run(q, k, v, arrays, static)[0]
 
-  def fwd(q: jax.Array, k: jax.Array, v: jax.Array, off: jax.Array, m: Any) -> Any:
-    out, lse2 = forward(
-      q, k, v, base2=True, specialized=specialized, offsets=off, mask=rebuilt(m), **kw
+  def fwd(q: Any, k: Any, v: Any, arrays: Any) -> Any:
+    # symbolic_zeros: each input comes as (value, perturbed). Which of the score function's
+    # arrays are learned rides in the residuals' tree structure: () where so, else None.
+    learned = tuple(
+      () if a.perturbed and jnp.issubdtype(a.value.dtype, jnp.floating) else None
+      for a in arrays.score
     )
-    return out, (q, k, v, out, lse2, off, m)
+    q, k, v, arrays = _common.primal_values((q, k, v, arrays))
+    out, lse2 = run(q, k, v, arrays, static)
+    return out, (q, k, v, out, lse2, arrays, learned)
 
-  def bwd(res: Any, d_out: jax.Array) -> Any:
-    q, k, v, out, lse2, off, m = res
-    grads = backward(q, k, v, out, lse2, d_out, offsets=off, mask=rebuilt(m), **kw)
-    return (*grads, None, [None] * len(m))
+  def bwd(res: Any, d_out: Any) -> Any:
+    q, k, v, out, lse2, arrays, learned = res
+    d_out = _common.materialized(d_out)
+    dq, dk, dv = _backward(q, k, v, out, lse2, d_out, arrays, static)
+    d_arrays = jax.tree.map(_zero_cotangent, arrays)
+    chosen = [i for i, x in enumerate(learned) if x is not None]
+    if chosen:
+      d_chosen = _learned_grads(q, k, v, out, lse2, d_out, arrays, static, chosen)
+      d_score = list(d_arrays.score)
+      for i, d in zip(chosen, d_chosen):
+        d_score[i] = d.astype(arrays.score[i].dtype)
+      d_arrays = d_arrays._replace(score=tuple(d_score))
+    return dq, dk, dv, d_arrays
 
-  attend.defvjp(fwd, bwd)
-  return attend(query, key, value, _offsets(offsets), mask_leaves)
+  attend.defvjp(fwd, bwd, symbolic_zeros=True)
+  return attend(query, key, value, arrays)
+
+
+def _zero_cotangent(x: jax.Array) -> Any:
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _on_grid(
+  jaxpr: Any, arrays: Sequence[jax.Array], shape: tuple[int, int, int, int], offsets: Any,
+  scores: jax.Array | None = None,
+) -> jax.Array:  # fmt: skip
+  """A mask's or score function's tile jaxpr (traced at ROWS x ROWS) on the whole (B, N, T,
+  S) grid in XLA, its arrays as plain inputs: mapped over batch rows and heads (global:
+  ``offsets`` added) and tiles; ``scores`` (B, N, T, S) a score function's input."""
+  B, N, T, S = shape
+  run = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, []))
+  iota = lax.broadcasted_iota(jnp.int32, (ROWS, ROWS), 0)
+  q_in, kv_in = iota, iota.T
+
+  def tile(b: Any, h: Any, i: Any, j: Any, *x: Any) -> jax.Array:
+    (y,) = run(*arrays, *x, b, h, q_in + i * ROWS, kv_in + j * ROWS)
+    return jnp.broadcast_to(y, (ROWS, ROWS))
+
+  x: tuple[jax.Array, ...] = ()
+  if scores is not None:  # its (B, N, T/ROWS, S/ROWS, ROWS, ROWS) tiles
+    tiles = scores.reshape(B, N, T // ROWS, ROWS, S // ROWS, ROWS)
+    x = (tiles.transpose(0, 1, 2, 4, 3, 5),)
+  each = tile
+  for axis in (3, 2, 1, 0):  # over key tiles, query tiles, heads, batch rows
+    in_axes: list[int | None] = [None] * 4
+    in_axes[axis] = 0
+    each = jax.vmap(each, in_axes=(*in_axes, *(0,) * len(x)))  # the scores' leading axis
+  b = jnp.arange(B, dtype=jnp.int32) + offsets[0]
+  h = jnp.arange(N, dtype=jnp.int32) + offsets[1]
+  i, j = jnp.arange(T // ROWS, dtype=jnp.int32), jnp.arange(S // ROWS, dtype=jnp.int32)
+  out = each(b, h, i, j, *x)  # (B, N, T/ROWS, S/ROWS, ROWS, ROWS)
+  return out.transpose(0, 1, 2, 4, 3, 5).reshape(B, N, T, S)
+
+
+def _learned_grads(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  out: jax.Array,
+  lse2: jax.Array,
+  d_out: jax.Array,
+  arrays: _Arrays,
+  static: _Static,
+  chosen: list[int],
+) -> list[jax.Array]:
+  """The gradients of the score function's arrays ``arrays.score[chosen]``: its VJP on the
+  whole (B, N, T, S) grid at the call's scaled scores (recomputed in float32), the cotangent
+  dS = P ⊙ (dP − Δ) of its output, P from the forward's log-sum-exp."""
+  del out  # rounded to the inputs' dtype: Δ is recomputed (below)
+  B, T, N, _ = query.shape
+  S, K = key.shape[1], key.shape[2]
+  f = jnp.float32
+  fns = static.functions
+  assert fns.score is not None
+  score_jaxpr = fns.score[ROWS, ROWS]
+  grouped = lambda x: jnp.repeat(x.astype(f), N // K, axis=2)
+  s = jnp.einsum("btnh,bsnh->bnts", query.astype(f), grouped(key)) * static.scale
+  shape = (B, N, T, S)
+  allowed = None
+  if fns.mask is not None:
+    allowed = _on_grid(fns.mask[ROWS, ROWS], arrays.mask, shape, arrays.offsets).astype(bool)
+  if arrays.ids:  # segment ids, at the global batch rows
+    rows = jnp.arange(B) + arrays.offsets[0]
+    q_ids, kv_ids = (x[rows] if x.shape[0] > 1 else x[:1] for x in arrays.ids)
+    same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
+    allowed = same if allowed is None else allowed & same
+
+  def score(*learned: jax.Array) -> jax.Array:
+    inputs = list(arrays.score)
+    for i, x in zip(chosen, learned):
+      inputs[i] = x
+    return _on_grid(score_jaxpr, inputs, shape, arrays.offsets, s).astype(f)
+
+  y, vjp = jax.vjp(score, *(arrays.score[i] for i in chosen))
+  t = y * LOG2E
+  if allowed is not None:
+    t = jnp.where(allowed, t, -jnp.inf)
+  lse2 = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)  # rows that saw no key: p = 0
+  p = jnp.exp2(t - lse2[..., None])
+  dp = jnp.einsum("btnh,bsnh->bnts", d_out.astype(f), grouped(value))
+  # Δ = rowsum(P ⊙ dP) = rowsum(O ⊙ dO) at the unrounded output: the kernel's, rounded to
+  # the inputs' dtype, would leave its rounding in dP − Δ, which the sum over every
+  # position (ALiBi's slope sums dS times the distance) amplifies.
+  delta = jnp.sum(p * dp, axis=-1, keepdims=True)
+  return list(vjp(p * (dp - delta)))

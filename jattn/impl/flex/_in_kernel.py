@@ -74,7 +74,9 @@ class Deferred:
     ]
     index = self._ref_index(whole)
     value = self.ref[index] if index else self.ref[...]
-    return value.reshape(self.shape).astype(self.dtype)
+    if tuple(jnp.shape(value)) != self.shape:  # a scalar stays one (Mosaic GPU has no 0-d vector)
+      value = value.reshape(self.shape)
+    return value if value.dtype == self.dtype else value.astype(self.dtype)
 
   def reshaped(self, shape: tuple[int, ...]) -> Deferred | None:
     """Seen as ``shape``, where that only adds or drops unit dimensions; else None."""
@@ -216,9 +218,9 @@ def _eqn(eqn: Any, invals: list[Any]) -> list[Any]:
       return [x.sliced(params["start_indices"], params["limit_indices"], params["strides"])]
     if name == "dynamic_slice" and isinstance(x, Deferred):
       starts = [_materialise(i) for i in invals[1:]]
-      got = x.dynamic_sliced(starts, params["slice_sizes"])
-      if got is not None:
-        return [got]
+      sliced = x.dynamic_sliced(starts, params["slice_sizes"])
+      if sliced is not None:
+        return [sliced]
     if name == "convert_element_type" and isinstance(x, Deferred):
       return [dataclasses.replace(x, dtype=np.dtype(params["new_dtype"]))]
     if name == "gather" and isinstance(x, Deferred):

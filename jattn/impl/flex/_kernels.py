@@ -35,9 +35,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jattn import _checks
 from jattn import dropout as _dropout
 from jattn.impl import _common, _tiling
 from jattn.impl.flex import _in_kernel as _in_kernel
@@ -57,6 +59,21 @@ class Function(NamedTuple):
     invars = list(closed.jaxpr.constvars) + list(closed.jaxpr.invars)
     jaxpr = closed.jaxpr.replace(constvars=[], invars=invars)
     return cls(jaxpr, tuple(jnp.asarray(c) for c in closed.consts))
+
+
+def same_arrays(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> bool:
+  """Whether two traces' arrays are the same arrays (the same objects, or equal constants)."""
+  if len(a) != len(b):
+    return False
+  for x, y in zip(a, b):
+    if x is y:
+      continue
+    concrete = _checks.is_concrete(x) and _checks.is_concrete(y)
+    if not concrete or (x.shape, x.dtype) != (y.shape, y.dtype):
+      return False
+    if not np.array_equal(np.asarray(x), np.asarray(y)):
+      return False
+  return True
 
 
 class Settings(NamedTuple):
