@@ -1,0 +1,169 @@
+"""flex's kernels written for Mosaic GPU, for Hopper (sm_90): wgmma and TMA through Pallas.
+
+**Not yet run on a GPU, and reached only by name**: they lower for CUDA from a CPU (one
+Mosaic GPU call per kernel) and compute exact values in Mosaic GPU's interpreter (jax >=
+0.12), but ``implementation=None`` routes no call to them until a GPU has run them and the
+record is committed; ``implementation="flex_hopper"`` (the selection table's row,
+:data:`jattn.impl.flex.HOPPER`) opts in, and ``python -m experiments.gpu_probe`` times them
+(methods ``hopper`` and ``hopper_ws``, the latter with the warp-specialised forward kernel)
+beside cuDNN and the Triton kernels.
+The package, a module a concern: ``_mosaic`` (Mosaic GPU's pieces the kernels share),
+``_call`` (what the kernels refuse, and a call prepared for them: schedules, segment ids,
+the traced mask and score function and the arrays they read), ``_tile`` (one tile's
+scores and softmax step), ``_forward`` (the two forward kernels), ``_backward`` (the dQ and
+dK/dV kernels, and the learned arrays' gradients); here :func:`forward` and
+:func:`attention`, which joins the forward kernel and the backward's two in a
+``custom_vjp``. Masks and score functions are traced per tile shape (``_call.Functions``)
+and may read arrays at the batch row and head (lengths, prefix lengths, ALiBi's slopes):
+the kernels take those as inputs and read them an element at a time; segment ids are
+and'ed with them (each program copies its own tile's ids once and streams the other axis's
+ids with each tile it walks). Arrays read at each query or key position (a dense mask, a
+table indexed by distance), a bias and dropout come later.
+
+One program per (query tile of 64 rows, head, batch row), one warpgroup: the query tile is
+copied to shared memory once (TMA), then ``plgpu.emit_pipeline`` streams the key and value
+tiles through ``stages`` shared-memory buffers (TMA, mbarriers) while the warpgroup runs
+``S = Q Kᵀ`` and ``O += P V`` on the tensor cores (wgmma) and the online softmax in base 2
+between them (the scale times log2(e) folded into one multiply, as the Triton kernels do).
+A mask's tile schedule (flex's: per query tile, its FULL key tiles, then its PARTIAL ones)
+comes in as three int32 arrays that the pipelines' index maps read: the FULL tiles stream
+through one pipeline, the PARTIAL ones through a second, the only one that evaluates the
+mask (traced into the kernel body on the tile's indices); EMPTY tiles are never loaded. Each
+step's P V goes to a fresh accumulator added to the rescaled one (``acc · α + P V``, one
+FMA per element), since the interpreter cannot accumulate into an accumulator initialised
+from registers; on the GPU P stays in registers as wgmma's A operand, while the interpreter,
+whose wgmma reads A from shared memory only, stages it there.
+
+``forward(..., specialized=True)`` arranges the forward pass as FlashAttention-3 does
+(``_forward.specialized``): a copy warpgroup walks the schedule and feeds key and value
+tiles by TMA to two compute warpgroups, which share them and take turns on the tensor cores.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jattn import masks as _masks
+from jattn.impl import _common
+from jattn.impl.flex._hopper import _backward, _call, _forward
+from jattn.impl.flex._hopper._call import mask_reason as mask_reason
+from jattn.impl.flex._hopper._call import score_reason as score_reason
+from jattn.impl.flex._hopper._mosaic import LOG2E as LOG2E
+from jattn.impl.flex._hopper._mosaic import ROWS as ROWS
+from jattn.impl.flex._hopper._mosaic import has_interpreter as has_interpreter
+
+
+def forward(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  *,
+  scale: float,
+  is_causal: bool = False,
+  mask: _masks.Mask | None = None,
+  score_fn: Any = None,
+  block_kv: int = 64,
+  stages: int = 2,
+  interpret: bool = False,
+  base2: bool = False,
+  specialized: bool = False,
+  offsets: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """``(out, lse)`` of softmax attention: query (B, T, N, H), key and value (B, S, K, H),
+  N a multiple of K (grouped queries), float16 or bfloat16, H a multiple of 64, T a multiple
+  of 64 and S of ``block_kv``; ``is_causal`` as jax.nn's (query t sees keys s <= t, T = S),
+  and ``mask`` a jattn mask, and'ed with it, that reads arrays at the batch row and head
+  alone (lengths, prefix lengths, per-row causal offsets), and'ed with at most one set of
+  segment ids (:func:`_call.mask_reason`); ``score_fn(s, batch, head, q_idx, kv_idx)`` a jattn
+  score function applied to the scaled scores, reading arrays at the batch row and head
+  alone (``scores.soft_cap``, ``scores.alibi``; :func:`_call.score_reason`).
+  ``lse`` is (B, N, T) float32, the natural log-sum-exp of each row's scaled scores; a row
+  that sees no key gives zeros and an lse of -inf.
+  ``interpret`` runs it in Mosaic GPU's interpreter (jax >= 0.12), on any backend; ``base2``
+  returns the log-sum-exp in base 2 of the scores times log2(e), as the backward takes it.
+  ``specialized``: the warp-specialised kernel (:func:`_forward.specialized`: a copy
+  warpgroup and two compute warpgroups per 128 query rows; T a multiple of 128).
+  ``offsets``: the global index of the first batch row and head (int32 (2,)) where these
+  inputs are one device's share of a sharded call; the mask and score function see
+  global indices."""
+  _call.check_inputs(
+    query, key, value, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
+    interpret=interpret, specialized=specialized,
+  )  # fmt: skip
+  arrays, static = _call.prepare(
+    query, key, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
+    block_kv=block_kv, stages=stages, interpret=interpret, specialized=specialized,
+    offsets=offsets, backward=False,
+  )  # fmt: skip
+  run = _forward.specialized if specialized else _forward.one_warpgroup
+  out, lse2 = run(query, key, value, arrays, static)
+  return out, lse2 if base2 else lse2 / LOG2E
+
+
+def attention(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  *,
+  scale: float,
+  is_causal: bool = False,
+  mask: _masks.Mask | None = None,
+  score_fn: Any = None,
+  interpret: bool = False,
+  specialized: bool = False,
+  offsets: jax.Array | None = None,
+  block_kv: int = 64,
+  stages: int = 2,
+) -> jax.Array:
+  """:func:`forward`'s output, differentiable in query, key and value by the backward
+  kernels (:func:`_backward.backward`), and in the floating arrays a score function reads
+  (learned ALiBi slopes), where those are differentiated, through the score function's VJP
+  on the whole (B, N, T, S) grid in XLA (O(B·N·T·S) memory, as flex's Triton kernels take
+  them; :func:`_backward.learned_grads`); arguments as :func:`forward`'s."""
+  _call.check_inputs(
+    query, key, value, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
+    interpret=interpret, specialized=specialized,
+  )  # fmt: skip
+  arrays, static = _call.prepare(
+    query, key, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
+    block_kv=block_kv, stages=stages, interpret=interpret, specialized=specialized,
+    offsets=offsets, backward=True,
+  )  # fmt: skip
+  run = _forward.specialized if specialized else _forward.one_warpgroup
+
+  # The arrays the mask and score function read (traced arrays among them) are the
+  # custom_vjp's inputs, not its closure.
+  @jax.custom_vjp
+  def attend(q: jax.Array, k: jax.Array, v: jax.Array, arrays: _call.Arrays) -> jax.Array:
+    return run(q, k, v, arrays, static)[0]
+
+  def fwd(q: Any, k: Any, v: Any, arrays: Any) -> Any:
+    # symbolic_zeros: each input comes as (value, perturbed). Which of the score function's
+    # arrays are learned rides in the residuals' tree structure: () where so, else None.
+    learned = tuple(
+      () if a.perturbed and jnp.issubdtype(a.value.dtype, jnp.floating) else None
+      for a in arrays.score
+    )
+    q, k, v, arrays = _common.primal_values((q, k, v, arrays))
+    out, lse2 = run(q, k, v, arrays, static)
+    return out, (q, k, v, out, lse2, arrays, learned)
+
+  def bwd(res: Any, d_out: Any) -> Any:
+    q, k, v, out, lse2, arrays, learned = res
+    d_out = _common.materialized(d_out)
+    dq, dk, dv = _backward.backward(q, k, v, out, lse2, d_out, arrays, static)
+    d_arrays = jax.tree.map(_backward._zero_cotangent, arrays)
+    chosen = [i for i, x in enumerate(learned) if x is not None]
+    if chosen:
+      d_chosen = _backward.learned_grads(q, k, v, out, lse2, d_out, arrays, static, chosen)
+      d_score = list(d_arrays.score)
+      for i, d in zip(chosen, d_chosen):
+        d_score[i] = d.astype(arrays.score[i].dtype)
+      d_arrays = d_arrays._replace(score=tuple(d_score))
+    return dq, dk, dv, d_arrays
+
+  attend.defvjp(fwd, bwd, symbolic_zeros=True)
+  return attend(query, key, value, arrays)

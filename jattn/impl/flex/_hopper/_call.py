@@ -1,0 +1,303 @@
+"""A call as flex's Hopper kernels take it: what they refuse (each refusal naming the
+argument), the tile schedules, the segment ids, and the mask and score function traced at
+the kernels' tile shapes with the arrays they read (:class:`Functions`, :class:`Arrays`,
+:class:`Static`), which every kernel splits off its refs the same way (:func:`split_refs`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jattn import masks as _masks
+from jattn.impl import _tiling
+from jattn.impl.flex import _in_kernel as _in_kernel
+from jattn.impl.flex import _kernels as _kernels
+from jattn.impl.flex._hopper import _mosaic
+from jattn.impl.flex._hopper._mosaic import ROWS
+from jattn.masks import _core as _masks_core
+
+
+class Functions(NamedTuple):
+  """The mask (its conjuncts other than segment ids) and the score function as the kernels
+  evaluate them: jaxprs traced at each tile shape the kernels use (batch row and head as
+  scalars, query and key indices of the tile's shape), whose leading inputs are the arrays
+  they read. The kernels take those arrays as inputs and read them an element at a time at
+  indices of the batch row and head (:mod:`jattn.impl.flex._in_kernel`; :func:`mask_reason`
+  and :func:`score_reason` refuse functions that read them otherwise)."""
+
+  mask: dict[tuple[int, ...], Any] | None
+  score: dict[tuple[int, ...], Any] | None
+  n_mask: int  # arrays the mask reads
+  n_score: int  # arrays the score function reads
+
+  def bind(self, refs: Sequence[Any]) -> tuple[Any, Any]:
+    """``(mask(b, h, q_idx, kv_idx), score_fn(s, b, h, q_idx, kv_idx))`` inside a kernel,
+    their arrays read from ``refs`` (the mask's, then the score function's); None where
+    absent."""
+    mask_refs, score_refs = tuple(refs[: self.n_mask]), tuple(refs[self.n_mask :])
+    mask = score = None
+    if self.mask is not None:
+      masks_ = self.mask
+      mask = lambda b, h, q, kv: _in_kernel.evaluate(masks_[q.shape], mask_refs, b, h, q, kv)[0]
+    if self.score is not None:
+      fns = self.score
+      score = lambda x, b, h, q, kv: _in_kernel.evaluate(fns[x.shape], score_refs, x, b, h, q, kv)[
+        0
+      ]
+    return mask, score
+
+
+class Static(NamedTuple):
+  """A call's static settings, as every kernel takes them."""
+
+  scale: float
+  block_kv: int  # the forward's key tiles (the backward's are ROWS)
+  stages: int  # tiles in flight
+  interpret: bool
+  masked: bool  # a mask (is_causal included) leaves PARTIAL tiles to mask
+  functions: Functions
+
+
+class Arrays(NamedTuple):
+  """A call's arrays beside query, key and value (a pytree: the custom_vjp's inputs)."""
+
+  offsets: jax.Array  # int32 (2,): the global index of the first batch row and head
+  forward: tuple[jax.Array, ...]  # the forward's schedule: order, FULL and PARTIAL counts
+  rows: tuple[jax.Array, ...]  # dQ's (ROWS x ROWS tiles; () where only the forward runs)
+  cols: tuple[jax.Array, ...]  # dK/dV's, over key tiles
+  ids: tuple[jax.Array, ...]  # segment ids, query (Bm, T) and key (Bm, S) int32, or ()
+  mask: tuple[jax.Array, ...]  # what the mask's other conjuncts read
+  score: tuple[jax.Array, ...]  # what the score function reads
+
+  def kernel_inputs(self, schedule: tuple[jax.Array, ...]) -> list[jax.Array]:
+    """A kernel's inputs after its tensors: ``schedule``, the offsets, the segment ids, the
+    mask's and the score function's arrays (:func:`split_refs`)."""
+    return [*schedule, self.offsets, *self.ids, *self.mask, *self.score]
+
+
+def split_refs(refs: Sequence[Any], static: Static, n_ids: int) -> tuple[Any, ...]:
+  """``(schedule's three refs, offsets, ids' refs, (mask, score) evaluators, the rest)`` of a
+  kernel's refs after its tensors (the order of :meth:`Arrays.kernel_inputs`)."""
+  f = static.functions
+  n_fn = f.n_mask + f.n_score
+  ids = tuple(refs[4 : 4 + n_ids])
+  return (
+    tuple(refs[:3]),
+    refs[3],
+    ids,
+    f.bind(refs[4 + n_ids : 4 + n_ids + n_fn]),
+    refs[4 + n_ids + n_fn :],
+  )
+
+
+def check_inputs(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  *,
+  is_causal: bool,
+  mask: Any,
+  score_fn: Any,
+  block_kv: int,
+  interpret: bool,
+  specialized: bool,
+) -> None:
+  """What the kernels take, each refusal naming the argument."""
+  B, T, N, H = query.shape
+  S, K = key.shape[1], key.shape[2]
+  dtype = query.dtype
+  if dtype not in (jnp.float16, jnp.bfloat16):
+    raise ValueError(f"query: the Hopper kernel takes float16 or bfloat16, got {dtype}")
+  if key.dtype != dtype or value.dtype != dtype:
+    raise ValueError(f"key, value: dtypes {key.dtype}, {value.dtype} differ from query's {dtype}")
+  if key.shape != (B, S, K, H) or value.shape != key.shape:
+    raise ValueError(f"key, value: shapes {key.shape}, {value.shape}; want (B, S, K, H) = "
+                     f"{(B, S, K, H)} with query's B and H")  # fmt: skip
+  if N % K:
+    raise ValueError(f"query: {N} heads are not a multiple of key's {K}")
+  if H % 64:
+    raise ValueError(f"query: head dim {H} is not a multiple of 64")
+  if T % ROWS or S % block_kv or block_kv % 64:
+    raise ValueError(
+      f"query, key: lengths {T} and {S} must be multiples of {ROWS} and block_kv={block_kv} "
+      "(itself a multiple of 64)"
+    )
+  if specialized and T % (2 * ROWS):
+    raise ValueError(f"query: length {T} must be a multiple of {2 * ROWS} (specialized=True)")
+  if is_causal and T != S:
+    raise ValueError(f"is_causal: the Hopper kernel takes T = S, got {T} and {S}")
+  if reason := mask_reason(mask):
+    raise ValueError(f"mask: the Hopper kernel takes {reason}")
+  if reason := score_reason(score_fn):
+    raise ValueError(f"score_fn: the Hopper kernel takes {reason}")
+  if interpret and not _mosaic.has_interpreter():
+    raise ValueError("interpret: Mosaic GPU's interpreter needs jax >= 0.12")
+
+
+def prepare(
+  query: jax.Array,
+  key: jax.Array,
+  *,
+  scale: float,
+  is_causal: bool,
+  mask: Any,
+  score_fn: Any,
+  block_kv: int,
+  stages: int,
+  interpret: bool,
+  specialized: bool,
+  offsets: jax.Array | None,
+  backward: bool,
+) -> tuple[Arrays, Static]:
+  """A call as the kernels take it: the forward's tile schedule (and the backward's, where
+  ``backward``), the segment ids, and the mask and score function traced at the kernels'
+  tile shapes with the arrays they read."""
+  rows = 2 * ROWS if specialized else ROWS  # a forward program's query rows
+  full, forward_s, _ = _schedules(query, key, is_causal, mask, block_kv, rows)
+  shapes = [(ROWS, block_kv)]
+  rows_s: tuple[Any, ...] = ()
+  cols_s: tuple[Any, ...] = ()
+  if backward:
+    _, rows_s, cols_s = _schedules(query, key, is_causal, mask, ROWS)
+    shapes.append((ROWS, ROWS))  # dQ's tiles, and dK/dV's transposed ones
+  rest, ids = _split_ids(full)
+  mask_fns, mask_arrays = _traced(rest, shapes, score=False)
+  score_fns, score_arrays = _traced(score_fn, shapes, score=True)
+  functions = Functions(mask_fns, score_fns, len(mask_arrays), len(score_arrays))
+  static = Static(float(scale), block_kv, stages, interpret, full is not None, functions)
+  sched = lambda s: tuple(jnp.asarray(x) for x in s)
+  arrays = Arrays(
+    _offsets(offsets), sched(forward_s), sched(rows_s), sched(cols_s), ids, mask_arrays,
+    score_arrays,
+  )  # fmt: skip
+  return arrays, static
+
+
+def _offsets(offsets: jax.Array | None) -> jax.Array:
+  """The kernels' int32 (2,) input: the global index of the first batch row and head."""
+  return jnp.zeros((2,), jnp.int32) if offsets is None else jnp.asarray(offsets, jnp.int32)
+
+
+def _index_specs(shape: tuple[int, ...]) -> list[jax.ShapeDtypeStruct]:
+  """The (batch, head, q_idx, kv_idx) a kernel passes a mask or score function on a tile of
+  ``shape``: the program's batch row and head as scalars, the tile's indices."""
+  scalar, tile = (jax.ShapeDtypeStruct(x, jnp.int32) for x in ((), shape))
+  return [scalar, scalar, tile, tile]
+
+
+def _traced(
+  fn: Any, shapes: Sequence[tuple[int, ...]], *, score: bool
+) -> tuple[dict[tuple[int, ...], Any] | None, tuple[jax.Array, ...]]:
+  """``fn`` (a mask, or a score function where ``score``) traced at each tile shape, and the
+  arrays it reads (the same at every shape): ``(None, ())`` where ``fn`` is None."""
+  if fn is None:
+    return None, ()
+  found: dict[tuple[int, ...], _kernels.Function] = {}
+  for shape in dict.fromkeys(shapes):
+    specs = _index_specs(shape)
+    if score:
+      specs.insert(0, jax.ShapeDtypeStruct(shape, jnp.float32))
+    found[shape] = _kernels.Function.trace(lambda *a: fn(*a), *specs)
+  first = next(iter(found.values()))
+  for other in found.values():
+    if not _kernels.same_arrays(first.arrays, other.arrays):
+      name = "score_fn" if score else "mask"
+      raise ValueError(f"{name}: {fn!r} reads different arrays at tiles of {list(found)}")
+  return {shape: f.jaxpr for shape, f in found.items()}, first.arrays
+
+
+class _Probe:
+  """A kernel input's stand-in while a traced function is checked: notes whether it is read
+  other than one element at a time (a slice or a gather at index arrays)."""
+
+  def __init__(self, array: jax.Array) -> None:
+    self.shape, self.dtype, self.wide = tuple(array.shape), array.dtype, False
+
+  def __getitem__(self, index: Any) -> jax.Array:
+    index = index if isinstance(index, tuple) else (index,)
+    if index == (Ellipsis,):
+      index = tuple(slice(None) for _ in self.shape)
+    shape: list[int] = []
+    for i, n in zip(index, self.shape):
+      if isinstance(i, slice):
+        shape.append(len(range(*i.indices(n))))
+      elif jnp.ndim(i):  # a gather: its index arrays share one shape
+        shape = list(jnp.shape(i))
+    self.wide = self.wide or bool(shape)
+    return jnp.zeros(shape, self.dtype)
+
+
+def _reads_reason(fn: Any, *, score: bool) -> str | None:
+  """Where ``fn`` reads an array other than an element at a time at indices of the batch
+  row and head alone (an array per query or key position, a table indexed by distance), a
+  phrase saying so; None where the kernels can evaluate it."""
+  jaxprs, arrays = _traced(fn, [(ROWS, ROWS)], score=score)
+  if not arrays:
+    return None
+  assert jaxprs is not None
+  probes = [_Probe(a) for a in arrays]
+  specs = _index_specs((ROWS, ROWS))
+  if score:
+    specs.insert(0, jax.ShapeDtypeStruct((ROWS, ROWS), jnp.float32))
+  jax.eval_shape(lambda *a: _in_kernel.evaluate(jaxprs[ROWS, ROWS], probes, *a), *specs)
+  wide = [p.shape for p in probes if p.wide]
+  if not wide:
+    return None
+  return f"it reads an array of shape {wide[0]} at each query or key position"
+
+
+def mask_reason(mask: Any) -> str | None:
+  """What the Hopper kernels cannot take in ``mask`` (None: they take it): masks of the
+  indices reading arrays at the batch row and head alone (lengths, prefix lengths, per-row
+  causal offsets), and'ed with at most one set of segment ids (which each program reads
+  tile by tile)."""
+  parts = _masks_core.conjuncts(mask)
+  if sum(isinstance(p, _masks.kinds.Segments) for p in parts) > 1:
+    return f"one segments mask at most, {mask} has several"
+  rest = _masks.all_of(*(p for p in parts if not isinstance(p, _masks.kinds.Segments)))
+  if rest is not None and (reason := _reads_reason(rest, score=False)):
+    return f"masks reading arrays at the batch row and head alone (and segment ids), and {reason}"
+  return None
+
+
+def score_reason(score_fn: Any) -> str | None:
+  """What the Hopper kernels cannot take in ``score_fn`` (None: they take it): score
+  functions of the indices, reading arrays at the batch row and head alone (ALiBi's
+  per-head slopes; not a table indexed by distance)."""
+  if score_fn is None:
+    return None
+  if reason := _reads_reason(score_fn, score=True):
+    return f"score functions reading arrays at the batch row and head alone, and {reason}"
+  return None
+
+
+def _split_ids(mask: Any) -> tuple[Any, tuple[jax.Array, ...]]:
+  """``mask`` (checked by :func:`mask_reason`) as (its other conjuncts, the segment ids it
+  reads: query (Bm, T) and key (Bm, S) int32, or ())."""
+  parts = _masks_core.conjuncts(mask)
+  ids: tuple[jax.Array, ...] = ()
+  rest = []
+  for part in parts:
+    if isinstance(part, _masks.kinds.Segments):
+      ids = tuple(
+        jnp.asarray(x, jnp.int32).reshape(-1, jnp.shape(x)[-1])
+        for x in (part.q_segment_ids, part.kv_segment_ids)
+      )
+    else:
+      rest.append(part)
+  return _masks.all_of(*rest), ids
+
+
+def _schedules(
+  query: jax.Array, key: jax.Array, is_causal: bool, mask: Any, block: int, rows: int = ROWS
+) -> tuple[Any, _tiling.Schedule, _tiling.Schedule]:
+  """The mask and'ed with causal, and its (rows, columns) schedules at ``rows x block``."""
+  B, T, N, _ = query.shape
+  S = key.shape[1]
+  if is_causal:
+    mask = _masks.causal() if mask is None else _masks.causal() & mask
+  view = _tiling.tile_classes(mask, B, N, T, S, rows, block)
+  return mask, _tiling.schedule(view), _tiling.schedule(view.T)

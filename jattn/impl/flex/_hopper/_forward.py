@@ -1,0 +1,279 @@
+"""flex's Hopper forward kernels: one warpgroup per 64 query rows (:func:`one_warpgroup`),
+or warp-specialised as FlashAttention-3 arranges it (:func:`specialized`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jattn.impl.flex._hopper import _call, _mosaic, _tile
+from jattn.impl.flex._hopper._mosaic import ROWS
+
+
+def one_warpgroup(
+  query: jax.Array, key: jax.Array, value: jax.Array, arrays: _call.Arrays, static: _call.Static
+) -> tuple[jax.Array, jax.Array]:
+  """``(out, lse in base 2)``: the package's ``forward``'s one-warpgroup kernel."""
+  plgpu = _mosaic.mosaic_gpu()
+  B, T, N, H = query.shape
+  K = key.shape[2]
+  dtype = query.dtype
+  scale, block_kv, stages = static.scale, static.block_kv, static.stages
+  interpret = static.interpret
+  n_ids = len(arrays.ids)
+  G = N // K
+  swizzled = _mosaic.swizzled()
+  wgmma_layout = plgpu.Layout.WGMMA
+
+  def body(*refs: Any) -> None:
+    q_ref, k_ref, v_ref = refs[:3]
+    (order_ref, full_ref, partial_ref), off_ref, ids, (mask, score_fn), rest = _call.split_refs(
+      refs[3:], static, n_ids
+    )
+    out_ref, lse_ref, q_smem, o_smem, lse_smem, q_bar, p_smem, id_smem = rest
+    i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+    b_g, h_g = _mosaic.global_index(b, h, off_ref)
+    kv_head = lax.div(h, jnp.array(G, h.dtype))
+    rows = pl.ds(i * ROWS, ROWS)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, q_bar.at[0])
+    reduced = wgmma_layout.reduce(1)
+    keeper = _tile.keeper(ids, b_g, rows, id_smem, q_bar.at[1], transposed=False)
+    plgpu.barrier_wait(q_bar.at[0])
+    carry = (
+      plgpu.layout_cast(jnp.full((ROWS, H), 0.0, jnp.float32), wgmma_layout),
+      plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), reduced),
+      plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), reduced),
+    )
+
+    def step(first: Any, masked: bool) -> Any:
+      def run(index: tuple[Any], k_smem: Any, v_smem: Any, *rest: Any) -> Any:
+        *ids_smem, carry = rest  # the key tile's segment ids, where the mask reads them
+        acc, m, l = carry
+        j = order_ref[i, index[0] + first]  # the key tile
+
+        products = _mosaic.matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, block_kv))
+        t, _ = _tile.scores(
+          products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b_g, h=h_g,
+          q0=i * ROWS, k0=j * block_kv, keep=keeper(*ids_smem),
+        )  # fmt: skip
+        p, alpha, m_new, l = _tile.online_softmax(t, m, l, masked)
+        pv = _mosaic.matmul(_mosaic.staged(p.astype(dtype), p_smem), v_smem, (ROWS, H))
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l
+
+      return run
+
+    def pipeline(first: Any, count: Any, masked: bool, carry: Any) -> Any:
+      at = lambda step: (order_ref[i, step + first], 0)
+      spec = plgpu.BlockSpec((block_kv, H), at, transforms=swizzled)
+      ids_specs, ids_refs = _tile.streamed_ids(ids, b_g, block_kv, lambda t: at(t)[0], False)
+      return plgpu.emit_pipeline(
+        step(first, masked),
+        grid=(count,),
+        in_specs=[spec, spec, *ids_specs],
+        max_concurrent_steps=stages,
+        init_carry=carry,
+      )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :], *ids_refs)
+
+    acc, m, l = _mosaic.walk(pipeline, full_ref[i], partial_ref[i], static.masked, carry)
+    if static.masked:  # rows that saw no key: acc is 0 (every p was), l too; out 0
+      l = jnp.where(l == 0.0, 1.0, l)  # m stays -inf there: lse = m + log2(1)
+    o_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
+    lse_smem[...] = m + jnp.log2(l)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, rows, h])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  return plgpu.kernel(
+    body,
+    out_type=(
+      jax.ShapeDtypeStruct(query.shape, dtype),
+      jax.ShapeDtypeStruct((B, N, T), jnp.float32),
+    ),
+    grid=(T // ROWS, N, B),
+    grid_names=("q", "h", "b"),
+    scratch_types=(
+      plgpu.SMEM((ROWS, H), dtype, transforms=swizzled),
+      plgpu.SMEM((ROWS, H), dtype, transforms=swizzled),
+      plgpu.SMEM((ROWS,), jnp.float32),
+      plgpu.Barrier(num_barriers=2),
+      plgpu.SMEM((ROWS, block_kv), dtype, transforms=swizzled) if interpret else None,
+      plgpu.SMEM((ROWS,), jnp.int32) if n_ids else None,  # the query tile's segment ids
+    ),
+    **_mosaic.interpreted(interpret),
+  )(query, key, value, *arrays.kernel_inputs(arrays.forward))
+
+
+def specialized(
+  query: jax.Array, key: jax.Array, value: jax.Array, arrays: _call.Arrays, static: _call.Static
+) -> tuple[jax.Array, jax.Array]:
+  """``(out, lse in base 2)``: the package's ``forward`` as FlashAttention-3 arranges it on Hopper.
+
+  One program per 128 query rows, head and batch row, three warpgroups. The third copies:
+  it walks the block's schedule (its FULL key tiles, then its PARTIAL ones, as
+  ``schedule``'s int32 arrays at 128 x block_kv list them) and brings each key and value
+  tile into one of ``stages`` shared-memory slots by TMA, each completing on the slot's
+  barrier, waiting first until both compute warpgroups have released the slot. The first
+  two compute, 64 query rows each, over the same tiles: ``S = Q Kᵀ`` and ``O += P V`` on
+  the tensor cores, the online softmax in base 2 between them, the mask evaluated on
+  PARTIAL tiles only. A schedule barrier that both
+  compute warpgroups pass twice a step keeps one's softmax under the other's matrix
+  products (ping-pong). The copy warpgroup gives up registers for the compute ones
+  (``set_max_registers``). Where the block's schedule lists a tile one half of it does not
+  need, that half evaluates the mask there and keeps nothing of it."""
+  plgpu = _mosaic.mosaic_gpu()
+  B, T, N, H = query.shape
+  K = key.shape[2]
+  dtype = query.dtype
+  G = N // K
+  bk, stages, scale, interpret = static.block_kv, static.stages, static.scale, static.interpret
+  swizzled = _mosaic.swizzled()
+  wgmma_layout = plgpu.Layout.WGMMA
+  masked_tiles = static.masked
+  n_ids = len(arrays.ids)
+
+  def body(*refs: Any) -> None:
+    q_ref, k_ref, v_ref = refs[:3]
+    (order_ref, full_ref, partial_ref), off_ref, ids, (mask, score_fn), rest = _call.split_refs(
+      refs[3:], static, n_ids
+    )
+    out_ref, lse_ref, scoped = rest
+    (qo_smem, k_smem, v_smem, lse_smem, p_smem, qid_smem, kid_smem), barriers = scoped
+    k_ready, v_ready, q_ready, k_free, v_free, turn, ids_ready = barriers
+    i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+    wg = lax.axis_index("wg")
+    b_g, h_g = _mosaic.global_index(b, h, off_ref)
+    n_full, n_partial = full_ref[i], partial_ref[i]
+    steps = n_full + n_partial
+    slot_of = lambda t: lax.rem(t, jnp.array(stages, t.dtype))
+
+    def take_turn() -> None:  # the ping-pong: both compute warpgroups pass, in turn
+      plgpu.barrier_arrive(turn)
+      plgpu.barrier_wait(turn)
+
+    @pl.when(wg < 2)
+    def _compute() -> None:
+      plgpu.set_max_registers(232, action="increase")
+      q_smem = qo_smem.at[wg]
+      q0 = i * (2 * ROWS) + wg * ROWS
+      rows = pl.ds(q0, ROWS)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, q_ready.at[wg])
+      held = None if qid_smem is None else qid_smem.at[wg]
+      keeper = _tile.keeper(ids, b_g, rows, held, ids_ready.at[wg], transposed=False)
+      plgpu.barrier_wait(q_ready.at[wg])
+      reduced = wgmma_layout.reduce(1)
+      carry = (
+        plgpu.layout_cast(jnp.full((ROWS, H), 0.0, jnp.float32), wgmma_layout),
+        plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), reduced),
+        plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), reduced),
+      )
+      pl.when(wg == 1)(take_turn)  # the second waits for the first's first product
+
+      def step(t: Any, carry: Any, masked: bool) -> Any:
+        acc, m, l = carry
+        slot = slot_of(t)
+        j = order_ref[i, t]  # the key tile
+        plgpu.barrier_wait(k_ready.at[slot])
+
+        def qk(acc_ref: Any) -> Any:
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+          take_turn()
+          return acc_ref[...]
+
+        products = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
+        # The key tile's ids (landed with it) are read before its slot is released.
+        streamed = () if kid_smem is None else (kid_smem.at[slot],)
+        keep = keeper(*streamed) if masked else None
+        plgpu.barrier_arrive(k_free.at[slot])
+        t_, _ = _tile.scores(
+          products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b_g, h=h_g,
+          q0=q0, k0=j * bk, keep=keep,
+        )  # fmt: skip
+        p, alpha, m_new, l = _tile.online_softmax(t_, m, l, masked)
+        p16 = p.astype(dtype)
+        plgpu.barrier_arrive(turn)  # this softmax is done: the other may multiply
+        plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_wait(turn)  # and the tensor cores are ours again
+        a = _mosaic.staged(p16, None if p_smem is None else p_smem.at[wg])
+        pv = _mosaic.matmul(a, v_smem.at[slot], (ROWS, H))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l
+
+      carry = lax.fori_loop(0, n_full, lambda t, c: step(t, c, False), carry)
+      acc, m, l = lax.fori_loop(n_full, steps, lambda t, c: step(t, c, masked_tiles), carry)
+      pl.when(wg == 0)(take_turn)  # the first's last pass, matching the second's first
+      if masked_tiles:  # rows that saw no key: acc is 0 (every p was), l too; out 0
+        l = jnp.where(l == 0.0, 1.0, l)  # m stays -inf there: lse = m + log2(1)
+      q_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
+      lse_smem.at[wg][...] = m + jnp.log2(l)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, rows, h])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _copy() -> None:
+      plgpu.set_max_registers(40, action="decrease")
+      kv_head = lax.div(h, jnp.array(G, h.dtype))
+
+      @pl.loop(0, steps)
+      def _(t: Any) -> None:
+        slot = slot_of(t)
+        cols = pl.ds(order_ref[i, t] * bk, bk)
+
+        @pl.when(t >= stages)  # the slot's last tile is released by both compute groups
+        def _() -> None:
+          plgpu.barrier_wait(k_free.at[slot])
+
+        plgpu.copy_gmem_to_smem(k_ref.at[b, cols, kv_head], k_smem.at[slot], k_ready.at[slot])
+        if kid_smem is not None:  # the key tile's segment ids, on the same barrier
+          kv_ids = ids[1]
+          plgpu.copy_gmem_to_smem(
+            kv_ids.at[_mosaic.row(kv_ids, b_g), cols], kid_smem.at[slot], k_ready.at[slot]
+          )
+
+        @pl.when(t >= stages)
+        def _() -> None:
+          plgpu.barrier_wait(v_free.at[slot])
+
+        plgpu.copy_gmem_to_smem(v_ref.at[b, cols, kv_head], v_smem.at[slot], v_ready.at[slot])
+
+  def entry(*refs: Any) -> None:
+    smem = (
+      plgpu.SMEM((2, ROWS, H), dtype, transforms=swizzled),
+      plgpu.SMEM((stages, bk, H), dtype, transforms=swizzled),
+      plgpu.SMEM((stages, bk, H), dtype, transforms=swizzled),
+      plgpu.SMEM((2, ROWS), jnp.float32),
+      # The interpreter's wgmma reads its A operand (P) from shared memory only.
+      plgpu.SMEM((2, ROWS, bk), dtype, transforms=swizzled) if interpret else None,
+      plgpu.SMEM((2, ROWS), jnp.int32) if n_ids else None,  # each group's query ids
+      plgpu.SMEM((stages, bk), jnp.int32) if n_ids else None,  # each slot's key ids
+    )
+    barriers = (
+      # a key tile landed in the slot (and its segment ids: two copies arrive)
+      plgpu.Barrier(num_arrivals=2 if n_ids else 1, num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),  # a value tile
+      plgpu.Barrier(num_barriers=2),  # each compute group's query tile
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both groups done with a key slot
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # and with a value slot
+      plgpu.Barrier(num_arrivals=2, num_barriers=1),  # the ping-pong's turn
+      plgpu.Barrier(num_barriers=2),  # each compute group's query ids
+    )
+    pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, barriers, collective_axes="wg")
+
+  return plgpu.kernel(
+    entry,
+    out_type=(
+      jax.ShapeDtypeStruct(query.shape, dtype),
+      jax.ShapeDtypeStruct((B, N, T), jnp.float32),
+    ),
+    grid=(T // (2 * ROWS), N, B),
+    grid_names=("q", "h", "b"),
+    num_threads=3,
+    thread_name="wg",
+    **_mosaic.interpreted(interpret),
+  )(query, key, value, *arrays.kernel_inputs(arrays.forward))

@@ -1,0 +1,85 @@
+"""Mosaic GPU's pieces as flex's Hopper kernels use them: the module itself (imported when
+a kernel is built), its interpreter, wgmma into a fresh accumulator, the shared-memory
+layout wgmma reads, the walk over a tile schedule, and the constants every kernel shares."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+LOG2E = math.log2(math.e)
+
+
+ROWS = 64  # a warpgroup's wgmma M
+
+
+def mosaic_gpu() -> Any:
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  return plgpu
+
+
+def load(ref: Any, layout: Any) -> Any:
+  """A whole shared-memory ref into registers in ``layout`` (jax 0.10 takes an index too)."""
+  load = mosaic_gpu().load
+  if "idx" in inspect.signature(load).parameters:
+    return load(ref, (), layout=layout)
+  return load(ref, layout=layout)
+
+
+def has_interpreter() -> bool:
+  """Whether this JAX has Mosaic GPU's interpreter (jax >= 0.12)."""
+  return hasattr(mosaic_gpu(), "InterpretGPUParams")
+
+
+def swizzled() -> tuple[Any, Any]:
+  """wgmma's operands in shared memory: 8 x 64 tiles, 128-byte swizzle (16-bit elements)."""
+  plgpu = mosaic_gpu()
+  return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+
+
+def interpreted(interpret: bool) -> dict[str, Any]:
+  """``plgpu.kernel``'s keyword for Mosaic GPU's interpreter, where asked for."""
+  return dict(interpret=mosaic_gpu().InterpretGPUParams()) if interpret else {}
+
+
+def matmul(a: Any, b: Any, shape: tuple[int, int]) -> Any:
+  """``a @ b`` on the tensor cores (wgmma) into a fresh float32 accumulator of ``shape``."""
+  plgpu = mosaic_gpu()
+
+  def run(acc_ref: Any) -> Any:
+    plgpu.wgmma(acc_ref, a, b)
+    return acc_ref[...]
+
+  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def staged(x: Any, smem: Any) -> Any:
+  """wgmma's A operand: registers on a GPU (``smem`` None); in shared memory for the
+  interpreter, whose wgmma reads A from there only."""
+  if smem is None:
+    return x
+  smem[...] = x
+  mosaic_gpu().commit_smem()
+  return smem
+
+
+def global_index(b: Any, h: Any, off_ref: Any) -> tuple[Any, Any]:
+  """A program's batch row and head as the mask and score function see them: global."""
+  return b + off_ref[0], h + off_ref[1]
+
+
+def walk(pipeline: Any, n_full: Any, n_partial: Any, masked: bool, carry: Any) -> Any:
+  """A schedule's FULL tiles through one ``pipeline(first, count, masked, carry)``, then,
+  where there is a mask, its PARTIAL ones through a second."""
+  carry = pipeline(0, n_full, False, carry)
+  return pipeline(n_full, n_partial, True, carry) if masked else carry
+
+
+def row(ref: Any, b: Any) -> Any:
+  """The row of per-batch values ``ref`` (Bm, ...) for global batch row ``b``."""
+  return b if ref.shape[0] > 1 else 0

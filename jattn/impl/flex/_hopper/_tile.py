@@ -1,0 +1,118 @@
+"""One tile's work inside a Hopper kernel, shared by the forward and backward kernels: its
+scores in base 2 (scale, score function, mask on PARTIAL tiles, segment ids), one step of
+the online softmax, and the segment ids a program holds and streams."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jattn.impl.flex._hopper import _mosaic
+from jattn.impl.flex._hopper._mosaic import LOG2E
+
+
+def scores(
+  products: Any,
+  *,
+  scale: float,
+  score_fn: Any,
+  mask: Any,
+  masked: bool,
+  b: Any,
+  h: Any,
+  q0: Any,
+  k0: Any,
+  transposed: bool = False,
+  derivative: bool = False,
+  keep: Any = None,
+) -> tuple[Any, Any]:
+  """``(t, slope)`` of one tile: its base-2 scores ``score_fn(scale · q kᵀ) · log2(e)``, -inf
+  where a PARTIAL tile's mask says so, and d score_fn(x)/dx (None without a score function
+  or ``derivative``). ``products`` is ``q kᵀ`` (``k qᵀ`` when ``transposed``: keys along
+  rows); query rows start at ``q0``, key rows at ``k0``; mask and score function see the
+  elements' own indices (``mask`` and ``score_fn`` as :meth:`_call.Functions.bind` gives them).
+  ``keep(q_idx, kv_idx)``: the segment ids' conjunct (:func:`keeper`), and'ed with the mask
+  on PARTIAL tiles."""
+  plgpu = _mosaic.mosaic_gpu()
+  if score_fn is None and not masked:
+    return products * (float(scale) * LOG2E), None
+  iota = lambda axis: plgpu.broadcasted_iota(
+    jnp.int32, products.shape, axis, layout=plgpu.Layout.WGMMA
+  )
+  q_idx, kv_idx = (iota(1) + q0, iota(0) + k0) if transposed else (iota(0) + q0, iota(1) + k0)
+  slope = None
+  if score_fn is None:
+    t = products * (float(scale) * LOG2E)
+  else:
+    score = lambda x: score_fn(x, b, h, q_idx, kv_idx).astype(jnp.float32)
+    x = products * float(scale)
+    if derivative:  # score functions act elementwise on the scores
+      y, slope = jax.jvp(score, (x,), (jnp.ones_like(x),))
+    else:
+      y = score(x)
+    t = y * LOG2E
+  if masked:
+    allowed = None if mask is None else mask(b, h, q_idx, kv_idx)
+    if keep is not None:
+      allowed = keep(q_idx, kv_idx) if allowed is None else allowed & keep(q_idx, kv_idx)
+    if allowed is not None:
+      t = jnp.where(allowed, t, -jnp.inf)
+  return t, slope
+
+
+def online_softmax(t: Any, m: Any, l: Any, masked: bool) -> tuple[Any, Any, Any, Any]:
+  """One key tile's step of the base-2 online softmax: ``(p, alpha, m, l)`` from the tile's
+  scores ``t`` and the rows' running max ``m`` and sum ``l``, alpha rescaling what came
+  before. On a PARTIAL tile a row whose keys so far are all masked keeps m = -inf: it is
+  shifted by 0, not by -inf."""
+  m_new = jnp.maximum(m, t.max(axis=1))
+  shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+  alpha = jnp.exp2(m - shift)
+  p = jnp.exp2(t - lax.broadcast_in_dim(shift, t.shape, [0]))
+  return p, alpha, m_new, l * alpha + p.sum(axis=1)
+
+
+def streamed_ids(
+  ids: Sequence[Any], b: Any, block: int, tile: Any, transposed: bool
+) -> tuple[list[Any], list[Any]]:
+  """The streamed axis's segment ids (``ids``: the kernel's refs, or none) as a pipeline's
+  extra ``(in_specs, refs)``: ``tile(step)`` the step's tile of ``block`` entries. In a
+  kernel one axis's ids are held for the program (the query tile's; the key tile's in the
+  transposed dK/dV kernel), the other's streamed with each tile."""
+  if not ids:
+    return [], []
+  src = ids[0] if transposed else ids[1]
+  spec = _mosaic.mosaic_gpu().BlockSpec((block,), lambda t: (tile(t),))
+  return [spec], [src.at[_mosaic.row(src, b)]]
+
+
+def keeper(
+  ids: Sequence[Any], b: Any, held: Any, smem: Any, barrier: Any, *, transposed: bool
+) -> Any:
+  """``make(*streamed_ids_smem) -> keep(q_idx, kv_idx)`` (None without segment ids) for
+  :func:`scores`; copies the held tile's ids (rows ``held``) to ``smem`` first."""
+  if not ids:
+    return lambda *_: None
+  plgpu = _mosaic.mosaic_gpu()
+  vector = plgpu.Layout.WGMMA.reduce
+  src = ids[1] if transposed else ids[0]
+  plgpu.copy_gmem_to_smem(src.at[_mosaic.row(src, b), held], smem, barrier)
+  plgpu.barrier_wait(barrier)
+  held_ids = _mosaic.load(smem, vector(1))  # along the tile's rows
+
+  def make(streamed: Any) -> Any:
+    # The streamed tile's ids, along its columns: read now, while its buffer is held.
+    other = _mosaic.load(streamed, vector(0))
+
+    def keep(q_idx: Any, kv_idx: Any) -> Any:
+      shape = q_idx.shape
+      rows = lax.broadcast_in_dim(held_ids, shape, [0])
+      return rows == lax.broadcast_in_dim(other, shape, [1])
+
+    return keep
+
+  return make
