@@ -97,7 +97,7 @@ def test_gradients_match_autodiff_of_jax_nn_in_float32():
   for mask, causal in cases:
     attend = lambda q, k, v, m=mask, c=causal: _hopper.attention(
       q, k, v, scale=H**-0.5, is_causal=c, mask=m, interpret=True
-    )
+    )[0]
     got = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32) * ct), (0, 1, 2)))(
       q, k, v
     )
@@ -125,7 +125,7 @@ def test_score_functions_of_indices_values_and_gradients():
   window = masks.sliding_window(40, 0)
   for score_fn, mask in ((scores.soft_cap(2.0), None), (distance, window)):
     kw = dict(scale=H**-0.5, mask=mask, score_fn=score_fn)
-    hopper = lambda *a: _hopper.attention(*a, interpret=True, **kw).astype(jnp.float32)
+    hopper = lambda *a: _hopper.attention(*a, interpret=True, **kw)[0].astype(jnp.float32)
     xla = lambda *a, **more: jattn.dot_product_attention(*a, implementation="xla", **kw, **more)
     loss = lambda attend: lambda *a: jnp.sum(attend(*a) * ct)
     got = jax.jit(jax.value_and_grad(loss(hopper), (0, 1, 2)))(q, k, v)
@@ -175,7 +175,7 @@ def test_the_warp_specialized_forward_matches_jax_nn():
   loss = lambda attend: lambda *a: jnp.sum(attend(*a).astype(jnp.float32) * ct)
   hopper = lambda *a: _hopper.attention(
     *a, scale=H**-0.5, is_causal=True, interpret=True, specialized=True
-  )
+  )[0]
   got = jax.jit(jax.grad(loss(hopper), (0, 1, 2)))(q, k, v)
   want = jax.grad(loss(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True)), (0, 1, 2))(
     *wide
@@ -191,7 +191,9 @@ def test_the_gradient_lowers_for_cuda_to_three_mosaic_gpu_calls(score_fn):
   soft cap (tanh and its derivative inside each kernel) and a window as well."""
   q, k, v = (jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in _inputs(jnp.float32, 256, 128))
   mask = None if score_fn is None else masks.sliding_window(100, 0)
-  attend = lambda *a: _hopper.attention(*a, scale=0.1, is_causal=True, mask=mask, score_fn=score_fn)
+  attend = lambda *a: _hopper.attention(
+    *a, scale=0.1, is_causal=True, mask=mask, score_fn=score_fn
+  )[0]
   loss = lambda *a: jnp.sum(attend(*a).astype(jnp.float32))
   step = jax.jit(jax.grad(loss, (0, 1, 2)))
   text = step.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
@@ -284,7 +286,6 @@ def test_flex_hopper_is_reached_only_by_name():
       ),
       (dict(bias=jnp.zeros((256, 256), jnp.bfloat16)), r"does not support bias"),
       (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), r"does not support dropout"),
-      (dict(return_residual=True), r"does not support return_residual"),
     ]
     for kw, match in refused:
       with pytest.raises(ValueError, match=match):
@@ -348,7 +349,7 @@ def test_a_shard_sees_its_global_batch_row_and_heads():
   share = lambda x: x[1:, :, (2 if x.shape[2] == 4 else 1) :]
   shard = lambda *a: _hopper.attention(
     *a, scale=H**-0.5, mask=staggered, interpret=True, offsets=jnp.array([1, 2])
-  )
+  )[0]
   out = jax.jit(shard)(*map(share, (q, k, v)))
   np.testing.assert_allclose(np.float32(out), want, atol=2e-2)
   loss = lambda *a: jnp.sum(shard(*a).astype(jnp.float32) * share(ct))
@@ -419,3 +420,47 @@ def test_arrays_read_at_the_batch_row_and_head_are_kernel_inputs():
     for name, g, w in zip(("dq", "dk", "dv", "d_floats"), got, want):
       rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
       assert rel < 1e-2, (make.__name__, name, rel)
+
+
+@interpreter
+def test_the_log_sum_exp_and_sinks_carry_gradients():
+  """return_residual=True: the log-sum-exp (B, T, N) and its cotangent, which enters dS as Δ
+  does; and sinks, which the table adds around the kernels through that log-sum-exp (a
+  window whose first rows see few keys, causal packed documents): output, lse and the
+  gradients of query, key, value and the sinks against the xla path on the same bf16 inputs
+  in float32 (a loss reading the lse too; without its cotangent dQ and dK are off by
+  order one)."""
+  rng = np.random.default_rng(15)
+  shapes = [(1, 128, 2, 64), (1, 128, 1, 64), (1, 128, 1, 64)]
+  q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
+  wide = [x.astype(jnp.float32) for x in (q, k, v)]
+  ct, ct_lse = rng.standard_normal(shapes[0]).astype(np.float32), rng.standard_normal((1, 128, 2))
+  ids = np.repeat(np.arange(3), [30, 70, 28])[None].astype(np.int32)
+  cases = [
+    dict(mask=masks.sliding_window(20, 0), return_residual=True),
+    dict(is_causal=True, segment_ids=ids, sinks=np.array([0.5, -1.0], np.float32)),
+  ]
+  for kw in cases:
+
+    def loss(impl, q, k, v, sinks=None, kw=kw):
+      more = {} if sinks is None else dict(sinks=sinks)
+      kw_ = {key: val for key, val in kw.items() if key != "sinks"}
+      got = jattn.dot_product_attention(q, k, v, implementation=impl, **kw_, **more)
+      out, lse = got if kw.get("return_residual") else (got, jnp.zeros((1, 128, 2)))
+      return jnp.sum(out.astype(jnp.float32) * ct) + jnp.sum(lse * ct_lse), (out, lse)
+
+    args = (0, 1, 2) if "sinks" not in kw else (0, 1, 2, 3)
+    extra = () if "sinks" not in kw else (kw["sinks"],)
+    with jattn.testing.interpret_kernels():
+      got, (out, lse) = jax.jit(jax.grad(lambda *a: loss("flex_hopper", *a), args, has_aux=True))(
+        q, k, v, *extra
+      )
+    want, (want_out, want_lse) = jax.grad(lambda *a: loss("xla", *a), args, has_aux=True)(
+      *wide, *extra
+    )
+    np.testing.assert_allclose(np.float32(out), want_out, atol=2e-2, err_msg=str(kw))
+    # the lse comes in the inputs' dtype, as jax.nn's: bf16's rounding at |lse| < 4
+    np.testing.assert_allclose(np.float32(lse), want_lse, atol=1.6e-2, err_msg=str(kw))
+    for name, g, w in zip(("dq", "dk", "dv", "d_sinks"), got, want):
+      rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
+      assert rel < 1e-2, (kw, name, rel)

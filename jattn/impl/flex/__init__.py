@@ -390,7 +390,7 @@ def _hopper_run(
 def _hopper_attend(
   query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
 ) -> tuple[jax.Array, jax.Array]:
-  out = _hopper.attention(
+  return _hopper.attention(
     query,
     key,
     value,
@@ -400,7 +400,6 @@ def _hopper_attend(
     interpret=spec.interpret,
     offsets=spec.shard_offsets,
   )
-  return out, jnp.zeros(query.shape[:-1], jnp.float32)  # no lse asked for (check refuses)
 
 
 HOPPER = _base.Implementation(
@@ -415,8 +414,6 @@ HOPPER = _base.Implementation(
   dtypes=("bfloat16", "float16"),
   bias="not yet taken by the Hopper kernels",  # nor arrays read per position (check)
   dropout="not yet taken by the Hopper kernels",
-  residual="its log-sum-exp carries no gradient yet",
-  sinks="its log-sum-exp carries no gradient yet, which sinks need",
   fused=True,
   interpretable=True,
   check=_hopper_check,

@@ -117,12 +117,15 @@ def attention(
   offsets: jax.Array | None = None,
   block_kv: int = 64,
   stages: int = 2,
-) -> jax.Array:
-  """:func:`forward`'s output, differentiable in query, key and value by the backward
-  kernels (:func:`_backward.backward`), and in the floating arrays a score function reads
-  (learned ALiBi slopes), where those are differentiated, through the score function's VJP
-  on the whole (B, N, T, S) grid in XLA (O(B·N·T·S) memory, as flex's Triton kernels take
-  them; :func:`_backward.learned_grads`); arguments as :func:`forward`'s."""
+) -> tuple[jax.Array, jax.Array]:
+  """``(out, lse)``: :func:`forward`'s output and natural log-sum-exp, ``lse`` (B, T, N) as
+  jattn's implementations return it, both differentiable: in query, key and value by the
+  backward kernels (:func:`_backward.backward`; the log-sum-exp's cotangent enters dS as Δ
+  does, dS = P ⊙ (dP − Δ + d_lse), so sinks and ``return_residual`` take it), and in the
+  floating arrays a score function reads (learned ALiBi slopes), where those are
+  differentiated, through the score function's VJP on the whole (B, N, T, S) grid in XLA
+  (O(B·N·T·S) memory, as flex's Triton kernels take them; :func:`_backward.learned_grads`);
+  arguments as :func:`forward`'s."""
   _call.check_inputs(
     query, key, value, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
     interpret=interpret, specialized=specialized,
@@ -133,12 +136,14 @@ def attention(
     offsets=offsets, backward=True,
   )  # fmt: skip
   run = _forward.specialized if specialized else _forward.one_warpgroup
+  natural = lambda lse2: jnp.swapaxes(lse2 / LOG2E, 1, 2)  # (B, N, T) base 2 -> (B, T, N)
 
   # The arrays the mask and score function read (traced arrays among them) are the
   # custom_vjp's inputs, not its closure.
   @jax.custom_vjp
-  def attend(q: jax.Array, k: jax.Array, v: jax.Array, arrays: _call.Arrays) -> jax.Array:
-    return run(q, k, v, arrays, static)[0]
+  def attend(q: jax.Array, k: jax.Array, v: jax.Array, arrays: _call.Arrays) -> Any:
+    out, lse2 = run(q, k, v, arrays, static)
+    return out, natural(lse2)
 
   def fwd(q: Any, k: Any, v: Any, arrays: Any) -> Any:
     # symbolic_zeros: each input comes as (value, perturbed). Which of the score function's
@@ -149,16 +154,18 @@ def attention(
     )
     q, k, v, arrays = _common.primal_values((q, k, v, arrays))
     out, lse2 = run(q, k, v, arrays, static)
-    return out, (q, k, v, out, lse2, arrays, learned)
+    return (out, natural(lse2)), (q, k, v, out, lse2, arrays, learned)
 
-  def bwd(res: Any, d_out: Any) -> Any:
+  def bwd(res: Any, cotangents: Any) -> Any:
     q, k, v, out, lse2, arrays, learned = res
-    d_out = _common.materialized(d_out)
-    dq, dk, dv = _backward.backward(q, k, v, out, lse2, d_out, arrays, static)
+    d_out, d_lse = (_common.materialized(c) for c in cotangents)
+    # Rows that saw no key (lse -inf) take no gradient, whatever their lse's cotangent.
+    d_lse = jnp.where(jnp.isneginf(lse2), 0.0, jnp.swapaxes(d_lse, 1, 2).astype(jnp.float32))
+    dq, dk, dv = _backward.backward(q, k, v, out, lse2, d_out, d_lse, arrays, static)
     d_arrays = jax.tree.map(_backward._zero_cotangent, arrays)
     chosen = [i for i, x in enumerate(learned) if x is not None]
     if chosen:
-      d_chosen = _backward.learned_grads(q, k, v, out, lse2, d_out, arrays, static, chosen)
+      d_chosen = _backward.learned_grads(q, k, v, lse2, d_out, d_lse, arrays, static, chosen)
       d_score = list(d_arrays.score)
       for i, d in zip(chosen, d_chosen):
         d_score[i] = d.astype(arrays.score[i].dtype)

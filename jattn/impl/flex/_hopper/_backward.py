@@ -24,11 +24,13 @@ def backward(
   out: jax.Array,
   lse2: jax.Array,
   d_out: jax.Array,
+  d_lse: jax.Array,
   arrays: _call.Arrays,
   static: _call.Static,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(dq, dk, dv)`` of the forward's output for the cotangent ``d_out``, from its
-  output and base-2 log-sum-exp ``lse2``: a dQ kernel (one program per 64-row query tile,
+  """``(dq, dk, dv)`` of the forward's output and natural log-sum-exp for their cotangents
+  ``d_out`` and ``d_lse`` ((B, N, T) float32, zero where a row saw no key), from the output
+  and base-2 log-sum-exp ``lse2``: a dQ kernel (one program per 64-row query tile,
   its key tiles streamed) and a dK/dV kernel in the transposed domain (one program per
   64-row key tile and query head, its query tiles streamed; ``Sᵀ = K Qᵀ``, ``dV += Pᵀ dO``,
   ``dPᵀ = V dOᵀ``, ``dK += dSᵀ Q``, every product a wgmma), dS rounded once to the inputs'
@@ -42,7 +44,9 @@ def backward(
   n_ids = len(arrays.ids)
   swizzled = _mosaic.swizzled()
   layout = plgpu.Layout.WGMMA
+  # The lse's cotangent enters dS as Δ does: dS = P ⊙ (dP − Δ + d_lse).
   delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
+  delta = delta - d_lse
   # Rows that saw no key (lse -inf) take no gradient: shift them by +inf, p = 0
   lse2 = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)
 
@@ -248,17 +252,17 @@ def learned_grads(
   query: jax.Array,
   key: jax.Array,
   value: jax.Array,
-  out: jax.Array,
   lse2: jax.Array,
   d_out: jax.Array,
+  d_lse: jax.Array,
   arrays: _call.Arrays,
   static: _call.Static,
   chosen: list[int],
 ) -> list[jax.Array]:
   """The gradients of the score function's arrays ``arrays.score[chosen]``: its VJP on the
   whole (B, N, T, S) grid at the call's scaled scores (recomputed in float32), the cotangent
-  dS = P ⊙ (dP − Δ) of its output, P from the forward's log-sum-exp."""
-  del out  # rounded to the inputs' dtype: Δ is recomputed (below)
+  dS = P ⊙ (dP − Δ + d_lse) of its output, P from the forward's log-sum-exp, ``d_lse`` as
+  :func:`backward` takes it."""
   B, T, N, _ = query.shape
   S, K = key.shape[1], key.shape[2]
   f = jnp.float32
@@ -294,4 +298,4 @@ def learned_grads(
   # the inputs' dtype, would leave its rounding in dP − Δ, which the sum over every
   # position (ALiBi's slope sums dS times the distance) amplifies.
   delta = jnp.sum(p * dp, axis=-1, keepdims=True)
-  return list(vjp(p * (dp - delta)))
+  return list(vjp(p * (dp - delta + d_lse[..., None])))
