@@ -260,7 +260,7 @@ def test_bad_arguments_are_refused_by_name(change, match):
 def test_flex_hopper_is_reached_only_by_name():
   """On a Hopper GPU (lowered for CUDA from this CPU), implementation=None never picks the
   Hopper kernels, and explain says why and how to opt in; named, the gradient lowers to its
-  three Mosaic GPU calls (with packed documents too, and prefix lengths with ALiBi); what
+  three Mosaic GPU calls (with packed documents too, prefix lengths with ALiBi, dropout); what
   it does not take is refused by name, as is an Ampere GPU."""
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
   capped = dict(is_causal=True, logits_soft_cap=30.0)  # cuDNN takes no soft cap: flex's turn
@@ -271,7 +271,8 @@ def test_flex_hopper_is_reached_only_by_name():
     documents = dict(is_causal=True, segment_ids=np.repeat(np.arange(4), 64)[None])
     # arrays read at the batch row and head: kernel inputs, read an element at a time
     alibi = dict(mask=masks.prefix_lm(np.array([100])), score_fn=scores.alibi(np.ones(4)))
-    for kw in (capped, documents, alibi):
+    dropped = dict(is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+    for kw in (capped, documents, alibi, dropped):
       attend = lambda *a, kw=kw: jattn.dot_product_attention(*a, implementation="flex_hopper", **kw)
       step = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32)), (0, 1, 2)))
       with warnings.catch_warnings():
@@ -285,7 +286,6 @@ def test_flex_hopper_is_reached_only_by_name():
         r"does not support score_fn relative_position_bias.* at each query or key",
       ),
       (dict(bias=jnp.zeros((256, 256), jnp.bfloat16)), r"does not support bias"),
-      (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), r"does not support dropout"),
     ]
     for kw, match in refused:
       with pytest.raises(ValueError, match=match):
@@ -464,3 +464,51 @@ def test_the_log_sum_exp_and_sinks_carry_gradients():
     for name, g, w in zip(("dq", "dk", "dv", "d_sinks"), got, want):
       rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
       assert rel < 1e-2, (kw, name, rel)
+
+
+@interpreter
+def test_dropout_draws_the_pattern_every_implementation_draws():
+  """Dropout in the forward, dQ and dK/dV kernels (the pattern regenerated from the seed at
+  each element's global indices, in the transposed dK/dV kernel too): causal with grouped
+  queries over two batch rows; a pattern shared by the batch rows and heads over a window;
+  learned ALiBi slopes, whose grid VJP draws the same pattern. Output and the gradients
+  against the xla path with the same key on the same bf16 inputs in float32; and the
+  warp-specialised forward's output. A pattern drawn elsewhere (at local indices, or a
+  different key) fails this at order one."""
+  rng = np.random.default_rng(16)
+  shapes = [(2, 128, 2, 64), (2, 128, 1, 64), (2, 128, 1, 64)]
+  q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
+  wide = [x.astype(jnp.float32) for x in (q, k, v)]
+  ct = rng.standard_normal(shapes[0]).astype(np.float32)
+  drop = dict(dropout_rate=0.25, dropout_rng=jax.random.key(5))
+  slopes = np.array([0.2, 0.05], np.float32)
+  cases = [
+    (dict(is_causal=True, **drop), None),
+    (dict(mask=masks.sliding_window(30, 10), broadcast_dropout=True, **drop), None),
+    (dict(is_causal=True, **drop), slopes),
+  ]
+  for kw, learned in cases:
+
+    def loss(impl, q, k, v, *sl, kw=kw):
+      more = dict(score_fn=scores.alibi(sl[0])) if sl else {}
+      out = jattn.dot_product_attention(q, k, v, implementation=impl, **kw, **more)
+      return jnp.sum(out.astype(jnp.float32) * ct), out
+
+    extra = () if learned is None else (learned,)
+    args = tuple(range(3 + len(extra)))
+    with jattn.testing.interpret_kernels():
+      got, out = jax.jit(jax.grad(lambda *a: loss("flex_hopper", *a), args, has_aux=True))(
+        q, k, v, *extra
+      )
+    want, want_out = jax.grad(lambda *a: loss("xla", *a), args, has_aux=True)(*wide, *extra)
+    np.testing.assert_allclose(np.float32(out), want_out, atol=3e-2, err_msg=str(kw))
+    for name, g, w in zip(("dq", "dk", "dv", "d_slopes"), got, want):
+      rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
+      assert rel < 1e-2, (kw, name, rel)
+  kw = dict(is_causal=True, **drop)
+  ws = jax.jit(
+    lambda *a: _hopper.forward(*a, scale=H**-0.5, interpret=True, specialized=True, **kw)
+  )
+  out, _ = ws(q, k, v)
+  want = jattn.dot_product_attention(*wide, implementation="xla", **kw)
+  np.testing.assert_allclose(np.float32(out), want, atol=3e-2)

@@ -399,6 +399,9 @@ def _hopper_attend(
     score_fn=spec.score_fn,
     interpret=spec.interpret,
     offsets=spec.shard_offsets,
+    dropout_rate=spec.dropout_rate,
+    dropout_rng=spec.dropout_rng,
+    broadcast_dropout=spec.broadcast_dropout,
   )
 
 
@@ -413,7 +416,6 @@ HOPPER = _base.Implementation(
   run=_hopper_run,
   dtypes=("bfloat16", "float16"),
   bias="not yet taken by the Hopper kernels",  # nor arrays read per position (check)
-  dropout="not yet taken by the Hopper kernels",
   fused=True,
   interpretable=True,
   check=_hopper_check,

@@ -17,8 +17,10 @@ dK/dV kernels, and the learned arrays' gradients); here :func:`forward` and
 and may read arrays at the batch row and head (lengths, prefix lengths, ALiBi's slopes):
 the kernels take those as inputs and read them an element at a time; segment ids are
 and'ed with them (each program copies its own tile's ids once and streams the other axis's
-ids with each tile it walks). Arrays read at each query or key position (a dense mask, a
-table indexed by distance), a bias and dropout come later.
+ids with each tile it walks). Dropout's pattern is regenerated in each kernel from the
+seed at every element's global indices (``_tile.dropout_keep``), as every implementation
+draws it. Arrays read at each query or key position (a dense mask, a table indexed by
+distance) and a bias come later.
 
 One program per (query tile of 64 rows, head, batch row), one warpgroup: the query tile is
 copied to shared memory once (TMA), then ``plgpu.emit_pipeline`` streams the key and value
@@ -71,6 +73,9 @@ def forward(
   base2: bool = False,
   specialized: bool = False,
   offsets: jax.Array | None = None,
+  dropout_rate: float = 0.0,
+  dropout_rng: jax.Array | None = None,
+  broadcast_dropout: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """``(out, lse)`` of softmax attention: query (B, T, N, H), key and value (B, S, K, H),
   N a multiple of K (grouped queries), float16 or bfloat16, H a multiple of 64, T a multiple
@@ -91,12 +96,14 @@ def forward(
   global indices."""
   _call.check_inputs(
     query, key, value, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
-    interpret=interpret, specialized=specialized,
+    interpret=interpret, specialized=specialized, dropout_rate=dropout_rate,
+    dropout_rng=dropout_rng,
   )  # fmt: skip
   arrays, static = _call.prepare(
     query, key, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
     block_kv=block_kv, stages=stages, interpret=interpret, specialized=specialized,
-    offsets=offsets, backward=False,
+    offsets=offsets, backward=False, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+    broadcast_dropout=broadcast_dropout,
   )  # fmt: skip
   run = _forward.specialized if specialized else _forward.one_warpgroup
   out, lse2 = run(query, key, value, arrays, static)
@@ -117,6 +124,9 @@ def attention(
   offsets: jax.Array | None = None,
   block_kv: int = 64,
   stages: int = 2,
+  dropout_rate: float = 0.0,
+  dropout_rng: jax.Array | None = None,
+  broadcast_dropout: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """``(out, lse)``: :func:`forward`'s output and natural log-sum-exp, ``lse`` (B, T, N) as
   jattn's implementations return it, both differentiable: in query, key and value by the
@@ -128,12 +138,14 @@ def attention(
   arguments as :func:`forward`'s."""
   _call.check_inputs(
     query, key, value, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
-    interpret=interpret, specialized=specialized,
+    interpret=interpret, specialized=specialized, dropout_rate=dropout_rate,
+    dropout_rng=dropout_rng,
   )  # fmt: skip
   arrays, static = _call.prepare(
     query, key, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
     block_kv=block_kv, stages=stages, interpret=interpret, specialized=specialized,
-    offsets=offsets, backward=True,
+    offsets=offsets, backward=True, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+    broadcast_dropout=broadcast_dropout,
   )  # fmt: skip
   run = _forward.specialized if specialized else _forward.one_warpgroup
   natural = lambda lse2: jnp.swapaxes(lse2 / LOG2E, 1, 2)  # (B, N, T) base 2 -> (B, T, N)

@@ -13,6 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 
+from jattn import dropout as _dropout
 from jattn.impl.flex._hopper import _call, _mosaic, _tile
 from jattn.impl.flex._hopper._mosaic import LOG2E, ROWS
 
@@ -65,10 +66,10 @@ def backward(
 
   def dq_body(*refs: Any) -> None:
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
-    (order_ref, full_ref, partial_ref), off_ref, ids, fns, rest = _call.split_refs(
-      refs[6:], static, n_ids
-    )
-    dq_ref, q_smem, do_smem, lse_smem, delta_smem, bars, a_smem, id_smem = rest
+    r = _call.split_refs(refs[6:], static, n_ids)
+    (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
+    fns = (r.mask, r.score_fn)
+    dq_ref, q_smem, do_smem, lse_smem, delta_smem, bars, a_smem, id_smem = r.rest
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
     b_g, h_g = _mosaic.global_index(b, h, off_ref)
     kv_head = lax.div(h, jnp.array(G, h.dtype))
@@ -92,6 +93,7 @@ def backward(
         t, slope = scores(products, fns, masked, b_g, h_g, i * ROWS, j * bk, False, keep)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [0]))
         dp = _mosaic.matmul(do_smem, v_smem.transpose((1, 0)), (ROWS, bk))
+        dp = _tile.dropout_keep(dp.shape, static, r.seed, b_g, h_g, i * ROWS, j * bk)(dp)
         ds = p * (dp - lax.broadcast_in_dim(dlt, t.shape, [0]))
         ds = through_score(ds, slope).astype(dtype)
         return dq + _mosaic.matmul(_mosaic.staged(ds, a_smem), k_smem, (ROWS, H))
@@ -116,10 +118,10 @@ def backward(
 
   def dkv_body(*refs: Any) -> None:
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
-    (order_ref, full_ref, partial_ref), off_ref, ids, fns, rest = _call.split_refs(
-      refs[6:], static, n_ids
-    )
-    dk_ref, dv_ref, k_smem, v_smem, bars, a_smem, id_smem = rest
+    r = _call.split_refs(refs[6:], static, n_ids)
+    (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
+    fns = (r.mask, r.score_fn)
+    dk_ref, dv_ref, k_smem, v_smem, bars, a_smem, id_smem = r.rest
     j, h, b = lax.axis_index("kv"), lax.axis_index("h"), lax.axis_index("b")
     b_g, h_g = _mosaic.global_index(b, h, off_ref)
     kv_head = lax.div(h, jnp.array(G, h.dtype))
@@ -142,8 +144,9 @@ def backward(
         keep = keeper(*ids_smem)
         t, slope = scores(products, fns, masked, b_g, h_g, i * ROWS, j * bk, True, keep)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [1]))
-        dv = dv + _mosaic.matmul(_mosaic.staged(p.astype(dtype), a_smem), do_smem, (bk, H))
-        dp = _mosaic.matmul(v_smem, do_smem.transpose((1, 0)), (bk, ROWS))
+        dropped = _tile.dropout_keep(p.shape, static, r.seed, b_g, h_g, i * ROWS, j * bk, True)
+        dv = dv + _mosaic.matmul(_mosaic.staged(dropped(p).astype(dtype), a_smem), do_smem, (bk, H))
+        dp = dropped(_mosaic.matmul(v_smem, do_smem.transpose((1, 0)), (bk, ROWS)))
         ds = p * (dp - lax.broadcast_in_dim(dlt, t.shape, [1]))
         ds = through_score(ds, slope).astype(dtype)
         return dk + _mosaic.matmul(_mosaic.staged(ds, a_smem), q_smem, (bk, H)), dv
@@ -294,6 +297,21 @@ def learned_grads(
   lse2 = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)  # rows that saw no key: p = 0
   p = jnp.exp2(t - lse2[..., None])
   dp = jnp.einsum("btnh,bsnh->bnts", d_out.astype(f), grouped(value))
+  if static.dropout_rate:  # dP through the pattern the kernels drew
+    axis = lambda n, i: jnp.arange(n, dtype=jnp.int32).reshape(
+      [-1 if a == i else 1 for a in range(4)]
+    )
+    idx: tuple[Any, ...] = (
+      axis(B, 0) + arrays.offsets[0],
+      axis(N, 1) + arrays.offsets[1],
+      axis(T, 2),
+      axis(S, 3),
+    )
+    if static.broadcast_dropout:
+      idx = _dropout.shared_indices(*idx)
+    (seed,) = arrays.seed
+    kept = _dropout.keep_from_seed((seed[0], seed[1]), static.dropout_rate, *idx)
+    dp = jnp.where(kept, dp / (1.0 - static.dropout_rate), 0.0)
   # Δ = rowsum(P ⊙ dP) = rowsum(O ⊙ dO) at the unrounded output: the kernel's, rounded to
   # the inputs' dtype, would leave its rounding in dP − Δ, which the sum over every
   # position (ALiBi's slope sums dS times the distance) amplifies.

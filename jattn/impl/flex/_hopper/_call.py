@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jattn import dropout as _dropout
 from jattn import masks as _masks
 from jattn.impl import _tiling
 from jattn.impl.flex import _in_kernel as _in_kernel
@@ -59,12 +60,15 @@ class Static(NamedTuple):
   interpret: bool
   masked: bool  # a mask (is_causal included) leaves PARTIAL tiles to mask
   functions: Functions
+  dropout_rate: float = 0.0
+  broadcast_dropout: bool = False  # one (T, S) pattern for every batch row and head
 
 
 class Arrays(NamedTuple):
   """A call's arrays beside query, key and value (a pytree: the custom_vjp's inputs)."""
 
   offsets: jax.Array  # int32 (2,): the global index of the first batch row and head
+  seed: tuple[jax.Array, ...]  # dropout's two uint32 words (jattn.dropout.seed_words), or ()
   forward: tuple[jax.Array, ...]  # the forward's schedule: order, FULL and PARTIAL counts
   rows: tuple[jax.Array, ...]  # dQ's (ROWS x ROWS tiles; () where only the forward runs)
   cols: tuple[jax.Array, ...]  # dK/dV's, over key tiles
@@ -73,24 +77,34 @@ class Arrays(NamedTuple):
   score: tuple[jax.Array, ...]  # what the score function reads
 
   def kernel_inputs(self, schedule: tuple[jax.Array, ...]) -> list[jax.Array]:
-    """A kernel's inputs after its tensors: ``schedule``, the offsets, the segment ids, the
-    mask's and the score function's arrays (:func:`split_refs`)."""
-    return [*schedule, self.offsets, *self.ids, *self.mask, *self.score]
+    """A kernel's inputs after its tensors: ``schedule``, the offsets, the dropout seed, the
+    segment ids, the mask's and the score function's arrays (:func:`split_refs`)."""
+    return [*schedule, self.offsets, *self.seed, *self.ids, *self.mask, *self.score]
 
 
-def split_refs(refs: Sequence[Any], static: Static, n_ids: int) -> tuple[Any, ...]:
-  """``(schedule's three refs, offsets, ids' refs, (mask, score) evaluators, the rest)`` of a
-  kernel's refs after its tensors (the order of :meth:`Arrays.kernel_inputs`)."""
+class Refs(NamedTuple):
+  """A kernel's refs after its tensors, by what they hold."""
+
+  schedule: tuple[Any, ...]  # order, FULL and PARTIAL counts
+  offsets: Any
+  seed: Any  # None without dropout
+  ids: tuple[Any, ...]  # segment ids, or ()
+  mask: Any  # the mask's evaluator (Functions.bind), or None
+  score_fn: Any  # the score function's, or None
+  rest: tuple[Any, ...]  # the outputs and scratch
+
+
+def split_refs(refs: Sequence[Any], static: Static, n_ids: int) -> Refs:
+  """A kernel's refs after its tensors (in the order of :meth:`Arrays.kernel_inputs`)."""
   f = static.functions
+  n_seed = 1 if static.dropout_rate else 0
+  at = 4 + n_seed
+  ids = tuple(refs[at : at + n_ids])
   n_fn = f.n_mask + f.n_score
-  ids = tuple(refs[4 : 4 + n_ids])
-  return (
-    tuple(refs[:3]),
-    refs[3],
-    ids,
-    f.bind(refs[4 + n_ids : 4 + n_ids + n_fn]),
-    refs[4 + n_ids + n_fn :],
-  )
+  mask, score_fn = f.bind(refs[at + n_ids : at + n_ids + n_fn])
+  seed = refs[4] if n_seed else None
+  rest = tuple(refs[at + n_ids + n_fn :])
+  return Refs(tuple(refs[:3]), refs[3], seed, ids, mask, score_fn, rest)
 
 
 def check_inputs(
@@ -104,6 +118,8 @@ def check_inputs(
   block_kv: int,
   interpret: bool,
   specialized: bool,
+  dropout_rate: float = 0.0,
+  dropout_rng: Any = None,
 ) -> None:
   """What the kernels take, each refusal naming the argument."""
   B, T, N, H = query.shape
@@ -133,6 +149,10 @@ def check_inputs(
     raise ValueError(f"mask: the Hopper kernel takes {reason}")
   if reason := score_reason(score_fn):
     raise ValueError(f"score_fn: the Hopper kernel takes {reason}")
+  if not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f"dropout_rate: must be in [0, 1), got {dropout_rate}")
+  if dropout_rate and dropout_rng is None:
+    raise ValueError("dropout_rng: dropout_rate > 0 needs a key, got None")
   if interpret and not _mosaic.has_interpreter():
     raise ValueError("interpret: Mosaic GPU's interpreter needs jax >= 0.12")
 
@@ -151,6 +171,9 @@ def prepare(
   specialized: bool,
   offsets: jax.Array | None,
   backward: bool,
+  dropout_rate: float = 0.0,
+  dropout_rng: Any = None,
+  broadcast_dropout: bool = False,
 ) -> tuple[Arrays, Static]:
   """A call as the kernels take it: the forward's tile schedule (and the backward's, where
   ``backward``), the segment ids, and the mask and score function traced at the kernels'
@@ -167,11 +190,16 @@ def prepare(
   mask_fns, mask_arrays = _traced(rest, shapes, score=False)
   score_fns, score_arrays = _traced(score_fn, shapes, score=True)
   functions = Functions(mask_fns, score_fns, len(mask_arrays), len(score_arrays))
-  static = Static(float(scale), block_kv, stages, interpret, full is not None, functions)
+  rate = float(dropout_rate)
+  static = Static(
+    float(scale), block_kv, stages, interpret, full is not None, functions, rate,
+    bool(broadcast_dropout) and rate > 0,
+  )  # fmt: skip
+  seed = (jnp.stack(_dropout.seed_words(dropout_rng)),) if rate else ()
   sched = lambda s: tuple(jnp.asarray(x) for x in s)
   arrays = Arrays(
-    _offsets(offsets), sched(forward_s), sched(rows_s), sched(cols_s), ids, mask_arrays,
-    score_arrays,
+    _offsets(offsets), seed, sched(forward_s), sched(rows_s), sched(cols_s), ids,
+    mask_arrays, score_arrays,
   )  # fmt: skip
   return arrays, static
 

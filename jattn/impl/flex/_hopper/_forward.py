@@ -31,10 +31,10 @@ def one_warpgroup(
 
   def body(*refs: Any) -> None:
     q_ref, k_ref, v_ref = refs[:3]
-    (order_ref, full_ref, partial_ref), off_ref, ids, (mask, score_fn), rest = _call.split_refs(
-      refs[3:], static, n_ids
-    )
-    out_ref, lse_ref, q_smem, o_smem, lse_smem, q_bar, p_smem, id_smem = rest
+    r = _call.split_refs(refs[3:], static, n_ids)
+    (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
+    mask, score_fn = r.mask, r.score_fn
+    out_ref, lse_ref, q_smem, o_smem, lse_smem, q_bar, p_smem, id_smem = r.rest
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
     b_g, h_g = _mosaic.global_index(b, h, off_ref)
     kv_head = lax.div(h, jnp.array(G, h.dtype))
@@ -61,7 +61,9 @@ def one_warpgroup(
           q0=i * ROWS, k0=j * block_kv, keep=keeper(*ids_smem),
         )  # fmt: skip
         p, alpha, m_new, l = _tile.online_softmax(t, m, l, masked)
-        pv = _mosaic.matmul(_mosaic.staged(p.astype(dtype), p_smem), v_smem, (ROWS, H))
+        # l sums P as it is; O sums it with dropout applied
+        dropped = _tile.dropout_keep(p.shape, static, r.seed, b_g, h_g, i * ROWS, j * block_kv)
+        pv = _mosaic.matmul(_mosaic.staged(dropped(p).astype(dtype), p_smem), v_smem, (ROWS, H))
         return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l
 
       return run
@@ -138,10 +140,10 @@ def specialized(
 
   def body(*refs: Any) -> None:
     q_ref, k_ref, v_ref = refs[:3]
-    (order_ref, full_ref, partial_ref), off_ref, ids, (mask, score_fn), rest = _call.split_refs(
-      refs[3:], static, n_ids
-    )
-    out_ref, lse_ref, scoped = rest
+    r = _call.split_refs(refs[3:], static, n_ids)
+    (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
+    mask, score_fn = r.mask, r.score_fn
+    out_ref, lse_ref, scoped = r.rest
     (qo_smem, k_smem, v_smem, lse_smem, p_smem, qid_smem, kid_smem), barriers = scoped
     k_ready, v_ready, q_ready, k_free, v_free, turn, ids_ready = barriers
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
@@ -194,7 +196,7 @@ def specialized(
           q0=q0, k0=j * bk, keep=keep,
         )  # fmt: skip
         p, alpha, m_new, l = _tile.online_softmax(t_, m, l, masked)
-        p16 = p.astype(dtype)
+        p16 = _tile.dropout_keep(p.shape, static, r.seed, b_g, h_g, q0, j * bk)(p).astype(dtype)
         plgpu.barrier_arrive(turn)  # this softmax is done: the other may multiply
         plgpu.barrier_wait(v_ready.at[slot])
         plgpu.barrier_wait(turn)  # and the tensor cores are ours again

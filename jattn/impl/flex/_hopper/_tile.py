@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jattn import dropout as _dropout
 from jattn.impl.flex._hopper import _mosaic
 from jattn.impl.flex._hopper._mosaic import LOG2E
 
@@ -62,6 +63,34 @@ def scores(
     if allowed is not None:
       t = jnp.where(allowed, t, -jnp.inf)
   return t, slope
+
+
+def dropout_keep(
+  shape: tuple[int, ...],
+  static: Any,
+  seed_ref: Any,
+  b: Any,
+  h: Any,
+  q0: Any,
+  k0: Any,
+  transposed: bool = False,
+) -> Any:
+  """``keep(x)``: a tile of P or dP with dropout applied, zero where dropped and scaled by
+  1 / (1 − rate) where kept, drawn at the elements' global indices (batch row ``b``, head
+  ``h``, query rows from ``q0``, keys from ``k0``; keys along rows when ``transposed``) as
+  every implementation draws it (:func:`jattn.dropout.keep_from_seed`); the identity
+  without dropout (``static.dropout_rate`` 0). The pattern is drawn once per call of this."""
+  rate = static.dropout_rate
+  if not rate:
+    return lambda x: x
+  plgpu = _mosaic.mosaic_gpu()
+  iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+  q_idx, kv_idx = (iota(1) + q0, iota(0) + k0) if transposed else (iota(0) + q0, iota(1) + k0)
+  idx = (b, h, q_idx, kv_idx)
+  if static.broadcast_dropout:
+    idx = _dropout.shared_indices(*idx)
+  kept = _dropout.keep_from_seed((seed_ref[0], seed_ref[1]), rate, *idx)
+  return lambda x: jnp.where(kept, x * (1.0 / (1.0 - rate)), jnp.zeros_like(x))
 
 
 def online_softmax(t: Any, m: Any, l: Any, masked: bool) -> tuple[Any, Any, Any, Any]:
