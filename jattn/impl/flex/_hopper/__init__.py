@@ -165,8 +165,10 @@ def attention(
       for a in arrays.score
     )
     q, k, v, arrays = _common.primal_values((q, k, v, arrays))
-    out, lse2 = run(q, k, v, arrays, static)
-    return (out, natural(lse2)), (q, k, v, out, lse2, arrays, learned)
+    # The output kept unrounded (float32) for Δ = rowsum(O ⊙ dO): from a 16-bit output its
+    # rounding survives the cancellation dP − Δ in a saturated row, amplified in dQ and dK.
+    out, lse2 = run(q, k, v, arrays, static, jnp.float32)
+    return (out.astype(q.dtype), natural(lse2)), (q, k, v, out, lse2, arrays, learned)
 
   def bwd(res: Any, cotangents: Any) -> Any:
     q, k, v, out, lse2, arrays, learned = res

@@ -15,9 +15,15 @@ from jattn.impl.flex._hopper._mosaic import ROWS
 
 
 def one_warpgroup(
-  query: jax.Array, key: jax.Array, value: jax.Array, arrays: _call.Arrays, static: _call.Static
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  arrays: _call.Arrays,
+  static: _call.Static,
+  out_dtype: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """``(out, lse in base 2)``: the package's ``forward``'s one-warpgroup kernel."""
+  """``(out, lse in base 2)``: the package's ``forward``'s one-warpgroup kernel; ``out`` in
+  ``out_dtype`` (float32 for the backward's Δ; default: the inputs' dtype)."""
   plgpu = _mosaic.mosaic_gpu()
   B, T, N, H = query.shape
   K = key.shape[2]
@@ -28,6 +34,8 @@ def one_warpgroup(
   G = N // K
   swizzled = _mosaic.swizzled()
   wgmma_layout = plgpu.Layout.WGMMA
+  o_dtype = jnp.dtype(out_dtype or dtype)
+  o_transforms = swizzled if o_dtype == dtype else ()  # float32: stored as rows
 
   def body(*refs: Any) -> None:
     q_ref, k_ref, v_ref = refs[:3]
@@ -83,7 +91,7 @@ def one_warpgroup(
     acc, m, l = _mosaic.walk(pipeline, full_ref[i], partial_ref[i], static.masked, carry)
     if static.masked:  # rows that saw no key: acc is 0 (every p was), l too; out 0
       l = jnp.where(l == 0.0, 1.0, l)  # m stays -inf there: lse = m + log2(1)
-    o_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
+    o_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(o_dtype)
     lse_smem[...] = m + jnp.log2(l)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, rows, h])
@@ -93,14 +101,14 @@ def one_warpgroup(
   return plgpu.kernel(
     body,
     out_type=(
-      jax.ShapeDtypeStruct(query.shape, dtype),
+      jax.ShapeDtypeStruct(query.shape, o_dtype),
       jax.ShapeDtypeStruct((B, N, T), jnp.float32),
     ),
     grid=(T // ROWS, N, B),
     grid_names=("q", "h", "b"),
     scratch_types=(
       plgpu.SMEM((ROWS, H), dtype, transforms=swizzled),
-      plgpu.SMEM((ROWS, H), dtype, transforms=swizzled),
+      plgpu.SMEM((ROWS, H), o_dtype, transforms=o_transforms),
       plgpu.SMEM((ROWS,), jnp.float32),
       plgpu.Barrier(num_barriers=2),
       plgpu.SMEM((ROWS, block_kv), dtype, transforms=swizzled) if interpret else None,
@@ -111,9 +119,15 @@ def one_warpgroup(
 
 
 def specialized(
-  query: jax.Array, key: jax.Array, value: jax.Array, arrays: _call.Arrays, static: _call.Static
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  arrays: _call.Arrays,
+  static: _call.Static,
+  out_dtype: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """``(out, lse in base 2)``: the package's ``forward`` as FlashAttention-3 arranges it on Hopper.
+  """``(out, lse in base 2)``: the package's ``forward`` as FlashAttention-3 arranges it on
+  Hopper, ``out`` in ``out_dtype`` as :func:`one_warpgroup`'s.
 
   One program per 128 query rows, head and batch row, three warpgroups. The third copies:
   it walks the block's schedule (its FULL key tiles, then its PARTIAL ones, as
@@ -137,6 +151,7 @@ def specialized(
   wgmma_layout = plgpu.Layout.WGMMA
   masked_tiles = static.masked
   n_ids = len(arrays.ids)
+  o_dtype = jnp.dtype(out_dtype or dtype)
 
   def body(*refs: Any) -> None:
     q_ref, k_ref, v_ref = refs[:3]
@@ -144,7 +159,7 @@ def specialized(
     (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
     mask, score_fn = r.mask, r.score_fn
     out_ref, lse_ref, scoped = r.rest
-    (qo_smem, k_smem, v_smem, lse_smem, p_smem, qid_smem, kid_smem), barriers = scoped
+    (qo_smem, k_smem, v_smem, lse_smem, p_smem, qid_smem, kid_smem, o_smem), barriers = scoped
     k_ready, v_ready, q_ready, k_free, v_free, turn, ids_ready = barriers
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
     wg = lax.axis_index("wg")
@@ -210,10 +225,12 @@ def specialized(
       pl.when(wg == 0)(take_turn)  # the first's last pass, matching the second's first
       if masked_tiles:  # rows that saw no key: acc is 0 (every p was), l too; out 0
         l = jnp.where(l == 0.0, 1.0, l)  # m stays -inf there: lse = m + log2(1)
-      q_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
+      # the output in the query tile's buffer, or (float32) its own
+      out_smem = q_smem if o_smem is None else o_smem.at[wg]
+      out_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(o_dtype)
       lse_smem.at[wg][...] = m + jnp.log2(l)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, rows, h])
+      plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, rows, h])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows])
       plgpu.wait_smem_to_gmem(0)
 
@@ -254,6 +271,7 @@ def specialized(
       plgpu.SMEM((2, ROWS, bk), dtype, transforms=swizzled) if interpret else None,
       plgpu.SMEM((2, ROWS), jnp.int32) if n_ids else None,  # each group's query ids
       plgpu.SMEM((stages, bk), jnp.int32) if n_ids else None,  # each slot's key ids
+      plgpu.SMEM((2, ROWS, H), o_dtype) if o_dtype != dtype else None,  # float32 outputs
     )
     barriers = (
       # a key tile landed in the slot (and its segment ids: two copies arrive)
@@ -270,7 +288,7 @@ def specialized(
   return plgpu.kernel(
     entry,
     out_type=(
-      jax.ShapeDtypeStruct(query.shape, dtype),
+      jax.ShapeDtypeStruct(query.shape, o_dtype),
       jax.ShapeDtypeStruct((B, N, T), jnp.float32),
     ),
     grid=(T // (2 * ROWS), N, B),
