@@ -570,3 +570,20 @@ def test_saturated_rows_keep_their_gradients_accurate():
     err = np.max(np.abs(np.float64(np.float32(g)) - w))
     peer_err = np.max(np.abs(np.float64(np.float32(p)) - w))
     assert err <= 2.2 * peer_err, (name, err, peer_err)
+
+
+@interpreter
+def test_forward_mode_and_second_derivatives_are_refused_naming_the_rule():
+  """The Hopper kernels give first-order reverse-mode gradients: a gradient of a gradient
+  (which would differentiate the kernels) and jax.jvp raise jattn's ValueError naming
+  implementation='flex_hopper' and the way out, not an error from inside Pallas."""
+  q = _inputs(jnp.bfloat16, 64)[0]
+  fn = lambda q: jattn.dot_product_attention(
+    q, q * 0.5, jnp.cos(q), is_causal=True, implementation="flex_hopper"
+  ).astype(jnp.float32)
+  first = lambda q: jax.grad(lambda q: fn(q).sum())(q).astype(jnp.float32)
+  with jattn.testing.interpret_kernels():
+    with pytest.raises(ValueError, match=r"implementation='flex_hopper' gives first-order"):
+      jax.jit(jax.grad(lambda q: (first(q) ** 2).sum()))(q)
+    with pytest.raises(ValueError, match=r"implementation='flex_hopper' gives reverse-mode"):
+      jax.jit(lambda q: jax.jvp(fn, (q,), (q,))[1])(q)

@@ -43,19 +43,22 @@ tiles by TMA to two compute warpgroups, which share them and take turns on the t
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jattn import masks as _masks
-from jattn.impl import _common
+from jattn.impl import _common, _orders
 from jattn.impl.flex._hopper import _backward, _call, _forward
 from jattn.impl.flex._hopper._call import mask_reason as mask_reason
 from jattn.impl.flex._hopper._call import score_reason as score_reason
 from jattn.impl.flex._hopper._mosaic import LOG2E as LOG2E
 from jattn.impl.flex._hopper._mosaic import ROWS as ROWS
 from jattn.impl.flex._hopper._mosaic import has_interpreter as has_interpreter
+
+_WHO = "implementation='flex_hopper'"
 
 
 def forward(
@@ -151,8 +154,9 @@ def attention(
   natural = lambda lse2: jnp.swapaxes(lse2 / LOG2E, 1, 2)  # (B, N, T) base 2 -> (B, T, N)
 
   # The arrays the mask and score function read (traced arrays among them) are the
-  # custom_vjp's inputs, not its closure.
-  @jax.custom_vjp
+  # custom_vjp's inputs, not its closure. Forward mode, and a second derivative (which would
+  # differentiate the kernels), are refused in jattn's words, not Pallas'.
+  @functools.partial(_orders.reverse_only, who=_WHO, rule=_orders.KERNEL_RULE)
   def attend(q: jax.Array, k: jax.Array, v: jax.Array, arrays: _call.Arrays) -> Any:
     out, lse2 = run(q, k, v, arrays, static)
     return out, natural(lse2)
@@ -167,12 +171,19 @@ def attention(
     q, k, v, arrays = _common.primal_values((q, k, v, arrays))
     # The output kept unrounded (float32) for Δ = rowsum(O ⊙ dO): from a 16-bit output its
     # rounding survives the cancellation dP − Δ in a saturated row, amplified in dQ and dK.
-    out, lse2 = run(q, k, v, arrays, static, jnp.float32)
+    forward = _orders.first_order(
+      lambda *a: run(*a, static, jnp.float32), _WHO, _orders.FUSED, forward=False
+    )
+    out, lse2 = forward(q, k, v, arrays)
     return (out.astype(q.dtype), natural(lse2)), (q, k, v, out, lse2, arrays, learned)
 
   def bwd(res: Any, cotangents: Any) -> Any:
+    cotangents = tuple(_common.materialized(c) for c in cotangents)
+    return _orders.first_order(grads, _WHO, _orders.FUSED, forward=False)(res, cotangents)
+
+  def grads(res: Any, cotangents: Any) -> Any:
     q, k, v, out, lse2, arrays, learned = res
-    d_out, d_lse = (_common.materialized(c) for c in cotangents)
+    d_out, d_lse = cotangents
     # Rows that saw no key (lse -inf) take no gradient, whatever their lse's cotangent.
     d_lse = jnp.where(jnp.isneginf(lse2), 0.0, jnp.swapaxes(d_lse, 1, 2).astype(jnp.float32))
     dq, dk, dv = _backward.backward(q, k, v, out, lse2, d_out, d_lse, arrays, static)
