@@ -206,22 +206,25 @@ def test_the_gradient_lowers_for_cuda_to_three_mosaic_gpu_calls(score_fn, specia
 
 
 @pytest.mark.parametrize("method", ["hopper", "hopper_ws"])
-@pytest.mark.parametrize("is_causal", [False, True, "window", "documents"])
+@pytest.mark.parametrize("is_causal", [False, True, "window", "documents", "bias"])
 def test_lowers_for_cuda_to_one_mosaic_gpu_call(is_causal, method):
   """From a CPU, at Hopper's shapes (H = 128, bf16, eight query tiles): one Mosaic GPU custom
   call holds the whole forward pass, as the GPU probe calls it, with one warpgroup or warp
-  specialised (and with a window mask, or packed documents)."""
+  specialised (and with a window mask, packed documents, or a float32 bias)."""
   from experiments import gpu_probe
 
   q, k, v = (jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in _inputs(jnp.float32, 512, 128))
   f = jax.jit(gpu_probe.method(method, is_causal, 0.1))
-  if is_causal in ("window", "documents"):
+  if is_causal in ("window", "documents", "bias"):
     mask = masks.sliding_window(100, 0)
     if is_causal == "documents":
       mask = masks.segments(*[np.repeat(np.arange(4), 128)] * 2) & masks.causal()
+    bias = jnp.zeros((1, 1, 512, 512), jnp.float32) if is_causal == "bias" else None
     specialized = method == "hopper_ws"
     f = jax.jit(
-      lambda q, k, v: _hopper.forward(q, k, v, scale=0.1, mask=mask, specialized=specialized)[0]
+      lambda q, k, v: _hopper.forward(
+        q, k, v, scale=0.1, mask=mask, specialized=specialized, bias=bias
+      )[0]
     )
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -265,7 +268,8 @@ def test_bad_arguments_are_refused_by_name(change, match):
 def test_flex_hopper_is_reached_only_by_name():
   """On a Hopper GPU (lowered for CUDA from this CPU), implementation=None never picks the
   Hopper kernels, and explain says why and how to opt in; named, the gradient lowers to its
-  three Mosaic GPU calls (with packed documents too, prefix lengths with ALiBi, dropout); what
+  three Mosaic GPU calls (with packed documents too, prefix lengths with ALiBi, dropout, a
+  bias); what
   it does not take is refused by name, as is an Ampere GPU."""
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
   capped = dict(is_causal=True, logits_soft_cap=30.0)  # cuDNN takes no soft cap: flex's turn
@@ -277,7 +281,8 @@ def test_flex_hopper_is_reached_only_by_name():
     # arrays read at the batch row and head: kernel inputs, read an element at a time
     alibi = dict(mask=masks.prefix_lm(np.array([100])), score_fn=scores.alibi(np.ones(4)))
     dropped = dict(is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(0))
-    for kw in (capped, documents, alibi, dropped):
+    biased = dict(bias=jnp.zeros((256, 256), jnp.bfloat16), is_causal=True)
+    for kw in (capped, documents, alibi, dropped, biased):
       attend = lambda *a, kw=kw: jattn.dot_product_attention(*a, implementation="flex_hopper", **kw)
       step = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32)), (0, 1, 2)))
       with warnings.catch_warnings():
@@ -290,7 +295,6 @@ def test_flex_hopper_is_reached_only_by_name():
         dict(score_fn=scores.relative_position_bias(np.zeros((32, 4), np.float32))),
         r"does not support score_fn relative_position_bias.* at each query or key",
       ),
-      (dict(bias=jnp.zeros((256, 256), jnp.bfloat16)), r"does not support bias"),
     ]
     for kw, match in refused:
       with pytest.raises(ValueError, match=match):
@@ -587,3 +591,48 @@ def test_forward_mode_and_second_derivatives_are_refused_naming_the_rule():
       jax.jit(jax.grad(lambda q: (first(q) ** 2).sum()))(q)
     with pytest.raises(ValueError, match=r"implementation='flex_hopper' gives reverse-mode"):
       jax.jit(lambda q: jax.jvp(fn, (q,), (q,))[1])(q)
+
+
+@interpreter
+def test_a_bias_is_read_tile_by_tile_and_differentiated():
+  """A bias added to the scaled scores, read tile by tile in every kernel (transposed in
+  dK/dV): a float32 one per batch row over causal grouped queries, and a bf16 per-head key
+  bias (its query axis broadcast) under a soft cap, through the table in the interpreter:
+  output and the gradients of query, key, value and the bias (summed over the axes it
+  broadcasts) against the xla path in float32; and the warp-specialised forward's output
+  (the copy warpgroup brings each slot's bias tile)."""
+  rng = np.random.default_rng(17)
+  shapes = [(2, 128, 2, 64), (2, 128, 1, 64), (2, 128, 1, 64)]
+  q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
+  wide = [x.astype(jnp.float32) for x in (q, k, v)]
+  ct = rng.standard_normal(shapes[0]).astype(np.float32)
+  cases = [
+    (dict(is_causal=True), array(rng.standard_normal((2, 1, 128, 128)), jnp.float32)),
+    (dict(logits_soft_cap=3.0), array(rng.standard_normal((1, 2, 1, 128)), jnp.bfloat16)),
+  ]
+  for kw, bias in cases:
+
+    def loss(impl, q, k, v, bias, kw=kw):
+      out = jattn.dot_product_attention(q, k, v, bias, implementation=impl, **kw)
+      return jnp.sum(out.astype(jnp.float32) * ct), out
+
+    with jattn.testing.interpret_kernels():
+      got, out = jax.jit(jax.grad(lambda *a: loss("flex_hopper", *a), (0, 1, 2, 3), has_aux=True))(
+        q, k, v, bias
+      )
+    wide_bias = bias.astype(jnp.float32)
+    want, want_out = jax.grad(lambda *a: loss("xla", *a), (0, 1, 2, 3), has_aux=True)(
+      *wide, wide_bias
+    )
+    np.testing.assert_allclose(np.float32(out), want_out, atol=2e-2, err_msg=str(kw))
+    assert got[3].shape == bias.shape and got[3].dtype == bias.dtype
+    for name, g, w in zip(("dq", "dk", "dv", "d_bias"), got, want):
+      rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
+      assert rel < 1e-2, (kw, name, rel)
+  bias = cases[0][1]
+  ws = lambda *a: _hopper.forward(
+    *a, scale=H**-0.5, is_causal=True, bias=bias, interpret=True, specialized=True
+  )
+  out, _ = jax.jit(ws)(q, k, v)
+  want = jattn.dot_product_attention(*wide, bias, is_causal=True, implementation="xla")
+  np.testing.assert_allclose(np.float32(out), want, atol=2e-2)

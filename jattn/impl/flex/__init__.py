@@ -402,6 +402,7 @@ def _hopper_attend(
     dropout_rate=spec.dropout_rate,
     dropout_rng=spec.dropout_rng,
     broadcast_dropout=spec.broadcast_dropout,
+    bias=spec.bias,
   )
 
 
@@ -415,7 +416,6 @@ HOPPER = _base.Implementation(
   ),
   run=_hopper_run,
   dtypes=("bfloat16", "float16"),
-  bias="not yet taken by the Hopper kernels",  # nor arrays read per position (check)
   fused=True,
   interpretable=True,
   check=_hopper_check,

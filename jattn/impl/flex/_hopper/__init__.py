@@ -19,8 +19,9 @@ the kernels take those as inputs and read them an element at a time; segment ids
 and'ed with them (each program copies its own tile's ids once and streams the other axis's
 ids with each tile it walks). Dropout's pattern is regenerated in each kernel from the
 seed at every element's global indices (``_tile.dropout_keep``), as every implementation
-draws it. Arrays read at each query or key position (a dense mask, a table indexed by
-distance) and a bias come later.
+draws it. A bias is read tile by tile beside the key tiles (transposed planes for dK/dV),
+in wgmma's layout from swizzled shared memory. Arrays a mask or score function reads at
+each query or key position (a dense mask, a table indexed by distance) come later.
 
 One program per (query tile of 64 rows, head, batch row), one warpgroup: the query tile is
 copied to shared memory once (TMA), then ``plgpu.emit_pipeline`` streams the key and value
@@ -79,6 +80,7 @@ def forward(
   dropout_rate: float = 0.0,
   dropout_rng: jax.Array | None = None,
   broadcast_dropout: bool = False,
+  bias: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """``(out, lse)`` of softmax attention: query (B, T, N, H), key and value (B, S, K, H),
   N a multiple of K (grouped queries), float16 or bfloat16, H a multiple of 64, T a multiple
@@ -88,6 +90,9 @@ def forward(
   segment ids (:func:`_call.mask_reason`); ``score_fn(s, batch, head, q_idx, kv_idx)`` a jattn
   score function applied to the scaled scores, reading arrays at the batch row and head
   alone (``scores.soft_cap``, ``scores.alibi``; :func:`_call.score_reason`).
+  ``bias`` (rank 4, broadcastable to (B, N, T, S), floating) is added to the scaled scores
+  before the score function, read tile by tile; dropout (``dropout_rate``, ``dropout_rng``,
+  ``broadcast_dropout``) as jattn's.
   ``lse`` is (B, N, T) float32, the natural log-sum-exp of each row's scaled scores; a row
   that sees no key gives zeros and an lse of -inf.
   ``interpret`` runs it in Mosaic GPU's interpreter (jax >= 0.12), on any backend; ``base2``
@@ -100,13 +105,13 @@ def forward(
   _call.check_inputs(
     query, key, value, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
     interpret=interpret, specialized=specialized, dropout_rate=dropout_rate,
-    dropout_rng=dropout_rng,
+    dropout_rng=dropout_rng, bias=bias,
   )  # fmt: skip
   arrays, static = _call.prepare(
     query, key, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
     block_kv=block_kv, stages=stages, interpret=interpret, specialized=specialized,
     offsets=offsets, backward=False, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-    broadcast_dropout=broadcast_dropout,
+    broadcast_dropout=broadcast_dropout, bias=bias,
   )  # fmt: skip
   run = _forward.specialized if specialized else _forward.one_warpgroup
   out, lse2 = run(query, key, value, arrays, static)
@@ -130,25 +135,26 @@ def attention(
   dropout_rate: float = 0.0,
   dropout_rng: jax.Array | None = None,
   broadcast_dropout: bool = False,
+  bias: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """``(out, lse)``: :func:`forward`'s output and natural log-sum-exp, ``lse`` (B, T, N) as
   jattn's implementations return it, both differentiable: in query, key and value by the
   backward kernels (:func:`_backward.backward`; the log-sum-exp's cotangent enters dS as Δ
   does, dS = P ⊙ (dP − Δ + d_lse), so sinks and ``return_residual`` take it), and in the
-  floating arrays a score function reads (learned ALiBi slopes), where those are
-  differentiated, through the score function's VJP on the whole (B, N, T, S) grid in XLA
-  (O(B·N·T·S) memory, as flex's Triton kernels take them; :func:`_backward.learned_grads`);
-  arguments as :func:`forward`'s."""
+  bias and the floating arrays a score function reads (learned ALiBi slopes), where those
+  are differentiated, through the whole (B, N, T, S) grid in XLA (O(B·N·T·S) memory, as
+  flex's Triton kernels take them; :func:`_backward.grid_grads`); arguments as
+  :func:`forward`'s."""
   _call.check_inputs(
     query, key, value, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
     interpret=interpret, specialized=specialized, dropout_rate=dropout_rate,
-    dropout_rng=dropout_rng,
+    dropout_rng=dropout_rng, bias=bias,
   )  # fmt: skip
   arrays, static = _call.prepare(
     query, key, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
     block_kv=block_kv, stages=stages, interpret=interpret, specialized=specialized,
     offsets=offsets, backward=True, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-    broadcast_dropout=broadcast_dropout,
+    broadcast_dropout=broadcast_dropout, bias=bias,
   )  # fmt: skip
   run = _forward.specialized if specialized else _forward.one_warpgroup
   natural = lambda lse2: jnp.swapaxes(lse2 / LOG2E, 1, 2)  # (B, N, T) base 2 -> (B, T, N)
@@ -163,16 +169,20 @@ def attention(
 
   def fwd(q: Any, k: Any, v: Any, arrays: Any) -> Any:
     # symbolic_zeros: each input comes as (value, perturbed). Which of the score function's
-    # arrays are learned rides in the residuals' tree structure: () where so, else None.
+    # arrays are learned, and whether the bias is, rides in the residuals' tree structure:
+    # () where so, else None.
     learned = tuple(
       () if a.perturbed and jnp.issubdtype(a.value.dtype, jnp.floating) else None
-      for a in arrays.score
+      for a in (*arrays.score, *arrays.bias)
     )
     q, k, v, arrays = _common.primal_values((q, k, v, arrays))
     # The output kept unrounded (float32) for Δ = rowsum(O ⊙ dO): from a 16-bit output its
     # rounding survives the cancellation dP − Δ in a saturated row, amplified in dQ and dK.
     forward = _orders.first_order(
-      lambda *a: run(*a, static, jnp.float32), _WHO, _orders.FUSED, forward=False
+      lambda q, k, v, arrays: run(q, k, v, arrays, static, jnp.float32),
+      _WHO,
+      _orders.FUSED,
+      forward=False,
     )
     out, lse2 = forward(q, k, v, arrays)
     return (out.astype(q.dtype), natural(lse2)), (q, k, v, out, lse2, arrays, learned)
@@ -188,13 +198,19 @@ def attention(
     d_lse = jnp.where(jnp.isneginf(lse2), 0.0, jnp.swapaxes(d_lse, 1, 2).astype(jnp.float32))
     dq, dk, dv = _backward.backward(q, k, v, out, lse2, d_out, d_lse, arrays, static)
     d_arrays = jax.tree.map(_backward._zero_cotangent, arrays)
-    chosen = [i for i, x in enumerate(learned) if x is not None]
-    if chosen:
-      d_chosen = _backward.learned_grads(q, k, v, lse2, d_out, d_lse, arrays, static, chosen)
+    n_score = len(arrays.score)
+    chosen = [i for i, x in enumerate(learned[:n_score]) if x is not None]
+    wants_bias = any(x is not None for x in learned[n_score:])
+    if chosen or wants_bias:
+      d_chosen, d_bias = _backward.grid_grads(
+        q, k, v, lse2, d_out, d_lse, arrays, static, chosen, wants_bias
+      )
       d_score = list(d_arrays.score)
       for i, d in zip(chosen, d_chosen):
         d_score[i] = d.astype(arrays.score[i].dtype)
       d_arrays = d_arrays._replace(score=tuple(d_score))
+      if d_bias is not None:
+        d_arrays = d_arrays._replace(bias=(d_bias,))
     return dq, dk, dv, d_arrays
 
   attend.defvjp(fwd, bwd, symbolic_zeros=True)

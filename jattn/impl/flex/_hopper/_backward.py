@@ -14,6 +14,7 @@ from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 
 from jattn import dropout as _dropout
+from jattn.impl import _common
 from jattn.impl.flex._hopper import _call, _mosaic, _tile
 from jattn.impl.flex._hopper._mosaic import LOG2E, ROWS
 
@@ -43,6 +44,7 @@ def backward(
   G, dtype, bk = N // K, query.dtype, ROWS
   scale, stages, interpret = static.scale, static.stages, static.interpret
   n_ids = len(arrays.ids)
+  n_streamed_ids = 1 if n_ids else 0
   swizzled = _mosaic.swizzled()
   layout = plgpu.Layout.WGMMA
   # The lse's cotangent enters dS as Δ does: dS = P ⊙ (dP − Δ + d_lse).
@@ -53,11 +55,11 @@ def backward(
 
   def scores(
     products: Any, fns: tuple[Any, Any], masked: bool, b: Any, h: Any, q0: Any, k0: Any,
-    transposed: bool, keep: Any,
+    transposed: bool, keep: Any, bias: Any,
   ) -> tuple[Any, Any]:  # fmt: skip
     return _tile.scores(
       products, scale=scale, score_fn=fns[1], mask=fns[0], masked=masked, b=b, h=h, q0=q0,
-      k0=k0, transposed=transposed, derivative=True, keep=keep,
+      k0=k0, transposed=transposed, derivative=True, keep=keep, bias=bias,
     )  # fmt: skip
 
   def through_score(ds: Any, slope: Any) -> Any:
@@ -86,11 +88,13 @@ def backward(
 
     def step(first: Any, masked: bool) -> Any:
       def run(index: tuple[Any], k_smem: Any, v_smem: Any, *rest: Any) -> Any:
-        *ids_smem, dq = rest
+        *streamed, dq = rest  # the key tile's segment ids and bias tile, where present
+        ids_smem, bias_smem = streamed[:n_streamed_ids], streamed[n_streamed_ids:]
         j = order_ref[i, index[0] + first]
         products = _mosaic.matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, bk))
         keep = keeper(*ids_smem)
-        t, slope = scores(products, fns, masked, b_g, h_g, i * ROWS, j * bk, False, keep)
+        bias = _tile.bias_tile(bias_smem)
+        t, slope = scores(products, fns, masked, b_g, h_g, i * ROWS, j * bk, False, keep, bias)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [0]))
         dp = _mosaic.matmul(do_smem, v_smem.transpose((1, 0)), (ROWS, bk))
         dp = _tile.dropout_keep(dp.shape, static, r.seed, b_g, h_g, i * ROWS, j * bk)(dp)
@@ -104,10 +108,11 @@ def backward(
       at = lambda t: order_ref[i, t + first]
       spec = plgpu.BlockSpec((bk, H), lambda t: (at(t), 0), transforms=swizzled)
       ids_specs, ids_refs = _tile.streamed_ids(ids, b_g, bk, at, False)
+      bias_specs, bias_refs = _tile.streamed_bias(r.bias, b, h, i, ROWS, bk, at)
       return plgpu.emit_pipeline(
-        step(first, masked), grid=(count,), in_specs=[spec, spec, *ids_specs],
+        step(first, masked), grid=(count,), in_specs=[spec, spec, *ids_specs, *bias_specs],
         max_concurrent_steps=stages, init_carry=dq,
-      )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :], *ids_refs)  # fmt: skip
+      )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :], *ids_refs, *bias_refs)  # fmt: skip
 
     dq = plgpu.layout_cast(jnp.full((ROWS, H), 0.0, jnp.float32), layout)
     dq = _mosaic.walk(pipeline, full_ref[i], partial_ref[i], static.masked, dq)
@@ -135,14 +140,16 @@ def backward(
     def step(first: Any, masked: bool) -> Any:
       def run(index: tuple[Any], q_smem: Any, do_smem: Any, lse_smem: Any, d_smem: Any,
               *rest: Any) -> Any:  # fmt: skip
-        *ids_smem, carry = rest
+        *streamed, carry = rest  # the query tile's segment ids and bias tile (transposed)
+        ids_smem, bias_smem = streamed[:n_streamed_ids], streamed[n_streamed_ids:]
         dk, dv = carry
         i = order_ref[j, index[0] + first]
         lse = _mosaic.load(lse_smem, layout.reduce(0))
         dlt = _mosaic.load(d_smem, layout.reduce(0))
         products = _mosaic.matmul(k_smem, q_smem.transpose((1, 0)), (bk, ROWS))
         keep = keeper(*ids_smem)
-        t, slope = scores(products, fns, masked, b_g, h_g, i * ROWS, j * bk, True, keep)
+        bias = _tile.bias_tile(bias_smem)
+        t, slope = scores(products, fns, masked, b_g, h_g, i * ROWS, j * bk, True, keep, bias)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [1]))
         dropped = _tile.dropout_keep(p.shape, static, r.seed, b_g, h_g, i * ROWS, j * bk, True)
         dv = dv + _mosaic.matmul(_mosaic.staged(dropped(p).astype(dtype), a_smem), do_smem, (bk, H))
@@ -158,11 +165,13 @@ def backward(
       tile = plgpu.BlockSpec((ROWS, H), lambda t: (at(t), 0), transforms=swizzled)
       vec = plgpu.BlockSpec((ROWS,), lambda t: (at(t),))
       ids_specs, ids_refs = _tile.streamed_ids(ids, b_g, ROWS, at, True)
+      bias_specs, bias_refs = _tile.streamed_bias(r.bias, b, h, j, bk, ROWS, at)
       return plgpu.emit_pipeline(
-        step(first, masked), grid=(count,), in_specs=[tile, tile, vec, vec, *ids_specs],
+        step(first, masked), grid=(count,),
+        in_specs=[tile, tile, vec, vec, *ids_specs, *bias_specs],
         max_concurrent_steps=stages, init_carry=carry,
       )(q_ref.at[b, :, h, :], do_ref.at[b, :, h, :], lse_ref.at[b, h, :],
-        delta_ref.at[b, h, :], *ids_refs)  # fmt: skip
+        delta_ref.at[b, h, :], *ids_refs, *bias_refs)  # fmt: skip
 
     zero = plgpu.layout_cast(jnp.full((bk, H), 0.0, jnp.float32), layout)
     dk, dv = _mosaic.walk(pipeline, full_ref[j], partial_ref[j], static.masked, (zero, zero))
@@ -190,7 +199,7 @@ def backward(
       plgpu.SMEM((ROWS,), jnp.int32) if n_ids else None,  # the query tile's segment ids
     ),
     **_mosaic.interpreted(interpret),
-  )(*inputs, *arrays.kernel_inputs(arrays.rows))
+  )(*inputs, *arrays.kernel_inputs(arrays.rows, T, S))
   per_head = jax.ShapeDtypeStruct((B, S, N, H), dtype)  # each query head's dK, dV
   dk, dv = plgpu.kernel(
     dkv_body,
@@ -205,7 +214,7 @@ def backward(
       plgpu.SMEM((bk,), jnp.int32) if n_ids else None,  # the key tile's segment ids
     ),
     **_mosaic.interpreted(interpret),
-  )(*inputs, *arrays.kernel_inputs(arrays.cols))
+  )(*inputs, *arrays.kernel_inputs(arrays.cols, T, S, transposed=True))
   group = lambda x: x.reshape(B, S, K, G, H).sum(3, dtype=jnp.float32).astype(dtype)
   return dq, group(dk), group(dv)
 
@@ -251,7 +260,7 @@ def _on_grid(
   return out.transpose(0, 1, 2, 4, 3, 5).reshape(B, N, T, S)
 
 
-def learned_grads(
+def grid_grads(
   query: jax.Array,
   key: jax.Array,
   value: jax.Array,
@@ -261,36 +270,40 @@ def learned_grads(
   arrays: _call.Arrays,
   static: _call.Static,
   chosen: list[int],
-) -> list[jax.Array]:
-  """The gradients of the score function's arrays ``arrays.score[chosen]``: its VJP on the
-  whole (B, N, T, S) grid at the call's scaled scores (recomputed in float32), the cotangent
-  dS = P ⊙ (dP − Δ + d_lse) of its output, P from the forward's log-sum-exp, ``d_lse`` as
-  :func:`backward` takes it."""
+  wants_bias: bool,
+) -> tuple[list[jax.Array], jax.Array | None]:
+  """``(the gradients of arrays.score[chosen], the bias's gradient or None)``, from the
+  whole (B, N, T, S) grid in XLA: the score function's VJP at the call's scores (recomputed
+  in float32: scale · q kᵀ + bias), the cotangent dS = P ⊙ (dP − Δ + d_lse) of its output,
+  P from the forward's log-sum-exp, ``d_lse`` as :func:`backward` takes it; the bias's is
+  dS before the score function, summed over the axes the bias broadcasts."""
   B, T, N, _ = query.shape
   S, K = key.shape[1], key.shape[2]
   f = jnp.float32
   fns = static.functions
-  assert fns.score is not None
-  score_jaxpr = fns.score[ROWS, ROWS]
   grouped = lambda x: jnp.repeat(x.astype(f), N // K, axis=2)
-  s = jnp.einsum("btnh,bsnh->bnts", query.astype(f), grouped(key)) * static.scale
+  x = jnp.einsum("btnh,bsnh->bnts", query.astype(f), grouped(key)) * static.scale
+  if arrays.bias:
+    x = x + arrays.bias[0].astype(f)
   shape = (B, N, T, S)
   allowed = None
   if fns.mask is not None:
     allowed = _on_grid(fns.mask[ROWS, ROWS], arrays.mask, shape, arrays.offsets).astype(bool)
   if arrays.ids:  # segment ids, at the global batch rows
     rows = jnp.arange(B) + arrays.offsets[0]
-    q_ids, kv_ids = (x[rows] if x.shape[0] > 1 else x[:1] for x in arrays.ids)
+    q_ids, kv_ids = (a[rows] if a.shape[0] > 1 else a[:1] for a in arrays.ids)
     same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
     allowed = same if allowed is None else allowed & same
 
-  def score(*learned: jax.Array) -> jax.Array:
+  def score(x: jax.Array, *learned: jax.Array) -> jax.Array:
+    if fns.score is None:
+      return x
     inputs = list(arrays.score)
-    for i, x in zip(chosen, learned):
-      inputs[i] = x
-    return _on_grid(score_jaxpr, inputs, shape, arrays.offsets, s).astype(f)
+    for i, a in zip(chosen, learned):
+      inputs[i] = a
+    return _on_grid(fns.score[ROWS, ROWS], inputs, shape, arrays.offsets, x).astype(f)
 
-  y, vjp = jax.vjp(score, *(arrays.score[i] for i in chosen))
+  y, vjp = jax.vjp(score, x, *(arrays.score[i] for i in chosen))
   t = y * LOG2E
   if allowed is not None:
     t = jnp.where(allowed, t, -jnp.inf)
@@ -316,4 +329,8 @@ def learned_grads(
   # the inputs' dtype, would leave its rounding in dP − Δ, which the sum over every
   # position (ALiBi's slope sums dS times the distance) amplifies.
   delta = jnp.sum(p * dp, axis=-1, keepdims=True)
-  return list(vjp(p * (dp - delta + d_lse[..., None])))
+  d_x, *d_learned = vjp(p * (dp - delta + d_lse[..., None]))
+  d_bias = None
+  if wants_bias:
+    d_bias = _common.reduce_to_shape(d_x, arrays.bias[0].shape).astype(arrays.bias[0].dtype)
+  return d_learned, d_bias

@@ -62,6 +62,7 @@ class Static(NamedTuple):
   functions: Functions
   dropout_rate: float = 0.0
   broadcast_dropout: bool = False  # one (T, S) pattern for every batch row and head
+  biased: bool = False  # a bias is added to the scaled scores
 
 
 class Arrays(NamedTuple):
@@ -69,6 +70,7 @@ class Arrays(NamedTuple):
 
   offsets: jax.Array  # int32 (2,): the global index of the first batch row and head
   seed: tuple[jax.Array, ...]  # dropout's two uint32 words (jattn.dropout.seed_words), or ()
+  bias: tuple[jax.Array, ...]  # the bias as given (rank 4, broadcastable), or ()
   forward: tuple[jax.Array, ...]  # the forward's schedule: order, FULL and PARTIAL counts
   rows: tuple[jax.Array, ...]  # dQ's (ROWS x ROWS tiles; () where only the forward runs)
   cols: tuple[jax.Array, ...]  # dK/dV's, over key tiles
@@ -76,10 +78,22 @@ class Arrays(NamedTuple):
   mask: tuple[jax.Array, ...]  # what the mask's other conjuncts read
   score: tuple[jax.Array, ...]  # what the score function reads
 
-  def kernel_inputs(self, schedule: tuple[jax.Array, ...]) -> list[jax.Array]:
+  def kernel_inputs(
+    self, schedule: tuple[jax.Array, ...], T: int, S: int, transposed: bool = False
+  ) -> list[jax.Array]:
     """A kernel's inputs after its tensors: ``schedule``, the offsets, the dropout seed, the
-    segment ids, the mask's and the score function's arrays (:func:`split_refs`)."""
-    return [*schedule, self.offsets, *self.seed, *self.ids, *self.mask, *self.score]
+    segment ids, the mask's and the score function's arrays, the bias (:func:`bias_planes`;
+    transposed for the dK/dV kernel) (:func:`split_refs`)."""
+    planes = [bias_planes(b, T, S, transposed) for b in self.bias]
+    return [*schedule, self.offsets, *self.seed, *self.ids, *self.mask, *self.score, *planes]
+
+
+def bias_planes(bias: jax.Array, T: int, S: int, transposed: bool) -> jax.Array:
+  """A rank-4 bias as the kernels read it, tile by tile: (Bb, Nb, T, S), its query and key
+  axes broadcast where they were 1 (``transposed``: (Bb, Nb, S, T), for the dK/dV kernel);
+  its batch and head axes stay as given (1 or the call's)."""
+  planes = jnp.broadcast_to(bias, (*bias.shape[:2], T, S))
+  return jnp.swapaxes(planes, 2, 3) if transposed else planes
 
 
 class Refs(NamedTuple):
@@ -91,6 +105,7 @@ class Refs(NamedTuple):
   ids: tuple[Any, ...]  # segment ids, or ()
   mask: Any  # the mask's evaluator (Functions.bind), or None
   score_fn: Any  # the score function's, or None
+  bias: Any  # the bias's planes (bias_planes), or None
   rest: tuple[Any, ...]  # the outputs and scratch
 
 
@@ -103,8 +118,9 @@ def split_refs(refs: Sequence[Any], static: Static, n_ids: int) -> Refs:
   n_fn = f.n_mask + f.n_score
   mask, score_fn = f.bind(refs[at + n_ids : at + n_ids + n_fn])
   seed = refs[4] if n_seed else None
-  rest = tuple(refs[at + n_ids + n_fn :])
-  return Refs(tuple(refs[:3]), refs[3], seed, ids, mask, score_fn, rest)
+  end = at + n_ids + n_fn + static.biased
+  bias = refs[end - 1] if static.biased else None
+  return Refs(tuple(refs[:3]), refs[3], seed, ids, mask, score_fn, bias, tuple(refs[end:]))
 
 
 def check_inputs(
@@ -120,6 +136,7 @@ def check_inputs(
   specialized: bool,
   dropout_rate: float = 0.0,
   dropout_rng: Any = None,
+  bias: Any = None,
 ) -> None:
   """What the kernels take, each refusal naming the argument."""
   B, T, N, H = query.shape
@@ -149,6 +166,12 @@ def check_inputs(
     raise ValueError(f"mask: the Hopper kernel takes {reason}")
   if reason := score_reason(score_fn):
     raise ValueError(f"score_fn: the Hopper kernel takes {reason}")
+  if bias is not None:
+    shape = jnp.shape(bias)
+    if len(shape) != 4 or any(n not in (1, m) for n, m in zip(shape, (B, N, T, S))):
+      raise ValueError(f"bias: shape {shape} does not broadcast to (B, N, T, S) = {(B, N, T, S)}")
+    if not jnp.issubdtype(jnp.result_type(bias), jnp.floating):
+      raise ValueError(f"bias: a floating array, got {jnp.result_type(bias)}")
   if not 0.0 <= dropout_rate < 1.0:
     raise ValueError(f"dropout_rate: must be in [0, 1), got {dropout_rate}")
   if dropout_rate and dropout_rng is None:
@@ -174,6 +197,7 @@ def prepare(
   dropout_rate: float = 0.0,
   dropout_rng: Any = None,
   broadcast_dropout: bool = False,
+  bias: jax.Array | None = None,
 ) -> tuple[Arrays, Static]:
   """A call as the kernels take it: the forward's tile schedule (and the backward's, where
   ``backward``), the segment ids, and the mask and score function traced at the kernels'
@@ -193,12 +217,17 @@ def prepare(
   rate = float(dropout_rate)
   static = Static(
     float(scale), block_kv, stages, interpret, full is not None, functions, rate,
-    bool(broadcast_dropout) and rate > 0,
+    bool(broadcast_dropout) and rate > 0, bias is not None,
   )  # fmt: skip
   seed = (jnp.stack(_dropout.seed_words(dropout_rng)),) if rate else ()
   sched = lambda s: tuple(jnp.asarray(x) for x in s)
+  biases = (
+    ()
+    if bias is None
+    else (jnp.asarray(bias).reshape((1,) * (4 - jnp.ndim(bias)) + jnp.shape(bias)),)
+  )
   arrays = Arrays(
-    _offsets(offsets), seed, sched(forward_s), sched(rows_s), sched(cols_s), ids,
+    _offsets(offsets), seed, biases, sched(forward_s), sched(rows_s), sched(cols_s), ids,
     mask_arrays, score_arrays,
   )  # fmt: skip
   return arrays, static

@@ -26,7 +26,7 @@ def one_warpgroup(
   ``out_dtype`` (float32 for the backward's Δ; default: the inputs' dtype)."""
   plgpu = _mosaic.mosaic_gpu()
   B, T, N, H = query.shape
-  K = key.shape[2]
+  S, K = key.shape[1], key.shape[2]
   dtype = query.dtype
   scale, block_kv, stages = static.scale, static.block_kv, static.stages
   interpret = static.interpret
@@ -35,7 +35,8 @@ def one_warpgroup(
   swizzled = _mosaic.swizzled()
   wgmma_layout = plgpu.Layout.WGMMA
   o_dtype = jnp.dtype(out_dtype or dtype)
-  o_transforms = swizzled if o_dtype == dtype else ()  # float32: stored as rows
+  o_transforms = _mosaic.swizzled(o_dtype.itemsize)  # float32: 8 x 32 tiles
+  n_streamed_ids = 1 if n_ids else 0
 
   def body(*refs: Any) -> None:
     q_ref, k_ref, v_ref = refs[:3]
@@ -59,7 +60,8 @@ def one_warpgroup(
 
     def step(first: Any, masked: bool) -> Any:
       def run(index: tuple[Any], k_smem: Any, v_smem: Any, *rest: Any) -> Any:
-        *ids_smem, carry = rest  # the key tile's segment ids, where the mask reads them
+        *streamed, carry = rest  # the key tile's segment ids and bias tile, where present
+        ids_smem, bias_smem = streamed[:n_streamed_ids], streamed[n_streamed_ids:]
         acc, m, l = carry
         j = order_ref[i, index[0] + first]  # the key tile
 
@@ -67,6 +69,7 @@ def one_warpgroup(
         t, _ = _tile.scores(
           products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b_g, h=h_g,
           q0=i * ROWS, k0=j * block_kv, keep=keeper(*ids_smem),
+          bias=_tile.bias_tile(bias_smem),
         )  # fmt: skip
         p, alpha, m_new, l = _tile.online_softmax(t, m, l, masked)
         # l sums P as it is; O sums it with dropout applied
@@ -80,13 +83,16 @@ def one_warpgroup(
       at = lambda step: (order_ref[i, step + first], 0)
       spec = plgpu.BlockSpec((block_kv, H), at, transforms=swizzled)
       ids_specs, ids_refs = _tile.streamed_ids(ids, b_g, block_kv, lambda t: at(t)[0], False)
+      bias_specs, bias_refs = _tile.streamed_bias(
+        r.bias, b, h, i, ROWS, block_kv, lambda t: at(t)[0]
+      )
       return plgpu.emit_pipeline(
         step(first, masked),
         grid=(count,),
-        in_specs=[spec, spec, *ids_specs],
+        in_specs=[spec, spec, *ids_specs, *bias_specs],
         max_concurrent_steps=stages,
         init_carry=carry,
-      )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :], *ids_refs)
+      )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :], *ids_refs, *bias_refs)
 
     acc, m, l = _mosaic.walk(pipeline, full_ref[i], partial_ref[i], static.masked, carry)
     if static.masked:  # rows that saw no key: acc is 0 (every p was), l too; out 0
@@ -115,7 +121,7 @@ def one_warpgroup(
       plgpu.SMEM((ROWS,), jnp.int32) if n_ids else None,  # the query tile's segment ids
     ),
     **_mosaic.interpreted(interpret),
-  )(query, key, value, *arrays.kernel_inputs(arrays.forward))
+  )(query, key, value, *arrays.kernel_inputs(arrays.forward, T, S))
 
 
 def specialized(
@@ -143,7 +149,7 @@ def specialized(
   need, that half evaluates the mask there and keeps nothing of it."""
   plgpu = _mosaic.mosaic_gpu()
   B, T, N, H = query.shape
-  K = key.shape[2]
+  S, K = key.shape[1], key.shape[2]
   dtype = query.dtype
   G = N // K
   bk, stages, scale, interpret = static.block_kv, static.stages, static.scale, static.interpret
@@ -159,7 +165,8 @@ def specialized(
     (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
     mask, score_fn = r.mask, r.score_fn
     out_ref, lse_ref, scoped = r.rest
-    (qo_smem, k_smem, v_smem, lse_smem, p_smem, qid_smem, kid_smem, o_smem), barriers = scoped
+    smem, barriers = scoped
+    qo_smem, k_smem, v_smem, lse_smem, p_smem, qid_smem, kid_smem, o_smem, bias_smem = smem
     k_ready, v_ready, q_ready, k_free, v_free, turn, ids_ready = barriers
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
     wg = lax.axis_index("wg")
@@ -205,10 +212,13 @@ def specialized(
         # The key tile's ids (landed with it) are read before its slot is released.
         streamed = () if kid_smem is None else (kid_smem.at[slot],)
         keep = keeper(*streamed) if masked else None
+        # and the group's rows of its bias tile
+        halves = () if bias_smem is None else (bias_smem.at[slot, pl.ds(wg * ROWS, ROWS)],)
+        bias = _tile.bias_tile(halves)
         plgpu.barrier_arrive(k_free.at[slot])
         t_, _ = _tile.scores(
           products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b_g, h=h_g,
-          q0=q0, k0=j * bk, keep=keep,
+          q0=q0, k0=j * bk, keep=keep, bias=bias,
         )  # fmt: skip
         p, alpha, m_new, l = _tile.online_softmax(t_, m, l, masked)
         p16 = _tile.dropout_keep(p.shape, static, r.seed, b_g, h_g, q0, j * bk)(p).astype(dtype)
@@ -249,6 +259,11 @@ def specialized(
           plgpu.barrier_wait(k_free.at[slot])
 
         plgpu.copy_gmem_to_smem(k_ref.at[b, cols, kv_head], k_smem.at[slot], k_ready.at[slot])
+        if bias_smem is not None:  # the block's bias tile, on the same barrier
+          plane = r.bias.at[_mosaic.row(r.bias, b), h if r.bias.shape[1] > 1 else 0]
+          plgpu.copy_gmem_to_smem(
+            plane.at[pl.ds(i * 2 * ROWS, 2 * ROWS), cols], bias_smem.at[slot], k_ready.at[slot]
+          )
         if kid_smem is not None:  # the key tile's segment ids, on the same barrier
           kv_ids = ids[1]
           plgpu.copy_gmem_to_smem(
@@ -271,11 +286,22 @@ def specialized(
       plgpu.SMEM((2, ROWS, bk), dtype, transforms=swizzled) if interpret else None,
       plgpu.SMEM((2, ROWS), jnp.int32) if n_ids else None,  # each group's query ids
       plgpu.SMEM((stages, bk), jnp.int32) if n_ids else None,  # each slot's key ids
-      plgpu.SMEM((2, ROWS, H), o_dtype) if o_dtype != dtype else None,  # float32 outputs
+      # float32 outputs
+      plgpu.SMEM((2, ROWS, H), o_dtype, transforms=_mosaic.swizzled(o_dtype.itemsize))
+      if o_dtype != dtype
+      else None,
+      # each slot's bias tile, both groups' rows
+      plgpu.SMEM(
+        (stages, 2 * ROWS, bk),
+        arrays.bias[0].dtype,
+        transforms=_mosaic.swizzled(jnp.dtype(arrays.bias[0].dtype).itemsize),
+      )
+      if arrays.bias
+      else None,
     )
     barriers = (
-      # a key tile landed in the slot (and its segment ids: two copies arrive)
-      plgpu.Barrier(num_arrivals=2 if n_ids else 1, num_barriers=stages),
+      # a key tile landed in the slot (and its segment ids, its bias tile: a copy each)
+      plgpu.Barrier(num_arrivals=1 + bool(n_ids) + bool(arrays.bias), num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),  # a value tile
       plgpu.Barrier(num_barriers=2),  # each compute group's query tile
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both groups done with a key slot
@@ -296,4 +322,4 @@ def specialized(
     num_threads=3,
     thread_name="wg",
     **_mosaic.interpreted(interpret),
-  )(query, key, value, *arrays.kernel_inputs(arrays.forward))
+  )(query, key, value, *arrays.kernel_inputs(arrays.forward, T, S))

@@ -36,10 +36,12 @@ def has_interpreter() -> bool:
   return hasattr(mosaic_gpu(), "InterpretGPUParams")
 
 
-def swizzled() -> tuple[Any, Any]:
-  """wgmma's operands in shared memory: 8 x 64 tiles, 128-byte swizzle (16-bit elements)."""
+def swizzled(itemsize: int = 2) -> tuple[Any, Any]:
+  """wgmma's operands in shared memory, and any tile read into registers in wgmma's layout:
+  rows of 128 bytes in tiles of 8 (8 x 64 for 16-bit elements, 8 x 32 for 32-bit ones),
+  128-byte swizzle."""
   plgpu = mosaic_gpu()
-  return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+  return plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128)
 
 
 def interpreted(interpret: bool) -> dict[str, Any]:

@@ -30,8 +30,10 @@ def scores(
   transposed: bool = False,
   derivative: bool = False,
   keep: Any = None,
+  bias: Any = None,
 ) -> tuple[Any, Any]:
-  """``(t, slope)`` of one tile: its base-2 scores ``score_fn(scale · q kᵀ) · log2(e)``, -inf
+  """``(t, slope)`` of one tile: its base-2 scores ``score_fn(scale · q kᵀ + bias) · log2(e)``
+  (``bias`` the tile's, float32, in ``products``' orientation, or None), -inf
   where a PARTIAL tile's mask says so, and d score_fn(x)/dx (None without a score function
   or ``derivative``). ``products`` is ``q kᵀ`` (``k qᵀ`` when ``transposed``: keys along
   rows); query rows start at ``q0``, key rows at ``k0``; mask and score function see the
@@ -39,6 +41,9 @@ def scores(
   ``keep(q_idx, kv_idx)``: the segment ids' conjunct (:func:`keeper`), and'ed with the mask
   on PARTIAL tiles."""
   plgpu = _mosaic.mosaic_gpu()
+  if bias is not None:  # the scores, biased: scaled first, as a plain tile is in one multiply
+    products = products * float(scale) + bias
+    scale = 1.0
   if score_fn is None and not masked:
     return products * (float(scale) * LOG2E), None
   iota = lambda axis: plgpu.broadcasted_iota(
@@ -117,6 +122,31 @@ def streamed_ids(
   src = ids[0] if transposed else ids[1]
   spec = _mosaic.mosaic_gpu().BlockSpec((block,), lambda t: (tile(t),))
   return [spec], [src.at[_mosaic.row(src, b)]]
+
+
+def streamed_bias(
+  bias: Any, b: Any, h: Any, held: Any, rows: int, block: int, tile: Any
+) -> tuple[list[Any], list[Any]]:
+  """The bias's tile at each step as a pipeline's extra ``(in_specs, refs)`` (none without
+  a bias): of the planes ``bias`` (Bb, Nb, rows axis, streamed axis; :func:`_call.bias_planes`)
+  at batch row ``b`` and head ``h`` (local: the planes are sharded as the query is), the
+  held tile ``held`` of ``rows`` rows, ``block`` columns from tile ``tile(step)``."""
+  if bias is None:
+    return [], []
+  plane = bias.at[_mosaic.row(bias, b), h if bias.shape[1] > 1 else 0]
+  swizzled = _mosaic.swizzled(jnp.dtype(bias.dtype).itemsize)  # read in wgmma's layout
+  spec = _mosaic.mosaic_gpu().BlockSpec(
+    (rows, block), lambda t: (held, tile(t)), transforms=swizzled
+  )
+  return [spec], [plane]
+
+
+def bias_tile(smem: Sequence[Any]) -> Any:
+  """A streamed bias tile (``smem``: its buffer, or none) in registers, float32, or None."""
+  if not smem:
+    return None
+  plgpu = _mosaic.mosaic_gpu()
+  return _mosaic.load(smem[0], plgpu.Layout.WGMMA).astype(jnp.float32)
 
 
 def keeper(
