@@ -15,6 +15,7 @@ from jattn import masks, scores
 from jattn.impl.flex import _hopper
 
 B, T, N, K, H = 1, 128, 2, 1, 64
+EVERY_THIRD = jnp.asarray(np.arange(256) % 3 > 0)  # read by a mask at each query position
 # Mosaic GPU's interpreter comes with jax 0.12 (importing mosaic_gpu, 0.3 s, waits for a test)
 interpreter = pytest.mark.skipif(
   "not hasattr(__import__('jax.experimental.pallas.mosaic_gpu', fromlist=['_']), "
@@ -242,9 +243,9 @@ def test_lowers_for_cuda_to_one_mosaic_gpu_call(is_causal, method):
     (dict(T=192, kw=dict(specialized=True)), r"query: length 192 must be a multiple of 128"),
     (dict(kv_len=64, kw=dict(is_causal=True)), r"is_causal: the Hopper kernel takes T = S"),
     (
-      dict(kw=dict(mask=masks.from_array(np.tri(T, dtype=bool)))),
+      dict(kw=dict(mask=masks.from_fn(lambda b, h, qi, ki: EVERY_THIRD[qi]))),
       r"mask: the Hopper kernel takes masks reading arrays at the batch row and head alone .* "
-      r"reads an array of shape \(128, 128\) at each query or key position",
+      r"reads an array of shape \(256,\) at each query or key position",
     ),
     (
       dict(kw=dict(score_fn=scores.relative_position_bias(np.zeros((32, N), np.float32)))),
@@ -269,7 +270,7 @@ def test_flex_hopper_is_reached_only_by_name():
   """On a Hopper GPU (lowered for CUDA from this CPU), implementation=None never picks the
   Hopper kernels, and explain says why and how to opt in; named, the gradient lowers to its
   three Mosaic GPU calls (with packed documents too, prefix lengths with ALiBi, dropout, a
-  bias); what
+  bias, a dense mask); what
   it does not take is refused by name, as is an Ampere GPU."""
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
   capped = dict(is_causal=True, logits_soft_cap=30.0)  # cuDNN takes no soft cap: flex's turn
@@ -282,7 +283,8 @@ def test_flex_hopper_is_reached_only_by_name():
     alibi = dict(mask=masks.prefix_lm(np.array([100])), score_fn=scores.alibi(np.ones(4)))
     dropped = dict(is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(0))
     biased = dict(bias=jnp.zeros((256, 256), jnp.bfloat16), is_causal=True)
-    for kw in (capped, documents, alibi, dropped, biased):
+    dense = dict(mask=np.tri(256, dtype=bool) & (np.arange(256) % 5 > 0))
+    for kw in (capped, documents, alibi, dropped, biased, dense):
       attend = lambda *a, kw=kw: jattn.dot_product_attention(*a, implementation="flex_hopper", **kw)
       step = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32)), (0, 1, 2)))
       with warnings.catch_warnings():
@@ -290,7 +292,10 @@ def test_flex_hopper_is_reached_only_by_name():
         text = step.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
       assert text.count("custom_call @mosaic_gpu") == 3, kw
     refused = [
-      (dict(mask=np.tri(256, dtype=bool)), r"does not support mask .* at each query or key"),
+      (
+        dict(mask=masks.from_fn(lambda b, h, qi, ki: EVERY_THIRD[qi])),
+        r"does not support mask .* at each query or key",
+      ),
       (
         dict(score_fn=scores.relative_position_bias(np.zeros((32, 4), np.float32))),
         r"does not support score_fn relative_position_bias.* at each query or key",
@@ -636,3 +641,44 @@ def test_a_bias_is_read_tile_by_tile_and_differentiated():
   out, _ = jax.jit(ws)(q, k, v)
   want = jattn.dot_product_attention(*wide, bias, is_causal=True, implementation="xla")
   np.testing.assert_allclose(np.float32(out), want, atol=2e-2)
+
+
+@interpreter
+def test_a_dense_mask_is_read_tile_by_tile_on_partial_tiles():
+  """A dense boolean mask, as jax.nn takes one: its tiles stream beside the key tiles on
+  PARTIAL tiles only (FULL and EMPTY ones come from its tile classes), and'ed with causal,
+  per batch row, a row left empty (zeros, lse -inf); through the table in the interpreter,
+  output, lse and the gradients of query, key and value against the xla path in float32;
+  and the warp-specialised forward's output."""
+  rng = np.random.default_rng(18)
+  shapes = [(2, 128, 2, 64), (2, 128, 1, 64), (2, 128, 1, 64)]
+  q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
+  wide = [x.astype(jnp.float32) for x in (q, k, v)]
+  ct = rng.standard_normal(shapes[0]).astype(np.float32)
+  dense = rng.random((2, 1, 128, 128)) < 0.6
+  dense[:, :, :, 64:] = False  # the second key tile: EMPTY for every query tile
+  dense[1, :, 70, :] = False  # a row that sees no key
+  kw = dict(mask=dense, is_causal=True, return_residual=True)
+
+  def loss(impl, q, k, v):
+    out, lse = jattn.dot_product_attention(q, k, v, implementation=impl, **kw)
+    return jnp.sum(out.astype(jnp.float32) * ct), (out, lse)
+
+  with jattn.testing.interpret_kernels():
+    got, (out, lse) = jax.jit(
+      jax.grad(lambda *a: loss("flex_hopper", *a), (0, 1, 2), has_aux=True)
+    )(q, k, v)
+  want, (want_out, want_lse) = jax.grad(lambda *a: loss("xla", *a), (0, 1, 2), has_aux=True)(*wide)
+  np.testing.assert_allclose(np.float32(out), want_out, atol=2e-2)
+  assert np.isneginf(np.float32(lse)[1, 70]).all() and not np.float32(out)[1, 70].any()
+  finite = np.isfinite(want_lse)
+  np.testing.assert_allclose(np.float32(lse)[finite], want_lse[finite], atol=1.6e-2)
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
+    assert rel < 1e-2, (name, rel)
+  ws = lambda *a: _hopper.forward(
+    *a, scale=H**-0.5, is_causal=True, mask=masks.from_array(dense), interpret=True,
+    specialized=True,
+  )  # fmt: skip
+  out, _ = jax.jit(ws)(q, k, v)
+  np.testing.assert_allclose(np.float32(out), want_out, atol=2e-2)

@@ -412,7 +412,7 @@ HOPPER = _base.Implementation(
   backwards=BACKWARDS,
   masks=(
     "masks of the indices reading arrays at the batch row and head alone (causal, windows, "
-    "chunks, strides, lengths, prefix-LM, from_fn), and'ed with segment ids"
+    "chunks, strides, lengths, prefix-LM, from_fn), and'ed with segment ids and a dense mask"
   ),
   run=_hopper_run,
   dtypes=("bfloat16", "float16"),

@@ -20,8 +20,9 @@ and'ed with them (each program copies its own tile's ids once and streams the ot
 ids with each tile it walks). Dropout's pattern is regenerated in each kernel from the
 seed at every element's global indices (``_tile.dropout_keep``), as every implementation
 draws it. A bias is read tile by tile beside the key tiles (transposed planes for dK/dV),
-in wgmma's layout from swizzled shared memory. Arrays a mask or score function reads at
-each query or key position (a dense mask, a table indexed by distance) come later.
+in wgmma's layout from swizzled shared memory; so is a dense boolean mask (as bfloat16 0 and
+1, on PARTIAL tiles). Other arrays a mask or score function reads at each query or key
+position (a table indexed by distance) come later.
 
 One program per (query tile of 64 rows, head, batch row), one warpgroup: the query tile is
 copied to shared memory once (TMA), then ``plgpu.emit_pipeline`` streams the key and value

@@ -55,11 +55,11 @@ def backward(
 
   def scores(
     products: Any, fns: tuple[Any, Any], masked: bool, b: Any, h: Any, q0: Any, k0: Any,
-    transposed: bool, keep: Any, bias: Any,
+    transposed: bool, keep: Any, tiles: tuple[Any, Any],
   ) -> tuple[Any, Any]:  # fmt: skip
     return _tile.scores(
       products, scale=scale, score_fn=fns[1], mask=fns[0], masked=masked, b=b, h=h, q0=q0,
-      k0=k0, transposed=transposed, derivative=True, keep=keep, bias=bias,
+      k0=k0, transposed=transposed, derivative=True, keep=keep, bias=tiles[0], dense=tiles[1],
     )  # fmt: skip
 
   def through_score(ds: Any, slope: Any) -> Any:
@@ -88,13 +88,15 @@ def backward(
 
     def step(first: Any, masked: bool) -> Any:
       def run(index: tuple[Any], k_smem: Any, v_smem: Any, *rest: Any) -> Any:
-        *streamed, dq = rest  # the key tile's segment ids and bias tile, where present
-        ids_smem, bias_smem = streamed[:n_streamed_ids], streamed[n_streamed_ids:]
+        *streamed, dq = rest  # the key tile's segment ids, bias and dense mask tiles
+        ids_smem, bias_smem, dense_smem = _tile.split_streamed(
+          streamed, n_streamed_ids, static.biased, static.dense and masked
+        )
         j = order_ref[i, index[0] + first]
         products = _mosaic.matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, bk))
         keep = keeper(*ids_smem)
-        bias = _tile.bias_tile(bias_smem)
-        t, slope = scores(products, fns, masked, b_g, h_g, i * ROWS, j * bk, False, keep, bias)
+        tiles = _tile.plane_tile(bias_smem), _tile.plane_tile(dense_smem)
+        t, slope = scores(products, fns, masked, b_g, h_g, i * ROWS, j * bk, False, keep, tiles)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [0]))
         dp = _mosaic.matmul(do_smem, v_smem.transpose((1, 0)), (ROWS, bk))
         dp = _tile.dropout_keep(dp.shape, static, r.seed, b_g, h_g, i * ROWS, j * bk)(dp)
@@ -107,12 +109,12 @@ def backward(
     def pipeline(first: Any, count: Any, masked: bool, dq: Any) -> Any:
       at = lambda t: order_ref[i, t + first]
       spec = plgpu.BlockSpec((bk, H), lambda t: (at(t), 0), transforms=swizzled)
-      ids_specs, ids_refs = _tile.streamed_ids(ids, b_g, bk, at, False)
-      bias_specs, bias_refs = _tile.streamed_bias(r.bias, b, h, i, ROWS, bk, at)
+      dense = r.dense if masked else None
+      specs, refs = _tile.streams(ids, r.bias, dense, (b_g, b, h, h_g), i, ROWS, bk, at, False)
       return plgpu.emit_pipeline(
-        step(first, masked), grid=(count,), in_specs=[spec, spec, *ids_specs, *bias_specs],
+        step(first, masked), grid=(count,), in_specs=[spec, spec, *specs],
         max_concurrent_steps=stages, init_carry=dq,
-      )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :], *ids_refs, *bias_refs)  # fmt: skip
+      )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :], *refs)  # fmt: skip
 
     dq = plgpu.layout_cast(jnp.full((ROWS, H), 0.0, jnp.float32), layout)
     dq = _mosaic.walk(pipeline, full_ref[i], partial_ref[i], static.masked, dq)
@@ -140,16 +142,18 @@ def backward(
     def step(first: Any, masked: bool) -> Any:
       def run(index: tuple[Any], q_smem: Any, do_smem: Any, lse_smem: Any, d_smem: Any,
               *rest: Any) -> Any:  # fmt: skip
-        *streamed, carry = rest  # the query tile's segment ids and bias tile (transposed)
-        ids_smem, bias_smem = streamed[:n_streamed_ids], streamed[n_streamed_ids:]
+        *streamed, carry = rest  # the query tile's segment ids, bias and dense mask tiles
+        ids_smem, bias_smem, dense_smem = _tile.split_streamed(
+          streamed, n_streamed_ids, static.biased, static.dense and masked
+        )
         dk, dv = carry
         i = order_ref[j, index[0] + first]
         lse = _mosaic.load(lse_smem, layout.reduce(0))
         dlt = _mosaic.load(d_smem, layout.reduce(0))
         products = _mosaic.matmul(k_smem, q_smem.transpose((1, 0)), (bk, ROWS))
         keep = keeper(*ids_smem)
-        bias = _tile.bias_tile(bias_smem)
-        t, slope = scores(products, fns, masked, b_g, h_g, i * ROWS, j * bk, True, keep, bias)
+        tiles = _tile.plane_tile(bias_smem), _tile.plane_tile(dense_smem)
+        t, slope = scores(products, fns, masked, b_g, h_g, i * ROWS, j * bk, True, keep, tiles)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [1]))
         dropped = _tile.dropout_keep(p.shape, static, r.seed, b_g, h_g, i * ROWS, j * bk, True)
         dv = dv + _mosaic.matmul(_mosaic.staged(dropped(p).astype(dtype), a_smem), do_smem, (bk, H))
@@ -164,14 +168,13 @@ def backward(
       at = lambda t: order_ref[j, t + first]
       tile = plgpu.BlockSpec((ROWS, H), lambda t: (at(t), 0), transforms=swizzled)
       vec = plgpu.BlockSpec((ROWS,), lambda t: (at(t),))
-      ids_specs, ids_refs = _tile.streamed_ids(ids, b_g, ROWS, at, True)
-      bias_specs, bias_refs = _tile.streamed_bias(r.bias, b, h, j, bk, ROWS, at)
+      dense = r.dense if masked else None
+      specs, refs = _tile.streams(ids, r.bias, dense, (b_g, b, h, h_g), j, bk, ROWS, at, True)
       return plgpu.emit_pipeline(
-        step(first, masked), grid=(count,),
-        in_specs=[tile, tile, vec, vec, *ids_specs, *bias_specs],
+        step(first, masked), grid=(count,), in_specs=[tile, tile, vec, vec, *specs],
         max_concurrent_steps=stages, init_carry=carry,
       )(q_ref.at[b, :, h, :], do_ref.at[b, :, h, :], lse_ref.at[b, h, :],
-        delta_ref.at[b, h, :], *ids_refs, *bias_refs)  # fmt: skip
+        delta_ref.at[b, h, :], *refs)  # fmt: skip
 
     zero = plgpu.layout_cast(jnp.full((bk, H), 0.0, jnp.float32), layout)
     dk, dv = _mosaic.walk(pipeline, full_ref[j], partial_ref[j], static.masked, (zero, zero))
@@ -289,6 +292,9 @@ def grid_grads(
   allowed = None
   if fns.mask is not None:
     allowed = _on_grid(fns.mask[ROWS, ROWS], arrays.mask, shape, arrays.offsets).astype(bool)
+  if arrays.dense:  # the dense mask, at this device's batch rows and heads (sharded as q)
+    dense = jnp.broadcast_to(arrays.dense[0], (*arrays.dense[0].shape[:2], T, S))
+    allowed = dense if allowed is None else allowed & dense
   if arrays.ids:  # segment ids, at the global batch rows
     rows = jnp.arange(B) + arrays.offsets[0]
     q_ids, kv_ids = (a[rows] if a.shape[0] > 1 else a[:1] for a in arrays.ids)

@@ -63,6 +63,7 @@ class Static(NamedTuple):
   dropout_rate: float = 0.0
   broadcast_dropout: bool = False  # one (T, S) pattern for every batch row and head
   biased: bool = False  # a bias is added to the scaled scores
+  dense: bool = False  # a dense boolean mask is and'ed with the mask on PARTIAL tiles
 
 
 class Arrays(NamedTuple):
@@ -71,6 +72,7 @@ class Arrays(NamedTuple):
   offsets: jax.Array  # int32 (2,): the global index of the first batch row and head
   seed: tuple[jax.Array, ...]  # dropout's two uint32 words (jattn.dropout.seed_words), or ()
   bias: tuple[jax.Array, ...]  # the bias as given (rank 4, broadcastable), or ()
+  dense: tuple[jax.Array, ...]  # a dense boolean mask, rank 4, broadcastable, or ()
   forward: tuple[jax.Array, ...]  # the forward's schedule: order, FULL and PARTIAL counts
   rows: tuple[jax.Array, ...]  # dQ's (ROWS x ROWS tiles; () where only the forward runs)
   cols: tuple[jax.Array, ...]  # dK/dV's, over key tiles
@@ -82,18 +84,20 @@ class Arrays(NamedTuple):
     self, schedule: tuple[jax.Array, ...], T: int, S: int, transposed: bool = False
   ) -> list[jax.Array]:
     """A kernel's inputs after its tensors: ``schedule``, the offsets, the dropout seed, the
-    segment ids, the mask's and the score function's arrays, the bias (:func:`bias_planes`;
+    segment ids, the mask's and the score function's arrays, the bias and the dense mask
+    (:func:`planes`, the mask's as bfloat16 0 and 1;
     transposed for the dK/dV kernel) (:func:`split_refs`)."""
-    planes = [bias_planes(b, T, S, transposed) for b in self.bias]
-    return [*schedule, self.offsets, *self.seed, *self.ids, *self.mask, *self.score, *planes]
+    dense = [x.astype(jnp.bfloat16) for x in self.dense]  # read in wgmma's layout as 16-bit
+    tiled = [planes(x, T, S, transposed) for x in (*self.bias, *dense)]
+    return [*schedule, self.offsets, *self.seed, *self.ids, *self.mask, *self.score, *tiled]
 
 
-def bias_planes(bias: jax.Array, T: int, S: int, transposed: bool) -> jax.Array:
-  """A rank-4 bias as the kernels read it, tile by tile: (Bb, Nb, T, S), its query and key
-  axes broadcast where they were 1 (``transposed``: (Bb, Nb, S, T), for the dK/dV kernel);
-  its batch and head axes stay as given (1 or the call's)."""
-  planes = jnp.broadcast_to(bias, (*bias.shape[:2], T, S))
-  return jnp.swapaxes(planes, 2, 3) if transposed else planes
+def planes(x: jax.Array, T: int, S: int, transposed: bool) -> jax.Array:
+  """A rank-4 bias or dense mask as the kernels read it, tile by tile: (Bb, Nb, T, S), its
+  query and key axes broadcast where they were 1 (``transposed``: (Bb, Nb, S, T), for the
+  dK/dV kernel); its batch and head axes stay as given (1 or the call's)."""
+  whole = jnp.broadcast_to(x, (*x.shape[:2], T, S))
+  return jnp.swapaxes(whole, 2, 3) if transposed else whole
 
 
 class Refs(NamedTuple):
@@ -105,7 +109,8 @@ class Refs(NamedTuple):
   ids: tuple[Any, ...]  # segment ids, or ()
   mask: Any  # the mask's evaluator (Functions.bind), or None
   score_fn: Any  # the score function's, or None
-  bias: Any  # the bias's planes (bias_planes), or None
+  bias: Any  # the bias's planes (:func:`planes`), or None
+  dense: Any  # the dense mask's planes, or None
   rest: tuple[Any, ...]  # the outputs and scratch
 
 
@@ -118,9 +123,12 @@ def split_refs(refs: Sequence[Any], static: Static, n_ids: int) -> Refs:
   n_fn = f.n_mask + f.n_score
   mask, score_fn = f.bind(refs[at + n_ids : at + n_ids + n_fn])
   seed = refs[4] if n_seed else None
-  end = at + n_ids + n_fn + static.biased
-  bias = refs[end - 1] if static.biased else None
-  return Refs(tuple(refs[:3]), refs[3], seed, ids, mask, score_fn, bias, tuple(refs[end:]))
+  at = at + n_ids + n_fn
+  bias = refs[at] if static.biased else None
+  at += static.biased
+  dense = refs[at] if static.dense else None
+  at += static.dense
+  return Refs(tuple(refs[:3]), refs[3], seed, ids, mask, score_fn, bias, dense, tuple(refs[at:]))
 
 
 def check_inputs(
@@ -210,24 +218,20 @@ def prepare(
   if backward:
     _, rows_s, cols_s = _schedules(query, key, is_causal, mask, ROWS)
     shapes.append((ROWS, ROWS))  # dQ's tiles, and dK/dV's transposed ones
-  rest, ids = _split_ids(full)
+  rest, ids, dense = _split_ids(full)
   mask_fns, mask_arrays = _traced(rest, shapes, score=False)
   score_fns, score_arrays = _traced(score_fn, shapes, score=True)
   functions = Functions(mask_fns, score_fns, len(mask_arrays), len(score_arrays))
   rate = float(dropout_rate)
   static = Static(
     float(scale), block_kv, stages, interpret, full is not None, functions, rate,
-    bool(broadcast_dropout) and rate > 0, bias is not None,
+    bool(broadcast_dropout) and rate > 0, bias is not None, bool(dense),
   )  # fmt: skip
   seed = (jnp.stack(_dropout.seed_words(dropout_rng)),) if rate else ()
   sched = lambda s: tuple(jnp.asarray(x) for x in s)
-  biases = (
-    ()
-    if bias is None
-    else (jnp.asarray(bias).reshape((1,) * (4 - jnp.ndim(bias)) + jnp.shape(bias)),)
-  )
+  biases = () if bias is None else (bias,)
   arrays = Arrays(
-    _offsets(offsets), seed, biases, sched(forward_s), sched(rows_s), sched(cols_s), ids,
+    _offsets(offsets), seed, biases, dense, sched(forward_s), sched(rows_s), sched(cols_s), ids,
     mask_arrays, score_arrays,
   )  # fmt: skip
   return arrays, static
@@ -309,14 +313,18 @@ def _reads_reason(fn: Any, *, score: bool) -> str | None:
 def mask_reason(mask: Any) -> str | None:
   """What the Hopper kernels cannot take in ``mask`` (None: they take it): masks of the
   indices reading arrays at the batch row and head alone (lengths, prefix lengths, per-row
-  causal offsets), and'ed with at most one set of segment ids (which each program reads
-  tile by tile)."""
+  causal offsets), and'ed with at most one set of segment ids and one dense boolean mask
+  (which each program reads tile by tile)."""
   parts = _masks_core.conjuncts(mask)
-  if sum(isinstance(p, _masks.kinds.Segments) for p in parts) > 1:
-    return f"one segments mask at most, {mask} has several"
-  rest = _masks.all_of(*(p for p in parts if not isinstance(p, _masks.kinds.Segments)))
+  for kind in _TILED:
+    if sum(isinstance(p, kind) for p in parts) > 1:
+      return f"one {kind.__name__} mask at most, {mask} has several"
+  rest = _masks.all_of(*(p for p in parts if not isinstance(p, _TILED)))
   if rest is not None and (reason := _reads_reason(rest, score=False)):
-    return f"masks reading arrays at the batch row and head alone (and segment ids), and {reason}"
+    return (
+      f"masks reading arrays at the batch row and head alone (and segment ids, a dense mask), "
+      f"and {reason}"
+    )
   return None
 
 
@@ -331,11 +339,16 @@ def score_reason(score_fn: Any) -> str | None:
   return None
 
 
-def _split_ids(mask: Any) -> tuple[Any, tuple[jax.Array, ...]]:
+# The conjuncts the kernels read tile by tile, one of each at most: segment ids, a dense mask.
+_TILED = (_masks.kinds.Segments, _masks.kinds.FromArray)
+
+
+def _split_ids(mask: Any) -> tuple[Any, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
   """``mask`` (checked by :func:`mask_reason`) as (its other conjuncts, the segment ids it
-  reads: query (Bm, T) and key (Bm, S) int32, or ())."""
+  reads: query (Bm, T) and key (Bm, S) int32, or (); its dense mask, rank 4, or ())."""
   parts = _masks_core.conjuncts(mask)
   ids: tuple[jax.Array, ...] = ()
+  dense: tuple[jax.Array, ...] = ()
   rest = []
   for part in parts:
     if isinstance(part, _masks.kinds.Segments):
@@ -343,9 +356,12 @@ def _split_ids(mask: Any) -> tuple[Any, tuple[jax.Array, ...]]:
         jnp.asarray(x, jnp.int32).reshape(-1, jnp.shape(x)[-1])
         for x in (part.q_segment_ids, part.kv_segment_ids)
       )
+    elif isinstance(part, _masks.kinds.FromArray):
+      array = jnp.asarray(part.array)
+      dense = (array.reshape((1,) * (4 - array.ndim) + array.shape),)
     else:
       rest.append(part)
-  return _masks.all_of(*rest), ids
+  return _masks.all_of(*rest), ids, dense
 
 
 def _schedules(

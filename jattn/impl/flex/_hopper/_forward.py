@@ -60,8 +60,10 @@ def one_warpgroup(
 
     def step(first: Any, masked: bool) -> Any:
       def run(index: tuple[Any], k_smem: Any, v_smem: Any, *rest: Any) -> Any:
-        *streamed, carry = rest  # the key tile's segment ids and bias tile, where present
-        ids_smem, bias_smem = streamed[:n_streamed_ids], streamed[n_streamed_ids:]
+        *streamed, carry = rest  # the key tile's segment ids, bias and dense mask tiles
+        ids_smem, bias_smem, dense_smem = _tile.split_streamed(
+          streamed, n_streamed_ids, static.biased, static.dense and masked
+        )
         acc, m, l = carry
         j = order_ref[i, index[0] + first]  # the key tile
 
@@ -69,7 +71,7 @@ def one_warpgroup(
         t, _ = _tile.scores(
           products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b_g, h=h_g,
           q0=i * ROWS, k0=j * block_kv, keep=keeper(*ids_smem),
-          bias=_tile.bias_tile(bias_smem),
+          bias=_tile.plane_tile(bias_smem), dense=_tile.plane_tile(dense_smem),
         )  # fmt: skip
         p, alpha, m_new, l = _tile.online_softmax(t, m, l, masked)
         # l sums P as it is; O sums it with dropout applied
@@ -82,17 +84,17 @@ def one_warpgroup(
     def pipeline(first: Any, count: Any, masked: bool, carry: Any) -> Any:
       at = lambda step: (order_ref[i, step + first], 0)
       spec = plgpu.BlockSpec((block_kv, H), at, transforms=swizzled)
-      ids_specs, ids_refs = _tile.streamed_ids(ids, b_g, block_kv, lambda t: at(t)[0], False)
-      bias_specs, bias_refs = _tile.streamed_bias(
-        r.bias, b, h, i, ROWS, block_kv, lambda t: at(t)[0]
+      dense = r.dense if masked else None
+      specs, refs = _tile.streams(
+        ids, r.bias, dense, (b_g, b, h, h_g), i, ROWS, block_kv, lambda t: at(t)[0], False
       )
       return plgpu.emit_pipeline(
         step(first, masked),
         grid=(count,),
-        in_specs=[spec, spec, *ids_specs, *bias_specs],
+        in_specs=[spec, spec, *specs],
         max_concurrent_steps=stages,
         init_carry=carry,
-      )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :], *ids_refs, *bias_refs)
+      )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :], *refs)
 
     acc, m, l = _mosaic.walk(pipeline, full_ref[i], partial_ref[i], static.masked, carry)
     if static.masked:  # rows that saw no key: acc is 0 (every p was), l too; out 0
@@ -166,7 +168,8 @@ def specialized(
     mask, score_fn = r.mask, r.score_fn
     out_ref, lse_ref, scoped = r.rest
     smem, barriers = scoped
-    qo_smem, k_smem, v_smem, lse_smem, p_smem, qid_smem, kid_smem, o_smem, bias_smem = smem
+    qo_smem, k_smem, v_smem, lse_smem, p_smem, qid_smem, kid_smem, o_smem, *planes_smem = smem
+    bias_smem, dense_smem = planes_smem
     k_ready, v_ready, q_ready, k_free, v_free, turn, ids_ready = barriers
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
     wg = lax.axis_index("wg")
@@ -212,13 +215,14 @@ def specialized(
         # The key tile's ids (landed with it) are read before its slot is released.
         streamed = () if kid_smem is None else (kid_smem.at[slot],)
         keep = keeper(*streamed) if masked else None
-        # and the group's rows of its bias tile
-        halves = () if bias_smem is None else (bias_smem.at[slot, pl.ds(wg * ROWS, ROWS)],)
-        bias = _tile.bias_tile(halves)
+        # and the group's rows of its bias and dense mask tiles
+        half = lambda ref: () if ref is None else (ref.at[slot, pl.ds(wg * ROWS, ROWS)],)
+        bias = _tile.plane_tile(half(bias_smem))
+        dense = _tile.plane_tile(half(dense_smem)) if masked else None
         plgpu.barrier_arrive(k_free.at[slot])
         t_, _ = _tile.scores(
           products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b_g, h=h_g,
-          q0=q0, k0=j * bk, keep=keep, bias=bias,
+          q0=q0, k0=j * bk, keep=keep, bias=bias, dense=dense,
         )  # fmt: skip
         p, alpha, m_new, l = _tile.online_softmax(t_, m, l, masked)
         p16 = _tile.dropout_keep(p.shape, static, r.seed, b_g, h_g, q0, j * bk)(p).astype(dtype)
@@ -259,11 +263,14 @@ def specialized(
           plgpu.barrier_wait(k_free.at[slot])
 
         plgpu.copy_gmem_to_smem(k_ref.at[b, cols, kv_head], k_smem.at[slot], k_ready.at[slot])
-        if bias_smem is not None:  # the block's bias tile, on the same barrier
-          plane = r.bias.at[_mosaic.row(r.bias, b), h if r.bias.shape[1] > 1 else 0]
-          plgpu.copy_gmem_to_smem(
-            plane.at[pl.ds(i * 2 * ROWS, 2 * ROWS), cols], bias_smem.at[slot], k_ready.at[slot]
-          )
+        # the block's bias and dense mask tiles, on the same barrier (the mask's on FULL
+        # tiles too, where it is not read: each slot's barrier counts the same copies)
+        for planes, buffer in ((r.bias, bias_smem), (r.dense, dense_smem)):
+          if buffer is not None:
+            plane = planes.at[_mosaic.row(planes, b), h if planes.shape[1] > 1 else 0]
+            plgpu.copy_gmem_to_smem(
+              plane.at[pl.ds(i * 2 * ROWS, 2 * ROWS), cols], buffer.at[slot], k_ready.at[slot]
+            )
         if kid_smem is not None:  # the key tile's segment ids, on the same barrier
           kv_ids = ids[1]
           plgpu.copy_gmem_to_smem(
@@ -290,18 +297,22 @@ def specialized(
       plgpu.SMEM((2, ROWS, H), o_dtype, transforms=_mosaic.swizzled(o_dtype.itemsize))
       if o_dtype != dtype
       else None,
-      # each slot's bias tile, both groups' rows
-      plgpu.SMEM(
-        (stages, 2 * ROWS, bk),
-        arrays.bias[0].dtype,
-        transforms=_mosaic.swizzled(jnp.dtype(arrays.bias[0].dtype).itemsize),
-      )
-      if arrays.bias
-      else None,
+      # each slot's bias and dense mask tiles (bfloat16 0 and 1), both groups' rows
+      *(
+        plgpu.SMEM((stages, 2 * ROWS, bk), dt, transforms=_mosaic.swizzled(jnp.dtype(dt).itemsize))
+        if present
+        else None
+        for present, dt in (
+          (arrays.bias, arrays.bias[0].dtype if arrays.bias else None),
+          (arrays.dense, jnp.bfloat16),
+        )
+      ),
     )
     barriers = (
       # a key tile landed in the slot (and its segment ids, its bias tile: a copy each)
-      plgpu.Barrier(num_arrivals=1 + bool(n_ids) + bool(arrays.bias), num_barriers=stages),
+      plgpu.Barrier(
+        num_arrivals=1 + bool(n_ids) + bool(arrays.bias) + bool(arrays.dense), num_barriers=stages
+      ),
       plgpu.Barrier(num_barriers=stages),  # a value tile
       plgpu.Barrier(num_barriers=2),  # each compute group's query tile
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both groups done with a key slot

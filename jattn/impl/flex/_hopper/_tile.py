@@ -31,6 +31,7 @@ def scores(
   derivative: bool = False,
   keep: Any = None,
   bias: Any = None,
+  dense: Any = None,
 ) -> tuple[Any, Any]:
   """``(t, slope)`` of one tile: its base-2 scores ``score_fn(scale · q kᵀ + bias) · log2(e)``
   (``bias`` the tile's, float32, in ``products``' orientation, or None), -inf
@@ -38,8 +39,9 @@ def scores(
   or ``derivative``). ``products`` is ``q kᵀ`` (``k qᵀ`` when ``transposed``: keys along
   rows); query rows start at ``q0``, key rows at ``k0``; mask and score function see the
   elements' own indices (``mask`` and ``score_fn`` as :meth:`_call.Functions.bind` gives them).
-  ``keep(q_idx, kv_idx)``: the segment ids' conjunct (:func:`keeper`), and'ed with the mask
-  on PARTIAL tiles."""
+  ``keep(q_idx, kv_idx)``: the segment ids' conjunct (:func:`keeper`), and ``dense`` the
+  dense mask's tile (nonzero: allowed; :func:`plane_tile`), and'ed with the mask on PARTIAL
+  tiles."""
   plgpu = _mosaic.mosaic_gpu()
   if bias is not None:  # the scores, biased: scaled first, as a plain tile is in one multiply
     products = products * float(scale) + bias
@@ -65,6 +67,8 @@ def scores(
     allowed = None if mask is None else mask(b, h, q_idx, kv_idx)
     if keep is not None:
       allowed = keep(q_idx, kv_idx) if allowed is None else allowed & keep(q_idx, kv_idx)
+    if dense is not None:
+      allowed = dense != 0.0 if allowed is None else allowed & (dense != 0.0)
     if allowed is not None:
       t = jnp.where(allowed, t, -jnp.inf)
   return t, slope
@@ -124,29 +128,65 @@ def streamed_ids(
   return [spec], [src.at[_mosaic.row(src, b)]]
 
 
-def streamed_bias(
-  bias: Any, b: Any, h: Any, held: Any, rows: int, block: int, tile: Any
+def streamed_plane(
+  planes: Any, b: Any, h: Any, held: Any, rows: int, block: int, tile: Any
 ) -> tuple[list[Any], list[Any]]:
-  """The bias's tile at each step as a pipeline's extra ``(in_specs, refs)`` (none without
-  a bias): of the planes ``bias`` (Bb, Nb, rows axis, streamed axis; :func:`_call.bias_planes`)
-  at batch row ``b`` and head ``h`` (local: the planes are sharded as the query is), the
-  held tile ``held`` of ``rows`` rows, ``block`` columns from tile ``tile(step)``."""
-  if bias is None:
+  """A bias's or dense mask's tile at each step as a pipeline's extra ``(in_specs, refs)``
+  (none where ``planes`` is None): of ``planes`` (Bb, Nb, rows axis, streamed axis;
+  :func:`_call.planes`) at batch row ``b`` and head ``h`` (local: the planes are sharded as
+  the query is), the held tile ``held`` of ``rows`` rows, ``block`` columns from tile
+  ``tile(step)``."""
+  if planes is None:
     return [], []
-  plane = bias.at[_mosaic.row(bias, b), h if bias.shape[1] > 1 else 0]
-  swizzled = _mosaic.swizzled(jnp.dtype(bias.dtype).itemsize)  # read in wgmma's layout
+  plane = planes.at[_mosaic.row(planes, b), h if planes.shape[1] > 1 else 0]
+  swizzled = _mosaic.swizzled(jnp.dtype(planes.dtype).itemsize)  # read in wgmma's layout
   spec = _mosaic.mosaic_gpu().BlockSpec(
     (rows, block), lambda t: (held, tile(t)), transforms=swizzled
   )
   return [spec], [plane]
 
 
-def bias_tile(smem: Sequence[Any]) -> Any:
-  """A streamed bias tile (``smem``: its buffer, or none) in registers, float32, or None."""
+def plane_tile(smem: Sequence[Any]) -> Any:
+  """A streamed bias or dense-mask tile (``smem``: its buffer, or none) in registers,
+  float32, or None."""
   if not smem:
     return None
   plgpu = _mosaic.mosaic_gpu()
   return _mosaic.load(smem[0], plgpu.Layout.WGMMA).astype(jnp.float32)
+
+
+def streams(
+  ids: Sequence[Any],
+  bias: Any,
+  dense: Any,
+  at: tuple[Any, Any, Any, Any],
+  held: Any,
+  rows: int,
+  block: int,
+  tile: Any,
+  transposed: bool,
+) -> tuple[list[Any], list[Any]]:
+  """A pipeline's extra ``(in_specs, refs)`` beside its tensors' tiles: the streamed axis's
+  segment ids (:func:`streamed_ids`), the bias's tile and the dense mask's (:func:`streamed_plane`;
+  ``dense`` None on FULL tiles, which skip the mask), in that order (:func:`split_streamed`).
+  ``at``: the program's (global batch row, local batch row, local head, global head)."""
+  b_g, b, h, _ = at
+  parts = (
+    streamed_ids(ids, b_g, block, tile, transposed),
+    streamed_plane(bias, b, h, held, rows, block, tile),
+    streamed_plane(dense, b, h, held, rows, block, tile),
+  )
+  return [s for p in parts for s in p[0]], [r for p in parts for r in p[1]]
+
+
+def split_streamed(
+  streamed: Sequence[Any], n_ids: int, biased: bool, dense: bool
+) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
+  """A pipeline step's streamed buffers as (segment ids', the bias's, the dense mask's),
+  each one buffer or none, in the order the pipelines stream them."""
+  ids, rest = tuple(streamed[:n_ids]), tuple(streamed[n_ids:])
+  bias, rest = (rest[:1], rest[1:]) if biased else ((), rest)
+  return ids, bias, rest[:1] if dense else ()
 
 
 def keeper(
