@@ -349,7 +349,9 @@ def test_a_shard_sees_its_global_batch_row_and_heads():
   and their key/value head) run with offsets (1, 2): its output and gradients are the
   whole call's at those rows and heads, under a mask of the batch row and head, so the
   forward, dQ and dK/dV kernels all read the offsets (Mosaic GPU's interpreter runs on one
-  device here; the table passes the offsets each device's shard_map part computes)."""
+  device here; the table passes the offsets each device's shard_map part computes); and
+  with a dense mask of every row and head (whole on each device, read at the global row
+  and head) and a bias (sharded as the query is, read at the local ones)."""
   rng = np.random.default_rng(13)
   shapes = [(2, 128, 4, 64), (2, 128, 2, 64), (2, 128, 2, 64)]
   q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
@@ -357,42 +359,57 @@ def test_a_shard_sees_its_global_batch_row_and_heads():
   ct = np.zeros(shapes[0], np.float32)
   ct[1:, :, 2:] = rng.standard_normal((1, 128, 2, 64))  # only the shard's rows and heads
   staggered = masks.from_fn(lambda b, h, qi, ki: ki <= qi + 17 * b + 40 * h - 60)
-  whole = lambda *a: jattn.dot_product_attention(*a, mask=staggered, implementation="xla")
-  want = whole(*wide)[1:, :, 2:]
-  want_grads = jax.grad(lambda *a: jnp.sum(whole(*a) * ct), (0, 1, 2))(*wide)
+  dense = rng.random((2, 4, 128, 128)) < 0.7
+  bias = array(rng.standard_normal((2, 4, 128, 128)), jnp.float32)
   share = lambda x: x[1:, :, (2 if x.shape[2] == 4 else 1) :]
-  shard = lambda *a: _hopper.attention(
-    *a, scale=H**-0.5, mask=staggered, interpret=True, offsets=jnp.array([1, 2])
-  )[0]
-  out = jax.jit(shard)(*map(share, (q, k, v)))
-  np.testing.assert_allclose(np.float32(out), want, atol=2e-2)
-  loss = lambda *a: jnp.sum(shard(*a).astype(jnp.float32) * share(ct))
-  grads = jax.jit(jax.grad(loss, (0, 1, 2)))(*map(share, (q, k, v)))
-  for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
-    w = share(w)
-    rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
-    assert rel < 1e-2, (name, rel)
+  for mask, bias_ in ((staggered, None), (staggered & masks.from_array(dense), bias)):
+    whole = lambda *a, m=mask, b=bias_: jattn.dot_product_attention(
+      *a, b, mask=m, implementation="xla"
+    )
+    want = whole(*wide)[1:, :, 2:]
+    want_grads = jax.grad(lambda *a: jnp.sum(whole(*a) * ct), (0, 1, 2))(*wide)
+    local = None if bias_ is None else bias_[1:, 2:]
+    shard = lambda *a, m=mask, b=local: _hopper.attention(
+      *a, scale=H**-0.5, mask=m, bias=b, interpret=True, offsets=jnp.array([1, 2]),
+      batch_heads=(2, 4),
+    )[0]  # fmt: skip
+    out = jax.jit(shard)(*map(share, (q, k, v)))
+    np.testing.assert_allclose(np.float32(out), want, atol=2e-2, err_msg=str(mask))
+    loss = lambda *a, f=shard: jnp.sum(f(*a).astype(jnp.float32) * share(ct))
+    grads = jax.jit(jax.grad(loss, (0, 1, 2)))(*map(share, (q, k, v)))
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+      w = share(w)
+      rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
+      assert rel < 1e-2, (mask, name, rel)
 
 
 def test_sharded_batch_and_heads_lower_to_one_part_per_device():
   """Explicit mesh axes over the batch and the heads: the gradient lowers for CUDA (an H100)
   to the three Mosaic GPU kernels inside one manual computation, each device's part given its
-  global rows (the offsets checked above), and nothing gathered."""
+  global rows (the offsets checked above), and nothing gathered; with segment ids and a
+  dense mask per batch row too (whole on each device, the schedule over every row)."""
   mesh = jax.make_mesh(
     (2, 2), ("data", "model"), (jax.sharding.AxisType.Explicit,) * 2, devices=jax.devices()[:4]
   )
   staggered = masks.from_fn(lambda b, h, qi, ki: ki <= qi + 17 * b + 40 * h - 60)
-  attend = lambda *a: jattn.dot_product_attention(*a, mask=staggered, implementation="flex_hopper")
-  step = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32)), (0, 1, 2)))
-  with jax.set_mesh(mesh):
-    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None, "model"))
-    q = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16, sharding=split)
-    kv = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.bfloat16, sharding=split)
-    with jattn.testing.lowering_for("gpu", "NVIDIA H100"), warnings.catch_warnings():
-      warnings.simplefilter("ignore")
-      text = step.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("custom_call @mosaic_gpu") == 3
-  assert "sdy.manual_computation" in text and "all-gather" not in text
+  ids = np.repeat(np.arange(4), 64)[None].repeat(2, 0)
+  ids[1, 200:] = 9
+  dense = np.tri(256, dtype=bool)[None, None].repeat(2, 0)
+  rows = masks.segments(ids, ids) & masks.from_array(dense)
+  for mask in (staggered, rows):
+    attend = lambda *a, m=mask: jattn.dot_product_attention(
+      *a, mask=m, implementation="flex_hopper"
+    )
+    step = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32)), (0, 1, 2)))
+    with jax.set_mesh(mesh):
+      split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None, "model"))
+      q = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16, sharding=split)
+      kv = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.bfloat16, sharding=split)
+      with jattn.testing.lowering_for("gpu", "NVIDIA H100"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        text = step.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 3, mask
+    assert "sdy.manual_computation" in text and "all-gather" not in text, mask
 
 
 @interpreter

@@ -403,6 +403,7 @@ def _hopper_attend(
     dropout_rng=spec.dropout_rng,
     broadcast_dropout=spec.broadcast_dropout,
     bias=spec.bias,
+    batch_heads=(spec.B, spec.N),
   )
 
 

@@ -82,6 +82,7 @@ def forward(
   dropout_rng: jax.Array | None = None,
   broadcast_dropout: bool = False,
   bias: jax.Array | None = None,
+  batch_heads: tuple[int, int] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """``(out, lse)`` of softmax attention: query (B, T, N, H), key and value (B, S, K, H),
   N a multiple of K (grouped queries), float16 or bfloat16, H a multiple of 64, T a multiple
@@ -101,8 +102,9 @@ def forward(
   ``specialized``: the warp-specialised kernel (:func:`_forward.specialized`: a copy
   warpgroup and two compute warpgroups per 128 query rows; T a multiple of 128).
   ``offsets``: the global index of the first batch row and head (int32 (2,)) where these
-  inputs are one device's share of a sharded call; the mask and score function see
-  global indices."""
+  inputs are one device's share of a sharded call, and ``batch_heads`` the whole call's
+  batch size and query heads; the mask and score function see global indices, and read
+  their arrays (whole on each device) there, the tile schedule covers every row and head."""
   _call.check_inputs(
     query, key, value, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
     interpret=interpret, specialized=specialized, dropout_rate=dropout_rate,
@@ -112,7 +114,7 @@ def forward(
     query, key, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
     block_kv=block_kv, stages=stages, interpret=interpret, specialized=specialized,
     offsets=offsets, backward=False, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-    broadcast_dropout=broadcast_dropout, bias=bias,
+    broadcast_dropout=broadcast_dropout, bias=bias, batch_heads=batch_heads,
   )  # fmt: skip
   run = _forward.specialized if specialized else _forward.one_warpgroup
   out, lse2 = run(query, key, value, arrays, static)
@@ -137,6 +139,7 @@ def attention(
   dropout_rng: jax.Array | None = None,
   broadcast_dropout: bool = False,
   bias: jax.Array | None = None,
+  batch_heads: tuple[int, int] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """``(out, lse)``: :func:`forward`'s output and natural log-sum-exp, ``lse`` (B, T, N) as
   jattn's implementations return it, both differentiable: in query, key and value by the
@@ -155,7 +158,7 @@ def attention(
     query, key, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
     block_kv=block_kv, stages=stages, interpret=interpret, specialized=specialized,
     offsets=offsets, backward=True, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-    broadcast_dropout=broadcast_dropout, bias=bias,
+    broadcast_dropout=broadcast_dropout, bias=bias, batch_heads=batch_heads,
   )  # fmt: skip
   run = _forward.specialized if specialized else _forward.one_warpgroup
   natural = lambda lse2: jnp.swapaxes(lse2 / LOG2E, 1, 2)  # (B, N, T) base 2 -> (B, T, N)

@@ -292,8 +292,13 @@ def grid_grads(
   allowed = None
   if fns.mask is not None:
     allowed = _on_grid(fns.mask[ROWS, ROWS], arrays.mask, shape, arrays.offsets).astype(bool)
-  if arrays.dense:  # the dense mask, at this device's batch rows and heads (sharded as q)
-    dense = jnp.broadcast_to(arrays.dense[0], (*arrays.dense[0].shape[:2], T, S))
+  if arrays.dense:  # the dense mask (whole on each device), at this device's rows and heads
+    dense = arrays.dense[0]
+    if dense.shape[0] > 1:
+      dense = dense[jnp.arange(B) + arrays.offsets[0]]
+    if dense.shape[1] > 1:
+      dense = dense[:, jnp.arange(N) + arrays.offsets[1]]
+    dense = jnp.broadcast_to(dense, (*dense.shape[:2], T, S))
     allowed = dense if allowed is None else allowed & dense
   if arrays.ids:  # segment ids, at the global batch rows
     rows = jnp.arange(B) + arrays.offsets[0]

@@ -206,17 +206,18 @@ def prepare(
   dropout_rng: Any = None,
   broadcast_dropout: bool = False,
   bias: jax.Array | None = None,
+  batch_heads: tuple[int, int] | None = None,
 ) -> tuple[Arrays, Static]:
   """A call as the kernels take it: the forward's tile schedule (and the backward's, where
   ``backward``), the segment ids, and the mask and score function traced at the kernels'
   tile shapes with the arrays they read."""
   rows = 2 * ROWS if specialized else ROWS  # a forward program's query rows
-  full, forward_s, _ = _schedules(query, key, is_causal, mask, block_kv, rows)
+  full, forward_s, _ = _schedules(query, key, is_causal, mask, block_kv, rows, batch_heads)
   shapes = [(ROWS, block_kv)]
   rows_s: tuple[Any, ...] = ()
   cols_s: tuple[Any, ...] = ()
   if backward:
-    _, rows_s, cols_s = _schedules(query, key, is_causal, mask, ROWS)
+    _, rows_s, cols_s = _schedules(query, key, is_causal, mask, ROWS, ROWS, batch_heads)
     shapes.append((ROWS, ROWS))  # dQ's tiles, and dK/dV's transposed ones
   rest, ids, dense = _split_ids(full)
   mask_fns, mask_arrays = _traced(rest, shapes, score=False)
@@ -365,10 +366,19 @@ def _split_ids(mask: Any) -> tuple[Any, tuple[jax.Array, ...], tuple[jax.Array, 
 
 
 def _schedules(
-  query: jax.Array, key: jax.Array, is_causal: bool, mask: Any, block: int, rows: int = ROWS
+  query: jax.Array,
+  key: jax.Array,
+  is_causal: bool,
+  mask: Any,
+  block: int,
+  rows: int = ROWS,
+  batch_heads: tuple[int, int] | None = None,
 ) -> tuple[Any, _tiling.Schedule, _tiling.Schedule]:
-  """The mask and'ed with causal, and its (rows, columns) schedules at ``rows x block``."""
+  """The mask and'ed with causal, and its (rows, columns) schedules at ``rows x block``,
+  over the whole call's batch rows and heads (``batch_heads``; default the query's): one
+  schedule every program walks, whichever device it runs on."""
   B, T, N, _ = query.shape
+  B, N = batch_heads or (B, N)
   S = key.shape[1]
   if is_causal:
     mask = _masks.causal() if mask is None else _masks.causal() & mask

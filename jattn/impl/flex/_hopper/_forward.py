@@ -265,9 +265,10 @@ def specialized(
         plgpu.copy_gmem_to_smem(k_ref.at[b, cols, kv_head], k_smem.at[slot], k_ready.at[slot])
         # the block's bias and dense mask tiles, on the same barrier (the mask's on FULL
         # tiles too, where it is not read: each slot's barrier counts the same copies)
-        for planes, buffer in ((r.bias, bias_smem), (r.dense, dense_smem)):
+        # (the bias at this device's batch row and head, the mask's whole arrays at global ones)
+        for planes, buffer, bh in ((r.bias, bias_smem, (b, h)), (r.dense, dense_smem, (b_g, h_g))):
           if buffer is not None:
-            plane = planes.at[_mosaic.row(planes, b), h if planes.shape[1] > 1 else 0]
+            plane = planes.at[_mosaic.row(planes, bh[0]), bh[1] if planes.shape[1] > 1 else 0]
             plgpu.copy_gmem_to_smem(
               plane.at[pl.ds(i * 2 * ROWS, 2 * ROWS), cols], buffer.at[slot], k_ready.at[slot]
             )

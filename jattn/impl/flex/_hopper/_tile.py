@@ -133,9 +133,9 @@ def streamed_plane(
 ) -> tuple[list[Any], list[Any]]:
   """A bias's or dense mask's tile at each step as a pipeline's extra ``(in_specs, refs)``
   (none where ``planes`` is None): of ``planes`` (Bb, Nb, rows axis, streamed axis;
-  :func:`_call.planes`) at batch row ``b`` and head ``h`` (local: the planes are sharded as
-  the query is), the held tile ``held`` of ``rows`` rows, ``block`` columns from tile
-  ``tile(step)``."""
+  :func:`_call.planes`) at batch row ``b`` and head ``h`` (local for a bias, sharded as the
+  query is; global for a dense mask, whole on each device), the held tile ``held`` of
+  ``rows`` rows, ``block`` columns from tile ``tile(step)``."""
   if planes is None:
     return [], []
   plane = planes.at[_mosaic.row(planes, b), h if planes.shape[1] > 1 else 0]
@@ -169,12 +169,14 @@ def streams(
   """A pipeline's extra ``(in_specs, refs)`` beside its tensors' tiles: the streamed axis's
   segment ids (:func:`streamed_ids`), the bias's tile and the dense mask's (:func:`streamed_plane`;
   ``dense`` None on FULL tiles, which skip the mask), in that order (:func:`split_streamed`).
-  ``at``: the program's (global batch row, local batch row, local head, global head)."""
-  b_g, b, h, _ = at
+  ``at``: the program's (global batch row, local batch row, local head, global head): the
+  bias is sharded as the query is, the mask's arrays (ids, dense mask) are whole on each
+  device."""
+  b_g, b, h, h_g = at
   parts = (
     streamed_ids(ids, b_g, block, tile, transposed),
     streamed_plane(bias, b, h, held, rows, block, tile),
-    streamed_plane(dense, b, h, held, rows, block, tile),
+    streamed_plane(dense, b_g, h_g, held, rows, block, tile),
   )
   return [s for p in parts for s in p[0]], [r for p in parts for r in p[1]]
 
