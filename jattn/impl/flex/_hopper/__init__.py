@@ -105,13 +105,8 @@ def forward(
   inputs are one device's share of a sharded call, and ``batch_heads`` the whole call's
   batch size and query heads; the mask and score function see global indices, and read
   their arrays (whole on each device) there, the tile schedule covers every row and head."""
-  _call.check_inputs(
-    query, key, value, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
-    interpret=interpret, specialized=specialized, dropout_rate=dropout_rate,
-    dropout_rng=dropout_rng, bias=bias,
-  )  # fmt: skip
   arrays, static = _call.prepare(
-    query, key, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
+    query, key, value, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
     block_kv=block_kv, stages=stages, interpret=interpret, specialized=specialized,
     offsets=offsets, backward=False, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
     broadcast_dropout=broadcast_dropout, bias=bias, batch_heads=batch_heads,
@@ -149,13 +144,8 @@ def attention(
   are differentiated, through the whole (B, N, T, S) grid in XLA (O(B·N·T·S) memory, as
   flex's Triton kernels take them; :func:`_backward.grid_grads`); arguments as
   :func:`forward`'s."""
-  _call.check_inputs(
-    query, key, value, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
-    interpret=interpret, specialized=specialized, dropout_rate=dropout_rate,
-    dropout_rng=dropout_rng, bias=bias,
-  )  # fmt: skip
   arrays, static = _call.prepare(
-    query, key, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
+    query, key, value, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
     block_kv=block_kv, stages=stages, interpret=interpret, specialized=specialized,
     offsets=offsets, backward=True, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
     broadcast_dropout=broadcast_dropout, bias=bias, batch_heads=batch_heads,

@@ -191,6 +191,7 @@ def check_inputs(
 def prepare(
   query: jax.Array,
   key: jax.Array,
+  value: jax.Array,
   *,
   scale: float,
   is_causal: bool,
@@ -208,9 +209,15 @@ def prepare(
   bias: jax.Array | None = None,
   batch_heads: tuple[int, int] | None = None,
 ) -> tuple[Arrays, Static]:
-  """A call as the kernels take it: the forward's tile schedule (and the backward's, where
-  ``backward``), the segment ids, and the mask and score function traced at the kernels'
-  tile shapes with the arrays they read."""
+  """A call checked (:func:`check_inputs`, each refusal naming the argument) and as the
+  kernels take it: the forward's tile schedule (and the backward's, where ``backward``), the
+  segment ids, the dense mask, the bias, the dropout seed, and the mask and score function
+  traced at the kernels' tile shapes with the arrays they read."""
+  check_inputs(
+    query, key, value, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
+    interpret=interpret, specialized=specialized, dropout_rate=dropout_rate,
+    dropout_rng=dropout_rng, bias=bias,
+  )  # fmt: skip
   rows = 2 * ROWS if specialized else ROWS  # a forward program's query rows
   full, forward_s, _ = _schedules(query, key, is_causal, mask, block_kv, rows, batch_heads)
   shapes = [(ROWS, block_kv)]
