@@ -5,6 +5,7 @@ the kernels' tile shapes with the arrays they read (:class:`Functions`, :class:`
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -39,15 +40,16 @@ class Functions(NamedTuple):
     their arrays read from ``refs`` (the mask's, then the score function's); None where
     absent."""
     mask_refs, score_refs = tuple(refs[: self.n_mask]), tuple(refs[self.n_mask :])
+
+    def run(jaxprs: dict[tuple[int, ...], Any], refs: tuple[Any, ...], *args: Any) -> Any:
+      (value,) = _in_kernel.evaluate(jaxprs[args[-1].shape], refs, *args)  # the tile's shape
+      return value
+
     mask = score = None
     if self.mask is not None:
-      masks_ = self.mask
-      mask = lambda b, h, q, kv: _in_kernel.evaluate(masks_[q.shape], mask_refs, b, h, q, kv)[0]
+      mask = functools.partial(run, self.mask, mask_refs)
     if self.score is not None:
-      fns = self.score
-      score = lambda x, b, h, q, kv: _in_kernel.evaluate(fns[x.shape], score_refs, x, b, h, q, kv)[
-        0
-      ]
+      score = functools.partial(run, self.score, score_refs)
     return mask, score
 
 
@@ -85,8 +87,8 @@ class Arrays(NamedTuple):
   ) -> list[jax.Array]:
     """A kernel's inputs after its tensors: ``schedule``, the offsets, the dropout seed, the
     segment ids, the mask's and the score function's arrays, the bias and the dense mask
-    (:func:`planes`, the mask's as bfloat16 0 and 1;
-    transposed for the dK/dV kernel) (:func:`split_refs`)."""
+    (:func:`planes`, transposed for the dK/dV kernel; the mask's as bfloat16 0 and 1), in
+    the order :func:`split_refs` reads them."""
     dense = [x.astype(jnp.bfloat16) for x in self.dense]  # read in wgmma's layout as 16-bit
     tiled = [planes(x, T, S, transposed) for x in (*self.bias, *dense)]
     return [*schedule, self.offsets, *self.seed, *self.ids, *self.mask, *self.score, *tiled]
