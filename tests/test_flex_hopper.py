@@ -699,3 +699,42 @@ def test_a_dense_mask_is_read_tile_by_tile_on_partial_tiles():
   )  # fmt: skip
   out, _ = jax.jit(ws)(q, k, v)
   np.testing.assert_allclose(np.float32(out), want_out, atol=2e-2)
+
+
+def test_the_warp_specialized_forward_refuses_what_overflows_shared_memory():
+  """Two query tiles, two key/value slots, the float32 output for the backward's Δ, a
+  float32 bias's and a dense mask's tiles at head dim 128: 256 KiB, past Hopper's 227,
+  refused by name with the way out (a bfloat16 bias fits: 224 KiB) before any kernel is
+  built, rather than left to fail in compilation on the GPU."""
+  q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+  dense = masks.from_array(np.tri(256, dtype=bool))
+
+  def step(bias_dtype):
+    bias = jnp.zeros((1, 1, 256, 256), bias_dtype)
+    attend = lambda *a: _hopper.attention(*a, scale=0.1, bias=bias, mask=dense, specialized=True)[0]
+    loss = lambda *a: jnp.sum(attend(*a).astype(jnp.float32))
+    return jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, q, q)
+
+  with pytest.raises(ValueError, match=r"specialized: .* need 262144 bytes .* past Hopper's"):
+    step(jnp.float32)
+  step(jnp.bfloat16)
+
+
+def test_the_kernels_refuse_what_overflows_shared_memory_by_name():
+  """Head dim 256 in training: the one-warpgroup forward holds a query tile and its float32
+  output, and two slots each of key and value tiles (224 KiB); a float32 bias's tiles take
+  it past 227 KiB, refused by name before any kernel is built, and by the selection table
+  (explain); without a bias it traces."""
+  q = jax.ShapeDtypeStruct((1, 128, 1, 256), jnp.bfloat16)
+
+  def step(bias):
+    attend = lambda *a: _hopper.attention(*a, scale=0.1, bias=bias)[0]
+    loss = lambda *a: jnp.sum(attend(*a).astype(jnp.float32))
+    return jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, q, q)
+
+  with pytest.raises(ValueError, match=r"query: at head dim 256 the forward kernel would need"):
+    step(jnp.zeros((1, 1, 128, 128), jnp.float32))
+  step(None)
+  with jattn.testing.lowering_for("gpu", "NVIDIA H100"):  # the table refuses it by name
+    with pytest.raises(ValueError, match=r"flex_hopper' does not support .* head dim 256"):
+      jattn.explain(q, q, q, jnp.zeros((128, 128), jnp.float32), implementation="flex_hopper")

@@ -374,6 +374,10 @@ def _hopper_check(call: _base.Call) -> str | None:
     return f"mask {s.mask!r}: it takes {reason}"
   if reason := _hopper.score_reason(s.score_fn):
     return f"score_fn {s.score_fn!r}: it takes {reason}"
+  bias_dtype = None if s.bias is None else jnp.result_type(s.bias)
+  query = jax.ShapeDtypeStruct((s.B, s.T, s.N, s.H), call.dtype)
+  if reason := _hopper.smem_reason(query, bias_dtype, s.mask):
+    return reason
   return None
 
 

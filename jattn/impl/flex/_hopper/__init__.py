@@ -56,6 +56,7 @@ from jattn.impl import _common, _orders
 from jattn.impl.flex._hopper import _backward, _call, _forward
 from jattn.impl.flex._hopper._call import mask_reason as mask_reason
 from jattn.impl.flex._hopper._call import score_reason as score_reason
+from jattn.impl.flex._hopper._call import smem_reason as smem_reason
 from jattn.impl.flex._hopper._mosaic import LOG2E as LOG2E
 from jattn.impl.flex._hopper._mosaic import ROWS as ROWS
 from jattn.impl.flex._hopper._mosaic import has_interpreter as has_interpreter

@@ -220,6 +220,9 @@ def prepare(
     interpret=interpret, specialized=specialized, dropout_rate=dropout_rate,
     dropout_rng=dropout_rng, bias=bias,
   )  # fmt: skip
+  bias_dtype = None if bias is None else jnp.result_type(bias)
+  if reason := smem_reason(query, bias_dtype, mask, block_kv, stages, backward):
+    raise ValueError(f"query: {reason}")
   rows = 2 * ROWS if specialized else ROWS  # a forward program's query rows
   full, forward_s, _ = _schedules(query, key, is_causal, mask, block_kv, rows, batch_heads)
   shapes = [(ROWS, block_kv)]
@@ -245,6 +248,41 @@ def prepare(
     mask_arrays, score_arrays,
   )  # fmt: skip
   return arrays, static
+
+
+def smem_reason(
+  query: Any, bias_dtype: Any, mask: Any, block_kv: int = 64, stages: int = 2, backward: bool = True
+) -> str | None:
+  """Why a kernel of the call would not fit in a Hopper program's shared memory
+  (:func:`shared_memory`; ``query`` an array or its shape and dtype), or None."""
+  H, item = query.shape[-1], jnp.dtype(query.dtype).itemsize
+  bias_item = 0 if bias_dtype is None else jnp.dtype(bias_dtype).itemsize
+  dense = any(isinstance(p, _masks.kinds.FromArray) for p in _masks_core.conjuncts(mask))
+  for kernel, n in shared_memory(H, item, block_kv, stages, backward, bias_item, dense).items():
+    if n > _mosaic.SMEM_BYTES:
+      return (
+        f"at head dim {H} the {kernel} kernel would need {n} bytes of shared memory "
+        f"({stages} stages; a bias's and a dense mask's tiles), past Hopper's "
+        f"{_mosaic.SMEM_BYTES}: fewer stages, or a bfloat16 bias"
+      )
+  return None
+
+
+def shared_memory(
+  H: int, item: int, block_kv: int, stages: int, backward: bool, bias_item: int, dense: bool
+) -> dict[str, int]:
+  """The bytes of shared memory the one-warpgroup forward kernel (and, where ``backward``,
+  the dQ and dK/dV kernels) take, from their buffers: the held tiles, ``stages`` of each
+  streamed one (inputs of ``item`` bytes an element, a bias of ``bias_item`` (0: none), a
+  dense mask's bfloat16 tiles), and the forward's float32 output where the backward needs
+  it. (The warp-specialised forward checks its own.)"""
+  planes = lambda cols: stages * ROWS * cols * (bias_item + (2 if dense else 0))
+  out_item = 4 if backward else item
+  needs = {"forward": ROWS * H * (item + out_item) + 2 * stages * block_kv * H * item}
+  needs["forward"] += planes(block_kv)
+  if backward:  # two held tiles and two streamed ones each (q, dO; k, v)
+    needs["dQ"] = needs["dK/dV"] = 2 * ROWS * H * item * (1 + stages) + planes(ROWS)
+  return needs
 
 
 def _offsets(offsets: jax.Array | None) -> jax.Array:

@@ -160,6 +160,20 @@ def specialized(
   masked_tiles = static.masked
   n_ids = len(arrays.ids)
   o_dtype = jnp.dtype(out_dtype or dtype)
+  # Shared memory: both groups' query tiles, `stages` key and value slots, the float32
+  # outputs where asked for, each slot's bias and dense mask tiles (both groups' rows).
+  item = jnp.dtype(dtype).itemsize
+  smem = 2 * ROWS * H * item + 2 * stages * bk * H * item
+  smem += 2 * ROWS * H * o_dtype.itemsize if o_dtype != dtype else 0
+  smem += sum(stages * 2 * ROWS * bk * jnp.dtype(x.dtype).itemsize for x in arrays.bias)
+  smem += stages * 2 * ROWS * bk * 2 if arrays.dense else 0
+  if smem > _mosaic.SMEM_BYTES:
+    raise ValueError(
+      f"specialized: the warp-specialised forward would need {smem} bytes of shared memory "
+      f"(head dim {H}, {stages} stages of {bk} keys, the bias's and dense mask's tiles, a "
+      f"float32 output), past Hopper's {_mosaic.SMEM_BYTES}: fewer stages, a bfloat16 bias, or "
+      "specialized=False"
+    )
 
   def body(*refs: Any) -> None:
     q_ref, k_ref, v_ref = refs[:3]
