@@ -1,6 +1,7 @@
 """One tile's work inside a Hopper kernel, shared by the forward and backward kernels: its
-scores in base 2 (scale, score function, mask on PARTIAL tiles, segment ids), one step of
-the online softmax, and the segment ids a program holds and streams."""
+scores in base 2 (scale, bias, score function, mask on PARTIAL tiles, segment ids, dense
+mask), dropout's pattern, one step of the online softmax, and what a pipeline streams beside
+its tensors' tiles (the other axis's segment ids, the bias's and dense mask's tiles)."""
 
 from __future__ import annotations
 
