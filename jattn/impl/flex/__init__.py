@@ -375,8 +375,7 @@ def _hopper_check(call: _base.Call) -> str | None:
   if reason := _hopper.score_reason(s.score_fn):
     return f"score_fn {s.score_fn!r}: it takes {reason}"
   bias_dtype = None if s.bias is None else jnp.result_type(s.bias)
-  query = jax.ShapeDtypeStruct((s.B, s.T, s.N, s.H), call.dtype)
-  if reason := _hopper.smem_reason(query, bias_dtype, s.mask):
+  if reason := _hopper.smem_reason(s.H, call.dtype, bias_dtype, s.mask):
     return reason
   return None
 

@@ -14,6 +14,7 @@ from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 
 from jattn import dropout as _dropout
+from jattn import masks as _masks
 from jattn.impl import _common
 from jattn.impl.flex._hopper import _call, _mosaic, _tile
 from jattn.impl.flex._hopper._mosaic import LOG2E, ROWS
@@ -322,15 +323,8 @@ def grid_grads(
   p = jnp.exp2(t - lse2[..., None])
   dp = jnp.einsum("btnh,bsnh->bnts", d_out.astype(f), grouped(value))
   if static.dropout_rate:  # dP through the pattern the kernels drew
-    axis = lambda n, i: jnp.arange(n, dtype=jnp.int32).reshape(
-      [-1 if a == i else 1 for a in range(4)]
-    )
-    idx: tuple[Any, ...] = (
-      axis(B, 0) + arrays.offsets[0],
-      axis(N, 1) + arrays.offsets[1],
-      axis(T, 2),
-      axis(S, 3),
-    )
+    b, h, q, kv = _masks.index_grid(B, N, T, S)
+    idx: tuple[Any, ...] = (b + arrays.offsets[0], h + arrays.offsets[1], q, kv)  # global
     if static.broadcast_dropout:
       idx = _dropout.shared_indices(*idx)
     (seed,) = arrays.seed

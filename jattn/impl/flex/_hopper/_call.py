@@ -221,7 +221,8 @@ def prepare(
     dropout_rng=dropout_rng, bias=bias,
   )  # fmt: skip
   bias_dtype = None if bias is None else jnp.result_type(bias)
-  if reason := smem_reason(query, bias_dtype, mask, block_kv, stages, backward):
+  H = query.shape[-1]
+  if reason := smem_reason(H, query.dtype, bias_dtype, mask, block_kv, stages, backward):
     raise ValueError(f"query: {reason}")
   rows = 2 * ROWS if specialized else ROWS  # a forward program's query rows
   full, forward_s, _ = _schedules(query, key, is_causal, mask, block_kv, rows, batch_heads)
@@ -251,11 +252,18 @@ def prepare(
 
 
 def smem_reason(
-  query: Any, bias_dtype: Any, mask: Any, block_kv: int = 64, stages: int = 2, backward: bool = True
+  H: int,
+  dtype: Any,
+  bias_dtype: Any,
+  mask: Any,
+  block_kv: int = 64,
+  stages: int = 2,
+  backward: bool = True,
 ) -> str | None:
-  """Why a kernel of the call would not fit in a Hopper program's shared memory
-  (:func:`shared_memory`; ``query`` an array or its shape and dtype), or None."""
-  H, item = query.shape[-1], jnp.dtype(query.dtype).itemsize
+  """Why a kernel of the call (head dim ``H``, inputs of ``dtype``, a bias of
+  ``bias_dtype`` or None) would not fit in a Hopper program's shared memory
+  (:func:`shared_memory`), or None."""
+  item = jnp.dtype(dtype).itemsize
   bias_item = 0 if bias_dtype is None else jnp.dtype(bias_dtype).itemsize
   dense = any(isinstance(p, _masks.kinds.FromArray) for p in _masks_core.conjuncts(mask))
   for kernel, n in shared_memory(H, item, block_kv, stages, backward, bias_item, dense).items():
