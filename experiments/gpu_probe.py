@@ -11,7 +11,7 @@ write everything it measured to one JSON record. For bf16, B=1, N=16 heads, it t
   takes no scale), each as the forward pass, the backward pass alone (the VJP applied to
   saved residuals) and the forward+backward program (gradients of q, k, v); and flex's
   Hopper kernels (``jattn/impl/flex/_hopper/``, methods ``hopper`` and ``hopper_ws``, the
-  second with the warp-specialised forward; not yet routed to);
+  second with the warp-specialised forward and backward kernels; not yet routed to);
 - **flex's candidate tilings**, at T = 16,384, causal, for each head dim: forward tiles
   (forward timed alone) and backward tiles of the dQ and dK/dV kernels (backward timed
   alone), the table's row patched for each (``jattn.impl.flex.TILES``);
@@ -218,7 +218,7 @@ def method(name: str, causal: bool, scale: float) -> Callable:
   if name == "cudnn":
     return jax_nn("cudnn", causal, scale)
   if name in ("hopper", "hopper_ws"):  # flex's Hopper kernels (jattn/impl/flex/_hopper/),
-    # not yet routed to (implementation="flex_hopper" opts in); _ws: warp-specialised forward
+    # not yet routed to (implementation="flex_hopper" opts in); _ws: warp-specialised kernels
     specialized, interpret = name == "hopper_ws", jattn.testing.interpreting()
     return lambda q, k, v: _hopper.attention(
       q, k, v, scale=scale, is_causal=causal, specialized=specialized, interpret=interpret

@@ -5,13 +5,14 @@ Mosaic GPU call per kernel) and compute exact values in Mosaic GPU's interpreter
 0.12), but ``implementation=None`` routes no call to them until a GPU has run them and the
 record is committed; ``implementation="flex_hopper"`` (the selection table's row,
 :data:`jattn.impl.flex.HOPPER`) opts in, and ``python -m experiments.gpu_probe`` times them
-(methods ``hopper`` and ``hopper_ws``, the latter with the warp-specialised forward kernel)
+(methods ``hopper`` and ``hopper_ws``, the latter with the warp-specialised kernels)
 beside cuDNN and the Triton kernels.
 The package, a module a concern: ``_mosaic`` (Mosaic GPU's pieces the kernels share),
 ``_call`` (what the kernels refuse, and a call prepared for them: schedules, segment ids,
 the traced mask and score function and the arrays they read), ``_tile`` (one tile's
 scores and softmax step), ``_forward`` (the two forward kernels), ``_backward`` (the dQ and
-dK/dV kernels, and the learned arrays' gradients); here :func:`forward` and
+dK/dV kernels, one warpgroup or warp-specialised), ``_grid`` (the gradients left to XLA on
+the whole grid: learned arrays', a bias's); here :func:`forward` and
 :func:`attention`, which joins the forward kernel and the backward's two in a
 ``custom_vjp``. Masks and score functions are traced per tile shape (``_call.Functions``)
 and may read arrays at the batch row and head (lengths, prefix lengths, ALiBi's slopes):
@@ -38,9 +39,10 @@ FMA per element), since the interpreter cannot accumulate into an accumulator in
 from registers; on the GPU P stays in registers as wgmma's A operand, while the interpreter,
 whose wgmma reads A from shared memory only, stages it there.
 
-``forward(..., specialized=True)`` arranges the forward pass as FlashAttention-3 does
-(``_forward.specialized``): a copy warpgroup walks the schedule and feeds key and value
-tiles by TMA to two compute warpgroups, which share them and take turns on the tensor cores.
+``specialized=True`` arranges the passes as FlashAttention-3 does (``_forward.specialized``,
+``_backward.specialized``): a copy warpgroup walks the schedule and feeds the streamed
+tiles by TMA to two compute warpgroups of 64 rows each, which share them (in the forward,
+taking turns on the tensor cores).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ import jax.numpy as jnp
 
 from jattn import masks as _masks
 from jattn.impl import _common, _orders
-from jattn.impl.flex._hopper import _backward, _call, _forward
+from jattn.impl.flex._hopper import _backward, _call, _forward, _grid
 from jattn.impl.flex._hopper._call import mask_reason as mask_reason
 from jattn.impl.flex._hopper._call import score_reason as score_reason
 from jattn.impl.flex._hopper._call import smem_reason as smem_reason
@@ -101,7 +103,9 @@ def forward(
   ``interpret`` runs it in Mosaic GPU's interpreter (jax >= 0.12), on any backend; ``base2``
   returns the log-sum-exp in base 2 of the scores times log2(e), as the backward takes it.
   ``specialized``: the warp-specialised kernel (:func:`_forward.specialized`: a copy
-  warpgroup and two compute warpgroups per 128 query rows; T a multiple of 128).
+  warpgroup and two compute warpgroups per 128 query rows; T a multiple of 128), and in
+  :func:`attention` the warp-specialised backward kernels too
+  (:func:`_backward.specialized`; S a multiple of 128 as well).
   ``offsets``: the global index of the first batch row and head (int32 (2,)) where these
   inputs are one device's share of a sharded call, and ``batch_heads`` the whole call's
   batch size and query heads; the mask and score function see global indices, and read
@@ -143,7 +147,7 @@ def attention(
   does, dS = P ⊙ (dP − Δ + d_lse), so sinks and ``return_residual`` take it), and in the
   bias and the floating arrays a score function reads (learned ALiBi slopes), where those
   are differentiated, through the whole (B, N, T, S) grid in XLA (O(B·N·T·S) memory, as
-  flex's Triton kernels take them; :func:`_backward.grid_grads`); arguments as
+  flex's Triton kernels take them; :func:`_grid.grid_grads`); arguments as
   :func:`forward`'s."""
   arrays, static = _call.prepare(
     query, key, value, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
@@ -152,6 +156,7 @@ def attention(
     broadcast_dropout=broadcast_dropout, bias=bias, batch_heads=batch_heads,
   )  # fmt: skip
   run = _forward.specialized if specialized else _forward.one_warpgroup
+  backward = _backward.specialized if specialized else _backward.one_warpgroup
   natural = lambda lse2: jnp.swapaxes(lse2 / LOG2E, 1, 2)  # (B, N, T) base 2 -> (B, T, N)
 
   # The arrays the mask and score function read (traced arrays among them) are the
@@ -191,13 +196,13 @@ def attention(
     d_out, d_lse = cotangents
     # Rows that saw no key (lse -inf) take no gradient, whatever their lse's cotangent.
     d_lse = jnp.where(jnp.isneginf(lse2), 0.0, jnp.swapaxes(d_lse, 1, 2).astype(jnp.float32))
-    dq, dk, dv = _backward.backward(q, k, v, out, lse2, d_out, d_lse, arrays, static)
-    d_arrays = jax.tree.map(_backward._zero_cotangent, arrays)
+    dq, dk, dv = backward(q, k, v, out, lse2, d_out, d_lse, arrays, static)
+    d_arrays = jax.tree.map(_grid.zero_cotangent, arrays)
     n_score = len(arrays.score)
     chosen = [i for i, x in enumerate(learned[:n_score]) if x is not None]
     wants_bias = any(x is not None for x in learned[n_score:])
     if chosen or wants_bias:
-      d_chosen, d_bias = _backward.grid_grads(
+      d_chosen, d_bias = _grid.grid_grads(
         q, k, v, lse2, d_out, d_lse, arrays, static, chosen, wants_bias
       )
       d_score = list(d_arrays.score)

@@ -1,26 +1,55 @@
-"""flex's Hopper backward kernels (dQ; dK and dV in the transposed domain), and the
-gradients of the floating arrays a score function reads, taken in XLA on the whole grid."""
+"""flex's Hopper backward kernels: dQ, and dK and dV in the transposed domain."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.extend import core as jex_core
 
-from jattn import dropout as _dropout
-from jattn import masks as _masks
-from jattn.impl import _common
 from jattn.impl.flex._hopper import _call, _mosaic, _tile
-from jattn.impl.flex._hopper._mosaic import LOG2E, ROWS
+from jattn.impl.flex._hopper._mosaic import ROWS
 
 
-def backward(
+def _tensors(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  out: jax.Array,
+  lse2: jax.Array,
+  d_out: jax.Array,
+  d_lse: jax.Array,
+) -> tuple[jax.Array, ...]:
+  """The backward kernels' six tensor inputs: query, key, value, dO, the base-2 log-sum-exp
+  (+inf where a row saw no key: p = 0 there, no gradient) and Δ = rowsum(O ⊙ dO) − d_lse
+  (the lse's cotangent enters dS as Δ does: dS = P ⊙ (dP − Δ + d_lse))."""
+  f = jnp.float32
+  delta = jnp.einsum("btnh,btnh->bnt", out.astype(f), d_out.astype(f)) - d_lse
+  lse2 = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2).astype(f)
+  return query, key, value, d_out, lse2, delta
+
+
+def _scores(
+  static: _call.Static, fns: tuple[Any, Any], products: Any, masked: bool, b: Any, h: Any,
+  q0: Any, k0: Any, transposed: bool, keep: Any, tiles: tuple[Any, Any],
+) -> tuple[Any, Any]:  # fmt: skip
+  """A backward tile's ``(t, slope)`` (:func:`_tile.scores`; ``fns`` the mask and score
+  function, ``tiles`` the bias's and dense mask's)."""
+  return _tile.scores(
+    products, scale=static.scale, score_fn=fns[1], mask=fns[0], masked=masked, b=b, h=h,
+    q0=q0, k0=k0, transposed=transposed, derivative=True, keep=keep, bias=tiles[0],
+    dense=tiles[1],
+  )  # fmt: skip
+
+
+def _through_score(ds: Any, slope: Any) -> Any:
+  """dS of the scaled scores: of the score function's output times its derivative."""
+  return ds if slope is None else ds * slope
+
+
+def one_warpgroup(
   query: jax.Array,
   key: jax.Array,
   value: jax.Array,
@@ -48,24 +77,6 @@ def backward(
   n_streamed_ids = 1 if n_ids else 0
   swizzled = _mosaic.swizzled()
   layout = plgpu.Layout.WGMMA
-  # The lse's cotangent enters dS as Δ does: dS = P ⊙ (dP − Δ + d_lse).
-  delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
-  delta = delta - d_lse
-  # Rows that saw no key (lse -inf) take no gradient: shift them by +inf, p = 0
-  lse2 = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)
-
-  def scores(
-    products: Any, fns: tuple[Any, Any], masked: bool, b: Any, h: Any, q0: Any, k0: Any,
-    transposed: bool, keep: Any, tiles: tuple[Any, Any],
-  ) -> tuple[Any, Any]:  # fmt: skip
-    return _tile.scores(
-      products, scale=scale, score_fn=fns[1], mask=fns[0], masked=masked, b=b, h=h, q0=q0,
-      k0=k0, transposed=transposed, derivative=True, keep=keep, bias=tiles[0], dense=tiles[1],
-    )  # fmt: skip
-
-  def through_score(ds: Any, slope: Any) -> Any:
-    """dS of the scaled scores: of the score function's output times its derivative."""
-    return ds if slope is None else ds * slope
 
   def dq_body(*refs: Any) -> None:
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
@@ -97,12 +108,13 @@ def backward(
         products = _mosaic.matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, bk))
         keep = keeper(*ids_smem)
         tiles = _tile.plane_tile(bias_smem), _tile.plane_tile(dense_smem)
-        t, slope = scores(products, fns, masked, b_g, h_g, i * ROWS, j * bk, False, keep, tiles)
+        q0, k0 = i * ROWS, j * bk
+        t, slope = _scores(static, fns, products, masked, b_g, h_g, q0, k0, False, keep, tiles)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [0]))
         dp = _mosaic.matmul(do_smem, v_smem.transpose((1, 0)), (ROWS, bk))
         dp = _tile.dropout_keep(dp.shape, static, r.seed, b_g, h_g, i * ROWS, j * bk)(dp)
         ds = p * (dp - lax.broadcast_in_dim(dlt, t.shape, [0]))
-        ds = through_score(ds, slope).astype(dtype)
+        ds = _through_score(ds, slope).astype(dtype)
         return dq + _mosaic.matmul(_mosaic.staged(ds, a_smem), k_smem, (ROWS, H))
 
       return run
@@ -154,13 +166,14 @@ def backward(
         products = _mosaic.matmul(k_smem, q_smem.transpose((1, 0)), (bk, ROWS))
         keep = keeper(*ids_smem)
         tiles = _tile.plane_tile(bias_smem), _tile.plane_tile(dense_smem)
-        t, slope = scores(products, fns, masked, b_g, h_g, i * ROWS, j * bk, True, keep, tiles)
+        q0, k0 = i * ROWS, j * bk
+        t, slope = _scores(static, fns, products, masked, b_g, h_g, q0, k0, True, keep, tiles)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [1]))
         dropped = _tile.dropout_keep(p.shape, static, r.seed, b_g, h_g, i * ROWS, j * bk, True)
         dv = dv + _mosaic.matmul(_mosaic.staged(dropped(p).astype(dtype), a_smem), do_smem, (bk, H))
         dp = dropped(_mosaic.matmul(v_smem, do_smem.transpose((1, 0)), (bk, ROWS)))
         ds = p * (dp - lax.broadcast_in_dim(dlt, t.shape, [1]))
-        ds = through_score(ds, slope).astype(dtype)
+        ds = _through_score(ds, slope).astype(dtype)
         return dk + _mosaic.matmul(_mosaic.staged(ds, a_smem), q_smem, (bk, H)), dv
 
       return run
@@ -187,7 +200,7 @@ def backward(
     plgpu.wait_smem_to_gmem(0)
 
   a_scratch = lambda shape: plgpu.SMEM(shape, dtype, transforms=swizzled) if interpret else None
-  inputs = (query, key, value, d_out, lse2.astype(jnp.float32), delta)
+  inputs = _tensors(query, key, value, out, lse2, d_out, d_lse)
   dq = plgpu.kernel(
     dq_body,
     out_type=jax.ShapeDtypeStruct(query.shape, dtype),
@@ -223,119 +236,243 @@ def backward(
   return dq, group(dk), group(dv)
 
 
-def _zero_cotangent(x: jax.Array) -> Any:
-  if jnp.issubdtype(x.dtype, jnp.floating):
-    return jnp.zeros_like(x)
-  return np.zeros(x.shape, jax.dtypes.float0)
-
-
-def _on_grid(
-  jaxpr: Any, arrays: Sequence[jax.Array], shape: tuple[int, int, int, int], offsets: Any,
-  scores: jax.Array | None = None,
-) -> jax.Array:  # fmt: skip
-  """A mask's or score function's tile jaxpr (traced at ROWS x ROWS) on the whole (B, N, T,
-  S) grid in XLA, its arrays as plain inputs: mapped over batch rows and heads (global:
-  ``offsets`` added) and tiles; ``scores`` (B, N, T, S) a score function's input."""
-  B, N, T, S = shape
-  run = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, []))
-  iota = lax.broadcasted_iota(jnp.int32, (ROWS, ROWS), 0)
-  q_in, kv_in = iota, iota.T
-
-  def tile(b: Any, h: Any, i: Any, j: Any, *x: Any) -> jax.Array:
-    (y,) = run(*arrays, *x, b, h, q_in + i * ROWS, kv_in + j * ROWS)
-    return jnp.broadcast_to(y, (ROWS, ROWS))
-
-  x: tuple[jax.Array, ...] = ()
-  if scores is not None:  # its (B, N, T/ROWS, S/ROWS, ROWS, ROWS) tiles
-    tiles = scores.reshape(B, N, T // ROWS, ROWS, S // ROWS, ROWS)
-    x = (tiles.transpose(0, 1, 2, 4, 3, 5),)
-  each = tile
-  for axis in (3, 2, 1, 0):  # over key tiles, query tiles, heads, batch rows
-    in_axes: list[int | None] = [None] * 4
-    in_axes[axis] = 0
-    each = jax.vmap(each, in_axes=(*in_axes, *(0,) * len(x)))  # the scores' leading axis
-  b = jnp.arange(B, dtype=jnp.int32) + offsets[0]
-  h = jnp.arange(N, dtype=jnp.int32) + offsets[1]
-  i, j = (
-    jnp.arange(T // ROWS, dtype=jnp.int32),
-    jnp.arange(S // ROWS, dtype=jnp.int32),
-  )
-  out = each(b, h, i, j, *x)  # (B, N, T/ROWS, S/ROWS, ROWS, ROWS)
-  return out.transpose(0, 1, 2, 4, 3, 5).reshape(B, N, T, S)
-
-
-def grid_grads(
+def specialized(
   query: jax.Array,
   key: jax.Array,
   value: jax.Array,
+  out: jax.Array,
   lse2: jax.Array,
   d_out: jax.Array,
   d_lse: jax.Array,
   arrays: _call.Arrays,
   static: _call.Static,
-  chosen: list[int],
-  wants_bias: bool,
-) -> tuple[list[jax.Array], jax.Array | None]:
-  """``(the gradients of arrays.score[chosen], the bias's gradient or None)``, from the
-  whole (B, N, T, S) grid in XLA: the score function's VJP at the call's scores (recomputed
-  in float32: scale · q kᵀ + bias), the cotangent dS = P ⊙ (dP − Δ + d_lse) of its output,
-  P from the forward's log-sum-exp, ``d_lse`` as :func:`backward` takes it; the bias's is
-  dS before the score function, summed over the axes the bias broadcasts."""
-  B, T, N, _ = query.shape
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(dq, dk, dv)`` as :func:`one_warpgroup`'s, warp-specialised as the forward's
+  :func:`_forward.specialized` is: each kernel's program holds 128 rows, 64 for each of two
+  compute warpgroups (dQ: query rows, their Q, dO, log-sum-exp and Δ; dK/dV: key rows,
+  their K and V), and a third warpgroup walks the block's schedule (``arrays.rows`` at 128 x
+  64, ``arrays.cols`` at 128 keys x 64 queries), bringing each streamed tile (dQ: K and V;
+  dK/dV: Q, dO, log-sum-exp, Δ; with the streamed axis's segment ids and the block's bias and
+  dense mask tiles) into one of ``static.stages`` shared-memory slots by TMA, waiting until
+  both compute warpgroups have released the slot; it gives up registers for them
+  (``set_max_registers``). Both compute warpgroups run every tile the block's schedule lists
+  (a half that does not need it evaluates the mask there and keeps nothing). T and S must
+  be multiples of 128."""
+  tensors = _tensors(query, key, value, out, lse2, d_out, d_lse)
+  dq = _specialized_pass(tensors, arrays, static, transposed=False)
+  dk, dv = _specialized_pass(tensors, arrays, static, transposed=True)
+  B, S, K, H = key.shape
+  G = query.shape[2] // K
+  group = lambda x: x.reshape(B, S, K, G, H).sum(3, dtype=jnp.float32).astype(query.dtype)
+  return dq, group(dk), group(dv)
+
+
+def _specialized_pass(
+  tensors: tuple[jax.Array, ...], arrays: _call.Arrays, static: _call.Static, transposed: bool
+) -> Any:
+  """One warp-specialised kernel of :func:`specialized`: dQ, or (``transposed``) dK and dV
+  for each query head."""
+  plgpu = _mosaic.mosaic_gpu()
+  query, key, value, d_out, lse2, delta = tensors
+  B, T, N, H = query.shape
   S, K = key.shape[1], key.shape[2]
-  f = jnp.float32
-  fns = static.functions
-  grouped = lambda x: jnp.repeat(x.astype(f), N // K, axis=2)
-  x = jnp.einsum("btnh,bsnh->bnts", query.astype(f), grouped(key)) * static.scale
-  if arrays.bias:
-    x = x + arrays.bias[0].astype(f)
-  shape = (B, N, T, S)
-  allowed = None
-  if fns.mask is not None:
-    allowed = _on_grid(fns.mask[ROWS, ROWS], arrays.mask, shape, arrays.offsets).astype(bool)
-  if arrays.dense:  # the dense mask (whole on each device), at this device's rows and heads
-    dense = arrays.dense[0]
-    if dense.shape[0] > 1:
-      dense = dense[jnp.arange(B) + arrays.offsets[0]]
-    if dense.shape[1] > 1:
-      dense = dense[:, jnp.arange(N) + arrays.offsets[1]]
-    dense = jnp.broadcast_to(dense, (*dense.shape[:2], T, S))
-    allowed = dense if allowed is None else allowed & dense
-  if arrays.ids:  # segment ids, at the global batch rows
-    rows = jnp.arange(B) + arrays.offsets[0]
-    q_ids, kv_ids = (a[rows] if a.shape[0] > 1 else a[:1] for a in arrays.ids)
-    same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
-    allowed = same if allowed is None else allowed & same
+  G, dtype = N // K, query.dtype
+  stages, interpret = static.stages, static.interpret
+  n_ids = len(arrays.ids)
+  layout = plgpu.Layout.WGMMA
+  swizzled = _mosaic.swizzled()
+  tile = lambda lead: plgpu.SMEM((lead, ROWS, H), dtype, transforms=swizzled)
+  vec = lambda lead: plgpu.SMEM((lead, ROWS), jnp.float32)
+  # Held for each compute group: dQ's Q, dO, lse, Δ; dK/dV's K, V. Streamed into each slot:
+  # the other axis's. The streamed axis's ids per slot, each group's own ids; each slot's
+  # bias and dense mask tiles, both groups' rows.
+  held: tuple[Any, ...]
+  streamed: tuple[Any, ...]
+  if transposed:
+    held, streamed = (tile(2), tile(2)), (tile(stages), tile(stages), vec(stages), vec(stages))
+  else:
+    held, streamed = (tile(2), tile(2), vec(2), vec(2)), (tile(stages), tile(stages))
+  ids_smem = (
+    (plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((stages, ROWS), jnp.int32))
+    if n_ids
+    else (None, None)
+  )
+  plane = lambda dt: plgpu.SMEM(
+    (stages, 2 * ROWS, ROWS), dt, transforms=_mosaic.swizzled(jnp.dtype(dt).itemsize)
+  )
+  planes_smem = (
+    plane(arrays.bias[0].dtype) if arrays.bias else None,
+    plane(jnp.bfloat16) if arrays.dense else None,
+  )
+  smem = (held, streamed, ids_smem, planes_smem)
+  need = _mosaic.smem_bytes(smem)
+  name = "dK/dV" if transposed else "dQ"
+  if need > _mosaic.SMEM_BYTES:
+    raise ValueError(
+      f"specialized: the warp-specialised {name} kernel would need {need} bytes of shared "
+      f"memory (head dim {H}, {stages} stages, the bias's and dense mask's tiles), past "
+      f"Hopper's {_mosaic.SMEM_BYTES}: fewer stages, a bfloat16 bias, or specialized=False"
+    )
+  # The interpreter's wgmma reads its A operand (P, dS) from shared memory only.
+  staging = plgpu.SMEM((2, ROWS, ROWS), dtype, transforms=swizzled) if interpret else None
+  n_streamed = len(streamed) + bool(n_ids) + bool(arrays.bias) + bool(arrays.dense)
+  barriers = (
+    plgpu.Barrier(num_arrivals=len(held), num_barriers=2),  # each group's held tiles landed
+    plgpu.Barrier(num_barriers=2),  # each group's own segment ids
+    plgpu.Barrier(num_arrivals=n_streamed, num_barriers=stages),  # a slot's tiles landed
+    plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both groups are done with a slot
+  )
 
-  def score(x: jax.Array, *learned: jax.Array) -> jax.Array:
-    if fns.score is None:
-      return x
-    inputs = list(arrays.score)
-    for i, a in zip(chosen, learned):
-      inputs[i] = a
-    return _on_grid(fns.score[ROWS, ROWS], inputs, shape, arrays.offsets, x).astype(f)
+  def body(*refs: Any) -> None:
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+    r = _call.split_refs(refs[6:], static, n_ids)
+    (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
+    fns = (r.mask, r.score_fn)
+    *outs, scoped = r.rest
+    (held_smem, slot_smem, (own_ids, slot_ids), (bias_smem, dense_smem), a_smem), bars = scoped
+    held_ready, ids_ready, ready, free = bars
+    n, h, b = lax.axis_index("block"), lax.axis_index("h"), lax.axis_index("b")
+    wg = lax.axis_index("wg")
+    b_g, h_g = _mosaic.global_index(b, h, off_ref)
+    kv_head = lax.div(h, jnp.array(G, h.dtype))
+    n_full, n_partial = full_ref[n], partial_ref[n]
+    slot_of = lambda t: lax.rem(t, jnp.array(stages, t.dtype))
 
-  y, vjp = jax.vjp(score, x, *(arrays.score[i] for i in chosen))
-  t = y * LOG2E
-  if allowed is not None:
-    t = jnp.where(allowed, t, -jnp.inf)
-  lse2 = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)  # rows that saw no key: p = 0
-  p = jnp.exp2(t - lse2[..., None])
-  dp = jnp.einsum("btnh,bsnh->bnts", d_out.astype(f), grouped(value))
-  if static.dropout_rate:  # dP through the pattern the kernels drew
-    b, h, q, kv = _masks.index_grid(B, N, T, S)
-    idx: tuple[Any, ...] = (b + arrays.offsets[0], h + arrays.offsets[1], q, kv)  # global
-    if static.broadcast_dropout:
-      idx = _dropout.shared_indices(*idx)
-    (seed,) = arrays.seed
-    kept = _dropout.keep_from_seed((seed[0], seed[1]), static.dropout_rate, *idx)
-    dp = jnp.where(kept, dp / (1.0 - static.dropout_rate), 0.0)
-  # Δ = rowsum(P ⊙ dP) = rowsum(O ⊙ dO) at the unrounded output: the kernel's, rounded to
-  # the inputs' dtype, would leave its rounding in dP − Δ, which the sum over every
-  # position (ALiBi's slope sums dS times the distance) amplifies.
-  delta = jnp.sum(p * dp, axis=-1, keepdims=True)
-  d_x, *d_learned = vjp(p * (dp - delta + d_lse[..., None]))
-  d_bias = None
-  if wants_bias:
-    d_bias = _common.reduce_to_shape(d_x, arrays.bias[0].shape).astype(arrays.bias[0].dtype)
-  return d_learned, d_bias
+    @pl.when(wg < 2)
+    def _compute() -> None:
+      plgpu.set_max_registers(232, action="increase")
+      start = n * (2 * ROWS) + wg * ROWS
+      rows = pl.ds(start, ROWS)
+      mine = [x.at[wg] for x in held_smem]
+      if transposed:
+        sources = [k_ref.at[b, rows, kv_head], v_ref.at[b, rows, kv_head]]
+      else:
+        sources = [
+          q_ref.at[b, rows, h], do_ref.at[b, rows, h], lse_ref.at[b, h, rows],
+          delta_ref.at[b, h, rows],
+        ]  # fmt: skip
+      for src, dst in zip(sources, mine):
+        plgpu.copy_gmem_to_smem(src, dst, held_ready.at[wg])
+      held_ids = None if own_ids is None else own_ids.at[wg]
+      keeper = _tile.keeper(ids, b_g, rows, held_ids, ids_ready.at[wg], transposed=transposed)
+      plgpu.barrier_wait(held_ready.at[wg])
+      a = None if a_smem is None else a_smem.at[wg]
+      zero = lambda: plgpu.layout_cast(jnp.full((ROWS, H), 0.0, jnp.float32), layout)
+
+      def step(t: Any, carry: Any, masked: bool) -> Any:
+        slot = slot_of(t)
+        other = order_ref[n, t]  # the streamed tile
+        q0, k0 = (other * ROWS, start) if transposed else (start, other * ROWS)
+        plgpu.barrier_wait(ready.at[slot])
+        slots = [x.at[slot] for x in slot_smem]
+        keep = keeper(*(() if slot_ids is None else (slot_ids.at[slot],)))
+        half = lambda ref: () if ref is None else (ref.at[slot, pl.ds(wg * ROWS, ROWS)],)
+        tiles = (
+          _tile.plane_tile(half(bias_smem)),
+          _tile.plane_tile(half(dense_smem)) if masked else None,
+        )
+        dropped = _tile.dropout_keep((ROWS, ROWS), static, r.seed, b_g, h_g, q0, k0, transposed)
+        if transposed:  # Sᵀ = K Qᵀ; dV += Pᵀ dO; dPᵀ = V dOᵀ; dK += dSᵀ Q
+          k_smem, v_smem = mine
+          q_smem, do_smem, lse_smem, d_smem = slots
+          dk, dv = carry
+          lse = _mosaic.load(lse_smem, layout.reduce(0))
+          dlt = _mosaic.load(d_smem, layout.reduce(0))
+          products = _mosaic.matmul(k_smem, q_smem.transpose((1, 0)), (ROWS, ROWS))
+          t_, slope = _scores(static, fns, products, masked, b_g, h_g, q0, k0, True, keep, tiles)
+          p = jnp.exp2(t_ - lax.broadcast_in_dim(lse, t_.shape, [1]))
+          pv = _mosaic.staged(dropped(p).astype(dtype), a)
+          dv = dv + _mosaic.matmul(pv, do_smem, (ROWS, H))
+          dp = dropped(_mosaic.matmul(v_smem, do_smem.transpose((1, 0)), (ROWS, ROWS)))
+          ds = p * (dp - lax.broadcast_in_dim(dlt, t_.shape, [1]))
+          ds = _through_score(ds, slope).astype(dtype)
+          dk = dk + _mosaic.matmul(_mosaic.staged(ds, a), q_smem, (ROWS, H))
+          carry = (dk, dv)
+        else:  # S = Q Kᵀ; dP = dO Vᵀ; dQ += dS K
+          q_smem, do_smem, lse_smem, d_smem = mine
+          k_smem, v_smem = slots
+          lse = _mosaic.load(lse_smem, layout.reduce(1))
+          dlt = _mosaic.load(d_smem, layout.reduce(1))
+          products = _mosaic.matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, ROWS))
+          t_, slope = _scores(static, fns, products, masked, b_g, h_g, q0, k0, False, keep, tiles)
+          p = jnp.exp2(t_ - lax.broadcast_in_dim(lse, t_.shape, [0]))
+          dp = dropped(_mosaic.matmul(do_smem, v_smem.transpose((1, 0)), (ROWS, ROWS)))
+          ds = p * (dp - lax.broadcast_in_dim(dlt, t_.shape, [0]))
+          ds = _through_score(ds, slope).astype(dtype)
+          carry = carry + _mosaic.matmul(_mosaic.staged(ds, a), k_smem, (ROWS, H))
+        plgpu.barrier_arrive(free.at[slot])
+        return carry
+
+      carry = (zero(), zero()) if transposed else zero()
+      carry = lax.fori_loop(0, n_full, lambda t, c: step(t, c, False), carry)
+      if static.masked:
+        carry = lax.fori_loop(n_full, n_full + n_partial, lambda t, c: step(t, c, True), carry)
+      # The gradients through the held tiles' buffers, which no copy writes again.
+      if transposed:
+        dk, dv = carry
+        results = [(dk * static.scale, mine[0], outs[0]), (dv, mine[1], outs[1])]
+      else:
+        results = [(carry * static.scale, mine[0], outs[0])]
+      for x, buffer, _ in results:
+        buffer[...] = x.astype(dtype)
+      plgpu.commit_smem()
+      for _, buffer, dst in results:
+        plgpu.copy_smem_to_gmem(buffer, dst.at[b, rows, h])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _copy() -> None:
+      plgpu.set_max_registers(40, action="decrease")
+
+      @pl.loop(0, n_full + n_partial)
+      def _(t: Any) -> None:
+        slot = slot_of(t)
+        span = pl.ds(order_ref[n, t] * ROWS, ROWS)  # the streamed tile's rows
+
+        @pl.when(t >= stages)  # the slot's last tile is released by both compute groups
+        def _() -> None:
+          plgpu.barrier_wait(free.at[slot])
+
+        if transposed:
+          sources = [
+            q_ref.at[b, span, h], do_ref.at[b, span, h], lse_ref.at[b, h, span],
+            delta_ref.at[b, h, span],
+          ]  # fmt: skip
+        else:
+          sources = [k_ref.at[b, span, kv_head], v_ref.at[b, span, kv_head]]
+        for src, dst in zip(sources, slot_smem):
+          plgpu.copy_gmem_to_smem(src, dst.at[slot], ready.at[slot])
+        if slot_ids is not None:  # the streamed axis's segment ids
+          src = ids[0] if transposed else ids[1]
+          plgpu.copy_gmem_to_smem(
+            src.at[_mosaic.row(src, b_g), span], slot_ids.at[slot], ready.at[slot]
+          )
+        # the block's bias and dense mask tiles (the mask's on FULL tiles too, where it is
+        # not read: each slot's barrier counts the same copies); the bias at this device's
+        # batch row and head, the mask's whole arrays at global ones
+        for planes, buffer, bh in ((r.bias, bias_smem, (b, h)), (r.dense, dense_smem, (b_g, h_g))):
+          if buffer is not None:
+            at = planes.at[_mosaic.row(planes, bh[0]), bh[1] if planes.shape[1] > 1 else 0]
+            block = at.at[pl.ds(n * (2 * ROWS), 2 * ROWS), span]
+            plgpu.copy_gmem_to_smem(block, buffer.at[slot], ready.at[slot])
+
+  def entry(*refs: Any) -> None:
+    pl.run_scoped(
+      lambda *scoped: body(*refs, scoped), (*smem, staging), barriers, collective_axes="wg"
+    )
+
+  if transposed:
+    per_head = jax.ShapeDtypeStruct((B, S, N, H), dtype)  # each query head's dK, dV
+    out_type: Any = (per_head, per_head)
+  else:
+    out_type = jax.ShapeDtypeStruct(query.shape, dtype)
+  schedule = arrays.cols if transposed else arrays.rows
+  return plgpu.kernel(
+    entry,
+    out_type=out_type,
+    grid=((S if transposed else T) // (2 * ROWS), N, B),
+    grid_names=("block", "h", "b"),
+    num_threads=3,
+    thread_name="wg",
+    **_mosaic.interpreted(interpret),
+  )(*tensors, *arrays.kernel_inputs(schedule, T, S, transposed=transposed))

@@ -66,6 +66,7 @@ class Static(NamedTuple):
   broadcast_dropout: bool = False  # one (T, S) pattern for every batch row and head
   biased: bool = False  # a bias is added to the scaled scores
   dense: bool = False  # a dense boolean mask is and'ed with the mask on PARTIAL tiles
+  specialized: bool = False  # warp-specialised kernels (128-row blocks)
 
 
 class Arrays(NamedTuple):
@@ -76,8 +77,9 @@ class Arrays(NamedTuple):
   bias: tuple[jax.Array, ...]  # the bias as given (rank 4, broadcastable), or ()
   dense: tuple[jax.Array, ...]  # a dense boolean mask, rank 4, broadcastable, or ()
   forward: tuple[jax.Array, ...]  # the forward's schedule: order, FULL and PARTIAL counts
-  rows: tuple[jax.Array, ...]  # dQ's (ROWS x ROWS tiles; () where only the forward runs)
-  cols: tuple[jax.Array, ...]  # dK/dV's, over key tiles
+  rows: tuple[jax.Array, ...]  # dQ's (ROWS x ROWS tiles, 2 ROWS x ROWS warp-specialised;
+  # () where only the forward runs)
+  cols: tuple[jax.Array, ...]  # dK/dV's, over key tiles (of 2 ROWS warp-specialised)
   ids: tuple[jax.Array, ...]  # segment ids, query (Bm, T) and key (Bm, S) int32, or ()
   mask: tuple[jax.Array, ...]  # what the mask's other conjuncts read
   score: tuple[jax.Array, ...]  # what the score function reads
@@ -147,6 +149,7 @@ def check_inputs(
   dropout_rate: float = 0.0,
   dropout_rng: Any = None,
   bias: Any = None,
+  backward: bool = False,
 ) -> None:
   """What the kernels take, each refusal naming the argument."""
   B, T, N, H = query.shape
@@ -170,6 +173,10 @@ def check_inputs(
     )
   if specialized and T % (2 * ROWS):
     raise ValueError(f"query: length {T} must be a multiple of {2 * ROWS} (specialized=True)")
+  if specialized and backward and S % (2 * ROWS):
+    raise ValueError(
+      f"key: length {S} must be a multiple of {2 * ROWS} (specialized=True, differentiated)"
+    )
   if is_causal and T != S:
     raise ValueError(f"is_causal: the Hopper kernel takes T = S, got {T} and {S}")
   if reason := mask_reason(mask):
@@ -218,7 +225,7 @@ def prepare(
   check_inputs(
     query, key, value, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
     interpret=interpret, specialized=specialized, dropout_rate=dropout_rate,
-    dropout_rng=dropout_rng, bias=bias,
+    dropout_rng=dropout_rng, bias=bias, backward=backward,
   )  # fmt: skip
   bias_dtype = None if bias is None else jnp.result_type(bias)
   H = query.shape[-1]
@@ -229,8 +236,9 @@ def prepare(
   shapes = [(ROWS, block_kv)]
   rows_s: tuple[Any, ...] = ()
   cols_s: tuple[Any, ...] = ()
-  if backward:
-    _, rows_s, cols_s = _schedules(query, key, is_causal, mask, ROWS, ROWS, batch_heads)
+  if backward:  # dQ's schedule over query blocks, dK/dV's over key blocks: 64 or 128 rows
+    _, rows_s, _ = _schedules(query, key, is_causal, mask, ROWS, rows, batch_heads)
+    _, _, cols_s = _schedules(query, key, is_causal, mask, rows, ROWS, batch_heads)
     shapes.append((ROWS, ROWS))  # dQ's tiles, and dK/dV's transposed ones
   rest, ids, dense = _split_ids(full)
   mask_fns, mask_arrays = _traced(rest, shapes, score=False)
@@ -239,7 +247,7 @@ def prepare(
   rate = float(dropout_rate)
   static = Static(
     float(scale), block_kv, stages, interpret, full is not None, functions, rate,
-    bool(broadcast_dropout) and rate > 0, bias is not None, bool(dense),
+    bool(broadcast_dropout) and rate > 0, bias is not None, bool(dense), specialized,
   )  # fmt: skip
   seed = (jnp.stack(_dropout.seed_words(dropout_rng)),) if rate else ()
   sched = lambda s: tuple(jnp.asarray(x) for x in s)
@@ -283,7 +291,7 @@ def shared_memory(
   the dQ and dK/dV kernels) take, from their buffers: the held tiles, ``stages`` of each
   streamed one (inputs of ``item`` bytes an element, a bias of ``bias_item`` (0: none), a
   dense mask's bfloat16 tiles), and the forward's float32 output where the backward needs
-  it. (The warp-specialised forward checks its own.)"""
+  it. (The warp-specialised kernels check their own.)"""
   planes = lambda cols: stages * ROWS * cols * (bias_item + (2 if dense else 0))
   out_item = 4 if backward else item
   needs = {"forward": ROWS * H * (item + out_item) + 2 * stages * block_kv * H * item}

@@ -162,18 +162,38 @@ def specialized(
   o_dtype = jnp.dtype(out_dtype or dtype)
   # Shared memory: both groups' query tiles, `stages` key and value slots, the float32
   # outputs where asked for, each slot's bias and dense mask tiles (both groups' rows).
-  item = jnp.dtype(dtype).itemsize
-  smem = 2 * ROWS * H * item + 2 * stages * bk * H * item
-  smem += 2 * ROWS * H * o_dtype.itemsize if o_dtype != dtype else 0
-  smem += sum(stages * 2 * ROWS * bk * jnp.dtype(x.dtype).itemsize for x in arrays.bias)
-  smem += stages * 2 * ROWS * bk * 2 if arrays.dense else 0
-  if smem > _mosaic.SMEM_BYTES:
+  smem = (
+    plgpu.SMEM((2, ROWS, H), dtype, transforms=swizzled),
+    plgpu.SMEM((stages, bk, H), dtype, transforms=swizzled),
+    plgpu.SMEM((stages, bk, H), dtype, transforms=swizzled),
+    plgpu.SMEM((2, ROWS), jnp.float32),
+    plgpu.SMEM((2, ROWS), jnp.int32) if n_ids else None,  # each group's query ids
+    plgpu.SMEM((stages, bk), jnp.int32) if n_ids else None,  # each slot's key ids
+    # float32 outputs
+    plgpu.SMEM((2, ROWS, H), o_dtype, transforms=_mosaic.swizzled(o_dtype.itemsize))
+    if o_dtype != dtype
+    else None,
+    # each slot's bias and dense mask tiles (bfloat16 0 and 1), both groups' rows
+    *(
+      plgpu.SMEM((stages, 2 * ROWS, bk), dt, transforms=_mosaic.swizzled(jnp.dtype(dt).itemsize))
+      if present
+      else None
+      for present, dt in (
+        (arrays.bias, arrays.bias[0].dtype if arrays.bias else None),
+        (arrays.dense, jnp.bfloat16),
+      )
+    ),
+  )
+  need = _mosaic.smem_bytes(smem)
+  if need > _mosaic.SMEM_BYTES:
     raise ValueError(
-      f"specialized: the warp-specialised forward would need {smem} bytes of shared memory "
+      f"specialized: the warp-specialised forward would need {need} bytes of shared memory "
       f"(head dim {H}, {stages} stages of {bk} keys, the bias's and dense mask's tiles, a "
       f"float32 output), past Hopper's {_mosaic.SMEM_BYTES}: fewer stages, a bfloat16 bias, or "
       "specialized=False"
     )
+  # The interpreter's wgmma reads its A operand (P) from shared memory only.
+  staging = plgpu.SMEM((2, ROWS, bk), dtype, transforms=swizzled) if interpret else None
 
   def body(*refs: Any) -> None:
     q_ref, k_ref, v_ref = refs[:3]
@@ -181,8 +201,8 @@ def specialized(
     (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
     mask, score_fn = r.mask, r.score_fn
     out_ref, lse_ref, scoped = r.rest
-    smem, barriers = scoped
-    qo_smem, k_smem, v_smem, lse_smem, p_smem, qid_smem, kid_smem, o_smem, *planes_smem = smem
+    (buffers, p_smem), barriers = scoped
+    qo_smem, k_smem, v_smem, lse_smem, qid_smem, kid_smem, o_smem, *planes_smem = buffers
     bias_smem, dense_smem = planes_smem
     k_ready, v_ready, q_ready, k_free, v_free, turn, ids_ready = barriers
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
@@ -299,30 +319,6 @@ def specialized(
         plgpu.copy_gmem_to_smem(v_ref.at[b, cols, kv_head], v_smem.at[slot], v_ready.at[slot])
 
   def entry(*refs: Any) -> None:
-    smem = (
-      plgpu.SMEM((2, ROWS, H), dtype, transforms=swizzled),
-      plgpu.SMEM((stages, bk, H), dtype, transforms=swizzled),
-      plgpu.SMEM((stages, bk, H), dtype, transforms=swizzled),
-      plgpu.SMEM((2, ROWS), jnp.float32),
-      # The interpreter's wgmma reads its A operand (P) from shared memory only.
-      plgpu.SMEM((2, ROWS, bk), dtype, transforms=swizzled) if interpret else None,
-      plgpu.SMEM((2, ROWS), jnp.int32) if n_ids else None,  # each group's query ids
-      plgpu.SMEM((stages, bk), jnp.int32) if n_ids else None,  # each slot's key ids
-      # float32 outputs
-      plgpu.SMEM((2, ROWS, H), o_dtype, transforms=_mosaic.swizzled(o_dtype.itemsize))
-      if o_dtype != dtype
-      else None,
-      # each slot's bias and dense mask tiles (bfloat16 0 and 1), both groups' rows
-      *(
-        plgpu.SMEM((stages, 2 * ROWS, bk), dt, transforms=_mosaic.swizzled(jnp.dtype(dt).itemsize))
-        if present
-        else None
-        for present, dt in (
-          (arrays.bias, arrays.bias[0].dtype if arrays.bias else None),
-          (arrays.dense, jnp.bfloat16),
-        )
-      ),
-    )
     barriers = (
       # a key tile landed in the slot (and its segment ids, its bias tile: a copy each)
       plgpu.Barrier(
@@ -335,7 +331,9 @@ def specialized(
       plgpu.Barrier(num_arrivals=2, num_barriers=1),  # the ping-pong's turn
       plgpu.Barrier(num_barriers=2),  # each compute group's query ids
     )
-    pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, barriers, collective_axes="wg")
+    pl.run_scoped(
+      lambda *scoped: body(*refs, scoped), (smem, staging), barriers, collective_axes="wg"
+    )
 
   return plgpu.kernel(
     entry,

@@ -8,6 +8,7 @@ import inspect
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -86,3 +87,8 @@ def walk(pipeline: Any, n_full: Any, n_partial: Any, masked: bool, carry: Any) -
 def row(ref: Any, b: Any) -> Any:
   """The row of per-batch values ``ref`` (Bm, ...) for global batch row ``b``."""
   return b if ref.shape[0] > 1 else 0
+
+
+def smem_bytes(buffers: Any) -> int:
+  """The bytes of shared memory a pytree of ``plgpu.SMEM`` buffers (Nones skipped) takes."""
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(buffers))
