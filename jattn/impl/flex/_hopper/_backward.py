@@ -447,14 +447,11 @@ def _specialized_pass(
           plgpu.copy_gmem_to_smem(
             src.at[_mosaic.row(src, b_g), span], slot_ids.at[slot], ready.at[slot]
           )
-        # the block's bias and dense mask tiles (the mask's on FULL tiles too, where it is
-        # not read: each slot's barrier counts the same copies); the bias at this device's
-        # batch row and head, the mask's whole arrays at global ones
-        for planes, buffer, bh in ((r.bias, bias_smem, (b, h)), (r.dense, dense_smem, (b_g, h_g))):
-          if buffer is not None:
-            at = planes.at[_mosaic.row(planes, bh[0]), bh[1] if planes.shape[1] > 1 else 0]
-            block = at.at[pl.ds(n * (2 * ROWS), 2 * ROWS), span]
-            plgpu.copy_gmem_to_smem(block, buffer.at[slot], ready.at[slot])
+        # the block's bias and dense mask tiles, on the same barrier
+        block = pl.ds(n * (2 * ROWS), 2 * ROWS)
+        at = (b_g, b, h, h_g)
+        planes = (bias_smem, dense_smem)
+        _tile.copy_planes(r.bias, r.dense, planes, slot, at, block, span, ready.at[slot])
 
   def entry(*refs: Any) -> None:
     pl.run_scoped(

@@ -297,15 +297,11 @@ def specialized(
           plgpu.barrier_wait(k_free.at[slot])
 
         plgpu.copy_gmem_to_smem(k_ref.at[b, cols, kv_head], k_smem.at[slot], k_ready.at[slot])
-        # the block's bias and dense mask tiles, on the same barrier (the mask's on FULL
-        # tiles too, where it is not read: each slot's barrier counts the same copies)
-        # (the bias at this device's batch row and head, the mask's whole arrays at global ones)
-        for planes, buffer, bh in ((r.bias, bias_smem, (b, h)), (r.dense, dense_smem, (b_g, h_g))):
-          if buffer is not None:
-            plane = planes.at[_mosaic.row(planes, bh[0]), bh[1] if planes.shape[1] > 1 else 0]
-            plgpu.copy_gmem_to_smem(
-              plane.at[pl.ds(i * 2 * ROWS, 2 * ROWS), cols], buffer.at[slot], k_ready.at[slot]
-            )
+        # the block's bias and dense mask tiles, on the same barrier
+        block = pl.ds(i * 2 * ROWS, 2 * ROWS)
+        at = (b_g, b, h, h_g)
+        planes = (bias_smem, dense_smem)
+        _tile.copy_planes(r.bias, r.dense, planes, slot, at, block, cols, k_ready.at[slot])
         if kid_smem is not None:  # the key tile's segment ids, on the same barrier
           kv_ids = ids[1]
           plgpu.copy_gmem_to_smem(

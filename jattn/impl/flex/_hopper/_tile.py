@@ -139,12 +139,39 @@ def streamed_plane(
   ``rows`` rows, ``block`` columns from tile ``tile(step)``."""
   if planes is None:
     return [], []
-  plane = planes.at[_mosaic.row(planes, b), h if planes.shape[1] > 1 else 0]
   swizzled = _mosaic.swizzled(jnp.dtype(planes.dtype).itemsize)  # read in wgmma's layout
   spec = _mosaic.mosaic_gpu().BlockSpec(
     (rows, block), lambda t: (held, tile(t)), transforms=swizzled
   )
-  return [spec], [plane]
+  return [spec], [plane(planes, b, h)]
+
+
+def plane(planes: Any, b: Any, h: Any) -> Any:
+  """The (rows, columns) plane of a bias's or dense mask's ``planes`` (:func:`_call.planes`)
+  at batch row ``b`` and head ``h``, where the planes do not broadcast them."""
+  return planes.at[_mosaic.row(planes, b), h if planes.shape[1] > 1 else 0]
+
+
+def copy_planes(
+  bias: Any,
+  dense: Any,
+  buffers: tuple[Any, Any],
+  slot: Any,
+  at: tuple[Any, Any, Any, Any],
+  rows: Any,
+  cols: Any,
+  barrier: Any,
+) -> None:
+  """A warp-specialised kernel's copy warpgroup: the bias's and the dense mask's tiles
+  (``rows``, ``cols``) into slot ``slot`` of their ``buffers`` (None where absent) by TMA, each
+  completing on ``barrier`` (the mask's on FULL tiles too, where it is not read: each slot's
+  barrier counts the same copies). ``at`` as :func:`streams` takes it: the bias is read at
+  this device's batch row and head, the mask's whole arrays at global ones."""
+  plgpu = _mosaic.mosaic_gpu()
+  b_g, b, h, h_g = at
+  for planes, buffer, (pb, ph) in ((bias, buffers[0], (b, h)), (dense, buffers[1], (b_g, h_g))):
+    if buffer is not None:
+      plgpu.copy_gmem_to_smem(plane(planes, pb, ph).at[rows, cols], buffer.at[slot], barrier)
 
 
 def plane_tile(smem: Sequence[Any]) -> Any:
