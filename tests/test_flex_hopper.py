@@ -779,6 +779,26 @@ def test_the_warp_specialized_backward_matches_the_xla_path():
       assert rel < 1e-2, (kw, name, rel)
 
 
+@pytest.mark.parametrize("specialized", [False, True])
+def test_heavy_causal_tiles_launch_first(specialized):
+  """Causal query tiles grow heavier along the sequence, so the forward's and dQ's programs
+  take their tiles last first (the longest launch first, the short ones fill the end, as
+  flex's Triton kernels order theirs), while dK/dV's key tiles, heaviest first already,
+  keep their order; an unmasked call keeps every order. (Values under the reversed order:
+  every causal test in this file.)"""
+  from jattn.impl.flex._hopper import _call
+
+  q = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+  orders = {}
+  for causal in (True, False):
+    _, static = _call.prepare(
+      q, q, q, scale=0.1, is_causal=causal, mask=None, score_fn=None, block_kv=64, stages=2,
+      interpret=False, specialized=specialized, offsets=None, backward=True,
+    )  # fmt: skip
+    orders[causal] = static.from_last
+  assert orders == {True: (True, True, False), False: (False, False, False)}
+
+
 def test_each_warp_specialized_backward_kernel_checks_its_shared_memory():
   """At head dim 256 the warp-specialised dQ kernel's buffers (both groups' query, dO,
   log-sum-exp and Δ tiles; two key and value slots) take 263,168 bytes, past Hopper's

@@ -33,7 +33,9 @@ between them (the scale times log2(e) folded into one multiply, as the Triton ke
 A mask's tile schedule (flex's: per query tile, its FULL key tiles, then its PARTIAL ones)
 comes in as three int32 arrays that the pipelines' index maps read: the FULL tiles stream
 through one pipeline, the PARTIAL ones through a second, the only one that evaluates the
-mask (traced into the kernel body on the tile's indices); EMPTY tiles are never loaded. Each
+mask (traced into the kernel body on the tile's indices); EMPTY tiles are never loaded (and
+where the rows grow heavier along the sequence, causal query tiles, the programs take them
+last first: ``_call.Static.from_last``). Each
 step's P V goes to a fresh accumulator added to the rescaled one (``acc · α + P V``, one
 FMA per element), since the interpreter cannot accumulate into an accumulator initialised
 from registers; on the GPU P stays in registers as wgmma's A operand, while the interpreter,

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jattn.impl.flex import _kernels
 from jattn.impl.flex._hopper import _call, _mosaic, _tile
 from jattn.impl.flex._hopper._mosaic import ROWS
 
@@ -84,7 +85,8 @@ def one_warpgroup(
     (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
     fns = (r.mask, r.score_fn)
     dq_ref, q_smem, do_smem, lse_smem, delta_smem, bars, a_smem, id_smem = r.rest
-    i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+    i = _kernels.tile_of(lax.axis_index("q"), T // ROWS, static.from_last[1])
+    h, b = lax.axis_index("h"), lax.axis_index("b")
     b_g, h_g = _mosaic.global_index(b, h, off_ref)
     kv_head = lax.div(h, jnp.array(G, h.dtype))
     rows = pl.ds(i * ROWS, ROWS)
@@ -142,7 +144,8 @@ def one_warpgroup(
     (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
     fns = (r.mask, r.score_fn)
     dk_ref, dv_ref, k_smem, v_smem, bars, a_smem, id_smem = r.rest
-    j, h, b = lax.axis_index("kv"), lax.axis_index("h"), lax.axis_index("b")
+    j = _kernels.tile_of(lax.axis_index("kv"), S // bk, static.from_last[2])
+    h, b = lax.axis_index("h"), lax.axis_index("b")
     b_g, h_g = _mosaic.global_index(b, h, off_ref)
     kv_head = lax.div(h, jnp.array(G, h.dtype))
     cols = pl.ds(j * bk, bk)
@@ -279,6 +282,7 @@ def _specialized_pass(
   G, dtype = N // K, query.dtype
   stages, interpret = static.stages, static.interpret
   n_ids = len(arrays.ids)
+  blocks = (S if transposed else T) // (2 * ROWS)  # of the held axis
   layout = plgpu.Layout.WGMMA
   swizzled = _mosaic.swizzled()
   tile = lambda lead: plgpu.SMEM((lead, ROWS, H), dtype, transforms=swizzled)
@@ -331,7 +335,8 @@ def _specialized_pass(
     *outs, scoped = r.rest
     (held_smem, slot_smem, (own_ids, slot_ids), (bias_smem, dense_smem), a_smem), bars = scoped
     held_ready, ids_ready, ready, free = bars
-    n, h, b = lax.axis_index("block"), lax.axis_index("h"), lax.axis_index("b")
+    n = _kernels.tile_of(lax.axis_index("block"), blocks, static.from_last[2 if transposed else 1])
+    h, b = lax.axis_index("h"), lax.axis_index("b")
     wg = lax.axis_index("wg")
     b_g, h_g = _mosaic.global_index(b, h, off_ref)
     kv_head = lax.div(h, jnp.array(G, h.dtype))
@@ -467,7 +472,7 @@ def _specialized_pass(
   return plgpu.kernel(
     entry,
     out_type=out_type,
-    grid=((S if transposed else T) // (2 * ROWS), N, B),
+    grid=(blocks, N, B),
     grid_names=("block", "h", "b"),
     num_threads=3,
     thread_name="wg",

@@ -67,6 +67,10 @@ class Static(NamedTuple):
   biased: bool = False  # a bias is added to the scaled scores
   dense: bool = False  # a dense boolean mask is and'ed with the mask on PARTIAL tiles
   specialized: bool = False  # warp-specialised kernels (128-row blocks)
+  # Whether the forward's, dQ's and dK/dV's programs take their tiles last first: where a
+  # schedule's rows grow heavier along its axis (causal query tiles), the longest launch
+  # first (_tiling.heaviest_last, as flex's Triton kernels order theirs).
+  from_last: tuple[bool, bool, bool] = (False, False, False)
 
 
 class Arrays(NamedTuple):
@@ -245,9 +249,11 @@ def prepare(
   score_fns, score_arrays = _traced(score_fn, shapes, score=True)
   functions = Functions(mask_fns, score_fns, len(mask_arrays), len(score_arrays))
   rate = float(dropout_rate)
+  last = lambda s: bool(s) and _tiling.heaviest_last(_tiling.Schedule(*s))
   static = Static(
     float(scale), block_kv, stages, interpret, full is not None, functions, rate,
     bool(broadcast_dropout) and rate > 0, bias is not None, bool(dense), specialized,
+    (last(forward_s), last(rows_s), last(cols_s)),
   )  # fmt: skip
   seed = (jnp.stack(_dropout.seed_words(dropout_rng)),) if rate else ()
   sched = lambda s: tuple(jnp.asarray(x) for x in s)
