@@ -35,11 +35,12 @@ comes in as three int32 arrays that the pipelines' index maps read: the FULL til
 through one pipeline, the PARTIAL ones through a second, the only one that evaluates the
 mask (traced into the kernel body on the tile's indices); EMPTY tiles are never loaded (and
 where the rows grow heavier along the sequence, causal query tiles, the programs take them
-last first: ``_call.Static.from_last``). Each
-step's P V goes to a fresh accumulator added to the rescaled one (``acc · α + P V``, one
-FMA per element), since the interpreter cannot accumulate into an accumulator initialised
-from registers; on the GPU P stays in registers as wgmma's A operand, while the interpreter,
-whose wgmma reads A from shared memory only, stages it there.
+last first: ``_call.Static.from_last``). On
+the GPU each step's P V (and each backward product summed into dQ, dK or dV) accumulates
+into the rescaled accumulator's own registers (``_mosaic.accumulate``), and P stays in
+registers as wgmma's A operand; the interpreter, which cannot start a wgmma from an
+accumulator in registers and reads A from shared memory only, adds a fresh accumulator
+(``acc · α + P V``) and stages P there: the same sums, which its tests check.
 
 ``specialized=True`` arranges the passes as FlashAttention-3 does (``_forward.specialized``,
 ``_backward.specialized``): a copy warpgroup walks the schedule and feeds the streamed

@@ -117,7 +117,7 @@ def one_warpgroup(
         dp = _tile.dropout_keep(dp.shape, static, r.seed, b_g, h_g, i * ROWS, j * bk)(dp)
         ds = p * (dp - lax.broadcast_in_dim(dlt, t.shape, [0]))
         ds = _through_score(ds, slope).astype(dtype)
-        return dq + _mosaic.matmul(_mosaic.staged(ds, a_smem), k_smem, (ROWS, H))
+        return _mosaic.accumulate(dq, _mosaic.staged(ds, a_smem), k_smem, interpret)
 
       return run
 
@@ -173,11 +173,12 @@ def one_warpgroup(
         t, slope = _scores(static, fns, products, masked, b_g, h_g, q0, k0, True, keep, tiles)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [1]))
         dropped = _tile.dropout_keep(p.shape, static, r.seed, b_g, h_g, i * ROWS, j * bk, True)
-        dv = dv + _mosaic.matmul(_mosaic.staged(dropped(p).astype(dtype), a_smem), do_smem, (bk, H))
+        pv = _mosaic.staged(dropped(p).astype(dtype), a_smem)
+        dv = _mosaic.accumulate(dv, pv, do_smem, interpret)
         dp = dropped(_mosaic.matmul(v_smem, do_smem.transpose((1, 0)), (bk, ROWS)))
         ds = p * (dp - lax.broadcast_in_dim(dlt, t.shape, [1]))
         ds = _through_score(ds, slope).astype(dtype)
-        return dk + _mosaic.matmul(_mosaic.staged(ds, a_smem), q_smem, (bk, H)), dv
+        return _mosaic.accumulate(dk, _mosaic.staged(ds, a_smem), q_smem, interpret), dv
 
       return run
 
@@ -387,11 +388,11 @@ def _specialized_pass(
           t_, slope = _scores(static, fns, products, masked, b_g, h_g, q0, k0, True, keep, tiles)
           p = jnp.exp2(t_ - lax.broadcast_in_dim(lse, t_.shape, [1]))
           pv = _mosaic.staged(dropped(p).astype(dtype), a)
-          dv = dv + _mosaic.matmul(pv, do_smem, (ROWS, H))
+          dv = _mosaic.accumulate(dv, pv, do_smem, interpret)
           dp = dropped(_mosaic.matmul(v_smem, do_smem.transpose((1, 0)), (ROWS, ROWS)))
           ds = p * (dp - lax.broadcast_in_dim(dlt, t_.shape, [1]))
           ds = _through_score(ds, slope).astype(dtype)
-          dk = dk + _mosaic.matmul(_mosaic.staged(ds, a), q_smem, (ROWS, H))
+          dk = _mosaic.accumulate(dk, _mosaic.staged(ds, a), q_smem, interpret)
           carry = (dk, dv)
         else:  # S = Q Kᵀ; dP = dO Vᵀ; dQ += dS K
           q_smem, do_smem, lse_smem, d_smem = mine
@@ -404,7 +405,7 @@ def _specialized_pass(
           dp = dropped(_mosaic.matmul(do_smem, v_smem.transpose((1, 0)), (ROWS, ROWS)))
           ds = p * (dp - lax.broadcast_in_dim(dlt, t_.shape, [0]))
           ds = _through_score(ds, slope).astype(dtype)
-          carry = carry + _mosaic.matmul(_mosaic.staged(ds, a), k_smem, (ROWS, H))
+          carry = _mosaic.accumulate(carry, _mosaic.staged(ds, a), k_smem, interpret)
         plgpu.barrier_arrive(free.at[slot])
         return carry
 

@@ -78,8 +78,9 @@ def one_warpgroup(
         p, alpha, m_new, l = _tile.online_softmax(t, m, l, masked)
         # l sums P as it is; O sums it with dropout applied
         dropped = _tile.dropout_keep(p.shape, static, r.seed, b_g, h_g, i * ROWS, j * block_kv)
-        pv = _mosaic.matmul(_mosaic.staged(dropped(p).astype(dtype), p_smem), v_smem, (ROWS, H))
-        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l
+        a = _mosaic.staged(dropped(p).astype(dtype), p_smem)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        return _mosaic.accumulate(acc, a, v_smem, interpret), m_new, l
 
       return run
 
@@ -267,9 +268,10 @@ def specialized(
         plgpu.barrier_wait(v_ready.at[slot])
         plgpu.barrier_wait(turn)  # and the tensor cores are ours again
         a = _mosaic.staged(p16, None if p_smem is None else p_smem.at[wg])
-        pv = _mosaic.matmul(a, v_smem.at[slot], (ROWS, H))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        acc = _mosaic.accumulate(acc, a, v_smem.at[slot], interpret)
         plgpu.barrier_arrive(v_free.at[slot])
-        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l
+        return acc, m_new, l
 
       carry = lax.fori_loop(0, n_full, lambda t, c: step(t, c, False), carry)
       acc, m, l = lax.fori_loop(n_full, steps, lambda t, c: step(t, c, masked_tiles), carry)

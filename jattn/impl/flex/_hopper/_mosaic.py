@@ -1,6 +1,7 @@
 """Mosaic GPU's pieces as flex's Hopper kernels use them: the module itself (imported when
-a kernel is built), its interpreter, wgmma into a fresh accumulator, the shared-memory
-layout wgmma reads, the walk over a tile schedule, and the constants every kernel shares."""
+a kernel is built), its interpreter, wgmma into a fresh accumulator or a held one, the
+shared-memory layout wgmma reads, the walk over a tile schedule, and the constants every
+kernel shares."""
 
 from __future__ import annotations
 
@@ -60,6 +61,17 @@ def matmul(a: Any, b: Any, shape: tuple[int, int]) -> Any:
     return acc_ref[...]
 
   return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def accumulate(acc: Any, a: Any, b: Any, interpret: bool) -> Any:
+  """``acc + a @ b`` on the tensor cores. On a GPU wgmma accumulates into ``acc``'s own
+  registers (``plgpu.ACC.init``, as FlashAttention-3 and JAX's ``attention_mgpu`` do: no
+  second float32 accumulator held beside it); Mosaic GPU's interpreter (``interpret``),
+  which cannot start a wgmma from an accumulator in registers, adds a fresh one."""
+  if interpret:
+    return acc + matmul(a, b, acc.shape)
+  plgpu = mosaic_gpu()
+  return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b))(plgpu.ACC.init(acc))
 
 
 def staged(x: Any, smem: Any) -> Any:
