@@ -410,6 +410,28 @@ def test_the_gpu_program_holds_flexs_kernels_on_every_device(strategy, kernels):
   assert text.count("__gpu$xla.gpu.triton") == kernels
 
 
+def test_flex_hoppers_kernels_take_a_parts_mask_through_its_position_map():
+  """Named, flex's Hopper kernels run each device's part of an all-gather call (zig-zag,
+  causal): the part's mask reads its rows' global positions from the layout's map, one
+  vector a tile, so the gradient lowers for CUDA to the forward, dQ and dK/dV Mosaic GPU
+  calls on every device (values of such a reindexed mask: tests/test_flex_hopper.py)."""
+  mesh = _mesh("auto", (SP,), ("sp",))
+  q = jax.ShapeDtypeStruct((2, 512, 8, 64), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out = parallel.context_parallel_attention(
+      q, k, v, mesh=mesh, axis_name="sp", strategy="all_gather", layout="zigzag",
+      is_causal=True, implementation="flex_hopper",
+    )  # fmt: skip
+    return jnp.sum(out.astype(jnp.float32))
+
+  with jattn.testing.lowering_for("gpu", "NVIDIA H100"), warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q)
+    text = step.lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 3
+
+
 def test_flex_draws_each_parts_dropout_at_its_global_positions():
   """The all-gather's parts through flex's interpreted kernels, zig-zag, causal, dropout:
   values, lse and the gradients of q, k and v are the one-device call's, so each kernel

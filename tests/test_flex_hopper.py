@@ -16,6 +16,7 @@ from jattn.impl.flex import _hopper
 
 B, T, N, K, H = 1, 128, 2, 1, 64
 EVERY_THIRD = jnp.asarray(np.arange(256) % 3 > 0)  # read by a mask at each query position
+NEAR = jnp.asarray(np.arange(256) < 40)  # read at a distance: a gather no load expresses
 # Mosaic GPU's interpreter comes with jax 0.12 (importing mosaic_gpu, 0.3 s, waits for a test)
 interpreter = pytest.mark.skipif(
   "not hasattr(__import__('jax.experimental.pallas.mosaic_gpu', fromlist=['_']), "
@@ -253,14 +254,19 @@ def test_lowers_for_cuda_to_one_mosaic_gpu_call(is_causal, method):
     (dict(T=192, kw=dict(specialized=True)), r"query: length 192 must be a multiple of 128"),
     (dict(kv_len=64, kw=dict(is_causal=True)), r"is_causal: the Hopper kernel takes T = S"),
     (
-      dict(kw=dict(mask=masks.from_fn(lambda b, h, qi, ki: EVERY_THIRD[qi]))),
-      r"mask: the Hopper kernel takes masks reading arrays at the batch row and head alone .* "
-      r"reads an array of shape \(256,\) at each query or key position",
+      dict(kw=dict(mask=masks.from_fn(lambda b, h, qi, ki: NEAR[jnp.abs(qi - ki)]))),
+      r"mask: the Hopper kernel takes masks reading arrays at the batch row and head or along "
+      r"the positions .* reads an array of shape \(256,\) at each query or key position other "
+      r"than as a run at the positions of one axis",
+    ),
+    (  # a run at the query positions, shorter than the queries (T = 128)
+      dict(kw=dict(mask=masks.from_fn(lambda b, h, qi, ki: EVERY_THIRD[:100][qi]))),
+      r"mask: .* reads an array of shape \(256,\) .* no shorter than it",
     ),
     (
       dict(kw=dict(score_fn=scores.relative_position_bias(np.zeros((32, N), np.float32)))),
       r"score_fn: the Hopper kernel takes score functions reading arrays at the batch row and "
-      r"head alone, and it reads an array of shape \(32, 2\)",
+      r"head or along the positions, and it reads an array of shape \(32, 2\)",
     ),
   ],
 )
@@ -280,7 +286,7 @@ def test_flex_hopper_is_reached_only_by_name():
   """On a Hopper GPU (lowered for CUDA from this CPU), implementation=None never picks the
   Hopper kernels, and explain says why and how to opt in; named, the gradient lowers to its
   three Mosaic GPU calls (with packed documents too, prefix lengths with ALiBi, dropout, a
-  bias, a dense mask); what
+  bias, a dense mask, flags read along the query positions); what
   it does not take is refused by name, as is an Ampere GPU."""
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
   capped = dict(is_causal=True, logits_soft_cap=30.0)  # cuDNN takes no soft cap: flex's turn
@@ -294,7 +300,9 @@ def test_flex_hopper_is_reached_only_by_name():
     dropped = dict(is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(0))
     biased = dict(bias=jnp.zeros((256, 256), jnp.bfloat16), is_causal=True)
     dense = dict(mask=np.tri(256, dtype=bool) & (np.arange(256) % 5 > 0))
-    for kw in (capped, documents, alibi, dropped, biased, dense):
+    # an array read along the query positions: one vector load a tile
+    flags = dict(is_causal=True, mask=masks.from_fn(lambda b, h, qi, ki: EVERY_THIRD[qi]))
+    for kw in (capped, documents, alibi, dropped, biased, dense, flags):
       attend = lambda *a, kw=kw: jattn.dot_product_attention(*a, implementation="flex_hopper", **kw)
       step = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32)), (0, 1, 2)))
       with warnings.catch_warnings():
@@ -303,7 +311,7 @@ def test_flex_hopper_is_reached_only_by_name():
       assert text.count("custom_call @mosaic_gpu") == 3, kw
     refused = [
       (
-        dict(mask=masks.from_fn(lambda b, h, qi, ki: EVERY_THIRD[qi])),
+        dict(mask=masks.from_fn(lambda b, h, qi, ki: NEAR[jnp.abs(qi - ki)])),
         r"does not support mask .* at each query or key",
       ),
       (
@@ -459,6 +467,54 @@ def test_arrays_read_at_the_batch_row_and_head_are_kernel_inputs():
     want, want_out = jax.grad(lambda *a: loss("xla", *a), (0, 1, 2, 3), has_aux=True)(*wide, floats)
     np.testing.assert_allclose(np.float32(out), want_out, atol=2e-2, err_msg=make.__name__)
     for name, g, w in zip(("dq", "dk", "dv", "d_floats"), got, want):
+      rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
+      assert rel < 1e-2, (make.__name__, name, rel)
+
+
+@interpreter
+def test_arrays_read_along_the_positions_are_one_load_a_tile():
+  """Masks and score functions reading an array along the query or key positions, each
+  tile's run loaded as one vector (Mosaic GPU has no gather): per-query flags and per-key
+  flags (booleans, held as int32) with causal; a shard of a causal mask, reindexed to its
+  global positions (how a sequence-parallel part sees its mask); a learned per-key bias a
+  score function adds (its gradient from the grid VJP). Two batch rows, grouped queries:
+  output and the gradients of query, key, value (and the key bias) against the xla path on
+  the same bf16 inputs in float32; a mutation that reads each run at the wrong offset moves
+  the outputs by order one."""
+  rng = np.random.default_rng(22)
+  shapes = [(2, 128, 2, 64), (2, 128, 1, 64), (2, 128, 1, 64)]
+  q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
+  wide = [x.astype(jnp.float32) for x in (q, k, v)]
+  ct = rng.standard_normal(shapes[0]).astype(np.float32)
+  q_flags = jnp.asarray(rng.random(128) < 0.8)
+  k_flags = jnp.asarray(rng.random(128) < 0.7)
+
+  def flagged(extra):
+    keep = lambda b, h, qi, ki: (q_flags[qi] & k_flags[ki]) | (qi == ki)
+    return dict(is_causal=True, mask=masks.from_fn(keep))
+
+  def shard(extra):  # rows 256-383 of a causal mask over keys 192-319
+    return dict(mask=masks.reindex(masks.causal(), q=np.arange(128) + 256, kv=np.arange(128) + 192))
+
+  def key_bias(extra):
+    return dict(is_causal=True, score_fn=scores.from_fn(lambda s, b, h, qi, ki: s + extra[ki]))
+
+  cases = [(flagged, None), (shard, None), (key_bias, rng.standard_normal(128).astype(np.float32))]
+  for make, learned in cases:
+    extra = () if learned is None else (learned,)
+
+    def loss(impl, q, k, v, *x, make=make):
+      out = jattn.dot_product_attention(q, k, v, implementation=impl, **make(x[0] if x else None))
+      return jnp.sum(out.astype(jnp.float32) * ct), out
+
+    args = tuple(range(3 + len(extra)))
+    with jattn.testing.interpret_kernels():
+      got, out = jax.jit(jax.grad(lambda *a: loss("flex_hopper", *a), args, has_aux=True))(
+        q, k, v, *extra
+      )
+    want, want_out = jax.grad(lambda *a: loss("xla", *a), args, has_aux=True)(*wide, *extra)
+    np.testing.assert_allclose(np.float32(out), want_out, atol=2e-2, err_msg=make.__name__)
+    for name, g, w in zip(("dq", "dk", "dv", "d_bias"), got, want):
       rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
       assert rel < 1e-2, (make.__name__, name, rel)
 

@@ -415,8 +415,9 @@ HOPPER = _base.Implementation(
   runs_on=("gpu",),
   backwards=BACKWARDS,
   masks=(
-    "masks of the indices reading arrays at the batch row and head alone (causal, windows, "
-    "chunks, strides, lengths, prefix-LM, from_fn), and'ed with segment ids and a dense mask"
+    "masks of the indices reading arrays at the batch row and head or along the positions "
+    "(causal, windows, chunks, strides, lengths, prefix-LM, from_fn, a part's position map), "
+    "and'ed with segment ids and a dense mask"
   ),
   run=_hopper_run,
   dtypes=("bfloat16", "float16"),

@@ -19,17 +19,25 @@ array of integer indices is a gather from memory. :func:`evaluate` runs a functi
 
 Index vectors built by concatenating scalars along a last axis (how ``jnp`` forms a
 gather's indices) are kept as their pieces, so no concatenate or slice is lowered.
+
+A kernel that cannot gather at all (Mosaic GPU's) passes its query and key indices as
+:class:`Line` s: a tile's positions along one axis, from a first one. A point gather at
+those positions (``arr[q_idx]``, ``arr[b, kv_idx]``, ``pos.at[q_idx].get(mode="clip")``),
+every other index a scalar, reads one contiguous vector of the array (the kernel's own load)
+and broadcasts it across the tile; a scalar broadcast to a tile stays a :class:`Splat`
+until something needs the tile.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 
 
@@ -151,6 +159,96 @@ class Deferred:
       out = jnp.where(valid, out, jnp.asarray(0 if fill is None else fill, self.dtype))
     return out
 
+  def line(self, indices: Sequence[Any]) -> jax.Array | None:
+    """``array[indices...]`` where one index is a :class:`Line` and the others scalars
+    (or :class:`Splat` s): the array's contiguous run at the line's positions, read by the
+    line's own load, each scalar index clamped into its dimension (as a clipping gather
+    clamps; a filling one reads nothing out of range there either). None where it is not
+    such a read, or where the array is shorter than the positions' axis, or read in steps."""
+    lines = [i for i, x in enumerate(indices) if isinstance(x, Line)]
+    if len(lines) != 1 or any(not isinstance(x, (Line, Splat)) and jnp.ndim(x) for x in indices):
+      return None
+    (k,) = lines
+    line, dim = indices[k], self.dims[k]
+    if line.shape != tuple(jnp.shape(line.tile)) or any(
+      getattr(op, "reshapes", False) for op in line.ops
+    ):
+      return None  # a line whose tile is not the index's
+    if self.shape[k] < line.extent or self.steps[k] != 1 or dim is None:
+      return None
+    at: dict[int, Any] = dict(self.pinned)
+    for i, (n, d, start, step) in enumerate(zip(self.shape, self.dims, self.starts, self.steps)):
+      if i == k or d is None:
+        continue
+      x = indices[i]
+      idx = jnp.clip(jnp.asarray(x.value if isinstance(x, Splat) else x, jnp.int32), 0, n - 1)
+      at[d] = start + (idx * step if step != 1 else idx)
+    at[dim] = pl.ds(self.starts[k] + line.start, line.length)
+    view = self.ref.at[tuple(at.get(d, 0) for d in range(len(self.ref.shape)))]
+    out = line.load(view)
+    if out.dtype == self.dtype:
+      return out
+    # a comparison, not a conversion, to booleans (Mosaic GPU converts no tile to them)
+    return out != 0 if self.dtype == np.bool_ else out.astype(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Line:
+  """A tile's positions along ``axis`` as a kernel passes them for ``q_idx`` or ``kv_idx``:
+  ``tile`` is ``start`` (a scalar, non-negative) plus the tile's iota along ``axis``; the
+  positions run over an axis of ``extent`` (the sequence's length). ``load(view)`` brings a
+  1-D ref view of the tile's extent along ``axis`` into a tile of ``tile``'s shape, constant
+  along the other axes: how the kernel reads an array at these positions
+  (:meth:`Deferred.line`). Shifts, integer conversions and unit dimensions keep it a line,
+  recorded in ``ops`` and applied to the tile only where something needs its
+  :attr:`value` (a kernel may not lower them on the tile: Mosaic GPU adds no unit
+  dimension to a tile in wgmma's layout)."""
+
+  tile: Any
+  axis: int
+  start: Any
+  extent: int
+  load: Callable[[Any], Any]
+  shape: tuple[int, ...] = ()
+  ops: tuple[Callable[[Any], Any], ...] = ()
+
+  def __post_init__(self) -> None:
+    if not self.shape:
+      object.__setattr__(self, "shape", tuple(jnp.shape(self.tile)))
+
+  @property
+  def value(self) -> Any:
+    out = self.tile
+    for op in self.ops:
+      out = op(out)
+    return out
+
+  @property
+  def length(self) -> int:
+    """How many positions the tile holds along ``axis``."""
+    return self.shape[self.axis]
+
+  def then(self, op: Callable[[Any], Any], **changes: Any) -> Line:
+    """This line with ``op`` applied to its value, and ``changes`` to its fields."""
+    return dataclasses.replace(self, ops=(*self.ops, op), **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Splat:
+  """A scalar ``value`` broadcast to ``shape``, kept a scalar."""
+
+  value: Any
+  shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Known:
+  """A boolean tile whose every element is ``value``, known while tracing (a position
+  compared with a bound no position crosses)."""
+
+  value: bool
+  shape: tuple[int, ...]
+
 
 @dataclasses.dataclass(frozen=True)
 class Pieces:
@@ -161,10 +259,15 @@ class Pieces:
   def value(self) -> jax.Array:
     return jnp.concatenate(self.parts, axis=-1)
 
-  def columns(self) -> list[jax.Array]:
-    """Each column of the last axis, that axis dropped."""
-    out = []
+  def columns(self) -> list[Any]:
+    """Each column of the last axis, that axis dropped (a :class:`Line`'s or
+    :class:`Splat`'s only column stays one)."""
+    out: list[Any] = []
     for p in self.parts:
+      if isinstance(p, (Line, Splat)) and p.shape[-1] == 1:
+        out.append(_reshaped(p, p.shape[:-1]))
+        continue
+      p = _materialise(p)
       for j in range(p.shape[-1]):
         out.append(p[..., j] if p.shape[-1] > 1 else p.reshape(p.shape[:-1]))
     return out
@@ -177,11 +280,18 @@ def evaluate(jaxpr: Any, refs: Sequence[Any], *args: Any) -> list[Any]:
     consts, jaxpr = list(jaxpr.consts), jaxpr.jaxpr
   else:
     consts = []
-  inputs = [Deferred.of(r) for r in refs] + list(args)
-  return _run(jaxpr, consts, inputs)
+  # Each array as the function sees it: a kernel may hold it wider (Mosaic GPU loads no
+  # vector of booleans) and it is read back in the function's dtype.
+  inputs = [
+    dataclasses.replace(Deferred.of(r), dtype=np.dtype(v.aval.dtype))
+    for r, v in zip(refs, jaxpr.invars)
+  ] + list(args)
+  return _run(jaxpr, consts, inputs, any(isinstance(a, Line) for a in args))
 
 
-def _run(jaxpr: Any, consts: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
+def _run(
+  jaxpr: Any, consts: Sequence[Any], inputs: Sequence[Any], lines: bool = False
+) -> list[Any]:
   env: dict[Any, Any] = {}
 
   def read(v: Any) -> Any:
@@ -192,22 +302,24 @@ def _run(jaxpr: Any, consts: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
   for v, x in zip(jaxpr.invars, inputs):
     env[v] = x
   for eqn in jaxpr.eqns:
-    outs = _eqn(eqn, [read(v) for v in eqn.invars])
+    outs = _eqn(eqn, [read(v) for v in eqn.invars], lines)
     for v, x in zip(eqn.outvars, outs):
       env[v] = x
   return [_materialise(read(v)) for v in jaxpr.outvars]
 
 
-def _eqn(eqn: Any, invals: list[Any]) -> list[Any]:
+def _eqn(eqn: Any, invals: list[Any], lines: bool = False) -> list[Any]:
   name, params = eqn.primitive.name, eqn.params
   deferred = [x for x in invals if isinstance(x, (Deferred, Pieces))]
   if name in ("pjit", "jit", "closed_call", "core_call") and "jaxpr" in params:
     inner = params["jaxpr"]
     inner = inner if isinstance(inner, jex_core.ClosedJaxpr) else jex_core.ClosedJaxpr(inner, ())
-    return _run(inner.jaxpr, inner.consts, invals)
+    return _run(inner.jaxpr, inner.consts, invals, lines)
   if name == "custom_jvp_call" and "call_jaxpr" in params:
     inner = params["call_jaxpr"]
-    return _run(inner.jaxpr, inner.consts, invals)
+    return _run(inner.jaxpr, inner.consts, invals, lines)
+  if lines and (kept := _on_lines(eqn, invals)) is not None:
+    return [kept]
   if deferred:
     x = invals[0]
     if name in ("reshape", "broadcast_in_dim", "squeeze") and isinstance(x, Deferred):
@@ -224,7 +336,7 @@ def _eqn(eqn: Any, invals: list[Any]) -> list[Any]:
     if name == "convert_element_type" and isinstance(x, Deferred):
       return [dataclasses.replace(x, dtype=np.dtype(params["new_dtype"]))]
     if name == "gather" and isinstance(x, Deferred):
-      got = _point_gather(x, invals[1], params)
+      got = _point_gather(x, invals[1], params, lines)
       if got is not None:
         return [got]
   if name == "concatenate" and params["dimension"] == len(eqn.outvars[0].aval.shape) - 1:
@@ -241,8 +353,11 @@ def _eqn(eqn: Any, invals: list[Any]) -> list[Any]:
   return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _point_gather(x: Deferred, indices: Any, params: dict[str, Any]) -> jax.Array | None:
-  """The gather as a load from ``x``'s ref, where it reads single elements; else None."""
+def _point_gather(
+  x: Deferred, indices: Any, params: dict[str, Any], lines: bool = False
+) -> jax.Array | None:
+  """The gather as a load from ``x``'s ref, where it reads single elements (a contiguous
+  run at a :class:`Line`'s positions, where ``lines``); else None."""
   dn = params["dimension_numbers"]
   rank = len(x.shape)
   if (
@@ -253,12 +368,19 @@ def _point_gather(x: Deferred, indices: Any, params: dict[str, Any]) -> jax.Arra
     or sorted(dn.start_index_map) != list(range(rank))
   ):
     return None
-  columns = indices.columns() if isinstance(indices, Pieces) else None
-  if columns is None:
+  if isinstance(indices, Pieces):
+    columns = indices.columns()
+  elif isinstance(indices, (Line, Splat)) and indices.shape[-1] == 1:
+    columns = [_reshaped(indices, indices.shape[:-1])]
+  else:
     indices = _materialise(indices)
     columns = [indices[..., j] for j in range(indices.shape[-1])]
   by_dim = dict(zip(dn.start_index_map, columns))
-  return x.gather([by_dim[d] for d in range(rank)], params["mode"], params.get("fill_value"))
+  ordered = [by_dim[d] for d in range(rank)]
+  if lines and (got := x.line(ordered)) is not None:
+    return got
+  ordered = [_materialise(c) for c in ordered]
+  return x.gather(ordered, params["mode"], params.get("fill_value"))
 
 
 def _full(shape: tuple[int, ...] | None, i: int) -> Any:
@@ -276,4 +398,93 @@ def _materialise(x: Any) -> Any:
     return x.load()
   if isinstance(x, Pieces):
     return x.value()
+  if isinstance(x, Line):
+    return x.value
+  if isinstance(x, Splat):
+    return jnp.broadcast_to(x.value, x.shape)
+  if isinstance(x, Known):
+    return jnp.full(x.shape, x.value)
   return x
+
+
+def _scalar(x: Any) -> bool:
+  """Whether ``x`` is a scalar (or a :class:`Splat`, a scalar broadcast)."""
+  if isinstance(x, (Deferred, Pieces, Line, Known)):
+    return False
+  return isinstance(x, Splat) or not jnp.ndim(x)
+
+
+def _value(x: Any) -> Any:
+  return x.value if isinstance(x, Splat) else x
+
+
+def _reshaped(x: Any, shape: tuple[int, ...]) -> Any:
+  """A :class:`Line` or :class:`Splat` seen as ``shape`` (unit dimensions added or dropped
+  after the line's axis), else None."""
+  shape = tuple(shape)
+  if isinstance(x, Splat):
+    return Splat(x.value, shape)
+  kept = [n for n in x.shape if n != 1]
+  if [n for n in shape if n != 1] != kept or x.shape[: x.axis + 1] != shape[: x.axis + 1]:
+    return None
+  if shape == tuple(jnp.shape(x.tile)):  # back to the tile's own shape
+    ops = tuple(op for op in x.ops if not getattr(op, "reshapes", False))
+    return dataclasses.replace(x, shape=shape, ops=ops)
+  return x.then(_reshape_to(shape), shape=shape)
+
+
+def _reshape_to(shape: tuple[int, ...]) -> Callable[[Any], Any]:
+  def op(v: Any) -> Any:
+    return jnp.reshape(v, shape)
+
+  op.reshapes = True  # type: ignore[attr-defined]
+  return op
+
+
+_SHIFTS = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b}
+# A position p >= 0 compared with a bound c <= 0, with p on the left:
+_NEVER_NEGATIVE = {"lt": False, "ge": True}
+
+
+def _on_lines(eqn: Any, invals: list[Any]) -> Any:
+  """``eqn`` on :class:`Line` s, :class:`Splat` s and :class:`Known` s, kept so where the
+  result is one; None (evaluate it on the tiles) elsewhere."""
+  name, params = eqn.primitive.name, eqn.params
+  out_shape = tuple(eqn.outvars[0].aval.shape) if eqn.outvars else ()
+  x = invals[0] if invals else None
+  if name == "broadcast_in_dim":
+    if _scalar(x) and not params["broadcast_dimensions"]:
+      return Splat(_value(x), out_shape)
+    if isinstance(x, (Line, Splat)):
+      return _reshaped(x, out_shape)
+    return None
+  if name in ("reshape", "squeeze") and isinstance(x, (Line, Splat)):
+    return _reshaped(x, out_shape)
+  if name == "convert_element_type" and isinstance(x, (Line, Splat)):
+    dtype = np.dtype(params["new_dtype"])
+    if isinstance(x, Splat):
+      return Splat(jnp.asarray(x.value).astype(dtype), x.shape)
+    if jnp.issubdtype(dtype, jnp.integer):
+      return x.then(lambda v: v.astype(dtype), start=jnp.asarray(x.start).astype(dtype))
+    return None
+  if name in _SHIFTS and len(invals) == 2:
+    a, b = invals
+    shift = _SHIFTS[name]
+    if isinstance(a, Line) and _scalar(b):
+      s = _value(b)
+      return a.then(lambda v: shift(v, s), start=shift(a.start, s))
+    if name == "add" and isinstance(b, Line) and _scalar(a):
+      s = _value(a)
+      return b.then(lambda v: v + s, start=b.start + s)
+    if isinstance(a, Splat) and isinstance(b, Splat):
+      return Splat(shift(a.value, b.value), out_shape)
+    return None
+  if name in _NEVER_NEGATIVE and len(invals) == 2:
+    a, b = invals
+    if isinstance(a, Line) and isinstance(b, (int, np.integer, np.ndarray)) and np.ndim(b) == 0:
+      if int(b) <= 0:
+        return Known(_NEVER_NEGATIVE[name], out_shape)
+    return None
+  if name == "select_n" and isinstance(x, Known):
+    return invals[1 + int(x.value)]
+  return None

@@ -22,8 +22,10 @@ ids with each tile it walks). Dropout's pattern is regenerated in each kernel fr
 seed at every element's global indices (``_tile.dropout_keep``), as every implementation
 draws it. A bias is read tile by tile beside the key tiles (transposed planes for dK/dV),
 in wgmma's layout from swizzled shared memory; so is a dense boolean mask (as bfloat16 0 and
-1, on PARTIAL tiles). Other arrays a mask or score function reads at each query or key
-position (a table indexed by distance) come later.
+1, on PARTIAL tiles). An array a mask or score function reads along the query or key
+positions (``flags[q_idx]``, a sequence-parallel part's position map) is read as one run a
+tile from global memory (``_tile.line``); one read at computed positions (a table indexed
+by distance, T5's) is refused by name: Mosaic GPU has no gather.
 
 One program per (query tile of 64 rows, head, batch row), one warpgroup: the query tile is
 copied to shared memory once (TMA), then ``plgpu.emit_pipeline`` streams the key and value
@@ -94,10 +96,11 @@ def forward(
   N a multiple of K (grouped queries), float16 or bfloat16, H a multiple of 64, T a multiple
   of 64 and S of ``block_kv``; ``is_causal`` as jax.nn's (query t sees keys s <= t, T = S),
   and ``mask`` a jattn mask, and'ed with it, that reads arrays at the batch row and head
-  alone (lengths, prefix lengths, per-row causal offsets), and'ed with at most one set of
-  segment ids (:func:`_call.mask_reason`); ``score_fn(s, batch, head, q_idx, kv_idx)`` a jattn
-  score function applied to the scaled scores, reading arrays at the batch row and head
-  alone (``scores.soft_cap``, ``scores.alibi``; :func:`_call.score_reason`).
+  (lengths, prefix lengths, per-row causal offsets) or along the query or key positions (a
+  part's position map), and'ed with at most one set of segment ids and one dense mask
+  (:func:`_call.mask_reason`); ``score_fn(s, batch, head, q_idx, kv_idx)`` a jattn score
+  function applied to the scaled scores, reading arrays the same ways (``scores.soft_cap``,
+  ``scores.alibi``; :func:`_call.score_reason`).
   ``bias`` (rank 4, broadcastable to (B, N, T, S), floating) is added to the scaled scores
   before the score function, read tile by tile; dropout (``dropout_rate``, ``dropout_rng``,
   ``broadcast_dropout``) as jattn's.

@@ -33,7 +33,7 @@ def _tensors(
 
 
 def _scores(
-  static: _call.Static, fns: tuple[Any, Any], products: Any, masked: bool, b: Any, h: Any,
+  static: _call.Static, fns: tuple[Any, Any, Any], products: Any, masked: bool, b: Any, h: Any,
   q0: Any, k0: Any, transposed: bool, keep: Any, tiles: tuple[Any, Any],
 ) -> tuple[Any, Any]:  # fmt: skip
   """A backward tile's ``(t, slope)`` (:func:`_tile.scores`; ``fns`` the mask and score
@@ -41,7 +41,7 @@ def _scores(
   return _tile.scores(
     products, scale=static.scale, score_fn=fns[1], mask=fns[0], masked=masked, b=b, h=h,
     q0=q0, k0=k0, transposed=transposed, derivative=True, keep=keep, bias=tiles[0],
-    dense=tiles[1],
+    dense=tiles[1], lengths=static.lengths, slope_fn=fns[2],
   )  # fmt: skip
 
 
@@ -83,7 +83,7 @@ def one_warpgroup(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     r = _call.split_refs(refs[6:], static, n_ids)
     (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
-    fns = (r.mask, r.score_fn)
+    fns = (r.mask, r.score_fn, r.slope)
     dq_ref, q_smem, do_smem, lse_smem, delta_smem, bars, a_smem, id_smem = r.rest
     i = _kernels.tile_of(lax.axis_index("q"), T // ROWS, static.from_last[1])
     h, b = lax.axis_index("h"), lax.axis_index("b")
@@ -142,7 +142,7 @@ def one_warpgroup(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     r = _call.split_refs(refs[6:], static, n_ids)
     (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
-    fns = (r.mask, r.score_fn)
+    fns = (r.mask, r.score_fn, r.slope)
     dk_ref, dv_ref, k_smem, v_smem, bars, a_smem, id_smem = r.rest
     j = _kernels.tile_of(lax.axis_index("kv"), S // bk, static.from_last[2])
     h, b = lax.axis_index("h"), lax.axis_index("b")
@@ -332,7 +332,7 @@ def _specialized_pass(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     r = _call.split_refs(refs[6:], static, n_ids)
     (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
-    fns = (r.mask, r.score_fn)
+    fns = (r.mask, r.score_fn, r.slope)
     *outs, scoped = r.rest
     (held_smem, slot_smem, (own_ids, slot_ids), (bias_smem, dense_smem), a_smem), bars = scoped
     held_ready, ids_ready, ready, free = bars

@@ -11,6 +11,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
 
 from jattn import dropout as _dropout
 from jattn import masks as _masks
@@ -34,23 +36,29 @@ class Functions(NamedTuple):
   score: dict[tuple[int, ...], Any] | None
   n_mask: int  # arrays the mask reads
   n_score: int  # arrays the score function reads
+  # The score function and its derivative in the score, (y, dy/ds), traced at each tile
+  # shape too: the backward evaluates that jaxpr, not jax.jvp inside the kernel (Mosaic
+  # GPU's loads, which read arrays along the positions, have no differentiation rule).
+  slope: dict[tuple[int, ...], Any] | None = None
 
-  def bind(self, refs: Sequence[Any]) -> tuple[Any, Any]:
-    """``(mask(b, h, q_idx, kv_idx), score_fn(s, b, h, q_idx, kv_idx))`` inside a kernel,
-    their arrays read from ``refs`` (the mask's, then the score function's); None where
-    absent."""
+  def bind(self, refs: Sequence[Any]) -> tuple[Any, Any, Any]:
+    """``(mask(b, h, q_idx, kv_idx), score_fn(s, b, h, q_idx, kv_idx), slope(s, b, h,
+    q_idx, kv_idx) -> (score_fn(s, ...), its derivative in s))`` inside a kernel, their
+    arrays read from ``refs`` (the mask's, then the score function's); None where absent."""
     mask_refs, score_refs = tuple(refs[: self.n_mask]), tuple(refs[self.n_mask :])
 
     def run(jaxprs: dict[tuple[int, ...], Any], refs: tuple[Any, ...], *args: Any) -> Any:
-      (value,) = _in_kernel.evaluate(jaxprs[args[-1].shape], refs, *args)  # the tile's shape
-      return value
+      out = _in_kernel.evaluate(jaxprs[args[-1].shape], refs, *args)  # the tile's shape
+      return out[0] if len(out) == 1 else tuple(out)
 
-    mask = score = None
+    mask = score = slope = None
     if self.mask is not None:
       mask = functools.partial(run, self.mask, mask_refs)
     if self.score is not None:
       score = functools.partial(run, self.score, score_refs)
-    return mask, score
+    if self.slope is not None:
+      slope = functools.partial(run, self.slope, score_refs)
+    return mask, score, slope
 
 
 class Static(NamedTuple):
@@ -66,6 +74,7 @@ class Static(NamedTuple):
   broadcast_dropout: bool = False  # one (T, S) pattern for every batch row and head
   biased: bool = False  # a bias is added to the scaled scores
   dense: bool = False  # a dense boolean mask is and'ed with the mask on PARTIAL tiles
+  lengths: tuple[int, int] = (0, 0)  # T and S: the axes a function's positions run over
   specialized: bool = False  # warp-specialised kernels (128-row blocks)
   # Whether the forward's, dQ's and dK/dV's programs take their tiles last first: where a
   # schedule's rows grow heavier along its axis (causal query tiles), the longest launch
@@ -97,7 +106,17 @@ class Arrays(NamedTuple):
     the order :func:`split_refs` reads them."""
     dense = [x.astype(jnp.bfloat16) for x in self.dense]  # read in wgmma's layout as 16-bit
     tiled = [planes(x, T, S, transposed) for x in (*self.bias, *dense)]
-    return [*schedule, self.offsets, *self.seed, *self.ids, *self.mask, *self.score, *tiled]
+    read = [_widened(x) for x in (*self.mask, *self.score)]
+    return [*schedule, self.offsets, *self.seed, *self.ids, *read, *tiled]
+
+
+def _widened(x: jax.Array) -> jax.Array:
+  """An array a function reads, as a kernel holds it: booleans and 8-bit integers as int32
+  (Mosaic GPU loads no vector of either from a run of positions); read back in its own
+  dtype (:func:`_in_kernel.evaluate`)."""
+  if x.dtype == jnp.bool_ or (jnp.issubdtype(x.dtype, jnp.integer) and x.dtype.itemsize == 1):
+    return x.astype(jnp.int32)
+  return x
 
 
 def planes(x: jax.Array, T: int, S: int, transposed: bool) -> jax.Array:
@@ -117,6 +136,7 @@ class Refs(NamedTuple):
   ids: tuple[Any, ...]  # segment ids, or ()
   mask: Any  # the mask's evaluator (Functions.bind), or None
   score_fn: Any  # the score function's, or None
+  slope: Any  # the score function's with its derivative (Functions.bind), or None
   bias: Any  # the bias's planes (:func:`planes`), or None
   dense: Any  # the dense mask's planes, or None
   rest: tuple[Any, ...]  # the outputs and scratch
@@ -129,14 +149,16 @@ def split_refs(refs: Sequence[Any], static: Static, n_ids: int) -> Refs:
   at = 4 + n_seed
   ids = tuple(refs[at : at + n_ids])
   n_fn = f.n_mask + f.n_score
-  mask, score_fn = f.bind(refs[at + n_ids : at + n_ids + n_fn])
+  mask, score_fn, slope = f.bind(refs[at + n_ids : at + n_ids + n_fn])
   seed = refs[4] if n_seed else None
   at = at + n_ids + n_fn
   bias = refs[at] if static.biased else None
   at += static.biased
   dense = refs[at] if static.dense else None
   at += static.dense
-  return Refs(tuple(refs[:3]), refs[3], seed, ids, mask, score_fn, bias, dense, tuple(refs[at:]))
+  return Refs(
+    tuple(refs[:3]), refs[3], seed, ids, mask, score_fn, slope, bias, dense, tuple(refs[at:])
+  )
 
 
 def check_inputs(
@@ -183,9 +205,9 @@ def check_inputs(
     )
   if is_causal and T != S:
     raise ValueError(f"is_causal: the Hopper kernel takes T = S, got {T} and {S}")
-  if reason := mask_reason(mask):
+  if reason := mask_reason(mask, (T, S)):
     raise ValueError(f"mask: the Hopper kernel takes {reason}")
-  if reason := score_reason(score_fn):
+  if reason := score_reason(score_fn, (T, S)):
     raise ValueError(f"score_fn: the Hopper kernel takes {reason}")
   if bias is not None:
     shape = jnp.shape(bias)
@@ -247,13 +269,18 @@ def prepare(
   rest, ids, dense = _split_ids(full)
   mask_fns, mask_arrays = _traced(rest, shapes, score=False)
   score_fns, score_arrays = _traced(score_fn, shapes, score=True)
-  functions = Functions(mask_fns, score_fns, len(mask_arrays), len(score_arrays))
+  slopes = None
+  if score_fn is not None and backward:
+    slopes, slope_arrays = _traced(_with_slope(score_fn), [(ROWS, ROWS)], score=True)
+    if not _kernels.same_arrays(score_arrays, slope_arrays):
+      raise ValueError(f"score_fn: {score_fn!r} reads other arrays when differentiated")
+  functions = Functions(mask_fns, score_fns, len(mask_arrays), len(score_arrays), slopes)
   rate = float(dropout_rate)
   last = lambda s: bool(s) and _tiling.heaviest_last(_tiling.Schedule(*s))
   static = Static(
     float(scale), block_kv, stages, interpret, full is not None, functions, rate,
-    bool(broadcast_dropout) and rate > 0, bias is not None, bool(dense), specialized,
-    (last(forward_s), last(rows_s), last(cols_s)),
+    bool(broadcast_dropout) and rate > 0, bias is not None, bool(dense),
+    (query.shape[1], key.shape[1]), specialized, (last(forward_s), last(rows_s), last(cols_s)),
   )  # fmt: skip
   seed = (jnp.stack(_dropout.seed_words(dropout_rng)),) if rate else ()
   sched = lambda s: tuple(jnp.asarray(x) for x in s)
@@ -319,6 +346,16 @@ def _index_specs(shape: tuple[int, ...]) -> list[jax.ShapeDtypeStruct]:
   return [scalar, scalar, tile, tile]
 
 
+def _with_slope(score_fn: Any) -> Any:
+  """``(s, b, h, q, kv) -> (score_fn(s, b, h, q, kv), its derivative in s)``: score
+  functions act elementwise on the scores."""
+
+  def both(s: Any, *rest: Any) -> tuple[Any, Any]:
+    return jax.jvp(lambda s: score_fn(s, *rest), (s,), (jnp.ones_like(s),))
+
+  return both
+
+
 def _traced(
   fn: Any, shapes: Sequence[tuple[int, ...]], *, score: bool
 ) -> tuple[dict[tuple[int, ...], Any] | None, tuple[jax.Array, ...]]:
@@ -342,10 +379,15 @@ def _traced(
 
 class _Probe:
   """A kernel input's stand-in while a traced function is checked: notes whether it is read
-  other than one element at a time (a slice or a gather at index arrays)."""
+  other than one element at a time (a slice or a gather at index arrays) or as a run of
+  positions (through ``at``: :meth:`_in_kernel.Deferred.line`)."""
 
   def __init__(self, array: jax.Array) -> None:
     self.shape, self.dtype, self.wide = tuple(array.shape), array.dtype, False
+
+  @property
+  def at(self) -> _ProbeAt:
+    return _ProbeAt(self)
 
   def __getitem__(self, index: Any) -> jax.Array:
     index = index if isinstance(index, tuple) else (index,)
@@ -361,51 +403,90 @@ class _Probe:
     return jnp.zeros(shape, self.dtype)
 
 
-def _reads_reason(fn: Any, *, score: bool) -> str | None:
+class _ProbeAt:
+  """``probe.at[index]``: a view of the run ``index`` names (a ``pl.ds`` along one axis,
+  scalars elsewhere), whose read returns zeros of its shape."""
+
+  def __init__(self, probe: _Probe) -> None:
+    self.probe = probe
+
+  def __getitem__(self, index: Any) -> jax.ShapeDtypeStruct:
+    index = index if isinstance(index, tuple) else (index,)
+    shape = tuple(i.size for i in index if isinstance(i, pl.Slice))
+    return jax.ShapeDtypeStruct(shape, self.probe.dtype)
+
+
+def _probe_line(axis: int, extent: int, tile: Any, start: Any) -> _in_kernel.Line:
+  """A :class:`_in_kernel.Line` of traced positions whose reads return zeros."""
+
+  def load(view: jax.ShapeDtypeStruct) -> jax.Array:
+    return lax.broadcast_in_dim(jnp.zeros(view.shape, view.dtype), tile.shape, [axis])
+
+  return _in_kernel.Line(tile, axis, start, extent, load)
+
+
+def _reads_reason(fn: Any, *, score: bool, lengths: tuple[int, int] | None = None) -> str | None:
   """Where ``fn`` reads an array other than an element at a time at indices of the batch
-  row and head alone (an array per query or key position, a table indexed by distance), a
-  phrase saying so; None where the kernels can evaluate it."""
+  row and head, or as a run at the tile's query or key positions (``arr[q_idx]``,
+  ``arr[b, kv_idx]``; the array at least as long as that axis, of ``lengths`` (T, S) where
+  known), a phrase saying so (a table indexed by distance, say); None where the kernels can
+  evaluate it."""
   jaxprs, arrays = _traced(fn, [(ROWS, ROWS)], score=score)
   if not arrays:
     return None
   assert jaxprs is not None
   probes = [_Probe(a) for a in arrays]
-  specs = _index_specs((ROWS, ROWS))
+  specs = _index_specs((ROWS, ROWS)) + [jax.ShapeDtypeStruct((), jnp.int32)] * 2
   if score:
     specs.insert(0, jax.ShapeDtypeStruct((ROWS, ROWS), jnp.float32))
-  jax.eval_shape(lambda *a: _in_kernel.evaluate(jaxprs[ROWS, ROWS], probes, *a), *specs)
+  T, S = lengths or (0, 0)
+
+  def run(*a: Any) -> Any:
+    *head, q_idx, kv_idx, q0, k0 = a
+    lines = _probe_line(0, T, q_idx, q0), _probe_line(1, S, kv_idx, k0)
+    return _in_kernel.evaluate(jaxprs[ROWS, ROWS], probes, *head, *lines)
+
+  jax.eval_shape(run, *specs)
   wide = [p.shape for p in probes if p.wide]
   if not wide:
     return None
-  return f"it reads an array of shape {wide[0]} at each query or key position"
+  return (
+    f"it reads an array of shape {wide[0]} at each query or key position other than as a "
+    "run at the positions of one axis (arr[q_idx], arr[b, kv_idx]) no shorter than it"
+  )
 
 
-def mask_reason(mask: Any) -> str | None:
+def mask_reason(mask: Any, lengths: tuple[int, int] | None = None) -> str | None:
   """What the Hopper kernels cannot take in ``mask`` (None: they take it): masks of the
-  indices reading arrays at the batch row and head alone (lengths, prefix lengths, per-row
-  causal offsets), and'ed with at most one set of segment ids and one dense boolean mask
-  (which each program reads tile by tile)."""
+  indices reading arrays at the batch row and head (lengths, prefix lengths, per-row
+  causal offsets) or along the query or key positions (a sequence-parallel part's position
+  maps, per-position flags; as long as the axis, of ``lengths`` (T, S) where known), and'ed
+  with at most one set of segment ids and one dense boolean mask (which each program reads
+  tile by tile)."""
   parts = _masks_core.conjuncts(mask)
   for kind in _TILED:
     if sum(isinstance(p, kind) for p in parts) > 1:
       return f"one {kind.__name__} mask at most, {mask} has several"
   rest = _masks.all_of(*(p for p in parts if not isinstance(p, _TILED)))
-  if rest is not None and (reason := _reads_reason(rest, score=False)):
+  if rest is not None and (reason := _reads_reason(rest, score=False, lengths=lengths)):
     return (
-      f"masks reading arrays at the batch row and head alone (and segment ids, a dense mask), "
-      f"and {reason}"
+      "masks reading arrays at the batch row and head or along the positions (and segment "
+      f"ids, a dense mask), and {reason}"
     )
   return None
 
 
-def score_reason(score_fn: Any) -> str | None:
+def score_reason(score_fn: Any, lengths: tuple[int, int] | None = None) -> str | None:
   """What the Hopper kernels cannot take in ``score_fn`` (None: they take it): score
-  functions of the indices, reading arrays at the batch row and head alone (ALiBi's
-  per-head slopes; not a table indexed by distance)."""
+  functions of the indices, reading arrays at the batch row and head (ALiBi's per-head
+  slopes) or along the positions (:func:`mask_reason`'s), not a table indexed by distance."""
   if score_fn is None:
     return None
-  if reason := _reads_reason(score_fn, score=True):
-    return f"score functions reading arrays at the batch row and head alone, and {reason}"
+  if reason := _reads_reason(score_fn, score=True, lengths=lengths):
+    return (
+      f"score functions reading arrays at the batch row and head or along the positions, "
+      f"and {reason}"
+    )
   return None
 
 

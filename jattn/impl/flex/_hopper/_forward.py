@@ -74,6 +74,7 @@ def one_warpgroup(
           products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b_g, h=h_g,
           q0=i * ROWS, k0=j * block_kv, keep=keeper(*ids_smem),
           bias=_tile.plane_tile(bias_smem), dense=_tile.plane_tile(dense_smem),
+          lengths=static.lengths,
         )  # fmt: skip
         p, alpha, m_new, l = _tile.online_softmax(t, m, l, masked)
         # l sums P as it is; O sums it with dropout applied
@@ -260,7 +261,7 @@ def specialized(
         plgpu.barrier_arrive(k_free.at[slot])
         t_, _ = _tile.scores(
           products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b_g, h=h_g,
-          q0=q0, k0=j * bk, keep=keep, bias=bias, dense=dense,
+          q0=q0, k0=j * bk, keep=keep, bias=bias, dense=dense, lengths=static.lengths,
         )  # fmt: skip
         p, alpha, m_new, l = _tile.online_softmax(t_, m, l, masked)
         p16 = _tile.dropout_keep(p.shape, static, r.seed, b_g, h_g, q0, j * bk)(p).astype(dtype)

@@ -26,12 +26,14 @@ def mosaic_gpu() -> Any:
   return plgpu
 
 
-def load(ref: Any, layout: Any) -> Any:
-  """A whole shared-memory ref into registers in ``layout`` (jax 0.10 takes an index too)."""
+def load(ref: Any, layout: Any, optimized: bool = True) -> Any:
+  """A whole shared-memory ref into registers in ``layout`` (jax 0.10 takes an index too);
+  a global-memory one with ``optimized=False`` (Mosaic GPU before jax 0.12 has no optimized
+  load from there)."""
   load = mosaic_gpu().load
   if "idx" in inspect.signature(load).parameters:
-    return load(ref, (), layout=layout)
-  return load(ref, layout=layout)
+    return load(ref, (), layout=layout, optimized=optimized)
+  return load(ref, layout=layout, optimized=optimized)
 
 
 def has_interpreter() -> bool:

@@ -8,11 +8,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jattn import dropout as _dropout
+from jattn.impl.flex import _in_kernel
 from jattn.impl.flex._hopper import _mosaic
 from jattn.impl.flex._hopper._mosaic import LOG2E
 
@@ -33,16 +33,21 @@ def scores(
   keep: Any = None,
   bias: Any = None,
   dense: Any = None,
+  lengths: tuple[int, int] = (0, 0),
+  slope_fn: Any = None,
 ) -> tuple[Any, Any]:
   """``(t, slope)`` of one tile: its base-2 scores ``score_fn(scale · q kᵀ + bias) · log2(e)``
   (``bias`` the tile's, float32, in ``products``' orientation, or None), -inf
   where a PARTIAL tile's mask says so, and d score_fn(x)/dx (None without a score function
-  or ``derivative``). ``products`` is ``q kᵀ`` (``k qᵀ`` when ``transposed``: keys along
+  or ``derivative``; then ``slope_fn(x, ...)`` gives both, as :meth:`_call.Functions.bind`'s
+  third). ``products`` is ``q kᵀ`` (``k qᵀ`` when ``transposed``: keys along
   rows); query rows start at ``q0``, key rows at ``k0``; mask and score function see the
   elements' own indices (``mask`` and ``score_fn`` as :meth:`_call.Functions.bind` gives them).
   ``keep(q_idx, kv_idx)``: the segment ids' conjunct (:func:`keeper`), and ``dense`` the
   dense mask's tile (nonzero: allowed; :func:`plane_tile`), and'ed with the mask on PARTIAL
-  tiles."""
+  tiles. The functions get the tile's indices as :class:`_in_kernel.Line` s over axes of
+  ``lengths`` (T, S), so an array they read along the positions is one vector load from
+  global memory (:func:`line`)."""
   plgpu = _mosaic.mosaic_gpu()
   if bias is not None:  # the scores, biased: scaled first, as a plain tile is in one multiply
     products = products * float(scale) + bias
@@ -52,20 +57,22 @@ def scores(
   iota = lambda axis: plgpu.broadcasted_iota(
     jnp.int32, products.shape, axis, layout=plgpu.Layout.WGMMA
   )
-  q_idx, kv_idx = (iota(1) + q0, iota(0) + k0) if transposed else (iota(0) + q0, iota(1) + k0)
+  q_axis = 1 if transposed else 0
+  q_idx, kv_idx = iota(q_axis) + q0, iota(1 - q_axis) + k0
+  q_line = line(q_idx, q_axis, q0, lengths[0])
+  kv_line = line(kv_idx, 1 - q_axis, k0, lengths[1])
   slope = None
   if score_fn is None:
     t = products * (float(scale) * LOG2E)
   else:
-    score = lambda x: score_fn(x, b, h, q_idx, kv_idx).astype(jnp.float32)
     x = products * float(scale)
-    if derivative:  # score functions act elementwise on the scores
-      y, slope = jax.jvp(score, (x,), (jnp.ones_like(x),))
+    if derivative:  # the function and its derivative, one traced jaxpr (Functions.slope)
+      y, slope = (z.astype(jnp.float32) for z in slope_fn(x, b, h, q_line, kv_line))
     else:
-      y = score(x)
+      y = score_fn(x, b, h, q_line, kv_line).astype(jnp.float32)
     t = y * LOG2E
   if masked:
-    allowed = None if mask is None else mask(b, h, q_idx, kv_idx)
+    allowed = None if mask is None else mask(b, h, q_line, kv_line)
     if keep is not None:
       allowed = keep(q_idx, kv_idx) if allowed is None else allowed & keep(q_idx, kv_idx)
     if dense is not None:
@@ -73,6 +80,21 @@ def scores(
     if allowed is not None:
       t = jnp.where(allowed, t, -jnp.inf)
   return t, slope
+
+
+def line(tile: Any, axis: int, start: Any, extent: int) -> _in_kernel.Line:
+  """A tile's positions along ``axis`` (``tile``: ``start`` plus its iota there, in wgmma's
+  layout) as the functions see them: an array read at them (:meth:`_in_kernel.Deferred.line`)
+  is loaded as one vector from global memory, in the layout that broadcasts along the other
+  axis into the tile's."""
+  plgpu = _mosaic.mosaic_gpu()
+  vector = plgpu.Layout.WGMMA.reduce(1 - axis)
+
+  def load(view: Any) -> Any:
+    run = _mosaic.load(view, vector, optimized=False)
+    return lax.broadcast_in_dim(run, tile.shape, [axis])
+
+  return _in_kernel.Line(tile, axis, start, extent, load)
 
 
 def dropout_keep(
