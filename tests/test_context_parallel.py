@@ -412,16 +412,18 @@ def test_the_gpu_program_holds_flexs_kernels_on_every_device(strategy, kernels):
 
 def test_flex_hoppers_kernels_take_a_parts_mask_through_its_position_map():
   """Named, flex's Hopper kernels run each device's part of an all-gather call (zig-zag,
-  causal): the part's mask reads its rows' global positions from the layout's map, one
-  vector a tile, so the gradient lowers for CUDA to the forward, dQ and dK/dV Mosaic GPU
-  calls on every device (values of such a reindexed mask: tests/test_flex_hopper.py)."""
+  causal, dropout): the part's mask reads its rows' global positions from the layout's map,
+  one vector a tile, and its dropout is drawn there, so the gradient lowers for CUDA to the
+  forward, dQ and dK/dV Mosaic GPU calls on every device (values of such a part:
+  tests/test_flex_hopper.py)."""
   mesh = _mesh("auto", (SP,), ("sp",))
   q = jax.ShapeDtypeStruct((2, 512, 8, 64), jnp.bfloat16)
 
   def loss(q, k, v):
     out = parallel.context_parallel_attention(
       q, k, v, mesh=mesh, axis_name="sp", strategy="all_gather", layout="zigzag",
-      is_causal=True, implementation="flex_hopper",
+      is_causal=True, implementation="flex_hopper", dropout_rate=0.1,
+      dropout_rng=jax.random.key(0),
     )  # fmt: skip
     return jnp.sum(out.astype(jnp.float32))
 

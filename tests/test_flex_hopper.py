@@ -520,6 +520,48 @@ def test_arrays_read_along_the_positions_are_one_load_a_tile():
 
 
 @interpreter
+def test_a_sequence_parallel_parts_dropout_is_drawn_at_its_global_positions():
+  """A part of a sequence-parallel call, its query rows zig-zag's chunks (positions 192-255,
+  then 0-63, of 256): its mask and score function reindexed to those positions, its dropout
+  drawn there (the kernels read the part's map a run a tile, the grid VJP of learned ALiBi
+  slopes through the same map). Output and the gradients of query, key, value and the
+  slopes equal the one-device call's on those rows (the xla path, the same key, float32);
+  drawn at the part's own row indices, the pattern differs and so does the output."""
+  rng = np.random.default_rng(23)
+  shapes = [(1, 256, 2, 64), (1, 256, 1, 64), (1, 256, 1, 64)]
+  q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
+  wide = [x.astype(jnp.float32) for x in (q, k, v)]
+  rows = np.concatenate([np.arange(192, 256), np.arange(64)]).astype(np.int32)
+  ct = rng.standard_normal((1, 128, 2, 64)).astype(np.float32)
+  drop = dict(dropout_rate=0.25, dropout_rng=jax.random.key(7))
+  slopes = np.array([0.2, 0.05], np.float32)
+
+  def part(q, k, v, slopes, positions=(None, None, jnp.asarray(rows), None)):
+    out, _ = _hopper.attention(
+      q[:, rows], k, v, scale=H**-0.5, mask=masks.reindex(masks.causal(), q=rows),
+      score_fn=scores.reindex(scores.alibi(slopes), q=rows), interpret=True,
+      positions=positions, **drop,
+    )  # fmt: skip
+    return jnp.sum(out.astype(jnp.float32) * ct), out
+
+  def whole(q, k, v, slopes):
+    out = jattn.dot_product_attention(
+      q, k, v, is_causal=True, score_fn=scores.alibi(slopes), implementation="xla", **drop
+    )[:, rows]
+    return jnp.sum(out.astype(jnp.float32) * ct), out
+
+  args = (0, 1, 2, 3)
+  got, out = jax.jit(jax.grad(part, args, has_aux=True))(q, k, v, slopes)
+  want, want_out = jax.grad(whole, args, has_aux=True)(*wide, slopes)
+  np.testing.assert_allclose(np.float32(out), want_out, atol=3e-2)
+  for name, g, w in zip(("dq", "dk", "dv", "d_slopes"), got, want):
+    rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
+    assert rel < 1e-2, (name, rel)
+  local = jax.jit(lambda *a: part(*a, positions=None)[1])(q, k, v, slopes)
+  assert np.abs(np.float32(local) - want_out).max() > 0.3
+
+
+@interpreter
 def test_the_log_sum_exp_and_sinks_carry_gradients():
   """return_residual=True: the log-sum-exp (B, T, N) and its cotangent, which enters dS as Δ
   does; and sinks, which the table adds around the kernels through that log-sum-exp (a

@@ -407,6 +407,7 @@ def _hopper_attend(
     broadcast_dropout=spec.broadcast_dropout,
     bias=spec.bias,
     batch_heads=(spec.B, spec.N),
+    positions=spec.positions,
   )
 
 
@@ -421,6 +422,7 @@ HOPPER = _base.Implementation(
   ),
   run=_hopper_run,
   dtypes=("bfloat16", "float16"),
+  positions=None,  # a sequence-parallel part's dropout positions are read in the kernels
   fused=True,
   interpretable=True,
   check=_hopper_check,

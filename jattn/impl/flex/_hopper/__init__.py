@@ -19,8 +19,9 @@ and may read arrays at the batch row and head (lengths, prefix lengths, ALiBi's 
 the kernels take those as inputs and read them an element at a time; segment ids are
 and'ed with them (each program copies its own tile's ids once and streams the other axis's
 ids with each tile it walks). Dropout's pattern is regenerated in each kernel from the
-seed at every element's global indices (``_tile.dropout_keep``), as every implementation
-draws it. A bias is read tile by tile beside the key tiles (transposed planes for dK/dV),
+seed at every element's global indices (``_tile.dropout_keep``; on a sequence-parallel
+part, the global positions its maps give, read as runs), as every implementation draws it.
+A bias is read tile by tile beside the key tiles (transposed planes for dK/dV),
 in wgmma's layout from swizzled shared memory; so is a dense boolean mask (as bfloat16 0 and
 1, on PARTIAL tiles). An array a mask or score function reads along the query or key
 positions (``flags[q_idx]``, a sequence-parallel part's position map) is read as one run a
@@ -91,6 +92,7 @@ def forward(
   broadcast_dropout: bool = False,
   bias: jax.Array | None = None,
   batch_heads: tuple[int, int] | None = None,
+  positions: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """``(out, lse)`` of softmax attention: query (B, T, N, H), key and value (B, S, K, H),
   N a multiple of K (grouped queries), float16 or bfloat16, H a multiple of 64, T a multiple
@@ -115,12 +117,15 @@ def forward(
   ``offsets``: the global index of the first batch row and head (int32 (2,)) where these
   inputs are one device's share of a sharded call, and ``batch_heads`` the whole call's
   batch size and query heads; the mask and score function see global indices, and read
-  their arrays (whole on each device) there, the tile schedule covers every row and head."""
+  their arrays (whole on each device) there, the tile schedule covers every row and head.
+  ``positions``: a sequence-parallel part's maps to the global (batch, head, query, key)
+  positions its dropout is drawn at (:attr:`jattn.impl._base.CallSpec.positions`)."""
   arrays, static = _call.prepare(
     query, key, value, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
     block_kv=block_kv, stages=stages, interpret=interpret, specialized=specialized,
     offsets=offsets, backward=False, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
     broadcast_dropout=broadcast_dropout, bias=bias, batch_heads=batch_heads,
+    positions=positions,
   )  # fmt: skip
   run = _forward.specialized if specialized else _forward.one_warpgroup
   out, lse2 = run(query, key, value, arrays, static)
@@ -146,6 +151,7 @@ def attention(
   broadcast_dropout: bool = False,
   bias: jax.Array | None = None,
   batch_heads: tuple[int, int] | None = None,
+  positions: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """``(out, lse)``: :func:`forward`'s output and natural log-sum-exp, ``lse`` (B, T, N) as
   jattn's implementations return it, both differentiable: in query, key and value by the
@@ -160,6 +166,7 @@ def attention(
     block_kv=block_kv, stages=stages, interpret=interpret, specialized=specialized,
     offsets=offsets, backward=True, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
     broadcast_dropout=broadcast_dropout, bias=bias, batch_heads=batch_heads,
+    positions=positions,
   )  # fmt: skip
   run = _forward.specialized if specialized else _forward.one_warpgroup
   backward = _backward.specialized if specialized else _backward.one_warpgroup

@@ -114,7 +114,7 @@ def one_warpgroup(
         t, slope = _scores(static, fns, products, masked, b_g, h_g, q0, k0, False, keep, tiles)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [0]))
         dp = _mosaic.matmul(do_smem, v_smem.transpose((1, 0)), (ROWS, bk))
-        dp = _tile.dropout_keep(dp.shape, static, r.seed, b_g, h_g, i * ROWS, j * bk)(dp)
+        dp = _tile.dropout_keep(dp.shape, static, r, b_g, h_g, i * ROWS, j * bk)(dp)
         ds = p * (dp - lax.broadcast_in_dim(dlt, t.shape, [0]))
         ds = _through_score(ds, slope).astype(dtype)
         return _mosaic.accumulate(dq, _mosaic.staged(ds, a_smem), k_smem, interpret)
@@ -172,7 +172,7 @@ def one_warpgroup(
         q0, k0 = i * ROWS, j * bk
         t, slope = _scores(static, fns, products, masked, b_g, h_g, q0, k0, True, keep, tiles)
         p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [1]))
-        dropped = _tile.dropout_keep(p.shape, static, r.seed, b_g, h_g, i * ROWS, j * bk, True)
+        dropped = _tile.dropout_keep(p.shape, static, r, b_g, h_g, i * ROWS, j * bk, True)
         pv = _mosaic.staged(dropped(p).astype(dtype), a_smem)
         dv = _mosaic.accumulate(dv, pv, do_smem, interpret)
         dp = dropped(_mosaic.matmul(v_smem, do_smem.transpose((1, 0)), (bk, ROWS)))
@@ -377,7 +377,7 @@ def _specialized_pass(
           _tile.plane_tile(half(bias_smem)),
           _tile.plane_tile(half(dense_smem)) if masked else None,
         )
-        dropped = _tile.dropout_keep((ROWS, ROWS), static, r.seed, b_g, h_g, q0, k0, transposed)
+        dropped = _tile.dropout_keep((ROWS, ROWS), static, r, b_g, h_g, q0, k0, transposed)
         if transposed:  # Sᵀ = K Qᵀ; dV += Pᵀ dO; dPᵀ = V dOᵀ; dK += dSᵀ Q
           k_smem, v_smem = mine
           q_smem, do_smem, lse_smem, d_smem = slots

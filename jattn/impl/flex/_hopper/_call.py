@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 
 from jattn import dropout as _dropout
 from jattn import masks as _masks
-from jattn.impl import _tiling
+from jattn.impl import _common, _tiling
 from jattn.impl.flex import _in_kernel as _in_kernel
 from jattn.impl.flex import _kernels as _kernels
 from jattn.impl.flex._hopper import _mosaic
@@ -40,25 +40,34 @@ class Functions(NamedTuple):
   # shape too: the backward evaluates that jaxpr, not jax.jvp inside the kernel (Mosaic
   # GPU's loads, which read arrays along the positions, have no differentiation rule).
   slope: dict[tuple[int, ...], Any] | None = None
+  # A sequence-parallel part's dropout: (b, h, q_idx, kv_idx) -> the global positions it
+  # is drawn at, through the part's maps (CallSpec.positions), which it reads.
+  positions: dict[tuple[int, ...], Any] | None = None
+  n_positions: int = 0
 
-  def bind(self, refs: Sequence[Any]) -> tuple[Any, Any, Any]:
+  def bind(self, refs: Sequence[Any]) -> tuple[Any, Any, Any, Any]:
     """``(mask(b, h, q_idx, kv_idx), score_fn(s, b, h, q_idx, kv_idx), slope(s, b, h,
-    q_idx, kv_idx) -> (score_fn(s, ...), its derivative in s))`` inside a kernel, their
-    arrays read from ``refs`` (the mask's, then the score function's); None where absent."""
-    mask_refs, score_refs = tuple(refs[: self.n_mask]), tuple(refs[self.n_mask :])
+    q_idx, kv_idx) -> (score_fn(s, ...), its derivative in s), positions(b, h, q_idx,
+    kv_idx) -> global (b, h, q, kv))`` inside a kernel, their arrays read from ``refs`` (the
+    mask's, the score function's, the positions' maps); None where absent."""
+    n = self.n_mask + self.n_score
+    mask_refs, score_refs = tuple(refs[: self.n_mask]), tuple(refs[self.n_mask : n])
+    position_refs = tuple(refs[n : n + self.n_positions])
 
     def run(jaxprs: dict[tuple[int, ...], Any], refs: tuple[Any, ...], *args: Any) -> Any:
       out = _in_kernel.evaluate(jaxprs[args[-1].shape], refs, *args)  # the tile's shape
       return out[0] if len(out) == 1 else tuple(out)
 
-    mask = score = slope = None
+    mask = score = slope = positions = None
     if self.mask is not None:
       mask = functools.partial(run, self.mask, mask_refs)
     if self.score is not None:
       score = functools.partial(run, self.score, score_refs)
     if self.slope is not None:
       slope = functools.partial(run, self.slope, score_refs)
-    return mask, score, slope
+    if self.positions is not None:
+      positions = functools.partial(run, self.positions, position_refs)
+    return mask, score, slope, positions
 
 
 class Static(NamedTuple):
@@ -96,6 +105,7 @@ class Arrays(NamedTuple):
   ids: tuple[jax.Array, ...]  # segment ids, query (Bm, T) and key (Bm, S) int32, or ()
   mask: tuple[jax.Array, ...]  # what the mask's other conjuncts read
   score: tuple[jax.Array, ...]  # what the score function reads
+  positions: tuple[jax.Array, ...] = ()  # the maps a sequence-parallel part's dropout reads
 
   def kernel_inputs(
     self, schedule: tuple[jax.Array, ...], T: int, S: int, transposed: bool = False
@@ -106,7 +116,7 @@ class Arrays(NamedTuple):
     the order :func:`split_refs` reads them."""
     dense = [x.astype(jnp.bfloat16) for x in self.dense]  # read in wgmma's layout as 16-bit
     tiled = [planes(x, T, S, transposed) for x in (*self.bias, *dense)]
-    read = [_widened(x) for x in (*self.mask, *self.score)]
+    read = [_widened(x) for x in (*self.mask, *self.score, *self.positions)]
     return [*schedule, self.offsets, *self.seed, *self.ids, *read, *tiled]
 
 
@@ -137,6 +147,7 @@ class Refs(NamedTuple):
   mask: Any  # the mask's evaluator (Functions.bind), or None
   score_fn: Any  # the score function's, or None
   slope: Any  # the score function's with its derivative (Functions.bind), or None
+  positions: Any  # a sequence-parallel part's dropout positions (Functions.bind), or None
   bias: Any  # the bias's planes (:func:`planes`), or None
   dense: Any  # the dense mask's planes, or None
   rest: tuple[Any, ...]  # the outputs and scratch
@@ -148,8 +159,8 @@ def split_refs(refs: Sequence[Any], static: Static, n_ids: int) -> Refs:
   n_seed = 1 if static.dropout_rate else 0
   at = 4 + n_seed
   ids = tuple(refs[at : at + n_ids])
-  n_fn = f.n_mask + f.n_score
-  mask, score_fn, slope = f.bind(refs[at + n_ids : at + n_ids + n_fn])
+  n_fn = f.n_mask + f.n_score + f.n_positions
+  mask, score_fn, slope, positions = f.bind(refs[at + n_ids : at + n_ids + n_fn])
   seed = refs[4] if n_seed else None
   at = at + n_ids + n_fn
   bias = refs[at] if static.biased else None
@@ -157,8 +168,9 @@ def split_refs(refs: Sequence[Any], static: Static, n_ids: int) -> Refs:
   dense = refs[at] if static.dense else None
   at += static.dense
   return Refs(
-    tuple(refs[:3]), refs[3], seed, ids, mask, score_fn, slope, bias, dense, tuple(refs[at:])
-  )
+    tuple(refs[:3]), refs[3], seed, ids, mask, score_fn, slope, positions, bias, dense,
+    tuple(refs[at:]),
+  )  # fmt: skip
 
 
 def check_inputs(
@@ -243,11 +255,14 @@ def prepare(
   broadcast_dropout: bool = False,
   bias: jax.Array | None = None,
   batch_heads: tuple[int, int] | None = None,
+  positions: Any = None,
 ) -> tuple[Arrays, Static]:
   """A call checked (:func:`check_inputs`, each refusal naming the argument) and as the
   kernels take it: the forward's tile schedule (and the backward's, where ``backward``), the
   segment ids, the dense mask, the bias, the dropout seed, and the mask and score function
-  traced at the kernels' tile shapes with the arrays they read."""
+  traced at the kernels' tile shapes with the arrays they read; for a sequence-parallel
+  part's dropout, ``positions`` (:attr:`jattn.impl._base.CallSpec.positions`) traced the
+  same way."""
   check_inputs(
     query, key, value, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
     interpret=interpret, specialized=specialized, dropout_rate=dropout_rate,
@@ -267,6 +282,8 @@ def prepare(
     _, _, cols_s = _schedules(query, key, is_causal, mask, rows, ROWS, batch_heads)
     shapes.append((ROWS, ROWS))  # dQ's tiles, and dK/dV's transposed ones
   rest, ids, dense = _split_ids(full)
+  T, S = query.shape[1], key.shape[1]
+  rate = float(dropout_rate)
   mask_fns, mask_arrays = _traced(rest, shapes, score=False)
   score_fns, score_arrays = _traced(score_fn, shapes, score=True)
   slopes = None
@@ -274,8 +291,16 @@ def prepare(
     slopes, slope_arrays = _traced(_with_slope(score_fn), [(ROWS, ROWS)], score=True)
     if not _kernels.same_arrays(score_arrays, slope_arrays):
       raise ValueError(f"score_fn: {score_fn!r} reads other arrays when differentiated")
-  functions = Functions(mask_fns, score_fns, len(mask_arrays), len(score_arrays), slopes)
-  rate = float(dropout_rate)
+  position_fns: Any = None
+  position_arrays: tuple[jax.Array, ...] = ()
+  if rate and positions is not None:
+    position_fns, position_arrays = _traced(_at_positions(positions), shapes, score=False)
+    if reason := _reads_reason(_at_positions(positions), score=False, lengths=(T, S)):
+      raise ValueError(f"positions: the Hopper kernel takes maps it reads as runs, and {reason}")
+  functions = Functions(
+    mask_fns, score_fns, len(mask_arrays), len(score_arrays), slopes, position_fns,
+    len(position_arrays),
+  )  # fmt: skip
   last = lambda s: bool(s) and _tiling.heaviest_last(_tiling.Schedule(*s))
   static = Static(
     float(scale), block_kv, stages, interpret, full is not None, functions, rate,
@@ -287,7 +312,7 @@ def prepare(
   biases = () if bias is None else (bias,)
   arrays = Arrays(
     _offsets(offsets), seed, biases, dense, sched(forward_s), sched(rows_s), sched(cols_s), ids,
-    mask_arrays, score_arrays,
+    mask_arrays, score_arrays, position_arrays,
   )  # fmt: skip
   return arrays, static
 
@@ -344,6 +369,15 @@ def _index_specs(shape: tuple[int, ...]) -> list[jax.ShapeDtypeStruct]:
   ``shape``: the program's batch row and head as scalars, the tile's indices."""
   scalar, tile = (jax.ShapeDtypeStruct(x, jnp.int32) for x in ((), shape))
   return [scalar, scalar, tile, tile]
+
+
+def _at_positions(maps: Any) -> Any:
+  """``(b, h, q, kv) -> the global positions maps (CallSpec.positions) take them to``."""
+
+  def at(*idx: Any) -> tuple[Any, ...]:
+    return _common.at_positions(idx, maps)
+
+  return at
 
 
 def _with_slope(score_fn: Any) -> Any:

@@ -78,7 +78,7 @@ def one_warpgroup(
         )  # fmt: skip
         p, alpha, m_new, l = _tile.online_softmax(t, m, l, masked)
         # l sums P as it is; O sums it with dropout applied
-        dropped = _tile.dropout_keep(p.shape, static, r.seed, b_g, h_g, i * ROWS, j * block_kv)
+        dropped = _tile.dropout_keep(p.shape, static, r, b_g, h_g, i * ROWS, j * block_kv)
         a = _mosaic.staged(dropped(p).astype(dtype), p_smem)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         return _mosaic.accumulate(acc, a, v_smem, interpret), m_new, l
@@ -264,7 +264,7 @@ def specialized(
           q0=q0, k0=j * bk, keep=keep, bias=bias, dense=dense, lengths=static.lengths,
         )  # fmt: skip
         p, alpha, m_new, l = _tile.online_softmax(t_, m, l, masked)
-        p16 = _tile.dropout_keep(p.shape, static, r.seed, b_g, h_g, q0, j * bk)(p).astype(dtype)
+        p16 = _tile.dropout_keep(p.shape, static, r, b_g, h_g, q0, j * bk)(p).astype(dtype)
         plgpu.barrier_arrive(turn)  # this softmax is done: the other may multiply
         plgpu.barrier_wait(v_ready.at[slot])
         plgpu.barrier_wait(turn)  # and the tensor cores are ours again

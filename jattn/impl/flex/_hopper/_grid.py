@@ -33,14 +33,23 @@ def _on_grid(
   """A mask's or score function's tile jaxpr (traced at ROWS x ROWS) on the whole (B, N, T,
   S) grid in XLA, its arrays as plain inputs: mapped over batch rows and heads (global:
   ``offsets`` added) and tiles; ``scores`` (B, N, T, S) a score function's input."""
+  (out,) = _outputs_on_grid(jaxpr, arrays, shape, offsets, scores)
+  return out
+
+
+def _outputs_on_grid(
+  jaxpr: Any, arrays: Sequence[jax.Array], shape: tuple[int, int, int, int], offsets: Any,
+  scores: jax.Array | None = None,
+) -> list[jax.Array]:  # fmt: skip
+  """:func:`_on_grid` for a jaxpr of several outputs: each on the whole grid."""
   B, N, T, S = shape
   run = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, []))
   iota = lax.broadcasted_iota(jnp.int32, (ROWS, ROWS), 0)
   q_in, kv_in = iota, iota.T
 
-  def tile(b: Any, h: Any, i: Any, j: Any, *x: Any) -> jax.Array:
-    (y,) = run(*arrays, *x, b, h, q_in + i * ROWS, kv_in + j * ROWS)
-    return jnp.broadcast_to(y, (ROWS, ROWS))
+  def tile(b: Any, h: Any, i: Any, j: Any, *x: Any) -> tuple[jax.Array, ...]:
+    ys = run(*arrays, *x, b, h, q_in + i * ROWS, kv_in + j * ROWS)
+    return tuple(jnp.broadcast_to(y, (ROWS, ROWS)) for y in ys)
 
   x: tuple[jax.Array, ...] = ()
   if scores is not None:  # its (B, N, T/ROWS, S/ROWS, ROWS, ROWS) tiles
@@ -57,8 +66,8 @@ def _on_grid(
     jnp.arange(T // ROWS, dtype=jnp.int32),
     jnp.arange(S // ROWS, dtype=jnp.int32),
   )
-  out = each(b, h, i, j, *x)  # (B, N, T/ROWS, S/ROWS, ROWS, ROWS)
-  return out.transpose(0, 1, 2, 4, 3, 5).reshape(B, N, T, S)
+  outs = each(b, h, i, j, *x)  # each (B, N, T/ROWS, S/ROWS, ROWS, ROWS)
+  return [out.transpose(0, 1, 2, 4, 3, 5).reshape(B, N, T, S) for out in outs]
 
 
 def grid_grads(
@@ -122,6 +131,10 @@ def grid_grads(
   if static.dropout_rate:  # dP through the pattern the kernels drew
     b, h, q, kv = _masks.index_grid(B, N, T, S)
     idx: tuple[Any, ...] = (b + arrays.offsets[0], h + arrays.offsets[1], q, kv)  # global
+    if fns.positions is not None:  # a sequence-parallel part's: through its maps, as the kernels
+      idx = tuple(
+        _outputs_on_grid(fns.positions[ROWS, ROWS], arrays.positions, shape, arrays.offsets)
+      )
     if static.broadcast_dropout:
       idx = _dropout.shared_indices(*idx)
     (seed,) = arrays.seed

@@ -100,7 +100,7 @@ def line(tile: Any, axis: int, start: Any, extent: int) -> _in_kernel.Line:
 def dropout_keep(
   shape: tuple[int, ...],
   static: Any,
-  seed_ref: Any,
+  refs: Any,
   b: Any,
   h: Any,
   q0: Any,
@@ -109,18 +109,28 @@ def dropout_keep(
 ) -> Any:
   """``keep(x)``: a tile of P or dP with dropout applied, zero where dropped and scaled by
   1 / (1 − rate) where kept, drawn at the elements' global indices (batch row ``b``, head
-  ``h``, query rows from ``q0``, keys from ``k0``; keys along rows when ``transposed``) as
-  every implementation draws it (:func:`jattn.dropout.keep_from_seed`); the identity
-  without dropout (``static.dropout_rate`` 0). The pattern is drawn once per call of this."""
+  ``h``, query rows from ``q0``, keys from ``k0``; keys along rows when ``transposed``; on a
+  sequence-parallel part, the global positions ``refs.positions`` maps them to) as every
+  implementation draws it (:func:`jattn.dropout.keep_from_seed`, from ``refs.seed``); the
+  identity without dropout (``static.dropout_rate`` 0). The pattern is drawn once per call
+  of this."""
   rate = static.dropout_rate
   if not rate:
     return lambda x: x
   plgpu = _mosaic.mosaic_gpu()
   iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
-  q_idx, kv_idx = (iota(1) + q0, iota(0) + k0) if transposed else (iota(0) + q0, iota(1) + k0)
-  idx = (b, h, q_idx, kv_idx)
+  q_axis = 1 if transposed else 0
+  q_idx, kv_idx = iota(q_axis) + q0, iota(1 - q_axis) + k0
+  idx: tuple[Any, ...] = (b, h, q_idx, kv_idx)
+  if refs.positions is not None:  # through the part's maps, read as runs (lines)
+    lines = (
+      line(q_idx, q_axis, q0, static.lengths[0]),
+      line(kv_idx, 1 - q_axis, k0, static.lengths[1]),
+    )
+    idx = tuple(refs.positions(b, h, *lines))
   if static.broadcast_dropout:
     idx = _dropout.shared_indices(*idx)
+  seed_ref = refs.seed
   kept = _dropout.keep_from_seed((seed_ref[0], seed_ref[1]), rate, *idx)
   return lambda x: jnp.where(kept, x * (1.0 / (1.0 - rate)), jnp.zeros_like(x))
 
