@@ -474,8 +474,8 @@ def test_arrays_read_at_the_batch_row_and_head_are_kernel_inputs():
 @interpreter
 def test_arrays_read_along_the_positions_are_one_load_a_tile():
   """Masks and score functions reading an array along the query or key positions, each
-  tile's run loaded as one vector (Mosaic GPU has no gather): per-query flags and per-key
-  flags (booleans, held as int32) with causal; a shard of a causal mask, reindexed to its
+  tile's run loaded as one vector (Mosaic GPU has no gather): per-query flags and each batch
+  row's per-key flags (booleans, held as int32) with causal; a shard of a causal mask, reindexed to its
   global positions (how a sequence-parallel part sees its mask); a learned per-key bias a
   score function adds (its gradient from the grid VJP). Two batch rows, grouped queries:
   output and the gradients of query, key, value (and the key bias) against the xla path on
@@ -487,10 +487,10 @@ def test_arrays_read_along_the_positions_are_one_load_a_tile():
   wide = [x.astype(jnp.float32) for x in (q, k, v)]
   ct = rng.standard_normal(shapes[0]).astype(np.float32)
   q_flags = jnp.asarray(rng.random(128) < 0.8)
-  k_flags = jnp.asarray(rng.random(128) < 0.7)
+  k_flags = jnp.asarray(rng.random((2, 128)) < 0.7)  # each batch row's
 
   def flagged(extra):
-    keep = lambda b, h, qi, ki: (q_flags[qi] & k_flags[ki]) | (qi == ki)
+    keep = lambda b, h, qi, ki: (q_flags[qi] & k_flags[b, ki]) | (qi == ki)
     return dict(is_causal=True, mask=masks.from_fn(keep))
 
   def shard(extra):  # rows 256-383 of a causal mask over keys 192-319

@@ -212,3 +212,77 @@ def test_reads_at_a_scalar_index_are_loads_of_one_element():
   inner = next(e for e in traced.jaxpr.eqns if e.primitive.name == "pallas_call")
   assert "dynamic_slice" not in {e.primitive.name for e in inner.params["jaxpr"].eqns}
   assert _lowers_to_triton(jaxpr, arrays)
+
+
+class _RunsOnly:
+  """A ref that answers reads of runs only (``ref.at[..., pl.ds(start, n)]``, then read
+  whole), as Mosaic GPU's kernels read arrays along the positions: any other read fails."""
+
+  def __init__(self, a):
+    self.a, self.shape, self.dtype = np.asarray(a), np.shape(a), np.asarray(a).dtype
+    self.runs = 0
+
+  def __getitem__(self, index):
+    raise AssertionError(f"a gather or element read at {index}, not a run")
+
+  @property
+  def at(self):
+    outer = self
+
+    class View:
+      def __getitem__(self, index):
+        outer.runs += 1
+        index = tuple(
+          slice(i.start, i.start + i.size) if isinstance(i, pl.Slice) else i for i in index
+        )
+        return jnp.asarray(outer.a)[index]
+
+    return View()
+
+
+def test_reads_along_the_positions_are_runs():
+  """Query and key indices passed as Lines (a tile's positions from a first one, as the
+  Hopper kernels pass them): per-query flags, per-row key flags at the batch row (a scalar
+  index beside the run), a map to global positions read with .at[].get(mode="clip") (how
+  masks.reindex reads one) and shifted, each a run of the array (the ref answers nothing
+  else); the same values as the function outside. A filling read at a scalar index, which
+  may fall outside, and a read at computed positions (a distance) are not runs."""
+  tile = (8, 8)
+  q0, k0, b = 8, 16, 1
+  q_flags = np.arange(32) % 3 > 0
+  k_flags = np.random.default_rng(0).random((2, 32)) < 0.6
+  positions = np.arange(32) * 2 + 5
+
+  def fn(bb, h, q, kv):
+    mapped = jnp.asarray(positions).at[q].get(mode="clip") - 1
+    return (jnp.asarray(q_flags)[q] & jnp.asarray(k_flags)[bb, kv]) | (mapped > 2 * kv)
+
+  def lines(q_tile, kv_tile):
+    def load(axis):
+      return lambda view: jax.lax.broadcast_in_dim(view, tile, [axis])
+
+    return (
+      _in_kernel.Line(q_tile, 0, jnp.int32(q0), 32, load(0)),
+      _in_kernel.Line(kv_tile, 1, jnp.int32(k0), 32, load(1)),
+    )
+
+  q_tile = jax.lax.broadcasted_iota(jnp.int32, tile, 0) + q0
+  kv_tile = jax.lax.broadcasted_iota(jnp.int32, tile, 1) + k0
+  specs = (jax.ShapeDtypeStruct((), jnp.int32),) * 2 + (jax.ShapeDtypeStruct(tile, jnp.int32),) * 2
+  jaxpr, arrays = _opened(fn, *specs)
+  refs = [_RunsOnly(a) for a in arrays]
+  (got,) = _in_kernel.evaluate(jaxpr, refs, jnp.int32(b), jnp.int32(0), *lines(q_tile, kv_tile))
+  want = fn(jnp.int32(b), jnp.int32(0), q_tile, kv_tile)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert sum(r.runs for r in refs) == 3
+
+  for other in (
+    lambda bb, h, q, kv: jnp.asarray(k_flags).at[bb, kv].get(mode="fill", fill_value=False),
+    lambda bb, h, q, kv: jnp.asarray(q_flags)[jnp.abs(q - kv)],
+  ):
+    jaxpr, arrays = _opened(other, *specs)
+    with pytest.raises(AssertionError, match="not a run"):
+      _in_kernel.evaluate(
+        jaxpr, [_RunsOnly(a) for a in arrays], jnp.int32(b), jnp.int32(0),
+        *lines(q_tile, kv_tile),
+      )  # fmt: skip

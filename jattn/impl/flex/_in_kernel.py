@@ -159,14 +159,17 @@ class Deferred:
       out = jnp.where(valid, out, jnp.asarray(0 if fill is None else fill, self.dtype))
     return out
 
-  def line(self, indices: Sequence[Any]) -> jax.Array | None:
+  def line(self, indices: Sequence[Any], mode: Any = None) -> jax.Array | None:
     """``array[indices...]`` where one index is a :class:`Line` and the others scalars
     (or :class:`Splat` s): the array's contiguous run at the line's positions, read by the
     line's own load, each scalar index clamped into its dimension (as a clipping gather
-    clamps; a filling one reads nothing out of range there either). None where it is not
-    such a read, or where the array is shorter than the positions' axis, or read in steps."""
+    clamps, and as XLA reads ``jnp``'s plain indexing, which promises indices in bounds).
+    None where it is not such a read: a filling gather (``mode``) at scalar indices, which
+    might fall outside; an array shorter than the positions' axis; a read in steps."""
     lines = [i for i, x in enumerate(indices) if isinstance(x, Line)]
     if len(lines) != 1 or any(not isinstance(x, (Line, Splat)) and jnp.ndim(x) for x in indices):
+      return None
+    if _fills(mode) and len(indices) > 1:
       return None
     (k,) = lines
     line, dim = indices[k], self.dims[k]
@@ -257,7 +260,7 @@ class Pieces:
   parts: tuple[Any, ...]
 
   def value(self) -> jax.Array:
-    return jnp.concatenate(self.parts, axis=-1)
+    return jnp.concatenate([_materialise(p) for p in self.parts], axis=-1)
 
   def columns(self) -> list[Any]:
     """Each column of the last axis, that axis dropped (a :class:`Line`'s or
@@ -342,7 +345,8 @@ def _eqn(eqn: Any, invals: list[Any], lines: bool = False) -> list[Any]:
   if name == "concatenate" and params["dimension"] == len(eqn.outvars[0].aval.shape) - 1:
     parts: list[Any] = []
     for x in invals:
-      parts.extend(x.parts if isinstance(x, Pieces) else (_materialise(x),))
+      kept = x if isinstance(x, (Line, Splat)) else _materialise(x)
+      parts.extend(x.parts if isinstance(x, Pieces) else (kept,))
     return [Pieces(tuple(parts))]
   invals = [_materialise(x) for x in invals]
   got = eqn.primitive.get_bind_params(params)
@@ -377,7 +381,7 @@ def _point_gather(
     columns = [indices[..., j] for j in range(indices.shape[-1])]
   by_dim = dict(zip(dn.start_index_map, columns))
   ordered = [by_dim[d] for d in range(rank)]
-  if lines and (got := x.line(ordered)) is not None:
+  if lines and (got := x.line(ordered, params["mode"])) is not None:
     return got
   ordered = [_materialise(c) for c in ordered]
   return x.gather(ordered, params["mode"], params.get("fill_value"))
