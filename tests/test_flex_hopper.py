@@ -475,12 +475,12 @@ def test_arrays_read_at_the_batch_row_and_head_are_kernel_inputs():
 def test_arrays_read_along_the_positions_are_one_load_a_tile():
   """Masks and score functions reading an array along the query or key positions, each
   tile's run loaded as one vector (Mosaic GPU has no gather): per-query flags and each batch
-  row's per-key flags (booleans, held as int32) with causal; a shard of a causal mask, reindexed to its
-  global positions (how a sequence-parallel part sees its mask); a learned per-key bias a
-  score function adds (its gradient from the grid VJP). Two batch rows, grouped queries:
-  output and the gradients of query, key, value (and the key bias) against the xla path on
-  the same bf16 inputs in float32; a mutation that reads each run at the wrong offset moves
-  the outputs by order one."""
+  row's per-key flags (booleans, held as int32) with causal; a shard of a causal mask,
+  reindexed to its global positions (how a sequence-parallel part sees its mask); a learned
+  per-key bias a score function adds (its gradient from the grid VJP). Two batch rows,
+  grouped queries: output and the gradients of query, key, value (and the key bias) against
+  the xla path on the same bf16 inputs in float32; a mutation that reads each run at the
+  wrong offset moves the outputs by order one."""
   rng = np.random.default_rng(22)
   shapes = [(2, 128, 2, 64), (2, 128, 1, 64), (2, 128, 1, 64)]
   q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
