@@ -245,17 +245,21 @@ def test_reads_along_the_positions_are_runs():
   Hopper kernels pass them): per-query flags, per-row key flags at the batch row (a scalar
   index beside the run), a map to global positions read with .at[].get(mode="clip") (how
   masks.reindex reads one) and shifted, each a run of the array (the ref answers nothing
-  else); the same values as the function outside. A filling read at a scalar index, which
-  may fall outside, and a read at computed positions (a distance) are not runs."""
+  else), a run shifted by a constant in an array long enough for it; the same values as the
+  function outside. A filling read at a scalar index, which may fall outside, a read at
+  computed positions (a distance), and shifted runs that would leave the array (past its
+  end, or before its start, where jnp wraps a negative index) are not runs."""
   tile = (8, 8)
   q0, k0, b = 8, 16, 1
   q_flags = np.arange(32) % 3 > 0
   k_flags = np.random.default_rng(0).random((2, 32)) < 0.6
   positions = np.arange(32) * 2 + 5
+  longer = np.arange(40) % 4 == 0
 
   def fn(bb, h, q, kv):
     mapped = jnp.asarray(positions).at[q].get(mode="clip") - 1
-    return (jnp.asarray(q_flags)[q] & jnp.asarray(k_flags)[bb, kv]) | (mapped > 2 * kv)
+    shifted = jnp.asarray(longer)[q + 3]
+    return (jnp.asarray(q_flags)[q] & jnp.asarray(k_flags)[bb, kv]) | (mapped > 2 * kv) | shifted
 
   def lines(q_tile, kv_tile):
     def load(axis):
@@ -274,11 +278,13 @@ def test_reads_along_the_positions_are_runs():
   (got,) = _in_kernel.evaluate(jaxpr, refs, jnp.int32(b), jnp.int32(0), *lines(q_tile, kv_tile))
   want = fn(jnp.int32(b), jnp.int32(0), q_tile, kv_tile)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  assert sum(r.runs for r in refs) == 3
+  assert sum(r.runs for r in refs) == 4
 
   for other in (
     lambda bb, h, q, kv: jnp.asarray(k_flags).at[bb, kv].get(mode="fill", fill_value=False),
     lambda bb, h, q, kv: jnp.asarray(q_flags)[jnp.abs(q - kv)],
+    lambda bb, h, q, kv: jnp.asarray(longer)[q + 9],  # 32 + 9 > 40
+    lambda bb, h, q, kv: jnp.asarray(longer)[q - 2],
   ):
     jaxpr, arrays = _opened(other, *specs)
     with pytest.raises(AssertionError, match="not a run"):

@@ -177,7 +177,10 @@ class Deferred:
       getattr(op, "reshapes", False) for op in line.ops
     ):
       return None  # a line whose tile is not the index's
-    if self.shape[k] < line.extent or self.steps[k] != 1 or dim is None:
+    # The run must lie inside the array: the shifted positions from 0 to extent + offset.
+    if line.offset is None or line.offset < 0 or self.shape[k] < line.extent + line.offset:
+      return None
+    if self.steps[k] != 1 or dim is None:
       return None
     at: dict[int, Any] = dict(self.pinned)
     for i, (n, d, start, step) in enumerate(zip(self.shape, self.dims, self.starts, self.steps)):
@@ -205,7 +208,8 @@ class Line:
   (:meth:`Deferred.line`). Shifts, integer conversions and unit dimensions keep it a line,
   recorded in ``ops`` and applied to the tile only where something needs its
   :attr:`value` (a kernel may not lower them on the tile: Mosaic GPU adds no unit
-  dimension to a tile in wgmma's layout)."""
+  dimension to a tile in wgmma's layout); ``offset`` is the shift added to the positions
+  (None: one not known while tracing), which bounds where a read of them may fall."""
 
   tile: Any
   axis: int
@@ -214,6 +218,7 @@ class Line:
   load: Callable[[Any], Any]
   shape: tuple[int, ...] = ()
   ops: tuple[Callable[[Any], Any], ...] = ()
+  offset: int | None = 0
 
   def __post_init__(self) -> None:
     if not self.shape:
@@ -445,6 +450,19 @@ def _reshape_to(shape: tuple[int, ...]) -> Callable[[Any], Any]:
   return op
 
 
+def _static(x: Any) -> int | None:
+  """``x`` as a Python int where it is an integer known while tracing, else None."""
+  if isinstance(x, (int, np.integer)) or (isinstance(x, np.ndarray) and x.ndim == 0):
+    return int(x)
+  return None
+
+
+def _shifted(offset: int | None, s: Any, sign: int) -> int | None:
+  """A line's ``offset`` after adding ``sign * s`` (None where either is not known)."""
+  k = _static(s)
+  return None if offset is None or k is None else offset + sign * k
+
+
 _SHIFTS = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b}
 # A position p >= 0 compared with a bound c <= 0, with p on the left:
 _NEVER_NEGATIVE = {"lt": False, "ge": True}
@@ -476,17 +494,19 @@ def _on_lines(eqn: Any, invals: list[Any]) -> Any:
     shift = _SHIFTS[name]
     if isinstance(a, Line) and _scalar(b):
       s = _value(b)
-      return a.then(lambda v: shift(v, s), start=shift(a.start, s))
+      offset = _shifted(a.offset, s, -1 if name == "sub" else 1)
+      return a.then(lambda v: shift(v, s), start=shift(a.start, s), offset=offset)
     if name == "add" and isinstance(b, Line) and _scalar(a):
       s = _value(a)
-      return b.then(lambda v: v + s, start=b.start + s)
+      return b.then(lambda v: v + s, start=b.start + s, offset=_shifted(b.offset, s, 1))
     if isinstance(a, Splat) and isinstance(b, Splat):
       return Splat(shift(a.value, b.value), out_shape)
     return None
   if name in _NEVER_NEGATIVE and len(invals) == 2:
     a, b = invals
-    if isinstance(a, Line) and isinstance(b, (int, np.integer, np.ndarray)) and np.ndim(b) == 0:
-      if int(b) <= 0:
+    bound = _static(b)
+    if isinstance(a, Line) and a.offset is not None and a.offset >= 0:
+      if bound is not None and bound <= 0:  # positions + offset >= 0 >= bound
         return Known(_NEVER_NEGATIVE[name], out_shape)
     return None
   if name == "select_n" and isinstance(x, Known):
