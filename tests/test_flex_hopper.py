@@ -314,6 +314,10 @@ def test_flex_hopper_is_reached_only_by_name():
         dict(mask=masks.from_fn(lambda b, h, qi, ki: NEAR[jnp.abs(qi - ki)])),
         r"does not support mask .* at each query or key",
       ),
+      (  # a run past the array's end: 256 queries, 200 flags
+        dict(mask=masks.from_fn(lambda b, h, qi, ki: EVERY_THIRD[:200][qi])),
+        r"does not support mask .* no shorter than it",
+      ),
       (
         dict(score_fn=scores.relative_position_bias(np.zeros((32, 4), np.float32))),
         r"does not support score_fn relative_position_bias.* at each query or key",

@@ -370,9 +370,9 @@ def _hopper_check(call: _base.Call) -> str | None:
     return f"head dims H={s.H}, Hv={s.Hv} (it takes H = Hv, a multiple of 64)"
   if s.T % _hopper.ROWS or s.S % _hopper.ROWS:
     return f"lengths T={s.T}, S={s.S} (it takes multiples of {_hopper.ROWS})"
-  if reason := _hopper.mask_reason(s.mask):
+  if reason := _hopper.mask_reason(s.mask, (s.T, s.S)):
     return f"mask {s.mask!r}: it takes {reason}"
-  if reason := _hopper.score_reason(s.score_fn):
+  if reason := _hopper.score_reason(s.score_fn, (s.T, s.S)):
     return f"score_fn {s.score_fn!r}: it takes {reason}"
   bias_dtype = None if s.bias is None else jnp.result_type(s.bias)
   if reason := _hopper.smem_reason(s.H, call.dtype, bias_dtype, s.mask):
