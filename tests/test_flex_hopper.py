@@ -189,18 +189,28 @@ def test_the_warp_specialized_forward_matches_jax_nn():
 
 @pytest.mark.parametrize(
   "score_fn, specialized",
-  [(None, False), (scores.soft_cap(30.0), False), (None, True), ("features", True)],
-  ids=["plain", "soft_cap", "specialized", "specialized_features"],
-)
+  [
+    (None, False), (scores.soft_cap(30.0), False), (None, True), ("features", True),
+    ("value_dim", False), ("value_dim", True),
+  ],
+  ids=[
+    "plain", "soft_cap", "specialized", "specialized_features", "value_dim",
+    "specialized_value_dim",
+  ],
+)  # fmt: skip
 def test_the_gradient_lowers_for_cuda_to_three_mosaic_gpu_calls(score_fn, specialized):
   """The forward kernel (its float32 output for the backward's Δ), the dQ kernel and the
   dK/dV kernel, from a CPU, causal, bf16; with a soft cap (tanh and its derivative inside
   each kernel) and a window as well; with the warp-specialised kernels; and those with
   packed documents, a bf16 bias, dropout and ALiBi's slopes (each slot's ids and bias tile
-  on its barrier, the slopes read in the kernels, the pattern drawn in each)."""
+  on its barrier, the slopes read in the kernels, the pattern drawn in each); and with values
+  of a head dim of their own (queries and keys 192 wide, values 128), both arrangements."""
   q, k, v = (jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in _inputs(jnp.float32, 256, 128))
   mask = None if score_fn is None else masks.sliding_window(100, 0)
   kw = {}
+  if score_fn == "value_dim":  # DeepSeek's shapes: queries and keys 192 wide, values 128
+    q, k = (jax.ShapeDtypeStruct((*x.shape[:3], 192), jnp.bfloat16) for x in (q, k))
+    mask = score_fn = None
   if score_fn == "features":
     docs = np.repeat(np.arange(2), 128)[None]
     mask, score_fn = masks.segments(docs, docs), scores.alibi(np.array([0.1, 0.2], np.float32))
@@ -249,6 +259,7 @@ def test_lowers_for_cuda_to_one_mosaic_gpu_call(is_causal, method):
   [
     (dict(dtype=jnp.float32), r"query: the Hopper kernel takes float16 or bfloat16"),
     (dict(H=48), r"query: head dim 48 is not a multiple of 64"),
+    (dict(Hv=32), r"value: head dim 32 is not a multiple of 64"),
     (dict(T=96), r"query, key: lengths 96 and 96 must be multiples of 64"),
     (dict(kw=dict(block_kv=96)), r"block_kv=96"),
     (dict(T=192, kw=dict(specialized=True)), r"query: length 192 must be a multiple of 128"),
@@ -275,6 +286,8 @@ def test_bad_arguments_are_refused_by_name(change, match):
   q, k, v = _inputs(dtype, T_, H_)
   if "kv_len" in change:
     k, v = k[:, : change["kv_len"]], v[:, : change["kv_len"]]
+  if "Hv" in change:
+    v = v[..., : change["Hv"]]
   with pytest.raises(ValueError, match=match):
     _hopper.forward(q, k, v, scale=1.0, **change.get("kw", {}))
 
@@ -563,6 +576,38 @@ def test_a_sequence_parallel_parts_dropout_is_drawn_at_its_global_positions():
     assert rel < 1e-2, (name, rel)
   local = jax.jit(lambda *a: part(*a, positions=None)[1])(q, k, v, slopes)
   assert np.abs(np.float32(local) - want_out).max() > 0.3
+
+
+@interpreter
+def test_values_may_have_a_head_dim_of_their_own():
+  """Values of head dim 64 against queries' and keys' 128 (through the table, one
+  warpgroup) and 128 against 64 (the warp-specialised kernels), causal with grouped queries:
+  output and the gradients of query, key and value against the xla path on the same bf16
+  inputs in float32, each gradient in its own input's shape."""
+  rng = np.random.default_rng(24)
+  for H_, Hv, T_, specialized in ((128, 64, 128, False), (64, 128, 256, True)):
+    shapes = [(1, T_, 2, H_), (1, T_, 1, H_), (1, T_, 1, Hv)]
+    q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
+    wide = [x.astype(jnp.float32) for x in (q, k, v)]
+    ct = rng.standard_normal((1, T_, 2, Hv)).astype(np.float32)
+
+    def hopper(q, k, v, specialized=specialized, H_=H_):
+      if specialized:
+        return _hopper.attention(
+          q, k, v, scale=H_**-0.5, is_causal=True, interpret=True, specialized=True
+        )[0]
+      with jattn.testing.interpret_kernels():
+        return jattn.dot_product_attention(q, k, v, is_causal=True, implementation="flex_hopper")
+
+    xla = lambda *a: jattn.dot_product_attention(*a, is_causal=True, implementation="xla")
+    loss = lambda attend: lambda *a: (jnp.sum(attend(*a).astype(jnp.float32) * ct), attend(*a))
+    got, out = jax.jit(jax.grad(loss(hopper), (0, 1, 2), has_aux=True))(q, k, v)
+    want, want_out = jax.grad(loss(xla), (0, 1, 2), has_aux=True)(*wide)
+    np.testing.assert_allclose(np.float32(out), want_out, atol=2e-2, err_msg=str((H_, Hv)))
+    for name, g, w, x in zip(("dq", "dk", "dv"), got, want, (q, k, v)):
+      assert g.shape == x.shape, (name, g.shape)
+      rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
+      assert rel < 1e-2, (H_, Hv, name, rel)
 
 
 @interpreter

@@ -366,8 +366,8 @@ def _hopper_check(call: _base.Call) -> str | None:
   elif generation(kind := _gpu_kind()) != "sm_90":
     here = repr(kind) if kind else "none is named (jattn.testing.lowering_for's device_kind)"
     return f"it needs a Hopper GPU (sm_90), and {here}"
-  if s.H % 64 or s.Hv != s.H:
-    return f"head dims H={s.H}, Hv={s.Hv} (it takes H = Hv, a multiple of 64)"
+  if s.H % 64 or s.Hv % 64:
+    return f"head dims H={s.H}, Hv={s.Hv} (it takes multiples of 64)"
   if s.T % _hopper.ROWS or s.S % _hopper.ROWS:
     return f"lengths T={s.T}, S={s.S} (it takes multiples of {_hopper.ROWS})"
   if reason := _hopper.mask_reason(s.mask, (s.T, s.S)):
@@ -375,7 +375,7 @@ def _hopper_check(call: _base.Call) -> str | None:
   if reason := _hopper.score_reason(s.score_fn, (s.T, s.S)):
     return f"score_fn {s.score_fn!r}: it takes {reason}"
   bias_dtype = None if s.bias is None else jnp.result_type(s.bias)
-  if reason := _hopper.smem_reason(s.H, call.dtype, bias_dtype, s.mask):
+  if reason := _hopper.smem_reason(s.H, call.dtype, bias_dtype, s.mask, Hv=s.Hv):
     return reason
   return None
 

@@ -71,7 +71,7 @@ def one_warpgroup(
   XLA. Tiles of 64 by 64; the mask's schedules as in the forward."""
   plgpu = _mosaic.mosaic_gpu()
   B, T, N, H = query.shape
-  S, K = key.shape[1], key.shape[2]
+  S, K, Hv = key.shape[1], key.shape[2], value.shape[3]
   G, dtype, bk = N // K, query.dtype, ROWS
   scale, stages, interpret = static.scale, static.stages, static.interpret
   n_ids = len(arrays.ids)
@@ -123,11 +123,12 @@ def one_warpgroup(
 
     def pipeline(first: Any, count: Any, masked: bool, dq: Any) -> Any:
       at = lambda t: order_ref[i, t + first]
-      spec = plgpu.BlockSpec((bk, H), lambda t: (at(t), 0), transforms=swizzled)
+      k_spec = plgpu.BlockSpec((bk, H), lambda t: (at(t), 0), transforms=swizzled)
+      v_spec = plgpu.BlockSpec((bk, Hv), lambda t: (at(t), 0), transforms=swizzled)
       dense = r.dense if masked else None
       specs, refs = _tile.streams(ids, r.bias, dense, (b_g, b, h, h_g), i, ROWS, bk, at, False)
       return plgpu.emit_pipeline(
-        step(first, masked), grid=(count,), in_specs=[spec, spec, *specs],
+        step(first, masked), grid=(count,), in_specs=[k_spec, v_spec, *specs],
         max_concurrent_steps=stages, init_carry=dq,
       )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :], *refs)  # fmt: skip
 
@@ -184,18 +185,18 @@ def one_warpgroup(
 
     def pipeline(first: Any, count: Any, masked: bool, carry: Any) -> Any:
       at = lambda t: order_ref[j, t + first]
-      tile = plgpu.BlockSpec((ROWS, H), lambda t: (at(t), 0), transforms=swizzled)
+      tile = lambda d: plgpu.BlockSpec((ROWS, d), lambda t: (at(t), 0), transforms=swizzled)
       vec = plgpu.BlockSpec((ROWS,), lambda t: (at(t),))
       dense = r.dense if masked else None
       specs, refs = _tile.streams(ids, r.bias, dense, (b_g, b, h, h_g), j, bk, ROWS, at, True)
       return plgpu.emit_pipeline(
-        step(first, masked), grid=(count,), in_specs=[tile, tile, vec, vec, *specs],
+        step(first, masked), grid=(count,), in_specs=[tile(H), tile(Hv), vec, vec, *specs],
         max_concurrent_steps=stages, init_carry=carry,
       )(q_ref.at[b, :, h, :], do_ref.at[b, :, h, :], lse_ref.at[b, h, :],
         delta_ref.at[b, h, :], *refs)  # fmt: skip
 
-    zero = plgpu.layout_cast(jnp.full((bk, H), 0.0, jnp.float32), layout)
-    dk, dv = _mosaic.walk(pipeline, full_ref[j], partial_ref[j], static.masked, (zero, zero))
+    zero = lambda d: plgpu.layout_cast(jnp.full((bk, d), 0.0, jnp.float32), layout)
+    dk, dv = _mosaic.walk(pipeline, full_ref[j], partial_ref[j], static.masked, (zero(H), zero(Hv)))
     k_smem[...] = (dk * scale).astype(dtype)
     v_smem[...] = dv.astype(dtype)
     plgpu.commit_smem()
@@ -212,7 +213,7 @@ def one_warpgroup(
     grid_names=("q", "h", "b"),
     scratch_types=(
       plgpu.SMEM((ROWS, H), dtype, transforms=swizzled),
-      plgpu.SMEM((ROWS, H), dtype, transforms=swizzled),
+      plgpu.SMEM((ROWS, Hv), dtype, transforms=swizzled),
       plgpu.SMEM((ROWS,), jnp.float32),
       plgpu.SMEM((ROWS,), jnp.float32),
       plgpu.Barrier(num_barriers=5),
@@ -221,22 +222,22 @@ def one_warpgroup(
     ),
     **_mosaic.interpreted(interpret),
   )(*inputs, *arrays.kernel_inputs(arrays.rows, T, S))
-  per_head = jax.ShapeDtypeStruct((B, S, N, H), dtype)  # each query head's dK, dV
+  per_head = lambda d: jax.ShapeDtypeStruct((B, S, N, d), dtype)  # each query head's dK, dV
   dk, dv = plgpu.kernel(
     dkv_body,
-    out_type=(per_head, per_head),
+    out_type=(per_head(H), per_head(Hv)),
     grid=(S // bk, N, B),
     grid_names=("kv", "h", "b"),
     scratch_types=(
       plgpu.SMEM((bk, H), dtype, transforms=swizzled),
-      plgpu.SMEM((bk, H), dtype, transforms=swizzled),
+      plgpu.SMEM((bk, Hv), dtype, transforms=swizzled),
       plgpu.Barrier(num_barriers=3),
       a_scratch((bk, ROWS)),
       plgpu.SMEM((bk,), jnp.int32) if n_ids else None,  # the key tile's segment ids
     ),
     **_mosaic.interpreted(interpret),
   )(*inputs, *arrays.kernel_inputs(arrays.cols, T, S, transposed=True))
-  group = lambda x: x.reshape(B, S, K, G, H).sum(3, dtype=jnp.float32).astype(dtype)
+  group = lambda x: x.reshape(B, S, K, G, -1).sum(3, dtype=jnp.float32).astype(dtype)
   return dq, group(dk), group(dv)
 
 
@@ -265,9 +266,9 @@ def specialized(
   tensors = _tensors(query, key, value, out, lse2, d_out, d_lse)
   dq = _specialized_pass(tensors, arrays, static, transposed=False)
   dk, dv = _specialized_pass(tensors, arrays, static, transposed=True)
-  B, S, K, H = key.shape
+  B, S, K, _ = key.shape
   G = query.shape[2] // K
-  group = lambda x: x.reshape(B, S, K, G, H).sum(3, dtype=jnp.float32).astype(query.dtype)
+  group = lambda x: x.reshape(B, S, K, G, -1).sum(3, dtype=jnp.float32).astype(query.dtype)
   return dq, group(dk), group(dv)
 
 
@@ -279,24 +280,26 @@ def _specialized_pass(
   plgpu = _mosaic.mosaic_gpu()
   query, key, value, d_out, lse2, delta = tensors
   B, T, N, H = query.shape
-  S, K = key.shape[1], key.shape[2]
+  S, K, Hv = key.shape[1], key.shape[2], value.shape[3]
   G, dtype = N // K, query.dtype
   stages, interpret = static.stages, static.interpret
   n_ids = len(arrays.ids)
   blocks = (S if transposed else T) // (2 * ROWS)  # of the held axis
   layout = plgpu.Layout.WGMMA
   swizzled = _mosaic.swizzled()
-  tile = lambda lead: plgpu.SMEM((lead, ROWS, H), dtype, transforms=swizzled)
+  tile = lambda lead, d: plgpu.SMEM((lead, ROWS, d), dtype, transforms=swizzled)
   vec = lambda lead: plgpu.SMEM((lead, ROWS), jnp.float32)
   # Held for each compute group: dQ's Q, dO, lse, Δ; dK/dV's K, V. Streamed into each slot:
   # the other axis's. The streamed axis's ids per slot, each group's own ids; each slot's
   # bias and dense mask tiles, both groups' rows.
   held: tuple[Any, ...]
   streamed: tuple[Any, ...]
-  if transposed:
-    held, streamed = (tile(2), tile(2)), (tile(stages), tile(stages), vec(stages), vec(stages))
-  else:
-    held, streamed = (tile(2), tile(2), vec(2), vec(2)), (tile(stages), tile(stages))
+  if transposed:  # K and V held; Q, dO, lse, Δ streamed
+    held = (tile(2, H), tile(2, Hv))
+    streamed = (tile(stages, H), tile(stages, Hv), vec(stages), vec(stages))
+  else:  # Q, dO, lse, Δ held; K and V streamed
+    held = (tile(2, H), tile(2, Hv), vec(2), vec(2))
+    streamed = (tile(stages, H), tile(stages, Hv))
   ids_smem = (
     (plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((stages, ROWS), jnp.int32))
     if n_ids
@@ -363,7 +366,7 @@ def _specialized_pass(
       keeper = _tile.keeper(ids, b_g, rows, held_ids, ids_ready.at[wg], transposed=transposed)
       plgpu.barrier_wait(held_ready.at[wg])
       a = None if a_smem is None else a_smem.at[wg]
-      zero = lambda: plgpu.layout_cast(jnp.full((ROWS, H), 0.0, jnp.float32), layout)
+      zero = lambda d: plgpu.layout_cast(jnp.full((ROWS, d), 0.0, jnp.float32), layout)
 
       def step(t: Any, carry: Any, masked: bool) -> Any:
         slot = slot_of(t)
@@ -409,7 +412,7 @@ def _specialized_pass(
         plgpu.barrier_arrive(free.at[slot])
         return carry
 
-      carry = (zero(), zero()) if transposed else zero()
+      carry = (zero(H), zero(Hv)) if transposed else zero(H)
       carry = lax.fori_loop(0, n_full, lambda t, c: step(t, c, False), carry)
       if static.masked:
         carry = lax.fori_loop(n_full, n_full + n_partial, lambda t, c: step(t, c, True), carry)
@@ -465,8 +468,8 @@ def _specialized_pass(
     )
 
   if transposed:
-    per_head = jax.ShapeDtypeStruct((B, S, N, H), dtype)  # each query head's dK, dV
-    out_type: Any = (per_head, per_head)
+    per_head = lambda d: jax.ShapeDtypeStruct((B, S, N, d), dtype)  # each query head's dK, dV
+    out_type: Any = (per_head(H), per_head(Hv))
   else:
     out_type = jax.ShapeDtypeStruct(query.shape, dtype)
   schedule = arrays.cols if transposed else arrays.rows

@@ -197,13 +197,16 @@ def check_inputs(
     raise ValueError(f"query: the Hopper kernel takes float16 or bfloat16, got {dtype}")
   if key.dtype != dtype or value.dtype != dtype:
     raise ValueError(f"key, value: dtypes {key.dtype}, {value.dtype} differ from query's {dtype}")
-  if key.shape != (B, S, K, H) or value.shape != key.shape:
+  Hv = value.shape[-1]
+  if key.shape != (B, S, K, H) or value.shape != (B, S, K, Hv):
     raise ValueError(f"key, value: shapes {key.shape}, {value.shape}; want (B, S, K, H) = "
-                     f"{(B, S, K, H)} with query's B and H")  # fmt: skip
+                     f"{(B, S, K, H)} with query's B and H, value's head dim its own")  # fmt: skip
   if N % K:
     raise ValueError(f"query: {N} heads are not a multiple of key's {K}")
   if H % 64:
     raise ValueError(f"query: head dim {H} is not a multiple of 64")
+  if Hv % 64:
+    raise ValueError(f"value: head dim {Hv} is not a multiple of 64")
   if T % ROWS or S % block_kv or block_kv % 64:
     raise ValueError(
       f"query, key: lengths {T} and {S} must be multiples of {ROWS} and block_kv={block_kv} "
@@ -269,8 +272,8 @@ def prepare(
     dropout_rng=dropout_rng, bias=bias, backward=backward,
   )  # fmt: skip
   bias_dtype = None if bias is None else jnp.result_type(bias)
-  H = query.shape[-1]
-  if reason := smem_reason(H, query.dtype, bias_dtype, mask, block_kv, stages, backward):
+  H, Hv = query.shape[-1], value.shape[-1]
+  if reason := smem_reason(H, query.dtype, bias_dtype, mask, block_kv, stages, backward, Hv):
     raise ValueError(f"query: {reason}")
   rows = 2 * ROWS if specialized else ROWS  # a forward program's query rows
   full, forward_s, _ = _schedules(query, key, is_causal, mask, block_kv, rows, batch_heads)
@@ -325,14 +328,16 @@ def smem_reason(
   block_kv: int = 64,
   stages: int = 2,
   backward: bool = True,
+  Hv: int | None = None,
 ) -> str | None:
-  """Why a kernel of the call (head dim ``H``, inputs of ``dtype``, a bias of
-  ``bias_dtype`` or None) would not fit in a Hopper program's shared memory
-  (:func:`shared_memory`), or None."""
+  """Why a kernel of the call (head dim ``H``, the value's ``Hv`` (default ``H``), inputs
+  of ``dtype``, a bias of ``bias_dtype`` or None) would not fit in a Hopper program's shared
+  memory (:func:`shared_memory`), or None."""
   item = jnp.dtype(dtype).itemsize
   bias_item = 0 if bias_dtype is None else jnp.dtype(bias_dtype).itemsize
   dense = any(isinstance(p, _masks.kinds.FromArray) for p in _masks_core.conjuncts(mask))
-  for kernel, n in shared_memory(H, item, block_kv, stages, backward, bias_item, dense).items():
+  dims = (H, H if Hv is None else Hv)
+  for kernel, n in shared_memory(dims, item, block_kv, stages, backward, bias_item, dense).items():
     if n > _mosaic.SMEM_BYTES:
       return (
         f"at head dim {H} the {kernel} kernel would need {n} bytes of shared memory "
@@ -343,19 +348,26 @@ def smem_reason(
 
 
 def shared_memory(
-  H: int, item: int, block_kv: int, stages: int, backward: bool, bias_item: int, dense: bool
+  dims: tuple[int, int],
+  item: int,
+  block_kv: int,
+  stages: int,
+  backward: bool,
+  bias_item: int,
+  dense: bool,
 ) -> dict[str, int]:
   """The bytes of shared memory the one-warpgroup forward kernel (and, where ``backward``,
   the dQ and dK/dV kernels) take, from their buffers: the held tiles, ``stages`` of each
-  streamed one (inputs of ``item`` bytes an element, a bias of ``bias_item`` (0: none), a
-  dense mask's bfloat16 tiles), and the forward's float32 output where the backward needs
-  it. (The warp-specialised kernels check their own.)"""
+  streamed one (head dims ``dims``, (H, Hv); inputs of ``item`` bytes an element, a bias of
+  ``bias_item`` (0: none), a dense mask's bfloat16 tiles), and the forward's float32
+  output where the backward needs it. (The warp-specialised kernels check their own.)"""
+  H, Hv = dims
   planes = lambda cols: stages * ROWS * cols * (bias_item + (2 if dense else 0))
   out_item = 4 if backward else item
-  needs = {"forward": ROWS * H * (item + out_item) + 2 * stages * block_kv * H * item}
+  needs = {"forward": ROWS * (H * item + Hv * out_item) + stages * block_kv * (H + Hv) * item}
   needs["forward"] += planes(block_kv)
   if backward:  # two held tiles and two streamed ones each (q, dO; k, v)
-    needs["dQ"] = needs["dK/dV"] = 2 * ROWS * H * item * (1 + stages) + planes(ROWS)
+    needs["dQ"] = needs["dK/dV"] = ROWS * (H + Hv) * item * (1 + stages) + planes(ROWS)
   return needs
 
 

@@ -27,7 +27,7 @@ def one_warpgroup(
   ``out_dtype`` (float32 for the backward's Δ; default: the inputs' dtype)."""
   plgpu = _mosaic.mosaic_gpu()
   B, T, N, H = query.shape
-  S, K = key.shape[1], key.shape[2]
+  S, K, Hv = key.shape[1], key.shape[2], value.shape[3]
   dtype = query.dtype
   scale, block_kv, stages = static.scale, static.block_kv, static.stages
   interpret = static.interpret
@@ -55,7 +55,7 @@ def one_warpgroup(
     keeper = _tile.keeper(ids, b_g, rows, id_smem, q_bar.at[1], transposed=False)
     plgpu.barrier_wait(q_bar.at[0])
     carry = (
-      plgpu.layout_cast(jnp.full((ROWS, H), 0.0, jnp.float32), wgmma_layout),
+      plgpu.layout_cast(jnp.full((ROWS, Hv), 0.0, jnp.float32), wgmma_layout),
       plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), reduced),
       plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), reduced),
     )
@@ -87,7 +87,8 @@ def one_warpgroup(
 
     def pipeline(first: Any, count: Any, masked: bool, carry: Any) -> Any:
       at = lambda step: (order_ref[i, step + first], 0)
-      spec = plgpu.BlockSpec((block_kv, H), at, transforms=swizzled)
+      k_spec = plgpu.BlockSpec((block_kv, H), at, transforms=swizzled)
+      v_spec = plgpu.BlockSpec((block_kv, Hv), at, transforms=swizzled)
       dense = r.dense if masked else None
       specs, refs = _tile.streams(
         ids, r.bias, dense, (b_g, b, h, h_g), i, ROWS, block_kv, lambda t: at(t)[0], False
@@ -95,7 +96,7 @@ def one_warpgroup(
       return plgpu.emit_pipeline(
         step(first, masked),
         grid=(count,),
-        in_specs=[spec, spec, *specs],
+        in_specs=[k_spec, v_spec, *specs],
         max_concurrent_steps=stages,
         init_carry=carry,
       )(k_ref.at[b, :, kv_head, :], v_ref.at[b, :, kv_head, :], *refs)
@@ -113,14 +114,14 @@ def one_warpgroup(
   return plgpu.kernel(
     body,
     out_type=(
-      jax.ShapeDtypeStruct(query.shape, o_dtype),
+      jax.ShapeDtypeStruct((B, T, N, Hv), o_dtype),
       jax.ShapeDtypeStruct((B, N, T), jnp.float32),
     ),
     grid=(T // ROWS, N, B),
     grid_names=("q", "h", "b"),
     scratch_types=(
       plgpu.SMEM((ROWS, H), dtype, transforms=swizzled),
-      plgpu.SMEM((ROWS, H), o_dtype, transforms=o_transforms),
+      plgpu.SMEM((ROWS, Hv), o_dtype, transforms=o_transforms),
       plgpu.SMEM((ROWS,), jnp.float32),
       plgpu.Barrier(num_barriers=2),
       plgpu.SMEM((ROWS, block_kv), dtype, transforms=swizzled) if interpret else None,
@@ -155,7 +156,7 @@ def specialized(
   need, that half evaluates the mask there and keeps nothing of it."""
   plgpu = _mosaic.mosaic_gpu()
   B, T, N, H = query.shape
-  S, K = key.shape[1], key.shape[2]
+  S, K, Hv = key.shape[1], key.shape[2], value.shape[3]
   dtype = query.dtype
   G = N // K
   bk, stages, scale, interpret = static.block_kv, static.stages, static.scale, static.interpret
@@ -164,18 +165,18 @@ def specialized(
   masked_tiles = static.masked
   n_ids = len(arrays.ids)
   o_dtype = jnp.dtype(out_dtype or dtype)
-  # Shared memory: both groups' query tiles, `stages` key and value slots, the float32
-  # outputs where asked for, each slot's bias and dense mask tiles (both groups' rows).
+  # Shared memory: both groups' query tiles, `stages` key and value slots, the outputs
+  # where the query tiles cannot hold them (float32, or a value head dim of its own), each
+  # slot's bias and dense mask tiles (both groups' rows).
   smem = (
     plgpu.SMEM((2, ROWS, H), dtype, transforms=swizzled),
     plgpu.SMEM((stages, bk, H), dtype, transforms=swizzled),
-    plgpu.SMEM((stages, bk, H), dtype, transforms=swizzled),
+    plgpu.SMEM((stages, bk, Hv), dtype, transforms=swizzled),
     plgpu.SMEM((2, ROWS), jnp.float32),
     plgpu.SMEM((2, ROWS), jnp.int32) if n_ids else None,  # each group's query ids
     plgpu.SMEM((stages, bk), jnp.int32) if n_ids else None,  # each slot's key ids
-    # float32 outputs
-    plgpu.SMEM((2, ROWS, H), o_dtype, transforms=_mosaic.swizzled(o_dtype.itemsize))
-    if o_dtype != dtype
+    plgpu.SMEM((2, ROWS, Hv), o_dtype, transforms=_mosaic.swizzled(o_dtype.itemsize))
+    if o_dtype != dtype or Hv != H
     else None,
     # each slot's bias and dense mask tiles (bfloat16 0 and 1), both groups' rows
     *(
@@ -233,7 +234,7 @@ def specialized(
       plgpu.barrier_wait(q_ready.at[wg])
       reduced = wgmma_layout.reduce(1)
       carry = (
-        plgpu.layout_cast(jnp.full((ROWS, H), 0.0, jnp.float32), wgmma_layout),
+        plgpu.layout_cast(jnp.full((ROWS, Hv), 0.0, jnp.float32), wgmma_layout),
         plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), reduced),
         plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), reduced),
       )
@@ -279,7 +280,7 @@ def specialized(
       pl.when(wg == 0)(take_turn)  # the first's last pass, matching the second's first
       if masked_tiles:  # rows that saw no key: acc is 0 (every p was), l too; out 0
         l = jnp.where(l == 0.0, 1.0, l)  # m stays -inf there: lse = m + log2(1)
-      # the output in the query tile's buffer, or (float32) its own
+      # the output in the query tile's buffer, or (float32, Hv != H) its own
       out_smem = q_smem if o_smem is None else o_smem.at[wg]
       out_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(o_dtype)
       lse_smem.at[wg][...] = m + jnp.log2(l)
@@ -340,7 +341,7 @@ def specialized(
   return plgpu.kernel(
     entry,
     out_type=(
-      jax.ShapeDtypeStruct(query.shape, o_dtype),
+      jax.ShapeDtypeStruct((B, T, N, Hv), o_dtype),
       jax.ShapeDtypeStruct((B, N, T), jnp.float32),
     ),
     grid=(T // (2 * ROWS), N, B),
