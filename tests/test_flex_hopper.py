@@ -25,6 +25,32 @@ interpreter = pytest.mark.skipif(
 )
 
 
+def _against_xla(loss, args, wide, label, atol=2e-2):
+  """``loss(implementation, *args) -> (scalar, output)``: through the table, flex's Hopper
+  kernels (interpreted) on ``args`` against the xla path on ``wide`` (the same values in
+  float32): the output within ``atol``, each argument's gradient within 1 % (relative
+  norm). Returns the kernels' gradients."""
+  n = tuple(range(len(args)))
+  with jattn.testing.interpret_kernels():
+    got, out = jax.jit(jax.grad(lambda *a: loss("flex_hopper", *a), n, has_aux=True))(*args)
+  want, want_out = jax.grad(lambda *a: loss("xla", *a), n, has_aux=True)(*wide)
+  np.testing.assert_allclose(np.float32(out), want_out, atol=atol, err_msg=label)
+  for i, (g, w) in enumerate(zip(got, want)):
+    rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
+    assert rel < 1e-2, (label, f"argument {i}", rel)
+  return got
+
+
+def _bf16_inputs(seed, batch):
+  """``(rng, (q, k, v), their float32 values, a cotangent for the output)``: bf16 inputs,
+  ``batch`` rows of 128 positions, two query heads sharing one key/value head, H = 64."""
+  rng = np.random.default_rng(seed)
+  shapes = [(batch, 128, 2, 64), (batch, 128, 1, 64), (batch, 128, 1, 64)]
+  qkv = tuple(array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
+  wide = [x.astype(jnp.float32) for x in qkv]
+  return rng, qkv, wide, rng.standard_normal(shapes[0]).astype(np.float32)
+
+
 def _inputs(dtype, T=T, H=H):
   rng = np.random.default_rng(T + H)
   shapes = [(B, T, N, H), (B, T, K, H), (B, T, K, H)]
@@ -355,11 +381,7 @@ def test_flex_hopper_values_and_gradients_through_the_call():
   that differ between the batch rows) with key lengths, causal, where the kernels read the
   ids of each tile's rows and columns: output and the three gradients against the xla path
   on the same bf16 inputs in float32."""
-  rng = np.random.default_rng(12)
-  shapes = [(2, 128, 2, 64), (2, 128, 1, 64), (2, 128, 1, 64)]
-  q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
-  wide = [x.astype(jnp.float32) for x in (q, k, v)]
-  ct = rng.standard_normal(shapes[0]).astype(np.float32)
+  rng, (q, k, v), wide, ct = _bf16_inputs(12, batch=2)
   staggered = masks.from_fn(lambda b, h, qi, ki: ki <= qi + 17 * b + 40 * h)
   ids = np.sort(rng.integers(0, 4, (2, 128)), axis=1).astype(np.int32)
   documents = dict(is_causal=True, segment_ids=ids, key_value_seq_lengths=np.array([100, 128]))
@@ -455,11 +477,7 @@ def test_arrays_read_at_the_batch_row_and_head_are_kernel_inputs():
   function closes over. Output and the gradients of query, key, value and of the floating
   arrays (slopes, temperatures: the score function's VJP on the whole grid) against the xla
   path on the same bf16 inputs in float32."""
-  rng = np.random.default_rng(14)
-  shapes = [(2, 128, 2, 64), (2, 128, 1, 64), (2, 128, 1, 64)]
-  q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
-  wide = [x.astype(jnp.float32) for x in (q, k, v)]
-  ct = rng.standard_normal(shapes[0]).astype(np.float32)
+  rng, (q, k, v), wide, ct = _bf16_inputs(14, batch=2)
 
   def prefix_alibi(prefix, slopes):
     return dict(mask=masks.prefix_lm(prefix), score_fn=scores.alibi(slopes))
@@ -478,14 +496,7 @@ def test_arrays_read_at_the_batch_row_and_head_are_kernel_inputs():
       out = jattn.dot_product_attention(q, k, v, implementation=impl, **make(ints, floats))
       return jnp.sum(out.astype(jnp.float32) * ct), out
 
-    with jattn.testing.interpret_kernels():
-      hopper = jax.jit(jax.grad(lambda *a: loss("flex_hopper", *a), (0, 1, 2, 3), has_aux=True))
-      got, out = hopper(q, k, v, floats)
-    want, want_out = jax.grad(lambda *a: loss("xla", *a), (0, 1, 2, 3), has_aux=True)(*wide, floats)
-    np.testing.assert_allclose(np.float32(out), want_out, atol=2e-2, err_msg=make.__name__)
-    for name, g, w in zip(("dq", "dk", "dv", "d_floats"), got, want):
-      rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
-      assert rel < 1e-2, (make.__name__, name, rel)
+    _against_xla(loss, (q, k, v, floats), (*wide, floats), make.__name__)
 
 
 @interpreter
@@ -498,11 +509,7 @@ def test_arrays_read_along_the_positions_are_one_load_a_tile():
   grouped queries: output and the gradients of query, key, value (and the key bias) against
   the xla path on the same bf16 inputs in float32; a mutation that reads each run at the
   wrong offset moves the outputs by order one."""
-  rng = np.random.default_rng(22)
-  shapes = [(2, 128, 2, 64), (2, 128, 1, 64), (2, 128, 1, 64)]
-  q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
-  wide = [x.astype(jnp.float32) for x in (q, k, v)]
-  ct = rng.standard_normal(shapes[0]).astype(np.float32)
+  rng, (q, k, v), wide, ct = _bf16_inputs(22, batch=2)
   q_flags = jnp.asarray(rng.random(128) < 0.8)
   k_flags = jnp.asarray(rng.random((2, 128)) < 0.7)  # each batch row's
 
@@ -524,16 +531,7 @@ def test_arrays_read_along_the_positions_are_one_load_a_tile():
       out = jattn.dot_product_attention(q, k, v, implementation=impl, **make(x[0] if x else None))
       return jnp.sum(out.astype(jnp.float32) * ct), out
 
-    args = tuple(range(3 + len(extra)))
-    with jattn.testing.interpret_kernels():
-      got, out = jax.jit(jax.grad(lambda *a: loss("flex_hopper", *a), args, has_aux=True))(
-        q, k, v, *extra
-      )
-    want, want_out = jax.grad(lambda *a: loss("xla", *a), args, has_aux=True)(*wide, *extra)
-    np.testing.assert_allclose(np.float32(out), want_out, atol=2e-2, err_msg=make.__name__)
-    for name, g, w in zip(("dq", "dk", "dv", "d_bias"), got, want):
-      rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
-      assert rel < 1e-2, (make.__name__, name, rel)
+    _against_xla(loss, (q, k, v, *extra), (*wide, *extra), make.__name__)
 
 
 @interpreter
@@ -663,11 +661,7 @@ def test_dropout_draws_the_pattern_every_implementation_draws():
   against the xla path with the same key on the same bf16 inputs in float32; and the
   warp-specialised forward's output. A pattern drawn elsewhere (at local indices, or a
   different key) fails this at order one."""
-  rng = np.random.default_rng(16)
-  shapes = [(2, 128, 2, 64), (2, 128, 1, 64), (2, 128, 1, 64)]
-  q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
-  wide = [x.astype(jnp.float32) for x in (q, k, v)]
-  ct = rng.standard_normal(shapes[0]).astype(np.float32)
+  rng, (q, k, v), wide, ct = _bf16_inputs(16, batch=2)
   drop = dict(dropout_rate=0.25, dropout_rng=jax.random.key(5))
   slopes = np.array([0.2, 0.05], np.float32)
   cases = [
@@ -683,16 +677,7 @@ def test_dropout_draws_the_pattern_every_implementation_draws():
       return jnp.sum(out.astype(jnp.float32) * ct), out
 
     extra = () if learned is None else (learned,)
-    args = tuple(range(3 + len(extra)))
-    with jattn.testing.interpret_kernels():
-      got, out = jax.jit(jax.grad(lambda *a: loss("flex_hopper", *a), args, has_aux=True))(
-        q, k, v, *extra
-      )
-    want, want_out = jax.grad(lambda *a: loss("xla", *a), args, has_aux=True)(*wide, *extra)
-    np.testing.assert_allclose(np.float32(out), want_out, atol=3e-2, err_msg=str(kw))
-    for name, g, w in zip(("dq", "dk", "dv", "d_slopes"), got, want):
-      rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
-      assert rel < 1e-2, (kw, name, rel)
+    _against_xla(loss, (q, k, v, *extra), (*wide, *extra), str(kw), atol=3e-2)
   kw = dict(is_causal=True, **drop)
   ws = jax.jit(
     lambda *a: _hopper.forward(*a, scale=H**-0.5, interpret=True, specialized=True, **kw)
@@ -780,11 +765,7 @@ def test_a_bias_is_read_tile_by_tile_and_differentiated():
   output and the gradients of query, key, value and the bias (summed over the axes it
   broadcasts) against the xla path in float32; and the warp-specialised forward's output
   (the copy warpgroup brings each slot's bias tile)."""
-  rng = np.random.default_rng(17)
-  shapes = [(2, 128, 2, 64), (2, 128, 1, 64), (2, 128, 1, 64)]
-  q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
-  wide = [x.astype(jnp.float32) for x in (q, k, v)]
-  ct = rng.standard_normal(shapes[0]).astype(np.float32)
+  rng, (q, k, v), wide, ct = _bf16_inputs(17, batch=2)
   cases = [
     (dict(is_causal=True), array(rng.standard_normal((2, 1, 128, 128)), jnp.float32)),
     (dict(logits_soft_cap=3.0), array(rng.standard_normal((1, 2, 1, 128)), jnp.bfloat16)),
@@ -795,19 +776,8 @@ def test_a_bias_is_read_tile_by_tile_and_differentiated():
       out = jattn.dot_product_attention(q, k, v, bias, implementation=impl, **kw)
       return jnp.sum(out.astype(jnp.float32) * ct), out
 
-    with jattn.testing.interpret_kernels():
-      got, out = jax.jit(jax.grad(lambda *a: loss("flex_hopper", *a), (0, 1, 2, 3), has_aux=True))(
-        q, k, v, bias
-      )
-    wide_bias = bias.astype(jnp.float32)
-    want, want_out = jax.grad(lambda *a: loss("xla", *a), (0, 1, 2, 3), has_aux=True)(
-      *wide, wide_bias
-    )
-    np.testing.assert_allclose(np.float32(out), want_out, atol=2e-2, err_msg=str(kw))
+    got = _against_xla(loss, (q, k, v, bias), (*wide, bias.astype(jnp.float32)), str(kw))
     assert got[3].shape == bias.shape and got[3].dtype == bias.dtype
-    for name, g, w in zip(("dq", "dk", "dv", "d_bias"), got, want):
-      rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
-      assert rel < 1e-2, (kw, name, rel)
   bias = cases[0][1]
   ws = lambda *a: _hopper.forward(
     *a, scale=H**-0.5, is_causal=True, bias=bias, interpret=True, specialized=True
@@ -824,11 +794,7 @@ def test_a_dense_mask_is_read_tile_by_tile_on_partial_tiles():
   per batch row, a row left empty (zeros, lse -inf); through the table in the interpreter,
   output, lse and the gradients of query, key and value against the xla path in float32;
   and the warp-specialised forward's output."""
-  rng = np.random.default_rng(18)
-  shapes = [(2, 128, 2, 64), (2, 128, 1, 64), (2, 128, 1, 64)]
-  q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
-  wide = [x.astype(jnp.float32) for x in (q, k, v)]
-  ct = rng.standard_normal(shapes[0]).astype(np.float32)
+  rng, (q, k, v), wide, ct = _bf16_inputs(18, batch=2)
   dense = rng.random((2, 1, 128, 128)) < 0.6
   dense[:, :, :, 64:] = False  # the second key tile: EMPTY for every query tile
   dense[1, :, 70, :] = False  # a row that sees no key
