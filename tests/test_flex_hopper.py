@@ -286,9 +286,15 @@ def test_lowers_for_cuda_to_one_mosaic_gpu_call(is_causal, method):
     (dict(dtype=jnp.float32), r"query: the Hopper kernel takes float16 or bfloat16"),
     (dict(H=48), r"query: head dim 48 is not a multiple of 64"),
     (dict(Hv=32), r"value: head dim 32 is not a multiple of 64"),
-    (dict(T=96), r"query, key: lengths 96 and 96 must be multiples of 64"),
+    (  # a mask fixed to the lengths: not padded
+      dict(T=96, kw=dict(mask=masks.reindex(masks.causal(), q=np.arange(96)))),
+      r"query, key: lengths 96 and 96 must be multiples of 64",
+    ),
     (dict(kw=dict(block_kv=96)), r"block_kv=96"),
-    (dict(T=192, kw=dict(specialized=True)), r"query: length 192 must be a multiple of 128"),
+    (
+      dict(T=192, kw=dict(specialized=True, mask=masks.reindex(masks.causal(), q=np.arange(192)))),
+      r"query: length 192 must be a multiple of 128",
+    ),
     (dict(kv_len=64, kw=dict(is_causal=True)), r"is_causal: the Hopper kernel takes T = S"),
     (
       dict(kw=dict(mask=masks.from_fn(lambda b, h, qi, ki: NEAR[jnp.abs(qi - ki)]))),
@@ -606,6 +612,68 @@ def test_values_may_have_a_head_dim_of_their_own():
       assert g.shape == x.shape, (name, g.shape)
       rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
       assert rel < 1e-2, (H_, Hv, name, rel)
+
+
+@interpreter
+def test_lengths_off_the_tiles_run_padded():
+  """Lengths that are not whole tiles run on inputs padded to them, the padded keys masked,
+  the padded rows cut: 100 queries and keys, causal packed documents with a learned float32
+  bias (padded with the inputs, its gradient cut back to its shape); 70 queries against 150
+  keys under a window reaching past the last key (an unmasked key padding would show), with
+  dropout (the pattern drawn at the same global indices); and 200 causal through the
+  warp-specialised kernels (padded to two 128-row blocks). Output and the gradients against
+  the xla path on the same bf16 inputs in float32, each gradient in its input's shape."""
+  rng = np.random.default_rng(25)
+  ids = np.repeat(np.arange(3), [30, 50, 20])[None].repeat(2, 0)
+  drop = dict(dropout_rate=0.2, dropout_rng=jax.random.key(11))
+  cases = [  # (T, S, keywords, with a learned bias)
+    (100, 100, dict(is_causal=True, segment_ids=ids), True),
+    (70, 150, dict(mask=masks.sliding_window(30, 200), **drop), False),
+  ]
+  for T_, S_, kw, biased in cases:
+    shapes = [(2, T_, 2, 64), (2, S_, 1, 64), (2, S_, 1, 64)]
+    q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
+    ct = rng.standard_normal(shapes[0]).astype(np.float32)
+    extra = (array(rng.standard_normal((2, 1, T_, S_)), jnp.float32),) if biased else ()
+
+    def loss(impl, q, k, v, *bias, kw=kw):
+      out = jattn.dot_product_attention(q, k, v, *bias, implementation=impl, **kw)
+      return jnp.sum(out.astype(jnp.float32) * ct), out
+
+    wide = [x.astype(jnp.float32) for x in (q, k, v)]
+    got = _against_xla(loss, (q, k, v, *extra), (*wide, *extra), f"{T_}x{S_}", atol=3e-2)
+    assert [g.shape for g in got] == [x.shape for x in (q, k, v, *extra)]
+  q, k, v = (
+    array(rng.standard_normal(s), jnp.bfloat16)
+    for s in [(1, 200, 2, 64), (1, 200, 1, 64), (1, 200, 1, 64)]
+  )
+  ct = rng.standard_normal((1, 200, 2, 64)).astype(np.float32)
+  ws = lambda *a: _hopper.attention(
+    *a, scale=0.125, is_causal=True, interpret=True, specialized=True
+  )[0]
+  xla = lambda *a: jattn.dot_product_attention(*a, is_causal=True, implementation="xla")
+  loss = lambda attend: lambda *a: jnp.sum(attend(*a).astype(jnp.float32) * ct)
+  got = jax.jit(jax.grad(loss(ws), (0, 1, 2)))(q, k, v)
+  want = jax.grad(loss(xla), (0, 1, 2))(*(x.astype(jnp.float32) for x in (q, k, v)))
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
+    assert rel < 1e-2, (name, rel)
+
+
+def test_a_gradient_at_lengths_off_the_tiles_lowers_padded():
+  """1,000 queries and keys, causal, through the table on a Hopper GPU: padded to 1,024,
+  the gradient lowers for CUDA from this CPU to the forward, dQ and dK/dV Mosaic GPU
+  calls; a mask fixed to the lengths cannot be padded and is refused by name."""
+  q = jax.ShapeDtypeStruct((1, 1000, 2, 64), jnp.bfloat16)
+  attend = lambda *a: jattn.dot_product_attention(*a, is_causal=True, implementation="flex_hopper")
+  step = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32)), (0, 1, 2)))
+  with jattn.testing.lowering_for("gpu", "NVIDIA H100 80GB HBM3"), warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    text = step.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 3
+    fixed = masks.reindex(masks.causal(), q=np.arange(1000) + 24)
+    with pytest.raises(ValueError, match=r"lengths T=1000, S=1000 with a mask fixed to them"):
+      jattn.explain(q, q, q, mask=fixed, implementation="flex_hopper")
 
 
 @interpreter

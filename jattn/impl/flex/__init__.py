@@ -368,11 +368,16 @@ def _hopper_check(call: _base.Call) -> str | None:
     return f"it needs a Hopper GPU (sm_90), and {here}"
   if s.H % 64 or s.Hv % 64:
     return f"head dims H={s.H}, Hv={s.Hv} (it takes multiples of 64)"
-  if s.T % _hopper.ROWS or s.S % _hopper.ROWS:
-    return f"lengths T={s.T}, S={s.S} (it takes multiples of {_hopper.ROWS})"
-  if reason := _hopper.mask_reason(s.mask, (s.T, s.S)):
+  if (s.T % _hopper.ROWS or s.S % _hopper.ROWS) and not _hopper.paddable(s.mask):
+    return (
+      f"lengths T={s.T}, S={s.S} with a mask fixed to them (it takes multiples of "
+      f"{_hopper.ROWS}, or pads a call whose mask it can pad)"
+    )
+  up = lambda n: -(-n // _hopper.ROWS) * _hopper.ROWS
+  padded = (up(s.T), up(s.S))  # the lengths it runs at
+  if reason := _hopper.mask_reason(s.mask, padded):
     return f"mask {s.mask!r}: it takes {reason}"
-  if reason := _hopper.score_reason(s.score_fn, (s.T, s.S)):
+  if reason := _hopper.score_reason(s.score_fn, padded):
     return f"score_fn {s.score_fn!r}: it takes {reason}"
   bias_dtype = None if s.bias is None else jnp.result_type(s.bias)
   if reason := _hopper.smem_reason(s.H, call.dtype, bias_dtype, s.mask, Hv=s.Hv):

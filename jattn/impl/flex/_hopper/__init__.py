@@ -26,7 +26,8 @@ in wgmma's layout from swizzled shared memory; so is a dense boolean mask (as bf
 1, on PARTIAL tiles). An array a mask or score function reads along the query or key
 positions (``flags[q_idx]``, a sequence-parallel part's position map) is read as one run a
 tile from global memory (``_tile.line``); one read at computed positions (a table indexed
-by distance, T5's) is refused by name: Mosaic GPU has no gather.
+by distance, T5's) is refused by name: Mosaic GPU has no gather. Lengths off the kernels'
+tiles run padded to them (``_padding``), the padding masked and cut.
 
 One program per (query tile of 64 rows, head, batch row), one warpgroup: the query tile is
 copied to shared memory once (TMA), then ``plgpu.emit_pipeline`` streams the key and value
@@ -61,13 +62,14 @@ import jax.numpy as jnp
 
 from jattn import masks as _masks
 from jattn.impl import _common, _orders
-from jattn.impl.flex._hopper import _backward, _call, _forward, _grid
+from jattn.impl.flex._hopper import _backward, _call, _forward, _grid, _padding
 from jattn.impl.flex._hopper._call import mask_reason as mask_reason
 from jattn.impl.flex._hopper._call import score_reason as score_reason
 from jattn.impl.flex._hopper._call import smem_reason as smem_reason
 from jattn.impl.flex._hopper._mosaic import LOG2E as LOG2E
 from jattn.impl.flex._hopper._mosaic import ROWS as ROWS
 from jattn.impl.flex._hopper._mosaic import has_interpreter as has_interpreter
+from jattn.impl.flex._hopper._padding import paddable as paddable
 
 _WHO = "implementation='flex_hopper'"
 
@@ -119,7 +121,22 @@ def forward(
   batch size and query heads; the mask and score function see global indices, and read
   their arrays (whole on each device) there, the tile schedule covers every row and head.
   ``positions``: a sequence-parallel part's maps to the global (batch, head, query, key)
-  positions its dropout is drawn at (:attr:`jattn.impl._base.CallSpec.positions`)."""
+  positions its dropout is drawn at (:attr:`jattn.impl._base.CallSpec.positions`).
+  Lengths off the kernels' tiles run padded (:mod:`_padding`), the padding masked and cut."""
+  padded = _padding.pad(
+    query, key, value, to=_padding.multiple(block_kv, specialized), mask=mask, bias=bias,
+    positions=positions,
+  )  # fmt: skip
+  if padded is not None:
+    T = query.shape[1]
+    out, lse = forward(
+      padded.query, padded.key, padded.value, scale=scale, is_causal=is_causal,
+      mask=padded.mask, score_fn=score_fn, block_kv=block_kv, stages=stages,
+      interpret=interpret, base2=base2, specialized=specialized, offsets=offsets,
+      dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
+      bias=padded.bias, batch_heads=batch_heads, positions=padded.positions,
+    )  # fmt: skip
+    return out[:, :T], lse[:, :, :T]
   arrays, static = _call.prepare(
     query, key, value, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
     block_kv=block_kv, stages=stages, interpret=interpret, specialized=specialized,
@@ -160,7 +177,21 @@ def attention(
   bias and the floating arrays a score function reads (learned ALiBi slopes), where those
   are differentiated, through the whole (B, N, T, S) grid in XLA (O(B·N·T·S) memory, as
   flex's Triton kernels take them; :func:`_grid.grid_grads`); arguments as
-  :func:`forward`'s."""
+  :func:`forward`'s, lengths off the kernels' tiles padded as there."""
+  padded = _padding.pad(
+    query, key, value, to=_padding.multiple(block_kv, specialized), mask=mask, bias=bias,
+    positions=positions,
+  )  # fmt: skip
+  if padded is not None:
+    T = query.shape[1]
+    out, lse = attention(
+      padded.query, padded.key, padded.value, scale=scale, is_causal=is_causal,
+      mask=padded.mask, score_fn=score_fn, interpret=interpret, specialized=specialized,
+      offsets=offsets, block_kv=block_kv, stages=stages, dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, bias=padded.bias,
+      batch_heads=batch_heads, positions=padded.positions,
+    )  # fmt: skip
+    return out[:, :T], lse[:, :T]
   arrays, static = _call.prepare(
     query, key, value, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
     block_kv=block_kv, stages=stages, interpret=interpret, specialized=specialized,

@@ -1,0 +1,113 @@
+"""Lengths off the Hopper kernels' tiles: a call padded to them, its padding masked.
+
+The kernels take query and key lengths in whole tiles (64 rows, 128 warp-specialised,
+``block_kv`` keys). A call of other lengths runs on inputs padded with zeros to the next
+multiple, the padded keys masked out (``masks.lengths(None, S)``, a conjunct of the indices
+with exact tile classes: only the last key tile is PARTIAL), the padded query rows cut from
+the output and log-sum-exp (their gradient is zero: the pad's transpose drops it). What the
+mask and the score function read along the positions is padded with them: segment ids
+(padded rows and keys get ids of their own), a dense mask (False), a bias (zeros), a
+sequence-parallel part's position maps (their last entry repeated). A mask holding other
+arrays fixed to the call's lengths is not padded (:func:`paddable`): the kernels refuse
+those lengths by name."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jattn import masks as _masks
+from jattn.masks import _core as _masks_core
+
+
+class Padded(NamedTuple):
+  """A call's inputs padded to whole tiles along the sequence axes."""
+
+  query: jax.Array
+  key: jax.Array
+  value: jax.Array
+  mask: Any
+  bias: jax.Array | None
+  positions: Any
+
+
+def multiple(block_kv: int, specialized: bool) -> int:
+  """The length both sequence axes are padded to a multiple of: every kernel's tile (64
+  query rows, 128 warp-specialised; ``block_kv`` keys; the backward's 64 or 128 either
+  way), one multiple for both so that T = S stays so (``is_causal``)."""
+  return math.lcm(block_kv, 128 if specialized else 64)
+
+
+def paddable(mask: Any) -> bool:
+  """Whether a call with ``mask`` can be padded: its conjuncts other than segment ids and
+  a dense mask fix no query or key length (they are functions of the indices, or read
+  arrays at the batch row and head)."""
+  for part in _masks_core.conjuncts(mask):
+    if isinstance(part, (_masks.kinds.Segments, _masks.kinds.FromArray)):
+      continue
+    if any(n is not None for n in part.extents[2:]):
+      return False
+  return True
+
+
+def pad(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  *,
+  to: int,
+  mask: Any,
+  bias: jax.Array | None,
+  positions: Any,
+) -> Padded | None:
+  """The call padded along T and S to multiples of ``to``; None where its lengths are
+  multiples already, or where the mask cannot be padded (:func:`paddable`)."""
+  T, S = query.shape[1], key.shape[1]
+  Tp, Sp = -(-T // to) * to, -(-S // to) * to
+  if (Tp, Sp) == (T, S) or not paddable(mask):
+    return None
+  along = lambda x, axis, n, **kw: _pad_axis(x, axis, n, **kw)
+  parts = []
+  for part in _masks_core.conjuncts(mask):
+    if isinstance(part, _masks.kinds.Segments):
+      q_ids, kv_ids = (jnp.asarray(x, jnp.int32) for x in (part.q_segment_ids, part.kv_segment_ids))
+      # Padded rows and keys in documents of their own (the key padding is masked anyway)
+      low = jnp.minimum(q_ids.min(), kv_ids.min())
+      part = _masks.segments(
+        along(q_ids, -1, Tp, value=low - 1), along(kv_ids, -1, Sp, value=low - 2)
+      )
+    elif isinstance(part, _masks.kinds.FromArray):
+      array = jnp.asarray(part.array)
+      array = along(array, -2, Tp, value=False) if array.shape[-2] == T else array
+      part = _masks.from_array(along(array, -1, Sp, value=False) if array.shape[-1] == S else array)
+    parts.append(part)
+  if Sp > S:
+    parts.append(_masks.lengths(None, S))  # the padded keys
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    bias = along(bias, -2, Tp) if bias.shape[-2] == T else bias
+    bias = along(bias, -1, Sp) if bias.shape[-1] == S else bias
+  if positions is not None:  # a part's maps: the padding drawn at the last position's
+    maps = list(positions)
+    for i, n in ((2, Tp), (3, Sp)):
+      if maps[i] is not None:
+        maps[i] = along(jnp.asarray(maps[i]), 0, n, mode="edge")
+    positions = tuple(maps)
+  return Padded(
+    along(query, 1, Tp), along(key, 1, Sp), along(value, 1, Sp), _masks.all_of(*parts), bias,
+    positions,
+  )  # fmt: skip
+
+
+def _pad_axis(x: jax.Array, axis: int, n: int, **kw: Any) -> jax.Array:
+  """``x`` padded at the end of ``axis`` to length ``n`` (``jnp.pad``'s keywords: zeros by
+  default)."""
+  axis = axis % x.ndim
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, n - x.shape[axis])
+  if "value" in kw:
+    kw = {"constant_values": kw["value"]}
+  return jnp.pad(x, widths, **kw)
