@@ -1,7 +1,9 @@
 """One tile's work inside a Hopper kernel, shared by the forward and backward kernels: its
 scores in base 2 (scale, bias, score function, mask on PARTIAL tiles, segment ids, dense
-mask), dropout's pattern, one step of the online softmax, and what a pipeline streams beside
-its tensors' tiles (the other axis's segment ids, the bias's and dense mask's tiles)."""
+mask; the tile's positions as the functions see them, :func:`line`), dropout's pattern, one
+step of the online softmax, and what a pipeline streams beside its tensors' tiles (the
+other axis's segment ids, the bias's and dense mask's tiles; a warp-specialised copy
+warpgroup's :func:`copy_planes`)."""
 
 from __future__ import annotations
 
