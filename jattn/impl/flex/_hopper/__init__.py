@@ -172,7 +172,8 @@ def attention(
 ) -> tuple[jax.Array, jax.Array]:
   """``(out, lse)``: :func:`forward`'s output and natural log-sum-exp, ``lse`` (B, T, N) as
   jattn's implementations return it, both differentiable: in query, key and value by the
-  backward kernels (:func:`_backward.backward`; the log-sum-exp's cotangent enters dS as Δ
+  backward kernels (:func:`_backward.one_warpgroup`, or :func:`_backward.specialized`; the
+  log-sum-exp's cotangent enters dS as Δ
   does, dS = P ⊙ (dP − Δ + d_lse), so sinks and ``return_residual`` take it), and in the
   bias and the floating arrays a score function reads (learned ALiBi slopes), where those
   are differentiated, through the whole (B, N, T, S) grid in XLA (O(B·N·T·S) memory, as

@@ -86,7 +86,8 @@ def grid_grads(
   """``(the gradients of arrays.score[chosen], the bias's gradient or None)``, from the
   whole (B, N, T, S) grid in XLA: the score function's VJP at the call's scores (recomputed
   in float32: scale · q kᵀ + bias), the cotangent dS = P ⊙ (dP − Δ + d_lse) of its output,
-  P from the forward's log-sum-exp, ``d_lse`` as :func:`backward` takes it; the bias's is
+  P from the forward's log-sum-exp, ``d_lse`` as the backward kernels take it
+  (:func:`_backward.one_warpgroup`); the bias's is
   dS before the score function, summed over the axes the bias broadcasts."""
   B, T, N, _ = query.shape
   S, K = key.shape[1], key.shape[2]
