@@ -24,7 +24,10 @@ Each configuration's output and gradients are checked against the same call in f
 at the highest matmul precision (jax.nn's XLA path, a few heads at a time), as the largest
 absolute error and the relative error ``‖x − ref‖ / ‖ref‖``, beside cuDNN's on the same
 inputs. TFLOP/s count 4·B·N·T·S·H for the forward (half that causal) and 2.5 times that for
-the backward. A configuration that fails to compile (shared memory, registers) is recorded
+the backward. Each Mosaic GPU row (``hopper``, ``hopper_ws``, ``mgpu``) also keeps ptxas's
+report of its kernels, registers and spill bytes (``ptxas``: what no CPU can compile for,
+printed by Mosaic GPU with MOSAIC_GPU_DUMP_PTXAS set and read from the process's output).
+A configuration that fails to compile (shared memory, registers) is recorded
 with its error and skipped. Past ``--budget`` seconds the remaining sections are skipped
 (recorded as such), so a record is always written.
 
@@ -36,10 +39,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import functools
 import json
 import math
 import os
+import re
+import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -242,6 +249,58 @@ def method(name: str, causal: bool, scale: float) -> Callable:
   )
 
 
+# ptxas's report of a kernel (``ptxas -v``), as Mosaic GPU prints it with MOSAIC_GPU_DUMP_PTXAS
+PTXAS_FUNCTION = re.compile(r"(?:Compiling entry function|Function properties for) '?([\w$.]+)'?")
+PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
+
+
+def ptxas_report(text: str) -> list[dict[str, Any]]:
+  """Each function ptxas reports in ``text``: its registers and spill bytes."""
+  rows: list[dict[str, Any]] = []
+  for line in text.splitlines():
+    if m := PTXAS_FUNCTION.search(line):
+      if not rows or rows[-1]["function"] != m.group(1):
+        rows.append({"function": m.group(1)})
+    elif rows and (m := PTXAS_SPILLS.search(line)):
+      rows[-1]["spill_stores"], rows[-1]["spill_loads"] = int(m.group(1)), int(m.group(2))
+    elif rows and (m := PTXAS_REGISTERS.search(line)):
+      rows[-1]["registers"] = int(m.group(1))
+  return rows
+
+
+@contextlib.contextmanager
+def mosaic_ptxas(row: dict[str, Any]) -> Iterator[None]:
+  """Around a Mosaic GPU method's compiles: ptxas's report of each kernel (registers,
+  spills: what no CPU can compile for), which Mosaic GPU prints to the process's own output
+  with MOSAIC_GPU_DUMP_PTXAS set, captured there (and echoed after) into ``row["ptxas"]``.
+  Whatever fails here costs the report only, never the row."""
+  libc = ctypes.CDLL(None)
+  flush = lambda: (sys.stdout.flush(), sys.stderr.flush(), libc.fflush(None))
+  before = os.environ.get("MOSAIC_GPU_DUMP_PTXAS")
+  with tempfile.TemporaryFile() as out:
+    flush()
+    saved = os.dup(1), os.dup(2)
+    os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+    os.dup2(out.fileno(), 1)
+    os.dup2(out.fileno(), 2)
+    try:
+      yield
+    finally:
+      flush()
+      for fd, copy in zip((1, 2), saved):
+        os.dup2(copy, fd)
+        os.close(copy)
+      if before is None:
+        os.environ.pop("MOSAIC_GPU_DUMP_PTXAS", None)
+      else:
+        os.environ["MOSAIC_GPU_DUMP_PTXAS"] = before
+      out.seek(0)
+      text = out.read().decode(errors="replace")
+      sys.stdout.write(text)
+      row["ptxas"] = ptxas_report(text) or "no ptxas report in the output"
+
+
 def reference(q: Any, k: Any, v: Any, do: Any, causal: bool, scale: float, chunk: int) -> Any:
   """``(out, (dq, dk, dv))`` in float32 at the highest precision, ``chunk`` heads at a time
   (jax.nn's XLA path materialises (T, S) per head)."""
@@ -358,7 +417,8 @@ class Probe:
         base["dtype"] = "float16"
         qs, ks, vs, dos = (x.astype(jnp.float16) for x in (q * scale, k, v, do))
         mref = None if ref is None else reference(qs, ks, vs, dos, causal, 1.0, a.ref_chunk)
-        row = self.run(base, method(name, causal, scale), qs, ks, vs, dos, mref, a.parts)
+        with self.reported(base):
+          row = self.run(base, method(name, causal, scale), qs, ks, vs, dos, mref, a.parts)
         if "err_dq" in row:  # the gradient of the unscaled q
           dq = row.pop("err_dq")
           row["err_dq_of_scaled_q"] = dq
@@ -366,8 +426,14 @@ class Probe:
       passes = flex.tiles_for(H, 2) if name == "flex" else None
       if passes is not None:
         base["tiles"] = [list(x) for x in passes]
-      with patched_tiles(H, None):
+      with patched_tiles(H, None), self.reported(base):
         self.run(base, method(name, causal, scale), q, k, v, do, ref, a.parts)
+
+  def reported(self, row: dict[str, Any]) -> Any:
+    """ptxas's report of a Mosaic GPU method's kernels into ``row`` (:func:`mosaic_ptxas`),
+    on a GPU (the interpreter compiles none)."""
+    mosaic = row["method"] in ("hopper", "hopper_ws", "mgpu")
+    return mosaic_ptxas(row) if mosaic and not self.args.quick else contextlib.nullcontext()
 
   def variants(self, H: int, T: int) -> None:
     """flex at its table's tiles with one choice undone, beside cuDNN in the same run (causal):

@@ -519,6 +519,41 @@ def test_the_tuning_script_times_the_table_and_each_candidate():
   assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
 
 
+def test_the_probe_keeps_ptxas_reports_from_its_own_output(capfd):
+  """On a GPU the probe keeps ptxas's report of each Mosaic GPU kernel (registers, spill
+  bytes), which Mosaic GPU prints from C++ to the process's output when
+  MOSAIC_GPU_DUMP_PTXAS is set: text printed by C code inside the probe's capture (set for
+  it, unset after) is parsed per function and echoed; a row without a report says so."""
+  import ctypes
+  import os
+
+  from experiments import gpu_probe
+
+  report = (
+    "ptxas info    : Compiling entry function 'mosaic_gpu_dq' for 'sm_90a'\n"
+    "ptxas info    : Function properties for mosaic_gpu_dq\n"
+    "    0 bytes stack frame, 24 bytes spill stores, 16 bytes spill loads\n"
+    "ptxas info    : Used 232 registers, used 16 barriers, 424 bytes cmem[0]\n"
+    "ptxas info    : Compiling entry function 'mosaic_gpu_dkv' for 'sm_90a'\n"
+    "ptxas info    : Used 168 registers, used 1 barriers, 424 bytes cmem[0]\n"
+  )
+  row: dict = {}
+  libc = ctypes.CDLL(None)
+  with gpu_probe.mosaic_ptxas(row):
+    assert os.environ["MOSAIC_GPU_DUMP_PTXAS"] == "1"
+    libc.printf(b"%s", report.encode())
+  assert "MOSAIC_GPU_DUMP_PTXAS" not in os.environ
+  assert row["ptxas"] == [
+    {"function": "mosaic_gpu_dq", "spill_stores": 24, "spill_loads": 16, "registers": 232},
+    {"function": "mosaic_gpu_dkv", "registers": 168},
+  ]
+  assert "Used 168 registers" in capfd.readouterr().out
+  quiet: dict = {}
+  with gpu_probe.mosaic_ptxas(quiet):
+    pass
+  assert quiet["ptxas"] == "no ptxas report in the output"
+
+
 @pytest.mark.exhaustive
 def test_the_gpu_probe_runs_interpreted_and_writes_one_record(tmp_path):
   """The probe's smoke test (interpret mode): candidate tilings, the table's variants, the
