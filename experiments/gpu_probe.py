@@ -275,30 +275,53 @@ def mosaic_ptxas(row: dict[str, Any]) -> Iterator[None]:
   spills: what no CPU can compile for), which Mosaic GPU prints to the process's own output
   with MOSAIC_GPU_DUMP_PTXAS set, captured there (and echoed after) into ``row["ptxas"]``.
   Whatever fails here costs the report only, never the row."""
-  libc = ctypes.CDLL(None)
-  flush = lambda: (sys.stdout.flush(), sys.stderr.flush(), libc.fflush(None))
-  before = os.environ.get("MOSAIC_GPU_DUMP_PTXAS")
-  with tempfile.TemporaryFile() as out:
-    flush()
-    saved = os.dup(1), os.dup(2)
+  try:
+    capture = _Captured()
+  except Exception as e:  # noqa: BLE001 -- no report then, the row goes on
+    row["ptxas"] = f"not captured: {type(e).__name__}: {e}"
+    yield
+    return
+  try:
+    yield
+  finally:
+    text = capture.close()
+    row["ptxas"] = ptxas_report(text) or "no ptxas report in the output"
+
+
+class _Captured:
+  """The process's output (file descriptors 1 and 2, C's stdio included) into a temporary
+  file, with MOSAIC_GPU_DUMP_PTXAS set, until :meth:`close` restores both and returns what
+  was written (echoing it)."""
+
+  def __init__(self) -> None:
+    self.libc = ctypes.CDLL(None)
+    self.before = os.environ.get("MOSAIC_GPU_DUMP_PTXAS")
+    self.file = tempfile.TemporaryFile()
+    self.flush()
+    self.saved = os.dup(1), os.dup(2)
     os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
-    os.dup2(out.fileno(), 1)
-    os.dup2(out.fileno(), 2)
-    try:
-      yield
-    finally:
-      flush()
-      for fd, copy in zip((1, 2), saved):
-        os.dup2(copy, fd)
-        os.close(copy)
-      if before is None:
-        os.environ.pop("MOSAIC_GPU_DUMP_PTXAS", None)
-      else:
-        os.environ["MOSAIC_GPU_DUMP_PTXAS"] = before
-      out.seek(0)
-      text = out.read().decode(errors="replace")
-      sys.stdout.write(text)
-      row["ptxas"] = ptxas_report(text) or "no ptxas report in the output"
+    os.dup2(self.file.fileno(), 1)
+    os.dup2(self.file.fileno(), 2)
+
+  def flush(self) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    self.libc.fflush(None)
+
+  def close(self) -> str:
+    self.flush()
+    for fd, copy in zip((1, 2), self.saved):
+      os.dup2(copy, fd)
+      os.close(copy)
+    if self.before is None:
+      os.environ.pop("MOSAIC_GPU_DUMP_PTXAS", None)
+    else:
+      os.environ["MOSAIC_GPU_DUMP_PTXAS"] = self.before
+    self.file.seek(0)
+    text = self.file.read().decode(errors="replace")
+    self.file.close()
+    sys.stdout.write(text)
+    return text
 
 
 def reference(q: Any, k: Any, v: Any, do: Any, causal: bool, scale: float, chunk: int) -> Any:
