@@ -123,27 +123,17 @@ def forward(
   ``positions``: a sequence-parallel part's maps to the global (batch, head, query, key)
   positions its dropout is drawn at (:attr:`jattn.impl._base.CallSpec.positions`).
   Lengths off the kernels' tiles run padded (:mod:`_padding`), the padding masked and cut."""
-  padded = _padding.pad(
-    query, key, value, to=_padding.multiple(block_kv, specialized), mask=mask, bias=bias,
-    positions=positions,
+  options = dict(
+    scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
+    stages=stages, interpret=interpret, specialized=specialized, offsets=offsets,
+    dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
+    bias=bias, batch_heads=batch_heads, positions=positions,
   )  # fmt: skip
-  if padded is not None:
-    T = query.shape[1]
-    out, lse = forward(
-      padded.query, padded.key, padded.value, scale=scale, is_causal=is_causal,
-      mask=padded.mask, score_fn=score_fn, block_kv=block_kv, stages=stages,
-      interpret=interpret, base2=base2, specialized=specialized, offsets=offsets,
-      dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
-      bias=padded.bias, batch_heads=batch_heads, positions=padded.positions,
-    )  # fmt: skip
-    return out[:, :T], lse[:, :, :T]
-  arrays, static = _call.prepare(
-    query, key, value, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
-    block_kv=block_kv, stages=stages, interpret=interpret, specialized=specialized,
-    offsets=offsets, backward=False, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-    broadcast_dropout=broadcast_dropout, bias=bias, batch_heads=batch_heads,
-    positions=positions,
-  )  # fmt: skip
+  padded = _padding.pad(query, key, value, **options)
+  if padded is not None:  # lengths off the tiles: run padded, the padding cut
+    out, lse = forward(padded.query, padded.key, padded.value, base2=base2, **padded.options)
+    return out[:, : query.shape[1]], lse[:, :, : query.shape[1]]
+  arrays, static = _call.prepare(query, key, value, backward=False, **options)
   run = _forward.specialized if specialized else _forward.one_warpgroup
   out, lse2 = run(query, key, value, arrays, static)
   return out, lse2 if base2 else lse2 / LOG2E
@@ -179,27 +169,17 @@ def attention(
   are differentiated, through the whole (B, N, T, S) grid in XLA (O(B·N·T·S) memory, as
   flex's Triton kernels take them; :func:`_grid.grid_grads`); arguments as
   :func:`forward`'s, lengths off the kernels' tiles padded as there."""
-  padded = _padding.pad(
-    query, key, value, to=_padding.multiple(block_kv, specialized), mask=mask, bias=bias,
-    positions=positions,
+  options = dict(
+    scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
+    stages=stages, interpret=interpret, specialized=specialized, offsets=offsets,
+    dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
+    bias=bias, batch_heads=batch_heads, positions=positions,
   )  # fmt: skip
-  if padded is not None:
-    T = query.shape[1]
-    out, lse = attention(
-      padded.query, padded.key, padded.value, scale=scale, is_causal=is_causal,
-      mask=padded.mask, score_fn=score_fn, interpret=interpret, specialized=specialized,
-      offsets=offsets, block_kv=block_kv, stages=stages, dropout_rate=dropout_rate,
-      dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, bias=padded.bias,
-      batch_heads=batch_heads, positions=padded.positions,
-    )  # fmt: skip
-    return out[:, :T], lse[:, :T]
-  arrays, static = _call.prepare(
-    query, key, value, scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn,
-    block_kv=block_kv, stages=stages, interpret=interpret, specialized=specialized,
-    offsets=offsets, backward=True, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-    broadcast_dropout=broadcast_dropout, bias=bias, batch_heads=batch_heads,
-    positions=positions,
-  )  # fmt: skip
+  padded = _padding.pad(query, key, value, **options)
+  if padded is not None:  # lengths off the tiles: run padded, the padding cut
+    out, lse = attention(padded.query, padded.key, padded.value, **padded.options)
+    return out[:, : query.shape[1]], lse[:, : query.shape[1]]
+  arrays, static = _call.prepare(query, key, value, backward=True, **options)
   run = _forward.specialized if specialized else _forward.one_warpgroup
   backward = _backward.specialized if specialized else _backward.one_warpgroup
   natural = lambda lse2: jnp.swapaxes(lse2 / LOG2E, 1, 2)  # (B, N, T) base 2 -> (B, T, N)

@@ -24,14 +24,13 @@ from jattn.masks import _core as _masks_core
 
 
 class Padded(NamedTuple):
-  """A call's inputs padded to whole tiles along the sequence axes."""
+  """A call's tensors padded to whole tiles along the sequence axes, and its keyword
+  arguments with the mask, bias and position maps padded with them."""
 
   query: jax.Array
   key: jax.Array
   value: jax.Array
-  mask: Any
-  bias: jax.Array | None
-  positions: Any
+  options: dict[str, Any]
 
 
 def multiple(block_kv: int, specialized: bool) -> int:
@@ -53,18 +52,13 @@ def paddable(mask: Any) -> bool:
   return True
 
 
-def pad(
-  query: jax.Array,
-  key: jax.Array,
-  value: jax.Array,
-  *,
-  to: int,
-  mask: Any,
-  bias: jax.Array | None,
-  positions: Any,
-) -> Padded | None:
-  """The call padded along T and S to multiples of ``to``; None where its lengths are
-  multiples already, or where the mask cannot be padded (:func:`paddable`)."""
+def pad(query: jax.Array, key: jax.Array, value: jax.Array, **options: Any) -> Padded | None:
+  """The call (``options``: the kernels' keyword arguments, ``block_kv``, ``specialized``,
+  ``mask``, ``bias``, ``positions`` among them) padded along T and S to whole tiles
+  (:func:`multiple`); None where its lengths are whole tiles already, or where the mask
+  cannot be padded (:func:`paddable`)."""
+  mask, bias, positions = options["mask"], options["bias"], options["positions"]
+  to = multiple(options["block_kv"], options["specialized"])
   T, S = query.shape[1], key.shape[1]
   Tp, Sp = -(-T // to) * to, -(-S // to) * to
   if (Tp, Sp) == (T, S) or not paddable(mask):
@@ -96,10 +90,8 @@ def pad(
       if maps[i] is not None:
         maps[i] = along(jnp.asarray(maps[i]), 0, n, mode="edge")
     positions = tuple(maps)
-  return Padded(
-    along(query, 1, Tp), along(key, 1, Sp), along(value, 1, Sp), _masks.all_of(*parts), bias,
-    positions,
-  )  # fmt: skip
+  padded = dict(options, mask=_masks.all_of(*parts), bias=bias, positions=positions)
+  return Padded(along(query, 1, Tp), along(key, 1, Sp), along(value, 1, Sp), padded)
 
 
 def _pad_axis(x: jax.Array, axis: int, n: int, **kw: Any) -> jax.Array:
