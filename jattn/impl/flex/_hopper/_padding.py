@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn import masks as _masks
+from jattn.impl.flex import _kernels
 from jattn.masks import _core as _masks_core
 
 
@@ -63,7 +64,6 @@ def pad(query: jax.Array, key: jax.Array, value: jax.Array, **options: Any) -> P
   Tp, Sp = -(-T // to) * to, -(-S // to) * to
   if (Tp, Sp) == (T, S) or not paddable(mask):
     return None
-  along = lambda x, axis, n, **kw: _pad_axis(x, axis, n, **kw)
   parts = []
   for part in _masks_core.conjuncts(mask):
     if isinstance(part, _masks.kinds.Segments):
@@ -71,27 +71,28 @@ def pad(query: jax.Array, key: jax.Array, value: jax.Array, **options: Any) -> P
       # Padded rows and keys in documents of their own (the key padding is masked anyway)
       low = jnp.minimum(q_ids.min(), kv_ids.min())
       part = _masks.segments(
-        along(q_ids, -1, Tp, value=low - 1), along(kv_ids, -1, Sp, value=low - 2)
+        _pad_axis(q_ids, -1, Tp, value=low - 1), _pad_axis(kv_ids, -1, Sp, value=low - 2)
       )
     elif isinstance(part, _masks.kinds.FromArray):
       array = jnp.asarray(part.array)
-      array = along(array, -2, Tp, value=False) if array.shape[-2] == T else array
-      part = _masks.from_array(along(array, -1, Sp, value=False) if array.shape[-1] == S else array)
+      array = _pad_axis(array, -2, Tp, value=False) if array.shape[-2] == T else array
+      part = _masks.from_array(
+        _pad_axis(array, -1, Sp, value=False) if array.shape[-1] == S else array
+      )
     parts.append(part)
   if Sp > S:
     parts.append(_masks.lengths(None, S))  # the padded keys
-  if bias is not None:
-    bias = jnp.asarray(bias)
-    bias = along(bias, -2, Tp) if bias.shape[-2] == T else bias
-    bias = along(bias, -1, Sp) if bias.shape[-1] == S else bias
+  if bias is not None and jnp.ndim(bias) == 4:  # (another rank: refused by the kernels' check)
+    bias = _kernels.pad_bias(jnp.asarray(bias), Tp, Sp)
   if positions is not None:  # a part's maps: the padding drawn at the last position's
     maps = list(positions)
     for i, n in ((2, Tp), (3, Sp)):
       if maps[i] is not None:
-        maps[i] = along(jnp.asarray(maps[i]), 0, n, mode="edge")
+        maps[i] = _pad_axis(jnp.asarray(maps[i]), 0, n, mode="edge")
     positions = tuple(maps)
   padded = dict(options, mask=_masks.all_of(*parts), bias=bias, positions=positions)
-  return Padded(along(query, 1, Tp), along(key, 1, Sp), along(value, 1, Sp), padded)
+  pad_to = lambda x, n: _kernels.pad_to(x, n, x.shape[3])
+  return Padded(pad_to(query, Tp), pad_to(key, Sp), pad_to(value, Sp), padded)
 
 
 def _pad_axis(x: jax.Array, axis: int, n: int, **kw: Any) -> jax.Array:
