@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,22 +32,75 @@ def _tensors(
   return query, key, value, d_out, lse2, delta
 
 
-def _scores(
-  static: _call.Static, fns: tuple[Any, Any, Any], products: Any, masked: bool, b: Any, h: Any,
-  q0: Any, k0: Any, transposed: bool, keep: Any, tiles: tuple[Any, Any],
+class _At(NamedTuple):
+  """A backward tile: its PARTIAL-ness, the program's global batch row and head, its first
+  query and key, the segment ids' conjunct (``_tile.keeper``'s) and its bias and dense mask
+  tiles (``_tile.plane_tile``'s, or None)."""
+
+  masked: bool
+  b: Any
+  h: Any
+  q0: Any
+  k0: Any
+  keep: Any
+  tiles: tuple[Any, Any]
+
+
+def _dq_tile(
+  static: _call.Static, r: _call.Refs, at: _At, dq: Any, q: Any, do: Any, k: Any, v: Any,
+  lse: Any, dlt: Any, staging: Any,
+) -> Any:  # fmt: skip
+  """``dq`` plus one key tile's ``dS K`` (S = Q Kᵀ, dP = dO Vᵀ, dS = P ⊙ (dP − Δ), through
+  the score function's derivative; ``lse`` and Δ along the tile's rows), every product a
+  wgmma; one-warpgroup and warp-specialised kernels alike."""
+  products = _mosaic.matmul(q, k.transpose((1, 0)), (ROWS, ROWS))
+  t, slope = _scores(static, r, at, products, transposed=False)
+  p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [0]))
+  dp = _mosaic.matmul(do, v.transpose((1, 0)), (ROWS, ROWS))
+  dp = _tile.dropout_keep(dp.shape, static, r, at.b, at.h, at.q0, at.k0)(dp)
+  ds = _through_score(p * (dp - lax.broadcast_in_dim(dlt, t.shape, [0])), slope)
+  return _mosaic.accumulate(dq, _mosaic.staged(ds.astype(k.dtype), staging), k, static.interpret)
+
+
+def _dkv_tile(
+  static: _call.Static, r: _call.Refs, at: _At, dk: Any, dv: Any, k: Any, v: Any, q: Any,
+  do: Any, lse: Any, dlt: Any, staging: Any,
 ) -> tuple[Any, Any]:  # fmt: skip
-  """A backward tile's ``(t, slope)`` (:func:`_tile.scores`; ``fns`` the mask and score
-  function, ``tiles`` the bias's and dense mask's)."""
+  """``(dk, dv)`` plus one query tile's ``dSᵀ Q`` and ``Pᵀ dO``, in the transposed domain
+  (Sᵀ = K Qᵀ, dPᵀ = V dOᵀ; ``lse`` and Δ along the tile's columns), every product a wgmma;
+  one-warpgroup and warp-specialised kernels alike."""
+  products = _mosaic.matmul(k, q.transpose((1, 0)), (ROWS, ROWS))
+  t, slope = _scores(static, r, at, products, transposed=True)
+  p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [1]))
+  dropped = _tile.dropout_keep(p.shape, static, r, at.b, at.h, at.q0, at.k0, True)
+  pv = _mosaic.staged(dropped(p).astype(k.dtype), staging)
+  dv = _mosaic.accumulate(dv, pv, do, static.interpret)
+  dp = dropped(_mosaic.matmul(v, do.transpose((1, 0)), (ROWS, ROWS)))
+  ds = _through_score(p * (dp - lax.broadcast_in_dim(dlt, t.shape, [1])), slope)
+  dk = _mosaic.accumulate(dk, _mosaic.staged(ds.astype(k.dtype), staging), q, static.interpret)
+  return dk, dv
+
+
+def _scores(
+  static: _call.Static, r: _call.Refs, at: _At, products: Any, transposed: bool
+) -> tuple[Any, Any]:
+  """A backward tile's ``(t, slope)`` (:func:`_tile.scores`, with the derivative)."""
   return _tile.scores(
-    products, scale=static.scale, score_fn=fns[1], mask=fns[0], masked=masked, b=b, h=h,
-    q0=q0, k0=k0, transposed=transposed, derivative=True, keep=keep, bias=tiles[0],
-    dense=tiles[1], lengths=static.lengths, slope_fn=fns[2],
+    products, scale=static.scale, score_fn=r.score_fn, mask=r.mask, masked=at.masked, b=at.b,
+    h=at.h, q0=at.q0, k0=at.k0, transposed=transposed, derivative=True, keep=at.keep,
+    bias=at.tiles[0], dense=at.tiles[1], lengths=static.lengths, slope_fn=r.slope,
   )  # fmt: skip
 
 
 def _through_score(ds: Any, slope: Any) -> Any:
   """dS of the scaled scores: of the score function's output times its derivative."""
   return ds if slope is None else ds * slope
+
+
+def _grouped(x: jax.Array, K: int, dtype: Any) -> jax.Array:
+  """Each query head's dK or dV (B, S, N, ·) summed over its group of K key/value heads."""
+  B, S, N, _ = x.shape
+  return x.reshape(B, S, K, N // K, -1).sum(3, dtype=jnp.float32).astype(dtype)
 
 
 def one_warpgroup(
@@ -83,7 +136,6 @@ def one_warpgroup(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     r = _call.split_refs(refs[6:], static, n_ids)
     (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
-    fns = (r.mask, r.score_fn, r.slope)
     dq_ref, q_smem, do_smem, lse_smem, delta_smem, bars, a_smem, id_smem = r.rest
     i = _kernels.tile_of(lax.axis_index("q"), T // ROWS, static.from_last[1])
     h, b = lax.axis_index("h"), lax.axis_index("b")
@@ -107,17 +159,9 @@ def one_warpgroup(
           streamed, n_streamed_ids, static.biased, static.dense and masked
         )
         j = order_ref[i, index[0] + first]
-        products = _mosaic.matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, bk))
-        keep = keeper(*ids_smem)
         tiles = _tile.plane_tile(bias_smem), _tile.plane_tile(dense_smem)
-        q0, k0 = i * ROWS, j * bk
-        t, slope = _scores(static, fns, products, masked, b_g, h_g, q0, k0, False, keep, tiles)
-        p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [0]))
-        dp = _mosaic.matmul(do_smem, v_smem.transpose((1, 0)), (ROWS, bk))
-        dp = _tile.dropout_keep(dp.shape, static, r, b_g, h_g, i * ROWS, j * bk)(dp)
-        ds = p * (dp - lax.broadcast_in_dim(dlt, t.shape, [0]))
-        ds = _through_score(ds, slope).astype(dtype)
-        return _mosaic.accumulate(dq, _mosaic.staged(ds, a_smem), k_smem, interpret)
+        at = _At(masked, b_g, h_g, i * ROWS, j * bk, keeper(*ids_smem), tiles)
+        return _dq_tile(static, r, at, dq, q_smem, do_smem, k_smem, v_smem, lse, dlt, a_smem)
 
       return run
 
@@ -143,7 +187,6 @@ def one_warpgroup(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     r = _call.split_refs(refs[6:], static, n_ids)
     (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
-    fns = (r.mask, r.score_fn, r.slope)
     dk_ref, dv_ref, k_smem, v_smem, bars, a_smem, id_smem = r.rest
     j = _kernels.tile_of(lax.axis_index("kv"), S // bk, static.from_last[2])
     h, b = lax.axis_index("h"), lax.axis_index("b")
@@ -163,23 +206,14 @@ def one_warpgroup(
         ids_smem, bias_smem, dense_smem = _tile.split_streamed(
           streamed, n_streamed_ids, static.biased, static.dense and masked
         )
-        dk, dv = carry
         i = order_ref[j, index[0] + first]
         lse = _mosaic.load(lse_smem, layout.reduce(0))
         dlt = _mosaic.load(d_smem, layout.reduce(0))
-        products = _mosaic.matmul(k_smem, q_smem.transpose((1, 0)), (bk, ROWS))
-        keep = keeper(*ids_smem)
         tiles = _tile.plane_tile(bias_smem), _tile.plane_tile(dense_smem)
-        q0, k0 = i * ROWS, j * bk
-        t, slope = _scores(static, fns, products, masked, b_g, h_g, q0, k0, True, keep, tiles)
-        p = jnp.exp2(t - lax.broadcast_in_dim(lse, t.shape, [1]))
-        dropped = _tile.dropout_keep(p.shape, static, r, b_g, h_g, i * ROWS, j * bk, True)
-        pv = _mosaic.staged(dropped(p).astype(dtype), a_smem)
-        dv = _mosaic.accumulate(dv, pv, do_smem, interpret)
-        dp = dropped(_mosaic.matmul(v_smem, do_smem.transpose((1, 0)), (bk, ROWS)))
-        ds = p * (dp - lax.broadcast_in_dim(dlt, t.shape, [1]))
-        ds = _through_score(ds, slope).astype(dtype)
-        return _mosaic.accumulate(dk, _mosaic.staged(ds, a_smem), q_smem, interpret), dv
+        at = _At(masked, b_g, h_g, i * ROWS, j * bk, keeper(*ids_smem), tiles)
+        dk, dv = carry
+        args = (k_smem, v_smem, q_smem, do_smem, lse, dlt, a_smem)
+        return _dkv_tile(static, r, at, dk, dv, *args)
 
       return run
 
@@ -237,8 +271,7 @@ def one_warpgroup(
     ),
     **_mosaic.interpreted(interpret),
   )(*inputs, *arrays.kernel_inputs(arrays.cols, T, S, transposed=True))
-  group = lambda x: x.reshape(B, S, K, G, -1).sum(3, dtype=jnp.float32).astype(dtype)
-  return dq, group(dk), group(dv)
+  return dq, _grouped(dk, K, dtype), _grouped(dv, K, dtype)
 
 
 def specialized(
@@ -266,10 +299,8 @@ def specialized(
   tensors = _tensors(query, key, value, out, lse2, d_out, d_lse)
   dq = _specialized_pass(tensors, arrays, static, transposed=False)
   dk, dv = _specialized_pass(tensors, arrays, static, transposed=True)
-  B, S, K, _ = key.shape
-  G = query.shape[2] // K
-  group = lambda x: x.reshape(B, S, K, G, -1).sum(3, dtype=jnp.float32).astype(query.dtype)
-  return dq, group(dk), group(dv)
+  K, dtype = key.shape[2], query.dtype
+  return dq, _grouped(dk, K, dtype), _grouped(dv, K, dtype)
 
 
 def _specialized_pass(
@@ -335,7 +366,6 @@ def _specialized_pass(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     r = _call.split_refs(refs[6:], static, n_ids)
     (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
-    fns = (r.mask, r.score_fn, r.slope)
     *outs, scoped = r.rest
     (held_smem, slot_smem, (own_ids, slot_ids), (bias_smem, dense_smem), a_smem), bars = scoped
     held_ready, ids_ready, ready, free = bars
@@ -380,35 +410,20 @@ def _specialized_pass(
           _tile.plane_tile(half(bias_smem)),
           _tile.plane_tile(half(dense_smem)) if masked else None,
         )
-        dropped = _tile.dropout_keep((ROWS, ROWS), static, r, b_g, h_g, q0, k0, transposed)
-        if transposed:  # Sᵀ = K Qᵀ; dV += Pᵀ dO; dPᵀ = V dOᵀ; dK += dSᵀ Q
-          k_smem, v_smem = mine
+        at = _At(masked, b_g, h_g, q0, k0, keep, tiles)
+        if transposed:  # K, V held; Q, dO, lse, Δ streamed
           q_smem, do_smem, lse_smem, d_smem = slots
-          dk, dv = carry
           lse = _mosaic.load(lse_smem, layout.reduce(0))
           dlt = _mosaic.load(d_smem, layout.reduce(0))
-          products = _mosaic.matmul(k_smem, q_smem.transpose((1, 0)), (ROWS, ROWS))
-          t_, slope = _scores(static, fns, products, masked, b_g, h_g, q0, k0, True, keep, tiles)
-          p = jnp.exp2(t_ - lax.broadcast_in_dim(lse, t_.shape, [1]))
-          pv = _mosaic.staged(dropped(p).astype(dtype), a)
-          dv = _mosaic.accumulate(dv, pv, do_smem, interpret)
-          dp = dropped(_mosaic.matmul(v_smem, do_smem.transpose((1, 0)), (ROWS, ROWS)))
-          ds = p * (dp - lax.broadcast_in_dim(dlt, t_.shape, [1]))
-          ds = _through_score(ds, slope).astype(dtype)
-          dk = _mosaic.accumulate(dk, _mosaic.staged(ds, a), q_smem, interpret)
-          carry = (dk, dv)
-        else:  # S = Q Kᵀ; dP = dO Vᵀ; dQ += dS K
+          k_smem, v_smem = mine
+          dk, dv = carry
+          carry = _dkv_tile(static, r, at, dk, dv, k_smem, v_smem, q_smem, do_smem, lse, dlt, a)
+        else:  # Q, dO, lse, Δ held; K, V streamed
           q_smem, do_smem, lse_smem, d_smem = mine
-          k_smem, v_smem = slots
           lse = _mosaic.load(lse_smem, layout.reduce(1))
           dlt = _mosaic.load(d_smem, layout.reduce(1))
-          products = _mosaic.matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, ROWS))
-          t_, slope = _scores(static, fns, products, masked, b_g, h_g, q0, k0, False, keep, tiles)
-          p = jnp.exp2(t_ - lax.broadcast_in_dim(lse, t_.shape, [0]))
-          dp = dropped(_mosaic.matmul(do_smem, v_smem.transpose((1, 0)), (ROWS, ROWS)))
-          ds = p * (dp - lax.broadcast_in_dim(dlt, t_.shape, [0]))
-          ds = _through_score(ds, slope).astype(dtype)
-          carry = _mosaic.accumulate(carry, _mosaic.staged(ds, a), k_smem, interpret)
+          k_smem, v_smem = slots
+          carry = _dq_tile(static, r, at, carry, q_smem, do_smem, k_smem, v_smem, lse, dlt, a)
         plgpu.barrier_arrive(free.at[slot])
         return carry
 
