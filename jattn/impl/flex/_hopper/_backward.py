@@ -336,13 +336,7 @@ def _specialized_pass(
     if n_ids
     else (None, None)
   )
-  plane = lambda dt: plgpu.SMEM(
-    (stages, 2 * ROWS, ROWS), dt, transforms=_mosaic.swizzled(jnp.dtype(dt).itemsize)
-  )
-  planes_smem = (
-    plane(arrays.bias[0].dtype) if arrays.bias else None,
-    plane(jnp.bfloat16) if arrays.dense else None,
-  )
+  planes_smem = _tile.slot_planes(arrays.bias, arrays.dense, stages, ROWS)
   smem = (held, streamed, ids_smem, planes_smem)
   need = _mosaic.smem_bytes(smem)
   name = "dK/dV" if transposed else "dQ"
@@ -405,11 +399,7 @@ def _specialized_pass(
         plgpu.barrier_wait(ready.at[slot])
         slots = [x.at[slot] for x in slot_smem]
         keep = keeper(*(() if slot_ids is None else (slot_ids.at[slot],)))
-        half = lambda ref: () if ref is None else (ref.at[slot, pl.ds(wg * ROWS, ROWS)],)
-        tiles = (
-          _tile.plane_tile(half(bias_smem)),
-          _tile.plane_tile(half(dense_smem)) if masked else None,
-        )
+        tiles = _tile.group_tiles((bias_smem, dense_smem), slot, wg, masked)
         at = _At(masked, b_g, h_g, q0, k0, keep, tiles)
         if transposed:  # K, V held; Q, dO, lse, Δ streamed
           q_smem, do_smem, lse_smem, d_smem = slots

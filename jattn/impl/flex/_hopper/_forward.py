@@ -178,16 +178,7 @@ def specialized(
     plgpu.SMEM((2, ROWS, Hv), o_dtype, transforms=_mosaic.swizzled(o_dtype.itemsize))
     if o_dtype != dtype or Hv != H
     else None,
-    # each slot's bias and dense mask tiles (bfloat16 0 and 1), both groups' rows
-    *(
-      plgpu.SMEM((stages, 2 * ROWS, bk), dt, transforms=_mosaic.swizzled(jnp.dtype(dt).itemsize))
-      if present
-      else None
-      for present, dt in (
-        (arrays.bias, arrays.bias[0].dtype if arrays.bias else None),
-        (arrays.dense, jnp.bfloat16),
-      )
-    ),
+    *_tile.slot_planes(arrays.bias, arrays.dense, stages, bk),
   )
   need = _mosaic.smem_bytes(smem)
   if need > _mosaic.SMEM_BYTES:
@@ -256,9 +247,7 @@ def specialized(
         streamed = () if kid_smem is None else (kid_smem.at[slot],)
         keep = keeper(*streamed) if masked else None
         # and the group's rows of its bias and dense mask tiles
-        half = lambda ref: () if ref is None else (ref.at[slot, pl.ds(wg * ROWS, ROWS)],)
-        bias = _tile.plane_tile(half(bias_smem))
-        dense = _tile.plane_tile(half(dense_smem)) if masked else None
+        bias, dense = _tile.group_tiles((bias_smem, dense_smem), slot, wg, masked)
         plgpu.barrier_arrive(k_free.at[slot])
         t_, _ = _tile.scores(
           products, scale=scale, score_fn=score_fn, mask=mask, masked=masked, b=b_g, h=h_g,

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from jattn import dropout as _dropout
 from jattn.impl.flex import _in_kernel
@@ -184,6 +185,34 @@ def plane(planes: Any, b: Any, h: Any) -> Any:
   """The (rows, columns) plane of a bias's or dense mask's ``planes`` (:func:`_call.planes`)
   at batch row ``b`` and head ``h``, where the planes do not broadcast them."""
   return planes.at[_mosaic.row(planes, b), h if planes.shape[1] > 1 else 0]
+
+
+def slot_planes(bias: Sequence[Any], dense: Sequence[Any], stages: int, cols: int) -> Any:
+  """A warp-specialised kernel's shared memory for the bias's and the dense mask's tiles
+  (``bias``, ``dense``: the call's, or ()): ``stages`` slots of both compute groups' rows
+  by ``cols`` streamed columns, in the layout wgmma's loads read (the mask as bfloat16 0 and
+  1); a None for each absent."""
+  plgpu = _mosaic.mosaic_gpu()
+
+  def slots(dtype: Any) -> Any:
+    swizzled = _mosaic.swizzled(jnp.dtype(dtype).itemsize)
+    return plgpu.SMEM((stages, 2 * _mosaic.ROWS, cols), dtype, transforms=swizzled)
+
+  return (
+    slots(bias[0].dtype) if bias else None,
+    slots(jnp.bfloat16) if dense else None,
+  )
+
+
+def group_tiles(buffers: tuple[Any, Any], slot: Any, group: Any, masked: bool) -> Any:
+  """A compute group's rows of a slot's bias and dense-mask tiles (:func:`slot_planes`'
+  ``buffers``) in registers: ``(bias, dense)``, each None where absent, the dense mask's
+  also on FULL tiles (``masked`` False), where it is not read."""
+  rows = lambda ref: (
+    () if ref is None else (ref.at[slot, pl.ds(group * _mosaic.ROWS, _mosaic.ROWS)],)
+  )
+  bias, dense = buffers
+  return plane_tile(rows(bias)), plane_tile(rows(dense)) if masked else None
 
 
 def copy_planes(
