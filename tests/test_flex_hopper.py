@@ -2,6 +2,7 @@
 (jax >= 0.12) against jax.nn in float32, their lowering for CUDA from this CPU, and the
 forward's argument errors."""
 
+import functools
 import warnings
 
 import jax
@@ -823,6 +824,65 @@ def test_forward_mode_and_second_derivatives_are_refused_naming_the_rule():
       jax.jit(jax.grad(lambda q: (first(q) ** 2).sum()))(q)
     with pytest.raises(ValueError, match=r"implementation='flex_hopper' gives reverse-mode"):
       jax.jit(lambda q: jax.jvp(fn, (q,), (q,))[1])(q)
+
+
+def test_the_grid_gradients_are_taken_a_chunk_of_query_rows_at_a_time():
+  """The gradients the Hopper kernels leave to XLA (a bias's, learned arrays'), taken 64
+  query rows at a time, against jax.vjp of the xla path in float32 on the same bf16 values:
+  (1) a bias with a query axis (each chunk's rows of its gradient) and learned ALiBi slopes
+  (summed over the chunks) under a causal mask with dropout, T = 512; the compiled program's
+  temporary buffers under half the whole grid's; (2) a key bias, no query axis (summed over
+  the chunks), with packed documents, T = 256. No kernel runs: both Pythons check it."""
+  from jattn.impl.flex._hopper import _call, _grid
+
+  rng = np.random.default_rng(5)
+  slopes = jnp.asarray([0.5, 0.25], jnp.float32)
+  cases = [
+    (512, dict(is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(3)), (1, 2, 512, 512)),
+    (256, dict(mask=masks.segments(jnp.asarray(np.repeat([[0, 1, 2, 3]], 64, 1)))), (1, 1, 1, 256)),
+  ]  # fmt: skip
+  for T_, kw, bias_shape in cases:
+    shapes = [(1, T_, 2, 64), (1, T_, 1, 64), (1, T_, 1, 64)]
+    qkv = [array(rng.standard_normal(s), jnp.bfloat16) for s in shapes]
+    d_out = array(rng.standard_normal(shapes[0]), jnp.float32)
+    bias = array(rng.standard_normal(bias_shape), jnp.float32)
+    learned = kw.get("is_causal", False)  # the first case learns the slopes too
+
+    def xla(q, k, v, bias, slopes, kw=kw, learned=learned):
+      score_fn = scores.alibi(slopes) if learned else None
+      return jattn.dot_product_attention(
+        q, k, v, bias, scale=0.125, score_fn=score_fn, implementation="xla",
+        return_residual=True, **kw,
+      )  # fmt: skip
+
+    (_, lse), vjp = jax.vjp(xla, *(x.astype(jnp.float32) for x in qkv), bias, slopes)
+    *_, want_bias, want_slopes = vjp((d_out, jnp.zeros_like(lse)))
+    options = {"is_causal": False, "mask": None, **kw}
+    arrays, static = _call.prepare(
+      *qkv, backward=True, scale=0.125, score_fn=scores.alibi(slopes) if learned else None,
+      block_kv=64, stages=2, interpret=False, specialized=False, offsets=None, bias=bias,
+      **options,
+    )  # fmt: skip
+    chosen = [i for i, a in enumerate(arrays.score) if a.shape == slopes.shape]
+    args = (*qkv, jnp.swapaxes(lse, 1, 2) * np.log2(np.e), d_out, jnp.zeros((1, 2, T_)))
+
+    def grads(rows, *args, arrays=arrays, static=static, chosen=chosen):
+      return _grid.grid_grads(*args, arrays, static, chosen, True, rows=rows)
+
+    chunked = jax.jit(functools.partial(grads, 64)).lower(*args).compile()
+    d_slopes, d_bias = chunked(*args)
+    assert d_bias.shape == bias.shape, d_bias.shape
+    rel = lambda got, want: np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel(d_bias, want_bias) < 1e-5, (T_, rel(d_bias, want_bias))
+    if learned:
+      assert rel(d_slopes[0], want_slopes) < 1e-5, rel(d_slopes[0], want_slopes)
+      whole = jax.jit(functools.partial(grads, T_)).lower(*args).compile()
+      temp = [c.memory_analysis().temp_size_in_bytes for c in (chunked, whole)]
+      assert temp[0] < temp[1] / 2, temp
+  assert _grid.chunk_rows(1, 16, 16384, 16384) == 256  # 256 MiB of float32 per grid array
+  assert _grid.chunk_rows(2, 2, 256, 256) == 256 and _grid.chunk_rows(8, 64, 640, 10**6) == 64
+  with pytest.raises(ValueError, match="rows: a multiple of 64 that divides T = 256, got 96"):
+    grads(96, *args)
 
 
 @interpreter

@@ -166,8 +166,8 @@ def attention(
   log-sum-exp's cotangent enters dS as Δ
   does, dS = P ⊙ (dP − Δ + d_lse), so sinks and ``return_residual`` take it), and in the
   bias and the floating arrays a score function reads (learned ALiBi slopes), where those
-  are differentiated, through the whole (B, N, T, S) grid in XLA (O(B·N·T·S) memory, as
-  flex's Triton kernels take them; :func:`_grid.grid_grads`); arguments as
+  are differentiated, through the (B, N, T, S) grid in XLA a chunk of query rows at a time
+  (:func:`_grid.grid_grads`); arguments as
   :func:`forward`'s, lengths off the kernels' tiles padded as there."""
   options = dict(
     scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,

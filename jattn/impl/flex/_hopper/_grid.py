@@ -1,6 +1,7 @@
-"""The gradients flex's Hopper kernels leave to XLA, taken on the whole (B, N, T, S) grid:
-of the floating arrays a score function reads (learned ALiBi slopes) and of a bias, where
-those are differentiated; and the zero cotangents of the arrays that take none."""
+"""The gradients flex's Hopper kernels leave to XLA, taken on the (B, N, T, S) grid a chunk
+of query rows at a time: of the floating arrays a score function reads (learned ALiBi
+slopes) and of a bias, where those are differentiated; and the zero cotangents of the arrays
+that take none."""
 
 from __future__ import annotations
 
@@ -29,20 +30,22 @@ def zero_cotangent(x: jax.Array) -> Any:
 
 def _on_grid(
   jaxpr: Any, arrays: Sequence[jax.Array], shape: tuple[int, int, int, int], offsets: Any,
-  scores: jax.Array | None = None,
+  scores: jax.Array | None = None, first_row: Any = 0,
 ) -> jax.Array:  # fmt: skip
-  """A mask's or score function's tile jaxpr (traced at ROWS x ROWS) on the whole (B, N, T,
-  S) grid in XLA, its arrays as plain inputs: mapped over batch rows and heads (global:
-  ``offsets`` added) and tiles; ``scores`` (B, N, T, S) a score function's input."""
-  (out,) = _outputs_on_grid(jaxpr, arrays, shape, offsets, scores)
+  """A mask's or score function's tile jaxpr (traced at ROWS x ROWS) on the (B, N, T, S)
+  grid in XLA, its arrays as plain inputs: mapped over batch rows and heads (global:
+  ``offsets`` added) and tiles; ``scores`` (B, N, T, S) a score function's input; T query
+  rows from ``first_row`` (a multiple of ROWS)."""
+  (out,) = _outputs_on_grid(jaxpr, arrays, shape, offsets, scores, first_row)
   return out
 
 
 def _outputs_on_grid(
   jaxpr: Any, arrays: Sequence[jax.Array], shape: tuple[int, int, int, int], offsets: Any,
-  scores: jax.Array | None = None,
+  scores: jax.Array | None = None, first_row: Any = 0,
 ) -> list[jax.Array]:  # fmt: skip
-  """:func:`_on_grid` for a jaxpr of several outputs: each on the whole grid."""
+  """:func:`_on_grid` for a jaxpr of several outputs: each on the whole grid, or on the
+  query rows from ``first_row`` (a multiple of ROWS; shape's T the rows taken)."""
   B, N, T, S = shape
   run = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, []))
   iota = lax.broadcasted_iota(jnp.int32, (ROWS, ROWS), 0)
@@ -64,11 +67,30 @@ def _outputs_on_grid(
   b = jnp.arange(B, dtype=jnp.int32) + offsets[0]
   h = jnp.arange(N, dtype=jnp.int32) + offsets[1]
   i, j = (
-    jnp.arange(T // ROWS, dtype=jnp.int32),
+    jnp.arange(T // ROWS, dtype=jnp.int32) + first_row // ROWS,
     jnp.arange(S // ROWS, dtype=jnp.int32),
   )
   outs = each(b, h, i, j, *x)  # each (B, N, T/ROWS, S/ROWS, ROWS, ROWS)
   return [out.transpose(0, 1, 2, 4, 3, 5).reshape(B, N, T, S) for out in outs]
+
+
+# A chunk's float32 (B, N, rows, S) grid array is kept under this many bytes.
+CHUNK_BYTES = 1 << 28
+
+
+def chunk_rows(B: int, N: int, T: int, S: int, budget: int = CHUNK_BYTES) -> int:
+  """The query rows :func:`grid_grads` takes at a time: the most, a multiple of ROWS that
+  divides T (a multiple of ROWS), whose (B, N, rows, S) float32 array fits in ``budget``
+  bytes; ROWS where none does."""
+  tiles = T // ROWS
+  fits = [k for k in range(1, tiles + 1) if tiles % k == 0 and B * N * k * ROWS * S * 4 <= budget]
+  return max(fits, default=1) * ROWS
+
+
+def _rows(x: jax.Array, axis: int, first: Any, rows: int) -> jax.Array:
+  """``x``'s query rows ``first`` to ``first + rows`` along ``axis``; a broadcast axis (1) as
+  it is."""
+  return x if x.shape[axis] == 1 else lax.dynamic_slice_in_dim(x, first, rows, axis)
 
 
 def grid_grads(
@@ -82,72 +104,120 @@ def grid_grads(
   static: _call.Static,
   chosen: list[int],
   wants_bias: bool,
+  rows: int | None = None,
 ) -> tuple[list[jax.Array], jax.Array | None]:
   """``(the gradients of arrays.score[chosen], the bias's gradient or None)``, from the
-  whole (B, N, T, S) grid in XLA: the score function's VJP at the call's scores (recomputed
-  in float32: scale · q kᵀ + bias), the cotangent dS = P ⊙ (dP − Δ + d_lse) of its output,
-  P from the forward's log-sum-exp, ``d_lse`` as the backward kernels take it
-  (:func:`_backward.one_warpgroup`); the bias's is
-  dS before the score function, summed over the axes the bias broadcasts."""
+  (B, N, T, S) grid in XLA, ``rows`` query rows at a time (a multiple of ROWS dividing T;
+  default :func:`chunk_rows`, so a chunk's grid arrays stay near ``CHUNK_BYTES`` whatever T
+  and S): the score function's VJP at the call's scores (recomputed in float32:
+  scale · q kᵀ + bias), the cotangent dS = P ⊙ (dP − Δ + d_lse) of its output, P from the
+  forward's log-sum-exp, ``d_lse`` as the backward kernels take it
+  (:func:`_backward.one_warpgroup`); the bias's is dS before the score function, summed over
+  the axes the bias broadcasts. The learned arrays' gradients and a bias's without a query
+  axis are summed over the chunks; a bias's with one is each chunk's rows of it."""
   B, T, N, _ = query.shape
   S, K = key.shape[1], key.shape[2]
+  C = chunk_rows(B, N, T, S) if rows is None else rows
+  if C % ROWS or T % C:
+    raise ValueError(f"rows: a multiple of {ROWS} that divides T = {T}, got {C}")
   f = jnp.float32
   fns = static.functions
   grouped = lambda x: jnp.repeat(x.astype(f), N // K, axis=2)
-  x = jnp.einsum("btnh,bsnh->bnts", query.astype(f), grouped(key)) * static.scale
-  if arrays.bias:
-    x = x + arrays.bias[0].astype(f)
-  shape = (B, N, T, S)
-  allowed = None
-  if fns.mask is not None:
-    allowed = _on_grid(fns.mask[ROWS, ROWS], arrays.mask, shape, arrays.offsets).astype(bool)
+  key_f, value_f = grouped(key), grouped(value)
+  bias = arrays.bias[0] if arrays.bias else None
+  dense = None
   if arrays.dense:  # the dense mask (whole on each device), at this device's rows and heads
     dense = arrays.dense[0]
     if dense.shape[0] > 1:
       dense = dense[jnp.arange(B) + arrays.offsets[0]]
     if dense.shape[1] > 1:
       dense = dense[:, jnp.arange(N) + arrays.offsets[1]]
-    dense = jnp.broadcast_to(dense, (*dense.shape[:2], T, S))
-    allowed = dense if allowed is None else allowed & dense
+  ids = None
   if arrays.ids:  # segment ids, at the global batch rows
-    rows = jnp.arange(B) + arrays.offsets[0]
-    q_ids, kv_ids = (a[rows] if a.shape[0] > 1 else a[:1] for a in arrays.ids)
-    same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
-    allowed = same if allowed is None else allowed & same
-
-  def score(x: jax.Array, *learned: jax.Array) -> jax.Array:
-    if fns.score is None:
-      return x
-    inputs = list(arrays.score)
-    for i, a in zip(chosen, learned):
-      inputs[i] = a
-    return _on_grid(fns.score[ROWS, ROWS], inputs, shape, arrays.offsets, x).astype(f)
-
-  y, vjp = jax.vjp(score, x, *(arrays.score[i] for i in chosen))
-  t = y * LOG2E
-  if allowed is not None:
-    t = jnp.where(allowed, t, -jnp.inf)
+    batch = jnp.arange(B) + arrays.offsets[0]
+    ids = tuple(a[batch] if a.shape[0] > 1 else a[:1] for a in arrays.ids)
   lse2 = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)  # rows that saw no key: p = 0
-  p = jnp.exp2(t - lse2[..., None])
-  dp = jnp.einsum("btnh,bsnh->bnts", d_out.astype(f), grouped(value))
-  if static.dropout_rate:  # dP through the pattern the kernels drew
-    b, h, q, kv = _masks.index_grid(B, N, T, S)
-    idx: tuple[Any, ...] = (b + arrays.offsets[0], h + arrays.offsets[1], q, kv)  # global
-    if fns.positions is not None:  # a sequence-parallel part's: through its maps, as the kernels
-      idx = tuple(
-        _outputs_on_grid(fns.positions[ROWS, ROWS], arrays.positions, shape, arrays.offsets)
-      )
-    if static.broadcast_dropout:
-      idx = _dropout.shared_indices(*idx)
-    (seed,) = arrays.seed
-    kept = _dropout.keep_from_seed((seed[0], seed[1]), static.dropout_rate, *idx)
-    dp = jnp.where(kept, dp / (1.0 - static.dropout_rate), 0.0)
-  # Δ = rowsum(P ⊙ dP) = rowsum(O ⊙ dO) at the unrounded output: the kernel's, rounded to
-  # the inputs' dtype, would leave its rounding in dP − Δ, which the sum over every
-  # position (ALiBi's slope sums dS times the distance) amplifies.
-  delta = jnp.sum(p * dp, axis=-1, keepdims=True)
-  d_x, *d_learned = vjp(p * (dp - delta + d_lse[..., None]))
-  d_bias = None
-  if wants_bias:
-    d_bias = _common.reduce_to_shape(d_x, arrays.bias[0].shape).astype(arrays.bias[0].dtype)
+  shape = (B, N, C, S)
+
+  def chunk(first: Any) -> tuple[list[jax.Array], jax.Array | None]:
+    """The learned arrays' gradients from query rows ``first`` to ``first + C``, and the
+    bias's gradient there (its query axis C long, or 1)."""
+    x = jnp.einsum("btnh,bsnh->bnts", _rows(query, 1, first, C).astype(f), key_f)
+    x = x * static.scale
+    if bias is not None:
+      x = x + _rows(bias, 2, first, C).astype(f)
+    allowed = None
+    if fns.mask is not None:
+      allowed = _on_grid(
+        fns.mask[ROWS, ROWS], arrays.mask, shape, arrays.offsets, first_row=first
+      ).astype(bool)
+    if dense is not None:
+      part = jnp.broadcast_to(_rows(dense, 2, first, C), (*dense.shape[:2], C, S))
+      allowed = part if allowed is None else allowed & part
+    if ids is not None:
+      q_ids, kv_ids = _rows(ids[0], 1, first, C), ids[1]
+      same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
+      allowed = same if allowed is None else allowed & same
+
+    def score(x: jax.Array, *learned: jax.Array) -> jax.Array:
+      if fns.score is None:
+        return x
+      inputs = list(arrays.score)
+      for i, a in zip(chosen, learned):
+        inputs[i] = a
+      return _on_grid(
+        fns.score[ROWS, ROWS], inputs, shape, arrays.offsets, x, first_row=first
+      ).astype(f)
+
+    y, vjp = jax.vjp(score, x, *(arrays.score[i] for i in chosen))
+    t = y * LOG2E
+    if allowed is not None:
+      t = jnp.where(allowed, t, -jnp.inf)
+    p = jnp.exp2(t - _rows(lse2, 2, first, C)[..., None])
+    dp = jnp.einsum("btnh,bsnh->bnts", _rows(d_out, 1, first, C).astype(f), value_f)
+    if static.dropout_rate:  # dP through the pattern the kernels drew
+      b, h, q, kv = _masks.index_grid(B, N, C, S)
+      idx: tuple[Any, ...] = (b + arrays.offsets[0], h + arrays.offsets[1], q + first, kv)
+      if fns.positions is not None:  # a sequence-parallel part's: through its maps
+        idx = tuple(
+          _outputs_on_grid(
+            fns.positions[ROWS, ROWS], arrays.positions, shape, arrays.offsets, first_row=first
+          )
+        )
+      if static.broadcast_dropout:
+        idx = _dropout.shared_indices(*idx)
+      (seed,) = arrays.seed
+      kept = _dropout.keep_from_seed((seed[0], seed[1]), static.dropout_rate, *idx)
+      dp = jnp.where(kept, dp / (1.0 - static.dropout_rate), 0.0)
+    # Δ = rowsum(P ⊙ dP) = rowsum(O ⊙ dO) at the unrounded output: the kernel's, rounded to
+    # the inputs' dtype, would leave its rounding in dP − Δ, which the sum over every
+    # position (ALiBi's slope sums dS times the distance) amplifies.
+    delta = jnp.sum(p * dp, axis=-1, keepdims=True)
+    d_x, *d_learned = vjp(p * (dp - delta + _rows(d_lse, 2, first, C)[..., None]))
+    d_bias = None
+    if wants_bias:
+      assert bias is not None
+      d_bias = _common.reduce_to_shape(d_x, (*bias.shape[:2], min(bias.shape[2], C), bias.shape[3]))
+    return [d.astype(f) for d in d_learned], d_bias
+
+  if C == T:
+    d_learned, d_bias = chunk(0)
+  else:
+
+    def step(sums: Any, first: Any) -> Any:
+      d_learned, d_bias = chunk(first)
+      d_learned = [a + d for a, d in zip(sums[0], d_learned)]
+      if d_bias is None:
+        return (d_learned, None), None
+      if d_bias.shape[2] == 1:  # no query axis: summed over the chunks
+        return (d_learned, sums[1] + d_bias), None
+      return (d_learned, lax.dynamic_update_slice_in_dim(sums[1], d_bias, first, 2)), None
+
+    zeros = [jnp.zeros(arrays.score[i].shape, f) for i in chosen]
+    d_bias = jnp.zeros(bias.shape, f) if wants_bias and bias is not None else None
+    firsts = jnp.arange(0, T, C, dtype=jnp.int32)
+    (d_learned, d_bias), _ = lax.scan(step, (zeros, d_bias), firsts)
+  if d_bias is not None:
+    assert bias is not None
+    d_bias = d_bias.astype(bias.dtype)
   return d_learned, d_bias
