@@ -20,7 +20,7 @@ import jattn
 from jattn import _compat, masks
 from jattn.impl import flex
 from jattn.impl.flex import _backward as _flex_backward
-from jattn.impl.flex import _hopper
+from jattn.impl.flex import _chunks, _hopper
 from jattn.impl.flex import _kernels as fk
 
 B, T, S, N, H, HV, BQ, BK = 2, 40, 40, 4, 8, 12, 16, 16
@@ -129,12 +129,14 @@ def _loss(attend, q, k, v):
   return jnp.sum(out * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) * lse_w)
 
 
-def _flex_vjp(q, k, v, mask, score_fn, interpret=True, bias=None, split_ds=True):
+def _flex_vjp(q, k, v, mask, score_fn, interpret=True, bias=None, split_ds=True, grid_rows=T):
   specs = fk.index_specs(BQ, BK)
   s_spec = jax.ShapeDtypeStruct((1, 1, BQ, BK), q.dtype)
   mask_f = None if mask is None else fk.Function.trace(lambda *i: mask(*i), *specs)
   score_f = None if score_fn is None else fk.Function.trace(lambda *a: score_fn(*a), s_spec, *specs)
-  grid = None if score_fn is None else flex._grid_trace(score_fn, score_f, B, N, T, S, q.dtype)
+  grid = (
+    None if score_fn is None else flex._grid_trace(score_fn, score_f, B, N, grid_rows, S, q.dtype)
+  )
   rows, cols = fk.schedules(mask, B, N, T, S, BQ, BK)
   settings = fk.Settings(
     H**-0.5, T, S, BQ, BK, num_warps=4, num_stages=2, interpret=interpret, split_ds=split_ds
@@ -368,17 +370,62 @@ def test_each_pass_at_its_own_tiles_matches_xla(monkeypatch):
     np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
 
 
+def test_learned_arrays_vjp_is_taken_a_chunk_of_query_rows_at_a_time():
+  """The score function's VJP flex leaves to XLA (its learned arrays' and a bias's gradients
+  from the dQ kernel's dS), its jaxpr traced at 64 of T = 512 query rows: equal to jax.vjp
+  of the same function on the whole grid (a bias with a query axis, learned slopes), and
+  the compiled program's temporaries under half those of the whole grid's trace."""
+  B_, T_, N_ = 1, 512, 2
+  rng = np.random.default_rng(4)
+  q, k = (array(rng.standard_normal((B_, T_, N_, 8)), jnp.float32) for _ in range(2))
+  bias = array(rng.standard_normal((1, N_, T_, T_)), jnp.float32)
+  ds = array(rng.standard_normal((B_, N_, T_, T_)), jnp.float32)
+  slopes = array([0.5, 0.2], jnp.float32)
+  score_fn = lambda s, b, h, qi, kv: s - slopes[h] * jnp.abs(qi - kv) + 0.1 * jnp.sin(s)
+
+  def want(bias, slopes):  # the whole grid, by hand
+    s = jnp.einsum("bqnh,bknh->bnqk", q, k) * 0.5 + bias
+    b, h, qi, kv = masks.index_grid(B_, N_, T_, T_)
+    return s - slopes[h] * jnp.abs(qi - kv) + 0.1 * jnp.sin(s)
+
+  want_bias, want_slopes = jax.vjp(want, bias, slopes)[1](ds)
+  specs = fk.index_specs(BQ, BK)
+  s_spec = jax.ShapeDtypeStruct((1, 1, BQ, BK), jnp.float32)
+  tile = fk.Function.trace(lambda *a: score_fn(*a), s_spec, *specs)
+  settings = fk.Settings(0.5, T_, T_, BQ, BK, num_warps=4, num_stages=2, interpret=True)
+  compiled = []
+  for rows in (64, T_):
+    grid = flex._grid_trace(score_fn, tile, B_, N_, rows, T_, jnp.float32)
+    assert grid is not None and grid.invars[-2].aval.shape == (1, 1, rows, 1)
+    vjp = lambda q, k, bias, ds, grid=grid: _flex_backward._score_grid_vjp(
+      grid, settings, q, k, bias, tile.arrays, [0], fk.kernel_scalars(None, None), ds, True
+    )
+    compiled.append(jax.jit(vjp).lower(q, k, bias, ds).compile())
+    d_bias, (d_slopes,) = compiled[-1](q, k, bias, ds)
+    np.testing.assert_allclose(d_bias, want_bias, atol=1e-5, err_msg=str(rows))
+    np.testing.assert_allclose(d_slopes, want_slopes, rtol=1e-4, err_msg=str(rows))
+  temp = [c.memory_analysis().temp_size_in_bytes for c in compiled]
+  assert temp[0] < temp[1] / 2, temp
+  # How many rows at a time: the most whose float32 (B, N, rows, S) array is under 256 MiB,
+  # a divisor of T (a multiple of 64 for the Hopper kernels), or the least divisor from 64.
+  assert _chunks.rows(1, 16, 16384, 16384) == 256 == _chunks.rows(1, 16, 16384, 16384, 64)
+  assert _chunks.rows(2, 2, 40, 40) == 40 and _chunks.rows(8, 64, 640, 10**6, 64) == 64
+  assert _chunks.rows(1, 16, 1000, 10**6) == 100 and _chunks.rows(1, 16, 16381, 10**6) == 16381
+  with pytest.raises(ValueError, match="count: must divide T = 40, got 16"):
+    _chunks.over_rows(lambda first: ([], None), 40, 16, [], None)
+
+
 def test_check_grads_float64(x64):
   """Query, key, value, a bias broadcast over the queries (1, N, 1, S) and a score function's
-  learned slopes (differentiated on the whole grid), through a mask, in float64: one check,
-  as every argument's cotangent comes from the same backward."""
+  learned slopes (differentiated on the grid, 8 query rows at a time), through a mask, in
+  float64: one check, as every argument's cotangent comes from the same backward."""
   mask = masks.causal() & masks.lengths(np.array([33, 40]), np.array([40, 0]))
   q, k, v = (x.astype(jnp.float64) for x in _inputs(2))
   bias = array(np.random.default_rng(2).normal(size=(1, N, 1, S)))
 
   def f(q, k, v, bias, slopes):
     score_fn = lambda s, b, h, qi, kv: s - slopes[h] * jnp.abs(qi - kv) + 0.1 * jnp.sin(s)
-    return _loss(lambda *a: _flex_vjp(*a, mask, score_fn, bias=bias), q, k, v)
+    return _loss(lambda *a: _flex_vjp(*a, mask, score_fn, bias=bias, grid_rows=8), q, k, v)
 
   slopes = array([0.5, 0.2, 0.1, 0.05])
   jax.test_util.check_grads(

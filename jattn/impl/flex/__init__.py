@@ -28,7 +28,9 @@ On a GPU, ``implementation=None`` runs it for every call cuDNN does not express 
 generation, head dim and dtype (starting points until measured with
 ``python -m experiments.tune_flex``). The floating arrays a score function reads (learned
 ALiBi slopes, a T5 table) get their gradients, where differentiated, from the score
-function's VJP on the whole (B, N, T, S) grid (O(B·N·T·S) memory, as a bias's). Sinks are
+function's VJP on the (B, N, T, S) grid in XLA, a chunk of query rows at a time
+(:mod:`jattn.impl.flex._chunks`), its cotangent the dQ kernel's dS (a (B, N, T, S) float32
+buffer, as a bias's gradient takes). Sinks are
 added around it, as for every implementation that does not take them itself.
 """
 
@@ -45,6 +47,7 @@ from jattn import testing
 from jattn.impl import _base, _common, _sharded, _tiling
 from jattn.impl._base import CallSpec
 from jattn.impl.flex import _backward as _flex_backward
+from jattn.impl.flex import _chunks
 from jattn.impl.flex import _hopper as _hopper
 from jattn.impl.flex import _kernels as _kernels
 from jattn.impl.flex import _lowers as _flex_lowers
@@ -224,7 +227,8 @@ def _attend(
     # learnable: the score function on the whole grid, for its arrays' gradients
     assert spec.score_fn is not None
     B, N = query.shape[0], query.shape[2]
-    score_grid = _grid_trace(spec.score_fn, score[0], B, N, T, S, s_dtype)
+    rows = _chunks.rows(B, N, T, S)  # its VJP taken this many query rows at a time
+    score_grid = _grid_trace(spec.score_fn, score[0], B, N, rows, S, s_dtype)
   # The tile classes over all batch rows and heads, the global ones (the mask's arrays are
   # whole on each device): the forward's and dQ's rows, dK/dV's columns.
   schedules = (
@@ -316,9 +320,10 @@ def _traces(spec: CallSpec, passes: Passes, s_dtype: Any) -> Traces | None:
 def _grid_trace(
   fn: Any, tile: _kernels.Function, B: int, N: int, T: int, S: int, dtype: Any
 ) -> Any:
-  """The score function traced on this device's whole (B, N, T, S) grid, for the gradients
-  of the arrays it reads; None if they do not come out as the tile trace's (then those
-  gradients are refused)."""
+  """The score function traced on T query rows of this device's (B, N, T, S) grid (a chunk
+  of them: the query index an input, (1, 1, T, 1)), for the gradients of the arrays it
+  reads; None if they do not come out as the tile trace's (then those gradients are
+  refused)."""
   specs = [
     jax.ShapeDtypeStruct(shape, jnp.int32)
     for shape in ((B, 1, 1, 1), (1, N, 1, 1), (1, 1, T, 1), (1, 1, 1, S))

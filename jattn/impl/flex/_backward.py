@@ -2,8 +2,8 @@
 (:mod:`jattn.impl.flex._backward_kernels`), and the gradients it assembles from them:
 ``Δ = rowsum(O ⊙ dO)`` less the lse's cotangent, the bias's gradient summed from dS over its
 broadcast axes, and the gradients of the floating arrays a score function reads (its VJP on
-the whole grid). Which inputs are differentiated is read from the custom_vjp's symbolic
-zeros, so an undifferentiated bias costs no buffer.
+the grid, a chunk of query rows at a time). Which inputs are differentiated is read from
+the custom_vjp's symbolic zeros, so an undifferentiated bias costs no buffer.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jattn.impl import _common, _orders, _tiling
+from jattn.impl.flex import _chunks
 from jattn.impl.flex._backward_kernels import backward
 from jattn.impl.flex._kernels import Function, Settings, forward, kernel_scalars, log_sum_exp
 
@@ -44,12 +45,13 @@ def attention(
   the same in every pass) and ``settings``. ``seed`` the dropout's two words; ``offsets``
   the global index of the shard's first batch row and head
   (:func:`jattn.impl.flex._kernels.kernel_scalars`).
-  ``score_grid``: the score function's jaxpr traced on the whole (B, N, T, S) grid (its
-  arrays the same, in the same order, as ``score``'s), for the gradients of the floating
-  arrays it reads (learned parameters): where they are differentiated, the dQ kernel writes
-  the gradient of the score function's output to a (B, N, T, S) float32 buffer and XLA
-  takes the score function's VJP on the whole grid (O(B·N·T·S) memory, as a bias's
-  gradient). Without it, differentiating them is refused. ``positions``: per pass, the
+  ``score_grid``: the score function's jaxpr traced on a chunk of query rows of the
+  (B, N, T, S) grid (its arrays the same, in the same order, as ``score``'s), for the
+  gradients of the floating arrays it reads (learned parameters): where they are
+  differentiated, the dQ kernel writes the gradient of the score function's output to a
+  (B, N, T, S) float32 buffer (as a bias's gradient takes) and XLA takes the score
+  function's VJP a chunk of rows at a time (:func:`_score_grid_vjp`). Without it,
+  differentiating them is refused. ``positions``: per pass, the
   global (batch, head, q, kv) dropout is drawn at (traced as ``mask``; None: the kernels' own
   indices), for a sequence-parallel part.
   """
@@ -202,22 +204,22 @@ def _grads(
   d_arrays = jax.tree.map(_zero_cotangent, arrays)
   if ds is not None:
     ds = ds[:, :, :T, :S]
+  d_bias = None
   if learning:  # ds is the score function's output's gradient: take its VJP on the grid
     assert ds is not None
     chosen = [i for i, x in enumerate(learned) if x is not None]
-    ds, d_chosen = _score_grid_vjp(
-      jaxprs[3], settings[0], query, key, bias, score_arrays, chosen, scalars, ds
-    )
+    d_bias, d_chosen = _score_grid_vjp(
+      jaxprs[3], settings[0], query, key, bias, score_arrays, chosen, scalars, ds,
+      wants_d_bias is not None,
+    )  # fmt: skip
     d_score = list(d_arrays[2])
     for i, d in zip(chosen, d_chosen):
       d_score[i] = d.astype(score_arrays[i].dtype)
     d_arrays = (*d_arrays[:2], tuple(d_score), *d_arrays[3:])
-  d_bias = None
+  elif wants_d_bias is not None and ds is not None and bias is not None:
+    d_bias = _common.reduce_to_shape(ds, bias.shape)
   if bias is not None:
-    if wants_d_bias is None or ds is None:
-      d_bias = jnp.zeros_like(bias)
-    else:
-      d_bias = _common.reduce_to_shape(ds, bias.shape).astype(bias.dtype)
+    d_bias = jnp.zeros_like(bias) if d_bias is None else d_bias.astype(bias.dtype)
   return dq, dk, dv, d_bias, d_arrays
 
 
@@ -231,33 +233,49 @@ def _score_grid_vjp(
   chosen: list[int],
   scalars: jax.Array,
   d_scores: jax.Array,
-) -> tuple[jax.Array, list[jax.Array]]:
-  """``(dS before the score function, the gradients of score_arrays[chosen])``: the score
-  function's VJP on the whole (B, N, T, S) grid at this device's scores (recomputed, in
-  the statistics dtype), its output's gradient ``d_scores`` the cotangent."""
+  wants_d_bias: bool,
+) -> tuple[jax.Array | None, list[jax.Array]]:
+  """``(the bias's gradient or None, the gradients of score_arrays[chosen])``: the score
+  function's VJP on the (B, N, T, S) grid at this device's scores (recomputed, in the
+  statistics dtype), its output's gradient ``d_scores`` the cotangent, a chunk of query
+  rows at a time (``grid_jaxpr``'s rows: :func:`jattn.impl.flex._grid_trace`) through
+  :func:`jattn.impl.flex._chunks.over_rows`; the bias's is dS before the score function,
+  summed over the axes the bias broadcasts."""
   B, T, N, _ = query.shape
   S, K = key.shape[1], key.shape[2]
+  C = grid_jaxpr.invars[-2].aval.shape[2]  # the q index's (1, 1, C, 1)
   f = _common.stats_dtype(query.dtype)
-  s = _common.logits(_common.group_heads(query, K), key, bias, settings.scale)
   b0, n0 = (scalars[i].astype(jnp.int32) for i in (2, 3))  # the shard's first row and head
-  index = (
-    (jnp.arange(B, dtype=jnp.int32) + b0).reshape(B, 1, 1, 1),
-    (jnp.arange(N, dtype=jnp.int32) + n0).reshape(1, N, 1, 1),
-    jnp.arange(T, dtype=jnp.int32).reshape(1, 1, T, 1),
-    jnp.arange(S, dtype=jnp.int32).reshape(1, 1, 1, S),
-  )
+  batch = (jnp.arange(B, dtype=jnp.int32) + b0).reshape(B, 1, 1, 1)
+  heads = (jnp.arange(N, dtype=jnp.int32) + n0).reshape(1, N, 1, 1)
+  keys = jnp.arange(S, dtype=jnp.int32).reshape(1, 1, 1, S)
   run = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(grid_jaxpr, []))
 
-  def score(s: jax.Array, *learned: jax.Array) -> jax.Array:
-    inputs = list(score_arrays)
-    for i, x in zip(chosen, learned):
-      inputs[i] = x
-    (y,) = run(*inputs, s, *index)
-    return jnp.broadcast_to(y, s.shape).astype(f)
+  def chunk(first: Any) -> tuple[list[jax.Array], jax.Array | None]:
+    rows = _chunks.at(query, 1, first, C)
+    part = None if bias is None else _chunks.at(bias, 2, first, C)
+    s = _common.logits(_common.group_heads(rows, K), key, part, settings.scale)
+    index = (batch, heads, (jnp.arange(C, dtype=jnp.int32) + first).reshape(1, 1, C, 1), keys)
 
-  _, vjp = jax.vjp(score, s, *(score_arrays[i] for i in chosen))
-  d_raw, *d_chosen = vjp(d_scores.astype(f))
-  return d_raw, d_chosen
+    def score(s: jax.Array, *learned: jax.Array) -> jax.Array:
+      inputs = list(score_arrays)
+      for i, x in zip(chosen, learned):
+        inputs[i] = x
+      (y,) = run(*inputs, s, *index)
+      return jnp.broadcast_to(y, s.shape).astype(f)
+
+    _, vjp = jax.vjp(score, s, *(score_arrays[i] for i in chosen))
+    d_raw, *d_chosen = vjp(_chunks.at(d_scores, 2, first, C).astype(f))
+    d_bias = None
+    if wants_d_bias:
+      assert bias is not None
+      d_bias = _common.reduce_to_shape(d_raw, _chunks.bias_rows(bias.shape, C))
+    return d_chosen, d_bias
+
+  learned = [jax.ShapeDtypeStruct(score_arrays[i].shape, f) for i in chosen]
+  d_bias = jax.ShapeDtypeStruct(bias.shape, f) if wants_d_bias and bias is not None else None
+  d_chosen, d = _chunks.over_rows(chunk, T, C, learned, d_bias)
+  return d, d_chosen
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

@@ -17,6 +17,7 @@ from jax.extend import core as jex_core
 from jattn import dropout as _dropout
 from jattn import masks as _masks
 from jattn.impl import _common
+from jattn.impl.flex import _chunks
 from jattn.impl.flex._hopper import _call
 from jattn.impl.flex._hopper._mosaic import LOG2E, ROWS
 
@@ -74,25 +75,6 @@ def _outputs_on_grid(
   return [out.transpose(0, 1, 2, 4, 3, 5).reshape(B, N, T, S) for out in outs]
 
 
-# A chunk's float32 (B, N, rows, S) grid array is kept under this many bytes.
-CHUNK_BYTES = 1 << 28
-
-
-def chunk_rows(B: int, N: int, T: int, S: int, budget: int = CHUNK_BYTES) -> int:
-  """The query rows :func:`grid_grads` takes at a time: the most, a multiple of ROWS that
-  divides T (a multiple of ROWS), whose (B, N, rows, S) float32 array fits in ``budget``
-  bytes; ROWS where none does."""
-  tiles = T // ROWS
-  fits = [k for k in range(1, tiles + 1) if tiles % k == 0 and B * N * k * ROWS * S * 4 <= budget]
-  return max(fits, default=1) * ROWS
-
-
-def _rows(x: jax.Array, axis: int, first: Any, rows: int) -> jax.Array:
-  """``x``'s query rows ``first`` to ``first + rows`` along ``axis``; a broadcast axis (1) as
-  it is."""
-  return x if x.shape[axis] == 1 else lax.dynamic_slice_in_dim(x, first, rows, axis)
-
-
 def grid_grads(
   query: jax.Array,
   key: jax.Array,
@@ -108,16 +90,16 @@ def grid_grads(
 ) -> tuple[list[jax.Array], jax.Array | None]:
   """``(the gradients of arrays.score[chosen], the bias's gradient or None)``, from the
   (B, N, T, S) grid in XLA, ``rows`` query rows at a time (a multiple of ROWS dividing T;
-  default :func:`chunk_rows`, so a chunk's grid arrays stay near ``CHUNK_BYTES`` whatever T
-  and S): the score function's VJP at the call's scores (recomputed in float32:
-  scale · q kᵀ + bias), the cotangent dS = P ⊙ (dP − Δ + d_lse) of its output, P from the
-  forward's log-sum-exp, ``d_lse`` as the backward kernels take it
+  default :func:`jattn.impl.flex._chunks.rows`, a chunk's float32 grid array under
+  ``CHUNK_BYTES`` where T allows): the score function's VJP at the call's scores
+  (recomputed in float32: scale · q kᵀ + bias), the cotangent dS = P ⊙ (dP − Δ + d_lse) of
+  its output, P from the forward's log-sum-exp, ``d_lse`` as the backward kernels take it
   (:func:`_backward.one_warpgroup`); the bias's is dS before the score function, summed over
-  the axes the bias broadcasts. The learned arrays' gradients and a bias's without a query
-  axis are summed over the chunks; a bias's with one is each chunk's rows of it."""
+  the axes the bias broadcasts; both summed or gathered over the chunks by
+  :func:`jattn.impl.flex._chunks.over_rows`."""
   B, T, N, _ = query.shape
   S, K = key.shape[1], key.shape[2]
-  C = chunk_rows(B, N, T, S) if rows is None else rows
+  C = _chunks.rows(B, N, T, S, multiple=ROWS) if rows is None else rows
   if C % ROWS or T % C:
     raise ValueError(f"rows: a multiple of {ROWS} that divides T = {T}, got {C}")
   f = jnp.float32
@@ -142,20 +124,20 @@ def grid_grads(
   def chunk(first: Any) -> tuple[list[jax.Array], jax.Array | None]:
     """The learned arrays' gradients from query rows ``first`` to ``first + C``, and the
     bias's gradient there (its query axis C long, or 1)."""
-    x = jnp.einsum("btnh,bsnh->bnts", _rows(query, 1, first, C).astype(f), key_f)
+    x = jnp.einsum("btnh,bsnh->bnts", _chunks.at(query, 1, first, C).astype(f), key_f)
     x = x * static.scale
     if bias is not None:
-      x = x + _rows(bias, 2, first, C).astype(f)
+      x = x + _chunks.at(bias, 2, first, C).astype(f)
     allowed = None
     if fns.mask is not None:
       allowed = _on_grid(
         fns.mask[ROWS, ROWS], arrays.mask, shape, arrays.offsets, first_row=first
       ).astype(bool)
     if dense is not None:
-      part = jnp.broadcast_to(_rows(dense, 2, first, C), (*dense.shape[:2], C, S))
+      part = jnp.broadcast_to(_chunks.at(dense, 2, first, C), (*dense.shape[:2], C, S))
       allowed = part if allowed is None else allowed & part
     if ids is not None:
-      q_ids, kv_ids = _rows(ids[0], 1, first, C), ids[1]
+      q_ids, kv_ids = _chunks.at(ids[0], 1, first, C), ids[1]
       same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
       allowed = same if allowed is None else allowed & same
 
@@ -173,8 +155,8 @@ def grid_grads(
     t = y * LOG2E
     if allowed is not None:
       t = jnp.where(allowed, t, -jnp.inf)
-    p = jnp.exp2(t - _rows(lse2, 2, first, C)[..., None])
-    dp = jnp.einsum("btnh,bsnh->bnts", _rows(d_out, 1, first, C).astype(f), value_f)
+    p = jnp.exp2(t - _chunks.at(lse2, 2, first, C)[..., None])
+    dp = jnp.einsum("btnh,bsnh->bnts", _chunks.at(d_out, 1, first, C).astype(f), value_f)
     if static.dropout_rate:  # dP through the pattern the kernels drew
       b, h, q, kv = _masks.index_grid(B, N, C, S)
       idx: tuple[Any, ...] = (b + arrays.offsets[0], h + arrays.offsets[1], q + first, kv)
@@ -193,30 +175,16 @@ def grid_grads(
     # the inputs' dtype, would leave its rounding in dP − Δ, which the sum over every
     # position (ALiBi's slope sums dS times the distance) amplifies.
     delta = jnp.sum(p * dp, axis=-1, keepdims=True)
-    d_x, *d_learned = vjp(p * (dp - delta + _rows(d_lse, 2, first, C)[..., None]))
+    d_x, *d_learned = vjp(p * (dp - delta + _chunks.at(d_lse, 2, first, C)[..., None]))
     d_bias = None
     if wants_bias:
       assert bias is not None
-      d_bias = _common.reduce_to_shape(d_x, (*bias.shape[:2], min(bias.shape[2], C), bias.shape[3]))
-    return [d.astype(f) for d in d_learned], d_bias
+      d_bias = _common.reduce_to_shape(d_x, _chunks.bias_rows(bias.shape, C))
+    return d_learned, d_bias
 
-  if C == T:
-    d_learned, d_bias = chunk(0)
-  else:
-
-    def step(sums: Any, first: Any) -> Any:
-      d_learned, d_bias = chunk(first)
-      d_learned = [a + d for a, d in zip(sums[0], d_learned)]
-      if d_bias is None:
-        return (d_learned, None), None
-      if d_bias.shape[2] == 1:  # no query axis: summed over the chunks
-        return (d_learned, sums[1] + d_bias), None
-      return (d_learned, lax.dynamic_update_slice_in_dim(sums[1], d_bias, first, 2)), None
-
-    zeros = [jnp.zeros(arrays.score[i].shape, f) for i in chosen]
-    d_bias = jnp.zeros(bias.shape, f) if wants_bias and bias is not None else None
-    firsts = jnp.arange(0, T, C, dtype=jnp.int32)
-    (d_learned, d_bias), _ = lax.scan(step, (zeros, d_bias), firsts)
+  learned = [jax.ShapeDtypeStruct(arrays.score[i].shape, f) for i in chosen]
+  bias_out = jax.ShapeDtypeStruct(bias.shape, f) if wants_bias and bias is not None else None
+  d_learned, d_bias = _chunks.over_rows(chunk, T, C, learned, bias_out)
   if d_bias is not None:
     assert bias is not None
     d_bias = d_bias.astype(bias.dtype)
