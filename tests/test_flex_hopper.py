@@ -285,8 +285,6 @@ def test_lowers_for_cuda_to_one_mosaic_gpu_call(is_causal, method):
   "change, match",
   [
     (dict(dtype=jnp.float32), r"query: the Hopper kernel takes float16 or bfloat16"),
-    (dict(H=48), r"query: head dim 48 is not a multiple of 64"),
-    (dict(Hv=32), r"value: head dim 32 is not a multiple of 64"),
     (  # a mask fixed to the lengths: not padded
       dict(T=96, kw=dict(mask=masks.reindex(masks.causal(), q=np.arange(96)))),
       r"query, key: lengths 96 and 96 must be multiples of 64",
@@ -586,11 +584,13 @@ def test_a_sequence_parallel_parts_dropout_is_drawn_at_its_global_positions():
 @interpreter
 def test_values_may_have_a_head_dim_of_their_own():
   """Values of head dim 64 against queries' and keys' 128 (through the table, one
-  warpgroup) and 128 against 64 (the warp-specialised kernels), causal with grouped queries:
-  output and the gradients of query, key and value against the xla path on the same bf16
-  inputs in float32, each gradient in its own input's shape."""
+  warpgroup) and 128 against 64 (the warp-specialised kernels), and head dims off the
+  kernels' multiples of 64, 40 against 96 (run padded to 64 and 128, the padding cut),
+  causal with grouped queries: output and the gradients of query, key and value against the
+  xla path on the same bf16 inputs in float32, each gradient in its own input's shape."""
   rng = np.random.default_rng(24)
-  for H_, Hv, T_, specialized in ((128, 64, 128, False), (64, 128, 256, True)):
+  cases = ((128, 64, 128, False), (64, 128, 256, True), (96, 40, 128, False))
+  for H_, Hv, T_, specialized in cases:
     shapes = [(1, T_, 2, H_), (1, T_, 1, H_), (1, T_, 1, Hv)]
     q, k, v = (array(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
     wide = [x.astype(jnp.float32) for x in (q, k, v)]
@@ -662,16 +662,19 @@ def test_lengths_off_the_tiles_run_padded():
 
 
 def test_a_gradient_at_lengths_off_the_tiles_lowers_padded():
-  """1,000 queries and keys, causal, through the table on a Hopper GPU: padded to 1,024,
-  the gradient lowers for CUDA from this CPU to the forward, dQ and dK/dV Mosaic GPU
-  calls; a mask fixed to the lengths cannot be padded and is refused by name."""
-  q = jax.ShapeDtypeStruct((1, 1000, 2, 64), jnp.bfloat16)
+  """1,000 queries and keys, causal, head dims 80 (queries, keys) and 40 (values), through
+  the table on a Hopper GPU: padded to 1,024 and to 128 and 64, the gradient lowers for CUDA
+  from this CPU to the forward, dQ and dK/dV Mosaic GPU calls; a mask fixed to the lengths
+  cannot be padded and is refused by name."""
+  q = jax.ShapeDtypeStruct((1, 1000, 2, 80), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((1, 1000, 2, 40), jnp.bfloat16)
   attend = lambda *a: jattn.dot_product_attention(*a, is_causal=True, implementation="flex_hopper")
   step = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32)), (0, 1, 2)))
   with jattn.testing.lowering_for("gpu", "NVIDIA H100 80GB HBM3"), warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    text = step.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    text = step.trace(q, q, v).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 3
+    assert "1x1024x2x128xbf16" in text and "1x1024x2x64xbf16" in text  # the padded inputs
     fixed = masks.reindex(masks.causal(), q=np.arange(1000) + 24)
     with pytest.raises(ValueError, match=r"lengths T=1000, S=1000 with a mask fixed to them"):
       jattn.explain(q, q, q, mask=fixed, implementation="flex_hopper")

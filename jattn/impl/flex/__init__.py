@@ -371,8 +371,6 @@ def _hopper_check(call: _base.Call) -> str | None:
   elif generation(kind := _gpu_kind()) != "sm_90":
     here = repr(kind) if kind else "none is named (jattn.testing.lowering_for's device_kind)"
     return f"it needs a Hopper GPU (sm_90), and {here}"
-  if s.H % 64 or s.Hv % 64:
-    return f"head dims H={s.H}, Hv={s.Hv} (it takes multiples of 64)"
   if (s.T % _hopper.ROWS or s.S % _hopper.ROWS) and not _hopper.paddable(s.mask):
     return (
       f"lengths T={s.T}, S={s.S} with a mask fixed to them (it takes multiples of "
@@ -385,7 +383,8 @@ def _hopper_check(call: _base.Call) -> str | None:
   if reason := _hopper.score_reason(s.score_fn, padded):
     return f"score_fn {s.score_fn!r}: it takes {reason}"
   bias_dtype = None if s.bias is None else jnp.result_type(s.bias)
-  if reason := _hopper.smem_reason(s.H, call.dtype, bias_dtype, s.mask, Hv=s.Hv):
+  H, Hv = _hopper.head_dim(s.H), _hopper.head_dim(s.Hv)  # the head dims it runs at
+  if reason := _hopper.smem_reason(H, call.dtype, bias_dtype, s.mask, Hv=Hv):
     return reason
   return None
 

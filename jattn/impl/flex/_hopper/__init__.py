@@ -26,8 +26,8 @@ in wgmma's layout from swizzled shared memory; so is a dense boolean mask (as bf
 1, on PARTIAL tiles). An array a mask or score function reads along the query or key
 positions (``flags[q_idx]``, a sequence-parallel part's position map) is read as one run a
 tile from global memory (``_tile.line``); one read at computed positions (a table indexed
-by distance, T5's) is refused by name: Mosaic GPU has no gather. Lengths off the kernels'
-tiles run padded to them (``_padding``), the padding masked and cut.
+by distance, T5's) is refused by name: Mosaic GPU has no gather. Lengths and head dims off
+the kernels' tiles run padded to them (``_padding``), the padding masked and cut.
 
 One program per (query tile of 64 rows, head, batch row), one warpgroup: the query tile is
 copied to shared memory once (TMA), then ``plgpu.emit_pipeline`` streams the key and value
@@ -69,6 +69,7 @@ from jattn.impl.flex._hopper._call import smem_reason as smem_reason
 from jattn.impl.flex._hopper._mosaic import LOG2E as LOG2E
 from jattn.impl.flex._hopper._mosaic import ROWS as ROWS
 from jattn.impl.flex._hopper._mosaic import has_interpreter as has_interpreter
+from jattn.impl.flex._hopper._padding import head_dim as head_dim
 from jattn.impl.flex._hopper._padding import paddable as paddable
 
 _WHO = "implementation='flex_hopper'"
@@ -97,8 +98,9 @@ def forward(
   positions: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """``(out, lse)`` of softmax attention: query (B, T, N, H), key and value (B, S, K, H),
-  N a multiple of K (grouped queries), float16 or bfloat16, H a multiple of 64, T a multiple
-  of 64 and S of ``block_kv``; ``is_causal`` as jax.nn's (query t sees keys s <= t, T = S),
+  N a multiple of K (grouped queries), float16 or bfloat16, any head dims (padded to
+  multiples of 64), any lengths (padded to the tiles: T a multiple of 64, S of
+  ``block_kv``); ``is_causal`` as jax.nn's (query t sees keys s <= t, T = S),
   and ``mask`` a jattn mask, and'ed with it, that reads arrays at the batch row and head
   (lengths, prefix lengths, per-row causal offsets) or along the query or key positions (a
   part's position map), and'ed with at most one set of segment ids and one dense mask
@@ -122,7 +124,8 @@ def forward(
   their arrays (whole on each device) there, the tile schedule covers every row and head.
   ``positions``: a sequence-parallel part's maps to the global (batch, head, query, key)
   positions its dropout is drawn at (:attr:`jattn.impl._base.CallSpec.positions`).
-  Lengths off the kernels' tiles run padded (:mod:`_padding`), the padding masked and cut."""
+  Lengths and head dims off the kernels' tiles run padded (:mod:`_padding`), the padding
+  masked and cut."""
   options = dict(
     scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
     stages=stages, interpret=interpret, specialized=specialized, offsets=offsets,
@@ -130,9 +133,9 @@ def forward(
     bias=bias, batch_heads=batch_heads, positions=positions,
   )  # fmt: skip
   padded = _padding.pad(query, key, value, **options)
-  if padded is not None:  # lengths off the tiles: run padded, the padding cut
+  if padded is not None:  # lengths or head dims off the tiles: run padded, the padding cut
     out, lse = forward(padded.query, padded.key, padded.value, base2=base2, **padded.options)
-    return out[:, : query.shape[1]], lse[:, :, : query.shape[1]]
+    return out[:, : query.shape[1], :, : value.shape[3]], lse[:, :, : query.shape[1]]
   arrays, static = _call.prepare(query, key, value, backward=False, **options)
   run = _forward.specialized if specialized else _forward.one_warpgroup
   out, lse2 = run(query, key, value, arrays, static)
@@ -176,9 +179,9 @@ def attention(
     bias=bias, batch_heads=batch_heads, positions=positions,
   )  # fmt: skip
   padded = _padding.pad(query, key, value, **options)
-  if padded is not None:  # lengths off the tiles: run padded, the padding cut
+  if padded is not None:  # lengths or head dims off the tiles: run padded, the padding cut
     out, lse = attention(padded.query, padded.key, padded.value, **padded.options)
-    return out[:, : query.shape[1]], lse[:, : query.shape[1]]
+    return out[:, : query.shape[1], :, : value.shape[3]], lse[:, : query.shape[1]]
   arrays, static = _call.prepare(query, key, value, backward=True, **options)
   run = _forward.specialized if specialized else _forward.one_warpgroup
   backward = _backward.specialized if specialized else _backward.one_warpgroup

@@ -1,6 +1,11 @@
-"""Lengths off the Hopper kernels' tiles: a call padded to them, its padding masked.
+"""Lengths and head dims off the Hopper kernels' tiles: a call padded to them, its padding
+masked.
 
-The kernels take query and key lengths in whole tiles (64 rows, 128 warp-specialised,
+The kernels take head dims in multiples of 64 (a 128-byte swizzled row of 16-bit values): a
+query and key head dim off them is padded with zeros, which adds nothing to q kᵀ (the scale
+is the call's, set from the unpadded H), a value head dim likewise, its zero columns cut
+from the output (and their gradients with them, by the pad's transpose). They take query
+and key lengths in whole tiles (64 rows, 128 warp-specialised,
 ``block_kv`` keys). A call of other lengths runs on inputs padded with zeros to the next
 multiple, the padded keys masked out (``masks.lengths(None, S)``, a conjunct of the indices
 with exact tile classes: only the last key tile is PARTIAL), the padded query rows cut from
@@ -23,10 +28,13 @@ from jattn import masks as _masks
 from jattn.impl.flex import _kernels
 from jattn.masks import _core as _masks_core
 
+HEAD = 64  # the head dims' multiple
+
 
 class Padded(NamedTuple):
-  """A call's tensors padded to whole tiles along the sequence axes, and its keyword
-  arguments with the mask, bias and position maps padded with them."""
+  """A call's tensors padded to whole tiles along the sequence axes and to multiples of
+  :data:`HEAD` along the head dims, and its keyword arguments with the mask, bias and
+  position maps padded with them."""
 
   query: jax.Array
   key: jax.Array
@@ -53,17 +61,35 @@ def paddable(mask: Any) -> bool:
   return True
 
 
+def head_dim(h: int) -> int:
+  """A head dim as the kernels run it: the next multiple of :data:`HEAD`."""
+  return -(-h // HEAD) * HEAD
+
+
 def pad(query: jax.Array, key: jax.Array, value: jax.Array, **options: Any) -> Padded | None:
   """The call (``options``: the kernels' keyword arguments, ``block_kv``, ``specialized``,
   ``mask``, ``bias``, ``positions`` among them) padded along T and S to whole tiles
-  (:func:`multiple`); None where its lengths are whole tiles already, or where the mask
-  cannot be padded (:func:`paddable`)."""
-  mask, bias, positions = options["mask"], options["bias"], options["positions"]
+  (:func:`multiple`), where its mask can be padded (:func:`paddable`), and along the head
+  dims to multiples of :data:`HEAD`; None where nothing is padded."""
   to = multiple(options["block_kv"], options["specialized"])
   T, S = query.shape[1], key.shape[1]
   Tp, Sp = -(-T // to) * to, -(-S // to) * to
-  if (Tp, Sp) == (T, S) or not paddable(mask):
+  if not paddable(options["mask"]):
+    Tp, Sp = T, S  # refused by the kernels' check where off the tiles
+  H, Hv = head_dim(query.shape[3]), head_dim(value.shape[3])
+  if (Tp, Sp, H, Hv) == (T, S, query.shape[3], value.shape[3]):
     return None
+  if (Tp, Sp) != (T, S):
+    options = _lengths(T, S, Tp, Sp, **options)
+  return Padded(
+    _kernels.pad_to(query, Tp, H), _kernels.pad_to(key, Sp, H), _kernels.pad_to(value, Sp, Hv),
+    options,
+  )  # fmt: skip
+
+
+def _lengths(T: int, S: int, Tp: int, Sp: int, **options: Any) -> dict[str, Any]:
+  """``options`` with the mask, bias and position maps padded from T and S to Tp and Sp."""
+  mask, bias, positions = options["mask"], options["bias"], options["positions"]
   parts = []
   for part in _masks_core.conjuncts(mask):
     if isinstance(part, _masks.kinds.Segments):
@@ -90,9 +116,7 @@ def pad(query: jax.Array, key: jax.Array, value: jax.Array, **options: Any) -> P
       if maps[i] is not None:
         maps[i] = _pad_axis(jnp.asarray(maps[i]), 0, n, mode="edge")
     positions = tuple(maps)
-  padded = dict(options, mask=_masks.all_of(*parts), bias=bias, positions=positions)
-  pad_to = lambda x, n: _kernels.pad_to(x, n, x.shape[3])
-  return Padded(pad_to(query, Tp), pad_to(key, Sp), pad_to(value, Sp), padded)
+  return dict(options, mask=_masks.all_of(*parts), bias=bias, positions=positions)
 
 
 def _pad_axis(x: jax.Array, axis: int, n: int, **kw: Any) -> jax.Array:
