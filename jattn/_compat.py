@@ -9,6 +9,8 @@ Everything version-dependent lives here, so the rest of the package calls one sp
 * :func:`explicit_sharding`: the ``NamedSharding`` a traced array carries in JAX's
   Explicit sharding mode (sharding in types), or None.
 * :func:`varying_axes`: the manual mesh axes a traced array varies over in a ``shard_map``.
+* :func:`scan_counts`: a ``scan`` equation's constants and carried values, from its
+  parameters (named differently from jax 0.11).
 * :func:`batched_aval`: the type ``jax.vmap`` gives a batched value (a primitive's batching
   rule), from ``jax._src``'s ``unmapped_aval``.
 * :func:`register_dataclass`: ``jax.tree_util.register_dataclass`` without its defect (two
@@ -95,6 +97,16 @@ def without_consts(
   opened = jex_core.ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), ())
   run = jex_core.jaxpr_as_fun(opened)
   return (lambda *a: tuple(run(*a))), list(closed.consts)
+
+
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+  """``(constants, carried values)`` of a ``scan`` equation's body inputs (the scanned
+  arrays follow them): its ``num_consts`` and ``num_carry`` parameters in jax 0.10, the
+  leaves of the first two parts of ``ft_in`` (constants, carry, scanned) from jax 0.11."""
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(list(consts.vals)), len(list(carry.vals))
 
 
 def batched_aval(size: int, aval: Any, mesh_axis: Any = None) -> Any:

@@ -371,12 +371,13 @@ def test_splash_parts_equal_the_one_device_call_interpreted(strategy, layout):
     np.testing.assert_allclose(g, x, atol=2e-5, rtol=2e-5, err_msg=name)
 
 
-# From JAX 0.12, Pallas' Triton lowering reads the GPU's compute capability from the devices
-# of the mesh it is lowered in; inside a shard_map over this machine's CPU devices there is
-# none (jattn.testing.lowering_for names one only outside a mesh). On a GPU mesh it is there.
+# From JAX 0.11 (0.11.2 and 0.12 seen), Pallas' Triton lowering reads the GPU's compute
+# capability from the devices of the mesh it is lowered in; inside a shard_map over this
+# machine's CPU devices there is none (jattn.testing.lowering_for names one only outside a
+# mesh). On a GPU mesh it is there.
 @pytest.mark.skipif(
-  jax.__version_info__ >= (0, 12),
-  reason="JAX >= 0.12 lowers Triton kernels inside a shard_map only over GPU devices",
+  jax.__version_info__ >= (0, 11),
+  reason="JAX >= 0.11 lowers Triton kernels inside a shard_map only over GPU devices",
 )
 # all_gather: forward, dQ, dK/dV. The ring: a pair's forward in the scan's body and for the
 # last step; in the backward pass, in both places, each pair's forward again with its dQ and

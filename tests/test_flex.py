@@ -745,6 +745,34 @@ def test_the_allow_list_holds_on_the_installed_jax():
   assert not missing, f"allowed but not lowered by this JAX's Pallas Triton: {missing}"
 
 
+def test_a_scans_constants_and_carry_are_read_from_its_parameters():
+  """jattn._compat.scan_counts: a scan's body inputs split into constants, carried values
+  and scanned arrays, from the parameters of the installed JAX (num_consts and num_carry in
+  0.10, ft_in from 0.11), as flex's lowering check reads them: one constant (z), two carried
+  values, one scanned array."""
+  body = lambda c, y, z: ((c[0] + y * z, c[1] * z), c[0])
+  scan = lambda x, z: jax.lax.scan(lambda c, y: body(c, y, z), (x, x + 1), jnp.arange(3.0))
+  (eqn,) = [e for e in jax.make_jaxpr(scan)(1.0, 2.0).jaxpr.eqns if e.primitive.name == "scan"]
+  assert _compat.scan_counts(eqn.params) == (1, 2)
+  assert len(eqn.params["jaxpr"].jaxpr.invars) == 1 + 2 + 1
+
+  # A mask counting with a fori_loop (a scan with a carry only) is flex's on a GPU; one that
+  # scans over an array is refused by name (before, jax >= 0.11 failed with a KeyError).
+  def counted(b, h, q, kv):
+    body = lambda i, c: c + (q > kv + i).astype(jnp.int32)
+    return jax.lax.fori_loop(0, 3, body, jnp.zeros_like(q - kv)) < 2
+
+  def scanned(b, h, q, kv):
+    total, _ = jax.lax.scan(lambda c, y: (c + y, None), q - kv, jnp.arange(4))
+    return total > 0
+
+  x = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
+  choice = jattn.explain(x, x, x, mask=masks.from_fn(counted), backend="gpu")
+  assert choice.implementation == "flex", str(choice)
+  with pytest.raises(ValueError, match=r"`scan` over arrays"):
+    jattn.explain(x, x, x, mask=masks.from_fn(scanned), backend="gpu", implementation="flex")
+
+
 # By default: loaded ids then a table; the rest are the exhaustive tier (a read at traced batch
 # and head reaches no line of jattn the default run leaves unreached, by coverage's per-test
 # arcs). Static rows and strided slices read inside a kernel, exact and lowered to Triton, are

@@ -27,7 +27,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 
-from jattn import _checks
+from jattn import _checks, _compat
 from jattn.impl.flex import _kernels as _kernels
 from jattn.masks import _core as masks_core
 
@@ -221,10 +221,10 @@ def _form(eqn: Any) -> str | None:
     return "with constants in its body"
   if name == "scan":
     inner = params["jaxpr"].jaxpr
-    carried = params["num_consts"] + params["num_carry"]
+    num_consts, num_carry = _compat.scan_counts(params)
     if params["reverse"] or params["unroll"] not in (1, True):
       return "reversed or unrolled"
-    if len(inner.invars) != carried or len(inner.outvars) != params["num_carry"]:
+    if len(inner.invars) != num_consts + num_carry or len(inner.outvars) != num_carry:
       return "over arrays (only a loop with a carry, as lax.fori_loop makes)"
   if name == "dot_general" and any(len(v.aval.shape) != 2 for v in eqn.invars):
     return "on operands that are not matrices"
