@@ -467,6 +467,8 @@ def _specialized_pass(
         planes = (bias_smem, dense_smem)
         _tile.copy_planes(r.bias, r.dense, planes, slot, at, block, span, ready.at[slot])
 
+      _mosaic.drain((free,), n_full + n_partial, stages)
+
   def entry(*refs: Any) -> None:
     pl.run_scoped(
       lambda *scoped: body(*refs, scoped), (*smem, staging), barriers, collective_axes="wg"

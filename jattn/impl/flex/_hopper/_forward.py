@@ -310,6 +310,8 @@ def specialized(
 
         plgpu.copy_gmem_to_smem(v_ref.at[b, cols, kv_head], v_smem.at[slot], v_ready.at[slot])
 
+      _mosaic.drain((k_free, v_free), steps, stages)
+
   def entry(*refs: Any) -> None:
     barriers = (
       # a key tile landed in the slot (and its segment ids, its bias tile: a copy each)

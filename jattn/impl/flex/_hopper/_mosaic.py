@@ -27,11 +27,13 @@ def mosaic_gpu() -> Any:
 
 
 def load(ref: Any, layout: Any, optimized: bool = True) -> Any:
-  """A whole shared-memory ref into registers in ``layout`` (jax 0.10 takes an index too);
-  a global-memory one with ``optimized=False`` (Mosaic GPU before jax 0.12 has no optimized
-  load from there)."""
+  """A whole shared-memory ref into registers in ``layout`` (jax 0.10 requires an index too;
+  0.11 still takes one but warns that it is deprecated, 0.12 takes none); a global-memory
+  one with ``optimized=False`` (Mosaic GPU before jax 0.12 has no optimized load from
+  there)."""
   load = mosaic_gpu().load
-  if "idx" in inspect.signature(load).parameters:
+  idx = inspect.signature(load).parameters.get("idx")
+  if idx is not None and idx.default is inspect.Parameter.empty:
     return load(ref, (), layout=layout, optimized=optimized)
   return load(ref, layout=layout, optimized=optimized)
 
@@ -106,3 +108,20 @@ def row(ref: Any, b: Any) -> Any:
 def smem_bytes(buffers: Any) -> int:
   """The bytes of shared memory a pytree of ``plgpu.SMEM`` buffers (Nones skipped) takes."""
   return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(buffers))
+
+
+def drain(free: Any, steps: Any, stages: int) -> None:
+  """A copy warpgroup's last waits, after it has issued ``steps`` tiles into ``stages``
+  slots: on each barrier of ``free`` (per slot, arrived at by the compute warpgroups when a
+  tile's slot is released), the releases of the last ``stages`` tiles, which no later copy
+  waited for. Every phase of those barriers is then observed before they are freed (jax
+  0.11's interpreter checks that); on the GPU the copy warpgroup ends with the compute
+  warpgroups' last tiles, which end the program anyway."""
+  plgpu = mosaic_gpu()
+  first = jnp.maximum(steps - stages, jnp.zeros_like(steps))
+
+  @pl.loop(first, steps)
+  def _(t: Any) -> None:
+    slot = jax.lax.rem(t, jnp.array(stages, t.dtype))
+    for barrier in free:
+      plgpu.barrier_wait(barrier.at[slot])
