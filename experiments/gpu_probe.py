@@ -581,7 +581,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           log(f"baselines H={H} T={T} causal={causal}")
           probe.baselines(H, T, causal)
     if a.quick and "baselines" in a.sections and _hopper.has_interpreter():
-      # The Hopper kernels in Mosaic GPU's interpreter (jax >= 0.12), at the smallest shapes
+      # The Hopper kernels in Mosaic GPU's interpreter (jax >= 0.11.2), at the smallest shapes
       # they take (H = 64, two 128-row blocks): the probe's own path for its hopper rows.
       a.methods = ["hopper", "hopper_ws"]
       log("baselines (interpreted Hopper kernels) H=64 T=256 causal=True")

@@ -611,7 +611,7 @@ def test_the_gpu_probe_runs_interpreted_and_writes_one_record(tmp_path):
   record = gpu_probe.main(["--quick", "--out", str(tmp_path / "probe.json")])
   assert (tmp_path / "probe.json").exists() and not record["skipped"]
   sections = [r["section"] for r in record["rows"]]
-  # With Mosaic GPU's interpreter (jax >= 0.12), the Hopper kernels' rows too (causal).
+  # With Mosaic GPU's interpreter (jax >= 0.11.2), the Hopper kernels' rows too (causal).
   hopper = ["hopper", "hopper_ws"] if _hopper.has_interpreter() else []
   assert sections == (
     ["forward"] * 2

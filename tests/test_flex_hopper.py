@@ -1,5 +1,5 @@
 """flex's Hopper kernels (Mosaic GPU): values and gradients in Mosaic GPU's interpreter
-(jax >= 0.12) against jax.nn in float32, their lowering for CUDA from this CPU, and the
+(jax >= 0.11.2) against jax.nn in float32, their lowering for CUDA from this CPU, and the
 forward's argument errors."""
 
 import functools
@@ -18,11 +18,11 @@ from jattn.impl.flex import _hopper
 B, T, N, K, H = 1, 128, 2, 1, 64
 EVERY_THIRD = jnp.asarray(np.arange(256) % 3 > 0)  # read by a mask at each query position
 NEAR = jnp.asarray(np.arange(256) < 40)  # read at a distance: a gather no load expresses
-# Mosaic GPU's interpreter comes with jax 0.12 (importing mosaic_gpu, 0.3 s, waits for a test)
+# Mosaic GPU's interpreter comes with jax 0.11.2 (importing mosaic_gpu, 0.3 s, waits for a test)
 interpreter = pytest.mark.skipif(
   "not hasattr(__import__('jax.experimental.pallas.mosaic_gpu', fromlist=['_']), "
   "'InterpretGPUParams')",
-  reason="Mosaic GPU's interpreter comes with jax 0.12",
+  reason="Mosaic GPU's interpreter comes with jax 0.11.2",
 )
 
 

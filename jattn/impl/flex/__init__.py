@@ -367,7 +367,7 @@ def _hopper_check(call: _base.Call) -> str | None:
   s = call.spec
   if s.interpret:
     if not _hopper.has_interpreter():
-      return "Pallas interpret mode: Mosaic GPU's interpreter needs jax >= 0.12"
+      return "Pallas interpret mode: Mosaic GPU's interpreter needs jax >= 0.11.2"
   elif generation(kind := _gpu_kind()) != "sm_90":
     here = repr(kind) if kind else "none is named (jattn.testing.lowering_for's device_kind)"
     return f"it needs a Hopper GPU (sm_90), and {here}"

@@ -1,9 +1,9 @@
 """flex's kernels written for Mosaic GPU, for Hopper (sm_90): wgmma and TMA through Pallas.
 
 **Not yet run on a GPU, and reached only by name**: they lower for CUDA from a CPU (one
-Mosaic GPU call per kernel) and compute exact values in Mosaic GPU's interpreter (jax >=
-0.12), but ``implementation=None`` routes no call to them until a GPU has run them and the
-record is committed; ``implementation="flex_hopper"`` (the selection table's row,
+Mosaic GPU call per kernel) and compute exact values in Mosaic GPU's interpreter (jax
+0.11.2 and 0.12), but ``implementation=None`` routes no call to them until a GPU has run
+them and the record is committed; ``implementation="flex_hopper"`` (the selection table's row,
 :data:`jattn.impl.flex.HOPPER`) opts in, and ``python -m experiments.gpu_probe`` times them
 (methods ``hopper`` and ``hopper_ws``, the latter with the warp-specialised kernels)
 beside cuDNN and the Triton kernels.
@@ -112,7 +112,7 @@ def forward(
   ``broadcast_dropout``) as jattn's.
   ``lse`` is (B, N, T) float32, the natural log-sum-exp of each row's scaled scores; a row
   that sees no key gives zeros and an lse of -inf.
-  ``interpret`` runs it in Mosaic GPU's interpreter (jax >= 0.12), on any backend; ``base2``
+  ``interpret`` runs it in Mosaic GPU's interpreter (jax >= 0.11.2), on any backend; ``base2``
   returns the log-sum-exp in base 2 of the scores times log2(e), as the backward takes it.
   ``specialized``: the warp-specialised kernel (:func:`_forward.specialized`: a copy
   warpgroup and two compute warpgroups per 128 query rows; T a multiple of 128), and in

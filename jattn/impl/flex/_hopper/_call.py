@@ -235,7 +235,7 @@ def check_inputs(
   if dropout_rate and dropout_rng is None:
     raise ValueError("dropout_rng: dropout_rate > 0 needs a key, got None")
   if interpret and not _mosaic.has_interpreter():
-    raise ValueError("interpret: Mosaic GPU's interpreter needs jax >= 0.12")
+    raise ValueError("interpret: Mosaic GPU's interpreter needs jax >= 0.11.2")
 
 
 def prepare(

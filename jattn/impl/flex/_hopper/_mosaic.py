@@ -39,7 +39,7 @@ def load(ref: Any, layout: Any, optimized: bool = True) -> Any:
 
 
 def has_interpreter() -> bool:
-  """Whether this JAX has Mosaic GPU's interpreter (jax >= 0.12)."""
+  """Whether this JAX has Mosaic GPU's interpreter (jax >= 0.11.2)."""
   return hasattr(mosaic_gpu(), "InterpretGPUParams")
 
 
