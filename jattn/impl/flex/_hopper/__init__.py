@@ -171,7 +171,7 @@ def attention(
   bias and the floating arrays a score function reads (learned ALiBi slopes), where those
   are differentiated, through the (B, N, T, S) grid in XLA a chunk of query rows at a time
   (:func:`_grid.grid_grads`); arguments as
-  :func:`forward`'s, lengths off the kernels' tiles padded as there."""
+  :func:`forward`'s, lengths and head dims off the kernels' tiles padded as there."""
   options = dict(
     scale=scale, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
     stages=stages, interpret=interpret, specialized=specialized, offsets=offsets,
