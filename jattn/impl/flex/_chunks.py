@@ -17,14 +17,12 @@ CHUNK_BYTES = 1 << 28
 LEAST = 64  # fewer rows than this make too many small steps: a larger divisor of T instead
 
 
-def rows(B: int, N: int, T: int, S: int, multiple: int = 1, budget: int | None = None) -> int:
+def rows(B: int, N: int, T: int, S: int, multiple: int = 1) -> int:
   """The query rows taken at a time: the most, a multiple of ``multiple`` that divides T,
-  whose (B, N, rows, S) float32 array fits in ``budget`` bytes (default
-  :data:`CHUNK_BYTES`); where that is under :data:`LEAST` rows, the fewest such rows that
-  are not (T itself for a prime T)."""
-  budget = CHUNK_BYTES if budget is None else budget
+  whose (B, N, rows, S) float32 array fits in :data:`CHUNK_BYTES`; where that is under
+  :data:`LEAST` rows, the fewest such rows that are not (T itself for a prime T)."""
   divisors = [c for c in range(multiple, T + 1, multiple) if T % c == 0]
-  fits = [c for c in divisors if B * N * c * S * 4 <= budget]
+  fits = [c for c in divisors if B * N * c * S * 4 <= CHUNK_BYTES]
   best = max(fits, default=0)
   if best >= min(LEAST, T):
     return best
