@@ -56,7 +56,7 @@ KEEP_ALL = jattn.masks.from_fn(lambda b, h, q, kv: kv >= 0)
 
 def seq_tiles(x, block: int):
   """(B, L, N, H) -> (ceil(L / block), B, N, block, H), zero-padded along L: the blockwise
-  kernel's tiles of a sequence (as ``jattn.impl._tiling.seq_tiles``)."""
+  kernel's tiles of a sequence (as ``jattn.impl.tiling.seq_tiles``)."""
   B, L, N, H = x.shape
   n = -(-L // block)
   x = jnp.pad(x, ((0, 0), (0, n * block - L), (0, 0), (0, 0)))

@@ -121,12 +121,12 @@ NEAR = (
 @contextlib.contextmanager
 def natural_order() -> Iterator[None]:
   """flex's kernels take their tiles in the schedule's order (heaviest first undone)."""
-  saved = flex._tiling.heaviest_last
-  flex._tiling.heaviest_last = lambda schedule: False
+  saved = flex.tiling.heaviest_last
+  flex.tiling.heaviest_last = lambda schedule: False
   try:
     yield
   finally:
-    flex._tiling.heaviest_last = saved
+    flex.tiling.heaviest_last = saved
 
 
 @contextlib.contextmanager

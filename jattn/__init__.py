@@ -24,7 +24,7 @@ from jattn._validate.options import Options as Options
 from jattn.attention import attention_weights as attention_weights
 from jattn.attention import dot_product_attention as dot_product_attention
 from jattn.attention import explain as explain
-from jattn.impl._select import Choice as Choice
+from jattn.impl.select import Choice as Choice
 from jattn.linear import linear_attention as linear_attention
 from jattn.masks import Mask as Mask
 from jattn.scores import ScoreFn as ScoreFn

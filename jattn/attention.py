@@ -31,9 +31,9 @@ import jax
 
 from jattn import _validate, masks
 from jattn._validate.options import Options
-from jattn.impl import _base, _common, _select, xla
-from jattn.impl._base import CallSpec
-from jattn.impl._select import (  # public names of the table
+from jattn.impl import common, contract, select, xla
+from jattn.impl.contract import CallSpec
+from jattn.impl.select import (  # public names of the table
   AUTO_BLOCKWISE_BYTES,
   BACKENDS,
   BACKWARDS,
@@ -280,7 +280,7 @@ def explain(
     >>> jattn.explain(q, q, q, is_causal=True, backend="cpu").implementation
     'blockwise'
   """
-  _select.check_backend(backend)
+  select.check_backend(backend)
   allowed = list(inspect.signature(dot_product_attention).parameters)[5:]
   for name in kwargs:
     if name not in allowed:
@@ -313,7 +313,7 @@ def explain(
 def _weights(query: jax.Array, key: jax.Array, spec: CallSpec) -> jax.Array:
   if spec.unbatched:
     query, key = query[None], key[None]
-  p = xla.weights(query, key, _base.rank4(spec))
+  p = xla.weights(query, key, contract.rank4(spec))
   return p[0] if spec.unbatched else p
 
 
@@ -324,7 +324,7 @@ def attend(
   """The jitted core: one compiled program per spec's settings and the arrays' shapes."""
   if spec.unbatched:
     query, key, value = query[None], key[None], value[None]
-  out, lse = _run(query, key, value, _base.rank4(spec))
+  out, lse = _run(query, key, value, contract.rank4(spec))
   if spec.unbatched:
     return out[0], None if lse is None else lse[0]
   return out, lse
@@ -341,4 +341,4 @@ def _run(
   row = TABLE[spec.implementation]
   out, lse = row.run(query, key, value, spec)
   chex.assert_shape(lse, dims["BTN"])
-  return _common.finish(out, lse, spec, query.dtype, row.takes_sinks)
+  return common.finish(out, lse, spec, query.dtype, row.takes_sinks)

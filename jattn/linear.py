@@ -74,9 +74,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks
-from jattn._validate import _call
-from jattn.impl import _common
+from jattn import _checks, _validate
+from jattn.impl import common
 
 __all__ = [
   "linear_attention",
@@ -130,7 +129,7 @@ def linear_attention(
   Returns:
     The output, shaped and typed like ``query``.
   """
-  q, k, v = _call.qkv(query, key, value)
+  q, k, v = _validate.qkv(query, key, value)
   if k.shape != v.shape:
     raise ValueError(
       f"key and value must have the same shape for linear_attention, got key {k.shape} "
@@ -268,7 +267,7 @@ def _check_feature_map(
       f"feature_map must be one of {list(FEATURE_MAPS)} or a callable, got "
       f"{type(feature_map).__name__}"
     )
-  dtype = _common.stats_dtype(q.dtype)
+  dtype = common.stats_dtype(q.dtype)
   features = []
   for name, x in (("query", q), ("key", k)):
     out = jax.eval_shape(feature_map, jax.ShapeDtypeStruct(x.shape, dtype))
@@ -305,7 +304,7 @@ def _projection(rng: jax.Array, m: int, H: int, orthogonal: bool) -> jax.Array:
 def _favor(
   x: jax.Array | np.ndarray, w: jax.Array | np.ndarray, *, scale: float, is_query: bool
 ) -> jax.Array:
-  dtype = _common.stats_dtype(x.dtype)
+  dtype = common.stats_dtype(x.dtype)
   x = x.astype(dtype) * np.sqrt(scale).astype(dtype)
   logits = jnp.einsum("...H,FH->...F", x, w.astype(dtype)) - 0.5 * jnp.sum(
     x * x, axis=-1, keepdims=True
@@ -323,7 +322,7 @@ def _features(
   scale: float | None,
   is_query: bool,
 ) -> jax.Array:
-  x = x.astype(_common.stats_dtype(x.dtype))
+  x = x.astype(common.stats_dtype(x.dtype))
   match feature_map:
     case "elu+1":
       return jax.nn.elu(x) + 1

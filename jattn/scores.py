@@ -31,7 +31,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jattn import _checks, _compat
-from jattn.masks import _indexing
+from jattn.masks import indexing
 
 __all__ = [
   "ScoreFn",
@@ -46,7 +46,7 @@ __all__ = [
 
 STATIC = {"static": True}
 """Field metadata of a setting: part of a score function's treedef, not one of its children
-(as :data:`jattn.masks._core.STATIC` for masks)."""
+(as :data:`jattn.masks.core.STATIC` for masks)."""
 
 
 class ScoreFn:
@@ -334,7 +334,7 @@ class Reindex(ScoreFn):
     self, score: jax.Array, batch: jax.Array, head: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
   ) -> jax.Array:
     maps = (self.batch, self.head, self.q, self.kv)
-    return self.fn(score, *_indexing.through_maps(maps, (batch, head, q_idx, kv_idx)))
+    return self.fn(score, *indexing.through_maps(maps, (batch, head, q_idx, kv_idx)))
 
   def __repr__(self) -> str:
     return f"reindex({self.fn!r})"
@@ -363,7 +363,7 @@ def reindex(
       >>> shard(jnp.zeros((1, 1, 2, 2)), 0, 0, jnp.arange(2)[:, None], jnp.arange(2)).tolist()
       [[[[-6.0, -5.0], [-7.0, -6.0]]]]
   """
-  maps = _indexing.checked_maps(batch=batch, head=head, q=q, kv=kv)
+  maps = indexing.checked_maps(batch=batch, head=head, q=q, kv=kv)
   if isinstance(fn, SoftCap):
     return fn
   return Reindex(from_fn(fn), *maps)

@@ -338,13 +338,13 @@ def test_segment_ids_against_numpy():
 
 def test_repeated_calls_do_not_retrace(monkeypatch):
   """The jitted core is traced once per shape, even with freshly built masks."""
-  from jattn.impl import _select, xla
+  from jattn.impl import select, xla
 
   # Forget the jitted core's traces so that it traces here (jax.clear_caches() would also
   # throw away every program this worker compiled before, for the tests after this one).
   jattn.attention.attend.clear_cache()
   counted = chex.assert_max_traces(xla.attention, n=1)
-  monkeypatch.setitem(_select.TABLE, "xla", dataclasses.replace(xla.IMPLEMENTATION, run=counted))
+  monkeypatch.setitem(select.TABLE, "xla", dataclasses.replace(xla.IMPLEMENTATION, run=counted))
   q, k, v = _inputs(2, 4, 4, 2, 2, 4, jnp.float32)
   for i in range(3):
     ids = array(np.array([[0, 0, 1, 1], [0, 1, 1, 1]]) + i)

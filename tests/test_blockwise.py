@@ -23,7 +23,7 @@ from reference import (
 
 import jattn
 from jattn import dropout, masks, scores
-from jattn.impl import _tiling, blockwise
+from jattn.impl import blockwise, tiling
 
 # T and S are not multiples of the tiles, so every test also runs padded edge tiles.
 B, T, S, N, K, H = 2, 7, 9, SCORE_FN_HEADS, 2, 4
@@ -391,7 +391,7 @@ def test_empty_tiles_are_never_computed(name, mask, length, count):
 
 def test_schedule_puts_full_tiles_first_and_skips_empty():
   view = np.array([[1, 0, 2, 2], [0, 0, 0, 0], [2, 1, 1, 0]], np.int8)
-  sched = _tiling.schedule(view)
+  sched = tiling.schedule(view)
   np.testing.assert_array_equal(sched.num_full, [2, 0, 1])
   np.testing.assert_array_equal(sched.num_partial, [1, 0, 2])
   np.testing.assert_array_equal(sched.order[0, :3], [2, 3, 0])
@@ -399,9 +399,9 @@ def test_schedule_puts_full_tiles_first_and_skips_empty():
 
 
 def test_padded_edge_tiles_are_partial():
-  view = _tiling.tile_classes(None, 1, 1, 7, 9, 3, 4)
+  view = tiling.tile_classes(None, 1, 1, 7, 9, 3, 4)
   np.testing.assert_array_equal(view, [[2, 2, 1], [2, 2, 1], [1, 1, 1]])
-  view = _tiling.tile_classes(masks.causal(), 1, 1, 8, 8, 4, 4)
+  view = tiling.tile_classes(masks.causal(), 1, 1, 8, 8, 4, 4)
   np.testing.assert_array_equal(view, [[1, 0], [2, 1]])
 
 

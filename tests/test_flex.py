@@ -935,15 +935,15 @@ def test_rows_that_grow_heavier_launch_from_the_last(monkeypatch):
   take them from the last (the longest programs start first, the short ones fill the end)
   and dK/dV, whose key tiles grow lighter, in order; an upper-triangular mask the other way
   round; an even spread and a traced schedule in order. Values and gradients match XLA's."""
-  from jattn.impl import _tiling
+  from jattn.impl import tiling
 
   causal, upper = masks.causal(), ~masks.causal(offset=-1)  # kv <= q, kv >= q
   for mask, want in ((causal, (True, False)), (upper, (False, True)), (None, (False, False))):
     rows, cols = fk.schedules(mask, B, N, T, S, BQ, BK)
-    assert (_tiling.heaviest_last(rows), _tiling.heaviest_last(cols)) == want
+    assert (tiling.heaviest_last(rows), tiling.heaviest_last(cols)) == want
   seen = []
-  view = _tiling.tile_classes(causal, B, N, T, S, BQ, BK)
-  jax.make_jaxpr(lambda x: seen.append(_tiling.heaviest_last(_tiling.schedule(x))) or x)(view)
+  view = tiling.tile_classes(causal, B, N, T, S, BQ, BK)
+  jax.make_jaxpr(lambda x: seen.append(tiling.heaviest_last(tiling.schedule(x))) or x)(view)
   assert seen == [False]
 
   # The three kernels' settings (forward, dQ, dK/dV), as flex's backward rule receives them.

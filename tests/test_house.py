@@ -1,6 +1,7 @@
 """The house rules of docs/layout.md, read from the source: imports flow one way through
 jattn (no circle, counting every import: inside functions and under TYPE_CHECKING too), the
-top level holds the public modules and at most three private ones, the library imports only
+top level holds the public modules and at most three private ones, an underscore module or
+name is used only inside its own package, the library imports only
 its runtime dependencies, no test file imports another, and every public module says what it
 exports in ``__all__``."""
 
@@ -101,8 +102,100 @@ def test_imports_flow_one_way_through_the_library():
   # What the check catches: a circle made of two modules that import each other.
   assert _circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
   base = {"jattn.masks", "jattn.scores", "jattn._compat"}
-  assert graph["jattn.impl._base"] <= base, graph["jattn.impl._base"]
+  assert graph["jattn.impl.contract"] <= base, graph["jattn.impl.contract"]
   assert graph["jattn._compat"] == set(), graph["jattn._compat"]
+
+
+def _private_crossings(sources: dict[str, tuple[str, bool]]) -> list[str]:
+  """``importer -> name`` for every import of an underscore module or name of another
+  package, and every ``module._name`` read through an imported module of another package.
+
+  ``sources`` maps a dotted module name to (its source, whether it is a package's
+  ``__init__``). A name ``_x`` belongs to the package that holds it: ``a.b._x`` (a module,
+  or a name in ``a.b``'s ``__init__``) is ``a.b``'s, ``_y`` in the module ``a.b.m`` is
+  ``a.b``'s too; any module inside that package (its subpackages included) may use it. So
+  the private modules at the top of ``jattn/`` serve the whole library, and their own
+  underscore parts only themselves."""
+
+  def package_of(module: str) -> str:
+    return module if sources[module][1] else module.rpartition(".")[0]
+
+  def owner(dotted: str) -> str | None:
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+      if part.startswith("_") and not part.startswith("__"):
+        held = ".".join(parts[:i])
+        return package_of(held) if held in sources else held
+    return None
+
+  roots = {name.split(".")[0] for name in sources}
+  found = []
+  for name, (text, is_package) in sources.items():
+    here = name if is_package else name.rpartition(".")[0]
+    inside = lambda pkg: here == pkg or here.startswith(pkg + ".")
+    aliases: dict[str, str] = {}  # local name -> the jattn module it names
+    for node in ast.walk(ast.parse(text)):
+      if isinstance(node, ast.Import):
+        targets = [(a.name, a.asname) for a in node.names]
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+          parts = here.split(".")
+          base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+        targets = [(f"{base}.{a.name}", a.asname or a.name) for a in node.names]
+      elif (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in aliases
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+      ):
+        module = aliases[node.value.id]
+        if not inside(package_of(module)):
+          found.append(f"{name} -> {module}.{node.attr}")
+        continue
+      else:
+        continue
+      for target, alias in targets:
+        if target.split(".")[0] not in roots:
+          continue
+        if target in sources and alias:
+          aliases[alias] = target
+        held = owner(target)
+        if held is not None and not inside(held):
+          found.append(f"{name} -> {target}")
+  return sorted(set(found))
+
+
+def test_underscore_names_stay_in_their_package():
+  sources = {
+    _module_name(p): (p.read_text(encoding="utf-8"), p.name == "__init__.py") for p in LIBRARY
+  }
+  crossings = _private_crossings(sources)
+  assert not crossings, (
+    "underscore modules and names used outside their package (name it as the package's "
+    f"contract, without an underscore, or keep it home): {crossings}"
+  )
+  # What the check catches, and what it lets through.
+  fake = {
+    "j": ("", True),
+    "j._shared": ("", False),
+    "j.a": ("", True),
+    "j.a._x": ("def _h(): ...\ndef ok(): ...", False),
+    "j.a.sub": ("from j.a import _x\nfrom j import _shared", False),
+    "j.b": ("", True),
+    "j.b.m": (
+      "from j.a import _x\nfrom j.a._x import ok\nfrom j.a import sub\nsub._y()\n"
+      "from j import _shared\nfrom j.a.sub import _z",
+      False,
+    ),
+  }
+  assert _private_crossings(fake) == [
+    "j.b.m -> j.a._x",
+    "j.b.m -> j.a._x.ok",
+    "j.b.m -> j.a.sub._y",
+    "j.b.m -> j.a.sub._z",
+  ]
 
 
 def test_every_pytree_class_is_registered_so_its_treedef_names_its_class():

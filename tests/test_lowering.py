@@ -42,7 +42,7 @@ def _kernels(text: str) -> int:
 
 # Forward: one splash kernel. Backward: the forward kernel, dq and dkv; with several devices
 # (tests/conftest.py simulates 8) the kernel runs under its Auto-mode partitioning rule,
-# whose backward runs the forward kernel once more (jattn/impl/_sharded.py).
+# whose backward runs the forward kernel once more (jattn/impl/sharded.py).
 BACKWARD = 3 + (jax.device_count() > 1)
 
 

@@ -10,7 +10,7 @@ from reference import RULES, assert_close, attention_jnp, attention_np, normal
 
 import jattn
 from jattn import masks, testing
-from jattn.impl import _common
+from jattn.impl import common
 
 B, T, S, N, K, H = 2, 6, 4, 2, 1, 4
 
@@ -288,7 +288,7 @@ def _saturated_jax_nn(case, dtype_name):
 # The saturated cells, (case, dtype, rule), and the ones each test runs by default, every rule
 # in each (the known gaps below among them); x10 (x100's programs at other values) and
 # scale=1e3 in float16 are exhaustive. On a CPU both 16-bit dtypes compute in float32
-# (_common.compute_dtype): there the default run keeps x100 and scale=1e3 in bfloat16, and
+# (common.compute_dtype): there the default run keeps x100 and scale=1e3 in bfloat16, and
 # float16 (the same programs but for the inputs' rounding) is exhaustive. Routed as on a GPU,
 # each dtype computes narrow: there it keeps x100 in both dtypes, and scale=1e3 (the same narrow
 # programs at other values; on a CPU by default) is exhaustive.
@@ -323,11 +323,11 @@ def test_saturated_softmax_gradients_no_worse_than_jax_nn(case, dtype, rule):
 )
 def test_saturated_gradients_computed_narrow_as_on_a_gpu(case, dtype, rule):
   """On a CPU xla and blockwise compute bfloat16/float16 inputs in float32
-  (_common.compute_dtype); routed as on a GPU they compute in the narrow dtype with float32
+  (common.compute_dtype); routed as on a GPU they compute in the narrow dtype with float32
   statistics (blockwise correcting its row sums for the rounded weights). That path, checked
   here on the CPU."""
-  assert _common.compute_dtype(dtype, "cpu") == np.float32
-  assert _common.compute_dtype(dtype, "gpu") == dtype
+  assert common.compute_dtype(dtype, "cpu") == np.float32
+  assert common.compute_dtype(dtype, "gpu") == dtype
   # jax.nn's errors (cached, every rule's target) as the CPU test takes them: outside the
   # routing, which jax.nn does not read but every jit cache key does (its programs again).
   _saturated_jax_nn(case, np.dtype(dtype).name)
@@ -355,7 +355,7 @@ def _check_saturated(case, dtype, rule, gap_key=None):
 # recomputes scores whose last bit differs from the forward's where XLA's CPU backend fuses
 # scale · x − m into one multiply-add, so the hot key's weight is 1 ± ε and its gradient keeps
 # ε · scale · |k|. The autodiff rule keeps the forward's weights and centres the cotangent
-# before the softmax's transpose (_common.softmax); its dq in float16 at x100 (4.3e-5) is the
+# before the softmax's transpose (common.softmax); its dq in float16 at x100 (4.3e-5) is the
 # float64 formula's own change under the cotangent's rounding (4.2e-5), which jax.nn's error
 # (2.5e-5) falls short of. Blockwise sums Δ = rowsum(A ⊙ dA) exactly as jax.nn does and meets
 # the target except in float16 at x100, where its dq is 1.8x jax.nn's against this float32

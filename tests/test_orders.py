@@ -192,7 +192,7 @@ def test_a_default_call_traced_for_tpu_refuses_a_second_derivative():
 @pytest.mark.parametrize("devices", [1, 8], ids=["one-device", "many-devices"])
 def test_flex_refuses_higher_and_forward_derivatives_naming_the_rule(devices, monkeypatch):
   """On one device flex runs its own custom_vjp; on several its Auto-mode partitioning rule
-  (jattn/impl/_sharded.py). Both refuse what they cannot take with jattn's message, never a
+  (jattn/impl/sharded.py). Both refuse what they cannot take with jattn's message, never a
   bare error from inside Pallas."""
   if devices == 1:
     monkeypatch.setattr(jax, "device_count", lambda *a: 1)

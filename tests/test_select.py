@@ -14,7 +14,7 @@ import pytest
 
 import jattn
 from jattn import masks
-from jattn.impl import _select
+from jattn.impl import select
 
 BF16 = jax.ShapeDtypeStruct((2, 1024, 8, 128), jnp.bfloat16)
 F32 = jax.ShapeDtypeStruct((2, 1024, 8, 128), jnp.float32)
@@ -138,9 +138,9 @@ def test_every_row_of_the_table_routes_as_documented(backend, q, kv, kw, impleme
   assert choice.implementation == implementation, str(choice)
   assert why in choice.reason, str(choice)
   assert choice.backend == backend
-  assert sorted(choice.rejected) == sorted(set(_select.TABLE) - {implementation})
+  assert sorted(choice.rejected) == sorted(set(select.TABLE) - {implementation})
   assert all(choice.rejected.values())
-  fused = _select.FUSED[backend]  # tried in this order
+  fused = select.FUSED[backend]  # tried in this order
   if implementation in fused:
     assert choice.backward is None  # the kernel's own backward
   else:

@@ -174,7 +174,7 @@ def test_the_shard_map_wrapper_keeps_any_kernels_values():
   # kernel, with a rank-4 bias broadcast over the batch and sinks: values, gradients and
   # shardings as the unwrapped call.
   from jattn import _validate
-  from jattn.impl import _base, _sharded, xla
+  from jattn.impl import contract, sharded, xla
 
   q, k, v, ids, sinks = _inputs()
   bias = array(np.random.default_rng(5).normal(size=(1, N, T, T)), jnp.float32)
@@ -182,9 +182,9 @@ def test_the_shard_map_wrapper_keeps_any_kernels_values():
   def run(q, k, v, bias, wrap):
     arguments = _validate.Arguments(q, k, v, bias, is_causal=True, implementation="xla")
     q, k, v, spec = _validate.build(arguments)
-    spec = _base.rank4(spec)
+    spec = contract.rank4(spec)
     if wrap:
-      return _sharded.per_shard(xla.attention, q, k, v, spec, auto=False)[0]
+      return sharded.per_shard(xla.attention, q, k, v, spec, auto=False)[0]
     return xla.attention(q, k, v, spec)[0]
 
   def loss(q, k, v, bias, wrap):

@@ -49,7 +49,7 @@ CASES = {
   "chunked_causal_mqa": dict(mask=masks.causal() & masks.chunked(48), K=1),
   "causal_offset_cross": dict(mask=masks.causal(offset=-9), s=100),  # rows < 9: nothing
   # Masks splash tabulates, one table for every head: an array, strides, global tokens, |, &
-  # and ~ (once two cases; the same path, _splash_masks.splash_mask's table).
+  # and ~ (once two cases; the same path, static_masks.splash_mask's table).
   "tabulated": dict(
     mask=(masks.strided(3) | masks.from_array(np.eye(T, S, dtype=bool)))
     | (masks.global_tokens(4) & ~masks.causal(offset=-60))
@@ -125,7 +125,7 @@ def test_bfloat16_error_no_worse_than_the_materialised_paths(cap):
   2.5 times. It was 2 times while xla's autodiff rule formed the softmax's transpose in one
   pass, whose rounding noise (0.0059 here) the bound had been measured against (passing by
   a hair: 0.01286 against 0.01288); since xla centres the cotangent first
-  (_common.softmax) it is the more accurate peer, and splash's own error is unchanged.
+  (common.softmax) it is the more accurate peer, and splash's own error is unchanged.
   H = 64 makes the scale a power of two; splash takes the query pre-scaled, in bfloat16,
   and with other scales (H = 32) that rounding made its dv error 1.6 times jax.nn's here
   (see docs/implementations.md)."""

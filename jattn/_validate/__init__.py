@@ -14,7 +14,7 @@ nothing downstream re-validates. The front ends hand their arguments over whole,
 The masks, score functions and bias are checked and combined in ``_masking``, the arrays
 and scalar settings in ``_call`` (generic checks in :mod:`jattn._checks`), the
 implementation, backward and tiles in :class:`jattn.Options` (``options``), against the
-selection table (:mod:`jattn.impl._select`).
+selection table (:mod:`jattn.impl.select`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ from jax.typing import DTypeLike
 
 from jattn import _checks, _compat, testing
 from jattn._validate import _call, _masking
+from jattn._validate._call import qkv as qkv
+from jattn._validate._masking import segments as segments
 from jattn._validate.options import Options
-from jattn.impl import _common, _select, _sharded
-from jattn.impl._base import CallSpec
+from jattn.impl import common, select, sharded
+from jattn.impl.contract import CallSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +76,13 @@ def build(
   backend: str | None = None,
   explain: bool = False,
   shapes_only: bool = False,
-) -> Any:  # (query, key, value or None, CallSpec); with explain=True a _select.Choice
+) -> Any:  # (query, key, value or None, CallSpec); with explain=True a select.Choice
   """Every argument of a call checked; raises before anything is traced.
 
   Returns ``(query, key, value, spec)``, the arrays as jax or NumPy arrays of one dtype;
   the implementation is chosen for ``backend`` (default: JAX's default backend) by
-  :func:`jattn.impl._select.choose`. With ``explain=True``, returns that
-  :class:`jattn.impl._select.Choice` instead. ``implementation``, ``backward``,
+  :func:`jattn.impl.select.choose`. With ``explain=True``, returns that
+  :class:`jattn.impl.select.Choice` instead. ``implementation``, ``backward``,
   ``block_q`` and ``block_kv`` come one by one or as ``options``.
   ``shapes_only``: key and value are ``jax.ShapeDtypeStruct`` values, for a caller that
   reads them from elsewhere (:mod:`jattn.decode`'s cache, tile by tile).
@@ -95,7 +97,7 @@ def build(
   )
   # Options checked the names when it was made; here only the default rule is filled in.
   impl = options.implementation
-  bwd = _select.default_backward(impl, options.backward)
+  bwd = select.default_backward(impl, options.backward)
   blocks = (options.block_q, options.block_kv)
   q, k, v = _call.qkv(
     a.query, a.key, a.key if a.value is None else a.value, shapes_only=shapes_only
@@ -146,7 +148,7 @@ def build(
     interpret=testing.interpreting(),
     sinks=sinks,
   )
-  target = backend or testing.target_backend() or _select.default_backend()
+  target = backend or testing.target_backend() or select.default_backend()
   choice = _choose(
     spec,
     q.dtype,
@@ -156,7 +158,7 @@ def build(
     blocks=blocks,
     fused=not (backend is None and testing.portable()),
     detail=explain,
-    sequence_sharded=_sharded.sequence_axes(q, k) or (),
+    sequence_sharded=sharded.sequence_axes(q, k) or (),
     varying=tuple(sorted(set().union(*(_compat.varying_axes(x) for x in (q, k, v))))),
   )
   if explain:
@@ -172,16 +174,16 @@ def for_shard(
   implementation: str | None,
   backward: str | None,
   blocks: tuple[int | None, int | None],
-) -> tuple[CallSpec, _select.Choice]:
+) -> tuple[CallSpec, select.Choice]:
   """A checked call's spec, its shapes and arrays already cut to one device's part of a
   sequence-parallel call (:mod:`jattn.parallel.context`), with the implementation chosen
   for that part by the selection table as :func:`build` chooses (nothing re-checked), and
-  the table's :class:`~jattn.impl._select.Choice`."""
-  backend = testing.target_backend() or _select.default_backend()
+  the table's :class:`~jattn.impl.select.Choice`."""
+  backend = testing.target_backend() or select.default_backend()
   spec = dataclasses.replace(
     spec,
     implementation="",
-    backward=_select.default_backward(implementation, backward),
+    backward=select.default_backward(implementation, backward),
     block_q=blocks[0],  # type: ignore[arg-type]  # None until resolved below
     block_kv=blocks[1],  # type: ignore[arg-type]
   )
@@ -210,10 +212,10 @@ def _choose(
   detail: bool,
   sequence_sharded: tuple[str, ...] = (),
   varying: tuple[str, ...] = (),
-) -> _select.Choice:
+) -> select.Choice:
   """The table's choice for a checked ``spec`` (its backward rule already defaulted) on
   ``backend``: what :func:`build` and :func:`for_shard` both ask."""
-  call = _select.Call(
+  call = select.Call(
     spec=spec,
     dtype=np.dtype(dtype),
     backend=backend,
@@ -222,24 +224,24 @@ def _choose(
     sequence_sharded=sequence_sharded,
     varying=varying,
   )
-  return _select.choose(
+  return select.choose(
     call, implementation, spec.backward, interpret=spec.interpret, detail=detail, fused=fused
   )
 
 
 def _for_choice(
   spec: CallSpec,
-  choice: _select.Choice,
+  choice: select.Choice,
   blocks: tuple[int | None, int | None],
   dtype: DTypeLike,
   backend: str,
 ) -> CallSpec:
   """``spec`` completed for ``choice`` on ``backend`` by its row's ``prepare`` (tiles,
   splash's mask split), with the compute dtype."""
-  spec = _select.TABLE[choice.implementation].prepare(spec, blocks, backend)
+  spec = select.TABLE[choice.implementation].prepare(spec, blocks, backend)
   return dataclasses.replace(
     spec,
     implementation=choice.implementation,
     backward=choice.backward,
-    compute_dtype=_common.compute_dtype(dtype, backend),
+    compute_dtype=common.compute_dtype(dtype, backend),
   )

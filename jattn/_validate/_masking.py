@@ -23,7 +23,7 @@ from jax.extend import core as jex_core
 from jax.typing import ArrayLike, DTypeLike
 
 from jattn import _checks, masks, scores
-from jattn.impl import _common
+from jattn.impl import common
 
 
 def combined_mask(
@@ -345,7 +345,7 @@ def score_function(
       f"column per query head"
     )
   if score_fn is not None:
-    stats = _common.stats_dtype(dtype)
+    stats = common.stats_dtype(dtype)
     score = jax.ShapeDtypeStruct(bnts, stats)
     if _checks.hashable(score_fn):
       out = _scores_jit.eval_shape(score_fn, score)  # traced once per function and shape

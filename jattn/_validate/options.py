@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from jattn import _checks
-from jattn.impl import _select, flex, splash
+from jattn.impl import flex, select, splash
 
 __all__ = ["Options"]
 
@@ -47,7 +47,7 @@ class Options:
   block_kv: int | None = None
 
   def __post_init__(self) -> None:
-    _select.check_choices(self.implementation, self.backward)
+    select.check_choices(self.implementation, self.backward)
     tile_sizes(self.implementation, self.block_q, self.block_kv)
 
   @classmethod
@@ -70,8 +70,8 @@ def tile_sizes(
   implementation: str | None, block_q: Any, block_kv: Any
 ) -> tuple[int | None, int | None]:
   """Tile sizes checked; they exist only for the tiled implementations (the table's tiles
-  column; with implementation=None they exclude the others, see _select.choose)."""
-  tiled = _select.TILED
+  column; with implementation=None they exclude the others, see select.choose)."""
+  tiled = select.TILED
   blocks = (
     None if block_q is None else _checks.integer("block_q", block_q, minimum=1),
     None if block_kv is None else _checks.integer("block_kv", block_kv, minimum=1),

@@ -71,7 +71,7 @@ the host between steps.
 
 Quantized caches: ``dtype=jnp.int8`` or ``jnp.float8_e4m3fn`` in :func:`init` or
 :func:`init_paged` stores keys and values quantized on write, with one float32
-scale per (token, key/value head) (:mod:`jattn._quant`), and attention
+scale per (token, key/value head) (:mod:`jattn.impl.quant`), and attention
 dequantizes them tile by tile. Queries, keys and values are then any one floating
 dtype, and the output has the query's. A quantized cache is for inference:
 gradients reach the query, not the keys and values stored in it.

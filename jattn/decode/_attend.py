@@ -18,9 +18,9 @@ from jattn.attention import dot_product_attention
 from jattn.decode._cache import Cache, KVCache, PagedKVCache, _dims
 from jattn.decode._validate import _check_cache, _check_new, _check_query
 from jattn.decode._writes import _write
-from jattn.impl import _base, _common, _kv, _quant, _select
 from jattn.impl import blockwise as _blockwise
-from jattn.impl._base import CallSpec
+from jattn.impl import common, contract, kv_tiles, quant, select
+from jattn.impl.contract import CallSpec
 
 
 def attention(
@@ -121,7 +121,7 @@ def attention(
     broadcast_dropout=broadcast_dropout,
     sinks=sinks,
   )
-  materialised = not _select.reads_cache(options.implementation, options.backward)
+  materialised = not select.reads_cache(options.implementation, options.backward)
   if isinstance(new_cache, KVCache) and new_cache.key_scale is None and materialised:
     # Slots past a row's length hold whatever was there (uninitialised memory, a finished
     # request's tokens, NaN): the mask excludes them, but 0 · NaN is NaN in p·v and in the
@@ -201,9 +201,9 @@ def _over_tiles(
   implementation the selection table names for it (its ``read_cache`` entry: blockwise's
   :func:`jattn.impl.blockwise.attention_over_cache`)."""
   kind = "paged" if isinstance(cache, PagedKVCache) else "quantized"
-  if _quant.is_quantized(cache.dtype):
+  if quant.is_quantized(cache.dtype):
     kind = f"{kind} ({np.dtype(cache.dtype).name})" if kind == "quantized" else kind
-  reader = _select.cache_reader(options.implementation, options.backward, kind)
+  reader = select.cache_reader(options.implementation, options.backward, kind)
   B, S, K, H, Hv = _dims(cache)
   block_kv = options.block_kv
   if isinstance(cache, PagedKVCache):
@@ -226,17 +226,17 @@ def _over_tiles(
   stores = (cache.key_pages, cache.value_pages) if isinstance(cache, PagedKVCache) else cache[:2]
   # Explicit mode: the page table and lengths take the query's batch sharding, so that each
   # device gathers the pages of its own rows from the (unsharded) pool.
-  rows = _common.sharding_spec(query)[:1]
+  rows = common.sharding_spec(query)[:1]
   page_table = None
   if isinstance(cache, PagedKVCache):
-    page_table = _common.reshard(cache.page_table, (*rows, None), mesh_of=query)
-  tiles = _kv.CacheTiles(
+    page_table = common.reshard(cache.page_table, (*rows, None), mesh_of=query)
+  tiles = kv_tiles.CacheTiles(
     key=stores[0],
     value=stores[1],
     key_scale=cache.key_scale,
     value_scale=cache.value_scale,
     page_table=page_table,
-    lengths=_common.reshard(cache.lengths, rows, mesh_of=query),
+    lengths=common.reshard(cache.lengths, rows, mesh_of=query),
     dtype=np.dtype(query.dtype),
     block=min(spec.block_kv, S),  # as blockwise.plan caps it
   )
@@ -246,12 +246,12 @@ def _over_tiles(
 
 @jax.jit
 def _attend_cache(
-  query: jax.Array, tiles: _kv.CacheTiles, spec: CallSpec
+  query: jax.Array, tiles: kv_tiles.CacheTiles, spec: CallSpec
 ) -> tuple[jax.Array, jax.Array | None]:
   """The jitted core over a KV cache: blockwise attention reading ``tiles`` one tile at a
   time, finished as :func:`jattn.dot_product_attention` finishes (sinks, dtypes)."""
-  spec = _base.rank4(spec)
-  read_cache = _select.TABLE[spec.implementation].read_cache
+  spec = contract.rank4(spec)
+  read_cache = select.TABLE[spec.implementation].read_cache
   assert read_cache is not None, spec.implementation
   out, lse = read_cache(query, tiles, spec)
-  return _common.finish(out, lse, spec, query.dtype, False)
+  return common.finish(out, lse, spec, query.dtype, False)

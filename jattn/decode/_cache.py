@@ -1,6 +1,6 @@
 """The two caches' types and their storage: :class:`KVCache` (one slab per row) and
 :class:`PagedKVCache` (a pool of pages, :mod:`jattn.decode._paging`), each float or
-quantized (:mod:`jattn._quant`); :func:`init` and :func:`init_paged` make empty ones."""
+quantized (:mod:`jattn.impl.quant`); :func:`init` and :func:`init_paged` make empty ones."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import _checks
-from jattn.impl import _quant
+from jattn.impl import quant
 
 
 class KVCache(NamedTuple):
@@ -168,10 +168,10 @@ def _stores(
   value, key_scale, value_scale)``, as :func:`_filled` takes them."""
   K, H = _sizes(num_kv_heads=num_kv_heads, head_dim=head_dim)
   Hv = H if value_head_dim is None else _sizes(value_head_dim=value_head_dim)[0]
-  dtype = np.dtype(_quant.storage_dtype("dtype", dtype))
+  dtype = np.dtype(quant.storage_dtype("dtype", dtype))
   stores: tuple[_Fill, ...] = (((*lead, K, H), dtype, 0), ((*lead, K, Hv), dtype, 0))
-  if _quant.is_quantized(dtype):
-    stores += (((*lead, K), np.dtype(_quant.SCALE_DTYPE), 0),) * 2
+  if quant.is_quantized(dtype):
+    stores += (((*lead, K), np.dtype(quant.SCALE_DTYPE), 0),) * 2
   return stores
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from jattn import _checks
 from jattn.decode import _paging
 from jattn.decode._cache import Cache, KVCache, PagedKVCache, _dims
-from jattn.impl import _quant
+from jattn.impl import quant
 
 
 def _check_cache(cache: object) -> None:
@@ -53,10 +53,10 @@ def _check_cache(cache: object) -> None:
       f"cache.lengths must be an integer array of shape (B,)=({B},), "
       f"got {lengths.dtype}{lengths.shape}"
     )
-  quantized = _quant.is_quantized(k.dtype)
+  quantized = quant.is_quantized(k.dtype)
   scale_shape = k.shape[:3]
   for name, x in (("cache.key_scale", cache.key_scale), ("cache.value_scale", cache.value_scale)):
-    if quantized and (x is None or x.shape != scale_shape or x.dtype != _quant.SCALE_DTYPE):
+    if quantized and (x is None or x.shape != scale_shape or x.dtype != quant.SCALE_DTYPE):
       got = "None" if x is None else f"{x.dtype}{x.shape}"
       raise ValueError(
         f"{name} must be a float32 array of shape {scale_shape} for a {k.dtype} cache, got {got}"
@@ -165,7 +165,7 @@ def _check_new(
 
 def _check_dtype(cache: Cache, name: str, x: jax.Array | np.ndarray) -> None:
   storage = cache.dtype
-  if _quant.is_quantized(storage):
+  if quant.is_quantized(storage):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"{name} must have a floating dtype (the cache quantizes it), got {x.dtype}")
   elif x.dtype != storage:

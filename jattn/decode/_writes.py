@@ -14,7 +14,7 @@ from jattn import _checks
 from jattn.decode import _paging
 from jattn.decode._cache import Cache, KVCache, PagedKVCache
 from jattn.decode._validate import _check_cache, _check_new
-from jattn.impl import _common, _quant
+from jattn.impl import common, quant
 
 
 def release(cache: Cache, rows: jax.typing.ArrayLike) -> Cache:
@@ -107,11 +107,9 @@ def _write(
   kept = pos < new_lengths[:, None]  # the first n[b] tokens, as far as the row has room
   stored: tuple[Any, Any] = (key, value)
   scales: tuple[Any, Any] = (None, None)
-  if _quant.is_quantized(cache.dtype):
+  if quant.is_quantized(cache.dtype):
     # Gradients do not flow into a quantized cache (see :mod:`jattn.decode`).
-    (k_q, k_s), (v_q, v_s) = (
-      _quant.quantize(jax.lax.stop_gradient(x), cache.dtype) for x in stored
-    )
+    (k_q, k_s), (v_q, v_s) = (quant.quantize(jax.lax.stop_gradient(x), cache.dtype) for x in stored)
     stored, scales = (k_q, v_q), (k_s, v_s)
 
   if isinstance(cache, KVCache):
@@ -126,11 +124,11 @@ def _write(
       if x is None:
         return None
       store = jnp.asarray(store)
-      src = store if any(_common.sharding_spec(store)) else x
-      spec = _common.sharding_spec(src)
+      src = store if any(common.sharding_spec(store)) else x
+      spec = common.sharding_spec(src)
       spec = (spec[0], None, *spec[2:])  # slots are written along the sequence
       store, x, at = (
-        _common.reshard(a, s, mesh_of=src)
+        common.reshard(a, s, mesh_of=src)
         for a, s in ((store, spec), (x, spec), (slots, spec[:1] + (None,)))
       )
       return put_row(store, at, x)
@@ -152,10 +150,10 @@ def _write(
     # Every row writes into the one pool of pages, so the new tokens are gathered over a
     # batch sharded in Explicit mode; heads keep the pool's sharding, else take the keys'.
     store = jnp.asarray(store)
-    src = store if _common.sharding_spec(store)[2] else x
-    spec = (None, None, _common.sharding_spec(src)[2], *(None,) * (x.ndim - 3))
-    store, x = (_common.reshard(a, spec, mesh_of=src) for a in (store, x))
-    pages, slots = (_common.reshard(i, (None, None), mesh_of=src) for i in at)
+    src = store if common.sharding_spec(store)[2] else x
+    spec = (None, None, common.sharding_spec(src)[2], *(None,) * (x.ndim - 3))
+    store, x = (common.reshard(a, spec, mesh_of=src) for a in (store, x))
+    pages, slots = (common.reshard(i, (None, None), mesh_of=src) for i in at)
     return store.at[pages, slots].set(x, mode="drop")
 
   return PagedKVCache(

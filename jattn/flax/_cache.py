@@ -26,7 +26,7 @@ import numpy as np
 
 from jattn import _checks, decode
 from jattn.flax._config import Heads
-from jattn.impl import _quant, _select
+from jattn.impl import quant, select
 
 # The variable holding each field of a jattn.decode cache.
 NAMES = {
@@ -75,7 +75,7 @@ def check_cache_options(
   A paged or quantized cache is read by blockwise attention alone, in tiles of whole
   pages, so the module's ``implementation`` and ``block_kv`` must allow that.
   """
-  dtype = None if dtype is None else _quant.storage_dtype(dtype_name, dtype)
+  dtype = None if dtype is None else quant.storage_dtype(dtype_name, dtype)
   _checks.boolean(ragged_name, ragged)
   if page_size is not None:
     page_size = _checks.integer("page_size", page_size, minimum=1, int32=True)
@@ -89,13 +89,13 @@ def check_cache_options(
     k
     for k, on in (
       (f"paged (page_size={page_size})", page_size is not None),
-      (f"quantized ({dtype_name}={dtype})", dtype is not None and _quant.is_quantized(dtype)),
+      (f"quantized ({dtype_name}={dtype})", dtype is not None and quant.is_quantized(dtype)),
     )
     if on
   )
-  if kind and implementation is not None and implementation not in _select.CACHE_READERS:
-    names = " or ".join(_select.CACHE_READERS)
-    readers = " or ".join(repr(n) for n in _select.CACHE_READERS)
+  if kind and implementation is not None and implementation not in select.CACHE_READERS:
+    names = " or ".join(select.CACHE_READERS)
+    readers = " or ".join(repr(n) for n in select.CACHE_READERS)
     raise ValueError(
       f"a {kind} cache is read by {names} attention alone, but this module has "
       f"implementation={implementation!r}; use implementation=None or {readers}"
@@ -257,7 +257,7 @@ def cache_accepts(cache: decode.Cache, dtype: jax.typing.DTypeLike) -> bool:
   """Whether keys of ``dtype`` can be written to ``cache``: its own dtype, or any floating
   dtype for a quantized cache."""
   storage = cache.dtype
-  return dtype == storage or (_quant.is_quantized(storage) and jnp.issubdtype(dtype, jnp.floating))
+  return dtype == storage or (quant.is_quantized(storage) and jnp.issubdtype(dtype, jnp.floating))
 
 
 def check_dtype(

@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.impl import _base, _orders, _sharded
-from jattn.impl._base import CallSpec
-from jattn.masks import _core, kinds
+from jattn.impl import contract, orders, sharded
+from jattn.impl.contract import CallSpec
+from jattn.masks import core, kinds
 
 __all__ = ["IMPLEMENTATION", "attention", "reason", "auto_reason"]
 
@@ -39,7 +39,7 @@ def _translate(spec: CallSpec) -> tuple[dict[str, Any] | None, str | None]:
   """(jax.nn masking keywords, None) or (None, why not)."""
   out: dict[str, Any] = dict(is_causal=False, local_window_size=None, mask=None)
   arrays, windows = [], []
-  for part in _core.conjuncts(spec.mask):
+  for part in core.conjuncts(spec.mask):
     if isinstance(part, kinds.Causal) and part.offset == 0:
       out["is_causal"] = True
     elif isinstance(part, kinds.SlidingWindow) and part.dilation == 1:
@@ -139,7 +139,7 @@ def attention(
 def _run(
   query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
 ) -> tuple[jax.Array, jax.Array]:
-  return _sharded.per_shard(_first_order, query, key, value, spec)
+  return sharded.per_shard(_first_order, query, key, value, spec)
 
 
 def _first_order(
@@ -147,12 +147,12 @@ def _first_order(
 ) -> tuple[jax.Array, jax.Array]:
   """:func:`attention` with jax.nn's gradients, whose forward mode and second derivatives
   are refused in jattn's words (JAX's are about a custom_vjp and the kernel's internals)."""
-  return _orders.reverse_once(attention, "implementation='cudnn'", _orders.FUSED)(
+  return orders.reverse_once(attention, "implementation='cudnn'", orders.FUSED)(
     query, key, value, spec
   )
 
 
-IMPLEMENTATION = _base.Implementation(
+IMPLEMENTATION = contract.Implementation(
   name="cudnn",
   runs_on=("gpu",),
   backwards=BACKWARDS,

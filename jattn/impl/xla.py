@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import dropout as _dropout
-from jattn.impl import _base, _common, _orders
-from jattn.impl._base import CallSpec
+from jattn.impl import common, contract, orders
+from jattn.impl.contract import CallSpec
 from jattn.masks import index_grid
 
 __all__ = ["IMPLEMENTATION", "BACKWARDS", "attention", "weights"]
@@ -71,12 +71,12 @@ def attention(
   keep = None if spec.mask is None else spec.mask.on_grid(grid)
   drop = None
   if dropout_rate:
-    idx = _common.at_positions(grid, spec.positions)
+    idx = common.at_positions(grid, spec.positions)
     idx = _dropout.shared_indices(*idx) if spec.broadcast_dropout else idx
     drop = _dropout.keep_mask(spec.dropout_rng, dropout_rate, *idx)
 
   # With sinks to add (jattn.attention), out stays in the statistics dtype until then.
-  out_dtype = query.dtype if spec.sinks is None else _common.stats_dtype(query.dtype)
+  out_dtype = query.dtype if spec.sinks is None else common.stats_dtype(query.dtype)
   wide = spec.compute_dtype or query.dtype
   if wide != query.dtype:  # a CPU: narrow inputs computed in float32, rounded once at the end
     query, key, value = (x.astype(wide) for x in (query, key, value))
@@ -89,8 +89,8 @@ def attention(
   modify = None
   consts: list = []
   if score_fn is not None:
-    example = jax.ShapeDtypeStruct((B, N, T, S), _common.stats_dtype(query.dtype))
-    modify, consts = _common.hoist(lambda s: score_fn(s, *index_grid(B, N, T, S)), example)
+    example = jax.ShapeDtypeStruct((B, N, T, S), common.stats_dtype(query.dtype))
+    modify, consts = common.hoist(lambda s: score_fn(s, *index_grid(B, N, T, S)), example)
   return _attention_vjp(static, modify, query, key, value, bias, keep, drop, tuple(consts))
 
 
@@ -100,12 +100,12 @@ def weights(query: jax.Array, key: jax.Array, spec: CallSpec) -> jax.Array:
   S = key.shape[1]
   grid = index_grid(B, N, T, S)
   keep = None if spec.mask is None else spec.mask.on_grid(grid)
-  s = _common.logits(_common.group_heads(query, key.shape[2]), key, spec.bias, spec.scale)
+  s = common.logits(common.group_heads(query, key.shape[2]), key, spec.bias, spec.scale)
   if spec.score_fn is not None:
     s = spec.score_fn(s, *grid)
-  p, m, l = _common.softmax(s, keep)
+  p, m, l = common.softmax(s, keep)
   if spec.sinks is not None:  # each row's share of the keys; the sink's share is left out
-    lse = _common.log_sum_exp(m, l)
+    lse = common.log_sum_exp(m, l)
     p = p * jax.nn.sigmoid(lse - spec.sinks.astype(lse.dtype)[None, :, None, None])
   return p.astype(query.dtype)
 
@@ -124,22 +124,22 @@ def _forward(
   """The forward pass shared by both rules: ``(out, lse), (m, l)``, the rows' max and sum kept
   (B, N, T, 1) for the custom_vjp; ``static`` is (scale, dropout_rate, out's dtype)."""
   scale, dropout_rate, out_dtype = static
-  s = _common.logits(_common.group_heads(query, key.shape[2]), key, bias, scale)
+  s = common.logits(common.group_heads(query, key.shape[2]), key, bias, scale)
   if modify is not None:
     s = modify(s, *consts)
-  # The normalised probabilities, with jax.nn.softmax's derivative (see _common.softmax), and
+  # The normalised probabilities, with jax.nn.softmax's derivative (see common.softmax), and
   # rounded to the values' dtype only after normalising, as jax.nn does.
-  p, m, l = _common.softmax(s, keep)
+  p, m, l = common.softmax(s, keep)
   if drop is not None:
     p = jnp.where(drop, p / (1.0 - dropout_rate), 0)
-  out = _common.probs_times_values(p, value)
-  out = _common.ungroup_heads(out).astype(out_dtype)
-  lse = _common.log_sum_exp(m, l)[..., 0].transpose(0, 2, 1)  # BNT -> BTN
+  out = common.probs_times_values(p, value)
+  out = common.ungroup_heads(out).astype(out_dtype)
+  lse = common.log_sum_exp(m, l)[..., 0].transpose(0, 2, 1)  # BNT -> BTN
   return (out, lse), (m, l)
 
 
 @functools.partial(
-  _orders.reverse_only,
+  orders.reverse_only,
   nondiff_argnums=(0, 1),
   who="implementation='xla'",
   rule="backward='custom_vjp' (jattn's explicit rule)",
@@ -170,7 +170,7 @@ def _attention_fwd(
   consts: tuple[Any, ...],
 ) -> tuple[tuple[jax.Array, jax.Array], _Residuals]:
   (out, lse), (m, l) = _forward(query, key, value, bias, keep, drop, modify, consts, static)
-  # The rows' max and sum, not their log-sum-exp m + log l: see _common.normalized_exp.
+  # The rows' max and sum, not their log-sum-exp m + log l: see common.normalized_exp.
   return (out, lse), (query, key, value, bias, keep, drop, consts, m, l)
 
 
@@ -188,16 +188,16 @@ def _attention_bwd(
   B, T, N, H = query.shape
   _, S, K, _ = key.shape
   G = N // K
-  dtype = _common.stats_dtype(query.dtype)
+  dtype = common.stats_dtype(query.dtype)
 
-  query_g = _common.group_heads(query, K)
-  s = _common.logits(query_g, key, bias, scale)
+  query_g = common.group_heads(query, K)
+  s = common.logits(query_g, key, bias, scale)
   if modify is not None:
     s, modify_vjp = jax.vjp(modify, s, *consts)
-  p = _common.normalized_exp(s, m, l, keep)  # A, the normalised probabilities
+  p = common.normalized_exp(s, m, l, keep)  # A, the normalised probabilities
   p_used = p if drop is None else jnp.where(drop, p / (1.0 - dropout_rate), 0)
 
-  d_out = _common.group_heads(d_out.astype(dtype), K)
+  d_out = common.group_heads(d_out.astype(dtype), K)
   d_value = jnp.einsum("BKGTS,BKGTH->BSKH", p_used.reshape(B, K, G, T, S), d_out)
   d_p_used = jnp.einsum("BKGTH,BSKH->BKGTS", d_out, value, preferred_element_type=dtype).reshape(
     B, N, T, S
@@ -213,9 +213,9 @@ def _attention_bwd(
     d_s, *d_consts = modify_vjp(d_s)
   d_bias = None
   if bias is not None:
-    d_bias = _common.reduce_to_shape(d_s, bias.shape).astype(bias.dtype)
+    d_bias = common.reduce_to_shape(d_s, bias.shape).astype(bias.dtype)
   d_s = d_s.reshape(B, K, G, T, S) * jnp.asarray(scale, dtype)
-  d_query = _common.ungroup_heads(jnp.einsum("BKGTS,BSKH->BKGTH", d_s, key))
+  d_query = common.ungroup_heads(jnp.einsum("BKGTS,BSKH->BKGTH", d_s, key))
   d_key = jnp.einsum("BKGTS,BKGTH->BSKH", d_s, query_g)
   return (
     d_query.astype(query.dtype),
@@ -224,16 +224,16 @@ def _attention_bwd(
     d_bias,
     None,
     None,
-    _common.float_or_none(d_consts, consts),
+    common.float_or_none(d_consts, consts),
   )
 
 
 _attention_vjp.defvjp(_attention_fwd, _attention_bwd)
 
 
-IMPLEMENTATION = _base.Implementation(
+IMPLEMENTATION = contract.Implementation(
   name="xla",
-  runs_on=_base.BACKENDS,
+  runs_on=contract.BACKENDS,
   backwards=BACKWARDS,
   masks="every mask",
   run=attention,

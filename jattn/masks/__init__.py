@@ -47,11 +47,11 @@ from jattn.masks import index_maps as index_maps
 from jattn.masks import kinds as kinds
 from jattn.masks import layouts as layouts
 from jattn.masks import tiles as tiles
-from jattn.masks._core import Mask as Mask
-from jattn.masks._core import all_of as all_of
-from jattn.masks._core import index_grid as index_grid
-from jattn.masks._indexing import Extents as Extents
+from jattn.masks.core import Mask as Mask
+from jattn.masks.core import all_of as all_of
+from jattn.masks.core import index_grid as index_grid
 from jattn.masks.index_maps import reindex as reindex
+from jattn.masks.indexing import Extents as Extents
 from jattn.masks.kinds import causal as causal
 from jattn.masks.kinds import chunked as chunked
 from jattn.masks.kinds import from_array as from_array

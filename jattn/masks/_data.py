@@ -21,9 +21,9 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jattn import _checks, _compat
-from jattn.masks import _indexing as ix
-from jattn.masks._core import STATIC, Grid, Mask
-from jattn.masks._indexing import Extents
+from jattn.masks import indexing as ix
+from jattn.masks.core import STATIC, Grid, Mask
+from jattn.masks.indexing import Extents
 from jattn.masks.tiles import UNSURE, Bounds, Tiles, tile_any_all, tile_reduce
 
 # --- segments (document masking) ---------------------------------------------

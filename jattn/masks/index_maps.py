@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jattn import _compat
-from jattn.masks import _indexing as ix
-from jattn.masks._core import Mask
-from jattn.masks._indexing import Extents
+from jattn.masks import indexing as ix
+from jattn.masks.core import Mask
+from jattn.masks.indexing import Extents
 from jattn.masks.tiles import UNSURE, Bounds, Tiles, tile_reduce
 
 __all__ = ["Reindex", "reindex"]

@@ -31,14 +31,14 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jattn import _checks, _compat
-from jattn.masks import _indexing as ix
-from jattn.masks._core import STATIC, Mask
+from jattn.masks import indexing as ix
 from jattn.masks._data import FromArray as FromArray
 from jattn.masks._data import FromFn as FromFn
 from jattn.masks._data import Segments as Segments
 from jattn.masks._data import from_array as from_array
 from jattn.masks._data import from_fn as from_fn
 from jattn.masks._data import segments as segments
+from jattn.masks.core import STATIC, Mask
 
 __all__ = [
   "Causal",
@@ -63,7 +63,7 @@ __all__ = [
   "FromFn",
   "from_fn",
 ]
-from jattn.masks._indexing import Extents
+from jattn.masks.indexing import Extents
 from jattn.masks.tiles import Bounds, Tiles
 
 # --- causal ---------------------------------------------------------------

@@ -20,9 +20,9 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jattn import _checks, _compat
-from jattn.masks import _indexing as ix
-from jattn.masks._core import STATIC, Mask
-from jattn.masks._indexing import Extents
+from jattn.masks import indexing as ix
+from jattn.masks.core import STATIC, Mask
+from jattn.masks.indexing import Extents
 from jattn.masks.kinds import Causal, global_tokens, sliding_window
 from jattn.masks.tiles import Bounds, Tiles
 

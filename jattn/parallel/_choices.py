@@ -7,7 +7,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 
-from jattn.impl._select import Choice
+from jattn.impl.select import Choice
 
 _RECORDED: contextvars.ContextVar[list[Choice] | None] = contextvars.ContextVar(
   "jattn_parallel_choices", default=None

@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from jattn import _validate, masks, scores, testing
-from jattn.impl import _common, _select
-from jattn.impl._base import CallSpec
-from jattn.impl._select import Choice
+from jattn.impl import common, select
+from jattn.impl.contract import CallSpec
+from jattn.impl.select import Choice
 
 __all__ = ["KERNELS", "wanted", "leaves", "pair_spec", "choose", "attend", "grads"]
 
@@ -44,7 +44,7 @@ def leaves(score_fn: Any, example: Any) -> tuple[Any, list[Any]] | None:
   if score_fn is None:
     return None, []
   found, treedef = jax.tree.flatten(score_fn)
-  _, consts = _common.hoist(score_fn, *example)
+  _, consts = common.hoist(score_fn, *example)
   held = {id(x) for x in found}
   for c in consts:
     traced = isinstance(c, jax.core.Tracer)
@@ -111,8 +111,8 @@ def attend(
   query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
 ) -> tuple[jax.Array, jax.Array]:
   """The pair's ``(out, lse)`` in float32/64 (lse -inf on rows with nothing to attend to)."""
-  out, lse = _select.TABLE[spec.implementation].run(query, key, value, spec)
-  dtype = _common.stats_dtype(query.dtype)
+  out, lse = select.TABLE[spec.implementation].run(query, key, value, spec)
+  dtype = common.stats_dtype(query.dtype)
   return out.astype(dtype), lse.astype(dtype)
 
 

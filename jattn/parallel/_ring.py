@@ -19,10 +19,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jattn import masks, testing
-from jattn.impl import _common, _orders, _tiling, blockwise
-from jattn.impl._base import CallSpec
-from jattn.impl._select import Choice
-from jattn.masks import _indexing
+from jattn.impl import blockwise, common, orders, tiling
+from jattn.impl.contract import CallSpec
+from jattn.impl.select import Choice
+from jattn.masks import indexing
 from jattn.parallel import _choices, _kernel_pairs, _splash_pairs
 from jattn.parallel.layouts import shard_positions
 
@@ -172,8 +172,8 @@ def _per_device(
     # cotangents; each pair then sees it through its own index maps (_pair_score).
     B, t, N, _ = query.shape
     bq, bk = min(ring.block_q, t), min(ring.block_kv, key.shape[1])
-    s = jax.ShapeDtypeStruct((B, N, bq, bk), _common.stats_dtype(query.dtype))
-    converted, found = _common.hoist(score_fn, s, *_tiling.tile_indices(B, N, bq, bk, 0, 0))
+    s = jax.ShapeDtypeStruct((B, N, bq, bk), common.stats_dtype(query.dtype))
+    converted, found = common.hoist(score_fn, s, *tiling.tile_indices(B, N, bq, bk, 0, 0))
     ring, consts = ring._replace(score=converted), tuple(found)
   out, lse = _ring_vjp(ring, query, key, value, q_ids, kv_ids, mask, bias, consts, rng)
   return out.astype(query.dtype), lse
@@ -196,8 +196,8 @@ def _with_kernel(
   why each pair runs blockwise instead, is recorded for :func:`jattn.parallel.explain`."""
   B, t, N, _ = query.shape
   bq, bk = min(ring.block_q, t), min(ring.block_kv, key.shape[1])
-  s = jax.ShapeDtypeStruct((B, N, bq, bk), _common.stats_dtype(query.dtype))
-  held = _kernel_pairs.leaves(score_fn, (s, *_tiling.tile_indices(B, N, bq, bk, 0, 0)))
+  s = jax.ShapeDtypeStruct((B, N, bq, bk), common.stats_dtype(query.dtype))
+  held = _kernel_pairs.leaves(score_fn, (s, *tiling.tile_indices(B, N, bq, bk, 0, 0)))
   backend = testing.target_backend() or jax.default_backend()
   if held is None:
     why = (
@@ -336,7 +336,7 @@ def _pair_score(converted: Any, present: tuple[bool, ...], s: jax.Array, *args: 
   n = sum(present)
   found = iter(rest[:n])
   maps = [next(found) if p else None for p in present]
-  return converted(s, *_indexing.through_maps(maps, idx), *rest[n:])
+  return converted(s, *indexing.through_maps(maps, idx), *rest[n:])
 
 
 def _bias_columns(ring: Ring, bias: jax.Array | None, source: jax.Array) -> jax.Array | None:
@@ -381,13 +381,13 @@ def _merge(a: Partial, b: Partial) -> Partial:
   """
   (out_a, m_a, l_a), (out_b, m_b, l_b) = a, b
   live = lambda m, l: jnp.where(l > 0, m, -jnp.inf)
-  m = _common.row_max(jnp.maximum(live(m_a, l_a), live(m_b, l_b)))
+  m = common.row_max(jnp.maximum(live(m_a, l_a), live(m_b, l_b)))
   w_a, w_b = (
     jnp.where(l > 0, l * jnp.exp(jnp.where(l > 0, x - m, 0)), 0)
     for x, l in ((m_a, l_a), (m_b, l_b))
   )
   l = w_a + w_b
-  out = (out_a * w_a[..., None] + out_b * w_b[..., None]) / _common.safe_total(l)[..., None]
+  out = (out_a * w_a[..., None] + out_b * w_b[..., None]) / common.safe_total(l)[..., None]
   return out, m, l
 
 
@@ -425,7 +425,7 @@ def _forward(
 
   B, T, N, _ = query.shape
   Hv = value.shape[-1]
-  dtype = _common.stats_dtype(query.dtype)
+  dtype = common.stats_dtype(query.dtype)
   rows = jnp.zeros((B, T, N), dtype)
   empty = (jnp.zeros((B, T, N, Hv), dtype), rows, rows)
   (kv, acc), _ = jax.lax.scan(step, ((key, value, kv_ids), empty), jnp.arange(ring.size - 1))
@@ -451,8 +451,8 @@ def _backward(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, tuple[jax.Array | None, ...]]:
   query, key, value, q_ids, kv_ids, mask, bias, consts, rng, out, m, l = residuals
 
-  lse = _common.log_sum_exp(m, l)
-  dtype = _common.stats_dtype(query.dtype)
+  lse = common.log_sum_exp(m, l)
+  dtype = common.stats_dtype(query.dtype)
   is_float = [jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in consts]
 
   def grads(step: jax.Array | int, kv: Shard, here: _Local) -> tuple[Any, ...]:
@@ -538,7 +538,7 @@ def _who(ring: Ring) -> str:
 
 
 @functools.partial(
-  _orders.reverse_only,
+  orders.reverse_only,
   nondiff_argnums=(0,),
   who=_who,
   rule="the ring's backward rule (a custom_vjp)",
@@ -560,7 +560,7 @@ def _ring_vjp(
   rng: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array]:
   out, m, l = _forward(ring, query, key, value, q_ids, kv_ids, mask, bias, consts, rng)
-  return out, _common.log_sum_exp(m, l)
+  return out, common.log_sum_exp(m, l)
 
 
 def _ring_fwd(
@@ -577,7 +577,7 @@ def _ring_fwd(
 ) -> tuple[tuple[jax.Array, jax.Array], _Residuals]:
   out, m, l = _forward(ring, query, key, value, q_ids, kv_ids, mask, bias, consts, rng)
   residuals = (query, key, value, q_ids, kv_ids, mask, bias, consts, rng, out, m, l)
-  return (out, _common.log_sum_exp(m, l)), residuals
+  return (out, common.log_sum_exp(m, l)), residuals
 
 
 def _ring_bwd(
@@ -585,10 +585,10 @@ def _ring_bwd(
 ) -> tuple[Any, ...]:
   d_out, d_lse = cotangents
   blockwise_pairs = ring.pairs is None and ring.kernel is None
-  backward = _orders.first_order(
+  backward = orders.first_order(
     functools.partial(_backward, ring),
     _who(ring),
-    _orders.TILE_LOOPS if blockwise_pairs else _orders.FUSED,
+    orders.TILE_LOOPS if blockwise_pairs else orders.FUSED,
     forward=blockwise_pairs,  # blockwise's tile loops take JVPs, Pallas kernels do not
     way_out="gather the sequence and call dot_product_attention(implementation='xla')",
   )

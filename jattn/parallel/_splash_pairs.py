@@ -30,9 +30,9 @@ import numpy as np
 
 from jattn import masks, scores, testing
 from jattn.impl import splash
-from jattn.impl._base import CallSpec
-from jattn.impl.splash import _masks as _splash_masks
-from jattn.masks import _core, kinds
+from jattn.impl.contract import CallSpec
+from jattn.impl.splash import static_masks
+from jattn.masks import core, kinds
 from jattn.parallel import _kernel_pairs
 
 
@@ -41,7 +41,7 @@ class Pairs:
   """Static: which kernel each (query shard, key shard) pair of a ring runs."""
 
   table: tuple[tuple[int, ...], ...]  # [i][j]: index into tables, or -1 (nothing to attend)
-  tables: tuple[Any, ...]  # _splash_masks.StaticMask per distinct pair mask (None: every position)
+  tables: tuple[Any, ...]  # static_masks.StaticMask per distinct pair mask (None: every position)
   block_q: int
   block_kv: int
   interpret: bool
@@ -49,12 +49,12 @@ class Pairs:
 
 def reason(mask: masks.Mask | None) -> str | None:
   """Why a ring's mask cannot go through splash per pair; None when it can."""
-  for part in _core.conjuncts(mask):
+  for part in core.conjuncts(mask):
     if isinstance(part, kinds.Lengths):
       return "lengths (pass them as segment ids to ring attention with splash)"
     if part.extents[0] is not None or part.extents[1] is not None:
       return f"mask {part!r} varies over batch rows or heads"
-    if why := _splash_masks.mask_reason(part):
+    if why := static_masks.mask_reason(part):
       return why
   return None
 
@@ -92,7 +92,7 @@ def plan(
       if digest not in dense:
         dense[digest] = len(tables)
         tables.append(
-          None if digest == b"all" else _splash_masks.StaticMask([masks.from_array(allowed)])
+          None if digest == b"all" else static_masks.StaticMask([masks.from_array(allowed)])
         )
       row.append(dense[digest])
     table.append(tuple(row))
@@ -109,16 +109,16 @@ def pair_spec(
   block_q: int,
   block_kv: int,
   interpret: bool,
-  static_mask: _splash_masks.StaticMask | None = None,
+  static_mask: static_masks.StaticMask | None = None,
 ) -> CallSpec:
   """The splash call one shard pair makes: query, key and value of ``shapes`` (a device's
   shards), ``segments`` (the pair's segment ids, or None) and the ring's scale and soft cap.
 
   It always returns the log-sum-exp, which the ring merges and differentiates, so
-  ``implementation='splash'``'s table row (:func:`jattn.impl._select.why_not`) checks a
+  ``implementation='splash'``'s table row (:func:`jattn.impl.select.why_not`) checks a
   ring's pairs on this spec as it checks a one-device call.
   """
-  from jattn.impl._base import CallSpec  # the spec's home imports this module's callers
+  from jattn.impl.contract import CallSpec  # the spec's home imports this module's callers
 
   (B, T, N, H), (_, S, K, _), (*_, Hv) = shapes
   return CallSpec(
@@ -170,7 +170,7 @@ def attend(
   ) -> tuple[jax.Array, jax.Array]:
     return jnp.zeros((B, T, N, Hv), jnp.float32), jnp.full((B, T, N), -jnp.inf, jnp.float32)
 
-  def kernel(table: _splash_masks.StaticMask | None) -> Callable[..., tuple[jax.Array, jax.Array]]:
+  def kernel(table: static_masks.StaticMask | None) -> Callable[..., tuple[jax.Array, jax.Array]]:
     def run(
       q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array | None, kv_ids: jax.Array | None
     ) -> tuple[jax.Array, jax.Array]:

@@ -44,11 +44,11 @@ from jax.sharding import PartitionSpec as P
 
 from jattn import _validate, attention, masks, scores, testing
 from jattn._validate.options import Options
-from jattn.impl import _base, _select, _sharded
-from jattn.impl._base import CallSpec
-from jattn.impl._select import Choice
-from jattn.impl.splash._masks import StaticMask
-from jattn.masks import _core
+from jattn.impl import contract, select, sharded
+from jattn.impl.contract import CallSpec
+from jattn.impl.select import Choice
+from jattn.impl.splash.static_masks import StaticMask
+from jattn.masks import core
 from jattn.parallel import _choices, _ring, ring
 from jattn.parallel.layouts import (
   _check_divisible,
@@ -210,7 +210,7 @@ def explain(
       >>> explain(q, q, q, strategy="ulysses", backend="cpu", **kw).implementation
       'blockwise'
   """
-  _select.check_backend(backend)
+  select.check_backend(backend)
   target = testing.lowering_for(backend) if backend else contextlib.nullcontext()
   with _choices.recording(run=False) as choices, target:
     jax.eval_shape(
@@ -298,7 +298,7 @@ def _gathered(
     return (out, lse) if spec.return_residual else out
   # Ulysses' parts take the static form on any backend (one mask, exact tiles); the
   # all-gather's, one per device, only where splash may run them.
-  backend = testing.target_backend() or _select.default_backend()
+  backend = testing.target_backend() or select.default_backend()
   splash_may_run = options.implementation == "splash" or (
     options.implementation is None and backend == "tpu"
   )
@@ -327,7 +327,7 @@ def _gathered(
     (options.block_q, options.block_kv),
     part_masks,
   )
-  out, lse = _call(q, k, v, ids, _base.rank4(spec), plan=plan, mesh=mesh)
+  out, lse = _call(q, k, v, ids, contract.rank4(spec), plan=plan, mesh=mesh)
   return (out, lse) if spec.return_residual else out
 
 
@@ -352,7 +352,7 @@ def _part_masks(
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(mask)):
     return None, "a mask holding traced arrays"
   heads_split = strategy == "ulysses" or bool(head_axes)
-  for part in _core.conjuncts(mask):
+  for part in core.conjuncts(mask):
     if part.extents[0] is not None and batch_axes:
       return None, f"mask {part!r}, which varies over the batch rows sharded by {batch_axes}"
     if part.extents[1] is not None and heads_split:
@@ -441,7 +441,7 @@ def _bias_spec(plan: _Plan, shape: tuple[int, ...]) -> P:
   """The bias's split: like the scores each device computes, broadcast axes whole."""
   Bb, Nb, Tb, _ = shape
   if plan.strategy == "ulysses":  # whole sequences, heads over (head_axis, axis_name)
-    heads = (*_sharded._names(plan.head_axis), plan.axis_name)
+    heads = (*sharded.axis_names(plan.head_axis), plan.axis_name)
     return P(plan.batch_axis if Bb > 1 else None, heads if Nb > 1 else None, None, None)
   return P(
     plan.batch_axis if Bb > 1 else None,

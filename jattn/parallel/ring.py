@@ -18,10 +18,9 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
 from jattn import _validate, attention, masks, testing
-from jattn._validate import _masking
 from jattn._validate.options import Options
-from jattn.impl import _base, _common, _select, splash
-from jattn.impl._base import CallSpec
+from jattn.impl import common, contract, select, splash
+from jattn.impl.contract import CallSpec
 from jattn.parallel import _choices, _kernel_pairs, _ring, _splash_pairs
 from jattn.parallel.layouts import (
   _check_divisible,
@@ -179,7 +178,7 @@ def ring_attention(
     options=dataclasses.replace(options, implementation="blockwise"),
   )
   q, k, v, spec = _validate.build(call)
-  spec = _base.rank4(spec)
+  spec = contract.rank4(spec)
   if spec.unbatched:
     raise ValueError(
       f"ring_attention needs batched inputs: query (B, T, N, H), got shape {q.shape}"
@@ -258,7 +257,7 @@ def ring_attention(
   )
   if spec.sinks is not None:
     sinks = _ring.place(spec.sinks, mesh, P(_axes_or_none(head_axes)))  # sharded like N
-    out, lse = _common.add_sinks(out, lse, sinks, lse.dtype)
+    out, lse = common.add_sinks(out, lse, sinks, lse.dtype)
   if return_residual:
     return out, lse.astype(q.dtype)
   return out
@@ -269,7 +268,7 @@ def _segment_rows(segment_ids: Any, B: int, T: int, S: int) -> tuple[jax.Array, 
   given (the inputs' layout), to travel with their shards; None without ids."""
   if segment_ids is None:
     return None
-  seg = _masking.segments(segment_ids, False, T, S)
+  seg = _validate.segments(segment_ids, False, T, S)
   q_ids, kv_ids = (jnp.broadcast_to(jnp.asarray(x), (B, n)) for x, n in zip(seg.children, (T, S)))
   return q_ids, kv_ids
 
@@ -314,7 +313,7 @@ def _pairs(
   """
   backend = testing.target_backend() or jax.default_backend()
   blockwise = lambda why: _choices.record(
-    _select.Choice("blockwise", None, f"each shard pair runs blockwise: {why}", {}, backend)
+    select.Choice("blockwise", None, f"each shard pair runs blockwise: {why}", {}, backend)
   )
   if implementation == "blockwise":
     blockwise("named by the caller")
@@ -345,7 +344,7 @@ def _pairs(
     )
   named = "named by the caller" if implementation else "the fused kernel for TPU"
   reason = f"splash runs each shard pair ({named}), the pair's mask tabulated"
-  _choices.record(_select.Choice("splash", None, reason, {}, backend))
+  _choices.record(select.Choice("splash", None, reason, {}, backend))
   return _splash_pairs.plan(
     spec.mask,
     layout=layout,
@@ -376,14 +375,14 @@ def _pair_reason(
     block_kv=block_kv,
     interpret=testing.interpreting(),
   )
-  call = _select.Call(
+  call = select.Call(
     spec=pair,
     dtype=np.dtype(dtype),
     backend=backend,
     backward_named=False,
     blocks_named=False,
   )
-  why = _select.why_not("splash", call, device=False)
+  why = select.why_not("splash", call, device=False)
   if why is not None and soft_cap is not None and why.startswith("return_residual"):
     # The caller may not have asked for the lse: say why the pairs need it.
     why = (

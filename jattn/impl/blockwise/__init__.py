@@ -65,11 +65,11 @@ import jax.numpy as jnp
 
 from jattn import dropout as _dropout
 from jattn import masks as _masks
-from jattn.impl import _base, _common, _kv, _orders, _tiling
-from jattn.impl._base import CallSpec
-from jattn.impl._kv import KV
-from jattn.impl._tiling import Consts
+from jattn.impl import common, contract, kv_tiles, orders, tiling
 from jattn.impl.blockwise import _backward as _blockwise_backward
+from jattn.impl.contract import CallSpec
+from jattn.impl.kv_tiles import KV
+from jattn.impl.tiling import Consts
 
 __all__ = [
   "IMPLEMENTATION",
@@ -92,9 +92,9 @@ _Residuals = tuple[
   jax.Array,  # query
   KV,
   jax.Array | None,  # bias
-  _tiling.Seed | None,  # dropout seed words, and where they are drawn
-  _tiling.Schedule,  # rows
-  _tiling.Schedule,  # cols
+  tiling.Seed | None,  # dropout seed words, and where they are drawn
+  tiling.Schedule,  # rows
+  tiling.Schedule,  # cols
   tuple[Any, ...],  # mask constants
   tuple[Any, ...],  # score function constants
   jax.Array,  # m
@@ -137,7 +137,7 @@ def attention(
 
 
 def attention_over_cache(
-  query: jax.Array, tiles: _kv.CacheTiles, spec: CallSpec
+  query: jax.Array, tiles: kv_tiles.CacheTiles, spec: CallSpec
 ) -> tuple[jax.Array, jax.Array]:
   """:func:`attention` with keys and values read from a KV cache tile by tile
   (``spec.block_kv == tiles.block``): a tile is gathered, dequantized and masked only
@@ -152,7 +152,7 @@ def _attention(
   wide = spec.compute_dtype or dtype
   if wide != dtype:  # autodiff casts the gradients back through these casts
     query = query.astype(wide)
-    if isinstance(kv, _kv.CacheTiles):
+    if isinstance(kv, kv_tiles.CacheTiles):
       kv = dataclasses.replace(kv, dtype=wide)
     else:
       key, value = kv
@@ -180,10 +180,10 @@ def _attention(
 class Plan(NamedTuple):
   """Everything one call needs besides the arrays: settings, tile schedules, hoisted constants."""
 
-  static: _tiling.Static
-  rows: _tiling.Schedule  # per query tile: the key/value tiles to visit (forward)
-  cols: _tiling.Schedule  # per key/value tile: the query tiles to visit (backward)
-  seed: _tiling.Seed | None  # dropout seed words, and where they are drawn
+  static: tiling.Static
+  rows: tiling.Schedule  # per query tile: the key/value tiles to visit (forward)
+  cols: tiling.Schedule  # per key/value tile: the query tiles to visit (backward)
+  seed: tiling.Seed | None  # dropout seed words, and where they are drawn
   mask_consts: tuple
   score_consts: tuple
 
@@ -217,30 +217,30 @@ def plan(
   B, T, N, _ = query.shape
   S = kv_len
   bq, bk = min(block_q, T), min(block_kv, S)
-  view = _tiling.tile_classes(mask, B, N, T, S, bq, bk)
-  rows, cols = (jax.tree.map(jnp.asarray, _tiling.schedule(v)) for v in (view, view.T))
+  view = tiling.tile_classes(mask, B, N, T, S, bq, bk)
+  rows, cols = (jax.tree.map(jnp.asarray, tiling.schedule(v)) for v in (view, view.T))
 
-  example = _tiling.tile_indices(B, N, bq, bk, 0, 0)
+  example = tiling.tile_indices(B, N, bq, bk, 0, 0)
   mask_fn: Callable | None = None
   mask_consts: list = []
   if mask is not None:
     # The batch and head indices are always the whole (concrete) ranges: closing over them
-    # lets masks index their per-row arrays along the sequence only (see masks._indexing.take).
+    # lets masks index their per-row arrays along the sequence only (see masks.indexing.take).
     b, h, q, kv = example
-    mask_fn, mask_consts = _common.hoist(lambda q, kv: mask(b, h, q, kv), q, kv)
+    mask_fn, mask_consts = common.hoist(lambda q, kv: mask(b, h, q, kv), q, kv)
   modify: Callable | None = None
   score_consts: list = []
   if score is not None:
     assert score_fn is None, "a score function comes converted or not, not both"
     modify, score_consts = score[0], list(score[1])
   elif score_fn is not None:
-    s = jax.ShapeDtypeStruct((B, N, bq, bk), _common.stats_dtype(query.dtype))
-    modify, score_consts = _common.hoist(score_fn, s, *example)
+    s = jax.ShapeDtypeStruct((B, N, bq, bk), common.stats_dtype(query.dtype))
+    modify, score_consts = common.hoist(score_fn, s, *example)
   seed = None
   if dropout_rate:
     assert dropout_rng is not None, "a checked call with dropout has its key"
-    seed = _tiling.Seed(jnp.stack(_dropout.seed_words(dropout_rng)), positions)
-  static = _tiling.Static(
+    seed = tiling.Seed(jnp.stack(_dropout.seed_words(dropout_rng)), positions)
+  static = tiling.Static(
     float(scale), float(dropout_rate), bool(broadcast_dropout), T, S, bq, bk, mask_fn, modify
   )
   return Plan(static, rows, cols, seed, tuple(mask_consts), tuple(score_consts))
@@ -251,7 +251,7 @@ def forward(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(out (B, T, N, H), m (B, T, N), l (B, T, N))``, all float32/64, with no custom_vjp
   around them: the normalised output and each row's max and sum (m = 0 and l = 0 for rows
-  that attend to nothing); the log-sum-exp is ``_common.log_sum_exp(m, l)``."""
+  that attend to nothing); the log-sum-exp is ``common.log_sum_exp(m, l)``."""
   return _forward(p.static, query, (key, value), bias, p.seed, p.rows, p.consts)
 
 
@@ -286,37 +286,35 @@ def backward(
 
 
 def _forward(
-  static: _tiling.Static,
+  static: tiling.Static,
   query: jax.Array,
   kv: KV,
   bias: jax.Array | None,
-  seed: _tiling.Seed | None,
-  rows: _tiling.Schedule,
+  seed: tiling.Seed | None,
+  rows: tiling.Schedule,
   consts: Consts,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(out (B, T, N, Hv), m (B, T, N), l (B, T, N))``, all float32/64 (see :func:`forward`);
-  ``kv`` is a (key, value) pair or a :class:`jattn.impl._kv.CacheTiles`."""
+  ``kv`` is a (key, value) pair or a :class:`jattn.impl.kv_tiles.CacheTiles`."""
   B, T, N, H = query.shape
-  tiles = _kv.source(kv, static.block_kv)
+  tiles = kv_tiles.source(kv, static.block_kv)
   K, Hv, v_dtype = tiles.heads
   G = N // K
   bq = static.block_q
-  dtype = _common.stats_dtype(query.dtype)
-  q_tiles = _tiling.query_tiles(_common.scaled_queries(query, static.scale), bq, K)
-  bias = _tiling.pad_bias(bias, static)
-  keep_scale = _tiling.keep_scale(static, dtype)
+  dtype = common.stats_dtype(query.dtype)
+  q_tiles = tiling.query_tiles(common.scaled_queries(query, static.scale), bq, K)
+  bias = tiling.pad_bias(bias, static)
+  keep_scale = tiling.keep_scale(static, dtype)
 
   def query_tile(i: jax.Array, q_tile: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     def body(
       j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array], masked: bool
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
       acc, m, l = carry
-      tile = _tiling.tile(
-        static, q_tile, tiles.key_tile(j), bias, seed, consts, i, j, masked=masked
-      )
+      tile = tiling.tile(static, q_tile, tiles.key_tile(j), bias, seed, consts, i, j, masked=masked)
       s = tile.s if tile.keep is None else jnp.where(tile.keep, tile.s, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))  # -inf: nothing yet
-      shift = _common.row_max(m_new)
+      shift = common.row_max(m_new)
       # Narrow values (bfloat16, float16): p is rounded to their dtype for p·v, and the row
       # sum adds up the same rounded weights, so the output is exactly their weighted mean
       # (a saturated row returns its value row exactly, which its gradient relies on).
@@ -331,27 +329,27 @@ def _forward(
         p = jnp.where(tile.drop, p * keep_scale.astype(p.dtype), 0)
       pv = jnp.einsum(
         "BKrk,BKkH->BKrH",
-        _tiling.stack_heads(p, K),
+        tiling.stack_heads(p, K),
         tiles.value_tile(j),
         preferred_element_type=dtype,
       )
-      acc = acc * _tiling.stack_heads(alpha, K) + pv
+      acc = acc * tiling.stack_heads(alpha, K) + pv
       return acc, m_new, l
 
     # Sharded as the query tiles (acc) and the query's batch and heads (m, l) are.
     rows_like: dict[str, Any] = dict(like=query, axes=(0, 2, None, None))
     init = (
-      _common.full((B, K, G * bq, Hv), 0, dtype, like=q_tile, axes=(0, 1, 2, None)),
-      _common.full((B, N, bq, 1), -jnp.inf, dtype, **rows_like),
-      _common.full((B, N, bq, 1), 0, dtype, **rows_like),
+      common.full((B, K, G * bq, Hv), 0, dtype, like=q_tile, axes=(0, 1, 2, None)),
+      common.full((B, N, bq, 1), -jnp.inf, dtype, **rows_like),
+      common.full((B, N, bq, 1), 0, dtype, **rows_like),
     )
-    acc, m, l = _tiling.visit(rows, i, body, init)
-    out = acc / _tiling.stack_heads(_common.safe_total(l), K)  # empty rows: acc is 0
-    return out, _common.row_max(m)[..., 0], l[..., 0]  # (B, K, G·bq, H), (B, N, bq) twice
+    acc, m, l = tiling.visit(rows, i, body, init)
+    out = acc / tiling.stack_heads(common.safe_total(l), K)  # empty rows: acc is 0
+    return out, common.row_max(m)[..., 0], l[..., 0]  # (B, K, G·bq, H), (B, N, bq) twice
 
   tile_ids = jnp.arange(q_tiles.shape[0], dtype=jnp.int32)
   out, m, l = jax.lax.map(lambda x: query_tile(*x), (tile_ids, q_tiles))
-  out = _tiling.untile_queries(out, N, T)
+  out = tiling.untile_queries(out, N, T)
   rows_of = lambda x: x.transpose(1, 0, 3, 2).reshape(B, -1, N)[:, :T]  # (nq, B, N, bq)
   return out, rows_of(m), rows_of(l)
 
@@ -359,47 +357,47 @@ def _forward(
 # --- the custom_vjp -----------------------------------------------------------
 
 
-@functools.partial(_orders.reverse_only, nondiff_argnums=(0,), who="implementation='blockwise'")
+@functools.partial(orders.reverse_only, nondiff_argnums=(0,), who="implementation='blockwise'")
 def _attention_vjp(
-  static: _tiling.Static,
+  static: tiling.Static,
   query: jax.Array,
   kv: KV,
   bias: jax.Array | None,
-  seed: _tiling.Seed | None,
-  rows: _tiling.Schedule,
-  cols: _tiling.Schedule,
+  seed: tiling.Seed | None,
+  rows: tiling.Schedule,
+  cols: tiling.Schedule,
   mask_consts: tuple[Any, ...],
   score_consts: tuple[Any, ...],
 ) -> tuple[jax.Array, jax.Array]:
   out, m, l = _forward(static, query, kv, bias, seed, rows, (mask_consts, score_consts))
-  return out, _common.log_sum_exp(m, l)
+  return out, common.log_sum_exp(m, l)
 
 
 def _attention_fwd(
-  static: _tiling.Static,
+  static: tiling.Static,
   query: jax.Array,
   kv: KV,
   bias: jax.Array | None,
-  seed: _tiling.Seed | None,
-  rows: _tiling.Schedule,
-  cols: _tiling.Schedule,
+  seed: tiling.Seed | None,
+  rows: tiling.Schedule,
+  cols: tiling.Schedule,
   mask_consts: tuple[Any, ...],
   score_consts: tuple[Any, ...],
 ) -> tuple[tuple[jax.Array, jax.Array], _Residuals]:
   out, m, l = _forward(static, query, kv, bias, seed, rows, (mask_consts, score_consts))
   residuals = (query, kv, bias, seed, rows, cols, mask_consts, score_consts, m, l)
-  return (out, _common.log_sum_exp(m, l)), residuals
+  return (out, common.log_sum_exp(m, l)), residuals
 
 
 def _attention_bwd(
-  static: _tiling.Static, residuals: _Residuals, cotangents: tuple[jax.Array, jax.Array]
+  static: tiling.Static, residuals: _Residuals, cotangents: tuple[jax.Array, jax.Array]
 ) -> tuple[Any, ...]:
   query, kv, bias, seed, rows, cols, mask_consts, score_consts, m, l = residuals
   d_out, d_lse = cotangents
-  backward = _orders.first_order(
+  backward = orders.first_order(
     functools.partial(_blockwise_backward.backward, static),
     "implementation='blockwise'",
-    _orders.TILE_LOOPS,
+    orders.TILE_LOOPS,
     forward=True,
   )
   d_query, d_kv, d_bias, d_mask, d_score = backward(
@@ -424,9 +422,9 @@ def _prepare(spec: CallSpec, blocks: tuple[int | None, int | None], backend: str
   return dataclasses.replace(spec, block_q=block_q, block_kv=block_kv)
 
 
-IMPLEMENTATION = _base.Implementation(
+IMPLEMENTATION = contract.Implementation(
   name="blockwise",
-  runs_on=_base.BACKENDS,
+  runs_on=contract.BACKENDS,
   backwards=BACKWARDS,
   masks="every mask (skips the tiles it empties)",
   run=attention,

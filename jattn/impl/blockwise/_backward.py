@@ -14,28 +14,28 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jattn.impl import _common, _kv, _tiling
-from jattn.impl._kv import KV
-from jattn.impl._tiling import Consts
+from jattn.impl import common, kv_tiles, tiling
+from jattn.impl.kv_tiles import KV
+from jattn.impl.tiling import Consts
 
 
 def _row_dots(
-  static: _tiling.Static,
+  static: tiling.Static,
   q_tiles: jax.Array,
   do_tiles: jax.Array,
-  tiles: _kv.Stacked | _kv.CacheTiles,
+  tiles: kv_tiles.Stacked | kv_tiles.CacheTiles,
   bias: jax.Array | None,
-  seed: _tiling.Seed | None,
+  seed: tiling.Seed | None,
   consts: Consts,
   m: jax.Array,
   l: jax.Array,
-  rows: _tiling.Schedule,
+  rows: tiling.Schedule,
   with_sums: bool,
 ) -> tuple[jax.Array, jax.Array | None]:
   """(rowsum(A ⊙ dA), rowsum(A) if ``with_sums`` else None) per row, each (nq, B, N, bq, 1):
   A recomputed from m and l, dA = dY Vᵀ."""
   dtype = m.dtype
-  keep_scale = _tiling.keep_scale(static, dtype)
+  keep_scale = tiling.keep_scale(static, dtype)
 
   def query_tile(
     i: jax.Array, q_tile: jax.Array, do_tile: jax.Array, m_i: jax.Array, l_i: jax.Array
@@ -43,11 +43,9 @@ def _row_dots(
     def body(
       j: jax.Array, acc: tuple[jax.Array, jax.Array | None], masked: bool
     ) -> tuple[jax.Array, jax.Array | None]:
-      tile = _tiling.tile(
-        static, q_tile, tiles.key_tile(j), bias, seed, consts, i, j, masked=masked
-      )
-      p = _common.normalized_exp(tile.s, m_i, l_i, tile.keep)
-      d_p = _tiling.d_probs(tile, do_tile, tiles.value_tile(j), keep_scale, dtype)
+      tile = tiling.tile(static, q_tile, tiles.key_tile(j), bias, seed, consts, i, j, masked=masked)
+      p = common.normalized_exp(tile.s, m_i, l_i, tile.keep)
+      d_p = tiling.d_probs(tile, do_tile, tiles.value_tile(j), keep_scale, dtype)
       dot, total = acc
       # An einsum rather than sum(p * d_p): XLA's CPU backend fused the latter's multiply and
       # the exp into the reduction and ran the pass 6x slower.
@@ -55,20 +53,20 @@ def _row_dots(
       return dot, None if total is None else total + jnp.sum(p, axis=-1, keepdims=True)
 
     zeros = jnp.zeros_like(m_i)  # (B, N, bq, 1)
-    return _tiling.visit(rows, i, body, (zeros, zeros if with_sums else None))
+    return tiling.visit(rows, i, body, (zeros, zeros if with_sums else None))
 
   tile_ids = jnp.arange(q_tiles.shape[0], dtype=jnp.int32)
   return jax.lax.map(lambda x: query_tile(*x), (tile_ids, q_tiles, do_tiles, m, l))
 
 
 def backward(
-  static: _tiling.Static,
+  static: tiling.Static,
   residuals: tuple[
     jax.Array,  # query
     KV,
     jax.Array | None,  # bias
-    _tiling.Seed | None,  # dropout seed words, and where they are drawn
-    _tiling.Schedule,  # cols
+    tiling.Seed | None,  # dropout seed words, and where they are drawn
+    tiling.Schedule,  # cols
     Consts,
     jax.Array | None,  # out: None with rows, where Δ takes a pass of its own
     jax.Array,  # m
@@ -76,10 +74,10 @@ def backward(
   ],
   d_out: jax.Array,
   d_lse: jax.Array,
-  rows: _tiling.Schedule | None = None,
+  rows: tiling.Schedule | None = None,
 ) -> tuple[
   jax.Array,
-  tuple[jax.Array, ...] | _kv.CacheTiles,
+  tuple[jax.Array, ...] | kv_tiles.CacheTiles,
   jax.Array | None,
   tuple[None, ...],
   tuple[jax.Array | None, ...],
@@ -91,21 +89,21 @@ def backward(
   mask_consts, score_consts = consts
   B, T, N, H = query.shape
   bq, bk = static.block_q, static.block_kv
-  tiles = _kv.source(kv, bk)
+  tiles = kv_tiles.source(kv, bk)
   K, Hv, v_dtype = tiles.heads
-  dtype = _common.stats_dtype(query.dtype)
-  keep_scale = _tiling.keep_scale(static, dtype)
+  dtype = common.stats_dtype(query.dtype)
+  keep_scale = tiling.keep_scale(static, dtype)
 
-  q_tiles = _tiling.query_tiles(_common.scaled_queries(query, static.scale), bq, K)
-  prescaled = _common.scales_queries(query.dtype)
+  q_tiles = tiling.query_tiles(common.scaled_queries(query, static.scale), bq, K)
+  prescaled = common.scales_queries(query.dtype)
   d_out = d_out.astype(dtype)
-  do_tiles = _tiling.query_tiles(d_out, bq, K)
-  m, l = _tiling.row_tiles(m, bq), _tiling.row_tiles(l, bq)
-  padded_bias = _tiling.pad_bias(bias, static)
+  do_tiles = tiling.query_tiles(d_out, bq, K)
+  m, l = tiling.row_tiles(m, bq), tiling.row_tiles(l, bq)
+  padded_bias = tiling.pad_bias(bias, static)
   if rows is None:
     # Δ = rowsum(dY ⊙ Y) − dlse = rowsum(A ⊙ dA) − dlse per row, from the output alone.
     assert out is not None, "without the query tiles' schedule, Δ comes from the output"
-    delta = _tiling.row_tiles(jnp.sum(d_out * out, axis=-1) - d_lse.astype(dtype), bq)
+    delta = tiling.row_tiles(jnp.sum(d_out * out, axis=-1) - d_lse.astype(dtype), bq)
   else:
     # Δ = rowsum(A ⊙ dA) summed over the very dA that dS = A ⊙ (dA − Δ) subtracts it from,
     # by one more pass over the tiles. In a saturated row (A one-hot) dA at the hot key and
@@ -135,10 +133,10 @@ def backward(
     )
     if narrow:
       assert row_sum is not None, "_row_dots sums the rows with_sums=narrow"
-      row_sum = _common.safe_total(row_sum)
+      row_sum = common.safe_total(row_sum)
       l = l * row_sum
       row_dot = row_dot / row_sum
-    delta = row_dot - _tiling.row_tiles(d_lse.astype(dtype), bq)
+    delta = row_dot - tiling.row_tiles(d_lse.astype(dtype), bq)
 
   # Only float constants (a learned table, ALiBi slopes) get gradients.
   is_float = [jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in score_consts]
@@ -159,31 +157,31 @@ def backward(
     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, tuple[jax.Array, ...]]:
       d_k, d_v, d_q, d_bias, d_consts = inner
       q_tile = q_tiles[i]
-      tile = _tiling.tile(
+      tile = tiling.tile(
         static, q_tile, k_tile, padded_bias, seed, consts, i, j, masked=masked, with_vjp=True
       )
-      p = _common.normalized_exp(tile.s, m[i], l[i], tile.keep)  # A, normalised
+      p = common.normalized_exp(tile.s, m[i], l[i], tile.keep)  # A, normalised
       p_used = p
       if tile.drop is not None:
         assert keep_scale is not None, "dropout's kept weights come with its scale"
         p_used = jnp.where(tile.drop, p * keep_scale, 0)
       do_tile = do_tiles[i]
-      d_v = d_v + jnp.einsum("BKrk,BKrH->BKHk", _tiling.stack_heads(p_used, K), do_tile)
-      d_p = _tiling.d_probs(tile, do_tile, v_tile, keep_scale, dtype)
+      d_v = d_v + jnp.einsum("BKrk,BKrH->BKHk", tiling.stack_heads(p_used, K), do_tile)
+      d_p = tiling.d_probs(tile, do_tile, v_tile, keep_scale, dtype)
       d_s = p * (d_p - delta[i])
       if tile.score_vjp is not None:
         d_s, *d_c = tile.score_vjp(d_s)
         d_c = [d for d, f in zip(d_c, is_float) if f]
         d_consts = tuple(a + b.astype(a.dtype) for a, b in zip(d_consts, d_c))
       if d_bias is not None:
-        start, size = _tiling.bias_window(d_bias, static, i, j)
-        part = _common.reduce_to_shape(d_s, size).astype(d_bias.dtype)
+        start, size = tiling.bias_window(d_bias, static, i, j)
+        part = common.reduce_to_shape(d_s, size).astype(d_bias.dtype)
         d_bias = jax.lax.dynamic_update_slice(
           d_bias, jax.lax.dynamic_slice(d_bias, start, size) + part, start
         )
       # dQ = scale · dS K and dK = scale · dSᵀ Q: with pre-scaled queries, dK needs no
       # product and dQ is scaled once at the end.
-      d_s = _tiling.stack_heads(d_s, K)
+      d_s = tiling.stack_heads(d_s, K)
       if not prescaled:
         d_s = d_s * jnp.asarray(static.scale, dtype)
       d_q = d_q.at[i].add(jnp.einsum("BKrk,BKkH->BKrH", d_s, k_tile.astype(dtype)))
@@ -193,9 +191,9 @@ def backward(
     # dK and dV accumulate transposed, (H, block_kv) per head: contracting the query rows
     # into that layout ran about 1.7x faster than into (block_kv, H) with XLA's CPU dot.
     kv_like: dict[str, Any] = dict(like=k_tile, axes=(0, 1, None, None))
-    zeros_k = _common.full((B, K, H, bk), 0, dtype, **kv_like)
-    zeros_v = _common.full((B, K, Hv, bk), 0, dtype, **kv_like)
-    d_k, d_v, d_q, d_bias, d_consts = _tiling.visit(
+    zeros_k = common.full((B, K, H, bk), 0, dtype, **kv_like)
+    zeros_v = common.full((B, K, Hv, bk), 0, dtype, **kv_like)
+    d_k, d_v, d_q, d_bias, d_consts = tiling.visit(
       cols, j, body, (zeros_k, zeros_v, d_q, d_bias, d_consts)
     )
     return (d_q, d_bias, d_consts), (d_k, d_v)
@@ -208,7 +206,7 @@ def backward(
   (d_q, d_bias, d_float), (d_k, d_v) = jax.lax.scan(
     kv_tile, init, jnp.arange(tiles.num_tiles, dtype=jnp.int32)
   )
-  d_query = _tiling.untile_queries(d_q, N, T)
+  d_query = tiling.untile_queries(d_q, N, T)
   if prescaled:
     d_query = d_query * jnp.asarray(static.scale, dtype)
   d_kv = tiles.cotangent(d_k, d_v)  # from (nk, B, K, H, bk) and (nk, B, K, Hv, bk)

@@ -10,7 +10,7 @@ tiles; dropout's pattern is regenerated from (rng, batch, head, q, kv) in each k
 every implementation draws it; a bias of any broadcastable shape is read tile by tile (its
 gradient, where asked for, through a (B, N, T, S) float32 buffer); rows with nothing to
 attend to give zeros and an lse of -inf. Inputs sharded over the batch and heads run per
-device (:func:`jattn.impl._sharded.per_shard`), the mask, score function and dropout on
+device (:func:`jattn.impl.sharded.per_shard`), the mask, score function and dropout on
 global indices; a sequence-parallel part (:mod:`jattn.parallel`) draws its dropout at the
 global positions its rows and columns stand for, a map traced into the kernels as masks are.
 
@@ -44,8 +44,8 @@ import jax.numpy as jnp
 
 from jattn import dropout as _dropout
 from jattn import testing
-from jattn.impl import _base, _common, _sharded, _tiling
-from jattn.impl._base import CallSpec
+from jattn.impl import common, contract, sharded, tiling
+from jattn.impl.contract import CallSpec
 from jattn.impl.flex import _backward as _flex_backward
 from jattn.impl.flex import _chunks
 from jattn.impl.flex import _hopper as _hopper
@@ -170,7 +170,7 @@ def _first_gpu_kind() -> str:
     return ""
 
 
-def _check(call: _base.Call) -> str | None:
+def _check(call: contract.Call) -> str | None:
   s = call.spec
   if reason := tiles_reason(s.block_q, s.block_kv):
     return reason
@@ -206,7 +206,7 @@ def _run(
 ) -> tuple[jax.Array, jax.Array]:
   # Each device runs the kernels on its batch rows and heads; the mask, score function and
   # dropout see the global indices there (spec.shard_offsets), so any of them splits.
-  return _sharded.per_shard(_attend, query, key, value, spec, global_index=True)
+  return sharded.per_shard(_attend, query, key, value, spec, global_index=True)
 
 
 def _attend(
@@ -239,7 +239,7 @@ def _attend(
 
   split_ds = SPLIT_DS.get(generation(_gpu_kind()), True)
 
-  def settings(row: Tiles, schedule: _tiling.Schedule) -> _kernels.Settings:
+  def settings(row: Tiles, schedule: tiling.Schedule) -> _kernels.Settings:
     return _kernels.Settings(
       scale=spec.scale,
       q_len=T,
@@ -251,7 +251,7 @@ def _attend(
       interpret=spec.interpret,
       dropout_rate=spec.dropout_rate,
       broadcast_dropout=spec.broadcast_dropout,
-      from_last=_tiling.heaviest_last(schedule),
+      from_last=tiling.heaviest_last(schedule),
       split_ds=split_ds,
     )
 
@@ -305,7 +305,7 @@ def _traces(spec: CallSpec, passes: Passes, s_dtype: Any) -> Traces | None:
     if spec.dropout_rate and spec.positions is not None:
       maps = spec.positions
       positions = _kernels.Function.trace(
-        lambda b, h, q, kv: _common.at_positions((b, h, q, kv), maps), *specs
+        lambda b, h, q, kv: common.at_positions((b, h, q, kv), maps), *specs
       )
     found[bq, bk] = (mask, score, positions)
   first = next(iter(found.values()))
@@ -336,7 +336,7 @@ def _grid_trace(
   return grid.jaxpr if same else None
 
 
-IMPLEMENTATION = _base.Implementation(
+IMPLEMENTATION = contract.Implementation(
   name="flex",
   runs_on=("gpu",),
   backwards=BACKWARDS,
@@ -363,7 +363,7 @@ HOPPER_OPT_IN = (
 )
 
 
-def _hopper_check(call: _base.Call) -> str | None:
+def _hopper_check(call: contract.Call) -> str | None:
   s = call.spec
   if s.interpret:
     if not _hopper.has_interpreter():
@@ -394,7 +394,7 @@ def _hopper_run(
 ) -> tuple[jax.Array, jax.Array]:
   # Mosaic GPU's interpreter runs on ordered callbacks, which a partitioning rule cannot
   # carry: interpreted (tests), the kernels run on the arrays as they come.
-  return _sharded.per_shard(
+  return sharded.per_shard(
     _hopper_attend, query, key, value, spec, global_index=True, auto=not spec.interpret
   )
 
@@ -420,7 +420,7 @@ def _hopper_attend(
   )
 
 
-HOPPER = _base.Implementation(
+HOPPER = contract.Implementation(
   name="flex_hopper",
   runs_on=("gpu",),
   backwards=BACKWARDS,

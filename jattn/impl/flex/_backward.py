@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from jattn.impl import _common, _orders, _tiling
+from jattn.impl import common, orders, tiling
 from jattn.impl.flex import _chunks
 from jattn.impl.flex._backward_kernels import backward
 from jattn.impl.flex._kernels import Function, Settings, forward, kernel_scalars, log_sum_exp
@@ -26,7 +26,7 @@ def attention(
   query: jax.Array,
   key: jax.Array,
   value: jax.Array,
-  schedules: tuple[_tiling.Schedule, _tiling.Schedule, _tiling.Schedule],
+  schedules: tuple[tiling.Schedule, tiling.Schedule, tiling.Schedule],
   mask: tuple[Function | None, ...],
   score: tuple[Function | None, ...],
   settings: tuple[Settings, Settings, Settings],
@@ -80,7 +80,7 @@ Jaxprs = tuple[tuple[Any, Any, Any], tuple[Any, Any, Any], tuple[Any, Any, Any],
 Passes = tuple[Settings, Settings, Settings]
 
 
-@functools.partial(_orders.reverse_only, nondiff_argnums=(0, 1), who=_WHO, rule=_orders.KERNEL_RULE)
+@functools.partial(orders.reverse_only, nondiff_argnums=(0, 1), who=_WHO, rule=orders.KERNEL_RULE)
 def _attention(
   jaxprs: Jaxprs,
   settings: Passes,
@@ -140,17 +140,17 @@ def _attention_fwd(
       "reads (it traces differently on the whole grid); use implementation='blockwise'"
     )
   wants_d_bias = bias is not None and bias.perturbed
-  query, key, value, bias, arrays = _common.primal_values((query, key, value, bias, arrays))
+  query, key, value, bias, arrays = common.primal_values((query, key, value, bias, arrays))
   # The output is kept unrounded (float32) for Δ = rowsum(O ⊙ dO): from a bfloat16 output,
   # its rounding survives the cancellation dP − Δ in a saturated row and is amplified by
   # scale·|k| in dQ (2-20x jax.nn's error measured: experiments/accuracy.py).
-  f = _common.stats_dtype(query.dtype)
+  f = common.stats_dtype(query.dtype)
   # A second derivative differentiates this forward pass too (for the residuals): refused
   # in jattn's words, as the backward's are, rather than by Pallas.
-  forward = _orders.first_order(
+  forward = orders.first_order(
     lambda *operands: _forward(jaxprs, settings, *operands, out_dtype=f),
     _WHO,
-    _orders.FUSED,
+    orders.FUSED,
     forward=False,
   )
   out, m, log_l = forward(query, key, value, bias, arrays)
@@ -163,9 +163,9 @@ def _attention_bwd(
   jaxprs: Jaxprs, settings: Passes, residuals: tuple[Any, ...], cotangents: Any
 ) -> tuple[Any, ...]:
   grads = functools.partial(_grads, jaxprs, settings)
-  cotangents = tuple(_common.materialized(c) for c in cotangents)
+  cotangents = tuple(common.materialized(c) for c in cotangents)
   # A second derivative would differentiate the kernels: refused in jattn's words.
-  return _orders.first_order(grads, _WHO, _orders.FUSED, forward=False)(residuals, cotangents)
+  return orders.first_order(grads, _WHO, orders.FUSED, forward=False)(residuals, cotangents)
 
 
 def _grads(
@@ -176,7 +176,7 @@ def _grads(
   d_out, d_lse = cotangents
   (_, rows, cols), mask_arrays, score_arrays, scalars, position_arrays = arrays
   # The lse's cotangent enters the scores' as Δ does: dS = P ⊙ (dP − Δ + d_lse).
-  f = _common.stats_dtype(query.dtype)
+  f = common.stats_dtype(query.dtype)
   # Rows with nothing to attend to (lse -inf) have P = 0 and no gradient, whatever their
   # lse's cotangent (cos(-inf) is NaN): it must not reach 0 · (dP − Δ).
   d_lse = jnp.where(jnp.isneginf(m), 0, d_lse.astype(f))
@@ -217,7 +217,7 @@ def _grads(
       d_score[i] = d.astype(score_arrays[i].dtype)
     d_arrays = (*d_arrays[:2], tuple(d_score), *d_arrays[3:])
   elif wants_d_bias is not None and ds is not None and bias is not None:
-    d_bias = _common.reduce_to_shape(ds, bias.shape)
+    d_bias = common.reduce_to_shape(ds, bias.shape)
   if bias is not None:
     d_bias = jnp.zeros_like(bias) if d_bias is None else d_bias.astype(bias.dtype)
   return dq, dk, dv, d_bias, d_arrays
@@ -244,7 +244,7 @@ def _score_grid_vjp(
   B, T, N, _ = query.shape
   S, K = key.shape[1], key.shape[2]
   C = grid_jaxpr.invars[-2].aval.shape[2]  # the q index's (1, 1, C, 1)
-  f = _common.stats_dtype(query.dtype)
+  f = common.stats_dtype(query.dtype)
   b0, n0 = (scalars[i].astype(jnp.int32) for i in (2, 3))  # the shard's first row and head
   batch = (jnp.arange(B, dtype=jnp.int32) + b0).reshape(B, 1, 1, 1)
   heads = (jnp.arange(N, dtype=jnp.int32) + n0).reshape(1, N, 1, 1)
@@ -254,7 +254,7 @@ def _score_grid_vjp(
   def chunk(first: Any) -> tuple[list[jax.Array], jax.Array | None]:
     rows = _chunks.at(query, 1, first, C)
     part = None if bias is None else _chunks.at(bias, 2, first, C)
-    s = _common.logits(_common.group_heads(rows, K), key, part, settings.scale)
+    s = common.logits(common.group_heads(rows, K), key, part, settings.scale)
     index = (batch, heads, (jnp.arange(C, dtype=jnp.int32) + first).reshape(1, 1, C, 1), keys)
 
     def score(s: jax.Array, *learned: jax.Array) -> jax.Array:
@@ -269,7 +269,7 @@ def _score_grid_vjp(
     d_bias = None
     if wants_d_bias:
       assert bias is not None
-      d_bias = _common.reduce_to_shape(d_raw, _chunks.bias_rows(bias.shape, C))
+      d_bias = common.reduce_to_shape(d_raw, _chunks.bias_rows(bias.shape, C))
     return d_chosen, d_bias
 
   learned = [jax.ShapeDtypeStruct(score_arrays[i].shape, f) for i in chosen]

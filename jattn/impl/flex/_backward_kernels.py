@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jattn.impl import _common, _tiling
+from jattn.impl import common, tiling
 from jattn.impl.flex._kernels import (
   Counts,
   Scorer,
@@ -57,8 +57,8 @@ def backward(
   d_out: jax.Array,
   row_stats: tuple[jax.Array, jax.Array],
   delta: jax.Array,
-  rows: _tiling.Schedule,
-  cols: _tiling.Schedule,
+  rows: tiling.Schedule,
+  cols: tiling.Schedule,
   scalars: jax.Array,
   mask_arrays: tuple[jax.Array, ...],
   score_arrays: tuple[jax.Array, ...],
@@ -79,7 +79,7 @@ def backward(
   B, T, N, H = query.shape
   S, K, Hv = key.shape[1], key.shape[2], value.shape[-1]
   G = N // K
-  f = _common.stats_dtype(query.dtype)
+  f = common.stats_dtype(query.dtype)
   dq_settings, dkv_settings = settings
   bq, bk = dq_settings.block_q, dkv_settings.block_kv  # dQ's query tiles, dK/dV's key tiles
   nq, nk = rows.order.shape[0], cols.order.shape[0]

@@ -2,7 +2,7 @@
 score function traced into its body.
 
 One program per (query tile, batch row, query head); it walks the key/value tiles of its
-query tile's row of the tile schedule (:func:`jattn.impl._tiling.schedule`: FULL tiles
+query tile's row of the tile schedule (:func:`jattn.impl.tiling.schedule`: FULL tiles
 first, with no mask arithmetic, then PARTIAL ones, masked; EMPTY tiles never loaded) with
 an online softmax in float32 (float64 for float64 inputs). The key/value head is
 ``n // G`` (GQA and MQA read K/V once, never repeated). The mask and score function run
@@ -41,7 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jattn import _checks
 from jattn import dropout as _dropout
-from jattn.impl import _common, _tiling
+from jattn.impl import common, tiling
 from jattn.impl.flex import _in_kernel as _in_kernel
 
 
@@ -89,7 +89,7 @@ class Settings(NamedTuple):
   interpret: bool
   dropout_rate: float = 0.0
   broadcast_dropout: bool = False  # one (T, S) pattern for every batch row and head
-  from_last: bool = False  # programs take their tiles last first (_tiling.heaviest_last)
+  from_last: bool = False  # programs take their tiles last first (tiling.heaviest_last)
   split_ds: bool = True  # dK sums dS as two narrow parts, hi + lo (flex.SPLIT_DS)
 
 
@@ -130,7 +130,7 @@ def forward(
   query: jax.Array,
   key: jax.Array,
   value: jax.Array,
-  rows: _tiling.Schedule,
+  rows: tiling.Schedule,
   mask: Function | None,
   score: Function | None,
   settings: Settings,
@@ -151,7 +151,7 @@ def forward(
   the seed needed when ``settings.dropout_rate`` > 0); ``bias`` (Bb, Nb, Tb, Sb), each axis 1 or
   the call's, added to the scaled scores before the score function; ``positions`` (traced at
   :func:`index_specs`, four outputs) the global (batch, head, q, kv) dropout is drawn at, for
-  a sequence-parallel part (:attr:`jattn.impl._base.CallSpec.positions`; None: the kernel's
+  a sequence-parallel part (:attr:`jattn.impl.contract.CallSpec.positions`; None: the kernel's
   own indices).
   """
   B, T, N, H = query.shape
@@ -201,7 +201,7 @@ def forward(
     ),
     out_shape=[
       jax.ShapeDtypeStruct((B, nq * bq, N, Hvp), out_dtype or query.dtype),
-      *[jax.ShapeDtypeStruct((B, N, nq * bq), _common.stats_dtype(query.dtype))] * 2,
+      *[jax.ShapeDtypeStruct((B, N, nq * bq), common.stats_dtype(query.dtype))] * 2,
     ],
     compiler_params=plgpu.CompilerParams(
       num_warps=settings.num_warps, num_stages=settings.num_stages
@@ -276,7 +276,7 @@ class Scorer(NamedTuple):
     or ``derivative``). A plain tile is one multiply of ``q kᵀ`` by ``scale · log2(e)``.
     ``batch`` and ``head`` are (1, 1, 1, 1) int32, ``q_idx`` (bq,), ``kv_idx`` (bk,);
     ``bias`` the tile's bias, (bq or 1, bk or 1)."""
-    s = jnp.dot(q, k.T, preferred_element_type=_common.stats_dtype(q.dtype))
+    s = jnp.dot(q, k.T, preferred_element_type=common.stats_dtype(q.dtype))
     return self.of_products(s, q_idx, kv_idx, batch, head, masked, derivative, bias)
 
   def transposed(
@@ -296,7 +296,7 @@ class Scorer(NamedTuple):
     padding read in that orientation and only the mask function's values transposed (on
     PARTIAL tiles); with a bias or a score function the products are transposed to the
     call's orientation, where those act, and back."""
-    f = _common.stats_dtype(q.dtype)
+    f = common.stats_dtype(q.dtype)
     s_t = jnp.dot(k, q.T, preferred_element_type=f)
     if bias is None and self.jaxprs[1] is None:
       t_t = s_t * jnp.asarray(self.settings.scale * LOG2_E, f)
@@ -451,7 +451,7 @@ def _forward_kernel(
   i = tile_of(pl.program_id(0), order_ref.shape[0], settings.from_last)
   b, n = pl.program_id(1), pl.program_id(2)
   q = q_ref[...]
-  f = _common.stats_dtype(q.dtype)
+  f = common.stats_dtype(q.dtype)
   q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)
   batch, head = global_index(scalars_ref, b, n)
 
@@ -497,7 +497,7 @@ def whole_specs(arrays: Sequence[jax.Array]) -> list[pl.BlockSpec]:
   return [pl.BlockSpec(a.shape, functools.partial(_origin, a.ndim)) for a in arrays]
 
 
-def schedule_specs(schedule: _tiling.Schedule) -> list[pl.BlockSpec]:
+def schedule_specs(schedule: tiling.Schedule) -> list[pl.BlockSpec]:
   """A tile schedule's three arrays and :func:`kernel_scalars`, whole in every program (the
   kernels' inputs after the tiles they walk)."""
   return [
@@ -528,10 +528,10 @@ def pad_to(x: jax.Array, length: int, width: int) -> jax.Array:
 
 def schedules(
   mask: Any, B: int, N: int, T: int, S: int, block_q: int, block_kv: int
-) -> tuple[_tiling.Schedule, _tiling.Schedule]:
+) -> tuple[tiling.Schedule, tiling.Schedule]:
   """``(rows, cols)``: per query tile its key/value tiles, and per key/value tile its query
   tiles, FULL first, then PARTIAL (blockwise's schedules). NumPy arrays where the mask is
-  known when traced (so :func:`jattn.impl._tiling.heaviest_last` can read them; the kernels
+  known when traced (so :func:`jattn.impl.tiling.heaviest_last` can read them; the kernels
   take them as constants), else traced."""
-  view = _tiling.tile_classes(mask, B, N, T, S, block_q, block_kv)
-  return _tiling.schedule(view), _tiling.schedule(view.T)
+  view = tiling.tile_classes(mask, B, N, T, S, block_q, block_kv)
+  return tiling.schedule(view), tiling.schedule(view.T)

@@ -29,7 +29,7 @@ from jax.extend import core as jex_core
 
 from jattn import _checks, _compat
 from jattn.impl.flex import _kernels as _kernels
-from jattn.masks import _core as masks_core
+from jattn.masks import core as masks_core
 
 # Primitives with a rule in Pallas' Triton lowering (jax/_src/pallas/triton/lowering.py) in
 # every JAX release jattn supports, from 0.10 to the newest, that has them: closed_call is

@@ -32,7 +32,7 @@ differentiate; a ``custom_vjp`` here differentiates the output through the kerne
 backward and the log-sum-exp through two identities: d lse / d q = softmax · K (one more
 forward with the keys as values) and d lse / d K = the value-gradient of that forward.
 
-:mod:`jattn.impl.splash._masks` analyses and builds the masks; this module's table row
+:mod:`jattn.impl.splash.static_masks` analyses and builds the masks; this module's table row
 (:data:`IMPLEMENTATION`) says what splash cannot express. Nothing here validates
 arguments.
 """
@@ -48,10 +48,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.impl import _base, _orders, _sharded
-from jattn.impl._base import CallSpec
-from jattn.impl.splash import _masks as _splash_masks
-from jattn.masks import _core, kinds
+from jattn.impl import contract, orders, sharded
+from jattn.impl.contract import CallSpec
+from jattn.impl.splash import static_masks
+from jattn.masks import core, kinds
 from jattn.scores import ScoreFn, SoftCap
 
 __all__ = [
@@ -96,7 +96,7 @@ def blocks_reason(block_q: int, block_kv: int) -> str | None:
 
 
 def _segment_ids(
-  dynamic: Sequence[_core.Mask], B: int, T: int, S: int, Tp: int, Sp: int
+  dynamic: Sequence[core.Mask], B: int, T: int, S: int, Tp: int, Sp: int
 ) -> tuple[jax.Array, jax.Array] | None:
   """(q ids (B, Tp), kv ids (B, Sp)) int32 carrying segments, lengths and padding; None when
   nothing needs them. Real ids are renumbered 0, 1, ... (:func:`_dense`); a position that
@@ -155,14 +155,14 @@ def attention(
   Reads the masks (``spec.static_mask`` and ``spec.mask``, see :func:`split`), the soft
   cap, the scale, the tiles and ``interpret`` from ``spec``.
   """
-  kernel_lib, _ = _splash_masks.splash_modules()
+  kernel_lib, _ = static_masks.splash_modules()
   B, T, S, N, K = spec.B, spec.T, spec.S, spec.N, spec.K
   bq, bkv = spec.block_q, spec.block_kv
   assert bq is not None and bkv is not None, "tiles are set by _prepare"
   Tp, Sp = _round_up(T, bq), _round_up(S, bkv)
-  dynamic = _core.conjuncts(spec.mask)  # segments and lengths (see split)
+  dynamic = core.conjuncts(spec.mask)  # segments and lengths (see split)
   static = [] if spec.static_mask is None else list(spec.static_mask.parts)
-  mask = _splash_masks.splash_mask(static, N, T, S, (Tp, Sp))
+  mask = static_masks.splash_mask(static, N, T, S, (Tp, Sp))
   blocks = kernel_lib.BlockSizes(
     block_q=bq,
     block_kv=bkv,
@@ -227,7 +227,7 @@ def attention(
     run_plain, run_residual = functools.partial(run, False), functools.partial(run, True)
     out, lse = _with_lse(run_plain, run_residual, q, k, v, ids, sinks)
   else:
-    plain = _orders.reverse_once(functools.partial(run, False), _WHO, _orders.FUSED)
+    plain = orders.reverse_once(functools.partial(run, False), _WHO, orders.FUSED)
     out, lse = plain(q, k, v, ids, sinks), None
   out = out[:, :, :T].transpose(0, 2, 1, 3)
   if lse is None:
@@ -260,7 +260,7 @@ def _with_lse(
   """``run_residual(q, k, v, ids, sinks) -> (out, (lse,))`` made differentiable in both
   outputs."""
 
-  @functools.partial(_orders.reverse_only, who=_WHO, rule=_orders.KERNEL_RULE)
+  @functools.partial(orders.reverse_only, who=_WHO, rule=orders.KERNEL_RULE)
   def f(
     q: jax.Array, k: jax.Array, v: jax.Array, ids: _Ids, sinks: jax.Array
   ) -> tuple[jax.Array, jax.Array]:
@@ -274,7 +274,7 @@ def _with_lse(
     return (out, lse), (q, k, v, ids, sinks, lse)
 
   def bwd(res: _LseResiduals, cotangents: tuple[jax.Array, jax.Array]) -> Any:
-    return _orders.first_order(grads, _WHO, _orders.FUSED, forward=False)(res, cotangents)
+    return orders.first_order(grads, _WHO, orders.FUSED, forward=False)(res, cotangents)
 
   def grads(
     res: _LseResiduals, cotangents: tuple[jax.Array, jax.Array]
@@ -301,9 +301,9 @@ def _with_lse(
 # --- the table's row ---------------------------------------------------------------
 
 
-def _check(call: _base.Call) -> str | None:
+def _check(call: contract.Call) -> str | None:
   s = call.spec
-  if reason := _splash_masks.mask_reason(s.mask):
+  if reason := static_masks.mask_reason(s.mask):
     return reason
   if s.return_residual and s.score_fn is not None:
     return (
@@ -318,7 +318,7 @@ def _check(call: _base.Call) -> str | None:
 def _prepare(spec: CallSpec, blocks: tuple[int | None, int | None], backend: str) -> CallSpec:
   del backend  # splash's tiles depend on the lengths alone
   block_q, block_kv = resolve_blocks(blocks[0], blocks[1], spec.T, spec.S)
-  static_mask, rest = _splash_masks.split(spec.mask)
+  static_mask, rest = static_masks.split(spec.mask)
   return dataclasses.replace(
     spec, mask=rest, static_mask=static_mask, block_q=block_q, block_kv=block_kv
   )
@@ -327,11 +327,11 @@ def _prepare(spec: CallSpec, blocks: tuple[int | None, int | None], backend: str
 def _run(
   query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
 ) -> tuple[jax.Array, jax.Array]:
-  whole = _splash_masks.varies_by_head(spec)
-  return _sharded.per_shard(attention, query, key, value, spec, heads_whole=whole)
+  whole = static_masks.varies_by_head(spec)
+  return sharded.per_shard(attention, query, key, value, spec, heads_whole=whole)
 
 
-IMPLEMENTATION = _base.Implementation(
+IMPLEMENTATION = contract.Implementation(
   name="splash",
   runs_on=("tpu",),
   backwards=BACKWARDS,

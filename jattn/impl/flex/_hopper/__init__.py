@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn import masks as _masks
-from jattn.impl import _common, _orders
+from jattn.impl import common, orders
 from jattn.impl.flex._hopper import _backward, _call, _forward, _grid, _padding
 from jattn.impl.flex._hopper._call import mask_reason as mask_reason
 from jattn.impl.flex._hopper._call import score_reason as score_reason
@@ -123,7 +123,7 @@ def forward(
   batch size and query heads; the mask and score function see global indices, and read
   their arrays (whole on each device) there, the tile schedule covers every row and head.
   ``positions``: a sequence-parallel part's maps to the global (batch, head, query, key)
-  positions its dropout is drawn at (:attr:`jattn.impl._base.CallSpec.positions`).
+  positions its dropout is drawn at (:attr:`jattn.impl.contract.CallSpec.positions`).
   Lengths and head dims off the kernels' tiles run padded (:mod:`_padding`), the padding
   masked and cut."""
   options = dict(
@@ -190,7 +190,7 @@ def attention(
   # The arrays the mask and score function read (traced arrays among them) are the
   # custom_vjp's inputs, not its closure. Forward mode, and a second derivative (which would
   # differentiate the kernels), are refused in jattn's words, not Pallas'.
-  @functools.partial(_orders.reverse_only, who=_WHO, rule=_orders.KERNEL_RULE)
+  @functools.partial(orders.reverse_only, who=_WHO, rule=orders.KERNEL_RULE)
   def attend(q: jax.Array, k: jax.Array, v: jax.Array, arrays: _call.Arrays) -> Any:
     out, lse2 = run(q, k, v, arrays, static)
     return out, natural(lse2)
@@ -203,21 +203,21 @@ def attention(
       () if a.perturbed and jnp.issubdtype(a.value.dtype, jnp.floating) else None
       for a in (*arrays.score, *arrays.bias)
     )
-    q, k, v, arrays = _common.primal_values((q, k, v, arrays))
+    q, k, v, arrays = common.primal_values((q, k, v, arrays))
     # The output kept unrounded (float32) for Δ = rowsum(O ⊙ dO): from a 16-bit output its
     # rounding survives the cancellation dP − Δ in a saturated row, amplified in dQ and dK.
-    forward = _orders.first_order(
+    forward = orders.first_order(
       lambda q, k, v, arrays: run(q, k, v, arrays, static, jnp.float32),
       _WHO,
-      _orders.FUSED,
+      orders.FUSED,
       forward=False,
     )
     out, lse2 = forward(q, k, v, arrays)
     return (out.astype(q.dtype), natural(lse2)), (q, k, v, out, lse2, arrays, learned)
 
   def bwd(res: Any, cotangents: Any) -> Any:
-    cotangents = tuple(_common.materialized(c) for c in cotangents)
-    return _orders.first_order(grads, _WHO, _orders.FUSED, forward=False)(res, cotangents)
+    cotangents = tuple(common.materialized(c) for c in cotangents)
+    return orders.first_order(grads, _WHO, orders.FUSED, forward=False)(res, cotangents)
 
   def grads(res: Any, cotangents: Any) -> Any:
     q, k, v, out, lse2, arrays, learned = res

@@ -16,12 +16,12 @@ from jax.experimental import pallas as pl
 
 from jattn import dropout as _dropout
 from jattn import masks as _masks
-from jattn.impl import _common, _tiling
+from jattn.impl import common, tiling
 from jattn.impl.flex import _in_kernel as _in_kernel
 from jattn.impl.flex import _kernels as _kernels
 from jattn.impl.flex._hopper import _mosaic
 from jattn.impl.flex._hopper._mosaic import ROWS
-from jattn.masks import _core as _masks_core
+from jattn.masks import core as masks_core
 
 
 class Functions(NamedTuple):
@@ -87,7 +87,7 @@ class Static(NamedTuple):
   specialized: bool = False  # warp-specialised kernels (128-row blocks)
   # Whether the forward's, dQ's and dK/dV's programs take their tiles last first: where a
   # schedule's rows grow heavier along its axis (causal query tiles), the longest launch
-  # first (_tiling.heaviest_last, as flex's Triton kernels order theirs).
+  # first (tiling.heaviest_last, as flex's Triton kernels order theirs).
   from_last: tuple[bool, bool, bool] = (False, False, False)
 
 
@@ -264,7 +264,7 @@ def prepare(
   kernels take it: the forward's tile schedule (and the backward's, where ``backward``), the
   segment ids, the dense mask, the bias, the dropout seed, and the mask and score function
   traced at the kernels' tile shapes with the arrays they read; for a sequence-parallel
-  part's dropout, ``positions`` (:attr:`jattn.impl._base.CallSpec.positions`) traced the
+  part's dropout, ``positions`` (:attr:`jattn.impl.contract.CallSpec.positions`) traced the
   same way."""
   check_inputs(
     query, key, value, is_causal=is_causal, mask=mask, score_fn=score_fn, block_kv=block_kv,
@@ -304,7 +304,7 @@ def prepare(
     mask_fns, score_fns, len(mask_arrays), len(score_arrays), slopes, position_fns,
     len(position_arrays),
   )  # fmt: skip
-  last = lambda s: bool(s) and _tiling.heaviest_last(_tiling.Schedule(*s))
+  last = lambda s: bool(s) and tiling.heaviest_last(tiling.Schedule(*s))
   static = Static(
     float(scale), block_kv, stages, interpret, full is not None, functions, rate,
     bool(broadcast_dropout) and rate > 0, bias is not None, bool(dense),
@@ -335,7 +335,7 @@ def smem_reason(
   memory (:func:`shared_memory`), or None."""
   item = jnp.dtype(dtype).itemsize
   bias_item = 0 if bias_dtype is None else jnp.dtype(bias_dtype).itemsize
-  dense = any(isinstance(p, _masks.kinds.FromArray) for p in _masks_core.conjuncts(mask))
+  dense = any(isinstance(p, _masks.kinds.FromArray) for p in masks_core.conjuncts(mask))
   dims = (H, H if Hv is None else Hv)
   for kernel, n in shared_memory(dims, item, block_kv, stages, backward, bias_item, dense).items():
     if n > _mosaic.SMEM_BYTES:
@@ -387,7 +387,7 @@ def _at_positions(maps: Any) -> Any:
   """``(b, h, q, kv) -> the global positions maps (CallSpec.positions) take them to``."""
 
   def at(*idx: Any) -> tuple[Any, ...]:
-    return _common.at_positions(idx, maps)
+    return common.at_positions(idx, maps)
 
   return at
 
@@ -509,7 +509,7 @@ def mask_reason(mask: Any, lengths: tuple[int, int] | None = None) -> str | None
   maps, per-position flags; as long as the axis, of ``lengths`` (T, S) where known), and'ed
   with at most one set of segment ids and one dense boolean mask (which each program reads
   tile by tile)."""
-  parts = _masks_core.conjuncts(mask)
+  parts = masks_core.conjuncts(mask)
   for kind in _TILED:
     if sum(isinstance(p, kind) for p in parts) > 1:
       return f"one {kind.__name__} mask at most, {mask} has several"
@@ -543,7 +543,7 @@ _TILED = (_masks.kinds.Segments, _masks.kinds.FromArray)
 def _split_ids(mask: Any) -> tuple[Any, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
   """``mask`` (checked by :func:`mask_reason`) as (its other conjuncts, the segment ids it
   reads: query (Bm, T) and key (Bm, S) int32, or (); its dense mask, rank 4, or ())."""
-  parts = _masks_core.conjuncts(mask)
+  parts = masks_core.conjuncts(mask)
   ids: tuple[jax.Array, ...] = ()
   dense: tuple[jax.Array, ...] = ()
   rest = []
@@ -569,7 +569,7 @@ def _schedules(
   block: int,
   rows: int = ROWS,
   batch_heads: tuple[int, int] | None = None,
-) -> tuple[Any, _tiling.Schedule, _tiling.Schedule]:
+) -> tuple[Any, tiling.Schedule, tiling.Schedule]:
   """The mask and'ed with causal, and its (rows, columns) schedules at ``rows x block``,
   over the whole call's batch rows and heads (``batch_heads``; default the query's): one
   schedule every program walks, whichever device it runs on."""
@@ -578,5 +578,5 @@ def _schedules(
   S = key.shape[1]
   if is_causal:
     mask = _masks.causal() if mask is None else _masks.causal() & mask
-  view = _tiling.tile_classes(mask, B, N, T, S, rows, block)
-  return mask, _tiling.schedule(view), _tiling.schedule(view.T)
+  view = tiling.tile_classes(mask, B, N, T, S, rows, block)
+  return mask, tiling.schedule(view), tiling.schedule(view.T)

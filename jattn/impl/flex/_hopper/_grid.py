@@ -16,7 +16,7 @@ from jax.extend import core as jex_core
 
 from jattn import dropout as _dropout
 from jattn import masks as _masks
-from jattn.impl import _common
+from jattn.impl import common
 from jattn.impl.flex import _chunks
 from jattn.impl.flex._hopper import _call
 from jattn.impl.flex._hopper._mosaic import LOG2E, ROWS
@@ -179,7 +179,7 @@ def grid_grads(
     d_bias = None
     if wants_bias:
       assert bias is not None
-      d_bias = _common.reduce_to_shape(d_x, _chunks.bias_rows(bias.shape, C))
+      d_bias = common.reduce_to_shape(d_x, _chunks.bias_rows(bias.shape, C))
     return d_learned, d_bias
 
   learned = [jax.ShapeDtypeStruct(arrays.score[i].shape, f) for i in chosen]

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jattn import masks as _masks
 from jattn.impl.flex import _kernels
-from jattn.masks import _core as _masks_core
+from jattn.masks import core as masks_core
 
 HEAD = 64  # the head dims' multiple
 
@@ -53,7 +53,7 @@ def paddable(mask: Any) -> bool:
   """Whether a call with ``mask`` can be padded: its conjuncts other than segment ids and
   a dense mask fix no query or key length (they are functions of the indices, or read
   arrays at the batch row and head)."""
-  for part in _masks_core.conjuncts(mask):
+  for part in masks_core.conjuncts(mask):
     if isinstance(part, (_masks.kinds.Segments, _masks.kinds.FromArray)):
       continue
     if any(n is not None for n in part.extents[2:]):
@@ -91,7 +91,7 @@ def _lengths(T: int, S: int, Tp: int, Sp: int, **options: Any) -> dict[str, Any]
   """``options`` with the mask, bias and position maps padded from T and S to Tp and Sp."""
   mask, bias, positions = options["mask"], options["bias"], options["positions"]
   parts = []
-  for part in _masks_core.conjuncts(mask):
+  for part in masks_core.conjuncts(mask):
     if isinstance(part, _masks.kinds.Segments):
       q_ids, kv_ids = (jnp.asarray(x, jnp.int32) for x in (part.q_segment_ids, part.kv_segment_ids))
       # Padded rows and keys in documents of their own (the key padding is masked anyway)

@@ -8,7 +8,7 @@ per-tile gradients back to ``tiles.cotangent``. Two sources:
 * :class:`CacheTiles`: the keys and values a :mod:`jattn.decode` cache holds, read
   only when a tile is visited. The cache is either dense, (B, S, K, H) per row, or
   paged, (P, page_size, K, H) pages with a page table (B, M) naming each row's
-  pages in order; its storage may be quantized (:mod:`jattn._quant`), with one
+  pages in order; its storage may be quantized (:mod:`jattn.impl.quant`), with one
   float32 scale per (token, head). Tile ``j`` of row ``b`` covers the row's slots
   ``[j · block, (j + 1) · block)``: for a paged cache, ``block // page_size`` of
   its pages, gathered and dequantized for that tile alone. Slots at or past the
@@ -28,7 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import _compat
-from jattn.impl import _common, _quant, _tiling
+from jattn.impl import common, quant, tiling
+
+__all__ = ["Stacked", "untile", "stacked", "CacheTiles", "KV", "source"]
 
 
 class Stacked(NamedTuple):
@@ -65,7 +67,7 @@ def untile(d: jax.Array) -> jax.Array:
 
 
 def stacked(key: jax.Array, value: jax.Array, block: int) -> Stacked:
-  return Stacked(_tiling.seq_tiles(key, block), _tiling.seq_tiles(value, block), key.shape[1])
+  return Stacked(tiling.seq_tiles(key, block), tiling.seq_tiles(value, block), key.shape[1])
 
 
 @functools.partial(
@@ -137,7 +139,7 @@ class CacheTiles:
       x = jnp.take(store, slots, axis=1, mode="clip")
       if scale is not None:
         scale = jnp.take(scale, slots, axis=1, mode="clip")
-    x = x.astype(self.dtype) if scale is None else _quant.dequantize(x, scale, self.dtype)
+    x = x.astype(self.dtype) if scale is None else quant.dequantize(x, scale, self.dtype)
     written = slots[None, :] < self.lengths[:, None]
     x = jnp.where(written[:, :, None, None], x, jnp.zeros((), self.dtype))
     return x.transpose(0, 2, 1, 3)
@@ -154,7 +156,7 @@ class CacheTiles:
     useful derivative), the scales, the page table and the lengths."""
 
     def back(store: jax.Array, d: jax.Array) -> jax.Array | None:
-      if _quant.is_quantized(store.dtype):
+      if quant.is_quantized(store.dtype):
         return None
       d = untile(d)  # (B, slots, K, h)
       if not self.paged:
@@ -185,11 +187,11 @@ def _gather_pages(store: jax.Array, pages: jax.Array) -> jax.Array:
   In Explicit mode the result is sharded as the page ids' rows and the pool's trailing
   dimensions (heads) are, which JAX's gather cannot infer on its own; each device gathers
   its own rows' pages from its share of the pool's heads."""
-  spec = (*_common.sharding_spec(pages), *_common.sharding_spec(store)[1:])
+  spec = (*common.sharding_spec(pages), *common.sharding_spec(store)[1:])
   if not any(spec):
     return store[pages]
-  src = pages if any(_common.sharding_spec(pages)) else store
-  return store.at[pages].get(out_sharding=_common.sharded_as(spec, mesh_of=src))
+  src = pages if any(common.sharding_spec(pages)) else store
+  return store.at[pages].get(out_sharding=common.sharded_as(spec, mesh_of=src))
 
 
 def source(kv: CacheTiles | tuple[jax.Array, jax.Array], block: int) -> Stacked | CacheTiles:

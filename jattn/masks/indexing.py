@@ -23,6 +23,24 @@ from jax.typing import ArrayLike
 
 from jattn import _checks
 
+__all__ = [
+  "Extents",
+  "NO_EXTENTS",
+  "checked_maps",
+  "through_maps",
+  "index_array",
+  "merge_extents",
+  "fixed",
+  "array_extents",
+  "batch_size",
+  "shared_batch",
+  "as_rank",
+  "at_batch",
+  "batch_index",
+  "take",
+  "shape_str",
+]
+
 Extents = tuple  # (B, N, T, S), each an int or None when the mask does not fix it.
 
 NO_EXTENTS: Extents = (None, None, None, None)

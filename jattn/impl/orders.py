@@ -39,6 +39,17 @@ from jax.interpreters import ad, batching, mlir
 
 from jattn import _compat
 
+__all__ = [
+  "TILE_LOOPS",
+  "FUSED",
+  "WAY_OUT",
+  "first_order",
+  "KERNEL_RULE",
+  "FORWARD_WAY_OUT",
+  "reverse_only",
+  "reverse_once",
+]
+
 TILE_LOOPS = "loops over as many tiles as the mask leaves (lax.while_loop)"
 FUSED = "is a fused kernel"
 WAY_OUT = (

@@ -22,8 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import _checks, _compat
-from jattn.masks import _indexing, tiles
-from jattn.masks._indexing import Extents
+from jattn.masks import indexing, tiles
+from jattn.masks.indexing import Extents
+
+__all__ = ["Grid", "STATIC", "index_grid", "Mask", "all_of", "conjuncts", "And", "Or", "Not"]
 
 Grid = tuple[jax.Array, ...]
 """``(batch, head, q_idx, kv_idx)``: int32 index arrays that broadcast to (B, N, T, S)."""
@@ -48,7 +50,7 @@ def index_grid(batch_size: int, num_heads: int, q_len: int, kv_len: int) -> Grid
     )
   )
   return tuple(
-    _indexing.index_array(np.arange(n), axis)
+    indexing.index_array(np.arange(n), axis)
     for axis, n in enumerate((batch_size, num_heads, q_len, kv_len))
   )
 
@@ -95,7 +97,7 @@ class Mask:
   @property
   def extents(self) -> Extents:
     """(B, N, T, S) fixed by the mask's arrays; None where the mask broadcasts."""
-    return _indexing.NO_EXTENTS
+    return indexing.NO_EXTENTS
 
   @property
   def children(self) -> tuple:
@@ -253,9 +255,9 @@ def conjuncts(mask: Mask | None) -> list[Mask]:
 
 
 def _combined_extents(*masks: Mask) -> Extents:
-  out = _indexing.NO_EXTENTS
+  out = indexing.NO_EXTENTS
   for mask in masks:
-    out = _indexing.merge_extents(out, mask.extents, "a combined mask")
+    out = indexing.merge_extents(out, mask.extents, "a combined mask")
   return out
 
 

@@ -41,8 +41,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jattn import _compat
-from jattn.impl import _common, _orders
-from jattn.impl._base import CallSpec
+from jattn.impl import common, orders
+from jattn.impl.contract import CallSpec
+
+__all__ = ["MeshAxes", "Attend", "Mesh", "sequence_axes", "per_shard", "axis_names"]
 
 MeshAxes = str | tuple[str, ...] | None
 """One entry of a PartitionSpec: a mesh axis, several, or None (not sharded)."""
@@ -54,10 +56,10 @@ Mesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
 
 def _size(mesh: Mesh, axes: MeshAxes) -> int:
-  return math.prod(mesh.shape[a] for a in _names(axes))
+  return math.prod(mesh.shape[a] for a in axis_names(axes))
 
 
-_dims = _common.sharding_spec  # the mesh axes of each dimension (Explicit mode), else Nones
+_dims = common.sharding_spec  # the mesh axes of each dimension (Explicit mode), else Nones
 
 
 def sequence_axes(query: jax.Array | np.ndarray, key: jax.Array | np.ndarray) -> tuple | None:
@@ -145,7 +147,7 @@ def _head_axes(mesh: Mesh, n: MeshAxes, N: int, K: int, heads_whole: bool) -> Me
   return n
 
 
-def _names(axes: MeshAxes) -> tuple[str, ...]:
+def axis_names(axes: MeshAxes) -> tuple[str, ...]:
   """The mesh axis names of one PartitionSpec entry."""
   return () if axes is None else axes if isinstance(axes, tuple) else (axes,)
 
@@ -267,7 +269,7 @@ def _partitioned(
   rules = (B, N, K, heads_whole, global_index)
   forward = _rule(local, ("q", "k", "v", *roles), ("out", "lse"), rules)
   who = f"implementation={spec.implementation!r}"
-  only_forward = _orders.first_order(forward, who, _orders.FUSED, forward=False)
+  only_forward = orders.first_order(forward, who, orders.FUSED, forward=False)
 
   def only_backward(wanted: tuple[int, ...]) -> Callable[..., Any]:
     backward = _rule(
@@ -276,19 +278,19 @@ def _partitioned(
       ("q", "k", "v", *(roles[i] for i in wanted)),
       rules,
     )
-    return _orders.first_order(backward, who, _orders.FUSED, forward=False)
+    return orders.first_order(backward, who, orders.FUSED, forward=False)
 
   # The floating leaves the caller differentiates (symbolic zeros tell), as () where it does
   # and None where not: a static fact carried in the residuals' tree structure.
   Residuals = tuple[jax.Array, jax.Array, jax.Array, list[Any], tuple[Any, ...]]
 
-  @functools.partial(_orders.reverse_only, who=who, rule=_orders.KERNEL_RULE)
+  @functools.partial(orders.reverse_only, who=who, rule=orders.KERNEL_RULE)
   def run(q: jax.Array, k: jax.Array, v: jax.Array, leaves: list[Any]) -> Any:
     return forward(q, k, v, *leaves)
 
   def run_fwd(q: Any, k: Any, v: Any, leaves: list[Any]) -> tuple[Any, Residuals]:
     flags = tuple(() if leaves[i].perturbed else None for i in floats)
-    q, k, v, leaves = _common.primal_values((q, k, v, leaves))
+    q, k, v, leaves = common.primal_values((q, k, v, leaves))
     return only_forward(q, k, v, *leaves), (q, k, v, leaves, flags)
 
   def run_bwd(
@@ -296,7 +298,7 @@ def _partitioned(
   ) -> tuple[jax.Array, jax.Array, jax.Array, list[Any]]:
     q, k, v, leaves, flags = residuals
     wanted = tuple(i for i, flag in zip(floats, flags) if flag is not None)
-    d_out, d_lse = (_common.materialized(c) for c in cotangents)
+    d_out, d_lse = (common.materialized(c) for c in cotangents)
     dq, dk, dv, *d_chosen = only_backward(wanted)(q, k, v, *leaves, d_out, d_lse)
     d_leaves: list = [None] * len(leaves)
     for i, d in zip(wanted, d_chosen):
@@ -427,9 +429,9 @@ def _define(
     # head with K == 1; a bias broadcast over the batch or heads; a score function's
     # table) is a gradient each device computes from its own rows and heads only: add up
     # the devices' shares over those axes.
-    split = [a for axes_ in (b, n) for a in _names(axes_)]
+    split = [a for axes_ in (b, n) for a in axis_names(axes_)]
     summed = [
-      tuple(a for a in split if a not in {x for e in spec.spec for x in _names(e)})
+      tuple(a for a in split if a not in {x for e in spec.spec for x in axis_names(e)})
       for spec in out_specs
     ]
 

@@ -17,8 +17,39 @@ from jax.extend import core as jex_core
 from jax.typing import ArrayLike, DTypeLike
 
 from jattn import _compat
-from jattn.impl._base import CallSpec
-from jattn.masks import _indexing
+from jattn.impl.contract import CallSpec
+from jattn.masks import indexing
+
+__all__ = [
+  "stats_dtype",
+  "compute_dtype",
+  "scales_queries",
+  "scaled_queries",
+  "group_heads",
+  "ungroup_heads",
+  "logits",
+  "probs_times_values",
+  "unnormalized_softmax",
+  "softmax",
+  "sharding_spec",
+  "sharded_as",
+  "reshard",
+  "full",
+  "varying_as",
+  "at_positions",
+  "row_max",
+  "normalized_exp",
+  "safe_total",
+  "log_sum_exp",
+  "add_sinks",
+  "reduce_to_shape",
+  "hoist",
+  "float_or_none",
+  "finish",
+  "is_primal",
+  "primal_values",
+  "materialized",
+]
 
 
 def stats_dtype(dtype: DTypeLike) -> np.dtype:
@@ -234,7 +265,7 @@ def varying_as(x: jax.Array, like: jax.Array) -> jax.Array:
 def at_positions(idx: Sequence[Any], positions: Sequence[Any] | None) -> tuple[Any, ...]:
   """Broadcasting (batch, head, q, kv) indices mapped through ``positions`` (a
   :attr:`CallSpec.positions`: each entry None or an int (L,) map; None, the identity)."""
-  return tuple(idx) if positions is None else _indexing.through_maps(positions, idx)
+  return tuple(idx) if positions is None else indexing.through_maps(positions, idx)
 
 
 def row_max(m: jax.Array) -> jax.Array:

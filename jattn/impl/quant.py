@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+__all__ = ["QMAX", "SCALE_DTYPE", "is_quantized", "quantize", "dequantize", "storage_dtype"]
+
 # The storage dtypes a cache may hold besides floats, and the largest value each
 # quantized vector's absmax is mapped to.
 QMAX = {np.dtype(jnp.int8): 127.0, np.dtype(jnp.float8_e4m3fn): 448.0}

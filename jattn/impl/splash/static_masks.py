@@ -19,8 +19,10 @@ import jax
 import numpy as np
 
 from jattn import _compat
-from jattn.impl._base import CallSpec
-from jattn.masks import _core, index_maps, kinds, layouts
+from jattn.impl.contract import CallSpec
+from jattn.masks import core, index_maps, kinds, layouts
+
+__all__ = ["mask_reason", "StaticMask", "split", "splash_modules", "varies_by_head", "splash_mask"]
 
 if TYPE_CHECKING:
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as _mask_lib
@@ -28,17 +30,17 @@ if TYPE_CHECKING:
 # --- which masks compile ------------------------------------------------------
 
 
-def _nodes(mask: _core.Mask) -> Iterator[_core.Mask]:
+def _nodes(mask: core.Mask) -> Iterator[core.Mask]:
   yield mask
   for child in mask.children:
-    if isinstance(child, _core.Mask):
+    if isinstance(child, core.Mask):
       yield from _nodes(child)
 
 
-def mask_reason(mask: _core.Mask | None) -> str | None:
+def mask_reason(mask: core.Mask | None) -> str | None:
   """Why splash cannot express ``mask`` exactly; None when it can."""
   seen = {kinds.Segments: 0, kinds.Lengths: 0}
-  for part in _core.conjuncts(mask):
+  for part in core.conjuncts(mask):
     if type(part) in seen:
       seen[type(part)] += 1
       if seen[type(part)] > 1:
@@ -50,7 +52,7 @@ def mask_reason(mask: _core.Mask | None) -> str | None:
   return None
 
 
-def _static_reason(part: _core.Mask) -> str | None:
+def _static_reason(part: core.Mask) -> str | None:
   for node in _nodes(part):
     if isinstance(node, kinds.FromFn):
       return (
@@ -70,9 +72,9 @@ def _static_reason(part: _core.Mask) -> str | None:
 
 
 _STATIC_KINDS = (
-  _core.And,
-  _core.Or,
-  _core.Not,
+  core.And,
+  core.Or,
+  core.Not,
   kinds.Causal,
   kinds.SlidingWindow,
   kinds.Chunked,
@@ -96,7 +98,7 @@ class StaticMask:
   masks when a kernel is built, so they cannot be traced arguments).
   """
 
-  def __init__(self, parts: Iterable[_core.Mask]) -> None:
+  def __init__(self, parts: Iterable[core.Mask]) -> None:
     leaves, treedef = jax.tree.flatten(tuple(parts))
     leaves = [np.asarray(x) for x in leaves]
     self.parts = tuple(jax.tree.unflatten(treedef, leaves))
@@ -116,13 +118,13 @@ class StaticMask:
     return "StaticMask(" + " & ".join(map(repr, self.parts)) + ")"
 
 
-def split(mask: _core.Mask | None) -> tuple[StaticMask | None, _core.Mask | None]:
+def split(mask: core.Mask | None) -> tuple[StaticMask | None, core.Mask | None]:
   """``mask`` (which :func:`mask_reason` accepts) as (its tabulated conjuncts, the rest:
   segments and lengths, which travel as traced segment ids)."""
-  parts = _core.conjuncts(mask)
+  parts = core.conjuncts(mask)
   dynamic = [p for p in parts if isinstance(p, (kinds.Segments, kinds.Lengths))]
   static = [p for p in parts if not isinstance(p, (kinds.Segments, kinds.Lengths))]
-  return (StaticMask(static) if static else None), _core.all_of(*dynamic)
+  return (StaticMask(static) if static else None), core.all_of(*dynamic)
 
 
 def splash_modules() -> tuple[ModuleType, ModuleType]:
@@ -137,7 +139,7 @@ def splash_modules() -> tuple[ModuleType, ModuleType]:
 
 @functools.cache
 def _tabulated_class() -> Callable[
-  [Sequence[_core.Mask], int, int, int, tuple[int, int]], _mask_lib.Mask
+  [Sequence[core.Mask], int, int, int, tuple[int, int]], _mask_lib.Mask
 ]:
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
@@ -150,7 +152,7 @@ def _tabulated_class() -> Callable[
     """
 
     def __init__(
-      self, parts: Sequence[_core.Mask], head: int, T: int, S: int, shape: tuple[int, int]
+      self, parts: Sequence[core.Mask], head: int, T: int, S: int, shape: tuple[int, int]
     ) -> None:
       self.parts, self.head, self.T, self.S, self._shape = parts, head, T, S, shape
 
@@ -184,7 +186,7 @@ def _tabulated_class() -> Callable[
   return Tabulated
 
 
-def _native(parts: Sequence[_core.Mask], shape: tuple[int, int]) -> _mask_lib.Mask | None:
+def _native(parts: Sequence[core.Mask], shape: tuple[int, int]) -> _mask_lib.Mask | None:
   """The splash mask computed in-kernel from indices equal to ``all_of(*parts)``, or None."""
   _, mask_lib = splash_modules()
   by_kind: dict[type, list] = {}
@@ -219,7 +221,7 @@ def varies_by_head(spec: CallSpec) -> bool:
 
 
 def splash_mask(
-  static: Sequence[_core.Mask], N: int, T: int, S: int, shape: tuple[int, int]
+  static: Sequence[core.Mask], N: int, T: int, S: int, shape: tuple[int, int]
 ) -> _mask_lib.MultiHeadMask:
   """One splash mask per query head for the batch-independent conjuncts ``static``."""
   _, mask_lib = splash_modules()

@@ -25,8 +25,33 @@ from jax.typing import DTypeLike
 
 from jattn import dropout as _dropout
 from jattn import masks
-from jattn.impl import _common
-from jattn.masks import _indexing
+from jattn.impl import common
+from jattn.masks import indexing
+
+__all__ = [
+  "Carry",
+  "Consts",
+  "Static",
+  "Schedule",
+  "tile_classes",
+  "schedule",
+  "heaviest_last",
+  "seq_tiles",
+  "stack_heads",
+  "unstack_heads",
+  "query_tiles",
+  "untile_queries",
+  "row_tiles",
+  "tile_indices",
+  "pad_bias",
+  "bias_window",
+  "Seed",
+  "Tile",
+  "tile",
+  "keep_scale",
+  "d_probs",
+  "visit",
+]
 
 Carry = TypeVar("Carry")
 
@@ -165,8 +190,8 @@ def tile_indices(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """Global (batch, head, q_idx, kv_idx) of tile (qi, ki), broadcasting to (B, N, bq, bk)."""
   return (  # concrete batch index: masks take along sequences
-    _indexing.index_array(np.arange(B), 0),
-    _indexing.index_array(np.arange(N), 1),
+    indexing.index_array(np.arange(B), 0),
+    indexing.index_array(np.arange(N), 1),
     (qi * bq + jnp.arange(bq, dtype=jnp.int32)).reshape(1, 1, bq, 1),
     (ki * bk + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, bk),
   )
@@ -230,9 +255,9 @@ def tile(
   B, K, rows, _ = q_tile.shape
   bq, bk = static.block_q, static.block_kv
   N = rows // bq * K
-  dtype = _common.stats_dtype(q_tile.dtype)
+  dtype = common.stats_dtype(q_tile.dtype)
   s = jnp.einsum("BKrH,BKkH->BKrk", q_tile, k_tile, preferred_element_type=dtype)
-  if not _common.scales_queries(q_tile.dtype):  # else the tiles come pre-scaled
+  if not common.scales_queries(q_tile.dtype):  # else the tiles come pre-scaled
     s = s * jnp.asarray(static.scale, dtype)
   s = unstack_heads(s, N)  # (B, N, bq, bk)
   if bias is not None:
@@ -255,7 +280,7 @@ def tile(
   drop = None
   if static.dropout_rate:
     assert seed is not None, "dropout draws its seed words whenever dropout_rate > 0"
-    drop_idx = _common.at_positions(idx, seed.positions)
+    drop_idx = common.at_positions(idx, seed.positions)
     drop_idx = _dropout.shared_indices(*drop_idx) if static.broadcast_dropout else drop_idx
     drop = _dropout.keep_from_seed((seed.words[0], seed.words[1]), static.dropout_rate, *drop_idx)
   return Tile(s, keep, drop, score_vjp)

@@ -13,7 +13,7 @@ features it cannot express (a reason each), and three answers:
   that backend (tile sizes, splash's mask split);
 * :meth:`Implementation.run` ``(q, k, v, spec)``: ``(out, lse)`` on rank-4 inputs.
 
-:mod:`jattn.impl._select` collects the rows into the table and owns every choice and
+:mod:`jattn.impl.select` collects the rows into the table and owns every choice and
 fallback; adding an implementation is one module plus one entry there (docs/layout.md).
 """
 
@@ -28,6 +28,8 @@ import numpy as np
 
 from jattn import _compat, masks, scores
 from jattn.scores import SoftCap
+
+__all__ = ["BACKWARDS", "BACKENDS", "CallSpec", "Call", "Implementation", "rank4"]
 
 BACKWARDS = ("autodiff", "custom_vjp")  # the jattn rules, by name
 BACKENDS = ("cpu", "gpu", "tpu")
@@ -82,7 +84,7 @@ class CallSpec:
   scale: float
   dropout_rate: float
   broadcast_dropout: bool
-  implementation: str  # a key of jattn.impl._select.TABLE
+  implementation: str  # a key of jattn.impl.select.TABLE
   backward: str | None  # one of its backward rules (None for fused kernels: cudnn, splash)
   block_q: int | None  # tiles of blockwise, splash or flex (their defaults unless given)
   block_kv: int | None
@@ -90,9 +92,9 @@ class CallSpec:
   interpret: bool = False  # Pallas kernels in interpret mode (jattn.testing.interpret_kernels)
   sinks: Any = None  # None, or per-head sink logits (N,), a floating array
   static_mask: Any = None  # splash: the conjuncts it tabulates, static (mask keeps the rest)
-  compute_dtype: Any = None  # xla and blockwise compute in it (_common.compute_dtype)
+  compute_dtype: Any = None  # xla and blockwise compute in it (common.compute_dtype)
   # Inside a kernel's per-device call, for kernels whose mask and score function see global
-  # indices (_sharded.per_shard(global_index=True)): (2,) int32, the global index of the
+  # indices (sharded.per_shard(global_index=True)): (2,) int32, the global index of the
   # device's first batch row and query head. None everywhere else.
   shard_offsets: Any = None
   # Inside a device's part of a sequence-parallel call (jattn.parallel.context): the global
@@ -157,7 +159,7 @@ class Implementation:
   # Appended to the error for a backward rule it lacks: why it lacks it.
   backward_notes: tuple[tuple[str, str], ...] = ()
   # Reads a KV cache tile by tile (paged or quantized storage, no copy): (query, tiles,
-  # spec) -> (out, lse), the tiles a jattn.impl._kv.CacheTiles. None: it reads no cache.
+  # spec) -> (out, lse), the tiles a jattn.impl.kv_tiles.CacheTiles. None: it reads no cache.
   read_cache: Callable[..., tuple[Any, Any]] | None = None
 
   def why_not(self, call: Call, *, interpret: bool = False, device: bool = True) -> str | None:

@@ -19,11 +19,11 @@ from typing import Any
 import jax
 
 from jattn.impl import blockwise, cudnn, flex, splash, xla
-from jattn.impl._base import BACKENDS, BACKWARDS, Call, Implementation
+from jattn.impl.contract import BACKENDS, BACKWARDS, Call, Implementation
 
 __all__ = ["BACKENDS", "BACKWARDS", "Call", "Implementation", "TABLE", "Choice", "choose"]
 
-# One row per implementation, each declared in its own module (see jattn.impl._base).
+# One row per implementation, each declared in its own module (see jattn.impl.contract).
 TABLE: dict[str, Implementation] = {
   row.name: row
   for row in (
@@ -109,7 +109,7 @@ def default_backward(implementation: str | None, backward: str | None) -> str | 
 
 def why_not(name: str, call: Call, *, interpret: bool = False, device: bool = True) -> str | None:
   """Why implementation ``name`` cannot run ``call`` exactly; None when it can (its row's
-  :meth:`~jattn.impl._base.Implementation.why_not`)."""
+  :meth:`~jattn.impl.contract.Implementation.why_not`)."""
   return TABLE[name].why_not(call, interpret=interpret, device=device)
 
 
