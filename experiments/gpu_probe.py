@@ -10,7 +10,7 @@ write everything it measured to one JSON record. For bf16, B=1, N=16 heads, it t
   (``jax.experimental.pallas.ops.gpu.attention_mgpu``, Hopper only; q pre-scaled, as it
   takes no scale), each as the forward pass, the backward pass alone (the VJP applied to
   saved residuals) and the forward+backward program (gradients of q, k, v); and flex's
-  Hopper kernels (``jattn/impl/flex/_hopper/``, methods ``hopper`` and ``hopper_ws``, the
+  Hopper kernels (``jattn/impl/flex_hopper/``, methods ``hopper`` and ``hopper_ws``, the
   second with the warp-specialised forward and backward kernels; not yet routed to);
 - **flex's candidate tilings**, at T = 16,384, causal, for each head dim: forward tiles
   (forward timed alone) and backward tiles of the dQ and dK/dV kernels (backward timed
@@ -58,7 +58,7 @@ import numpy as np
 
 import jattn
 from jattn.impl import flex
-from jattn.impl.flex import _hopper
+from jattn.impl import flex_hopper as _hopper
 
 START = time.perf_counter()
 Tiles, Passes = flex.Tiles, flex.Passes
@@ -224,7 +224,7 @@ def method(name: str, causal: bool, scale: float) -> Callable:
   """``(q, k, v) -> out`` of one method (q, k, v: (B, T, N, H))."""
   if name == "cudnn":
     return jax_nn("cudnn", causal, scale)
-  if name in ("hopper", "hopper_ws"):  # flex's Hopper kernels (jattn/impl/flex/_hopper/),
+  if name in ("hopper", "hopper_ws"):  # flex's Hopper kernels (jattn/impl/flex_hopper/),
     # not yet routed to (implementation="flex_hopper" opts in); _ws: warp-specialised kernels
     specialized, interpret = name == "hopper_ws", jattn.testing.interpreting()
     return lambda q, k, v: _hopper.attention(

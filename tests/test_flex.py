@@ -18,9 +18,9 @@ from reference import array
 
 import jattn
 from jattn import _compat, masks
-from jattn.impl import flex
+from jattn.impl import _chunks, _in_kernel, flex
+from jattn.impl import flex_hopper as _hopper
 from jattn.impl.flex import _backward as _flex_backward
-from jattn.impl.flex import _chunks, _hopper
 from jattn.impl.flex import _kernels as fk
 
 B, T, S, N, H, HV, BQ, BK = 2, 40, 40, 4, 8, 12, 16, 16
@@ -53,8 +53,10 @@ def _inputs(K):
 def _flex(q, k, v, mask, score_fn, *, interpret):
   specs = fk.index_specs(BQ, BK)
   s_spec = jax.ShapeDtypeStruct((1, 1, BQ, BK), jnp.float32)
-  mask_f = None if mask is None else fk.Function.trace(lambda *i: mask(*i), *specs)
-  score_f = None if score_fn is None else fk.Function.trace(lambda *a: score_fn(*a), s_spec, *specs)
+  mask_f = None if mask is None else _in_kernel.Function.trace(lambda *i: mask(*i), *specs)
+  score_f = (
+    None if score_fn is None else _in_kernel.Function.trace(lambda *a: score_fn(*a), s_spec, *specs)
+  )
   rows, _ = fk.schedules(mask, B, N, T, S, BQ, BK)
   settings = fk.Settings(H**-0.5, T, S, BQ, BK, num_warps=4, num_stages=2, interpret=interpret)
   out, m, log_l = fk.forward(q, k, v, rows, mask_f, score_f, settings)
@@ -132,8 +134,10 @@ def _loss(attend, q, k, v):
 def _flex_vjp(q, k, v, mask, score_fn, interpret=True, bias=None, split_ds=True, grid_rows=T):
   specs = fk.index_specs(BQ, BK)
   s_spec = jax.ShapeDtypeStruct((1, 1, BQ, BK), q.dtype)
-  mask_f = None if mask is None else fk.Function.trace(lambda *i: mask(*i), *specs)
-  score_f = None if score_fn is None else fk.Function.trace(lambda *a: score_fn(*a), s_spec, *specs)
+  mask_f = None if mask is None else _in_kernel.Function.trace(lambda *i: mask(*i), *specs)
+  score_f = (
+    None if score_fn is None else _in_kernel.Function.trace(lambda *a: score_fn(*a), s_spec, *specs)
+  )
   grid = (
     None if score_fn is None else flex._grid_trace(score_fn, score_f, B, N, grid_rows, S, q.dtype)
   )
@@ -391,7 +395,7 @@ def test_learned_arrays_vjp_is_taken_a_chunk_of_query_rows_at_a_time():
   want_bias, want_slopes = jax.vjp(want, bias, slopes)[1](ds)
   specs = fk.index_specs(BQ, BK)
   s_spec = jax.ShapeDtypeStruct((1, 1, BQ, BK), jnp.float32)
-  tile = fk.Function.trace(lambda *a: score_fn(*a), s_spec, *specs)
+  tile = _in_kernel.Function.trace(lambda *a: score_fn(*a), s_spec, *specs)
   settings = fk.Settings(0.5, T_, T_, BQ, BK, num_warps=4, num_stages=2, interpret=True)
   compiled = []
   for rows in (64, T_):

@@ -13,7 +13,7 @@ from reference import array
 
 import jattn
 from jattn import masks, scores
-from jattn.impl.flex import _hopper
+from jattn.impl import flex_hopper as _hopper
 
 B, T, N, K, H = 1, 128, 2, 1, 64
 EVERY_THIRD = jnp.asarray(np.arange(256) % 3 > 0)  # read by a mask at each query position
@@ -836,7 +836,7 @@ def test_the_grid_gradients_are_taken_a_chunk_of_query_rows_at_a_time():
   (summed over the chunks) under a causal mask with dropout, T = 512; the compiled program's
   temporary buffers under half the whole grid's; (2) a key bias, no query axis (summed over
   the chunks), with packed documents, T = 256. No kernel runs: both Pythons check it."""
-  from jattn.impl.flex._hopper import _call, _grid
+  from jattn.impl.flex_hopper import _call, _grid
 
   rng = np.random.default_rng(5)
   slopes = jnp.asarray([0.5, 0.25], jnp.float32)
@@ -1028,7 +1028,7 @@ def test_heavy_causal_tiles_launch_first(specialized):
   flex's Triton kernels order theirs), while dK/dV's key tiles, heaviest first already,
   keep their order; an unmasked call keeps every order. (Values under the reversed order:
   every causal test in this file.)"""
-  from jattn.impl.flex._hopper import _call
+  from jattn.impl.flex_hopper import _call
 
   q = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
   orders = {}
@@ -1045,7 +1045,7 @@ def test_each_warp_specialized_backward_kernel_checks_its_shared_memory():
   """At head dim 256 the warp-specialised dQ kernel's buffers (both groups' query, dO,
   log-sum-exp and Δ tiles; two key and value slots) take 263,168 bytes, past Hopper's
   232,448: refused by name before the kernel is built."""
-  from jattn.impl.flex._hopper import _backward, _call
+  from jattn.impl.flex_hopper import _backward, _call
 
   q = jax.ShapeDtypeStruct((1, 256, 2, 256), jnp.bfloat16)
   arrays, static = _call.prepare(

@@ -1,5 +1,5 @@
 """Masks and score functions evaluated inside a Pallas kernel, their arrays read from refs by
-index (jattn.impl.flex._in_kernel): the same values as outside, in interpret mode, and a
+index (jattn.impl._in_kernel): the same values as outside, in interpret mode, and a
 program that lowers to Triton for CUDA from this CPU (Triton has no gather from registers,
 so a mask reading segment ids, lengths or a dense array must load them from memory)."""
 
@@ -15,7 +15,7 @@ from jax.experimental.pallas import triton as plgpu
 from reference import array
 
 from jattn import _compat
-from jattn.impl.flex import _in_kernel as _in_kernel
+from jattn.impl import _in_kernel
 
 B, N, T, S, BQ, BK = 2, SCORE_FN_HEADS, 32, 32, 16, 16
 IDS = np.repeat(np.arange(4), 8)[None].repeat(B, 0)

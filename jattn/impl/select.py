@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from jattn.impl import blockwise, cudnn, flex, splash, xla
+from jattn.impl import blockwise, cudnn, flex, flex_hopper, splash, xla
 from jattn.impl.contract import BACKENDS, BACKWARDS, Call, Implementation
 
 __all__ = ["BACKENDS", "BACKWARDS", "Call", "Implementation", "TABLE", "Choice", "choose"]
@@ -32,7 +32,7 @@ TABLE: dict[str, Implementation] = {
     splash.IMPLEMENTATION,
     cudnn.IMPLEMENTATION,
     flex.IMPLEMENTATION,
-    flex.HOPPER,  # an explicit opt-in (never chosen by implementation=None) until run on a GPU
+    flex_hopper.IMPLEMENTATION,  # an explicit opt-in until a GPU record (OPT_IN)
   )
 }
 

@@ -316,3 +316,22 @@ def visit(
   order = schedule.order[i]
   carry = jax.lax.fori_loop(0, n_full, lambda t, c: body(order[t], c, False), carry)
   return jax.lax.fori_loop(n_full, n_full + n_partial, lambda t, c: body(order[t], c, True), carry)
+
+
+def tile_of(program: Any, count: int, from_last: bool) -> Any:
+  """The tile a kernel's first grid index stands for: the same, or counted from the last
+  (``from_last``), so the heaviest rows of a schedule that grows along its axis launch first
+  (the grid's first axis varies fastest: each (batch row, head) takes its tiles in this
+  order)."""
+  return count - 1 - program if from_last else program
+
+
+def pad_to(x: jax.Array, length: int, width: int) -> jax.Array:
+  """(B, L, heads, X) zero-padded to (B, length, heads, width)."""
+  return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, width - x.shape[3])))
+
+
+def padded_bias(bias: jax.Array, Tp: int, Sp: int) -> jax.Array:
+  """Bias (Bb, Nb, Tb, Sb) with its T and S axes, where not 1, zero-padded to Tp and Sp."""
+  pads = [(0, 0), (0, 0)] + [(0, 0 if n == 1 else m - n) for n, m in zip(bias.shape[2:], (Tp, Sp))]
+  return jnp.pad(bias, pads)

@@ -2,7 +2,7 @@
 compiled into one Pallas kernel (Triton lowering), forward and backward.
 
 The call's combined mask and its score function (with the soft cap) are traced into the
-kernels' bodies on each tile's indices (:mod:`jattn.impl.flex._in_kernel`); the tiles come from
+kernels' bodies on each tile's indices (:mod:`jattn.impl._in_kernel`); the tiles come from
 the mask's tile classes as in blockwise, so EMPTY tiles are never loaded and FULL ones skip
 the mask (:mod:`jattn.impl.flex._kernels`, :mod:`jattn.impl.flex._backward_kernels`). GQA
 and MQA read each key/value head once; the value head dim may differ; lengths need not be whole
@@ -19,8 +19,8 @@ registers, as ``jnp.searchsorted`` makes; an array read whole whose dimensions a
 powers of two, as in ``valid.sum(-1)[b]``) is refused by name in the selection table
 (:mod:`jattn.impl.flex._lowers`), never left to fail in lowering.
 
-Its kernels written for Mosaic GPU, for Hopper (:mod:`jattn.impl.flex._hopper`), are the
-table's row ``"flex_hopper"`` (:data:`HOPPER`): an explicit opt-in, never picked by
+Its kernels written for Mosaic GPU, for Hopper, are a package and row of their own
+(:mod:`jattn.impl.flex_hopper`): an explicit opt-in, never picked by
 ``implementation=None``, until a GPU has run them and their record is committed.
 
 On a GPU, ``implementation=None`` runs it for every call cuDNN does not express and it does
@@ -29,26 +29,23 @@ generation, head dim and dtype (starting points until measured with
 ``python -m experiments.tune_flex``). The floating arrays a score function reads (learned
 ALiBi slopes, a T5 table) get their gradients, where differentiated, from the score
 function's VJP on the (B, N, T, S) grid in XLA, a chunk of query rows at a time
-(:mod:`jattn.impl.flex._chunks`), its cotangent the dQ kernel's dS (a (B, N, T, S) float32
+(:mod:`jattn.impl._chunks`), its cotangent the dQ kernel's dS (a (B, N, T, S) float32
 buffer, as a bias's gradient takes). Sinks are
 added around it, as for every implementation that does not take them itself.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jattn import dropout as _dropout
-from jattn import testing
-from jattn.impl import common, contract, sharded, tiling
+from jattn.impl import _chunks, _gpus, _in_kernel, common, contract, sharded, tiling
+from jattn.impl._gpus import generation as generation
 from jattn.impl.contract import CallSpec
 from jattn.impl.flex import _backward as _flex_backward
-from jattn.impl.flex import _chunks
-from jattn.impl.flex import _hopper as _hopper
 from jattn.impl.flex import _kernels as _kernels
 from jattn.impl.flex import _lowers as _flex_lowers
 
@@ -123,7 +120,6 @@ TILES: dict[tuple[str, int, int], Passes] = {
   ("sm_90", 256, 4): _same(Tiles(32, 32, 8, 1)),
 }
 FALLBACK = _same(Tiles(32, 32, 4, 2))  # head dims past the table (and float64 in interpret mode)
-_HOPPER = ("H100", "H200", "H800", "H20", "GH200", "GB200", "B200")
 
 # Whether the dK/dV kernel sums dS into dK as two parts in the inputs' narrow dtype (hi, and
 # its rounding error lo: one more matmul per tile) or as one, by GPU generation; cuDNN and
@@ -140,34 +136,12 @@ _HOPPER = ("H100", "H200", "H800", "H20", "GH200", "GB200", "B200")
 SPLIT_DS: dict[str, bool] = {"sm_80": True, "sm_90": False}
 
 
-def generation(device_kind: str) -> str:
-  """``"sm_90"`` for Hopper and newer (by ``jax.Device.device_kind``), else ``"sm_80"``."""
-  return "sm_90" if any(name in device_kind for name in _HOPPER) else "sm_80"
-
-
 def tiles_for(head_dim: int, itemsize: int, device_kind: str | None = None) -> Passes:
   """The table's row for a call, on ``device_kind`` (default: the first GPU, if any)."""
   if device_kind is None:
-    device_kind = _gpu_kind()
+    device_kind = _gpus.gpu_kind()
   key = (generation(device_kind), max(64, _kernels.pow2(head_dim)), itemsize)
   return TILES.get(key, FALLBACK)
-
-
-def _gpu_kind() -> str:
-  """The GPU a call is traced for: the one :func:`jattn.testing.lowering_for` names, else the
-  first GPU here ("" without one: interpret mode, or lowering for CUDA from a CPU)."""
-  named = testing.target_device_kind()
-  if named is not None:
-    return named
-  return _first_gpu_kind()
-
-
-@functools.cache
-def _first_gpu_kind() -> str:
-  try:
-    return jax.devices("gpu")[0].device_kind
-  except RuntimeError:
-    return ""
 
 
 def _check(call: contract.Call) -> str | None:
@@ -237,7 +211,7 @@ def _attend(
     _kernels.schedules(spec.mask, spec.B, spec.N, T, S, *passes.dkv[:2])[1],
   )
 
-  split_ds = SPLIT_DS.get(generation(_gpu_kind()), True)
+  split_ds = SPLIT_DS.get(generation(_gpus.gpu_kind()), True)
 
   def settings(row: Tiles, schedule: tiling.Schedule) -> _kernels.Settings:
     return _kernels.Settings(
@@ -278,7 +252,7 @@ def _attend(
   )
 
 
-Traces = tuple[tuple[_kernels.Function | None, ...], ...]
+Traces = tuple[tuple[_in_kernel.Function | None, ...], ...]
 
 
 def _traces(spec: CallSpec, passes: Passes, s_dtype: Any) -> Traces | None:
@@ -296,29 +270,29 @@ def _traces(spec: CallSpec, passes: Passes, s_dtype: Any) -> Traces | None:
     mask = score = None
     if spec.mask is not None:
       m = spec.mask
-      mask = _kernels.Function.trace(lambda b, h, q, kv: m(b, h, q, kv), *specs)
+      mask = _in_kernel.Function.trace(lambda b, h, q, kv: m(b, h, q, kv), *specs)
     if spec.score_fn is not None:
       fn = spec.score_fn
       s_spec = jax.ShapeDtypeStruct((1, 1, bq, bk), s_dtype)
-      score = _kernels.Function.trace(lambda s, b, h, q, kv: fn(s, b, h, q, kv), s_spec, *specs)
+      score = _in_kernel.Function.trace(lambda s, b, h, q, kv: fn(s, b, h, q, kv), s_spec, *specs)
     positions = None
     if spec.dropout_rate and spec.positions is not None:
       maps = spec.positions
-      positions = _kernels.Function.trace(
+      positions = _in_kernel.Function.trace(
         lambda b, h, q, kv: common.at_positions((b, h, q, kv), maps), *specs
       )
     found[bq, bk] = (mask, score, positions)
   first = next(iter(found.values()))
   for other in found.values():
     for x, y in zip(first, other):
-      if x is not None and not _kernels.same_arrays(x.arrays, y.arrays):
+      if x is not None and not _in_kernel.same_arrays(x.arrays, y.arrays):
         return None
   chosen = [found[row.block_q, row.block_kv] for row in passes]
   return tuple(tuple(x[i] for x in chosen) for i in range(3))
 
 
 def _grid_trace(
-  fn: Any, tile: _kernels.Function, B: int, N: int, T: int, S: int, dtype: Any
+  fn: Any, tile: _in_kernel.Function, B: int, N: int, T: int, S: int, dtype: Any
 ) -> Any:
   """The score function traced on T query rows of this device's (B, N, T, S) grid (a chunk
   of them: the query index an input, (1, 1, T, 1)), for the gradients of the arrays it
@@ -329,7 +303,7 @@ def _grid_trace(
     for shape in ((B, 1, 1, 1), (1, N, 1, 1), (1, 1, T, 1), (1, 1, 1, S))
   ]
   s_spec = jax.ShapeDtypeStruct((B, N, T, S), dtype)
-  grid = _kernels.Function.trace(lambda s, b, h, q, kv: fn(s, b, h, q, kv), s_spec, *specs)
+  grid = _in_kernel.Function.trace(lambda s, b, h, q, kv: fn(s, b, h, q, kv), s_spec, *specs)
   same = len(grid.arrays) == len(tile.arrays) and all(
     (a.shape, a.dtype) == (b.shape, b.dtype) for a, b in zip(grid.arrays, tile.arrays)
   )
@@ -352,90 +326,6 @@ IMPLEMENTATION = contract.Implementation(
   fused=True,
   interpretable=True,
   check=_check,
-)
-
-
-# --- the Hopper kernels (Mosaic GPU): an explicit opt-in until a GPU has run them ----------
-
-HOPPER_OPT_IN = (
-  "flex's Hopper kernels have not yet run on a GPU, and jattn routes no call to a kernel "
-  "before a recorded run: implementation='flex_hopper' opts in"
-)
-
-
-def _hopper_check(call: contract.Call) -> str | None:
-  s = call.spec
-  if s.interpret:
-    if not _hopper.has_interpreter():
-      return "Pallas interpret mode: Mosaic GPU's interpreter needs jax >= 0.11.2"
-  elif generation(kind := _gpu_kind()) != "sm_90":
-    here = repr(kind) if kind else "none is named (jattn.testing.lowering_for's device_kind)"
-    return f"it needs a Hopper GPU (sm_90), and {here}"
-  if (s.T % _hopper.ROWS or s.S % _hopper.ROWS) and not _hopper.paddable(s.mask):
-    return (
-      f"lengths T={s.T}, S={s.S} with a mask fixed to them (it takes multiples of "
-      f"{_hopper.ROWS}, or pads a call whose mask it can pad)"
-    )
-  up = lambda n: -(-n // _hopper.ROWS) * _hopper.ROWS
-  padded = (up(s.T), up(s.S))  # the lengths it runs at
-  if reason := _hopper.mask_reason(s.mask, padded):
-    return f"mask {s.mask!r}: it takes {reason}"
-  if reason := _hopper.score_reason(s.score_fn, padded):
-    return f"score_fn {s.score_fn!r}: it takes {reason}"
-  bias_dtype = None if s.bias is None else jnp.result_type(s.bias)
-  H, Hv = _hopper.head_dim(s.H), _hopper.head_dim(s.Hv)  # the head dims it runs at
-  if reason := _hopper.smem_reason(H, call.dtype, bias_dtype, s.mask, Hv=Hv):
-    return reason
-  return None
-
-
-def _hopper_run(
-  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
-) -> tuple[jax.Array, jax.Array]:
-  # Mosaic GPU's interpreter runs on ordered callbacks, which a partitioning rule cannot
-  # carry: interpreted (tests), the kernels run on the arrays as they come.
-  return sharded.per_shard(
-    _hopper_attend, query, key, value, spec, global_index=True, auto=not spec.interpret
-  )
-
-
-def _hopper_attend(
-  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
-) -> tuple[jax.Array, jax.Array]:
-  return _hopper.attention(
-    query,
-    key,
-    value,
-    scale=spec.scale,
-    mask=spec.mask,
-    score_fn=spec.score_fn,
-    interpret=spec.interpret,
-    offsets=spec.shard_offsets,
-    dropout_rate=spec.dropout_rate,
-    dropout_rng=spec.dropout_rng,
-    broadcast_dropout=spec.broadcast_dropout,
-    bias=spec.bias,
-    batch_heads=(spec.B, spec.N),
-    positions=spec.positions,
-  )
-
-
-HOPPER = contract.Implementation(
-  name="flex_hopper",
-  runs_on=("gpu",),
-  backwards=BACKWARDS,
-  masks=(
-    "masks of the indices reading arrays at the batch row and head or along the positions "
-    "(causal, windows, chunks, strides, lengths, prefix-LM, from_fn, a part's position map), "
-    "and'ed with segment ids and a dense mask"
-  ),
-  run=_hopper_run,
-  dtypes=("bfloat16", "float16"),
-  positions=None,  # a sequence-parallel part's dropout positions are read in the kernels
-  fused=True,
-  interpretable=True,
-  check=_hopper_check,
-  opt_in=HOPPER_OPT_IN,
 )
 
 

@@ -16,8 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from jattn.impl import common, orders, tiling
-from jattn.impl.flex import _chunks
+from jattn.impl import _chunks, common, orders, tiling
 from jattn.impl.flex._backward_kernels import backward
 from jattn.impl.flex._kernels import Function, Settings, forward, kernel_scalars, log_sum_exp
 
@@ -239,7 +238,7 @@ def _score_grid_vjp(
   function's VJP on the (B, N, T, S) grid at this device's scores (recomputed, in the
   statistics dtype), its output's gradient ``d_scores`` the cotangent, a chunk of query
   rows at a time (``grid_jaxpr``'s rows: :func:`jattn.impl.flex._grid_trace`) through
-  :func:`jattn.impl.flex._chunks.over_rows`; the bias's is dS before the score function,
+  :func:`jattn.impl._chunks.over_rows`; the bias's is dS before the score function,
   summed over the axes the bias broadcasts."""
   B, T, N, _ = query.shape
   S, K = key.shape[1], key.shape[2]

@@ -40,14 +40,13 @@ from jattn.impl.flex._kernels import (
   bias_tile,
   global_index,
   in_tile_order,
-  pad_bias,
-  pad_to,
   pow2,
   schedule_specs,
   split_refs,
-  tile_of,
   whole_specs,
 )
+from jattn.impl.tiling import pad_to, tile_of
+from jattn.impl.tiling import padded_bias as pad_bias
 
 
 def backward(

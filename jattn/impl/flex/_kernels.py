@@ -6,7 +6,7 @@ query tile's row of the tile schedule (:func:`jattn.impl.tiling.schedule`: FULL 
 first, with no mask arithmetic, then PARTIAL ones, masked; EMPTY tiles never loaded) with
 an online softmax in float32 (float64 for float64 inputs). The key/value head is
 ``n // G`` (GQA and MQA read K/V once, never repeated). The mask and score function run
-on each tile's indices through :func:`jattn.impl.flex._in_kernel.evaluate`, the arrays they
+on each tile's indices through :func:`jattn.impl._in_kernel.evaluate`, the arrays they
 read passed as kernel inputs and loaded by index. Rows the mask empties give zeros and a
 log-sum-exp of -inf.
 
@@ -35,45 +35,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jattn import _checks
 from jattn import dropout as _dropout
-from jattn.impl import common, tiling
-from jattn.impl.flex import _in_kernel as _in_kernel
-
-
-class Function(NamedTuple):
-  """A mask or score function as a kernel evaluates it: its jaxpr, whose leading inputs are
-  the arrays it reads (``arrays``), then the (score and) index arguments."""
-
-  jaxpr: Any
-  arrays: tuple[jax.Array, ...]
-
-  @classmethod
-  def trace(cls, fn: Any, *specs: Any) -> Function:
-    """``fn`` traced at ``specs``, the arrays it closes over made leading inputs."""
-    closed = jax.make_jaxpr(fn)(*specs)
-    invars = list(closed.jaxpr.constvars) + list(closed.jaxpr.invars)
-    jaxpr = closed.jaxpr.replace(constvars=[], invars=invars)
-    return cls(jaxpr, tuple(jnp.asarray(c) for c in closed.consts))
-
-
-def same_arrays(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> bool:
-  """Whether two traces' arrays are the same arrays (the same objects, or equal constants)."""
-  if len(a) != len(b):
-    return False
-  for x, y in zip(a, b):
-    if x is y:
-      continue
-    concrete = _checks.is_concrete(x) and _checks.is_concrete(y)
-    if not concrete or (x.shape, x.dtype) != (y.shape, y.dtype):
-      return False
-    if not np.array_equal(np.asarray(x), np.asarray(y)):
-      return False
-  return True
+from jattn.impl import _in_kernel, common, tiling
+from jattn.impl._in_kernel import Function
+from jattn.impl.tiling import pad_to, tile_of
+from jattn.impl.tiling import padded_bias as pad_bias
 
 
 class Settings(NamedTuple):
@@ -91,14 +60,6 @@ class Settings(NamedTuple):
   broadcast_dropout: bool = False  # one (T, S) pattern for every batch row and head
   from_last: bool = False  # programs take their tiles last first (tiling.heaviest_last)
   split_ds: bool = True  # dK sums dS as two narrow parts, hi + lo (flex.SPLIT_DS)
-
-
-def tile_of(program: Any, count: int, from_last: bool) -> Any:
-  """The tile a kernel's first grid index stands for: the same, or counted from the last
-  (``from_last``), so the heaviest rows of a schedule that grows along its axis launch first
-  (the grid's first axis varies fastest: each (batch row, head) takes its tiles in this
-  order)."""
-  return count - 1 - program if from_last else program
 
 
 def in_tile_order(specs: Sequence[pl.BlockSpec], count: int, from_last: bool) -> list[Any]:
@@ -395,12 +356,6 @@ def split_refs(
   )
 
 
-def pad_bias(bias: jax.Array, Tp: int, Sp: int) -> jax.Array:
-  """Bias (Bb, Nb, Tb, Sb) with its T and S axes, where not 1, zero-padded to Tp and Sp."""
-  pads = [(0, 0), (0, 0)] + [(0, 0 if n == 1 else m - n) for n, m in zip(bias.shape[2:], (Tp, Sp))]
-  return jnp.pad(bias, pads)
-
-
 def bias_row_spec(shape: tuple[int, ...], block_q: int) -> pl.BlockSpec:
   """The padded bias's (query tile, all keys) plane for the programs (query tile, b, n)."""
   Bb, Nb, Tb, Sb = shape
@@ -519,11 +474,6 @@ def kernel_scalars(seed: jax.Array | None, offsets: jax.Array | None = None) -> 
 
 def pow2(n: int) -> int:
   return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-def pad_to(x: jax.Array, length: int, width: int) -> jax.Array:
-  """(B, L, heads, X) zero-padded to (B, length, heads, width)."""
-  return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, width - x.shape[3])))
 
 
 def schedules(

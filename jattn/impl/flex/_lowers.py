@@ -2,7 +2,7 @@
 lowering takes, checked on the kernel body they would be traced into.
 
 flex traces the call's mask and score function into its kernels (:class:`Scorer`, through
-:func:`jattn.impl.flex._in_kernel.evaluate`, which turns point gathers from the arrays they read
+:func:`jattn.impl._in_kernel.evaluate`, which turns point gathers from the arrays they read
 into loads from memory). What is left must lower to Triton, and much that ``jnp`` allows
 does not: a gather from an array held in registers (``jnp.searchsorted``, or indexing an
 array the function computed, as ``valid.sum(-1)[b]``), a sort, a cumulative sum, or any
@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 
 from jattn import _checks, _compat
+from jattn.impl import _in_kernel
 from jattn.impl.flex import _kernels as _kernels
 from jattn.masks import core as masks_core
 
@@ -144,10 +145,10 @@ def probe_kernel(
   f = jnp.promote_types(dtype, jnp.float32)
   mask_f = score_f = None
   if mask is not None:
-    mask_f = _kernels.Function.trace(lambda b, h, q, kv: mask(b, h, q, kv), *specs)
+    mask_f = _in_kernel.Function.trace(lambda b, h, q, kv: mask(b, h, q, kv), *specs)
   if score_fn is not None:
     s_spec = jax.ShapeDtypeStruct((1, 1, block_q, block_kv), f)
-    score_f = _kernels.Function.trace(
+    score_f = _in_kernel.Function.trace(
       lambda s, b, h, q, kv: score_fn(s, b, h, q, kv), s_spec, *specs
     )
   mask_arrays = mask_f.arrays if mask_f else ()

@@ -16,10 +16,9 @@ from jax.extend import core as jex_core
 
 from jattn import dropout as _dropout
 from jattn import masks as _masks
-from jattn.impl import common
-from jattn.impl.flex import _chunks
-from jattn.impl.flex._hopper import _call
-from jattn.impl.flex._hopper._mosaic import LOG2E, ROWS
+from jattn.impl import _chunks, common
+from jattn.impl.flex_hopper import _call
+from jattn.impl.flex_hopper._mosaic import LOG2E, ROWS
 
 
 def zero_cotangent(x: jax.Array) -> Any:
@@ -90,13 +89,13 @@ def grid_grads(
 ) -> tuple[list[jax.Array], jax.Array | None]:
   """``(the gradients of arrays.score[chosen], the bias's gradient or None)``, from the
   (B, N, T, S) grid in XLA, ``rows`` query rows at a time (a multiple of ROWS dividing T;
-  default :func:`jattn.impl.flex._chunks.rows`, a chunk's float32 grid array under
+  default :func:`jattn.impl._chunks.rows`, a chunk's float32 grid array under
   ``CHUNK_BYTES`` where T allows): the score function's VJP at the call's scores
   (recomputed in float32: scale · q kᵀ + bias), the cotangent dS = P ⊙ (dP − Δ + d_lse) of
   its output, P from the forward's log-sum-exp, ``d_lse`` as the backward kernels take it
   (:func:`_backward.one_warpgroup`); the bias's is dS before the score function, summed over
   the axes the bias broadcasts; both summed or gathered over the chunks by
-  :func:`jattn.impl.flex._chunks.over_rows`."""
+  :func:`jattn.impl._chunks.over_rows`."""
   B, T, N, _ = query.shape
   S, K = key.shape[1], key.shape[2]
   C = _chunks.rows(B, N, T, S, multiple=ROWS) if rows is None else rows

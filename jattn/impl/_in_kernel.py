@@ -32,13 +32,46 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
+
+from jattn import _checks
+
+
+class Function(NamedTuple):
+  """A mask or score function as a kernel evaluates it: its jaxpr, whose leading inputs are
+  the arrays it reads (``arrays``), then the (score and) index arguments."""
+
+  jaxpr: Any
+  arrays: tuple[jax.Array, ...]
+
+  @classmethod
+  def trace(cls, fn: Any, *specs: Any) -> Function:
+    """``fn`` traced at ``specs``, the arrays it closes over made leading inputs."""
+    closed = jax.make_jaxpr(fn)(*specs)
+    invars = list(closed.jaxpr.constvars) + list(closed.jaxpr.invars)
+    jaxpr = closed.jaxpr.replace(constvars=[], invars=invars)
+    return cls(jaxpr, tuple(jnp.asarray(c) for c in closed.consts))
+
+
+def same_arrays(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> bool:
+  """Whether two traces' arrays are the same arrays (the same objects, or equal constants)."""
+  if len(a) != len(b):
+    return False
+  for x, y in zip(a, b):
+    if x is y:
+      continue
+    concrete = _checks.is_concrete(x) and _checks.is_concrete(y)
+    if not concrete or (x.shape, x.dtype) != (y.shape, y.dtype):
+      return False
+    if not np.array_equal(np.asarray(x), np.asarray(y)):
+      return False
+  return True
 
 
 @dataclasses.dataclass(frozen=True)

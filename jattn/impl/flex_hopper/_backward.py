@@ -9,9 +9,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jattn.impl.flex import _kernels
-from jattn.impl.flex._hopper import _call, _mosaic, _tile
-from jattn.impl.flex._hopper._mosaic import ROWS
+from jattn.impl import tiling
+from jattn.impl.flex_hopper import _call, _mosaic, _tile
+from jattn.impl.flex_hopper._mosaic import ROWS
 
 
 def _tensors(
@@ -137,7 +137,7 @@ def one_warpgroup(
     r = _call.split_refs(refs[6:], static, n_ids)
     (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
     dq_ref, q_smem, do_smem, lse_smem, delta_smem, bars, a_smem, id_smem = r.rest
-    i = _kernels.tile_of(lax.axis_index("q"), T // ROWS, static.from_last[1])
+    i = tiling.tile_of(lax.axis_index("q"), T // ROWS, static.from_last[1])
     h, b = lax.axis_index("h"), lax.axis_index("b")
     b_g, h_g = _mosaic.global_index(b, h, off_ref)
     kv_head = lax.div(h, jnp.array(G, h.dtype))
@@ -188,7 +188,7 @@ def one_warpgroup(
     r = _call.split_refs(refs[6:], static, n_ids)
     (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
     dk_ref, dv_ref, k_smem, v_smem, bars, a_smem, id_smem = r.rest
-    j = _kernels.tile_of(lax.axis_index("kv"), S // bk, static.from_last[2])
+    j = tiling.tile_of(lax.axis_index("kv"), S // bk, static.from_last[2])
     h, b = lax.axis_index("h"), lax.axis_index("b")
     b_g, h_g = _mosaic.global_index(b, h, off_ref)
     kv_head = lax.div(h, jnp.array(G, h.dtype))
@@ -363,7 +363,7 @@ def _specialized_pass(
     *outs, scoped = r.rest
     (held_smem, slot_smem, (own_ids, slot_ids), (bias_smem, dense_smem), a_smem), bars = scoped
     held_ready, ids_ready, ready, free = bars
-    n = _kernels.tile_of(lax.axis_index("block"), blocks, static.from_last[2 if transposed else 1])
+    n = tiling.tile_of(lax.axis_index("block"), blocks, static.from_last[2 if transposed else 1])
     h, b = lax.axis_index("h"), lax.axis_index("b")
     wg = lax.axis_index("wg")
     b_g, h_g = _mosaic.global_index(b, h, off_ref)

@@ -16,11 +16,9 @@ from jax.experimental import pallas as pl
 
 from jattn import dropout as _dropout
 from jattn import masks as _masks
-from jattn.impl import common, tiling
-from jattn.impl.flex import _in_kernel as _in_kernel
-from jattn.impl.flex import _kernels as _kernels
-from jattn.impl.flex._hopper import _mosaic
-from jattn.impl.flex._hopper._mosaic import ROWS
+from jattn.impl import _in_kernel, common, tiling
+from jattn.impl.flex_hopper import _mosaic
+from jattn.impl.flex_hopper._mosaic import ROWS
 from jattn.masks import core as masks_core
 
 
@@ -29,7 +27,7 @@ class Functions(NamedTuple):
   evaluate them: jaxprs traced at each tile shape the kernels use (batch row and head as
   scalars, query and key indices of the tile's shape), whose leading inputs are the arrays
   they read. The kernels take those arrays as inputs and read them an element at a time at
-  indices of the batch row and head (:mod:`jattn.impl.flex._in_kernel`; :func:`mask_reason`
+  indices of the batch row and head (:mod:`jattn.impl._in_kernel`; :func:`mask_reason`
   and :func:`score_reason` refuse functions that read them otherwise)."""
 
   mask: dict[tuple[int, ...], Any] | None
@@ -292,7 +290,7 @@ def prepare(
   slopes = None
   if score_fn is not None and backward:
     slopes, slope_arrays = _traced(_with_slope(score_fn), [(ROWS, ROWS)], score=True)
-    if not _kernels.same_arrays(score_arrays, slope_arrays):
+    if not _in_kernel.same_arrays(score_arrays, slope_arrays):
       raise ValueError(f"score_fn: {score_fn!r} reads other arrays when differentiated")
   position_fns: Any = None
   position_arrays: tuple[jax.Array, ...] = ()
@@ -409,15 +407,15 @@ def _traced(
   arrays it reads (the same at every shape): ``(None, ())`` where ``fn`` is None."""
   if fn is None:
     return None, ()
-  found: dict[tuple[int, ...], _kernels.Function] = {}
+  found: dict[tuple[int, ...], _in_kernel.Function] = {}
   for shape in dict.fromkeys(shapes):
     specs = _index_specs(shape)
     if score:
       specs.insert(0, jax.ShapeDtypeStruct(shape, jnp.float32))
-    found[shape] = _kernels.Function.trace(lambda *a: fn(*a), *specs)
+    found[shape] = _in_kernel.Function.trace(lambda *a: fn(*a), *specs)
   first = next(iter(found.values()))
   for other in found.values():
-    if not _kernels.same_arrays(first.arrays, other.arrays):
+    if not _in_kernel.same_arrays(first.arrays, other.arrays):
       name = "score_fn" if score else "mask"
       raise ValueError(f"{name}: {fn!r} reads different arrays at tiles of {list(found)}")
   return {shape: f.jaxpr for shape, f in found.items()}, first.arrays

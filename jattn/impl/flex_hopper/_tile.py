@@ -15,9 +15,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jattn import dropout as _dropout
-from jattn.impl.flex import _in_kernel
-from jattn.impl.flex._hopper import _mosaic
-from jattn.impl.flex._hopper._mosaic import LOG2E
+from jattn.impl import _in_kernel
+from jattn.impl.flex_hopper import _mosaic
+from jattn.impl.flex_hopper._mosaic import LOG2E
 
 
 def scores(

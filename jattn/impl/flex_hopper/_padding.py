@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn import masks as _masks
-from jattn.impl.flex import _kernels
+from jattn.impl import tiling
 from jattn.masks import core as masks_core
 
 HEAD = 64  # the head dims' multiple
@@ -82,7 +82,7 @@ def pad(query: jax.Array, key: jax.Array, value: jax.Array, **options: Any) -> P
   if (Tp, Sp) != (T, S):
     options = _lengths(T, S, Tp, Sp, **options)
   return Padded(
-    _kernels.pad_to(query, Tp, H), _kernels.pad_to(key, Sp, H), _kernels.pad_to(value, Sp, Hv),
+    tiling.pad_to(query, Tp, H), tiling.pad_to(key, Sp, H), tiling.pad_to(value, Sp, Hv),
     options,
   )  # fmt: skip
 
@@ -109,7 +109,7 @@ def _lengths(T: int, S: int, Tp: int, Sp: int, **options: Any) -> dict[str, Any]
   if Sp > S:
     parts.append(_masks.lengths(None, S))  # the padded keys
   if bias is not None and jnp.ndim(bias) == 4:  # (another rank: refused by the kernels' check)
-    bias = _kernels.pad_bias(jnp.asarray(bias), Tp, Sp)
+    bias = tiling.padded_bias(jnp.asarray(bias), Tp, Sp)
   if positions is not None:  # a part's maps: the padding drawn at the last position's
     maps = list(positions)
     for i, n in ((2, Tp), (3, Sp)):

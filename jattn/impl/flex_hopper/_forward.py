@@ -10,9 +10,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jattn.impl.flex import _kernels
-from jattn.impl.flex._hopper import _call, _mosaic, _tile
-from jattn.impl.flex._hopper._mosaic import ROWS
+from jattn.impl import tiling
+from jattn.impl.flex_hopper import _call, _mosaic, _tile
+from jattn.impl.flex_hopper._mosaic import ROWS
 
 
 def one_warpgroup(
@@ -45,7 +45,7 @@ def one_warpgroup(
     (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
     mask, score_fn = r.mask, r.score_fn
     out_ref, lse_ref, q_smem, o_smem, lse_smem, q_bar, p_smem, id_smem = r.rest
-    i = _kernels.tile_of(lax.axis_index("q"), T // ROWS, static.from_last[0])
+    i = tiling.tile_of(lax.axis_index("q"), T // ROWS, static.from_last[0])
     h, b = lax.axis_index("h"), lax.axis_index("b")
     b_g, h_g = _mosaic.global_index(b, h, off_ref)
     kv_head = lax.div(h, jnp.array(G, h.dtype))
@@ -201,7 +201,7 @@ def specialized(
     qo_smem, k_smem, v_smem, lse_smem, qid_smem, kid_smem, o_smem, *planes_smem = buffers
     bias_smem, dense_smem = planes_smem
     k_ready, v_ready, q_ready, k_free, v_free, turn, ids_ready = barriers
-    i = _kernels.tile_of(lax.axis_index("q"), T // (2 * ROWS), static.from_last[0])
+    i = tiling.tile_of(lax.axis_index("q"), T // (2 * ROWS), static.from_last[0])
     h, b = lax.axis_index("h"), lax.axis_index("b")
     wg = lax.axis_index("wg")
     b_g, h_g = _mosaic.global_index(b, h, off_ref)
