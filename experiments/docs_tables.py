@@ -682,7 +682,64 @@ def _tile_list(row: dict) -> list[list[int]]:
   return [t] if t and isinstance(t[0], int) else t
 
 
+# --- tables read from the library itself ----------------------------------------------------
+
+
+def _summary(module_doc: str) -> str:
+  """The first sentence of an implementation module's docstring, without its name."""
+  first = " ".join((module_doc or "").split("\n\n")[0].split())
+  if first.startswith("``implementation="):
+    first = first.split(":", 1)[1].strip()
+  return first
+
+
+def implementations(docs: pathlib.Path) -> str:
+  """The selection table's rows (jattn.impl.select.TABLE): what each implementation is,
+  where it runs, its backward rules, the masks it expresses and how implementation=None
+  reaches it; then, per row, the features it does not express and why."""
+  del docs
+  import importlib
+
+  from jattn.impl import select
+
+  rows, limits = [], []
+  for name, row in select.TABLE.items():
+    module = importlib.import_module(f"jattn.impl.{name}")  # each row's own module
+    rules = ", ".join(f"`{b!r}`" for b in row.backwards) or "its own (`backward=None`)"
+    if row.opt_in is not None:
+      auto = f"never: an explicit opt-in ({row.opt_in})"
+    elif row.fused:
+      auto = "where it expresses the call, in table order"
+    else:
+      auto = "without a fused kernel, by the size of the scores"
+    where = ", ".join(b.upper() for b in row.runs_on)
+    cells = [f"`{name!r}`", _summary(module.__doc__ or ""), where, rules, row.masks, auto]
+    rows.append([c.replace("|", "\\|") for c in cells])
+    features = (
+      ("bias", row.bias),
+      ("score_fn", row.score_fn),
+      ("logits_soft_cap", row.soft_cap),
+      ("dropout", row.dropout),
+      ("return_residual", row.residual),
+      ("sinks", row.sinks),
+    )
+    missing = [f"{feature}: {why}" for feature, why in features if why is not None]
+    if row.dtypes is not None:
+      missing.append(f"dtypes: {', '.join(row.dtypes)} only")
+    limits.append([f"`{name!r}`", "; ".join(missing) or "nothing"])
+  header = ["`implementation`", "what it is", "where", "`backward`", "masks", "`None` picks it"]
+  return (
+    _table(header, rows)
+    + "\nWhat each does not express (an explicit call raises with the reason):\n\n"
+    + _table(["`implementation`", "does not take"], limits)
+  )
+
+
+# Tables read from the library's code, not from run records.
+LIBRARY_TABLES: dict[str, Callable[[pathlib.Path], str]] = {"implementations": implementations}
+
 TABLES: dict[str, Callable[[pathlib.Path], str]] = {
+  **LIBRARY_TABLES,
   "bench": bench_timings,
   "bench_memory": bench_memory,
   "decode": decode,

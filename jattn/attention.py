@@ -101,16 +101,12 @@ def dot_product_attention(
       attend to nothing and return zeros.
     key_value_seq_lengths: int array (B,); keys at or past it are masked.
     local_window_size: int w or (left, right): t - left <= s <= t + right.
-    implementation: None (auto: see below), ``"xla"`` (materialised scores,
-      fastest for short sequences), ``"blockwise"`` (online softmax over
-      tiles, O(B·T·N·H) memory, skips tiles the mask empties), ``"splash"``
-      (JAX's splash attention Pallas kernel on TPU, for the masks it expresses),
-      ``"cudnn"`` (jax.nn's cuDNN kernel on NVIDIA GPUs, for the arguments
-      jax.nn supports, with jax.nn's semantics) or ``"flex"`` (jattn's own fused
-      Pallas kernel for NVIDIA GPUs, the mask and score function compiled into
-      it). None picks, on the running backend, its first fused kernel (splash
-      on TPU; cuDNN, then flex, on GPU) that expresses the call exactly, when
-      no ``backward`` rule is named; otherwise
+    implementation: None (auto), or a name from :data:`IMPLEMENTATIONS`, the selection
+      table's rows (``"xla"`` materialises the scores; ``"blockwise"`` runs an online
+      softmax over tiles in O(B·T·N·H) memory; the fused kernels of each backend;
+      docs/implementations.md lists them all, generated from the table). None picks, on
+      the running backend, its first fused kernel in table order that expresses the call
+      exactly and is not an opt-in, when no ``backward`` rule is named; otherwise
       ``"blockwise"`` when ``block_q``/``block_kv`` are given, ``"xla"`` when
       ``backward="autodiff"``, and otherwise ``"blockwise"`` once the
       (B, N, T, S) float32 scores would take ``AUTO_BLOCKWISE_BYTES[backend]``
@@ -140,12 +136,11 @@ def dot_product_attention(
       forward pass) or ``"custom_vjp"`` (jattn's explicit rule, which keeps
       only the inputs and the log-sum-exp and recomputes the probabilities).
       None picks the implementation's default (``"autodiff"`` for ``"xla"``,
-      ``"custom_vjp"``, its only rule, for ``"blockwise"``); ``"splash"`` and
-      ``"cudnn"`` have their own fused backward and take None.
-    block_q, block_kv: tile sizes of ``"blockwise"`` (default per backend,
-      :data:`jattn.impl.blockwise.DEFAULT_BLOCKS`; any T and S work) or of
-      ``"splash"`` (multiples of 128, default 512 capped to the lengths
-      rounded up to 128; lengths that are not whole tiles are padded).
+      ``"custom_vjp"``, its only rule, for ``"blockwise"``); the fused kernels have
+      their own backward and take None.
+    block_q, block_kv: tile sizes of the tiled implementations, each by its own rule
+      (``"blockwise"`` takes any, default per backend,
+      :data:`jattn.impl.blockwise.DEFAULT_BLOCKS`; any T and S work).
     sinks: optional per-head logits, a float array (N,), differentiable
       (attention sinks, as in gpt-oss and StreamingLLM): each row's softmax
       gets one more logit ``sinks[n]`` with no value, so

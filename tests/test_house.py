@@ -104,6 +104,11 @@ def test_imports_flow_one_way_through_the_library():
   base = {"jattn.masks", "jattn.scores", "jattn._compat"}
   assert graph["jattn.impl.contract"] <= base, graph["jattn.impl.contract"]
   assert graph["jattn._compat"] == set(), graph["jattn._compat"]
+  # Each implementation's row checks its own options and tiles: Options asks the table.
+  from jattn.impl import select
+
+  rows = {f"jattn.impl.{name}" for name in select.TABLE}
+  assert rows <= set(graph) and not graph["jattn._validate.options"] & rows
 
 
 def _private_crossings(sources: dict[str, tuple[str, bool]]) -> list[str]:

@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from jattn import _checks
-from jattn.impl import flex, select, splash
+from jattn.impl import select
 
 __all__ = ["Options"]
 
@@ -25,12 +25,13 @@ class Options:
   """How attention runs; every field None takes the default.
 
   Args:
-    implementation: ``"xla"``, ``"blockwise"``, ``"splash"``, ``"cudnn"``, ``"flex"`` or None
-      (the selection table chooses; see :func:`jattn.explain`).
+    implementation: a name of the selection table (:data:`jattn.attention.IMPLEMENTATIONS`;
+      docs/implementations.md lists them) or None (the table chooses; see
+      :func:`jattn.explain`).
     backward: ``"autodiff"``, ``"custom_vjp"`` or None (the implementation's default).
-    block_q, block_kv: tile sizes of the tiled implementations: blockwise takes any,
-      flex powers of two from 16, splash multiples of 128; sizes the named
-      implementation cannot take raise ValueError here, naming them.
+    block_q, block_kv: tile sizes of the tiled implementations, each by its own rule
+      (blockwise takes any); sizes the named implementation cannot take raise ValueError
+      here, naming them.
 
   Example::
 
@@ -69,27 +70,24 @@ class Options:
 def tile_sizes(
   implementation: str | None, block_q: Any, block_kv: Any
 ) -> tuple[int | None, int | None]:
-  """Tile sizes checked; they exist only for the tiled implementations (the table's tiles
-  column; with implementation=None they exclude the others, see select.choose)."""
-  tiled = select.TILED
+  """Tile sizes checked: positive integers, which the named implementation's row takes (its
+  own tile rule; with implementation=None the table excludes the untiled ones, see
+  :func:`jattn.impl.select.choose`)."""
   blocks = (
     None if block_q is None else _checks.integer("block_q", block_q, minimum=1),
     None if block_kv is None else _checks.integer("block_kv", block_kv, minimum=1),
   )
-  if implementation is not None and implementation not in tiled and blocks != (None, None):
+  if implementation is None or blocks == (None, None):
+    return blocks
+  row = select.TABLE[implementation]
+  if not row.tiles:
+    tiled = select.TILED
     names = ", ".join(repr(n) for n in tiled[:-1]) + f" or {tiled[-1]!r}"
     raise ValueError(
       f"block_q and block_kv apply only to implementation={names}, got "
       f"implementation={implementation!r}"
     )
-  # The fused kernels' own tile rules, checked when the sizes are given (an Options is made),
-  # not first at the call; blockwise takes any size.
-  reason = None
-  if implementation == "flex":
-    reason = flex.tiles_reason(*blocks)
-  elif implementation == "splash":
-    # A size not given takes splash's default, a multiple of its lanes.
-    reason = splash.blocks_reason(*(splash.LANES if b is None else b for b in blocks))
+  reason = row.tiles_reason(*blocks)
   if reason is not None:
     raise ValueError(f"implementation={implementation!r} does not support {reason}")
   return blocks

@@ -147,6 +147,9 @@ class Implementation:
   # (CallSpec.positions): why not, or None.
   positions: str | None = "it draws dropout at its own indices only"
   tiles: bool = False  # takes block_q / block_kv, and needs something to tile
+  # Why it cannot take these tile sizes (None where a size is not given: its default), or
+  # None; checked when an Options naming it is made. None: it takes any sizes.
+  tile_rule: Callable[[int | None, int | None], str | None] | None = None
   fused: bool = False  # one kernel per device: needs whole sequences there
   takes_sinks: bool = False  # its kernel adds the sinks itself
   interpretable: bool = False  # runs anywhere in Pallas interpret mode
@@ -158,6 +161,12 @@ class Implementation:
   opt_in: str | None = None
   # Appended to the error for a backward rule it lacks: why it lacks it.
   backward_notes: tuple[tuple[str, str], ...] = ()
+  # A ring's shard pairs (jattn.parallel) may run on it, each pair's call through this row
+  # and differentiated by its own rule given the ring's merged log-sum-exp.
+  ring_pairs: bool = False
+  # It tabulates its masks when its kernel is built (splash): a sequence-parallel call hands
+  # it each device's part of the mask at positions known when the call is traced.
+  static_masks: bool = False
   # Reads a KV cache tile by tile (paged or quantized storage, no copy): (query, tiles,
   # spec) -> (out, lse), the tiles a jattn.impl.kv_tiles.CacheTiles. None: it reads no cache.
   read_cache: Callable[..., tuple[Any, Any]] | None = None
@@ -206,6 +215,14 @@ class Implementation:
       where = " or ".join(self.runs_on)
       return f"it runs on {where.upper()}, and the backend is {call.backend!r}"
     return None
+
+  def tiles_reason(self, block_q: int | None, block_kv: int | None) -> str | None:
+    """Why it cannot take tiles ``block_q`` by ``block_kv`` (None: not given), or None."""
+    if (block_q, block_kv) == (None, None):
+      return None
+    if not self.tiles:
+      return f"block_q and block_kv: {self.name} takes no tiles"
+    return None if self.tile_rule is None else self.tile_rule(block_q, block_kv)
 
   def runs_on_backend(self, backend: str, *, interpret: bool = False) -> bool:
     """Whether it runs on ``backend`` (a Pallas kernel anywhere when interpreted)."""

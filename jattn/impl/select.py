@@ -3,9 +3,9 @@
 :data:`TABLE` says, for each implementation, where it runs and what it expresses exactly.
 :func:`choose` reads it for a checked call: an explicit ``implementation`` that cannot
 express the call raises naming the feature; ``implementation=None`` takes the backend's
-first fused kernel, in table order, that expresses the call (splash on TPU; cuDNN, then
-flex, on GPU) and otherwise the materialised ``"xla"`` path or the tiled ``"blockwise"``
-loop by the size of the scores.
+first fused kernel, in table order, that expresses the call and is not an opt-in, and
+otherwise the materialised ``"xla"`` path or the tiled ``"blockwise"`` loop by the size of
+the scores. ``docs/implementations.md`` shows the table, generated from it.
 :func:`jattn.explain` shows the same decision, with the reason for each implementation
 not taken. Arguments arrive checked from :func:`jattn._validate.build`.
 """
@@ -23,7 +23,8 @@ from jattn.impl.contract import BACKENDS, BACKWARDS, Call, Implementation
 
 __all__ = ["BACKENDS", "BACKWARDS", "Call", "Implementation", "TABLE", "Choice", "choose"]
 
-# One row per implementation, each declared in its own module (see jattn.impl.contract).
+# One row per implementation, each declared in its own module (see jattn.impl.contract); the
+# order is implementation=None's order of trying the fused kernels on a backend.
 TABLE: dict[str, Implementation] = {
   row.name: row
   for row in (
@@ -38,6 +39,10 @@ TABLE: dict[str, Implementation] = {
 
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {name: row.backwards for name, row in TABLE.items()}
 TILED = tuple(name for name, row in TABLE.items() if row.tiles)
+# What may run a ring's shard pairs besides its own blockwise loops: kernels that tabulate
+# their masks per pair (splash), and kernels run per pair through the table (flex).
+STATIC_MASKS = tuple(name for name, row in TABLE.items() if row.static_masks)
+RING_PAIRS = tuple(name for name, row in TABLE.items() if row.ring_pairs)
 
 # implementation=None, per backend: the fused kernels to try, first to last (table order).
 FUSED: dict[str, tuple[str, ...]] = {
@@ -240,14 +245,16 @@ def _mib(n: int) -> str:
   return f"{mib:,.0f} MiB" if mib >= 10 else f"{mib:.3g} MiB"
 
 
+_DEVICES = {"gpu": "an NVIDIA GPU", "tpu": "a TPU", "cpu": "a CPU"}
+
+
 def _no_device(name: str, backend: str) -> str:
-  if name == "cudnn":
-    return f"implementation='cudnn' needs an NVIDIA GPU; the default backend is {backend!r}"
-  device = "an NVIDIA GPU" if TABLE[name].runs_on == ("gpu",) else "a TPU"
-  return (
-    f"implementation={name!r} needs {device}; the default backend is {backend!r} "
-    "(jattn.testing.interpret_kernels() runs it in Pallas interpret mode, for tests)"
-  )
+  row = TABLE[name]
+  device = " or ".join(_DEVICES[b] for b in row.runs_on)
+  hint = ""
+  if row.interpretable:
+    hint = " (jattn.testing.interpret_kernels() runs it in Pallas interpret mode, for tests)"
+  return f"implementation={name!r} needs {device}; the default backend is {backend!r}{hint}"
 
 
 def default_backend() -> str:

@@ -32,8 +32,9 @@ from jattn.impl.select import Choice
 
 __all__ = ["KERNELS", "wanted", "leaves", "pair_spec", "choose", "attend", "grads"]
 
-KERNELS = ("flex",)
-"""What the ring runs through this module: kernels whose own rule takes an lse cotangent."""
+KERNELS = select.RING_PAIRS
+"""What the ring runs through this module: the table's rows whose own rule takes an lse
+cotangent (``ring_pairs``)."""
 
 
 def leaves(score_fn: Any, example: Any) -> tuple[Any, list[Any]] | None:

@@ -297,20 +297,21 @@ def _gathered(
     out, lse = attention.attend(q, k, v, spec)
     return (out, lse) if spec.return_residual else out
   # Ulysses' parts take the static form on any backend (one mask, exact tiles); the
-  # all-gather's, one per device, only where splash may run them.
+  # all-gather's, one per device, only where a kernel that tabulates its masks may run them.
   backend = testing.target_backend() or select.default_backend()
-  splash_may_run = options.implementation == "splash" or (
-    options.implementation is None and backend == "tpu"
+  named = options.implementation
+  tabulated = named in select.STATIC_MASKS or (
+    named is None and any(backend in select.TABLE[n].runs_on for n in select.STATIC_MASKS)
   )
   part_masks, why_not = None, None
-  if strategy == "ulysses" or splash_may_run:
+  if strategy == "ulysses" or tabulated:
     part_masks, why_not = _part_masks(
       spec.mask, strategy, layout, size, spec.T, spec.S, batch_axes, head_axes
     )
-  if why_not and options.implementation == "splash":
+  if why_not and named in select.STATIC_MASKS:
     raise ValueError(
-      f"context_parallel_attention(strategy={strategy!r}, implementation='splash') does not "
-      f"support {why_not}: splash tabulates each device's part of the mask when its kernel "
+      f"context_parallel_attention(strategy={strategy!r}, implementation={named!r}) does not "
+      f"support {why_not}: {named} tabulates each device's part of the mask when its kernel "
       f"is built"
     )
   plan = _Plan(

@@ -281,7 +281,9 @@ def _beyond_splash(bias: Any, score_fn: Any, dropout_rate: float) -> str | None:
   return "dropout" if dropout_rate else None
 
 
-_PAIRS = ("blockwise", "splash", *_kernel_pairs.KERNELS)
+# The ring's own blockwise loops, or per pair a kernel that tabulates its masks (splash,
+# through _splash_pairs) or one the table runs (_kernel_pairs).
+_PAIRS = ("blockwise", *select.STATIC_MASKS, *_kernel_pairs.KERNELS)
 
 
 def _check_pairs(implementation: Any) -> None:

@@ -347,6 +347,9 @@ IMPLEMENTATION = contract.Implementation(
   score_fn="splash has no score function (logits_soft_cap it has)",
   dropout="splash has no dropout",
   tiles=True,
+  # A size not given takes splash's default, a multiple of its lanes.
+  tile_rule=lambda bq, bk: blocks_reason(LANES if bq is None else bq, LANES if bk is None else bk),
+  static_masks=True,
   fused=True,
   takes_sinks=True,
   interpretable=True,
