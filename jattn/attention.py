@@ -22,14 +22,14 @@ re-validates.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 import chex
 import jax
 
 from jattn import _validate, masks
+from jattn._validate.keywords import Keywords, Weights, checked
 from jattn._validate.options import Options
 from jattn.impl import common, contract, select, xla
 from jattn.impl.contract import CallSpec
@@ -157,12 +157,7 @@ def dot_product_attention(
   Unlike jax.nn, a query row that may attend to nothing returns zeros (jax.nn
   returns the mean of the values) and the log-sum-exp is differentiable.
   """
-  arguments = _validate.Arguments(
-    query,
-    key,
-    value,
-    bias,
-    mask,
+  keywords = Keywords(
     scale=scale,
     is_causal=is_causal,
     query_seq_lengths=query_seq_lengths,
@@ -182,7 +177,7 @@ def dot_product_attention(
     sinks=sinks,
     options=options,
   )
-  q, k, v, spec = _validate.build(arguments)
+  q, k, v, spec = _validate.build(query, key, value, bias, mask, keywords)
   out, lse = attend(q, k, v, spec)
   return (out, lse) if return_residual else out
 
@@ -192,21 +187,13 @@ def attention_weights(
   key: jax.typing.ArrayLike,
   bias: jax.typing.ArrayLike | None = None,
   mask: jax.typing.ArrayLike | masks.Mask | None = None,
-  *,
-  scale: float | None = None,
-  is_causal: bool = False,
-  query_seq_lengths: jax.typing.ArrayLike | None = None,
-  key_value_seq_lengths: jax.typing.ArrayLike | None = None,
-  local_window_size: int | tuple[int, int] | None = None,
-  segment_ids: Any = None,
-  score_fn: Callable | None = None,
-  logits_soft_cap: float | None = None,
-  sinks: jax.typing.ArrayLike | None = None,
+  **keywords: Unpack[Weights],
 ) -> jax.Array:
   """The attention probabilities ``dot_product_attention`` applies, for inspection.
 
   Takes the arguments of :func:`dot_product_attention` that shape the
-  probabilities (no value, no dropout) with the same meanings, and returns the
+  probabilities (no value, no dropout: the :class:`~jattn._validate.keywords.Scoring` and
+  :class:`~jattn._validate.keywords.Masking` keywords) with the same meanings, and returns the
   materialised softmax, shape (B, N, T, S) (or (N, T, S) unbatched), in the
   query's dtype. Rows that may attend to nothing are zeros; with ``sinks`` the
   sink's share is left out, so rows sum to less than 1. It materialises
@@ -222,24 +209,8 @@ def attention_weights(
            [0.5       , 0.5       , 0.        ],
            [0.33333334, 0.33333334, 0.33333334]], dtype=float32)
   """
-  arguments = _validate.Arguments(
-    query,
-    key,
-    None,
-    bias,
-    mask,
-    scale=scale,
-    is_causal=is_causal,
-    query_seq_lengths=query_seq_lengths,
-    key_value_seq_lengths=key_value_seq_lengths,
-    local_window_size=local_window_size,
-    segment_ids=segment_ids,
-    score_fn=score_fn,
-    logits_soft_cap=logits_soft_cap,
-    sinks=sinks,
-    implementation="xla",
-  )
-  q, k, _, spec = _validate.build(arguments)
+  xla = dict(checked("attention_weights", keywords, Weights), implementation="xla")
+  q, k, _, spec = _validate.build(query, key, None, bias, mask, xla)
   return _weights(q, k, spec)
 
 
@@ -251,7 +222,7 @@ def explain(
   mask: jax.typing.ArrayLike | masks.Mask | None = None,
   *,
   backend: str | None = None,
-  **kwargs: Any,
+  **keywords: Unpack[Keywords],
 ) -> Choice:
   """Which implementation :func:`dot_product_attention` runs for these arguments, and why.
 
@@ -276,10 +247,7 @@ def explain(
     'blockwise'
   """
   select.check_backend(backend)
-  allowed = list(inspect.signature(dot_product_attention).parameters)[5:]
-  for name in kwargs:
-    if name not in allowed:
-      raise TypeError(f"explain() got an unexpected keyword argument {name!r}")
+  kwargs = checked("explain", keywords, Keywords)
   choices: list[Choice] = []
   # Every ShapeDtypeStruct, wherever it sits (a mask array, both ids of a segment pair,
   # lengths, sinks, dropout_rng), is traced as an abstract array, as query, key, value and bias
@@ -296,8 +264,7 @@ def explain(
     for i, x in zip(shaped, abstract):
       filled[i] = x
     m, kw = jax.tree_util.tree_unflatten(tree, filled)
-    arguments = _validate.Arguments(q, k, v, b, m, **kw)
-    choices.append(_validate.build(arguments, backend=backend, explain=True))
+    choices.append(_validate.build(q, k, v, b, m, kw, backend=backend, explain=True))
     return ()
 
   jax.eval_shape(trace, query, key, value, bias, [leaves[i] for i in shaped])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import pathlib
 import re
 import sys
@@ -201,6 +202,56 @@ def test_underscore_names_stay_in_their_package():
     "j.b.m -> j.a.sub._y",
     "j.b.m -> j.a.sub._z",
   ]
+
+
+def test_the_calls_keywords_are_listed_once():
+  """jattn._validate.keywords lists the call's keywords once. dot_product_attention spells
+  out jax.nn's signature for help() and IDEs: its keywords are the list's, with its defaults;
+  every other front end takes groups of the list as ``**keywords`` and refuses any other name
+  as Python refuses an unexpected keyword argument."""
+  import inspect
+
+  import jax.numpy as jnp
+
+  import jattn
+  import jattn.linen
+  import jattn.nnx
+  from jattn import decode, parallel
+  from jattn._validate import keywords as kw
+
+  params = inspect.signature(jattn.dot_product_attention).parameters
+  only = {n: p.default for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+  assert set(only) == set(kw.names(kw.Keywords))
+  assert only == {n: kw.DEFAULTS.get(n) for n in only}  # type: ignore[misc]
+  groups = (kw.Scoring, kw.Masking, kw.Dropout, kw.Outputs, kw.Routing)
+  listed = [n for g in groups for n in kw.names(g)]
+  assert len(listed) == len(set(listed)) and set(listed) == set(only)  # each name in one group
+
+  q = jnp.ones((1, 4, 2, 8))
+  mesh = jax.make_mesh((1,), ("sp",))
+  front_ends = {
+    "attention_weights": (jattn.attention_weights, (q, q), "Weights"),
+    "explain": (jattn.explain, (q, q, q), "Keywords"),
+    "attention": (decode.attention, (q, q, q, decode.init(1, 8, 2, 8)), "Decoding"),
+    "context_parallel_attention": (
+      functools.partial(parallel.context_parallel_attention, mesh=mesh, axis_name="sp"),
+      (q, q, q),
+      "Keywords",
+    ),
+    "ring_attention": (
+      functools.partial(parallel.ring_attention, mesh=mesh, axis_name="sp"),
+      (q, q, q),
+      "Keywords",
+    ),
+    "attention_fn": (jattn.nnx.attention_fn, (q, q, q), "Adapted"),
+  }
+  for who, (fn, arrays, group) in front_ends.items():
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    var = [p for p in inspect.signature(target).parameters.values() if p.kind is p.VAR_KEYWORD]
+    assert [str(p.annotation) for p in var] == [f"Unpack[{group}]"], who
+    with pytest.raises(TypeError, match=rf"^{who}\(\) got an unexpected keyword argument 'nope'$"):
+      fn(*arrays, nope=1)
+  assert jattn.linen.attention_fn(q, q, q, sinks=None).shape == q.shape
 
 
 def test_every_pytree_class_is_registered_so_its_treedef_names_its_class():

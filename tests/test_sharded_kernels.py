@@ -180,8 +180,8 @@ def test_the_shard_map_wrapper_keeps_any_kernels_values():
   bias = array(np.random.default_rng(5).normal(size=(1, N, T, T)), jnp.float32)
 
   def run(q, k, v, bias, wrap):
-    arguments = _validate.Arguments(q, k, v, bias, is_causal=True, implementation="xla")
-    q, k, v, spec = _validate.build(arguments)
+    keywords = dict(is_causal=True, implementation="xla")
+    q, k, v, spec = _validate.build(q, k, v, bias, None, keywords)
     spec = contract.rank4(spec)
     if wrap:
       return sharded.per_shard(xla.attention, q, k, v, spec, auto=False)[0]

@@ -4,12 +4,13 @@
 normalised query, key and value with a :class:`CallSpec`: the legend sizes, the one
 combined :class:`jattn.masks.Mask`, the one score function, the bias, dropout, the
 scale, the tiles, the chosen implementation and backward rule. Every entry point
-(:func:`jattn.dot_product_attention`, :func:`jattn.attention_weights`,
-:func:`jattn.parallel.ring_attention`, and through the first :mod:`jattn.decode` and
-the Flax modules) builds one, and the implementations read their settings from it;
-nothing downstream re-validates. The front ends hand their arguments over whole, as one
-:class:`Arguments`, so adding a keyword touches its public signatures, :class:`Arguments`,
-:func:`build`, :class:`CallSpec` and the implementations that use it.
+(:func:`jattn.dot_product_attention`, :func:`jattn.attention_weights`, :func:`jattn.explain`,
+:func:`jattn.decode.attention`, :func:`jattn.parallel.context_parallel_attention`, and
+through them the Flax modules) builds one, and the implementations read their settings
+from it; nothing downstream re-validates. The front ends hand over their arrays and their
+keywords as one mapping of the names listed once in :mod:`jattn._validate.keywords`, so
+adding a keyword touches that list, its check here, :class:`CallSpec` and the
+implementations that read it.
 
 The masks, score functions and bias are checked and combined in ``_masking``, the arrays
 and scalar settings in ``_call`` (generic checks in :mod:`jattn._checks`), the
@@ -20,10 +21,9 @@ selection table (:mod:`jattn.impl.select`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
-import jax
 import numpy as np
 from jax.typing import DTypeLike
 
@@ -31,47 +31,18 @@ from jattn import _checks, _compat, testing
 from jattn._validate import _call, _masking
 from jattn._validate._call import qkv as qkv
 from jattn._validate._masking import segments as segments
-from jattn._validate.options import Options
+from jattn._validate.keywords import DEFAULTS, options_of
 from jattn.impl import common, select, sharded
 from jattn.impl.contract import CallSpec
 
 
-@dataclasses.dataclass(frozen=True)
-class Arguments:
-  """A public call's arguments, named and meant as in :func:`jattn.dot_product_attention`.
-
-  The one list of what :func:`build` checks. Each front end constructs one from its own
-  arguments, by name; ``value=None`` describes a call that forms only the weights
-  (:func:`jattn.attention_weights`).
-  """
-
-  query: Any
-  key: Any
-  value: Any = None
-  bias: Any = None
-  mask: Any = None
-  scale: float | None = None
-  is_causal: bool = False
-  query_seq_lengths: Any = None
-  key_value_seq_lengths: Any = None
-  local_window_size: int | tuple[int, int] | None = None
-  return_residual: bool = False
-  segment_ids: Any = None
-  score_fn: Callable[..., jax.Array] | None = None
-  logits_soft_cap: float | None = None
-  dropout_rate: float = 0.0
-  dropout_rng: Any = None
-  broadcast_dropout: bool = False
-  sinks: Any = None
-  implementation: str | None = None
-  backward: str | None = None
-  block_q: int | None = None
-  block_kv: int | None = None
-  options: Options | None = None
-
-
 def build(
-  arguments: Arguments,
+  query: Any,
+  key: Any,
+  value: Any,
+  bias: Any,
+  mask: Any,
+  keywords: Mapping[str, Any],
   *,
   backend: str | None = None,
   explain: bool = False,
@@ -79,6 +50,9 @@ def build(
 ) -> Any:  # (query, key, value or None, CallSpec); with explain=True a select.Choice
   """Every argument of a call checked; raises before anything is traced.
 
+  ``keywords`` are the call's keywords by name (:class:`~jattn._validate.keywords.Keywords`:
+  a name left out takes its default, the front end has refused names it does not take);
+  ``value=None`` describes a call that forms only the weights (:func:`jattn.attention_weights`).
   Returns ``(query, key, value, spec)``, the arrays as jax or NumPy arrays of one dtype;
   the implementation is chosen for ``backend`` (default: JAX's default backend) by
   :func:`jattn.impl.select.choose`. With ``explain=True``, returns that
@@ -87,41 +61,31 @@ def build(
   ``shapes_only``: key and value are ``jax.ShapeDtypeStruct`` values, for a caller that
   reads them from elsewhere (:mod:`jattn.decode`'s cache, tile by tile).
   """
-  a = arguments
-  options = Options.of(
-    a.options,
-    implementation=a.implementation,
-    backward=a.backward,
-    block_q=a.block_q,
-    block_kv=a.block_kv,
-  )
+  kw: dict[str, Any] = {**DEFAULTS, **keywords}
+  options = options_of(kw)
   # Options checked the names when it was made; here only the default rule is filled in.
   impl = options.implementation
   bwd = select.default_backward(impl, options.backward)
   blocks = (options.block_q, options.block_kv)
-  q, k, v = _call.qkv(
-    a.query, a.key, a.key if a.value is None else a.value, shapes_only=shapes_only
-  )
+  q, k, v = _call.qkv(query, key, key if value is None else value, shapes_only=shapes_only)
   unbatched = q.ndim == 3
   B, T, N, H = (1,) * unbatched + tuple(q.shape)
   S, K = k.shape[-3], k.shape[-2]
-  scale = _call.scale(a.scale, H)
-  bias = _masking.checked_bias(a.bias, (B, N, T, S), q.dtype)
+  scale = _call.scale(kw.get("scale"), H)
+  bias = _masking.checked_bias(bias, (B, N, T, S), q.dtype)
   _checks.flags(
-    is_causal=a.is_causal,
-    return_residual=a.return_residual,
-    broadcast_dropout=a.broadcast_dropout,
+    is_causal=kw["is_causal"],
+    return_residual=kw["return_residual"],
+    broadcast_dropout=kw["broadcast_dropout"],
   )
-  window = _call.window(a.local_window_size)
+  window = _call.window(kw.get("local_window_size"))
   lengths = tuple(
-    _call.seq_lengths(name, x, B)
-    for name, x in (
-      ("query_seq_lengths", a.query_seq_lengths),
-      ("key_value_seq_lengths", a.key_value_seq_lengths),
-    )
+    _call.seq_lengths(name, kw.get(name), B)
+    for name in ("query_seq_lengths", "key_value_seq_lengths")
   )
-  dropout_rate = _call.dropout(a.dropout_rate, a.dropout_rng)
-  sinks = _call.sinks(a.sinks, N)
+  dropout_rng = kw.get("dropout_rng")
+  dropout_rate = _call.dropout(kw["dropout_rate"], dropout_rng)
+  sinks = _call.sinks(kw.get("sinks"), N)
   spec = CallSpec(
     B=B,
     T=T,
@@ -129,22 +93,24 @@ def build(
     N=N,
     K=K,
     H=H,
-    Hv=H if a.value is None else v.shape[-1],
+    Hv=H if value is None else v.shape[-1],
     unbatched=unbatched,
     bias=bias,
     mask=_masking.combined_mask(
-      a.mask, a.is_causal, window, lengths, a.segment_ids, unbatched, (B, N, T, S)
+      mask, kw["is_causal"], window, lengths, kw.get("segment_ids"), unbatched, (B, N, T, S)
     ),
-    score_fn=_masking.score_function(a.score_fn, a.logits_soft_cap, q.dtype, (B, N, T, S)),
-    dropout_rng=a.dropout_rng if dropout_rate else None,
+    score_fn=_masking.score_function(
+      kw.get("score_fn"), kw.get("logits_soft_cap"), q.dtype, (B, N, T, S)
+    ),
+    dropout_rng=dropout_rng if dropout_rate else None,
     scale=scale,
     dropout_rate=dropout_rate,
-    broadcast_dropout=bool(a.broadcast_dropout),
+    broadcast_dropout=bool(kw["broadcast_dropout"]),
     implementation="",  # chosen below, from the checked settings
     backward=bwd,
     block_q=blocks[0],  # type: ignore[arg-type]  # None until resolved below
     block_kv=blocks[1],  # type: ignore[arg-type]
-    return_residual=bool(a.return_residual),
+    return_residual=bool(kw["return_residual"]),
     interpret=testing.interpreting(),
     sinks=sinks,
   )
@@ -164,7 +130,7 @@ def build(
   if explain:
     return choice
   spec = _for_choice(spec, choice, blocks, q.dtype, target)
-  return q, k, (None if a.value is None else v), spec
+  return q, k, (None if value is None else v), spec
 
 
 def for_shard(

@@ -5,14 +5,14 @@ or blockwise, reading the cache tile by tile."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jattn import _checks, _validate, masks
+from jattn._validate.keywords import Decoding, checked, options_of
 from jattn._validate.options import Options
 from jattn.attention import dot_product_attention
 from jattn.decode._cache import Cache, KVCache, PagedKVCache, _dims
@@ -30,21 +30,9 @@ def attention(
   cache: Cache,
   *,
   num_new: jax.typing.ArrayLike | None = None,
-  scale: float | None = None,
   bias: jax.typing.ArrayLike | None = None,
   mask: jax.typing.ArrayLike | masks.Mask | None = None,
-  score_fn: Callable | None = None,
-  logits_soft_cap: float | None = None,
-  dropout_rate: float = 0.0,
-  dropout_rng: jax.Array | None = None,
-  broadcast_dropout: bool = False,
-  implementation: str | None = None,
-  backward: str | None = None,
-  block_q: int | None = None,
-  block_kv: int | None = None,
-  return_residual: bool = False,
-  sinks: jax.typing.ArrayLike | None = None,
-  options: Options | None = None,
+  **keywords: Unpack[Decoding],
 ) -> tuple[jax.Array | tuple[jax.Array, jax.Array | None], Cache]:
   """Causal attention of t new tokens over the cache, after writing their keys and values.
 
@@ -64,10 +52,10 @@ def attention(
       past ``num_new[b]`` are padding and return zeros, and so do the rows of
       tokens dropped under jit (overflow, or a pool out of pages; see the
       docstring of :mod:`jattn.decode`).
-    scale, score_fn, logits_soft_cap, dropout_rate, dropout_rng: as in
-      :func:`jattn.dot_product_attention`, and so are broadcast_dropout,
-      implementation, backward, block_q, block_kv, return_residual and
-      sinks (per-head sink logits (N,)).
+    **keywords: the keywords of :func:`jattn.dot_product_attention` but those of
+      masking, which the cache sets (:class:`~jattn._validate.keywords.Decoding`:
+      scale, score_fn, logits_soft_cap, sinks, dropout, return_residual and the
+      implementation, backward, tiles or options), with the same meanings.
       ``score_fn`` sees ``q_idx`` within the chunk and ``kv_idx`` as the
       cache slot (see :mod:`jattn.decode`).
       ``"cudnn"`` is not available: the cache mask is an index mask. By
@@ -78,8 +66,6 @@ def attention(
       values instead. A paged or quantized cache is read tile by tile only
       (so ``backward="autodiff"``, which has no rule for that, is refused),
       and a paged cache's ``block_kv`` is a multiple of its page size.
-    options: a :class:`jattn.Options` holding implementation, backward, block_q and
-      block_kv as one value.
     bias: float array broadcastable to (B, N, t, max_length), added to the logits.
     mask: a :class:`jattn.masks.Mask` or boolean array broadcastable to
       (B, N, t, max_length), combined with the causal cache mask by ``&``.
@@ -92,12 +78,11 @@ def attention(
     ``(out, new_cache)`` with out (B, t, N, Hv) in the query's dtype, or
     ``((out, lse), new_cache)`` with ``return_residual``, lse (B, t, N).
   """
+  call = checked("attention", keywords, Decoding)
   _check_cache(cache)
   key, value, num_new = _check_new(cache, key, value, num_new)
   query = _check_query(cache, query, key)
-  options = Options.of(
-    options, implementation=implementation, backward=backward, block_q=block_q, block_kv=block_kv
-  )
+  options = options_of(call)
   allowed = masks.causal(cache.lengths)
   mask, bias, requested = _fit_to_pages(cache, mask, bias)
   if requested is not None:
@@ -110,17 +95,8 @@ def attention(
     except ValueError as e:
       raise ValueError(f"mask: {e}") from None
   new_cache = _write(cache, key, value, num_new)
-  call: dict[str, Any] = dict(
-    scale=scale,
-    query_seq_lengths=_kept(cache, new_cache, key.shape[1], num_new),
-    return_residual=return_residual,
-    score_fn=score_fn,
-    logits_soft_cap=logits_soft_cap,
-    dropout_rate=dropout_rate,
-    dropout_rng=dropout_rng,
-    broadcast_dropout=broadcast_dropout,
-    sinks=sinks,
-  )
+  # The rows' kept tokens as query lengths: a Masking keyword the cache sets itself.
+  call["query_seq_lengths"] = _kept(cache, new_cache, key.shape[1], num_new)
   materialised = not select.reads_cache(options.implementation, options.backward)
   if isinstance(new_cache, KVCache) and new_cache.key_scale is None and materialised:
     # Slots past a row's length hold whatever was there (uninitialised memory, a finished
@@ -219,10 +195,10 @@ def _over_tiles(
   # The keys and values are read from the cache: the spec is built from their shapes.
   shape_of = lambda h: jax.ShapeDtypeStruct((B, S, K, h), query.dtype)
   options = dataclasses.replace(options, implementation=reader.name, block_kv=block_kv)
-  arguments = _validate.Arguments(
-    query, shape_of(H), shape_of(Hv), bias, mask, options=options, **call
+  keywords = dict(call, options=options)
+  _, _, _, spec = _validate.build(
+    query, shape_of(H), shape_of(Hv), bias, mask, keywords, shapes_only=True
   )
-  _, _, _, spec = _validate.build(arguments, shapes_only=True)
   stores = (cache.key_pages, cache.value_pages) if isinstance(cache, PagedKVCache) else cache[:2]
   # Explicit mode: the page table and lengths take the query's batch sharding, so that each
   # device gathers the pages of its own rows from the (unsharded) pool.

@@ -11,15 +11,17 @@ helpers both modules use to read Flax's masks and batch dimensions. Layout
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, Unpack, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jattn import _checks, attention
+from jattn._validate.keywords import Adapted, Weights, checked, names, options_of
 
 _Module = TypeVar("_Module")  # the Flax module kind (NNX or Linen) that ``sow`` stores into
 
@@ -159,14 +161,9 @@ def make_attention_fn(
     einsum_dot_general: Callable[..., jax.Array] | None = None,
     qk_attn_weights_einsum: Callable[..., jax.Array] | None = None,
     attn_weights_value_einsum: Callable[..., jax.Array] | None = None,
-    implementation: str | None = None,
-    backward: str | None = None,
-    block_q: int | None = None,
-    block_kv: int | None = None,
-    logits_soft_cap: float | None = None,
-    score_fn: Callable | None = None,
-    sinks: jax.typing.ArrayLike | None = None,
+    **keywords: Unpack[Adapted],
   ) -> jax.Array:
+    settings = checked("attention_fn", keywords, Adapted)
     arrays = [query, key, value]
     for name, x in zip(("query", "key", "value"), arrays):
       if not hasattr(x, "shape") or x.ndim < 3:
@@ -190,16 +187,7 @@ def make_attention_fn(
     check_flax_shapes(query, key, value)
     overrides = einsum_dot_general is not None or einsums[0] is not None
     if jnp.issubdtype(dtype, jnp.complexfloating) or overrides:
-      jattn_settings = dict(
-        implementation=implementation,
-        backward=backward,
-        block_q=block_q,
-        block_kv=block_kv,
-        logits_soft_cap=logits_soft_cap,
-        score_fn=score_fn,
-        sinks=sinks,
-      )
-      for name, setting in jattn_settings.items():
+      for name, setting in settings.items():
         if setting is not None:
           why = "einsum overrides" if overrides else f"{np.dtype(dtype).name} inputs"
           raise ValueError(
@@ -245,15 +233,17 @@ def make_attention_fn(
       rate, dropout_rng = 0.0, None
     elif dropout_rng is None:
       raise ValueError(f"dropout_rate={rate} with deterministic=False needs dropout_rng")
-    kwargs: dict[str, Any] = dict(
-      is_causal=bool(is_causal), logits_soft_cap=logits_soft_cap, score_fn=score_fn, sinks=sinks
-    )
+    options = options_of(settings)  # what is left in settings: the Scoring keywords
+    weights = Weights(is_causal=bool(is_causal), **settings)  # type: ignore[typeddict-item]
     with _precision_context(precision):
       if module is not None:
         fp32 = force_fp32_for_softmax and jnp.dtype(dtype) != jnp.float32
         q, k = (query.astype(jnp.float32), key.astype(jnp.float32)) if fp32 else (query, key)
-        sow(module, _unflatten(attention.attention_weights(q, k, bias, mask, **kwargs), batch_dims))
-        implementation = "xla" if implementation is None else implementation
+        sow(
+          module, _unflatten(attention.attention_weights(q, k, bias, mask, **weights), batch_dims)
+        )
+        if options.implementation is None:  # the sown weights' materialised path
+          options = dataclasses.replace(options, implementation="xla")
       out = attention.dot_product_attention(
         query,
         key,
@@ -263,11 +253,8 @@ def make_attention_fn(
         dropout_rate=rate,
         dropout_rng=dropout_rng,
         broadcast_dropout=bool(broadcast_dropout),
-        implementation=implementation,
-        backward=backward,
-        block_q=block_q,
-        block_kv=block_kv,
-        **kwargs,
+        options=options,
+        **weights,
       )
     return _unflatten(out, batch_dims)
 
@@ -284,6 +271,7 @@ def _unflatten(x: jax.Array, batch_dims: tuple[int, ...]) -> jax.Array:
 
 
 def _adapter_doc(collection: str) -> str:
+  settings = ", ".join(f"``{name}``" for name in names(Adapted))
   return f"""Drop-in ``attention_fn=`` for Flax's attention modules, computed by jattn.
 
   Accepts exactly the keyword arguments Flax passes (``mask``,
@@ -291,8 +279,7 @@ def _adapter_doc(collection: str) -> str:
   ``dtype``, ``precision``, ``module``, ``is_causal``, and Linen's
   ``force_fp32_for_softmax``, ``einsum_dot_general``, ``qk_attn_weights_einsum``,
   ``attn_weights_value_einsum``) with Flax's meanings, plus jattn's own settings,
-  bound with ``functools.partial``: ``implementation``, ``backward``, ``block_q``,
-  ``block_kv``, ``logits_soft_cap``, ``score_fn``, ``sinks`` (per-head sink logits (N,)).
+  bound with ``functools.partial``: {settings}, as in :func:`jattn.dot_product_attention`.
   A mask of any dtype reads as Flax reads it: non-zero attends.
 
   Differences from Flax's default: a query row whose mask allows nothing

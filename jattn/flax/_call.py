@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import attention, decode, masks
+from jattn._validate.keywords import Dropout, Weights
 from jattn.flax import _adapter as _flax_adapter
 from jattn.flax import _cache as _flax_cache
 from jattn.flax._config import Settings
@@ -395,11 +396,10 @@ def attend(
     S] when ``sow_weights``, else None; the cache's new variables, None unless decoding.
   """
   rope = settings.rope
-  options: dict[str, Any] = dict(
+  dropout = Dropout(
     dropout_rate=settings.dropout_rate if dropout_rng is not None else 0.0,
     dropout_rng=dropout_rng,
     broadcast_dropout=settings.broadcast_dropout,
-    options=settings.options,
   )
   given_mask = mask  # as the call gave it, for an attention function with Flax's contract
   if flax_attention is not None and cache is None and rope is None:
@@ -432,7 +432,15 @@ def attend(
       pos: jax.typing.ArrayLike = decode.positions(cache.cache, query.shape[1])
       query, key = rope(query, pos), rope(key, pos)
     decoded, new_cache = decode.attention(
-      query, key, value, cache.cache, num_new=num_new, mask=mask, sinks=sinks, **options
+      query,
+      key,
+      value,
+      cache.cache,
+      num_new=num_new,
+      mask=mask,
+      sinks=sinks,
+      options=settings.options,
+      **dropout,
     )
     return _unrows(decoded, batch_dims), None, cache.variables(new_cache)  # type: ignore[arg-type]
   if rope is not None:
@@ -458,11 +466,13 @@ def attend(
       )
       return out, None, None
     return attention_fn(query, key, value, mask=given_mask), None, None  # type: ignore[misc]
-  kwargs = dict(is_causal=bool(is_causal), segment_ids=segment_ids, sinks=sinks)
-  weights = None
+  shaping = Weights(is_causal=bool(is_causal), segment_ids=segment_ids, sinks=sinks)
+  weights, options = None, settings.options
   if sow_weights:
-    options["options"] = dataclasses.replace(settings.options, implementation="xla")
+    options = dataclasses.replace(options, implementation="xla")
     q, k = (query.astype(jnp.float32), key.astype(jnp.float32)) if fp32_weights else (query, key)
-    weights = _unrows(attention.attention_weights(q, k, None, mask, **kwargs), batch_dims)
-  out = attention.dot_product_attention(query, key, value, None, mask, **kwargs, **options)
+    weights = _unrows(attention.attention_weights(q, k, None, mask, **shaping), batch_dims)
+  out = attention.dot_product_attention(
+    query, key, value, None, mask, options=options, **shaping, **dropout
+  )
   return _unrows(out, batch_dims), weights, None

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from jattn import _checks, positional
+from jattn._validate.keywords import Routing, names, options_of
 from jattn._validate.options import Options
 
 NORMALIZE_QK = (False, True, "rms", "layernorm")
@@ -36,7 +37,7 @@ class Heads:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-  """A module's settings of the attention step (checked by :func:`check_config`), read
+  """A module's settings of the attention step (checked by :meth:`Config.check`), read
   from its attributes by :meth:`of`."""
 
   rope: positional.Rotary | None
@@ -51,118 +52,112 @@ class Settings:
     ``backward``, ``block_q`` and ``block_kv`` (unset when options is)."""
     options = module.options
     if options is None:
-      fields = ("implementation", "backward", "block_q", "block_kv")
-      options = Options(**{name: getattr(module, name) for name in fields})
+      options = options_of({name: getattr(module, name) for name in names(Routing)})
     return cls(
       module.rope, module.dropout_rate, module.broadcast_dropout, options, module.attention_fn
     )
 
 
-# The constructor settings both modules have under these names (Linen as fields), which
-# :func:`check_config` takes with ``in_features`` and ``in_kv_features``.
-CONFIG = (
-  "num_heads",
-  "num_kv_heads",
-  "qkv_features",
-  "out_features",
-  "dropout_rate",
-  "broadcast_dropout",
-  "deterministic",
-  "is_causal",
-  "rope",
-  "normalize_qk",
-  "implementation",
-  "backward",
-  "block_q",
-  "block_kv",
-  "options",
-  "value_head_dim",
-  "decode",
-  "attention_fn",
-  "sinks",
-)
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """The constructor settings both modules have under these names (Linen as fields), as
+  given; :meth:`check` checks them. ``in_features`` None: not known yet (Linen infers it
+  from the first input)."""
 
+  num_heads: int
+  in_features: int | None
+  num_kv_heads: int | None
+  qkv_features: int | None
+  out_features: int | None
+  dropout_rate: float
+  broadcast_dropout: bool
+  deterministic: bool | None
+  is_causal: bool
+  rope: positional.Rotary | None
+  normalize_qk: bool | str
+  implementation: str | None
+  backward: str | None
+  block_q: int | None
+  block_kv: int | None
+  options: Options | None = None
+  value_head_dim: int | None = None
+  decode: bool | None = None
+  attention_fn: Callable | None = None
+  sinks: bool = False
+  in_kv_features: int | None = None
 
-def check_config(
-  *,
-  num_heads: int,
-  in_features: int | None,
-  num_kv_heads: int | None,
-  qkv_features: int | None,
-  out_features: int | None,
-  in_kv_features: int | None = None,
-  dropout_rate: float,
-  broadcast_dropout: bool,
-  deterministic: bool | None,
-  is_causal: bool,
-  rope: positional.Rotary | None,
-  normalize_qk: bool | str,
-  implementation: str | None,
-  backward: str | None,
-  block_q: int | None,
-  block_kv: int | None,
-  options: Options | None = None,
-  value_head_dim: int | None = None,
-  decode: bool | None = None,
-  attention_fn: Callable | None = None,
-  sinks: bool = False,
-) -> Heads | None:
-  """Every constructor argument of the modules, checked; raises with a clear message.
+  @classmethod
+  def of(cls, module: Any, in_features: int | None) -> Config:
+    """A module's (its attributes of these names; ``in_kv_features`` as the keys'
+    width is inferred, None)."""
+    taken = {f.name for f in dataclasses.fields(cls)} - {"in_features", "in_kv_features"}
+    return cls(in_features=in_features, **{name: getattr(module, name) for name in taken})
 
-  Returns the head layout, or None when neither ``in_features`` nor
-  ``qkv_features`` is known yet (Linen, before the first call).
-  """
-  num_heads = _checks.integer("num_heads", num_heads, minimum=1)
-  if in_features is not None:
-    in_features = _checks.integer("in_features", in_features, minimum=1)
-  if in_kv_features is not None:
-    _checks.integer("in_kv_features", in_kv_features, minimum=1)
-  num_kv_heads = (
-    num_heads if num_kv_heads is None else _checks.integer("num_kv_heads", num_kv_heads, minimum=1)
-  )
-  if num_heads % num_kv_heads:
-    raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-  _checks.dropout_rate(dropout_rate)
-  _checks.flags(broadcast_dropout=broadcast_dropout, is_causal=is_causal)
-  for name, flag in (("deterministic", deterministic), ("decode", decode)):
-    if flag is not None and not isinstance(flag, (bool, np.bool_)):
-      raise TypeError(f"{name} must be a bool or None, got {flag!r}")
-  if rope is not None and not isinstance(rope, positional.Rotary):
-    raise TypeError(f"rope must be a jattn.positional.Rotary or None, got {type(rope).__name__}")
-  if not any(normalize_qk is v or (isinstance(v, str) and normalize_qk == v) for v in NORMALIZE_QK):
-    raise ValueError(f"normalize_qk must be one of {list(NORMALIZE_QK)}, got {normalize_qk!r}")
-  options = Options.of(
-    options, implementation=implementation, backward=backward, block_q=block_q, block_kv=block_kv
-  )
-  _checks.boolean("sinks", sinks)
-  check_attention_fn(
-    attention_fn,
-    **dataclasses.asdict(options),
-    sinks=sinks,
-  )
-  if value_head_dim is not None:
-    value_head_dim = _checks.integer("value_head_dim", value_head_dim, minimum=1)
-  out_features = (
-    in_features
-    if out_features is None
-    else _checks.integer("out_features", out_features, minimum=1)
-  )
-  if qkv_features is None and in_features is None:
-    return None  # Linen infers the widths from the first input
-  qkv_features = _checks.integer(
-    "qkv_features", in_features if qkv_features is None else qkv_features, minimum=1
-  )
-  if qkv_features % num_heads:
-    raise ValueError(f"qkv_features ({qkv_features}) must be divisible by num_heads ({num_heads})")
-  head_dim = qkv_features // num_heads
-  if rope is not None:
-    try:
-      rope.check_head_dim(head_dim)
-    except ValueError as e:
-      raise ValueError(f"rope: {e} (head_dim = qkv_features // num_heads = {head_dim})") from None
-  # out_features is None only without in_features (Linen's check before the first call,
-  # which discards these heads).
-  return Heads(num_heads, num_kv_heads, head_dim, qkv_features, out_features, value_head_dim or 0)  # type: ignore[arg-type]
+  def check(self) -> Heads | None:
+    """Every setting checked; raises with a clear message. Returns the head layout, or
+    None when neither ``in_features`` nor ``qkv_features`` is known yet (Linen, before
+    the first call)."""
+    num_heads = _checks.integer("num_heads", self.num_heads, minimum=1)
+    in_features = self.in_features
+    if in_features is not None:
+      in_features = _checks.integer("in_features", in_features, minimum=1)
+    if self.in_kv_features is not None:
+      _checks.integer("in_kv_features", self.in_kv_features, minimum=1)
+    num_kv_heads = self.num_kv_heads
+    if num_kv_heads is None:
+      num_kv_heads = num_heads
+    num_kv_heads = _checks.integer("num_kv_heads", num_kv_heads, minimum=1)
+    if num_heads % num_kv_heads:
+      raise ValueError(
+        f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+      )
+    self._check_settings()
+    value_head_dim = self.value_head_dim
+    if value_head_dim is not None:
+      value_head_dim = _checks.integer("value_head_dim", value_head_dim, minimum=1)
+    out_features = self.out_features
+    if out_features is None:
+      out_features = in_features
+    else:
+      out_features = _checks.integer("out_features", out_features, minimum=1)
+    if self.qkv_features is None and in_features is None:
+      return None  # Linen infers the widths from the first input
+    qkv_features = _checks.integer(
+      "qkv_features", in_features if self.qkv_features is None else self.qkv_features, minimum=1
+    )
+    if qkv_features % num_heads:
+      raise ValueError(
+        f"qkv_features ({qkv_features}) must be divisible by num_heads ({num_heads})"
+      )
+    head_dim = qkv_features // num_heads
+    if self.rope is not None:
+      try:
+        self.rope.check_head_dim(head_dim)
+      except ValueError as e:
+        raise ValueError(f"rope: {e} (head_dim = qkv_features // num_heads = {head_dim})") from None
+    # out_features is None only without in_features (Linen's check before the first call,
+    # which discards these heads).
+    width = out_features or 0
+    return Heads(num_heads, num_kv_heads, head_dim, qkv_features, width, value_head_dim or 0)
+
+  def _check_settings(self) -> None:
+    """Dropout, the flags, rope, the q/k norm, the routing and ``attention_fn``."""
+    _checks.dropout_rate(self.dropout_rate)
+    _checks.flags(broadcast_dropout=self.broadcast_dropout, is_causal=self.is_causal)
+    for name, flag in (("deterministic", self.deterministic), ("decode", self.decode)):
+      if flag is not None and not isinstance(flag, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool or None, got {flag!r}")
+    rope = self.rope
+    if rope is not None and not isinstance(rope, positional.Rotary):
+      raise TypeError(f"rope must be a jattn.positional.Rotary or None, got {type(rope).__name__}")
+    normalize_qk = self.normalize_qk
+    if not any(
+      normalize_qk is v or (isinstance(v, str) and normalize_qk == v) for v in NORMALIZE_QK
+    ):
+      raise ValueError(f"normalize_qk must be one of {list(NORMALIZE_QK)}, got {normalize_qk!r}")
+    options = options_of({name: getattr(self, name) for name in names(Routing)})
+    _checks.boolean("sinks", self.sinks)
+    check_attention_fn(self.attention_fn, **dataclasses.asdict(options), sinks=self.sinks)
 
 
 def qk_norm_kind(normalize_qk: bool | str) -> str | None:
@@ -172,8 +167,9 @@ def qk_norm_kind(normalize_qk: bool | str) -> str | None:
   return "layernorm" if normalize_qk is True else normalize_qk
 
 
-# Settings of jattn's own attention call, which a Flax-style ``attention_fn=`` replaces.
-_JATTN_ATTENTION = ("implementation", "backward", "block_q", "block_kv", "sinks")
+# Settings of jattn's own attention call, which a Flax-style ``attention_fn=`` replaces: the
+# routing, and the module's learned sinks.
+_JATTN_ATTENTION = (*names(Routing), "sinks")
 
 
 def check_attention_fn(attention_fn: Callable | None, **jattn_settings: Any) -> None:

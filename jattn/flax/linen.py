@@ -32,6 +32,7 @@ from flax import linen as nn
 from flax.linen.attention import dot_product_attention as _flax_dot_product_attention
 
 from jattn import positional
+from jattn._validate.keywords import Routing, names
 from jattn._validate.options import Options
 from jattn.flax import _adapter as _flax_adapter
 from jattn.flax import _cache as _flax_cache
@@ -147,14 +148,8 @@ class MultiHeadDotProductAttention(nn.Module):
         f"{given[0]} needs its partner: qk_attn_weights_einsum_cls and "
         "attn_weights_value_einsum_cls are given together, as in Flax"
       )
-    jattn_attention = dict(
-      implementation=self.implementation,
-      backward=self.backward,
-      block_q=self.block_q,
-      block_kv=self.block_kv,
-      options=self.options,
-      sinks=self.sinks or None,
-    )
+    jattn_attention = {name: getattr(self, name) for name in names(Routing)}
+    jattn_attention["sinks"] = self.sinks or None
     for name, value in jattn_attention.items():
       if given and self.attention_fn is None and value is not None:
         raise ValueError(
@@ -183,10 +178,7 @@ class MultiHeadDotProductAttention(nn.Module):
   @overload
   def _config(self, in_features: None) -> _flax_config.Heads | None: ...
   def _config(self, in_features: int | None) -> _flax_config.Heads | None:
-    return _flax_config.check_config(
-      in_features=in_features,
-      **{name: getattr(self, name) for name in _flax_config.CONFIG},
-    )
+    return _flax_config.Config.of(self, in_features).check()
 
   @nn.compact
   def __call__(

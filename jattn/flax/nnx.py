@@ -145,12 +145,29 @@ class MultiHeadAttention(nnx.Module):
     sinks_init: Any = nnx.initializers.zeros_init(),
     value_head_dim: int | None = None,
   ):
-    given = locals()
-    heads = _flax_config.check_config(
+    heads = _flax_config.Config(
+      num_heads=num_heads,
       in_features=in_features,
+      num_kv_heads=num_kv_heads,
+      qkv_features=qkv_features,
+      out_features=out_features,
+      dropout_rate=dropout_rate,
+      broadcast_dropout=broadcast_dropout,
+      deterministic=deterministic,
+      is_causal=is_causal,
+      rope=rope,
+      normalize_qk=normalize_qk,
+      implementation=implementation,
+      backward=backward,
+      block_q=block_q,
+      block_kv=block_kv,
+      options=options,
+      value_head_dim=value_head_dim,
+      decode=decode,
+      attention_fn=attention_fn,
+      sinks=sinks,
       in_kv_features=in_kv_features,
-      **{name: given[name] for name in _flax_config.CONFIG},
-    )
+    ).check()
     assert heads is not None  # None only without in_features, which Linen infers
     self.heads = heads
     self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads

@@ -20,7 +20,6 @@ fallback; adding an implementation is one module plus one entry there (docs/layo
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -35,31 +34,11 @@ BACKWARDS = ("autodiff", "custom_vjp")  # the jattn rules, by name
 BACKENDS = ("cpu", "gpu", "tpu")
 
 
-@functools.partial(
-  _compat.register_dataclass,
-  data_fields=["bias", "mask", "score_fn", "dropout_rng", "sinks", "shard_offsets", "positions"],
-  meta_fields=[
-    "B",
-    "T",
-    "S",
-    "N",
-    "K",
-    "H",
-    "Hv",
-    "unbatched",
-    "scale",
-    "dropout_rate",
-    "broadcast_dropout",
-    "implementation",
-    "backward",
-    "block_q",
-    "block_kv",
-    "return_residual",
-    "interpret",
-    "static_mask",
-    "compute_dtype",
-  ],
-)
+# A CallSpec field that is part of its treedef (a setting), not a leaf.
+_STATIC = {"static": True}
+
+
+@_compat.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CallSpec:
   """One validated attention call: everything but the query, key and value.
@@ -69,30 +48,38 @@ class CallSpec:
   takes a spec compiles once per set of settings and shapes.
   """
 
-  B: int  # batch size (1 for unbatched inputs)
-  T: int  # query length
-  S: int  # key/value length
-  N: int  # query heads
-  K: int  # key/value heads
-  H: int  # head dimension of query and key
-  Hv: int  # head dimension of value and output (H unless value says otherwise)
-  unbatched: bool  # inputs came as (T, N, H): the core adds and drops the batch axis
+  # The legend's sizes. B is 1 for unbatched inputs; Hv is the value's and the output's head
+  # dimension (H unless the value says otherwise).
+  B: int = dataclasses.field(metadata=_STATIC)
+  T: int = dataclasses.field(metadata=_STATIC)
+  S: int = dataclasses.field(metadata=_STATIC)
+  N: int = dataclasses.field(metadata=_STATIC)
+  K: int = dataclasses.field(metadata=_STATIC)
+  H: int = dataclasses.field(metadata=_STATIC)
+  Hv: int = dataclasses.field(metadata=_STATIC)
+  # The inputs came as (T, N, H): the core adds and drops the batch axis.
+  unbatched: bool = dataclasses.field(metadata=_STATIC)
   bias: Any  # None, or a float array broadcastable to (B, N, T, S); rank 4 in the core
   mask: masks.Mask | None  # every way of masking, combined
   score_fn: scores.ScoreFn | None  # score_fn, then the soft cap
   dropout_rng: Any  # a PRNG key when dropout_rate > 0, else None
-  scale: float
-  dropout_rate: float
-  broadcast_dropout: bool
-  implementation: str  # a key of jattn.impl.select.TABLE
-  backward: str | None  # one of its backward rules (None for fused kernels: cudnn, splash)
-  block_q: int | None  # tiles of blockwise, splash or flex (their defaults unless given)
-  block_kv: int | None
-  return_residual: bool
-  interpret: bool = False  # Pallas kernels in interpret mode (jattn.testing.interpret_kernels)
+  scale: float = dataclasses.field(metadata=_STATIC)
+  dropout_rate: float = dataclasses.field(metadata=_STATIC)
+  broadcast_dropout: bool = dataclasses.field(metadata=_STATIC)
+  # A key of jattn.impl.select.TABLE, and one of its backward rules (None: a fused kernel's
+  # own); the tiles of the tiled implementations (their defaults unless given).
+  implementation: str = dataclasses.field(metadata=_STATIC)
+  backward: str | None = dataclasses.field(metadata=_STATIC)
+  block_q: int | None = dataclasses.field(metadata=_STATIC)
+  block_kv: int | None = dataclasses.field(metadata=_STATIC)
+  return_residual: bool = dataclasses.field(metadata=_STATIC)
+  # Pallas kernels in interpret mode (jattn.testing.interpret_kernels).
+  interpret: bool = dataclasses.field(default=False, metadata=_STATIC)
   sinks: Any = None  # None, or per-head sink logits (N,), a floating array
-  static_mask: Any = None  # splash: the conjuncts it tabulates, static (mask keeps the rest)
-  compute_dtype: Any = None  # xla and blockwise compute in it (common.compute_dtype)
+  # splash: the conjuncts it tabulates (the mask keeps the rest).
+  static_mask: Any = dataclasses.field(default=None, metadata=_STATIC)
+  # xla and blockwise compute in it (common.compute_dtype).
+  compute_dtype: Any = dataclasses.field(default=None, metadata=_STATIC)
   # Inside a kernel's per-device call, for kernels whose mask and score function see global
   # indices (sharded.per_shard(global_index=True)): (2,) int32, the global index of the
   # device's first batch row and query head. None everywhere else.

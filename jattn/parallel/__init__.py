@@ -38,11 +38,11 @@ ring axis.
 from jattn.parallel.context import STRATEGIES as STRATEGIES
 from jattn.parallel.context import context_parallel_attention as context_parallel_attention
 from jattn.parallel.context import explain as explain
+from jattn.parallel.context import ring_attention as ring_attention
 from jattn.parallel.layouts import LAYOUTS as LAYOUTS
 from jattn.parallel.layouts import permute as permute
 from jattn.parallel.layouts import positions as positions
 from jattn.parallel.layouts import unpermute as unpermute
-from jattn.parallel.ring import ring_attention as ring_attention
 
 __all__ = [
   "LAYOUTS",

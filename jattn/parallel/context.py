@@ -35,7 +35,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -43,32 +43,18 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jattn import _validate, attention, masks, scores, testing
-from jattn._validate.options import Options
+from jattn._validate.keywords import Keywords, checked, options_of
 from jattn.impl import contract, select, sharded
 from jattn.impl.contract import CallSpec
 from jattn.impl.select import Choice
 from jattn.impl.splash.static_masks import StaticMask
 from jattn.masks import core
-from jattn.parallel import _choices, _ring, ring
-from jattn.parallel.layouts import (
-  _check_divisible,
-  _check_layout,
-  _natural_mask,
-  positions,
-  shard_positions,
-)
+from jattn.parallel import _choices, _ring, _ring_call, _split
+from jattn.parallel.layouts import _natural_mask, positions, shard_positions
 
-__all__ = ["STRATEGIES", "context_parallel_attention", "explain"]
+__all__ = ["STRATEGIES", "context_parallel_attention", "ring_attention", "explain"]
 
 STRATEGIES = ("ring", "all_gather", "ulysses")
-
-_KEYWORDS = {f.name for f in dataclasses.fields(_validate.Arguments)} - {
-  "query",
-  "key",
-  "value",
-  "bias",
-  "mask",
-}
 
 
 def context_parallel_attention(
@@ -84,7 +70,7 @@ def context_parallel_attention(
   layout: str = "contiguous",
   batch_axis: str | tuple[str, ...] | None = None,
   head_axis: str | tuple[str, ...] | None = None,
-  **keywords: Any,
+  **keywords: Unpack[Keywords],
 ) -> Any:  # the output, or (output, lse) with return_residual=True
   """:func:`jattn.dot_product_attention` with the sequence sharded over mesh axis ``axis_name``.
 
@@ -133,48 +119,54 @@ def context_parallel_attention(
       >>> out.shape
       (1, 8, 2, 4)
   """
-  unknown = sorted(set(keywords) - _KEYWORDS)
-  if unknown:
-    raise TypeError(
-      f"context_parallel_attention got unexpected keyword arguments {unknown}; it takes "
-      f"jattn.dot_product_attention's"
-    )
+  kwargs = checked("context_parallel_attention", keywords, Keywords)
   if strategy not in STRATEGIES:
     raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
+  split = _split.Split.of(mesh, axis_name, layout, batch_axis, head_axis)
   if strategy == "ring":
-    backward = keywords.pop("backward", None)
-    if backward is not None:
-      raise ValueError(
-        f"backward must be None with strategy='ring', whose shard pairs differentiate by the "
-        f"ring's own rule (a custom_vjp that rings the gradients), got {backward!r}; "
-        f"strategy='all_gather' or 'ulysses' runs each device's part by any rule"
-      )
-    return ring.ring_attention(
-      query,
-      key,
-      value,
-      mesh=mesh,
-      axis_name=axis_name,
-      bias=bias,
-      mask=mask,
-      layout=layout,
-      batch_axis=batch_axis,
-      head_axis=head_axis,
-      **keywords,
-    )
-  return _gathered(
+    return _ring_call.ring(query, key, value, bias, mask, split, kwargs)
+  return _gathered(query, key, value, bias, mask, strategy, split, kwargs)
+
+
+def ring_attention(
+  query: jax.typing.ArrayLike,
+  key: jax.typing.ArrayLike,
+  value: jax.typing.ArrayLike,
+  *,
+  mesh: Mesh,
+  axis_name: str,
+  bias: jax.typing.ArrayLike | None = None,
+  mask: jax.typing.ArrayLike | masks.Mask | None = None,
+  layout: str = "contiguous",
+  batch_axis: str | tuple[str, ...] | None = None,
+  head_axis: str | tuple[str, ...] | None = None,
+  **keywords: Unpack[Keywords],
+) -> Any:  # the output, or (output, lse) with return_residual=True
+  """Ring attention: :func:`context_parallel_attention` with ``strategy="ring"``.
+
+  Device i keeps query shard i; the key/value shards (with their segment ids) travel around
+  the ring of ``axis_name``'s devices, each step's partial result merged by the
+  online-softmax rule, and the backward pass rings the gradients (a custom_vjp). Arguments
+  and returns as :func:`context_parallel_attention`'s; ``implementation`` names what runs
+  each (query shard, key/value shard) pair: ``"blockwise"`` (the ring's own tile loops, any
+  backend), a kernel of the selection table that tabulates its masks per pair (splash on a
+  TPU) or one run per pair through the table (flex on a GPU), or None (the backend's where
+  the table runs a pair's call on it, blockwise otherwise); ``backward`` must be None.
+  """
+  checked("ring_attention", keywords, Keywords)
+  return context_parallel_attention(
     query,
     key,
     value,
     bias,
     mask,
-    mesh,
-    axis_name,
-    strategy,
-    layout,
-    batch_axis,
-    head_axis,
-    keywords,
+    mesh=mesh,
+    axis_name=axis_name,
+    strategy="ring",
+    layout=layout,
+    batch_axis=batch_axis,
+    head_axis=head_axis,
+    **keywords,
   )
 
 
@@ -249,48 +241,31 @@ def _gathered(
   value: Any,
   bias: Any,
   mask: Any,
-  mesh: Mesh,
-  axis_name: str,
   strategy: str,
-  layout: str,
-  batch_axis: Any,
-  head_axis: Any,
+  split: _split.Split,
   keywords: dict[str, Any],
 ) -> Any:
-  if not isinstance(mesh, Mesh):
-    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-  ring_axes = ring._check_mesh_axes("axis_name", axis_name, mesh, allow_tuple=False)
-  batch_axes = ring._check_mesh_axes("batch_axis", batch_axis, mesh)
-  head_axes = ring._check_mesh_axes("head_axis", head_axis, mesh)
-  used = [*ring_axes, *batch_axes, *head_axes]
-  if len(set(used)) != len(used):
-    raise ValueError(
-      f"axis_name, batch_axis and head_axis must name different mesh axes, got "
-      f"axis_name={axis_name!r}, batch_axis={batch_axis!r}, head_axis={head_axis!r}"
-    )
-  layout = _check_layout(layout)
-  size = mesh.shape[axis_name]
   # What runs each device's part is chosen per part; the whole call is checked without it
   # (a fused kernel named here would refuse the whole call's sharded sequence).
-  run = {k: keywords.pop(k, None) for k in ("implementation", "backward", "block_q", "block_kv")}
-  options = Options.of(keywords.pop("options", None), **run)
+  options = options_of(keywords)
   # Segment ids travel as arrays, in the layout's order like the inputs, and meet the keys
   # they belong to on each device: a mask of the ids themselves classifies each tile of a
   # part exactly, where one reindexed to natural positions could not say.
   segment_ids = keywords.pop("segment_ids", None)
+  layout, size = split.layout, split.size
   lengths = (jnp.shape(query)[-3], jnp.shape(key)[-3])
   mask = _natural_mask(mask, layout, size, lengths)  # in natural order, as masks of indices
   # Checked as for a CPU, where the table's choice (xla or blockwise) keeps the mask whole in
   # the spec (splash's would move parts of it, tabulated for the whole call, out of it): each
   # device's part is then chosen for the backend that traces it.
-  arguments = _validate.Arguments(query, key, value, bias, mask, **keywords)
-  q, k, v, spec = _validate.build(arguments, backend="cpu")
+  q, k, v, spec = _validate.build(query, key, value, bias, mask, keywords, backend="cpu")
   if spec.unbatched:
     raise ValueError(
       f"context_parallel_attention needs batched inputs: query (B, T, N, H), got shape {q.shape}"
     )
-  _check_shapes(spec, mesh, strategy, axis_name, layout, size, batch_axes, head_axes)
-  ids = ring._segment_rows(segment_ids, spec.B, spec.T, spec.S)
+  split.check_shapes(spec.B, spec.T, spec.S, spec.N, spec.K)
+  _check_heads(spec, split, strategy)
+  ids = _split.segment_rows(segment_ids, spec.B, spec.T, spec.S)
   if not (all(spec.bnts) and spec.H):  # nothing to split (an empty B, T, S, N or H)
     if ids is not None:
       spec = dataclasses.replace(spec, mask=masks.all_of(spec.mask, masks.segments(*ids)))
@@ -306,7 +281,7 @@ def _gathered(
   part_masks, why_not = None, None
   if strategy == "ulysses" or tabulated:
     part_masks, why_not = _part_masks(
-      spec.mask, strategy, layout, size, spec.T, spec.S, batch_axes, head_axes
+      spec.mask, strategy, layout, size, spec.T, spec.S, split.batch_axes, split.head_axes
     )
   if why_not and named in select.STATIC_MASKS:
     raise ValueError(
@@ -315,20 +290,20 @@ def _gathered(
       f"is built"
     )
   plan = _Plan(
-    strategy,
-    axis_name,
-    size,
-    layout,
-    spec.T,
-    spec.S,
-    ring._axes_or_none(batch_axes),
-    ring._axes_or_none(head_axes),
-    options.implementation,
-    options.backward,
-    (options.block_q, options.block_kv),
-    part_masks,
+    strategy=strategy,
+    axis_name=split.axis_name,
+    size=size,
+    layout=layout,
+    q_len=spec.T,
+    kv_len=spec.S,
+    batch_axis=split.batch_axis,
+    head_axis=split.head_axis,
+    implementation=named,
+    backward=options.backward,
+    blocks=(options.block_q, options.block_kv),
+    part_masks=part_masks,
   )
-  out, lse = _call(q, k, v, ids, contract.rank4(spec), plan=plan, mesh=mesh)
+  out, lse = _call(q, k, v, ids, contract.rank4(spec), plan=plan, mesh=split.mesh)
   return (out, lse) if spec.return_residual else out
 
 
@@ -371,36 +346,19 @@ def _part_masks(
   return parts, None
 
 
-def _check_shapes(
-  spec: CallSpec,
-  mesh: Mesh,
-  strategy: str,
-  axis_name: str,
-  layout: str,
-  size: int,
-  batch_axes: tuple[str, ...],
-  head_axes: tuple[str, ...],
-) -> None:
-  _check_divisible("query length T", spec.T, layout, size)
-  _check_divisible("key/value length S", spec.S, layout, size)
-  heads = math.prod(mesh.shape[a] for a in head_axes)
-  for name, n, parts, axes in (
-    ("batch size B", spec.B, math.prod(mesh.shape[a] for a in batch_axes), batch_axes),
-    ("number of query heads N", spec.N, heads, head_axes),
-    ("number of key/value heads K", spec.K, heads, head_axes),
-  ):
+def _check_heads(spec: CallSpec, split: _split.Split, strategy: str) -> None:
+  """Ulysses splits the heads over the sequence's devices as well as the head axes."""
+  if strategy != "ulysses":
+    return
+  parts = math.prod(split.mesh.shape[a] for a in split.head_axes) * split.size
+  for name, n in (("query heads N", spec.N), ("key/value heads K", spec.K)):
     if n % parts:
-      raise ValueError(f"{name} ({n}) must be divisible by the {parts} devices of mesh axes {axes}")
-  if strategy == "ulysses":
-    parts = heads * size
-    for name, n in (("query heads N", spec.N), ("key/value heads K", spec.K)):
-      if n % parts:
-        raise ValueError(
-          f"strategy='ulysses' splits the heads over the {parts} devices of mesh axes "
-          f"{(*head_axes, axis_name)}, and the number of {name}={n} does not divide by "
-          f"{parts}: use strategy='all_gather' or 'ring', or repeat the key/value heads "
-          f"to a multiple of {parts}"
-        )
+      raise ValueError(
+        f"strategy='ulysses' splits the heads over the {parts} devices of mesh axes "
+        f"{(*split.head_axes, split.axis_name)}, and the number of {name}={n} does not "
+        f"divide by {parts}: use strategy='all_gather' or 'ring', or repeat the key/value "
+        f"heads to a multiple of {parts}"
+      )
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "mesh"))
