@@ -9,14 +9,9 @@ import sys
 
 # Sharding tests run on 8 simulated CPU devices. XLA reads the flag when JAX starts its CPU
 # backend, so it is set before anything imports JAX; single-device tests still run on device 0.
-# The tests' arrays are tiny, so their time is XLA compiling hundreds of small programs, most
-# of it in LLVM's optimisation passes. Turning those down (the HLO passes, which fuse and
-# schedule the program and decide its buffers, still run) cut test_blockwise.py from 175 s to
-# 127 s. XLA:CPU's MLIR fusion emitters compile twice as slowly as the classic LLVM IR ones
-# (the same fusions), and splitting each program's LLVM module for parallel compilation only
-# adds work on a small machine. JATTN_TEST_OPTIMIZE=1 keeps XLA's defaults: the programs users
-# get (CI runs the attention, numerics and adversarial-path tests so). A flag is set only
-# where the installed XLA knows it (an unknown flag in XLA_FLAGS aborts the process).
+# The tests' programs are tiny: LLVM's costly passes are turned down so they compile quickly
+# (docs/tuning.md). JATTN_TEST_OPTIMIZE=1 keeps XLA's defaults, the programs users get. A flag
+# is set only where the installed XLA knows it (an unknown flag in XLA_FLAGS aborts).
 _JAXLIB = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
 _TEST_FLAGS = {
   "xla_force_host_platform_device_count": "8",

@@ -63,11 +63,8 @@ def compute_dtype(dtype: DTypeLike, backend: str) -> np.dtype:
   rounded back to ``dtype`` once, at the end. :func:`jattn._validate.build` decides it for the
   call's backend and records it on the spec, so it is part of the jit cache key.
 
-  XLA's CPU dots have no fast path for narrow floats on this project's CPUs. Measured with
-  ``python -m experiments.bench --config configs/bench_torch.yaml`` before and after
-  (docs/benchmarks.md): the bfloat16 cells went from 0.39-0.63x PyTorch's SDPA to
-  0.57-0.95x (forward) and from 0.51-0.76x to 0.74-1.02x (forward+backward). Rounding once
-  at the end is also the more accurate. On a GPU or TPU (or routed as one by
+  XLA's CPU dots have no fast path for narrow floats, and rounding once at the end is the
+  more accurate (the measurement: docs/tuning.md). On a GPU or TPU (or routed as one by
   :func:`jattn.testing.lowering_for`) the computation stays narrow, with float32
   statistics.
   """

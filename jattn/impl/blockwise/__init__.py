@@ -101,14 +101,9 @@ _Residuals = tuple[
   jax.Array,  # l
 ]
 
-# Default (block_q, block_kv) per backend. CPU: a (G·block_q, block_kv) score
-# tile of all heads fits the L3 cache while its matmuls run near the machine's
-# matmul rate; measured with experiments/bench.py (see README). GPU: each tile
-# step is a handful of kernel launches, so tiles must be large enough to fill
-# the device: on an H100 (B=1 N=16 H=128 bf16, causal, T=4096) the forward took
-# 18.6 ms at 128x128, 2.9 ms at 512x512, 1.95 ms at 1024x1024 and 1.80 ms at
-# 2048x2048 (README, "On a GPU"); 1024 keeps the per-step float32 scores at
-# 4 MiB per (batch row, head).
+# Default (block_q, block_kv) per backend: on a CPU a score tile of all heads fits the L3
+# cache; on a GPU each tile step is a few kernel launches, so tiles fill the device
+# (the measurements: docs/tuning.md).
 DEFAULT_BLOCKS = {"cpu": (512, 512), "gpu": (1024, 1024), "tpu": (512, 512)}
 
 

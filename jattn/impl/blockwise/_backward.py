@@ -115,8 +115,7 @@ def backward(
     # dS a nonzero total that scale·|k| amplifies in dq (found at scale 1e3 in bfloat16:
     # 35x jax.nn's error). The same pass then sums the recomputed probabilities and l is
     # corrected by that sum. With float32 values the forward summed the very weights the
-    # backward recomputes, and the correction would only add rounding (measured: float32 dq
-    # 1.54x jax.nn's error with it, 1.23x without).
+    # backward recomputes, and the correction would only add rounding (docs/tuning.md).
     narrow = v_dtype != dtype
     row_dot, row_sum = _row_dots(
       static,
@@ -188,8 +187,8 @@ def backward(
       d_k = d_k + jnp.einsum("BKrk,BKrH->BKHk", d_s, q_tile.astype(dtype))
       return d_k, d_v, d_q, d_bias, d_consts
 
-    # dK and dV accumulate transposed, (H, block_kv) per head: contracting the query rows
-    # into that layout ran about 1.7x faster than into (block_kv, H) with XLA's CPU dot.
+    # dK and dV accumulate transposed, (H, block_kv) per head: XLA's CPU dot contracts the
+    # query rows into that layout faster (docs/tuning.md).
     kv_like: dict[str, Any] = dict(like=k_tile, axes=(0, 1, None, None))
     zeros_k = common.full((B, K, H, bk), 0, dtype, **kv_like)
     zeros_v = common.full((B, K, Hv, bk), 0, dtype, **kv_like)

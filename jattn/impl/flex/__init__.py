@@ -86,25 +86,8 @@ def _same(tiles: Tiles) -> Passes:
 
 
 # Keyed by (GPU generation, head dim rounded up to a power of two, bytes per input element).
-# The two Hopper bf16 rows are measured on an H200 (jax 0.11.2, causal, B=1, N=16,
-# T=16,384; `python -m experiments.gpu_probe`, records in docs/gpu/gpu_probe_h200*.json),
-# each pass timed alone at each candidate tiling:
-# - H = 128: forward 128 x 128 (8 warps, 3 stages) 2.85 ms against 3.30 ms at the old
-#   128 x 32 (one rescale of the float32 accumulator per 128 keys, behind a wider matmul);
-#   backward 11.6 ms with dQ at 128 x 128 and dK/dV at 32 x 64 (32 query rows per step, 64
-#   keys held), against 16.2 ms at 128 x 32 for both; dK/dV with 128 held keys spilled
-#   time (25.9 ms at 32 x 128). In the transposed domain (a second lease,
-#   docs/gpu/gpu_probe_h200_variants.json) dK/dV at 32 x 64 and 4 warps stays the fastest:
-#   backward 9.58 ms, against 11.1 at 32 x 128, 11.6 at 64 x 64 and 19.6-27.4 at 8 warps.
-# - H = 64: 64 x 64 (4 warps, 3 stages) stays the fastest for every pass (forward 1.79 ms,
-#   128 x 128 2.12 ms; backward 5.96 ms).
-# The rest are starting points, unmeasured: 64 x 64 tiles keep the dK/dV kernel's two
-# float32 accumulators and the recomputed tile within registers up to H = 128
-# (FlashAttention-2's backward tiles) except dK/dV at H = 64 on Ampere, which spilled 180
-# bytes at 64 x 64 and none at 32 x 64; more warps for wider heads (a 128 x 64 forward at
-# H = 128 on Ampere spilled 60 bytes). `python -m experiments.check_flex_compile` compiles
-# every row's kernels for sm_80 and sm_90 (no GPU needed) and reports registers, spills and
-# shared memory.
+# The Hopper bfloat16 rows are measured on an H200, the rest are starting points that compile
+# without spills (docs/tuning.md; python -m experiments.check_flex_compile, tune_flex).
 TILES: dict[tuple[str, int, int], Passes] = {
   ("sm_80", 64, 2): Passes(Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2), Tiles(32, 64, 4, 2)),
   ("sm_80", 128, 2): _same(Tiles(64, 64, 8, 2)),
@@ -121,18 +104,9 @@ TILES: dict[tuple[str, int, int], Passes] = {
 }
 FALLBACK = _same(Tiles(32, 32, 4, 2))  # head dims past the table (and float64 in interpret mode)
 
-# Whether the dK/dV kernel sums dS into dK as two parts in the inputs' narrow dtype (hi, and
-# its rounding error lo: one more matmul per tile) or as one, by GPU generation; cuDNN and
-# FlashAttention round dS once. Measured on an H200 (jax 0.11.2, bf16, H=128, causal;
-# `python -m experiments.gpu_probe --sections variants`, docs/gpu/gpu_probe_h200_variants.json):
-# dS rounded once makes the backward 6 % faster (8.85 ms against 9.44-9.51 at T=16,384), and
-# dK's error against float32 stays no worse than cuDNN's and jax.nn XLA's on every input set
-# tried (relative 2.4e-3 against cuDNN's 2.4e-3; on inputs x10: 2.4e-3 against 6.9e-3 and
-# 2.8e-3; at scale 1e3: 3.4e-3 against 7.4e-3 and 4.1e-3; the largest absolute errors in
-# docs/gpu/bench_gpu_h200.json stay within 1.05x jax.nn XLA's, and cuDNN's but for a few
-# cells, at most 1.28x), so Hopper rounds once. Ampere is
-# unmeasured and keeps two parts; so do the interpreter (and experiments/accuracy.py) on a
-# CPU, where jax.nn sums float32 dS and one part gave dK 3.8x its error at scale 1e3.
+# Whether the dK/dV kernel sums dS into dK as two narrow parts (hi, and its rounding error
+# lo) or as one, as cuDNN and FlashAttention do, by GPU generation: one part where measured
+# as fast and as accurate as they are (Hopper), two elsewhere (docs/tuning.md).
 SPLIT_DS: dict[str, bool] = {"sm_80": True, "sm_90": False}
 
 
