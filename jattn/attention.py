@@ -12,7 +12,7 @@ Shape legend, used in every docstring, einsum string and shape assertion::
 
 Data flows one way: the public call hands every argument to
 :func:`jattn._validate.build`, which checks them and raises before anything is traced
-or compiled, and returns a :class:`jattn.CallSpec`: every way of masking
+or compiled, and returns a :class:`jattn.impl.contract.CallSpec`: every way of masking
 (``mask``, ``is_causal``, ``local_window_size``, sequence lengths,
 ``segment_ids``) as one :class:`jattn.masks.Mask`, ``score_fn`` and
 ``logits_soft_cap`` as one score function, the chosen implementation and rule.

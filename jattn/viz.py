@@ -125,24 +125,7 @@ def plot_attention(
     w = w[None]
   n, t, s = w.shape
 
-  query_labels = (
-    None
-    if tokens is None
-    else _labels("tokens", tokens, t, "T, the query length (weights.shape[-2])")
-  )
-  if key_tokens is not None:
-    key_labels = _labels("key_tokens", key_tokens, s, "S, the key length (weights.shape[-1])")
-  elif query_labels is not None:
-    if s != t:
-      raise ValueError(
-        f"tokens label both queries and keys only for self-attention (S == T), but weights "
-        f"has shape {shape} with T={t}, S={s}; pass key_tokens for "
-        f"the {s} key columns"
-      )
-    key_labels = query_labels
-  else:
-    key_labels = None
-
+  query_labels, key_labels = _axis_labels(tokens, key_tokens, shape, t, s)
   if titles is None:
     title_list = [None] if squeeze else [f"head {i}" for i in range(n)]
   else:
@@ -165,26 +148,7 @@ def plot_attention(
     fig = ax.figure
     axes = [ax]
   else:
-    ncols = min(n, max_cols)
-    nrows = -(-n // ncols)
-    # Room for the tick labels: query labels sit left of each panel, key labels
-    # (rotated) below it; long axes get matplotlib's short numeric labels.
-    em = fontsize / 72
-    query_chars = max(map(len, query_labels)) if query_labels and t <= MAX_LABELLED else 4
-    key_chars = max(map(len, key_labels)) if key_labels and s <= MAX_LABELLED else 1
-    width = (
-      ncols * (max(s * cell_inches, 1.0) + _AXIS_LABEL_INCHES + _CHAR_EMS * em * query_chars)
-      + _COLORBAR_INCHES
-    )
-    height = nrows * (
-      max(t * cell_inches, 1.0) + _AXIS_LABEL_INCHES + _TITLE_INCHES + _CHAR_EMS * em * key_chars
-    )
-    fig = matplotlib.figure.Figure(figsize=(width, height), layout="constrained")
-    grid = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    for extra in grid[n:]:
-      extra.remove()
-    axes = list(grid[:n])
-
+    fig, axes = _figure(n, t, s, max_cols, cell_inches, fontsize, query_labels, key_labels)
   image = None
   for panel, head, title in zip(axes, w, title_list):
     image = panel.imshow(
@@ -210,6 +174,68 @@ def plot_attention(
   assert image is not None  # at least one panel
   fig.colorbar(image, ax=axes, label="attention weight")
   return fig  # type: ignore[return-value]  # ax.figure of a user's Axes may be a SubFigure
+
+
+def _axis_labels(
+  tokens: Sequence[Any] | None,
+  key_tokens: Sequence[Any] | None,
+  shape: tuple[int, ...],
+  t: int,
+  s: int,
+) -> tuple[list[str] | None, list[str] | None]:
+  """The query rows' and key columns' labels (None: indices), checked against T and S; the
+  query tokens label the keys too in self-attention."""
+  query_labels = (
+    None
+    if tokens is None
+    else _labels("tokens", tokens, t, "T, the query length (weights.shape[-2])")
+  )
+  if key_tokens is not None:
+    return query_labels, _labels(
+      "key_tokens", key_tokens, s, "S, the key length (weights.shape[-1])"
+    )
+  if query_labels is not None and s != t:
+    raise ValueError(
+      f"tokens label both queries and keys only for self-attention (S == T), but weights "
+      f"has shape {shape} with T={t}, S={s}; pass key_tokens for "
+      f"the {s} key columns"
+    )
+  return query_labels, query_labels
+
+
+def _figure(
+  n: int,
+  t: int,
+  s: int,
+  max_cols: int,
+  cell_inches: float,
+  fontsize: float,
+  query_labels: list[str] | None,
+  key_labels: list[str] | None,
+) -> tuple[Any, list[Any]]:
+  """A new figure with a grid of ``n`` panels of T x S cells, and its panels: sized for the
+  cells, the tick labels beside them (rotated below for keys), titles and a colorbar."""
+  import matplotlib.figure
+
+  ncols = min(n, max_cols)
+  nrows = -(-n // ncols)
+  # Room for the tick labels: query labels sit left of each panel, key labels
+  # (rotated) below it; long axes get matplotlib's short numeric labels.
+  em = fontsize / 72
+  query_chars = max(map(len, query_labels)) if query_labels and t <= MAX_LABELLED else 4
+  key_chars = max(map(len, key_labels)) if key_labels and s <= MAX_LABELLED else 1
+  width = (
+    ncols * (max(s * cell_inches, 1.0) + _AXIS_LABEL_INCHES + _CHAR_EMS * em * query_chars)
+    + _COLORBAR_INCHES
+  )
+  height = nrows * (
+    max(t * cell_inches, 1.0) + _AXIS_LABEL_INCHES + _TITLE_INCHES + _CHAR_EMS * em * key_chars
+  )
+  fig = matplotlib.figure.Figure(figsize=(width, height), layout="constrained")
+  grid = fig.subplots(nrows, ncols, squeeze=False).ravel()
+  for extra in grid[n:]:
+    extra.remove()
+  return fig, list(grid[:n])
 
 
 def _weights_array(weights: Any) -> np.ndarray:

@@ -1,7 +1,9 @@
 """The documentation stays true: every page's examples run and print what the page says,
 and the result tables can be written from the committed run records (or say they are absent)."""
 
+import ast
 import contextlib
+import importlib
 import io
 import pathlib
 import re
@@ -141,3 +143,49 @@ def test_collect_copies_the_newest_full_runs(tmp_path):
   (runs / "bench-20260103-000000-quick.json").write_text(record)
   copied = docs_tables.collect(runs, docs)
   assert [p.name for p in copied] == ["bench-20260102-000000.json"]
+
+
+_NAME = re.compile(r"(?<![\w/.])jattn(?:\.[A-Za-z_]\w*)+")
+
+
+def _resolves(name: str) -> bool:
+  """Whether ``name`` (dotted) is a module of jattn, or an attribute reached from one."""
+  parts = name.split(".")
+  for i in range(len(parts), 0, -1):
+    try:
+      obj = importlib.import_module(".".join(parts[:i]))
+      break
+    except ImportError:
+      continue
+  for part in parts[i:]:
+    if not hasattr(obj, part):
+      return False
+    obj = getattr(obj, part)
+  return True
+
+
+def _written_names() -> dict[str, set[str]]:
+  """Every ``jattn.<name>`` written in docs/, README.md and the library's docstrings, with
+  where it is written."""
+  texts = [(str(p.relative_to(ROOT)), p.read_text()) for p in sorted(ROOT.glob("docs/**/*.md"))]
+  texts = [(w, t) for w, t in texts if not w.startswith(("docs/_generated", "docs/_build"))]
+  texts.append(("README.md", (ROOT / "README.md").read_text()))
+  for path in sorted((ROOT / "jattn").rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Module | ast.FunctionDef | ast.ClassDef):
+        doc = ast.get_docstring(node)
+        if doc:
+          texts.append((f"{path.relative_to(ROOT)}:{getattr(node, 'name', '')}", doc))
+  found: dict[str, set[str]] = {}
+  for where, text in texts:
+    for match in _NAME.finditer(text):
+      found.setdefault(match.group(0).rstrip("."), set()).add(where)
+  return found
+
+
+def test_every_jattn_name_the_docs_write_exists():
+  names = _written_names()
+  assert len(names) > 100 and "jattn.dot_product_attention" in names
+  missing = {name: sorted(where) for name, where in names.items() if not _resolves(name)}
+  assert not missing, f"names written in the docs that jattn does not have: {missing}"
+  assert not _resolves("jattn.impl._base.CallSpec") and not _resolves("jattn.nope")

@@ -254,6 +254,33 @@ def test_the_calls_keywords_are_listed_once():
   assert jattn.linen.attention_fn(q, q, q, sinks=None).shape == q.shape
 
 
+def _long_functions(text: str, limit: int) -> list[tuple[str, int]]:
+  """(name, lines) of every function (nested ones too) whose body, its docstring aside,
+  spans more than ``limit`` lines."""
+  found = []
+  for node in ast.walk(ast.parse(text)):
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+      body = node.body
+      if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+      if body and (n := body[-1].end_lineno - body[0].lineno + 1) > limit:
+        found.append((node.name, n))
+  return found
+
+
+def test_few_functions_are_long():
+  """At most 8 functions of the library have bodies over 80 lines (the Pallas kernels,
+  whose bodies are one program each); the rest are split where a reader gains."""
+  long = {
+    f"{p.relative_to(ROOT)}:{name}": n
+    for p in LIBRARY
+    for name, n in _long_functions(p.read_text(encoding="utf-8"), 80)
+  }
+  assert len(long) <= 8, f"{len(long)} functions with bodies over 80 lines: {long}"
+  text = 'def f():\n  "doc"\n' + "  x = 1\n" * 81 + "def g():\n  return 1\n"
+  assert _long_functions(text, 80) == [("f", 81)]
+
+
 def test_every_pytree_class_is_registered_so_its_treedef_names_its_class():
   # jax.tree_util.register_dataclass makes treedefs whose equality ignores the class (two mask
   # kinds with equal settings compare equal, and jit's cache may run one's program for the

@@ -34,6 +34,7 @@ from reference import array, assert_close, causal_np, normal, segments_np
 
 import jattn
 import jattn.linen
+import jattn.nnx
 from jattn import positional
 
 MHA = jattn.linen.MultiHeadAttention
@@ -154,6 +155,32 @@ def test_adapter_under_flax_decode_matches_flax():
 
 def _drop(**kw):
   return _adapted(dropout_rate=0.5, **kw)
+
+
+@pytest.mark.parametrize("adapter", [jattn.linen.attention_fn, jattn.nnx.attention_fn])
+def test_adapters_take_the_calls_scoring_and_routing_keywords(adapter):
+  """Bound with functools.partial, the adapters take jattn's Scoring and Routing keywords
+  (scale and options among them) with dot_product_attention's meanings; values and
+  gradients are the call's, on a float64 NumPy reference for the scale."""
+  q, k, v = (normal((2, 5, 4, 8), seed=i) for i in range(3))
+  fast = jattn.Options(implementation="blockwise", block_q=2, block_kv=3)
+  bound = functools.partial(adapter, scale=0.3, options=fast, logits_soft_cap=5.0)
+  want = jattn.dot_product_attention(q, k, v, scale=0.3, logits_soft_cap=5.0, is_causal=True)
+  assert_close(bound(q, k, v, is_causal=True), want, dtype=np.float32)
+  s = 5.0 * np.tanh(0.3 * np.einsum("btnh,bsnh->bnts", array(q), array(k)) / 5.0)
+  s = np.where(causal_np(5, 5), s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  assert_close(want, np.einsum("bnts,bsnh->btnh", p, array(v)), dtype=np.float32)
+  loss = lambda fn: lambda *a: jnp.sum(fn(*a) ** 2)
+  got = jax.grad(loss(lambda *a: bound(*a, is_causal=True)), (0, 1, 2))(q, k, v)
+  plain = lambda *a: jattn.dot_product_attention(
+    *a, scale=0.3, logits_soft_cap=5.0, is_causal=True, implementation="xla"
+  )
+  for g, w in zip(got, jax.grad(loss(plain), (0, 1, 2))(q, k, v)):
+    assert_close(g, w, dtype=np.float32)
+  with pytest.raises(ValueError, match="implementation given both as a keyword and in options"):
+    functools.partial(adapter, options=fast, implementation="xla")(q, k, v)
 
 
 def test_adapter_deterministic_dropout_equals_no_dropout():

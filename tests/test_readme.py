@@ -50,3 +50,13 @@ def test_links_to_files_resolve():
 
 def test_is_a_short_guide():
   assert len(README.splitlines()) <= 400
+
+
+def test_ci_fails_when_it_cannot_run_the_newest_jax():
+  """.ci/run exits with an error, saying why, where it finds no Python 3.12: the newest-JAX
+  run and the kernels' jax 0.11.2 run cannot be skipped with CI green."""
+  ci = (ROOT / ".ci" / "run").read_text()
+  assert "exit 0" not in ci
+  branch = ci.split('if [ -z "$py312" ]; then', 1)[1].split("fi\n", 1)[0]
+  assert "exit 1" in branch and "CI FAILED" in branch
+  assert ci.index("exit 1") < ci.index(".venv312/bin/python -m pytest")

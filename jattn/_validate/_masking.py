@@ -190,6 +190,23 @@ _on_both_jit = jax.jit(_on_both, static_argnums=(0, 1))
 _passed: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
 
 
+def _values_on_both(key: Any, closed: Any, n: int, args: list[Any]) -> tuple[Any, Any]:
+  """The function ``key`` (traced to ``closed``) evaluated on both probe grids' arguments
+  (``n`` each), as concrete values even while the caller is traced."""
+  if not closed.jaxpr.eqns:  # it returns its inputs or constants: nothing to compute
+    return jex_core.jaxpr_as_fun(closed)(*args[0], *args[1])
+  # jit keys its cache on the function: an unhashable one is evaluated operation by operation
+  if _checks.hashable(key):
+    # A from_fn mask calls its user's function and nothing else: keyed on that function, a
+    # mask built anew from it reuses the program. Compiled ahead and called, the program gives
+    # values even while the caller is traced, and operations on the arrays the function closes
+    # over stay in it (under ensure_compile_time_eval each would compile a program of its own).
+    compiled = _on_both_jit.lower(key, n, *args[0], *args[1]).compile()
+    return compiled(*args[0], *args[1])
+  with jax.ensure_compile_time_eval():  # values even while the caller is traced
+    return _on_both(key, n, *args[0], *args[1])
+
+
 def _check_on_tiles(
   what: str,
   fn: Callable[..., Any],
@@ -258,20 +275,7 @@ def _check_on_tiles(
       )
   if closed.effects or not all(map(_checks.is_concrete, closed.consts)):
     return  # closes over traced values (inside jit, vmap, grad) or has side effects
-  # jit keys its cache on the function: an unhashable one is evaluated operation by operation
-  hashable = _checks.hashable(key)
-  if closed.jaxpr.eqns and hashable:
-    # A from_fn mask calls its user's function and nothing else: keyed on that function, a
-    # mask built anew from it reuses the program. Compiled ahead and called, the program gives
-    # values even while the caller is traced, and operations on the arrays the function closes
-    # over stay in it (under ensure_compile_time_eval each would compile a program of its own).
-    compiled = _on_both_jit.lower(key, n, *args[0], *args[1]).compile()
-    t_val, w_val = compiled(*args[0], *args[1])
-  elif closed.jaxpr.eqns:
-    with jax.ensure_compile_time_eval():  # values even while the caller is traced
-      t_val, w_val = _on_both(key, n, *args[0], *args[1])
-  else:  # it returns its inputs or constants: nothing to compute
-    t_val, w_val = jex_core.jaxpr_as_fun(closed)(*args[0], *args[1])
+  t_val, w_val = _values_on_both(key, closed, n, args)
   t_val = np.broadcast_to(np.asarray(t_val), shapes[0])
   w_val = np.broadcast_to(np.asarray(w_val), shapes[1])[
     tuple(slice(p[0], p[-1] + 1) for p in grids[0])
@@ -289,7 +293,7 @@ def _check_on_tiles(
       "an array's shape, as jnp.arange(x.shape[-1]) does? Use q_idx and "
       "kv_idx."
     )
-  if hashable:
+  if _checks.hashable(key):
     with contextlib.suppress(TypeError):  # a callable that takes no weak reference is not kept
       _passed.setdefault(key, set()).add(memo)
 

@@ -164,27 +164,22 @@ def make_attention_fn(
     **keywords: Unpack[Adapted],
   ) -> jax.Array:
     settings = checked("attention_fn", keywords, Adapted)
-    arrays = [query, key, value]
-    for name, x in zip(("query", "key", "value"), arrays):
-      if not hasattr(x, "shape") or x.ndim < 3:
-        raise ValueError(
-          f"{name} must have shape [batch..., length, heads, head_dim], got "
-          f"{getattr(x, 'shape', type(x).__name__)}"
-        )
     einsums = (qk_attn_weights_einsum, attn_weights_value_einsum)
-    if (einsums[0] is None) != (einsums[1] is None):
-      raise ValueError(
-        "qk_attn_weights_einsum and attn_weights_value_einsum must be specified together"
-      )
-    if (precision is not None or einsum_dot_general is not None) and einsums[0] is not None:
-      raise ValueError(
-        "precision/einsum_dot_general and qk_attn_weights_einsum/attn_weights_value_einsum "
-        "are mutually exclusive: give one of them"
-      )
+    _check_arguments((query, key, value), einsums, precision, einsum_dot_general)
     if dtype is None:
-      dtype = jnp.result_type(*arrays)
-    query, key, value = (jnp.asarray(x, dtype) for x in arrays)
+      dtype = jnp.result_type(query, key, value)
+    query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
     check_flax_shapes(query, key, value)
+    flax_kw: dict[str, Any] = dict(
+      bias=bias,
+      broadcast_dropout=broadcast_dropout,
+      dropout_rng=dropout_rng,
+      dropout_rate=dropout_rate,
+      deterministic=deterministic,
+      dtype=dtype,
+      precision=precision,
+      module=module,
+    )
     overrides = einsum_dot_general is not None or einsums[0] is not None
     if jnp.issubdtype(dtype, jnp.complexfloating) or overrides:
       for name, setting in settings.items():
@@ -194,74 +189,103 @@ def make_attention_fn(
             f"{name} is a setting of jattn's kernels, which take no {why}: those run Flax's "
             "own materialised dot_product_attention"
           )
-      flax_kw: dict[str, Any] = dict(
-        bias=bias,
-        broadcast_dropout=broadcast_dropout,
-        dropout_rng=dropout_rng,
-        dropout_rate=dropout_rate,
-        deterministic=deterministic,
-        dtype=dtype,
-        precision=precision,
-        module=module,
+      if not linen:
+        if overrides:
+          raise ValueError(
+            "einsum_dot_general, qk_attn_weights_einsum and attn_weights_value_einsum are "
+            "arguments of Flax Linen's dot_product_attention: use jattn.linen.attention_fn"
+          )
+        return flax_fn(query, key, value, mask=mask, is_causal=is_causal, **flax_kw)
+      if is_causal:
+        mask = with_causal(mask, query.shape[-3], key.shape[-3])
+      key, value = repeat_kv_heads(query, key), repeat_kv_heads(query, value)
+      flax_kw.update(
+        force_fp32_for_softmax=force_fp32_for_softmax,
+        einsum_dot_general=einsum_dot_general,
+        qk_attn_weights_einsum=einsums[0],
+        attn_weights_value_einsum=einsums[1],
       )
-      if linen:
-        if is_causal:
-          mask = with_causal(mask, query.shape[-3], key.shape[-3])
-        key, value = repeat_kv_heads(query, key), repeat_kv_heads(query, value)
-        flax_kw.update(
-          force_fp32_for_softmax=force_fp32_for_softmax,
-          einsum_dot_general=einsum_dot_general,
-          qk_attn_weights_einsum=einsums[0],
-          attn_weights_value_einsum=einsums[1],
-        )
-      elif overrides:
-        raise ValueError(
-          "einsum_dot_general, qk_attn_weights_einsum and attn_weights_value_einsum are "
-          "arguments of Flax Linen's dot_product_attention: use jattn.linen.attention_fn"
-        )
-      else:
-        flax_kw.update(is_causal=is_causal)
       return flax_fn(query, key, value, mask=mask, **flax_kw)
-    batch_dims = query.shape[:-3]
-    if len(batch_dims) > 1:  # the core call takes one batch dimension or none
-      flat = lambda x: x.reshape((math.prod(batch_dims),) + x.shape[-3:])
-      query, key, value = flat(query), flat(key), flat(value)
-      mask, bias = flatten_batch(mask, batch_dims, 3), flatten_batch(bias, batch_dims, 3)
-    mask = as_bool_mask(mask)
-    rate = _checks.real("dropout_rate", dropout_rate)
-    if deterministic or rate == 0.0:
-      rate, dropout_rng = 0.0, None
-    elif dropout_rng is None:
-      raise ValueError(f"dropout_rate={rate} with deterministic=False needs dropout_rng")
-    options = options_of(settings)  # what is left in settings: the Scoring keywords
-    weights = Weights(is_causal=bool(is_causal), **settings)  # type: ignore[typeddict-item]
-    with _precision_context(precision):
-      if module is not None:
-        fp32 = force_fp32_for_softmax and jnp.dtype(dtype) != jnp.float32
-        q, k = (query.astype(jnp.float32), key.astype(jnp.float32)) if fp32 else (query, key)
-        sow(
-          module, _unflatten(attention.attention_weights(q, k, bias, mask, **weights), batch_dims)
-        )
-        if options.implementation is None:  # the sown weights' materialised path
-          options = dataclasses.replace(options, implementation="xla")
-      out = attention.dot_product_attention(
-        query,
-        key,
-        value,
-        bias,
-        mask,
-        dropout_rate=rate,
-        dropout_rng=dropout_rng,
-        broadcast_dropout=bool(broadcast_dropout),
-        options=options,
-        **weights,
-      )
-    return _unflatten(out, batch_dims)
+    fp32 = force_fp32_for_softmax and jnp.dtype(dtype) != jnp.float32
+    return _by_jattn(sow, query, key, value, mask, flax_kw, is_causal, fp32, settings)
 
   attention_fn.__doc__ = _adapter_doc(collection)
   attention_fn.__module__ = module_name
   attention_fn.__qualname__ = "attention_fn"
   return attention_fn
+
+
+def _check_arguments(
+  arrays: tuple[Any, Any, Any], einsums: tuple[Any, Any], precision: Any, einsum_dot_general: Any
+) -> None:
+  """Flax's rules for an ``attention_fn``'s arguments: heads of rank 3 or more, the einsum
+  overrides given together and apart from ``precision`` and ``einsum_dot_general``."""
+  for name, x in zip(("query", "key", "value"), arrays):
+    if not hasattr(x, "shape") or x.ndim < 3:
+      raise ValueError(
+        f"{name} must have shape [batch..., length, heads, head_dim], got "
+        f"{getattr(x, 'shape', type(x).__name__)}"
+      )
+  if (einsums[0] is None) != (einsums[1] is None):
+    raise ValueError(
+      "qk_attn_weights_einsum and attn_weights_value_einsum must be specified together"
+    )
+  if (precision is not None or einsum_dot_general is not None) and einsums[0] is not None:
+    raise ValueError(
+      "precision/einsum_dot_general and qk_attn_weights_einsum/attn_weights_value_einsum "
+      "are mutually exclusive: give one of them"
+    )
+
+
+def _by_jattn(
+  sow: Callable[[Any, jax.Array], None],
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  mask: Any,
+  flax_kw: dict[str, Any],
+  is_causal: bool,
+  fp32_weights: bool,
+  settings: dict[str, Any],
+) -> jax.Array:
+  """The adapter's call of :func:`jattn.dot_product_attention` (and, with Flax's
+  ``module``, of :func:`jattn.attention_weights`, sown): Flax's keywords ``flax_kw``
+  read as Flax reads them, jattn's ``settings`` bound by the caller."""
+  bias, module = flax_kw["bias"], flax_kw["module"]
+  batch_dims = query.shape[:-3]
+  if len(batch_dims) > 1:  # the core call takes one batch dimension or none
+    flat = lambda x: x.reshape((math.prod(batch_dims),) + x.shape[-3:])
+    query, key, value = flat(query), flat(key), flat(value)
+    mask, bias = flatten_batch(mask, batch_dims, 3), flatten_batch(bias, batch_dims, 3)
+  mask = as_bool_mask(mask)
+  rate = _checks.real("dropout_rate", flax_kw["dropout_rate"])
+  dropout_rng = flax_kw["dropout_rng"]
+  if flax_kw["deterministic"] or rate == 0.0:
+    rate, dropout_rng = 0.0, None
+  elif dropout_rng is None:
+    raise ValueError(f"dropout_rate={rate} with deterministic=False needs dropout_rng")
+  options = options_of(settings)  # what is left in settings: the Scoring keywords
+  weights = Weights(is_causal=bool(is_causal), **settings)  # type: ignore[typeddict-item]
+  with _precision_context(flax_kw["precision"]):
+    if module is not None:
+      q, k = (query.astype(jnp.float32), key.astype(jnp.float32)) if fp32_weights else (query, key)
+      p = attention.attention_weights(q, k, bias, mask, **weights)
+      sow(module, _unflatten(p, batch_dims))
+      if options.implementation is None:  # the sown weights' materialised path
+        options = dataclasses.replace(options, implementation="xla")
+    out = attention.dot_product_attention(
+      query,
+      key,
+      value,
+      bias,
+      mask,
+      dropout_rate=rate,
+      dropout_rng=dropout_rng,
+      broadcast_dropout=bool(flax_kw["broadcast_dropout"]),
+      options=options,
+      **weights,
+    )
+  return _unflatten(out, batch_dims)
 
 
 def _unflatten(x: jax.Array, batch_dims: tuple[int, ...]) -> jax.Array:

@@ -167,18 +167,31 @@ def check_call(
     )
   if num_new is not None and not decode_:
     raise ValueError("num_new applies only with decode=True")
-  if not decode_:
-    if positions is not None and rope is None:
+  if decode_:
+    _check_decode(settings, inputs, cache, positions, segment_ids, num_new, sow_weights, remedy)
+  elif positions is not None:
+    if rope is None:
       raise ValueError("positions are used only by rope, and this module has rope=None")
-    if positions is not None:
-      T = inputs_q.shape[-2]
-      shape = tuple(np.shape(positions))
-      if shape not in ((T,), (1, T), inputs_q.shape[:-1]):
-        raise ValueError(
-          f"positions must have shape (T,) or (batch..., T) for inputs_q {inputs_q.shape}, "
-          f"got {shape}"
-        )
-    return
+    T = inputs_q.shape[-2]
+    shape = tuple(np.shape(positions))
+    if shape not in ((T,), (1, T), inputs_q.shape[:-1]):
+      raise ValueError(
+        f"positions must have shape (T,) or (batch..., T) for inputs_q {inputs_q.shape}, "
+        f"got {shape}"
+      )
+
+
+def _check_decode(
+  settings: Settings,
+  inputs: Inputs,
+  cache: _flax_cache.Held | None,
+  positions: jax.typing.ArrayLike | None,
+  segment_ids: Any,
+  num_new: jax.typing.ArrayLike | None,
+  sow_weights: bool,
+  remedy: str,
+) -> None:
+  """A ``decode=True`` call's arguments against the module's settings and its cache."""
   for name, given in (
     ("positions", positions),
     ("segment_ids", segment_ids),
@@ -189,7 +202,7 @@ def check_call(
         f"decode=True does not take {name}: decoding is causal self-attention "
         "over the cache, whose positions come from the cache"
       )
-  if attention_fn is not None:
+  if settings.attention_fn is not None:
     raise ValueError(
       "decode=True attends over the KV cache with jattn.decode.attention, which takes no "
       "attention_fn: decode with a module made without one"
@@ -199,6 +212,7 @@ def check_call(
       "decode=True needs a KV cache: call init_cache(input_shape) (or init_cache(batch_size=, "
       "max_length=)) first"
     )
+  inputs_q, kv_name = inputs.q, inputs.kv_name
   if jnp.issubdtype(inputs_q.dtype, jnp.complexfloating):
     raise TypeError(
       f"decode=True writes a jattn.decode cache, which holds floating dtypes, got inputs_q "
@@ -225,6 +239,15 @@ def check_call(
       "num_new needs a cache with one length per row, but this one keeps Flax's one "
       f"cache_index for all rows: {remedy}"
     )
+
+
+def check_shardings(ndim: int, qkv_sharding: Any, out_sharding: Any) -> None:
+  """The projections' ``qkv_sharding`` and ``out_sharding`` for inputs of rank ``ndim``
+  (batch dimensions, length, features)."""
+  batch = "".join(f"B{i}, " for i in range(ndim - 2)) if ndim > 3 else ""
+  batch = "B, " if ndim == 3 else batch
+  check_sharding("qkv_sharding", qkv_sharding, f"({batch}T, N, H)")
+  check_sharding("out_sharding", out_sharding, f"({batch}T, F)")
 
 
 def check_sharding(
@@ -313,6 +336,19 @@ def _rows(x: Any, batch_dims: tuple[int, ...]) -> Any:
     return x
   shape = (math.prod(batch_dims),) + tuple(x.shape[len(batch_dims) :])
   return x if tuple(x.shape) == shape else x.reshape(shape)
+
+
+def _as_rows(mask: Any, segment_ids: Any, batch_dims: tuple[int, ...]) -> tuple[Any, Any]:
+  """A call's mask array (Flax's reading: non-zero attends) and segment ids (or their pair)
+  with the batch dimensions as one of B rows; a :class:`jattn.masks.Mask` as it is."""
+  if mask is not None and not isinstance(mask, masks.Mask):
+    mask = _flax_adapter.flatten_batch(_flax_adapter.as_bool_mask(mask), batch_dims, 3)
+  if segment_ids is not None:
+    pair = isinstance(segment_ids, (tuple, list))
+    ids = [_rows(i, batch_dims) for i in (segment_ids if pair else (segment_ids,))]
+    ids = [i[None] if batch_dims == () and np.ndim(i) == 1 else i for i in ids]
+    segment_ids = tuple(ids) if pair else ids[0]
+  return mask, segment_ids
 
 
 def _unrows(x: jax.Array, batch_dims: tuple[int, ...]) -> jax.Array:
@@ -420,13 +456,7 @@ def attend(
   batch_dims = tuple(query.shape[:-3])
   given = query, key, value
   query, key, value = (_rows(x, batch_dims) for x in given)
-  if mask is not None and not isinstance(mask, masks.Mask):
-    mask = _flax_adapter.flatten_batch(_flax_adapter.as_bool_mask(mask), batch_dims, 3)
-  if segment_ids is not None:
-    pair = isinstance(segment_ids, (tuple, list))
-    ids = [_rows(i, batch_dims) for i in (segment_ids if pair else (segment_ids,))]
-    ids = [i[None] if batch_dims == () and np.ndim(i) == 1 else i for i in ids]
-    segment_ids = tuple(ids) if pair else ids[0]
+  mask, segment_ids = _as_rows(mask, segment_ids, batch_dims)
   if cache is not None:
     if rope is not None:
       pos: jax.typing.ArrayLike = decode.positions(cache.cache, query.shape[1])
@@ -445,11 +475,10 @@ def attend(
     return _unrows(decoded, batch_dims), None, cache.variables(new_cache)  # type: ignore[arg-type]
   if rope is not None:
     if positions is None:
-      pos = jnp.arange(query.shape[-3], dtype=jnp.int32)
-    else:
-      rows = np.ndim(positions) == len(batch_dims) + 1 and np.ndim(positions) > 1
-      pos = _rows(positions, batch_dims) if rows else positions
-    query, key = rope(query, pos), rope(key, pos)
+      positions = jnp.arange(query.shape[-3], dtype=jnp.int32)
+    elif np.ndim(positions) == len(batch_dims) + 1 and np.ndim(positions) > 1:
+      positions = _rows(positions, batch_dims)  # one row of positions per batch row
+    query, key = rope(query, positions), rope(key, positions)
   if attention_fn is not None or flax_attention is not None:
     query, key, value = (_unrows(x, batch_dims) for x in (query, key, value))
     if flax_attention is not None:  # with rope, applied above on the rows

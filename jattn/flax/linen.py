@@ -205,51 +205,10 @@ class MultiHeadDotProductAttention(nn.Module):
     settings = _flax_config.Settings.of(self)
     decode = _flax_config.resolve("decode", decode, self.decode)
     is_causal = _flax_config.resolve("is_causal", is_causal, self.is_causal)
-    N, K, H = heads.num_heads, heads.num_kv_heads, heads.head_dim
-    dense = functools.partial(
-      nn.DenseGeneral,
-      axis=-1,
-      dtype=self.dtype,
-      param_dtype=self.param_dtype,
-      kernel_init=self.kernel_init,
-      bias_init=self.bias_init,
-      use_bias=self.use_bias,
-      precision=self.precision,
-      dot_general=self.qkv_dot_general,
-      dot_general_cls=self.qkv_dot_general_cls,
-    )
-    query = dense(features=(N, H), name="query")(x.q)
-    key = dense(features=(K, H), name="key")(x.k)
-    value = dense(features=(K, heads.value_head_dim), name="value")(x.v)
+    query, key, value = self._project(x, heads)
     # After the projections, which raise Flax's errors for inputs of the wrong width.
     _flax_call.check_inputs(x)
-    norm = {
-      "rms": nn.RMSNorm,
-      "layernorm": functools.partial(nn.LayerNorm, use_bias=False),
-      None: None,
-    }[_flax_config.qk_norm_kind(self.normalize_qk)]
-    if norm is not None:
-      query = norm(dtype=self.dtype, param_dtype=self.param_dtype, name="query_ln")(query)
-      key = norm(dtype=self.dtype, param_dtype=self.param_dtype, name="key_ln")(key)
-
-    held: _flax_cache.Held | None = None
-    cache_vars: dict[str, Any] = {}  # the cache collection's variables, by name
-    if decode:
-      if self.has_variable("cache", "cached_key") or self.has_variable("cache", "cached_key_pages"):
-        cache_vars = {
-          name: self.variable("cache", name)
-          for name in _flax_cache.VARIABLES
-          if self.has_variable("cache", name)
-        }
-        held = _flax_cache.held(lambda n: cache_vars[n].value if n in cache_vars else None)
-      elif not jnp.issubdtype(key.dtype, jnp.complexfloating):
-        # As Flax: the first decode=True call (init) allocates the cache for keys of this
-        # length and attends as a call without decode.
-        empty = _flax_cache.init_cache(
-          heads, key.shape[:-3], key.shape[-3], key.dtype, self._cache_options()
-        )
-        for name, a in empty.items():
-          self.variable("cache", name, lambda a=a: a)
+    held, cache_vars = self._cache(heads, key) if decode else (None, {})
     decode_step = held is not None
     init_pass = decode and not decode_step
     _flax_call.check_call(
@@ -280,29 +239,11 @@ class MultiHeadDotProductAttention(nn.Module):
     sinks = None
     if self.sinks:
       sinks = self.param("sinks", self.sinks_init, (heads.num_heads,), self.param_dtype)
-    einsums = {
-      name[:-4]: getattr(self, name)() if getattr(self, name) else None
-      for name in ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls")
-    }
-    causal: dict[str, Any] = dict(is_causal=True) if is_causal else {}
-    flax_kwargs: dict[str, Any] = dict(
-      dropout_rng=dropout_rng,
-      deterministic=deterministic,
-      dtype=self.dtype,
-      precision=self.precision,
-      force_fp32_for_softmax=self.force_fp32_for_softmax,
-      **einsums,
-      **(dict(module=self) if sow_weights else {}),
+    flax_kwargs, flax_attention = self._flax_calls(
+      settings, query, dropout_rng, deterministic, sow_weights
     )
     complex_ = jnp.issubdtype(query.dtype, jnp.complexfloating)
-    flax_attention = None
-    if settings.attention_fn is None and (complex_ or einsums["qk_attn_weights_einsum"]):
-      flax_attention = functools.partial(
-        _flax_dot_product_attention,
-        dropout_rate=settings.dropout_rate,
-        broadcast_dropout=settings.broadcast_dropout,
-        **flax_kwargs,
-      )
+    causal: dict[str, Any] = dict(is_causal=True) if is_causal else {}
     out, weights, new_vars = _flax_call.attend(
       query,
       key,
@@ -332,6 +273,10 @@ class MultiHeadDotProductAttention(nn.Module):
     if new_vars is not None:
       for var_name, a in new_vars.items():
         cache_vars[var_name].value = a
+    return self._out(out, heads)
+
+  def _out(self, out: jax.Array, heads: _flax_config.Heads) -> jax.Array:
+    """The output projection of the heads (Flax's parameter ``out``)."""
     return nn.DenseGeneral(
       features=heads.out_features,
       axis=(-2, -1),
@@ -345,6 +290,95 @@ class MultiHeadDotProductAttention(nn.Module):
       dot_general_cls=self.out_dot_general_cls,
       name="out",
     )(out)
+
+  def _flax_calls(
+    self,
+    settings: _flax_config.Settings,
+    query: jax.Array,
+    dropout_rng: jax.Array | None,
+    deterministic: bool,
+    sow_weights: bool,
+  ) -> tuple[dict[str, Any], Any]:
+    """The keywords of Flax's calls (an ``attention_fn``'s, Flax's own attention's), and
+    Flax's materialised attention with them bound where it computes what jattn's kernels do
+    not take (complex inputs, the einsum factories), else None."""
+    einsums = {
+      name[:-4]: getattr(self, name)() if getattr(self, name) else None
+      for name in ("qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls")
+    }
+    flax_kwargs: dict[str, Any] = dict(
+      dropout_rng=dropout_rng,
+      deterministic=deterministic,
+      dtype=self.dtype,
+      precision=self.precision,
+      force_fp32_for_softmax=self.force_fp32_for_softmax,
+      **einsums,
+      **(dict(module=self) if sow_weights else {}),
+    )
+    complex_ = jnp.issubdtype(query.dtype, jnp.complexfloating)
+    if settings.attention_fn is not None or not (complex_ or einsums["qk_attn_weights_einsum"]):
+      return flax_kwargs, None
+    flax_attention = functools.partial(
+      _flax_dot_product_attention,
+      dropout_rate=settings.dropout_rate,
+      broadcast_dropout=settings.broadcast_dropout,
+      **flax_kwargs,
+    )
+    return flax_kwargs, flax_attention
+
+  def _project(
+    self, x: _flax_call.Inputs, heads: _flax_config.Heads
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The query, key and value heads of the inputs (Flax's parameters ``query``, ``key``,
+    ``value``), the q/k norm applied (``query_ln``, ``key_ln``)."""
+    N, K, H = heads.num_heads, heads.num_kv_heads, heads.head_dim
+    dense = functools.partial(
+      nn.DenseGeneral,
+      axis=-1,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      kernel_init=self.kernel_init,
+      bias_init=self.bias_init,
+      use_bias=self.use_bias,
+      precision=self.precision,
+      dot_general=self.qkv_dot_general,
+      dot_general_cls=self.qkv_dot_general_cls,
+    )
+    query = dense(features=(N, H), name="query")(x.q)
+    key = dense(features=(K, H), name="key")(x.k)
+    value = dense(features=(K, heads.value_head_dim), name="value")(x.v)
+    norm = {
+      "rms": nn.RMSNorm,
+      "layernorm": functools.partial(nn.LayerNorm, use_bias=False),
+      None: None,
+    }[_flax_config.qk_norm_kind(self.normalize_qk)]
+    if norm is not None:
+      query = norm(dtype=self.dtype, param_dtype=self.param_dtype, name="query_ln")(query)
+      key = norm(dtype=self.dtype, param_dtype=self.param_dtype, name="key_ln")(key)
+    return query, key, value
+
+  def _cache(
+    self, heads: _flax_config.Heads, key: jax.Array
+  ) -> tuple[_flax_cache.Held | None, dict[str, Any]]:
+    """A ``decode=True`` call's cache, and its variables by name: the ``cache`` collection
+    as held; or, at the first such call (init), the collection allocated for keys of this
+    length, and None (the call attends as one without decode, as Flax's does)."""
+    if self.has_variable("cache", "cached_key") or self.has_variable("cache", "cached_key_pages"):
+      cache_vars: dict[str, Any] = {
+        name: self.variable("cache", name)
+        for name in _flax_cache.VARIABLES
+        if self.has_variable("cache", name)
+      }
+      return _flax_cache.held(
+        lambda n: cache_vars[n].value if n in cache_vars else None
+      ), cache_vars
+    if not jnp.issubdtype(key.dtype, jnp.complexfloating):
+      empty = _flax_cache.init_cache(
+        heads, key.shape[:-3], key.shape[-3], key.dtype, self._cache_options()
+      )
+      for name, a in empty.items():
+        self.variable("cache", name, lambda a=a: a)
+    return None, {}
 
 
 class MultiHeadAttention(MultiHeadDotProductAttention):

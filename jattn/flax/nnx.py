@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from dataclasses import astuple
 from types import MappingProxyType
 from typing import Any
 
@@ -169,26 +170,20 @@ class MultiHeadAttention(nnx.Module):
       in_kv_features=in_kv_features,
     ).check()
     assert heads is not None  # None only without in_features, which Linen infers
-    self.heads = heads
+    self.heads, self.head_dim = heads, heads.head_dim
     self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
-    self.head_dim = heads.head_dim
     self.in_features = in_features
     self.in_kv_features = in_features if in_kv_features is None else in_kv_features
     self.qkv_features, self.out_features = heads.qkv_features, heads.out_features
     self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
     self.use_bias, self.attention_fn, self.decode = use_bias, attention_fn, decode
-    self.dropout_rate = float(dropout_rate)
-    self.broadcast_dropout = bool(broadcast_dropout)
-    self.deterministic = deterministic
-    self.is_causal = bool(is_causal)
-    self.rope = rope
-    self.normalize_qk = normalize_qk
-    self.options = options = Options.of(
+    self.dropout_rate, self.broadcast_dropout = float(dropout_rate), bool(broadcast_dropout)
+    self.deterministic, self.is_causal = deterministic, bool(is_causal)
+    self.rope, self.normalize_qk = rope, normalize_qk
+    self.options = Options.of(
       options, implementation=implementation, backward=backward, block_q=block_q, block_kv=block_kv
     )
-    self.implementation, self.backward = options.implementation, options.backward
-    self.block_q, self.block_kv = options.block_q, options.block_kv
-
+    self.implementation, self.backward, self.block_q, self.block_kv = astuple(self.options)
     common: Any = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision)
     linear: Any = functools.partial(
       nnx.LinearGeneral,
@@ -208,17 +203,10 @@ class MultiHeadAttention(nnx.Module):
     self.value = linear(self.in_kv_features, (heads.num_kv_heads, heads.value_head_dim))
     sink_logits = sinks_init(rngs.params(), (heads.num_heads,), param_dtype) if sinks else None
     self.sinks = nnx.data(None) if sink_logits is None else nnx.Param(sink_logits)
-    norm: Any = {
-      "rms": nnx.RMSNorm,
-      "layernorm": functools.partial(nnx.LayerNorm, use_bias=False),
-      None: None,
-    }[_flax_config.qk_norm_kind(normalize_qk)]
+    norm = _qk_norm(normalize_qk, H, dtype, param_dtype, ln_promote_dtype, rngs)
     if norm is None:
       self.query_ln = self.key_ln = nnx.data(None)
     else:
-      norm = functools.partial(
-        norm, H, dtype=dtype, param_dtype=param_dtype, promote_dtype=ln_promote_dtype, rngs=rngs
-      )
       self.query_ln = norm(scale_metadata=query_ln_scale_metadata)
       self.key_ln = norm(scale_metadata=key_ln_scale_metadata)
     self.out = nnx.LinearGeneral(
@@ -393,13 +381,7 @@ class MultiHeadAttention(nnx.Module):
     x = _flax_call.inputs(
       inputs_q, inputs_k, inputs_v, inputs_kv, self.in_features, self.in_kv_features
     )
-    batch = (
-      "".join(f"B{i}, " for i in range(inputs_q.ndim - 2))
-      if inputs_q.ndim > 3
-      else ("B, " if inputs_q.ndim == 3 else "")
-    )
-    _flax_call.check_sharding("qkv_sharding", qkv_sharding, f"({batch}T, N, H)")
-    _flax_call.check_sharding("out_sharding", out_sharding, f"({batch}T, F)")
+    _flax_call.check_shardings(inputs_q.ndim, qkv_sharding, out_sharding)
     decode = _flax_config.resolve("decode", decode, self.decode)
     is_causal = _flax_config.resolve("is_causal", is_causal, self.is_causal)
     positions = _flax_call.rope_positions(positions, input_positions, self.attention_fn)
@@ -419,15 +401,7 @@ class MultiHeadAttention(nnx.Module):
     deterministic = _flax_call.resolve_deterministic(
       self.dropout_rate, deterministic, self.deterministic
     )
-    dropout_rng = None
-    if not deterministic:
-      stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs or self.rngs)
-      if stream is None:
-        raise ValueError(
-          "dropout needs an rng: construct with nnx.Rngs(..., dropout=...) or "
-          "pass rngs= to the call"
-        )
-      dropout_rng = stream()
+    dropout_rng = None if deterministic else self._dropout_rng(rngs)
 
     query, key, value = (
       proj(a, out_sharding=qkv_sharding)
@@ -435,29 +409,24 @@ class MultiHeadAttention(nnx.Module):
     )
     if self.query_ln is not None:
       query, key = self.query_ln(query), self.key_ln(key)
-    name = _flax_cache.dtype_name
-    _flax_cache.check_dtype(
-      None if held is None else held.cache,
-      key.dtype,
-      origin=" (init_cache's dtype)",
-      settings=f"module dtype={name(self.query.dtype)}, "
-      f"param_dtype={name(self.query.param_dtype)}, inputs {inputs_q.dtype}",
-      remedy="call init_cache(input_shape, dtype={dtype})",
+    self._check_cache_dtype(held, key.dtype, inputs_q.dtype)
+    flax_kwargs: dict[str, Any] = dict(  # Flax's call's keywords, as its module gives them
+      dropout_rng=dropout_rng,
+      deterministic=deterministic,
+      dtype=self.dtype,
+      precision=self.precision,
+      module=self if sow_weights else None,
     )
-    extra = {} if input_positions is None else dict(input_positions=input_positions)
     flax_attention = None
-    complex_ = jnp.issubdtype(query.dtype, jnp.complexfloating)
-    if complex_ and self.attention_fn is None:
+    if jnp.issubdtype(query.dtype, jnp.complexfloating) and self.attention_fn is None:
       flax_attention = functools.partial(
         _flax_materialised,
-        dropout_rng=dropout_rng,
         dropout_rate=self.dropout_rate,
         broadcast_dropout=self.broadcast_dropout,
-        deterministic=deterministic,
-        dtype=self.dtype,
-        precision=self.precision,
-        module=self if sow_weights else None,
+        **flax_kwargs,
       )
+    if input_positions is not None:
+      flax_kwargs["input_positions"] = input_positions
     out, weights, new_cache = _flax_call.attend(
       query,
       key,
@@ -472,16 +441,7 @@ class MultiHeadAttention(nnx.Module):
       dropout_rng=dropout_rng,
       sinks=None if self.sinks is None else self.sinks[...],
       sow_weights=bool(sow_weights),
-      attention_fn=_flax_call.bind_attention_fn(  # Flax's call, as nnx.MultiHeadAttention's
-        settings,
-        dropout_rng=dropout_rng,
-        deterministic=deterministic,
-        dtype=self.dtype,
-        precision=self.precision,
-        module=self if sow_weights else None,
-        is_causal=is_causal,
-        **extra,
-      ),
+      attention_fn=_flax_call.bind_attention_fn(settings, is_causal=is_causal, **flax_kwargs),
       flax_attention=flax_attention,
       flax_why=f"{query.dtype} inputs",
     )
@@ -490,6 +450,42 @@ class MultiHeadAttention(nnx.Module):
     if new_cache is not None:
       _nnx_cache.write(self, new_cache)  # the cache's new variables
     return self.out(out, out_sharding=out_sharding)
+
+  def _check_cache_dtype(self, held: Any, dtype: Any, inputs_dtype: Any) -> None:
+    """The keys of ``dtype`` fit the cache (None: none held) as it was made."""
+    name = _flax_cache.dtype_name
+    _flax_cache.check_dtype(
+      None if held is None else held.cache,
+      dtype,
+      origin=" (init_cache's dtype)",
+      settings=f"module dtype={name(self.query.dtype)}, "
+      f"param_dtype={name(self.query.param_dtype)}, inputs {inputs_dtype}",
+      remedy="call init_cache(input_shape, dtype={dtype})",
+    )
+
+  def _dropout_rng(self, rngs: nnx.Rngs | nnx.RngStream | None) -> jax.Array:
+    """A dropout key from the call's ``rngs``, else from the stream kept at construction."""
+    stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs or self.rngs)
+    if stream is None:
+      raise ValueError(
+        "dropout needs an rng: construct with nnx.Rngs(..., dropout=...) or pass rngs= to the call"
+      )
+    return stream()
+
+
+def _qk_norm(
+  normalize_qk: bool | str, H: int, dtype: Any, param_dtype: Any, promote_dtype: Any, rngs: Any
+) -> Any:
+  """The q/k norm's constructor for H features (``scale_metadata`` left to give), or None."""
+  norm: Any = {
+    "rms": nnx.RMSNorm,
+    "layernorm": functools.partial(nnx.LayerNorm, use_bias=False),
+    None: None,
+  }[_flax_config.qk_norm_kind(normalize_qk)]
+  if norm is None:
+    return None
+  kw = dict(dtype=dtype, param_dtype=param_dtype, promote_dtype=promote_dtype, rngs=rngs)
+  return functools.partial(norm, H, **kw)
 
 
 def _flax_materialised(

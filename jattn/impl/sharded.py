@@ -84,7 +84,7 @@ def per_shard(
   """``attend(query, key, value, spec) -> (out, lse)`` run on each device's share.
 
   ``query`` (B, T, N, H), ``key`` and ``value`` (B, S, K, H|Hv), ``spec`` a rank-4
-  :class:`jattn._spec.CallSpec`. ``heads_whole``: the kernel cannot take a share of the
+  :class:`jattn.impl.contract.CallSpec`. ``heads_whole``: the kernel cannot take a share of the
   heads (its masks differ per head), so only the batch is split. ``auto``: give the kernel
   a partitioning rule for Auto mode (with one device, ``attend`` runs as it is).
   ``global_index``: the kernel reads ``spec.shard_offsets`` and evaluates the mask and score
@@ -375,6 +375,33 @@ def _rule(
   return mapped
 
 
+def _role_specs(b: MeshAxes, n: MeshAxes, kn: MeshAxes) -> dict[str, P]:
+  """Each role's PartitionSpec with the batch over ``b``, the query heads over ``n`` and the
+  key/value heads over ``kn``."""
+  return {
+    "q": P(b, None, n, None),
+    "out": P(b, None, n, None),
+    "k": P(b, None, kn, None),
+    "v": P(b, None, kn, None),
+    "lse": P(b, None, n),
+    "rows": P(b),
+    "row_heads": P(b, n),
+    "bias_bn": P(b, n),
+    "bias_b": P(b),
+    "bias_n": P(None, n),
+    "other": P(),
+  }
+
+
+def _mapping(role: str, i: int, shape: tuple[int, ...]) -> ArrayMapping:
+  """The Shardy factors of argument ``i`` in ``role``: the role's shared ones, else its own."""
+  names = _FACTORS.get(role, ())
+  own = lambda d: f"{role[0]}{i}x{d}"  # noqa: E731  # a factor of this axis alone
+  return ArrayMapping(
+    *(names[d] or own(d) if d < len(names) else own(d) for d in range(len(shape)))
+  )
+
+
 def _define(
   wrapped: custom_partitioning,
   lower: Callable[..., Any],
@@ -394,20 +421,7 @@ def _define(
     mesh: Mesh, query_sharding: jax.sharding.Sharding, roles: tuple[str, ...]
   ) -> tuple[NamedSharding, ...]:
     b, n = axes(mesh, query_sharding)
-    kn = n if K > 1 else None
-    by_role = {
-      "q": P(b, None, n, None),
-      "out": P(b, None, n, None),
-      "k": P(b, None, kn, None),
-      "v": P(b, None, kn, None),
-      "lse": P(b, None, n),
-      "rows": P(b),
-      "row_heads": P(b, n),
-      "bias_bn": P(b, n),
-      "bias_b": P(b),
-      "bias_n": P(None, n),
-      "other": P(),
-    }
+    by_role = _role_specs(b, n, n if K > 1 else None)
     return tuple(NamedSharding(mesh, by_role[r]) for r in roles)
 
   first = roles_in.index("q")  # the query follows the hoisted constants
@@ -444,20 +458,13 @@ def _define(
 
     return mesh, run, out_specs, specs(mesh, sharding, roles_in)
 
-  def mapping(role: str, i: int, shape: tuple[int, ...]) -> ArrayMapping:
-    names = _FACTORS.get(role, ())
-    own = lambda d: f"{role[0]}{i}x{d}"  # noqa: E731  # a factor of this axis alone
-    return ArrayMapping(
-      *(names[d] or own(d) if d < len(names) else own(d) for d in range(len(shape)))
-    )
-
   def sharding_rule(
     mesh: Mesh, value_types: Sequence[Any], result_types: Sequence[Any]
   ) -> SdyShardingRule:
     del mesh
-    ins = tuple(mapping(r, i, t.shape) for i, (r, t) in enumerate(zip(roles_in, value_types)))
+    ins = tuple(_mapping(r, i, t.shape) for i, (r, t) in enumerate(zip(roles_in, value_types)))
     outs = tuple(
-      mapping(r, i + len(ins), t.shape) for i, (r, t) in enumerate(zip(roles_out, result_types))
+      _mapping(r, i + len(ins), t.shape) for i, (r, t) in enumerate(zip(roles_out, result_types))
     )
     return SdyShardingRule(ins, outs)
 

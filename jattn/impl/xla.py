@@ -18,7 +18,7 @@ O(B·N·T·S). Two backward rules:
   tables get gradients), and GQA gradients summed over each group by the
   grouped einsums.
 
-Arguments arrive normalised and validated, as a :class:`jattn._spec.CallSpec`.
+Arguments arrive normalised and validated, as a :class:`jattn.impl.contract.CallSpec`.
 """
 
 from __future__ import annotations

@@ -446,6 +446,16 @@ _Local = tuple[jax.Array | None, tuple[jax.Array, ...]]
 """A device's own cotangent accumulators: the bias rows it holds, the score constants'."""
 
 
+def _add_columns(ring: Ring, d_bias: jax.Array, d_b: jax.Array, source: Any) -> jax.Array:
+  """The device's bias cotangent (its rows, every column) with one pair's added at the
+  columns of key/value shard ``source`` (all of them where the bias has one column)."""
+  if d_bias.shape[3] == 1:
+    return d_bias + d_b
+  s = ring.kv_len // ring.size
+  part = jax.lax.dynamic_slice_in_dim(d_bias, source * s, s, axis=3) + d_b
+  return jax.lax.dynamic_update_slice_in_dim(d_bias, part, source * s, axis=3)
+
+
 def _backward(
   ring: Ring, residuals: _Residuals, d_out: jax.Array, d_lse: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, tuple[jax.Array | None, ...]]:
@@ -483,13 +493,8 @@ def _backward(
       )
     d_bias, d_consts = here
     if d_bias is not None:
-      assert d_b is not None and bias is not None, "a bias has a cotangent"
-      if bias.shape[3] == 1:
-        d_bias = d_bias + d_b
-      else:
-        s = ring.kv_len // ring.size
-        part = jax.lax.dynamic_slice_in_dim(d_bias, source * s, s, axis=3) + d_b
-        d_bias = jax.lax.dynamic_update_slice_in_dim(d_bias, part, source * s, axis=3)
+      assert d_b is not None, "a bias has a cotangent"
+      d_bias = _add_columns(ring, d_bias, d_b, source)
     # The constants' cotangents follow the pair's index maps'; the float ones are arrays.
     own = [b for b, f in zip(d_c[len(d_c) - len(consts) :], is_float) if f]
     d_consts = tuple(a + b for a, b in zip(d_consts, own, strict=True) if b is not None)

@@ -16,6 +16,7 @@ from jax.typing import DTypeLike
 
 from jattn import _validate, attention, masks, testing
 from jattn._validate.keywords import options_of
+from jattn._validate.options import Options
 from jattn.impl import common, contract, select, splash
 from jattn.impl.contract import CallSpec
 from jattn.parallel import _choices, _kernel_pairs, _ring, _splash_pairs, _split
@@ -34,20 +35,7 @@ def ring(
   keywords: dict[str, Any],
 ) -> Any:  # the output, or (output, lse) with return_residual=True
   """The ring over ``split``'s sequence axis; ``keywords`` as the one-device call's."""
-  if (backward := keywords.get("backward")) is not None:
-    raise ValueError(
-      f"backward must be None with strategy='ring', whose shard pairs differentiate by the "
-      f"ring's own rule (a custom_vjp that rings the gradients), got {backward!r}; "
-      f"strategy='all_gather' or 'ulysses' runs each device's part by any rule"
-    )
-  _check_pairs(keywords.get("implementation"))  # before Options, which would list every one
-  options = options_of(keywords)
-  _check_pairs(options.implementation)
-  if options.backward is not None:
-    raise ValueError(
-      f"options.backward must be None: ring attention has its own backward rule, got "
-      f"{options.backward!r}"
-    )
+  options = _options(keywords)
   # Segment ids travel with their shards rather than as a Mask: checked separately below.
   # The pairs run blockwise here; the pairs' own implementation is options'.
   segment_ids = keywords.pop("segment_ids", None)
@@ -123,6 +111,26 @@ def ring(
   if spec.return_residual:
     return out, lse.astype(q.dtype)
   return out
+
+
+def _options(keywords: dict[str, Any]) -> Options:
+  """The Routing keywords taken out of ``keywords``, checked for the ring: no backward rule
+  (the ring has its own), an implementation that runs shard pairs."""
+  if (backward := keywords.get("backward")) is not None:
+    raise ValueError(
+      f"backward must be None with strategy='ring', whose shard pairs differentiate by the "
+      f"ring's own rule (a custom_vjp that rings the gradients), got {backward!r}; "
+      f"strategy='all_gather' or 'ulysses' runs each device's part by any rule"
+    )
+  _check_pairs(keywords.get("implementation"))  # before Options, which would list every one
+  options = options_of(keywords)
+  _check_pairs(options.implementation)
+  if options.backward is not None:
+    raise ValueError(
+      f"options.backward must be None: ring attention has its own backward rule, got "
+      f"{options.backward!r}"
+    )
+  return options
 
 
 def _beyond_splash(bias: Any, score_fn: Any, dropout_rate: float) -> str | None:

@@ -50,7 +50,7 @@ are data-dependent: that is why the loops are ``while`` loops.
 GQA: the G query heads of a key/value head are stacked into one
 (G · block_q)-row matrix, so K and V are never repeated in memory.
 
-Arguments arrive normalised and validated, as a :class:`jattn._spec.CallSpec`.
+Arguments arrive normalised and validated, as a :class:`jattn.impl.contract.CallSpec`.
 """
 
 from __future__ import annotations

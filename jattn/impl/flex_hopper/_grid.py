@@ -106,17 +106,7 @@ def grid_grads(
   grouped = lambda x: jnp.repeat(x.astype(f), N // K, axis=2)
   key_f, value_f = grouped(key), grouped(value)
   bias = arrays.bias[0] if arrays.bias else None
-  dense = None
-  if arrays.dense:  # the dense mask (whole on each device), at this device's rows and heads
-    dense = arrays.dense[0]
-    if dense.shape[0] > 1:
-      dense = dense[jnp.arange(B) + arrays.offsets[0]]
-    if dense.shape[1] > 1:
-      dense = dense[:, jnp.arange(N) + arrays.offsets[1]]
-  ids = None
-  if arrays.ids:  # segment ids, at the global batch rows
-    batch = jnp.arange(B) + arrays.offsets[0]
-    ids = tuple(a[batch] if a.shape[0] > 1 else a[:1] for a in arrays.ids)
+  dense, ids = _local_masks(arrays, B, N)
   lse2 = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)  # rows that saw no key: p = 0
   shape = (B, N, C, S)
 
@@ -127,18 +117,7 @@ def grid_grads(
     x = x * static.scale
     if bias is not None:
       x = x + _chunks.at(bias, 2, first, C).astype(f)
-    allowed = None
-    if fns.mask is not None:
-      allowed = _on_grid(
-        fns.mask[ROWS, ROWS], arrays.mask, shape, arrays.offsets, first_row=first
-      ).astype(bool)
-    if dense is not None:
-      part = jnp.broadcast_to(_chunks.at(dense, 2, first, C), (*dense.shape[:2], C, S))
-      allowed = part if allowed is None else allowed & part
-    if ids is not None:
-      q_ids, kv_ids = _chunks.at(ids[0], 1, first, C), ids[1]
-      same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
-      allowed = same if allowed is None else allowed & same
+    allowed = _allowed(fns, arrays, dense, ids, shape, first)
 
     def score(x: jax.Array, *learned: jax.Array) -> jax.Array:
       if fns.score is None:
@@ -157,19 +136,7 @@ def grid_grads(
     p = jnp.exp2(t - _chunks.at(lse2, 2, first, C)[..., None])
     dp = jnp.einsum("btnh,bsnh->bnts", _chunks.at(d_out, 1, first, C).astype(f), value_f)
     if static.dropout_rate:  # dP through the pattern the kernels drew
-      b, h, q, kv = _masks.index_grid(B, N, C, S)
-      idx: tuple[Any, ...] = (b + arrays.offsets[0], h + arrays.offsets[1], q + first, kv)
-      if fns.positions is not None:  # a sequence-parallel part's: through its maps
-        idx = tuple(
-          _outputs_on_grid(
-            fns.positions[ROWS, ROWS], arrays.positions, shape, arrays.offsets, first_row=first
-          )
-        )
-      if static.broadcast_dropout:
-        idx = _dropout.shared_indices(*idx)
-      (seed,) = arrays.seed
-      kept = _dropout.keep_from_seed((seed[0], seed[1]), static.dropout_rate, *idx)
-      dp = jnp.where(kept, dp / (1.0 - static.dropout_rate), 0.0)
+      dp = _dropped(dp, arrays, static, shape, first)
     # Δ = rowsum(P ⊙ dP) = rowsum(O ⊙ dO) at the unrounded output: the kernel's, rounded to
     # the inputs' dtype, would leave its rounding in dP − Δ, which the sum over every
     # position (ALiBi's slope sums dS times the distance) amplifies.
@@ -188,3 +155,67 @@ def grid_grads(
     assert bias is not None
     d_bias = d_bias.astype(bias.dtype)
   return d_learned, d_bias
+
+
+def _local_masks(arrays: _call.Arrays, B: int, N: int) -> tuple[Any, Any]:
+  """``(dense, ids)``: the dense mask (whole on each device) at this device's B rows and N
+  heads, and the segment ids at its global batch rows; None where the call has none."""
+  dense = None
+  if arrays.dense:
+    dense = arrays.dense[0]
+    if dense.shape[0] > 1:
+      dense = dense[jnp.arange(B) + arrays.offsets[0]]
+    if dense.shape[1] > 1:
+      dense = dense[:, jnp.arange(N) + arrays.offsets[1]]
+  ids = None
+  if arrays.ids:
+    batch = jnp.arange(B) + arrays.offsets[0]
+    ids = tuple(a[batch] if a.shape[0] > 1 else a[:1] for a in arrays.ids)
+  return dense, ids
+
+
+def _allowed(
+  fns: Any, arrays: _call.Arrays, dense: Any, ids: Any, shape: tuple[int, int, int, int], first: Any
+) -> jax.Array | None:
+  """Which (B, N, C, S) positions of the chunk from query row ``first`` the mask, the dense
+  mask and the segment ids allow (None: all)."""
+  _, _, C, S = shape
+  allowed = None
+  if fns.mask is not None:
+    allowed = _on_grid(
+      fns.mask[ROWS, ROWS], arrays.mask, shape, arrays.offsets, first_row=first
+    ).astype(bool)
+  if dense is not None:
+    part = jnp.broadcast_to(_chunks.at(dense, 2, first, C), (*dense.shape[:2], C, S))
+    allowed = part if allowed is None else allowed & part
+  if ids is not None:
+    q_ids, kv_ids = _chunks.at(ids[0], 1, first, C), ids[1]
+    same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
+    allowed = same if allowed is None else allowed & same
+  return allowed
+
+
+def _dropped(
+  dp: jax.Array,
+  arrays: _call.Arrays,
+  static: _call.Static,
+  shape: tuple[int, int, int, int],
+  first: Any,
+) -> jax.Array:
+  """dP of the chunk from query row ``first`` through the dropout pattern the kernels drew
+  (at the global indices, or a sequence-parallel part's positions through its maps)."""
+  fns = static.functions
+  B, N, C, S = shape
+  b, h, q, kv = _masks.index_grid(B, N, C, S)
+  idx: tuple[Any, ...] = (b + arrays.offsets[0], h + arrays.offsets[1], q + first, kv)
+  if fns.positions is not None:
+    idx = tuple(
+      _outputs_on_grid(
+        fns.positions[ROWS, ROWS], arrays.positions, shape, arrays.offsets, first_row=first
+      )
+    )
+  if static.broadcast_dropout:
+    idx = _dropout.shared_indices(*idx)
+  (seed,) = arrays.seed
+  kept = _dropout.keep_from_seed((seed[0], seed[1]), static.dropout_rate, *idx)
+  return jnp.where(kept, dp / (1.0 - static.dropout_rate), 0.0)

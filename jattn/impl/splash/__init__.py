@@ -147,6 +147,20 @@ def soft_cap_of(score_fn: ScoreFn | None) -> float | None:
   return float(score_fn.cap)
 
 
+def _block_sizes(kernel_lib: Any, bq: int, bkv: int) -> Any:
+  """Splash's BlockSizes: every pass (forward, dK/dV, dQ) on ``bq`` x ``bkv`` tiles."""
+  return kernel_lib.BlockSizes(
+    block_q=bq,
+    block_kv=bkv,
+    block_kv_compute=bkv,
+    block_q_dkv=bq,
+    block_kv_dkv=bkv,
+    block_kv_dkv_compute=bkv,
+    block_q_dq=bq,
+    block_kv_dq=bkv,
+  )
+
+
 def attention(
   query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
 ) -> tuple[jax.Array, jax.Array]:
@@ -163,19 +177,9 @@ def attention(
   dynamic = core.conjuncts(spec.mask)  # segments and lengths (see split)
   static = [] if spec.static_mask is None else list(spec.static_mask.parts)
   mask = static_masks.splash_mask(static, N, T, S, (Tp, Sp))
-  blocks = kernel_lib.BlockSizes(
-    block_q=bq,
-    block_kv=bkv,
-    block_kv_compute=bkv,
-    block_q_dkv=bq,
-    block_kv_dkv=bkv,
-    block_kv_dkv_compute=bkv,
-    block_q_dq=bq,
-    block_kv_dq=bkv,
-  )
   make = kernel_lib.make_splash_mqa if K == 1 else kernel_lib.make_splash_mha
   settings: dict[str, Any] = dict(
-    block_sizes=blocks,
+    block_sizes=_block_sizes(kernel_lib, bq, bkv),
     attn_logits_soft_cap=soft_cap_of(spec.score_fn),
     head_shards=1,
     q_seq_shards=1,
