@@ -105,17 +105,10 @@ def backward(
     assert out is not None, "without the query tiles' schedule, Δ comes from the output"
     delta = tiling.row_tiles(jnp.sum(d_out * out, axis=-1) - d_lse.astype(dtype), bq)
   else:
-    # Δ = rowsum(A ⊙ dA) summed over the very dA that dS = A ⊙ (dA − Δ) subtracts it from,
-    # by one more pass over the tiles. In a saturated row (A one-hot) dA at the hot key and
-    # Δ then cancel exactly, as they do in jax.nn's materialised softmax; rowsum(dY ⊙ Y)
-    # differs from it by rounding, an error that scale·|k| amplifies without bound in dq
-    # (found at scale 1e3: dq 1.3e3 where the true gradient is 0).
-    # With narrow values the forward's l adds weights rounded to their dtype, so the
-    # recomputed row sums to 1 only within that rounding, and a row not summing to 1 leaves
-    # dS a nonzero total that scale·|k| amplifies in dq (found at scale 1e3 in bfloat16:
-    # 35x jax.nn's error). The same pass then sums the recomputed probabilities and l is
-    # corrected by that sum. With float32 values the forward summed the very weights the
-    # backward recomputes, and the correction would only add rounding (docs/tuning.md).
+    # Δ = rowsum(A ⊙ dA) over the very dA that dS = A ⊙ (dA − Δ) subtracts it from, one more
+    # pass: in a saturated row the two cancel exactly, as in jax.nn (rowsum(dY ⊙ Y) leaves a
+    # rounding residue that scale·|k| amplifies in dq). With narrow values the same pass
+    # corrects l by the recomputed row sums (the module docstring; docs/tuning.md).
     narrow = v_dtype != dtype
     row_dot, row_sum = _row_dots(
       static,
