@@ -52,6 +52,7 @@ __all__ = [
   "BACKENDS",
   "BACKWARDS",
   "AUTO_BLOCKWISE_BYTES",
+  "trace_abstract",
 ]
 
 
@@ -249,26 +250,33 @@ def explain(
   select.check_backend(backend)
   kwargs = checked("explain", keywords, Keywords)
   choices: list[Choice] = []
-  # Every ShapeDtypeStruct, wherever it sits (a mask array, both ids of a segment pair,
-  # lengths, sinks, dropout_rng), is traced as an abstract array, as query, key, value and bias
-  # are; everything else (masks.Mask objects, score functions, settings) is passed as given.
+
+  def trace(q: Any, k: Any, v: Any, b: Any, m: Any, kw: dict[str, Any]) -> None:
+    choices.append(_validate.build(q, k, v, b, m, kw, backend=backend, explain=True))
+
+  trace_abstract(trace, query, key, value, bias, mask, kwargs)
+  return choices[0]
+
+
+def trace_abstract(fn: Callable[..., Any], *args: Any) -> None:
+  """Trace ``fn(*args)`` under ``jax.eval_shape``, computing nothing: every
+  ``jax.ShapeDtypeStruct``, wherever it sits in ``args`` (query, key, value, a mask array,
+  both ids of a segment pair, lengths, sinks, dropout's key), becomes an abstract array;
+  everything else (arrays, :class:`jattn.masks.Mask` objects, score functions, settings) is
+  passed as given. The explains of :func:`explain` and :func:`jattn.parallel.explain`."""
   is_shape = lambda x: isinstance(x, jax.ShapeDtypeStruct)
   is_leaf = lambda x: is_shape(x) or isinstance(x, masks.Mask)
-  leaves, tree = jax.tree_util.tree_flatten((mask, kwargs), is_leaf=is_leaf)
+  leaves, tree = jax.tree_util.tree_flatten(args, is_leaf=is_leaf)
   shaped = [i for i, x in enumerate(leaves) if is_shape(x)]
 
-  def trace(
-    q: jax.Array, k: jax.Array, v: jax.Array, b: jax.Array | None, abstract: list[jax.Array]
-  ) -> tuple[()]:
+  def run(abstract: list[jax.Array]) -> tuple[()]:
     filled = list(leaves)
     for i, x in zip(shaped, abstract):
       filled[i] = x
-    m, kw = jax.tree_util.tree_unflatten(tree, filled)
-    choices.append(_validate.build(q, k, v, b, m, kw, backend=backend, explain=True))
+    fn(*jax.tree_util.tree_unflatten(tree, filled))
     return ()
 
-  jax.eval_shape(trace, query, key, value, bias, [leaves[i] for i in shaped])
-  return choices[0]
+  jax.eval_shape(run, [leaves[i] for i in shaped])
 
 
 @jax.jit

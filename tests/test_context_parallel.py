@@ -246,6 +246,38 @@ def test_bad_arguments_are_refused_by_name():
     )
 
 
+@pytest.mark.parametrize("strategy", parallel.STRATEGIES)
+def test_explain_takes_shapes_for_every_array_argument(strategy):
+  """parallel.explain, as jattn.explain, takes a jax.ShapeDtypeStruct for every array
+  argument (segment ids and their pair, lengths, sinks, dropout's key, a mask array), and
+  says what the call with those arrays runs."""
+  mesh = _mesh("auto", (SP,), ("sp",))
+  shape = lambda *s, dtype=jnp.int32: jax.ShapeDtypeStruct(s, dtype)
+  q = shape(2, 64, 8, 16, dtype=jnp.float32)
+  ids = shape(2, 64)
+  arrays = dict(
+    segment_ids=(ids, ids),
+    key_value_seq_lengths=shape(2),
+    query_seq_lengths=shape(2),
+    sinks=shape(8, dtype=jnp.float32),
+    dropout_rate=0.1,
+    dropout_rng=jax.eval_shape(lambda: jax.random.key(0)),
+  )
+  kw = dict(mesh=mesh, axis_name="sp", strategy=strategy, is_causal=True, backend="cpu")
+  got = parallel.explain(q, q, q, **kw, **arrays)
+  concrete = dict(arrays, segment_ids=(np.zeros((2, 64), np.int32),) * 2)
+  concrete.update(key_value_seq_lengths=np.full(2, 64), query_seq_lengths=np.full(2, 64))
+  concrete.update(sinks=np.zeros(8, np.float32), dropout_rng=jax.random.key(0))
+  x = np.zeros((2, 64, 8, 16), np.float32)
+  assert got == parallel.explain(x, x, x, **kw, **concrete)
+  assert got == parallel.explain(q, q, q, **kw, **arrays)  # asked again: the same answer
+  dense = parallel.explain(q, q, q, mask=shape(64, 64, dtype=jnp.bool_), **kw)
+  same = parallel.explain(x, x, x, mask=np.tri(64, dtype=bool), **kw)
+  assert (
+    dense.implementation == same.implementation == ("blockwise" if strategy == "ring" else "xla")
+  )
+
+
 def test_explain_says_what_each_device_runs():
   """Each device's part goes through the selection table for the backend that traces it:
   flex on a GPU (its mask, score function and dropout read the part's positions), the

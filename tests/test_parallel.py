@@ -358,6 +358,41 @@ def test_layout_positions_and_permutations():
     assert sums.max() - sums.min() <= (0 if layout == "zigzag" else 56)
 
 
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_permutations_keep_a_sequence_sharded_over_explicit_axes(layout):
+  """permute and unpermute take an array whose sequence is sharded over Explicit mesh axes
+  (context_parallel_attention's output is one): the rows move between devices and the
+  result keeps the input's sharding; gradients flow back through the gather."""
+  mesh = jax.make_mesh((4,), ("sp",), (jax.sharding.AxisType.Explicit,))
+  q, k, v = _inputs(np.float32)
+  want = attention_np(q, k, v, allowed=causal_np(T, T))[0]
+  seq = P(None, "sp", None, None)
+  with jax.set_mesh(mesh):
+    q, k, v = (jax.device_put(parallel.permute(x, layout, 4), seq) for x in (q, k, v))
+    assert q.sharding.spec == seq
+    step = jax.jit(
+      lambda q, k, v: parallel.unpermute(
+        parallel.context_parallel_attention(
+          q, k, v, mesh=mesh, axis_name="sp", layout=layout, is_causal=True
+        ),
+        layout,
+        4,
+      )
+    )
+    out = step(q, k, v)
+    assert out.sharding.spec == seq
+    assert_close(out, want, np.float32)
+    natural = parallel.unpermute(q, layout, 4)
+    assert natural.sharding.spec == seq
+    np.testing.assert_array_equal(parallel.permute(natural, layout, 4), q)
+    grad = jax.grad(
+      lambda x: jnp.sum(parallel.unpermute(x, layout, 4) * jnp.arange(T)[None, :, None, None])
+    )
+    g = grad(q)
+    expect = np.broadcast_to(parallel.positions(layout, T, 4)[:, None, None], q.shape[1:])
+    np.testing.assert_array_equal(g[0], expect)
+
+
 @pytest.mark.parametrize(
   "call, error, match",
   [

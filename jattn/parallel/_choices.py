@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
 
 from jattn.impl.select import Choice
 
@@ -42,3 +46,20 @@ def record(choice: Choice) -> None:
 def only_choosing() -> bool:
   """True inside ``recording(run=False)``: a part's call stands in zeros for its results."""
   return _ONLY_CHOOSING.get()
+
+
+def jit(**jit_kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """``jax.jit(fn, **jit_kwargs)``, but ``fn`` itself inside a :func:`recording` block: a
+  compiled program found in jit's cache would skip the tracing that records the choices
+  (explain's second call with the same arguments would see none)."""
+
+  def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+    compiled = jax.jit(fn, **jit_kwargs)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+      return (fn if _RECORDED.get() is not None else compiled)(*args, **kwargs)
+
+    return call
+
+  return wrap

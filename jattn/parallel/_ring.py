@@ -80,7 +80,7 @@ class Ring(NamedTuple):
   score_tree: Any = None
 
 
-@functools.partial(jax.jit, static_argnames=("ring", "mesh"))
+@_choices.jit(static_argnames=("ring", "mesh"))
 def call(
   query: jax.Array,
   key: jax.Array,

@@ -204,14 +204,9 @@ def explain(
   """
   select.check_backend(backend)
   target = testing.lowering_for(backend) if backend else contextlib.nullcontext()
+  call = lambda q, k, v, b, m, kw: context_parallel_attention(q, k, v, b, m, **kw)
   with _choices.recording(run=False) as choices, target:
-    jax.eval_shape(
-      lambda q, k, v, b: context_parallel_attention(q, k, v, b, mask, **arguments),
-      query,
-      key,
-      value,
-      bias,
-    )
+    attention.trace_abstract(call, query, key, value, bias, mask, arguments)
   if not choices:  # nothing to split (an empty dimension): the one-device call
     raise ValueError("explain: the call has an empty dimension; jattn.explain says what it runs")
   return choices[0]
@@ -361,7 +356,7 @@ def _check_heads(spec: CallSpec, split: _split.Split, strategy: str) -> None:
       )
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "mesh"))
+@_choices.jit(static_argnames=("plan", "mesh"))
 def _call(
   query: jax.Array,
   key: jax.Array,

@@ -17,6 +17,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jattn import _checks, masks
+from jattn.impl import common
 
 __all__ = ["LAYOUTS", "positions", "permute", "unpermute", "shard_positions"]
 
@@ -96,7 +97,15 @@ def _reorder(
   index = positions(layout, x.shape[axis], num_shards)
   if inverse:
     index = np.argsort(index)
-  return x.take(index, axis=axis) if isinstance(x, np.ndarray) else jnp.take(x, index, axis=axis)
+  if isinstance(x, np.ndarray):
+    return x.take(index, axis=axis)
+  spec = common.sharding_spec(x)
+  if not any(spec):  # Auto mode, or no mesh: XLA places the gather
+    return jnp.take(x, index, axis=axis)
+  # Explicit mode: the result keeps x's sharding (a sequence sharded over the devices stays
+  # so, and the gather moves the rows between them), which a gather must be told.
+  where = (slice(None),) * (axis % x.ndim) + (index,)
+  return x.at[where].get(out_sharding=common.sharded_as(spec, mesh_of=x))
 
 
 def _check_divisible(name: str, length: int, layout: str, num_shards: int) -> None:
