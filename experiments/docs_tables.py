@@ -721,6 +721,7 @@ def implementations(docs: pathlib.Path) -> str:
       ("logits_soft_cap", row.soft_cap),
       ("dropout", row.dropout),
       ("return_residual", row.residual),
+      ("return_max_logit", row.max_logit),
       ("sinks", row.sinks),
     )
     missing = [f"{feature}: {why}" for feature, why in features if why is not None]

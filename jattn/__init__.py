@@ -27,6 +27,7 @@ from jattn.attention import explain as explain
 from jattn.impl.select import Choice as Choice
 from jattn.linear import linear_attention as linear_attention
 from jattn.masks import Mask as Mask
+from jattn.qk_clip import qk_clip_scales as qk_clip_scales
 from jattn.scores import ScoreFn as ScoreFn
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
   "Choice",
   "Options",
   "linear_attention",
+  "qk_clip_scales",
   "Mask",
   "ScoreFn",
   "decode",

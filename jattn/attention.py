@@ -53,6 +53,7 @@ __all__ = [
   "BACKWARDS",
   "AUTO_BLOCKWISE_BYTES",
   "trace_abstract",
+  "returned",
 ]
 
 
@@ -80,8 +81,9 @@ def dot_product_attention(
   block_q: int | None = None,
   block_kv: int | None = None,
   sinks: jax.typing.ArrayLike | None = None,
+  return_max_logit: bool = False,
   options: Options | None = None,
-) -> Any:  # the output, or (output, lse) with return_residual=True
+) -> Any:  # the output; (output, lse), (output, max_logit) or (output, lse, max_logit)
   r"""Scaled dot-product attention; a drop-in superset of ``jax.nn.dot_product_attention``.
 
   Computes ``softmax(score_fn(scale · Q Kᵀ + bias)) V`` per head over the
@@ -148,12 +150,19 @@ def dot_product_attention(
       ``out = Σ_j exp(s_j) v_j / (Σ_j exp(s_j) + exp(sinks[n]))`` and the
       log-sum-exp includes it. A row the mask empties returns zeros and its
       log-sum-exp is the sink.
+    return_max_logit: also return each query row's largest logit, the one softmax sees
+      after the scale, bias, score function and soft cap, over the keys the mask allows
+      (sinks and dropout aside), shape (B, T, N) or (T, N), float32; -inf for a row that
+      sees no key. A statistic, for QK-clip (:func:`jattn.qk_clip_scales`): no gradient
+      flows through it. An implementation that does not keep its running max to return
+      refuses it (jax.nn's cuDNN call, splash): None then picks one that does.
     options: a :class:`jattn.Options` holding ``implementation``, ``backward``,
       ``block_q`` and ``block_kv`` as one value (give each in one place only).
 
   Returns:
     The output, shaped and typed like ``query``; with ``return_residual``, the
-    pair ``(output, lse)``.
+    pair ``(output, lse)``; with ``return_max_logit``, ``(output, max_logit)``, or
+    ``(output, lse, max_logit)`` with both.
 
   Unlike jax.nn, a query row that may attend to nothing returns zeros (jax.nn
   returns the mean of the values) and the log-sum-exp is differentiable.
@@ -176,11 +185,18 @@ def dot_product_attention(
     block_q=block_q,
     block_kv=block_kv,
     sinks=sinks,
+    return_max_logit=return_max_logit,
     options=options,
   )
   q, k, v, spec = _validate.build(query, key, value, bias, mask, keywords)
-  out, lse = attend(q, k, v, spec)
-  return (out, lse) if return_residual else out
+  return returned(*attend(q, k, v, spec))
+
+
+def returned(out: jax.Array, lse: jax.Array | None, max_logit: jax.Array | None) -> Any:
+  """A call's results as it returns them: the output, then the log-sum-exp and the max
+  logit where they were asked for (None where not)."""
+  extra = tuple(x for x in (lse, max_logit) if x is not None)
+  return (out, *extra) if extra else out
 
 
 def attention_weights(
@@ -290,25 +306,29 @@ def _weights(query: jax.Array, key: jax.Array, spec: CallSpec) -> jax.Array:
 @jax.jit
 def attend(
   query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
-) -> tuple[jax.Array, jax.Array | None]:
-  """The jitted core: one compiled program per spec's settings and the arrays' shapes."""
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+  """The jitted core: one compiled program per spec's settings and the arrays' shapes;
+  ``(out, lse or None, max_logit or None)`` as the spec asks."""
   if spec.unbatched:
     query, key, value = query[None], key[None], value[None]
-  out, lse = _run(query, key, value, contract.rank4(spec))
+  results = _run(query, key, value, contract.rank4(spec))
   if spec.unbatched:
-    return out[0], None if lse is None else lse[0]
-  return out, lse
+    return jax.tree.map(lambda x: x[0], results)  # type: ignore[return-value]
+  return results
 
 
 def _run(
   query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
-) -> tuple[jax.Array, jax.Array | None]:
-  """One implementation on rank-4 inputs: ``(out, lse or None)`` as returned to the caller."""
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+  """One implementation on rank-4 inputs: ``(out, lse or None, max_logit or None)`` as
+  returned to the caller."""
   dims = chex.Dimensions(B=spec.B, T=spec.T, S=spec.S, N=spec.N, K=spec.K, H=spec.H, V=spec.Hv)
   chex.assert_shape(query, dims["BTNH"])
   chex.assert_shape(key, dims["BSKH"])
   chex.assert_shape(value, dims["BSKV"])
   row = TABLE[spec.implementation]
-  out, lse = row.run(query, key, value, spec)
+  out, lse, max_logit = row.run(query, key, value, spec)
   chex.assert_shape(lse, dims["BTN"])
-  return common.finish(out, lse, spec, query.dtype, row.takes_sinks)
+  if spec.return_max_logit:
+    chex.assert_shape(max_logit, dims["BTN"])
+  return common.finish(out, lse, max_logit, spec, query.dtype, row.takes_sinks)

@@ -40,7 +40,8 @@ def _inputs(seed=0):
 
 def _every_argument(ids, slopes, sinks):
   """Everything the call takes at once: causal, documents, lengths, a mask of indices, a
-  score function of the positions, ALiBi (learned), a soft cap, sinks, dropout, the lse."""
+  score function of the positions, ALiBi (learned), a soft cap, sinks, dropout, the lse and
+  the max logits."""
   return dict(
     is_causal=True,
     segment_ids=ids,
@@ -54,6 +55,7 @@ def _every_argument(ids, slopes, sinks):
     dropout_rate=0.25,
     dropout_rng=jax.random.key(7),
     return_residual=True,
+    return_max_logit=True,
   )
 
 
@@ -61,9 +63,11 @@ def _loss(attend, order=lambda x: x):
   """The loss's value and gradients; ``order`` lays its weights out as ``attend``'s output."""
 
   def loss(q, k, v, bias, slopes, sinks, ids):
-    out, lse = attend(q, k, v, bias, **_every_argument(ids, slopes, sinks))
+    out, lse, top = attend(q, k, v, bias, **_every_argument(ids, slopes, sinks))
     w = order(np.sin(np.arange(out.size, dtype=np.float32)).reshape(out.shape))
-    return jnp.sum(out * w) + jnp.sum(jnp.cos(lse)), (out, lse)
+    # The max logits are a statistic: their term adds no gradient anywhere.
+    finite = jnp.where(jnp.isfinite(top), top, 0.0)
+    return jnp.sum(out * w) + jnp.sum(jnp.cos(lse)) + jnp.sum(finite), (out, lse, top)
 
   return jax.value_and_grad(loss, argnums=range(6), has_aux=True)
 
@@ -139,10 +143,12 @@ def test_strategies_equal_the_one_device_call_with_every_argument(
     )
 
   with jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext():
-    (_, (out, lse)), grads = jax.jit(_loss(sharded, perm))(q, k, v, bias, slopes, sinks, ids)
-  (_, (want, want_lse)), want_grads = _one_device(q, k, v, bias, slopes, sinks, ids)
+    (_, (out, lse, top)), grads = jax.jit(_loss(sharded, perm))(q, k, v, bias, slopes, sinks, ids)
+  (_, (want, want_lse, want_top)), want_grads = _one_device(q, k, v, bias, slopes, sinks, ids)
   np.testing.assert_allclose(unperm(out), want, atol=2e-5, rtol=2e-5)
   np.testing.assert_allclose(unperm(lse), want_lse, atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(unperm(top), want_top, atol=2e-5, rtol=2e-5)
+  assert top.dtype == np.float32 and np.isfinite(want_top).all()
   names = ("dq", "dk", "dv", "dbias", "dslopes", "dsinks")
   for name, got, w in zip(names, grads, want_grads, strict=True):
     assert np.abs(np.asarray(w)).max() > 0, name

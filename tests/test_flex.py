@@ -149,7 +149,7 @@ def _flex_vjp(q, k, v, mask, score_fn, interpret=True, bias=None, split_ds=True,
   return _flex_backward.attention(
     q, k, v, (rows, rows, cols), three(mask_f), three(score_f), three(settings), bias=bias,
     score_grid=grid,
-  )  # fmt: skip
+  )[:2]  # fmt: skip
 
 
 # The default run keeps MHA with a dense mask or'ed with a window; the others are exhaustive.

@@ -176,7 +176,8 @@ def test_the_warp_specialized_forward_matches_jax_nn():
   over a window, causal packed documents with a key length (the copy warpgroup brings each
   key tile's ids with it): output and lse against jax.nn's (jattn's materialised path's for the soft
   cap) in float32 on the same bf16 inputs; and the gradient of attention(specialized=True),
-  whose warp-specialised backward reads the specialised forward's lse."""
+  whose warp-specialised backward reads the specialised forward's lse; the max logits the
+  forward kernel keeps, for the empty last row and the documents."""
   T2 = 2 * T
   q, k, v = _inputs(jnp.bfloat16, T2)
   wide = [x.astype(jnp.float32) for x in (q, k, v)]
@@ -200,6 +201,14 @@ def test_the_warp_specialized_forward_matches_jax_nn():
     np.testing.assert_allclose(np.float32(out), want, atol=2e-2, err_msg=str(kw))
     np.testing.assert_allclose(lse, np.swapaxes(want_lse, 1, 2), rtol=1e-5, atol=1e-4)
     assert not np.isnan(np.float32(out)).any()
+  for kw in cases[2::2]:
+    kernel = lambda *a, kw=kw: _hopper.attention(
+      *a, scale=H**-0.5, interpret=True, specialized=True, **kw
+    )[2]
+    _, want = jattn.dot_product_attention(
+      *wide, scale=H**-0.5, implementation="xla", return_max_logit=True, **kw
+    )
+    _assert_max_logits(jax.jit(kernel)(q, k, v), want)
   ct = np.random.default_rng(9).standard_normal((B, T2, N, H)).astype(np.float32)
   loss = lambda attend: lambda *a: jnp.sum(attend(*a).astype(jnp.float32) * ct)
   hopper = lambda *a: _hopper.attention(
@@ -403,6 +412,25 @@ def test_flex_hopper_values_and_gradients_through_the_call():
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
       rel = np.linalg.norm(np.float32(g) - w) / np.linalg.norm(w)
       assert rel < 1e-2, (kw, name, rel)
+  with jattn.testing.interpret_kernels():  # the max logits, through the call (and its row)
+    top = jattn.dot_product_attention(
+      q, k, v, implementation="flex_hopper", return_max_logit=True, **documents
+    )[1]
+  _, want = jattn.dot_product_attention(
+    *wide, implementation="xla", return_max_logit=True, **documents
+  )
+  _assert_max_logits(top, want)
+
+
+def _assert_max_logits(got, want):
+  """The kernels' max logits against the xla path's on the same (bf16) inputs in float32:
+  -inf on the same rows, the finite ones to float32 rounding."""
+  np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+  finite = np.isfinite(want)
+  assert finite.any()
+  np.testing.assert_allclose(
+    np.asarray(got)[finite], np.asarray(want)[finite], rtol=1e-5, atol=1e-5
+  )
 
 
 @interpreter
@@ -557,11 +585,11 @@ def test_a_sequence_parallel_parts_dropout_is_drawn_at_its_global_positions():
   slopes = np.array([0.2, 0.05], np.float32)
 
   def part(q, k, v, slopes, positions=(None, None, jnp.asarray(rows), None)):
-    out, _ = _hopper.attention(
+    out = _hopper.attention(
       q[:, rows], k, v, scale=H**-0.5, mask=masks.reindex(masks.causal(), q=rows),
       score_fn=scores.reindex(scores.alibi(slopes), q=rows), interpret=True,
       positions=positions, **drop,
-    )  # fmt: skip
+    )[0]  # fmt: skip
     return jnp.sum(out.astype(jnp.float32) * ct), out
 
   def whole(q, k, v, slopes):
@@ -993,7 +1021,7 @@ def test_the_warp_specialized_backward_matches_the_xla_path():
     def hopper(q, k, v, *arrays, kw=kw):
       return _hopper.attention(
         q, k, v, scale=H**-0.5, interpret=True, specialized=True, **kw, **extra(arrays)
-      )
+      )[:2]
 
     def xla(q, k, v, *arrays, xla_kw=xla_kw):
       more = extra(arrays)

@@ -76,6 +76,7 @@ def build(
   _checks.flags(
     is_causal=kw["is_causal"],
     return_residual=kw["return_residual"],
+    return_max_logit=kw["return_max_logit"],
     broadcast_dropout=kw["broadcast_dropout"],
   )
   window = _call.window(kw.get("local_window_size"))
@@ -111,6 +112,7 @@ def build(
     block_q=blocks[0],  # type: ignore[arg-type]  # None until resolved below
     block_kv=blocks[1],  # type: ignore[arg-type]
     return_residual=bool(kw["return_residual"]),
+    return_max_logit=bool(kw["return_max_logit"]),
     interpret=testing.interpreting(),
     sinks=sinks,
   )

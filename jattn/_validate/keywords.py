@@ -72,6 +72,7 @@ class Outputs(TypedDict, total=False):
   """What the call returns besides the output."""
 
   return_residual: bool
+  return_max_logit: bool
 
 
 class Routing(TypedDict, total=False):
@@ -106,7 +107,11 @@ class Decoding(Scoring, Dropout, Outputs, Routing, total=False):
 
 # The defaults that are not None.
 DEFAULTS: Keywords = Keywords(
-  is_causal=False, dropout_rate=0.0, broadcast_dropout=False, return_residual=False
+  is_causal=False,
+  dropout_rate=0.0,
+  broadcast_dropout=False,
+  return_residual=False,
+  return_max_logit=False,
 )
 
 

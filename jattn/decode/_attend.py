@@ -14,7 +14,7 @@ import numpy as np
 from jattn import _checks, _validate, masks
 from jattn._validate.keywords import Decoding, checked, options_of
 from jattn._validate.options import Options
-from jattn.attention import dot_product_attention
+from jattn.attention import dot_product_attention, returned
 from jattn.decode._cache import Cache, KVCache, PagedKVCache, _dims
 from jattn.decode._validate import _check_cache, _check_new, _check_query
 from jattn.decode._writes import _write
@@ -75,8 +75,10 @@ def attention(
       pages): it is padded, and the slots past it are masked.
 
   Returns:
-    ``(out, new_cache)`` with out (B, t, N, Hv) in the query's dtype, or
-    ``((out, lse), new_cache)`` with ``return_residual``, lse (B, t, N).
+    ``(out, new_cache)`` with out (B, t, N, Hv) in the query's dtype; with
+    ``return_residual`` and/or ``return_max_logit``, ``((out, lse), new_cache)``,
+    ``((out, max_logit), new_cache)`` or ``((out, lse, max_logit), new_cache)``, lse and
+    max_logit (B, t, N).
   """
   call = checked("attention", keywords, Decoding)
   _check_cache(cache)
@@ -172,7 +174,7 @@ def _over_tiles(
   mask: masks.Mask,
   options: Options,
   call: dict[str, Any],
-) -> jax.Array | tuple[jax.Array, jax.Array | None]:
+) -> Any:  # the output, with the lse and max logit where asked for
   """Blockwise attention reading the cache tile by tile (a CacheTiles source), through the
   implementation the selection table names for it (its ``read_cache`` entry: blockwise's
   :func:`jattn.impl.blockwise.attention_over_cache`)."""
@@ -216,18 +218,18 @@ def _over_tiles(
     dtype=np.dtype(query.dtype),
     block=min(spec.block_kv, S),  # as blockwise.plan caps it
   )
-  out, lse = _attend_cache(query, tiles, spec)
-  return (out, lse) if spec.return_residual else out
+  return returned(*_attend_cache(query, tiles, spec))
 
 
 @jax.jit
 def _attend_cache(
   query: jax.Array, tiles: kv_tiles.CacheTiles, spec: CallSpec
-) -> tuple[jax.Array, jax.Array | None]:
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   """The jitted core over a KV cache: blockwise attention reading ``tiles`` one tile at a
-  time, finished as :func:`jattn.dot_product_attention` finishes (sinks, dtypes)."""
+  time, finished as :func:`jattn.dot_product_attention` finishes (sinks, dtypes, the lse and
+  max logit where asked for)."""
   spec = contract.rank4(spec)
   read_cache = select.TABLE[spec.implementation].read_cache
   assert read_cache is not None, spec.implementation
-  out, lse = read_cache(query, tiles, spec)
-  return common.finish(out, lse, spec, query.dtype, False)
+  out, lse, top = read_cache(query, tiles, spec)
+  return common.finish(out, lse, top, spec, query.dtype, False)

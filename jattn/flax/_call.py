@@ -13,7 +13,7 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -351,6 +351,22 @@ def _as_rows(mask: Any, segment_ids: Any, batch_dims: tuple[int, ...]) -> tuple[
   return mask, segment_ids
 
 
+class Attended(NamedTuple):
+  """What :func:`attend` gives the module: ``out`` [batch..., T, N, Hv]; ``weights``
+  [batch..., N, T, S] when it sows them, else None; the cache's new variables, None unless
+  decoding; ``max_logit`` [batch..., T, N] when it sows them (``sow_max_logit``), else
+  None."""
+
+  out: jax.Array
+  weights: jax.Array | None = None
+  variables: dict[str, jax.Array] | None = None
+  max_logit: jax.Array | None = None
+
+
+def _maybe_unrows(x: jax.Array | None, batch_dims: tuple[int, ...]) -> jax.Array | None:
+  return None if x is None else _unrows(x, batch_dims)
+
+
 def _unrows(x: jax.Array, batch_dims: tuple[int, ...]) -> jax.Array:
   shape = batch_dims + x.shape[1:]
   return x if x.shape == shape else x.reshape(shape)
@@ -367,6 +383,7 @@ def _flax_attention(
   segment_ids: Any,
   sinks: Any,
   why: str,
+  sow_max_logit: bool = False,
 ) -> jax.Array:
   """Flax's own materialised attention (``flax_attention``, Flax's ``dot_product_attention``
   with the call's keywords bound) on [batch..., T, N, H] heads, for what jattn's kernels do
@@ -375,6 +392,7 @@ def _flax_attention(
     ("a jattn.masks.Mask", isinstance(mask, masks.Mask) or None),
     ("segment_ids", segment_ids),
     ("sinks", sinks),
+    ("sow_max_logit", sow_max_logit or None),
   ):
     if given is not None:
       raise TypeError(
@@ -406,7 +424,8 @@ def attend(
   flax_attention: Callable[..., jax.Array] | None = None,
   flax_why: str = "",
   fp32_weights: bool = False,
-) -> tuple[jax.Array, jax.Array | None, dict[str, jax.Array] | None]:
+  sow_max_logit: bool = False,
+) -> Attended:
   """Attention over projected heads: RoPE, then the KV cache or plain attention.
 
   Args:
@@ -426,10 +445,10 @@ def attend(
       kernels do not take, named by ``flax_why`` (complex dtypes, einsum overrides).
     fp32_weights: sow the weights in float32 whatever the dtype (Flax's
       ``force_fp32_for_softmax``).
+    sow_max_logit: also return each row's largest logit (for QK-clip), [batch..., T, N].
 
   Returns:
-    ``(out, weights, new_variables)``: out [batch..., T, N, Hv]; weights [batch..., N, T,
-    S] when ``sow_weights``, else None; the cache's new variables, None unless decoding.
+    An :class:`Attended`.
   """
   rope = settings.rope
   dropout = Dropout(
@@ -449,8 +468,9 @@ def attend(
       segment_ids=segment_ids,
       sinks=sinks,
       why=flax_why,
+      sow_max_logit=sow_max_logit,
     )
-    return out, None, None
+    return Attended(out)
   # jattn's calls take one batch dimension: the batch dimensions become B rows (B = 1 with
   # none), and go back on the way out.
   batch_dims = tuple(query.shape[:-3])
@@ -461,6 +481,7 @@ def attend(
     if rope is not None:
       pos: jax.typing.ArrayLike = decode.positions(cache.cache, query.shape[1])
       query, key = rope(query, pos), rope(key, pos)
+    decoded: Any
     decoded, new_cache = decode.attention(
       query,
       key,
@@ -470,9 +491,14 @@ def attend(
       mask=mask,
       sinks=sinks,
       options=settings.options,
+      return_max_logit=sow_max_logit,
       **dropout,
     )
-    return _unrows(decoded, batch_dims), None, cache.variables(new_cache)  # type: ignore[arg-type]
+    variables = cache.variables(new_cache)  # type: ignore[arg-type]
+    if sow_max_logit:
+      out, top = decoded
+      return Attended(_unrows(out, batch_dims), None, variables, _unrows(top, batch_dims))
+    return Attended(_unrows(decoded, batch_dims), None, variables)
   if rope is not None:
     if positions is None:
       positions = jnp.arange(query.shape[-3], dtype=jnp.int32)
@@ -492,16 +518,48 @@ def attend(
         segment_ids=segment_ids,
         sinks=sinks,
         why=flax_why,
+        sow_max_logit=sow_max_logit,
       )
-      return out, None, None
-    return attention_fn(query, key, value, mask=given_mask), None, None  # type: ignore[misc]
+      return Attended(out)
+    return Attended(attention_fn(query, key, value, mask=given_mask))  # type: ignore[misc]
   shaping = Weights(is_causal=bool(is_causal), segment_ids=segment_ids, sinks=sinks)
+  got = _by_jattn(
+    query, key, value, mask, settings, shaping, dropout, sow_weights, fp32_weights, sow_max_logit
+  )
+  weights, top = (_maybe_unrows(x, batch_dims) for x in (got.weights, got.max_logit))
+  return Attended(_unrows(got.out, batch_dims), weights, None, top)
+
+
+def _by_jattn(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  mask: Any,
+  settings: Settings,
+  shaping: Weights,
+  dropout: Dropout,
+  sow_weights: bool,
+  fp32_weights: bool,
+  sow_max_logit: bool,
+) -> Attended:
+  """:func:`jattn.dot_product_attention` on B rows of heads (and
+  :func:`jattn.attention_weights`, when the weights are sown, on the materialised path)."""
   weights, options = None, settings.options
   if sow_weights:
     options = dataclasses.replace(options, implementation="xla")
     q, k = (query.astype(jnp.float32), key.astype(jnp.float32)) if fp32_weights else (query, key)
-    weights = _unrows(attention.attention_weights(q, k, None, mask, **shaping), batch_dims)
+    weights = attention.attention_weights(q, k, None, mask, **shaping)
   out = attention.dot_product_attention(
-    query, key, value, None, mask, options=options, **shaping, **dropout
+    query,
+    key,
+    value,
+    None,
+    mask,
+    options=options,
+    return_max_logit=sow_max_logit,
+    **shaping,
+    **dropout,
   )
-  return _unrows(out, batch_dims), weights, None
+  if sow_max_logit:
+    return Attended(out[0], weights, None, out[1])
+  return Attended(out, weights)

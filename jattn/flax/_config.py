@@ -84,6 +84,7 @@ class Config:
   decode: bool | None = None
   attention_fn: Callable | None = None
   sinks: bool = False
+  sow_max_logit: bool = False
   in_kv_features: int | None = None
 
   @classmethod
@@ -157,7 +158,13 @@ class Config:
       raise ValueError(f"normalize_qk must be one of {list(NORMALIZE_QK)}, got {normalize_qk!r}")
     options = options_of({name: getattr(self, name) for name in names(Routing)})
     _checks.boolean("sinks", self.sinks)
-    check_attention_fn(self.attention_fn, **dataclasses.asdict(options), sinks=self.sinks)
+    _checks.boolean("sow_max_logit", self.sow_max_logit)
+    check_attention_fn(
+      self.attention_fn,
+      **dataclasses.asdict(options),
+      sinks=self.sinks,
+      sow_max_logit=self.sow_max_logit,
+    )
 
 
 def qk_norm_kind(normalize_qk: bool | str) -> str | None:
@@ -168,8 +175,8 @@ def qk_norm_kind(normalize_qk: bool | str) -> str | None:
 
 
 # Settings of jattn's own attention call, which a Flax-style ``attention_fn=`` replaces: the
-# routing, and the module's learned sinks.
-_JATTN_ATTENTION = (*names(Routing), "sinks")
+# routing, the module's learned sinks, and sowing the max logits jattn's call returns.
+_JATTN_ATTENTION = (*names(Routing), "sinks", "sow_max_logit")
 
 
 def check_attention_fn(attention_fn: Callable | None, **jattn_settings: Any) -> None:

@@ -133,6 +133,7 @@ class MultiHeadDotProductAttention(nn.Module):
   sinks: bool = False
   sinks_init: Any = nn.initializers.zeros_init()
   value_head_dim: int | None = None
+  sow_max_logit: bool = False
   cache_dtype: Any = None
   page_size: int | None = None
   num_pages: int | None = None
@@ -197,14 +198,17 @@ class MultiHeadDotProductAttention(nn.Module):
     segment_ids: Any = None,
     positions: Any = None,
     num_new: Any = None,
+    sow_max_logit: bool | None = None,
   ) -> jax.Array:
     """As :meth:`jattn.nnx.MultiHeadAttention.__call__`, with Flax Linen's arguments
-    (``dropout_rng`` in place of ``rngs``); weights are sown into ``intermediates``."""
+    (``dropout_rng`` in place of ``rngs``); weights, and max logits with
+    ``sow_max_logit``, are sown into ``intermediates``."""
     x = _flax_call.inputs(inputs_q, inputs_k, inputs_v, inputs_kv, None, None, linen=True)
     heads = self._config(inputs_q.shape[-1])
     settings = _flax_config.Settings.of(self)
     decode = _flax_config.resolve("decode", decode, self.decode)
     is_causal = _flax_config.resolve("is_causal", is_causal, self.is_causal)
+    sow_max = _flax_config.resolve("sow_max_logit", sow_max_logit, self.sow_max_logit)
     query, key, value = self._project(x, heads)
     # After the projections, which raise Flax's errors for inputs of the wrong width.
     _flax_call.check_inputs(x)
@@ -244,7 +248,7 @@ class MultiHeadDotProductAttention(nn.Module):
     )
     complex_ = jnp.issubdtype(query.dtype, jnp.complexfloating)
     causal: dict[str, Any] = dict(is_causal=True) if is_causal else {}
-    out, weights, new_vars = _flax_call.attend(
+    got = _flax_call.attend(
       query,
       key,
       value,
@@ -267,13 +271,14 @@ class MultiHeadDotProductAttention(nn.Module):
       flax_attention=flax_attention,
       flax_why=f"{query.dtype} inputs" if complex_ else "the einsum factories",
       fp32_weights=self.force_fp32_for_softmax,
+      sow_max_logit=sow_max,
     )
-    if weights is not None:
-      self.sow("intermediates", "attention_weights", weights)
-    if new_vars is not None:
-      for var_name, a in new_vars.items():
-        cache_vars[var_name].value = a
-    return self._out(out, heads)
+    for name, sown in (("attention_weights", got.weights), ("max_logit", got.max_logit)):
+      if sown is not None:
+        self.sow("intermediates", name, sown)
+    for var_name, a in (got.variables or {}).items():
+      cache_vars[var_name].value = a
+    return self._out(got.out, heads)
 
   def _out(self, out: jax.Array, heads: _flax_config.Heads) -> jax.Array:
     """The output projection of the heads (Flax's parameter ``out``)."""

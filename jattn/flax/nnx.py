@@ -30,8 +30,8 @@ from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 from flax.nnx.nn.attention import dot_product_attention_weights as _flax_weights
 
+from jattn import _checks, positional
 from jattn import decode as _decode
-from jattn import positional
 from jattn._validate.options import Options
 from jattn.flax import _adapter as _flax_adapter
 from jattn.flax import _cache as _flax_cache
@@ -81,6 +81,9 @@ class MultiHeadAttention(nnx.Module):
     value_head_dim: the value projection's width per head, Hv (default: the
       query/key head dim, qkv_features // num_heads); the output projection
       reads num_heads · Hv features (MLA-style heads).
+    sow_max_logit: sow each query row's largest logit (B, T, N), float32, as
+      ``nnx.Intermediate`` ``max_logit`` (the default of the call's argument of that name):
+      what QK-clip reads (:func:`jattn.qk_clip_scales`). Off by default.
 
   Example::
 
@@ -145,6 +148,7 @@ class MultiHeadAttention(nnx.Module):
     sinks: bool = False,
     sinks_init: Any = nnx.initializers.zeros_init(),
     value_head_dim: int | None = None,
+    sow_max_logit: bool = False,
   ):
     heads = _flax_config.Config(
       num_heads=num_heads,
@@ -167,6 +171,7 @@ class MultiHeadAttention(nnx.Module):
       decode=decode,
       attention_fn=attention_fn,
       sinks=sinks,
+      sow_max_logit=sow_max_logit,
       in_kv_features=in_kv_features,
     ).check()
     assert heads is not None  # None only without in_features, which Linen infers
@@ -179,7 +184,7 @@ class MultiHeadAttention(nnx.Module):
     self.use_bias, self.attention_fn, self.decode = use_bias, attention_fn, decode
     self.dropout_rate, self.broadcast_dropout = float(dropout_rate), bool(broadcast_dropout)
     self.deterministic, self.is_causal = deterministic, bool(is_causal)
-    self.rope, self.normalize_qk = rope, normalize_qk
+    self.rope, self.normalize_qk, self.sow_max_logit = rope, normalize_qk, sow_max_logit
     self.options = Options.of(
       options, implementation=implementation, backward=backward, block_q=block_q, block_kv=block_kv
     )
@@ -295,9 +300,13 @@ class MultiHeadAttention(nnx.Module):
     decode: bool | None = None,
     batch_size: int | tuple[int] | None = None,
     max_length: int | None = None,
+    sow_max_logit: bool | None = None,
   ) -> None:
     """For ``nnx.view``, as Flax's: set ``deterministic`` and ``decode``; with
-    ``batch_size`` and ``max_length``, a module without a cache allocates one."""
+    ``batch_size`` and ``max_length``, a module without a cache allocates one; jattn's
+    ``sow_max_logit`` (every attention layer of a model at once)."""
+    if sow_max_logit is not None:
+      self.sow_max_logit = _checks.boolean("sow_max_logit", sow_max_logit)
     if deterministic is not None:
       self.deterministic = deterministic
     if decode is not None:
@@ -336,6 +345,7 @@ class MultiHeadAttention(nnx.Module):
     sow_weights: bool = False,
     decode: bool | None = None,
     is_causal: bool | None = None,
+    sow_max_logit: bool | None = None,
     out_sharding: Any = None,
     qkv_sharding: Any = None,
     input_positions: Any = None,
@@ -362,6 +372,9 @@ class MultiHeadAttention(nnx.Module):
         causally over everything cached, with each row's own offset (default: the
         constructor's, else False); any number of tokens per call.
       is_causal: causal attention (default: the constructor's); ignored by ``decode``.
+      sow_max_logit: sow each query row's largest logit, (B, T, N) float32, as
+        ``nnx.Intermediate`` ``max_logit`` (default: the constructor's); a statistic, no
+        gradient flows through it.
       out_sharding: the output projection's ``out_sharding``: a PartitionSpec or
         NamedSharding of the (B, T, out_features) output, for meshes with Explicit axes
         (``jax.set_mesh``). None: what JAX infers from the inputs.
@@ -384,6 +397,7 @@ class MultiHeadAttention(nnx.Module):
     _flax_call.check_shardings(inputs_q.ndim, qkv_sharding, out_sharding)
     decode = _flax_config.resolve("decode", decode, self.decode)
     is_causal = _flax_config.resolve("is_causal", is_causal, self.is_causal)
+    sow_max = _flax_config.resolve("sow_max_logit", sow_max_logit, self.sow_max_logit)
     positions = _flax_call.rope_positions(positions, input_positions, self.attention_fn)
     _flax_call.check_inputs(x)
     held = _nnx_cache.held(self) if decode else None
@@ -427,7 +441,7 @@ class MultiHeadAttention(nnx.Module):
       )
     if input_positions is not None:
       flax_kwargs["input_positions"] = input_positions
-    out, weights, new_cache = _flax_call.attend(
+    got = _flax_call.attend(
       query,
       key,
       value,
@@ -444,12 +458,14 @@ class MultiHeadAttention(nnx.Module):
       attention_fn=_flax_call.bind_attention_fn(settings, is_causal=is_causal, **flax_kwargs),
       flax_attention=flax_attention,
       flax_why=f"{query.dtype} inputs",
+      sow_max_logit=sow_max,
     )
-    if weights is not None:
-      self.sow(nnx.Intermediate, "attention_weights", weights)
-    if new_cache is not None:
-      _nnx_cache.write(self, new_cache)  # the cache's new variables
-    return self.out(out, out_sharding=out_sharding)
+    for name, sown in (("attention_weights", got.weights), ("max_logit", got.max_logit)):
+      if sown is not None:
+        self.sow(nnx.Intermediate, name, sown)
+    if got.variables is not None:
+      _nnx_cache.write(self, got.variables)  # the cache's new variables
+    return self.out(got.out, out_sharding=out_sharding)
 
   def _check_cache_dtype(self, held: Any, dtype: Any, inputs_dtype: Any) -> None:
     """The keys of ``dtype`` fit the cache (None: none held) as it was made."""

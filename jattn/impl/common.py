@@ -46,6 +46,7 @@ __all__ = [
   "hoist",
   "float_or_none",
   "finish",
+  "max_logit",
   "is_primal",
   "primal_values",
   "materialized",
@@ -361,15 +362,30 @@ def float_or_none(
 
 
 def finish(
-  out: jax.Array, lse: jax.Array, spec: CallSpec, dtype: DTypeLike, sinks_done: bool
-) -> tuple[jax.Array, jax.Array | None]:
-  """An implementation's ``(out, lse)`` as the caller gets them: the sinks added (unless the
-  kernel took them, ``sinks_done``), the output in ``dtype``, the lse in ``dtype`` if
-  ``spec.return_residual`` asked for it, else None."""
+  out: jax.Array,
+  lse: jax.Array,
+  max_logit: jax.Array | None,
+  spec: CallSpec,
+  dtype: DTypeLike,
+  sinks_done: bool,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+  """An implementation's ``(out, lse, max_logit)`` as the caller gets them: the sinks added
+  (unless the kernel took them, ``sinks_done``), the output in ``dtype``, the lse in
+  ``dtype`` if ``spec.return_residual`` asked for it, else None, the max logit in float32,
+  a statistic no gradient flows through, if ``spec.return_max_logit`` asked for it."""
   if spec.sinks is not None and not sinks_done:
     out, lse = add_sinks(out, lse, spec.sinks, stats_dtype(dtype))
     out = out.astype(dtype)  # xla and blockwise kept it in float32/64 for this
-  return out, (lse.astype(dtype) if spec.return_residual else None)
+  if spec.return_max_logit:
+    assert max_logit is not None, f"{spec.implementation} returns the max logit it was asked for"
+    max_logit = jax.lax.stop_gradient(max_logit.astype(jnp.float32))
+  return out, (lse.astype(dtype) if spec.return_residual else None), max_logit
+
+
+def max_logit(m: jax.Array, l: jax.Array) -> jax.Array:
+  """The rows' largest logit from their running max and sum: -inf for rows that attend to
+  nothing (l == 0), whose m is a placeholder; no gradient flows through it."""
+  return jax.lax.stop_gradient(jnp.where(l > 0, m, -jnp.inf))
 
 
 # --- custom_vjps with symbolic zeros (defvjp(..., symbolic_zeros=True)) --------------------

@@ -11,7 +11,8 @@ features it cannot express (a reason each), and three answers:
   :class:`Call` exactly, the backend included, or None;
 * :meth:`Implementation.prepare` ``(spec, blocks, backend)``: the spec completed for it on
   that backend (tile sizes, splash's mask split);
-* :meth:`Implementation.run` ``(q, k, v, spec)``: ``(out, lse)`` on rank-4 inputs.
+* :meth:`Implementation.run` ``(q, k, v, spec)``: ``(out, lse, max_logit)`` on rank-4
+  inputs, ``max_logit`` None unless ``spec.return_max_logit`` asks for it.
 
 :mod:`jattn.impl.select` collects the rows into the table and owns every choice and
 fallback; adding an implementation is one module plus one entry there (docs/layout.md).
@@ -73,6 +74,8 @@ class CallSpec:
   block_q: int | None = dataclasses.field(metadata=_STATIC)
   block_kv: int | None = dataclasses.field(metadata=_STATIC)
   return_residual: bool = dataclasses.field(metadata=_STATIC)
+  # Also return each row's largest logit (run's third result; None when not asked).
+  return_max_logit: bool = dataclasses.field(default=False, metadata=_STATIC)
   # Pallas kernels in interpret mode (jattn.testing.interpret_kernels).
   interpret: bool = dataclasses.field(default=False, metadata=_STATIC)
   sinks: Any = None  # None, or per-head sink logits (N,), a floating array
@@ -121,7 +124,9 @@ class Implementation:
   runs_on: tuple[str, ...]
   backwards: tuple[str, ...]  # jattn rules it supports, default first; () = its own fused one
   masks: str  # what it expresses, for the docs and explain
-  run: Callable[..., tuple[Any, Any]]  # (q, k, v, spec) -> (out, lse), rank-4 inputs
+  # (q, k, v, spec) -> (out, lse, max_logit) on rank-4 inputs, max_logit None unless
+  # spec.return_max_logit: each row's largest logit, -inf where it sees no key.
+  run: Callable[..., tuple[Any, Any, Any]]
   prepare: Callable[[Any, tuple[int | None, int | None], str], Any] = _keep
   dtypes: tuple[str, ...] | None = None  # None: any floating dtype
   bias: str | None = None  # why not, or None
@@ -129,6 +134,7 @@ class Implementation:
   soft_cap: str | None = None
   dropout: str | None = None
   residual: str | None = None  # return_residual with a differentiable log-sum-exp
+  max_logit: str | None = None  # return_max_logit: each row's running max
   sinks: str | None = None
   # Dropout drawn at the global positions a sequence-parallel shard maps its indices to
   # (CallSpec.positions): why not, or None.
@@ -155,8 +161,9 @@ class Implementation:
   # it each device's part of the mask at positions known when the call is traced.
   static_masks: bool = False
   # Reads a KV cache tile by tile (paged or quantized storage, no copy): (query, tiles,
-  # spec) -> (out, lse), the tiles a jattn.impl.kv_tiles.CacheTiles. None: it reads no cache.
-  read_cache: Callable[..., tuple[Any, Any]] | None = None
+  # spec) -> (out, lse, max_logit), the tiles a jattn.impl.kv_tiles.CacheTiles. None: it reads
+  # no cache.
+  read_cache: Callable[..., tuple[Any, Any, Any]] | None = None
 
   def why_not(self, call: Call, *, interpret: bool = False, device: bool = True) -> str | None:
     """Why it cannot run ``call`` exactly; None when it can. ``device``: also whether it
@@ -172,6 +179,7 @@ class Implementation:
       (self.soft_cap, s.score_fn is not None, "logits_soft_cap"),
       (self.dropout, s.dropout_rate > 0, "dropout_rate > 0"),
       (self.residual, s.return_residual, "return_residual"),
+      (self.max_logit, s.return_max_logit, "return_max_logit"),
       (self.sinks, s.sinks is not None, "sinks"),
       (
         self.positions,

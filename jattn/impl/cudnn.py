@@ -136,20 +136,20 @@ def attention(
   return result, jnp.zeros((spec.B, spec.T, spec.N), jnp.float32)
 
 
-def _run(
-  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
-) -> tuple[jax.Array, jax.Array]:
+def _run(query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec) -> sharded.Results:
   return sharded.per_shard(_first_order, query, key, value, spec)
 
 
 def _first_order(
   query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
-) -> tuple[jax.Array, jax.Array]:
+) -> sharded.Results:
   """:func:`attention` with jax.nn's gradients, whose forward mode and second derivatives
-  are refused in jattn's words (JAX's are about a custom_vjp and the kernel's internals)."""
-  return orders.reverse_once(attention, "implementation='cudnn'", orders.FUSED)(
+  are refused in jattn's words (JAX's are about a custom_vjp and the kernel's internals).
+  No max logit: the table refuses return_max_logit."""
+  out, lse = orders.reverse_once(attention, "implementation='cudnn'", orders.FUSED)(
     query, key, value, spec
   )
+  return out, lse, None
 
 
 IMPLEMENTATION = contract.Implementation(
@@ -166,6 +166,7 @@ IMPLEMENTATION = contract.Implementation(
   soft_cap="cuDNN has no soft cap",
   dropout="jax.nn's cuDNN call has no dropout",
   sinks="jax.nn's cuDNN call has no sinks",
+  max_logit="jax.nn's cuDNN call keeps its running max to itself",
   fused=True,
   check=lambda call: reason(call.spec),
   auto_check=lambda call: auto_reason(call.spec, call.dtype),

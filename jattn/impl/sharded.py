@@ -49,7 +49,10 @@ __all__ = ["MeshAxes", "Attend", "Mesh", "sequence_axes", "per_shard", "axis_nam
 MeshAxes = str | tuple[str, ...] | None
 """One entry of a PartitionSpec: a mesh axis, several, or None (not sharded)."""
 
-Attend = Callable[[jax.Array, jax.Array, jax.Array, "CallSpec"], tuple[jax.Array, jax.Array]]
+Attend = Callable[[jax.Array, jax.Array, jax.Array, "CallSpec"], "Results"]
+"""A kernel on one device's share: ``(q, k, v, spec) -> (out, lse, max_logit or None)``."""
+
+Results = tuple[jax.Array, jax.Array, jax.Array | None]
 """A kernel: ``(query, key, value, spec) -> (out, lse)`` on rank-4 inputs."""
 
 Mesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
@@ -80,8 +83,9 @@ def per_shard(
   heads_whole: bool = False,
   auto: bool = True,
   global_index: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-  """``attend(query, key, value, spec) -> (out, lse)`` run on each device's share.
+) -> Results:
+  """``attend(query, key, value, spec) -> (out, lse, max_logit)`` run on each device's share
+  (``max_logit`` None unless ``spec.return_max_logit``).
 
   ``query`` (B, T, N, H), ``key`` and ``value`` (B, S, K, H|Hv), ``spec`` a rank-4
   :class:`jattn.impl.contract.CallSpec`. ``heads_whole``: the kernel cannot take a share of the
@@ -117,7 +121,8 @@ def per_shard(
   leaves, treedef = jax.tree.flatten(spec)
   parts = jax.tree.leaves(spec_specs, is_leaf=lambda x: isinstance(x, P))
   spec = jax.tree.unflatten(treedef, [_reshard(x, p) for x, p in zip(leaves, parts)])
-  out_spec = (P(b, None, n, None), P(b, None, n))
+  rows = P(b, None, n)
+  out_spec = (P(b, None, n, None), rows, rows if spec.return_max_logit else None)
 
   def device_call(q: jax.Array, k: jax.Array, v: jax.Array, s: CallSpec) -> Any:
     if global_index:
@@ -225,9 +230,10 @@ def _partitioned(
   spec: CallSpec,
   heads_whole: bool,
   global_index: bool,
-) -> tuple[jax.Array, jax.Array]:
+) -> Results:
   """Auto mode: the kernel's forward and backward under a partitioning rule, each device
-  running them on its batch rows and heads (see the module docstring)."""
+  running them on its batch rows and heads (see the module docstring). The max logit, where
+  asked for, is a third result of the forward rule, with no cotangent."""
   B, N, K = spec.B, spec.N, spec.K
   if spec.sinks is not None:  # one row per batch row: each device's gradient is its rows'
     spec = dataclasses.replace(spec, sinks=jnp.broadcast_to(spec.sinks, (B, N)))
@@ -235,15 +241,17 @@ def _partitioned(
   roles = jax.tree.leaves(_roles(spec, global_index))
   floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
 
+  outs = ("out", "lse", "lse") if spec.return_max_logit else ("out", "lse")
+
   def local(
     q: jax.Array, k: jax.Array, v: jax.Array, *leaves: Any, offsets: jax.Array | None = None
-  ) -> tuple[jax.Array, jax.Array]:
+  ) -> tuple[jax.Array, ...]:
     s = jax.tree.unflatten(treedef, leaves)
     if global_index:
       s = dataclasses.replace(s, shard_offsets=offsets)
     else:
       s = dataclasses.replace(s, B=q.shape[0], N=q.shape[2], K=k.shape[2])
-    return attend(q, k, v, s)
+    return tuple(x for x in attend(q, k, v, s)[: len(outs)] if x is not None)
 
   def local_grads(wanted: tuple[int, ...]) -> Callable[..., tuple[Any, ...]]:
     """The per-device backward: gradients for q, k, v and the leaves ``wanted``."""
@@ -259,7 +267,8 @@ def _partitioned(
         full = list(leaves)
         for i, x in zip(wanted, chosen):
           full[i] = x
-        return local(q, k, v, *full, offsets=offsets)
+        out, lse = local(q, k, v, *full, offsets=offsets)[:2]  # not the max logit: a statistic
+        return out, lse
 
       _, vjp = jax.vjp(differentiable, q, k, v, *(leaves[i] for i in wanted))
       return vjp(tuple(cotangents))
@@ -267,7 +276,7 @@ def _partitioned(
     return grads
 
   rules = (B, N, K, heads_whole, global_index)
-  forward = _rule(local, ("q", "k", "v", *roles), ("out", "lse"), rules)
+  forward = _rule(local, ("q", "k", "v", *roles), outs, rules)
   who = f"implementation={spec.implementation!r}"
   only_forward = orders.first_order(forward, who, orders.FUSED, forward=False)
 
@@ -280,8 +289,22 @@ def _partitioned(
     )
     return orders.first_order(backward, who, orders.FUSED, forward=False)
 
-  # The floating leaves the caller differentiates (symbolic zeros tell), as () where it does
-  # and None where not: a static fact carried in the residuals' tree structure.
+  run = _kernel_vjp(forward, only_forward, only_backward, floats, who)
+  out, lse, *top = run(query, key, value, leaves)
+  return out, lse, (top[0] if top else None)
+
+
+def _kernel_vjp(
+  forward: Callable[..., Any],
+  only_forward: Callable[..., Any],
+  only_backward: Callable[[tuple[int, ...]], Callable[..., Any]],
+  floats: list[int],
+  who: str,
+) -> Callable[..., Any]:
+  """``run(q, k, v, leaves)``: the partitioned ``forward`` in a custom_vjp whose backward is
+  ``only_backward(wanted)`` for the floating leaves (at ``floats``) the caller
+  differentiates (symbolic zeros tell: a static fact carried in the residuals' tree
+  structure, () where it does and None where not)."""
   Residuals = tuple[jax.Array, jax.Array, jax.Array, list[Any], tuple[Any, ...]]
 
   @functools.partial(orders.reverse_only, who=who, rule=orders.KERNEL_RULE)
@@ -294,11 +317,11 @@ def _partitioned(
     return only_forward(q, k, v, *leaves), (q, k, v, leaves, flags)
 
   def run_bwd(
-    residuals: Residuals, cotangents: tuple[Any, Any]
+    residuals: Residuals, cotangents: tuple[Any, ...]
   ) -> tuple[jax.Array, jax.Array, jax.Array, list[Any]]:
     q, k, v, leaves, flags = residuals
     wanted = tuple(i for i, flag in zip(floats, flags) if flag is not None)
-    d_out, d_lse = (common.materialized(c) for c in cotangents)
+    d_out, d_lse = (common.materialized(c) for c in cotangents[:2])  # none for the max logit
     dq, dk, dv, *d_chosen = only_backward(wanted)(q, k, v, *leaves, d_out, d_lse)
     d_leaves: list = [None] * len(leaves)
     for i, d in zip(wanted, d_chosen):
@@ -306,8 +329,7 @@ def _partitioned(
     return dq, dk, dv, d_leaves
 
   run.defvjp(run_fwd, run_bwd, symbolic_zeros=True)
-  out, lse = run(query, key, value, leaves)
-  return out, lse
+  return run
 
 
 def _roles(spec: CallSpec, global_index: bool) -> CallSpec:

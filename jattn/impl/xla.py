@@ -58,8 +58,9 @@ _Residuals = tuple[
 
 def attention(
   query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
-) -> tuple[jax.Array, jax.Array]:
-  """Returns ``(out (B, T, N, H) in query's dtype, lse (B, T, N) in float32/64)``.
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """Returns ``(out (B, T, N, H) in query's dtype, lse (B, T, N) in float32/64, max logit
+  (B, T, N) or None)``.
 
   Reads the bias (rank 4), mask, score function, scale, dropout and backward rule from
   ``spec``.
@@ -83,7 +84,8 @@ def attention(
   static = (scale, dropout_rate, out_dtype)
   if spec.backward == "autodiff":
     modify: Callable | None = None if score_fn is None else (lambda s: score_fn(s, *grid))
-    return _forward(query, key, value, bias, keep, drop, modify, (), static)[0]
+    out, lse, top = _forward(query, key, value, bias, keep, drop, modify, (), static)[0]
+    return out, lse, top if spec.return_max_logit else None
 
   assert spec.backward == "custom_vjp", spec.backward
   modify = None
@@ -91,7 +93,8 @@ def attention(
   if score_fn is not None:
     example = jax.ShapeDtypeStruct((B, N, T, S), common.stats_dtype(query.dtype))
     modify, consts = common.hoist(lambda s: score_fn(s, *index_grid(B, N, T, S)), example)
-  return _attention_vjp(static, modify, query, key, value, bias, keep, drop, tuple(consts))
+  out, lse, top = _attention_vjp(static, modify, query, key, value, bias, keep, drop, tuple(consts))
+  return out, lse, top if spec.return_max_logit else None
 
 
 def weights(query: jax.Array, key: jax.Array, spec: CallSpec) -> jax.Array:
@@ -120,9 +123,10 @@ def _forward(
   modify: Callable[..., jax.Array] | None,
   consts: Sequence[Any],
   static: _Static,
-) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
-  """The forward pass shared by both rules: ``(out, lse), (m, l)``, the rows' max and sum kept
-  (B, N, T, 1) for the custom_vjp; ``static`` is (scale, dropout_rate, out's dtype)."""
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+  """The forward pass shared by both rules: ``(out, lse, max logit), (m, l)``, the rows' max
+  and sum kept (B, N, T, 1) for the custom_vjp; ``static`` is (scale, dropout_rate, out's
+  dtype)."""
   scale, dropout_rate, out_dtype = static
   s = common.logits(common.group_heads(query, key.shape[2]), key, bias, scale)
   if modify is not None:
@@ -134,8 +138,8 @@ def _forward(
     p = jnp.where(drop, p / (1.0 - dropout_rate), 0)
   out = common.probs_times_values(p, value)
   out = common.ungroup_heads(out).astype(out_dtype)
-  lse = common.log_sum_exp(m, l)[..., 0].transpose(0, 2, 1)  # BNT -> BTN
-  return (out, lse), (m, l)
+  rows = lambda x: x[..., 0].transpose(0, 2, 1)  # (B, N, T, 1) -> (B, T, N)
+  return (out, rows(common.log_sum_exp(m, l)), rows(common.max_logit(m, l))), (m, l)
 
 
 @functools.partial(
@@ -154,7 +158,7 @@ def _attention_vjp(
   keep: jax.Array | None,
   drop: jax.Array | None,
   consts: tuple[Any, ...],
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   return _forward(query, key, value, bias, keep, drop, modify, consts, static)[0]
 
 
@@ -168,23 +172,23 @@ def _attention_fwd(
   keep: jax.Array | None,
   drop: jax.Array | None,
   consts: tuple[Any, ...],
-) -> tuple[tuple[jax.Array, jax.Array], _Residuals]:
-  (out, lse), (m, l) = _forward(query, key, value, bias, keep, drop, modify, consts, static)
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], _Residuals]:
+  results, (m, l) = _forward(query, key, value, bias, keep, drop, modify, consts, static)
   # The rows' max and sum, not their log-sum-exp m + log l: see common.normalized_exp.
-  return (out, lse), (query, key, value, bias, keep, drop, consts, m, l)
+  return results, (query, key, value, bias, keep, drop, consts, m, l)
 
 
 def _attention_bwd(
   static: _Static,
   modify: Callable[..., jax.Array] | None,
   residuals: _Residuals,
-  cotangents: tuple[jax.Array, jax.Array],
+  cotangents: tuple[jax.Array, jax.Array, jax.Array],
 ) -> tuple[
   jax.Array, jax.Array, jax.Array, jax.Array | None, None, None, tuple[jax.Array | None, ...]
 ]:
   scale, dropout_rate, _ = static
   query, key, value, bias, keep, drop, consts, m, l = residuals
-  d_out, d_lse = cotangents
+  d_out, d_lse, _ = cotangents  # the max logit is a statistic: nothing flows back through it
   B, T, N, H = query.shape
   _, S, K, _ = key.shape
   G = N // K

@@ -64,6 +64,7 @@ def pair_spec(
   bias: jax.Array | None,
   scale: float,
   dropout: tuple[float, bool, Any],
+  max_logit: bool = False,
 ) -> CallSpec:
   """One pair's call before its implementation is chosen: the one-device call of a query
   shard (``shapes[0]``) against a key/value shard, at global positions ``maps`` (batch,
@@ -95,6 +96,7 @@ def pair_spec(
     block_q=None,
     block_kv=None,
     return_residual=True,
+    return_max_logit=max_logit,
     interpret=testing.interpreting(),
     positions=maps if rate else None,
   )
@@ -110,11 +112,12 @@ def choose(spec: CallSpec, dtype: Any, implementation: str | None) -> tuple[Call
 
 def attend(
   query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
-) -> tuple[jax.Array, jax.Array]:
-  """The pair's ``(out, lse)`` in float32/64 (lse -inf on rows with nothing to attend to)."""
-  out, lse = select.TABLE[spec.implementation].run(query, key, value, spec)
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """The pair's ``(out, lse, max logit)`` in float32/64 (lse -inf on rows with nothing to
+  attend to; the max logit None unless ``spec.return_max_logit``)."""
+  out, lse, top = select.TABLE[spec.implementation].run(query, key, value, spec)
   dtype = common.stats_dtype(query.dtype)
-  return out.astype(dtype), lse.astype(dtype)
+  return out.astype(dtype), lse.astype(dtype), top
 
 
 def grads(

@@ -67,6 +67,7 @@ class Ring(NamedTuple):
   pairs: Any = None  # _splash_pairs.Pairs: each shard pair through splash (None: blockwise)
   dropout_rate: float = 0.0
   broadcast_dropout: bool = False
+  max_logit: bool = False  # also the rows' largest logit over every pair (return_max_logit)
   # Whether each device asks the selection table for a fused kernel per pair (a GPU, or a
   # kernel named), and the kernel named (None: the table's choice).
   try_kernels: bool = False
@@ -94,7 +95,7 @@ def call(
   *,
   ring: Ring,
   mesh: Mesh,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
   """The ring over ``mesh``: the inputs in the layout's order, ``bias`` (rank 4, its T and S
   axes in the layout's order where not 1) split by query rows and whole along S, the mask and
   score function (a :class:`jattn.scores.ScoreFn`) on global natural positions, dropout's
@@ -114,18 +115,18 @@ def call(
       None,
     )
     bias = place(bias, mesh, bias_spec)
+  rows = P(ring.batch_axis, ring.axis_name, ring.head_axis)
   run = jax.shard_map(
     functools.partial(_per_device, ring),
     mesh=mesh,
     in_specs=(seq, seq, seq, ids, ids, P(), bias_spec, P(), P()),
-    out_specs=(seq, P(ring.batch_axis, ring.axis_name, ring.head_axis)),
+    out_specs=(seq, rows, rows if ring.max_logit else None),
     # Off: the ring's custom_vjp supplies the backward pass, so JAX never transposes
     # these collectives (what the varying-axes types serve), and the scan carries mix
     # device-varying shards with constant zeros, which the check would want annotated.
     check_vma=False,
   )
-  out, lse = run(query, key, value, q_ids, kv_ids, mask, bias, score_fn, rng)
-  return out, lse
+  return run(query, key, value, q_ids, kv_ids, mask, bias, score_fn, rng)
 
 
 def place(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
@@ -160,7 +161,7 @@ def _per_device(
   bias: jax.Array | None,
   score_fn: Any,
   rng: jax.Array | None,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
   consts: tuple[Any, ...] = ()
   if ring.try_kernels and ring.pairs is None:
     ring = _with_kernel(ring, query, key, value, q_ids, kv_ids, mask, bias, score_fn, rng)
@@ -175,8 +176,8 @@ def _per_device(
     s = jax.ShapeDtypeStruct((B, N, bq, bk), common.stats_dtype(query.dtype))
     converted, found = common.hoist(score_fn, s, *tiling.tile_indices(B, N, bq, bk, 0, 0))
     ring, consts = ring._replace(score=converted), tuple(found)
-  out, lse = _ring_vjp(ring, query, key, value, q_ids, kv_ids, mask, bias, consts, rng)
-  return out.astype(query.dtype), lse
+  out, lse, top = _ring_vjp(ring, query, key, value, q_ids, kv_ids, mask, bias, consts, rng)
+  return out.astype(query.dtype), lse, top
 
 
 def _with_kernel(
@@ -250,6 +251,7 @@ def _kernel_spec(
     bias=columns,
     scale=ring.scale,
     dropout=(ring.dropout_rate, ring.broadcast_dropout, rng),
+    max_logit=ring.max_logit,
   )
   if ring.kernel:  # chosen: the spec completed for it (every step's is the first's kind)
     spec, _ = _kernel_pairs.choose(spec, query.dtype, ring.kernel)
@@ -402,34 +404,43 @@ def _forward(
   bias: jax.Array | None,
   consts: tuple[Any, ...],
   rng: jax.Array | None,
-) -> Partial:
-  """This device's ``(out, m, l)`` in float32/64 after the whole ring (see blockwise.forward)."""
+) -> tuple[Partial, jax.Array | None]:
+  """This device's ``(out, m, l)`` in float32/64 after the whole ring (see blockwise.forward),
+  and its rows' largest logit over every pair (None unless ``ring.max_logit``)."""
 
-  def attend(step: jax.Array | int, kv: Shard) -> Partial:
+  def attend(step: jax.Array | int, kv: Shard) -> tuple[Partial, jax.Array | None]:
+    """The pair's partial result, and its rows' largest logit where the ring keeps it."""
     k, v, ids = kv
     if ring.pairs is not None:
       pair = _splash_pairs.attend(query, k, v, q_ids, ids, **_pair_settings(ring, step))
-      return _splash_pairs.as_partial(*pair)
+      return _splash_pairs.as_partial(*pair), None  # never asked: splash keeps its max
     source = _source(ring, step)
     columns = _bias_columns(ring, bias, source)
     if ring.kernel is not None:
       spec = _kernel_spec(ring, query, k, v, q_ids, ids, mask, columns, consts, rng, step)
-      return _splash_pairs.as_partial(*_kernel_pairs.attend(query, k, v, spec))
+      out, lse, top = _kernel_pairs.attend(query, k, v, spec)
+      return _splash_pairs.as_partial(out, lse), top
     plan = _pair_plan(ring, query, k, q_ids, ids, mask, consts, rng, source)
-    return blockwise.forward(plan, query, k, v, columns)
+    out, m, l = blockwise.forward(plan, query, k, v, columns)
+    return (out, m, l), common.max_logit(m, l) if ring.max_logit else None
 
-  def step(carry: tuple[Shard, Partial], s: jax.Array) -> tuple[tuple[Shard, Partial], None]:
+  def merged(acc: tuple[Partial, Any], pair: tuple[Partial, Any]) -> tuple[Partial, Any]:
+    (partial, top), (partial_b, top_b) = acc, pair
+    return _merge(partial, partial_b), None if top is None else jnp.maximum(top, top_b)
+
+  def step(carry: tuple[Shard, Any], s: jax.Array) -> tuple[tuple[Shard, Any], None]:
     kv, acc = carry
     incoming = _pass_on(ring, kv)  # independent of this step's work: may overlap it
-    return (incoming, _merge(acc, attend(s, kv))), None
+    return (incoming, merged(acc, attend(s, kv))), None
 
   B, T, N, _ = query.shape
   Hv = value.shape[-1]
   dtype = common.stats_dtype(query.dtype)
   rows = jnp.zeros((B, T, N), dtype)
-  empty = (jnp.zeros((B, T, N, Hv), dtype), rows, rows)
+  top = jnp.full((B, T, N), -jnp.inf, dtype) if ring.max_logit else None
+  empty = ((jnp.zeros((B, T, N, Hv), dtype), rows, rows), top)
   (kv, acc), _ = jax.lax.scan(step, ((key, value, kv_ids), empty), jnp.arange(ring.size - 1))
-  return _merge(acc, attend(ring.size - 1, kv))
+  return merged(acc, attend(ring.size - 1, kv))
 
 
 Partial2 = tuple[jax.Array, jax.Array]
@@ -479,7 +490,8 @@ def _backward(
       def pair(q: jax.Array, k: jax.Array, v: jax.Array, b: Any, c: Any) -> Partial2:
         leaves = _merged(consts, c, is_float)
         spec = _kernel_spec(ring, q, k, v, q_ids, ids, mask, b, leaves, rng, step)
-        return _kernel_pairs.attend(q, k, v, spec)
+        out, lse, _ = _kernel_pairs.attend(q, k, v, spec)
+        return out, lse
 
       floats = [c for c, f in zip(consts, is_float) if f]
       d_q, d_k, d_v, d_b, d_f = _kernel_pairs.grads(
@@ -563,9 +575,9 @@ def _ring_vjp(
   bias: jax.Array | None,
   consts: tuple[Any, ...],
   rng: jax.Array | None,
-) -> tuple[jax.Array, jax.Array]:
-  out, m, l = _forward(ring, query, key, value, q_ids, kv_ids, mask, bias, consts, rng)
-  return out, common.log_sum_exp(m, l)
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  (out, m, l), top = _forward(ring, query, key, value, q_ids, kv_ids, mask, bias, consts, rng)
+  return out, common.log_sum_exp(m, l), top
 
 
 def _ring_fwd(
@@ -579,16 +591,14 @@ def _ring_fwd(
   bias: jax.Array | None,
   consts: tuple[Any, ...],
   rng: jax.Array | None,
-) -> tuple[tuple[jax.Array, jax.Array], _Residuals]:
-  out, m, l = _forward(ring, query, key, value, q_ids, kv_ids, mask, bias, consts, rng)
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array | None], _Residuals]:
+  (out, m, l), top = _forward(ring, query, key, value, q_ids, kv_ids, mask, bias, consts, rng)
   residuals = (query, key, value, q_ids, kv_ids, mask, bias, consts, rng, out, m, l)
-  return (out, common.log_sum_exp(m, l)), residuals
+  return (out, common.log_sum_exp(m, l), top), residuals
 
 
-def _ring_bwd(
-  ring: Ring, residuals: _Residuals, cotangents: tuple[jax.Array, jax.Array]
-) -> tuple[Any, ...]:
-  d_out, d_lse = cotangents
+def _ring_bwd(ring: Ring, residuals: _Residuals, cotangents: tuple[Any, ...]) -> tuple[Any, ...]:
+  d_out, d_lse = cotangents[:2]  # the max logit is a statistic: nothing flows back through it
   blockwise_pairs = ring.pairs is None and ring.kernel is None
   backward = orders.first_order(
     functools.partial(_backward, ring),

@@ -51,8 +51,7 @@ def ring(
   B, T, N, S, K = spec.B, spec.T, spec.N, spec.S, spec.K
   split.check_shapes(B, T, S, N, K)
   if spec.implementation == "xla":  # nothing to ring (an empty B, T, S, N or H): as one call
-    out, lse = attention.attend(q, k, v, spec)
-    return (out, lse.astype(q.dtype)) if spec.return_residual else out
+    return attention.returned(*attention.attend(q, k, v, spec))
   q_ids, kv_ids = _split.segment_rows(segment_ids, B, T, S) or (None, None)
   soft_cap = keywords.get("logits_soft_cap")
   soft_cap = None if soft_cap is None else float(soft_cap)
@@ -70,7 +69,7 @@ def ring(
     segments=None if q_ids is None else masks.segments(q_ids, kv_ids),
     soft_cap=soft_cap,
     blocks_named=blocks_named,
-    beside=_beyond_splash(bias, keywords.get("score_fn"), spec.dropout_rate),
+    beside=_beyond_splash(bias, keywords.get("score_fn"), spec),
     kernels=kernels,
   )
   named = options.implementation
@@ -89,10 +88,11 @@ def ring(
     pairs=pairs,
     dropout_rate=spec.dropout_rate,
     broadcast_dropout=spec.broadcast_dropout,
+    max_logit=spec.return_max_logit,
     try_kernels=kernels,
     kernel_named=named if named in _kernel_pairs.KERNELS else None,
   )
-  out, lse = _ring.call(
+  out, lse, top = _ring.call(
     q,
     k,
     v,
@@ -105,12 +105,10 @@ def ring(
     ring=settings,
     mesh=split.mesh,
   )
-  if spec.sinks is not None:
+  if spec.sinks is not None:  # added once the ring has combined every shard's keys
     sinks = _ring.place(spec.sinks, split.mesh, P(split.head_axis))  # sharded like N
-    out, lse = common.add_sinks(out, lse, sinks, lse.dtype)
-  if spec.return_residual:
-    return out, lse.astype(q.dtype)
-  return out
+    spec = dataclasses.replace(spec, sinks=sinks)
+  return attention.returned(*common.finish(out, lse, top, spec, q.dtype, False))
 
 
 def _options(keywords: dict[str, Any]) -> Options:
@@ -133,12 +131,14 @@ def _options(keywords: dict[str, Any]) -> Options:
   return options
 
 
-def _beyond_splash(bias: Any, score_fn: Any, dropout_rate: float) -> str | None:
+def _beyond_splash(bias: Any, score_fn: Any, spec: CallSpec) -> str | None:
   """What the ring's splash pairs do not take (they run segment ids, masks and a soft cap)."""
   for name, given in (("a bias", bias is not None), ("a score_fn", score_fn is not None)):
     if given:
       return name
-  return "dropout" if dropout_rate else None
+  if spec.return_max_logit:
+    return f"return_max_logit: {select.TABLE['splash'].max_logit}"
+  return "dropout" if spec.dropout_rate else None
 
 
 # The ring's own blockwise loops, or per pair a kernel that tabulates its masks (splash,

@@ -71,7 +71,7 @@ def context_parallel_attention(
   batch_axis: str | tuple[str, ...] | None = None,
   head_axis: str | tuple[str, ...] | None = None,
   **keywords: Unpack[Keywords],
-) -> Any:  # the output, or (output, lse) with return_residual=True
+) -> Any:  # the output, with the lse and max logit where asked for
   """:func:`jattn.dot_product_attention` with the sequence sharded over mesh axis ``axis_name``.
 
   Computes what ``jattn.dot_product_attention(query, key, value, bias, mask, **keywords)``
@@ -141,7 +141,7 @@ def ring_attention(
   batch_axis: str | tuple[str, ...] | None = None,
   head_axis: str | tuple[str, ...] | None = None,
   **keywords: Unpack[Keywords],
-) -> Any:  # the output, or (output, lse) with return_residual=True
+) -> Any:  # the output, with the lse and max logit where asked for
   """Ring attention: :func:`context_parallel_attention` with ``strategy="ring"``.
 
   Device i keeps query shard i; the key/value shards (with their segment ids) travel around
@@ -264,8 +264,7 @@ def _gathered(
   if not (all(spec.bnts) and spec.H):  # nothing to split (an empty B, T, S, N or H)
     if ids is not None:
       spec = dataclasses.replace(spec, mask=masks.all_of(spec.mask, masks.segments(*ids)))
-    out, lse = attention.attend(q, k, v, spec)
-    return (out, lse) if spec.return_residual else out
+    return attention.returned(*attention.attend(q, k, v, spec))
   # Ulysses' parts take the static form on any backend (one mask, exact tiles); the
   # all-gather's, one per device, only where a kernel that tabulates its masks may run them.
   backend = testing.target_backend() or select.default_backend()
@@ -298,8 +297,7 @@ def _gathered(
     blocks=(options.block_q, options.block_kv),
     part_masks=part_masks,
   )
-  out, lse = _call(q, k, v, ids, contract.rank4(spec), plan=plan, mesh=split.mesh)
-  return (out, lse) if spec.return_residual else out
+  return attention.returned(*_call(q, k, v, ids, contract.rank4(spec), plan=plan, mesh=split.mesh))
 
 
 def _part_masks(
@@ -366,7 +364,7 @@ def _call(
   *,
   plan: _Plan,
   mesh: Mesh,
-) -> tuple[jax.Array, jax.Array | None]:
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   b, h, axis = plan.batch_axis, plan.head_axis, plan.axis_name
   seq = P(b, axis, h, None)
   ids_spec = None if ids is None else (P(b, axis), P(b, axis))
@@ -378,12 +376,16 @@ def _call(
   if bias is not None and bias_spec is not None:
     bias = _ring.place(bias, mesh, bias_spec)
   rest = jax.tree.map(lambda x: _ring.place(x, mesh, P()), rest)
-  lse_spec = P(b, axis, h) if spec.return_residual else None
+  rows = P(b, axis, h)
   run = jax.shard_map(
     functools.partial(_per_device, plan),
     mesh=mesh,
     in_specs=(seq, seq, seq, bias_spec, ids_spec, jax.tree.map(lambda _: P(), rest)),
-    out_specs=(seq, lse_spec),
+    out_specs=(
+      seq,
+      rows if spec.return_residual else None,
+      rows if spec.return_max_logit else None,
+    ),
     # Off: Pallas kernels' results carry no varying-axes types; JAX transposes the
     # all-gathers and all-to-alls, and sums the replicated inputs' cotangents, regardless.
     check_vma=False,
@@ -407,13 +409,14 @@ def _bias_spec(plan: _Plan, shape: tuple[int, ...]) -> P:
 
 def _attend(
   query: jax.Array, key: jax.Array, value: jax.Array, *, spec: CallSpec
-) -> tuple[jax.Array, jax.Array | None]:
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   """One device's part, or zeros of its results' types where :func:`explain` only asks what
   would run it (the part's kernel may trace only on its platform)."""
   if not _choices.only_choosing():
     return attention.attend(query, key, value, spec)
   out = jnp.zeros((*query.shape[:-1], value.shape[-1]), query.dtype)
-  return out, jnp.zeros(query.shape[:-1], query.dtype) if spec.return_residual else None
+  rows = lambda asked, dtype: jnp.zeros(query.shape[:-1], dtype) if asked else None
+  return out, rows(spec.return_residual, query.dtype), rows(spec.return_max_logit, jnp.float32)
 
 
 def _per_device(
@@ -424,7 +427,7 @@ def _per_device(
   bias: jax.Array | None,
   ids: tuple[jax.Array, jax.Array] | None,
   spec: CallSpec,
-) -> tuple[jax.Array, jax.Array | None]:
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   axis, P_ = plan.axis_name, plan.size
   B, _, N, _ = query.shape
   batch = _ring.global_rows(plan.batch_axis, B)
@@ -493,13 +496,11 @@ def _per_device(
       branches = [functools.partial(_attend, spec=spec) for spec in specs]
       which = jnp.asarray([distinct.index(m) for m in plan.part_masks], jnp.int32)
       _choices.record(choice)
-      out, lse = jax.lax.switch(which[jax.lax.axis_index(axis)], branches, query, key, value)
-      return out, lse
+      return jax.lax.switch(which[jax.lax.axis_index(axis)], branches, query, key, value)
   local, choice = choose(local)
   _choices.record(choice)
-  out, lse = _attend(query, key, value, spec=local)
-  if plan.strategy == "ulysses":  # back to sequence shards, every head
-    out = jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
-    if lse is not None:
-      lse = jax.lax.all_to_all(lse, axis, split_axis=1, concat_axis=2, tiled=True)
-  return out, lse
+  results = _attend(query, key, value, spec=local)
+  if plan.strategy == "ulysses":  # back to sequence shards, every head (lse, max logit too)
+    back = lambda x: jax.lax.all_to_all(x, axis, split_axis=1, concat_axis=2, tiled=True)
+    results = jax.tree.map(back, results)
+  return results

@@ -123,8 +123,9 @@ def resolve_blocks(
 
 def attention(
   query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
-) -> tuple[jax.Array, jax.Array]:
-  """Returns ``(out (B, T, N, H) in query's dtype, lse (B, T, N) in float32/64)``.
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """Returns ``(out (B, T, N, H) in query's dtype, lse (B, T, N) in float32/64, max logit
+  (B, T, N) or None)``.
 
   Reads the bias (rank 4), mask, score function, scale, dropout and tiles from ``spec``.
   """
@@ -133,7 +134,7 @@ def attention(
 
 def attention_over_cache(
   query: jax.Array, tiles: kv_tiles.CacheTiles, spec: CallSpec
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
   """:func:`attention` with keys and values read from a KV cache tile by tile
   (``spec.block_kv == tiles.block``): a tile is gathered, dequantized and masked only
   when the schedule visits it, so a call's memory grows with the tiles in use."""
@@ -142,7 +143,7 @@ def attention_over_cache(
 
 def _attention(
   query: jax.Array, kv: KV, kv_len: int, spec: CallSpec
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
   dtype = query.dtype
   wide = spec.compute_dtype or dtype
   if wide != dtype:  # autodiff casts the gradients back through these casts
@@ -165,11 +166,12 @@ def _attention(
     block_q=spec.block_q,  # type: ignore[arg-type]  # set by prepare (IMPLEMENTATION)
     block_kv=spec.block_kv,  # type: ignore[arg-type]
   )
-  out, lse = _attention_vjp(
+  out, lse, top = _attention_vjp(
     p.static, query, kv, spec.bias, p.seed, p.rows, p.cols, p.mask_consts, p.score_consts
   )
   # With sinks to add (jattn.attention), out stays in the statistics dtype until then.
-  return (out if spec.sinks is not None else out.astype(dtype)), lse
+  out = out if spec.sinks is not None else out.astype(dtype)
+  return out, lse, top if spec.return_max_logit else None
 
 
 class Plan(NamedTuple):
@@ -363,9 +365,9 @@ def _attention_vjp(
   cols: tiling.Schedule,
   mask_consts: tuple[Any, ...],
   score_consts: tuple[Any, ...],
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   out, m, l = _forward(static, query, kv, bias, seed, rows, (mask_consts, score_consts))
-  return out, common.log_sum_exp(m, l)
+  return out, common.log_sum_exp(m, l), common.max_logit(m, l)
 
 
 def _attention_fwd(
@@ -378,17 +380,19 @@ def _attention_fwd(
   cols: tiling.Schedule,
   mask_consts: tuple[Any, ...],
   score_consts: tuple[Any, ...],
-) -> tuple[tuple[jax.Array, jax.Array], _Residuals]:
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], _Residuals]:
   out, m, l = _forward(static, query, kv, bias, seed, rows, (mask_consts, score_consts))
   residuals = (query, kv, bias, seed, rows, cols, mask_consts, score_consts, m, l)
-  return (out, common.log_sum_exp(m, l)), residuals
+  return (out, common.log_sum_exp(m, l), common.max_logit(m, l)), residuals
 
 
 def _attention_bwd(
-  static: tiling.Static, residuals: _Residuals, cotangents: tuple[jax.Array, jax.Array]
+  static: tiling.Static,
+  residuals: _Residuals,
+  cotangents: tuple[jax.Array, jax.Array, jax.Array],
 ) -> tuple[Any, ...]:
   query, kv, bias, seed, rows, cols, mask_consts, score_consts, m, l = residuals
-  d_out, d_lse = cotangents
+  d_out, d_lse, _ = cotangents  # the max logit is a statistic: nothing flows back through it
   backward = orders.first_order(
     functools.partial(_blockwise_backward.backward, static),
     "implementation='blockwise'",

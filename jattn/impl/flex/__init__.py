@@ -149,17 +149,13 @@ def _prepare(spec: CallSpec, blocks: tuple[int | None, int | None], backend: str
   return spec
 
 
-def _run(
-  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
-) -> tuple[jax.Array, jax.Array]:
+def _run(query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec) -> sharded.Results:
   # Each device runs the kernels on its batch rows and heads; the mask, score function and
   # dropout see the global indices there (spec.shard_offsets), so any of them splits.
   return sharded.per_shard(_attend, query, key, value, spec, global_index=True)
 
 
-def _attend(
-  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
-) -> tuple[jax.Array, jax.Array]:
+def _attend(query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec) -> sharded.Results:
   """The kernels on one device's share: query (b, T, n, H) of the call's (B, T, N, H)."""
   T, S = query.shape[1], key.shape[1]
   passes = _passes(spec, T, S, query.dtype)
@@ -206,7 +202,7 @@ def _attend(
   seed = None
   if spec.dropout_rate:
     seed = jnp.stack(_dropout.seed_words(spec.dropout_rng))
-  return _flex_backward.attention(
+  out, lse, top = _flex_backward.attention(
     query,
     key,
     value,
@@ -224,6 +220,7 @@ def _attend(
     score_grid,
     positions,
   )
+  return out, lse, top if spec.return_max_logit else None
 
 
 Traces = tuple[tuple[_in_kernel.Function | None, ...], ...]

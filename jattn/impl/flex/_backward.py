@@ -9,6 +9,7 @@ the custom_vjp's symbolic zeros, so an undifferentiated bias costs no buffer.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -34,9 +35,10 @@ def attention(
   offsets: jax.Array | None = None,
   score_grid: Any = None,
   positions: tuple[Function | None, ...] = (None, None, None),
-) -> tuple[jax.Array, jax.Array]:
-  """:func:`jattn.impl.flex._kernels.forward`, differentiable in query, key, value, bias and
-  the floating arrays the score function reads.
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """:func:`jattn.impl.flex._kernels.forward`'s ``(out, lse, max logit)``, differentiable in
+  query, key, value, bias and the floating arrays the score function reads (the max logit,
+  a statistic of the forward kernel's running max, in none).
 
   Per pass (forward, dQ, dK/dV), each at its own tiles: ``schedules`` (the forward's and
   dQ's rows, per query tile its key/value tiles; dK/dV's columns, per key/value tile its
@@ -88,9 +90,14 @@ def _attention(
   value: jax.Array,
   bias: jax.Array | None,
   arrays: tuple[Any, ...],
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   out, m, log_l = _forward(jaxprs, settings, query, key, value, bias, arrays)
-  return out, log_sum_exp(m, log_l)
+  return out, log_sum_exp(m, log_l), _max_logit(m)
+
+
+def _max_logit(m: jax.Array) -> jax.Array:
+  """The rows' largest logit from the kernel's base-2 running max (-inf where empty)."""
+  return jax.lax.stop_gradient(m * jnp.asarray(math.log(2), m.dtype))
 
 
 def _forward(
@@ -125,7 +132,7 @@ def _attention_fwd(
   value: Any,
   bias: Any,
   arrays: Any,
-) -> tuple[tuple[jax.Array, jax.Array], tuple[Any, ...]]:
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], tuple[Any, ...]]:
   # symbolic_zeros: each input comes as (value, perturbed); perturbed says it is differentiated.
   # Static facts ride in the residuals' tree structure: () where true, None where not.
   score_arrays = arrays[2]
@@ -155,7 +162,7 @@ def _attention_fwd(
   out, m, log_l = forward(query, key, value, bias, arrays)
   flags = (() if wants_d_bias else None, learned)
   residuals = (query, key, value, bias, arrays, out, m, log_l, flags)
-  return (out.astype(query.dtype), log_sum_exp(m, log_l)), residuals
+  return (out.astype(query.dtype), log_sum_exp(m, log_l), _max_logit(m)), residuals
 
 
 def _attention_bwd(
@@ -172,7 +179,7 @@ def _grads(
 ) -> tuple[Any, ...]:
   query, key, value, bias, arrays, out, m, log_l, (wants_d_bias, learned) = residuals
   learning = any(x is not None for x in learned)
-  d_out, d_lse = cotangents
+  d_out, d_lse, _ = cotangents  # the max logit is a statistic: nothing flows back through it
   (_, rows, cols), mask_arrays, score_arrays, scalars, position_arrays = arrays
   # The lse's cotangent enters the scores' as Δ does: dS = P ⊙ (dP − Δ + d_lse).
   f = common.stats_dtype(query.dtype)

@@ -116,9 +116,7 @@ def _check(call: contract.Call) -> str | None:
   return None
 
 
-def _run(
-  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
-) -> tuple[jax.Array, jax.Array]:
+def _run(query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec) -> sharded.Results:
   # Mosaic GPU's interpreter runs on ordered callbacks, which a partitioning rule cannot
   # carry: interpreted (tests), the kernels run on the arrays as they come.
   return sharded.per_shard(
@@ -126,10 +124,8 @@ def _run(
   )
 
 
-def _attend(
-  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
-) -> tuple[jax.Array, jax.Array]:
-  return attention(
+def _attend(query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec) -> sharded.Results:
+  out, lse, top = attention(
     query,
     key,
     value,
@@ -145,6 +141,7 @@ def _attend(
     batch_heads=(spec.B, spec.N),
     positions=spec.positions,
   )
+  return out, lse, top if spec.return_max_logit else None
 
 
 IMPLEMENTATION = contract.Implementation(

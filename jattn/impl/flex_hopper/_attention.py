@@ -82,7 +82,7 @@ def forward(
     return out[:, : query.shape[1], :, : value.shape[3]], lse[:, :, : query.shape[1]]
   arrays, static = _call.prepare(query, key, value, backward=False, **options)
   run = _forward.specialized if specialized else _forward.one_warpgroup
-  out, lse2 = run(query, key, value, arrays, static)
+  out, lse2, _ = run(query, key, value, arrays, static)
   return out, lse2 if base2 else lse2 / LOG2E
 
 
@@ -106,9 +106,11 @@ def attention(
   bias: jax.Array | None = None,
   batch_heads: tuple[int, int] | None = None,
   positions: Any = None,
-) -> tuple[jax.Array, jax.Array]:
-  """``(out, lse)``: :func:`forward`'s output and natural log-sum-exp, ``lse`` (B, T, N) as
-  jattn's implementations return it, both differentiable: in query, key and value by the
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(out, lse, max logit)``: :func:`forward`'s output and natural log-sum-exp, and each
+  row's largest logit (a statistic: no gradient; -inf where a row sees no key), the lse and
+  the max (B, T, N) as jattn's implementations return them; the output and the lse
+  differentiable: in query, key and value by the
   backward kernels (:func:`_backward.one_warpgroup`, or :func:`_backward.specialized`; the
   log-sum-exp's cotangent enters dS as Δ
   does, dS = P ⊙ (dP − Δ + d_lse), so sinks and ``return_residual`` take it), and in the
@@ -124,20 +126,23 @@ def attention(
   )  # fmt: skip
   padded = _padding.pad(query, key, value, **options)
   if padded is not None:  # lengths or head dims off the tiles: run padded, the padding cut
-    out, lse = attention(padded.query, padded.key, padded.value, **padded.options)
-    return out[:, : query.shape[1], :, : value.shape[3]], lse[:, : query.shape[1]]
+    out, lse, top = attention(padded.query, padded.key, padded.value, **padded.options)
+    T = query.shape[1]
+    return out[:, :T, :, : value.shape[3]], lse[:, :T], top[:, :T]
   arrays, static = _call.prepare(query, key, value, backward=True, **options)
   run = _forward.specialized if specialized else _forward.one_warpgroup
   backward = _backward.specialized if specialized else _backward.one_warpgroup
   natural = lambda lse2: jnp.swapaxes(lse2 / LOG2E, 1, 2)  # (B, N, T) base 2 -> (B, T, N)
+  # The rows' largest logit, a statistic of the forward kernel's running max.
+  largest = lambda m2: jax.lax.stop_gradient(natural(m2))
 
   # The arrays the mask and score function read (traced arrays among them) are the
   # custom_vjp's inputs, not its closure. Forward mode, and a second derivative (which would
   # differentiate the kernels), are refused in jattn's words, not Pallas'.
   @functools.partial(orders.reverse_only, who=_WHO, rule=orders.KERNEL_RULE)
   def attend(q: jax.Array, k: jax.Array, v: jax.Array, arrays: _call.Arrays) -> Any:
-    out, lse2 = run(q, k, v, arrays, static)
-    return out, natural(lse2)
+    out, lse2, m2 = run(q, k, v, arrays, static)
+    return out, natural(lse2), largest(m2)
 
   def fwd(q: Any, k: Any, v: Any, arrays: Any) -> Any:
     # symbolic_zeros: each input comes as (value, perturbed). Which of the score function's
@@ -156,8 +161,9 @@ def attention(
       orders.FUSED,
       forward=False,
     )
-    out, lse2 = forward(q, k, v, arrays)
-    return (out.astype(q.dtype), natural(lse2)), (q, k, v, out, lse2, arrays, learned)
+    out, lse2, m2 = forward(q, k, v, arrays)
+    results = (out.astype(q.dtype), natural(lse2), largest(m2))
+    return results, (q, k, v, out, lse2, arrays, learned)
 
   def bwd(res: Any, cotangents: Any) -> Any:
     cotangents = tuple(common.materialized(c) for c in cotangents)
@@ -165,7 +171,7 @@ def attention(
 
   def grads(res: Any, cotangents: Any) -> Any:
     q, k, v, out, lse2, arrays, learned = res
-    d_out, d_lse = cotangents
+    d_out, d_lse, _ = cotangents  # the max logit is a statistic: nothing flows back through it
     # Rows that saw no key (lse -inf) take no gradient, whatever their lse's cotangent.
     d_lse = jnp.where(jnp.isneginf(lse2), 0.0, jnp.swapaxes(d_lse, 1, 2).astype(jnp.float32))
     dq, dk, dv = backward(q, k, v, out, lse2, d_out, d_lse, arrays, static)

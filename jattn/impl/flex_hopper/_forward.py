@@ -22,9 +22,10 @@ def one_warpgroup(
   arrays: _call.Arrays,
   static: _call.Static,
   out_dtype: Any = None,
-) -> tuple[jax.Array, jax.Array]:
-  """``(out, lse in base 2)``: the package's ``forward``'s one-warpgroup kernel; ``out`` in
-  ``out_dtype`` (float32 for the backward's Δ; default: the inputs' dtype)."""
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(out, lse in base 2, the rows' running max in base 2)``: the package's ``forward``'s
+  one-warpgroup kernel; ``out`` in ``out_dtype`` (float32 for the backward's Δ; default: the
+  inputs' dtype); the max -inf for rows that saw no key."""
   plgpu = _mosaic.mosaic_gpu()
   B, T, N, H = query.shape
   S, K, Hv = key.shape[1], key.shape[2], value.shape[3]
@@ -44,7 +45,7 @@ def one_warpgroup(
     r = _call.split_refs(refs[3:], static, n_ids)
     (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
     mask, score_fn = r.mask, r.score_fn
-    out_ref, lse_ref, q_smem, o_smem, lse_smem, q_bar, p_smem, id_smem = r.rest
+    out_ref, lse_ref, max_ref, q_smem, o_smem, lse_smem, q_bar, p_smem, id_smem = r.rest
     i = tiling.tile_of(lax.axis_index("q"), T // ROWS, static.from_last[0])
     h, b = lax.axis_index("h"), lax.axis_index("b")
     b_g, h_g = _mosaic.global_index(b, h, off_ref)
@@ -110,11 +111,13 @@ def one_warpgroup(
     plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, rows, h])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows])
     plgpu.wait_smem_to_gmem(0)
+    _mosaic.store_rows(m, lse_smem, max_ref.at[b, h, rows])  # the lse's buffer, now free
 
   return plgpu.kernel(
     body,
     out_type=(
       jax.ShapeDtypeStruct((B, T, N, Hv), o_dtype),
+      jax.ShapeDtypeStruct((B, N, T), jnp.float32),
       jax.ShapeDtypeStruct((B, N, T), jnp.float32),
     ),
     grid=(T // ROWS, N, B),
@@ -138,9 +141,10 @@ def specialized(
   arrays: _call.Arrays,
   static: _call.Static,
   out_dtype: Any = None,
-) -> tuple[jax.Array, jax.Array]:
-  """``(out, lse in base 2)``: the package's ``forward`` as FlashAttention-3 arranges it on
-  Hopper, ``out`` in ``out_dtype`` as :func:`one_warpgroup`'s.
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(out, lse in base 2, running max in base 2)``: the package's ``forward`` as
+  FlashAttention-3 arranges it on Hopper, ``out`` in ``out_dtype`` as
+  :func:`one_warpgroup`'s.
 
   One program per 128 query rows, head and batch row, three warpgroups. The third copies:
   it walks the block's schedule (its FULL key tiles, then its PARTIAL ones, as
@@ -196,7 +200,7 @@ def specialized(
     r = _call.split_refs(refs[3:], static, n_ids)
     (order_ref, full_ref, partial_ref), off_ref, ids = r.schedule, r.offsets, r.ids
     mask, score_fn = r.mask, r.score_fn
-    out_ref, lse_ref, scoped = r.rest
+    out_ref, lse_ref, max_ref, scoped = r.rest
     (buffers, p_smem), barriers = scoped
     qo_smem, k_smem, v_smem, lse_smem, qid_smem, kid_smem, o_smem, *planes_smem = buffers
     bias_smem, dense_smem = planes_smem
@@ -277,6 +281,7 @@ def specialized(
       plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, rows, h])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows])
       plgpu.wait_smem_to_gmem(0)
+      _mosaic.store_rows(m, lse_smem.at[wg], max_ref.at[b, h, rows])  # the lse's buffer
 
     @pl.when(wg == 2)
     def _copy() -> None:
@@ -333,6 +338,7 @@ def specialized(
     entry,
     out_type=(
       jax.ShapeDtypeStruct((B, T, N, Hv), o_dtype),
+      jax.ShapeDtypeStruct((B, N, T), jnp.float32),
       jax.ShapeDtypeStruct((B, N, T), jnp.float32),
     ),
     grid=(T // (2 * ROWS), N, B),

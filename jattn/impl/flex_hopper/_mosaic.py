@@ -125,3 +125,13 @@ def drain(free: Any, steps: Any, stages: int) -> None:
     slot = jax.lax.rem(t, jnp.array(stages, t.dtype))
     for barrier in free:
       plgpu.barrier_wait(barrier.at[slot])
+
+
+def store_rows(x: Any, smem: Any, gmem: Any) -> None:
+  """Per-row values ``x`` (a warpgroup's rows) to ``gmem`` through ``smem``, a rows buffer
+  free for reuse (its last copy out waited for), waiting for this copy too."""
+  plgpu = mosaic_gpu()
+  smem[...] = x
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(smem, gmem)
+  plgpu.wait_smem_to_gmem(0)

@@ -328,11 +328,13 @@ def _prepare(spec: CallSpec, blocks: tuple[int | None, int | None], backend: str
   )
 
 
-def _run(
-  query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec
-) -> tuple[jax.Array, jax.Array]:
+def _run(query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec) -> sharded.Results:
   whole = static_masks.varies_by_head(spec)
-  return sharded.per_shard(attention, query, key, value, spec, heads_whole=whole)
+  return sharded.per_shard(_no_max, query, key, value, spec, heads_whole=whole)
+
+
+def _no_max(query: jax.Array, key: jax.Array, value: jax.Array, spec: CallSpec) -> sharded.Results:
+  return (*attention(query, key, value, spec), None)  # the table refuses return_max_logit
 
 
 IMPLEMENTATION = contract.Implementation(
@@ -350,6 +352,7 @@ IMPLEMENTATION = contract.Implementation(
   bias="splash adds no bias",
   score_fn="splash has no score function (logits_soft_cap it has)",
   dropout="splash has no dropout",
+  max_logit="splash's kernel keeps its running max to itself",
   tiles=True,
   # A size not given takes splash's default, a multiple of its lanes.
   tile_rule=lambda bq, bk: blocks_reason(LANES if bq is None else bq, LANES if bk is None else bk),
