@@ -29,6 +29,7 @@ from jattn.linear import linear_attention as linear_attention
 from jattn.masks import Mask as Mask
 from jattn.qk_clip import qk_clip_scales as qk_clip_scales
 from jattn.scores import ScoreFn as ScoreFn
+from jattn.varlen import varlen_attention as varlen_attention
 
 __all__ = [
   "dot_product_attention",
@@ -38,6 +39,7 @@ __all__ = [
   "Options",
   "linear_attention",
   "qk_clip_scales",
+  "varlen_attention",
   "Mask",
   "ScoreFn",
   "decode",

@@ -30,6 +30,7 @@ from jax.typing import DTypeLike
 from jattn import _checks, _compat, testing
 from jattn._validate import _call, _masking
 from jattn._validate._call import qkv as qkv
+from jattn._validate._call import window as window
 from jattn._validate._masking import segments as segments
 from jattn._validate.keywords import DEFAULTS, options_of
 from jattn.impl import common, select, sharded

@@ -25,6 +25,8 @@ from jattn._validate.options import Options
 
 __all__ = [
   "Scoring",
+  "Causal",
+  "Packing",
   "Masking",
   "Dropout",
   "Outputs",
@@ -32,6 +34,7 @@ __all__ = [
   "Weights",
   "Keywords",
   "Adapted",
+  "Varlen",
   "Decoding",
   "DEFAULTS",
   "names",
@@ -50,14 +53,23 @@ class Scoring(TypedDict, total=False):
   sinks: jax.typing.ArrayLike | None
 
 
-class Masking(TypedDict, total=False):
-  """Which keys each query may attend to, besides ``mask``."""
+class Causal(TypedDict, total=False):
+  """Which keys each query may attend to by position: causal, a local window."""
 
   is_causal: bool
+  local_window_size: int | tuple[int, int] | None
+
+
+class Packing(TypedDict, total=False):
+  """Which keys each query may attend to by sequence: lengths (padding), documents."""
+
   query_seq_lengths: jax.typing.ArrayLike | None
   key_value_seq_lengths: jax.typing.ArrayLike | None
-  local_window_size: int | tuple[int, int] | None
   segment_ids: Any  # an int array, or a (query ids, key/value ids) pair
+
+
+class Masking(Causal, Packing, total=False):
+  """Which keys each query may attend to, besides ``mask``."""
 
 
 class Dropout(TypedDict, total=False):
@@ -98,6 +110,11 @@ class Adapted(Scoring, Routing, total=False):
   """jattn's settings a Flax ``attention_fn`` adapter takes, bound with
   ``functools.partial``, beside the arguments of Flax's contract (the mask, dropout and
   ``is_causal`` come from Flax's call)."""
+
+
+class Varlen(Scoring, Causal, Dropout, Outputs, Routing, total=False):
+  """What :func:`jattn.varlen_attention` takes: the offsets set the sequences (no lengths,
+  no segment ids); causal and windows apply within each sequence."""
 
 
 class Decoding(Scoring, Dropout, Outputs, Routing, total=False):
