@@ -104,6 +104,9 @@ class Config(Section):
   strategy_masks: list[str] = field(
     factory=lambda: list(STRATEGY_MASKS), choices=STRATEGY_MASKS, doc="the masks they run"
   )
+  usp_ulysses: int = field(
+    2, minimum=1, doc="USP: devices of its Ulysses axis (the rest of the largest P rings)"
+  )
   out_dir: str = field("runs")
 
   def check(self) -> None:
@@ -111,6 +114,12 @@ class Config(Section):
       raise ConfigError(
         f"'heads' ({self.heads}) must divide by the largest P ({max(self.devices)}) for the "
         "ulysses strategy, which splits the heads over the devices"
+      )
+    P = max(self.devices or [1])
+    if "usp" in self.strategies and (P % self.usp_ulysses or self.heads % self.usp_ulysses):
+      raise ConfigError(
+        f"'usp_ulysses' ({self.usp_ulysses}) must divide the largest P ({P}) and 'heads' "
+        f"({self.heads}) for the usp strategy"
       )
     if not self.devices or any(a >= b for a, b in zip(self.devices, self.devices[1:])):
       raise ConfigError(f"'devices' must be a non-empty increasing list, got {self.devices}")
@@ -226,12 +235,26 @@ def measure(step, args, reps: int) -> dict:
 
 
 def shard(host: tuple[np.ndarray, ...], mesh: Mesh) -> list[jax.Array]:
-  spec = NamedSharding(mesh, PartitionSpec(None, AXIS, None, None))
+  """The sequence split over every axis of ``mesh`` (USP's two: ring major)."""
+  spec = NamedSharding(mesh, PartitionSpec(None, mesh.axis_names, None, None))
   return [jax.device_put(x, spec) for x in host]
 
 
 def mesh_of(P: int) -> Mesh:
   return Mesh(np.array(jax.devices()[:P]), (AXIS,))
+
+
+ULYSSES = "uly"  # USP's Ulysses axis
+
+
+def strategy_mesh(cfg: Config, P: int, strategy: str) -> tuple[Mesh, int]:
+  """The mesh of ``strategy`` at ``P`` devices and the ring's size (the layout's P): USP's
+  two axes (P / usp_ulysses ring steps over groups of usp_ulysses devices), one otherwise."""
+  if strategy != "usp":
+    return mesh_of(P), P
+  u = cfg.usp_ulysses
+  grid = np.array(jax.devices()[:P]).reshape(P // u, u)
+  return Mesh(grid, (AXIS, ULYSSES)), P // u
 
 
 def measure_devices(cfg: Config, host, on_row=lambda row: None) -> list[dict]:
@@ -277,7 +300,8 @@ def measure_layouts(
 
 def _strategy_step(cfg: Config, mesh: Mesh, strategy: str, mask: str, layout: str):
   """jit(value_and_grad) of sum(context_parallel_attention(q, k, v)²) in q, k and v."""
-  T, P = cfg.length, mesh.shape[AXIS]
+  T, P = cfg.length, mesh.shape[AXIS]  # the layout's P: the ring's size under USP
+  axis_name = (AXIS, ULYSSES) if strategy == "usp" else AXIS
   kw: dict = dict(is_causal=True)
   if mask == "documents":
     ids = np.repeat(np.arange(4, dtype=np.int32), T // 4)[None].repeat(cfg.batch, 0)
@@ -288,7 +312,7 @@ def _strategy_step(cfg: Config, mesh: Mesh, strategy: str, mask: str, layout: st
 
   def loss(q, k, v):
     out = parallel.context_parallel_attention(
-      q, k, v, mesh=mesh, axis_name=AXIS, strategy=strategy, layout=layout, **tiles, **kw
+      q, k, v, mesh=mesh, axis_name=axis_name, strategy=strategy, layout=layout, **tiles, **kw
     )
     return jnp.sum(out**2)
 
@@ -299,14 +323,15 @@ def measure_strategies(cfg: Config, host, P: int, on_row=lambda row: None) -> li
   """Each strategy and mask at ``P`` devices: what a training step sends per device, by
   collective, and how much of it can overlap a whole loop step of compute (read from the
   compiled program, :mod:`experiments._collectives`), its
-  per-device memory and its time. Ring and all-gather take the zig-zag layout (balanced
-  causal work), Ulysses the contiguous one (whole sequences on every device)."""
+  per-device memory and its time. Ring, USP and all-gather take the zig-zag layout
+  (balanced causal work; USP's over its ring), Ulysses the contiguous one (whole sequences
+  on every device)."""
   rows = []
-  mesh = mesh_of(P)
   for mask in cfg.strategy_masks:
     for strategy in cfg.strategies:
+      mesh, ring = strategy_mesh(cfg, P, strategy)
       layout = "contiguous" if strategy == "ulysses" else "zigzag"
-      args = shard(tuple(parallel.permute(x, layout, P) for x in host), mesh)
+      args = shard(tuple(parallel.permute(x, layout, ring) for x in host), mesh)
       step = _strategy_step(cfg, mesh, strategy, mask, layout)
       compiled = step.lower(*args).compile()
       text = compiled.as_text()
@@ -315,6 +340,7 @@ def measure_strategies(cfg: Config, host, P: int, on_row=lambda row: None) -> li
       row = dict(
         P=P,
         strategy=strategy,
+        mesh=dict(mesh.shape) if strategy == "usp" else None,
         mask=mask,
         layout=layout,
         sent_mb={k: v / 2**20 for k, v in sorted(sent.items())},
@@ -342,8 +368,9 @@ def print_strategies_table(cfg: Config, rows) -> None:
   print("|---|---|---|---|---|---|---|---|")
   for r in rows:
     kinds = ", ".join(f"{k} {v:.2f}" for k, v in r["sent_mb"].items() if v >= 0.005) or "none"
+    name = r["strategy"] + (" " + "×".join(map(str, r["mesh"].values())) if r["mesh"] else "")
     print(
-      f"| {r['mask']} | {r['strategy']} | {r['layout']} | {r['sent_total_mb']:.2f} | {kinds} "
+      f"| {r['mask']} | {name} | {r['layout']} | {r['sent_total_mb']:.2f} | {kinds} "
       f"| {r['overlap_mb']:.2f} | {_mb(r['mb'])} | {r['ms']:.1f} |"
     )
 

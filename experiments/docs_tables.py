@@ -475,7 +475,7 @@ def parallel(docs: pathlib.Path) -> str:
         [
           [
             s["mask"],
-            s["strategy"],
+            s["strategy"] + (" " + "×".join(map(str, s["mesh"].values())) if s.get("mesh") else ""),
             s["layout"],
             f"{s['sent_total_mb']:,.2f}",
             ", ".join(f"{k} {v:,.2f}" for k, v in s["sent_mb"].items() if v >= 0.005),

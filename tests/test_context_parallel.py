@@ -105,6 +105,11 @@ CASES = [
   ("all_gather", "contiguous", "auto", None, None, pytest.mark.exhaustive),
   ("ulysses", "contiguous", "explicit", "heads", None, pytest.mark.exhaustive),
   ("ulysses", "zigzag", "explicit", "batch", "blockwise", pytest.mark.exhaustive),
+  # USP on a (2, 2, 2) mesh: the ring over "sp", Ulysses over "uly" inside each step.
+  ("usp", "zigzag", "explicit", "heads", None, ()),
+  ("usp", "striped", "auto", "batch", None, ()),
+  ("usp", "contiguous", "auto", None, "blockwise", pytest.mark.exhaustive),
+  ("usp", "zigzag", "auto", "heads", "blockwise", pytest.mark.exhaustive),
 ]
 
 
@@ -119,9 +124,11 @@ def test_strategies_equal_the_one_device_call_with_every_argument(
   (q, k, v, bias, slopes, sinks), ids = _inputs()
   if strategy == "ulysses" and head_axis:  # N and K over tp x sp: 2 x 4 devices
     q, k, v = q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
-  mesh = _mesh(mode)
-  perm = lambda x, axis=1: parallel.permute(x, layout, SP, axis=axis)
-  unperm = lambda x: parallel.unpermute(np.asarray(x), layout, SP)
+  mesh, axis_name, shards = _mesh(mode), "sp", SP
+  if strategy == "usp":  # a ring of 2 chunks, each over 2 Ulysses devices
+    mesh, axis_name, shards = _mesh(mode, (2, 2, 2), ("sp", "uly", "tp")), ("sp", "uly"), 2
+  perm = lambda x, axis=1: parallel.permute(x, layout, shards, axis=axis)
+  unperm = lambda x: parallel.unpermute(np.asarray(x), layout, shards)
 
   def sharded(q, k, v, bias, **kw):
     kw["segment_ids"] = perm(kw["segment_ids"])
@@ -131,7 +138,7 @@ def test_strategies_equal_the_one_device_call_with_every_argument(
       perm(v),
       perm(perm(bias, 2), 3),
       mesh=mesh,
-      axis_name="sp",
+      axis_name=axis_name,
       strategy=strategy,
       layout=layout,
       head_axis=head_axis,
@@ -165,10 +172,11 @@ def test_dropout_pattern_is_the_one_device_calls():
   v = jnp.eye(T, dtype=jnp.float32)[None, :, None, :].repeat(SP, axis=2)  # one-hot values
   kw = dict(dropout_rate=0.5, dropout_rng=jax.random.key(0), is_causal=True)
   want = jattn.dot_product_attention(q, q, v, implementation="xla", **kw)
-  for strategy in ("ring", "all_gather", "ulysses"):
-    got = parallel.context_parallel_attention(
-      q, q, v, mesh=mesh, axis_name="sp", strategy=strategy, **kw
-    )
+  grid = _mesh("auto", (2, 2), ("sp", "uly"))
+  for strategy in ("ring", "all_gather", "ulysses", "usp"):
+    where = dict(mesh=grid, axis_name=("sp", "uly")) if strategy == "usp" else dict(mesh=mesh)
+    where.setdefault("axis_name", "sp")
+    got = parallel.context_parallel_attention(q, q, v, strategy=strategy, **where, **kw)
     np.testing.assert_array_equal(np.asarray(got) == 0, np.asarray(want) == 0, err_msg=strategy)
     np.testing.assert_allclose(got, want, atol=1e-6, err_msg=strategy)
 
@@ -203,6 +211,18 @@ def test_each_strategy_moves_what_it_says():
   assert "all-to-all" in text["ulysses"] and not re.search(
     r"all-gather(-start)?\(", text["ulysses"]
   )
+  # USP: all-to-alls over the Ulysses axis around the ring, whose hops cross the ring axis.
+  grid = _mesh("auto", (SP, 2), ("sp", "uly"))
+  usp = lambda q, k, v, bias: jnp.sum(
+    parallel.context_parallel_attention(
+      q, k, v, bias, mesh=grid, axis_name=("sp", "uly"), strategy="usp"
+    )
+  )
+  text = jax.jit(jax.grad(usp, (0, 1, 2, 3))).lower(q, k, v, bias).compile().as_text()
+  sent = _collectives.traffic(text)
+  assert sent.get("all-to-all") and sent.get("collective-permute")
+  assert 0 < _collectives.overlappable(text)["collective-permute"]
+  assert not re.search(r"all-gather(-start)?\(", text)
 
 
 def test_ring_strategy_is_ring_attention():
@@ -240,6 +260,20 @@ def test_bad_arguments_are_refused_by_name():
     call(q, k, v, strategy="ulysses", head_axis="tp", mesh=_mesh("auto"))
   with pytest.raises(ValueError, match=r"query length T must be divisible"):
     call(q[:, :6], k[:, :6], v[:, :6], strategy="all_gather")
+  grid = _mesh("auto", (SP, 2), ("sp", "uly"))
+  usp = lambda *a, **kw: parallel.context_parallel_attention(*a, mesh=grid, strategy="usp", **kw)
+  with pytest.raises(TypeError, match=r"axis_name must be a pair \(ring_axis, ulysses_axis\)"):
+    usp(q, k, v, axis_name="sp")
+  with pytest.raises(TypeError, match=r"axis_name must be one mesh axis without strategy='usp'"):
+    parallel.context_parallel_attention(q, k, v, mesh=grid, axis_name=("sp", "uly"))
+  with pytest.raises(ValueError, match=r"axis_name='sp2': unknown mesh axis"):
+    usp(q, k, v, axis_name=("sp", "sp2"))
+  with pytest.raises(ValueError, match=r"usp.* query length T=12 .* 3 tokens a chunk do not"):
+    usp(q[:, :12], k[:, :12], v[:, :12], axis_name=("sp", "uly"))
+  with pytest.raises(ValueError, match=r"key/value heads K=1 does not divide by 2: use strategy"):
+    usp(q, k[:, :, :1], v[:, :, :1], axis_name=("sp", "uly"))
+  with pytest.raises(ValueError, match=r"pairs through implementation='flex' take no block_q"):
+    usp(q, k, v, axis_name=("sp", "uly"), implementation="flex", block_q=16)
   with pytest.raises(ValueError, match=r"implementation='splash' does not support"):
     call(
       q,
@@ -257,7 +291,10 @@ def test_explain_takes_shapes_for_every_array_argument(strategy):
   """parallel.explain, as jattn.explain, takes a jax.ShapeDtypeStruct for every array
   argument (segment ids and their pair, lengths, sinks, dropout's key, a mask array), and
   says what the call with those arrays runs."""
-  mesh = _mesh("auto", (SP,), ("sp",))
+  mesh = (
+    _mesh("auto", (SP, 2), ("sp", "uly")) if strategy == "usp" else _mesh("auto", (SP,), ("sp",))
+  )
+  axis_name = ("sp", "uly") if strategy == "usp" else "sp"
   shape = lambda *s, dtype=jnp.int32: jax.ShapeDtypeStruct(s, dtype)
   q = shape(2, 64, 8, 16, dtype=jnp.float32)
   ids = shape(2, 64)
@@ -269,7 +306,7 @@ def test_explain_takes_shapes_for_every_array_argument(strategy):
     dropout_rate=0.1,
     dropout_rng=jax.eval_shape(lambda: jax.random.key(0)),
   )
-  kw = dict(mesh=mesh, axis_name="sp", strategy=strategy, is_causal=True, backend="cpu")
+  kw = dict(mesh=mesh, axis_name=axis_name, strategy=strategy, is_causal=True, backend="cpu")
   got = parallel.explain(q, q, q, **kw, **arrays)
   concrete = dict(arrays, segment_ids=(np.zeros((2, 64), np.int32),) * 2)
   concrete.update(key_value_seq_lengths=np.full(2, 64), query_seq_lengths=np.full(2, 64))
@@ -280,7 +317,9 @@ def test_explain_takes_shapes_for_every_array_argument(strategy):
   dense = parallel.explain(q, q, q, mask=shape(64, 64, dtype=jnp.bool_), **kw)
   same = parallel.explain(x, x, x, mask=np.tri(64, dtype=bool), **kw)
   assert (
-    dense.implementation == same.implementation == ("blockwise" if strategy == "ring" else "xla")
+    dense.implementation
+    == same.implementation
+    == ("blockwise" if strategy in ("ring", "usp") else "xla")
   )
 
 
@@ -310,6 +349,14 @@ def test_explain_says_what_each_device_runs():
   assert ring.implementation == "flex"
   ring = explain("ring", "cpu")
   assert ring.implementation == "blockwise" and "not on a TPU" in ring.reason
+  # USP's ring steps run as the ring's do, on each Ulysses device's share of the heads.
+  grid = _mesh("auto", (SP, 2), ("sp", "uly"))
+  usp = lambda backend, **kw: parallel.explain(
+    q, q, q, mesh=grid, axis_name=("sp", "uly"), strategy="usp", is_causal=True,
+    backend=backend, **kw,
+  )  # fmt: skip
+  assert usp("gpu").implementation == "flex" and "flex runs each shard pair" in usp("gpu").reason
+  assert usp("cpu").implementation == "blockwise"
 
   @jax.jit
   def closed_over(table):  # a learned table the score function captures, not a pytree leaf
@@ -510,6 +557,54 @@ def test_flex_draws_each_parts_dropout_at_its_global_positions():
   assert np.mean(np.asarray(want[0]) == 0) < 0.1  # dropout drops weights, not whole rows
   for name, g, x in zip(("out", "lse", "dq", "dk", "dv"), (*got, *grads), (*want, *want_grads)):
     np.testing.assert_allclose(g, x, atol=2e-5, rtol=2e-5, err_msg=name)
+
+
+def test_usp_runs_each_ring_pair_through_the_fused_kernels():
+  """USP's pairs (a ring of two over pairs of Ulysses devices, zig-zag) through flex's
+  interpreted kernels: values, lse, max logits and the gradients of q, k and v equal the
+  one-device call's, GQA, documents, causal, a soft cap; for a TPU the training step lowers
+  with splash's kernels on each pair, between the all-to-alls."""
+  grid = _mesh("auto", (2, 2), ("sp", "uly"))
+  rng = np.random.default_rng(8)
+  q = jnp.asarray(rng.normal(size=(1, 64, 4, 16)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(1, 64, 2, 16)), jnp.float32) for _ in "kv")
+  ids = np.sort(rng.integers(0, 3, (1, 64)), axis=1).astype(np.int32)
+  w = np.cos(np.arange(q.size, dtype=np.float32)).reshape(q.shape)
+  kw = dict(is_causal=True, logits_soft_cap=6.0, return_residual=True, return_max_logit=True)
+  perm = lambda x: parallel.permute(x, "zigzag", 2)
+  unperm = lambda x: parallel.unpermute(x, "zigzag", 2)
+
+  def attend(q, k, v, *, sharded):
+    if not sharded:
+      return jattn.dot_product_attention(q, k, v, segment_ids=ids, implementation="xla", **kw)
+    out, lse, top = parallel.context_parallel_attention(
+      *map(perm, (q, k, v)), mesh=grid, axis_name=("sp", "uly"), strategy="usp",
+      layout="zigzag", segment_ids=perm(ids), implementation="flex", **kw,
+    )  # fmt: skip
+    return unperm(out), unperm(lse), unperm(top)
+
+  def loss(q, k, v, sharded):
+    out, lse, top = attend(q, k, v, sharded=sharded)
+    return jnp.sum(out * w) + jnp.sum(jnp.sin(lse)), (out, lse, top)
+
+  step = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True), static_argnums=3)
+  (_, want), want_grads = step(q, k, v, False)
+  with jattn.testing.interpret_kernels(), _choices.recording() as choices:
+    (_, got), grads = step(q, k, v, True)
+  assert {c.implementation for c in choices} == {"flex"}
+  names = ("out", "lse", "max_logit", "dq", "dk", "dv")
+  for name, g, x in zip(names, (*got, *grads), (*want, *want_grads), strict=True):
+    np.testing.assert_allclose(g, x, atol=2e-5, rtol=2e-5, err_msg=name)
+
+  x = jnp.zeros((1, 1024, 4, 128), jnp.bfloat16)
+  tpu = lambda q: jnp.sum(
+    parallel.context_parallel_attention(
+      q, q, q, mesh=grid, axis_name=("sp", "uly"), strategy="usp", is_causal=True
+    ).astype(jnp.float32)
+  )
+  with jattn.testing.lowering_for("tpu"):
+    text = jax.jit(jax.grad(tpu)).trace(x).lower(lowering_platforms=("tpu",)).as_text()
+  assert "tpu_custom_call" in text and "all_to_all" in text
 
 
 # Exhaustive: flex's interpreted kernels on every device's part (5 CPU-seconds a strategy).

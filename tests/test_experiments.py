@@ -297,9 +297,16 @@ def test_bench_parallel_quick(tmp_path):
   assert ring[4] < ring[2] < ring[1] and memory[-1]["vs_half_P"] == ring[4] / ring[2]
   # The strategies: what each sends, and what of it can overlap a whole step (the ring's).
   strategies = {s["strategy"]: s for s in record["strategies"]}
-  assert set(strategies) == {"ring", "all_gather", "ulysses"}
+  assert set(strategies) == {"ring", "all_gather", "ulysses", "usp"}
   assert 0 < strategies["ring"]["overlap_mb"] < strategies["ring"]["sent_total_mb"]
   assert strategies["all_gather"]["overlap_mb"] == strategies["ulysses"]["overlap_mb"] == 0
+  # USP over (2, 2): all-to-alls within each pair, its ring's hops across them (a ring of
+  # two steps has no loop left in the program to overlap: tests/test_context_parallel.py
+  # checks the overlap on a ring of four).
+  usp = strategies["usp"]
+  assert usp["mesh"] == {"sp": 2, "uly": 2}
+  assert usp["sent_mb"]["all-to-all"] > 0 and usp["sent_mb"]["collective-permute"] > 0
+  assert "| documents | usp 2×2 | zigzag |" in out.getvalue()
 
 
 def test_bench_parallel_work_balance():

@@ -31,6 +31,11 @@ device the same causal work. Bring inputs into a layout with :func:`permute`
 and outputs back with :func:`unpermute`; masks are always written in the
 sequence's natural positions.
 
+:func:`context_parallel_attention` picks among four strategies: the ring, one
+all-gather of keys and values, Ulysses' all-to-alls (sequence for heads), and
+USP, Ulysses within a group of devices and the ring across groups (two mesh
+axes); :func:`explain` says what each device runs.
+
 Shape legend as in :mod:`jattn.attention`; P is the number of devices on the
 ring axis.
 """

@@ -5,6 +5,12 @@ argument); :func:`call` runs it under ``jax.shard_map``. On each device the forw
 attends its query shard to the key/value shard it holds, merges the partial result by the
 online-softmax rule and passes the shard on (``ppermute``); the backward pass rings the
 key/value shards with their gradient accumulators (see :mod:`jattn.parallel`).
+
+USP (``Ring.ulysses``: Ulysses inside the ring) shards the sequence over two mesh axes, the
+ring's and a Ulysses axis inside each ring step: an all-to-all over the Ulysses axis first
+trades each device's sequence shard for a share of the heads, so that the Ulysses group
+holds its whole ring chunk; the ring then runs over the ring axis with those heads, and one
+more all-to-all brings the results back to sequence shards.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jattn import masks, testing
-from jattn.impl import blockwise, common, orders, tiling
+from jattn.impl import blockwise, common, orders, sharded, tiling
 from jattn.impl.contract import CallSpec
 from jattn.impl.select import Choice
 from jattn.masks import indexing
@@ -64,6 +70,9 @@ class Ring(NamedTuple):
   block_kv: int
   batch_axis: Any  # mesh axes the batch is sharded over (None: not sharded)
   head_axis: Any
+  # USP: the mesh axis a ring chunk's sequence is split over besides, traded for heads by
+  # all-to-alls around the ring (None: a plain ring).
+  ulysses: str | None = None
   pairs: Any = None  # _splash_pairs.Pairs: each shard pair through splash (None: blockwise)
   dropout_rate: float = 0.0
   broadcast_dropout: bool = False
@@ -100,8 +109,9 @@ def call(
   axes in the layout's order where not 1) split by query rows and whole along S, the mask and
   score function (a :class:`jattn.scores.ScoreFn`) on global natural positions, dropout's
   key; returns the output and the log-sum-exp, sharded like the query."""
-  seq = P(ring.batch_axis, ring.axis_name, ring.head_axis, None)
-  ids = P(ring.batch_axis, ring.axis_name)
+  sequence = ring.axis_name if ring.ulysses is None else (ring.axis_name, ring.ulysses)
+  seq = P(ring.batch_axis, sequence, ring.head_axis, None)
+  ids = P(ring.batch_axis, sequence)
   query, key, value = (place(x, mesh, seq) for x in (query, key, value))
   q_ids, kv_ids = (None if x is None else place(x, mesh, ids) for x in (q_ids, kv_ids))
   mask, score_fn, rng = jax.tree.map(lambda x: place(x, mesh, P()), (mask, score_fn, rng))
@@ -110,12 +120,12 @@ def call(
     Bb, Nb, Tb, _ = bias.shape
     bias_spec = P(
       ring.batch_axis if Bb > 1 else None,
-      ring.head_axis if Nb > 1 else None,
+      _heads(ring) if Nb > 1 else None,  # USP: a device's heads after the all-to-all
       ring.axis_name if Tb > 1 else None,
       None,
     )
     bias = place(bias, mesh, bias_spec)
-  rows = P(ring.batch_axis, ring.axis_name, ring.head_axis)
+  rows = P(ring.batch_axis, sequence, ring.head_axis)
   run = jax.shard_map(
     functools.partial(_per_device, ring),
     mesh=mesh,
@@ -162,6 +172,17 @@ def _per_device(
   score_fn: Any,
   rng: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  if ring.ulysses is not None:  # USP: the Ulysses group's chunk, a share of its heads
+    chunk = lambda x: jax.lax.all_to_all(x, ring.ulysses, split_axis=2, concat_axis=1, tiled=True)
+    query, key, value = (chunk(x) for x in (query, key, value))
+    q_ids, kv_ids = (
+      None if x is None else jax.lax.all_gather(x, ring.ulysses, axis=1, tiled=True)
+      for x in (q_ids, kv_ids)
+    )
+    back = lambda x: jax.lax.all_to_all(x, ring.ulysses, split_axis=1, concat_axis=2, tiled=True)
+    plain = ring._replace(ulysses=None, head_axis=_heads(ring))
+    results = _per_device(plain, query, key, value, q_ids, kv_ids, mask, bias, score_fn, rng)
+    return jax.tree.map(back, results)  # type: ignore[return-value]
   consts: tuple[Any, ...] = ()
   if ring.try_kernels and ring.pairs is None:
     ring = _with_kernel(ring, query, key, value, q_ids, kv_ids, mask, bias, score_fn, rng)
@@ -272,7 +293,15 @@ def global_rows(axes: Any, n: int) -> jax.Array | None:
 def _maps(ring: Ring, query: jax.Array) -> list[jax.Array | None]:
   """Global batch and head indices of this device's block (None where not sharded)."""
   B, _, N, _ = query.shape
-  return [global_rows(ring.batch_axis, B), global_rows(ring.head_axis, N)]
+  return [global_rows(ring.batch_axis, B), global_rows(_heads(ring), N)]
+
+
+def _heads(ring: Ring) -> Any:
+  """The mesh axes a device's heads are sharded over inside the ring: the call's head axes,
+  and with USP the Ulysses axis within them (each device's share of its group's heads)."""
+  if ring.ulysses is None:
+    return ring.head_axis
+  return (*sharded.axis_names(ring.head_axis), ring.ulysses)
 
 
 def _pair_plan(

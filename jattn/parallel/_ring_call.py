@@ -33,9 +33,12 @@ def ring(
   mask: Any,
   split: _split.Split,
   keywords: dict[str, Any],
-) -> Any:  # the output, or (output, lse) with return_residual=True
-  """The ring over ``split``'s sequence axis; ``keywords`` as the one-device call's."""
-  options = _options(keywords)
+  *,
+  strategy: str = "ring",
+) -> Any:  # the output, with the lse and max logit where asked for
+  """The ring over ``split``'s sequence axis (with USP, Ulysses inside each ring step over
+  ``split.ulysses``); ``keywords`` as the one-device call's."""
+  options = _options(keywords, strategy)
   # Segment ids travel with their shards rather than as a Mask: checked separately below.
   # The pairs run blockwise here; the pairs' own implementation is options'.
   segment_ids = keywords.pop("segment_ids", None)
@@ -85,6 +88,7 @@ def ring(
     block_kv=spec.block_kv,
     batch_axis=split.batch_axis,
     head_axis=split.head_axis,
+    ulysses=split.ulysses,
     pairs=pairs,
     dropout_rate=spec.dropout_rate,
     broadcast_dropout=spec.broadcast_dropout,
@@ -111,12 +115,12 @@ def ring(
   return attention.returned(*common.finish(out, lse, top, spec, q.dtype, False))
 
 
-def _options(keywords: dict[str, Any]) -> Options:
+def _options(keywords: dict[str, Any], strategy: str) -> Options:
   """The Routing keywords taken out of ``keywords``, checked for the ring: no backward rule
   (the ring has its own), an implementation that runs shard pairs."""
   if (backward := keywords.get("backward")) is not None:
     raise ValueError(
-      f"backward must be None with strategy='ring', whose shard pairs differentiate by the "
+      f"backward must be None with strategy={strategy!r}, whose shard pairs differentiate by the "
       f"ring's own rule (a custom_vjp that rings the gradients), got {backward!r}; "
       f"strategy='all_gather' or 'ulysses' runs each device's part by any rule"
     )
@@ -182,8 +186,8 @@ def _pairs(
     return None
   if implementation in _kernel_pairs.KERNELS and blocks_named != (None, None):
     raise ValueError(
-      f"ring_attention(implementation={implementation!r}) takes no block_q or block_kv: "
-      f"they are blockwise's tiles (the kernel's come from its own table)"
+      f"the ring's shard pairs through implementation={implementation!r} take no block_q or "
+      f"block_kv: they are blockwise's tiles (the kernel's come from its own table)"
     )
   if kernels:  # the pairs' kernel is chosen, and recorded, on each device (_kernel_pairs)
     return None

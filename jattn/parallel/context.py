@@ -1,8 +1,9 @@
 """Sequence-parallel attention by strategy: :func:`context_parallel_attention`.
 
-Three ways to split one attention call's sequence over the P devices of a mesh axis, as
-large-model trainers do (MaxText's ``context_parallel_strategy``, DeepSpeed-Ulysses,
-TransformerEngine's context parallelism):
+Four ways to split one attention call's sequence over the P devices of a mesh axis (two
+axes for USP), as large-model trainers do (MaxText's ``context_parallel_strategy``,
+DeepSpeed-Ulysses, TransformerEngine's context parallelism, USP's unified sequence
+parallelism):
 
 * ``"ring"``: each device keeps its query shard; key/value shards travel around the ring
   and partial results merge by the online-softmax rule (:func:`jattn.parallel.ring_attention`).
@@ -13,6 +14,12 @@ TransformerEngine's context parallelism):
 * ``"ulysses"``: two all-to-alls trade the sequence shard for a head shard: each device
   then holds the whole sequence for N/P heads and runs the one-device call on it; one more
   all-to-all brings the output back to sequence shards. N and K must divide by P.
+* ``"usp"``: both at once over two mesh axes ``(ring_axis, ulysses_axis)`` of P_r and P_u
+  devices (T split over P_r·P_u): within each group of P_u devices an all-to-all trades the
+  sequence for heads (the group then holds one ring chunk for N/P_u heads), and the groups
+  run the ring over ``ring_axis`` on it. Ulysses' all-to-alls stay within a group (on a
+  fast link: the devices of one host), the ring's hops cross groups and overlap the
+  compute; N and K divide by P_u only, and the ring is P_r steps, not P_r·P_u.
 
 In the all-gather and Ulysses strategies each device runs :func:`jattn.dot_product_attention`'s
 own core on its part, the implementation chosen for that part by the selection table (the
@@ -54,7 +61,7 @@ from jattn.parallel.layouts import _natural_mask, positions, shard_positions
 
 __all__ = ["STRATEGIES", "context_parallel_attention", "ring_attention", "explain"]
 
-STRATEGIES = ("ring", "all_gather", "ulysses")
+STRATEGIES = ("ring", "all_gather", "ulysses", "usp")
 
 
 def context_parallel_attention(
@@ -65,7 +72,7 @@ def context_parallel_attention(
   mask: jax.typing.ArrayLike | masks.Mask | None = None,
   *,
   mesh: Mesh,
-  axis_name: str,
+  axis_name: str | tuple[str, str],
   strategy: str = "ring",
   layout: str = "contiguous",
   batch_axis: str | tuple[str, ...] | None = None,
@@ -77,9 +84,10 @@ def context_parallel_attention(
   Computes what ``jattn.dot_product_attention(query, key, value, bias, mask, **keywords)``
   computes on one device, values, log-sum-exp, gradients and dropout pattern alike, with
   T and S split over the P devices of ``axis_name`` by ``strategy`` (see the module
-  docstring): ``"ring"`` (:func:`jattn.parallel.ring_attention`), ``"all_gather"`` or
-  ``"ulysses"``, each taking every keyword. Works under ``jax.jit`` and in both sharding
-  modes (Auto and Explicit axes).
+  docstring): ``"ring"`` (:func:`jattn.parallel.ring_attention`), ``"all_gather"``,
+  ``"ulysses"`` or ``"usp"`` (Ulysses within a group of devices, the ring across groups),
+  each taking every keyword. Works under ``jax.jit`` and in both sharding modes (Auto and
+  Explicit axes).
 
   Args:
     query: (B, T, N, H), in ``layout`` order along T; best sharded as
@@ -90,11 +98,15 @@ def context_parallel_attention(
     mask: a :class:`jattn.masks.Mask` in natural positions (it classifies tiles on each
       device exactly where it is a mask of indices), or a dense boolean array in ``layout``
       order (correct, but whole on every device: pass documents as ``segment_ids``).
-    mesh, axis_name: the mesh and the axis the sequence is split over.
-    strategy: ``"ring"``, ``"all_gather"`` or ``"ulysses"``.
+    mesh, axis_name: the mesh and the axis the sequence is split over; with
+      ``strategy="usp"`` a pair ``(ring_axis, ulysses_axis)``, the sequence split over
+      both (ring major: the layout orders the P_r chunks of the ring, each split
+      contiguously over the Ulysses devices).
+    strategy: ``"ring"``, ``"all_gather"``, ``"ulysses"`` or ``"usp"``.
     layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"``, as :func:`jattn.parallel.permute`
-      orders the inputs (zig-zag and striped balance causal work in the ring and
-      all-gather strategies; Ulysses computes whole sequences and needs no balance).
+      orders the inputs (zig-zag and striped balance causal work in the ring, USP and
+      all-gather strategies; Ulysses computes whole sequences and needs no balance). With
+      USP, permute with the ring's size P_r.
     batch_axis, head_axis: mesh axes the batch and the heads are sharded over besides.
     **keywords: every other keyword of :func:`jattn.dot_product_attention` (``is_causal``,
       ``segment_ids`` in ``layout`` order, lengths, ``local_window_size``, ``score_fn``
@@ -106,8 +118,9 @@ def context_parallel_attention(
 
   Returns:
     The output (B, T, N, Hv) in ``layout`` order, sharded as
-    ``P(batch_axis, axis_name, head_axis, None)``; with ``return_residual`` also the
-    log-sum-exp (B, T, N), sharded alike.
+    ``P(batch_axis, axis_name, head_axis, None)`` (USP: the sequence over both axes); with
+    ``return_residual`` also the log-sum-exp (B, T, N), with ``return_max_logit`` each
+    row's largest logit (B, T, N), sharded alike.
 
   Example::
 
@@ -122,9 +135,9 @@ def context_parallel_attention(
   kwargs = checked("context_parallel_attention", keywords, Keywords)
   if strategy not in STRATEGIES:
     raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
-  split = _split.Split.of(mesh, axis_name, layout, batch_axis, head_axis)
-  if strategy == "ring":
-    return _ring_call.ring(query, key, value, bias, mask, split, kwargs)
+  split = _split.Split.of(mesh, axis_name, layout, batch_axis, head_axis, usp=strategy == "usp")
+  if strategy in ("ring", "usp"):  # USP: the ring, with Ulysses inside each ring step
+    return _ring_call.ring(query, key, value, bias, mask, split, kwargs, strategy=strategy)
   return _gathered(query, key, value, bias, mask, strategy, split, kwargs)
 
 
