@@ -23,6 +23,7 @@ What each folder of docs/ holds; ``COMMANDS`` below names the command whose run 
     docs/gpu/               bench_gpu_<device>.json (from experiments.bench_gpu --json) and
                             gpu_probe_<device>*.json (from experiments.gpu_probe)
     docs/compare_backward/  summary.json and the demo's plots
+    docs/char_lm/           summary.json and the plots of the character-level language model
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from experiments._timing import fmt
 
 ROOT = _cli.ROOT
 DOCS = ROOT / "docs"
-RECORD_DIRS = ("bench", "accuracy", "scaling", "parallel", "gpu", "compare_backward")
+RECORD_DIRS = ("bench", "accuracy", "scaling", "parallel", "gpu", "compare_backward", "char_lm")
 COMMANDS = {
   "bench": "python -m experiments.bench --config configs/bench.yaml",
   "bench_memory": "python -m experiments.bench --lengths --memory-lengths 4096 16384",
@@ -51,8 +52,10 @@ COMMANDS = {
   "gpu": "python -m experiments.bench_gpu --json runs/bench_gpu_<device>.json",
   "gpu_probe": "python -m experiments.gpu_probe --out runs/gpu_probe_<device>.json",
   "compare_backward": "python -m experiments.train --config configs/compare_backward.yaml",
+  "char_lm": "python -m experiments.train --config configs/char_lm.yaml",
 }
 DEMO_PLOTS = ("loss_curves.png", "length_sweep.png", "attention_layer1.png")
+CHAR_LM_PLOTS = ("eval_curves.png", "loss_curves.png", "qk_clip.png", "attention_layer1.png")
 
 
 # --- reading the records --------------------------------------------------------------------
@@ -603,6 +606,47 @@ def demo(docs: pathlib.Path) -> str:
   )
 
 
+def _char_lm_record(docs: pathlib.Path) -> tuple[pathlib.Path, dict | None]:
+  path = docs / "char_lm" / "summary.json"
+  return path, (_load(path) if path.exists() else None)
+
+
+def char_lm(docs: pathlib.Path) -> str:
+  """The character-level language model's three rules: held-out loss per character."""
+  path, s = _char_lm_record(docs)
+  if s is None:
+    return _absent("`docs/char_lm/summary.json`", "char_lm")
+  from experiments.toy import report
+
+  losses = sorted({f"{r['final_eval_loss']:.4f}" for r in s["rules"].values()})
+  bits = sorted({f"{r['final_eval_bits_per_token']:.3f}" for r in s["rules"].values()})
+  return "\n".join(
+    [
+      f"{report.setting(s)} (The record: {_source(path, docs)}, made by "
+      f"`{COMMANDS['char_lm']}`.)\n",
+      f"After {s['config']['training']['steps']} steps the held-out loss of every rule is "
+      f"{' to '.join(sorted({losses[0], losses[-1]}))} nats per character, "
+      f"{' to '.join(sorted({bits[0], bits[-1]}))} bits. {report.spread_line(s)}\n",
+      report.lm_rules_table(s["rules"]) + "\n",
+    ]
+  )
+
+
+def char_lm_clip(docs: pathlib.Path) -> str:
+  """The character-level language model with and without QK-clip."""
+  path, s = _char_lm_record(docs)
+  if s is None or not s.get("qk_clip"):
+    return _absent("`docs/char_lm/summary.json` with a QK-clip run", "char_lm")
+  from experiments.toy import report
+
+  return "\n".join(
+    [
+      f"{report.clip_line(s['qk_clip'])} (The record: {_source(path, docs)}.)\n",
+      report.clip_table(s["qk_clip"]) + "\n",
+    ]
+  )
+
+
 def gpu_probe(docs: pathlib.Path) -> str:
   """The GPU probes' records (``python -m experiments.gpu_probe``): each configuration's
   times, TFLOP/s, ratio to cuDNN on the same shape in the same run, and relative errors."""
@@ -753,6 +797,8 @@ TABLES: dict[str, Callable[[pathlib.Path], str]] = {
   "gpu_probe": gpu_probe,
   "accuracy": accuracy,
   "demo": demo,
+  "char_lm": char_lm,
+  "char_lm_clip": char_lm_clip,
 }
 
 
@@ -802,11 +848,12 @@ def collect(runs: pathlib.Path, docs: pathlib.Path = DOCS) -> list[pathlib.Path]
       copy(scaling_run.parent / "scaling.png", "scaling")
   if (parallel_run := _newest(runs, "parallel-*/parallel.json")) is not None:
     copy(parallel_run, "parallel")
-  demo_run = runs / "compare_backward"
-  if (demo_run / "summary.json").exists():
-    for name in ("summary.json", *DEMO_PLOTS):
-      if (demo_run / name).exists():
-        copy(demo_run / name, "compare_backward")
+  for folder, plots in (("compare_backward", DEMO_PLOTS), ("char_lm", CHAR_LM_PLOTS)):
+    run = runs / folder  # the run's directory: the config's output_dir/name
+    if (run / "summary.json").exists():
+      for name in ("summary.json", *plots):
+        if (run / name).exists():
+          copy(run / name, folder)
   return copied
 
 

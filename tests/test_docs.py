@@ -102,6 +102,7 @@ def test_tables_from_the_committed_records(tmp_path):
   assert {p.stem for p in written} == set(docs_tables.TABLES)
   text = {p.stem: p.read_text() for p in written}
   names = ("bench", "bench_memory", "scaling", "sparse", "accuracy", "demo", "tiles", "gpu_probe")
+  names += ("char_lm", "char_lm_clip")
   for name in names:
     assert "No run recorded" not in text[name] and "\n|---|" in text[name], name
   assert "165 of 165 cells meet the target" in text["accuracy"]

@@ -13,6 +13,12 @@ A config file has one section per dataclass below plus ``name`` and
       rules: [autodiff, custom_vjp, blockwise]
       sweep: {seq_lens: [256, 1024, 4096]}
 
+A character-level language model names a corpus as its task and may add a QK-clip
+run (``configs/char_lm.yaml``)::
+
+    task: {name: pydoc_topics, length: 128, holdout: 0.1}
+    qk_clip: {threshold: 20.0, rule: blockwise}
+
 Omitted keys take the defaults below. :func:`load` (the experiments' one config
 loader, :mod:`experiments._config`) rejects unknown keys, wrong types and
 out-of-range values with a :class:`ConfigError` that names the key
@@ -33,9 +39,11 @@ from experiments._config import ConfigError as ConfigError
 from experiments._config import Section, field
 from experiments._config import from_dict as from_dict
 from experiments._config import to_dict as to_dict
-from experiments.toy import tasks
+from experiments.toy import corpus, tasks
 
 RULES = ("autodiff", "custom_vjp", "blockwise")
+TASKS = tasks.TASKS + corpus.CORPORA
+"""Task names: the toy tasks, then the corpora of character-level language modelling."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +86,21 @@ class ModelConfig(Section):
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig(Section):
-  """Which toy task to train on (see :mod:`experiments.toy.tasks`)."""
+  """Which task to train on: a toy task (:mod:`experiments.toy.tasks`) or next-character
+  prediction on a corpus (:mod:`experiments.toy.corpus`)."""
 
   SECTION: typing.ClassVar[str] = "task."
-  name: str = field("copy", choices=tasks.TASKS)
+  name: str = field("copy", choices=TASKS)
   length: int = field(
-    12, minimum=1, doc="symbols to copy/reverse/sort, key-value pairs, or body tokens of long_range"
+    12,
+    minimum=1,
+    doc="symbols to copy/reverse/sort, key-value pairs, body tokens of long_range, "
+    "or a corpus's context (windows of length + 1 characters)",
   )
-  num_symbols: int = field(16, minimum=2, doc="distinct content symbols")
+  num_symbols: int = field(16, minimum=2, doc="(toy tasks) distinct content symbols")
+  holdout: float = field(
+    0.1, above=0.0, maximum=0.5, doc="(corpus) the last fraction of the text, held out"
+  )
 
   def check(self) -> None:
     try:
@@ -93,7 +108,14 @@ class TaskConfig(Section):
     except ValueError as e:  # the task's own range checks, e.g. recall needs distinct keys
       raise ConfigError(f"'task': {e}") from None
 
-  def make(self) -> tasks.Task:
+  @property
+  def is_corpus(self) -> bool:
+    """Whether the task is character-level language modelling on a corpus."""
+    return self.name in corpus.CORPORA
+
+  def make(self) -> tasks.Task | corpus.CharTask:
+    if self.is_corpus:
+      return corpus.CharTask(self.name, length=self.length, holdout=self.holdout)
     return tasks.make(self.name, length=self.length, num_symbols=self.num_symbols)
 
 
@@ -174,6 +196,19 @@ class ComparisonConfig(Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class QKClipConfig(Section):
+  """A QK-clip run: the model of ``rule`` trained again, its query and key projections
+  scaled after every step by :func:`jattn.qk_clip_scales` of the step's own max logits."""
+
+  SECTION: typing.ClassVar[str] = "qk_clip."
+  threshold: float | None = field(
+    None, above=0.0, doc="τ, the largest logit a head may keep; null = no QK-clip run"
+  )
+  rule: str = field("blockwise", choices=RULES, doc="whose model is trained with the clip")
+  alpha: float = field(0.5, minimum=0.0, maximum=1.0, doc="the query side's share of the clip")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config(Section):
   """A whole run."""
 
@@ -185,10 +220,17 @@ class Config(Section):
   optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
   training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
   comparison: ComparisonConfig = dataclasses.field(default_factory=ComparisonConfig)
+  qk_clip: QKClipConfig = dataclasses.field(default_factory=QKClipConfig)
 
   def check(self) -> None:
     if not self.name or "/" in self.name or self.name in (".", ".."):
       raise ConfigError(f"'name' must be a plain directory name, got {self.name!r}")
+    clip = self.qk_clip
+    if clip.threshold is not None and clip.rule not in self.comparison.rules:
+      raise ConfigError(
+        f"'qk_clip.rule' ({clip.rule!r}) must be one of 'comparison.rules' "
+        f"{list(self.comparison.rules)}: its run there is the run without the clip"
+      )
 
   @property
   def run_dir(self) -> pathlib.Path:

@@ -7,7 +7,10 @@ untied LM head.
 
 The backward rule is a property of the attention layers only
 (:data:`RULES`): the parameters do not depend on it, so models built with the
-same seed and different rules start from identical weights.
+same seed and different rules start from identical weights. So is
+``sow_max_logit``: layers built with it sow each query row's largest logit,
+which :func:`forward` returns beside the logits (what QK-clip reads,
+:mod:`experiments.toy.clip`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ RULES = {
 class Block(nnx.Module):
   """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-  def __init__(self, cfg: ModelConfig, rule: str, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rule: str, *, rngs: nnx.Rngs, sow_max_logit: bool = False):
     implementation, backward = RULES[rule]
     d = cfg.d_model
     rope = jattn.positional.Rotary(base=cfg.rope_base) if cfg.positions == "rope" else None
@@ -49,6 +52,7 @@ class Block(nnx.Module):
       backward=backward,
       block_q=cfg.block_q,
       block_kv=cfg.block_kv,
+      sow_max_logit=sow_max_logit,
       rngs=rngs,
     )
     self.mlp_norm = nnx.RMSNorm(d, rngs=rngs)
@@ -63,12 +67,22 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
   """tokens (B, T) int → next-token logits (B, T, vocab_size)."""
 
-  def __init__(self, cfg: ModelConfig, vocab_size: int, rule: str, *, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    vocab_size: int,
+    rule: str,
+    *,
+    rngs: nnx.Rngs,
+    sow_max_logit: bool = False,
+  ):
     if rule not in RULES:
       raise ValueError(f"unknown rule {rule!r}; choose from {list(RULES)}")
     self.cfg = cfg
     self.embed = nnx.Embed(vocab_size, cfg.d_model, rngs=rngs)
-    self.blocks = nnx.List([Block(cfg, rule, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.blocks = nnx.List(
+      [Block(cfg, rule, rngs=rngs, sow_max_logit=sow_max_logit) for _ in range(cfg.num_layers)]
+    )
     self.final_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
     self.head = nnx.Linear(cfg.d_model, vocab_size, use_bias=False, rngs=rngs)
 
@@ -86,9 +100,24 @@ class Transformer(nnx.Module):
     return self.head(self.final_norm(x))
 
 
-def build(cfg: ModelConfig, vocab_size: int, rule: str, seed: int) -> Transformer:
-  """The model for ``rule``; the same ``seed`` gives the same parameters for every rule."""
-  return Transformer(cfg, vocab_size, rule, rngs=nnx.Rngs(params=seed))
+def build(
+  cfg: ModelConfig, vocab_size: int, rule: str, seed: int, *, sow_max_logit: bool = False
+) -> Transformer:
+  """The model for ``rule``; the same ``seed`` gives the same parameters for every rule,
+  with or without ``sow_max_logit``."""
+  return Transformer(cfg, vocab_size, rule, rngs=nnx.Rngs(params=seed), sow_max_logit=sow_max_logit)
+
+
+def forward(model: Transformer, tokens: jax.Array) -> tuple[jax.Array, list[jax.Array] | None]:
+  """Logits (B, T, vocab_size) and, if its layers sow them, each layer's max logits
+  (B, T, N) from the same forward pass (None otherwise), in layer order."""
+  if not model.blocks[0].attention.sow_max_logit:
+    return model(tokens), None
+  captured: Any = nnx.capture(model, nnx.Intermediate)  # (out, state) on call
+  logits, sown = captured(tokens)
+  return logits, [
+    sown["blocks"][i]["attention"]["max_logit"].get_value()[0] for i in range(len(model.blocks))
+  ]
 
 
 @nnx.jit

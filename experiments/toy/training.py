@@ -5,12 +5,18 @@ rules trained from the same config see the same initial parameters and the
 same batches, in the same order. The model is split once into a static graph
 and a parameter pytree; the train step is a plain ``jax.jit`` over pytrees,
 compiled ahead of time so its buffer sizes can be read from XLA.
+
+With a ``qk_clip`` threshold in the config, the attention layers sow their max
+logits: every step records each layer's and head's largest logit, and a trainer
+made with ``qk_clip=True`` clips the query and key projections after each
+update (:mod:`experiments.toy.clip`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,9 +27,13 @@ import numpy as np
 import optax
 from flax import nnx
 
+from experiments.toy import clip as clip_lib
 from experiments.toy import model as model_lib
 from experiments.toy.config import Config, OptimizerConfig
+from experiments.toy.corpus import CharTask
 from experiments.toy.tasks import Batch, Task
+
+AnyTask = Task | CharTask
 
 
 def make_optimizer(cfg: OptimizerConfig, steps: int) -> optax.GradientTransformation:
@@ -71,30 +81,61 @@ class State:
 
 
 class Trainer:
-  """A model for one rule, its optimizer and its compiled step."""
+  """A model for one rule, its optimizer and its compiled step.
 
-  def __init__(self, cfg: Config, task: Task, rule: str):
+  Its layers sow their max logits when the config sets ``qk_clip.threshold``; then each
+  step's record has ``max_logit`` (the largest over layers and heads) and
+  ``max_logit_heads`` (L, N), and with ``qk_clip=True`` the step ends with QK-clip.
+  """
+
+  def __init__(self, cfg: Config, task: AnyTask, rule: str, *, qk_clip: bool = False):
     self.cfg, self.rule = cfg, rule
-    model = model_lib.build(cfg.model, task.vocab_size, rule, cfg.training.seed)
+    self.sow_max_logit = cfg.qk_clip.threshold is not None
+    if qk_clip and not self.sow_max_logit:
+      raise ValueError("qk_clip=True needs a config with 'qk_clip.threshold' set")
+    self.threshold = cfg.qk_clip.threshold if qk_clip else None  # τ of the clip, if it clips
+    self.label = f"{rule}+qk_clip" if qk_clip else rule
+    model = model_lib.build(
+      cfg.model, task.vocab_size, rule, cfg.training.seed, sow_max_logit=self.sow_max_logit
+    )
     split: Any = nnx.split(model, nnx.Param, ...)
     self.graphdef, params, self.rest = split
     self.optimizer = make_optimizer(cfg.optimizer, cfg.training.steps)
     self.state = State(params, self.optimizer.init(params))
     self._step = jax.jit(self._train_step)
-    self._eval = jax.jit(self._loss)
+    self._eval = jax.jit(self._eval_loss)
     self._grads = jax.jit(jax.grad(lambda p, b: self._loss(p, b)[0]))
     self.compiled: Any = None
     self.step_bytes: int | None = None  # XLA's buffer assignment for the compiled step
 
+  def _model(self, params) -> model_lib.Transformer:
+    return nnx.merge(self.graphdef, params, self.rest)
+
   def _loss(self, params, batch: Batch):
-    logits = nnx.merge(self.graphdef, params, self.rest)(batch.tokens[:, :-1])
-    return loss_and_metrics(logits, batch)
+    """``loss, (metrics, each layer's max logits or None)``, as value_and_grad's has_aux
+    takes it."""
+    logits, max_logits = model_lib.forward(self._model(params), jnp.asarray(batch.tokens)[:, :-1])
+    loss, metrics = loss_and_metrics(logits, batch)
+    return loss, (metrics, max_logits)
+
+  def _eval_loss(self, params, batch: Batch):
+    loss, (metrics, _) = self._loss(params, batch)
+    return loss, metrics
 
   def _train_step(self, params, opt_state, batch: Batch):
-    (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch)
+    grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+    (loss, (metrics, max_logits)), grads = grad_fn(params, batch)
     updates, opt_state = self.optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, dict(loss=loss, grad_norm=optax.tree.norm(grads), **metrics)
+    metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), **metrics)
+    if max_logits is not None:
+      heads = clip_lib.head_max(max_logits)
+      metrics.update(max_logit=heads.max(), max_logit_heads=heads)
+    if self.threshold is not None:
+      model = self._model(params)
+      clip_lib.qk_clip(model, max_logits, self.threshold, alpha=self.cfg.qk_clip.alpha)
+      params = nnx.state(model, nnx.Param)
+    return params, opt_state, metrics
 
   def compile(self, batch: Batch):
     """Compiles the step for ``batch``'s shapes; returns XLA's memory figures (bytes)."""
@@ -103,11 +144,12 @@ class Trainer:
     return self.step_bytes
 
   def step(self, batch: Batch) -> dict:
-    """One optimizer step; returns loss, grad norm, accuracies and wall time (ms)."""
+    """One optimizer step; returns loss, grad norm, accuracies, the max logits if sown
+    (floats, ``max_logit_heads`` a list of lists) and wall time (ms)."""
     step = self.compiled or self._step
     start = time.perf_counter()
     params, opt_state, metrics = step(self.state.params, self.state.opt_state, batch)
-    metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
+    metrics = {k: np.asarray(v).tolist() for k, v in metrics.items()}  # waits for the step
     metrics["step_ms"] = (time.perf_counter() - start) * 1e3
     self.state = State(params, opt_state)
     return metrics
@@ -117,7 +159,8 @@ class Trainer:
     return self._grads(self.state.params, batch)
 
   def evaluate(self, batches: list[Batch]) -> dict:
-    """Loss, token accuracy and exact match over held-out batches (sample-weighted)."""
+    """Loss (nats and bits per answer token), token accuracy and exact match over held-out
+    batches (sample-weighted)."""
     totals: dict[str, float] = {}
     n = 0
     for batch in batches:
@@ -126,7 +169,9 @@ class Trainer:
       for k, v in dict(loss=loss, **metrics).items():
         totals[k] = totals.get(k, 0.0) + float(v) * size
       n += size
-    return {f"eval_{k}": v / n for k, v in totals.items()}
+    out = {f"eval_{k}": v / n for k, v in totals.items()}
+    out["eval_bits_per_token"] = out["eval_loss"] / math.log(2)
+    return out
 
 
 def step_memory_bytes(compiled) -> int | None:
@@ -144,13 +189,13 @@ def step_memory_bytes(compiled) -> int | None:
   )
 
 
-def train_batches(cfg: Config, task: Task) -> Iterator[Batch]:
+def train_batches(cfg: Config, task: AnyTask) -> Iterator[Batch]:
   """The training stream: batch i is fixed by (seed, "train", i)."""
   for i in range(cfg.training.steps):
     yield as_jax(task.batch(cfg.training.batch_size, seed=cfg.training.seed, index=i))
 
 
-def eval_batches(cfg: Config, task: Task, batch_size: int = 128) -> list[Batch]:
+def eval_batches(cfg: Config, task: AnyTask, batch_size: int = 128) -> list[Batch]:
   """Held-out sequences from the "eval" stream, ``eval_samples`` of them."""
   out, left, i = [], cfg.training.eval_samples, 0
   while left > 0:
@@ -182,15 +227,19 @@ def train(
   eval_every: int,
   on_step: Callable[[dict], None] = lambda m: None,
 ) -> list[dict]:
-  """Runs the loop; every record has step, loss, grad_norm, accuracies, step_ms, and the
-  held-out metrics on evaluation steps (every ``eval_every`` steps and the last)."""
+  """Runs the loop; every record has rule, step, loss, grad_norm, accuracies, step_ms (and
+  ``qk_clip``: τ, in a clipped run; the max logits where sown), and the held-out metrics on
+  evaluation steps (every ``eval_every`` steps and the last)."""
   records = []
   batches = iter(batches)
   first = next(batches)
   trainer.compile(first)
   total = trainer.cfg.training.steps
   for i, batch in enumerate(itertools.chain([first], batches)):
-    record = dict(rule=trainer.rule, step=i + 1, **trainer.step(batch))
+    record = dict(rule=trainer.rule, step=i + 1)
+    if trainer.threshold is not None:
+      record["qk_clip"] = trainer.threshold
+    record.update(trainer.step(batch))
     if (i + 1) % eval_every == 0 or i + 1 == total:
       record.update(trainer.evaluate(held_out))
     records.append(record)
