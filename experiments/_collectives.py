@@ -56,6 +56,10 @@ def _group_size(line: str) -> int:
     return len(m.group(1).split(","))
   if m := re.search(r"replica_groups=\[([0-9,]+)\]<=", line):
     return int(m.group(1).split(",")[-1])
+  # Newer XLA names the mesh and the axes each group spans: mesh['x'=4,'y'=2] {'y'}.
+  if m := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line):
+    sizes = {a: int(n) for a, n in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+    return math.prod(sizes[a] for a in re.findall(r"'([^']+)'", m.group(2)))
   return 1
 
 

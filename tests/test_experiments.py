@@ -564,7 +564,7 @@ def test_bench_gpu_gives_jax_nn_each_mask_written_out():
 def test_collectives_counts_each_devices_bytes_by_kind_and_loop():
   """A hand-written per-device HLO: each collective's bytes on the wire by the bandwidth-
   optimal counts, a collective in a while body once per known iteration, an async start's
-  result (its last shape) counted once, and the group size read from both spellings."""
+  result (its last shape) counted once, and the group size read from each of XLA's spellings."""
   hlo = """
 HloModule m
 
@@ -579,6 +579,8 @@ ENTRY %main (a: f32[2,4]) -> f32[8,4] {
   %a2a = bf16[4,4]{1,0} all-to-all(%b), channel_id=4, replica_groups=[2,4]<=[8], dimensions={0}
   %ar = f32[4]{0} all-reduce(%c), channel_id=5, replica_groups={{0,1}}, to_apply=%add
   %s = (f32[2,4]{1,0}, f32[8,4]{1,0}) all-gather-start(%a), channel_id=6, replica_groups={{0,1,2,3}}
+  %m = (f32[2,4]{1,0}, f32[2,4]{1,0}) all-to-all(%x, %y), channel_id=7, replica_groups=mesh['sp'=4,'uly'=2] {'uly'}
+  %mr = f32[4]{0} all-reduce(%c), channel_id=8, replica_groups=mesh['sp'=4,'uly'=2] {'sp','uly'}, to_apply=%add
 }
 """
   hlo = hlo.replace("{TRIPS}", '{"known_trip_count":{"n":"3"}}')
@@ -587,8 +589,8 @@ ENTRY %main (a: f32[2,4]) -> f32[8,4] {
     "collective-permute": 3 * 32,  # 2 x 4 float32, three iterations
     "all-gather": 2 * 3 / 4 * 128,  # the sync one and the async start's result
     "reduce-scatter": 3 * 32,  # (G - 1) results
-    "all-to-all": 3 / 4 * 32,
-    "all-reduce": 2 * 1 / 2 * 16,
+    "all-to-all": 3 / 4 * 32 + 1 / 2 * 64,  # a tuple's arrays both; newer XLA's mesh groups
+    "all-reduce": 2 * 1 / 2 * 16 + 2 * 7 / 8 * 16,
   }
 
 
