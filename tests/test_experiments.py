@@ -579,8 +579,8 @@ ENTRY %main (a: f32[2,4]) -> f32[8,4] {
   %a2a = bf16[4,4]{1,0} all-to-all(%b), channel_id=4, replica_groups=[2,4]<=[8], dimensions={0}
   %ar = f32[4]{0} all-reduce(%c), channel_id=5, replica_groups={{0,1}}, to_apply=%add
   %s = (f32[2,4]{1,0}, f32[8,4]{1,0}) all-gather-start(%a), channel_id=6, replica_groups={{0,1,2,3}}
-  %m = (f32[2,4]{1,0}, f32[2,4]{1,0}) all-to-all(%x, %y), channel_id=7, replica_groups=mesh['sp'=4,'uly'=2] {'uly'}
-  %mr = f32[4]{0} all-reduce(%c), channel_id=8, replica_groups=mesh['sp'=4,'uly'=2] {'sp','uly'}, to_apply=%add
+  %m = (f32[2,4]{1,0}, f32[2,4]{1,0}) all-to-all(%x,%y), replica_groups=mesh['sp'=4,'uly'=2] {'uly'}
+  %mr = f32[4]{0} all-reduce(%c), replica_groups=mesh['sp'=4,'uly'=2] {'sp','uly'}
 }
 """
   hlo = hlo.replace("{TRIPS}", '{"known_trip_count":{"n":"3"}}')
