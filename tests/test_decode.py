@@ -219,6 +219,56 @@ def test_position_dependent_scores_masks_and_bias_with_shifted_indices():
   assert_close(np.concatenate(_host(outs), axis=1), want)
 
 
+@pytest.mark.parametrize("implementation", list(IMPLS))
+def test_absolute_positions_give_the_whole_sequences_masks_and_scores(implementation):
+  """absolute_positions=True: a window Mask and ALiBi see each query's place in its
+  sequence, so chunks over the cache give full causal attention with them, no shifting."""
+  N, K, w = 4, 2, 3
+  q, k, v = _host(_sequence(N, K))
+  alibi = scores.alibi(jnp.array([0.5, 0.25, 0.125, 0.0625]))
+  window = masks.sliding_window(w)
+
+  @jax.jit
+  def chunk(q, k, v, cache):
+    return decode.attention(
+      q,
+      k,
+      v,
+      cache,
+      score_fn=alibi,
+      mask=window,
+      absolute_positions=True,
+      implementation=implementation,
+      **IMPLS[implementation],
+    )
+
+  cache, outs, start = decode.init(B, S, K, H), [], 0
+  for t in (5, 1, 3):
+    part = slice(start, start + t)
+    out, cache = chunk(q[:, part], k[:, part], v[:, part], cache)
+    outs.append(out)
+    start += t
+  want = _full_causal(q, k, v, score_fn=alibi, local_window_size=(w, 0))
+  assert_close(np.concatenate(_host(outs), axis=1), want)
+  with pytest.raises(TypeError, match="absolute_positions must be a bool"):
+    decode.attention(q[:, :1], k[:, :1], v[:, :1], decode.init(B, S, K, H), absolute_positions=1)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_a_query_of_no_heads_gives_the_empty_output(paged):
+  """N = 0 query heads: the empty output, log-sum-exp and max logit that
+  dot_product_attention gives, and the new tokens written all the same."""
+  cache = decode.init_paged(4, 4, B, 2, 1, H) if paged else decode.init(B, S, 1, H)
+  q, kv = jnp.ones((B, 3, 0, H)), jnp.ones((B, 3, 1, H))
+  (out, lse, top), cache = decode.attention(
+    q, kv, kv, cache, return_residual=True, return_max_logit=True
+  )
+  want = jattn.dot_product_attention(q, kv, kv, return_residual=True, return_max_logit=True)
+  for got, ref in zip((out, lse, top), want, strict=True):
+    assert (got.shape, got.dtype) == (ref.shape, ref.dtype)
+  np.testing.assert_array_equal(cache.lengths, 3)
+
+
 def test_overflow_raises_when_concrete():
   cache = decode.update(
     decode.init(B, 4, 1, H), *[normal((B, 3, 1, H))] * 2, num_new=np.array([1, 3])

@@ -24,6 +24,7 @@ from flax_helpers import (
 from reference import array, assert_close, causal_np
 
 import jattn.linen
+import jattn.masks
 from jattn import positional
 
 MHA = jattn.linen.MultiHeadAttention
@@ -488,3 +489,15 @@ def test_num_new_needs_a_cache_with_a_length_per_row():
       num_new=array([1, 1]),
       mutable=["cache"],
     )
+
+
+def test_a_mask_object_sees_each_query_where_it_sits_in_the_sequence():
+  """As test_nnx_decode.py's twin: a window Mask in decode calls equals it over the whole
+  sequence (the query index is the absolute position, not the chunk's)."""
+  x = sample((B, L, F), seed=5)
+  window = jattn.masks.sliding_window(2)
+  module = _decoder(2)
+  params, cache = _decode_setup(module)
+  got, _ = _decode_chunks(module, params, cache, x, [3, 1, 3], mask=window)
+  expected = _decoder(2, is_causal=True).apply(params, x, mask=window)
+  assert_close(got, expected)

@@ -499,6 +499,32 @@ def test_reindex_matches_indexing_the_dense_mask(kind):
         _assert_conservative(view, exact)
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_reindex_with_a_row_of_query_positions_per_batch_row(kind):
+  """q as (B, L): row b's query i stands for position q[b, i] (a decode step's chunk after
+  each row's own cached tokens), with or without a batch map; tile classes come from each
+  tile's positions hulled over the rows: conservative, and exact where the rows agree."""
+  full = _expected(kind)  # (2, 3, T_, S_)
+  for batch, q in [
+    (None, np.stack([np.arange(3, 9), np.arange(0, 6)])),
+    (np.array([1, 0, 1]), np.stack([np.arange(2, 8), np.arange(0, 6), np.arange(3, 9)])),
+  ]:
+    rows = range(2) if batch is None else batch
+    mask = masks.reindex(KINDS[kind][0], batch=batch, q=q)
+    want = np.stack([full[b][:, q[i]] for i, b in enumerate(rows)])
+    np.testing.assert_array_equal(mask.materialize(6, S_, num_heads=3), want)
+    assert mask.extents[0] == len(q) and mask.extents[2] == 6
+    for block_q, block_kv in [(2, 3), (4, 4)]:
+      view = mask.block_view(6, S_, block_q=block_q, block_kv=block_kv, num_heads=3)
+      _assert_conservative(view, tile_classes_np(want, block_q, block_kv))
+  same = np.stack([np.arange(3, 9)] * 2)  # rows at the same positions: the 1-D map's classes
+  view = masks.reindex(KINDS[kind][0], q=same).block_view(6, S_, block_q=2, block_kv=3)
+  one = masks.reindex(KINDS[kind][0], q=same[0]).block_view(6, S_, block_q=2, block_kv=3)
+  np.testing.assert_array_equal(view, np.broadcast_to(one, view.shape))
+  with pytest.raises(ValueError, match="q must have a row of positions per batch row"):
+    masks.reindex(KINDS[kind][0], batch=np.array([1, 0, 1]), q=q[:2])
+
+
 def test_reindex_of_a_causal_shard_skips_what_causal_skips():
   # Shard 1 of 2 (rows 4-7) against shard 0 (columns 0-3): every tile below the diagonal.
   mask = masks.reindex(masks.causal(), q=np.arange(4, 8), kv=np.arange(0, 4))

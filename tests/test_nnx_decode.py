@@ -10,7 +10,7 @@ from reference import array, assert_close
 
 import jattn
 import jattn.nnx
-from jattn import positional
+from jattn import masks, positional
 
 # --- decoding ----------------------------------------------------------------------------
 
@@ -308,3 +308,22 @@ def test_release_cache_errors():
     r"one cache_index for all rows: call init_cache\(\.\.\., ragged=True\)",
   ):
     m.release_cache(array([True, False]))
+
+
+@pytest.mark.parametrize(
+  "layout", [{}, dict(ragged=True), PAGED], ids=["contiguous", "ragged", "paged"]
+)
+def test_a_mask_object_sees_each_query_where_it_sits_in_the_sequence(layout):
+  """A jattn.masks.Mask given to decode=True calls (a window and a score function, both of
+  positions) gives what the same mask gives over the whole sequence: the module decodes
+  with absolute positions, so a query of a later chunk is not read as the chunk's first."""
+  m = _decoder(2)
+  x = sample()
+  window = masks.sliding_window(2)
+  full = m(x, mask=window)
+  m.init_cache(B, 7, **layout)
+  outs, start = [], 0
+  for n in (3, 1, 2):  # a prefill, a step, a chunk after it
+    outs.append(m(x[:, start : start + n], mask=window, decode=True))
+    start += n
+  assert_close(jnp.concatenate(outs, axis=1), full)

@@ -31,6 +31,7 @@ __all__ = [
   "Dropout",
   "Outputs",
   "Routing",
+  "Positions",
   "Weights",
   "Keywords",
   "Adapted",
@@ -117,9 +118,15 @@ class Varlen(Scoring, Causal, Dropout, Outputs, Routing, total=False):
   no segment ids); causal and windows apply within each sequence."""
 
 
-class Decoding(Scoring, Dropout, Outputs, Routing, total=False):
-  """What :func:`jattn.decode.attention` takes: the cache sets the masking (causal over
-  what each row holds)."""
+class Positions(TypedDict, total=False):
+  """Which query positions masks and score functions see over a KV cache."""
+
+  absolute_positions: bool
+
+
+class Decoding(Scoring, Dropout, Outputs, Routing, Positions, total=False):
+  """What :func:`jattn.decode.attention` and :func:`jattn.decode.ragged_attention` take: the
+  cache sets the masking (causal over what each row holds)."""
 
 
 # The defaults that are not None.

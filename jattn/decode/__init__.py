@@ -37,8 +37,12 @@ Check ``cache.lengths`` on the host between steps, or wrap the step with
 
 Masks and score functions given to :func:`attention` see ``q_idx`` as the
 index within the new chunk (0 .. t-1) and ``kv_idx`` as the cache slot, which
-is the absolute position. Position-dependent ones (ALiBi, relative biases,
-sliding windows) must shift the query index by the row's old length::
+is the absolute position. With ``absolute_positions=True`` a
+:class:`jattn.masks.Mask` and a score function see ``q_idx`` as the query's
+absolute position too, so position-dependent ones (ALiBi, relative biases,
+sliding windows) mean chunk by chunk what they mean over the whole sequence
+(the Flax modules decode so). Without it, shift the query index by the row's
+old length::
 
     lengths = cache.lengths
     shifted = lambda s, b, h, q, kv: alibi(s, b, h, q + lengths[b], kv)

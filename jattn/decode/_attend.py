@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks, _validate, masks
+from jattn import _checks, _validate, masks, scores
 from jattn._validate.keywords import Decoding, checked, options_of
 from jattn._validate.options import Options
 from jattn.attention import dot_product_attention, returned
@@ -57,7 +57,10 @@ def attention(
       scale, score_fn, logits_soft_cap, sinks, dropout, return_residual and the
       implementation, backward, tiles or options), with the same meanings.
       ``score_fn`` sees ``q_idx`` within the chunk and ``kv_idx`` as the
-      cache slot (see :mod:`jattn.decode`).
+      cache slot (see :mod:`jattn.decode`), unless ``absolute_positions=True``: then
+      score functions and :class:`jattn.masks.Mask` objects see ``q_idx`` as the query's
+      absolute position ``cache.lengths[b] + i``, as over the whole sequence (a mask
+      array stays laid over the chunk's queries). The Flax modules decode so.
       ``"cudnn"`` is not available: the cache mask is an index mask. By
       default (and with ``"blockwise"``) attention runs blockwise and reads
       the cache tile by tile, visiting only tiles some row has reached, with
@@ -89,6 +92,9 @@ def attention(
   mask, bias, requested = _fit_to_pages(cache, mask, bias)
   if requested is not None:
     allowed = allowed & masks.lengths(kv_lengths=requested)
+  if _checks.boolean("absolute_positions", call.pop("absolute_positions", False)):
+    at = cache.lengths.astype(jnp.int32)[:, None] + jnp.arange(key.shape[1], dtype=jnp.int32)[None]
+    mask, call["score_fn"] = seen_at(mask, call.get("score_fn"), q=at)
   if mask is not None:
     if not isinstance(mask, masks.Mask):
       mask = masks.from_array(mask)
@@ -117,6 +123,24 @@ def attention(
     )
     return out, new_cache
   return _over_tiles(query, new_cache, bias, allowed, options, call), new_cache
+
+
+def seen_at(
+  mask: jax.typing.ArrayLike | masks.Mask | None,
+  score_fn: Any,
+  *,
+  batch: jax.typing.ArrayLike | None = None,
+  q: jax.typing.ArrayLike,
+) -> tuple[Any, Any]:
+  """``(mask, score_fn)`` seen at other indices (``absolute_positions``): a
+  :class:`jattn.masks.Mask` and a score function evaluated at query positions ``q`` (B, t)
+  (and batch rows ``batch``, where the call's rows stand for others); a mask array, given
+  as an array or ``masks.from_array``, stays laid over the call's own rows and queries."""
+  if isinstance(mask, masks.Mask) and not isinstance(mask, masks.kinds.FromArray):
+    mask = masks.reindex(mask, batch=batch, q=q)
+  if score_fn is not None:
+    score_fn = scores.reindex(score_fn, batch=batch, q=q)
+  return mask, score_fn
 
 
 def _fit_to_pages(
@@ -183,6 +207,14 @@ def _over_tiles(
     kind = f"{kind} ({np.dtype(cache.dtype).name})" if kind == "quantized" else kind
   reader = select.cache_reader(options.implementation, options.backward, kind)
   B, S, K, H, Hv = _dims(cache)
+  if query.shape[2] == 0:  # no query heads: the empty output dot_product_attention gives
+    t = query.shape[1]
+    empty = jnp.zeros((B, t, 0), jnp.float32)
+    return returned(
+      jnp.zeros((B, t, 0, Hv), query.dtype),
+      empty if call.get("return_residual") else None,
+      empty if call.get("return_max_logit") else None,
+    )
   block_kv = options.block_kv
   if isinstance(cache, PagedKVCache):
     ps = cache.page_size

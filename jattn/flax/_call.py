@@ -490,6 +490,7 @@ def attend(
       num_new=num_new,
       mask=mask,
       sinks=sinks,
+      absolute_positions=True,  # a Mask sees each query where it sits in its sequence
       options=settings.options,
       return_max_logit=sow_max_logit,
       **dropout,

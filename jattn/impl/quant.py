@@ -6,7 +6,9 @@ A stored vector ``x`` (H,) of one token and head becomes ``round(x / scale)`` wi
 symmetric absmax quantization, as KV caches in serving stacks do (vLLM, JetStream,
 kvax). int8 rounds to integers (QMAX = 127, a relative error of at most 0.5 / 127 of the
 vector's largest element); float8_e4m3fn rounds to its 3-bit mantissa (QMAX = 448, the
-largest finite e4m3 value: a relative error of at most 2⁻⁴ of each element). A
+largest finite e4m3 value: an error of at most 2⁻⁴ of each element plus 2⁻¹⁰ of the
+scale, the absolute term for elements below 2⁻⁶ of the scale, which fall among e4m3's
+subnormals, spaced 2⁻⁹ apart). A
 vector of zeros gets scale 0 and reads back as zeros.
 
 Reading is :func:`dequantize`, tile by tile inside attention, so a whole cache is

@@ -24,9 +24,11 @@ __all__ = ["Reindex", "reindex"]
 
 
 def _mapped_range(positions: jax.Array, block: int, length: int) -> tuple[jax.Array, jax.Array]:
-  """Smallest and largest mapped position in each tile of ``block`` entries of ``positions``."""
-  lo = tile_reduce(positions, 0, block, length, "edge", "min")
-  hi = tile_reduce(positions, 0, block, length, "edge", "max")
+  """Smallest and largest mapped position in each tile of ``block`` entries of ``positions``
+  (along its last axis: (L,), or (B, L) for a row of positions per batch row)."""
+  axis = positions.ndim - 1
+  lo = tile_reduce(positions, axis, block, length, "edge", "min")
+  hi = tile_reduce(positions, axis, block, length, "edge", "max")
   return lo, hi
 
 
@@ -61,7 +63,12 @@ class Reindex(Mask):
         return UNSURE
       mapped = t._replace(aligned=False)
     if self.q is not None:
-      q_lo, q_hi = (x.reshape(1, 1, -1, 1) for x in _mapped_range(self.q, t.block_q, t.q_len))
+      q_lo, q_hi = _mapped_range(self.q, t.block_q, t.q_len)
+      if q_lo.ndim == 2:
+        # A row of positions per batch row: tiles are one row of bounds for every batch
+        # row (the masks' contract), so each takes the hull of its positions over the rows.
+        q_lo, q_hi = q_lo.min(axis=0), q_hi.max(axis=0)
+      q_lo, q_hi = (x.reshape(1, 1, -1, 1) for x in (q_lo, q_hi))
       mapped = mapped._replace(q_lo=q_lo, q_hi=q_hi)
     if self.kv is not None:
       kv_lo, kv_hi = (x.reshape(1, 1, 1, -1) for x in _mapped_range(self.kv, t.block_kv, t.kv_len))
@@ -78,9 +85,10 @@ class Reindex(Mask):
 
   @property
   def extents(self) -> Extents:
-    return tuple(
-      own if m is None else jnp.shape(m)[0] for own, m in zip(self.mask.extents, self._maps)
-    )
+    own = list(self.mask.extents)
+    if self.q is not None and jnp.ndim(self.q) == 2 and self.batch is None:
+      own[0] = jnp.shape(self.q)[0]  # a row of positions per batch row fixes the batch
+    return tuple(mine if m is None else jnp.shape(m)[-1] for mine, m in zip(own, self._maps))
 
   def __repr__(self) -> str:
     parts = [
@@ -104,7 +112,10 @@ def reindex(
 
   Each map is an int array of shape (L,) giving, for every position of the
   new axis, the position of ``mask``'s axis it stands for; None keeps the axis
-  as it is. Sequence-parallel attention uses it to evaluate a mask written in
+  as it is. ``q`` may also be (B, L): row ``b``'s query ``i`` stands for
+  ``q[b, i]`` (a decode step's absolute positions, each row's chunk after its
+  own cached tokens); a tile's class then comes from the hull of its positions
+  over the rows. Sequence-parallel attention uses it to evaluate a mask written in
   global positions on one device's shard (``q = offset + arange(T_shard)``),
   or on a permuted sequence (:mod:`jattn.parallel`'s zig-zag and striped
   layouts). Maps may be traced.

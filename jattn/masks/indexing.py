@@ -47,16 +47,28 @@ NO_EXTENTS: Extents = (None, None, None, None)
 
 
 def checked_maps(**maps: ArrayLike | None) -> list[Any]:
-  """Index maps by name (batch, head, q, kv), each an int (L,) array or None, checked."""
-  return [None if m is None else _checks.int_array(name, m, ranks=(1,)) for name, m in maps.items()]
+  """Index maps by name (batch, head, q, kv), each an int (L,) array or None, checked; the
+  query's may also be (B, L), a row of positions per batch row."""
+  checked = {
+    name: None if m is None else _checks.int_array(name, m, ranks=(1, 2) if name == "q" else (1,))
+    for name, m in maps.items()
+  }
+  q, batch = checked.get("q"), checked.get("batch")
+  if q is not None and q.ndim == 2 and batch is not None and q.shape[0] != batch.shape[0]:
+    raise ValueError(
+      f"q must have a row of positions per batch row, {batch.shape[0]} as batch maps, got {q.shape}"
+    )
+  return list(checked.values())
 
 
 def through_maps(maps: Sequence[Any], idx: Sequence[Any]) -> tuple[Any, ...]:
   """Broadcasting (batch, head, q, kv) indices ``idx``, each taken through its map in ``maps``
-  (an int (L,) array; None keeps the index): what a mask or score function written in other
-  positions sees (``masks.reindex``, ``scores.reindex``, a sequence-parallel part's dropout)."""
+  (an int (L,) array, or for the query a (B, L) one read at the batch index too; None keeps
+  the index): what a mask or score function written in other positions sees
+  (``masks.reindex``, ``scores.reindex``, a sequence-parallel part's dropout)."""
+  b = idx[0]
   return tuple(
-    i if m is None else jnp.asarray(m).at[i].get(mode="clip")
+    i if m is None else jnp.asarray(m).at[(b, i) if jnp.ndim(m) == 2 else i].get(mode="clip")
     for m, i in zip(maps, idx, strict=True)
   )
 
