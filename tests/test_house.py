@@ -233,6 +233,11 @@ def test_the_calls_keywords_are_listed_once():
     "attention_weights": (jattn.attention_weights, (q, q), "Weights"),
     "explain": (jattn.explain, (q, q, q), "Keywords"),
     "attention": (decode.attention, (q, q, q, decode.init(1, 8, 2, 8)), "Decoding"),
+    "ragged_attention": (
+      decode.ragged_attention,
+      (q[0], q[0], q[0], decode.init(1, 8, 2, 8), jnp.array([0, 4])),
+      "Decoding",
+    ),
     "context_parallel_attention": (
       functools.partial(parallel.context_parallel_attention, mesh=mesh, axis_name="sp"),
       (q, q, q),

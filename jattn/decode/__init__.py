@@ -73,6 +73,12 @@ length capped as at overflow; the dropped tokens' queries return zeros, like pad
 rows. Check ``cache.free.sum()`` or ``cache.lengths`` on
 the host between steps.
 
+Continuous batching: :func:`ragged_attention` is one serving step over a flat batch that
+mixes new requests' prefill chunks with running ones' decode tokens: the tokens packed
+along one axis, ``cu_seqlens`` saying which belong to which request (cache row), each
+request's appended to its row and attending causally over it, with no padding to the
+longest request (the step's query rows are tiles of one request each).
+
 Quantized caches: ``dtype=jnp.int8`` or ``jnp.float8_e4m3fn`` in :func:`init` or
 :func:`init_paged` stores keys and values quantized on write, with one float32
 scale per (token, key/value head) (:mod:`jattn.impl.quant`), and attention
@@ -113,6 +119,7 @@ from jattn.decode._cache import KVCache as KVCache
 from jattn.decode._cache import PagedKVCache as PagedKVCache
 from jattn.decode._cache import init as init
 from jattn.decode._cache import init_paged as init_paged
+from jattn.decode._ragged import ragged_attention as ragged_attention
 from jattn.decode._writes import positions as positions
 from jattn.decode._writes import release as release
 from jattn.decode._writes import update as update
@@ -128,4 +135,5 @@ __all__ = [
   "positions",
   "update",
   "attention",
+  "ragged_attention",
 ]

@@ -122,7 +122,7 @@ def attention(
       **call,
     )
     return out, new_cache
-  return _over_tiles(query, new_cache, bias, allowed, options, call), new_cache
+  return over_tiles(query, new_cache, bias, allowed, options, call), new_cache
 
 
 def seen_at(
@@ -191,22 +191,27 @@ def _kept(
   return kept
 
 
-def _over_tiles(
+def over_tiles(
   query: jax.Array | np.ndarray,
   cache: Cache,
   bias: jax.typing.ArrayLike | None,
   mask: masks.Mask,
   options: Options,
   call: dict[str, Any],
+  cache_rows: jax.Array | None = None,
 ) -> Any:  # the output, with the lse and max logit where asked for
   """Blockwise attention reading the cache tile by tile (a CacheTiles source), through the
   implementation the selection table names for it (its ``read_cache`` entry: blockwise's
-  :func:`jattn.impl.blockwise.attention_over_cache`)."""
+  :func:`jattn.impl.blockwise.attention_over_cache`). ``cache_rows`` (B',), for a contiguous
+  cache, names the cache row each of the query's B' rows reads, with ``cache.lengths``
+  then given per query row (a paged cache's page table and lengths are so already)."""
   kind = "paged" if isinstance(cache, PagedKVCache) else "quantized"
   if quant.is_quantized(cache.dtype):
     kind = f"{kind} ({np.dtype(cache.dtype).name})" if kind == "quantized" else kind
   reader = select.cache_reader(options.implementation, options.backward, kind)
   B, S, K, H, Hv = _dims(cache)
+  if cache_rows is not None:
+    B = cache_rows.shape[0]
   if query.shape[2] == 0:  # no query heads: the empty output dot_product_attention gives
     t = query.shape[1]
     empty = jnp.zeros((B, t, 0), jnp.float32)
@@ -249,6 +254,7 @@ def _over_tiles(
     lengths=common.reshard(cache.lengths, rows, mesh_of=query),
     dtype=np.dtype(query.dtype),
     block=min(spec.block_kv, S),  # as blockwise.plan caps it
+    rows=cache_rows,
   )
   return returned(*_attend_cache(query, tiles, spec))
 

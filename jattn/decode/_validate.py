@@ -135,9 +135,17 @@ def _check_new(
       n = np.asarray(num_new)
       if np.any((n < 0) | (n > t)):
         raise ValueError(f"num_new must be in [0, t={t}] (the new tokens given), got {n.tolist()}")
-  if _checks.is_concrete(cache.lengths) and (num_new is None or _checks.is_concrete(num_new)):
+  if num_new is None or _checks.is_concrete(num_new):
+    _check_room(cache, np.full((B,), t) if num_new is None else np.asarray(num_new))
+  return key, value, num_new
+
+
+def _check_room(cache: Cache, n: np.ndarray) -> None:
+  """Where the cache's lengths (and a paged cache's table and pool) are concrete, that every
+  row has room for its ``n`` (B,) new tokens: no overflow, enough free pages."""
+  S = cache.max_length
+  if _checks.is_concrete(cache.lengths):
     lengths = np.asarray(cache.lengths)
-    n = np.full((B,), t) if num_new is None else np.asarray(num_new)
     over = np.flatnonzero(lengths + n > S)
     if over.size:
       b = int(over[0])
@@ -160,7 +168,6 @@ def _check_new(
           "free; release finished rows (decode.release, or the Flax modules' release_cache) "
           "or make the pool larger"
         )
-  return key, value, num_new
 
 
 def _check_dtype(cache: Cache, name: str, x: jax.Array | np.ndarray) -> None:

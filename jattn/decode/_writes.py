@@ -165,3 +165,61 @@ def _write(
     put(cache.key_scale, scales[0]),
     put(cache.value_scale, scales[1]),
   )
+
+
+@jax.jit
+def _write_packed(
+  cache: Cache,
+  key: jax.Array | np.ndarray,
+  value: jax.Array | np.ndarray,
+  counts: jax.Array,
+  row: jax.Array,
+  local: jax.Array,
+) -> Cache:
+  """The scatter of a ragged step: packed tokens (T, K, H) each written to cache row
+  ``row`` (T,) (-1: padding, not written) at slot ``lengths[row] + local``; ``counts`` (B,)
+  how many each row takes. Rows grow (and take pages) as :func:`_write` grows them, tokens
+  past a row's room dropped, its length saturating."""
+  S = cache.max_length
+  lengths = cache.lengths.astype(jnp.int32)
+  new_lengths = jnp.minimum(lengths + counts.astype(jnp.int32), S)
+  if isinstance(cache, PagedKVCache):
+    table, free, capacity = _paging.allocate(
+      cache.page_table, cache.free, new_lengths, cache.page_size
+    )
+    new_lengths = jnp.minimum(new_lengths, capacity)
+  r = jnp.maximum(row, 0)
+  pos = lengths[r] + local
+  kept = (row >= 0) & (pos < new_lengths[r])
+  stored: tuple[Any, Any] = (key, value)
+  scales: tuple[Any, Any] = (None, None)
+  if quant.is_quantized(cache.dtype):
+    (k_q, k_s), (v_q, v_s) = (quant.quantize(jax.lax.stop_gradient(x), cache.dtype) for x in stored)
+    stored, scales = (k_q, v_q), (k_s, v_s)
+  if isinstance(cache, KVCache):
+    at = (jnp.where(kept, r, cache.key.shape[0]), pos)  # row B and beyond: dropped
+    return KVCache(
+      _put(at, cache.key, stored[0]),
+      _put(at, cache.value, stored[1]),
+      new_lengths.astype(cache.lengths.dtype),
+      _put(at, cache.key_scale, scales[0]),
+      _put(at, cache.value_scale, scales[1]),
+    )
+  ps = cache.page_size
+  page = table[r, jnp.clip(pos // ps, 0, cache.max_pages_per_seq - 1)]
+  at = (jnp.where(kept, page, cache.num_pages), pos % ps)
+  return PagedKVCache(
+    _put(at, cache.key_pages, stored[0]),
+    _put(at, cache.value_pages, stored[1]),
+    table,
+    new_lengths.astype(cache.lengths.dtype),
+    free,
+    _put(at, cache.key_scale, scales[0]),
+    _put(at, cache.value_scale, scales[1]),
+  )
+
+
+def _put(at: tuple[jax.Array, jax.Array], store: Any, x: Any) -> Any:
+  """``store`` with ``x`` scattered at ``at`` (indices past the store dropped); None for an
+  absent store (a float cache's scales)."""
+  return None if x is None else store.at[at].set(x, mode="drop")

@@ -6,7 +6,8 @@ per-tile gradients back to ``tiles.cotangent``. Two sources:
 
 * :class:`Stacked`: key and value arrays (B, S, K, H), cut into tiles up front.
 * :class:`CacheTiles`: the keys and values a :mod:`jattn.decode` cache holds, read
-  only when a tile is visited. The cache is either dense, (B, S, K, H) per row, or
+  only when a tile is visited. The cache is either dense, (B, S, K, H) per row (or
+  rows named per query row, for a ragged step's query tiles), or
   paged, (P, page_size, K, H) pages with a page table (B, M) naming each row's
   pages in order; its storage may be quantized (:mod:`jattn.impl.quant`), with one
   float32 scale per (token, head). Tile ``j`` of row ``b`` covers the row's slots
@@ -72,7 +73,7 @@ def stacked(key: jax.Array, value: jax.Array, block: int) -> Stacked:
 
 @functools.partial(
   _compat.register_dataclass,
-  data_fields=["key", "value", "key_scale", "value_scale", "page_table", "lengths"],
+  data_fields=["key", "value", "key_scale", "value_scale", "page_table", "lengths", "rows"],
   meta_fields=["dtype", "block"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,9 @@ class CacheTiles:
   lengths: Any  # int32 (B,): slots of each row that hold tokens
   dtype: Any  # what tiles are read as: the query's dtype
   block: int  # slots per tile; a multiple of page_size for a paged cache
+  # None, or int32 (B',) for a dense cache: the cache row each of the B' query rows reads
+  # (a ragged step's query tiles, several to a row); lengths are then per query row.
+  rows: Any = None
 
   @property
   def paged(self) -> bool:
@@ -131,6 +135,11 @@ class CacheTiles:
       x = _gather_pages(store, pages).reshape(B, self.block, *store.shape[2:])
       if scale is not None:
         scale = _gather_pages(scale, pages).reshape(B, self.block, scale.shape[2])
+    elif self.rows is not None:  # each query row's cache row, slots past it clamped
+      at = (self.rows[:, None], jnp.minimum(slots, self.kv_len - 1)[None, :])
+      x = store[at]
+      if scale is not None:
+        scale = scale[at]
     elif self.kv_len % self.block == 0:
       x = jax.lax.dynamic_slice_in_dim(store, j * self.block, self.block, axis=1)
       if scale is not None:
@@ -160,7 +169,10 @@ class CacheTiles:
         return None
       d = untile(d)  # (B, slots, K, h)
       if not self.paged:
-        return d[:, : self.kv_len].astype(store.dtype)
+        d = d[:, : self.kv_len]
+        if self.rows is not None:  # query rows sharing a cache row add up
+          d = jnp.zeros(store.shape, d.dtype).at[self.rows].add(d)
+        return d.astype(store.dtype)
       pages = self._table()  # (B, n · block // page_size)
       pages = jnp.where(pages < 0, store.shape[0], pages)  # dropped by the scatter
       d = d.reshape(*pages.shape, *store.shape[1:])
@@ -174,6 +186,7 @@ class CacheTiles:
       value_scale=None,
       page_table=None,
       lengths=None,
+      rows=None,
     )
 
 

@@ -1,0 +1,265 @@
+"""The ragged continuous-batching step: :func:`ragged_attention` appends each request's new
+tokens, packed along one axis, to its cache row and attends causally over that row.
+
+A serving step mixes prefill chunks of new requests with the one-token decode steps of
+running ones (vLLM, JetStream, sglang-jax): ``cu_seqlens`` (R + 1,) says where request
+``r``'s tokens sit in the packed batch, ``[cu_seqlens[r], cu_seqlens[r + 1])``, and request
+``r`` is cache row ``r``. Nothing is padded to the longest request: the step's query rows
+are *query tiles*, ``block_q`` tokens of one request each (a request's last tile may be
+short), at most ``ceil(T / block_q) + R`` of them for any split of the T tokens, so one
+compiled program serves every mix. Each tile reads its request's cache row tile by tile,
+as :func:`jattn.decode.attention` reads rows, and a tile of a short request stops at that
+request's length, so a step's work follows the tokens and the rows they read.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple, Unpack
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _checks, masks
+from jattn._validate.keywords import Decoding, checked, options_of
+from jattn.attention import dot_product_attention
+from jattn.decode._attend import over_tiles, seen_at
+from jattn.decode._cache import Cache, KVCache, _dims
+from jattn.decode._validate import _check_cache, _check_dtype, _check_room
+from jattn.decode._writes import _write_packed
+from jattn.impl import select
+
+__all__ = ["ragged_attention"]
+
+DEFAULT_BLOCK_Q = 8
+"""Tokens per query tile when ``block_q`` is not given: a decode token fills one slot of
+its tile, so small tiles keep a decode-heavy step's work near its tokens'."""
+
+
+def ragged_attention(
+  query: jax.typing.ArrayLike,
+  key: jax.typing.ArrayLike,
+  value: jax.typing.ArrayLike,
+  cache: Cache,
+  cu_seqlens: jax.typing.ArrayLike,
+  *,
+  mask: masks.Mask | None = None,
+  **keywords: Unpack[Decoding],
+) -> tuple[Any, Cache]:
+  """One continuous-batching step: each request's new tokens, packed, are appended to its
+  cache row, then attend causally over that row.
+
+  Request ``r``'s tokens are ``[cu_seqlens[r], cu_seqlens[r + 1])`` of the packed axis and
+  go to cache row ``r``: token ``i`` of them sits at position ``cache.lengths[r] + i`` and
+  attends to the row's slots up to its own. A prefill, a prefill chunk and a decode token
+  are the same thing here, so new and running requests share one call. Tokens past
+  ``cu_seqlens[-1]`` are padding: zero output, nothing written. Rows past the R requests
+  are left as they are.
+
+  Args:
+    query: (T, N, H), already position-encoded (see :func:`jattn.decode.positions`, or
+      ``cache.lengths[r] + i`` per token); N a multiple of the cache's K.
+    key: (T, K, H), the new tokens' keys; value: (T, K, Hv).
+    cache: a :class:`KVCache` or :class:`PagedKVCache`, contiguous or paged, float or
+      quantized, with at least R rows; dtypes as for :func:`jattn.decode.attention`.
+    cu_seqlens: int (R + 1,): 0, then each request's end; nondecreasing, at most T. May be
+      traced: one compile serves any split of the T tokens. Concrete offsets that do not
+      fit (not from 0, decreasing, past T, more requests than cache rows) raise naming
+      ``cu_seqlens``; a row that would overflow or a pool short of pages raise as
+      :func:`jattn.decode.update` does (under jit, as there, the tokens that do not fit
+      are dropped and their queries return zeros).
+    mask: a :class:`jattn.masks.Mask`, combined with the causal cache mask by ``&``; it
+      sees the batch index as the request's cache row and ``q_idx`` as the token's index
+      within the request's new tokens, or its absolute position with
+      ``absolute_positions=True`` (``kv_idx`` is the cache slot, the absolute position).
+    **keywords: those of :func:`jattn.decode.attention`
+      (:class:`~jattn._validate.keywords.Decoding`), with the same meanings; score
+      functions see the indices masks see. ``block_q`` sets the tokens per query tile
+      (default 8). The same implementations read the cache: by default blockwise, tile by
+      tile; ``implementation="xla"`` materialises a float contiguous cache's rows, one
+      copy per query tile.
+
+  Returns:
+    ``(out, new_cache)``, out (T, N, Hv) in the query's dtype; with ``return_residual``
+    and/or ``return_max_logit``, ``((out, lse), new_cache)`` and so on, lse and max_logit
+    (T, N), as :func:`jattn.decode.attention` returns them.
+  """
+  call = checked("ragged_attention", keywords, Decoding)
+  _check_cache(cache)
+  query, key, value = _check_tokens(cache, query, key, value)
+  B = _dims(cache)[0]
+  T = query.shape[0]
+  cu = _offsets(cu_seqlens, T, B)
+  if _checks.is_concrete(cu):
+    counts = np.zeros(B, np.int64)
+    counts[: cu.shape[0] - 1] = np.diff(np.asarray(cu))
+    _check_room(cache, counts)
+  if mask is not None and not isinstance(mask, masks.Mask):
+    raise TypeError(
+      "mask must be a jattn.masks.Mask (a function of positions: the packed tokens have no "
+      f"(T, S) grid an array could cover), got {type(mask).__name__}"
+    )
+  absolute = _checks.boolean("absolute_positions", call.pop("absolute_positions", False))
+  options = options_of(call)
+  block = min(options.block_q or DEFAULT_BLOCK_Q, T)
+  plan = _plan(jnp.asarray(cu, jnp.int32), B, T, block)
+  new_cache = _write_packed(cache, key, value, plan.counts, plan.row, plan.local)
+
+  old = cache.lengths.astype(jnp.int32)
+  new = new_cache.lengths.astype(jnp.int32)
+  rows = plan.tile_row
+  kept = (new - old)[rows]  # tokens of the tile's request the row took (under jit, maybe fewer)
+  call["query_seq_lengths"] = jnp.where(
+    plan.tile_live, jnp.clip(kept - plan.tile_start, 0, block), 0
+  )
+  first = old[rows] + plan.tile_start  # each tile's first token's absolute position
+  allowed = masks.causal(first)
+  at = (first if absolute else plan.tile_start)[:, None] + jnp.arange(block, dtype=jnp.int32)[None]
+  mask, call["score_fn"] = seen_at(mask, call.get("score_fn"), batch=rows, q=at)
+  if mask is not None:
+    try:
+      allowed = allowed & mask
+    except ValueError as e:
+      raise ValueError(f"mask: {e}") from None
+  tiles_q = jnp.where(plan.slot_live[:, :, None, None], jnp.asarray(query)[plan.token], 0)
+  lengths = jnp.where(plan.tile_live, new[rows], 0).astype(cache.lengths.dtype)
+  materialised = not select.reads_cache(options.implementation, options.backward)
+  if isinstance(new_cache, KVCache) and new_cache.key_scale is None and materialised:
+    slots = jnp.arange(new_cache.max_length)[None, :]
+    written = (slots < lengths[:, None])[:, :, None, None]
+    out = dot_product_attention(
+      tiles_q,
+      jnp.where(written, new_cache.key[rows], 0),
+      jnp.where(written, new_cache.value[rows], 0),
+      None,
+      allowed,
+      options=options,
+      **call,
+    )
+  elif isinstance(new_cache, KVCache):
+    view = new_cache._replace(lengths=lengths)
+    out = over_tiles(tiles_q, view, None, allowed, options, call, cache_rows=rows)
+  else:
+    view = new_cache._replace(page_table=new_cache.page_table[rows], lengths=lengths)
+    out = over_tiles(tiles_q, view, None, allowed, options, call)
+  results = out if isinstance(out, tuple) else (out,)
+  back = tuple(_unpack(x, plan) for x in results)
+  return (back if isinstance(out, tuple) else back[0]), new_cache
+
+
+def _check_tokens(
+  cache: Cache, query: Any, key: Any, value: Any
+) -> tuple[jax.Array | np.ndarray, ...]:
+  """query (T, N, H), key (T, K, H), value (T, K, Hv) matching the cache and each other."""
+  q, k, v = (_checks.as_array(n, x) for n, x in (("query", query), ("key", key), ("value", value)))
+  _, _, K, H, Hv = _dims(cache)
+  for name, x, want in (
+    ("query", q, "N, H"),
+    ("key", k, f"K={K}, H={H}"),
+    ("value", v, f"K={K}, Hv={Hv}"),
+  ):
+    if x.ndim != 3:
+      raise ValueError(
+        f"{name} must have shape (T, {want}), the step's tokens packed, got {x.shape}"
+      )
+  if k.shape[1:] != (K, H) or v.shape[1:] != (K, Hv) or v.shape[0] != k.shape[0]:
+    raise ValueError(
+      f"key and value must have shapes (T, K, H)=(T, {K}, {H}) and (T, K, Hv)=(T, {K}, {Hv}) "
+      f"to match the cache, got key {k.shape} and value {v.shape}"
+    )
+  if q.shape[0] != k.shape[0] or q.shape[2] != H:
+    raise ValueError(
+      f"query must have shape (T, N, H)=({k.shape[0]}, N, {H}) to match key, got {q.shape}"
+    )
+  if q.shape[0] < 1:
+    raise ValueError(f"query, key and value must hold T >= 1 tokens, got query {q.shape}")
+  if q.shape[1] % K:
+    raise ValueError(
+      f"the number of query heads N ({q.shape[1]}) must be a multiple of the cache's number "
+      f"of key/value heads K ({K})"
+    )
+  _check_dtype(cache, "key", k)
+  for name, x in (("value", v), ("query", q)):
+    if x.dtype != k.dtype:
+      raise TypeError(f"{name} must have key's dtype {k.dtype}, got {x.dtype}")
+  return q, k, v
+
+
+def _offsets(cu_seqlens: Any, T: int, B: int) -> jax.Array | np.ndarray:
+  """``cu_seqlens`` checked: int (R + 1,) with R <= B; where concrete, from 0,
+  nondecreasing, at most T. Traced offsets are clipped to [0, T]."""
+  cu = _checks.as_array("cu_seqlens", cu_seqlens)
+  if not jnp.issubdtype(cu.dtype, jnp.integer):
+    raise TypeError(f"cu_seqlens must be an int array of offsets, got dtype {cu.dtype}")
+  if cu.ndim != 1 or not 1 <= cu.shape[0] <= B + 1:
+    raise ValueError(
+      f"cu_seqlens must have shape (R + 1,) for R <= B={B} requests (one per cache row): 0, "
+      f"then each request's end, got {cu.shape}"
+    )
+  if not _checks.is_concrete(cu):
+    return jnp.clip(cu.astype(jnp.int32), 0, T)
+  xs = np.asarray(cu)
+  if xs[0] != 0:
+    raise ValueError(f"cu_seqlens must start at 0, got {xs.tolist()}")
+  if (np.diff(xs) < 0).any():
+    raise ValueError(f"cu_seqlens must be nondecreasing, got {xs.tolist()}")
+  if xs[-1] > T:
+    raise ValueError(f"cu_seqlens ends at {xs[-1]}, past the T={T} tokens given: {xs.tolist()}")
+  return xs.astype(np.int32)
+
+
+class _Plan(NamedTuple):
+  """Where each packed token goes and which query tile holds it (see the module docstring).
+  Tokens: ``row`` (T,) its request (cache row), -1 for padding; ``local`` (T,) its index
+  among the request's new tokens; ``tile``, ``slot`` (T,) where it sits among the query
+  tiles. Tiles: ``tile_row`` (n,) the request each reads; ``tile_start`` (n,) its first
+  token's index among the request's; ``tile_live`` (n,) whether it holds any; ``token``
+  (n, block) the packed index of each slot, ``slot_live`` whether the slot holds one.
+  ``counts`` (B,): the new tokens of each cache row."""
+
+  row: jax.Array
+  local: jax.Array
+  tile: jax.Array
+  slot: jax.Array
+  tile_row: jax.Array
+  tile_start: jax.Array
+  tile_live: jax.Array
+  token: jax.Array
+  slot_live: jax.Array
+  counts: jax.Array
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _plan(cu: jax.Array, B: int, T: int, block: int) -> _Plan:
+  R = cu.shape[0] - 1
+  n = jnp.maximum(jnp.diff(cu), 0)
+  counts = jnp.zeros(B, jnp.int32).at[:R].set(n)
+  # Every tile holds a token: at most T of them, and at most ceil(T / block) + R.
+  num_tiles = max(1, min(math.ceil(T / block) + R, T))
+  per = -(-n // block)
+  first = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(per, dtype=jnp.int32)])
+  v = jnp.arange(num_tiles, dtype=jnp.int32)
+  tile_row = jnp.clip(jnp.searchsorted(first[1:], v, side="right"), 0, max(R - 1, 0))
+  tile_live = v < first[-1]
+  tile_start = (v - first[tile_row]) * block
+  i = jnp.arange(block, dtype=jnp.int32)[None, :]
+  within = tile_start[:, None] + i
+  slot_live = tile_live[:, None] & (within < n[tile_row][:, None]) if R else (within < 0)
+  token = jnp.clip(cu[tile_row][:, None] + within, 0, T - 1)
+  tokens = jnp.arange(T, dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu, tokens, side="right") - 1, 0, max(R - 1, 0))
+  row = jnp.where(tokens < cu[-1], seq, -1).astype(jnp.int32)
+  local = tokens - cu[seq]
+  tile = first[seq] + local // block
+  return _Plan(
+    row, local, tile, local % block, tile_row, tile_start, tile_live, token, slot_live, counts
+  )
+
+
+def _unpack(x: jax.Array, plan: _Plan) -> jax.Array:
+  """A per-tile result (n, block, ...) back on the packed tokens (T, ...), zero on padding."""
+  got = x[jnp.clip(plan.tile, 0, x.shape[0] - 1), plan.slot]
+  live = (plan.row >= 0).reshape((-1,) + (1,) * (got.ndim - 1))
+  return jnp.where(live, got, jnp.zeros((), got.dtype))

@@ -1,0 +1,272 @@
+"""jattn.decode.ragged_attention, the continuous-batching step: packed prefill chunks and
+decode tokens of several requests against a float64 formula per request, over contiguous,
+paged and quantized caches; the writes; padding and empty requests; one trace for any
+split; masks and score functions at positions; gradients; errors naming the argument."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+from reference import assert_close, attention_jnp, attention_np, causal_np, normal
+
+from jattn import decode, masks, scores
+
+B, S, K, N, H = 3, 16, 2, 4, 8  # cache rows, max_length, heads, head dim
+T = 8  # the step's token budget
+# Steps of one run: a prefill chunk and a short prompt; then decode tokens beside an empty
+# request and a new prompt; then one token each; padding past the last offset in each.
+STEPS = ([0, 5, 7], [0, 1, 1, 4], [0, 1, 2, 3])
+STATIC = ("implementation", "block_q", "return_residual", "return_max_logit", "absolute_positions")
+
+
+@functools.partial(jax.jit, static_argnames=STATIC + ("mask", "score_fn", "logits_soft_cap"))
+def _step(q, k, v, cache, cu, **kw):
+  return decode.ragged_attention(q, k, v, cache, cu, **kw)
+
+
+def _cache(kind):
+  if kind == "paged":
+    return decode.init_paged(12, 4, B, 4, K, H)
+  return decode.init(B, S, K, H, dtype=jnp.int8 if kind == "int8" else jnp.float32)
+
+
+def _held(cache):
+  """Each row's tokens as float64 NumPy (keys, values), dequantized: what the row holds."""
+  lengths = np.asarray(cache.lengths)
+  if isinstance(cache, decode.PagedKVCache):
+    table = np.maximum(np.asarray(cache.page_table), 0)
+    kv = [np.asarray(x, np.float64)[table].reshape(B, -1, K, H) for x in cache[:2]]
+  else:
+    kv = [np.asarray(x, np.float64) for x in cache[:2]]
+    if cache.key_scale is not None:
+      kv = [x * np.asarray(s)[..., None] for x, s in zip(kv, cache[3:])]
+  return [[x[b, : lengths[b]] for b in range(B)] for x in kv]
+
+
+def _tokens(seed):
+  return tuple(normal((T, n, H), seed=seed + i) for i, n in enumerate((N, K, K)))
+
+
+def _formula(q, k, v, before, cu, *, score=None, allowed=None, xp=np, stored=None):
+  """Float64 outputs and lse (T, N) per request from the formula: request r's queries over
+  what row r held before and its own new keys, causally (bottom-right), padding zero.
+  ``allowed(r, qpos, kvpos)`` and ``score`` (on absolute positions) optional; ``stored``,
+  the rows after the step (:func:`_held`), stands for the new keys and values where the
+  cache rounds them (int8)."""
+  attend = attention_np if xp is np else attention_jnp
+  outs, lses = [], []
+  for r in range(len(cu) - 1):
+    a, b = cu[r], cu[r + 1]
+    if a == b:
+      continue
+    old_k, old_v = before[0][r], before[1][r]
+    keys = xp.concatenate([xp.asarray(old_k, k.dtype), k[a:b]])[None]
+    vals = xp.concatenate([xp.asarray(old_v, v.dtype), v[a:b]])[None]
+    old, n = len(old_k), b - a
+    if stored is not None:
+      keys, vals = (x[r][None, : old + n] for x in stored)
+    ok = causal_np(n, old + n, old)
+    if allowed is not None:
+      ok = ok & allowed(r, old + np.arange(n)[:, None], np.arange(old + n)[None, :])
+    shifted = (
+      None if score is None else (lambda s, _b, h, i, j, o=old, r=r: score(s, r, h, i + o, j))
+    )
+    out, lse = attend(q[a:b][None], keys, vals, allowed=ok, score=shifted)
+    outs.append(out[0])
+    lses.append(lse[0])
+  pad = T - cu[-1]
+  outs.append(xp.zeros((pad, N, H)))
+  lses.append(xp.full((pad, N), -xp.inf))
+  return xp.concatenate(outs), xp.concatenate(lses)
+
+
+@pytest.mark.parametrize(
+  "kind, implementation",
+  [("contiguous", "xla"), ("contiguous", "blockwise"), ("paged", None), ("int8", None)],
+)
+def test_steps_of_mixed_requests_equal_the_formula_per_request(kind, implementation):
+  """Three steps (prefill chunk, short prompt; decode tokens, an empty request, a new
+  prompt; one token each) with padding: outputs and lse against the formula on what each
+  row held, the rows then holding exactly the tokens given, the lengths grown."""
+  cache = _cache(kind)
+  kw = {} if implementation is None else dict(implementation=implementation)
+  given = [[[] for _ in range(B)] for _ in range(2)]
+  for i, cu in enumerate(STEPS):
+    q, k, v = _tokens(10 * i)
+    before = _held(cache)
+    (out, lse), cache = _step(q, k, v, cache, jnp.asarray(cu), return_residual=True, **kw)
+    # int8 rounds the new keys and values as it stores them: the formula reads them stored.
+    stored = _held(cache) if kind == "int8" else None
+    want, want_lse = _formula(q, k, v, before, cu, stored=stored)
+    assert_close(out, want)
+    live = np.asarray(cu[-1] > np.arange(T))
+    assert_close(np.asarray(lse)[live], want_lse[live])
+    np.testing.assert_array_equal(np.asarray(out)[~live], 0.0)
+    for r in range(len(cu) - 1):
+      given[0][r].append(np.asarray(k[cu[r] : cu[r + 1]]))
+      given[1][r].append(np.asarray(v[cu[r] : cu[r + 1]]))
+  held = _held(cache)
+  for which in range(2):
+    for r in range(B):
+      want = np.concatenate(given[which][r])
+      tol = 2e-2 * np.abs(want).max() if kind == "int8" else 0
+      np.testing.assert_allclose(held[which][r], want, atol=tol)
+  np.testing.assert_array_equal(cache.lengths, [7, 3, 4])
+
+
+def test_one_trace_serves_any_split_and_matches_decode_attention():
+  """Traced offsets: three splits of the budget, one trace (offsets of one length, B + 1:
+  the requests a step lacks are empty). Each step equals decode.attention on the same
+  requests padded to a (B, t) batch."""
+  traces = []
+
+  @jax.jit
+  def step(q, k, v, cache, cu):
+    traces.append(1)
+    return decode.ragged_attention(q, k, v, cache, cu)
+
+  @jax.jit
+  def padded(q, k, v, cache, num_new):
+    return decode.attention(q, k, v, cache, num_new=num_new)
+
+  cache = ref = _cache("paged")
+  for i, cu in enumerate(STEPS):
+    q, k, v = _tokens(10 * i)
+    cu = cu + [cu[-1]] * (B + 1 - len(cu))
+    out, cache = step(q, k, v, cache, jnp.asarray(cu))
+    n = np.diff(cu).tolist()
+    t = max(n)
+    rows = [np.pad(np.arange(cu[r], cu[r] + n[r]), (0, t - n[r])) for r in range(B)]
+    idx = np.stack([np.minimum(r, T - 1) for r in rows]).astype(np.int32)
+    want, ref = padded(q[idx], k[idx], v[idx], ref, jnp.asarray(n))
+    for r in range(len(cu) - 1):
+      assert_close(out[cu[r] : cu[r + 1]], want[r, : n[r]])
+  assert len(traces) == 1
+  np.testing.assert_array_equal(cache.page_table, ref.page_table)
+
+
+def test_masks_and_score_functions_see_positions():
+  """A window Mask, ALiBi with a term of the batch index (the request's cache row) and a
+  soft cap: by default at the token's index among its request's new tokens; with
+  absolute_positions at its place in the sequence. The max logit too, against the
+  formula's."""
+  slopes = np.array([0.5, 0.25, 0.125, 0.0625])
+  alibi = scores.alibi(jnp.asarray(slopes))
+  by_row = lambda s, b, h, i, j: alibi(s, b, h, i, j) + 0.3 * b * (j % 3)  # b: the cache row
+  window = masks.sliding_window(2)
+  alibi_np = lambda s, b, h, i, j: s - slopes[h] * np.abs(i - j) + 0.3 * b * (j % 3)
+  for absolute in (True, False):
+    cache = _cache("contiguous")
+    for i, cu in enumerate(STEPS[:2]):
+      q, k, v = _tokens(10 * i)
+      before = _held(cache)
+      (out, top), cache = _step(
+        q,
+        k,
+        v,
+        cache,
+        jnp.asarray(cu),
+        mask=window,
+        score_fn=by_row,
+        absolute_positions=absolute,
+        return_max_logit=True,
+      )
+      old = [len(x) for x in before[0]]
+      # Without absolute positions the functions see i - old (the index among the new tokens).
+      at = lambda r, i, o=old, a=absolute: i if a else i - o[r]
+      ok = lambda r, i, j, at=at: (j >= at(r, i) - 2) & (j <= at(r, i))
+      score = lambda s, r, h, i, j, at=at: alibi_np(s, r, h, at(r, i), j)
+      want, _ = _formula(q, k, v, before, cu, score=score, allowed=ok)
+      assert_close(out, want)
+      logits = []
+      for r in range(len(cu) - 1):
+        for t in range(cu[r], cu[r + 1]):
+          keys = np.concatenate([before[0][r], np.asarray(k[cu[r] : t + 1], np.float64)])
+          s = np.einsum("nh,snh->ns", np.asarray(q[t], np.float64), np.repeat(keys, N // K, 1))
+          s = s / np.sqrt(H)
+          pos = old[r] + t - cu[r]
+          s = score(s, r, np.arange(N)[:, None], pos, np.arange(pos + 1)[None])
+          logits.append(np.where(ok(r, pos, np.arange(pos + 1))[None], s, -np.inf).max(-1))
+      assert_close(np.asarray(top)[: cu[-1]], np.stack(logits))
+  capped = _step(q, k, v, _cache("paged"), jnp.asarray([0, 3]), logits_soft_cap=0.5)[0]
+  want, _ = _formula(
+    q, k, v, [[np.zeros((0, K, H))] * B] * 2, [0, 3], score=lambda s, *_: 0.5 * np.tanh(s / 0.5)
+  )
+  assert_close(capped[:3], want[:3])
+
+
+def test_gradients_match_autodiff_of_the_formula(x64):
+  """Gradients of query, key and value through the write and the tile-by-tile read (a
+  contiguous cache's rows shared by query tiles, a paged one's pages) against autodiff of
+  the formula; check_grads in float64."""
+  cu = [0, 3, 4, 7]
+  for kind in ("contiguous", "paged"):
+    cache = decode.init_paged(12, 4, B, 4, K, H, dtype=jnp.float64) if kind == "paged" else None
+    cache = cache or decode.init(B, S, K, H, dtype=jnp.float64)
+    warm = tuple(x.astype(jnp.float64) for x in _tokens(50))
+    _, cache = decode.ragged_attention(*warm, cache, jnp.asarray([0, 2, 2, 5]))
+    before = _held(cache)
+    q, k, v = (x.astype(jnp.float64) for x in _tokens(60))
+    w = normal((T, N, H), seed=7).astype(np.float64)
+
+    def ours(q, k, v):
+      out, _ = decode.ragged_attention(q, k, v, cache, jnp.asarray(cu), block_q=2)
+      return jnp.sum(out * w)
+
+    def plain(q, k, v):
+      return jnp.sum(_formula(q, k, v, before, cu, xp=jnp)[0] * w)
+
+    got = jax.grad(ours, (0, 1, 2))(q, k, v)
+    want = jax.grad(plain, (0, 1, 2))(q, k, v)
+    for g, r in zip(got, want, strict=True):
+      np.testing.assert_allclose(g, r, atol=1e-10)
+    check_grads(ours, (q, k, v), order=1, modes=["rev"])
+
+
+def test_padding_empty_and_dropped_tokens():
+  """Tokens past the last offset are not written and return zeros; a request of no tokens
+  leaves its row; under jit, tokens past a row's room are dropped and their queries return
+  zeros while the rest attend as without them."""
+  cache = _cache("contiguous")
+  q, k, v = _tokens(0)
+  out, new = _step(q, k, v, cache, jnp.asarray([0, 0, 2]))
+  np.testing.assert_array_equal(new.lengths, [0, 2, 0])
+  np.testing.assert_array_equal(np.asarray(out)[2:], 0.0)
+  np.testing.assert_array_equal(np.asarray(new.key[1, 2:]), 0.0)
+  full = decode.init(B, S, K, H)._replace(lengths=jnp.array([S - 2, 0, 0], jnp.int32))
+  out, new = _step(q, k, v, full, jnp.asarray([0, 5, 6]))
+  np.testing.assert_array_equal(new.lengths, [S, 1, 0])
+  np.testing.assert_array_equal(np.asarray(out)[2:5], 0.0)  # no room for them
+  assert np.all(np.abs(np.asarray(out)[:2]) > 0) and np.all(np.abs(np.asarray(out)[5]) > 0)
+
+
+@pytest.mark.parametrize(
+  "change, error, match",
+  [
+    (dict(cu=[1, 3]), ValueError, "cu_seqlens must start at 0"),
+    (dict(cu=[0, 3, 2]), ValueError, "cu_seqlens must be nondecreasing"),
+    (dict(cu=[0, 9]), ValueError, "cu_seqlens ends at 9, past the T=8"),
+    (dict(cu=[0, 1, 2, 3, 4]), ValueError, r"cu_seqlens must have shape \(R \+ 1,\) for R <= B=3"),
+    (dict(cu=np.array([0.0, 2.0])), TypeError, "cu_seqlens must be an int array"),
+    (dict(lengths=[12, 0, 0], cu=[0, 8]), ValueError, "cache row 0 would overflow"),
+    (dict(cache=decode.init_paged(2, 4, B, 4, K, H), cu=[0, 5, 8]), ValueError, "out of pages"),
+    (dict(mask=np.ones((T, S), bool)), TypeError, "mask must be a jattn.masks.Mask"),
+    (dict(query=jnp.ones((1, T, N, H))), ValueError, r"query must have shape \(T, N, H\)"),
+    (dict(key=jnp.ones((T, 1, H))), ValueError, r"key and value must have shapes \(T, K, H\)"),
+    (dict(query=jnp.ones((T, 3, H))), ValueError, "must be a multiple of the cache's number"),
+    (dict(is_causal=True), TypeError, "unexpected keyword argument 'is_causal'"),
+    (dict(absolute_positions="yes"), TypeError, "absolute_positions must be a bool"),
+  ],
+)
+def test_errors(change, error, match):
+  args = dict(query=jnp.ones((T, N, H)), key=jnp.ones((T, K, H)), value=jnp.ones((T, K, H)))
+  args["cache"] = _cache("contiguous")
+  if "lengths" in change:
+    args["cache"] = args["cache"]._replace(lengths=jnp.asarray(change.pop("lengths")))
+  args.update(change)
+  args["cu_seqlens"] = np.asarray(args.pop("cu", [0, 2]))
+  with pytest.raises(error, match=match):
+    decode.ragged_attention(**args)
