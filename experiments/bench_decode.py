@@ -36,6 +36,16 @@ only the attention and cache work of a serving loop):
    cache: generated tokens/s, peak pages in use against the pool, page allocations that
    reused a released page, and the bytes a contiguous cache for the same slots would need.
 
+4. **The ragged step.** One step of ``ragged.batch`` requests, ``prefilling`` of them
+   bringing a prompt chunk of ``chunk`` tokens and the rest one decode token each, over
+   float32 paged rows holding seeded random contexts: ``decode.attention`` on the
+   requests right-padded to (B, chunk) with ``num_new``, against
+   ``decode.ragged_attention`` on the same tokens packed. Tokens/s (the step's real
+   tokens / its time), the speed against the padded step (median of per-round ratios),
+   the query rows each computes, the cache bytes each reads (every query row gathers
+   each tile some row has reached) beside each row read once, and how far their outputs
+   differ.
+
     python -m experiments.bench_decode --config configs/bench_decode.yaml
     python -m experiments.bench_decode --batches 1 --contexts 1024 8192 --reps 3
     python -m experiments.bench_decode --quick          # tiny smoke test (the tests run it)
@@ -83,6 +93,29 @@ class QuantConfig(Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class RaggedConfig(Section):
+  """Part 4: one continuous-batching step, ragged (packed) against padded (B, t)."""
+
+  SECTION: typing.ClassVar[str] = "ragged."
+  batch: int = field(64, minimum=1, doc="requests in the step, one per cache row")
+  prefilling: int = field(4, minimum=0, doc="requests bringing a prompt chunk; the rest decode")
+  chunk: int = field(128, minimum=1, doc="tokens of each prompt chunk")
+  context: list[int] = field(
+    factory=lambda: [128, 1024], minimum=1, doc="[low, high] tokens a row holds; empty = skip"
+  )
+  block_q: int = field(8, minimum=1, doc="tokens per query tile of the ragged step")
+  seed: int = field(0, minimum=0)
+
+  def check(self) -> None:
+    if self.context and (len(self.context) != 2 or self.context[0] > self.context[1]):
+      raise ConfigError(f"'ragged.context' must be [low, high], got {self.context}")
+    if self.prefilling > self.batch:
+      raise ConfigError(
+        f"'ragged.prefilling' ({self.prefilling}) must be at most 'ragged.batch' ({self.batch})"
+      )
+
+
+@dataclasses.dataclass(frozen=True)
 class Config(Section):
   """The decode-step grid (batches x contexts x methods), then parts 2 and 3."""
 
@@ -99,6 +132,7 @@ class Config(Section):
   min_seconds: float = field(0.1, above=0, doc="each block of calls lasts about this long")
   quant: QuantConfig = dataclasses.field(default_factory=QuantConfig)
   serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
+  ragged: RaggedConfig = dataclasses.field(default_factory=RaggedConfig)
   out_dir: str = field("runs")
 
   def check(self) -> None:
@@ -128,6 +162,7 @@ QUICK = dict(
     "max_length": 64,
     "prefill_chunk": 16,
   },
+  ragged={"batch": 5, "prefilling": 2, "chunk": 12, "context": [3, 30], "block_q": 4},
 )
 
 
@@ -325,6 +360,111 @@ def serve(cfg: Config) -> dict | None:
   return _serving.serve(s, tokens, page_size=cfg.page_size, bytes_per_token=per_token)
 
 
+# --- the ragged step ----------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, donate_argnums=3)
+def padded_step(q, k, v, cache, num_new):
+  """decode.attention on the step's requests right-padded to (B, t); lengths rewound."""
+  out, new = decode.attention(q, k, v, cache, num_new=num_new)
+  return out, new._replace(lengths=cache.lengths)
+
+
+@functools.partial(jax.jit, donate_argnums=3, static_argnames="block_q")
+def ragged_step(q, k, v, cache, cu, *, block_q):
+  """decode.ragged_attention on the step's tokens packed; lengths rewound."""
+  out, new = decode.ragged_attention(q, k, v, cache, cu, block_q=block_q)
+  return out, new._replace(lengths=cache.lengths)
+
+
+def ragged(cfg: Config) -> dict | None:
+  """Part 4: one step of ``batch`` requests, ``prefilling`` of them bringing a prompt chunk
+  of ``chunk`` tokens and the rest one decode token each, over rows holding seeded random
+  contexts, on float32 paged caches of the same contents: the padded (B, t) step against
+  the ragged one. None when ``ragged.context`` is empty."""
+  g = cfg.ragged
+  if not g.context:
+    return None
+  rng = np.random.default_rng(g.seed)
+  B, ps = g.batch, cfg.page_size
+  held = rng.integers(g.context[0], g.context[1] + 1, B)
+  n = np.ones(B, np.int32)
+  n[rng.choice(B, g.prefilling, replace=False)] = g.chunk
+  t, T = int(n.max()), int(n.sum())
+  M = math.ceil((g.context[1] + g.chunk) / ps)
+  q, k, v = new_tokens((g.seed, B, t), B, t, cfg)
+  fill_tokens, size = [], min(cfg.fill_chunk, g.context[1])
+  for i in range(math.ceil(g.context[1] / size)):
+    _, fk, fv = new_tokens((g.seed, B, i), B, size, cfg, query=False)
+    count = np.clip(held - i * size, 0, size).astype(np.int32)
+    fill_tokens.append((fk, fv, jnp.asarray(count)))
+  caches = [fill(decode.init_paged(B * M, ps, B, M, cfg.kv_heads, cfg.head_dim), fill_tokens)]
+  caches.append(jax.tree.map(jnp.copy, caches[0]))
+  rows = [np.arange(n[b]) for b in range(B)]
+  packed = [
+    jnp.asarray(np.concatenate([np.asarray(x)[b, r] for b, r in enumerate(rows)]))
+    for x in (q, k, v)
+  ]
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(n)]).astype(np.int32))
+  steppers = {
+    "padded": Stepper(padded_step, (q, k, v), (caches[0], jnp.asarray(n))),
+    "ragged": Stepper(
+      functools.partial(ragged_step, block_q=g.block_q), tuple(packed), (caches[1], cu)
+    ),
+  }
+  outs = {m: np.asarray(s(), np.float64) for m, s in steppers.items()}
+  padded_rows = np.concatenate([outs["padded"][b, r] for b, r in enumerate(rows)])
+  agree = float(np.max(np.abs(padded_rows - outs["ragged"])))
+  times = _timing.rounds_ms({m: (s, ()) for m, s in steppers.items()}, cfg.reps, cfg.min_seconds)
+  # What each step reads of the cache: the blockwise reader visits a tile wherever some
+  # query row has reached it and gathers it for every query row (B rows padded; the
+  # ragged step's query tiles), against each row read once up to its length.
+  per_token = storage_bytes_per_token(cfg, "float32")
+  block_kv = min(ps * max(1, 512 // ps), M * ps)  # the paged default tile, capped at a row
+  tiles = math.ceil(int((held + n).max()) / block_kv)
+  query_rows = {"padded": B, "ragged": min(math.ceil(T / g.block_q) + B, T)}
+  per_row = {"padded": t, "ragged": g.block_q}
+  out = []
+  for m in steppers:
+    ms = float(np.median(times[m]))
+    out.append(
+      dict(
+        method=m,
+        ms=ms,
+        tokens_per_s=T / ms * 1e3,
+        vs_padded=_timing.median_ratio(times["padded"], times[m]),
+        query_rows=query_rows[m] * per_row[m],
+        cache_read_mb=query_rows[m] * tiles * block_kv * per_token / 2**20,
+      )
+    )
+  return dict(
+    batch=B,
+    tokens=T,
+    padded_to=t,
+    held=[int(x) for x in held],
+    needed_mb=float((held + n).sum() * per_token / 2**20),
+    max_abs_diff=agree,
+    rows=out,
+  )
+
+
+def ragged_table(r: dict) -> tuple[list[str], list[list[str]]]:
+  """(header, rows) of the ragged step against the padded one."""
+  header = ["step", "ms", "tokens/s", "× padded", "query rows computed", "cache MiB read"]
+  rows = [
+    [
+      x["method"],
+      f"{x['ms']:.2f}",
+      f"{x['tokens_per_s']:,.0f}",
+      fmt(x["vs_padded"], ".2f"),
+      f"{x['query_rows']:,}",
+      f"{x['cache_read_mb']:,.1f}",
+    ]
+    for x in r["rows"]
+  ]
+  return header, rows
+
+
 # --- output ------------------------------------------------------------------------------
 
 
@@ -398,6 +538,14 @@ def print_tables(cfg: Config, record: dict) -> None:
       f"{c.max_length}, prefill chunks of {c.prefill_chunk}"
     )
     show(title, serve_table(s), first_left=True)
+  if (r := record.get("ragged")) is not None:
+    title = (
+      f"One continuous-batching step: {r['batch']} requests, {cfg.ragged.prefilling} with a "
+      f"prompt chunk of {cfg.ragged.chunk}, {r['tokens']} tokens (padded to {r['padded_to']}), "
+      f"rows holding {cfg.ragged.context[0]}–{cfg.ragged.context[1]}; each row read once: "
+      f"{r['needed_mb']:,.1f} MiB; outputs agree to {r['max_abs_diff']:.1e}"
+    )
+    show(title, ragged_table(r), first_left=True)
 
 
 def load_config(args) -> Config:
@@ -406,7 +554,11 @@ def load_config(args) -> Config:
     Config,
     args,
     QUICK,
-    **{"quant.contexts": args.quant_contexts, "serve.requests": args.requests},
+    **{
+      "quant.contexts": args.quant_contexts,
+      "serve.requests": args.requests,
+      "ragged.context": args.ragged_context,
+    },
   )
 
 
@@ -421,6 +573,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     "--quant-contexts", dest="quant_contexts", type=int, nargs="*", help="none: skip part 2"
   )
   parser.add_argument("--requests", type=int, help="0: skip the continuous-batching run")
+  parser.add_argument(
+    "--ragged-context", dest="ragged_context", type=int, nargs="*", help="none: skip part 4"
+  )
   parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="e.g. serve.batch=8")
   return parser.parse_args(argv)
 
@@ -435,6 +590,7 @@ def main(argv=None):
     steps=time_grid(cfg),
     quant=quant_errors(cfg),
     serve=serve(cfg),
+    ragged=ragged(cfg),
   )
   record["seconds"] = time.perf_counter() - start
   print_tables(cfg, record)

@@ -323,6 +323,18 @@ def decode(docs: pathlib.Path) -> str:
       f"paged pool, prompts written in chunks of {v['prefill_chunk']}:\n",
       _table(*bench_decode.serve_table(s)),
     ]
+  if (g := r.get("ragged")) is not None:
+    v = c["ragged"]
+    out += [
+      f"One continuous-batching step: {g['batch']} requests over float32 pages, "
+      f"{v['prefilling']} bringing a prompt chunk of {v['chunk']} tokens and the rest one "
+      f"decode token each ({g['tokens']:,} tokens; padded to ({g['batch']}, "
+      f"{g['padded_to']}) for decode.attention), rows holding {v['context'][0]:,}–"
+      f"{v['context'][1]:,} tokens (seed {v['seed']}), query tiles of {v['block_q']}; "
+      f"reading each row once would be {g['needed_mb']:,.1f} MiB; the outputs agree to "
+      f"{g['max_abs_diff']:.1e}:\n",
+      _table(*bench_decode.ragged_table(g)),
+    ]
   return "\n".join(out)
 
 

@@ -141,8 +141,18 @@ def test_bench_decode_quick(tmp_path):
   assert s["lengths_at_end"] == [0, 0, 0] and 0 < s["pages_reused"] < s["page_allocations"]
   assert s["traces"] == {"t=16": 1, "t=1": 1}
   assert s["contiguous_mb"] > s["pool_mb"]
+  # The ragged step: 5 requests, 2 with chunks of 12 and 3 decoding: 27 tokens, padded to
+  # (5, 12); query tiles of 4: at most ceil(27 / 4) + 5 = 12 of them, 48 query rows.
+  r = record["ragged"]
+  assert (r["batch"], r["tokens"], r["padded_to"]) == (5, 27, 12)
+  steps = {x["method"]: x for x in r["rows"]}
+  assert steps["padded"]["query_rows"] == 60 and steps["ragged"]["query_rows"] == 48
+  assert steps["padded"]["vs_padded"] == 1.0 and steps["ragged"]["vs_padded"] > 0
+  assert r["max_abs_diff"] < 1e-5  # the two steps give the same outputs
+  assert steps["ragged"]["cache_read_mb"] > steps["padded"]["cache_read_mb"] > r["needed_mb"]
   text = out.getvalue()
   assert "paged-int8" in text and "peak pages in use / pool" in text
+  assert "One continuous-batching step" in text
   saved = list(tmp_path.glob("bench_decode-*-quick.json"))
   assert len(saved) == 1 and json.loads(saved[0].read_text()) == record
   # --collect copies a full run's record (not a -quick one) into docs/bench/, and the docs'
@@ -157,6 +167,7 @@ def test_bench_decode_quick(tmp_path):
   ]
   table = docs_tables.decode(tmp_path / "docs")
   assert "| 2 | 40 | paged-int8 |" in table and "| peak pages in use / pool | " in table
+  assert "| ragged | " in table and "query tiles of 4" in table
 
 
 def test_bench_decode_config(tmp_path):
@@ -174,6 +185,8 @@ def test_bench_decode_config(tmp_path):
     ("serve: {max_length: 100}\n", r"'serve.max_length' \(100\) must hold the longest request"),
     ("quant: {dtypes: [int4]}\n", r"'quant.dtypes' must be one of \['int8', 'float8_e4m3fn'\]"),
     ("heads: 3\n", r"'heads' \(3\) must be a multiple of 'kv_heads' \(2\)"),
+    ("ragged: {context: [9, 3]}\n", r"'ragged.context' must be \[low, high\]"),
+    ("ragged: {prefilling: 99}\n", r"'ragged.prefilling' \(99\) must be at most"),
   ]:
     path.write_text(text)
     with pytest.raises(SystemExit, match=r"bench_decode: error: " + match):

@@ -649,3 +649,52 @@ ERRORS = [
 def test_errors(fn, error, match):
   with pytest.raises(error, match=match):
     fn()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8], ids=["float32", "int8"])
+def test_the_interleaved_pool_holds_and_attends_as_the_separate_ones(dtype):
+  """kv_layout="interleaved": one pool (P, page_size, 2K, H) with key head k at head 2k and
+  its values at 2k + 1 (the layout JAX's TPU ragged paged attention reads). Writes put the
+  same numbers where the separate pools put them; decode.attention, ragged_attention and
+  their gradients give what the separate pools give."""
+  K, N = 2, 4
+  pools = [
+    decode.init_paged(8, 2, B, 4, K, H, dtype=dtype, kv_layout=kv)
+    for kv in ("separate", "interleaved")
+  ]
+  assert pools[1].key_pages.shape == (8, 2, 2 * K, H) and pools[1].value_pages is None
+  assert pools[1].interleaved and not pools[0].interleaved
+  q, k, v = normal((B, 3, N, H), seed=1), normal((B, 3, K, H), seed=2), normal((B, 3, K, H), seed=3)
+  outs = []
+  for i, cache in enumerate(pools):
+    out, cache = decode.attention(q, k, v, cache, num_new=jnp.array([3, 2]))
+    outs.append(out)
+    pools[i] = cache
+  np.testing.assert_array_equal(outs[0], outs[1])
+  sep, inter = pools
+  np.testing.assert_array_equal(inter.key_pages[:, :, 0::2], sep.key_pages)
+  np.testing.assert_array_equal(inter.key_pages[:, :, 1::2], sep.value_pages)
+  if dtype == jnp.int8:
+    np.testing.assert_array_equal(inter.key_scale, sep.key_scale)
+  tokens = normal((5, N, H), seed=4), normal((5, K, H), seed=5), normal((5, K, H), seed=6)
+  cu = jnp.array([0, 1, 5])
+
+  def step(cache):
+    def loss(q, k, v):
+      out, _ = decode.ragged_attention(q, k, v, cache, cu)
+      return jnp.sum(out**2), out
+
+    return jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(*tokens)
+
+  (_, got), grads = step(inter)
+  (_, want), want_grads = step(sep)
+  np.testing.assert_array_equal(got, want)
+  for g, w in zip(grads, want_grads, strict=True):
+    assert_close(g, w)
+  with pytest.raises(ValueError, match="kv_layout must be 'separate' or 'interleaved'"):
+    decode.init_paged(8, 2, B, 4, K, H, kv_layout="split")
+  with pytest.raises(ValueError, match="value_head_dim must be head_dim"):
+    decode.init_paged(8, 2, B, 4, K, H, value_head_dim=8, kv_layout="interleaved")
+  odd = inter._replace(key_pages=inter.key_pages[:, :, :3])
+  with pytest.raises(ValueError, match="an even number of heads in the interleaved layout"):
+    decode.attention(q[:, :1], k[:, :1], v[:, :1], odd)

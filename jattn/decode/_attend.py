@@ -238,7 +238,10 @@ def over_tiles(
   _, _, _, spec = _validate.build(
     query, shape_of(H), shape_of(Hv), bias, mask, keywords, shapes_only=True
   )
-  stores = (cache.key_pages, cache.value_pages) if isinstance(cache, PagedKVCache) else cache[:2]
+  stores = cache[:2]
+  interleaved = isinstance(cache, PagedKVCache) and cache.interleaved
+  if interleaved:  # one pool, read for keys and for values: no copy is made
+    stores = (cache[0], cache[0])
   # Explicit mode: the page table and lengths take the query's batch sharding, so that each
   # device gathers the pages of its own rows from the (unsharded) pool.
   rows = common.sharding_spec(query)[:1]
@@ -255,6 +258,7 @@ def over_tiles(
     dtype=np.dtype(query.dtype),
     block=min(spec.block_kv, S),  # as blockwise.plan caps it
     rows=cache_rows,
+    interleaved=interleaved,
   )
   return returned(*_attend_cache(query, tiles, spec))
 

@@ -53,8 +53,11 @@ class PagedKVCache(NamedTuple):
   enough for ``lengths[b]`` tokens; ``-1`` marks no page.
 
   Attributes:
-    key_pages: (num_pages, page_size, K, H).
-    value_pages: (num_pages, page_size, K, Hv), same dtype as key_pages.
+    key_pages: (num_pages, page_size, K, H); or, in the interleaved layout, the one pool
+      of keys and values (num_pages, page_size, 2K, H), key head k at head 2k and its
+      values at 2k + 1, as JAX's TPU ragged paged attention reads it.
+    value_pages: (num_pages, page_size, K, Hv), same dtype as key_pages; None in the
+      interleaved layout.
     page_table: (B, max_pages_per_seq) int32, page ids or -1.
     lengths: (B,) int32, the number of tokens written to each row.
     free: (num_pages,) bool, the pages no row holds.
@@ -63,12 +66,17 @@ class PagedKVCache(NamedTuple):
   """
 
   key_pages: jax.Array
-  value_pages: jax.Array
+  value_pages: jax.Array | None
   page_table: jax.Array
   lengths: jax.Array
   free: jax.Array
   key_scale: jax.Array | None = None
   value_scale: jax.Array | None = None
+
+  @property
+  def interleaved(self) -> bool:
+    """Whether keys and values share one pool, interleaved by head (``value_pages`` None)."""
+    return self.value_pages is None
 
   @property
   def page_size(self) -> int:
@@ -124,10 +132,16 @@ def init_paged(
   *,
   dtype: Any = jnp.float32,
   value_head_dim: int | None = None,
+  kv_layout: str = "separate",
 ) -> PagedKVCache:
   """An empty paged cache: ``num_pages`` pages of ``page_size`` slots, all free, and
   ``batch_size`` rows of up to ``max_pages_per_seq`` pages (max_length =
   max_pages_per_seq · page_size tokens), lengths 0.
+
+  ``kv_layout``: ``"separate"`` pools of keys and of values, or ``"interleaved"``: one
+  pool (num_pages, page_size, 2K, H) holding key head k at head 2k and its values at
+  2k + 1 (values of the keys' head dim), the layout JAX's TPU ragged paged attention
+  kernel reads, so a step hands it the pool as it is.
 
   ``dtype`` as in :func:`init`. ``page_size`` is also the unit of attention's
   key/value tiles (``block_kv``, default the largest multiple of ``page_size`` up to
@@ -141,8 +155,21 @@ def init_paged(
     batch_size=batch_size,
     max_pages_per_seq=max_pages_per_seq,
   )
+  if kv_layout not in ("separate", "interleaved"):
+    raise ValueError(f"kv_layout must be 'separate' or 'interleaved', got {kv_layout!r}")
   stores = _stores((P, ps), num_kv_heads, head_dim, value_head_dim, dtype)
+  if kv_layout == "interleaved":
+    (shape, store_dtype, zero), value = stores[0], stores[1]
+    if value[0][3] != shape[3]:
+      raise ValueError(
+        f"value_head_dim must be head_dim ({shape[3]}) in the interleaved layout (keys and "
+        f"values share the pool's heads), got {value[0][3]}"
+      )
+    stores = (((P, ps, 2 * shape[2], shape[3]), store_dtype, zero), *stores[2:])
   tables = (((B, M), np.int32, -1), ((B,), np.int32, 0), ((P,), np.bool_, True))
+  if kv_layout == "interleaved":
+    pool, page_table, lengths, free, *scales = _filled((stores[0], *tables, *stores[1:]))
+    return PagedKVCache(pool, None, page_table, lengths, free, *scales)
   key, value, page_table, lengths, free, *scales = _filled((*stores[:2], *tables, *stores[2:]))
   return PagedKVCache(key, value, page_table, lengths, free, *scales)
 
@@ -191,4 +218,7 @@ def _dims(cache: Cache) -> tuple[int, int, int, int, int]:
     B = cache.page_table.shape[0]
     S = cache.max_length
     _, _, K, H = cache.key_pages.shape
-  return B, S, K, H, (cache.value if isinstance(cache, KVCache) else cache.value_pages).shape[3]
+    if cache.value_pages is None:  # interleaved: keys and values share the pool's heads
+      return B, S, K // 2, H, H
+    return B, S, K, H, cache.value_pages.shape[3]
+  return B, S, K, H, cache.value.shape[3]

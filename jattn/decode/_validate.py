@@ -27,24 +27,29 @@ def _check_cache(cache: object) -> None:
     ("cache.key_pages", "cache.value_pages") if paged else ("cache.key", "cache.value")
   )
   for name, x in zip(cache._fields, cache):
-    if x is None and name in ("key_scale", "value_scale"):
-      continue
+    if x is None and name in ("key_scale", "value_scale", "value_pages"):
+      continue  # a float cache's scales; the interleaved layout's values (in key_pages)
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"cache.{name} must be an array, got {type(x).__name__}")
   k, v = cache[0], cache[1]
   if paged:
     if k.ndim != 4:
       raise ValueError(f"{k_name} must have shape (num_pages, page_size, K, H), got {k.shape}")
+    if v is None and k.shape[2] % 2:
+      raise ValueError(
+        f"{k_name} must have an even number of heads in the interleaved layout (value_pages "
+        f"None: keys at even heads, values at odd ones), got {k.shape}"
+      )
   elif k.ndim != 4 or k.shape[1] < 1:
     raise ValueError(
       f"cache.key must have shape (B, max_length, K, H) with max_length >= 1, got {k.shape}"
     )
-  if v.ndim != 4 or v.shape[:3] != k.shape[:3]:
+  if v is not None and (v.ndim != 4 or v.shape[:3] != k.shape[:3]):
     raise ValueError(
       f"{k_name} and {v_name} must have the same shape but for the head dimension, got "
       f"{k.shape} and {v.shape}"
     )
-  if v.dtype != k.dtype:
+  if v is not None and v.dtype != k.dtype:
     raise TypeError(f"{k_name} and {v_name} must have the same dtype, got {k.dtype} and {v.dtype}")
   lengths = cache.lengths
   B = cache.page_table.shape[0] if isinstance(cache, PagedKVCache) else k.shape[0]
@@ -54,7 +59,7 @@ def _check_cache(cache: object) -> None:
       f"got {lengths.dtype}{lengths.shape}"
     )
   quantized = quant.is_quantized(k.dtype)
-  scale_shape = k.shape[:3]
+  scale_shape = k.shape[:2] + (k.shape[2] // 2,) if v is None else k.shape[:3]
   for name, x in (("cache.key_scale", cache.key_scale), ("cache.value_scale", cache.value_scale)):
     if quantized and (x is None or x.shape != scale_shape or x.dtype != quant.SCALE_DTYPE):
       got = "None" if x is None else f"{x.dtype}{x.shape}"

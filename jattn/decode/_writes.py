@@ -156,15 +156,27 @@ def _write(
     pages, slots = (common.reshard(i, (None, None), mesh_of=src) for i in at)
     return store.at[pages, slots].set(x, mode="drop")
 
+  pools = _pools(cache, stored)
   return PagedKVCache(
-    put(cache.key_pages, stored[0]),
-    put(cache.value_pages, stored[1]),
+    put(cache.key_pages, pools[0]),
+    put(cache.value_pages, pools[1]),
     table,
     new_lengths.astype(cache.lengths.dtype),
     free,
     put(cache.key_scale, scales[0]),
     put(cache.value_scale, scales[1]),
   )
+
+
+def _pools(cache: PagedKVCache, stored: tuple[Any, Any]) -> tuple[Any, Any]:
+  """What a paged cache's pools take of new keys and values (..., K, H): each its own, or in
+  the interleaved layout the one pool both, key head k at 2k and its values at 2k + 1 (and
+  None for the absent value pool)."""
+  if not cache.interleaved:
+    return stored
+  k, v = stored
+  both = jnp.stack([k, v], axis=-2)  # (..., K, 2, H)
+  return both.reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1]), None
 
 
 @jax.jit
@@ -208,9 +220,10 @@ def _write_packed(
   ps = cache.page_size
   page = table[r, jnp.clip(pos // ps, 0, cache.max_pages_per_seq - 1)]
   at = (jnp.where(kept, page, cache.num_pages), pos % ps)
+  pools = _pools(cache, stored)
   return PagedKVCache(
-    _put(at, cache.key_pages, stored[0]),
-    _put(at, cache.value_pages, stored[1]),
+    _put(at, cache.key_pages, pools[0]),
+    _put(at, cache.value_pages, pools[1]),
     table,
     new_lengths.astype(cache.lengths.dtype),
     free,

@@ -74,7 +74,7 @@ def stacked(key: jax.Array, value: jax.Array, block: int) -> Stacked:
 @functools.partial(
   _compat.register_dataclass,
   data_fields=["key", "value", "key_scale", "value_scale", "page_table", "lengths", "rows"],
-  meta_fields=["dtype", "block"],
+  meta_fields=["dtype", "block", "interleaved"],
 )
 @dataclasses.dataclass(frozen=True)
 class CacheTiles:
@@ -91,6 +91,9 @@ class CacheTiles:
   # None, or int32 (B',) for a dense cache: the cache row each of the B' query rows reads
   # (a ragged step's query tiles, several to a row); lengths are then per query row.
   rows: Any = None
+  # A paged pool holding keys and values interleaved by head (key head k at 2k, its values
+  # at 2k + 1), given as both ``key`` and ``value``: each tile reads its half of the heads.
+  interleaved: bool = False
 
   @property
   def paged(self) -> bool:
@@ -110,6 +113,8 @@ class CacheTiles:
   @property
   def heads(self) -> tuple[int, int, Any]:
     """(K, Hv, the dtype value tiles are read as)."""
+    if self.interleaved:
+      return self.key.shape[2] // 2, self.key.shape[3], np.dtype(self.dtype)
     return self.key.shape[2], self.value.shape[3], np.dtype(self.dtype)
 
   def _slots(self, j: jax.Array | int) -> jax.Array:
@@ -126,13 +131,18 @@ class CacheTiles:
     per_tile = self.block // self.key.shape[1]
     return jax.lax.dynamic_slice_in_dim(self._table(), j * per_tile, per_tile, axis=1)
 
-  def _read(self, store: jax.Array, scale: jax.Array | None, j: jax.Array | int) -> jax.Array:
-    """Tile j of ``store`` as (B, K, block, h) in ``dtype``, zero past each row's length."""
+  def _read(
+    self, store: jax.Array, scale: jax.Array | None, j: jax.Array | int, half: int
+  ) -> jax.Array:
+    """Tile j of ``store`` as (B, K, block, h) in ``dtype``, zero past each row's length;
+    ``half`` 0 for keys, 1 for values (which heads of an interleaved pool)."""
     slots = self._slots(j)
     if self.paged:
       pages = jnp.maximum(self._pages(j), 0)  # -1: past the row's length, zeroed below
       B, per_tile = pages.shape
       x = _gather_pages(store, pages).reshape(B, self.block, *store.shape[2:])
+      if self.interleaved:
+        x = x[:, :, half::2]
       if scale is not None:
         scale = _gather_pages(scale, pages).reshape(B, self.block, scale.shape[2])
     elif self.rows is not None:  # each query row's cache row, slots past it clamped
@@ -154,20 +164,23 @@ class CacheTiles:
     return x.transpose(0, 2, 1, 3)
 
   def key_tile(self, j: jax.Array | int) -> jax.Array:
-    return self._read(self.key, self.key_scale, j)
+    return self._read(self.key, self.key_scale, j, 0)
 
   def value_tile(self, j: jax.Array | int) -> jax.Array:
-    return self._read(self.value, self.value_scale, j)
+    return self._read(self.value, self.value_scale, j, 1)
 
   def cotangent(self, d_k: jax.Array, d_v: jax.Array) -> CacheTiles:
     """The cache's cotangent from per-tile gradients (n, B, K, h, block): scattered back
     into the rows or pages for float storage; none for quantized storage (rounding has no
     useful derivative), the scales, the page table and the lengths."""
 
-    def back(store: jax.Array, d: jax.Array) -> jax.Array | None:
+    def back(store: jax.Array, d: jax.Array, half: int) -> jax.Array | None:
       if quant.is_quantized(store.dtype):
         return None
       d = untile(d)  # (B, slots, K, h)
+      if self.interleaved:  # into its half of the pool's heads, zeros in the other half
+        pair = [d, jnp.zeros_like(d)] if half == 0 else [jnp.zeros_like(d), d]
+        d = jnp.stack(pair, axis=-2).reshape(*d.shape[:2], 2 * d.shape[2], d.shape[3])
       if not self.paged:
         d = d[:, : self.kv_len]
         if self.rows is not None:  # query rows sharing a cache row add up
@@ -180,8 +193,8 @@ class CacheTiles:
 
     return dataclasses.replace(
       self,
-      key=back(self.key, d_k),
-      value=back(self.value, d_v),
+      key=back(self.key, d_k, 0),
+      value=back(self.value, d_v, 1),
       key_scale=None,
       value_scale=None,
       page_table=None,
