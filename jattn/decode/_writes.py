@@ -97,20 +97,10 @@ def _write(
   i = jnp.arange(t, dtype=jnp.int32)[None, :]
   n = jnp.full((B,), t, jnp.int32) if num_new is None else jnp.clip(num_new, 0, t)
   lengths = cache.lengths.astype(jnp.int32)
-  new_lengths = jnp.minimum(lengths + n.astype(jnp.int32), S)
-  if isinstance(cache, PagedKVCache):
-    table, free, capacity = _paging.allocate(
-      cache.page_table, cache.free, new_lengths, cache.page_size
-    )
-    new_lengths = jnp.minimum(new_lengths, capacity)
+  new_lengths, table, free = _grow(cache, n)
   pos = lengths[:, None] + i  # (B, t)
   kept = pos < new_lengths[:, None]  # the first n[b] tokens, as far as the row has room
-  stored: tuple[Any, Any] = (key, value)
-  scales: tuple[Any, Any] = (None, None)
-  if quant.is_quantized(cache.dtype):
-    # Gradients do not flow into a quantized cache (see :mod:`jattn.decode`).
-    (k_q, k_s), (v_q, v_s) = (quant.quantize(jax.lax.stop_gradient(x), cache.dtype) for x in stored)
-    stored, scales = (k_q, v_q), (k_s, v_s)
+  stored, scales = _stored(cache, key, value)
 
   if isinstance(cache, KVCache):
     # Row by row (a scatter batched over B): each row writes only its own slots, so a
@@ -192,22 +182,12 @@ def _write_packed(
   ``row`` (T,) (-1: padding, not written) at slot ``lengths[row] + local``; ``counts`` (B,)
   how many each row takes. Rows grow (and take pages) as :func:`_write` grows them, tokens
   past a row's room dropped, its length saturating."""
-  S = cache.max_length
   lengths = cache.lengths.astype(jnp.int32)
-  new_lengths = jnp.minimum(lengths + counts.astype(jnp.int32), S)
-  if isinstance(cache, PagedKVCache):
-    table, free, capacity = _paging.allocate(
-      cache.page_table, cache.free, new_lengths, cache.page_size
-    )
-    new_lengths = jnp.minimum(new_lengths, capacity)
+  new_lengths, table, free = _grow(cache, counts)
   r = jnp.maximum(row, 0)
   pos = lengths[r] + local
   kept = (row >= 0) & (pos < new_lengths[r])
-  stored: tuple[Any, Any] = (key, value)
-  scales: tuple[Any, Any] = (None, None)
-  if quant.is_quantized(cache.dtype):
-    (k_q, k_s), (v_q, v_s) = (quant.quantize(jax.lax.stop_gradient(x), cache.dtype) for x in stored)
-    stored, scales = (k_q, v_q), (k_s, v_s)
+  stored, scales = _stored(cache, key, value)
   if isinstance(cache, KVCache):
     at = (jnp.where(kept, r, cache.key.shape[0]), pos)  # row B and beyond: dropped
     return KVCache(
@@ -236,3 +216,29 @@ def _put(at: tuple[jax.Array, jax.Array], store: Any, x: Any) -> Any:
   """``store`` with ``x`` scattered at ``at`` (indices past the store dropped); None for an
   absent store (a float cache's scales)."""
   return None if x is None else store.at[at].set(x, mode="drop")
+
+
+def _grow(cache: Cache, counts: Any) -> tuple[jax.Array, Any, Any]:
+  """``(new_lengths, page_table, free)``: the rows' lengths after ``counts`` (B,) more tokens,
+  capped at max_length and, for a paged cache, at the pages the pool could give them (then
+  the table and free list after giving them; None, None for a contiguous cache)."""
+  lengths = cache.lengths.astype(jnp.int32)
+  new_lengths = jnp.minimum(lengths + counts.astype(jnp.int32), cache.max_length)
+  if not isinstance(cache, PagedKVCache):
+    return new_lengths, None, None
+  table, free, capacity = _paging.allocate(
+    cache.page_table, cache.free, new_lengths, cache.page_size
+  )
+  return jnp.minimum(new_lengths, capacity), table, free
+
+
+def _stored(cache: Cache, key: Any, value: Any) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+  """``((key, value), (key_scale, value_scale))`` as the cache stores them: quantized with
+  their scales for an int8/float8 cache (gradients do not flow into it, see
+  :mod:`jattn.decode`), else as given with no scales."""
+  if not quant.is_quantized(cache.dtype):
+    return (key, value), (None, None)
+  (k_q, k_s), (v_q, v_s) = (
+    quant.quantize(jax.lax.stop_gradient(x), cache.dtype) for x in (key, value)
+  )
+  return (k_q, v_q), (k_s, v_s)
