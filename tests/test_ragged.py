@@ -30,7 +30,8 @@ def _step(q, k, v, cache, cu, **kw):
 def _cache(kind):
   if kind == "paged":
     return decode.init_paged(12, 4, B, 4, K, H)
-  return decode.init(B, S, K, H, dtype=jnp.int8 if kind == "int8" else jnp.float32)
+  dtype = {"int8": jnp.int8, "float8": jnp.float8_e4m3fn}.get(kind, jnp.float32)
+  return decode.init(B, S, K, H, dtype=dtype)
 
 
 def _held(cache):
@@ -85,7 +86,13 @@ def _formula(q, k, v, before, cu, *, score=None, allowed=None, xp=np, stored=Non
 
 @pytest.mark.parametrize(
   "kind, implementation",
-  [("contiguous", "xla"), ("contiguous", "blockwise"), ("paged", None), ("int8", None)],
+  [
+    ("contiguous", "xla"),
+    ("contiguous", "blockwise"),
+    ("paged", None),
+    ("int8", None),
+    pytest.param("float8", None, marks=pytest.mark.exhaustive),  # int8's path, other rounding
+  ],
 )
 def test_steps_of_mixed_requests_equal_the_formula_per_request(kind, implementation):
   """Three steps (prefill chunk, short prompt; decode tokens, an empty request, a new
@@ -98,8 +105,9 @@ def test_steps_of_mixed_requests_equal_the_formula_per_request(kind, implementat
     q, k, v = _tokens(10 * i)
     before = _held(cache)
     (out, lse), cache = _step(q, k, v, cache, jnp.asarray(cu), return_residual=True, **kw)
-    # int8 rounds the new keys and values as it stores them: the formula reads them stored.
-    stored = _held(cache) if kind == "int8" else None
+    # int8 and float8 round the new keys and values as they store them: the formula reads
+    # them stored.
+    stored = _held(cache) if kind in ("int8", "float8") else None
     want, want_lse = _formula(q, k, v, before, cu, stored=stored)
     assert_close(out, want)
     live = np.asarray(cu[-1] > np.arange(T))
@@ -112,7 +120,7 @@ def test_steps_of_mixed_requests_equal_the_formula_per_request(kind, implementat
   for which in range(2):
     for r in range(B):
       want = np.concatenate(given[which][r])
-      tol = 2e-2 * np.abs(want).max() if kind == "int8" else 0
+      tol = {"int8": 2e-2, "float8": 7e-2}.get(kind, 0) * np.abs(want).max()
       np.testing.assert_allclose(held[which][r], want, atol=tol)
   np.testing.assert_array_equal(cache.lengths, [7, 3, 4])
 
