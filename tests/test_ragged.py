@@ -128,17 +128,18 @@ def test_steps_of_mixed_requests_equal_the_formula_per_request(kind, implementat
 def test_one_trace_serves_any_split_and_matches_decode_attention():
   """Traced offsets: three splits of the budget, one trace (offsets of one length, B + 1:
   the requests a step lacks are empty). Each step equals decode.attention on the same
-  requests padded to a (B, t) batch."""
+  requests padded to a (B, t) batch, sinks included."""
   traces = []
+  sinks = jnp.array([0.5, -1.0, 2.0, 0.0])
 
   @jax.jit
   def step(q, k, v, cache, cu):
     traces.append(1)
-    return decode.ragged_attention(q, k, v, cache, cu)
+    return decode.ragged_attention(q, k, v, cache, cu, sinks=sinks)
 
   @jax.jit
   def padded(q, k, v, cache, num_new):
-    return decode.attention(q, k, v, cache, num_new=num_new)
+    return decode.attention(q, k, v, cache, num_new=num_new, sinks=sinks)
 
   cache = ref = _cache("paged")
   for i, cu in enumerate(STEPS):
