@@ -80,6 +80,18 @@ def gpu_target(device_kind: str = "NVIDIA H100") -> AbstractContextManager[Any]:
   return jax.sharding.use_abstract_mesh(mesh)
 
 
+def tpu_target(device_kind: str) -> AbstractContextManager[Any]:
+  """A block in which Mosaic's TPU lowering targets a TPU of ``device_kind`` (``"TPU v5
+  lite"``, ``"TPU v6 lite"``) on a machine without one: kernels whose lowering reads the
+  chip's generation (JAX's ragged paged attention) lower for it from a CPU."""
+  from jax._src import mesh as mesh_lib  # public as jax.sharding.AbstractDevice from JAX 0.12
+
+  device_type = getattr(jax.sharding, "AbstractDevice", None) or mesh_lib.AbstractDevice
+  device = device_type(device_kind=device_kind, num_cores=1, platform="tpu")
+  mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
 def no_mesh() -> AbstractContextManager[Any]:
   """A block in which computations see no mesh: for evaluating NumPy-valued constants
   (splash's mask tables) eagerly while a ``shard_map`` body is being traced."""

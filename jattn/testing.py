@@ -78,7 +78,9 @@ def lowering_for(backend: str | Sequence[str], device_kind: str | None = None) -
   ``device_kind``: the GPU the program is for, as ``jax.Device.device_kind`` names it
   (``"NVIDIA H100 80GB HBM3"``, ``"NVIDIA A100-SXM4-80GB"``): flex picks its tiles for that
   GPU's generation, and Pallas' Triton lowering (which from JAX 0.12 reads the GPU's compute
-  capability) targets it. Only with ``backend="gpu"``.
+  capability) targets it. With ``backend="tpu"``, the TPU (``"TPU v5 lite"``): Mosaic's
+  lowering of kernels that read the chip's generation (JAX's ragged paged attention,
+  ``implementation="ragged_paged"`` of :func:`jattn.decode.ragged_attention`) targets it.
   """
   names = (backend,) if isinstance(backend, str) else tuple(backend)
   backends = tuple(dict.fromkeys(_BACKEND_OF.get(b, b) for b in names))
@@ -87,11 +89,15 @@ def lowering_for(backend: str | Sequence[str], device_kind: str | None = None) -
       "backend must be one of ['cpu', 'gpu', 'tpu'] (or 'cuda', 'rocm'), or a non-empty "
       f"sequence of them, got {backend!r}"
     )
-  if device_kind is not None and "gpu" not in backends:
-    raise ValueError(f"device_kind names a GPU; backend is {backend!r}, not 'gpu'")
+  if device_kind is not None and backends not in (("gpu",), ("tpu",)):
+    raise ValueError(
+      f"device_kind names a GPU or a TPU; backend is {backend!r}, not 'gpu' or 'tpu'"
+    )
   with contextlib.ExitStack() as stack:
     stack.enter_context(_BACKEND(backends))
-    if device_kind is not None:
+    if device_kind is not None and backends == ("tpu",):
+      stack.enter_context(_compat.tpu_target(device_kind))
+    elif device_kind is not None:
       stack.enter_context(_DEVICE_KIND(device_kind))
       stack.enter_context(_compat.gpu_target(device_kind))
     yield

@@ -92,8 +92,11 @@ def test_lowering_for_checks_its_backends():
   with pytest.raises(ValueError, match="backend must be one of"):
     with testing.lowering_for(()):
       pass
-  with pytest.raises(ValueError, match="device_kind names a GPU"):
-    with testing.lowering_for("tpu", device_kind="NVIDIA H100"):
+  with pytest.raises(ValueError, match="device_kind names a GPU or a TPU"):
+    with testing.lowering_for("cpu", device_kind="NVIDIA H100"):
+      pass
+  with pytest.raises(ValueError, match="device_kind names a GPU or a TPU"):
+    with testing.lowering_for(("cpu", "tpu"), device_kind="TPU v5 lite"):
       pass
   with testing.lowering_for("cuda"):
     assert testing.target_backend() == "gpu" and not testing.portable()

@@ -12,7 +12,8 @@ import pytest
 from jax.test_util import check_grads
 from reference import assert_close, attention_jnp, attention_np, causal_np, normal
 
-from jattn import decode, masks, scores
+import jattn
+from jattn import decode, masks, scores, testing
 
 B, S, K, N, H = 3, 16, 2, 4, 8  # cache rows, max_length, heads, head dim
 T = 8  # the step's token budget
@@ -279,3 +280,91 @@ def test_errors(change, error, match):
   args["cu_seqlens"] = np.asarray(args.pop("cu", [0, 2]))
   with pytest.raises(error, match=match):
     decode.ragged_attention(**args)
+
+
+# --- implementation="ragged_paged": JAX's TPU kernel ---------------------------------------
+
+HK, TK = 128, 16  # the kernel's head dim (its lanes); the steps' token budget
+
+
+def _kernel_cache():
+  return decode.init_paged(16, 16, B, 4, K, HK, kv_layout="interleaved")
+
+
+def _kernel_tokens(seed):
+  return tuple(normal((TK, n, HK), seed=seed + i) for i, n in enumerate((N, K, K)))
+
+
+def test_the_tpu_kernel_step_equals_the_blockwise_one():
+  """implementation="ragged_paged" on an interleaved pool: three steps (a prompt chunk and
+  short prompts; decode tokens beside an empty request; a soft cap; a window over absolute
+  positions) equal the blockwise step on the same cache, and write the same rows. Here, under
+  interpret_kernels, JAX's reference of the kernel runs on the very arguments the kernel
+  would get (neither Pallas interpreter runs the kernel itself)."""
+  ours = theirs = _kernel_cache()
+  steps = [
+    ([0, 9, 10, 14], {}),
+    ([0, 1, 2, 3], dict(logits_soft_cap=2.0, scale=0.05)),
+    ([0, 0, 5, 6], dict(mask=masks.sliding_window(3), absolute_positions=True)),
+  ]
+  for i, (cu, kw) in enumerate(steps):
+    q, k, v = _kernel_tokens(10 * i)
+    with testing.interpret_kernels():
+      got, ours = decode.ragged_attention(
+        q, k, v, ours, np.array(cu), implementation="ragged_paged", **kw
+      )
+    want, theirs = decode.ragged_attention(q, k, v, theirs, np.array(cu), **kw)
+    assert_close(got, want)
+    np.testing.assert_array_equal(np.asarray(got)[cu[-1] :], 0.0)
+    np.testing.assert_array_equal(ours.lengths, theirs.lengths)
+  np.testing.assert_array_equal(ours.key_pages, theirs.key_pages)
+
+
+def test_the_tpu_kernel_step_lowers_to_its_kernel_and_is_an_opt_in():
+  """Lowered for a TPU (v5e named, as the kernel's lowering reads the chip), the step holds
+  the kernel's Mosaic call; implementation=None does not pick it (no TPU record yet)."""
+  q, k, v = _kernel_tokens(0)
+  cache, cu = _kernel_cache(), jnp.array([0, 9, 10, 14])
+
+  def lowered(**kw):
+    step = lambda q, k, v, c, cu: decode.ragged_attention(q, k, v, c, cu, **kw)[0]
+    with testing.lowering_for("tpu", device_kind="TPU v5 lite"):
+      traced = jax.jit(step).trace(q, k, v, cache, cu)
+      return traced.lower(lowering_platforms=("tpu",)).as_text()
+
+  assert "tpu_custom_call" in lowered(implementation="ragged_paged")
+  assert "tpu_custom_call" not in lowered()
+  choice = jattn.explain(q[None], k[None], v[None], backend="tpu")
+  assert "ragged_paged" in choice.rejected
+  assert (
+    "decode.ragged_attention's continuous-batching step only" in choice.rejected["ragged_paged"]
+  )
+
+
+@pytest.mark.parametrize(
+  "change, match",
+  [
+    (dict(cache="separate"), "the interleaved layout"),
+    (dict(cache="int8"), "float storage"),
+    (dict(mask=masks.causal()), r"mask \(but masks.sliding_window"),
+    (dict(mask=masks.sliding_window(2)), r"mask \(but masks.sliding_window"),  # relative
+    (dict(score_fn=scores.alibi(jnp.ones(N))), r"score_fn \(but logits_soft_cap\)"),
+    (dict(sinks=jnp.zeros(N)), "sinks: the kernel has none"),
+    (dict(return_max_logit=True), "return_max_logit: the kernel has none"),
+    (dict(block_kv=24), "block_kv must be a multiple of the cache's page_size=16"),
+    (dict(backend="cpu"), "runs on TPU, and the backend is 'cpu'"),
+  ],
+)
+def test_the_tpu_kernel_step_refuses_what_the_kernel_cannot_take(change, match):
+  change = dict(change)
+  q, k, v = (jnp.ones((TK, n, HK)) for n in (N, K, K))
+  layout = change.pop("cache", "interleaved")
+  cache = {
+    "separate": lambda: decode.init_paged(16, 16, B, 4, K, HK),
+    "int8": lambda: decode.init_paged(16, 16, B, 4, K, HK, dtype=jnp.int8, kv_layout="interleaved"),
+  }.get(layout, _kernel_cache)()
+  backend = change.pop("backend", "tpu")
+  with testing.lowering_for(backend), pytest.raises(ValueError, match=match):
+    decode.ragged_attention(
+      q, k, v, cache, np.array([0, 2]), implementation="ragged_paged", **change
+    )

@@ -22,14 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _checks, masks
+from jattn import _checks, masks, testing
 from jattn._validate.keywords import Decoding, checked, options_of
 from jattn.attention import dot_product_attention
 from jattn.decode._attend import over_tiles, seen_at
-from jattn.decode._cache import Cache, KVCache, _dims
+from jattn.decode._cache import Cache, KVCache, PagedKVCache, _dims
 from jattn.decode._validate import _check_cache, _check_dtype, _check_room
 from jattn.decode._writes import _write_packed
-from jattn.impl import select
+from jattn.impl import quant, ragged_paged, select
 
 __all__ = ["ragged_attention"]
 
@@ -79,7 +79,12 @@ def ragged_attention(
       functions see the indices masks see. ``block_q`` sets the tokens per query tile
       (default 8). The same implementations read the cache: by default blockwise, tile by
       tile; ``implementation="xla"`` materialises a float contiguous cache's rows, one
-      copy per query tile.
+      copy per query tile. ``implementation="ragged_paged"`` runs the step as JAX's TPU
+      ragged paged attention kernel (``jattn.impl.ragged_paged``; ``block_q`` its
+      queries per block, ``block_kv`` the slots of its key/value blocks) over a paged cache
+      in the interleaved layout with float storage; it takes a soft cap, the scale and a
+      window Mask over absolute positions, and refuses the rest by name. An explicit
+      opt-in until a run on a TPU is recorded.
 
   Returns:
     ``(out, new_cache)``, out (T, N, Hv) in the query's dtype; with ``return_residual``
@@ -102,10 +107,19 @@ def ragged_attention(
       f"(T, S) grid an array could cover), got {type(mask).__name__}"
     )
   absolute = _checks.boolean("absolute_positions", call.pop("absolute_positions", False))
+  # The kernel's own block sizes (it is no tiled implementation of dot_product_attention).
+  blocks = (None, None)
+  if call.get("implementation") == ragged_paged.NAME:
+    blocks = (call.pop("block_q", None), call.pop("block_kv", None))
   options = options_of(call)
-  block = min(options.block_q or DEFAULT_BLOCK_Q, T)
+  kernel = None
+  if options.implementation == ragged_paged.NAME:
+    kernel = _kernel_step(cache, mask, absolute, blocks, call)
+  block = min(blocks[0] or options.block_q or DEFAULT_BLOCK_Q, T)
   plan = _plan(jnp.asarray(cu, jnp.int32), B, T, block)
   new_cache = _write_packed(cache, key, value, plan.counts, plan.row, plan.local)
+  if kernel is not None:
+    return _run_kernel(query, cache, new_cache, jnp.asarray(cu, jnp.int32), plan, kernel), new_cache
 
   old = cache.lengths.astype(jnp.int32)
   new = new_cache.lengths.astype(jnp.int32)
@@ -147,6 +161,101 @@ def ragged_attention(
   results = out if isinstance(out, tuple) else (out,)
   back = tuple(_unpack(x, plan) for x in results)
   return (back if isinstance(out, tuple) else back[0]), new_cache
+
+
+def _kernel_step(
+  cache: Cache,
+  mask: masks.Mask | None,
+  absolute: bool,
+  blocks: tuple[int | None, int | None],
+  call: dict[str, Any],
+) -> ragged_paged.Step:
+  """The kernel's settings for this step (``implementation="ragged_paged"``; ``blocks``, the
+  queries and key/value slots of its blocks where given), or an error naming what the
+  kernel cannot take."""
+  name = ragged_paged.NAME
+  backend = testing.target_backend() or jax.default_backend()
+  if backend != "tpu" and not testing.interpreting():
+    raise ValueError(
+      f"implementation={name!r} runs on TPU, and the backend is {backend!r} (to lower for a "
+      "TPU from here, use jattn.testing.lowering_for('tpu', device_kind=...))"
+    )
+  _, _, _, H, Hv = _dims(cache)
+  window, bad_mask = None, False
+  if isinstance(mask, masks.kinds.SlidingWindow):
+    bad_mask = not absolute or mask.dilation != 1
+    window = mask.left
+  elif mask is not None:
+    bad_mask = True
+  cap = call.get("logits_soft_cap")
+  why = ragged_paged.refusal(
+    interleaved=isinstance(cache, PagedKVCache) and cache.interleaved,
+    quantized=quant.is_quantized(cache.dtype),
+    head_dims=(H, Hv),
+    features={
+      "mask (but masks.sliding_window(w) with absolute_positions=True)": bad_mask,
+      "score_fn (but logits_soft_cap)": call.get("score_fn") is not None,
+      "sinks": call.get("sinks") is not None,
+      "dropout_rate > 0": (call.get("dropout_rate") or 0) > 0,
+      "return_residual": bool(call.get("return_residual")),
+      "return_max_logit": bool(call.get("return_max_logit")),
+    },
+  )
+  if why is not None:
+    raise ValueError(f"implementation={name!r} cannot run this step: it needs {why}")
+  assert isinstance(cache, PagedKVCache)
+  scale = call.get("scale")
+  queries, per_block = (
+    None if b is None else _checks.integer(n, b, minimum=1)
+    for n, b in zip(("block_q", "block_kv"), blocks)
+  )
+  if per_block is not None and per_block % cache.page_size:
+    raise ValueError(
+      f"block_kv must be a multiple of the cache's page_size={cache.page_size} (the kernel "
+      f"reads whole pages), got {per_block}"
+    )
+  return ragged_paged.Step(
+    scale=float(1 / np.sqrt(H) if scale is None else scale),
+    window=window,
+    soft_cap=None if cap is None else float(cap),
+    queries_per_block=queries or 32,
+    kv_pages_per_block=(
+      ragged_paged.pages_per_block(cache.page_size, cache.max_pages_per_seq)
+      if per_block is None
+      else min(per_block // cache.page_size, cache.max_pages_per_seq)
+    ),
+  )
+
+
+def _run_kernel(
+  query: Any, cache: Cache, new_cache: Cache, cu: jax.Array, plan: _Plan, step: Any
+) -> jax.Array:
+  """The step through the fused kernel: the tokens each row kept (all of them, unless a row
+  ran out of room under jit) packed for it, the rows' lengths with them written, their
+  pages; the output back on the step's tokens, zero where a token was not kept."""
+  assert isinstance(new_cache, PagedKVCache)
+  R, T = cu.shape[0] - 1, query.shape[0]
+  kept = (new_cache.lengths.astype(jnp.int32) - cache.lengths.astype(jnp.int32))[:R]
+  cu_kept = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(kept, dtype=jnp.int32)])
+  slots = jnp.arange(T, dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu_kept, slots, side="right") - 1, 0, max(R - 1, 0))
+  source = jnp.clip(cu[seq] + slots - cu_kept[seq], 0, T - 1)
+  packed = jnp.where((slots < cu_kept[-1])[:, None, None], jnp.asarray(query)[source], 0)
+  B = new_cache.lengths.shape[0]
+  cu_rows = jnp.concatenate([cu_kept, jnp.full(B - R, cu_kept[-1], jnp.int32)])
+  out = ragged_paged.run(
+    packed,
+    new_cache.key_pages,
+    new_cache.lengths.astype(jnp.int32),
+    jnp.maximum(new_cache.page_table, 0).astype(jnp.int32),
+    cu_rows,
+    jnp.array([R], jnp.int32),
+    step,
+  )
+  r = jnp.maximum(plan.row, 0)
+  live = (plan.row >= 0) & (plan.local < kept[jnp.minimum(r, max(R - 1, 0))])
+  back = out[jnp.clip(cu_kept[jnp.minimum(r, max(R - 1, 0))] + plan.local, 0, T - 1)]
+  return jnp.where(live[:, None, None], back, jnp.zeros((), back.dtype))
 
 
 def _check_tokens(

@@ -164,6 +164,10 @@ class Implementation:
   # spec) -> (out, lse, max_logit), the tiles a jattn.impl.kv_tiles.CacheTiles. None: it reads
   # no cache.
   read_cache: Callable[..., tuple[Any, Any, Any]] | None = None
+  # Runs the ragged continuous-batching step of jattn.decode.ragged_attention as one fused
+  # kernel over a paged pool: (query, pool, kv_lens, page_indices, cu_q_lens, num_seqs,
+  # step) -> out, the step a jattn.impl.ragged_paged.Step. None: it runs no such step.
+  ragged_step: Callable[..., Any] | None = None
 
   def why_not(self, call: Call, *, interpret: bool = False, device: bool = True) -> str | None:
     """Why it cannot run ``call`` exactly; None when it can. ``device``: also whether it

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from jattn.impl import blockwise, cudnn, flex, flex_hopper, splash, xla
+from jattn.impl import blockwise, cudnn, flex, flex_hopper, ragged_paged, splash, xla
 from jattn.impl.contract import BACKENDS, BACKWARDS, Call, Implementation
 
 __all__ = ["BACKENDS", "BACKWARDS", "Call", "Implementation", "TABLE", "Choice", "choose"]
@@ -34,6 +34,7 @@ TABLE: dict[str, Implementation] = {
     cudnn.IMPLEMENTATION,
     flex.IMPLEMENTATION,
     flex_hopper.IMPLEMENTATION,  # an explicit opt-in until a GPU record (OPT_IN)
+    ragged_paged.IMPLEMENTATION,  # decode.ragged_attention's step on TPU; opt-in (no record)
   )
 }
 
