@@ -244,8 +244,8 @@ BAD_INPUTS = [
     "unknown_implementation",
     dict(implementation="flash"),
     ValueError,
-    r"implementation must be one of \['blockwise', 'cudnn', 'flex', 'flex_hopper', "
-    r"'ragged_paged', 'splash', 'xla'\] or None, "
+    r"implementation must be one of \['blockwise', 'cudnn', 'flex', 'flex_decode', "
+    r"'flex_hopper', 'ragged_paged', 'splash', 'xla'\] or None, "
     r"got 'flash'",
   ),
   (

@@ -4,6 +4,7 @@ paged and quantized caches; the writes; padding and empty requests; one trace fo
 split; masks and score functions at positions; gradients; errors naming the argument."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -368,3 +369,77 @@ def test_the_tpu_kernel_step_refuses_what_the_kernel_cannot_take(change, match):
     decode.ragged_attention(
       q, k, v, cache, np.array([0, 2]), implementation="ragged_paged", **change
     )
+
+
+# --- implementation="flex_decode": jattn's split-KV GPU kernel -----------------------------
+
+
+@pytest.mark.parametrize("kv_layout", ["separate", "interleaved"])
+def test_the_gpu_kernel_step_equals_the_blockwise_one(kv_layout):
+  """implementation="flex_decode" in Pallas' interpreter: three steps (a prompt chunk and
+  short prompts; decode tokens beside an empty request with a soft cap and a scale; a window
+  over absolute positions), each row's pages split one per program (block_kv = the page
+  size: four splits merged), equal the blockwise step on the same cache, either layout."""
+  ours = theirs = decode.init_paged(16, 16, B, 4, K, 16, kv_layout=kv_layout)
+  steps = [
+    ([0, 9, 10, 14], {}),
+    ([0, 1, 2, 3], dict(logits_soft_cap=2.0, scale=0.05)),
+    ([0, 0, 5, 6], dict(mask=masks.sliding_window(3), absolute_positions=True)),
+  ]
+  for i, (cu, kw) in enumerate(steps):
+    q, k, v = (normal((TK, n, 16), seed=10 * i + j) for j, n in enumerate((N, K, K)))
+    with testing.interpret_kernels():
+      got, ours = decode.ragged_attention(
+        q, k, v, ours, np.array(cu), implementation="flex_decode", block_kv=16, **kw
+      )
+    want, theirs = decode.ragged_attention(q, k, v, theirs, np.array(cu), **kw)
+    assert_close(got, want)
+    np.testing.assert_array_equal(np.asarray(got)[cu[-1] :], 0.0)
+  np.testing.assert_array_equal(ours.key_pages, theirs.key_pages)
+
+
+def test_the_gpu_kernel_step_lowers_to_its_kernel_and_is_an_opt_in():
+  """Lowered for CUDA, the step holds one Triton call, the kernel's; implementation=None does
+  not pick it (no GPU record yet), and explain says why a dot_product_attention call is not
+  its."""
+  q, k, v = _kernel_tokens(0)
+  cache, cu = decode.init_paged(16, 16, B, 4, K, HK), jnp.array([0, 9, 10, 14])
+
+  def lowered(**kw):
+    step = lambda q, k, v, c, cu: decode.ragged_attention(q, k, v, c, cu, **kw)[0]
+    with testing.lowering_for("gpu", "NVIDIA H100"), warnings.catch_warnings():
+      warnings.simplefilter("ignore")  # Pallas' Triton lowering warns of deprecation
+      traced = jax.jit(step).trace(q, k, v, cache, cu)
+      return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+  text = lowered(implementation="flex_decode")
+  assert text.count("__gpu$xla.gpu.triton") == 1 and "jattn_flex_decode" in text
+  assert "__gpu$xla.gpu.triton" not in lowered()
+  choice = jattn.explain(q[None], k[None], v[None], backend="gpu")
+  assert "decode.ragged_attention's continuous-batching step only" in choice.rejected["flex_decode"]
+
+
+@pytest.mark.parametrize(
+  "cache, change, match",
+  [
+    ("contiguous", {}, "a paged cache"),
+    ("int8", {}, "float storage"),
+    ("head_dim_24", {}, "a power-of-two head dim of at least 16"),
+    ("pages_of_8", {}, "pages of a power of two of at least 16 slots"),
+    ("paged", dict(sinks=jnp.zeros(N)), "sinks: the kernel has none"),
+    ("paged", dict(mask=masks.causal(), absolute_positions=True), r"mask \(but"),
+    ("paged", dict(backend="tpu"), "runs on GPU, and the backend is 'tpu'"),
+  ],
+)
+def test_the_gpu_kernel_step_refuses_what_the_kernel_cannot_take(cache, change, match):
+  change = dict(change)
+  H = 24 if cache == "head_dim_24" else 16
+  q, k, v = (jnp.ones((TK, n, H)) for n in (N, K, K))
+  made = {
+    "contiguous": lambda: decode.init(B, 64, K, H),
+    "int8": lambda: decode.init_paged(16, 16, B, 4, K, H, dtype=jnp.int8),
+    "pages_of_8": lambda: decode.init_paged(16, 8, B, 8, K, H),
+  }.get(cache, lambda: decode.init_paged(16, 16, B, 4, K, H))()
+  backend = change.pop("backend", "gpu")
+  with testing.lowering_for(backend), pytest.raises(ValueError, match=match):
+    decode.ragged_attention(q, k, v, made, np.array([0, 2]), implementation="flex_decode", **change)

@@ -29,7 +29,7 @@ from jattn.decode._attend import over_tiles, seen_at
 from jattn.decode._cache import Cache, KVCache, PagedKVCache, _dims
 from jattn.decode._validate import _check_cache, _check_dtype, _check_room
 from jattn.decode._writes import _write_packed
-from jattn.impl import quant, ragged_paged, select
+from jattn.impl import flex_decode, quant, ragged_paged, select
 
 __all__ = ["ragged_attention"]
 
@@ -83,8 +83,11 @@ def ragged_attention(
       ragged paged attention kernel (``jattn.impl.ragged_paged``; ``block_q`` its
       queries per block, ``block_kv`` the slots of its key/value blocks) over a paged cache
       in the interleaved layout with float storage; it takes a soft cap, the scale and a
-      window Mask over absolute positions, and refuses the rest by name. An explicit
-      opt-in until a run on a TPU is recorded.
+      window Mask over absolute positions, and refuses the rest by name.
+      ``implementation="flex_decode"`` runs it as jattn's split-KV GPU kernel
+      (``jattn.impl.flex_decode``; ``block_kv`` the slots a split reads) over a paged cache
+      of either layout, taking the same. Each an explicit opt-in until a run on its
+      hardware is recorded.
 
   Returns:
     ``(out, new_cache)``, out (T, N, Hv) in the query's dtype; with ``return_residual``
@@ -109,18 +112,43 @@ def ragged_attention(
   absolute = _checks.boolean("absolute_positions", call.pop("absolute_positions", False))
   # The kernel's own block sizes (it is no tiled implementation of dot_product_attention).
   blocks = (None, None)
-  if call.get("implementation") == ragged_paged.NAME:
+  if call.get("implementation") in KERNELS:
     blocks = (call.pop("block_q", None), call.pop("block_kv", None))
   options = options_of(call)
   kernel = None
-  if options.implementation == ragged_paged.NAME:
-    kernel = _kernel_step(cache, mask, absolute, blocks, call)
+  if options.implementation in KERNELS:
+    kernel = _kernel_step(options.implementation, cache, mask, absolute, blocks, call)
   block = min(blocks[0] or options.block_q or DEFAULT_BLOCK_Q, T)
   plan = _plan(jnp.asarray(cu, jnp.int32), B, T, block)
   new_cache = _write_packed(cache, key, value, plan.counts, plan.row, plan.local)
-  if kernel is not None:
+  if isinstance(kernel, ragged_paged.Step):
     return _run_kernel(query, cache, new_cache, jnp.asarray(cu, jnp.int32), plan, kernel), new_cache
+  tiled = _Tiled(query, cache, new_cache, plan, block)
+  return _attend_tiles(tiled, mask, absolute, options, call, kernel), new_cache
 
+
+class _Tiled(NamedTuple):
+  """A step written to its cache, about to attend as query tiles (see the module
+  docstring): the packed query, the cache before and after the write, the plan."""
+
+  query: Any
+  cache: Cache
+  new_cache: Cache
+  plan: _Plan
+  block: int
+
+
+def _attend_tiles(
+  tiled: _Tiled,
+  mask: masks.Mask | None,
+  absolute: bool,
+  options: Any,
+  call: dict[str, Any],
+  kernel: Any,
+) -> Any:
+  """The step's query tiles over their rows (the GPU kernel's, the materialised path's or
+  the table's cache reader), the results back on the packed tokens."""
+  query, cache, new_cache, plan, block = tiled
   old = cache.lengths.astype(jnp.int32)
   new = new_cache.lengths.astype(jnp.int32)
   rows = plan.tile_row
@@ -139,6 +167,19 @@ def ragged_attention(
       raise ValueError(f"mask: {e}") from None
   tiles_q = jnp.where(plan.slot_live[:, :, None, None], jnp.asarray(query)[plan.token], 0)
   lengths = jnp.where(plan.tile_live, new[rows], 0).astype(cache.lengths.dtype)
+  if isinstance(kernel, flex_decode.Step):
+    assert isinstance(new_cache, PagedKVCache)
+    out = flex_decode.run(
+      tiles_q,
+      new_cache.key_pages,
+      new_cache.value_pages,
+      jnp.maximum(new_cache.page_table[rows], 0),
+      lengths.astype(jnp.int32),
+      first,
+      call["query_seq_lengths"].astype(jnp.int32),
+      kernel,
+    )
+    return _unpack(out, plan)
   materialised = not select.reads_cache(options.implementation, options.backward)
   if isinstance(new_cache, KVCache) and new_cache.key_scale is None and materialised:
     slots = jnp.arange(new_cache.max_length)[None, :]
@@ -153,32 +194,39 @@ def ragged_attention(
       **call,
     )
   elif isinstance(new_cache, KVCache):
-    view = new_cache._replace(lengths=lengths)
-    out = over_tiles(tiles_q, view, None, allowed, options, call, cache_rows=rows)
+    dense = new_cache._replace(lengths=lengths)
+    out = over_tiles(tiles_q, dense, None, allowed, options, call, cache_rows=rows)
   else:
-    view = new_cache._replace(page_table=new_cache.page_table[rows], lengths=lengths)
-    out = over_tiles(tiles_q, view, None, allowed, options, call)
+    paged = new_cache._replace(page_table=new_cache.page_table[rows], lengths=lengths)
+    out = over_tiles(tiles_q, paged, None, allowed, options, call)
   results = out if isinstance(out, tuple) else (out,)
   back = tuple(_unpack(x, plan) for x in results)
-  return (back if isinstance(out, tuple) else back[0]), new_cache
+  return back if isinstance(out, tuple) else back[0]
+
+
+KERNELS = (ragged_paged.NAME, flex_decode.NAME)
+"""The table's rows that run the step as one fused kernel (each an explicit opt-in)."""
 
 
 def _kernel_step(
+  name: str,
   cache: Cache,
   mask: masks.Mask | None,
   absolute: bool,
   blocks: tuple[int | None, int | None],
   call: dict[str, Any],
-) -> ragged_paged.Step:
-  """The kernel's settings for this step (``implementation="ragged_paged"``; ``blocks``, the
-  queries and key/value slots of its blocks where given), or an error naming what the
+) -> Any:
+  """The settings of kernel ``name`` (one of :data:`KERNELS`) for this step (``blocks``:
+  the queries and key/value slots of its blocks, where given), or an error naming what the
   kernel cannot take."""
-  name = ragged_paged.NAME
+  row = select.TABLE[name]
   backend = testing.target_backend() or jax.default_backend()
-  if backend != "tpu" and not testing.interpreting():
+  if backend not in row.runs_on and not testing.interpreting():
+    where = row.runs_on[0].upper()
     raise ValueError(
-      f"implementation={name!r} runs on TPU, and the backend is {backend!r} (to lower for a "
-      "TPU from here, use jattn.testing.lowering_for('tpu', device_kind=...))"
+      f"implementation={name!r} runs on {where}, and the backend is {backend!r} (to lower "
+      f"for one from here, use jattn.testing.lowering_for({row.runs_on[0]!r}, "
+      "device_kind=...))"
     )
   _, _, _, H, Hv = _dims(cache)
   window, bad_mask = None, False
@@ -187,24 +235,34 @@ def _kernel_step(
     window = mask.left
   elif mask is not None:
     bad_mask = True
-  cap = call.get("logits_soft_cap")
-  why = ragged_paged.refusal(
-    interleaved=isinstance(cache, PagedKVCache) and cache.interleaved,
-    quantized=quant.is_quantized(cache.dtype),
-    head_dims=(H, Hv),
-    features={
-      "mask (but masks.sliding_window(w) with absolute_positions=True)": bad_mask,
-      "score_fn (but logits_soft_cap)": call.get("score_fn") is not None,
-      "sinks": call.get("sinks") is not None,
-      "dropout_rate > 0": (call.get("dropout_rate") or 0) > 0,
-      "return_residual": bool(call.get("return_residual")),
-      "return_max_logit": bool(call.get("return_max_logit")),
-    },
-  )
+  features = {
+    "mask (but masks.sliding_window(w) with absolute_positions=True)": bad_mask,
+    "score_fn (but logits_soft_cap)": call.get("score_fn") is not None,
+    "sinks": call.get("sinks") is not None,
+    "dropout_rate > 0": (call.get("dropout_rate") or 0) > 0,
+    "return_residual": bool(call.get("return_residual")),
+    "return_max_logit": bool(call.get("return_max_logit")),
+  }
+  paged = isinstance(cache, PagedKVCache)
+  quantized = quant.is_quantized(cache.dtype)
+  if name == ragged_paged.NAME:
+    why = ragged_paged.refusal(
+      interleaved=isinstance(cache, PagedKVCache) and cache.interleaved,
+      quantized=quantized,
+      head_dims=(H, Hv),
+      features=features,
+    )
+  else:
+    page_size = cache.page_size if isinstance(cache, PagedKVCache) else 0
+    why = flex_decode.refusal(
+      paged=paged, quantized=quantized, head_dims=(H, Hv), page_size=page_size, features=features
+    )
   if why is not None:
     raise ValueError(f"implementation={name!r} cannot run this step: it needs {why}")
   assert isinstance(cache, PagedKVCache)
-  scale = call.get("scale")
+  scale = float(1 / np.sqrt(H) if call.get("scale") is None else call["scale"])
+  cap = call.get("logits_soft_cap")
+  cap = None if cap is None else float(cap)
   queries, per_block = (
     None if b is None else _checks.integer(n, b, minimum=1)
     for n, b in zip(("block_q", "block_kv"), blocks)
@@ -214,16 +272,19 @@ def _kernel_step(
       f"block_kv must be a multiple of the cache's page_size={cache.page_size} (the kernel "
       f"reads whole pages), got {per_block}"
     )
+  pages = (
+    ragged_paged.pages_per_block(cache.page_size, cache.max_pages_per_seq)
+    if per_block is None
+    else min(per_block // cache.page_size, cache.max_pages_per_seq)
+  )
+  if name == flex_decode.NAME:
+    return flex_decode.Step(scale=scale, window=window, soft_cap=cap, pages_per_split=pages)
   return ragged_paged.Step(
-    scale=float(1 / np.sqrt(H) if scale is None else scale),
+    scale=scale,
     window=window,
-    soft_cap=None if cap is None else float(cap),
+    soft_cap=cap,
     queries_per_block=queries or 32,
-    kv_pages_per_block=(
-      ragged_paged.pages_per_block(cache.page_size, cache.max_pages_per_seq)
-      if per_block is None
-      else min(per_block // cache.page_size, cache.max_pages_per_seq)
-    ),
+    kv_pages_per_block=pages,
   )
 
 

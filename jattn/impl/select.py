@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from jattn.impl import blockwise, cudnn, flex, flex_hopper, ragged_paged, splash, xla
+from jattn.impl import blockwise, cudnn, flex, flex_decode, flex_hopper, ragged_paged, splash, xla
 from jattn.impl.contract import BACKENDS, BACKWARDS, Call, Implementation
 
 __all__ = ["BACKENDS", "BACKWARDS", "Call", "Implementation", "TABLE", "Choice", "choose"]
@@ -35,6 +35,7 @@ TABLE: dict[str, Implementation] = {
     flex.IMPLEMENTATION,
     flex_hopper.IMPLEMENTATION,  # an explicit opt-in until a GPU record (OPT_IN)
     ragged_paged.IMPLEMENTATION,  # decode.ragged_attention's step on TPU; opt-in (no record)
+    flex_decode.IMPLEMENTATION,  # decode.ragged_attention's step on GPU; opt-in (no record)
   )
 }
 
