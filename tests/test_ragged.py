@@ -443,3 +443,42 @@ def test_the_gpu_kernel_step_refuses_what_the_kernel_cannot_take(cache, change, 
   backend = change.pop("backend", "gpu")
   with testing.lowering_for(backend), pytest.raises(ValueError, match=match):
     decode.ragged_attention(q, k, v, made, np.array([0, 2]), implementation="flex_decode", **change)
+
+
+def test_explain_ragged_says_what_the_step_runs_and_why_not_each_kernel():
+  """decode.explain_ragged: the blockwise step by default on every backend, with each fused
+  kernel's reason: the opt-in on its own backend, its backend elsewhere, what it cannot take
+  (sinks, the separate layout); a named kernel is the choice, or raises as the step would."""
+  q, k, v = _kernel_tokens(0)
+  cache, cu = _kernel_cache(), jnp.array([0, 9, 10, 14])
+  for backend, own, other in (
+    ("tpu", "ragged_paged", "flex_decode"),
+    ("gpu", "flex_decode", "ragged_paged"),
+  ):
+    choice = decode.explain_ragged(q, k, v, cache, cu, backend=backend)
+    assert (choice.implementation, choice.backward, choice.backend) == (
+      "blockwise",
+      "custom_vjp",
+      backend,
+    )
+    assert (
+      "not yet run on" in choice.rejected[own] and "reached only by name" in choice.rejected[own]
+    )
+    assert f"and the backend is {backend!r}" in choice.rejected[other]
+  choice = decode.explain_ragged(q, k, v, cache, cu, backend="tpu", sinks=jnp.zeros(N))
+  assert choice.rejected["ragged_paged"].endswith("sinks: the kernel has none")
+  separate = decode.init_paged(16, 16, B, 4, K, HK)
+  choice = decode.explain_ragged(q, k, v, separate, cu, backend="tpu")
+  assert "the interleaved layout" in choice.rejected["ragged_paged"]
+  named = decode.explain_ragged(q, k, v, cache, cu, backend="tpu", implementation="ragged_paged")
+  assert (named.implementation, named.reason) == ("ragged_paged", "named by the caller")
+  with pytest.raises(ValueError, match="it needs a paged cache in the interleaved layout"):
+    decode.explain_ragged(q, k, v, separate, cu, backend="tpu", implementation="ragged_paged")
+  xla = decode.explain_ragged(
+    q[:, :, :16], k[:, :, :16], v[:, :, :16], decode.init(B, 32, K, 16), cu, implementation="xla"
+  )
+  assert xla.implementation == "xla" and "materialised" in xla.reason
+  with pytest.raises(
+    TypeError, match="explain_ragged\\(\\) got an unexpected keyword argument 'is_causal'"
+  ):
+    decode.explain_ragged(q, k, v, cache, cu, is_causal=True)

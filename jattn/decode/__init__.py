@@ -119,6 +119,7 @@ from jattn.decode._cache import KVCache as KVCache
 from jattn.decode._cache import PagedKVCache as PagedKVCache
 from jattn.decode._cache import init as init
 from jattn.decode._cache import init_paged as init_paged
+from jattn.decode._ragged import explain_ragged as explain_ragged
 from jattn.decode._ragged import ragged_attention as ragged_attention
 from jattn.decode._writes import positions as positions
 from jattn.decode._writes import release as release
@@ -136,4 +137,5 @@ __all__ = [
   "update",
   "attention",
   "ragged_attention",
+  "explain_ragged",
 ]

@@ -31,7 +31,7 @@ from jattn.decode._validate import _check_cache, _check_dtype, _check_room
 from jattn.decode._writes import _write_packed
 from jattn.impl import flex_decode, quant, ragged_paged, select
 
-__all__ = ["ragged_attention"]
+__all__ = ["ragged_attention", "explain_ragged"]
 
 DEFAULT_BLOCK_Q = 8
 """Tokens per query tile when ``block_q`` is not given: a decode token fills one slot of
@@ -204,6 +204,70 @@ def _attend_tiles(
   return back if isinstance(out, tuple) else back[0]
 
 
+def explain_ragged(
+  query: jax.typing.ArrayLike,
+  key: jax.typing.ArrayLike,
+  value: jax.typing.ArrayLike,
+  cache: Cache,
+  cu_seqlens: jax.typing.ArrayLike,
+  *,
+  mask: masks.Mask | None = None,
+  backend: str | None = None,
+  **keywords: Unpack[Decoding],
+) -> select.Choice:
+  """What :func:`ragged_attention` runs for these arguments, and why: the decode counterpart
+  of :func:`jattn.explain`. ``backend`` (``"cpu"``, ``"gpu"``, ``"tpu"``; default: JAX's)
+  names where the step would run. Returns a :class:`jattn.Choice` whose ``rejected`` says,
+  for each fused kernel of the step (``"ragged_paged"`` on TPU, ``"flex_decode"`` on GPU),
+  why it is not the one: what it cannot take, its backend, or that it is an opt-in not yet
+  run on its hardware. The arguments are checked as :func:`ragged_attention` checks them
+  (a named kernel that cannot run the step raises); nothing is computed or written.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> from jattn import decode
+    >>> cache = decode.init_paged(8, 16, 2, 4, 2, 128, kv_layout="interleaved")
+    >>> q, kv = jnp.ones((8, 4, 128)), jnp.ones((8, 2, 128))
+    >>> choice = decode.explain_ragged(q, kv, kv, cache, jnp.array([0, 5, 8]), backend="tpu")
+    >>> choice.implementation, choice.rejected["ragged_paged"][:34]
+    ('blockwise', 'verified by lowering for TPU and a')
+  """
+  call = checked("explain_ragged", keywords, Decoding)
+  _check_cache(cache)
+  query, key, value = _check_tokens(cache, query, key, value)
+  _offsets(cu_seqlens, query.shape[0], _dims(cache)[0])
+  absolute = _checks.boolean("absolute_positions", call.pop("absolute_positions", False))
+  named = call.get("implementation")
+  blocks = (
+    (call.pop("block_q", None), call.pop("block_kv", None)) if named in KERNELS else (None, None)
+  )
+  options = options_of(call)
+  where = backend or testing.target_backend() or jax.default_backend()
+  rejected = {}
+  with testing.lowering_for(where):
+    for name in KERNELS:
+      try:
+        _kernel_step(name, cache, mask, absolute, blocks, call)
+      except ValueError as e:
+        if name == options.implementation:
+          raise
+        rejected[name] = str(e).removeprefix(f"implementation={name!r} ")
+        continue
+      if name != options.implementation:
+        rejected[name] = select.TABLE[name].opt_in or "not named"
+  if options.implementation in KERNELS:
+    return select.Choice(options.implementation, None, "named by the caller", rejected, where)
+  reader = options.implementation or "blockwise"
+  rule = options.backward or select.TABLE[reader].backwards[0]
+  if select.reads_cache(options.implementation, options.backward):
+    reason = "the table's cache reader: the step's query tiles read their rows tile by tile"
+  else:
+    reason = "materialised: each query tile's row copied whole (a float contiguous cache)"
+  named_reason = "named by the caller; " if options.implementation else ""
+  return select.Choice(reader, rule, named_reason + reason, rejected, where)
+
+
 KERNELS = (ragged_paged.NAME, flex_decode.NAME)
 """The table's rows that run the step as one fused kernel (each an explicit opt-in)."""
 
@@ -258,7 +322,7 @@ def _kernel_step(
       paged=paged, quantized=quantized, head_dims=(H, Hv), page_size=page_size, features=features
     )
   if why is not None:
-    raise ValueError(f"implementation={name!r} cannot run this step: it needs {why}")
+    raise ValueError(f"implementation={name!r} cannot run this step: {why}")
   assert isinstance(cache, PagedKVCache)
   scale = float(1 / np.sqrt(H) if call.get("scale") is None else call["scale"])
   cap = call.get("logits_soft_cap")

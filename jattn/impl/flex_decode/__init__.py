@@ -62,14 +62,18 @@ def refusal(
 ) -> str | None:
   """Why the kernel cannot run a ragged step with these properties, or None."""
   if not paged:
-    return "a paged cache: the kernel reads pages through the page table"
+    return "it needs a paged cache: the kernel reads pages through the page table"
   if quantized:
-    return "float storage (quantized pages are read by the blockwise step)"
+    return "it needs float storage (quantized pages are read by the blockwise step)"
   H, Hv = head_dims
   if H != Hv or H < 16 or H & (H - 1):
-    return f"a power-of-two head dim of at least 16 shared by keys and values (got {H}, {Hv})"
+    return (
+      f"it needs a power-of-two head dim of at least 16 shared by keys and values (got {H}, {Hv})"
+    )
   if page_size < 16 or page_size & (page_size - 1):
-    return f"pages of a power of two of at least 16 slots, a Triton block (got {page_size})"
+    return (
+      f"it needs pages of a power of two of at least 16 slots, a Triton block (got {page_size})"
+    )
   for name, used in features.items():
     if used:
       return f"{name}: the kernel has none"

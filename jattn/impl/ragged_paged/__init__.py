@@ -52,14 +52,14 @@ def refusal(
   the keywords the step uses that the kernel has no way to take, by name."""
   if not interleaved:
     return (
-      "a paged cache in the interleaved layout (decode.init_paged(..., "
+      "it needs a paged cache in the interleaved layout (decode.init_paged(..., "
       "kv_layout='interleaved')): the kernel reads keys and values from one pool, and copying "
       "a separate pair into one would copy the pool every step"
     )
   if quantized:
-    return "float storage: the kernel takes one scale for a whole pool, not one per token"
+    return "it needs float storage: the kernel takes one scale for a whole pool, not one per token"
   if head_dims[0] != head_dims[1]:
-    return f"values of the keys' head dim (got H={head_dims[0]}, Hv={head_dims[1]})"
+    return f"it needs values of the keys' head dim (got H={head_dims[0]}, Hv={head_dims[1]})"
   for name, used in features.items():
     if used:
       return f"{name}: the kernel has none"
