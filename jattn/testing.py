@@ -93,6 +93,11 @@ def lowering_for(backend: str | Sequence[str], device_kind: str | None = None) -
     raise ValueError(
       f"device_kind names a GPU or a TPU; backend is {backend!r}, not 'gpu' or 'tpu'"
     )
+  if device_kind is not None and backends == ("tpu",) and not device_kind.startswith("TPU"):
+    raise ValueError(
+      f"device_kind must name a TPU for backend 'tpu', as jax.Device.device_kind does "
+      f"('TPU v5 lite', 'TPU v6 lite'), got {device_kind!r}"
+    )
   with contextlib.ExitStack() as stack:
     stack.enter_context(_BACKEND(backends))
     if device_kind is not None and backends == ("tpu",):

@@ -57,8 +57,8 @@ BAD_CONFIG = [
     "implementation",
     dict(num_heads=2, implementation="flash"),
     ValueError,
-    r"implementation must be one of \['blockwise', 'cudnn', 'flex', 'flex_hopper', 'splash', "
-    r"'xla'\] or None, "
+    r"implementation must be one of \['blockwise', 'cudnn', 'flex', 'flex_decode', "
+    r"'flex_hopper', 'ragged_paged', 'splash', 'xla'\] or None, "
     r"got 'flash'",
   ),
   ("backward", dict(num_heads=2, backward="manual"), ValueError, r"backward must be one of"),
