@@ -177,3 +177,37 @@ def dropout_rate(rate: Any) -> float:
   if not 0.0 <= rate < 1.0:
     raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
   return rate
+
+
+def offsets(
+  name: str,
+  cu: Any,
+  tokens: str,
+  total: int,
+  *,
+  count: str = "num_seqs",
+  unit: str = "sequence",
+  most: tuple[int, str] | None = None,
+) -> jax.Array | np.ndarray:
+  """Packed sequences' offsets (``varlen_attention``'s, ``ragged_attention``'s) checked: an
+  int array (``count`` + 1,) (at most ``most[0]`` entries, ``most[1]`` saying why), and where
+  concrete from 0, nondecreasing and at most ``total`` (``tokens`` naming them in errors):
+  NumPy int32 then, else traced int32. ``unit`` is what one offset ends."""
+  x = as_array(name, cu)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an int array of offsets, got dtype {x.dtype}")
+  limit, why = most or (None, "")
+  if x.ndim != 1 or x.shape[0] < 1 or (limit is not None and x.shape[0] > limit):
+    raise ValueError(
+      f"{name} must have shape ({count} + 1,){why}: 0, then each {unit}'s end, got {x.shape}"
+    )
+  if not is_concrete(x):
+    return x.astype(jnp.int32)
+  xs = np.asarray(x)
+  if xs[0] != 0:
+    raise ValueError(f"{name} must start at 0, got {xs.tolist()}")
+  if (np.diff(xs) < 0).any():
+    raise ValueError(f"{name} must be nondecreasing, got {xs.tolist()}")
+  if xs[-1] > total:
+    raise ValueError(f"{name} ends at {xs[-1]}, past the {tokens}: got {xs.tolist()}")
+  return xs.astype(np.int32)

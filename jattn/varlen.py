@@ -86,8 +86,8 @@ def varlen_attention(
         f"{name} must have shape ({rows}, H), the tokens of every sequence packed, got {x.shape}"
       )
   same = cu_seqlens_q is cu_seqlens_k
-  cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], "query")
-  cu_k = _offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], "key")
+  cu_q = _checks.offsets("cu_seqlens_q", cu_seqlens_q, f"{q.shape[0]} query tokens", q.shape[0])
+  cu_k = _checks.offsets("cu_seqlens_k", cu_seqlens_k, f"{k.shape[0]} key tokens", k.shape[0])
   if cu_q.shape != cu_k.shape:
     raise ValueError(
       f"cu_seqlens_q and cu_seqlens_k must have the same length (an offset per sequence, "
@@ -102,30 +102,6 @@ def varlen_attention(
     kw["score_fn"] = scores.reindex(score_fn, q=tokens.q_local, kv=tokens.k_local)
   q, k, v, spec = _validate.build(q, k, value, None, mask, kw)
   return attention.returned(*attention.attend(q, k, v, spec))
-
-
-def _offsets(name: str, cu: Any, total: int, what: str) -> jax.Array | np.ndarray:
-  """``cu`` checked: int (L + 1,); where concrete, from 0, nondecreasing, at most
-  ``total`` (the ``what`` tokens)."""
-  x = _checks.as_array(name, cu)
-  if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise TypeError(f"{name} must be an int array of offsets, got dtype {x.dtype}")
-  if x.ndim != 1 or x.shape[0] < 1:
-    raise ValueError(
-      f"{name} must have shape (num_seqs + 1,): 0, then each sequence's end, got {x.shape}"
-    )
-  if _checks.is_concrete(x):
-    xs = np.asarray(x)
-    if xs[0] != 0:
-      raise ValueError(f"{name} must start at 0, got {xs.tolist()}")
-    if (np.diff(xs) < 0).any():
-      raise ValueError(f"{name} must be nondecreasing, got {xs.tolist()}")
-    if xs[-1] > total:
-      raise ValueError(
-        f"{name} ends at {xs[-1]}, past the {total} {what} tokens: got {xs.tolist()}"
-      )
-    return xs.astype(np.int32)
-  return x.astype(jnp.int32)
 
 
 class Tokens(NamedTuple):

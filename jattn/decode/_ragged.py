@@ -422,26 +422,13 @@ def _check_tokens(
 
 
 def _offsets(cu_seqlens: Any, T: int, B: int) -> jax.Array | np.ndarray:
-  """``cu_seqlens`` checked: int (R + 1,) with R <= B; where concrete, from 0,
-  nondecreasing, at most T. Traced offsets are clipped to [0, T]."""
-  cu = _checks.as_array("cu_seqlens", cu_seqlens)
-  if not jnp.issubdtype(cu.dtype, jnp.integer):
-    raise TypeError(f"cu_seqlens must be an int array of offsets, got dtype {cu.dtype}")
-  if cu.ndim != 1 or not 1 <= cu.shape[0] <= B + 1:
-    raise ValueError(
-      f"cu_seqlens must have shape (R + 1,) for R <= B={B} requests (one per cache row): 0, "
-      f"then each request's end, got {cu.shape}"
-    )
-  if not _checks.is_concrete(cu):
-    return jnp.clip(cu.astype(jnp.int32), 0, T)
-  xs = np.asarray(cu)
-  if xs[0] != 0:
-    raise ValueError(f"cu_seqlens must start at 0, got {xs.tolist()}")
-  if (np.diff(xs) < 0).any():
-    raise ValueError(f"cu_seqlens must be nondecreasing, got {xs.tolist()}")
-  if xs[-1] > T:
-    raise ValueError(f"cu_seqlens ends at {xs[-1]}, past the T={T} tokens given: {xs.tolist()}")
-  return xs.astype(np.int32)
+  """``cu_seqlens`` checked (:func:`jattn._checks.offsets`): int (R + 1,) with R <= B; where
+  concrete, from 0, nondecreasing, at most T. Traced offsets are clipped to [0, T]."""
+  most = (B + 1, f" for R <= B={B} requests (one per cache row)")
+  cu = _checks.offsets(
+    "cu_seqlens", cu_seqlens, f"T={T} tokens given", T, count="R", unit="request", most=most
+  )
+  return cu if _checks.is_concrete(cu) else jnp.clip(cu, 0, T)
 
 
 class _Plan(NamedTuple):
