@@ -164,10 +164,10 @@ class Implementation:
   # spec) -> (out, lse, max_logit), the tiles a jattn.impl.kv_tiles.CacheTiles. None: it reads
   # no cache.
   read_cache: Callable[..., tuple[Any, Any, Any]] | None = None
-  # Runs the ragged continuous-batching step of jattn.decode.ragged_attention as one fused
-  # kernel over a paged pool: (query, pool, kv_lens, page_indices, cu_q_lens, num_seqs,
-  # step) -> out, the step a jattn.impl.ragged_paged.Step. None: it runs no such step.
-  ragged_step: Callable[..., Any] | None = None
+  # Runs jattn.decode.ragged_attention's continuous-batching step only, as one fused kernel
+  # (what it runs it over, e.g. "query tiles over a paged pool"), never a call of
+  # dot_product_attention: run with step_only(name). None: a row of dot_product_attention.
+  ragged_only: str | None = None
 
   def why_not(self, call: Call, *, interpret: bool = False, device: bool = True) -> str | None:
     """Why it cannot run ``call`` exactly; None when it can. ``device``: also whether it
@@ -206,6 +206,11 @@ class Implementation:
         "checks them; a Pallas kernel's results carry no such types): pass check_vma=False "
         "to jax.shard_map"
       )
+    if self.ragged_only is not None:
+      return (
+        f"it runs decode.ragged_attention's continuous-batching step only ({self.ragged_only}), "
+        "not a call of dot_product_attention"
+      )
     if self.check is not None and (reason := self.check(call)):
       return reason
     if self.dtypes is not None and call.dtype.name not in self.dtypes:
@@ -229,6 +234,16 @@ class Implementation:
 
   def backward_note(self, backward: str) -> str:
     return dict(self.backward_notes).get(backward, "")
+
+
+def step_only(name: str) -> Callable[..., tuple[Any, Any, Any]]:
+  """The ``run`` of a ``ragged_only`` row: it refuses, as :meth:`Implementation.why_not`
+  does before it is reached."""
+
+  def refuse(*args: Any) -> tuple[Any, Any, Any]:
+    raise ValueError(f"{name} runs jattn.decode.ragged_attention's step only")
+
+  return refuse
 
 
 def rank4(spec: CallSpec) -> CallSpec:

@@ -213,10 +213,6 @@ def _kernel(
   l_ref[...] = l
 
 
-def _not_a_call(*args: Any) -> Any:
-  raise ValueError(f"{NAME} runs jattn.decode.ragged_attention's step only")
-
-
 IMPLEMENTATION = contract.Implementation(
   name=NAME,
   runs_on=("gpu",),
@@ -225,15 +221,11 @@ IMPLEMENTATION = contract.Implementation(
     "decode.ragged_attention's causal cache mask and a left window (absolute positions); "
     "a paged pool in either layout, float storage"
   ),
-  run=_not_a_call,
+  run=contract.step_only(NAME),
   interpretable=True,
-  check=lambda call: (
-    "it runs decode.ragged_attention's continuous-batching step only (query tiles over a "
-    "paged pool), not a call of dot_product_attention"
-  ),
   opt_in=(
     "verified in Pallas' interpreter and by lowering for CUDA, not yet run on a GPU: "
     "reached only by name (implementation='flex_decode') until a recorded run"
   ),
-  ragged_step=run,
+  ragged_only="query tiles over a paged pool",
 )

@@ -21,7 +21,6 @@ the reference loops over the requests in Python). It is an explicit opt-in
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import numpy as np
@@ -104,10 +103,6 @@ def run(
   )
 
 
-def _not_a_call(*args: Any) -> Any:
-  raise ValueError(f"{NAME} runs jattn.decode.ragged_attention's step only")
-
-
 IMPLEMENTATION = contract.Implementation(
   name=NAME,
   runs_on=("tpu",),
@@ -116,16 +111,12 @@ IMPLEMENTATION = contract.Implementation(
     "decode.ragged_attention's causal cache mask and a left window (absolute positions); "
     "a paged pool in the interleaved layout, float storage"
   ),
-  run=_not_a_call,
-  check=lambda call: (
-    "it runs decode.ragged_attention's continuous-batching step only (packed tokens over a "
-    "paged pool), not a call of dot_product_attention"
-  ),
+  run=contract.step_only(NAME),
   opt_in=(
     "verified by lowering for TPU and against JAX's reference of the kernel, not yet run on "
     "a TPU: reached only by name (implementation='ragged_paged') until a recorded run"
   ),
-  ragged_step=run,
+  ragged_only="packed tokens over a paged pool",
 )
 
 
