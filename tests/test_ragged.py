@@ -482,3 +482,9 @@ def test_explain_ragged_says_what_the_step_runs_and_why_not_each_kernel():
     TypeError, match="explain_ragged\\(\\) got an unexpected keyword argument 'is_causal'"
   ):
     decode.explain_ragged(q, k, v, cache, cu, is_causal=True)
+  # The step's own checks: a mask array (no grid to lay it over), a row without room.
+  with pytest.raises(TypeError, match="mask must be a jattn.masks.Mask"):
+    decode.explain_ragged(q, k, v, cache, cu, mask=jnp.ones((14, 64), bool))
+  small = decode.init(B, 8, K, 16)
+  with pytest.raises(ValueError, match="cache row 0 would overflow"):
+    decode.explain_ragged(q[:, :, :16], k[:, :, :16], v[:, :, :16], small, cu)

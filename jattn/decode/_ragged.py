@@ -94,12 +94,54 @@ def ragged_attention(
     and/or ``return_max_logit``, ``((out, lse), new_cache)`` and so on, lse and max_logit
     (T, N), as :func:`jattn.decode.attention` returns them.
   """
-  call = checked("ragged_attention", keywords, Decoding)
+  call, query, key, value, cu, absolute, blocks = _checked_step(
+    "ragged_attention", query, key, value, cache, cu_seqlens, mask, keywords
+  )
+  B = _dims(cache)[0]
+  T = query.shape[0]
+  options = options_of(call)
+  kernel = None
+  if options.implementation in KERNELS:
+    kernel = _kernel_step(options.implementation, cache, mask, absolute, blocks, call)
+  block = min(blocks[0] or options.block_q or DEFAULT_BLOCK_Q, T)
+  plan = _plan(jnp.asarray(cu, jnp.int32), B, T, block)
+  new_cache = _write_packed(cache, key, value, plan.counts, plan.row, plan.local)
+  if isinstance(kernel, ragged_paged.Step):
+    return _run_kernel(query, cache, new_cache, jnp.asarray(cu, jnp.int32), plan, kernel), new_cache
+  tiled = _Tiled(query, cache, new_cache, plan, block)
+  return _attend_tiles(tiled, mask, absolute, options, call, kernel), new_cache
+
+
+class _Step(NamedTuple):
+  """A step's arguments as checked at the boundary: the keywords left for the attention
+  call, the tokens, the offsets, ``absolute_positions`` and a named kernel's block sizes."""
+
+  call: dict[str, Any]
+  query: jax.Array | np.ndarray
+  key: jax.Array | np.ndarray
+  value: jax.Array | np.ndarray
+  cu: jax.Array | np.ndarray
+  absolute: bool
+  blocks: tuple[int | None, int | None]
+
+
+def _checked_step(
+  name: str,
+  query: Any,
+  key: Any,
+  value: Any,
+  cache: Cache,
+  cu_seqlens: Any,
+  mask: Any,
+  keywords: Any,
+) -> _Step:
+  """The checks :func:`ragged_attention` and :func:`explain_ragged` share (``name`` the
+  caller's, for its keyword errors)."""
+  call = checked(name, keywords, Decoding)
   _check_cache(cache)
   query, key, value = _check_tokens(cache, query, key, value)
   B = _dims(cache)[0]
-  T = query.shape[0]
-  cu = _offsets(cu_seqlens, T, B)
+  cu = _offsets(cu_seqlens, query.shape[0], B)
   if _checks.is_concrete(cu):
     counts = np.zeros(B, np.int64)
     counts[: cu.shape[0] - 1] = np.diff(np.asarray(cu))
@@ -114,17 +156,7 @@ def ragged_attention(
   blocks = (None, None)
   if call.get("implementation") in KERNELS:
     blocks = (call.pop("block_q", None), call.pop("block_kv", None))
-  options = options_of(call)
-  kernel = None
-  if options.implementation in KERNELS:
-    kernel = _kernel_step(options.implementation, cache, mask, absolute, blocks, call)
-  block = min(blocks[0] or options.block_q or DEFAULT_BLOCK_Q, T)
-  plan = _plan(jnp.asarray(cu, jnp.int32), B, T, block)
-  new_cache = _write_packed(cache, key, value, plan.counts, plan.row, plan.local)
-  if isinstance(kernel, ragged_paged.Step):
-    return _run_kernel(query, cache, new_cache, jnp.asarray(cu, jnp.int32), plan, kernel), new_cache
-  tiled = _Tiled(query, cache, new_cache, plan, block)
-  return _attend_tiles(tiled, mask, absolute, options, call, kernel), new_cache
+  return _Step(call, query, key, value, cu, absolute, blocks)
 
 
 class _Tiled(NamedTuple):
@@ -233,14 +265,8 @@ def explain_ragged(
     >>> choice.implementation, choice.rejected["ragged_paged"][:34]
     ('blockwise', 'verified by lowering for TPU and a')
   """
-  call = checked("explain_ragged", keywords, Decoding)
-  _check_cache(cache)
-  query, key, value = _check_tokens(cache, query, key, value)
-  _offsets(cu_seqlens, query.shape[0], _dims(cache)[0])
-  absolute = _checks.boolean("absolute_positions", call.pop("absolute_positions", False))
-  named = call.get("implementation")
-  blocks = (
-    (call.pop("block_q", None), call.pop("block_kv", None)) if named in KERNELS else (None, None)
+  call, *_, absolute, blocks = _checked_step(
+    "explain_ragged", query, key, value, cache, cu_seqlens, mask, keywords
   )
   options = options_of(call)
   where = backend or testing.target_backend() or jax.default_backend()
