@@ -14,7 +14,7 @@ from jattn import _checks
 from jattn.decode import _paging
 from jattn.decode._cache import Cache, KVCache, PagedKVCache
 from jattn.decode._validate import _check_cache, _check_new
-from jattn.impl import common, quant
+from jattn.impl import common, kv_tiles, quant
 
 
 def release(cache: Cache, rows: jax.typing.ArrayLike) -> Cache:
@@ -162,11 +162,7 @@ def _pools(cache: PagedKVCache, stored: tuple[Any, Any]) -> tuple[Any, Any]:
   """What a paged cache's pools take of new keys and values (..., K, H): each its own, or in
   the interleaved layout the one pool both, key head k at 2k and its values at 2k + 1 (and
   None for the absent value pool)."""
-  if not cache.interleaved:
-    return stored
-  k, v = stored
-  both = jnp.stack([k, v], axis=-2)  # (..., K, 2, H)
-  return both.reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1]), None
+  return stored if not cache.interleaved else (kv_tiles.interleave(*stored), None)
 
 
 @jax.jit

@@ -31,7 +31,7 @@ import numpy as np
 from jattn import _compat
 from jattn.impl import common, quant, tiling
 
-__all__ = ["Stacked", "untile", "stacked", "CacheTiles", "KV", "source"]
+__all__ = ["Stacked", "untile", "stacked", "interleave", "CacheTiles", "KV", "source"]
 
 
 class Stacked(NamedTuple):
@@ -65,6 +65,14 @@ def untile(d: jax.Array) -> jax.Array:
   """Per-tile gradients (n, B, K, h, block) as per-slot ones (B, n · block, K, h)."""
   n, B, K, h, block = d.shape
   return d.transpose(1, 0, 4, 2, 3).reshape(B, n * block, K, h)
+
+
+def interleave(keys: Any, values: Any) -> jax.Array:
+  """Keys and values (..., K, H) as one pool's heads (..., 2K, H), key head k at head 2k and
+  its values at 2k + 1: a paged cache's interleaved layout (JAX's TPU ragged paged
+  attention's), which :class:`CacheTiles` reads back as ``[..., half::2, :]``."""
+  both = jnp.stack([keys, values], axis=-2)  # (..., K, 2, H)
+  return both.reshape(*keys.shape[:-2], 2 * keys.shape[-2], keys.shape[-1])
 
 
 def stacked(key: jax.Array, value: jax.Array, block: int) -> Stacked:
@@ -179,8 +187,7 @@ class CacheTiles:
         return None
       d = untile(d)  # (B, slots, K, h)
       if self.interleaved:  # into its half of the pool's heads, zeros in the other half
-        pair = [d, jnp.zeros_like(d)] if half == 0 else [jnp.zeros_like(d), d]
-        d = jnp.stack(pair, axis=-2).reshape(*d.shape[:2], 2 * d.shape[2], d.shape[3])
+        d = interleave(d, jnp.zeros_like(d)) if half == 0 else interleave(jnp.zeros_like(d), d)
       if not self.paged:
         d = d[:, : self.kv_len]
         if self.rows is not None:  # query rows sharing a cache row add up
