@@ -389,7 +389,7 @@ def _run_kernel(
   kept = (new_cache.lengths.astype(jnp.int32) - cache.lengths.astype(jnp.int32))[:R]
   cu_kept = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(kept, dtype=jnp.int32)])
   slots = jnp.arange(T, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(cu_kept, slots, side="right") - 1, 0, max(R - 1, 0))
+  seq = _owner(cu_kept, slots)
   source = jnp.clip(cu[seq] + slots - cu_kept[seq], 0, T - 1)
   packed = jnp.where((slots < cu_kept[-1])[:, None, None], jnp.asarray(query)[source], 0)
   B = new_cache.lengths.shape[0]
@@ -403,9 +403,9 @@ def _run_kernel(
     jnp.array([R], jnp.int32),
     step,
   )
-  r = jnp.maximum(plan.row, 0)
-  live = (plan.row >= 0) & (plan.local < kept[jnp.minimum(r, max(R - 1, 0))])
-  back = out[jnp.clip(cu_kept[jnp.minimum(r, max(R - 1, 0))] + plan.local, 0, T - 1)]
+  r = jnp.clip(plan.row, 0, max(R - 1, 0))
+  live = (plan.row >= 0) & (plan.local < kept[r])
+  back = out[jnp.clip(cu_kept[r] + plan.local, 0, T - 1)]
   return jnp.where(live[:, None, None], back, jnp.zeros((), back.dtype))
 
 
@@ -488,7 +488,7 @@ def _plan(cu: jax.Array, B: int, T: int, block: int) -> _Plan:
   per = -(-n // block)
   first = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(per, dtype=jnp.int32)])
   v = jnp.arange(num_tiles, dtype=jnp.int32)
-  tile_row = jnp.clip(jnp.searchsorted(first[1:], v, side="right"), 0, max(R - 1, 0))
+  tile_row = _owner(first, v)
   tile_live = v < first[-1]
   tile_start = (v - first[tile_row]) * block
   i = jnp.arange(block, dtype=jnp.int32)[None, :]
@@ -496,13 +496,20 @@ def _plan(cu: jax.Array, B: int, T: int, block: int) -> _Plan:
   slot_live = tile_live[:, None] & (within < n[tile_row][:, None]) if R else (within < 0)
   token = jnp.clip(cu[tile_row][:, None] + within, 0, T - 1)
   tokens = jnp.arange(T, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(cu, tokens, side="right") - 1, 0, max(R - 1, 0))
+  seq = _owner(cu, tokens)
   row = jnp.where(tokens < cu[-1], seq, -1).astype(jnp.int32)
   local = tokens - cu[seq]
   tile = first[seq] + local // block
   return _Plan(
     row, local, tile, local % block, tile_row, tile_start, tile_live, token, slot_live, counts
   )
+
+
+def _owner(offsets: jax.Array, at: jax.Array) -> jax.Array:
+  """For each index of ``at``, the request whose span of ``offsets`` (R + 1,) holds it,
+  clamped to [0, R - 1] (0 past the last span, or with no request)."""
+  R = offsets.shape[0] - 1
+  return jnp.clip(jnp.searchsorted(offsets, at, side="right") - 1, 0, max(R - 1, 0))
 
 
 def _unpack(x: jax.Array, plan: _Plan) -> jax.Array:
