@@ -325,6 +325,7 @@ def _kernel_step(
     window = mask.left
   elif mask is not None:
     bad_mask = True
+  # What neither kernel takes, by name: checked after each kernel's own properties.
   features = {
     "mask (but masks.sliding_window(w) with absolute_positions=True)": bad_mask,
     "score_fn (but logits_soft_cap)": call.get("score_fn") is not None,
@@ -340,13 +341,13 @@ def _kernel_step(
       interleaved=isinstance(cache, PagedKVCache) and cache.interleaved,
       quantized=quantized,
       head_dims=(H, Hv),
-      features=features,
     )
   else:
     page_size = cache.page_size if isinstance(cache, PagedKVCache) else 0
     why = flex_decode.refusal(
-      paged=paged, quantized=quantized, head_dims=(H, Hv), page_size=page_size, features=features
+      paged=paged, quantized=quantized, head_dims=(H, Hv), page_size=page_size
     )
+  why = why or next((f"{f}: the kernel has none" for f, used in features.items() if used), None)
   if why is not None:
     raise ValueError(f"implementation={name!r} cannot run this step: {why}")
   assert isinstance(cache, PagedKVCache)

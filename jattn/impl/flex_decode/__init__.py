@@ -58,9 +58,9 @@ def refusal(
   quantized: bool,
   head_dims: tuple[int, int],
   page_size: int,
-  features: dict[str, bool],
 ) -> str | None:
-  """Why the kernel cannot run a ragged step with these properties, or None."""
+  """Why the kernel cannot run a ragged step with these properties, or None (what it takes
+  of the step's keywords, its caller checks)."""
   if not paged:
     return "it needs a paged cache: the kernel reads pages through the page table"
   if quantized:
@@ -74,9 +74,6 @@ def refusal(
     return (
       f"it needs pages of a power of two of at least 16 slots, a Triton block (got {page_size})"
     )
-  for name, used in features.items():
-    if used:
-      return f"{name}: the kernel has none"
   return None
 
 

@@ -44,11 +44,9 @@ class Step:
   kv_pages_per_block: int
 
 
-def refusal(
-  *, interleaved: bool, quantized: bool, head_dims: tuple[int, int], features: dict[str, bool]
-) -> str | None:
-  """Why the kernel cannot run a ragged step with these properties, or None. ``features``:
-  the keywords the step uses that the kernel has no way to take, by name."""
+def refusal(*, interleaved: bool, quantized: bool, head_dims: tuple[int, int]) -> str | None:
+  """Why the kernel cannot run a ragged step with these properties, or None (what it takes
+  of the step's keywords, its caller checks)."""
   if not interleaved:
     return (
       "it needs a paged cache in the interleaved layout (decode.init_paged(..., "
@@ -59,9 +57,6 @@ def refusal(
     return "it needs float storage: the kernel takes one scale for a whole pool, not one per token"
   if head_dims[0] != head_dims[1]:
     return f"it needs values of the keys' head dim (got H={head_dims[0]}, Hv={head_dims[1]})"
-  for name, used in features.items():
-    if used:
-      return f"{name}: the kernel has none"
   return None
 
 
